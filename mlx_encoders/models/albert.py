@@ -1,0 +1,180 @@
+"""ALBERT, matching transformers' `modeling_albert.py`.
+
+Embeddings of width `embedding_size` are projected to `hidden_size`; layer i runs every inner layer of
+the shared group `int(i / (num_hidden_layers / num_hidden_groups))`.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import (
+    BaseArgs,
+    HeadModel,
+    ModelOutput,
+    PooledClassification,
+    QuestionAnswering,
+    TiedDecoder,
+    TokenClassification,
+    activation,
+    multi_head_attention,
+    padding_mask,
+)
+from .bert import BertEmbeddings
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    vocab_size: int = 30000
+    embedding_size: int = 128
+    hidden_size: int = 4096
+    num_hidden_layers: int = 12
+    num_hidden_groups: int = 1
+    num_attention_heads: int = 64
+    intermediate_size: int = 16384
+    inner_group_num: int = 1
+    hidden_act: str = "gelu_new"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+
+class AlbertEmbeddings(BertEmbeddings):
+    """BERT's embeddings at width `embedding_size`."""
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        E = args.embedding_size
+        self.word_embeddings = nn.Embedding(args.vocab_size, E)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
+        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
+        self.LayerNorm = nn.LayerNorm(E, eps=args.layer_norm_eps)
+
+
+class AlbertAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H = args.hidden_size
+        self.num_heads = args.num_attention_heads
+        self.query = nn.Linear(H, H)
+        self.key = nn.Linear(H, H)
+        self.value = nn.Linear(H, H)
+        self.dense = nn.Linear(H, H)
+        self.LayerNorm = nn.LayerNorm(H, eps=args.layer_norm_eps)
+
+    def __call__(self, x, mask):
+        h = multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask)
+        return self.LayerNorm(x + self.dense(h))
+
+
+class AlbertLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = AlbertAttention(args)
+        self.ffn = nn.Linear(args.hidden_size, args.intermediate_size)
+        self.ffn_output = nn.Linear(args.intermediate_size, args.hidden_size)
+        self.full_layer_layer_norm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.act = activation(args.hidden_act)
+
+    def __call__(self, x, mask):
+        x = self.attention(x, mask)
+        return self.full_layer_layer_norm(self.ffn_output(self.act(self.ffn(x))) + x)
+
+
+class AlbertLayerGroup(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.albert_layers = [AlbertLayer(args) for _ in range(args.inner_group_num)]
+
+    def __call__(self, x, mask):
+        for layer in self.albert_layers:
+            x = layer(x, mask)
+        return x
+
+
+class AlbertTransformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_hidden_layers = args.num_hidden_layers
+        self.num_hidden_groups = args.num_hidden_groups
+        self.embedding_hidden_mapping_in = nn.Linear(args.embedding_size, args.hidden_size)
+        self.albert_layer_groups = [AlbertLayerGroup(args) for _ in range(args.num_hidden_groups)]
+
+    def __call__(self, x, mask):
+        x = self.embedding_hidden_mapping_in(x)
+        for i in range(self.num_hidden_layers):
+            group = int(i / (self.num_hidden_layers / self.num_hidden_groups))
+            x = self.albert_layer_groups[group](x, mask)
+        return x
+
+
+class AlbertModel(nn.Module):
+    def __init__(self, args: ModelArgs, add_pooling_layer: bool = True):
+        super().__init__()
+        self.args = args
+        self.embeddings = AlbertEmbeddings(args)
+        self.encoder = AlbertTransformer(args)
+        if add_pooling_layer:
+            self.pooler = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        x = self.embeddings(input_ids, token_type_ids)
+        x = self.encoder(x, padding_mask(attention_mask, x.dtype))
+        pooled = mx.tanh(self.pooler(x[:, 0])) if "pooler" in self else None
+        return ModelOutput(last_hidden_state=x, pooler_output=pooled)
+
+
+class AlbertMLMHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.embedding_size)
+        self.act = activation(args.hidden_act)
+        self.LayerNorm = nn.LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
+        self.decoder = TiedDecoder(args.embedding_size, args.vocab_size, args.tie_word_embeddings, bias=False)
+        self.bias = mx.zeros((args.vocab_size,))
+
+    def __call__(self, x, word_embeddings):
+        x = self.LayerNorm(self.act(self.dense(x)))
+        return self.decoder(x, word_embeddings) + self.bias
+
+
+class AlbertHead(HeadModel):
+    prefix = "albert"
+    encoder_class = AlbertModel
+
+
+class AlbertForMaskedLM(AlbertHead):
+    ignored_keys = ("predictions.decoder.weight", "predictions.decoder.bias")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.predictions = AlbertMLMHead(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.predictions(out.last_hidden_state, self.albert.embeddings.word_embeddings)
+        return out
+
+
+class AlbertForSequenceClassification(AlbertHead, PooledClassification):
+    pass
+
+
+class AlbertForTokenClassification(AlbertHead, TokenClassification):
+    pass
+
+
+class AlbertForQuestionAnswering(AlbertHead, QuestionAnswering):
+    pass
+
+
+MODELS = {
+    "encoder": AlbertModel,
+    "masked-lm": AlbertForMaskedLM,
+    "sequence-classification": AlbertForSequenceClassification,
+    "token-classification": AlbertForTokenClassification,
+    "question-answering": AlbertForQuestionAnswering,
+}
+TOKEN_TYPES = True

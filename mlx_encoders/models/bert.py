@@ -1,0 +1,242 @@
+"""BERT, matching transformers' `modeling_bert.py`. Attribute names are the checkpoint's keys."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import (
+    BaseArgs,
+    HeadModel,
+    ModelOutput,
+    PooledClassification,
+    QuestionAnswering,
+    TokenClassification,
+    activation,
+    multi_head_attention,
+    padding_mask,
+)
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        if args.type_vocab_size > 0:
+            self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def position_ids(self, input_ids: mx.array) -> mx.array:
+        return mx.arange(input_ids.shape[1])[None]
+
+    def __call__(self, input_ids, token_type_ids=None) -> mx.array:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(input_ids))
+        if "token_type_embeddings" in self:
+            if token_type_ids is None:
+                token_type_ids = mx.zeros_like(input_ids)
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.query = nn.Linear(args.hidden_size, args.hidden_size)
+        self.key = nn.Linear(args.hidden_size, args.hidden_size)
+        self.value = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def __call__(self, x, mask):
+        return multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask)
+
+
+class BertResidual(nn.Module):
+    """dense, then LayerNorm over the residual sum (`attention.output` and `output` in the checkpoint)."""
+
+    def __init__(self, in_dims: int, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(in_dims, args.hidden_size)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def __call__(self, h, residual):
+        return self.LayerNorm(self.dense(h) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self = BertSelfAttention(args)
+        self.output = BertResidual(args.hidden_size, args)
+
+    def __call__(self, x, mask):
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.intermediate_size)
+        self.act = activation(args.hidden_act)
+
+    def __call__(self, x):
+        return self.act(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = BertAttention(args)
+        self.intermediate = BertIntermediate(args)
+        self.output = BertResidual(args.intermediate_size, args)
+
+    def __call__(self, x, mask):
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.layer = [BertLayer(args) for _ in range(args.num_hidden_layers)]
+
+    def __call__(self, x, mask):
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def __call__(self, x):
+        return mx.tanh(self.dense(x[:, 0]))
+
+
+class BertModel(nn.Module):
+    embeddings_class = BertEmbeddings
+
+    def __init__(self, args: ModelArgs, add_pooling_layer: bool = True):
+        super().__init__()
+        self.args = args
+        self.embeddings = self.embeddings_class(args)
+        self.encoder = BertEncoder(args)
+        if add_pooling_layer:
+            self.pooler = BertPooler(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        x = self.embeddings(input_ids, token_type_ids)
+        x = self.encoder(x, padding_mask(attention_mask, x.dtype))
+        pooled = self.pooler(x) if "pooler" in self else None
+        return ModelOutput(last_hidden_state=x, pooler_output=pooled)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.act = activation(args.hidden_act)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def __call__(self, x):
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """transform, then the word-embedding matrix (tied) or an own `decoder`, plus `bias`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(args)
+        if not args.tie_word_embeddings:
+            self.decoder = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.bias = mx.zeros((args.vocab_size,))
+
+    def __call__(self, x, word_embeddings):
+        x = self.transform(x)
+        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
+        return x + self.bias
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(args)
+
+
+class BertPreTrainingHeads(BertOnlyMLMHead):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.seq_relationship = nn.Linear(args.hidden_size, 2)
+
+
+class BertHead(HeadModel):
+    prefix = "bert"
+    encoder_class = BertModel
+
+
+class BertForMaskedLM(BertHead):
+    ignored_keys = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.cls = BertOnlyMLMHead(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.cls.predictions(out.last_hidden_state, self.bert.embeddings.word_embeddings)
+        return out
+
+
+class BertForPreTraining(BertForMaskedLM):
+    """MLM logits in `logits`, next-sentence logits in `seq_relationship_logits`."""
+
+    pooled = True
+
+    def __init__(self, args: ModelArgs):
+        HeadModel.__init__(self, args)
+        self.cls = BertPreTrainingHeads(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = super().__call__(input_ids, attention_mask, token_type_ids)
+        out.seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)
+        return out
+
+
+class BertForSequenceClassification(BertHead, PooledClassification):
+    pass
+
+
+class BertForTokenClassification(BertHead, TokenClassification):
+    pass
+
+
+class BertForQuestionAnswering(BertHead, QuestionAnswering):
+    pass
+
+
+MODELS = {
+    "encoder": BertModel,
+    "masked-lm": BertForMaskedLM,
+    "sequence-classification": BertForSequenceClassification,
+    "token-classification": BertForTokenClassification,
+    "question-answering": BertForQuestionAnswering,
+    "pretraining": BertForPreTraining,
+}
+TOKEN_TYPES = True

@@ -1,0 +1,161 @@
+"""DistilBERT, matching transformers' `modeling_distilbert.py` (no token types, every LayerNorm eps 1e-12)."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import (
+    BaseArgs,
+    HeadModel,
+    ModelOutput,
+    QuestionAnswering,
+    TiedDecoder,
+    TokenClassification,
+    activation,
+    multi_head_attention,
+    padding_mask,
+)
+
+EPS = 1e-12
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    vocab_size: int = 30522
+    dim: int = 768
+    n_layers: int = 6
+    n_heads: int = 12
+    hidden_dim: int = 3072
+    activation: str = "gelu"
+    max_position_embeddings: int = 512
+    pad_token_id: int = 0
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dim
+
+
+class Embeddings(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.dim)
+        self.LayerNorm = nn.LayerNorm(args.dim, eps=EPS)
+
+    def __call__(self, input_ids):
+        positions = mx.arange(input_ids.shape[1])[None]
+        return self.LayerNorm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
+
+
+class MultiHeadSelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.q_lin = nn.Linear(args.dim, args.dim)
+        self.k_lin = nn.Linear(args.dim, args.dim)
+        self.v_lin = nn.Linear(args.dim, args.dim)
+        self.out_lin = nn.Linear(args.dim, args.dim)
+
+    def __call__(self, x, mask):
+        h = multi_head_attention(self.q_lin(x), self.k_lin(x), self.v_lin(x), self.n_heads, mask)
+        return self.out_lin(h)
+
+
+class FFN(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.lin1 = nn.Linear(args.dim, args.hidden_dim)
+        self.lin2 = nn.Linear(args.hidden_dim, args.dim)
+        self.act = activation(args.activation)
+
+    def __call__(self, x):
+        return self.lin2(self.act(self.lin1(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = MultiHeadSelfAttention(args)
+        self.sa_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+        self.ffn = FFN(args)
+        self.output_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+
+    def __call__(self, x, mask):
+        x = self.sa_layer_norm(self.attention(x, mask) + x)
+        return self.output_layer_norm(self.ffn(x) + x)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.layer = [TransformerBlock(args) for _ in range(args.n_layers)]
+
+    def __call__(self, x, mask):
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class DistilBertModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = Embeddings(args)
+        self.transformer = Transformer(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        x = self.embeddings(input_ids)
+        return ModelOutput(last_hidden_state=self.transformer(x, padding_mask(attention_mask, x.dtype)))
+
+
+class DistilBertHead(HeadModel):
+    prefix = "distilbert"
+    encoder_class = DistilBertModel
+
+
+class DistilBertForMaskedLM(DistilBertHead):
+    ignored_keys = ("vocab_projector.weight",)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.act = activation(args.activation)
+        self.vocab_transform = nn.Linear(args.dim, args.dim)
+        self.vocab_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+        self.vocab_projector = TiedDecoder(args.dim, args.vocab_size, args.tie_word_embeddings)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        x = self.vocab_layer_norm(self.act(self.vocab_transform(out.last_hidden_state)))
+        out.logits = self.vocab_projector(x, self.distilbert.embeddings.word_embeddings)
+        return out
+
+
+class DistilBertForSequenceClassification(DistilBertHead):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.pre_classifier = nn.Linear(args.dim, args.dim)
+        self.classifier = nn.Linear(args.dim, args.num_labels)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        out.logits = self.classifier(nn.relu(self.pre_classifier(out.last_hidden_state[:, 0])))
+        return out
+
+
+class DistilBertForTokenClassification(DistilBertHead, TokenClassification):
+    pass
+
+
+class DistilBertForQuestionAnswering(DistilBertHead, QuestionAnswering):
+    pass
+
+
+MODELS = {
+    "encoder": DistilBertModel,
+    "masked-lm": DistilBertForMaskedLM,
+    "sequence-classification": DistilBertForSequenceClassification,
+    "token-classification": DistilBertForTokenClassification,
+    "question-answering": DistilBertForQuestionAnswering,
+}
+TOKEN_TYPES = False

@@ -1,0 +1,222 @@
+"""ModernBERT, matching transformers' `modeling_modernbert.py`.
+
+Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
+sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import (
+    BaseArgs,
+    HeadModel,
+    ModelOutput,
+    TiedDecoder,
+    activation,
+    attention,
+    mask_value,
+    masked_mean,
+    merge_heads,
+    span_logits,
+    split_heads,
+)
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    hidden_activation: str = "gelu"
+    max_position_embeddings: int = 8192
+    norm_eps: float = 1e-5
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    decoder_bias: bool = True
+    classifier_bias: bool = False
+    classifier_activation: str = "gelu"
+    classifier_pooling: str = "cls"
+    local_attention: int = 128
+    pad_token_id: int = 50283
+    # Two spellings in the wild: transformers-5 `layer_types`/`rope_parameters`, or the legacy keys below.
+    layer_types: list[str] | None = None
+    rope_parameters: dict | None = None
+    global_attn_every_n_layers: int = 3
+    global_rope_theta: float = 160000.0
+    local_rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.layer_types is None:
+            n = self.global_attn_every_n_layers
+            self.layer_types = [
+                "full_attention" if i % n == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
+            ]
+        rope = self.rope_parameters or {}
+        legacy = {"full_attention": self.global_rope_theta, "sliding_attention": self.local_rope_theta}
+        self.rope_theta = {}
+        for kind, theta in legacy.items():
+            params = rope.get(kind) or {}
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"ModernBERT rope_type {params['rope_type']!r} is not supported (only 'default')")
+            self.rope_theta[kind] = float(params.get("rope_theta", theta))
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+
+    def __call__(self, input_ids):
+        return self.norm(self.tok_embeddings(input_ids))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.head_dim = args.hidden_size // args.num_attention_heads
+        self.theta = args.rope_theta[layer_type]
+        self.Wqkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
+        self.Wo = nn.Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
+
+    def __call__(self, x, mask):
+        q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
+        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        return self.Wo(merge_heads(attention(q, k, v, mask)))
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.Wi = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.Wo = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.act = activation(args.hidden_activation)
+
+    def __call__(self, x):
+        a, gate = mx.split(self.Wi(x), 2, axis=-1)
+        return self.Wo(self.act(a) * gate)
+
+
+class ModernBertEncoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        self.sliding = args.layer_types[index] == "sliding_attention"
+        if index > 0:  # layer 0 reads the already-normalised embeddings
+            self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.attn = ModernBertAttention(args, args.layer_types[index])
+        self.mlp_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.mlp = ModernBertMLP(args)
+
+    def __call__(self, x, masks):
+        h = self.attn_norm(x) if "attn_norm" in self else x
+        x = x + self.attn(h, masks[self.sliding])
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_masks(attention_mask, L: int, half_window: int, dtype) -> tuple[mx.array, mx.array]:
+    """Additive (global, sliding) masks: (B, 1, 1, L) over padded keys, and (B|1, 1, L, L) adding the window."""
+    idx = mx.arange(L)
+    keep = mx.abs(idx[:, None] - idx[None]) <= half_window  # (L, L)
+    if attention_mask is not None:
+        keys = attention_mask.astype(mx.bool_)[:, None, None, :]  # (B, 1, 1, L)
+        keep = keep & keys
+    else:
+        keys = mx.ones((1, 1, 1, L), dtype=mx.bool_)
+    zero, neg = mx.array(0, dtype), mx.array(mask_value(dtype), dtype)
+    return mx.where(keys, zero, neg), mx.where(keep, zero, neg)
+
+
+class ModernBertModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = ModernBertEmbeddings(args)
+        self.layers = [ModernBertEncoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.final_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        x = self.embeddings(input_ids)
+        masks = attention_masks(attention_mask, x.shape[1], self.args.local_attention // 2, x.dtype)
+        for layer in self.layers:
+            x = layer(x, masks)
+        return ModelOutput(last_hidden_state=self.final_norm(x))
+
+
+class ModernBertPredictionHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size, bias=args.classifier_bias)
+        self.act = activation(args.classifier_activation)
+        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+
+    def __call__(self, x):
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertHead(HeadModel):
+    prefix = "model"
+    encoder_class = ModernBertModel
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.head = ModernBertPredictionHead(args)
+
+
+class ModernBertForMaskedLM(ModernBertHead):
+    ignored_keys = ("decoder.weight",)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.decoder = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, args.decoder_bias)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        out.logits = self.decoder(self.head(out.last_hidden_state), self.model.embeddings.tok_embeddings)
+        return out
+
+
+class ModernBertForSequenceClassification(ModernBertHead):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        x = out.last_hidden_state
+        pooled = x[:, 0] if self.args.classifier_pooling == "cls" else masked_mean(x, attention_mask)
+        out.logits = self.classifier(self.head(pooled))
+        return out
+
+
+class ModernBertForTokenClassification(ModernBertHead):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        out.logits = self.classifier(self.head(out.last_hidden_state))
+        return out
+
+
+class ModernBertForQuestionAnswering(ModernBertForTokenClassification):
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = super().__call__(input_ids, attention_mask)
+        return span_logits(out, out.logits)
+
+
+MODELS = {
+    "encoder": ModernBertModel,
+    "masked-lm": ModernBertForMaskedLM,
+    "sequence-classification": ModernBertForSequenceClassification,
+    "token-classification": ModernBertForTokenClassification,
+    "question-answering": ModernBertForQuestionAnswering,
+}
+TOKEN_TYPES = False

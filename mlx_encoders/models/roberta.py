@@ -1,0 +1,112 @@
+"""RoBERTa and XLM-RoBERTa (same math), matching transformers' `modeling_roberta.py`.
+
+The encoder is BERT's; positions count real tokens from `pad_token_id + 1`, and the MLM and
+classification heads have their own layouts.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification
+from .bert import BertEmbeddings, BertModel
+from .bert import ModelArgs as BertArgs
+
+
+@dataclass
+class ModelArgs(BertArgs):
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    type_vocab_size: int = 1
+    max_position_embeddings: int = 514
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_position_embeddings - self.pad_token_id - 1  # positions start after pad_token_id
+
+
+class RobertaEmbeddings(BertEmbeddings):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.padding_idx = args.pad_token_id
+
+    def position_ids(self, input_ids: mx.array) -> mx.array:
+        real = (input_ids != self.padding_idx).astype(mx.int32)
+        return mx.cumsum(real, axis=1) * real + self.padding_idx  # real tokens: pad+1, pad+2, ...
+
+
+class RobertaModel(BertModel):
+    embeddings_class = RobertaEmbeddings
+
+
+class RobertaLMHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.layer_norm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        if not args.tie_word_embeddings:
+            self.decoder = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.bias = mx.zeros((args.vocab_size,))
+
+    def __call__(self, x, word_embeddings):
+        x = self.layer_norm(nn.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
+        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
+        return x + self.bias
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.out_proj = nn.Linear(args.hidden_size, args.num_labels)
+
+    def __call__(self, x):
+        return self.out_proj(mx.tanh(self.dense(x[:, 0])))
+
+
+class RobertaHead(HeadModel):
+    prefix = "roberta"
+    encoder_class = RobertaModel
+
+
+class RobertaForMaskedLM(RobertaHead):
+    ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.lm_head = RobertaLMHead(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.lm_head(out.last_hidden_state, self.roberta.embeddings.word_embeddings)
+        return out
+
+
+class RobertaForSequenceClassification(RobertaHead):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.classifier = RobertaClassificationHead(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.classifier(out.last_hidden_state)
+        return out
+
+
+class RobertaForTokenClassification(RobertaHead, TokenClassification):
+    pass
+
+
+class RobertaForQuestionAnswering(RobertaHead, QuestionAnswering):
+    pass
+
+
+MODELS = {
+    "encoder": RobertaModel,
+    "masked-lm": RobertaForMaskedLM,
+    "sequence-classification": RobertaForSequenceClassification,
+    "token-classification": RobertaForTokenClassification,
+    "question-answering": RobertaForQuestionAnswering,
+}
+TOKEN_TYPES = False

@@ -1,0 +1,132 @@
+"""A small wrapper over `tokenizers.Tokenizer` that behaves like transformers' fast tokenizers.
+
+It reads `tokenizer.json` (which reproduces transformers' ids exactly) and the special tokens from
+`tokenizer_config.json` / `special_tokens_map.json`, and returns mx.array batches.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tokenizers import Encoding, Tokenizer as FastTokenizer
+
+SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
+# transformers uses 1e30 as "no limit" in tokenizer_config.json
+NO_LIMIT = int(1e29)
+# transformers' clean_up_tokenization: spaces that WordPiece decoding leaves before punctuation.
+CLEANUPS = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]  # fmt: skip
+
+
+def _content(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+class Tokenizer:
+    """Callable like a transformers tokenizer: `tok(texts, text_pair=None, padding=True, truncation=True)`."""
+
+    def __init__(self, backend: FastTokenizer, config: dict, model_max_length: int, token_types: bool = True):
+        self.backend = backend
+        self.model_max_length = model_max_length
+        self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        for name in SPECIAL:
+            setattr(self, name, _content(config.get(name)))
+        self.backend.no_padding()
+        self.backend.no_truncation()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, max_positions: int | None = None, token_types: bool = True):
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(
+                f"No tokenizer.json in {path}. mlx_encoders reads the fast-tokenizer file only; create it with "
+                "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the "
+                "model alone with `mlx_encoders.load_model`."
+            )
+        config = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+        limit = int(min(config.get("model_max_length") or NO_LIMIT, NO_LIMIT))
+        if max_positions:
+            limit = min(limit, max_positions)
+        return cls(FastTokenizer.from_file(str(file)), config, limit, token_types)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.token_id(self.mask_token)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.token_id(self.pad_token)
+        return 0 if pad is None else pad
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode_batch(
+        self, text, text_pair=None, truncation: bool = True, max_length: int | None = None,
+        add_special_tokens: bool = True, stride: int = 0,
+    ) -> list[Encoding]:  # fmt: skip
+        """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs."""
+        texts = [text] if isinstance(text, str) else list(text)
+        if text_pair is not None:
+            pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair)
+            if len(pairs) != len(texts):
+                raise ValueError(f"Got {len(texts)} texts but {len(pairs)} text pairs")
+            texts = list(zip(texts, pairs))
+        for t in texts:
+            if not isinstance(t, (str, tuple)):
+                raise TypeError(f"Tokenizer inputs must be str (or (str, str) pairs), got {type(t).__name__}")
+        if truncation:
+            self.backend.enable_truncation(max_length or self.model_max_length, stride=stride)
+        try:
+            return self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        finally:
+            self.backend.no_truncation()
+
+    def __call__(
+        self, text, text_pair=None, padding: bool | str = True, truncation: bool = True,
+        max_length: int | None = None, return_tensors: str = "mlx",
+    ) -> dict:  # fmt: skip
+        """Token ids, attention mask (and token types where the model uses them), padded to the longest text
+        (`padding=True`) or to `max_length` (`padding="max_length"`); `return_tensors="np"` gives numpy."""
+        encodings = self.encode_batch(text, text_pair, truncation, max_length)
+        width = max((len(e.ids) for e in encodings), default=0)
+        if padding == "max_length":
+            width = max_length or self.model_max_length
+        elif not padding and len({len(e.ids) for e in encodings}) > 1:
+            raise ValueError("Texts have different lengths; pass padding=True to batch them")
+        batch = {name: np.zeros((len(encodings), width), dtype=np.int32) for name in self.model_input_names}
+        batch["input_ids"][:] = self.pad_token_id
+        for row, e in enumerate(encodings):
+            n = len(e.ids)
+            batch["input_ids"][row, :n] = e.ids
+            batch["attention_mask"][row, :n] = 1
+            if "token_type_ids" in batch:
+                batch["token_type_ids"][row, :n] = e.type_ids
+        if return_tensors == "np":
+            return batch
+        return {name: mx.array(value) for name, value in batch.items()}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            for old, new in CLEANUPS:
+                text = text.replace(old, new)
+        return text
+
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens) -> list[int | None]:
+        return [self.backend.token_to_id(t) for t in tokens]
