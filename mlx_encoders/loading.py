@@ -122,7 +122,11 @@ def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.a
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
     """Turn exactly the modules whose `<path>.scales` is stored into quantized ones."""
     spec = config.get("quantization") or config.get("quantization_config") or {}
-    default = {"group_size": spec.get("group_size", 64), "bits": spec.get("bits", 8), "mode": spec.get("mode", "affine")}
+    default = {
+        "group_size": spec.get("group_size", 64),
+        "bits": spec.get("bits", 8),
+        "mode": spec.get("mode", "affine"),
+    }
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Encoding, Tokenizer as FastTokenizer
+from tokenizers import Encoding
+from tokenizers import Tokenizer as FastTokenizer
 
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
@@ -82,7 +83,7 @@ class Tokenizer:
             pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair)
             if len(pairs) != len(texts):
                 raise ValueError(f"Got {len(texts)} texts but {len(pairs)} text pairs")
-            texts = list(zip(texts, pairs))
+            texts = list(zip(texts, pairs, strict=True))
         for t in texts:
             if not isinstance(t, (str, tuple)):
                 raise TypeError(f"Tokenizer inputs must be str (or (str, str) pairs), got {type(t).__name__}")

@@ -30,9 +30,7 @@ TASKS = tuple(ARCHITECTURE_SUFFIXES.values())
 
 def model_module(model_type: str) -> ModuleType:
     if model_type not in MODEL_TYPES:
-        raise ValueError(
-            f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(MODEL_TYPES)}"
-        )
+        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(MODEL_TYPES)}")
     return importlib.import_module(f"{__name__}.{MODEL_TYPES[model_type]}")
 
 
@@ -49,7 +47,5 @@ def task_of_architecture(architecture: str) -> str:
 def model_class(model_type: str, task: str) -> type:
     module = model_module(model_type)
     if task not in module.MODELS:
-        raise ValueError(
-            f"{model_type} has no {task!r} model; available tasks: {', '.join(module.MODELS)}"
-        )
+        raise ValueError(f"{model_type} has no {task!r} model; available tasks: {', '.join(module.MODELS)}")
     return module.MODELS[task]
