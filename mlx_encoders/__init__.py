@@ -1,5 +1,6 @@
 """BERT-family text encoders on MLX, numerically equal to Hugging Face transformers."""
 
+import importlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,7 +12,19 @@ from .models.base import ModelOutput
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_model", "load_tokenizer", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS"]
+__all__ = [
+    "load", "load_model", "load_tokenizer", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
+    "SentenceEncoder", "pipeline", "convert",
+]  # fmt: skip
+
+# Heavier front ends import on first use, so `import mlx_encoders` stays fast.
+_LAZY = {"SentenceEncoder": "sentence", "pipeline": "pipelines", "convert": "conversion"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_tokenizer(model: nn.Module, path: str | Path | None = None) -> Tokenizer:
