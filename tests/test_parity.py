@@ -1,0 +1,133 @@
+"""Every architecture x head equals transformers on padded batches (fp32, compared on real tokens)."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference
+
+import mlx_encoders
+from mlx_encoders.models import MODEL_TYPES, model_module
+
+CASES = [(mt, task) for mt in MODEL_TYPES for task in model_module(mt).MODELS]
+# Edge lengths: an empty text (specials only), one word, a sentence, and one cut at the model's limit.
+TEXTS = [
+    "",
+    "word",
+    "The quick brown fox jumps over the lazy dog.",
+    " ".join(["A much longer text, repeated until truncation cuts it at the position limit."] * 30),
+]
+# Outputs with one row per token; the rest have one row per text.
+TOKEN_LEVEL = {"last_hidden_state", "logits", "start_logits", "end_logits", "prediction_logits"}
+
+
+def as_torch(batch: dict) -> dict:
+    return {k: torch.tensor(np.array(v), dtype=torch.long) for k, v in batch.items()}
+
+
+def reference_outputs(folder, task, batch) -> dict:
+    ref = load_reference(folder, task)
+    with torch.no_grad():
+        out = ref(**as_torch(batch))
+    return {k: v.numpy() for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def our_outputs(out) -> dict:
+    fields = {k: getattr(out, k) for k in ("last_hidden_state", "pooler_output", "start_logits", "end_logits")}
+    fields["seq_relationship_logits"] = out.seq_relationship_logits
+    fields["prediction_logits" if out.seq_relationship_logits is not None else "logits"] = out.logits
+    return {k: np.array(v) for k, v in fields.items() if v is not None}
+
+
+def assert_close(ours: dict, theirs: dict, real: np.ndarray, task: str, atol: float = 1e-4):
+    """Max abs error <= atol relative to the output's scale, on real tokens for token-level outputs."""
+    shared = set(ours) & set(theirs)
+    assert shared, f"no output in common: ours {sorted(ours)}, transformers {sorted(theirs)}"
+    for name in shared:
+        a, b = ours[name], theirs[name]
+        assert a.shape == b.shape, f"{name}: {a.shape} vs {b.shape}"
+        if name in TOKEN_LEVEL and not (name == "logits" and task == "sequence-classification"):
+            a, b = a[real], b[real]
+        scale = max(1.0, float(np.abs(b).max()))
+        err = float(np.abs(a - b).max())
+        assert err <= atol * scale, f"{name}: max abs error {err:.3g} > {atol} x scale {scale:.3g}"
+
+
+def check_parity(folder, task):
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = tokenizer(TEXTS, padding=True, truncation=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert real.shape[1] == tokenizer.model_max_length, "the longest text should reach the length limit"
+    assert_close(our_outputs(model(**batch)), reference_outputs(folder, task, batch), real, task)
+
+
+@pytest.mark.parametrize("model_type,task", CASES)
+def test_matches_transformers(checkpoint, model_type, task):
+    check_parity(checkpoint(model_type, task), task)
+
+
+def test_every_architecture_has_every_head():
+    heads = {"encoder", "masked-lm", "sequence-classification", "token-classification", "question-answering"}
+    for model_type in MODEL_TYPES:
+        assert heads <= set(model_module(model_type).MODELS), model_type
+    assert "pretraining" in model_module("bert").MODELS
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_classifier_pooling(checkpoint, pooling):
+    check_parity(checkpoint("modernbert", "sequence-classification", classifier_pooling=pooling), "sequence-classification")
+
+
+def rewrite_config(folder, tmp_path, edit) -> str:
+    target = tmp_path / "ckpt"
+    shutil.copytree(folder, target)
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("task", ["encoder", "masked-lm"])
+def test_modernbert_legacy_config_keys(checkpoint, tmp_path, task):
+    """Hub checkpoints still carry global_attn_every_n_layers / global_rope_theta / local_rope_theta."""
+
+    def legacy(config):
+        del config["layer_types"], config["rope_parameters"]
+        config.update(global_attn_every_n_layers=2, global_rope_theta=1000.0, local_rope_theta=50.0)
+
+    folder = rewrite_config(checkpoint("modernbert", task), tmp_path, legacy)
+    assert "layer_types" not in json.loads((folder / "config.json").read_text())
+    check_parity(folder, task)
+
+
+def test_modernbert_layer_types_spelling(checkpoint, tmp_path):
+    """transformers-5 spelling with a pattern no `global_attn_every_n_layers` could express."""
+
+    def spelled(config):
+        del config["global_attn_every_n_layers"]
+        config["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 2000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20.0},
+        }
+
+    check_parity(rewrite_config(checkpoint("modernbert", "masked-lm"), tmp_path, spelled), "masked-lm")
+
+
+def test_modernbert_sequences_span_several_windows(checkpoint):
+    model, tokenizer = mlx_encoders.load(checkpoint("modernbert"))
+    assert model.args.local_attention * 3 <= tokenizer(TEXTS)["input_ids"].shape[1]
+
+
+def test_text_pairs_use_token_types(checkpoint):
+    """BERT pairs: token_type_ids 1 on the second segment change the output, as in transformers."""
+    folder = checkpoint("bert", "sequence-classification")
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = tokenizer(["a question?", "another"], text_pair=["the answer here", "second"], padding=True)
+    assert int(mx.sum(batch["token_type_ids"])) > 0
+    real = np.array(batch["attention_mask"]).astype(bool)
+    task = "sequence-classification"
+    assert_close(our_outputs(model(**batch)), reference_outputs(folder, task, batch), real, task)
