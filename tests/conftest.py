@@ -23,3 +23,29 @@ def checkpoint(tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """`hub_cache(repo_id, folder)` places `folder` in an offline Hugging Face cache under `repo_id`, in the
+    standard `models--org--name/snapshots/<sha>` layout, and returns the snapshot folder."""
+    import shutil
+
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hf_home" / "hub"
+    monkeypatch.setenv("HF_HOME", str(cache.parent))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these at import time; the functions look them up on each call.
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def place(repo_id: str, folder) -> str:
+        sha = "0123456789abcdef0123456789abcdef01234567"
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        shutil.copytree(folder, repo / "snapshots" / sha)
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(sha)
+        return repo / "snapshots" / sha
+
+    return place

@@ -78,7 +78,9 @@ def test_every_architecture_has_every_head():
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_modernbert_classifier_pooling(checkpoint, pooling):
-    check_parity(checkpoint("modernbert", "sequence-classification", classifier_pooling=pooling), "sequence-classification")
+    check_parity(
+        checkpoint("modernbert", "sequence-classification", classifier_pooling=pooling), "sequence-classification"
+    )
 
 
 def rewrite_config(folder, tmp_path, edit) -> str:
