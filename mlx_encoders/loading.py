@@ -137,20 +137,13 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
     nn.quantize(model, class_predicate=predicate)
 
 
-def encoder_prefixes(model: nn.Module, encoder: nn.Module) -> list[str]:
-    if encoder is model:
-        return list(model.children())
-    return [model.prefix]
-
-
 def check_keys(model: nn.Module, weights: dict[str, mx.array], drop_foreign: bool, source: Path) -> dict:
     params = dict(tree_flatten(model.parameters()))
     ignored = set(getattr(model, "ignored_keys", ()))
     unexpected = [k for k in weights if k not in params and k not in ignored]
-    if drop_foreign:  # task= asked for another head: drop the stored head's tensors, never the encoder's
-        encoder = model.encoder if isinstance(model, HeadModel) else model
-        inside = tuple(f"{prefix}." for prefix in encoder_prefixes(model, encoder))
-        unexpected = [k for k in unexpected if k.startswith(inside)]
+    if drop_foreign:  # task= asked for another head: drop tensors of modules this head does not have
+        modules = {path for path, _ in model.named_modules()}
+        unexpected = [k for k in unexpected if k.rsplit(".", 1)[0] in modules]
     missing = [k for k in params if k not in weights]
     problems = []
     if missing:
@@ -163,7 +156,8 @@ def check_keys(model: nn.Module, weights: dict[str, mx.array], drop_foreign: boo
         if k in weights and weights[k].shape != v.shape
     ]
     if wrong:
-        problems.append("shape mismatch: " + "; ".join(wrong))
+        more = f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        problems.append("shape mismatch: " + "; ".join(wrong[:5]) + more)
     if problems:
         raise ValueError(
             f"Checkpoint {source} does not fit {type(model).__name__} built from its config.json: "
