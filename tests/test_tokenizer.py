@@ -1,0 +1,68 @@
+"""The tokenizer equals transformers' tokenizer on the same folder, for every architecture's family."""
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+import mlx_encoders
+from mlx_encoders.models import MODEL_TYPES
+
+TEXTS = ["Hello, world!", "", "Tokenizers split words like unbelievably into pieces.", "word " * 300]
+PAIRS = ["What is it?", "a question", "Who?", "second " * 200]
+
+
+def both(checkpoint, model_type):
+    folder = checkpoint(model_type)
+    _, ours = mlx_encoders.load(folder)
+    return ours, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("pairs", [None, PAIRS], ids=["single", "pairs"])
+def test_ids_equal_transformers(checkpoint, model_type, pairs):
+    ours, theirs = both(checkpoint, model_type)
+    batch = ours(TEXTS, text_pair=pairs, padding=True, truncation=True)
+    expected = theirs(TEXTS, text_pair=pairs, padding=True, truncation=True, max_length=ours.model_max_length)
+    assert batch["input_ids"].shape[1] == ours.model_max_length  # the long texts were cut at the limit
+    for name in ("input_ids", "attention_mask"):
+        np.testing.assert_array_equal(np.array(batch[name]), np.array(expected[name]), err_msg=name)
+    if "token_type_ids" in batch and "token_type_ids" in expected:
+        np.testing.assert_array_equal(np.array(batch["token_type_ids"]), np.array(expected["token_type_ids"]))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_returns_only_the_inputs_the_architecture_reads(checkpoint, model_type):
+    ours, _ = both(checkpoint, model_type)
+    uses_types = model_type in ("bert", "albert")
+    assert ("token_type_ids" in ours(["a text"])) == uses_types
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_special_tokens_and_decode_equal_transformers(checkpoint, model_type):
+    ours, theirs = both(checkpoint, model_type)
+    assert (ours.mask_token, ours.mask_token_id) == (theirs.mask_token, theirs.mask_token_id)
+    assert ours.pad_token_id == theirs.pad_token_id
+    ids = theirs("Decode this text, please: it's fine.")["input_ids"]
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+
+
+def test_padding_to_max_length_and_numpy_output(checkpoint):
+    ours, _ = both(checkpoint, "bert")
+    batch = ours(["short"], padding="max_length", max_length=16, return_tensors="np")
+    assert batch["input_ids"].shape == (1, 16) and isinstance(batch["input_ids"], np.ndarray)
+    assert batch["attention_mask"].sum() == 3
+
+
+def test_limit_follows_the_position_table(checkpoint):
+    ours, _ = both(checkpoint, "roberta")
+    assert ours.model_max_length == 128  # 130 positions minus pad_token_id + 1
+
+
+def test_bad_inputs_are_named(checkpoint):
+    ours, _ = both(checkpoint, "bert")
+    with pytest.raises(TypeError, match="must be str.*got int"):
+        ours(["fine", 3])
+    with pytest.raises(ValueError, match="2 texts but 1 text pairs"):
+        ours(["a", "b"], text_pair=["c"])
