@@ -34,6 +34,10 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    try:  # cache first: a cached snapshot needs no network round trip
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError as e:
