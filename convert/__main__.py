@@ -1,0 +1,68 @@
+"""`python -m convert [options] SOURCE`: turn a Hugging Face encoder checkpoint into an MLX checkpoint.
+
+A thin argparse layer over `mlx_encoders.conversion.convert`; it also accepts mlx-lm's spellings
+(`--hf-path`, `--q-bits`, `--q-group-size`), as in `mlx_lm.convert`.
+"""
+
+import argparse
+import json
+import sys
+
+from mlx_encoders.conversion import MAX_SHARD_BYTES, MODES, convert
+
+
+def recipe_arg(text: str) -> str | dict:
+    """`mixed_4_8`, or a JSON object of module patterns -> bits / params / false."""
+    return json.loads(text) if text.lstrip().startswith("{") else text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m convert",
+        description="Convert a Hugging Face encoder checkpoint (hub id or folder) into an MLX checkpoint.",
+    )
+    p.add_argument("source", nargs="?", help="hub repo id (e.g. answerdotai/ModernBERT-base) or local folder")
+    p.add_argument("--hf-path", dest="hf_path", help="same as SOURCE (mlx-lm spelling)")
+    p.add_argument("--mlx-path", help="output folder (default: <source name>-<bits>bit in the current folder)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
+    p.add_argument("--bits", "--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (default 8)")
+    p.add_argument("--group-size", "--q-group-size", type=int, choices=(16, 32, 64, 128), help="default 64 (affine)")
+    p.add_argument("--mode", "--q-mode", default="affine", choices=list(MODES), help="quantization mode")
+    p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="dtype of everything not quantized")
+    p.add_argument("-d", "--dequantize", action="store_true", help="turn a quantized MLX checkpoint back to floats")
+    p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--shard-size", type=int, default=MAX_SHARD_BYTES, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    source = args.source or args.hf_path
+    if not source or (args.source and args.hf_path and args.source != args.hf_path):
+        p.error("give the checkpoint once: SOURCE or --hf-path")
+    try:
+        convert(
+            source,
+            args.mlx_path,
+            quantize=args.quantize,
+            bits=args.bits,
+            group_size=args.group_size,
+            mode=args.mode,
+            dtype=args.dtype,
+            recipe=args.recipe,
+            dequantize=args.dequantize,
+            upload_repo=args.upload_repo,
+            force=args.force,
+            shard_size=args.shard_size,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

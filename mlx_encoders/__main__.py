@@ -1,0 +1,140 @@
+"""`python -m mlx_encoders TASK --model PATH [TEXT ...]` (or `mlx-encoders TASK ...`): fill-mask, classify, embed.
+
+Texts come from the arguments, or one per line from stdin when there are none. Results print as tables,
+or as JSON with `--json`: a list with one {"input", "result"} entry per text, where "result" is what the
+Python API returns for that text (`mlx_encoders.pipeline(...)`, `SentenceEncoder.encode`).
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-encoders", description="Run BERT-family encoders on MLX.")
+    tasks = p.add_subparsers(dest="task", required=True, metavar="TASK")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("texts", nargs="*", metavar="TEXT", help="input texts (default: one per line from stdin)")
+    common.add_argument("--model", "-m", required=True, help="checkpoint folder or Hugging Face hub id")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    common.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+
+    fill = tasks.add_parser("fill-mask", parents=[common], help="predict the masked token(s)")
+    fill.add_argument("--top-k", type=int, default=5, help="predictions per mask (default 5)")
+    fill.add_argument("--targets", nargs="+", help="only score these tokens")
+
+    classify = tasks.add_parser("classify", parents=[common], help="text classification, pairs and reranking")
+    classify.add_argument("--top-k", type=int, default=1, help="labels per text (0: all; default 1)")
+    classify.add_argument("--query", help="score each TEXT as the pair (QUERY, TEXT), as a cross-encoder does")
+    classify.add_argument("--rerank", action="store_true", help="with --query: print the texts best first")
+    classify.add_argument("--function", choices=("softmax", "sigmoid", "none"), help="score function")
+
+    embed = tasks.add_parser("embed", parents=[common], help="sentence embeddings (SentenceEncoder)")
+    embed.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings")
+    return p
+
+
+def read_texts(args: argparse.Namespace) -> list[str]:
+    if args.texts:
+        return args.texts
+    if sys.stdin.isatty():
+        raise ValueError("no input: give texts as arguments or pipe them in, one per line")
+    texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise ValueError("no input: stdin held no non-empty lines")
+    return texts
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """Columns padded to their widest cell; floats to 4 decimals; numbers right-aligned."""
+    cells = [[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(c) for c in column) for column in zip(header, *cells, strict=True)]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
+
+    def line(values):
+        cells = (v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric, strict=True))
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in cells)])
+
+
+def fill_mask(args, texts: list[str]):
+    from .pipelines import pipeline
+
+    fill = pipeline("fill-mask", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
+    results = fill(texts, top_k=args.top_k, targets=args.targets)
+    results = [results] if len(texts) == 1 else results
+
+    def show(text, result):
+        masks = result if result and isinstance(result[0], list) else [result]
+        parts = [text]
+        for m, predictions in enumerate(masks, start=1):
+            rows = [[i, p["token_str"], p["score"], p["sequence"]] for i, p in enumerate(predictions, start=1)]
+            title = [f"mask {m} of {len(masks)}"] if len(masks) > 1 else []
+            parts += [*title, table(["rank", "token", "score", "sequence"], rows)]
+        return "\n".join(parts)
+
+    return results, show
+
+
+def classify(args, texts: list[str]):
+    from .pipelines import pipeline
+
+    clf = pipeline("text-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
+    if args.rerank:
+        if args.query is None:
+            raise ValueError("--rerank needs --query")
+        ranked = clf.rerank(args.query, texts, function_to_apply=args.function)
+        rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]
+        return ranked, table(["rank", "score", "input", "text"], rows)
+    inputs = [{"text": args.query, "text_pair": t} for t in texts] if args.query is not None else texts
+    results = clf(inputs, top_k=args.top_k or None, function_to_apply=args.function)
+
+    def show(text, labels):
+        return table(["label", "score", "text"], [[r["label"], r["score"], text] for r in labels])
+
+    return results, show
+
+
+def embed(args, texts: list[str]):
+    from .sentence import SentenceEncoder
+
+    encoder = SentenceEncoder(args.model, dtype=args.dtype)
+    vectors = encoder.encode(texts, batch_size=args.batch_size, normalize_embeddings=args.normalize)
+    results = [v.tolist() for v in vectors]
+    rows = [[len(v), float(np.linalg.norm(v)), " ".join(f"{x:+.4f}" for x in v[:4]) + " ...", t]
+            for v, t in zip(vectors, texts, strict=True)]  # fmt: skip
+    return results, table(["dim", "norm", "first values", "text"], rows)
+
+
+TASKS = {"fill-mask": fill_mask, "classify": classify, "embed": embed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        texts = read_texts(args)
+        results, show = TASKS[args.task](args, texts)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        if args.task == "classify" and args.rerank:
+            print(json.dumps(results, indent=2, ensure_ascii=False))
+        else:
+            entries = [{"input": t, "result": r} for t, r in zip(texts, results, strict=True)]
+            print(json.dumps(entries, indent=2, ensure_ascii=False))
+    elif isinstance(show, str):
+        print(show)
+    else:
+        print("\n\n".join(show(t, r) for t, r in zip(texts, results, strict=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Shared machinery of the task pipelines: loading the right head, padding encodings and batching.
+
+Mirrors the parts of transformers' `Pipeline` (pipelines/base.py) that change results: inputs are
+tokenized one by one, then run through the model `batch_size` at a time with right padding.
+"""
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from tokenizers import Encoding
+
+from ..loading import checkpoint_task, read_config, resolve
+from ..models import model_module
+from ..tokenizer import Tokenizer
+
+# The pipeline task each stored head serves (a bare encoder serves feature extraction).
+HEAD_TASKS = {
+    "encoder": "feature-extraction",
+    "masked-lm": "fill-mask",
+    "pretraining": "fill-mask",
+    "sequence-classification": "text-classification",
+    "token-classification": "token-classification",
+    "question-answering": "question-answering",
+}
+
+
+def batches(items: Sequence, batch_size: int) -> Iterator[Sequence]:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(items), batch_size):
+        yield items[start : start + batch_size]
+
+
+def to_numpy(x: mx.array) -> np.ndarray:
+    """Float outputs as float32 numpy (transformers' pipelines also upcast half precision first)."""
+    return np.array(x.astype(mx.float32)) if mx.issubdtype(x.dtype, mx.floating) else np.array(x)
+
+
+class Pipeline:
+    """A model with the head a task needs, its tokenizer, and `batch_size` for lists of inputs."""
+
+    task = ""
+    head = ""  # the models/ task name of the head this pipeline runs
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, batch_size: int = 8):
+        self.check(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+
+    def check(self, model: nn.Module) -> None:
+        check_head(model, self.task, self.head)
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return self.model.args.id2label
+
+    def pad(self, encodings: Sequence[Encoding]) -> dict[str, mx.array]:
+        """Right-pad raw encodings into one batch of the model's inputs (as transformers' collate does)."""
+        width = max(len(e.ids) for e in encodings)
+        batch = {name: np.zeros((len(encodings), width), dtype=np.int32) for name in self.tokenizer.model_input_names}
+        batch["input_ids"][:] = self.tokenizer.pad_token_id
+        for row, e in enumerate(encodings):
+            batch["input_ids"][row, : len(e.ids)] = e.ids
+            batch["attention_mask"][row, : len(e.ids)] = 1
+            if "token_type_ids" in batch:
+                batch["token_type_ids"][row, : len(e.ids)] = e.type_ids
+        return {name: mx.array(value) for name, value in batch.items()}
+
+    def run(self, batch: dict[str, mx.array]):
+        return self.model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
+        )
+
+    def forward(
+        self, encodings: Sequence[Encoding], fields: Sequence[str] = ("logits",), per_token: bool = True
+    ) -> list[list[np.ndarray]]:
+        """Run encodings through the model `batch_size` at a time; per encoding, the numpy value of each
+        ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
+        results = []
+        for chunk in batches(encodings, self.batch_size):
+            out = self.run(self.pad(chunk))
+            values = [to_numpy(getattr(out, name)) for name in fields]
+            for row, e in enumerate(chunk):
+                n = len(e.ids) if per_token else None
+                results.append([v[row, :n] for v in values])
+        return results
+
+    def encode(self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool = True) -> list[Encoding]:
+        encodings = self.tokenizer.encode_batch(list(texts), text_pairs, truncation=truncation)
+        for text, e in zip(texts, encodings, strict=True):
+            if not e.ids:
+                raise ValueError(f"Input {text!r} produced no tokens; pass a non-empty text")
+        return encodings
+
+
+def check_head(model: nn.Module, task: str, head: str) -> None:
+    """Fail with the head the model has and the task it serves when it lacks the one `task` needs."""
+    module = model_module(model.config["model_type"])
+    if isinstance(model, module.MODELS.get(head, ())):
+        return
+    have = next((name for name, cls in module.MODELS.items() if type(model) is cls), type(model).__name__)
+    raise ValueError(
+        f"The {task!r} pipeline needs a {head} head, but {type(model).__name__} from {model.path} has a {have} "
+        f"head, which supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
+    )
+
+
+def stored_head(path: Path) -> str:
+    return checkpoint_task(read_config(path))
+
+
+def load_for(task: str, head: str, model, accepted: Sequence[str], dtype=None) -> tuple[nn.Module, Tokenizer]:
+    """(model, tokenizer) from a path / hub id (loading the `head` the task needs) or from a loaded pair."""
+    from .. import load
+
+    if isinstance(model, (tuple, list)):
+        return model[0], model[1]
+    path = resolve(model)
+    have = stored_head(path)
+    if have not in accepted:
+        architecture = (read_config(path).get("architectures") or ["a bare encoder"])[0]
+        raise ValueError(
+            f"The {task!r} pipeline needs a {head} head, but {path} holds {architecture} (a {have} head), which "
+            f"supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
+        )
+    return load(path, dtype=dtype, task=head)

@@ -1,0 +1,93 @@
+"""Fill-mask pipeline, matching transformers' `FillMaskPipeline` (pipelines/fill_mask.py) output for output.
+
+Inputs are truncated to the model's length (transformers does not truncate and fails on over-long
+inputs); a mask token cut off by truncation is reported as missing.
+"""
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .base import Pipeline, batches, to_numpy
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+class FillMaskPipeline(Pipeline):
+    task = "fill-mask"
+    head = "masked-lm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.tokenizer.mask_token_id is None:
+            raise ValueError(f"The tokenizer in {self.model.path} defines no mask_token; fill-mask needs one")
+
+    def mask_logits(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per text: (input ids, mask positions, logits at those positions of shape (n_masks, vocab))."""
+        encodings = self.encode(texts)
+        ids = [np.array(e.ids) for e in encodings]
+        masks = [np.flatnonzero(i == self.tokenizer.mask_token_id) for i in ids]
+        for text, m in zip(texts, masks, strict=True):
+            if not len(m):
+                raise ValueError(
+                    f"No mask_token ({self.tokenizer.mask_token}) found in the input {text!r} "
+                    f"(after truncation to {self.tokenizer.model_max_length} tokens)"
+                )
+        logits = []
+        for chunk in batches(range(len(encodings)), self.batch_size):
+            out = self.run(self.pad([encodings[i] for i in chunk])).logits
+            for row, i in enumerate(chunk):  # gather the mask rows before leaving MLX: the full vocab is large
+                logits.append(to_numpy(out[row, mx.array(masks[i])]))
+        return list(zip(ids, masks, logits, strict=True))
+
+    def __call__(self, inputs: str | list[str], top_k: int = 5, targets: str | list[str] | None = None):
+        """Top-k fillers per mask: [{"score", "token", "token_str", "sequence"}, ...] (one list per mask
+        when the text has several); a list of texts gives a list of those."""
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not texts:
+            raise ValueError("fill-mask needs at least one input text")
+        target_ids = self.target_ids(targets) if targets is not None else None
+        results = [self.postprocess(*item, top_k, target_ids) for item in self.mask_logits(texts)]
+        return results[0] if isinstance(inputs, str) or len(results) == 1 else results
+
+    def postprocess(self, ids, masks, logits, top_k: int, target_ids: np.ndarray | None):
+        probs = softmax(logits)
+        candidates = target_ids if target_ids is not None else np.arange(probs.shape[-1])
+        probs = probs[:, candidates]
+        top_k = min(top_k, len(candidates))
+        single = len(masks) == 1
+        result = []
+        for position, row in zip(masks, probs, strict=True):
+            order = np.argsort(-row, kind="stable")[:top_k]
+            result.append([self.proposition(ids, position, int(candidates[i]), float(row[i]), single) for i in order])
+        return result[0] if single else result
+
+    def proposition(self, ids: np.ndarray, position: int, token: int, score: float, single: bool) -> dict:
+        tokens = ids.copy()
+        tokens[position] = token
+        tokens = tokens[tokens != self.tokenizer.pad_token_id]
+        return {
+            "score": score,
+            "token": token,
+            "token_str": self.tokenizer.decode([token], skip_special_tokens=False),
+            "sequence": self.tokenizer.decode(tokens, skip_special_tokens=single),
+        }
+
+    def target_ids(self, targets: str | list[str]) -> np.ndarray:
+        """Vocabulary ids of `targets`; a target outside the vocabulary becomes its first token."""
+        ids = []
+        for target in [targets] if isinstance(targets, str) else targets:
+            id_ = self.tokenizer.backend.token_to_id(target)
+            if id_ is None:
+                pieces = self.tokenizer.encode_batch([target], add_special_tokens=False, truncation=False)[0].ids
+                if not pieces:
+                    continue
+                id_ = pieces[0]
+            ids.append(id_)
+        if not ids:
+            raise ValueError(f"None of the targets {targets!r} maps to a token of the vocabulary")
+        return np.array(list(set(ids)))

@@ -1,0 +1,141 @@
+"""Token classification (NER) with entity grouping, matching transformers' `TokenClassificationPipeline`
+(pipelines/token_classification.py): the same strategies (none, simple, first, average, max), the same
+sub-word rules and the same entity spans. Inputs are truncated to the model's length, as there.
+"""
+
+import warnings
+
+import numpy as np
+from tokenizers import Encoding
+
+from .base import Pipeline
+from .fill_mask import softmax
+
+STRATEGIES = ("none", "simple", "first", "average", "max")
+
+
+def get_tag(entity: str) -> tuple[str, str]:
+    """'B-PER' -> ('B', 'PER'), 'I-PER' -> ('I', 'PER'); a bare label counts as inside: 'PER' -> ('I', 'PER')."""
+    if entity.startswith(("B-", "I-")):
+        return entity[0], entity[2:]
+    return "I", entity
+
+
+class TokenClassificationPipeline(Pipeline):
+    task = "token-classification"
+    head = "token-classification"
+
+    def __call__(
+        self, inputs: str | list[str], aggregation_strategy: str = "none", ignore_labels: list[str] | None = None
+    ):
+        """Entities of a text (a list of dicts), or of each text in a list (a list of lists).
+
+        "none" gives one dict per token: {"entity", "score", "index", "word", "start", "end"}; the other
+        strategies group tokens into {"entity_group", "score", "word", "start", "end"}.
+        """
+        strategy = aggregation_strategy.lower()
+        if strategy not in STRATEGIES:
+            raise ValueError(f"Unknown aggregation_strategy {aggregation_strategy!r}; choose one of {STRATEGIES}")
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("token-classification needs a text or a non-empty list of texts")
+        ignore = ["O"] if ignore_labels is None else ignore_labels
+        encodings = self.encode(texts)
+        outputs = [out[0] for out in self.forward(encodings)]
+        results = [self.entities(*item, strategy, ignore) for item in zip(texts, encodings, outputs, strict=True)]
+        return results[0] if isinstance(inputs, str) else results
+
+    def entities(self, text: str, encoding: Encoding, logits: np.ndarray, strategy: str, ignore: list[str]):
+        pre = self.gather_pre_entities(text, encoding, softmax(logits), strategy)
+        grouped = self.aggregate(pre, strategy)
+        kept = [e for e in grouped if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
+        return [{**e, "score": float(e["score"])} for e in kept]
+
+    def is_word_piece(self) -> bool:
+        return bool(getattr(self.tokenizer.backend.model, "continuing_subword_prefix", None))
+
+    def gather_pre_entities(self, text: str, encoding: Encoding, scores: np.ndarray, strategy: str) -> list[dict]:
+        """Per non-special token: its token string, scores, character span and whether it continues a word."""
+        unk = self.tokenizer.token_id(self.tokenizer.unk_token)
+        pre = []
+        for idx, (token_id, special, (start, end)) in enumerate(
+            zip(encoding.ids, encoding.special_tokens_mask, encoding.offsets, strict=True)
+        ):
+            if special:
+                continue
+            word = self.tokenizer.backend.id_to_token(token_id)
+            word_ref = text[start:end]
+            if self.is_word_piece():
+                is_subword = len(word) != len(word_ref)
+            else:  # no sub-word marker: a token continues a word when no space precedes it
+                if strategy in ("first", "average", "max"):
+                    warnings.warn("Tokenizer does not support real words, using fallback heuristic", stacklevel=4)
+                is_subword = start > 0 and " " not in text[start - 1 : start + 1]
+            if token_id == unk:
+                word, is_subword = word_ref, False
+            pre.append({"word": word, "scores": scores[idx], "start": start, "end": end, "index": idx,
+                        "is_subword": is_subword})  # fmt: skip
+        return pre
+
+    def aggregate(self, pre: list[dict], strategy: str) -> list[dict]:
+        if strategy in ("none", "simple"):
+            entities = [self.token_entity(p) for p in pre]
+        else:
+            entities = self.aggregate_words(pre, strategy)
+        return entities if strategy == "none" else self.group_entities(entities)
+
+    def token_entity(self, pre: dict) -> dict:
+        best = int(pre["scores"].argmax())
+        return {"entity": self.id2label[best], "score": pre["scores"][best], "index": pre["index"],
+                "word": pre["word"], "start": pre["start"], "end": pre["end"]}  # fmt: skip
+
+    def tokens_to_string(self, tokens: list[str]) -> str:
+        decoder = self.tokenizer.backend.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    def aggregate_word(self, entities: list[dict], strategy: str) -> dict:
+        if strategy == "first":
+            scores = entities[0]["scores"]
+        elif strategy == "max":
+            scores = max(entities, key=lambda e: e["scores"].max())["scores"]
+        else:
+            scores = np.nanmean(np.stack([e["scores"] for e in entities]), axis=0)
+        best = int(scores.argmax())
+        return {"entity": self.id2label[best], "score": scores[best],
+                "word": self.tokens_to_string([e["word"] for e in entities]),
+                "start": entities[0]["start"], "end": entities[-1]["end"]}  # fmt: skip
+
+    def aggregate_words(self, pre: list[dict], strategy: str) -> list[dict]:
+        """Force one label per word: sub-word tokens join the word their first token starts."""
+        words, group = [], []
+        for entity in pre:
+            if group and not entity["is_subword"]:
+                words.append(self.aggregate_word(group, strategy))
+                group = []
+            group.append(entity)
+        if group:
+            words.append(self.aggregate_word(group, strategy))
+        return words
+
+    def group_sub_entities(self, entities: list[dict]) -> dict:
+        return {
+            "entity_group": entities[0]["entity"].split("-", 1)[-1],
+            "score": np.nanmean([e["score"] for e in entities]),
+            "word": self.tokens_to_string([e["word"] for e in entities]),
+            "start": entities[0]["start"],
+            "end": entities[-1]["end"],
+        }
+
+    def group_entities(self, entities: list[dict]) -> list[dict]:
+        """Merge adjacent entities with the same tag unless the next one begins a new entity (B-)."""
+        groups, current = [], []
+        for entity in entities:
+            if current:
+                bi, tag = get_tag(entity["entity"])
+                if not (tag == get_tag(current[-1]["entity"])[1] and bi != "B"):
+                    groups.append(self.group_sub_entities(current))
+                    current = []
+            current.append(entity)
+        if current:
+            groups.append(self.group_sub_entities(current))
+        return groups

@@ -1,0 +1,137 @@
+"""`python -m mlx_encoders TASK ...`: the command line gives the pipelines' results, compared with transformers'
+pipelines and sentence-transformers on the same checkpoints."""
+
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import MINILM, load_reference
+
+from mlx_encoders.__main__ import main
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TEXTS = ["I loved this film.", "Terrible service, never again!", "ok"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny reference models: extra threads only add contention
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def mlm(checkpoint):
+    return checkpoint("bert", "masked-lm", initializer_range=0.5, seed=1)
+
+
+@pytest.fixture(scope="module")
+def classifier(checkpoint):
+    return checkpoint("roberta", "sequence-classification", initializer_range=0.8, id2label=LABELS)
+
+
+def run(capsys, *argv: str, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def reference(task: str, folder, head: str):
+    return transformers.pipeline(task, model=load_reference(folder, head), tokenizer=str(folder))
+
+
+def close(ours, ref, tol=1e-4):
+    """Same structure and exact tokens/labels; scores within `tol`."""
+    if isinstance(ref, dict):
+        assert list(ours) == list(ref)
+        for k in ref:
+            close(ours[k], ref[k], tol)
+    elif isinstance(ref, list):
+        assert len(ours) == len(ref)
+        for a, b in zip(ours, ref, strict=True):
+            close(a, b, tol)
+    elif isinstance(ref, float):
+        assert abs(ours - ref) <= tol
+    else:
+        assert ours == ref
+
+
+def test_fill_mask_json_from_arguments_and_stdin(capsys, monkeypatch, mlm):
+    ref = reference("fill-mask", mlm, "masked-lm")
+    texts = ["Paris is the [MASK] of France.", "A [MASK] and a [MASK]."]
+    code, out, _ = run(capsys, "fill-mask", "--model", mlm, "--top-k", 3, "--json", *texts)
+    assert code == 0
+    entries = json.loads(out)
+    assert [e["input"] for e in entries] == texts
+    for entry, text in zip(entries, texts, strict=True):
+        close(entry["result"], ref(text, top_k=3))
+    code, piped, _ = run(capsys, "fill-mask", "-m", mlm, "--top-k", 3, "--json",
+                         stdin="\n".join(texts) + "\n\n", monkeypatch=monkeypatch)  # fmt: skip
+    assert code == 0 and json.loads(piped) == entries
+
+
+def test_fill_mask_table(capsys, mlm):
+    ref = reference("fill-mask", mlm, "masked-lm")("Paris is the [MASK] of France.", top_k=2)
+    code, out, _ = run(capsys, "fill-mask", "--model", mlm, "--top-k", 2, "Paris is the [MASK] of France.")
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == "Paris is the [MASK] of France."
+    assert lines[1].split() == ["rank", "token", "score", "sequence"]
+    for rank, (line, p) in enumerate(zip(lines[2:], ref, strict=True), start=1):
+        assert line.split()[:3] == [str(rank), p["token_str"], f"{p['score']:.4f}"]
+
+
+def test_classify_labels_pairs_and_rerank(capsys, classifier):
+    ref = reference("text-classification", classifier, "sequence-classification")
+    code, out, _ = run(capsys, "classify", "--model", classifier, "--top-k", 0, "--json", *TEXTS)
+    assert code == 0
+    close([e["result"] for e in json.loads(out)], ref(TEXTS, top_k=None))
+    query = "Was the film good?"
+    pairs = [{"text": query, "text_pair": t} for t in TEXTS]
+    code, out, _ = run(capsys, "classify", "-m", classifier, "--query", query, "--json", *TEXTS)
+    close([e["result"] for e in json.loads(out)], ref(pairs, top_k=1))
+    code, out, _ = run(capsys, "classify", "-m", classifier, "--query", query, "--rerank", *TEXTS)
+    relevant = [[s for s in r if s["label"] == "positive"][0]["score"] for r in ref(pairs, top_k=None)]
+    order = np.argsort(relevant)[::-1]
+    rows = [line.split(maxsplit=3) for line in out.splitlines()[1:]]
+    assert [int(r[2]) for r in rows] == order.tolist()
+    assert [r[3] for r in rows] == [TEXTS[i] for i in order]
+    assert [float(r[1]) for r in rows] == pytest.approx([relevant[i] for i in order], abs=1e-4)
+
+
+def test_embed_matches_sentence_transformers(capsys):
+    from sentence_transformers import SentenceTransformer
+
+    code, out, _ = run(capsys, "embed", "--model", MINILM, "--normalize", "--json", *TEXTS)
+    assert code == 0
+    got = np.array([e["result"] for e in json.loads(out)])
+    expected = SentenceTransformer(str(MINILM), device="cpu").encode(TEXTS, normalize_embeddings=True)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    code, table, _ = run(capsys, "embed", "--model", MINILM, TEXTS[0])
+    assert table.splitlines()[1].split()[:2] == ["384", f"{np.linalg.norm(got[0]):.4f}"]
+
+
+def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier):
+    code, _, err = run(capsys, "fill-mask", "-m", mlm, "No mask in this one.")
+    assert code == 1 and "No mask_token ([MASK]) found" in err
+    code, _, err = run(capsys, "fill-mask", "-m", classifier, "A [MASK].")
+    assert code == 1 and "needs a masked-lm head" in err and "'text-classification'" in err
+    code, _, err = run(capsys, "classify", "-m", classifier, "--rerank", "text")
+    assert code == 1 and "--rerank needs --query" in err
+    code, _, err = run(capsys, "classify", "-m", classifier, stdin="\n  \n", monkeypatch=monkeypatch)
+    assert code == 1 and "no input" in err
+    code, _, err = run(capsys, "embed", "-m", mlm.parent / "missing", "text")
+    assert code == 1 and "missing" in err
+
+
+def test_module_entry_point():
+    done = subprocess.run([sys.executable, "-m", "mlx_encoders", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert all(task in done.stdout for task in ("fill-mask", "classify", "embed"))

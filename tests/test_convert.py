@@ -1,0 +1,362 @@
+"""`convert` / `python -m convert`: quantize, cast and dequantize checkpoints into the mlx-community layout.
+
+Expected values come from transformers: the quantized model's outputs are compared with the float
+transformers model, and every stored weight/scales/biases triplet must dequantize to the transformers
+weight within half a quantization step.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference, make_checkpoint
+from safetensors.numpy import load_file, save_file
+
+import mlx_encoders
+from convert.__main__ import main
+from mlx_encoders import conversion
+
+# Widths chosen so some modules divide the group size and some do not (those must stay float).
+ROUND_TRIPS = [
+    ("bert", "masked-lm", 8, 32, {}),
+    ("bert", "encoder", 6, 128, dict(hidden_size=128, intermediate_size=128, num_attention_heads=4)),
+    ("roberta", "sequence-classification", 4, 32, {}),
+    ("xlm-roberta", "token-classification", 8, 32, dict(hidden_size=32, num_attention_heads=4)),
+    ("distilbert", "question-answering", 4, 32, {}),
+    ("albert", "masked-lm", 8, 32, {}),
+    ("modernbert", "sequence-classification", 4, 64, dict(hidden_size=64, intermediate_size=64)),
+]
+MIN_COSINE = {8: 0.995, 6: 0.99, 4: 0.95}  # per-text output cosine vs the float transformers model
+
+
+def inputs(vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded ids (avoiding special ids 0-4) with padding in the second row."""
+    ids = np.random.default_rng(seed).integers(5, vocab_size, (3, 12))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    return ids, mask
+
+
+def oracle(folder: Path, task: str, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The transformers model's main output: logits (start/end for QA), else last_hidden_state."""
+    with torch.no_grad():
+        out = load_reference(folder, task)(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    if task == "question-answering":
+        return torch.stack([out.start_logits, out.end_logits], dim=-1).numpy()
+    return (out.logits if task != "encoder" else out.last_hidden_state).numpy()
+
+
+def ours(folder: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    model = mlx_encoders.load_model(folder)
+    out = model(mx.array(ids), attention_mask=mx.array(mask))
+    return np.array((out.logits if out.logits is not None else out.last_hidden_state).astype(mx.float32))
+
+
+def text_cosines(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    if a.ndim == 3:
+        a, b = a * mask[..., None], b * mask[..., None]
+    a, b = a.reshape(len(a), -1), b.reshape(len(b), -1)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def stored(folder: Path) -> dict[str, np.ndarray]:
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update({k: np.array(v) for k, v in mx.load(str(file)).items()})
+    return weights
+
+
+def assert_triplets_match(out: Path, source: Path, group_size: int, bits: int) -> None:
+    """Every 2-D transformers weight is quantized iff its width divides the group size, within one step."""
+    reference = {k: v for k, v in load_file(source / "model.safetensors").items() if v.ndim == 2}
+    weights = stored(out)
+    config = json.loads((out / "config.json").read_text())
+    for key, w in reference.items():
+        path = key.removesuffix(".weight")
+        if w.shape[-1] % group_size:
+            assert f"{path}.scales" not in weights and config["quantization"][path] is False, path
+            np.testing.assert_array_equal(weights[key], w)
+            continue
+        packed, scales, biases = weights[key], weights[f"{path}.scales"], weights[f"{path}.biases"]
+        assert packed.dtype == np.uint32 and packed.shape == (w.shape[0], w.shape[1] * bits // 32), path
+        restored = np.array(mx.dequantize(mx.array(packed), mx.array(scales), mx.array(biases), group_size, bits))
+        step = np.abs(np.repeat(scales, group_size, axis=-1))
+        assert np.all(np.abs(restored - w) <= step + 1e-6), path  # MLX shifts the grid so 0 is exact
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("bert"), "bert", "encoder", hidden_size=64, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def bert_q8(bert, tmp_path_factory) -> Path:
+    return mlx_encoders.convert(bert, tmp_path_factory.mktemp("q") / "bert-8bit", bits=8, group_size=32)
+
+
+def hub_modernbert(root: Path) -> Path:
+    """A tiny ModernBERT laid out as the real answerdotai/ModernBERT-base in a huggingface_hub cache."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / "hub" / "models--answerdotai--ModernBERT-base"
+    snapshot = make_checkpoint(
+        repo / "snapshots" / sha, "modernbert", "masked-lm", hidden_size=64, intermediate_size=64
+    )
+    config = json.loads((snapshot / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters", "dtype"):  # back to the legacy spelling of the real file
+        config.pop(key)
+    config.update(global_rope_theta=1000.0, local_rope_theta=50.0, torch_dtype="float32")
+    assert config["architectures"] == ["ModernBertForMaskedLM"] and config["global_attn_every_n_layers"] == 2
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    return snapshot
+
+
+def test_design_card_command_on_offline_hub_cache(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    snapshot = hub_modernbert(tmp_path / "hf")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these at import time, which happened long before this test
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["--quantize", "--bits", "8", "answerdotai/ModernBERT-base"]) == 0
+
+    out = tmp_path / "ModernBERT-base-8bit"
+    report = capsys.readouterr().out
+    for words in ("parameters", "size on disk", "bits/weight", "cosine mean", "max abs diff", "time"):
+        assert words in report
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    assert config["quantization_config"] == config["quantization"]
+    assert config["global_rope_theta"] == 1000.0 and "layer_types" not in config
+    assert_triplets_match(out, snapshot, 64, 8)
+    model, tokenizer = mlx_encoders.load(out)
+    assert type(model).__name__ == "ModernBertForMaskedLM"
+    assert tokenizer.mask_token == "[MASK]"
+    ids, mask = inputs(config["vocab_size"])
+    assert text_cosines(ours(out, ids, mask), oracle(snapshot, "masked-lm", ids, mask), mask).min() > MIN_COSINE[8]
+    card = (out / "README.md").read_text()
+    assert "base_model: answerdotai/ModernBERT-base" in card and "8-bit affine, group size 64" in card
+
+
+@pytest.mark.parametrize("model_type, task, bits, group_size, overrides", ROUND_TRIPS)
+def test_round_trip(tmp_path, model_type, task, bits, group_size, overrides):
+    source = make_checkpoint(tmp_path / "hf", model_type, task, **overrides)
+    out = mlx_encoders.convert(source, tmp_path / "mlx", bits=bits, group_size=group_size)
+    assert_triplets_match(out, source, group_size, bits)
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    ids, mask = inputs(vocab_size)
+    cosines = text_cosines(ours(out, ids, mask), oracle(source, task, ids, mask), mask)
+    assert cosines.min() > MIN_COSINE[bits], cosines
+
+
+def test_float_widths_are_reported(tmp_path, capsys):
+    source = make_checkpoint(tmp_path / "hf", "bert", "encoder")  # intermediate_size 37
+    out = mlx_encoders.convert(source, tmp_path / "mlx", bits=4, group_size=32)
+    left = [k for k, v in json.loads((out / "config.json").read_text())["quantization"].items() if v is False]
+    assert sorted(left) == [f"encoder.layer.{i}.output.dense" for i in range(3)]
+    assert "left float" in capsys.readouterr().out
+
+
+def test_dequantize_restores_floats(tmp_path, bert, bert_q8):
+    out = mlx_encoders.convert(bert_q8, tmp_path / "deq", dequantize=True, dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and "quantization_config" not in config
+    weights = stored(out)
+    reference = load_file(bert / "model.safetensors")
+    assert not any(k.endswith((".scales", ".biases")) for k in weights)
+    for key, w in reference.items():
+        if w.ndim == 2:  # within 8-bit rounding of the original float weight
+            assert weights[key].dtype == np.float32 and np.abs(weights[key] - w).max() < 0.02, key
+    ids, mask = inputs(config["vocab_size"])
+    np.testing.assert_allclose(ours(out, ids, mask), ours(bert_q8, ids, mask), atol=1e-4)
+
+
+def test_sharding_writes_an_index(tmp_path, bert):
+    out = mlx_encoders.convert(bert, tmp_path / "mlx", bits=8, group_size=32, shard_size=200_000)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (out / "model.safetensors").exists()
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == set(stored(out))
+    ids, mask = inputs(30522)
+    assert text_cosines(ours(out, ids, mask), oracle(bert, "encoder", ids, mask), mask).min() > MIN_COSINE[8]
+
+
+def test_recipe_keeps_embeddings_and_heads_at_higher_precision(tmp_path):
+    source = make_checkpoint(tmp_path / "hf", "bert", "sequence-classification", hidden_size=64, intermediate_size=64)
+    out = mlx_encoders.convert(source, tmp_path / "mlx", recipe="mixed_4_8", group_size=32)
+    quantization = json.loads((out / "config.json").read_text())["quantization"]
+    high = {k for k, v in quantization.items() if isinstance(v, dict)}
+    assert quantization["bits"] == 4
+    assert {"bert.embeddings.word_embeddings", "bert.pooler.dense", "classifier"} <= high
+    assert not any(".layer." in k for k in high)
+    weights = stored(out)
+    assert weights["bert.embeddings.word_embeddings.weight"].shape[1] == 64 * 8 // 32
+    assert weights["bert.encoder.layer.0.attention.self.query.weight"].shape[1] == 64 * 4 // 32
+    ids, mask = inputs(30522)
+    cos = text_cosines(ours(out, ids, mask), oracle(source, "sequence-classification", ids, mask), mask)
+    assert cos.min() > MIN_COSINE[4]
+
+
+def test_other_modes_and_dtype(tmp_path, bert):
+    out = mlx_encoders.convert(bert, tmp_path / "fp8", mode="mxfp8", dtype="bfloat16")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["embeddings.LayerNorm.weight"].dtype == mx.bfloat16
+    assert weights["encoder.layer.0.attention.self.query.scales"].dtype == mx.uint8
+    assert "encoder.layer.0.attention.self.query.biases" not in weights
+    ids, mask = inputs(30522)
+    assert text_cosines(ours(out, ids, mask), oracle(bert, "encoder", ids, mask), mask).min() > 0.99
+
+
+def sentence_checkpoint(folder: Path, dense_weights: str = "safetensors") -> Path:
+    """A tiny BERT with sentence-transformers modules: Transformer, Pooling, Dense, Normalize."""
+    make_checkpoint(folder, "bert", "encoder", hidden_size=64, intermediate_size=64)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 64, "do_lower_case": false}')
+    (folder / "config_sentence_transformers.json").write_text('{"prompts": {"query": "query: "}}')
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        '{"word_embedding_dimension": 64, "pooling_mode_mean_tokens": true}'
+    )
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text('{"in_features": 64, "out_features": 16, "bias": true}')
+    dense = {"linear.weight": np.random.default_rng(0).standard_normal((16, 64), dtype=np.float32)}
+    if dense_weights == "safetensors":
+        save_file(dense, str(folder / "2_Dense" / "model.safetensors"))
+    else:
+        torch.save({k: torch.tensor(v) for k, v in dense.items()}, folder / "2_Dense" / "pytorch_model.bin")
+    (folder / "3_Normalize").mkdir()
+    return folder
+
+
+def test_sentence_transformers_files_are_kept(tmp_path):
+    source = sentence_checkpoint(tmp_path / "st")
+    out = mlx_encoders.convert(source, tmp_path / "mlx", bits=8, dtype="float16")
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                 "1_Pooling/config.json", "2_Dense/config.json", "tokenizer.json", "vocab.txt",
+                 "tokenizer_config.json", "special_tokens_map.json"):  # fmt: skip
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert (out / "3_Normalize").is_dir()
+    dense = load_file(out / "2_Dense" / "model.safetensors")
+    expected = load_file(source / "2_Dense" / "model.safetensors")["linear.weight"].astype(np.float16)
+    np.testing.assert_array_equal(dense["linear.weight"], expected)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_failure_leaves_nothing_behind(tmp_path, bert, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(conversion, "copy_sentence_files", fail)  # after the weights are written
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RuntimeError, match="disk full"):
+        mlx_encoders.convert(bert, tmp_path / "out" / "mlx", bits=8, group_size=32)
+    assert listing(tmp_path / "out") == []
+
+
+def test_existing_target_needs_force(tmp_path, bert):
+    target = tmp_path / "mlx"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists; pass force=True"):
+        mlx_encoders.convert(bert, target, bits=8, group_size=32)
+    assert listing(target) == ["keep.txt"]
+    mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)
+    assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["mlx"]
+
+
+def unsupported(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def pickle_only(folder: Path) -> Path:
+    make_checkpoint(folder, "bert", "encoder")
+    state = {k: torch.tensor(v) for k, v in load_file(folder / "model.safetensors").items()}
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+BAD_INPUTS = [
+    ("missing source", lambda d, bert: d / "nowhere", {}, FileNotFoundError, "nowhere"),
+    ("unsupported architecture", lambda d, bert: unsupported(d / "gpt2"), {}, ValueError, "supported: bert, roberta"),
+    ("pickle only", lambda d, bert: pickle_only(d / "pkl"), {}, ValueError, "only pickle weights"),
+    ("pickle-only Dense", lambda d, bert: sentence_checkpoint(d / "st", "pickle"), {}, ValueError, "2_Dense"),
+    ("bits", lambda d, bert: bert, {"bits": 7}, ValueError, "bits \\[2, 3, 4, 5, 6, 8\\], not 7"),
+    ("group size", lambda d, bert: bert, {"group_size": 48}, ValueError, "group sizes \\[32, 64, 128\\], not 48"),
+    ("mode", lambda d, bert: bert, {"mode": "int3"}, ValueError, "choose one of: affine, mxfp4"),
+    ("recipe", lambda d, bert: bert, {"recipe": "fancy"}, ValueError, "mixed_4_8"),
+]
+
+
+@pytest.mark.parametrize("name, make, kwargs, error, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_write_nothing(tmp_path, bert, name, make, kwargs, error, message):
+    source = make(tmp_path / "src", bert)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(error, match=message):
+        mlx_encoders.convert(source, tmp_path / "out" / "mlx", quantize=True, **kwargs)
+    assert listing(tmp_path / "out") == []
+
+
+def test_cli_accepts_mlx_lm_spellings_and_reports_errors(tmp_path, bert, capsys):
+    out = tmp_path / "mlx"
+    assert main(["--hf-path", str(bert), "--mlx-path", str(out), "-q", "--q-bits", "4", "--q-group-size", "32"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+    }
+    assert main(["--hf-path", str(bert), "--mlx-path", str(out), "-q"]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_upload_calls_huggingface_hub(tmp_path, bert, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            assert (Path(kwargs["folder_path"]) / "model.safetensors").exists()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = mlx_encoders.convert(bert, tmp_path / "mlx", bits=8, group_size=32, upload_repo="someone/tiny-bert-8bit")
+    assert calls == [
+        ("create_repo", {"repo_id": "someone/tiny-bert-8bit", "repo_type": "model", "exist_ok": True}),
+        ("upload_folder", {"folder_path": str(out), "repo_id": "someone/tiny-bert-8bit", "repo_type": "model"}),
+    ]
+    assert 'mlx_encoders.load("someone/tiny-bert-8bit")' in (out / "README.md").read_text()
+
+
+def test_quantized_source_is_not_quantized_twice(tmp_path, bert_q8):
+    with pytest.raises(ValueError, match="already quantized"):
+        mlx_encoders.convert(bert_q8, tmp_path / "again", bits=4)
+    assert not (tmp_path / "again").exists()

