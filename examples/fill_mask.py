@@ -37,18 +37,22 @@ def rows(fill, prompt: str, top_k: int) -> list[list[tuple[int, str, float, floa
     return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("prompt", nargs="?", default="The capital of France is [MASK].", help="text with [MASK]")
     p.add_argument("--model", default="albert-base-v2", help=f"{', '.join(SHORTCUTS)}, a hub id, or a folder")
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="cast the weights")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     model = SHORTCUTS.get(args.model, args.model)
-    fill = pipeline("fill-mask", model=model, dtype=args.dtype)
-    prompt = args.prompt.replace("[MASK]", fill.tokenizer.mask_token)
+    try:
+        fill = pipeline("fill-mask", model=model, dtype=args.dtype)
+        prompt = args.prompt.replace("[MASK]", fill.tokenizer.mask_token)
+        tables = rows(fill, prompt, args.top_k)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"fill_mask.py: {e}") from e
     print(f"model: {model}\nprompt: {prompt}")
-    for m, table in enumerate(rows(fill, prompt, args.top_k), start=1):
+    for m, table in enumerate(tables, start=1):
         print(f"\nmask {m}\n{'rank':>4}  {'token':<16}{'logit':>9}  {'probability':>11}")
         for rank, token, logit, prob in table:
             print(f"{rank:>4}  {token!r:<16}{logit:>9.3f}  {prob:>11.4f}")

@@ -1,10 +1,12 @@
 """`python -m mlx_encoders TASK ...`: the command line gives the pipelines' results, compared with transformers'
 pipelines and sentence-transformers on the same checkpoints."""
 
+import importlib.util
 import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from checkpoints import MINILM, load_reference
 
 from mlx_encoders.__main__ import main
 
+EXAMPLE = Path(__file__).parent.parent / "examples" / "fill_mask.py"
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = ["I loved this film.", "Terrible service, never again!", "ok"]
 
@@ -135,3 +138,39 @@ def test_module_entry_point():
     done = subprocess.run([sys.executable, "-m", "mlx_encoders", "--help"], capture_output=True, text=True)
     assert done.returncode == 0
     assert all(task in done.stdout for task in ("fill-mask", "classify", "embed"))
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("fill_mask_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fill_mask_example_table_matches_transformers(capsys, mlm):
+    """examples/fill_mask.py on a local checkpoint: the top tokens, logits and probabilities of transformers."""
+    load_example().main(["The capital of France is [MASK].", "--model", str(mlm), "--top-k", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "prompt: The capital of France is [MASK]."
+    rows = [line.split() for line in lines[lines.index("mask 1") + 2 :]]
+    model = load_reference(mlm, "masked-lm")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(mlm)
+    inputs = tokenizer("The capital of France is [MASK].", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, inputs["input_ids"][0] == tokenizer.mask_token_id][0]
+    top = torch.topk(logits, 4)
+    probs = logits.softmax(-1)
+    expected = [[str(r), repr(tokenizer.decode([int(i)])), f"{logits[i]:.3f}", f"{probs[i]:.4f}"]
+                for r, i in enumerate(top.indices, start=1)]  # fmt: skip
+    assert rows == expected
+
+
+def test_fill_mask_example_shortcuts_resolve_to_hub_ids(capsys, mlm, hub_cache):
+    example = load_example()
+    assert example.SHORTCUTS["albert-xxlarge-v2"] == "albert/albert-xxlarge-v2"
+    hub_cache("google-bert/bert-base-uncased", mlm)  # offline stand-in for the real checkpoint
+    example.main(["A [MASK] day.", "--model", "bert-base", "--top-k", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith("model: google-bert/bert-base-uncased\n") and len(out.splitlines()) == 7
+    with pytest.raises(SystemExit, match="neither a local folder nor in the Hugging Face cache"):
+        example.main(["A [MASK] day.", "--model", "modernbert-base"])

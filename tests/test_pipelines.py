@@ -172,6 +172,13 @@ def test_rerank(pipes, model_type):
     assert [r["corpus_id"] for r in ours.rerank(query, TEXTS, top_k=2)] == expected[:2]
 
 
+def test_multi_label_problem_type_defaults_to_sigmoid(pipes):
+    ours, _, ref = pipes("text-classification", "roberta", problem_type="multi_label_classification")
+    got = ours(TEXTS, top_k=None)
+    assert_same(got, ref(TEXTS, top_k=None))
+    assert abs(sum(s["score"] for s in got[0]) - 1) > 0.05  # independent sigmoids, not a softmax
+
+
 def test_text_classification_bad_and_long_inputs(pipes):
     ours, _, ref = pipes("text-classification", "roberta")
     with pytest.raises(ValueError, match="at least one"):
@@ -205,6 +212,18 @@ def test_token_classification(pipes, model_type, strategy):
         assert len(tags) > 1, f"the random model should predict several labels, got {tags}"
 
 
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "albert"])
+def test_token_classification_long_text_with_stride(pipes, model_type):
+    """With `stride`, a text longer than the model runs in overlapping windows whose entities are merged."""
+    ours, _, ref = pipes("token-classification", model_type)
+    long = " ".join(NER_TEXTS * 6)
+    assert len(ours.tokenizer.encode_batch([long], truncation=False)[0].ids) > ours.tokenizer.model_max_length
+    for strategy in ("simple", "first"):
+        expected = ref(long, aggregation_strategy=strategy, stride=32)
+        assert_same(ours(long, aggregation_strategy=strategy, stride=32), expected)
+        assert expected[-1]["end"] > len(long) // 2  # entities come from beyond the first window too
+
+
 def test_token_classification_options_and_edges(pipes):
     ours, _, ref = pipes("token-classification", "bert")
     text = NER_TEXTS[1]
@@ -218,6 +237,8 @@ def test_token_classification_options_and_edges(pipes):
     assert len(got) == ours.tokenizer.model_max_length - 2
     with pytest.raises(ValueError, match="aggregation_strategy"):
         ours(text, aggregation_strategy="longest")
+    with pytest.raises(ValueError, match="stride needs an aggregation_strategy"):
+        ours(long, stride=16)
     with pytest.raises(ValueError, match="non-empty list"):
         ours([])
 

@@ -26,12 +26,15 @@ class TokenClassificationPipeline(Pipeline):
     head = "token-classification"
 
     def __call__(
-        self, inputs: str | list[str], aggregation_strategy: str = "none", ignore_labels: list[str] | None = None
-    ):
+        self, inputs: str | list[str], aggregation_strategy: str = "none", ignore_labels: list[str] | None = None,
+        stride: int | None = None,
+    ):  # fmt: skip
         """Entities of a text (a list of dicts), or of each text in a list (a list of lists).
 
         "none" gives one dict per token: {"entity", "score", "index", "word", "start", "end"}; the other
-        strategies group tokens into {"entity_group", "score", "word", "start", "end"}.
+        strategies group tokens into {"entity_group", "score", "word", "start", "end"}. Texts longer than
+        the model are truncated, unless `stride` is given: then they are split into windows that overlap by
+        `stride` tokens, and of overlapping entities the longest (then the higher scored) is kept.
         """
         strategy = aggregation_strategy.lower()
         if strategy not in STRATEGIES:
@@ -39,17 +42,29 @@ class TokenClassificationPipeline(Pipeline):
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("token-classification needs a text or a non-empty list of texts")
+        windows = [[e] for e in self.encode(texts)] if stride is None else self.windows(texts, stride, strategy)
+        logits = iter(out[0] for out in self.forward([w for text in windows for w in text]))
         ignore = ["O"] if ignore_labels is None else ignore_labels
-        encodings = self.encode(texts)
-        outputs = [out[0] for out in self.forward(encodings)]
-        results = [self.entities(*item, strategy, ignore) for item in zip(texts, encodings, outputs, strict=True)]
+        results = []
+        for text, encodings in zip(texts, windows, strict=True):
+            entities = [e for enc in encodings for e in self.entities(text, enc, next(logits), strategy, ignore)]
+            entities = aggregate_overlapping_entities(entities) if len(encodings) > 1 else entities
+            results.append([{**e, "score": float(e["score"])} for e in entities])
         return results[0] if isinstance(inputs, str) else results
+
+    def windows(self, texts: list[str], stride: int, strategy: str) -> list[list[Encoding]]:
+        """Each text as windows of the model's length overlapping by `stride` tokens."""
+        limit = self.tokenizer.model_max_length
+        if stride >= limit:
+            raise ValueError(f"stride ({stride}) must be less than the model's {limit} tokens")
+        if strategy == "none":
+            raise ValueError('stride needs an aggregation_strategy other than "none", to merge the windows')
+        return [[e, *e.overflowing] for e in self.tokenizer.encode_batch(texts, stride=stride)]
 
     def entities(self, text: str, encoding: Encoding, logits: np.ndarray, strategy: str, ignore: list[str]):
         pre = self.gather_pre_entities(text, encoding, softmax(logits), strategy)
         grouped = self.aggregate(pre, strategy)
-        kept = [e for e in grouped if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
-        return [{**e, "score": float(e["score"])} for e in kept]
+        return [e for e in grouped if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
 
     def is_word_piece(self) -> bool:
         return bool(getattr(self.tokenizer.backend.model, "continuing_subword_prefix", None))
@@ -139,3 +154,21 @@ class TokenClassificationPipeline(Pipeline):
         if current:
             groups.append(self.group_sub_entities(current))
         return groups
+
+
+def aggregate_overlapping_entities(entities: list[dict]) -> list[dict]:
+    """Of entities that overlap (from overlapping windows), keep the longest, then the higher scored."""
+    if not entities:
+        return entities
+    entities = sorted(entities, key=lambda e: e["start"])
+    kept, previous = [], entities[0]
+    for entity in entities:
+        if previous["start"] <= entity["start"] < previous["end"]:
+            length, previous_length = entity["end"] - entity["start"], previous["end"] - previous["start"]
+            if length > previous_length or (length == previous_length and entity["score"] > previous["score"]):
+                previous = entity
+        else:
+            kept.append(previous)
+            previous = entity
+    kept.append(previous)
+    return kept
