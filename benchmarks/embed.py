@@ -6,12 +6,17 @@ process: one warm-up pass each, then `--repeats` timed passes taken round-robin 
 engines alike). Prints texts per second (median and range), each engine's mean/min cosine with
 sentence-transformers, and the ratios of every mlx_encoders variant to each peer.
 
-    python benchmarks/embed.py                       # MLX with the BLAS its wheel ships
+    python benchmarks/embed.py                       # every engine; MLX with the BLAS its wheel ships
     python benchmarks/embed.py --blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+    python benchmarks/embed.py --engines mlx_encoders-fp32,sentence-transformers --texts 200
     python benchmarks/embed.py --profile             # where the float model's time goes, per op
 
-`--blas` loads that library (any BLAS exporting `cblas_sgemm`) before MLX, so MLX's float matmuls use it:
-MLX's Linux wheel links the reference (netlib) BLAS, which is single-threaded and unvectorised.
+`--blas` loads that library (any BLAS exporting `cblas_sgemm`; on Debian/Ubuntu `apt-get install
+libopenblas0-pthread`) before MLX, so MLX's float matmuls use it: MLX's Linux wheel links the reference
+(netlib) BLAS, which is single-threaded and unvectorised. Quantized matmuls do not go through BLAS; MLX's CPU
+kernel for them is slow, so the 8-bit and 4-bit engines take minutes on 500 texts (use `--texts 32` for them).
+`mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
+sorted by length, as sentence-transformers and mlx_encoders make them. It is skipped when not installed.
 """
 
 import argparse
@@ -39,7 +44,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-ENGINE_NAMES = ("mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "sentence-transformers", "mlx-embeddings")
+ENGINE_NAMES = (
+    "mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "sentence-transformers", "mlx-embeddings",
+    "mlx-embeddings-sorted",
+)  # fmt: skip
 
 
 def set_threads(threads: int, blas: str | None) -> None:
@@ -80,8 +88,9 @@ def sentence_transformers_engine(path: Path, batch_size: int) -> Callable:
     return lambda texts: model.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
-def mlx_embeddings_engine(path: Path, batch_size: int) -> Callable:
-    """mlx-embeddings' documented use (tokenizer -> model -> text_embeds), on length-sorted batches."""
+def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
+    """mlx-embeddings' documented use (tokenizer -> model -> text_embeds) on batches of the texts in their
+    order, as its README shows; `sort` gives it batches sorted by length, as sentence-transformers makes."""
     import mlx.core as mx
     import numpy as np
     from mlx_embeddings.utils import load
@@ -89,14 +98,14 @@ def mlx_embeddings_engine(path: Path, batch_size: int) -> Callable:
     model, tokenizer = load(str(path))
 
     def encode(texts):
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # as sentence-transformers sorts
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i])) if sort else range(len(texts))
         out = [None] * len(texts)
         for start in range(0, len(texts), batch_size):
-            rows = order[start : start + batch_size]
+            rows = list(order[start : start + batch_size])
             batch = tokenizer([texts[i] for i in rows], return_tensors="mlx", padding=True, truncation=True,
                               max_length=MAX_SEQ_LENGTH)  # fmt: skip
             vectors = np.array(model(batch["input_ids"], attention_mask=batch["attention_mask"]).text_embeds)
-            for row, v in zip(rows, vectors):
+            for row, v in zip(rows, vectors, strict=True):
                 out[row] = v
         mx.clear_cache()
         return np.stack(out)
@@ -118,9 +127,9 @@ def build_engines(names: list[str], batch_size: int, workdir: Path) -> dict[str,
             engines[name] = mlx_encoders_engine(folder, batch_size)
         elif name == "sentence-transformers":
             engines[name] = sentence_transformers_engine(source, batch_size)
-        elif name == "mlx-embeddings":
+        elif name.startswith("mlx-embeddings"):
             try:
-                engines[name] = mlx_embeddings_engine(source, batch_size)
+                engines[name] = mlx_embeddings_engine(source, batch_size, sort=name.endswith("-sorted"))
             except ImportError as e:
                 print(f"mlx-embeddings: not installed ({e}); skipped")
     return engines
@@ -158,13 +167,16 @@ def report(outputs: dict, times: dict, n: int) -> None:
         cos = cosines(outputs[name], reference) if reference is not None else None
         cos_text = f"{cos.mean():>11.6f}{cos.min():>10.6f}" if cos is not None else ""
         print(f"{name:<24}{rate:>10.1f}{spread:>18}{statistics.median(t):>9.2f}{cos_text}")
-    peers = [p for p in ("sentence-transformers", "mlx-embeddings") if p in times]
+    peers = [p for p in ("sentence-transformers", "mlx-embeddings", "mlx-embeddings-sorted") if p in times]
     ours = [name for name in times if name.startswith("mlx_encoders")]
     if peers and ours:
         print("\nratios (median texts/s of mlx_encoders / peer)")
         for name in ours:
             parts = [f"{statistics.median(times[p]) / statistics.median(times[name]):.2f}x {p}" for p in peers]
             print(f"  {name:<22}" + "   ".join(parts))
+
+
+COMPARISON = "(mlx.nn.gelu, not run)"  # timed on the same inputs to show what the model's own gelu saves
 
 
 class Timer:
@@ -185,20 +197,20 @@ class Timer:
 
 def bert_layer_ops(timer: Timer, layer, x, mask):
     """One BertLayer, op by op (the same calls as `BertLayer.__call__`)."""
-    from mlx_encoders.models.base import merge_heads, split_heads
+    import mlx.nn as nn
+
+    from mlx_encoders.models.base import attention, merge_heads, split_heads
 
     attn = layer.attention.self
-    q, k, v = (timer("matmul qkv", lambda m: m(x), m) for m in (attn.query, attn.key, attn.value))
+    q, k, v = (timer("matmul qkv", m, x) for m in (attn.query, attn.key, attn.value))
     heads = timer("head split/merge", lambda: [split_heads(t, attn.num_heads) for t in (q, k, v)])
-    import mlx.core as mx
-
-    scale = heads[0].shape[-1] ** -0.5
-    h = timer("attention (sdpa)", lambda: mx.fast.scaled_dot_product_attention(*heads, scale=scale, mask=mask))
+    h = timer("attention (sdpa)", attention, *heads, mask)
     h = timer("head split/merge", merge_heads, h)
     out = layer.attention.output
     h = timer("matmul attn-out", out.dense, h)
     x = timer("layer norm + residual", lambda: out.LayerNorm(h + x))
     h = timer("matmul ffn-in", layer.intermediate.dense, x)
+    timer(COMPARISON, nn.gelu, h)
     h = timer("gelu", layer.intermediate.act, h)
     out = layer.output
     h = timer("matmul ffn-out", out.dense, h)
@@ -230,14 +242,16 @@ def profile(path: Path, texts: list[str], batch_size: int) -> None:
             mask = timer("mask", padding_mask, am, x.dtype)
             for layer in bert.encoder.layer:
                 x = bert_layer_ops(timer, layer, x, mask)
-            v = timer("pool + normalize", lambda: pool(x, am, enc.pooling, am))
-            v = timer("pool + normalize", lambda: v / mx.linalg.norm(v, axis=-1, keepdims=True))
+            v = timer("pool + normalize", pool, x, am, enc.pooling, am)
+            v = timer("pool + normalize", lambda v: v / mx.linalg.norm(v, axis=-1, keepdims=True), v)
             timer("device->host", np.array, v)
+    baseline = timer.seconds.pop(COMPARISON)
     total = sum(timer.seconds.values())
     print(f"\nfloat model, one pass over {len(texts)} texts: {total:.2f} s op by op "
           f"({real} real tokens in {padded} padded slots: {100 * (1 - real / padded):.1f}% padding)")  # fmt: skip
     for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<24}{s:>8.3f} s {100 * s / total:>6.1f}%")
+    print(f"  {'for comparison: mlx.nn.gelu (mx.erf) on the same inputs':<24} {baseline:.3f} s")
 
 
 def main() -> None:

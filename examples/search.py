@@ -143,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--index", type=Path, default=DEFAULT_INDEX, help="index folder (default: %(default)s)")
     p.add_argument("--query", "-q", action="append", help="a query (repeatable); none: interactive / stdin")
     p.add_argument("--top-k", "-k", type=int, default=5)
-    p.add_argument("--limit", type=int, default=500, help="docstrings in the default corpus (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=300, help="docstrings in the default corpus (default: %(default)s)")
     return p.parse_args(argv)
 
 

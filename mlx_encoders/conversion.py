@@ -107,12 +107,20 @@ def quantize_model(
     group_size: int | None = None,
     mode: str = "affine",
     recipe: str | dict | None = None,
+    hessians: dict[str, np.ndarray] | None = None,
 ) -> dict:
     """Quantize every nn.Linear and nn.Embedding in place; returns config.json's `quantization` entry.
 
     A module whose input width does not divide its group size stays float and is recorded as `false`;
     modules whose setting differs from the default get a per-module entry, as mlx-lm writes them.
+    With `hessians` (from `input_hessians`), affine Linears are rounded with GPTQ instead of to nearest.
     """
+    hessians = hessians or {}
+    floats = {
+        p: np.array(m.weight.astype(mx.float32))
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Linear) and p in hessians
+    }
     spec = quantization_spec(bits, group_size, mode)
     rule = recipe_rule(recipe, spec)
     default = recipe_default(recipe, spec)
@@ -130,10 +138,87 @@ def quantize_model(
         return dict(params)
 
     nn.quantize(model, class_predicate=predicate)
+    apply_gptq(model, hessians, floats)
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
         mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
     return config
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's affine packing: each row's codes as a little-endian bit stream, read as uint32 words."""
+    rows, width = codes.shape
+    stream = (codes[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1
+    return np.packbits(stream.reshape(rows, width * bits).astype(np.uint8), axis=-1, bitorder="little").view(np.uint32)
+
+
+def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, damp: float = 0.01) -> tuple:
+    """GPTQ (Frantar et al. 2022, Algorithm 1 with static groups, no act-order) into MLX affine triplets.
+
+    Columns are rounded left to right, each rounding error pushed onto the columns not yet rounded through
+    the inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than
+    with plain rounding. Returns (packed uint32 weight, scales, biases) as float32 numpy arrays.
+    """
+    w = weight.astype(np.float64)
+    levels = 2**bits - 1
+    h = hessian.astype(np.float64) + damp * np.mean(np.diag(hessian)) * np.eye(len(hessian))
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper Cholesky factor of H^-1
+    codes = np.zeros(w.shape, np.int64)
+    scales, biases = [], []
+    for i in range(w.shape[1]):
+        if i % group_size == 0:  # min-max grid of the group as it stands after earlier corrections
+            low = w[:, i : i + group_size].min(axis=1)
+            step = np.maximum((w[:, i : i + group_size].max(axis=1) - low) / levels, 1e-12)
+            scales.append(step)
+            biases.append(low)
+        codes[:, i] = np.clip(np.round((w[:, i] - low) / step), 0, levels)
+        error = (w[:, i] - (codes[:, i] * step + low)) / u[i, i]
+        w[:, i + 1 :] -= np.outer(error, u[i, i + 1 :])
+    return pack(codes, bits), np.stack(scales, 1).astype(np.float32), np.stack(biases, 1).astype(np.float32)
+
+
+class InputRecorder(nn.Module):
+    """Wraps a Linear and accumulates X^T X of its inputs (the GPTQ Hessian, up to a factor)."""
+
+    def __init__(self, linear: nn.Linear, hessians: dict, path: str):
+        super().__init__()
+        self.linear = linear
+        self._hessians, self._path = hessians, path
+
+    def __call__(self, x: mx.array) -> mx.array:
+        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        self._hessians[self._path] = self._hessians.get(self._path, 0) + flat.T @ flat
+        mx.eval(self._hessians[self._path])
+        return self.linear(x)
+
+
+def input_hessians(model: nn.Module, texts: list[str], batch_size: int = 16) -> dict[str, np.ndarray]:
+    """Input Hessians of every Linear on calibration texts (sorted by length so batches pad little)."""
+    from . import load_tokenizer
+
+    tokenizer, hessians = load_tokenizer(model), {}
+    linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    model.update_modules(tree_unflatten([(p, InputRecorder(m, hessians, p)) for p, m in linears]))
+    try:
+        texts = sorted(texts, key=len)
+        for i in tqdm(range(0, len(texts), batch_size), desc="calibrating", unit="batch", leave=False):
+            batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True)
+            model(
+                batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
+            )
+    finally:
+        model.update_modules(tree_unflatten(linears))
+    return {path: np.array(h) for path, h in hessians.items()}
+
+
+def apply_gptq(model: nn.Module, hessians: dict[str, np.ndarray], floats: dict[str, np.ndarray]) -> None:
+    """Re-round each affine QuantizedLinear from its float weight with GPTQ (same layout, lower output error)."""
+    for path, module in tqdm(list(model.named_modules()), desc="GPTQ", unit="module", leave=False):
+        if isinstance(module, nn.QuantizedLinear) and module.mode == "affine" and path in hessians:
+            packed, scales, biases = gptq(floats[path], hessians[path], module.bits, module.group_size)
+            dtype = module.scales.dtype
+            module.weight, module.scales = mx.array(packed), mx.array(scales, dtype)
+            module.biases = mx.array(biases, dtype)
 
 
 def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
@@ -323,13 +408,13 @@ def upload(folder: Path, repo: str) -> str:
     return f"https://huggingface.co/{repo}"
 
 
-def describe_quantization(quantization: dict | None) -> str:
+def describe_quantization(quantization: dict | None, method: str = "round to nearest") -> str:
     if not quantization:
         return "none (float)"
     spec = {k: quantization[k] for k in ("bits", "group_size", "mode")}
     overrides = {k: v for k, v in quantization.items() if isinstance(v, dict)}
     floats = [k for k, v in quantization.items() if v is False]
-    text = f"{spec['bits']}-bit {spec['mode']}, group size {spec['group_size']}"
+    text = f"{spec['bits']}-bit {spec['mode']}, group size {spec['group_size']} ({method})"
     if overrides:
         by_bits = {}
         for path, v in overrides.items():
@@ -353,7 +438,7 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
             f"\n# {folder_name}\n",
             f"MLX weights of `{source}` converted with [mlx-encoders](https://github.com/) `convert`.\n",
             f"- Architecture: {report['model_type']} ({report['architecture']}), {report['parameters']:,} parameters",
-            f"- Quantization: {describe_quantization(report['quantization'])}",
+            f"- Quantization: {describe_quantization(report['quantization'], report['method'])}",
             f"- Weights on disk: {report['bytes_before'] / 1e6:.1f} MB in the source, "
             f"{report['bytes_after'] / 1e6:.1f} MB here ({report['bits_per_weight']:.2f} bits per weight)",
             f"- Fidelity vs the source on {len(PROBE_TEXTS)} built-in probe texts ({report['output']}): "
@@ -378,7 +463,7 @@ def print_report(source: str, target: Path, report: dict) -> None:
     rows = [
         ("architecture", f"{report['model_type']} ({report['architecture']})"),
         ("parameters", f"{report['parameters']:,}"),
-        ("quantization", describe_quantization(report["quantization"])),
+        ("quantization", describe_quantization(report["quantization"], report["method"])),
         (
             "size on disk",
             f"{report['bytes_before'] / 1e6:.2f} MB -> {report['bytes_after'] / 1e6:.2f} MB ({ratio:.3f}x)",
@@ -459,12 +544,14 @@ def convert(
     upload_repo: str | None = None,
     force: bool = False,
     shard_size: int = MAX_SHARD_BYTES,
+    calibration: list[str] | None = None,
 ) -> Path:
     """Convert a checkpoint (local folder or hub id) into an MLX checkpoint folder; returns its path.
 
     `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default
     8; `group_size` 32/64/128, default 64; `mode` affine or mxfp4/mxfp8/nvfp4); `recipe` "mixed_4_8"
     keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns -> bits).
+    `calibration` texts switch affine Linears from round-to-nearest to GPTQ (inputs measured on them).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.
     The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it.
     """
@@ -473,7 +560,10 @@ def convert(
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     path = check_inputs(source, target, spec, recipe, dtype, dequantize, force)
+    if calibration is not None and (spec is None or spec["mode"] != "affine" or not calibration):
+        raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
     model = load_model(path)
+    hessians = input_hessians(model, calibration) if calibration else None
     batch = probe_batch(model)
     output, reference = main_output(model, batch)
     parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
@@ -487,13 +577,14 @@ def convert(
         model.set_dtype(DTYPES[dtype])
         config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config})
     if spec is not None:
-        config["quantization"] = quantize_model(model, spec["bits"], spec["group_size"], spec["mode"], recipe)
+        config["quantization"] = quantize_model(model, spec["bits"], spec["group_size"], spec["mode"], recipe, hessians)
         config["quantization_config"] = config["quantization"]
     report = {
         "model_type": config["model_type"],
         "architecture": type(model).__name__,
         "parameters": parameters,
         "quantization": config.get("quantization"),
+        "method": f"GPTQ on {len(calibration)} calibration texts" if hessians else "round to nearest",
         "bytes_before": sum(f.stat().st_size for f in weight_files(path)),
         "output": output,
         "fidelity": fidelity(reference, main_output(model, batch)[1], batch["attention_mask"]),

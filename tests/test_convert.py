@@ -165,6 +165,24 @@ def test_float_widths_are_reported(tmp_path, capsys):
     assert "left float" in capsys.readouterr().out
 
 
+def test_gptq_calibration_beats_rounding(tmp_path, bert):
+    texts = [line for line in conversion.__doc__.splitlines() + mlx_encoders.convert.__doc__.splitlines() if line]
+    file = tmp_path / "calibration.txt"
+    file.write_text("\n".join(texts))
+    gptq = tmp_path / "gptq"
+    argv = ["--mlx-path", str(gptq), "--bits", "4", "--group-size", "32", "--calibration", str(file), str(bert)]
+    assert main(argv) == 0
+    rtn = mlx_encoders.convert(bert, tmp_path / "rtn", bits=4, group_size=32)
+    config = json.loads((gptq / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert "GPTQ on" in (gptq / "README.md").read_text()
+    batch = mlx_encoders.load(gptq)[1](texts, padding=True)
+    ids, mask = np.array(batch["input_ids"]), np.array(batch["attention_mask"])
+    expected = oracle(bert, "encoder", ids, mask)
+    gaps = {f: 1 - text_cosines(ours(f, ids, mask), expected, mask).mean() for f in (gptq, rtn)}
+    assert gaps[gptq] < 0.7 * gaps[rtn], gaps
+
+
 def test_dequantize_restores_floats(tmp_path, bert, bert_q8):
     out = mlx_encoders.convert(bert_q8, tmp_path / "deq", dequantize=True, dtype="float32")
     config = json.loads((out / "config.json").read_text())
