@@ -436,7 +436,7 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
         [
             *front,
             f"\n# {folder_name}\n",
-            f"MLX weights of `{source}` converted with [mlx-encoders](https://github.com/) `convert`.\n",
+            f"MLX weights of `{source}` converted with the `convert` command of mlx-encoders.\n",
             f"- Architecture: {report['model_type']} ({report['architecture']}), {report['parameters']:,} parameters",
             f"- Quantization: {describe_quantization(report['quantization'], report['method'])}",
             f"- Weights on disk: {report['bytes_before'] / 1e6:.1f} MB in the source, "

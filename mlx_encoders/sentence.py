@@ -124,7 +124,6 @@ class SentenceEncoder:
 
     def __init__(self, path_or_repo: str | Path, dtype=None, pooling=None, revision: str | None = None):
         self.path = resolve(path_or_repo, revision)
-        self.model_id = str(path_or_repo)
         self.dense: list[Dense] = []
         self.normalize = False
         self.include_prompt = True
