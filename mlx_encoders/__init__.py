@@ -1,5 +1,8 @@
 """BERT-family text encoders on MLX, numerically equal to Hugging Face transformers."""
 
+from . import _blas  # noqa: F401  (first: on Linux it must load a fast BLAS before MLX loads its own)
+
+# isort: split
 import importlib
 from pathlib import Path
 

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+import mlx_encoders  # noqa: F401  (before any `import mlx`: it gives MLX a fast BLAS on Linux)
+
 # Tests never reach the network: hub ids resolve from caches the tests build.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
