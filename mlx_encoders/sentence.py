@@ -202,19 +202,6 @@ class SentenceEncoder:
             )
         return encodings
 
-    def pad(self, encodings: list[Encoding]) -> dict[str, mx.array]:
-        width = max(len(e.ids) for e in encodings)
-        names = self.tokenizer.model_input_names
-        batch = {name: np.zeros((len(encodings), width), np.int32) for name in names}
-        batch["input_ids"][:] = self.tokenizer.pad_token_id
-        for row, e in enumerate(encodings):
-            n = len(e.ids)
-            batch["input_ids"][row, :n] = e.ids
-            batch["attention_mask"][row, :n] = 1
-            if "token_type_ids" in batch:
-                batch["token_type_ids"][row, :n] = e.type_ids
-        return {name: mx.array(value) for name, value in batch.items()}
-
     def embed(self, batch: dict[str, mx.array], prompt_length: int, normalize: bool) -> mx.array:
         """One padded batch -> (B, D) float32 embeddings (lazy)."""
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
@@ -269,7 +256,7 @@ class SentenceEncoder:
         pending = None
         for start in self.progress(starts, progress):
             rows = order[start : start + batch_size]
-            vectors = self.embed(self.pad([encodings[i] for i in rows]), prompt_length, normalize)
+            vectors = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), prompt_length, normalize)
             mx.async_eval(vectors)  # the next batch is tokenized and padded while this one computes
             if pending is not None:
                 out[pending[0]] = np.array(pending[1])

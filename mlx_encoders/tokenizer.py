@@ -111,11 +111,15 @@ class Tokenizer:
         """Token ids, attention mask (and token types where the model uses them), padded to the longest text
         (`padding=True`) or to `max_length` (`padding="max_length"`); `return_tensors="np"` gives numpy."""
         encodings = self.encode_batch(text, text_pair, truncation, max_length)
-        width = max((len(e.ids) for e in encodings), default=0)
         if padding == "max_length":
-            width = max_length or self.model_max_length
-        elif not padding and len({len(e.ids) for e in encodings}) > 1:
+            return self.pad(encodings, max_length or self.model_max_length, return_tensors)
+        if not padding and len({len(e.ids) for e in encodings}) > 1:
             raise ValueError("Texts have different lengths; pass padding=True to batch them")
+        return self.pad(encodings, return_tensors=return_tensors)
+
+    def pad(self, encodings: list[Encoding], width: int | None = None, return_tensors: str = "mlx") -> dict:
+        """Right-pad raw encodings into one batch of the model's inputs (to the longest, or to `width`)."""
+        width = width or max((len(e.ids) for e in encodings), default=0)
         batch = {name: np.zeros((len(encodings), width), dtype=np.int32) for name in self.model_input_names}
         batch["input_ids"][:] = self.pad_token_id
         for row, e in enumerate(encodings):

@@ -59,16 +59,7 @@ class Pipeline:
         return self.model.args.id2label
 
     def pad(self, encodings: Sequence[Encoding]) -> dict[str, mx.array]:
-        """Right-pad raw encodings into one batch of the model's inputs (as transformers' collate does)."""
-        width = max(len(e.ids) for e in encodings)
-        batch = {name: np.zeros((len(encodings), width), dtype=np.int32) for name in self.tokenizer.model_input_names}
-        batch["input_ids"][:] = self.tokenizer.pad_token_id
-        for row, e in enumerate(encodings):
-            batch["input_ids"][row, : len(e.ids)] = e.ids
-            batch["attention_mask"][row, : len(e.ids)] = 1
-            if "token_type_ids" in batch:
-                batch["token_type_ids"][row, : len(e.ids)] = e.type_ids
-        return {name: mx.array(value) for name, value in batch.items()}
+        return self.tokenizer.pad(list(encodings))
 
     def run(self, batch: dict[str, mx.array]):
         return self.model(
