@@ -22,7 +22,6 @@ class BaseArgs:
     architectures: list[str] | None = None
     id2label: dict[int, str] | None = None
     problem_type: str | None = None
-    classifier_dropout: float | None = None
     tie_word_embeddings: bool = True
 
     @classmethod
