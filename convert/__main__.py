@@ -34,10 +34,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mlx-path", help="output folder (default: <source name>-<bits>bit in the current folder)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
     p.add_argument("--bits", "--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (default 8)")
-    p.add_argument("--group-size", "--q-group-size", type=int, choices=(16, 32, 64, 128), help="default 64 (affine)")
+    p.add_argument("--group-size", "--q-group-size", type=int, choices=(16, 32, 64, 128), help="default 32 (affine)")
     p.add_argument("--mode", "--q-mode", default="affine", choices=list(MODES), help="quantization mode")
     p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
     p.add_argument("--calibration", type=calibration_arg, help="text file, one text per line: quantize with GPTQ")
+    p.add_argument(
+        "--no-calibration", action="store_true", help="round to nearest instead of GPTQ on built-in texts (faster)"
+    )
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="dtype of everything not quantized")
     p.add_argument("-d", "--dequantize", action="store_true", help="turn a quantized MLX checkpoint back to floats")
     p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             upload_repo=args.upload_repo,
             force=args.force,
             shard_size=args.shard_size,
-            calibration=args.calibration,
+            calibration=False if args.no_calibration else args.calibration,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

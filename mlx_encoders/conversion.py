@@ -4,10 +4,14 @@ The output is the mlx-community layout that mlx-lm's `convert` writes (reference
 `mlx_lm/utils.py`: `quantize_model`, `save_model`, `make_shards`, `dequantize_model`): config.json gains
 `quantization` (and the same `quantization_config`), each quantized module stores `<path>.weight` (uint32),
 `<path>.scales` and `<path>.biases` under the model's own parameter names, and `loading.quantize_like`
-reads it back.
+reads it back. Affine quantization defaults to group size 32 with float16 scales and biases, GPTQ (Frantar
+et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers") for the
+Linears, calibrated on built-in standard-library docstrings, and a least-squares grid for the embeddings:
+the same file layout as round to nearest, with less error (see benchmarks/quantize.py).
 """
 
 import fnmatch
+import functools
 import json
 import re
 import shutil
@@ -28,7 +32,7 @@ from .models import model_module
 
 # Supported (bits, group sizes) per quantization mode, from `mx.quantize`'s table; the first is the default.
 MODES = {
-    "affine": {"bits": (8, 2, 3, 4, 5, 6), "group_size": (64, 32, 128)},
+    "affine": {"bits": (8, 2, 3, 4, 5, 6), "group_size": (32, 64, 128)},
     "mxfp4": {"bits": (4,), "group_size": (32,)},
     "mxfp8": {"bits": (8,), "group_size": (32,)},
     "nvfp4": {"bits": (4,), "group_size": (16,)},
@@ -41,6 +45,11 @@ TOKENIZER_FILES = (
 SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 # Encoder layers (`encoder.layer.3.`, `layers.3.`, `transformer.layer.3.`, `albert_layers.0.`) vs the rest.
 LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers)\.\d+\.")
+# The built-in GPTQ calibration set: standard-library docstrings from this index on (disjoint from the first
+# thousands, which the benchmarks and tests evaluate on), each cut to CALIBRATION_TOKENS tokens.
+CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_TOKENS, CALIBRATION_CHARS = 4000, 256, 256, 4096
+GRID_ITERATIONS = 8  # alternating refits of each group's scale and bias (see `affine_grid`)
+GRID_ROWS = 4096  # rows fitted at once, to bound the memory of large embedding matrices
 PROBE_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "MLX is an array framework for machine learning on Apple silicon.",
@@ -113,13 +122,14 @@ def quantize_model(
 
     A module whose input width does not divide its group size stays float and is recorded as `false`;
     modules whose setting differs from the default get a per-module entry, as mlx-lm writes them.
-    With `hessians` (from `input_hessians`), affine Linears are rounded with GPTQ instead of to nearest.
+    Affine scales and biases are stored in float16 (bfloat16 models keep bfloat16). Without `hessians`
+    weights are rounded to nearest (`mx.quantize`); with them (from `input_hessians`) affine Linears are
+    rounded with GPTQ and every other affine module gets the least-squares grid of `affine_grid`.
     """
-    hessians = hessians or {}
     floats = {
         p: np.array(m.weight.astype(mx.float32))
         for p, m in model.named_modules()
-        if isinstance(m, nn.Linear) and p in hessians
+        if isinstance(m, (nn.Linear, nn.Embedding)) and hessians is not None
     }
     spec = quantization_spec(bits, group_size, mode)
     rule = recipe_rule(recipe, spec)
@@ -138,7 +148,9 @@ def quantize_model(
         return dict(params)
 
     nn.quantize(model, class_predicate=predicate)
-    apply_gptq(model, hessians, floats)
+    set_scale_dtype(model)
+    if hessians is not None:
+        apply_gptq(model, hessians, floats)
     quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
         mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
@@ -152,12 +164,76 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.packbits(stream.reshape(rows, width * bits).astype(np.uint8), axis=-1, bitorder="little").view(np.uint32)
 
 
-def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, damp: float = 0.01) -> tuple:
+def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """Affine scales/biases: float16 halves their cost vs float32 (the fits round them to float16, so
+    codes match the stored values); bfloat16 models keep bfloat16."""
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
+
+def set_scale_dtype(model: nn.Module) -> None:
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and module.mode == "affine":
+            module.scales = module.scales.astype(scale_dtype(module.scales.dtype))
+            module.biases = module.biases.astype(scale_dtype(module.biases.dtype))
+
+
+def stored(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`x` as it reads back after storing in `dtype` (float16 scales must be fitted as stored)."""
+    return x.astype(dtype).astype(np.float64)
+
+
+def affine_grid(
+    weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype, importance: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes, scales and biases per group minimising the (column-`importance` weighted) squared error.
+
+    Starts from the min-max grid and alternates rounding with the least-squares refit of scale and bias
+    for the codes (no snapping of 0 onto the grid, unlike `mx.quantize`), keeping each group's best fit.
+    Scales and biases are rounded to `dtype` before use, so the codes fit the stored values.
+    """
+    w = weight.astype(np.float64).reshape(weight.shape[0], -1, group_size)
+    imp = np.ones_like(w) if importance is None else np.broadcast_to(importance.reshape(1, -1, group_size), w.shape)
+    levels = 2**bits - 1
+    low = w.min(-1, keepdims=True)
+    scale, bias = np.maximum((w.max(-1, keepdims=True) - low) / levels, 1e-7), low
+    n, best = imp.sum(-1, keepdims=True), None
+    for _ in range(GRID_ITERATIONS):
+        scale, bias = stored(np.maximum(scale, 1e-7), dtype), stored(bias, dtype)
+        codes = np.clip(np.round((w - bias) / scale), 0, levels)
+        error = (imp * (codes * scale + bias - w) ** 2).sum(-1, keepdims=True)
+        if best is None:
+            best = [error, codes, scale, bias]
+        else:
+            better = error < best[0]
+            best = [np.where(better, new, old) for new, old in zip((error, codes, scale, bias), best, strict=True)]
+        sq, sqq = (imp * codes).sum(-1, keepdims=True), (imp * codes * codes).sum(-1, keepdims=True)
+        sx, sqx = (imp * w).sum(-1, keepdims=True), (imp * codes * w).sum(-1, keepdims=True)
+        det = n * sqq - sq * sq
+        ok = det > 1e-12 * np.maximum(n * sqq, 1e-30)
+        safe = np.where(ok, det, 1.0)
+        scale = np.where(ok, (n * sqx - sq * sx) / safe, scale)
+        bias = np.where(ok, (sqq * sx - sq * sqx) / safe, bias)
+    _, codes, scale, bias = best
+    return codes.reshape(weight.shape).astype(np.int64), scale[..., 0], bias[..., 0]
+
+
+def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) -> tuple:
+    """`affine_grid` row block by row block (large embeddings), packed: (weight, scales, biases)."""
+    parts = [affine_grid(weight[i : i + GRID_ROWS], bits, group_size, dtype) for i in range(0, len(weight), GRID_ROWS)]
+    codes, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
+    return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
+
+
+def gptq(
+    weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, dtype=np.float16, damp: float = 0.01
+) -> tuple:
     """GPTQ (Frantar et al. 2022, Algorithm 1 with static groups, no act-order) into MLX affine triplets.
 
     Columns are rounded left to right, each rounding error pushed onto the columns not yet rounded through
     the inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than
-    with plain rounding. Returns (packed uint32 weight, scales, biases) as float32 numpy arrays.
+    with plain rounding. Each group's grid is the `affine_grid` fit (weighted by the Hessian's diagonal) of
+    the group as it stands after earlier corrections; at the end `refit_grid` re-solves every scale and bias
+    for the chosen codes. Returns (packed uint32 weight, scales, biases).
     """
     w = weight.astype(np.float64)
     levels = 2**bits - 1
@@ -166,15 +242,54 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, da
     codes = np.zeros(w.shape, np.int64)
     scales, biases = [], []
     for i in range(w.shape[1]):
-        if i % group_size == 0:  # min-max grid of the group as it stands after earlier corrections
-            low = w[:, i : i + group_size].min(axis=1)
-            step = np.maximum((w[:, i : i + group_size].max(axis=1) - low) / levels, 1e-12)
+        if i % group_size == 0:
+            group = slice(i, i + group_size)
+            _, step, low = affine_grid(w[:, group], bits, group_size, dtype, np.diag(h)[group])
+            step, low = step[:, 0], low[:, 0]
             scales.append(step)
             biases.append(low)
         codes[:, i] = np.clip(np.round((w[:, i] - low) / step), 0, levels)
         error = (w[:, i] - (codes[:, i] * step + low)) / u[i, i]
         w[:, i + 1 :] -= np.outer(error, u[i, i + 1 :])
-    return pack(codes, bits), np.stack(scales, 1).astype(np.float32), np.stack(biases, 1).astype(np.float32)
+    scales, biases = refit_grid(weight, h, codes, np.stack(scales, 1), np.stack(biases, 1), dtype)
+    return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
+
+
+def output_error(weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, scales, biases) -> np.ndarray:
+    """Per output row, the squared output error on calibration data: (W' - W) H (W' - W)^T."""
+    rows, width = codes.shape
+    restored = codes.reshape(rows, scales.shape[1], -1) * scales[..., None] + biases[..., None]
+    delta = restored.reshape(rows, width) - weight
+    return np.einsum("ij,jk,ik->i", delta, hessian, delta)
+
+
+def refit_grid(
+    weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every group's scale and bias of a row solved jointly for the row's codes, minimising `output_error`.
+
+    For fixed codes the restored row is linear in its 2G scales and biases, so the optimum is one small
+    linear system per row; rows where it does not lower the error (after rounding to `dtype`) keep theirs.
+    """
+    w = weight.astype(np.float64)
+    rows, width = codes.shape
+    groups = scales.shape[1]
+    q = codes.reshape(rows, groups, -1).astype(np.float64)
+    h4 = hessian.reshape(groups, width // groups, groups, width // groups)
+    hw = (w @ hessian).reshape(rows, groups, -1)
+    qhq = np.einsum("rgj,gjhk,rhk->rgh", q, h4, q, optimize=True)
+    qh1 = np.einsum("rgj,gjhk->rgh", q, h4, optimize=True)
+    system = np.empty((rows, 2 * groups, 2 * groups))
+    system[:, :groups, :groups], system[:, :groups, groups:] = qhq, qh1
+    system[:, groups:, :groups], system[:, groups:, groups:] = qh1.transpose(0, 2, 1), h4.sum((1, 3))
+    system += 1e-9 * np.trace(hessian) / width * np.eye(2 * groups)
+    rhs = np.concatenate([(q * hw).sum(-1), hw.sum(-1)], 1)
+    solution = np.linalg.solve(system, rhs[..., None])[..., 0]
+    new_scales, new_biases = stored(solution[:, :groups], dtype), stored(solution[:, groups:], dtype)
+    new_scales = np.where(np.isfinite(new_scales), new_scales, scales)
+    new_biases = np.where(np.isfinite(new_biases), new_biases, biases)
+    better = output_error(w, hessian, codes, new_scales, new_biases) < output_error(w, hessian, codes, scales, biases)
+    return np.where(better[:, None], new_scales, scales), np.where(better[:, None], new_biases, biases)
 
 
 class InputRecorder(nn.Module):
@@ -192,17 +307,21 @@ class InputRecorder(nn.Module):
         return self.linear(x)
 
 
-def input_hessians(model: nn.Module, texts: list[str], batch_size: int = 16) -> dict[str, np.ndarray]:
+def input_hessians(
+    model: nn.Module, texts: list[str], batch_size: int = 16, max_length: int | None = None
+) -> dict[str, np.ndarray]:
     """Input Hessians of every Linear on calibration texts (sorted by length so batches pad little)."""
     from . import load_tokenizer
 
     tokenizer, hessians = load_tokenizer(model), {}
+    limits = [n for n in (max_length, tokenizer.model_max_length, getattr(model.args, "max_tokens", None)) if n]
+    max_length = min(limits) if limits else None  # never past the position table
     linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
     model.update_modules(tree_unflatten([(p, InputRecorder(m, hessians, p)) for p, m in linears]))
     try:
         texts = sorted(texts, key=len)
         for i in tqdm(range(0, len(texts), batch_size), desc="calibrating", unit="batch", leave=False):
-            batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True)
+            batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length)
             model(
                 batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
             )
@@ -212,26 +331,71 @@ def input_hessians(model: nn.Module, texts: list[str], batch_size: int = 16) -> 
 
 
 def apply_gptq(model: nn.Module, hessians: dict[str, np.ndarray], floats: dict[str, np.ndarray]) -> None:
-    """Re-round each affine QuantizedLinear from its float weight with GPTQ (same layout, lower output error)."""
-    for path, module in tqdm(list(model.named_modules()), desc="GPTQ", unit="module", leave=False):
-        if isinstance(module, nn.QuantizedLinear) and module.mode == "affine" and path in hessians:
-            packed, scales, biases = gptq(floats[path], hessians[path], module.bits, module.group_size)
-            dtype = module.scales.dtype
-            module.weight, module.scales = mx.array(packed), mx.array(scales, dtype)
-            module.biases = mx.array(biases, dtype)
+    """Re-fit each affine quantized module from its float weight, same layout: GPTQ for Linears with a
+    Hessian, the least-squares grid (`affine_grid`) for the rest (embeddings, modules calibration missed)."""
+    modules = [
+        (path, m)
+        for path, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine" and path in floats
+    ]
+    for path, module in tqdm(modules, desc="GPTQ", unit="module", leave=False):
+        dtype = module.scales.dtype
+        np_dtype = np.float16 if dtype == mx.float16 else np.float32  # bfloat16 is fitted as float32
+        if isinstance(module, nn.QuantizedLinear) and path in hessians:
+            packed, scales, biases = gptq(floats[path], hessians[path], module.bits, module.group_size, np_dtype)
+        else:
+            packed, scales, biases = fit_grid(floats[path], module.bits, module.group_size, np_dtype)
+        module.weight, module.scales = mx.array(packed), mx.array(scales).astype(dtype)
+        module.biases = mx.array(biases).astype(dtype)
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The float dtype of the parameters that are not quantization scales (float32 if there are none)."""
+    dtypes = [
+        v.dtype
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))
+    ]
+    return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
+
+
+@functools.cache
+def builtin_calibration() -> tuple[str, ...]:
+    """The default GPTQ calibration texts: CALIBRATION_TEXTS standard-library docstrings (see the constants)."""
+    from .corpus import stdlib_docstrings
+
+    texts = stdlib_docstrings(CALIBRATION_START + CALIBRATION_TEXTS, max_chars=CALIBRATION_CHARS)
+    return tuple(texts[CALIBRATION_START:] or texts[-CALIBRATION_TEXTS:])
+
+
+def calibration_texts(calibration: list[str] | bool | None, spec: dict | None, model: nn.Module) -> list[str]:
+    """The texts to calibrate GPTQ on, or [] for rounding to nearest.
+
+    `None` means the built-in set for affine quantization of a checkpoint with a tokenizer; `False` rounds.
+    """
+    from . import load_tokenizer
+
+    if calibration is False or calibration is None and (spec is None or spec["mode"] != "affine"):
+        return []
+    if calibration is None:
+        try:
+            load_tokenizer(model)
+        except FileNotFoundError:
+            return []  # nothing to turn texts into ids: round to nearest
+        return list(builtin_calibration())
+    return list(calibration)
 
 
 def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
     """Replace every quantized module with its float equivalent in place; returns how many were replaced."""
-    replaced = []
+    replaced, float_dtype = [], model_dtype(model)
     for path, module in model.named_modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
         weight = mx.dequantize(
             module.weight, module.scales, module.get("biases"), module.group_size, module.bits, mode=module.mode
         )
-        # affine scales carry the float dtype; the fp modes' uint8 scales do not, so they default to float32
-        weight = weight.astype(dtype or (module.scales.dtype if module.mode == "affine" else mx.float32))
+        weight = weight.astype(dtype or float_dtype)
         if isinstance(module, nn.QuantizedEmbedding):
             float_module = nn.Embedding(*weight.shape)
         else:
@@ -544,14 +708,17 @@ def convert(
     upload_repo: str | None = None,
     force: bool = False,
     shard_size: int = MAX_SHARD_BYTES,
-    calibration: list[str] | None = None,
+    calibration: list[str] | bool | None = None,
 ) -> Path:
     """Convert a checkpoint (local folder or hub id) into an MLX checkpoint folder; returns its path.
 
     `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default
-    8; `group_size` 32/64/128, default 64; `mode` affine or mxfp4/mxfp8/nvfp4); `recipe` "mixed_4_8"
-    keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns -> bits).
-    `calibration` texts switch affine Linears from round-to-nearest to GPTQ (inputs measured on them).
+    8; `group_size` 32/64/128, default 32 for affine; `mode` affine or mxfp4/mxfp8/nvfp4); `recipe`
+    "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
+    -> bits).
+    Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 256
+    built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
+    rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.
     The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it.
     """
@@ -560,10 +727,12 @@ def convert(
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     path = check_inputs(source, target, spec, recipe, dtype, dequantize, force)
-    if calibration is not None and (spec is None or spec["mode"] != "affine" or not calibration):
+    explicit = calibration is not None and calibration is not False
+    if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
     model = load_model(path)
-    hessians = input_hessians(model, calibration) if calibration else None
+    calibration = calibration_texts(calibration, spec, model)
+    hessians = input_hessians(model, calibration, max_length=CALIBRATION_TOKENS) if calibration else None
     batch = probe_batch(model)
     output, reference = main_output(model, batch)
     parameters = sum(v.size for _, v in tree_flatten(model.parameters()))

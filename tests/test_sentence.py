@@ -19,7 +19,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoModel, AutoTokenizer
 
 from mlx_encoders import MODEL_TYPES, SentenceEncoder
-from mlx_encoders.conversion import convert
+from mlx_encoders.conversion import convert, dequantize_model
 from mlx_encoders.corpus import stdlib_docstrings
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
@@ -207,8 +207,7 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
         SentenceEncoder("sentence-transformers/not-cached")
 
 
-# The real model. MLX's Linux wheel multiplies with the reference BLAS, so texts are cut to 64 characters
-# (~15 tokens) and the quantized checks use the first 128 texts, to keep this part near a minute on 2 cores.
+# The real model. Texts are cut to 64 characters (~15 tokens) to keep this part near a minute on 2 cores.
 @pytest.fixture(scope="module")
 def real_texts() -> list[str]:
     texts = stdlib_docstrings(512, max_chars=64)
@@ -228,26 +227,32 @@ def test_all_minilm_l6_v2_matches_sentence_transformers(real_texts, real_referen
 
 
 @pytest.fixture(scope="module")
-def quantized_cosines(tmp_path_factory, real_texts, real_reference) -> dict[int, float]:
-    """Mean cosine with sentence-transformers of `python -m convert --quantize --bits B` embeddings."""
-    means = {}
+def quantized_cosines(tmp_path_factory, real_texts, real_reference) -> dict[int, np.ndarray]:
+    """Per-text cosine with sentence-transformers of `python -m convert --quantize --bits B` embeddings.
+
+    All 512 texts run through a dequantized copy of the converted model (float matmuls: MLX's CPU quantized
+    matmul is slow); that copy must agree with the quantized kernels themselves on the first 16 texts.
+    """
+    result = {}
     for bits in (8, 4):
         folder = convert(MINILM, tmp_path_factory.mktemp("q") / f"minilm-{bits}bit", quantize=True, bits=bits)
-        got = SentenceEncoder(folder).encode(real_texts[:128], batch_size=64)
-        means[bits] = float(cosines(got, real_reference[:128]).mean())
-    return means
+        encoder = SentenceEncoder(folder)
+        kernels = encoder.encode(real_texts[:16])
+        assert dequantize_model(encoder.model) > 0
+        got = encoder.encode(real_texts, batch_size=64)
+        assert cosines(got[:16], kernels).min() >= 0.99999
+        result[bits] = cosines(got, real_reference)
+    return result
 
 
-# Floors this conversion (affine, group size 64, every Linear and Embedding) reaches: measured 0.99985 and 0.963.
-@pytest.mark.parametrize("bits, floor", [(8, 0.9998), (4, 0.95)])
-def test_all_minilm_l6_v2_quantized(quantized_cosines, bits, floor):
-    assert quantized_cosines[bits] >= floor
+def test_all_minilm_l6_v2_8bit_meets_target(quantized_cosines):
+    assert quantized_cosines[8].mean() >= 0.9999  # the issue's target for the default conversion
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 4 asks mean cosine >= 0.9999 (8-bit) and >= 0.99 (4-bit); plain affine round-to-nearest "
-    "reaches 0.99985 and 0.963 on all-MiniLM-L6-v2 (group size 32 or float embeddings do not close the gap)",
-)
-def test_all_minilm_l6_v2_quantized_meets_issue_targets(quantized_cosines):
-    assert quantized_cosines[8] >= 0.9999 and quantized_cosines[4] >= 0.99
+def test_all_minilm_l6_v2_4bit_floor(quantized_cosines):
+    assert quantized_cosines[4].mean() >= 0.98  # measured about 0.9895 (benchmarks/quantize.py, 1000 texts)
+
+
+@pytest.mark.xfail(strict=True, reason="issue target not met yet: 4-bit mean cosine ~0.9895 against >= 0.99")
+def test_all_minilm_l6_v2_4bit_meets_target(quantized_cosines):
+    assert quantized_cosines[4].mean() >= 0.99
