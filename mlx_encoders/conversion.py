@@ -392,10 +392,13 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
     for path, module in model.named_modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
-        weight = mx.dequantize(
-            module.weight, module.scales, module.get("biases"), module.group_size, module.bits, mode=module.mode
-        )
-        weight = weight.astype(dtype or float_dtype)
+        target = dtype or float_dtype
+        # affine: widen float16 scales first, so scale * q + bias is computed (and exact) in the target dtype
+        scales, biases = module.scales, module.get("biases")
+        if module.mode == "affine":
+            scales, biases = scales.astype(target), biases.astype(target)
+        weight = mx.dequantize(module.weight, scales, biases, module.group_size, module.bits, mode=module.mode)
+        weight = weight.astype(target)
         if isinstance(module, nn.QuantizedEmbedding):
             float_module = nn.Embedding(*weight.shape)
         else:

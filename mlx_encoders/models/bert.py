@@ -45,11 +45,14 @@ class BertEmbeddings(nn.Module):
         return mx.arange(input_ids.shape[1])[None]
 
     def __call__(self, input_ids, token_type_ids=None) -> mx.array:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(self.position_ids(input_ids))
+        # Quantized tables return their scales' dtype (often float16): sum in the model's own float dtype.
+        dtype = self.LayerNorm.weight.dtype
+        x = self.word_embeddings(input_ids).astype(dtype)
+        x = x + self.position_embeddings(self.position_ids(input_ids)).astype(dtype)
         if "token_type_embeddings" in self:
             if token_type_ids is None:
                 token_type_ids = mx.zeros_like(input_ids)
-            x = x + self.token_type_embeddings(token_type_ids)
+            x = x + self.token_type_embeddings(token_type_ids).astype(dtype)
         return self.LayerNorm(x)
 
 

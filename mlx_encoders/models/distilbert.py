@@ -45,7 +45,9 @@ class Embeddings(nn.Module):
 
     def __call__(self, input_ids):
         positions = mx.arange(input_ids.shape[1])[None]
-        return self.LayerNorm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
+        dtype = self.LayerNorm.weight.dtype  # quantized tables return their scales' dtype
+        x = self.word_embeddings(input_ids).astype(dtype) + self.position_embeddings(positions).astype(dtype)
+        return self.LayerNorm(x)
 
 
 class MultiHeadSelfAttention(nn.Module):

@@ -74,7 +74,7 @@ class ModernBertEmbeddings(nn.Module):
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
 
     def __call__(self, input_ids):
-        return self.norm(self.tok_embeddings(input_ids))
+        return self.norm(self.tok_embeddings(input_ids).astype(self.norm.weight.dtype))  # see BertEmbeddings
 
 
 class ModernBertAttention(nn.Module):
