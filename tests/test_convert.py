@@ -31,6 +31,11 @@ ROUND_TRIPS = [
     ("modernbert", "sequence-classification", 4, 64, dict(hidden_size=64, intermediate_size=64)),
 ]
 MIN_COSINE = {8: 0.995, 6: 0.99, 4: 0.95}  # per-text output cosine vs the float transformers model
+# Below 8 bits, a BERT's position and token-type tables get per-module 8-bit entries (conversion.SHARED_TABLES).
+TABLES_AT_8 = {
+    f"embeddings.{name}": {"group_size": 32, "bits": 8, "mode": "affine"}
+    for name in ("position_embeddings", "token_type_embeddings")
+}
 
 
 def inputs(vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +75,9 @@ def stored(folder: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def assert_triplets_match(out: Path, source: Path, group_size: int, bits: int, rounded: bool = False) -> None:
+def assert_triplets_match(
+    out: Path, source: Path, default_group: int, default_bits: int, rounded: bool = False
+) -> None:
     """Every 2-D transformers weight is quantized iff its width divides the group size, with float16 scales
     and biases; within one step of it if `rounded` (to nearest), else within half a step on average."""
     reference = {k: v for k, v in load_file(source / "model.safetensors").items() if v.ndim == 2}
@@ -78,6 +85,8 @@ def assert_triplets_match(out: Path, source: Path, group_size: int, bits: int, r
     config = json.loads((out / "config.json").read_text())
     for key, w in reference.items():
         path = key.removesuffix(".weight")
+        own = config["quantization"].get(path)  # a per-module entry (position/token-type tables at 8 bits)
+        bits, group_size = (own["bits"], own["group_size"]) if isinstance(own, dict) else (default_bits, default_group)
         if w.shape[-1] % group_size:
             assert f"{path}.scales" not in weights and config["quantization"][path] is False, path
             np.testing.assert_array_equal(weights[key], w)
@@ -202,7 +211,7 @@ def test_gptq_calibration_beats_rounding(tmp_path, bert):
     assert main(argv) == 0
     rtn = mlx_encoders.convert(bert, tmp_path / "rtn", bits=4, group_size=32, calibration=False)
     config = json.loads((gptq / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine", **TABLES_AT_8}
     assert "GPTQ on" in (gptq / "README.md").read_text()
     batch = mlx_encoders.load(gptq)[1](texts, padding=True)
     ids, mask = np.array(batch["input_ids"]), np.array(batch["attention_mask"])
@@ -254,6 +263,23 @@ def test_recipe_keeps_embeddings_and_heads_at_higher_precision(tmp_path):
     ids, mask = inputs(30522)
     cos = text_cosines(ours(out, ids, mask), oracle(source, "sequence-classification", ids, mask), mask)
     assert cos.min() > MIN_COSINE[4]
+
+
+def test_shared_tables_stay_at_8_bits_unless_a_recipe_names_them(tmp_path, bert):
+    out = mlx_encoders.convert(bert, tmp_path / "q4", bits=4, calibration=False)
+    assert json.loads((out / "config.json").read_text())["quantization"] == {
+        "group_size": 32, "bits": 4, "mode": "affine", **TABLES_AT_8
+    }  # fmt: skip
+    weights = stored(out)
+    assert weights["embeddings.position_embeddings.weight"].shape[1] == 64 * 8 // 32
+    assert weights["embeddings.word_embeddings.weight"].shape[1] == 64 * 4 // 32
+    out = mlx_encoders.convert(bert, tmp_path / "all4", bits=4, recipe={"*": 4}, calibration=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert stored(out)["embeddings.token_type_embeddings.weight"].shape[1] == 64 * 4 // 32
+    out = mlx_encoders.convert(bert, tmp_path / "q6", bits=6, group_size=64, calibration=False)
+    config = json.loads((out / "config.json").read_text())["quantization"]
+    assert config["embeddings.position_embeddings"] == {"group_size": 64, "bits": 8, "mode": "affine"}
 
 
 def test_other_modes_and_dtype(tmp_path, bert):
@@ -378,6 +404,7 @@ def test_cli_accepts_mlx_lm_spellings_and_reports_errors(tmp_path, bert, capsys)
         "group_size": 32,
         "bits": 4,
         "mode": "affine",
+        **TABLES_AT_8,
     }
     assert main(["--hf-path", str(bert), "--mlx-path", str(out), "-q"]) == 1
     assert "already exists" in capsys.readouterr().err

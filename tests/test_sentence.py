@@ -249,10 +249,5 @@ def test_all_minilm_l6_v2_8bit_meets_target(quantized_cosines):
     assert quantized_cosines[8].mean() >= 0.9999  # the issue's target for the default conversion
 
 
-def test_all_minilm_l6_v2_4bit_floor(quantized_cosines):
-    assert quantized_cosines[4].mean() >= 0.98  # measured about 0.9895 (benchmarks/quantize.py, 1000 texts)
-
-
-@pytest.mark.xfail(strict=True, reason="issue target not met yet: 4-bit mean cosine ~0.9895 against >= 0.99")
 def test_all_minilm_l6_v2_4bit_meets_target(quantized_cosines):
-    assert quantized_cosines[4].mean() >= 0.99
+    assert quantized_cosines[4].mean() >= 0.99  # the issue's target for the default 4-bit conversion
