@@ -123,7 +123,8 @@ def build_engines(names: list[str], batch_size: int, workdir: Path) -> dict[str,
             engines[name] = mlx_encoders_engine(source, batch_size)
         elif name.startswith("mlx_encoders-"):
             bits = int(name.removeprefix("mlx_encoders-").removesuffix("bit"))
-            folder = convert(source, workdir / f"{bits}bit", quantize=True, bits=bits, group_size=64)
+            # convert's defaults: what `python -m convert -q --bits N` writes
+            folder = convert(source, workdir / f"{bits}bit", quantize=True, bits=bits)
             engines[name] = mlx_encoders_engine(folder, batch_size)
         elif name == "sentence-transformers":
             engines[name] = sentence_transformers_engine(source, batch_size)
