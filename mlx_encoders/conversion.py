@@ -239,7 +239,13 @@ def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) ->
 
 
 def gptq(
-    weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int, dtype=np.float16, damp: float = 0.01
+    weight: np.ndarray,
+    hessian: np.ndarray,
+    bits: int,
+    group_size: int,
+    dtype=np.float16,
+    damp: float = 0.01,
+    act_order: bool = True,
 ) -> tuple:
     """GPTQ (Frantar et al. 2022, Algorithm 1) with act-order and static groups, into MLX affine triplets.
 
@@ -248,13 +254,13 @@ def gptq(
     columns are then rounded in order of decreasing Hessian diagonal (the inputs that carry the most
     energy first, "act-order"), each rounding error pushed onto the columns not yet rounded through the
     inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than with
-    plain rounding. At the end `refit_grid` re-solves every scale and bias for the chosen codes.
-    Returns (packed uint32 weight, scales, biases).
+    plain rounding (`act_order=False` rounds left to right). At the end `refit_grid` re-solves every scale
+    and bias for the chosen codes. Returns (packed uint32 weight, scales, biases).
     """
     levels = 2**bits - 1
     h = hessian.astype(np.float64) + damp * np.mean(np.diag(hessian)) * np.eye(len(hessian))
     _, steps, lows = affine_grid(weight, bits, group_size, dtype, np.diag(h))
-    order = np.argsort(-np.diag(h), kind="stable")
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
     u = np.linalg.cholesky(np.linalg.inv(h[order][:, order])).T  # upper Cholesky factor of H^-1, permuted
     w = weight.astype(np.float64)[:, order]
     codes = np.zeros(w.shape, np.int64)
