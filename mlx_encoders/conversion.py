@@ -313,10 +313,10 @@ def refit_grid(
 class InputRecorder(nn.Module):
     """Wraps a Linear and accumulates X^T W X of its inputs (the GPTQ Hessian, up to a factor).
 
-    `weights` holds the current batch's (B, L) token weights: 0 on padding, 1/length on a text's tokens,
-    so every calibration text counts the same whatever its length (sentence embeddings average a text's
-    tokens; without this, long texts would outweigh short ones). Inputs of shape (B, D), such as a pooler's,
-    weigh each text once.
+    `weights["sqrt"]` holds the square roots of the current batch's (B, L) token weights: 0 on padding,
+    1/length on a text's tokens, so every calibration text counts the same whatever its length (sentence
+    embeddings average a text's tokens; without this, long texts would outweigh short ones). Inputs of
+    shape (B, D), such as a pooler's, weigh each text once.
     """
 
     def __init__(self, linear: nn.Linear, hessians: dict, path: str, weights: dict):
@@ -327,7 +327,7 @@ class InputRecorder(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         flat = x.astype(mx.float32)
         if flat.ndim == 3:
-            flat = flat * mx.sqrt(self._weights["tokens"])[..., None]
+            flat = flat * self._weights["sqrt"][..., None]
         flat = flat.reshape(-1, x.shape[-1])
         self._hessians[self._path] = self._hessians.get(self._path, 0) + flat.T @ flat
         mx.eval(self._hessians[self._path])
@@ -350,7 +350,7 @@ def input_hessians(
         for i in tqdm(range(0, len(texts), batch_size), desc="calibrating", unit="batch", leave=False):
             batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length)
             mask = mx.array(batch["attention_mask"]).astype(mx.float32)
-            weights["tokens"] = mask / mx.maximum(mask.sum(axis=1, keepdims=True), 1)
+            weights["sqrt"] = mx.sqrt(mask / mx.maximum(mask.sum(axis=1, keepdims=True), 1))  # once per batch
             model(
                 batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
             )
