@@ -236,7 +236,7 @@ def profile(path: Path, texts: list[str], batch_size: int) -> None:
         real = padded = 0
         for start in range(0, len(texts), batch_size):
             rows = [encodings[i] for i in order[start : start + batch_size]]
-            batch = timer("pad + host->device", enc.pad, rows)
+            batch = timer("pad + host->device", enc.tokenizer.pad, rows)
             ids, am = batch["input_ids"], batch["attention_mask"]
             real, padded = real + int(am.sum()), padded + am.size
             x = timer("embeddings + LN", bert.embeddings, ids, batch["token_type_ids"])
