@@ -33,6 +33,8 @@ DENSE_ACTIVATIONS = {
     "Sigmoid": mx.sigmoid,
 }
 PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
+# On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache.
+CPU_SLICE_BYTES = 3 * 2**19
 
 
 @dataclass
@@ -137,6 +139,8 @@ class SentenceEncoder:
         self.read_sentence_config(transformer)
         width = len(self.pooling) * self.model.args.hidden_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
+        # None: each batch in one forward pass. See slices().
+        self.slice_bytes: int | None = CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None
 
     def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
         modes = None
@@ -255,14 +259,33 @@ class SentenceEncoder:
             progress = len(starts) >= PROGRESS_MIN_BATCHES and sys.stderr.isatty()
         pending = None
         for start in self.progress(starts, progress):
-            rows = order[start : start + batch_size]
-            vectors = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), prompt_length, normalize)
-            mx.async_eval(vectors)  # the next batch is tokenized and padded while this one computes
-            if pending is not None:
-                out[pending[0]] = np.array(pending[1])
-            pending = (rows, vectors)
+            batch = order[start : start + batch_size]
+            for rows in self.slices(batch, [len(encodings[i]) for i in batch]):
+                vectors = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), prompt_length, normalize)
+                mx.async_eval(vectors)  # the next slice is padded while this one computes
+                if pending is not None:
+                    out[pending[0]] = np.array(pending[1])
+                pending = (rows, vectors)
         out[pending[0]] = np.array(pending[1])
         return out
+
+    def slices(self, rows: np.ndarray, lengths: list[int]):
+        """Split a batch (longest text first) into the row groups that run as one forward pass.
+
+        With `slice_bytes` set (the default on the CPU), each group is as large as keeps a layer's largest
+        activation within that many bytes, so every op works on data in cache: on the 2-core machine of
+        README's benchmark, all-MiniLM-L6-v2 runs 2x faster than in 32-text passes. Embeddings do not depend
+        on the grouping. On a GPU, the whole batch is one pass.
+        """
+        if self.slice_bytes is None:
+            yield rows
+            return
+        start = 0
+        while start < len(rows):
+            per_row = 4 * self.model.args.activation_elements(lengths[start])
+            count = max(1, self.slice_bytes // per_row)
+            yield rows[start : start + count]
+            start += count
 
     @staticmethod
     def progress(starts: range, show: bool):

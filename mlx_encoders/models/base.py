@@ -38,6 +38,13 @@ class BaseArgs:
     def num_labels(self) -> int:
         return len(self.id2label)
 
+    def activation_elements(self, length: int) -> int:
+        """Elements per sequence of a layer's largest activation at `length` tokens: the attention scores
+        (heads x length x length) or the feed-forward's inner layer (length x width)."""
+        heads = getattr(self, "num_attention_heads", None) or getattr(self, "n_heads", 1)
+        width = getattr(self, "intermediate_size", None) or getattr(self, "hidden_dim", 0)
+        return length * max(heads * length, width)
+
     @property
     def max_tokens(self) -> int | None:
         """The longest input the position table allows (None: no table)."""
@@ -127,10 +134,62 @@ def merge_heads(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
 
 
+# exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);
+# exp(r) = 1 + r + r^2 P(r), Cephes' float32 expf polynomial (within 1 ulp of exp).
+LOG2E = 1.4426950408889634
+LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4
+EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1)  # fmt: skip
+ROUNDING = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer, in its low bits
+LOG_SMALLEST_NORMAL = -87.33654  # ln(2^-126)
+
+
+@mx.compile
+def exp_reduce(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(x / ln 2 + ROUNDING, whose low bits hold n; r)."""
+    shifted = x * LOG2E + ROUNDING
+    n = shifted - ROUNDING
+    return shifted, (x - n * LN2_HIGH) - n * LN2_LOW
+
+
+@mx.compile
+def exp_small(r: mx.array) -> mx.array:
+    """exp(r) for |r| <= ln2 / 2, the polynomial in Estrin's form (short dependency chains)."""
+    c0, c1, c2, c3, c4, c5 = EXP_POLYNOMIAL
+    r2 = r * r
+    p = (c5 + c4 * r) + r2 * (c3 + c2 * r) + (r2 * r2) * (c1 + c0 * r)
+    return p * r2 + r + 1
+
+
+@mx.compile
+def exponent_bits(shifted_bits: mx.array) -> mx.array:
+    """The float32 bit pattern of 2^n, from the bits of x / ln 2 + ROUNDING (n + 127 in the exponent field)."""
+    return (shifted_bits + 127) << 23
+
+
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """exp of float32 x <= 0, within 1 ulp for x >= ln(2^-126); smaller x give 2^-126 (about 1.2e-38).
+
+    MLX's CPU backend computes mx.exp one element at a time, about 10 ns each (and within ~60 ulp); these
+    multiply-adds and integer shifts vectorise. The four steps stay separate kernels because mx.compile
+    cannot fuse through a bit-cast (`view`) and fuses only short chains.
+    """
+    shifted, r = exp_reduce(mx.maximum(x, LOG_SMALLEST_NORMAL))
+    return exp_small(r) * exponent_bits(shifted.view(mx.int32)).view(mx.float32)
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; the softmax runs in float32.
+
+    Written out rather than through mx.fast.scaled_dot_product_attention, whose softmax exp dominates an
+    encoder's time on MLX's CPU backend: see exp_nonpositive. Normalising after the product with v divides
+    (B, nh, L, hd) values instead of (B, nh, L, L).
+    """
+    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    if mask is not None:
+        scores = scores + mask
+    weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
+    return (weights.astype(v.dtype) @ v) / weights.sum(axis=-1, keepdims=True).astype(v.dtype)
 
 
 def multi_head_attention(q, k, v, num_heads: int, mask: mx.array | None) -> mx.array:
