@@ -1,12 +1,14 @@
-"""Batch invariance, reduced precision and masks that can never produce NaN."""
+"""Batch invariance, reduced precision, masks that can never produce NaN, and the attention's own exp."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import torch
 from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders.models import MODEL_TYPES
+from mlx_encoders.models.base import attention, exp_nonpositive, padding_mask
 
 TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog.", " ".join(["a long text"] * 60)]
 # Documented in README: max abs difference from float32, relative to the output's scale.
@@ -59,3 +61,43 @@ def test_all_padding_rows_stay_finite_in_float16(checkpoint, model_type):
     ids = mx.ones((2, 12), dtype=mx.int32) * 5
     mask = mx.array([[1] + [0] * 11, [0] * 12], dtype=mx.int32)  # one real token; no real token at all
     assert bool(mx.all(mx.isfinite(model(ids, attention_mask=mask).logits)))
+
+
+def ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """|got - exact| in units of the last place of float32 at `exact` (float64)."""
+    return np.abs(got.astype(np.float64) - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+
+
+def test_exp_nonpositive_is_within_one_ulp_of_exp():
+    smallest_normal_log = np.log(np.float64(np.finfo(np.float32).tiny))
+    x = np.concatenate([
+        np.linspace(smallest_normal_log, 0, 2_000_001, dtype=np.float32),
+        np.float32(-1) * np.logspace(-30, 1, 10_001, dtype=np.float32),  # tiny magnitudes
+        np.float32([0.0, -0.0, np.log(0.5) / 2, np.log(2) / 2 - 1e-7]),
+    ])  # fmt: skip
+    x = x[x >= smallest_normal_log]
+    got = np.array(exp_nonpositive(mx.array(x)))
+    assert ulps(got, np.exp(x.astype(np.float64))).max() <= 1.0
+
+
+def test_exp_nonpositive_below_the_normal_range_is_tiny_and_finite():
+    x = mx.array([-87.5, -100.0, -1e30, float(np.finfo(np.float32).min), -np.inf], dtype=mx.float32)
+    got = np.array(exp_nonpositive(x))
+    assert np.isfinite(got).all() and (got >= 0).all() and (got <= 1.2e-38).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: scores in the hundreds, where an unshifted exp overflows
+def test_attention_matches_torch_with_padding_and_a_fully_masked_row(scale):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, 4, 17, 8)).astype(np.float32) * s for s in (scale, scale, 1.0))
+    keep = np.ones((3, 17), np.int32)
+    keep[1, 5:] = 0
+    keep[2, :] = 0  # no real key: every weight equal, as with transformers' finite mask
+    mask = padding_mask(mx.array(keep), mx.float32)
+    got = np.array(attention(mx.array(q), mx.array(k), mx.array(v), mask))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(t).double() for t in (q, k, v, np.array(mask)))
+    ).numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(got[2], np.broadcast_to(v[2].mean(axis=1, keepdims=True), v[2].shape), atol=2e-6)

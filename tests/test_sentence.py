@@ -186,6 +186,25 @@ def test_input_forms_and_order(tmp_path, bert):
     np.testing.assert_allclose(sims[0, 7], 1.0, atol=1e-5)  # the same sentence twice
 
 
+@pytest.mark.parametrize("slice_bytes", [1, 4 * 2**10])
+def test_cpu_slices_cover_each_batch_within_budget_and_match_sentence_transformers(tmp_path, bert, slice_bytes):
+    encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
+    assert encoder.slice_bytes is not None  # the default on the CPU
+    encoder.slice_bytes = slice_bytes
+    rows, lengths = np.arange(7), [60, 41, 40, 12, 9, 3, 2]  # a batch, longest text first
+    groups = list(encoder.slices(rows, lengths))
+    np.testing.assert_array_equal(np.concatenate(groups), rows)
+    for group in groups:
+        per_row = 4 * encoder.model.args.activation_elements(lengths[group[0]])
+        assert len(group) == 1 or len(group) * per_row <= slice_bytes
+    if slice_bytes > 1:
+        assert 1 < len(groups) < len(rows)
+    whole = SentenceEncoder(encoder.path)
+    whole.slice_bytes = None
+    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=8), whole.encode(TEXTS, batch_size=8), atol=1e-6)
+    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=8), reference(encoder.path, TEXTS), atol=1e-5)
+
+
 def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 
