@@ -211,7 +211,8 @@ def bert_layer_ops(timer: Timer, layer, x, mask):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_encoders.models.base import attention, merge_heads, split_heads
+    from mlx_encoders.kernels import attention
+    from mlx_encoders.models.base import merge_heads, split_heads
 
     attn = layer.attention.self
     q, k, v = (timer("matmul qkv", m, x) for m in (attn.query, attn.key, attn.value))

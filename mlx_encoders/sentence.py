@@ -11,6 +11,7 @@ in input order.
 import json
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +140,7 @@ class SentenceEncoder:
         self.read_sentence_config(transformer)
         width = len(self.pooling) * self.model.args.hidden_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
-        # None: each batch in one forward pass. See slices().
+        # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None
 
     def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
@@ -269,21 +270,22 @@ class SentenceEncoder:
         out[pending[0]] = np.array(pending[1])
         return out
 
-    def slices(self, rows: np.ndarray, lengths: list[int]):
-        """Split a batch (longest text first) into the row groups that run as one forward pass.
+    def slices(self, rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
+        """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
 
         With `slice_bytes` set (the default on the CPU), each group is as large as keeps a layer's largest
-        activation within that many bytes, so every op works on data in cache: on the 2-core machine of
-        README's benchmark, all-MiniLM-L6-v2 runs 2x faster than in 32-text passes. Embeddings do not depend
-        on the grouping. On a GPU, the whole batch is one pass.
+        activation (float32) within that many bytes, so every op works on data in cache; see README,
+        Performance. Embeddings do not depend on the grouping, beyond float rounding. A GPU runs the whole
+        batch in one pass.
         """
         if self.slice_bytes is None:
             yield rows
             return
         start = 0
         while start < len(rows):
-            per_row = 4 * self.model.args.activation_elements(lengths[start])
-            count = max(1, self.slice_bytes // per_row)
+            longest = max(lengths[start:])  # lengths[start] when sorted, as run() sorts them
+            per_row = 4 * self.model.args.activation_elements(longest)
+            count = max(1, self.slice_bytes // max(per_row, 1))
             yield rows[start : start + count]
             start += count
 

@@ -7,8 +7,10 @@ import torch
 from mlx.utils import tree_flatten
 
 import mlx_encoders
+from mlx_encoders import kernels
+from mlx_encoders.kernels import attention, exp_nonpositive
 from mlx_encoders.models import MODEL_TYPES
-from mlx_encoders.models.base import attention, exp_nonpositive, padding_mask
+from mlx_encoders.models.base import padding_mask
 
 TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog.", " ".join(["a long text"] * 60)]
 # Documented in README: max abs difference from float32, relative to the output's scale.
@@ -73,7 +75,7 @@ def test_exp_nonpositive_is_within_one_ulp_of_exp():
     x = np.concatenate([
         np.linspace(smallest_normal_log, 0, 2_000_001, dtype=np.float32),
         np.float32(-1) * np.logspace(-30, 1, 10_001, dtype=np.float32),  # tiny magnitudes
-        np.float32([0.0, -0.0, np.log(0.5) / 2, np.log(2) / 2 - 1e-7]),
+        np.float32([0.0, -0.0, np.log(0.5) / 2, np.log(0.5) / 2 - 1e-7]),  # r at the reduction's edge
     ])  # fmt: skip
     x = x[x >= smallest_normal_log]
     got = np.array(exp_nonpositive(mx.array(x)))
@@ -86,8 +88,19 @@ def test_exp_nonpositive_below_the_normal_range_is_tiny_and_finite():
     assert np.isfinite(got).all() and (got >= 0).all() and (got <= 1.2e-38).all()
 
 
+def force_branch(monkeypatch, device: str) -> None:
+    """Make kernels.attention take the `device` branch (both run here on the CPU); the other must not run."""
+    monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(getattr(mx, device)))
+    if device == "gpu":
+        monkeypatch.setattr(kernels, "written_out_attention", None)
+    else:
+        monkeypatch.setattr(kernels.mx.fast, "scaled_dot_product_attention", None)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: scores in the hundreds, where an unshifted exp overflows
-def test_attention_matches_torch_with_padding_and_a_fully_masked_row(scale):
+def test_attention_matches_torch_with_padding_and_a_fully_masked_row(monkeypatch, scale, device):
+    force_branch(monkeypatch, device)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((3, 4, 17, 8)).astype(np.float32) * s for s in (scale, scale, 1.0))
     keep = np.ones((3, 17), np.int32)
@@ -101,3 +114,14 @@ def test_attention_matches_torch_with_padding_and_a_fully_masked_row(scale):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)
     np.testing.assert_allclose(got[2], np.broadcast_to(v[2].mean(axis=1, keepdims=True), v[2].shape), atol=2e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_float16_attention_over_long_inputs_with_large_values_stays_finite(monkeypatch, device):
+    """Uniform weights over 1024 keys of value 100: a sum of weights x values far past float16's 65504."""
+    force_branch(monkeypatch, device)
+    q = mx.zeros((1, 2, 1024, 16), mx.float16)
+    v = mx.full((1, 2, 1024, 16), 100.0, mx.float16)
+    got = attention(q, q, v, padding_mask(mx.ones((1, 1024), mx.int32), mx.float16))
+    assert got.dtype == mx.float16
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), 100.0, rtol=1e-3)

@@ -9,6 +9,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
@@ -21,6 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 from mlx_encoders import MODEL_TYPES, SentenceEncoder
 from mlx_encoders.conversion import convert, dequantize_model
 from mlx_encoders.corpus import stdlib_docstrings
+from mlx_encoders.sentence import CPU_SLICE_BYTES
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
 TEXTS = [
@@ -187,9 +189,9 @@ def test_input_forms_and_order(tmp_path, bert):
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 4 * 2**10])
-def test_cpu_slices_cover_each_batch_within_budget_and_match_sentence_transformers(tmp_path, bert, slice_bytes):
+def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(tmp_path, bert, slice_bytes):
     encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
-    assert encoder.slice_bytes is not None  # the default on the CPU
+    assert encoder.slice_bytes == (CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None)
     encoder.slice_bytes = slice_bytes
     rows, lengths = np.arange(7), [60, 41, 40, 12, 9, 3, 2]  # a batch, longest text first
     groups = list(encoder.slices(rows, lengths))
@@ -199,10 +201,15 @@ def test_cpu_slices_cover_each_batch_within_budget_and_match_sentence_transforme
         assert len(group) == 1 or len(group) * per_row <= slice_bytes
     if slice_bytes > 1:
         assert 1 < len(groups) < len(rows)
+    widths = []
+    embed = encoder.embed
+    encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
+    got = encoder.encode(TEXTS, batch_size=8)
+    assert len(widths) > 2 and sum(rows for rows, _ in widths) == len(TEXTS)  # passes smaller than the batches
     whole = SentenceEncoder(encoder.path)
     whole.slice_bytes = None
-    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=8), whole.encode(TEXTS, batch_size=8), atol=1e-6)
-    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=8), reference(encoder.path, TEXTS), atol=1e-5)
+    np.testing.assert_allclose(got, whole.encode(TEXTS, batch_size=8), atol=1e-6)
+    np.testing.assert_allclose(got, reference(encoder.path, TEXTS), atol=1e-5)
 
 
 def test_hub_id_from_offline_cache(tmp_path, monkeypatch):

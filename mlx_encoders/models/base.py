@@ -6,12 +6,13 @@ The math follows Hugging Face transformers (`modeling_bert.py` and friends); see
 
 import dataclasses
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..kernels import attention, gelu
 
 
 @dataclass
@@ -41,9 +42,15 @@ class BaseArgs:
     def activation_elements(self, length: int) -> int:
         """Elements per sequence of a layer's largest activation at `length` tokens: the attention scores
         (heads x length x length) or the feed-forward's inner layer (length x width)."""
-        heads = getattr(self, "num_attention_heads", None) or getattr(self, "n_heads", 1)
-        width = getattr(self, "intermediate_size", None) or getattr(self, "hidden_dim", 0)
-        return length * max(heads * length, width)
+        return length * max(self.attention_heads * length, self.ffn_width)
+
+    @property
+    def attention_heads(self) -> int:
+        return self.num_attention_heads  # the BERT-family name; DistilBERT's args override this
+
+    @property
+    def ffn_width(self) -> int:
+        return self.intermediate_size  # the feed-forward's inner width; DistilBERT and ModernBERT override this
 
     @property
     def max_tokens(self) -> int | None:
@@ -61,33 +68,6 @@ class ModelOutput:
     start_logits: mx.array | None = None
     end_logits: mx.array | None = None
     seq_relationship_logits: mx.array | None = None
-
-
-# erf as a rational function on [-4, 4] (Eigen's / XLA's float32 erf, within ~2 ulp; |erf| rounds to 1 beyond 4).
-ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-                 -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # fmt: skip
-ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-                   -1.42647390514189e-02)  # fmt: skip
-
-
-def polyval(coefficients: tuple[float, ...], x: mx.array) -> mx.array:
-    """Horner's rule, highest power first."""
-    acc = coefficients[0]
-    for c in coefficients[1:]:
-        acc = acc * x + c
-    return acc
-
-
-@mx.compile
-def gelu(x: mx.array) -> mx.array:
-    """Exact (erf) GELU, as torch's nn.GELU(). A few multiply-adds fused by mx.compile replace mx.erf, which
-    is several times slower on MLX's CPU backend; the result matches torch's float32 GELU to rounding.
-    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does."""
-    x32 = x.astype(mx.float32)
-    z = mx.minimum(mx.maximum(x32 * (1 / math.sqrt(2)), -4.0), 4.0)
-    z2 = z * z
-    erf = z * polyval(ERF_NUMERATOR, z2) / polyval(ERF_DENOMINATOR, z2)
-    return (x32 * (1 + erf) / 2).astype(x.dtype)
 
 
 ACTIVATIONS = {
@@ -112,7 +92,7 @@ def activation(name: str):
 
 def mask_value(dtype: mx.Dtype) -> float:
     # Half the most negative finite value: adding a score can never overflow to -inf, so a row whose keys
-    # are all masked stays finite (uniform weights) instead of NaN.
+    # are all masked stays finite instead of NaN (its weights are uniform in float32; such rows are padding).
     return float(mx.finfo(dtype).min) / 2
 
 
@@ -132,64 +112,6 @@ def split_heads(x: mx.array, num_heads: int) -> mx.array:
 def merge_heads(x: mx.array) -> mx.array:
     B, _, L, _ = x.shape
     return x.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
-
-
-# exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);
-# exp(r) = 1 + r + r^2 P(r), Cephes' float32 expf polynomial (within 1 ulp of exp).
-LOG2E = 1.4426950408889634
-LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4
-EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-                  5.0000001201e-1)  # fmt: skip
-ROUNDING = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer, in its low bits
-LOG_SMALLEST_NORMAL = -87.33654  # ln(2^-126)
-
-
-@mx.compile
-def exp_reduce(x: mx.array) -> tuple[mx.array, mx.array]:
-    """(x / ln 2 + ROUNDING, whose low bits hold n; r)."""
-    shifted = x * LOG2E + ROUNDING
-    n = shifted - ROUNDING
-    return shifted, (x - n * LN2_HIGH) - n * LN2_LOW
-
-
-@mx.compile
-def exp_small(r: mx.array) -> mx.array:
-    """exp(r) for |r| <= ln2 / 2, the polynomial in Estrin's form (short dependency chains)."""
-    c0, c1, c2, c3, c4, c5 = EXP_POLYNOMIAL
-    r2 = r * r
-    p = (c5 + c4 * r) + r2 * (c3 + c2 * r) + (r2 * r2) * (c1 + c0 * r)
-    return p * r2 + r + 1
-
-
-@mx.compile
-def exponent_bits(shifted_bits: mx.array) -> mx.array:
-    """The float32 bit pattern of 2^n, from the bits of x / ln 2 + ROUNDING (n + 127 in the exponent field)."""
-    return (shifted_bits + 127) << 23
-
-
-def exp_nonpositive(x: mx.array) -> mx.array:
-    """exp of float32 x <= 0, within 1 ulp for x >= ln(2^-126); smaller x give 2^-126 (about 1.2e-38).
-
-    MLX's CPU backend computes mx.exp one element at a time, about 10 ns each (and within ~60 ulp); these
-    multiply-adds and integer shifts vectorise. The four steps stay separate kernels because mx.compile
-    cannot fuse through a bit-cast (`view`) and fuses only short chains.
-    """
-    shifted, r = exp_reduce(mx.maximum(x, LOG_SMALLEST_NORMAL))
-    return exp_small(r) * exponent_bits(shifted.view(mx.int32)).view(mx.float32)
-
-
-def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; the softmax runs in float32.
-
-    Written out rather than through mx.fast.scaled_dot_product_attention, whose softmax exp dominates an
-    encoder's time on MLX's CPU backend: see exp_nonpositive. Normalising after the product with v divides
-    (B, nh, L, hd) values instead of (B, nh, L, L).
-    """
-    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
-    if mask is not None:
-        scores = scores + mask
-    weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
-    return (weights.astype(v.dtype) @ v) / weights.sum(axis=-1, keepdims=True).astype(v.dtype)
 
 
 def multi_head_attention(q, k, v, num_heads: int, mask: mx.array | None) -> mx.array:

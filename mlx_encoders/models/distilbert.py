@@ -35,6 +35,14 @@ class ModelArgs(BaseArgs):
     def hidden_size(self) -> int:
         return self.dim
 
+    @property
+    def attention_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def ffn_width(self) -> int:
+        return self.hidden_dim
+
 
 class Embeddings(nn.Module):
     def __init__(self, args: ModelArgs):

@@ -50,6 +50,10 @@ class ModelArgs(BaseArgs):
     global_rope_theta: float = 160000.0
     local_rope_theta: float = 10000.0
 
+    @property
+    def ffn_width(self) -> int:
+        return 2 * self.intermediate_size  # Wi's output: the GeGLU's input and gate
+
     def __post_init__(self):
         super().__post_init__()
         if self.layer_types is None:

@@ -1,0 +1,105 @@
+"""Exact, fast forms of the elementwise functions and attention that encoders spend their time in.
+
+MLX's CPU backend computes transcendental functions (exp, erf) one element at a time; the forms here are
+multiply-adds and integer shifts that `mx.compile` fuses and the C++ compiler vectorises, and they stay
+within float32 rounding of the exact function (tests/test_numerics.py). They are pure MLX and run unchanged
+on every backend; `attention` alone picks MLX's fused kernel on a GPU, where one exists.
+"""
+
+import math
+
+import mlx.core as mx
+
+# erf as a rational function on [-4, 4] (Eigen's / XLA's float32 erf, within ~2 ulp; |erf| rounds to 1 beyond 4).
+ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+                 -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # fmt: skip
+ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+                   -1.42647390514189e-02)  # fmt: skip
+
+
+def polyval(coefficients: tuple[float, ...], x: mx.array) -> mx.array:
+    """Horner's rule, highest power first."""
+    acc = coefficients[0]
+    for c in coefficients[1:]:
+        acc = acc * x + c
+    return acc
+
+
+@mx.compile
+def gelu(x: mx.array) -> mx.array:
+    """Exact (erf) GELU, as torch's nn.GELU(). A few multiply-adds fused by mx.compile replace mx.erf, which
+    is several times slower on MLX's CPU backend; the result matches torch's float32 GELU to rounding.
+    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does."""
+    x32 = x.astype(mx.float32)
+    z = mx.minimum(mx.maximum(x32 * (1 / math.sqrt(2)), -4.0), 4.0)
+    z2 = z * z
+    erf = z * polyval(ERF_NUMERATOR, z2) / polyval(ERF_DENOMINATOR, z2)
+    return (x32 * (1 + erf) / 2).astype(x.dtype)
+
+
+# exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);
+# exp(r) = 1 + r + r^2 P(r), Cephes' float32 expf polynomial (within 1 ulp of exp).
+LOG2E = 1.4426950408889634
+LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4
+EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1)  # fmt: skip
+ROUNDING = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer, in its low bits
+LOG_SMALLEST_NORMAL = -87.33654  # ln(2^-126)
+
+
+@mx.compile
+def exp_reduce(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(x / ln 2 + ROUNDING, whose low bits hold n; r)."""
+    shifted = x * LOG2E + ROUNDING
+    n = shifted - ROUNDING
+    return shifted, (x - n * LN2_HIGH) - n * LN2_LOW
+
+
+@mx.compile
+def exp_small(r: mx.array, scale: mx.array) -> mx.array:
+    """exp(r) * scale for |r| <= ln2 / 2, the polynomial in Estrin's form (short dependency chains)."""
+    c0, c1, c2, c3, c4, c5 = EXP_POLYNOMIAL
+    r2 = r * r
+    p = (c5 + c4 * r) + r2 * (c3 + c2 * r) + (r2 * r2) * (c1 + c0 * r)
+    return (p * r2 + r + 1) * scale
+
+
+@mx.compile
+def exponent_bits(shifted_bits: mx.array) -> mx.array:
+    """The float32 bit pattern of 2^n, from the (uint32) bits of x / ln 2 + ROUNDING, whose low bits hold n."""
+    return (shifted_bits + 127) << 23
+
+
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """exp of float32 x <= 0, within 1 ulp for x >= ln(2^-126); smaller x give about 2^-126 (1.2e-38).
+    Positive x are outside its contract (past 88 the exponent overflows); softmax only needs x <= 0.
+
+    MLX's CPU backend computes mx.exp one element at a time, about 10 ns each (and up to 64 ulp off); these
+    multiply-adds and integer shifts vectorise. They run as three compiled kernels: mx.compile cannot fuse
+    through a bit-cast (`view`), and its CPU kernels do not vectorise `maximum`, which therefore runs alone.
+    """
+    shifted, r = exp_reduce(mx.maximum(x, LOG_SMALLEST_NORMAL))
+    return exp_small(r, exponent_bits(shifted.view(mx.uint32)).view(mx.float32))
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; `mask` is additive (see padding_mask).
+
+    On a GPU, mx.fast.scaled_dot_product_attention: MLX's fused kernel. On the CPU, MLX runs that function
+    as separate ops whose softmax exp costs most of an encoder's time, so the same math is written out here
+    with exp_nonpositive: `written_out_attention`.
+    """
+    if mx.default_device() == mx.cpu:
+        return written_out_attention(q, k, v, mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
+
+
+def written_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    """Attention as matmuls and a float32 softmax through exp_nonpositive. The weights are normalised after
+    the product with v, which divides (B, nh, L, hd) values instead of (B, nh, L, L); that product runs in
+    float32, as its unnormalised sums can pass float16's range."""
+    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    if mask is not None:
+        scores = scores + mask
+    weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
+    return ((weights @ v.astype(mx.float32)) / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
