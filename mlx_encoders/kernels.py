@@ -10,31 +10,35 @@ import math
 
 import mlx.core as mx
 
-# erf as a rational function on [-4, 4] (Eigen's / XLA's float32 erf, within ~2 ulp; |erf| rounds to 1 beyond 4).
+# erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
+# |erf| rounds to 1 beyond 4).
 ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
                  -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # fmt: skip
 ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
                    -1.42647390514189e-02)  # fmt: skip
 
 
-def polyval(coefficients: tuple[float, ...], x: mx.array) -> mx.array:
-    """Horner's rule, highest power first."""
-    acc = coefficients[0]
-    for c in coefficients[1:]:
-        acc = acc * x + c
-    return acc
-
-
 @mx.compile
-def gelu(x: mx.array) -> mx.array:
-    """Exact (erf) GELU, as torch's nn.GELU(). A few multiply-adds fused by mx.compile replace mx.erf, which
-    is several times slower on MLX's CPU backend; the result matches torch's float32 GELU to rounding.
-    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does."""
-    x32 = x.astype(mx.float32)
-    z = mx.minimum(mx.maximum(x32 * (1 / math.sqrt(2)), -4.0), 4.0)
+def gelu_from(x: mx.array, z: mx.array) -> mx.array:
+    """x (1 + erf(z)) / 2 for float32 x and z = x / sqrt(2) clipped to [-4, 4]; both polynomials of the erf
+    ratio in Estrin's form, so their dependency chains are short enough for mx.compile to fuse all of it."""
+    n0, n1, n2, n3, n4, n5, n6 = ERF_NUMERATOR
+    d0, d1, d2, d3, d4 = ERF_DENOMINATOR
     z2 = z * z
-    erf = z * polyval(ERF_NUMERATOR, z2) / polyval(ERF_DENOMINATOR, z2)
-    return (x32 * (1 + erf) / 2).astype(x.dtype)
+    z4 = z2 * z2
+    z8 = z4 * z4
+    numerator = (n6 + n5 * z2) + z4 * (n4 + n3 * z2) + z8 * (n2 + n1 * z2 + n0 * z4)
+    denominator = (d4 + d3 * z2) + z4 * (d2 + d1 * z2) + z8 * d0
+    return x * (1 + z * numerator / denominator) / 2
+
+
+def gelu(x: mx.array) -> mx.array:
+    """Exact (erf) GELU, as torch's nn.GELU(): a fused rational erf replaces mx.erf, which is several times
+    slower on MLX's CPU backend; within 1.1e-6 of the exact GELU on [-12, 12] (tests/test_numerics.py).
+    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does.
+    The clip runs outside mx.compile, whose CPU kernels do not vectorise minimum and maximum."""
+    x32 = x.astype(mx.float32)
+    return gelu_from(x32, mx.clip(x32 * (1 / math.sqrt(2)), -4.0, 4.0)).astype(x.dtype)
 
 
 # exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);

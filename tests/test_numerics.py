@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders import kernels
-from mlx_encoders.kernels import attention, exp_nonpositive
+from mlx_encoders.kernels import attention, exp_nonpositive, gelu
 from mlx_encoders.models import MODEL_TYPES
 from mlx_encoders.models.base import padding_mask
 
@@ -125,3 +125,14 @@ def test_float16_attention_over_long_inputs_with_large_values_stays_finite(monke
     got = attention(q, q, v, padding_mask(mx.ones((1, 1024), mx.int32), mx.float16))
     assert got.dtype == mx.float16
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), 100.0, rtol=1e-3)
+
+
+def test_gelu_matches_the_exact_erf_gelu():
+    x = np.concatenate([np.linspace(-12, 12, 2_000_001, dtype=np.float32), np.float32([-1e30, -50, 50, 1e30])])
+    exact = torch.nn.functional.gelu(torch.from_numpy(x).double()).numpy()
+    got = np.array(gelu(mx.array(x)))
+    assert np.abs(got - exact).max() <= 1.1e-6
+    assert np.abs(got - exact).max() <= 2 * np.abs(torch.nn.functional.gelu(torch.from_numpy(x)).numpy() - exact).max()
+    half = gelu(mx.array(x[::1000]).astype(mx.float16))
+    assert half.dtype == mx.float16
+    np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact[::1000], rtol=2e-3, atol=1e-3)
