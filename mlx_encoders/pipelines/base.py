@@ -58,9 +58,6 @@ class Pipeline:
     def id2label(self) -> dict[int, str]:
         return self.model.args.id2label
 
-    def pad(self, encodings: Sequence[Encoding]) -> dict[str, mx.array]:
-        return self.tokenizer.pad(list(encodings))
-
     def run(self, batch: dict[str, mx.array]):
         return self.model(
             batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
@@ -73,7 +70,7 @@ class Pipeline:
         ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
         results = []
         for chunk in batches(encodings, self.batch_size):
-            out = self.run(self.pad(chunk))
+            out = self.run(self.tokenizer.pad(list(chunk)))
             values = [to_numpy(getattr(out, name)) for name in fields]
             for row, e in enumerate(chunk):
                 n = len(e.ids) if per_token else None

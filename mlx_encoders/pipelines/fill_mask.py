@@ -39,7 +39,7 @@ class FillMaskPipeline(Pipeline):
                 )
         logits = []
         for chunk in batches(range(len(encodings)), self.batch_size):
-            out = self.run(self.pad([encodings[i] for i in chunk])).logits
+            out = self.run(self.tokenizer.pad([encodings[i] for i in chunk])).logits
             for row, i in enumerate(chunk):  # gather the mask rows before leaving MLX: the full vocab is large
                 logits.append(to_numpy(out[row, mx.array(masks[i])]))
         return list(zip(ids, masks, logits, strict=True))
