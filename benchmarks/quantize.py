@@ -99,9 +99,9 @@ def run(texts: list[str], through: str) -> None:
     from mlx.utils import tree_flatten
 
     import mlx_encoders
-    from mlx_encoders import conversion
+    from mlx_encoders.quantization import builtin_calibration
 
-    calibration = conversion.builtin_calibration()
+    calibration = builtin_calibration()
     if set(calibration) & set(texts):
         raise SystemExit("the built-in calibration texts overlap the evaluated ones: use fewer --texts")
 

@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_encoders.conversion import MAX_SHARD_BYTES, MODES, convert
+from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
+from mlx_encoders.quantization import MODES
 
 
 def recipe_arg(text: str) -> str | dict:

@@ -9,14 +9,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .loading import load_model, resolve
+from .checkpoint import Checkpoint, load_model, save
 from .models import MODEL_TYPES, TASKS, model_module
 from .models.base import ModelOutput
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 __all__ = [
-    "load", "load_model", "load_tokenizer", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
+    "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
     "SentenceEncoder", "pipeline", "convert",
 ]  # fmt: skip
 
@@ -30,23 +30,36 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_tokenizer(model: nn.Module, path: str | Path | None = None) -> Tokenizer:
-    """The tokenizer stored beside a loaded model (or in `path`), limited to the model's positions."""
-    module = model_module(model.config["model_type"])
-    return Tokenizer.from_pretrained(path or model.path, model.args.max_tokens, module.TOKEN_TYPES)
+def load_tokenizer(model: nn.Module, path: str | Path | Checkpoint | None = None) -> Tokenizer:
+    """The tokenizer in `path` (default: the folder `model` was loaded from), limited to the model's positions.
+
+    A model built in code from its `ModelArgs` has no folder: pass the tokenizer's `path`.
+    """
+    path = path if path is not None else getattr(model, "path", None)
+    if path is None:
+        raise ValueError(
+            f"{type(model).__name__} was not loaded from a folder; pass the tokenizer's folder: "
+            "load_tokenizer(model, path)"
+        )
+    path = path.path if isinstance(path, Checkpoint) else path
+    module = model_module(model.args.model_type)
+    return Tokenizer.from_pretrained(path, model.args.max_tokens, module.TOKEN_TYPES)
 
 
 def load(
-    path_or_repo: str | Path,
+    path_or_repo: str | Path | Checkpoint,
     dtype: str | mx.Dtype | None = None,
     task: str | None = None,
     revision: str | None = None,
+    **labels,
 ) -> tuple[nn.Module, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
 
     The head comes from config.json `architectures[0]` unless `task` names another (one of `TASKS`,
     e.g. "encoder" for the bare encoder of an MLM checkpoint). `dtype=None` keeps the stored dtype.
+    `num_labels=`, `id2label=`, `label2id=` and `problem_type=` create a head the checkpoint lacks (see
+    `load_model`).
     """
-    path = resolve(path_or_repo, revision)
-    model = load_model(path, dtype=dtype, task=task)
-    return model, load_tokenizer(model)
+    checkpoint = Checkpoint.open(path_or_repo, revision)
+    model = load_model(checkpoint, dtype=dtype, task=task, **labels)
+    return model, load_tokenizer(model, checkpoint)

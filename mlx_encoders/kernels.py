@@ -3,12 +3,14 @@
 MLX's CPU backend computes transcendental functions (exp, erf) one element at a time; the forms here are
 multiply-adds and integer shifts that `mx.compile` fuses and the C++ compiler vectorises, and they stay
 within float32 rounding of the exact function (tests/test_numerics.py). They are pure MLX and run unchanged
-on every backend; `attention` alone picks MLX's fused kernel on a GPU, where one exists.
+on every backend; `attention` alone picks MLX's fused kernel on a GPU, where one exists. Their gradients are
+the exact functions' (custom vjps), within float32 rounding too (tests/test_gradients.py).
 """
 
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 
 # erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
 # |erf| rounds to 1 beyond 4).
@@ -18,10 +20,9 @@ ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.682826974382
                    -1.42647390514189e-02)  # fmt: skip
 
 
-@mx.compile
-def gelu_from(x: mx.array, z: mx.array) -> mx.array:
-    """x (1 + erf(z)) / 2 for float32 x and z = x / sqrt(2) clipped to [-4, 4]; both polynomials of the erf
-    ratio in Estrin's form, so their dependency chains are short enough for mx.compile to fuse all of it."""
+def erf(z: mx.array) -> mx.array:
+    """erf(z) for float32 z in [-4, 4], both polynomials of the ratio in Estrin's form, so their dependency chains
+    are short enough for mx.compile to fuse all of it (it is inlined into the compiled functions below)."""
     n0, n1, n2, n3, n4, n5, n6 = ERF_NUMERATOR
     d0, d1, d2, d3, d4 = ERF_DENOMINATOR
     z2 = z * z
@@ -29,16 +30,41 @@ def gelu_from(x: mx.array, z: mx.array) -> mx.array:
     z8 = z4 * z4
     numerator = (n6 + n5 * z2) + z4 * (n4 + n3 * z2) + z8 * (n2 + n1 * z2 + n0 * z4)
     denominator = (d4 + d3 * z2) + z4 * (d2 + d1 * z2) + z8 * d0
-    return x * (1 + z * numerator / denominator) / 2
+    return z * numerator / denominator
 
 
+@mx.compile
+def gelu_from(x: mx.array, z: mx.array) -> mx.array:
+    """x (1 + erf(z)) / 2 for float32 x and z = x / sqrt(2) clipped to [-4, 4]."""
+    return x * (1 + erf(z)) / 2
+
+
+@mx.compile
+def gelu_slope_from(x: mx.array, z: mx.array, density: mx.array) -> mx.array:
+    """GELU'(x) = Phi(x) + x phi(x), from z as in gelu_from and density = exp(-x^2 / 2)."""
+    return (1 + erf(z)) / 2 + x * density * (1 / math.sqrt(2 * math.pi))
+
+
+def clipped_z(x32: mx.array) -> mx.array:
+    # The clip runs outside mx.compile, whose CPU kernels do not vectorise minimum and maximum.
+    return mx.clip(x32 * (1 / math.sqrt(2)), -4.0, 4.0)
+
+
+@mx.custom_function
 def gelu(x: mx.array) -> mx.array:
     """Exact (erf) GELU, as torch's nn.GELU(): a fused rational erf replaces mx.erf, which is several times
     slower on MLX's CPU backend; within 1.1e-6 of the exact GELU on [-12, 12] (tests/test_numerics.py).
-    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does.
-    The clip runs outside mx.compile, whose CPU kernels do not vectorise minimum and maximum."""
+    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does."""
     x32 = x.astype(mx.float32)
-    return gelu_from(x32, mx.clip(x32 * (1 / math.sqrt(2)), -4.0, 4.0)).astype(x.dtype)
+    return gelu_from(x32, clipped_z(x32)).astype(x.dtype)
+
+
+@gelu.vjp
+def gelu_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    """The exact GELU's derivative: differentiating the rational erf and its clip instead is up to 7.5e-6 off."""
+    x32 = x.astype(mx.float32)
+    slope = gelu_slope_from(x32, clipped_z(x32), exp_nonpositive(x32 * x32 * -0.5))
+    return (cotangent.astype(mx.float32) * slope).astype(x.dtype)
 
 
 # exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);
@@ -74,6 +100,7 @@ def exponent_bits(shifted_bits: mx.array) -> mx.array:
     return (shifted_bits + 127) << 23
 
 
+@mx.custom_function
 def exp_nonpositive(x: mx.array) -> mx.array:
     """exp of float32 x <= 0, within 1 ulp for x >= ln(2^-126); smaller x give about 2^-126 (1.2e-38).
     Positive x are outside its contract (past 88 the exponent overflows); softmax only needs x <= 0.
@@ -86,24 +113,47 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     return exp_small(r, exponent_bits(shifted.view(mx.uint32)).view(mx.float32))
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
-    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; `mask` is additive (see padding_mask).
+@exp_nonpositive.vjp
+def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    """exp' = exp. MLX cannot differentiate the bit-casts, and the range reduction would differentiate wrongly."""
+    return cotangent * output
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None):
+    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; `mask` is additive (see padding_mask), and
+    `dropout`, if given, applies to the softmax's probabilities (transformers' attention dropout).
 
     On a GPU, mx.fast.scaled_dot_product_attention: MLX's fused kernel. On the CPU, MLX runs that function
     as separate ops whose softmax exp costs most of an encoder's time, so the same math is written out here
-    with exp_nonpositive: `written_out_attention`.
+    with exp_nonpositive: `written_out_attention`. Dropout that is on needs the probabilities themselves,
+    which neither form materialises: `dropped_out_attention`, on every device.
     """
+    if dropout is not None and dropout.training and dropout._p_1 < 1:  # nn.Dropout keeps 1 - p only
+        return dropped_out_attention(q, k, v, mask, dropout)
     if mx.default_device() == mx.cpu:
         return written_out_attention(q, k, v, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
+
+
+def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None) -> mx.array:
+    """Unnormalised float32 softmax weights exp(s - max s) of the scores s = q k^T / sqrt(hd) + mask. The max
+    only keeps exp in range (softmax does not depend on it), so no gradient flows through it."""
+    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
+    if mask is not None:
+        scores = scores + mask
+    return exp_nonpositive(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
 
 
 def written_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
     """Attention as matmuls and a float32 softmax through exp_nonpositive. The weights are normalised after
     the product with v, which divides (B, nh, L, hd) values instead of (B, nh, L, L); that product runs in
     float32, as its unnormalised sums can pass float16's range."""
-    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
-    if mask is not None:
-        scores = scores + mask
-    weights = exp_nonpositive(scores - scores.max(axis=-1, keepdims=True))
+    weights = softmax_weights(q, k, mask)
     return ((weights @ v.astype(mx.float32)) / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
+
+
+def dropped_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout):
+    """Attention with `dropout` on the (float32) probabilities, as transformers' eager attention."""
+    weights = softmax_weights(q, k, mask)
+    probabilities = dropout(weights / weights.sum(axis=-1, keepdims=True))
+    return (probabilities @ v.astype(mx.float32)).astype(v.dtype)

@@ -5,11 +5,11 @@ cls, max, mean, mean_sqrt_len_tokens, weightedmean and lasttoken, concatenated i
 Inputs are (B, L, H) token embeddings and a (B, L) 1/0 mask of the tokens to pool.
 """
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 
+from .checkpoint.files import read_json_object
 from .models.base import masked_mean
 
 MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -38,7 +38,7 @@ def parse_modes(modes: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 def read_pooling_config(folder: Path) -> tuple[tuple[str, ...], bool]:
     """(modes, include_prompt) from a sentence-transformers `1_Pooling/config.json`, new or old style."""
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json_object(folder / "config.json", required=True)
     if "pooling_mode" in config:
         modes = config["pooling_mode"]
     else:

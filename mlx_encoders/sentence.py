@@ -8,7 +8,6 @@ mean for the others). Texts are sorted by token length into batches, so padding 
 in input order.
 """
 
-import json
 import sys
 import warnings
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import numpy as np
 from tokenizers import Encoding, normalizers
 
 from . import load_tokenizer
-from .loading import load_model, resolve
+from .checkpoint import Checkpoint, inside, load_model, read_json, read_json_object, resolve
 from .pooling import parse_modes, pool, read_pooling_config
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
@@ -54,12 +53,8 @@ class Dense:
         return out
 
 
-def read_json(file: Path) -> dict:
-    return json.loads(file.read_text()) if file.exists() else {}
-
-
 def load_dense(folder: Path) -> Dense:
-    config = read_json(folder / "config.json")
+    config = read_json_object(folder / "config.json")
     name = (config.get("activation_function") or "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
     if name not in DENSE_ACTIVATIONS:
         raise ValueError(
@@ -92,9 +87,9 @@ def module_kind(entry: dict, file: Path) -> str:
     return kind
 
 
-def natural_pooling(config: dict) -> tuple[str, ...]:
-    if config.get("model_type") == "modernbert":
-        return parse_modes(config.get("classifier_pooling", "cls"))
+def natural_pooling(args) -> tuple[str, ...]:
+    if args.model_type == "modernbert":
+        return parse_modes(args.classifier_pooling)
     return ("mean",)
 
 
@@ -131,11 +126,13 @@ class SentenceEncoder:
         self.normalize = False
         self.include_prompt = True
         modules_file = self.path / "modules.json"
-        modules = json.loads(modules_file.read_text()) if modules_file.exists() else []
-        kinds = [(module_kind(m, modules_file), self.path / m.get("path", "")) for m in modules]
-        transformer = next((folder for kind, folder in kinds if kind == "Transformer"), self.path)
+        modules = read_json(modules_file) or []
+        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+            raise ValueError(f"{modules_file} must hold a JSON list of module entries")
+        kinds = [(module_kind(m, modules_file), inside(self.path, m.get("path", ""), modules_file)) for m in modules]
+        transformer = Checkpoint.open(next((folder for kind, folder in kinds if kind == "Transformer"), self.path))
         self.model = load_model(transformer, dtype=dtype, task="encoder")
-        self.tokenizer = load_tokenizer(self.model)
+        self.tokenizer = load_tokenizer(self.model, transformer)
         self.pooling = self.read_modules(kinds, pooling)
         self.read_sentence_config(transformer)
         width = len(self.pooling) * self.model.args.hidden_size
@@ -155,7 +152,7 @@ class SentenceEncoder:
         if pooling is not None:
             return parse_modes(pooling)
         if modes is None:
-            modes = natural_pooling(dict(self.model.config))
+            modes = natural_pooling(self.model.args)
             warnings.warn(
                 f"{self.path} has no sentence-transformers pooling config (modules.json, 1_Pooling/config.json); "
                 f"using {'+'.join(modes)} pooling. Pass SentenceEncoder(..., pooling=...) to choose another.",
@@ -164,14 +161,14 @@ class SentenceEncoder:
             )
         return modes
 
-    def read_sentence_config(self, transformer: Path) -> None:
-        config = read_json(transformer / "sentence_bert_config.json")
+    def read_sentence_config(self, transformer: Checkpoint) -> None:
+        config = read_json_object(transformer.path / "sentence_bert_config.json")
         limit = self.model.args.max_tokens
         self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
         self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
         if config.get("do_lower_case"):
             lowercase(self.tokenizer)
-        st_config = read_json(self.path / "config_sentence_transformers.json")
+        st_config = read_json_object(self.path / "config_sentence_transformers.json")
         self.prompts: dict[str, str] = st_config.get("prompts") or {}
         self.default_prompt_name: str | None = st_config.get("default_prompt_name")
 

@@ -12,6 +12,8 @@ import numpy as np
 from tokenizers import Encoding
 from tokenizers import Tokenizer as FastTokenizer
 
+from .checkpoint.files import read_json_object
+
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
@@ -24,10 +26,6 @@ def _content(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _read_json(file: Path) -> dict:
-    return json.loads(file.read_text()) if file.exists() else {}
-
-
 class Tokenizer:
     """Callable like a transformers tokenizer: `tok(texts, text_pair=None, padding=True, truncation=True)`."""
 
@@ -35,6 +33,7 @@ class Tokenizer:
         self.backend = backend
         self.model_max_length = model_max_length
         self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+        self.config = dict(config)  # tokenizer_config.json and special_tokens_map.json, written back by save()
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         for name in SPECIAL:
             setattr(self, name, _content(config.get(name)))
@@ -51,11 +50,25 @@ class Tokenizer:
                 "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the "
                 "model alone with `mlx_encoders.load_model`."
             )
-        config = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+        config = {
+            **read_json_object(path / "special_tokens_map.json"),
+            **read_json_object(path / "tokenizer_config.json"),
+        }
         limit = int(min(config.get("model_max_length") or NO_LIMIT, NO_LIMIT))
         if max_positions:
             limit = min(limit, max_positions)
-        return cls(FastTokenizer.from_file(str(file)), config, limit, token_types)
+        try:
+            backend = FastTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+            raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
+        return cls(backend, config, limit, token_types)
+
+    def save(self, folder: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json, which transformers' AutoTokenizer reads."""
+        folder = Path(folder)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {**self.config, "model_max_length": self.model_max_length}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

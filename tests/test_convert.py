@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 import mlx_encoders
 from convert.__main__ import main
 from mlx_encoders import conversion
+from mlx_encoders.quantization import calibration, rounding
 
 # Widths chosen so some modules divide the group size and some do not (those must stay float).
 ROUND_TRIPS = [
@@ -31,7 +32,7 @@ ROUND_TRIPS = [
     ("modernbert", "sequence-classification", 4, 64, dict(hidden_size=64, intermediate_size=64)),
 ]
 MIN_COSINE = {8: 0.995, 6: 0.99, 4: 0.95}  # per-text output cosine vs the float transformers model
-# Below 8 bits, a BERT's position and token-type tables get per-module 8-bit entries (conversion.SHARED_TABLES).
+# Below 8 bits, a BERT's position and token-type tables get per-module 8-bit entries (recipes.SHARED_TABLES).
 TABLES_AT_8 = {
     f"embeddings.{name}": {"group_size": 32, "bits": 8, "mode": "affine"}
     for name in ("position_embeddings", "token_type_embeddings")
@@ -106,18 +107,20 @@ def assert_triplets_match(
 
 @pytest.fixture(autouse=True)
 def short_calibration(monkeypatch):
-    """The default GPTQ calibration, on the first 24 built-in texts (the full 256 take too long for tests)."""
-    texts = conversion.builtin_calibration()[:24]
-    monkeypatch.setattr(conversion, "builtin_calibration", lambda: texts)
+    """The default GPTQ calibration, on the first 24 built-in texts (the full 256 take too long for tests).
+
+    Patched in `calibration`, the module whose `calibration_texts` looks it up."""
+    texts = calibration.builtin_calibration()[:24]
+    monkeypatch.setattr(calibration, "builtin_calibration", lambda: texts)
 
 
 def test_builtin_calibration_is_disjoint_from_evaluated_docstrings(monkeypatch):
     from mlx_encoders.corpus import stdlib_docstrings
 
     monkeypatch.undo()  # the real set, not `short_calibration`'s
-    texts = conversion.builtin_calibration()
-    assert len(texts) == conversion.CALIBRATION_TEXTS == 256
-    assert not set(texts) & set(stdlib_docstrings(conversion.CALIBRATION_START, conversion.CALIBRATION_CHARS))
+    texts = calibration.builtin_calibration()
+    assert len(texts) == calibration.CALIBRATION_TEXTS == 256
+    assert not set(texts) & set(stdlib_docstrings(calibration.CALIBRATION_START, calibration.CALIBRATION_CHARS))
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +206,8 @@ def test_float_widths_are_reported(tmp_path, capsys):
 
 
 def test_gptq_calibration_beats_rounding(tmp_path, bert):
-    texts = [line for line in conversion.__doc__.splitlines() + mlx_encoders.convert.__doc__.splitlines() if line]
+    docs = (conversion.__doc__, mlx_encoders.quantization.__doc__, mlx_encoders.convert.__doc__)
+    texts = [line for doc in docs for line in doc.splitlines() if line]
     file = tmp_path / "calibration.txt"
     file.write_text("\n".join(texts))
     gptq = tmp_path / "gptq"
@@ -229,11 +233,11 @@ def test_gptq_act_order_moves_outputs_less_than_left_to_right():
     hessian, weight = inputs_.T @ inputs_, np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32)
     errors = {}
     for act_order in (True, False):
-        packed, scales, biases = conversion.gptq(weight, hessian, 4, 32, act_order=act_order)
+        packed, scales, biases = rounding.gptq(weight, hessian, 4, 32, act_order=act_order)
         codes = np.array(mx.dequantize(mx.array(packed), mx.ones(scales.shape), mx.zeros(biases.shape), 32, 4))
-        errors[act_order] = conversion.output_error(weight, hessian, codes, scales.astype(np.float64), biases).sum()
+        errors[act_order] = rounding.output_error(weight, hessian, codes, scales.astype(np.float64), biases).sum()
     assert errors[True] < 0.7 * errors[False], errors  # measured ratio 0.43
-    default, ordered = conversion.gptq(weight, hessian, 4, 32), conversion.gptq(weight, hessian, 4, 32, act_order=True)
+    default, ordered = rounding.gptq(weight, hessian, 4, 32), rounding.gptq(weight, hessian, 4, 32, act_order=True)
     assert all(np.array_equal(a, b) for a, b in zip(default, ordered, strict=True))  # act-order is the default
 
 
@@ -241,7 +245,7 @@ def test_calibration_weighs_texts_alike_and_skips_padding(bert):
     """The batched Hessian is the sum over texts of X^T X / length, X a text's own (unpadded) inputs."""
     model, tokenizer = mlx_encoders.load(bert)
     texts = ["short", "a much longer text, with many more tokens than the first one has"]
-    got = conversion.input_hessians(model, texts, batch_size=2)["encoder.layer.0.attention.self.query"]
+    got = calibration.input_hessians(model, texts, batch_size=2)["encoder.layer.0.attention.self.query"]
     expected = 0
     for text in texts:
         batch = tokenizer([text])

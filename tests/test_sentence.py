@@ -20,8 +20,9 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoModel, AutoTokenizer
 
 from mlx_encoders import MODEL_TYPES, SentenceEncoder
-from mlx_encoders.conversion import convert, dequantize_model
+from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
+from mlx_encoders.quantization import dequantize_model
 from mlx_encoders.sentence import CPU_SLICE_BYTES
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.

@@ -1,7 +1,9 @@
 """Registry: config.json `model_type` -> model module, and task names -> head classes.
 
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
-`TOKEN_TYPES` (whether the architecture reads token_type_ids).
+`TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
+the keys or layouts of a checkpoint's tensors before they are fitted to the model, and `init_std(path, args)`,
+the standard deviation (and truncation) transformers initialises a new module with.
 """
 
 import importlib
@@ -16,7 +18,15 @@ MODEL_TYPES = {
     "modernbert": "modernbert",
 }
 
-# transformers class-name suffix -> task name; the prefix names the architecture.
+# transformers class names are <prefix><suffix>: the prefix names the architecture, the suffix the head.
+ARCHITECTURE_PREFIXES = {
+    "bert": "Bert",
+    "roberta": "Roberta",
+    "xlm-roberta": "XLMRoberta",
+    "distilbert": "DistilBert",
+    "albert": "Albert",
+    "modernbert": "ModernBert",
+}
 ARCHITECTURE_SUFFIXES = {
     "Model": "encoder",
     "ForMaskedLM": "masked-lm",
@@ -35,13 +45,33 @@ def model_module(model_type: str) -> ModuleType:
 
 
 def task_of_architecture(architecture: str) -> str:
-    """'BertForMaskedLM' -> 'masked-lm'; the longest matching suffix wins ('Model' matches last)."""
-    for suffix, task in sorted(ARCHITECTURE_SUFFIXES.items(), key=lambda item: -len(item[0])):
-        if architecture.endswith(suffix):
+    """'BertForMaskedLM' -> 'masked-lm'. A name that is not a known prefix + head suffix fails, naming it
+    ('GPT2LMHeadModel' ends in 'Model' but is no encoder this package knows)."""
+    for suffix, task in ARCHITECTURE_SUFFIXES.items():
+        if architecture.endswith(suffix) and architecture[: -len(suffix)] in ARCHITECTURE_PREFIXES.values():
             return task
+    known = ", ".join(architecture_name("bert", task) for task in TASKS)
     raise ValueError(
-        f"Unsupported architecture {architecture!r}; supported heads end in: {', '.join(ARCHITECTURE_SUFFIXES)}"
+        f"Unsupported architecture {architecture!r} in config.json: not one of the heads mlx_encoders implements "
+        f"(for BERT: {known}; likewise for {', '.join(p for p in ARCHITECTURE_PREFIXES.values() if p != 'Bert')}). "
+        "Pass task='encoder' (or another task) to load its encoder or another head."
     )
+
+
+def architecture_name(model_type: str, task: str) -> str:
+    """The transformers class name of a head: ('xlm-roberta', 'masked-lm') -> 'XLMRobertaForMaskedLM'."""
+    suffix = next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
+    return ARCHITECTURE_PREFIXES[model_type] + suffix
+
+
+def task_of_model(model) -> str:
+    """The task name of a model instance's class ('encoder' for BertModel, ...)."""
+    module = model_module(model.args.model_type)
+    for exact in (True, False):
+        for task, cls in module.MODELS.items():
+            if type(model) is cls if exact else isinstance(model, cls):
+                return task
+    raise ValueError(f"{type(model).__name__} is not a {model.args.model_type} model class of mlx_encoders")
 
 
 def model_class(model_type: str, task: str) -> type:

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    Model,
     ModelOutput,
     PooledClassification,
     QuestionAnswering,
@@ -20,12 +21,14 @@ from .base import (
     activation,
     multi_head_attention,
     padding_mask,
+    run_layer,
 )
 from .bert import BertEmbeddings
 
 
 @dataclass
 class ModelArgs(BaseArgs):
+    model_type: str = "albert"
     vocab_size: int = 30000
     embedding_size: int = 128
     hidden_size: int = 4096
@@ -39,6 +42,22 @@ class ModelArgs(BaseArgs):
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    classifier_dropout_prob: float | None = 0.1
+
+    @property
+    def sequence_classifier_dropout(self) -> float:
+        return self.classifier_dropout_prob
+
+    @property
+    def token_classifier_dropout(self) -> float:
+        """transformers' token classifier falls back to hidden_dropout_prob when classifier_dropout_prob is None."""
+        return self.hidden_dropout_prob if self.classifier_dropout_prob is None else self.classifier_dropout_prob
+
+    @property
+    def qa_dropout(self) -> float:
+        return 0.0  # transformers' AlbertForQuestionAnswering has no dropout
 
 
 class AlbertEmbeddings(BertEmbeddings):
@@ -51,6 +70,8 @@ class AlbertEmbeddings(BertEmbeddings):
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
         self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
         self.LayerNorm = nn.LayerNorm(E, eps=args.layer_norm_eps)
+        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.padding_idx = args.pad_token_id
 
 
 class AlbertAttention(nn.Module):
@@ -63,10 +84,13 @@ class AlbertAttention(nn.Module):
         self.value = nn.Linear(H, H)
         self.dense = nn.Linear(H, H)
         self.LayerNorm = nn.LayerNorm(H, eps=args.layer_norm_eps)
+        self.attention_dropout = nn.Dropout(args.attention_probs_dropout_prob)
+        self.output_dropout = nn.Dropout(args.hidden_dropout_prob)
 
     def __call__(self, x, mask):
-        h = multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask)
-        return self.LayerNorm(x + self.dense(h))
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        h = multi_head_attention(q, k, v, self.num_heads, mask, self.attention_dropout)
+        return self.LayerNorm(x + self.output_dropout(self.dense(h)))
 
 
 class AlbertLayer(nn.Module):
@@ -95,6 +119,8 @@ class AlbertLayerGroup(nn.Module):
 
 
 class AlbertTransformer(nn.Module):
+    gradient_checkpointing = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_hidden_layers = args.num_hidden_layers
@@ -106,11 +132,11 @@ class AlbertTransformer(nn.Module):
         x = self.embedding_hidden_mapping_in(x)
         for i in range(self.num_hidden_layers):
             group = int(i / (self.num_hidden_layers / self.num_hidden_groups))
-            x = self.albert_layer_groups[group](x, mask)
+            x = run_layer(self.albert_layer_groups[group], x, mask, checkpoint=self.gradient_checkpointing)
         return x
 
 
-class AlbertModel(nn.Module):
+class AlbertModel(Model, nn.Module):
     def __init__(self, args: ModelArgs, add_pooling_layer: bool = True):
         super().__init__()
         self.args = args

@@ -6,6 +6,9 @@ The math follows Hugging Face transformers (`modeling_bert.py` and friends); see
 
 import dataclasses
 import inspect
+import types
+import typing
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,26 +17,100 @@ import mlx.nn as nn
 
 from ..kernels import attention, gelu
 
+# Keys whose value must be a positive count (each architecture uses its own subset).
+POSITIVE_KEYS = (
+    "vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "dim", "n_heads",
+    "hidden_dim", "n_layers", "embedding_size", "num_hidden_groups", "inner_group_num", "max_position_embeddings",
+    "local_attention", "global_attn_every_n_layers",
+)  # fmt: skip
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the annotated type (an int counts as a float; a bool is not a number)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(fits(value, h) for h in typing.get_args(hint))
+    hint = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, hint)
+
+
+def type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "") if typing.get_origin(hint) else hint.__name__
+
 
 @dataclass
 class BaseArgs:
-    """Fields every config.json may carry; subclasses add the architecture's own names."""
+    """Fields every config.json may carry; subclasses add the architecture's own names.
+
+    `from_dict` checks each known key's type and keeps the unknown ones in `extra`, so `to_config` writes
+    back every key it read. Values that cannot work fail here, at load, naming the key.
+    """
 
     model_type: str = ""
-    architectures: list[str] | None = None
     id2label: dict[int, str] | None = None
     problem_type: str | None = None
     tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "BaseArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in names})
+        hints = typing.get_type_hints(cls)
+        known = {}
+        for f in dataclasses.fields(cls):
+            value = config.get(f.name)
+            if value is None:  # absent, or JSON null: transformers' default
+                continue
+            if not fits(value, hints[f.name]):
+                raise ValueError(
+                    f"config key {f.name!r} must be {type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
+                )
+            known[f.name] = value
+        args = cls(**known)
+        args.extra = {k: v for k, v in config.items() if k not in known and k not in args.field_names()}
+        return args
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
 
     def __post_init__(self):
+        self.extra: dict[str, Any] = {}  # config.json keys this class does not read, kept for writing back
         # config.json stores id2label with string keys; a missing map means transformers' default of 2 labels.
         labels = self.id2label or {0: "LABEL_0", 1: "LABEL_1"}
         self.id2label = {int(k): v for k, v in labels.items()}
+        self.check()
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in POSITIVE_KEYS and value <= 0:
+                raise ValueError(f"config key {f.name!r} must be a positive integer, got {value}")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"config key {f.name!r} must not be negative, got {value}")
+            if "dropout" in f.name and value is not None and value >= 1:
+                raise ValueError(f"config key {f.name!r} is a probability below 1, got {value}")
+        if self.hidden_size % self.attention_heads:
+            raise ValueError(
+                f"the hidden size {self.hidden_size} is not divisible by the number of attention heads "
+                f"{self.attention_heads}"
+            )
+        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(
+                f"config key 'problem_type' must be one of {', '.join(PROBLEM_TYPES)}, got {self.problem_type!r}"
+            )
+
+    def to_config(self) -> dict[str, Any]:
+        """config.json as transformers writes it: every key read (`extra`) and every field, labels both ways."""
+        config = {**self.extra, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        config["id2label"] = {str(i): label for i, label in self.id2label.items()}
+        config["label2id"] = {label: i for i, label in self.id2label.items()}
+        return {k: v for k, v in config.items() if v is not None}
 
     @property
     def num_labels(self) -> int:
@@ -70,6 +147,59 @@ class ModelOutput:
     seq_relationship_logits: mx.array | None = None
 
 
+class Model:
+    """Mixed into every model class, bare encoders and heads alike."""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """config.json for this model, loaded or built in code: every config key and `architectures`."""
+        from . import architecture_name, task_of_model  # the registry imports the model files
+
+        return {
+            **self.args.to_config(),
+            "architectures": [architecture_name(self.args.model_type, task_of_model(self))],
+        }
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Keep only each layer's input for the backward pass, which recomputes the layer's activations:
+        less memory for about a third more compute (transformers' method of the same name)."""
+        self._set_gradient_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._set_gradient_checkpointing(False)
+
+    def _set_gradient_checkpointing(self, on: bool) -> None:
+        for module in self.modules():
+            if hasattr(module, "gradient_checkpointing"):  # the modules that run the layers, as in transformers
+                module.gradient_checkpointing = on
+
+
+def run_layer(layer: nn.Module, *args, checkpoint: bool):
+    """`layer(*args)`; with `checkpoint`, through mx.checkpoint (nn.utils.checkpoint passes the layer's trainable
+    parameters in explicitly: mx.checkpoint differentiates its arguments only). The recomputation must draw the
+    forward pass's dropout masks again, so each call runs from a random key of its own."""
+    if not checkpoint:
+        return layer(*args)
+    key = mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32)
+
+    def keyed(*args):
+        with random_key(key):
+            return layer(*args)
+
+    return nn.utils.checkpoint(layer, keyed)(*args)
+
+
+@contextmanager
+def random_key(key: mx.array):
+    """Run the block from MLX's global random key `key`, then restore the key it had."""
+    outer = mx.array(mx.random.state[0])
+    mx.random.state[0][...] = key  # MLX has no setter for its global key: update the state's array in place
+    try:
+        yield
+    finally:
+        mx.random.state[0][...] = outer
+
+
 ACTIVATIONS = {
     "gelu": gelu,
     "gelu_python": gelu,
@@ -88,6 +218,13 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"Unsupported activation {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
     return ACTIVATIONS[name]
+
+
+def embed(table: nn.Module, ids: mx.array, padding_idx: int) -> mx.array:
+    """table(ids), no gradient reaching row `padding_idx`: torch's nn.Embedding(padding_idx=...), as transformers'
+    embeddings are, so training leaves the padding vector as it is."""
+    x = table(ids)
+    return mx.where((ids == padding_idx)[..., None], mx.stop_gradient(x), x)
 
 
 def mask_value(dtype: mx.Dtype) -> float:
@@ -114,9 +251,9 @@ def merge_heads(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
 
 
-def multi_head_attention(q, k, v, num_heads: int, mask: mx.array | None) -> mx.array:
+def multi_head_attention(q, k, v, num_heads: int, mask: mx.array | None, dropout: nn.Dropout) -> mx.array:
     q, k, v = (split_heads(t, num_heads) for t in (q, k, v))
-    return merge_heads(attention(q, k, v, mask))
+    return merge_heads(attention(q, k, v, mask, dropout))
 
 
 def masked_mean(x: mx.array, attention_mask: mx.array | None) -> mx.array:
@@ -131,7 +268,7 @@ def takes_pooler(cls) -> bool:
     return "add_pooling_layer" in inspect.signature(cls.__init__).parameters
 
 
-class HeadModel(nn.Module):
+class HeadModel(Model, nn.Module):
     """A task head over an encoder stored under the checkpoint's prefix (`bert`, `roberta`, ...).
 
     Subclasses set `prefix` and `encoder_class`; `encoder` reaches the encoder whatever its name.
@@ -158,30 +295,32 @@ class HeadModel(nn.Module):
 
 
 class PooledClassification(HeadModel):
-    """`classifier` on pooler_output (BERT, ALBERT)."""
+    """`dropout` (args.sequence_classifier_dropout), then `classifier` on pooler_output (BERT, ALBERT)."""
 
     pooled = True
 
     def __init__(self, args):
         super().__init__(args)
+        self.dropout = nn.Dropout(args.sequence_classifier_dropout)
         self.classifier = nn.Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.classifier(out.pooler_output)
+        out.logits = self.classifier(self.dropout(out.pooler_output))
         return out
 
 
 class TokenClassification(HeadModel):
-    """`classifier` on every token's hidden state."""
+    """`dropout` (args.token_classifier_dropout), then `classifier` on every token's hidden state."""
 
     def __init__(self, args):
         super().__init__(args)
+        self.dropout = nn.Dropout(args.token_classifier_dropout)
         self.classifier = nn.Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.classifier(out.last_hidden_state)
+        out.logits = self.classifier(self.dropout(out.last_hidden_state))
         return out
 
 
@@ -193,15 +332,16 @@ def span_logits(out: ModelOutput, logits: mx.array) -> ModelOutput:
 
 
 class QuestionAnswering(HeadModel):
-    """`qa_outputs` (H -> 2) on every token: start and end logits."""
+    """`dropout` (args.qa_dropout), then `qa_outputs` (H -> 2) on every token: start and end logits."""
 
     def __init__(self, args):
         super().__init__(args)
+        self.dropout = nn.Dropout(args.qa_dropout)
         self.qa_outputs = nn.Linear(args.hidden_size, 2)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)
-        return span_logits(out, self.qa_outputs(out.last_hidden_state))
+        return span_logits(out, self.qa_outputs(self.dropout(out.last_hidden_state)))
 
 
 class TiedDecoder(nn.Module):

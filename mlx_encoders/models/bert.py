@@ -8,18 +8,22 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    Model,
     ModelOutput,
     PooledClassification,
     QuestionAnswering,
     TokenClassification,
     activation,
+    embed,
     multi_head_attention,
     padding_mask,
+    run_layer,
 )
 
 
 @dataclass
 class ModelArgs(BaseArgs):
+    model_type: str = "bert"
     vocab_size: int = 30522
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -30,6 +34,22 @@ class ModelArgs(BaseArgs):
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     pad_token_id: int = 0
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    classifier_dropout: float | None = None
+
+    @property
+    def sequence_classifier_dropout(self) -> float:
+        """transformers' classifier heads fall back to hidden_dropout_prob when classifier_dropout is None."""
+        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
+
+    @property
+    def token_classifier_dropout(self) -> float:
+        return self.sequence_classifier_dropout
+
+    @property
+    def qa_dropout(self) -> float:
+        return 0.0  # transformers' BERT and RoBERTa question answering heads have no dropout
 
 
 class BertEmbeddings(nn.Module):
@@ -40,20 +60,22 @@ class BertEmbeddings(nn.Module):
         if args.type_vocab_size > 0:
             self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
         self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.padding_idx = args.pad_token_id
 
-    def position_ids(self, input_ids: mx.array) -> mx.array:
-        return mx.arange(input_ids.shape[1])[None]
+    def embed_positions(self, input_ids: mx.array) -> mx.array:
+        return self.position_embeddings(mx.arange(input_ids.shape[1])[None])
 
     def __call__(self, input_ids, token_type_ids=None) -> mx.array:
         # Quantized tables return their scales' dtype (often float16): sum in the model's own float dtype.
         dtype = self.LayerNorm.weight.dtype
-        x = self.word_embeddings(input_ids).astype(dtype)
-        x = x + self.position_embeddings(self.position_ids(input_ids)).astype(dtype)
+        x = embed(self.word_embeddings, input_ids, self.padding_idx).astype(dtype)
+        x = x + self.embed_positions(input_ids).astype(dtype)
         if "token_type_embeddings" in self:
             if token_type_ids is None:
                 token_type_ids = mx.zeros_like(input_ids)
             x = x + self.token_type_embeddings(token_type_ids).astype(dtype)
-        return self.LayerNorm(x)
+        return self.dropout(self.LayerNorm(x))
 
 
 class BertSelfAttention(nn.Module):
@@ -63,21 +85,23 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(args.hidden_size, args.hidden_size)
         self.key = nn.Linear(args.hidden_size, args.hidden_size)
         self.value = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask):
-        return multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask)
+        return multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask, self.dropout)
 
 
 class BertResidual(nn.Module):
-    """dense, then LayerNorm over the residual sum (`attention.output` and `output` in the checkpoint)."""
+    """dense and dropout, then LayerNorm over the residual sum (`attention.output` and `output` in the checkpoint)."""
 
     def __init__(self, in_dims: int, args: ModelArgs):
         super().__init__()
         self.dense = nn.Linear(in_dims, args.hidden_size)
         self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.dropout = nn.Dropout(args.hidden_dropout_prob)
 
     def __call__(self, h, residual):
-        return self.LayerNorm(self.dense(h) + residual)
+        return self.LayerNorm(self.dropout(self.dense(h)) + residual)
 
 
 class BertAttention(nn.Module):
@@ -113,13 +137,15 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
+    gradient_checkpointing = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.layer = [BertLayer(args) for _ in range(args.num_hidden_layers)]
 
     def __call__(self, x, mask):
         for layer in self.layer:
-            x = layer(x, mask)
+            x = run_layer(layer, x, mask, checkpoint=self.gradient_checkpointing)
         return x
 
 
@@ -132,7 +158,7 @@ class BertPooler(nn.Module):
         return mx.tanh(self.dense(x[:, 0]))
 
 
-class BertModel(nn.Module):
+class BertModel(Model, nn.Module):
     embeddings_class = BertEmbeddings
 
     def __init__(self, args: ModelArgs, add_pooling_layer: bool = True):

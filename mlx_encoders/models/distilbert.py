@@ -8,13 +8,16 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    Model,
     ModelOutput,
     QuestionAnswering,
     TiedDecoder,
     TokenClassification,
     activation,
+    embed,
     multi_head_attention,
     padding_mask,
+    run_layer,
 )
 
 EPS = 1e-12
@@ -22,6 +25,7 @@ EPS = 1e-12
 
 @dataclass
 class ModelArgs(BaseArgs):
+    model_type: str = "distilbert"
     vocab_size: int = 30522
     dim: int = 768
     n_layers: int = 6
@@ -30,6 +34,14 @@ class ModelArgs(BaseArgs):
     activation: str = "gelu"
     max_position_embeddings: int = 512
     pad_token_id: int = 0
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    seq_classif_dropout: float = 0.2
+    qa_dropout: float = 0.1
+
+    @property
+    def token_classifier_dropout(self) -> float:
+        return self.dropout  # transformers' DistilBertForTokenClassification
 
     @property
     def hidden_size(self) -> int:
@@ -50,12 +62,15 @@ class Embeddings(nn.Module):
         self.word_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.dim)
         self.LayerNorm = nn.LayerNorm(args.dim, eps=EPS)
+        self.dropout = nn.Dropout(args.dropout)
+        self.padding_idx = args.pad_token_id
 
     def __call__(self, input_ids):
         positions = mx.arange(input_ids.shape[1])[None]
         dtype = self.LayerNorm.weight.dtype  # quantized tables return their scales' dtype
-        x = self.word_embeddings(input_ids).astype(dtype) + self.position_embeddings(positions).astype(dtype)
-        return self.LayerNorm(x)
+        x = embed(self.word_embeddings, input_ids, self.padding_idx).astype(dtype)
+        x = x + self.position_embeddings(positions).astype(dtype)
+        return self.dropout(self.LayerNorm(x))
 
 
 class MultiHeadSelfAttention(nn.Module):
@@ -66,9 +81,10 @@ class MultiHeadSelfAttention(nn.Module):
         self.k_lin = nn.Linear(args.dim, args.dim)
         self.v_lin = nn.Linear(args.dim, args.dim)
         self.out_lin = nn.Linear(args.dim, args.dim)
+        self.dropout = nn.Dropout(args.attention_dropout)
 
     def __call__(self, x, mask):
-        h = multi_head_attention(self.q_lin(x), self.k_lin(x), self.v_lin(x), self.n_heads, mask)
+        h = multi_head_attention(self.q_lin(x), self.k_lin(x), self.v_lin(x), self.n_heads, mask, self.dropout)
         return self.out_lin(h)
 
 
@@ -78,9 +94,10 @@ class FFN(nn.Module):
         self.lin1 = nn.Linear(args.dim, args.hidden_dim)
         self.lin2 = nn.Linear(args.hidden_dim, args.dim)
         self.act = activation(args.activation)
+        self.dropout = nn.Dropout(args.dropout)
 
     def __call__(self, x):
-        return self.lin2(self.act(self.lin1(x)))
+        return self.dropout(self.lin2(self.act(self.lin1(x))))
 
 
 class TransformerBlock(nn.Module):
@@ -97,17 +114,19 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    gradient_checkpointing = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.layer = [TransformerBlock(args) for _ in range(args.n_layers)]
 
     def __call__(self, x, mask):
         for layer in self.layer:
-            x = layer(x, mask)
+            x = run_layer(layer, x, mask, checkpoint=self.gradient_checkpointing)
         return x
 
 
-class DistilBertModel(nn.Module):
+class DistilBertModel(Model, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -145,11 +164,13 @@ class DistilBertForSequenceClassification(DistilBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.pre_classifier = nn.Linear(args.dim, args.dim)
+        self.dropout = nn.Dropout(args.seq_classif_dropout)
         self.classifier = nn.Linear(args.dim, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        out.logits = self.classifier(nn.relu(self.pre_classifier(out.last_hidden_state[:, 0])))
+        pooled = nn.relu(self.pre_classifier(out.last_hidden_state[:, 0]))
+        out.logits = self.classifier(self.dropout(pooled))
         return out
 
 

@@ -4,6 +4,7 @@ Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention eve
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP.
 """
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -12,13 +13,16 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    Model,
     ModelOutput,
     TiedDecoder,
     activation,
     attention,
+    embed,
     mask_value,
     masked_mean,
     merge_heads,
+    run_layer,
     span_logits,
     split_heads,
 )
@@ -26,6 +30,7 @@ from .base import (
 
 @dataclass
 class ModelArgs(BaseArgs):
+    model_type: str = "modernbert"
     vocab_size: int = 50368
     hidden_size: int = 768
     intermediate_size: int = 1152
@@ -43,12 +48,17 @@ class ModelArgs(BaseArgs):
     classifier_pooling: str = "cls"
     local_attention: int = 128
     pad_token_id: int = 50283
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    mlp_dropout: float = 0.0
+    classifier_dropout: float = 0.0
     # Two spellings in the wild: transformers-5 `layer_types`/`rope_parameters`, or the legacy keys below.
     layer_types: list[str] | None = None
     rope_parameters: dict | None = None
     global_attn_every_n_layers: int = 3
     global_rope_theta: float = 160000.0
     local_rope_theta: float = 10000.0
+    initializer_cutoff_factor: float = 2.0
 
     @property
     def ffn_width(self) -> int:
@@ -56,11 +66,11 @@ class ModelArgs(BaseArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.layer_types is None:
-            n = self.global_attn_every_n_layers
-            self.layer_types = [
-                "full_attention" if i % n == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
-            ]
+        # Derived values live outside the fields, so config.json is written back in the spelling it was read in.
+        n = self.global_attn_every_n_layers
+        self.attention_types = self.layer_types or [
+            "full_attention" if i % n == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
+        ]
         rope = self.rope_parameters or {}
         legacy = {"full_attention": self.global_rope_theta, "sliding_attention": self.local_rope_theta}
         self.rope_theta = {}
@@ -76,9 +86,12 @@ class ModernBertEmbeddings(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.drop = nn.Dropout(args.embedding_dropout)
+        self.padding_idx = args.pad_token_id
 
     def __call__(self, input_ids):
-        return self.norm(self.tok_embeddings(input_ids).astype(self.norm.weight.dtype))  # see BertEmbeddings
+        x = embed(self.tok_embeddings, input_ids, self.padding_idx)
+        return self.drop(self.norm(x.astype(self.norm.weight.dtype)))  # see BertEmbeddings
 
 
 class ModernBertAttention(nn.Module):
@@ -89,11 +102,14 @@ class ModernBertAttention(nn.Module):
         self.theta = args.rope_theta[layer_type]
         self.Wqkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
         self.Wo = nn.Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
+        # transformers applies attention_dropout twice: to the probabilities and after Wo
+        self.attention_dropout = nn.Dropout(args.attention_dropout)
+        self.out_drop = nn.Dropout(args.attention_dropout)
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
         q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
-        return self.Wo(merge_heads(attention(q, k, v, mask)))
+        return self.out_drop(self.Wo(merge_heads(attention(q, k, v, mask, self.attention_dropout))))
 
 
 class ModernBertMLP(nn.Module):
@@ -102,19 +118,20 @@ class ModernBertMLP(nn.Module):
         self.Wi = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.Wo = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = activation(args.hidden_activation)
+        self.drop = nn.Dropout(args.mlp_dropout)
 
     def __call__(self, x):
         a, gate = mx.split(self.Wi(x), 2, axis=-1)
-        return self.Wo(self.act(a) * gate)
+        return self.Wo(self.drop(self.act(a) * gate))
 
 
 class ModernBertEncoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.sliding = args.layer_types[index] == "sliding_attention"
+        self.sliding = args.attention_types[index] == "sliding_attention"
         if index > 0:  # layer 0 reads the already-normalised embeddings
             self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
-        self.attn = ModernBertAttention(args, args.layer_types[index])
+        self.attn = ModernBertAttention(args, args.attention_types[index])
         self.mlp_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
         self.mlp = ModernBertMLP(args)
 
@@ -137,7 +154,9 @@ def attention_masks(attention_mask, L: int, half_window: int, dtype) -> tuple[mx
     return mx.where(keys, zero, neg), mx.where(keep, zero, neg)
 
 
-class ModernBertModel(nn.Module):
+class ModernBertModel(Model, nn.Module):
+    gradient_checkpointing = False
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -149,7 +168,7 @@ class ModernBertModel(nn.Module):
         x = self.embeddings(input_ids)
         masks = attention_masks(attention_mask, x.shape[1], self.args.local_attention // 2, x.dtype)
         for layer in self.layers:
-            x = layer(x, masks)
+            x = run_layer(layer, x, masks, checkpoint=self.gradient_checkpointing)
         return ModelOutput(last_hidden_state=self.final_norm(x))
 
 
@@ -189,24 +208,26 @@ class ModernBertForMaskedLM(ModernBertHead):
 class ModernBertForSequenceClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
+        self.drop = nn.Dropout(args.classifier_dropout)
         self.classifier = nn.Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
         x = out.last_hidden_state
         pooled = x[:, 0] if self.args.classifier_pooling == "cls" else masked_mean(x, attention_mask)
-        out.logits = self.classifier(self.head(pooled))
+        out.logits = self.classifier(self.drop(self.head(pooled)))
         return out
 
 
 class ModernBertForTokenClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
+        self.drop = nn.Dropout(args.classifier_dropout)
         self.classifier = nn.Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        out.logits = self.classifier(self.head(out.last_hidden_state))
+        out.logits = self.classifier(self.drop(self.head(out.last_hidden_state)))
         return out
 
 
@@ -214,6 +235,18 @@ class ModernBertForQuestionAnswering(ModernBertForTokenClassification):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = super().__call__(input_ids, attention_mask)
         return span_logits(out, out.logits)
+
+
+def init_std(path: str, args: ModelArgs) -> tuple[float, float]:
+    """(std, bound) of a new module's truncated-normal weights, by role, as transformers'
+    `ModernBertPreTrainedModel._init_weights`: outputs shrink with depth, the classifier gets 1/sqrt(H)."""
+    std = args.initializer_range
+    name = path.rsplit(".", 1)[-1]
+    if name == "classifier":
+        std = args.hidden_size**-0.5
+    elif name in ("Wo", "decoder") or path.endswith("head.dense"):
+        std = std / math.sqrt(2.0 * args.num_hidden_layers)
+    return std, args.initializer_cutoff_factor * std
 
 
 MODELS = {

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification
+from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
 
 
 @dataclass
 class ModelArgs(BertArgs):
+    model_type: str = "roberta"  # xlm-roberta configs name their own
     layer_norm_eps: float = 1e-5
     pad_token_id: int = 1
     type_vocab_size: int = 1
@@ -27,13 +28,10 @@ class ModelArgs(BertArgs):
 
 
 class RobertaEmbeddings(BertEmbeddings):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.padding_idx = args.pad_token_id
-
-    def position_ids(self, input_ids: mx.array) -> mx.array:
+    def embed_positions(self, input_ids: mx.array) -> mx.array:
         real = (input_ids != self.padding_idx).astype(mx.int32)
-        return mx.cumsum(real, axis=1) * real + self.padding_idx  # real tokens: pad+1, pad+2, ...
+        positions = mx.cumsum(real, axis=1) * real + self.padding_idx  # real tokens: pad+1, pad+2, ...; padding: pad
+        return embed(self.position_embeddings, positions, self.padding_idx)
 
 
 class RobertaModel(BertModel):
@@ -59,10 +57,12 @@ class RobertaClassificationHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dropout = nn.Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
         self.out_proj = nn.Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, x):
-        return self.out_proj(mx.tanh(self.dense(x[:, 0])))
+        x = mx.tanh(self.dense(self.dropout(x[:, 0])))
+        return self.out_proj(self.dropout(x))
 
 
 class RobertaHead(HeadModel):

@@ -5,14 +5,13 @@ tokenized one by one, then run through the model `batch_size` at a time with rig
 """
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding
 
-from ..loading import checkpoint_task, read_config, resolve
+from ..checkpoint import Checkpoint
 from ..models import model_module
 from ..tokenizer import Tokenizer
 
@@ -87,18 +86,15 @@ class Pipeline:
 
 def check_head(model: nn.Module, task: str, head: str) -> None:
     """Fail with the head the model has and the task it serves when it lacks the one `task` needs."""
-    module = model_module(model.config["model_type"])
+    module = model_module(model.args.model_type)
     if isinstance(model, module.MODELS.get(head, ())):
         return
     have = next((name for name, cls in module.MODELS.items() if type(model) is cls), type(model).__name__)
+    source = f" from {model.path}" if getattr(model, "path", None) else ""
     raise ValueError(
-        f"The {task!r} pipeline needs a {head} head, but {type(model).__name__} from {model.path} has a {have} "
+        f"The {task!r} pipeline needs a {head} head, but {type(model).__name__}{source} has a {have} "
         f"head, which supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
     )
-
-
-def stored_head(path: Path) -> str:
-    return checkpoint_task(read_config(path))
 
 
 def load_for(task: str, head: str, model, accepted: Sequence[str], dtype=None) -> tuple[nn.Module, Tokenizer]:
@@ -107,12 +103,12 @@ def load_for(task: str, head: str, model, accepted: Sequence[str], dtype=None) -
 
     if isinstance(model, (tuple, list)):
         return model[0], model[1]
-    path = resolve(model)
-    have = stored_head(path)
+    checkpoint = Checkpoint.open(model)
+    have = checkpoint.task
     if have not in accepted:
-        architecture = (read_config(path).get("architectures") or ["a bare encoder"])[0]
+        architecture = (checkpoint.config.get("architectures") or ["a bare encoder"])[0]
         raise ValueError(
-            f"The {task!r} pipeline needs a {head} head, but {path} holds {architecture} (a {have} head), which "
-            f"supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
+            f"The {task!r} pipeline needs a {head} head, but {checkpoint.path} holds {architecture} (a {have} head), "
+            f"which supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
         )
-    return load(path, dtype=dtype, task=head)
+    return load(checkpoint, dtype=dtype, task=head)

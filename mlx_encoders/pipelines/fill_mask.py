@@ -24,7 +24,7 @@ class FillMaskPipeline(Pipeline):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.tokenizer.mask_token_id is None:
-            raise ValueError(f"The tokenizer in {self.model.path} defines no mask_token; fill-mask needs one")
+            raise ValueError("The tokenizer defines no mask_token; fill-mask needs one")
 
     def mask_logits(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per text: (input ids, mask positions, logits at those positions of shape (n_masks, vocab))."""

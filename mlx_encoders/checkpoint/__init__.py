@@ -1,0 +1,18 @@
+"""The checkpoint layer: the one place that reads, fits, builds, initialises and writes checkpoints.
+
+- `files`: resolve a folder or hub id once, read config.json, JSON files, safetensors, shards and the index.
+- `build`: fit tensors to a model (prefixes, tied copies, legacy names, each architecture's `sanitize`),
+  build a model from config + task, initialise heads the checkpoint lacks, `load_model`.
+- `write`: `save` (transformers-readable folders, written atomically) and the writers convert uses.
+
+`load`, `load_model`, convert, `SentenceEncoder` and the pipelines all go through here.
+"""
+
+from .build import DTYPES, load_model
+from .files import PICKLE_SUFFIXES, Checkpoint, inside, read_json, read_json_object, resolve, weight_files
+from .write import MAX_SHARD_BYTES, atomic_folder, model_config, save, write_checkpoint
+
+__all__ = [
+    "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "inside", "load_model",
+    "model_config", "read_json", "read_json_object", "resolve", "save", "weight_files", "write_checkpoint",
+]  # fmt: skip

@@ -1,0 +1,263 @@
+"""Fitting a checkpoint's tensors to a model built from its config, and initialising heads it lacks.
+
+Loading is strict: every parameter must come from the checkpoint and every checkpoint tensor must land
+somewhere, except head tensors dropped on purpose when `task=` asks for less, and heads created on request
+(`num_labels=`, ...), which are initialised as transformers initialises them (`_init_weights`: normal(0,
+initializer_range) weights, zero biases, LayerNorm 1 and 0, or the architecture's own `init_std`).
+"""
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..models import TASKS, model_class
+from ..models.base import BaseArgs, HeadModel, takes_pooler
+from .files import Checkpoint
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+
+
+def normalize_keys(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Drop position_ids buffers; read TF-era `gamma`/`beta` as `weight`/`bias`."""
+    out = {}
+    for key, value in weights.items():
+        if key.endswith("position_ids"):
+            continue
+        for old, new in LEGACY_SUFFIXES.items():
+            if key.endswith(old):
+                key = key[: -len(old)] + new
+        out[key] = value
+    return out
+
+
+def slots(model: nn.Module) -> set[str]:
+    """Every key the model could take: its parameters, plus scales/biases of quantizable modules."""
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    for path, module in model.named_modules():
+        if hasattr(module, "to_quantized"):
+            names |= {f"{path}.scales", f"{path}.biases"}
+    return names
+
+
+def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.array]:
+    """Add or strip the base-model prefix (`bert.`, `model.`, ...) so keys name the model's parameters."""
+    prefix = model.prefix + "." if isinstance(model, HeadModel) else None
+    taken = slots(model)
+    out = {}
+    for key, value in weights.items():
+        candidates = [key, prefix + key] if prefix else [key, key.split(".", 1)[-1]]  # `bert.x` for a bare encoder
+        out[next((c for c in candidates if c in taken), key)] = value
+    return out
+
+
+def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
+    """Turn exactly the modules whose `<path>.scales` is stored into quantized ones."""
+    spec = config.get("quantization") or config.get("quantization_config") or {}
+    default = {
+        "group_size": spec.get("group_size", 64),
+        "bits": spec.get("bits", 8),
+        "mode": spec.get("mode", "affine"),
+    }
+
+    def predicate(path: str, module: nn.Module):
+        if f"{path}.scales" not in weights:
+            return False
+        override = spec.get(path)
+        return {**default, **override} if isinstance(override, dict) else dict(default)
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def is_float(x: mx.array) -> bool:
+    return mx.issubdtype(x.dtype, mx.floating)
+
+
+def creatable(model: nn.Module, key: str) -> bool:
+    """Whether a missing tensor belongs to what a new head adds: the head itself, or the encoder's pooler."""
+    if not isinstance(model, HeadModel):
+        return False
+    return not key.startswith(model.prefix + ".") or key.startswith(f"{model.prefix}.pooler.")
+
+
+def fit_weights(
+    model: nn.Module, weights: dict[str, mx.array], drop_foreign: bool, new_head: bool, source: Path
+) -> tuple[dict[str, mx.array], list[str]]:
+    """(the checkpoint tensors the model takes, the keys a new head adds); anything else that does not fit
+    fails, naming every missing, unused, mis-shaped or non-float tensor."""
+    params = dict(tree_flatten(model.parameters()))
+    ignored = set(getattr(model, "ignored_keys", ()))
+    unexpected = [k for k in weights if k not in params and k not in ignored]
+    if drop_foreign:  # task= asked for another head: drop tensors of modules this head does not have
+        modules = {path for path, _ in model.named_modules()}
+        unexpected = [k for k in unexpected if k.rsplit(".", 1)[0] in modules]
+    missing = [k for k in params if k not in weights]
+    created = [k for k in missing if new_head and creatable(model, k)]
+    missing = [k for k in missing if k not in created]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {', '.join(sorted(missing))}")
+    if unexpected:
+        problems.append(f"not used by {type(model).__name__}: {', '.join(sorted(unexpected))}")
+    wrong = [
+        f"{k} is {tuple(weights[k].shape)} in the file but {tuple(v.shape)} in the model"
+        for k, v in params.items()
+        if k in weights and weights[k].shape != v.shape
+    ]
+    if wrong:
+        more = f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        problems.append("shape mismatch: " + "; ".join(wrong[:5]) + more)
+    kinds = [
+        f"{k} ({str(weights[k].dtype).rsplit('.', 1)[-1]})"
+        for k, v in params.items()
+        if k in weights and is_float(weights[k]) != is_float(v)
+    ]
+    if kinds:
+        problems.append(f"not float where the model needs float weights (or the reverse): {', '.join(sorted(kinds))}")
+    if problems:
+        hint = ""
+        if missing and not new_head and all(creatable(model, k) for k in missing):
+            hint = " | to add this head, pass num_labels= (or id2label=, label2id=, problem_type=)"
+        raise ValueError(
+            f"Checkpoint {source} does not fit {type(model).__name__} built from its config.json: "
+            + " | ".join(problems)
+            + hint
+        )
+    return {k: v for k, v in weights.items() if k in params}, created
+
+
+def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> None:
+    """transformers' initial values for `keys`: LayerNorm 1 and 0, zero biases, normal(0, std) weights,
+    truncated to +-bound where the architecture's `init_std(path, args) -> (std, bound)` says so."""
+    modules = dict(model.named_modules())
+    params = dict(tree_flatten(model.parameters()))
+    values = []
+    for key in keys:
+        path, name = key.rsplit(".", 1)
+        shape = params[key].shape
+        if isinstance(modules[path], nn.LayerNorm) and name == "weight":
+            value = mx.ones(shape)
+        elif name != "weight":
+            value = mx.zeros(shape)
+        else:
+            std, bound = module.init_std(path, model.args) if hasattr(module, "init_std") else (None, None)
+            std = model.args.initializer_range if std is None else std
+            if bound is None:
+                value = std * mx.random.normal(shape)
+            else:
+                value = std * mx.random.truncated_normal(-bound / std, bound / std, shape)
+        values.append((key, value.astype(dtype)))
+    model.load_weights(values, strict=False)
+
+
+def with_labels(config: dict, labels: dict[str, Any]) -> dict:
+    """config.json with the requested `num_labels` / `id2label` / `label2id` / `problem_type`."""
+    num_labels, id2label, label2id = labels["num_labels"], labels["id2label"], labels["label2id"]
+    if id2label is None and label2id is not None:
+        id2label = {i: label for label, i in label2id.items()}
+    if id2label is not None:
+        id2label = {int(i): str(label) for i, label in id2label.items()}
+        if sorted(id2label) != list(range(len(id2label))):
+            raise ValueError(f"label ids must be 0..{len(id2label) - 1}, got {sorted(id2label)}")
+        if num_labels is not None and num_labels != len(id2label):
+            raise ValueError(f"num_labels={num_labels} but {len(id2label)} labels were named")
+    elif num_labels is not None:
+        if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+            raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
+        stored = config.get("id2label") or {}
+        id2label = stored if len(stored) == num_labels else {i: f"LABEL_{i}" for i in range(num_labels)}
+    config = dict(config)
+    if id2label is not None:
+        config["id2label"] = {str(i): label for i, label in id2label.items()}
+        config.pop("label2id", None)
+    if labels["problem_type"] is not None:
+        config["problem_type"] = labels["problem_type"]
+    return config
+
+
+def build_model(args: BaseArgs, task: str, weights: dict[str, mx.array]) -> nn.Module:
+    cls = model_class(args.model_type, task)
+    if takes_pooler(cls):  # a bare encoder has a pooler exactly when the checkpoint stores one
+        return cls(args, add_pooling_layer=any(".pooler." in "." + k for k in weights))
+    return cls(args)
+
+
+def check_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
+    if dtype is None or dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(
+        f"Unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)} (or None to keep the stored one)"
+    )
+
+
+def stored_float_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    dtypes = [v.dtype for k, v in weights.items() if is_float(v) and not k.endswith((".scales", ".biases"))]
+    return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
+
+
+def load_model(
+    path_or_repo: str | Path | Checkpoint,
+    dtype: str | mx.Dtype | None = None,
+    task: str | None = None,
+    revision: str | None = None,
+    *,
+    num_labels: int | None = None,
+    id2label: dict | None = None,
+    label2id: dict | None = None,
+    problem_type: str | None = None,
+) -> nn.Module:
+    """Build the model a checkpoint describes (or the `task` head / bare `"encoder"`) and load its weights.
+
+    `dtype=None` keeps the stored dtype; "float32", "float16" or "bfloat16" casts everything not quantized.
+    `num_labels`, `id2label`, `label2id` or `problem_type` set the labels of a classification head; a head
+    the checkpoint lacks (e.g. `task="sequence-classification"` on a masked-LM checkpoint) is then created,
+    initialised as transformers does, with one warning naming its new tensors. Without them a missing head
+    fails.
+    """
+    checkpoint = Checkpoint.open(path_or_repo, revision)
+    dtype = check_dtype(dtype)
+    labels = dict(num_labels=num_labels, id2label=id2label, label2id=label2id, problem_type=problem_type)
+    new_head = any(v is not None for v in labels.values())
+    try:
+        stored_task = checkpoint.task
+    except ValueError:
+        if task is None:
+            raise
+        stored_task = None  # an architecture we do not implement: only its encoder (or `task`) is wanted
+    task = task or stored_task
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+    config = with_labels(checkpoint.config, labels) if new_head else checkpoint.config
+    try:
+        args = checkpoint.module.ModelArgs.from_dict(config)
+    except ValueError as e:
+        raise ValueError(f"{checkpoint.path / 'config.json'}: {e}") from e
+    weights = normalize_keys(checkpoint.read_weights())
+    if hasattr(checkpoint.module, "sanitize"):
+        weights = checkpoint.module.sanitize(weights)
+    model = build_model(args, task, weights)
+    weights = fit_prefix(weights, model)
+    quantize_like(model, weights, config)
+    weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
+    model.load_weights(list(weights.items()), strict=not created)
+    if created:
+        initialize(model, created, checkpoint.module, stored_float_dtype(weights))
+        warnings.warn(
+            f"Some weights of {type(model).__name__} were not in the checkpoint at {checkpoint.path} and are newly "
+            f"initialized: {', '.join(sorted(created))}. Train this model on a downstream task before using it "
+            "for predictions.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    model.path = checkpoint.path
+    return model

@@ -1,0 +1,170 @@
+"""Reading a checkpoint folder: resolve it once (folder or hub id), then its JSON files and safetensors.
+
+Every file that fails to parse names itself, paths listed inside a folder's files never leave the folder,
+and pickle weights are refused, so reading never runs code from a checkpoint.
+"""
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+from ..models import model_module, task_of_architecture
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX = "model.safetensors.index.json"
+
+
+def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:
+    """A local folder as is, else a hub repo id through the huggingface_hub cache (honours HF_HUB_OFFLINE)."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; pass the checkpoint folder that holds config.json")
+    name = str(path_or_repo)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"No checkpoint folder at {name}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:  # cache first: a cached snapshot needs no network round trip
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{name} is neither a local folder nor in the Hugging Face cache, and the hub cannot be reached "
+            f"(offline or HF_HUB_OFFLINE=1). Download it once with network, or pass a local folder."
+        ) from e
+    except HfHubHTTPError as e:
+        raise FileNotFoundError(f"Could not fetch {name!r} from the Hugging Face hub: {e}") from e
+
+
+def read_json(file: Path, required: bool = False) -> Any:
+    """The parsed file; {} when it is absent and not `required`. A file that does not parse names itself."""
+    if not file.exists():
+        if required:
+            raise FileNotFoundError(f"No {file.name} in {file.parent}")
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-save it") from e
+
+
+def read_json_object(file: Path, required: bool = False) -> dict:
+    value = read_json(file, required)
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, found {type(value).__name__}")
+    return value
+
+
+def inside(folder: Path, name: Any, listed_in: Path) -> Path:
+    """`folder / name` for a relative path that stays inside `folder`; refused otherwise (absolute, `..`)."""
+    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ValueError(f"{listed_in} lists {name!r}, which is not a relative path inside {folder}; refusing it")
+    return folder / name
+
+
+def read_safetensors(file: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(file))
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the weights: the index's shards, else `model.safetensors`, else the one
+    `*.safetensors` file. Several files and no index are ambiguous and refused; pickles are refused."""
+    index = path / INDEX
+    if index.exists():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = [inside(path, name, index) for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {path}: {', '.join(missing)}")
+        return files
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) == 1:
+        return files
+    if files:
+        raise ValueError(
+            f"{path} holds several safetensors files ({', '.join(f.name for f in files)}) and no {INDEX} that "
+            "says how they make up one model; keep only the model's file, or add the index"
+        )
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{path} holds only pickle weights ({', '.join(pickles)}). mlx_encoders loads safetensors only, "
+            "because unpickling can run arbitrary code. Convert once with transformers: "
+            "`AutoModel.from_pretrained(path).save_pretrained(path, safe_serialization=True)`, or use the "
+            "hub repo's safetensors revision (many repos have a 'refs/pr/N' with model.safetensors)."
+        )
+    raise FileNotFoundError(f"No model.safetensors (or shards with {INDEX}) in {path}")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder, resolved once, and its config.json, read once; every front end starts here."""
+
+    path: Path
+    config: dict
+
+    @classmethod
+    def open(cls, source: "str | Path | Checkpoint", revision: str | None = None) -> "Checkpoint":
+        if isinstance(source, Checkpoint):
+            return source
+        path = resolve(source, revision)
+        file = path / "config.json"
+        if not file.exists():
+            raise FileNotFoundError(f"No config.json in {path}; is this a transformers or MLX checkpoint folder?")
+        checkpoint = cls(path, read_json_object(file))
+        checkpoint.check_architecture()
+        return checkpoint
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "<missing>")
+
+    @property
+    def module(self) -> ModuleType:
+        return model_module(self.model_type)
+
+    def check_architecture(self) -> None:
+        """An unknown model_type fails, naming the file, before anything else is read."""
+        try:
+            model_module(self.model_type)
+        except ValueError as e:
+            raise ValueError(f"{self.path / 'config.json'}: {e}") from e
+
+    @cached_property
+    def task(self) -> str:
+        """The head config.json `architectures[0]` names ('encoder' when it names none)."""
+        architectures = self.config.get("architectures") or []
+        if not architectures:
+            return "encoder"
+        try:
+            return task_of_architecture(architectures[0])
+        except ValueError as e:
+            raise ValueError(f"{self.path / 'config.json'}: {e}") from e
+
+    def weight_files(self) -> list[Path]:
+        return weight_files(self.path)
+
+    def read_weights(self) -> dict[str, mx.array]:
+        weights = {}
+        for file in self.weight_files():
+            weights.update(read_safetensors(file))
+        return weights

@@ -1,0 +1,161 @@
+"""Writing checkpoints that transformers and mlx_encoders both read back.
+
+`save` writes config.json (every config key, `architectures`, labels both ways), the weights under
+transformers' key names (the model's own parameter names; tied copies are left out, as transformers
+leaves them out) in `model.safetensors`, or shards with an index past 5 GB (transformers' and mlx-lm's
+default), and the tokenizer files, into a temporary folder renamed into place, so a failure leaves nothing
+half-written. Quantized models are written in the mlx-community layout (mlx-lm's `save_model`): `quantization`
+in config.json and `<path>.weight` / `.scales` / `.biases` per quantized module.
+"""
+
+import json
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+MAX_SHARD_BYTES = 5 << 30
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt",
+)  # fmt: skip
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+def quantization_entry(model: nn.Module) -> dict | None:
+    """config.json's `quantization` for the model's quantized modules: the most common setting as the default,
+    per-module entries for the others (mlx-lm's layout); None when nothing is quantized."""
+    settings = {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+        for path, m in model.named_modules()
+        if isinstance(m, QUANTIZED)
+    }
+    if not settings:
+        return None
+    counts = Counter(tuple(s.items()) for s in settings.values())
+    default = dict(counts.most_common(1)[0][0])
+    return {**default, **{path: s for path, s in settings.items() if s != default}}
+
+
+def float_dtype(model: nn.Module) -> mx.Dtype:
+    """The float dtype of the parameters that are not quantization scales (float32 if there are none)."""
+    dtypes = [
+        v.dtype
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))
+    ]
+    return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
+
+
+def model_config(model: nn.Module) -> dict:
+    """The config.json that describes `model`, loaded or built in code from its `ModelArgs`."""
+    config = model.config
+    config["dtype"] = DTYPE_NAMES[float_dtype(model)]
+    config.pop("torch_dtype", None)  # transformers 5 reads `dtype`
+    quantization = quantization_entry(model)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if quantization:
+        config["quantization"] = config["quantization_config"] = quantization
+    return config
+
+
+def make_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    shards, shard, size = [], {}, 0
+    for key, value in weights.items():
+        if shard and size + value.nbytes > max_bytes:
+            shards.append(shard)
+            shard, size = {}, 0
+        shard[key] = value
+        size += value.nbytes
+    return [*shards, shard]
+
+
+def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BYTES) -> list[Path]:
+    """`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with their index past `shard_size`."""
+    weights = dict(tree_flatten(model.parameters()))
+    shards = make_shards(weights, shard_size)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    # transformers reads only files marked "pt" (or "mlx", which it refuses to load for torch)
+    metadata = {"format": "mlx" if quantization_entry(model) else "pt"}
+    for name, shard in tqdm(list(zip(names, shards, strict=True)), desc="writing", unit="file", leave=False):
+        mx.save_safetensors(str(folder / name), shard, metadata=metadata)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+            "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in sorted(shard)},
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [folder / name for name in names]
+
+
+def write_checkpoint(model: nn.Module, config: dict, folder: Path, shard_size: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write the model's weights under its own parameter names, and `config`, into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = write_weights(model, folder, shard_size)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return files
+
+
+def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
+    """Copy a checkpoint's tokenizer files as they are (convert keeps every file the source ships)."""
+    names = [n for n in TOKENIZER_FILES if (source / n).is_file()] + sorted(p.name for p in source.glob("*.model"))
+    for name in names:
+        shutil.copy2(source / name, folder / name)
+    return names
+
+
+@contextmanager
+def atomic_folder(target: Path, replace: bool) -> Iterator[Path]:
+    """A temporary folder beside `target`, renamed into place only if the block completes; an existing
+    `target` is replaced only when `replace`, and only once the new folder is complete."""
+    target = Path(target)
+    if target.exists() and not replace:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            if not replace:
+                raise FileExistsError(
+                    f"{target} appeared while it was being written; pass overwrite=True to replace it"
+                )
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            target.rename(old / target.name)
+            tmp.rename(target)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save(
+    model: nn.Module, folder: str | Path, tokenizer=None, *, overwrite: bool = False, shard_size: int = MAX_SHARD_BYTES
+) -> Path:
+    """Write `model` (and `tokenizer`'s files) as a checkpoint folder that transformers'
+    `AutoModelFor...from_pretrained` and `mlx_encoders.load` read back; returns the folder.
+
+    The folder appears only when complete; an existing one is replaced only with `overwrite=True`.
+    """
+    folder = Path(folder)
+    with atomic_folder(folder, overwrite) as tmp:
+        write_checkpoint(model, model_config(model), tmp, shard_size)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return folder

@@ -1,0 +1,95 @@
+"""GPTQ's calibration: the texts, and the input Hessians of every Linear measured on them.
+
+The Hessian is that of GPTQ's layer-wise objective (Frantar et al. 2022: the layer's inputs X^T X), with
+padding left out and every text weighted alike, as sentence embeddings average each text's tokens. The
+default texts are standard-library docstrings (`mlx_encoders.corpus`), disjoint from those the tests and
+benchmarks evaluate on.
+"""
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+from tqdm import tqdm
+
+# The built-in GPTQ calibration set: standard-library docstrings from this index on (disjoint from the first
+# thousands, which the benchmarks and tests evaluate on), each cut to CALIBRATION_TOKENS tokens.
+CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_TOKENS, CALIBRATION_CHARS = 4000, 256, 256, 4096
+
+
+class InputRecorder(nn.Module):
+    """Wraps a Linear and accumulates X^T W X of its inputs (the GPTQ Hessian, up to a factor).
+
+    `weights["sqrt"]` holds the square roots of the current batch's (B, L) token weights: 0 on padding,
+    1/length on a text's tokens, so every calibration text counts the same whatever its length (sentence
+    embeddings average a text's tokens; without this, long texts would outweigh short ones). Inputs of
+    shape (B, D), such as a pooler's, weigh each text once.
+    """
+
+    def __init__(self, linear: nn.Linear, hessians: dict, path: str, weights: dict):
+        super().__init__()
+        self.linear = linear
+        self._hessians, self._path, self._weights = hessians, path, weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        flat = x.astype(mx.float32)
+        if flat.ndim == 3:
+            flat = flat * self._weights["sqrt"][..., None]
+        flat = flat.reshape(-1, x.shape[-1])
+        self._hessians[self._path] = self._hessians.get(self._path, 0) + flat.T @ flat
+        mx.eval(self._hessians[self._path])
+        return self.linear(x)
+
+
+def input_hessians(
+    model: nn.Module, texts: list[str], batch_size: int = 16, max_length: int | None = None
+) -> dict[str, np.ndarray]:
+    """Input Hessians of every Linear on calibration texts (sorted by length so batches pad little)."""
+    from .. import load_tokenizer
+
+    tokenizer, hessians, weights = load_tokenizer(model), {}, {}
+    limits = [n for n in (max_length, tokenizer.model_max_length, getattr(model.args, "max_tokens", None)) if n]
+    max_length = min(limits) if limits else None  # never past the position table
+    linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    model.update_modules(tree_unflatten([(p, InputRecorder(m, hessians, p, weights)) for p, m in linears]))
+    try:
+        texts = sorted(texts, key=len)
+        for i in tqdm(range(0, len(texts), batch_size), desc="calibrating", unit="batch", leave=False):
+            batch = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length)
+            mask = mx.array(batch["attention_mask"]).astype(mx.float32)
+            weights["sqrt"] = mx.sqrt(mask / mx.maximum(mask.sum(axis=1, keepdims=True), 1))  # once per batch
+            model(
+                batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
+            )
+    finally:
+        model.update_modules(tree_unflatten(linears))
+    return {path: np.array(h) for path, h in hessians.items()}
+
+
+@functools.cache
+def builtin_calibration() -> tuple[str, ...]:
+    """The default GPTQ calibration texts: CALIBRATION_TEXTS standard-library docstrings (see the constants)."""
+    from ..corpus import stdlib_docstrings
+
+    texts = stdlib_docstrings(CALIBRATION_START + CALIBRATION_TEXTS, max_chars=CALIBRATION_CHARS)
+    return tuple(texts[CALIBRATION_START:] or texts[-CALIBRATION_TEXTS:])
+
+
+def calibration_texts(calibration: list[str] | bool | None, spec: dict | None, model: nn.Module) -> list[str]:
+    """The texts to calibrate GPTQ on, or [] for rounding to nearest.
+
+    `None` means the built-in set for affine quantization of a checkpoint with a tokenizer; `False` rounds.
+    """
+    from .. import load_tokenizer
+
+    if calibration is False or calibration is None and (spec is None or spec["mode"] != "affine"):
+        return []
+    if calibration is None:
+        try:
+            load_tokenizer(model)
+        except FileNotFoundError:
+            return []  # nothing to turn texts into ids: round to nearest
+        return list(builtin_calibration())
+    return list(calibration)

@@ -1,0 +1,109 @@
+"""Quantize and dequantize a model in place, as mlx-lm's `quantize_model` and `dequantize_model` do
+(`mlx_lm/utils.py`): `nn.quantize` with a per-module predicate, returning config.json's `quantization` entry;
+given input Hessians, the affine modules are then re-fitted (GPTQ, least-squares grid) by `rounding`.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+from .recipes import quantization_spec, recipe_default, recipe_rule
+from .rounding import apply_gptq
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int | None = None,
+    group_size: int | None = None,
+    mode: str = "affine",
+    recipe: str | dict | None = None,
+    hessians: dict[str, np.ndarray] | None = None,
+) -> dict:
+    """Quantize every nn.Linear and nn.Embedding in place; returns config.json's `quantization` entry.
+
+    A module whose input width does not divide its group size stays float and is recorded as `false`;
+    modules whose setting differs from the default get a per-module entry, as mlx-lm writes them.
+    Affine scales and biases are stored in float16 (bfloat16 models keep bfloat16). Without `hessians`
+    weights are rounded to nearest (`mx.quantize`); with them (from `input_hessians`) affine Linears are
+    rounded with GPTQ and every other affine module gets the least-squares grid of `affine_grid`.
+    """
+    floats = {
+        p: np.array(m.weight.astype(mx.float32))
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding)) and hessians is not None
+    }
+    spec = quantization_spec(bits, group_size, mode)
+    rule = recipe_rule(recipe, spec)
+    default = recipe_default(recipe, spec)
+    config = dict(default)
+
+    def predicate(path: str, module: nn.Module) -> dict | bool:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+        params = rule(path)
+        if params is False or module.weight.shape[-1] % params["group_size"]:
+            config[path] = False
+            return False
+        if params != default:
+            config[path] = dict(params)
+        return dict(params)
+
+    nn.quantize(model, class_predicate=predicate)
+    set_scale_dtype(model)
+    if hessians is not None:
+        apply_gptq(model, hessians, floats)
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
+        mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
+    return config
+
+
+def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """Affine scales/biases: float16 halves their cost vs float32 (the fits round them to float16, so
+    codes match the stored values); bfloat16 models keep bfloat16."""
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
+
+def set_scale_dtype(model: nn.Module) -> None:
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and module.mode == "affine":
+            module.scales = module.scales.astype(scale_dtype(module.scales.dtype))
+            module.biases = module.biases.astype(scale_dtype(module.biases.dtype))
+
+
+def model_dtype(model: nn.Module) -> mx.Dtype:
+    """The float dtype of the parameters that are not quantization scales (float32 if there are none)."""
+    dtypes = [
+        v.dtype
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))
+    ]
+    return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
+    """Replace every quantized module with its float equivalent in place; returns how many were replaced."""
+    replaced, float_dtype = [], model_dtype(model)
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        target = dtype or float_dtype
+        # affine: widen float16 scales first, so scale * q + bias is computed (and exact) in the target dtype
+        scales, biases = module.scales, module.get("biases")
+        if module.mode == "affine":
+            scales, biases = scales.astype(target), biases.astype(target)
+        weight = mx.dequantize(module.weight, scales, biases, module.group_size, module.bits, mode=module.mode)
+        weight = weight.astype(target)
+        if isinstance(module, nn.QuantizedEmbedding):
+            float_module = nn.Embedding(*weight.shape)
+        else:
+            float_module = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                float_module.bias = module.bias
+        float_module.weight = weight
+        replaced.append((path, float_module))
+    model.update_modules(tree_unflatten(replaced))
+    mx.eval(model.parameters())
+    return len(replaced)

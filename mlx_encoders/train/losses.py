@@ -1,0 +1,97 @@
+"""Task losses, computed from `labels` exactly as transformers' heads compute them (reference: the `forward` of
+each `*For*` class in `modeling_bert.py` and friends, and `loss/loss_utils.py`). Models return logits only;
+`task_loss` picks the head's loss, the functions below it are its parts.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..models import model_module
+from ..models.base import ModelOutput
+
+IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
+
+
+def task_loss(
+    model: nn.Module,
+    output: ModelOutput,
+    labels: mx.array | None = None,
+    *,
+    start_positions: mx.array | None = None,
+    end_positions: mx.array | None = None,
+    next_sentence_label: mx.array | None = None,
+) -> mx.array:
+    """The loss transformers' head of the same task returns for `model(**batch, labels=...)`: the keyword names
+    are transformers' (`start_positions`/`end_positions` for question answering, `next_sentence_label` beside
+    `labels` for BERT pretraining). `output` is `model`'s output for the batch."""
+    task = task_of(model)
+    if task == "sequence-classification":
+        return sequence_classification_loss(output.logits, labels, model.args.num_labels, model.args.problem_type)
+    if task in ("token-classification", "masked-lm"):
+        return cross_entropy(output.logits, labels)
+    if task == "question-answering":
+        return span_loss(output.start_logits, output.end_logits, start_positions, end_positions)
+    if task == "pretraining":
+        return cross_entropy(output.logits, labels) + cross_entropy(output.seq_relationship_logits, next_sentence_label)
+    raise ValueError(f"{type(model).__name__} is a bare encoder: it has no task loss; train it through a head")
+
+
+def task_of(model: nn.Module) -> str:
+    """The registry's task name of `model`'s class ("masked-lm", ...)."""
+    tasks = {cls: task for task, cls in model_module(model.args.model_type).MODELS.items()}
+    return tasks[type(model)]
+
+
+def cross_entropy(logits: mx.array, targets: mx.array, ignore_index: int = IGNORE_INDEX) -> mx.array:
+    """Mean cross-entropy of (..., C) logits over the targets that are not `ignore_index`, in float32: torch's
+    `CrossEntropyLoss(ignore_index=...)` (NaN when every target is ignored, as there)."""
+    logits = logits.reshape(-1, logits.shape[-1]).astype(mx.float32)
+    targets = targets.reshape(-1)
+    kept = targets != ignore_index
+    losses = nn.losses.cross_entropy(logits, mx.where(kept, targets, 0))
+    return mx.where(kept, losses, 0).sum() / kept.sum()
+
+
+def mse(predictions: mx.array, targets: mx.array) -> mx.array:
+    """torch's MSELoss: the mean squared error, in float32."""
+    return nn.losses.mse_loss(predictions.astype(mx.float32), targets.astype(mx.float32))
+
+
+def binary_cross_entropy_with_logits(logits: mx.array, targets: mx.array) -> mx.array:
+    """torch's BCEWithLogitsLoss: the mean over every logit, in float32."""
+    return nn.losses.binary_cross_entropy(
+        logits.astype(mx.float32), targets.astype(mx.float32), with_logits=True, reduction="mean"
+    )
+
+
+def problem_type(labels: mx.array, num_labels: int, configured: str | None = None) -> str:
+    """The config's `problem_type`, else the one transformers infers: regression for a single label,
+    single-label classification for integer labels, multi-label classification for float ones."""
+    if configured is not None:
+        return configured
+    if num_labels == 1:
+        return "regression"
+    return "single_label_classification" if mx.issubdtype(labels.dtype, mx.integer) else "multi_label_classification"
+
+
+def sequence_classification_loss(
+    logits: mx.array, labels: mx.array, num_labels: int, configured: str | None = None
+) -> mx.array:
+    """transformers' `ForSequenceClassification` loss: MSE, cross-entropy or BCE-with-logits by `problem_type`."""
+    kind = problem_type(labels, num_labels, configured)
+    if kind == "regression":
+        # transformers squeezes a single label's (B, 1) logits and labels alike
+        return mse(logits.squeeze(), labels.squeeze()) if num_labels == 1 else mse(logits, labels)
+    if kind == "single_label_classification":
+        return cross_entropy(logits, labels)
+    return binary_cross_entropy_with_logits(logits, labels)
+
+
+def span_loss(
+    start_logits: mx.array, end_logits: mx.array, start_positions: mx.array, end_positions: mx.array
+) -> mx.array:
+    """Question answering: (CE(start) + CE(end)) / 2 over (B, L) logits. As in transformers, positions are
+    clamped to [0, L] and L is ignored, so answers outside the input add nothing."""
+    length = start_logits.shape[1]
+    start, end = (mx.clip(p.reshape(-1), 0, length) for p in (start_positions, end_positions))
+    return (cross_entropy(start_logits, start, length) + cross_entropy(end_logits, end, length)) / 2

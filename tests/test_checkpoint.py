@@ -1,0 +1,406 @@
+"""The checkpoint layer: `save` for transformers and back, new heads, models built in code, and every
+refusal of a broken folder (each names the file or key at fault)."""
+
+import json
+import shutil
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import AUTO_CLASSES
+from mlx.utils import tree_flatten
+from safetensors.numpy import load_file, save_file
+from test_parity import CASES, as_torch, assert_close, our_outputs, reference_outputs
+
+import mlx_encoders
+from mlx_encoders.checkpoint import Checkpoint, save
+from mlx_encoders.models import bert, model_module, task_of_architecture
+
+TEXTS = ["hello there", "a second, longer text for the batch", ""]
+
+
+def copy(folder, tmp_path):
+    return shutil.copytree(folder, tmp_path / "ckpt")
+
+
+def edit_weights(folder, edit):
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(folder, edit):
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def main_output(out) -> np.ndarray:
+    return np.array(out.logits if out.logits is not None else out.last_hidden_state)
+
+
+def torch_output(model, batch) -> np.ndarray:
+    with torch.no_grad():
+        return model(**as_torch(batch)).logits.numpy()
+
+
+def sentence_modules(pooling_path: str) -> list[dict]:
+    """modules.json of a Transformer in the folder itself and a Pooling module at `pooling_path`."""
+    kinds = ("Transformer", "Pooling")
+    return [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, ("", pooling_path), strict=True))
+    ]
+
+
+def params(model) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+# --- save: transformers reads what mlx_encoders writes, and mlx_encoders reads it back identically ---
+
+
+@pytest.mark.parametrize("model_type,task", CASES)
+def test_saved_checkpoint_loads_in_transformers_with_equal_logits(checkpoint, tmp_path, model_type, task):
+    model, tokenizer = mlx_encoders.load(checkpoint(model_type, task))
+    folder = save(model, tmp_path / "saved", tokenizer)
+
+    reference, info = AUTO_CLASSES[task].from_pretrained(folder, attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), f"transformers reports {info}"  # nothing missing, unexpected or re-initialised
+    assert type(reference).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
+    batch = tokenizer(TEXTS)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close(our_outputs(model(**batch)), reference_outputs(folder, task, batch), real, task, atol=1e-5)
+
+    again, tokenizer_again = mlx_encoders.load(folder)
+    assert type(again) is type(model)
+    assert params(again).keys() == params(model).keys()
+    for key, value in params(model).items():
+        np.testing.assert_array_equal(params(again)[key], value, err_msg=key)
+    assert tokenizer_again(TEXTS)["input_ids"].tolist() == batch["input_ids"].tolist()
+
+
+def test_saved_tokenizer_loads_in_transformers_with_equal_ids(checkpoint, tmp_path):
+    source = checkpoint("roberta", "masked-lm")
+    model, tokenizer = mlx_encoders.load(source)
+    folder = save(model, tmp_path / "saved", tokenizer)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    expected = theirs(TEXTS, padding=True)
+    ours = tokenizer(TEXTS, padding=True)
+    assert ours["input_ids"].tolist() == expected["input_ids"]
+    assert ours["attention_mask"].tolist() == expected["attention_mask"]
+    assert theirs.mask_token == tokenizer.mask_token and theirs.pad_token == tokenizer.pad_token
+
+
+def test_save_shards_past_the_limit_with_an_index(checkpoint, tmp_path):
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", "masked-lm"))
+    folder = save(model, tmp_path / "sharded", tokenizer, shard_size=50_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {s.name for s in shards}
+    batch = tokenizer(TEXTS)
+    expected = main_output(model(**batch))
+    np.testing.assert_array_equal(main_output(mlx_encoders.load_model(folder)(**batch)), expected)
+    reference = transformers.AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+    real = np.array(batch["attention_mask"]).astype(bool)
+    np.testing.assert_allclose(torch_output(reference, batch)[real], expected[real], atol=1e-4)
+
+
+def test_save_is_atomic_and_never_replaces_without_overwrite(checkpoint, tmp_path, monkeypatch):
+    model, tokenizer = mlx_encoders.load(checkpoint("distilbert", "masked-lm"))
+    folder = save(model, tmp_path / "out", tokenizer)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(FileExistsError, match="out already exists; pass overwrite=True"):
+        save(model, folder)
+
+    def broken(folder):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tokenizer, "save", broken)  # fails after the weights are written
+    with pytest.raises(OSError, match="disk full"):
+        save(model, folder, tokenizer, overwrite=True)
+    assert sorted(p.name for p in folder.iterdir()) == before  # the old checkpoint is intact
+    with pytest.raises(OSError, match="disk full"):
+        save(model, tmp_path / "fresh", tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing half-written is left behind
+    save(model, folder, overwrite=True)
+    assert not (folder / "tokenizer.json").exists()
+
+
+def test_quantized_model_saves_in_the_layout_convert_writes(checkpoint, tmp_path):
+    source = checkpoint("bert", "masked-lm", hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    model, tokenizer = mlx_encoders.load(source)
+    special = "cls.predictions.transform.dense"
+    override = {"group_size": 32, "bits": 8}
+    nn.quantize(model, 64, 4, class_predicate=lambda p, m: override if p == special else hasattr(m, "to_quantized"))
+    folder = save(model, tmp_path / "q", tokenizer)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == config["quantization_config"]
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    assert config["quantization"][special] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    stored = load_file(folder / "model.safetensors")
+    assert stored["bert.encoder.layer.0.output.dense.weight"].dtype == np.uint32
+    assert "bert.encoder.layer.0.output.dense.scales" in stored
+    batch = tokenizer(TEXTS)
+    loaded = mlx_encoders.load_model(folder)
+    assert dict(loaded.named_modules())[special].bits == 8
+    np.testing.assert_array_equal(main_output(loaded(**batch)), main_output(model(**batch)))
+
+
+def test_model_built_in_code_is_first_class(checkpoint, tmp_path):
+    """No loader attributes: a tokenizer from a path, a pipeline, and save -> transformers all work."""
+    args = bert.ModelArgs(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, id2label={0: "no", 1: "yes", 2: "maybe"},
+    )  # fmt: skip
+    mx.random.seed(0)
+    model = bert.BertForSequenceClassification(args)
+    model.eval()
+    tokenizer = mlx_encoders.load_tokenizer(model, checkpoint("bert"))
+    with pytest.raises(ValueError, match="not loaded from a folder; pass the tokenizer's folder"):
+        mlx_encoders.load_tokenizer(model)
+    results = mlx_encoders.pipeline("text-classification", model=(model, tokenizer))(["a text", "another"])
+    assert {r["label"] for r in results} <= {"no", "yes", "maybe"}
+    folder = save(model, tmp_path / "in-code", tokenizer)
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert reference.config.id2label == {0: "no", 1: "yes", 2: "maybe"}
+    batch = tokenizer(TEXTS)
+    np.testing.assert_allclose(torch_output(reference, batch), main_output(model(**batch)), atol=1e-5)
+    assert mlx_encoders.load(folder)[0].config["id2label"] == {"0": "no", "1": "yes", "2": "maybe"}
+
+
+# --- new heads on request, initialised as transformers initialises them ---
+
+HEAD_CASES = [(mt, "masked-lm", task) for mt in ("bert", "roberta", "distilbert", "albert", "modernbert")
+              for task in ("sequence-classification", "token-classification")]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type,source_task,task", HEAD_CASES)
+def test_new_head_is_initialised_as_transformers_does(checkpoint, model_type, source_task, task):
+    source = checkpoint(model_type, source_task, initializer_range=0.05)
+    labels = {i: f"tag{i}" for i in range(48)}  # a wide head: enough values for its statistics
+    with pytest.warns(UserWarning, match="newly initialized") as caught:
+        model = mlx_encoders.load_model(source, task=task, id2label=labels)
+    assert len([w for w in caught if "newly initialized" in str(w.message)]) == 1
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference, info = AUTO_CLASSES[task].from_pretrained(source, id2label=labels, output_loading_info=True)
+    new = sorted(info["missing_keys"])
+    message = str(caught[0].message)
+    assert all(key in message for key in new), (new, message)
+    ours = params(model)
+    theirs = dict(reference.named_parameters())
+    for key in new:
+        a, b = ours[key], theirs[key].detach().numpy()
+        assert a.shape == b.shape, key
+        if key.endswith("bias"):
+            assert not a.any() and not b.any(), key
+        elif "norm" in key.lower():
+            np.testing.assert_array_equal(a, b)
+        else:  # same distribution: mean 0, the same standard deviation and the same truncation
+            assert abs(a.mean()) < 0.2 * b.std() and abs(a.std() / b.std() - 1) < 0.15, (key, a.std(), b.std())
+            assert np.abs(a).max() <= np.abs(b).max() * 1.25 + 1e-6 or model_type != "modernbert", key
+    assert model.args.id2label == labels and model.args.num_labels == 48
+    assert model(**mlx_encoders.load_tokenizer(model)(TEXTS)).logits.shape[-1] == 48
+
+
+def test_new_head_labels_problem_type_are_saved(checkpoint, tmp_path):
+    source = checkpoint("bert", "masked-lm")
+    with pytest.warns(UserWarning, match=r"newly initialized: bert.pooler.dense.bias, bert.pooler.dense.weight, "):
+        model, tokenizer = mlx_encoders.load(
+            source,
+            task="sequence-classification",
+            label2id={"neg": 0, "pos": 1},
+            problem_type="multi_label_classification",
+        )
+    folder = save(model, tmp_path / "new-head", tokenizer)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
+    assert config["problem_type"] == "multi_label_classification"
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the saved head is complete: no new tensors now
+        again = mlx_encoders.load_model(folder)
+    assert again.args.problem_type == "multi_label_classification"
+
+
+def test_new_head_needs_the_label_keywords(checkpoint):
+    with pytest.raises(ValueError, match="missing from the checkpoint: classifier.bias.*pass num_labels="):
+        mlx_encoders.load_model(checkpoint("distilbert", "masked-lm"), task="sequence-classification")
+    with pytest.raises(ValueError, match="num_labels=3 but 2 labels were named"):
+        mlx_encoders.load_model(
+            checkpoint("bert"), task="token-classification", num_labels=3, id2label={0: "a", 1: "b"}
+        )
+    with pytest.raises(ValueError, match="num_labels must be a positive integer"):
+        mlx_encoders.load_model(checkpoint("bert"), task="token-classification", num_labels=0)
+    with pytest.raises(ValueError, match="problem_type.*must be one of regression"):
+        mlx_encoders.load_model(checkpoint("bert"), task="sequence-classification", problem_type="ranking")
+
+
+def test_new_head_never_replaces_encoder_weights(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert", "masked-lm"), tmp_path)
+    edit_weights(folder, lambda w: w.pop("bert.encoder.layer.0.output.dense.weight"))
+    with pytest.raises(ValueError, match="missing from the checkpoint: bert.encoder.layer.0.output.dense.weight"):
+        mlx_encoders.load_model(folder, task="sequence-classification", num_labels=2)
+
+
+def test_existing_head_keeps_its_weights_with_matching_labels(checkpoint):
+    source = checkpoint("roberta", "sequence-classification")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = mlx_encoders.load_model(source, id2label={0: "a", 1: "b", 2: "c"})
+    np.testing.assert_array_equal(
+        params(model)["classifier.out_proj.weight"],
+        params(mlx_encoders.load_model(source))["classifier.out_proj.weight"],
+    )
+    with pytest.raises(ValueError, match=r"classifier.out_proj.weight is \(3, 32\) in the file but \(5, 32\)"):
+        mlx_encoders.load_model(source, num_labels=5)
+
+
+# --- strict where a broken folder would otherwise load silently ---
+
+
+def test_unknown_architecture_names_itself(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="Unsupported architecture 'GPT2LMHeadModel'"):
+        task_of_architecture("GPT2LMHeadModel")
+    folder = copy(checkpoint("bert"), tmp_path)
+    edit_config(folder, lambda c: c.update(architectures=["BertLMHeadModel"]))
+    with pytest.raises(ValueError, match=r"config.json: Unsupported architecture 'BertLMHeadModel'.*task='encoder'"):
+        mlx_encoders.load_model(folder)
+    assert type(mlx_encoders.load_model(folder, task="encoder")).__name__ == "BertModel"
+    assert task_of_architecture("XLMRobertaForTokenClassification") == "token-classification"
+
+
+def test_integer_tensors_where_floats_belong_are_refused(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert"), tmp_path)
+    key = "encoder.layer.0.attention.self.query.weight"
+    edit_weights(folder, lambda w: w.update({key: w[key].astype(np.int64)}))
+    with pytest.raises(ValueError, match=f"not float where the model needs float weights.*{key} \\(int64\\)"):
+        mlx_encoders.load_model(folder)
+
+
+def test_several_safetensors_without_an_index_are_refused(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert"), tmp_path)
+    (folder / "model.safetensors").rename(folder / "weights-a.safetensors")
+    shutil.copy(folder / "weights-a.safetensors", folder / "weights-b.safetensors")
+    with pytest.raises(
+        ValueError, match="several safetensors files \\(weights-a.safetensors, weights-b.safetensors\\)"
+    ):
+        mlx_encoders.load_model(folder)
+    (folder / "weights-b.safetensors").unlink()
+    assert mlx_encoders.load_model(folder) is not None  # one file, whatever its name
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd"])
+def test_index_paths_leaving_the_folder_are_refused(checkpoint, tmp_path, name):
+    folder = copy(checkpoint("bert"), tmp_path)
+    index = {"metadata": {}, "weight_map": {"embeddings.word_embeddings.weight": name}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.safetensors.index.json lists .*not a relative path inside"):
+        mlx_encoders.load_model(folder)
+
+
+def test_modules_json_paths_leaving_the_folder_are_refused(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert"), tmp_path)
+    (folder / "modules.json").write_text(json.dumps(sentence_modules("../../elsewhere")))
+    with pytest.raises(ValueError, match="modules.json lists '../../elsewhere'"):
+        mlx_encoders.SentenceEncoder(folder)
+
+
+BROKEN_JSON = {
+    "config.json": lambda: mlx_encoders.load_model,
+    "model.safetensors.index.json": lambda: mlx_encoders.load_model,
+    "tokenizer_config.json": lambda: mlx_encoders.load,
+    "special_tokens_map.json": lambda: mlx_encoders.load,
+    "modules.json": lambda: mlx_encoders.SentenceEncoder,
+    "1_Pooling/config.json": lambda: mlx_encoders.SentenceEncoder,
+    "sentence_bert_config.json": lambda: mlx_encoders.SentenceEncoder,
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_JSON)
+@pytest.mark.filterwarnings("ignore:.*has no sentence-transformers pooling config")
+def test_json_that_does_not_parse_names_its_file(checkpoint, tmp_path, name):
+    folder = copy(checkpoint("bert"), tmp_path)
+    if name == "1_Pooling/config.json":
+        (folder / "modules.json").write_text(json.dumps(sentence_modules("1_Pooling")))
+        (folder / "1_Pooling").mkdir()
+    (folder / name).write_text('{"truncated": ')
+    with pytest.raises(ValueError, match=f"{name} is not valid JSON"):
+        BROKEN_JSON[name]()(folder)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_damaged_safetensors_names_its_file(checkpoint, tmp_path, damage):
+    folder = copy(checkpoint("bert"), tmp_path)
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        mlx_encoders.load_model(folder)
+
+
+def test_corrupt_tokenizer_json_names_itself(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert"), tmp_path)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+    with pytest.raises(ValueError, match="tokenizer.json is not a valid tokenizer file"):
+        mlx_encoders.load(folder)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"hidden_size": "abc"}, "config key 'hidden_size' must be int, got str 'abc'"),
+        ({"hidden_size": 30}, "the hidden size 30 is not divisible by the number of attention heads 4"),
+        ({"num_hidden_layers": -1}, "config key 'num_hidden_layers' must be a positive integer, got -1"),
+        ({"layer_norm_eps": -1e-5}, "config key 'layer_norm_eps' must not be negative"),
+        ({"tie_word_embeddings": "yes"}, "config key 'tie_word_embeddings' must be bool, got str"),
+        ({"id2label": ["a", "b"]}, "config key 'id2label' must be dict"),
+    ],
+)
+def test_config_values_that_cannot_work_fail_at_load_naming_the_key(checkpoint, tmp_path, edit, message):
+    folder = copy(checkpoint("bert"), tmp_path)
+    edit_config(folder, lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        mlx_encoders.load_model(folder)
+
+
+def test_unsupported_dtype_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="Unsupported dtype 'int8'; choose one of: float32, float16, bfloat16"):
+        mlx_encoders.load_model(checkpoint("bert"), dtype="int8")
+
+
+def test_sanitize_hook_fixes_keys_before_they_are_fitted(checkpoint, tmp_path, monkeypatch):
+    """An architecture's `sanitize(weights)` (GPT-2's transposed Conv1D, say) runs before fitting."""
+    folder = copy(checkpoint("bert"), tmp_path)
+    key = "encoder.layer.0.attention.self.query.weight"
+    expected = params(mlx_encoders.load_model(folder))[key]
+    edit_weights(folder, lambda w: w.update({key.replace("weight", "w_t"): w.pop(key).T.copy()}))
+    with pytest.raises(ValueError, match="missing from the checkpoint"):
+        mlx_encoders.load_model(folder)
+
+    def sanitize(weights):
+        weights[key] = weights.pop(key.replace("weight", "w_t")).T
+        return weights
+
+    monkeypatch.setattr(model_module("bert"), "sanitize", sanitize, raising=False)
+    np.testing.assert_array_equal(params(mlx_encoders.load_model(folder))[key], expected)
+
+
+def test_checkpoint_opens_once_for_every_front_end(checkpoint, monkeypatch):
+    """load, pipelines and SentenceEncoder resolve the path and read config.json once."""
+    from mlx_encoders.checkpoint import files
+
+    reads = []
+    real = files.read_json_object
+    monkeypatch.setattr(files, "read_json_object", lambda f, *a: reads.append(f.name) or real(f, *a))
+    source = checkpoint("bert", "sequence-classification")
+    mlx_encoders.load(source)
+    mlx_encoders.pipeline("text-classification", model=source)
+    assert reads.count("config.json") == 2
+    assert Checkpoint.open(source).task == "sequence-classification"
