@@ -22,11 +22,14 @@ __all__ = [
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
 _LAZY = {"SentenceEncoder": "sentence", "pipeline": "pipelines", "convert": "conversion"}
+_SUBPACKAGES = ("train", "quantization")
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

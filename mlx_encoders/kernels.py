@@ -61,7 +61,7 @@ def gelu(x: mx.array) -> mx.array:
 
 @gelu.vjp
 def gelu_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
-    """The exact GELU's derivative: differentiating the rational erf and its clip instead is up to 7.5e-6 off."""
+    """The exact GELU's derivative, within 2.6e-7 (differentiating the rational erf and its clip: 7.5e-6 off)."""
     x32 = x.astype(mx.float32)
     slope = gelu_slope_from(x32, clipped_z(x32), exp_nonpositive(x32 * x32 * -0.5))
     return (cotangent.astype(mx.float32) * slope).astype(x.dtype)
@@ -119,7 +119,9 @@ def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> m
     return cotangent * output
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None):
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None
+) -> mx.array:
     """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; `mask` is additive (see padding_mask), and
     `dropout`, if given, applies to the softmax's probabilities (transformers' attention dropout).
 
@@ -152,7 +154,9 @@ def written_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array 
     return ((weights @ v.astype(mx.float32)) / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
 
 
-def dropped_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout):
+def dropped_out_attention(
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout
+) -> mx.array:
     """Attention with `dropout` on the (float32) probabilities, as transformers' eager attention."""
     weights = softmax_weights(q, k, mask)
     probabilities = dropout(weights / weights.sum(axis=-1, keepdims=True))

@@ -139,9 +139,12 @@ DROPOUT = {
 }
 DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["bert"]
 # BERT's classifiers fall back to hidden_dropout_prob without classifier_dropout.
-DROPOUT_CASES = [(mt, task, DROPOUT[mt]) for mt, task in CASES] + [
-    ("bert", "sequence-classification", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2))
-]
+DROPOUT_CASES = [pytest.param(mt, task, DROPOUT[mt], id=f"{mt}-{task}") for mt, task in CASES] + [
+    pytest.param(
+        "bert", "sequence-classification", dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2),
+        id="bert-sequence-classification-without-classifier_dropout",
+    )
+]  # fmt: skip
 
 
 def scale_instead_of_dropping(monkeypatch):
@@ -202,6 +205,17 @@ def test_attention_dropout_drops_probabilities(monkeypatch, branch):
     # eval mode, or p = 0, is the attention without dropout, bit for bit
     np.testing.assert_array_equal(np.array(attention(q, k, v, mask, dropout.eval())), probabilities)
     np.testing.assert_array_equal(np.array(attention(q, k, v, mask, nn.Dropout(0.0))), probabilities)
+
+
+@pytest.mark.parametrize("model_type,task", CASES)
+def test_every_model_switches_gradient_checkpointing(checkpoint, model_type, task):
+    model = case(checkpoint(model_type, task), task)[0]
+    runners = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]  # the encoder's layer loop
+    assert len(runners) == 1
+    model.gradient_checkpointing_enable()
+    assert runners[0].gradient_checkpointing
+    model.gradient_checkpointing_disable()
+    assert not runners[0].gradient_checkpointing
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -282,7 +296,7 @@ def test_gelu_gradient_is_the_exact_gelus():
     exact = torch.from_numpy(x).double().requires_grad_()
     torch.nn.functional.gelu(exact).sum().backward()
     got = np.array(mx.grad(lambda t: gelu(t).sum())(mx.array(x)))
-    assert np.abs(got - exact.grad.numpy()).max() <= 1e-6
+    assert np.abs(got - exact.grad.numpy()).max() <= 4e-7  # torch's float32 GELU: 2.8e-7
     half = mx.grad(lambda t: gelu(t).astype(mx.float32).sum())(mx.array(x[::1000]).astype(mx.float16))
     assert half.dtype == mx.float16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact.grad.numpy()[::1000], rtol=2e-3, atol=1e-3)

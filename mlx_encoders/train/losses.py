@@ -6,7 +6,7 @@ each `*For*` class in `modeling_bert.py` and friends, and `loss/loss_utils.py`).
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models import model_module
+from ..models import task_of_model
 from ..models.base import ModelOutput
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
@@ -24,7 +24,7 @@ def task_loss(
     """The loss transformers' head of the same task returns for `model(**batch, labels=...)`: the keyword names
     are transformers' (`start_positions`/`end_positions` for question answering, `next_sentence_label` beside
     `labels` for BERT pretraining). `output` is `model`'s output for the batch."""
-    task = task_of(model)
+    task = task_of_model(model)
     if task == "sequence-classification":
         return sequence_classification_loss(output.logits, labels, model.args.num_labels, model.args.problem_type)
     if task in ("token-classification", "masked-lm"):
@@ -34,12 +34,6 @@ def task_loss(
     if task == "pretraining":
         return cross_entropy(output.logits, labels) + cross_entropy(output.seq_relationship_logits, next_sentence_label)
     raise ValueError(f"{type(model).__name__} is a bare encoder: it has no task loss; train it through a head")
-
-
-def task_of(model: nn.Module) -> str:
-    """The registry's task name of `model`'s class ("masked-lm", ...)."""
-    tasks = {cls: task for task, cls in model_module(model.args.model_type).MODELS.items()}
-    return tasks[type(model)]
 
 
 def cross_entropy(logits: mx.array, targets: mx.array, ignore_index: int = IGNORE_INDEX) -> mx.array:
