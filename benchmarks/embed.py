@@ -10,11 +10,14 @@ sentence-transformers, and the ratios of every mlx_encoders variant to each peer
     python benchmarks/embed.py --blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python benchmarks/embed.py --engines mlx_encoders-fp32,sentence-transformers --texts 200
     python benchmarks/embed.py --profile             # where the float model's time goes, per op
+    git worktree add /tmp/base REV && python benchmarks/embed.py --baseline /tmp/base   # before vs after
 
 `--blas` loads that library (any BLAS exporting `cblas_sgemm`; on Debian/Ubuntu `apt-get install
 libopenblas0-pthread`) before MLX, so MLX's float matmuls use it: MLX's Linux wheel links the reference
 (netlib) BLAS, which is single-threaded and unvectorised. Quantized matmuls do not go through BLAS; MLX's CPU
 kernel for them is slow, so the 8-bit and 4-bit engines take minutes on 500 texts (use `--texts 32` for them).
+`--baseline DIR` adds the float model as the package in DIR (a checkout of another revision) computes it,
+imported under another name, as the engine `baseline`: a change's speed before and after in one run.
 `mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
 sorted by length, as sentence-transformers and mlx_encoders make them. It is skipped when not installed.
 """
@@ -41,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     p.add_argument("--engines", default="all", help="comma-separated subset of: " + ", ".join(ENGINE_NAMES))
     p.add_argument("--profile", action="store_true", help="time each op of the float model instead")
+    p.add_argument("--baseline", type=Path, help="a checkout of another revision: its float model as `baseline`")
     p.add_argument("--whole-batches", action="store_true",
                    help="mlx_encoders runs each batch in one pass (no cache-sized slices on the CPU)")  # fmt: skip
     return p.parse_args()
@@ -90,6 +94,22 @@ def mlx_encoders_engine(path: Path, batch_size: int, whole_batches: bool) -> Cal
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
+def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
+    """The float model as the package in `checkout` computes it, imported as `mlx_encoders_baseline` (the
+    package imports itself relatively, so both versions live in one process)."""
+    import importlib.util
+
+    package = checkout / "mlx_encoders"
+    spec = importlib.util.spec_from_file_location(
+        "mlx_encoders_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    encoder = module.SentenceEncoder(path)
+    return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
 def sentence_transformers_engine(path: Path, batch_size: int) -> Callable:
     from sentence_transformers import SentenceTransformer
 
@@ -122,11 +142,13 @@ def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
     return encode
 
 
-def build_engines(names: list[str], batch_size: int, workdir: Path, whole_batches: bool) -> dict[str, Callable]:
+def build_engines(
+    names: list[str], batch_size: int, workdir: Path, whole_batches: bool, baseline: Path | None
+) -> dict[str, Callable]:
     from mlx_encoders import convert
 
     source = model_folder()
-    engines = {}
+    engines = {"baseline": baseline_engine(baseline, source, batch_size)} if baseline else {}
     for name in names:
         if name == "mlx_encoders-fp32":
             engines[name] = mlx_encoders_engine(source, batch_size, whole_batches)
@@ -177,7 +199,7 @@ def report(outputs: dict, times: dict, n: int) -> None:
         cos = cosines(outputs[name], reference) if reference is not None else None
         cos_text = f"{cos.mean():>11.6f}{cos.min():>10.6f}" if cos is not None else ""
         print(f"{name:<24}{rate:>10.1f}{spread:>18}{statistics.median(t):>9.2f}{cos_text}")
-    peers = [p for p in ("sentence-transformers", "mlx-embeddings", "mlx-embeddings-sorted") if p in times]
+    peers = [p for p in ("sentence-transformers", "mlx-embeddings", "mlx-embeddings-sorted", "baseline") if p in times]
     ours = [name for name in times if name.startswith("mlx_encoders")]
     if peers and ours:
         print("\nratios (median texts/s of mlx_encoders / peer)")
@@ -292,7 +314,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINE_NAMES)}")
     with tempfile.TemporaryDirectory() as workdir:
-        engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches)
+        engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches, args.baseline)
         outputs, times = run(engines, texts, args.repeats)
     report(outputs, times, len(texts))
 

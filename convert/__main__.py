@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="dtype of everything not quantized")
     p.add_argument("-d", "--dequantize", action="store_true", help="turn a quantized MLX checkpoint back to floats")
     p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--force", action="store_true", help="replace an existing output checkpoint folder")
     p.add_argument("--shard-size", type=int, default=MAX_SHARD_BYTES, help=argparse.SUPPRESS)
     return p
 

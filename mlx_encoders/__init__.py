@@ -54,7 +54,11 @@ def load(
     dtype: str | mx.Dtype | None = None,
     task: str | None = None,
     revision: str | None = None,
-    **labels,
+    *,
+    num_labels: int | None = None,
+    id2label: dict | None = None,
+    label2id: dict | None = None,
+    problem_type: str | None = None,
 ) -> tuple[nn.Module, Tokenizer]:
     """Load a model and its tokenizer from a local folder or a Hugging Face hub id.
 
@@ -64,5 +68,6 @@ def load(
     `load_model`).
     """
     checkpoint = Checkpoint.open(path_or_repo, revision)
+    labels = dict(num_labels=num_labels, id2label=id2label, label2id=label2id, problem_type=problem_type)
     model = load_model(checkpoint, dtype=dtype, task=task, **labels)
     return model, load_tokenizer(model, checkpoint)

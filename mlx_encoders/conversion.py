@@ -23,13 +23,13 @@ from .checkpoint import (
     PICKLE_SUFFIXES,
     Checkpoint,
     atomic_folder,
-    inside,
     load_model,
     model_config,
-    read_json,
+    read_modules,
+    read_safetensors,
     write_checkpoint,
 )
-from .checkpoint.files import read_safetensors
+from .checkpoint.build import check_dtype
 from .checkpoint.write import copy_tokenizer_files
 from .quantization import (
     CALIBRATION_TOKENS,
@@ -40,6 +40,7 @@ from .quantization import (
     quantize_model,
     recipe_rule,
 )
+from .tokenizer import Tokenizer
 
 SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 PROBE_TEXTS = [
@@ -56,10 +57,7 @@ PROBE_TEXTS = [
 
 def sentence_modules(source: Path) -> list[Path]:
     """Folders of the sentence-transformers modules (1_Pooling, 2_Dense, ...) listed in modules.json."""
-    file = source / "modules.json"
-    entries = read_json(file) or []
-    folders = [inside(source, m["path"], file) for m in entries if isinstance(m, dict) and m.get("path")]
-    return [folder for folder in folders if folder.is_dir()]
+    return [folder for _, folder in read_modules(source) if folder != source and folder.is_dir()]
 
 
 def check_sentence_modules(source: Path) -> None:
@@ -95,15 +93,22 @@ def copy_sentence_files(source: Path, folder: Path, dtype: mx.Dtype | None) -> l
     return names
 
 
-def probe_batch(model: nn.Module) -> dict[str, mx.array]:
-    """The built-in probe texts through the checkpoint's tokenizer (seeded ids when it has none)."""
+def source_tokenizer(model: nn.Module, checkpoint: Checkpoint) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
     from . import load_tokenizer
 
     try:
-        return load_tokenizer(model)(PROBE_TEXTS, padding=True, truncation=True)
+        return load_tokenizer(model, checkpoint)
     except FileNotFoundError:
-        ids = np.random.default_rng(0).integers(0, model.args.vocab_size, (len(PROBE_TEXTS), 16))
-        return {"input_ids": mx.array(ids, dtype=mx.int32), "attention_mask": mx.ones(ids.shape, dtype=mx.int32)}
+        return None
+
+
+def probe_batch(model: nn.Module, tokenizer: Tokenizer | None) -> dict[str, mx.array]:
+    """The built-in probe texts through the checkpoint's tokenizer (seeded ids when it has none)."""
+    if tokenizer is not None:
+        return tokenizer(PROBE_TEXTS, padding=True, truncation=True)
+    ids = np.random.default_rng(0).integers(0, model.args.vocab_size, (len(PROBE_TEXTS), 16))
+    return {"input_ids": mx.array(ids, dtype=mx.int32), "attention_mask": mx.ones(ids.shape, dtype=mx.int32)}
 
 
 def main_output(model: nn.Module, batch: dict[str, mx.array]) -> tuple[str, mx.array]:
@@ -241,8 +246,7 @@ def check_inputs(
     """Every check that needs no model, so a bad request fails fast and writes nothing; returns the source."""
     if recipe is not None:  # a recipe implies quantizing, so `spec` is set
         recipe_rule(recipe, spec)
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    check_dtype(dtype)
     if target.exists() and not force:
         raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
     checkpoint = Checkpoint.open(source)
@@ -303,9 +307,10 @@ def convert(
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
     model = load_model(checkpoint)
-    calibration = calibration_texts(calibration, spec, model)
-    hessians = input_hessians(model, calibration, max_length=CALIBRATION_TOKENS) if calibration else None
-    batch = probe_batch(model)
+    tokenizer = source_tokenizer(model, checkpoint)
+    calibration = calibration_texts(calibration, spec, tokenizer)
+    hessians = input_hessians(model, tokenizer, calibration, max_length=CALIBRATION_TOKENS) if calibration else None
+    batch = probe_batch(model, tokenizer)
     output, reference = main_output(model, batch)
     parameters = sum(v.size for _, v in tree_flatten(model.parameters()))
     if dequantize:

@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Encoding, normalizers
 
 from . import load_tokenizer
-from .checkpoint import Checkpoint, inside, load_model, read_json, read_json_object, resolve
+from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .pooling import parse_modes, pool, read_pooling_config
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
@@ -67,7 +67,7 @@ def load_dense(folder: Path) -> Dense:
             f"No model.safetensors in {folder} (pickle weights are not read). Re-save the model with "
             "sentence-transformers >= 3 (`SentenceTransformer(path).save(path)`), which writes safetensors."
         )
-    weights = mx.load(str(file))
+    weights = read_safetensors(file)
     linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
     residual = None
     if "residual.weight" in weights:
@@ -77,11 +77,11 @@ def load_dense(folder: Path) -> Dense:
     return Dense(linear, DENSE_ACTIVATIONS[name], residual, bool(config.get("use_residual", False)))
 
 
-def module_kind(entry: dict, file: Path) -> str:
-    kind = entry.get("type", "").rsplit(".", 1)[-1]
+def module_kind(module_type: str, file: Path) -> str:
+    kind = module_type.rsplit(".", 1)[-1]
     if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
         raise ValueError(
-            f"{file}: module {entry.get('type')!r} is not supported; SentenceEncoder runs "
+            f"{file}: module {module_type!r} is not supported; SentenceEncoder runs "
             "Transformer, Pooling, Dense and Normalize modules"
         )
     return kind
@@ -125,11 +125,7 @@ class SentenceEncoder:
         self.dense: list[Dense] = []
         self.normalize = False
         self.include_prompt = True
-        modules_file = self.path / "modules.json"
-        modules = read_json(modules_file) or []
-        if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-            raise ValueError(f"{modules_file} must hold a JSON list of module entries")
-        kinds = [(module_kind(m, modules_file), inside(self.path, m.get("path", ""), modules_file)) for m in modules]
+        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in read_modules(self.path)]
         transformer = Checkpoint.open(next((folder for kind, folder in kinds if kind == "Transformer"), self.path))
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)

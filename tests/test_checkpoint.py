@@ -2,7 +2,9 @@
 refusal of a broken folder (each names the file or key at fault)."""
 
 import json
+import os
 import shutil
+import stat
 import warnings
 
 import mlx.core as mx
@@ -17,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from test_parity import CASES, as_torch, assert_close, our_outputs, reference_outputs
 
 import mlx_encoders
-from mlx_encoders.checkpoint import Checkpoint, save
+from mlx_encoders.checkpoint import save
 from mlx_encoders.models import bert, model_module, task_of_architecture
 
 TEXTS = ["hello there", "a second, longer text for the batch", ""]
@@ -183,6 +185,7 @@ HEAD_CASES = [(mt, "masked-lm", task) for mt in ("bert", "roberta", "distilbert"
 def test_new_head_is_initialised_as_transformers_does(checkpoint, model_type, source_task, task):
     source = checkpoint(model_type, source_task, initializer_range=0.05)
     labels = {i: f"tag{i}" for i in range(48)}  # a wide head: enough values for its statistics
+    mx.random.seed(0)
     with pytest.warns(UserWarning, match="newly initialized") as caught:
         model = mlx_encoders.load_model(source, task=task, id2label=labels)
     assert len([w for w in caught if "newly initialized" in str(w.message)]) == 1
@@ -361,6 +364,10 @@ def test_corrupt_tokenizer_json_names_itself(checkpoint, tmp_path):
         ({"layer_norm_eps": -1e-5}, "config key 'layer_norm_eps' must not be negative"),
         ({"tie_word_embeddings": "yes"}, "config key 'tie_word_embeddings' must be bool, got str"),
         ({"id2label": ["a", "b"]}, "config key 'id2label' must be dict"),
+        ({"id2label": {"0": "a", "2": "b"}}, r"config key 'id2label': label ids must be 0..1, got \[0, 2\]"),
+        ({"hidden_act": "swoosh"}, "config key 'hidden_act': unsupported activation 'swoosh'"),
+        ({"torch_dtype": "int8"}, "config key 'torch_dtype' must be one of float32, float16, bfloat16"),
+        ({"architectures": "BertModel"}, "config key 'architectures' must be a list of class names"),
     ],
 )
 def test_config_values_that_cannot_work_fail_at_load_naming_the_key(checkpoint, tmp_path, edit, message):
@@ -392,15 +399,110 @@ def test_sanitize_hook_fixes_keys_before_they_are_fitted(checkpoint, tmp_path, m
     np.testing.assert_array_equal(params(mlx_encoders.load_model(folder))[key], expected)
 
 
-def test_checkpoint_opens_once_for_every_front_end(checkpoint, monkeypatch):
-    """load, pipelines and SentenceEncoder resolve the path and read config.json once."""
+def test_each_front_end_resolves_and_reads_config_once(checkpoint, hub_cache, monkeypatch):
+    import huggingface_hub
+
     from mlx_encoders.checkpoint import files
 
-    reads = []
-    real = files.read_json_object
-    monkeypatch.setattr(files, "read_json_object", lambda f, *a: reads.append(f.name) or real(f, *a))
-    source = checkpoint("bert", "sequence-classification")
-    mlx_encoders.load(source)
-    mlx_encoders.pipeline("text-classification", model=source)
-    assert reads.count("config.json") == 2
-    assert Checkpoint.open(source).task == "sequence-classification"
+    hub_cache("some-org/tiny", checkpoint("bert", "sequence-classification"))
+    calls = []
+    download, read = huggingface_hub.snapshot_download, files.read_json
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append("hub") or download(*a, **k))
+    monkeypatch.setattr(files, "read_json", lambda file, *a: calls.append(file.name) or read(file, *a))
+    front_ends = {
+        "load": mlx_encoders.load,
+        "pipeline": lambda source: mlx_encoders.pipeline("text-classification", model=source),
+        "SentenceEncoder": lambda source: mlx_encoders.SentenceEncoder(source, pooling="mean"),
+    }
+    for name, front_end in front_ends.items():
+        calls.clear()
+        front_end("some-org/tiny")
+        assert calls.count("hub") == 1 and calls.count("config.json") == 1, (name, calls)
+
+
+def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
+    """overwrite=True deletes the old folder: never one with files save() does not write, or no checkpoint."""
+    model = mlx_encoders.load_model(checkpoint("bert"))
+    folder = save(model, tmp_path / "out")
+    (folder / "modules.json").write_text("[]")
+    (folder / "1_Pooling").mkdir()
+    with pytest.raises(FileExistsError, match=r"holds files that save\(\) does not write \(1_Pooling/, modules.json\)"):
+        save(model, folder, overwrite=True)
+    assert (folder / "modules.json").exists()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is not a checkpoint folder \(no config.json\); refusing"):
+        save(model, project, overwrite=True)
+    assert (project / "notes.txt").read_text() == "mine"
+
+
+def test_saved_folder_gets_the_users_permissions(checkpoint, tmp_path):
+    umask = os.umask(0o022)
+    try:
+        folder = save(mlx_encoders.load_model(checkpoint("bert")), tmp_path / "out")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755  # not mkdtemp's private 0700
+
+
+def test_bfloat16_model_saves_for_transformers(checkpoint, tmp_path):
+    model, tokenizer = mlx_encoders.load(checkpoint("roberta", "sequence-classification"), dtype="bfloat16")
+    folder = save(model, tmp_path / "bf16", tokenizer)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    assert reference.dtype == torch.bfloat16
+    batch = tokenizer(TEXTS)
+    model.set_dtype(mx.float32)  # the same bfloat16 weights, compared in float32 on both sides
+    np.testing.assert_allclose(np.array(model(**batch).logits), torch_output(reference.float(), batch), atol=1e-5)
+
+
+def test_modernbert_config_is_written_back_in_its_own_spelling(checkpoint, tmp_path):
+    """transformers-5 `rope_parameters` in: no contradicting legacy keys out."""
+    model = mlx_encoders.load_model(checkpoint("modernbert", "masked-lm"))
+    config = json.loads((save(model, tmp_path / "out") / "config.json").read_text())
+    assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1000.0
+    assert not {"global_rope_theta", "local_rope_theta"} & set(config)  # the source has rope_parameters only
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").layer_types == model.args.attention_types
+
+
+def test_task_never_drops_undeclared_encoder_layers(checkpoint, tmp_path):
+    """A config that declares fewer layers than stored is broken whatever head is asked for; the stored
+    head (and the pooler) may be dropped, an encoder layer may not."""
+    folder = copy(checkpoint("bert", "masked-lm"), tmp_path)
+    edit_config(folder, lambda c: c.update(num_hidden_layers=2))
+    for kwargs in ({}, {"task": "encoder"}, {"task": "sequence-classification", "num_labels": 2}):
+        with pytest.raises(ValueError, match="not used by .*bert.encoder.layer.2.attention"):
+            mlx_encoders.load_model(folder, **kwargs)
+    pooled = checkpoint("bert", "sequence-classification")
+    assert type(mlx_encoders.load_model(pooled, task="masked-lm", num_labels=3)).__name__ == "BertForMaskedLM"
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"layer_types": ["full_attention"]}, "config key 'layer_types' must list one of full_attention"),
+        ({"classifier_pooling": "max"}, "config key 'classifier_pooling' must be 'cls' or 'mean', got 'max'"),
+    ],
+)
+def test_modernbert_config_values_that_cannot_work(checkpoint, tmp_path, edit, message):
+    folder = copy(checkpoint("modernbert"), tmp_path)
+    edit_config(folder, lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        mlx_encoders.load_model(folder)
+
+
+def test_num_labels_alone_in_config_is_read_as_transformers_reads_it(checkpoint, tmp_path):
+    folder = copy(checkpoint("bert", "sequence-classification"), tmp_path)
+    edit_config(folder, lambda c: [c.pop("id2label"), c.pop("label2id"), c.update(num_labels=3)])
+    assert mlx_encoders.load_model(folder).args.id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+
+
+def test_label_keywords_that_contradict_are_refused(checkpoint):
+    source, task = checkpoint("bert"), "token-classification"
+    with pytest.raises(ValueError, match="label2id gives several labels the same id"):
+        mlx_encoders.load_model(source, task=task, label2id={"a": 0, "b": 0})
+    with pytest.raises(ValueError, match="id2label .* and label2id .* disagree"):
+        mlx_encoders.load_model(source, task=task, id2label={0: "a", 1: "b"}, label2id={"b": 0, "a": 1})
+    with pytest.raises(ValueError, match="id2label must map integer label ids to names"):
+        mlx_encoders.load_model(source, task=task, id2label={"first": "a"})

@@ -245,7 +245,7 @@ def test_calibration_weighs_texts_alike_and_skips_padding(bert):
     """The batched Hessian is the sum over texts of X^T X / length, X a text's own (unpadded) inputs."""
     model, tokenizer = mlx_encoders.load(bert)
     texts = ["short", "a much longer text, with many more tokens than the first one has"]
-    got = calibration.input_hessians(model, texts, batch_size=2)["encoder.layer.0.attention.self.query"]
+    got = calibration.input_hessians(model, tokenizer, texts, batch_size=2)["encoder.layer.0.attention.self.query"]
     expected = 0
     for text in texts:
         batch = tokenizer([text])
@@ -390,6 +390,10 @@ def test_existing_target_needs_force(tmp_path, bert):
     with pytest.raises(FileExistsError, match="already exists; pass force=True"):
         mlx_encoders.convert(bert, target, bits=8, group_size=32)
     assert listing(target) == ["keep.txt"]
+    with pytest.raises(FileExistsError, match=r"not a checkpoint folder \(no config.json\); refusing to replace"):
+        mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)  # force never deletes other data
+    assert listing(target) == ["keep.txt"]
+    (target / "config.json").write_text("{}")  # an earlier output: force replaces it whole
     mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)
     assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mlx"]

@@ -9,10 +9,21 @@
 """
 
 from .build import DTYPES, load_model
-from .files import PICKLE_SUFFIXES, Checkpoint, inside, read_json, read_json_object, resolve, weight_files
+from .files import (
+    PICKLE_SUFFIXES,
+    Checkpoint,
+    inside,
+    read_json,
+    read_json_object,
+    read_modules,
+    read_safetensors,
+    resolve,
+    weight_files,
+)
 from .write import MAX_SHARD_BYTES, atomic_folder, model_config, save, write_checkpoint
 
 __all__ = [
     "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "inside", "load_model",
-    "model_config", "read_json", "read_json_object", "resolve", "save", "weight_files", "write_checkpoint",
+    "model_config", "read_json", "read_json_object", "read_modules", "read_safetensors", "resolve", "save",
+    "weight_files", "write_checkpoint",
 ]  # fmt: skip

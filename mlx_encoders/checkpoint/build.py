@@ -7,6 +7,7 @@ initializer_range) weights, zero biases, LayerNorm 1 and 0, or the architecture'
 """
 
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..models import TASKS, model_class
-from ..models.base import BaseArgs, HeadModel, takes_pooler
+from ..models.base import BaseArgs, HeadModel, label_ids, takes_pooler
 from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -77,6 +78,18 @@ def is_float(x: mx.array) -> bool:
     return mx.issubdtype(x.dtype, mx.floating)
 
 
+def droppable(model: nn.Module, key: str) -> bool:
+    """Whether `task=` may drop an unused tensor: one of the stored head, or the encoder's pooler. An unused
+    encoder tensor (a layer the config does not declare) means a broken checkpoint and still fails."""
+    parts = key.split(".")
+    if isinstance(model, HeadModel):
+        inner = parts[1:] if parts[0] == model.prefix else None
+    else:  # a bare encoder: its keys, with or without the base-model prefix
+        children = model.children()
+        inner = parts if parts[0] in children else parts[1:] if parts[1:] and parts[1] in children else None
+    return inner is None or inner[0] == "pooler"
+
+
 def creatable(model: nn.Module, key: str) -> bool:
     """Whether a missing tensor belongs to what a new head adds: the head itself, or the encoder's pooler."""
     if not isinstance(model, HeadModel):
@@ -92,9 +105,8 @@ def fit_weights(
     params = dict(tree_flatten(model.parameters()))
     ignored = set(getattr(model, "ignored_keys", ()))
     unexpected = [k for k in weights if k not in params and k not in ignored]
-    if drop_foreign:  # task= asked for another head: drop tensors of modules this head does not have
-        modules = {path for path, _ in model.named_modules()}
-        unexpected = [k for k in unexpected if k.rsplit(".", 1)[0] in modules]
+    if drop_foreign:  # task= asked for another head: drop the stored head's tensors
+        unexpected = [k for k in unexpected if not droppable(model, k)]
     missing = [k for k in params if k not in weights]
     created = [k for k in missing if new_head and creatable(model, k)]
     missing = [k for k in missing if k not in created]
@@ -157,12 +169,15 @@ def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> No
 def with_labels(config: dict, labels: dict[str, Any]) -> dict:
     """config.json with the requested `num_labels` / `id2label` / `label2id` / `problem_type`."""
     num_labels, id2label, label2id = labels["num_labels"], labels["id2label"], labels["label2id"]
-    if id2label is None and label2id is not None:
-        id2label = {i: label for label, i in label2id.items()}
+    if label2id is not None:
+        if len(set(label2id.values())) != len(label2id):
+            raise ValueError(f"label2id gives several labels the same id: {label2id!r}")
+        from_names = label_ids({i: label for label, i in label2id.items()}, "label2id")
+        if id2label is not None and label_ids(id2label, "id2label") != from_names:
+            raise ValueError(f"id2label {id2label!r} and label2id {label2id!r} disagree")
+        id2label = from_names
     if id2label is not None:
-        id2label = {int(i): str(label) for i, label in id2label.items()}
-        if sorted(id2label) != list(range(len(id2label))):
-            raise ValueError(f"label ids must be 0..{len(id2label) - 1}, got {sorted(id2label)}")
+        id2label = label_ids(id2label, "id2label")
         if num_labels is not None and num_labels != len(id2label):
             raise ValueError(f"num_labels={num_labels} but {len(id2label)} labels were named")
     elif num_labels is not None:
@@ -170,10 +185,9 @@ def with_labels(config: dict, labels: dict[str, Any]) -> dict:
             raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
         stored = config.get("id2label") or {}
         id2label = stored if len(stored) == num_labels else {i: f"LABEL_{i}" for i in range(num_labels)}
-    config = dict(config)
+    config = {k: v for k, v in config.items() if k not in ("num_labels", "_num_labels", "label2id")}
     if id2label is not None:
         config["id2label"] = {str(i): label for i, label in id2label.items()}
-        config.pop("label2id", None)
     if labels["problem_type"] is not None:
         config["problem_type"] = labels["problem_type"]
     return config
@@ -196,8 +210,9 @@ def check_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
     )
 
 
-def stored_float_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
-    dtypes = [v.dtype for k, v in weights.items() if is_float(v) and not k.endswith((".scales", ".biases"))]
+def common_float_dtype(named: Iterable[tuple[str, mx.array]]) -> mx.Dtype:
+    """The most common float dtype of the tensors that are not quantization scales (float32 if none)."""
+    dtypes = [v.dtype for k, v in named if is_float(v) and not k.endswith((".scales", ".biases"))]
     return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
 
 
@@ -234,20 +249,19 @@ def load_model(
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     config = with_labels(checkpoint.config, labels) if new_head else checkpoint.config
-    try:
-        args = checkpoint.module.ModelArgs.from_dict(config)
-    except ValueError as e:
-        raise ValueError(f"{checkpoint.path / 'config.json'}: {e}") from e
     weights = normalize_keys(checkpoint.read_weights())
     if hasattr(checkpoint.module, "sanitize"):
         weights = checkpoint.module.sanitize(weights)
-    model = build_model(args, task, weights)
+    try:
+        model = build_model(checkpoint.module.ModelArgs.from_dict(config), task, weights)
+    except ValueError as e:
+        raise ValueError(f"{checkpoint.path / 'config.json'}: {e}") from e
     weights = fit_prefix(weights, model)
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     model.load_weights(list(weights.items()), strict=not created)
     if created:
-        initialize(model, created, checkpoint.module, stored_float_dtype(weights))
+        initialize(model, created, checkpoint.module, dtype or common_float_dtype(weights.items()))
         warnings.warn(
             f"Some weights of {type(model).__name__} were not in the checkpoint at {checkpoint.path} and are newly "
             f"initialized: {', '.join(sorted(created))}. Train this model on a downstream task before using it "

@@ -31,12 +31,14 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"No checkpoint folder at {name}")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     try:  # cache first: a cached snapshot needs no network round trip
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
+    except HFValidationError as e:
+        raise FileNotFoundError(f"No checkpoint folder at {name}, and {name!r} is not a valid hub id") from e
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError as e:
@@ -72,6 +74,15 @@ def inside(folder: Path, name: Any, listed_in: Path) -> Path:
     if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
         raise ValueError(f"{listed_in} lists {name!r}, which is not a relative path inside {folder}; refusing it")
     return folder / name
+
+
+def read_modules(folder: Path) -> list[tuple[str, Path]]:
+    """sentence-transformers' modules.json: (module type, module folder) per entry; [] without the file."""
+    file = folder / "modules.json"
+    entries = read_json(file) or []
+    if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
+        raise ValueError(f"{file} must hold a JSON list of module entries")
+    return [(str(m.get("type", "")), inside(folder, m.get("path", ""), file)) for m in entries]
 
 
 def read_safetensors(file: Path) -> dict[str, mx.array]:
@@ -156,6 +167,8 @@ class Checkpoint:
         if not architectures:
             return "encoder"
         try:
+            if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+                raise ValueError(f"config key 'architectures' must be a list of class names, got {architectures!r}")
             return task_of_architecture(architectures[0])
         except ValueError as e:
             raise ValueError(f"{self.path / 'config.json'}: {e}") from e

@@ -24,6 +24,9 @@ POSITIVE_KEYS = (
     "local_attention", "global_attn_every_n_layers",
 )  # fmt: skip
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+ACTIVATION_KEYS = ("hidden_act", "activation", "hidden_activation", "classifier_activation")
+# config.json's dtype notes (transformers 5 `dtype`, 4.x `torch_dtype`): loading reads the stored tensors' own.
+DTYPE_KEYS, DTYPE_NAMES = ("dtype", "torch_dtype"), ("float32", "float16", "bfloat16", "float64")
 
 
 def fits(value: Any, hint: Any) -> bool:
@@ -38,6 +41,17 @@ def fits(value: Any, hint: Any) -> bool:
     if hint is float:
         return isinstance(value, (int, float))
     return isinstance(value, hint)
+
+
+def label_ids(mapping: dict, name: str) -> dict[int, str]:
+    """`id2label` with integer ids 0..N-1 (config.json stores them as strings)."""
+    try:
+        id2label = {int(i): str(label) for i, label in mapping.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must map integer label ids to names, got {mapping!r}") from e
+    if sorted(id2label) != list(range(len(id2label))):
+        raise ValueError(f"{name}: label ids must be 0..{len(id2label) - 1}, got {sorted(id2label)}")
+    return id2label
 
 
 def type_name(hint: Any) -> str:
@@ -71,8 +85,14 @@ class BaseArgs:
                     f"config key {f.name!r} must be {type_name(hints[f.name])}, got {type(value).__name__} {value!r}"
                 )
             known[f.name] = value
+        for key in DTYPE_KEYS:
+            if config.get(key) is not None and config[key] not in DTYPE_NAMES:
+                raise ValueError(f"config key {key!r} must be one of {', '.join(DTYPE_NAMES)}, got {config[key]!r}")
+        if "id2label" not in known and isinstance(config.get("num_labels"), int):  # transformers reads it too
+            known["id2label"] = {i: f"LABEL_{i}" for i in range(config["num_labels"])}
         args = cls(**known)
-        args.extra = {k: v for k, v in config.items() if k not in known and k not in args.field_names()}
+        derived = {"num_labels", "_num_labels", "label2id"}  # written back from id2label
+        args.extra = {k: v for k, v in config.items() if k not in known and k not in args.field_names() | derived}
         return args
 
     @classmethod
@@ -82,19 +102,22 @@ class BaseArgs:
     def __post_init__(self):
         self.extra: dict[str, Any] = {}  # config.json keys this class does not read, kept for writing back
         # config.json stores id2label with string keys; a missing map means transformers' default of 2 labels.
-        labels = self.id2label or {0: "LABEL_0", 1: "LABEL_1"}
-        self.id2label = {int(k): v for k, v in labels.items()}
+        self.id2label = label_ids(self.id2label or {0: "LABEL_0", 1: "LABEL_1"}, "config key 'id2label'")
         self.check()
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in POSITIVE_KEYS and value <= 0:
+            if f.name in POSITIVE_KEYS and value is not None and value <= 0:
                 raise ValueError(f"config key {f.name!r} must be a positive integer, got {value}")
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"config key {f.name!r} must not be negative, got {value}")
             if "dropout" in f.name and value is not None and value >= 1:
                 raise ValueError(f"config key {f.name!r} is a probability below 1, got {value}")
+            if f.name in ACTIVATION_KEYS and value not in ACTIVATIONS:
+                raise ValueError(
+                    f"config key {f.name!r}: unsupported activation {value!r}; supported: {', '.join(ACTIVATIONS)}"
+                )
         if self.hidden_size % self.attention_heads:
             raise ValueError(
                 f"the hidden size {self.hidden_size} is not divisible by the number of attention heads "

@@ -27,6 +27,8 @@ from .base import (
     split_heads,
 )
 
+ATTENTION = ("full_attention", "sliding_attention")
+
 
 @dataclass
 class ModelArgs(BaseArgs):
@@ -55,9 +57,9 @@ class ModelArgs(BaseArgs):
     # Two spellings in the wild: transformers-5 `layer_types`/`rope_parameters`, or the legacy keys below.
     layer_types: list[str] | None = None
     rope_parameters: dict | None = None
-    global_attn_every_n_layers: int = 3
-    global_rope_theta: float = 160000.0
-    local_rope_theta: float = 10000.0
+    global_attn_every_n_layers: int | None = None  # None: 3, 160000 and 10000, the original defaults
+    global_rope_theta: float | None = None
+    local_rope_theta: float | None = None
     initializer_cutoff_factor: float = 2.0
 
     @property
@@ -67,12 +69,24 @@ class ModelArgs(BaseArgs):
     def __post_init__(self):
         super().__post_init__()
         # Derived values live outside the fields, so config.json is written back in the spelling it was read in.
-        n = self.global_attn_every_n_layers
+        n = self.global_attn_every_n_layers or 3
         self.attention_types = self.layer_types or [
             "full_attention" if i % n == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
         ]
+        if len(self.attention_types) != self.num_hidden_layers or not set(self.attention_types) <= set(ATTENTION):
+            raise ValueError(
+                f"config key 'layer_types' must list one of {', '.join(ATTENTION)} for each of the "
+                f"{self.num_hidden_layers} layers, got {self.layer_types!r}"
+            )
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise ValueError(
+                f"config key 'classifier_pooling' must be 'cls' or 'mean', got {self.classifier_pooling!r}"
+            )
         rope = self.rope_parameters or {}
-        legacy = {"full_attention": self.global_rope_theta, "sliding_attention": self.local_rope_theta}
+        legacy = {
+            "full_attention": self.global_rope_theta or 160000.0,
+            "sliding_attention": self.local_rope_theta or 10000.0,
+        }
         self.rope_theta = {}
         for kind, theta in legacy.items():
             params = rope.get(kind) or {}

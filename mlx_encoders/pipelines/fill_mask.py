@@ -24,7 +24,8 @@ class FillMaskPipeline(Pipeline):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.tokenizer.mask_token_id is None:
-            raise ValueError("The tokenizer defines no mask_token; fill-mask needs one")
+            source = f" in {self.model.path}" if getattr(self.model, "path", None) else ""
+            raise ValueError(f"The tokenizer{source} defines no mask_token; fill-mask needs one")
 
     def mask_logits(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per text: (input ids, mask positions, logits at those positions of shape (n_masks, vocab))."""

@@ -2,7 +2,7 @@
 
 `quantize_model` and `dequantize_model` match mlx-lm's (reference: `mlx_lm/utils.py`): each quantized module
 stores `<path>.weight` (uint32), `<path>.scales` and `<path>.biases` under the model's own parameter names,
-and config.json's `quantization` entry, which `loading.quantize_like` reads back, holds the default and the
+and config.json's `quantization` entry, which `checkpoint.build.quantize_like` reads back, holds the default and the
 per-module settings. Affine quantization defaults to group size 32 with float16 scales and biases, GPTQ
 (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers";
 act-order with static groups) for the Linears, calibrated on built-in standard-library docstrings with every

@@ -14,6 +14,8 @@ import numpy as np
 from mlx.utils import tree_unflatten
 from tqdm import tqdm
 
+from ..tokenizer import Tokenizer
+
 # The built-in GPTQ calibration set: standard-library docstrings from this index on (disjoint from the first
 # thousands, which the benchmarks and tests evaluate on), each cut to CALIBRATION_TOKENS tokens.
 CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_TOKENS, CALIBRATION_CHARS = 4000, 256, 256, 4096
@@ -44,12 +46,10 @@ class InputRecorder(nn.Module):
 
 
 def input_hessians(
-    model: nn.Module, texts: list[str], batch_size: int = 16, max_length: int | None = None
+    model: nn.Module, tokenizer: Tokenizer, texts: list[str], batch_size: int = 16, max_length: int | None = None
 ) -> dict[str, np.ndarray]:
     """Input Hessians of every Linear on calibration texts (sorted by length so batches pad little)."""
-    from .. import load_tokenizer
-
-    tokenizer, hessians, weights = load_tokenizer(model), {}, {}
+    hessians, weights = {}, {}
     limits = [n for n in (max_length, tokenizer.model_max_length, getattr(model.args, "max_tokens", None)) if n]
     max_length = min(limits) if limits else None  # never past the position table
     linears = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -77,19 +77,15 @@ def builtin_calibration() -> tuple[str, ...]:
     return tuple(texts[CALIBRATION_START:] or texts[-CALIBRATION_TEXTS:])
 
 
-def calibration_texts(calibration: list[str] | bool | None, spec: dict | None, model: nn.Module) -> list[str]:
+def calibration_texts(
+    calibration: list[str] | bool | None, spec: dict | None, tokenizer: Tokenizer | None
+) -> list[str]:
     """The texts to calibrate GPTQ on, or [] for rounding to nearest.
 
     `None` means the built-in set for affine quantization of a checkpoint with a tokenizer; `False` rounds.
     """
-    from .. import load_tokenizer
-
     if calibration is False or calibration is None and (spec is None or spec["mode"] != "affine"):
         return []
     if calibration is None:
-        try:
-            load_tokenizer(model)
-        except FileNotFoundError:
-            return []  # nothing to turn texts into ids: round to nearest
-        return list(builtin_calibration())
+        return list(builtin_calibration()) if tokenizer is not None else []  # no tokenizer: round to nearest
     return list(calibration)

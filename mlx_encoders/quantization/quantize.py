@@ -9,6 +9,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
+from ..checkpoint.build import common_float_dtype
 from .recipes import quantization_spec, recipe_default, recipe_rule
 from .rounding import apply_gptq
 
@@ -73,19 +74,9 @@ def set_scale_dtype(model: nn.Module) -> None:
             module.biases = module.biases.astype(scale_dtype(module.biases.dtype))
 
 
-def model_dtype(model: nn.Module) -> mx.Dtype:
-    """The float dtype of the parameters that are not quantization scales (float32 if there are none)."""
-    dtypes = [
-        v.dtype
-        for k, v in tree_flatten(model.parameters())
-        if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))
-    ]
-    return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
-
-
 def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
     """Replace every quantized module with its float equivalent in place; returns how many were replaced."""
-    replaced, float_dtype = [], model_dtype(model)
+    replaced, float_dtype = [], common_float_dtype(tree_flatten(model.parameters()))
     for path, module in model.named_modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
