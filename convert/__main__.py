@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
-from mlx_encoders.quantization import MODES
+from mlx_encoders.quantization import MODES, quantization_spec
+
+BITS = sorted({b for allowed in MODES.values() for b in allowed["bits"]})
+GROUP_SIZES = sorted({g for allowed in MODES.values() for g in allowed["group_size"]})
 
 
 def recipe_arg(text: str) -> str | dict:
@@ -19,10 +22,34 @@ def recipe_arg(text: str) -> str | dict:
 
 
 def calibration_arg(path: str) -> list[str]:
-    texts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        message = f"cannot read {path} ({e.strerror}); give a text file, one text per line"
+        raise argparse.ArgumentTypeError(message) from e
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text; save it as UTF-8, one text per line") from e
+    texts = [line.strip() for line in text.splitlines() if line.strip()]
     if not texts:
         raise argparse.ArgumentTypeError(f"{path} holds no text; give one calibration text per line")
     return texts
+
+
+def per_mode(key: str) -> str:
+    """What each mode supports, for the help: 'affine 32, 64, 128 (default 32); mxfp4 32; ...'."""
+    parts = []
+    for mode, allowed in MODES.items():
+        values = allowed[key]
+        default = f" (default {values[0]})" if len(values) > 1 else ""
+        parts.append(f"{mode} {', '.join(map(str, sorted(values)))}{default}")
+    return "; ".join(parts)
+
+
+def describe(error: Exception) -> str:
+    """The error's message; an OSError's without the `[Errno N]` prefix when it names no file (disk full)."""
+    if isinstance(error, OSError) and error.strerror and not error.filename:
+        return error.strerror
+    return str(error)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,8 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-path", dest="hf_path", help="same as SOURCE (mlx-lm spelling)")
     p.add_argument("--mlx-path", help="output folder (default: <source name>-<bits>bit in the current folder)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
-    p.add_argument("--bits", "--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="bits per weight (default 8)")
-    p.add_argument("--group-size", "--q-group-size", type=int, choices=(16, 32, 64, 128), help="default 32 (affine)")
+    p.add_argument("--bits", "--q-bits", type=int, choices=BITS, help=f"bits per weight: {per_mode('bits')}")
+    p.add_argument("--group-size", "--q-group-size", type=int, choices=GROUP_SIZES, help=per_mode("group_size"))
     p.add_argument("--mode", "--q-mode", default="affine", choices=list(MODES), help="quantization mode")
     p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
     p.add_argument("--calibration", type=calibration_arg, help="text file, one text per line: quantize with GPTQ")
@@ -56,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     source = args.source or args.hf_path
     if not source or (args.source and args.hf_path and args.source != args.hf_path):
         p.error("give the checkpoint once: SOURCE or --hf-path")
+    if args.bits is not None or args.group_size is not None:
+        try:
+            quantization_spec(args.bits, args.group_size, args.mode)
+        except ValueError as e:
+            p.error(str(e))
     try:
         convert(
             source,
@@ -72,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             shard_size=args.shard_size,
             calibration=False if args.no_calibration else args.calibration,
         )
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a bad request, a missing or unreadable file, a full disk
+        print(f"error: {describe(e)}", file=sys.stderr)
         return 1
     return 0
 

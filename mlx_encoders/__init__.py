@@ -46,7 +46,20 @@ def load_tokenizer(model: nn.Module, path: str | Path | Checkpoint | None = None
         )
     path = path.path if isinstance(path, Checkpoint) else path
     module = model_module(model.args.model_type)
-    return Tokenizer.from_pretrained(path, model.args.max_tokens, module.TOKEN_TYPES)
+    tokenizer = Tokenizer.from_pretrained(path, model.args.max_tokens, module.TOKEN_TYPES)
+    check_vocab(tokenizer, model, path)
+    return tokenizer
+
+
+def check_vocab(tokenizer: Tokenizer, model: nn.Module, path: str | Path) -> None:
+    """Fail when the tokenizer can produce ids the model has no embedding for (they would index past the table)."""
+    size = getattr(model.args, "vocab_size", None)
+    if size is not None and tokenizer.max_id >= size:
+        raise ValueError(
+            f"The tokenizer in {path} has {tokenizer.vocab_size} tokens (ids up to {tokenizer.max_id}), more than the "
+            f"model's vocab_size of {size} embeddings in its config.json. Use the tokenizer the model was trained "
+            "with, or a checkpoint whose vocab_size covers the tokenizer's."
+        )
 
 
 def load(

@@ -7,6 +7,7 @@ Python API returns for that text (`mlx_encoders.pipeline(...)`, `SentenceEncoder
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -115,14 +116,7 @@ def embed(args, texts: list[str]):
 TASKS = {"fill-mask": fill_mask, "classify": classify, "embed": embed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        texts = read_texts(args)
-        results, show = TASKS[args.task](args, texts)
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
-        return 1
+def print_results(args: argparse.Namespace, texts: list[str], results, show) -> None:
     if args.json:
         if args.task == "classify" and args.rerank:
             print(json.dumps(results, indent=2, ensure_ascii=False))
@@ -133,6 +127,22 @@ def main(argv: list[str] | None = None) -> int:
         print(show)
     else:
         print("\n\n".join(show(t, r) for t, r in zip(texts, results, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        texts = read_texts(args)
+        results, show = TASKS[args.task](args, texts)
+    except (ValueError, TypeError, OSError) as e:  # bad input; a missing, unreadable or corrupt checkpoint
+        print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        print_results(args, texts, results, show)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): end quietly, as other Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's flush at exit fails again
+        return 141  # 128 + SIGPIPE, what the shell reports for a tool the closed pipe stopped
     return 0
 
 

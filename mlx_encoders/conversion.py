@@ -29,6 +29,7 @@ from .checkpoint import (
     read_safetensors,
     write_checkpoint,
 )
+from .checkpoint.atomic import remove_stale
 from .checkpoint.build import check_dtype
 from .checkpoint.write import copy_tokenizer_files
 from .quantization import (
@@ -296,12 +297,14 @@ def convert(
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.
-    The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it.
+    The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it. Ctrl-C,
+    SIGTERM and SIGHUP remove the partial folder; what a SIGKILL leaves, the next run into it removes.
     """
     start = time.perf_counter()
     quantize = quantize or bits is not None or recipe is not None or mode != "affine"
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
+    remove_stale(target)  # a run killed mid-write: free its space now, and put back a target it had moved aside
     checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize, force)
     explicit = calibration is not None and calibration is not False
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):

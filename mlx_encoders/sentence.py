@@ -8,6 +8,7 @@ mean for the others). Texts are sorted by token length into batches, so padding 
 in input order.
 """
 
+import numbers
 import sys
 import warnings
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from tokenizers import Encoding, normalizers
 from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .pooling import parse_modes, pool, read_pooling_config
+from .tokenizer import text_list
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
 DENSE_ACTIVATIONS = {
@@ -111,6 +113,13 @@ def similarity(a, b) -> np.ndarray:
     return na @ nb.T
 
 
+def check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise TypeError(f"encode() batch_size must be an int >= 1, got {type(batch_size).__name__}: {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"encode() batch_size must be an int >= 1, got {batch_size}")
+
+
 class SentenceEncoder:
     """Texts -> embeddings, like `sentence_transformers.SentenceTransformer(path).encode(texts)`.
 
@@ -170,6 +179,8 @@ class SentenceEncoder:
 
     def choose_prompt(self, prompt_name: str | None, prompt: str | None) -> str:
         if prompt is not None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"encode() prompt must be a str, got {type(prompt).__name__}: {prompt!r:.60}")
             return prompt
         prompt_name = prompt_name or self.default_prompt_name
         if prompt_name is None:
@@ -231,16 +242,29 @@ class SentenceEncoder:
         prepended to every text. Texts longer than `max_seq_length` tokens are truncated, with one warning.
         """
         single = isinstance(texts, str)
-        texts = [texts] if single else list(texts)
+        texts = text_list(texts, "encode()")
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
+        check_batch_size(batch_size)
+        self.check_max_seq_length()
         prefix = self.choose_prompt(prompt_name, prompt)
         vectors = self.run(
             [prefix + t for t in texts], batch_size, normalize_embeddings, show_progress_bar, self.prompt_length(prefix)
         )
         vectors = vectors[0] if single else vectors
         return vectors if convert_to_numpy else mx.array(vectors)
+
+    def check_max_seq_length(self) -> None:
+        """`max_seq_length` may be set by hand; windows longer than the position table would read past it."""
+        limit, length = self.model.args.max_tokens, self.max_seq_length
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+            raise ValueError(f"encoder.max_seq_length must be an int >= 1, got {length!r}")
+        if limit and length > limit:
+            raise ValueError(
+                f"encoder.max_seq_length ({length}) is more than the {limit} tokens the model in {self.path} takes; "
+                f"set it to at most {limit}"
+            )
 
     def run(self, texts: list[str], batch_size: int, normalize: bool, progress: bool | None, prompt_length: int):
         out = np.zeros((len(texts), self.dimension), np.float32)

@@ -5,6 +5,7 @@ It reads `tokenizer.json` (which reproduces transformers' ids exactly) and the s
 """
 
 import json
+from collections.abc import Iterable, Mapping, Set
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from .checkpoint.files import read_json_object
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
+USIZE_MAX = 2**32 - 1
 # transformers' clean_up_tokenization: spaces that WordPiece decoding leaves before punctuation.
 CLEANUPS = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")]  # fmt: skip
@@ -24,6 +26,46 @@ CLEANUPS = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 
 def _content(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def text_list(texts, caller: str) -> list:
+    """`texts` (a str, or a list or other ordered iterable of inputs) as a list; a TypeError for anything else."""
+    if isinstance(texts, str):
+        return [texts]
+    if isinstance(texts, Mapping):
+        hint = " (its keys would be taken as the texts); pass list(texts.values()) to use its values"
+    elif isinstance(texts, Set):
+        hint = " (a set has no order, so results could not be matched to inputs); pass a list"
+    elif isinstance(texts, (bytes, bytearray)) or not isinstance(texts, Iterable):
+        hint = ""
+    else:
+        return list(texts)
+    raise TypeError(f"{caller} takes a str or a list of str, got {type(texts).__name__}{hint}")
+
+
+def check_texts(texts: list) -> None:
+    """Fail on an item `tokenizers` cannot take, naming its index (tokenizers' own message names neither)."""
+    for i, item in enumerate(texts):
+        parts = item if isinstance(item, tuple) and len(item) == 2 else (item,)
+        for part in parts:
+            if not isinstance(part, str):
+                raise TypeError(
+                    f"Tokenizer inputs must be str (or (str, str) pairs), got {type(part).__name__} for item {i}: "
+                    f"{part!r:.60}"
+                )
+            check_unicode(part, i)
+
+
+def check_unicode(text: str, index: int) -> None:
+    """A lone surrogate (half of a UTF-16 pair) cannot be encoded as UTF-8, which `tokenizers` needs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"Item {index} is not valid Unicode: it holds a lone surrogate {text[e.start]!r} at character "
+            f"{e.start} (often from a JSON \\ud800 escape or bytes decoded with errors='surrogateescape'). "
+            "Replace it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
+        ) from None
 
 
 class Tokenizer:
@@ -86,22 +128,29 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_id(self) -> int:
+        """The largest id the tokenizer can produce: the model's ids are 0..n-1, added tokens may lie beyond."""
+        return max([self.backend.get_vocab_size(with_added_tokens=False) - 1, *self.backend.get_added_tokens_decoder()])
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        """Special tokens the post-processor adds to one text (or to a pair), as transformers' method."""
+        return self.backend.num_special_tokens_to_add(pair)
+
     def encode_batch(
         self, text, text_pair=None, truncation: bool = True, max_length: int | None = None,
         add_special_tokens: bool = True, stride: int = 0,
     ) -> list[Encoding]:  # fmt: skip
         """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs."""
-        texts = [text] if isinstance(text, str) else list(text)
+        texts = text_list(text, "The tokenizer")
         if text_pair is not None:
-            pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair)
+            pairs = text_list(text_pair, "The tokenizer's text_pair")
             if len(pairs) != len(texts):
                 raise ValueError(f"Got {len(texts)} texts but {len(pairs)} text pairs")
             texts = list(zip(texts, pairs, strict=True))
-        for t in texts:
-            if not isinstance(t, (str, tuple)):
-                raise TypeError(f"Tokenizer inputs must be str (or (str, str) pairs), got {type(t).__name__}")
-        if truncation:
-            self.backend.enable_truncation(max_length or self.model_max_length, stride=stride)
+        check_texts(texts)
+        if truncation:  # tokenizers takes a machine-size length: a larger "no limit" becomes the largest it takes
+            self.backend.enable_truncation(min(max_length or self.model_max_length, USIZE_MAX), stride=stride)
         try:
             return self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
         finally:

@@ -4,6 +4,8 @@ pipelines and sentence-transformers on the same checkpoints."""
 import importlib.util
 import io
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +134,38 @@ def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier
     assert code == 1 and "no input" in err
     code, _, err = run(capsys, "embed", "-m", mlm.parent / "missing", "text")
     assert code == 1 and "missing" in err
+
+
+def make_directory(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+DAMAGES = {
+    "tokenizer.json garbage": ("tokenizer.json", lambda f: f.write_text('{"model": {"type": "Nonsense"}}')),
+    "tokenizer_config.json a folder": ("tokenizer_config.json", make_directory),
+    "config.json a folder": ("config.json", make_directory),
+}
+
+
+@pytest.mark.parametrize("name", DAMAGES)
+def test_corrupt_checkpoint_is_a_one_line_error(capsys, tmp_path, mlm, name):
+    file, damage = DAMAGES[name]
+    folder = shutil.copytree(mlm, tmp_path / "damaged")
+    damage(folder / file)
+    code, out, err = run(capsys, "fill-mask", "-m", folder, "A [MASK].")
+    assert code == 1 and out == ""
+    assert err.startswith("mlx-encoders fill-mask: error: ") and err.count("\n") == 1 and str(folder / file) in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, mlm):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"Text {i} has a [MASK].\n" for i in range(200)))  # far more than a pipe holds
+    command = f"{shlex.quote(sys.executable)} -m mlx_encoders fill-mask --json -m {shlex.quote(str(mlm))} | head -1"
+    with texts.open() as stdin:
+        done = subprocess.run(command, shell=True, stdin=stdin, capture_output=True, text=True)
+    assert done.stdout == "[\n"
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
 
 
 def test_module_entry_point():

@@ -6,7 +6,12 @@ weight within one quantization step when rounded to nearest (`calibration=False`
 half a step with the default GPTQ (which moves single weights further to keep the layer's outputs).
 """
 
+import errno
 import json
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -397,6 +402,133 @@ def test_existing_target_needs_force(tmp_path, bert):
     mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)
     assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mlx"]
+
+
+# A convert that stops where `step` says and prints the step: "write" inside the atomic write (after the
+# weights), "swap" between moving the old target aside and renaming the new folder into place.
+HOLD = """
+import sys, time
+from pathlib import Path
+from mlx_encoders import conversion
+
+source, target, step = sys.argv[1:]
+rename = Path.rename
+
+def hold(*args):
+    print(step, flush=True)
+    time.sleep(60)
+
+def held_rename(self, to):
+    if self.suffix == ".partial":
+        hold()
+    return rename(self, to)
+
+if step == "write":
+    conversion.copy_sentence_files = hold
+else:
+    Path.rename = held_rename
+conversion.convert(source, target, force=True, calibration=False)
+"""
+
+
+def start_convert(source: Path, target: Path, step: str) -> subprocess.Popen:
+    """A convert in another process, returned once it holds at `step`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(source), str(target), step],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if proc.stdout.readline().strip() != step:
+        proc.kill()
+        raise AssertionError(proc.communicate()[1])
+    return proc
+
+
+def hidden(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_killed_convert_is_cleaned_by_the_next_but_a_live_one_never(tmp_path, bert):
+    target = tmp_path / "mlx"
+    killed = start_convert(bert, target, "write")
+    killed.kill()  # SIGKILL: no cleanup can run
+    killed.wait()
+    (stale,) = hidden(tmp_path)
+    assert stale.name.startswith(".mlx.") and stale.name.endswith(".partial")
+    assert (stale / "model.safetensors").is_file()
+
+    live = start_convert(bert, target, "write")  # the next run removes what the killed one left...
+    (writing,) = hidden(tmp_path)
+    assert not stale.exists() and writing != stale
+    mlx_encoders.convert(bert, target, calibration=False)  # ...and never a folder a live run is writing
+    assert writing.is_dir() and (target / "model.safetensors").is_file()
+
+    live.send_signal(signal.SIGHUP)  # SIGHUP and SIGTERM clean up as Ctrl-C does
+    assert live.wait(timeout=30) == 128 + signal.SIGHUP
+    assert [p.name for p in tmp_path.iterdir()] == ["mlx"]
+
+
+def test_terminated_convert_leaves_nothing_behind(tmp_path, bert):
+    proc = start_convert(bert, tmp_path / "mlx", "write")
+    proc.terminate()  # SIGTERM
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert listing(tmp_path) == []
+
+
+def test_force_keeps_the_old_target_recoverable_until_the_new_one_is_in_place(tmp_path, bert):
+    target = tmp_path / "mlx"
+    mlx_encoders.convert(bert, target, dtype="float16", calibration=False)
+    before = (target / "model.safetensors").read_bytes()
+    other = tmp_path / ".mlx.v2.abcd1234.partial"  # another target's (`mlx.v2`): not this run's business
+    other.mkdir()
+    proc = start_convert(bert, target, "swap")
+    proc.kill()  # between the two renames: the old target sits in `.mlx.xxxxxxxx.old/mlx`
+    proc.wait()
+    assert not target.exists()
+    (old,) = [p for p in hidden(tmp_path) if p.suffix == ".old"]
+    assert (old / "mlx" / "model.safetensors").read_bytes() == before
+
+    assert main([str(bert), "--mlx-path", str(target), "--no-calibration"]) == 1  # the next run puts it back
+    assert (target / "model.safetensors").read_bytes() == before
+    assert hidden(tmp_path) == [other]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(errno.ENOSPC, "No space left on device"), RuntimeError("[write] Unable to write 8 bytes to file.")],
+    ids=["OSError", "MLX RuntimeError"],
+)
+def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
+    def fail(*args):
+        raise error
+
+    monkeypatch.setattr(conversion, "copy_sentence_files", fail)  # after the weights are written
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=0))  # MLX's error has no errno
+    assert main([str(bert), "--mlx-path", str(tmp_path / "mlx"), "--no-calibration"]) == 1
+    err = capsys.readouterr().err
+    message = err.split("\r")[-1]  # after the progress bar
+    assert message.startswith(f"error: disk full while writing {tmp_path / 'mlx'}; nothing was written. Free space")
+    assert message.count("\n") == 1 and "Traceback" not in err
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--calibration", "{tmp}/missing.txt"], "argument --calibration: cannot read {tmp}/missing.txt (No such file"),
+        (["--calibration", "{tmp}"], "argument --calibration: cannot read {tmp} (Is a directory)"),
+        (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16"),
+        (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8"),
+    ],
+    ids=["missing calibration", "calibration folder", "group size", "bits"],
+)
+def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as stop:
+        main(["-q", str(bert), "--mlx-path", str(tmp_path / "mlx"), *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"python -m convert: error: {message.format(tmp=tmp_path)}" in err
+    assert "Traceback" not in err and not (tmp_path / "mlx").exists()
 
 
 def unsupported(folder: Path) -> Path:

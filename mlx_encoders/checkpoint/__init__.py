@@ -3,11 +3,13 @@
 - `files`: resolve a folder or hub id once, read config.json, JSON files, safetensors, shards and the index.
 - `build`: fit tensors to a model (prefixes, tied copies, legacy names, each architecture's `sanitize`),
   build a model from config + task, initialise heads the checkpoint lacks, `load_model`.
-- `write`: `save` (transformers-readable folders, written atomically) and the writers convert uses.
+- `write`: `save` (transformers-readable folders) and the writers convert uses; `atomic`: folders that
+  appear only when complete, whatever interrupts the writer.
 
 `load`, `load_model`, convert, `SentenceEncoder` and the pipelines all go through here.
 """
 
+from .atomic import atomic_folder
 from .build import DTYPES, load_model
 from .files import (
     PICKLE_SUFFIXES,
@@ -20,7 +22,7 @@ from .files import (
     resolve,
     weight_files,
 )
-from .write import MAX_SHARD_BYTES, atomic_folder, model_config, save, write_checkpoint
+from .write import MAX_SHARD_BYTES, model_config, save, write_checkpoint
 
 __all__ = [
     "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "inside", "load_model",

@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models import TASKS, model_class
@@ -216,6 +217,28 @@ def common_float_dtype(named: Iterable[tuple[str, mx.array]]) -> mx.Dtype:
     return max(set(dtypes), key=dtypes.count) if dtypes else mx.float32
 
 
+def all_finite(x: mx.array) -> bool:
+    """numpy reads the tensor in place, several times faster than MLX's CPU isfinite; it has no bfloat16, which
+    widens to float32 exactly."""
+    return bool(np.isfinite(np.asarray(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)).all())
+
+
+def warn_non_finite(model: nn.Module, source: Path) -> None:
+    """Warn, naming the first few, about float tensors holding NaN or inf (a corrupt file, or a cast to float16
+    that overflowed): the model's outputs would be NaN without any error."""
+    mx.eval(model.parameters())
+    bad = [k for k, v in tree_flatten(model.parameters()) if is_float(v) and not all_finite(v)]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        warnings.warn(
+            f"The checkpoint at {source} has NaN or inf values in {len(bad)} tensors: {', '.join(bad[:5])}{more}. "
+            "The model's outputs will be NaN: re-download or re-convert the checkpoint (or, after a cast to "
+            "float16, load it in float32 or bfloat16).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def load_model(
     path_or_repo: str | Path | Checkpoint,
     dtype: str | mx.Dtype | None = None,
@@ -271,7 +294,7 @@ def load_model(
         )
     if dtype is not None:
         model.set_dtype(dtype)
-    mx.eval(model.parameters())
+    warn_non_finite(model, checkpoint.path)
     model.eval()
     model.path = checkpoint.path
     return model

@@ -18,6 +18,10 @@ from ..models import model_module, task_of_architecture
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt",
+)  # fmt: skip
 
 
 def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:

@@ -4,17 +4,14 @@
 transformers' key names (the model's own parameter names; tied copies are left out, as transformers
 leaves them out) in `model.safetensors`, or shards with an index past 5 GiB (mlx-lm's
 default) and the tokenizer files, into a temporary folder renamed into place, so a failure leaves nothing
-half-written. Quantized models are written in the mlx-community layout (mlx-lm's `save_model`): `quantization`
-in config.json and `<path>.weight` / `.scales` / `.biases` per quantized module.
+half-written (what a killed writer leaves, the next write into the same place removes). Quantized models are
+written in the mlx-community layout (mlx-lm's `save_model`): `quantization` in config.json and
+`<path>.weight` / `.scales` / `.biases` per quantized module.
 """
 
 import json
-import os
 import shutil
-import tempfile
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,14 +19,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from .atomic import atomic_folder
 from .build import common_float_dtype
+from .files import INDEX, TOKENIZER_FILES
 
 MAX_SHARD_BYTES = 5 << 30
-INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.txt", "vocab.json", "merges.txt",
-)  # fmt: skip
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
@@ -91,7 +85,7 @@ def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BY
             "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
             "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in sorted(shard)},
         }
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return [folder / name for name in names]
 
 
@@ -110,65 +104,6 @@ def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
     for name in names:
         shutil.copy2(source / name, folder / name)
     return names
-
-
-def is_checkpoint_file(name: str) -> bool:
-    """Files `save` writes or replaces: weights, config.json, tokenizer files."""
-    return name in ("config.json", INDEX_FILE, *TOKENIZER_FILES) or name.endswith((".safetensors", ".model"))
-
-
-def check_replaceable(target: Path, whole: bool) -> None:
-    """Replacing a folder deletes it: only a checkpoint folder (one with config.json) may be replaced, and
-    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone."""
-    if not (target / "config.json").is_file():
-        raise FileExistsError(f"{target} is not a checkpoint folder (no config.json); refusing to replace it")
-    entries = [] if whole else target.iterdir()
-    others = sorted(p.name + "/" * p.is_dir() for p in entries if not is_checkpoint_file(p.name))
-    if others:
-        raise FileExistsError(
-            f"{target} holds files that save() does not write ({', '.join(others)}); replacing the folder would "
-            "delete them. Save into another folder."
-        )
-
-
-def user_mode() -> int:
-    """Permissions a new folder gets from the user's umask (mkdtemp's folders are private, 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o777 & ~umask
-
-
-@contextmanager
-def atomic_folder(target: Path, replace: bool, whole: bool = True) -> Iterator[Path]:
-    """A temporary folder beside `target`, renamed into place only if the block completes. An existing
-    `target` is replaced only when `replace` (see `check_replaceable`), once the new folder is complete; if
-    that fails, the old folder is put back."""
-    target = Path(target)
-    if target.exists():
-        if not replace:
-            raise FileExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
-        check_replaceable(target, whole)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    tmp.chmod(user_mode())
-    try:
-        yield tmp
-        if not target.exists():
-            tmp.rename(target)
-            return
-        if not replace:
-            raise FileExistsError(f"{target} appeared while it was being written; pass overwrite=True to replace it")
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        target.rename(old / target.name)
-        try:
-            tmp.rename(target)
-        except BaseException:
-            (old / target.name).rename(target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save(

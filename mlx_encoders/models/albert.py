@@ -19,6 +19,7 @@ from .base import (
     TiedDecoder,
     TokenClassification,
     activation,
+    check_inputs,
     multi_head_attention,
     padding_mask,
     run_layer,
@@ -146,6 +147,7 @@ class AlbertModel(Model, nn.Module):
             self.pooler = nn.Linear(args.hidden_size, args.hidden_size)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens)
         x = self.embeddings(input_ids, token_type_ids)
         x = self.encoder(x, padding_mask(attention_mask, x.dtype))
         pooled = mx.tanh(self.pooler(x[:, 0])) if "pooler" in self else None

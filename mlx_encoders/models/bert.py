@@ -14,6 +14,7 @@ from .base import (
     QuestionAnswering,
     TokenClassification,
     activation,
+    check_inputs,
     embed,
     multi_head_attention,
     padding_mask,
@@ -53,6 +54,8 @@ class ModelArgs(BaseArgs):
 
 
 class BertEmbeddings(nn.Module):
+    positions_skip_padding = False  # position i is the i-th token's, padding or not
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -170,6 +173,8 @@ class BertModel(Model, nn.Module):
             self.pooler = BertPooler(args)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        pad = self.args.pad_token_id if self.embeddings.positions_skip_padding else None
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens, pad)
         x = self.embeddings(input_ids, token_type_ids)
         x = self.encoder(x, padding_mask(attention_mask, x.dtype))
         pooled = self.pooler(x) if "pooler" in self else None

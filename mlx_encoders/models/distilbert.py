@@ -14,6 +14,7 @@ from .base import (
     TiedDecoder,
     TokenClassification,
     activation,
+    check_inputs,
     embed,
     multi_head_attention,
     padding_mask,
@@ -134,6 +135,7 @@ class DistilBertModel(Model, nn.Module):
         self.transformer = Transformer(args)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens)
         x = self.embeddings(input_ids)
         return ModelOutput(last_hidden_state=self.transformer(x, padding_mask(attention_mask, x.dtype)))
 

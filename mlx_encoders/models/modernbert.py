@@ -18,6 +18,7 @@ from .base import (
     TiedDecoder,
     activation,
     attention,
+    check_inputs,
     embed,
     mask_value,
     masked_mean,
@@ -179,6 +180,7 @@ class ModernBertModel(Model, nn.Module):
         self.final_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids)  # RoPE: no position table to outgrow
         x = self.embeddings(input_ids)
         masks = attention_masks(attention_mask, x.shape[1], self.args.local_attention // 2, x.dtype)
         for layer in self.layers:

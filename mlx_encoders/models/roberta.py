@@ -28,6 +28,8 @@ class ModelArgs(BertArgs):
 
 
 class RobertaEmbeddings(BertEmbeddings):
+    positions_skip_padding = True
+
     def embed_positions(self, input_ids: mx.array) -> mx.array:
         real = (input_ids != self.padding_idx).astype(mx.int32)
         positions = mx.cumsum(real, axis=1) * real + self.padding_idx  # real tokens: pad+1, pad+2, ...; padding: pad

@@ -4,6 +4,7 @@ Mirrors the parts of transformers' `Pipeline` (pipelines/base.py) that change re
 tokenized one by one, then run through the model `batch_size` at a time with right padding.
 """
 
+import numbers
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint
 from ..models import model_module
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, text_list
 
 # The pipeline task each stored head serves (a bare encoder serves feature extraction).
 HEAD_TASKS = {
@@ -26,9 +27,16 @@ HEAD_TASKS = {
 }
 
 
+def check_count(name: str, value, minimum: int) -> None:
+    """A TypeError unless `value` is an int, a ValueError unless it is >= `minimum`; both name the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}: {value!r:.40}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+
+
 def batches(items: Sequence, batch_size: int) -> Iterator[Sequence]:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_count("batch_size", batch_size, 1)
     for start in range(0, len(items), batch_size):
         yield items[start : start + batch_size]
 
@@ -46,12 +54,19 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, batch_size: int = 8):
         self.check(model)
+        check_count("batch_size", batch_size, 1)
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
 
     def check(self, model: nn.Module) -> None:
         check_head(model, self.task, self.head)
+
+    @property
+    def max_length(self) -> int:
+        """The longest window the model takes: the tokenizer's limit, capped by the position table."""
+        limit = self.model.args.max_tokens
+        return min(self.tokenizer.model_max_length, limit) if limit else self.tokenizer.model_max_length
 
     @property
     def id2label(self) -> dict[int, str]:
@@ -76,11 +91,29 @@ class Pipeline:
                 results.append([v[row, :n] for v in values])
         return results
 
+    def texts(self, inputs) -> list[str]:
+        """A str or a list of str as a non-empty list; a TypeError naming the first item that is not a str."""
+        texts = text_list(inputs, f"The {self.task!r} pipeline")
+        if not texts:
+            raise ValueError(f"{self.task} needs at least one input: a text or a non-empty list of texts")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(
+                    f"The {self.task!r} pipeline takes strings; item {i} is {type(text).__name__}: {text!r:.60}"
+                )
+        return texts
+
     def encode(self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool = True) -> list[Encoding]:
-        encodings = self.tokenizer.encode_batch(list(texts), text_pairs, truncation=truncation)
-        for text, e in zip(texts, encodings, strict=True):
+        """Encodings truncated to `max_length`; without truncation, one longer than the position table fails."""
+        encodings = self.tokenizer.encode_batch(texts, text_pairs, truncation=truncation, max_length=self.max_length)
+        limit = self.model.args.max_tokens
+        for i, (text, e) in enumerate(zip(texts, encodings, strict=True)):
             if not e.ids:
                 raise ValueError(f"Input {text!r} produced no tokens; pass a non-empty text")
+            if limit and len(e.ids) > limit:
+                raise ValueError(
+                    f"Item {i} has {len(e.ids)} tokens, more than the model's {limit}; pass truncation=True"
+                )
         return encodings
 
 

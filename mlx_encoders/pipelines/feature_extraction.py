@@ -25,9 +25,7 @@ class FeatureExtractionPipeline(Pipeline):
 
     def __call__(self, inputs: str | list[str], return_tensors: bool = False, truncation: bool = True):
         """Last hidden states of a text (or of each text in a list); `return_tensors=True` gives mx.arrays."""
-        texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not texts:
-            raise ValueError("feature-extraction needs at least one input text")
+        texts = self.texts(inputs)
         outputs = self.forward(self.encode(texts, truncation=truncation), ("last_hidden_state",))
         states = [out[0][None] for out in outputs]  # (1, tokens, hidden) per text, as transformers
         results = [mx.array(s) if return_tensors else s.tolist() for s in states]

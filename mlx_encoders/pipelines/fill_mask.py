@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base import Pipeline, batches, to_numpy
+from ..tokenizer import text_list
+from .base import Pipeline, batches, check_count, to_numpy
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -36,7 +37,7 @@ class FillMaskPipeline(Pipeline):
             if not len(m):
                 raise ValueError(
                     f"No mask_token ({self.tokenizer.mask_token}) found in the input {text!r} "
-                    f"(after truncation to {self.tokenizer.model_max_length} tokens)"
+                    f"(after truncation to {self.max_length} tokens)"
                 )
         logits = []
         for chunk in batches(range(len(encodings)), self.batch_size):
@@ -48,9 +49,8 @@ class FillMaskPipeline(Pipeline):
     def __call__(self, inputs: str | list[str], top_k: int = 5, targets: str | list[str] | None = None):
         """Top-k fillers per mask: [{"score", "token", "token_str", "sequence"}, ...] (one list per mask
         when the text has several); a list of texts gives a list of those."""
-        texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not texts:
-            raise ValueError("fill-mask needs at least one input text")
+        texts = self.texts(inputs)
+        check_count("top_k", top_k, 1)
         target_ids = self.target_ids(targets) if targets is not None else None
         results = [self.postprocess(*item, top_k, target_ids) for item in self.mask_logits(texts)]
         return results[0] if isinstance(inputs, str) or len(results) == 1 else results
@@ -81,7 +81,9 @@ class FillMaskPipeline(Pipeline):
     def target_ids(self, targets: str | list[str]) -> np.ndarray:
         """Vocabulary ids of `targets`; a target outside the vocabulary becomes its first token."""
         ids = []
-        for target in [targets] if isinstance(targets, str) else targets:
+        for i, target in enumerate(text_list(targets, "fill-mask targets")):
+            if not isinstance(target, str):
+                raise TypeError(f"fill-mask targets are strings; item {i} is {type(target).__name__}: {target!r:.60}")
             id_ = self.tokenizer.backend.token_to_id(target)
             if id_ is None:
                 pieces = self.tokenizer.encode_batch([target], add_special_tokens=False, truncation=False)[0].ids

@@ -3,13 +3,15 @@ pipelines/question_answering.py; its span decoding lives on in pipelines/documen
 `select_starts_ends` / `decode_spans`): the same windows, scores and {"score", "start", "end", "answer"}.
 
 A context longer than `max_seq_len` tokens (with the question) is split into windows that overlap by
-`doc_stride` tokens; answers from every window compete and the best `top_k` are returned.
+`doc_stride` tokens; answers from every window compete and the best `top_k` are returned. `max_seq_len` is
+capped at the model's positions (longer windows would read past the position table).
 """
 
 import numpy as np
 from tokenizers import Encoding
 
-from .base import Pipeline
+from ..tokenizer import check_texts
+from .base import Pipeline, check_count
 
 # Logit given to tokens that cannot be in the answer (question, special and padding tokens).
 EXCLUDED = -10000.0
@@ -74,13 +76,9 @@ class QuestionAnsweringPipeline(Pipeline):
         """Best answer spans of `context` for `question`: {"score", "start", "end", "answer"}, or a list of
         the `top_k` best; lists of questions and contexts (or {"question", "context"} dicts) give one per pair."""
         examples = parse_examples(question, context)
-        max_seq_len = max_seq_len or min(self.tokenizer.model_max_length, 384)
-        doc_stride = min(max_seq_len // 2, 128) if doc_stride is None else doc_stride
-        if doc_stride > max_seq_len:
-            raise ValueError(f"doc_stride ({doc_stride}) is larger than max_seq_len ({max_seq_len})")
-        if top_k < 1 or max_answer_len < 1:
-            raise ValueError(f"top_k and max_answer_len must be >= 1, got {top_k} and {max_answer_len}")
-        windows = [self.tokenizer.encode_windows(q, c, max_seq_len, doc_stride) for q, c in examples]
+        check_count("top_k", top_k, 1)
+        check_count("max_answer_len", max_answer_len, 1)
+        windows = self.windows(examples, self.window_length(max_seq_len), doc_stride)
         flat = [w for example in windows for w in example]
         logits = iter(self.forward(flat, fields=("start_logits", "end_logits")))
         options = dict(top_k=top_k, impossible=handle_impossible_answer, max_answer_len=max_answer_len)
@@ -89,6 +87,45 @@ class QuestionAnsweringPipeline(Pipeline):
             for (_, context), example in zip(examples, windows, strict=True)
         ]
         return results[0] if len(results) == 1 else results
+
+    def window_length(self, max_seq_len: int | None) -> int:
+        """`max_seq_len` (default min(model length, 384)), capped at the model's positions."""
+        if max_seq_len is None:
+            return min(self.max_length, 384)
+        check_count("max_seq_len", max_seq_len, 1)
+        return min(max_seq_len, self.max_length)
+
+    def windows(self, examples: list[tuple[str, str]], max_seq_len: int, doc_stride: int | None) -> list:
+        """Each example's windows: the question, then at most `max_seq_len` tokens in all, the context's
+        overlapping by `doc_stride` tokens."""
+        if doc_stride is not None:
+            check_count("doc_stride", doc_stride, 0)
+        check_texts(examples)
+        questions = self.tokenizer.encode_batch([q for q, _ in examples], add_special_tokens=False, truncation=False)
+        return [
+            self.tokenizer.encode_windows(q, c, max_seq_len, self.stride(i, len(e.ids), max_seq_len, doc_stride))
+            for i, ((q, c), e) in enumerate(zip(examples, questions, strict=True))
+        ]
+
+    def stride(self, index: int, question_tokens: int, max_seq_len: int, doc_stride: int | None) -> int:
+        """`doc_stride`, checked against the context tokens a window of question `index` holds; by default
+        min(max_seq_len // 2, 128), less where a long question leaves less room."""
+        taken = question_tokens + self.tokenizer.num_special_tokens_to_add(pair=True)
+        room = max_seq_len - taken  # context tokens per window
+        window = f"a window of {max_seq_len} tokens (max_seq_len, at most the model's {self.max_length})"
+        if room < 1:
+            raise ValueError(
+                f"Question {index} takes {taken} tokens with the special tokens, which leaves no room for the context "
+                f"in {window}; shorten the question or raise max_seq_len"
+            )
+        if doc_stride is None:
+            return min(max_seq_len // 2, 128, room - 1)
+        if doc_stride >= room:
+            raise ValueError(
+                f"doc_stride ({doc_stride}) must be less than the {room} context tokens of question {index} in "
+                f"{window} less its {taken} question and special tokens"
+            )
+        return doc_stride
 
     def p_mask(self, encoding: Encoding) -> list[int]:
         """1 where a token cannot be in the answer: all but the context, except the CLS token (null answer)."""
@@ -131,6 +168,9 @@ def parse_examples(question, context) -> list[tuple[str, str]]:
     if len(questions) != len(contexts):
         raise ValueError(f"Got {len(questions)} questions but {len(contexts)} contexts")
     for name, values in (("question", questions), ("context", contexts)):
-        if any(not isinstance(v, str) or not v for v in values):
-            raise ValueError(f"`{name}` cannot be empty (and must be a string)")
+        for i, value in enumerate(values):
+            if not isinstance(value, str):
+                raise TypeError(f"`{name}` must be a string; item {i} is {type(value).__name__}: {value!r:.60}")
+            if not value:
+                raise ValueError(f"`{name}` cannot be empty (item {i})")
     return list(zip(questions, contexts, strict=True))

@@ -6,7 +6,7 @@ Inputs longer than the model's positions are truncated (longest-first for pairs)
 
 import numpy as np
 
-from .base import Pipeline
+from .base import Pipeline, check_count
 from .fill_mask import softmax
 
 FUNCTIONS = ("softmax", "sigmoid", "none")
@@ -46,6 +46,8 @@ class TextClassificationPipeline(Pipeline):
         items = inputs if isinstance(inputs, list) else [inputs]
         if not items:
             raise ValueError("text-classification needs at least one input")
+        if top_k not in (LEGACY, None):
+            check_count("top_k", top_k, 1)
         texts, pairs = split_pairs(items)
         scores = self.scores(texts, pairs, function_to_apply)
         results = [self.labels(row, top_k) for row in scores]
@@ -69,6 +71,8 @@ class TextClassificationPipeline(Pipeline):
         The score is the last label's (the "relevant" class of a cross-encoder; its only label for the
         usual one-logit rerankers, where the default function is a sigmoid).
         """
+        if top_k is not None:
+            check_count("top_k", top_k, 1)
         if not documents:
             return []
         scores = self.scores([query] * len(documents), list(documents), function_to_apply)[:, -1]
@@ -78,7 +82,7 @@ class TextClassificationPipeline(Pipeline):
 
 def split_pairs(items: list) -> tuple[list[str], list[str] | None]:
     """Texts and (when every input is a pair) their second texts."""
-    pairs = [as_pair(item) for item in items]
+    pairs = [as_pair(i, item) for i, item in enumerate(items)]
     seconds = [p.get("text_pair") for p in pairs]
     if all(s is None for s in seconds):
         return [p["text"] for p in pairs], None
@@ -87,9 +91,11 @@ def split_pairs(items: list) -> tuple[list[str], list[str] | None]:
     return [p["text"] for p in pairs], seconds
 
 
-def as_pair(item) -> dict:
+def as_pair(index: int, item) -> dict:
     if isinstance(item, str):
         return {"text": item}
     if isinstance(item, dict) and "text" in item:
         return item
-    raise ValueError(f'text-classification inputs are strings or {{"text": ..., "text_pair": ...}} dicts, got {item!r}')
+    error = ValueError if isinstance(item, dict) else TypeError
+    expected = 'text-classification inputs are strings or {"text": ..., "text_pair": ...} dicts'
+    raise error(f"{expected}; item {index} is {item!r:.60}")

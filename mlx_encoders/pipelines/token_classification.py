@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 from tokenizers import Encoding
 
-from .base import Pipeline
+from .base import Pipeline, check_count
 from .fill_mask import softmax
 
 STRATEGIES = ("none", "simple", "first", "average", "max")
@@ -39,9 +39,7 @@ class TokenClassificationPipeline(Pipeline):
         strategy = aggregation_strategy.lower()
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown aggregation_strategy {aggregation_strategy!r}; choose one of {STRATEGIES}")
-        texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError("token-classification needs a text or a non-empty list of texts")
+        texts = self.texts(inputs)
         windows = [[e] for e in self.encode(texts)] if stride is None else self.windows(texts, stride, strategy)
         logits = iter(out[0] for out in self.forward([w for text in windows for w in text]))
         ignore = ["O"] if ignore_labels is None else ignore_labels
@@ -54,12 +52,17 @@ class TokenClassificationPipeline(Pipeline):
 
     def windows(self, texts: list[str], stride: int, strategy: str) -> list[list[Encoding]]:
         """Each text as windows of the model's length overlapping by `stride` tokens."""
-        limit = self.tokenizer.model_max_length
-        if stride >= limit:
-            raise ValueError(f"stride ({stride}) must be less than the model's {limit} tokens")
+        check_count("stride", stride, 0)
+        room = self.max_length - self.tokenizer.num_special_tokens_to_add()  # text tokens per window
+        if stride >= room:
+            raise ValueError(
+                f"stride ({stride}) must be less than the {room} text tokens of a window (the model's "
+                f"{self.max_length} tokens less {self.max_length - room} special tokens)"
+            )
         if strategy == "none":
             raise ValueError('stride needs an aggregation_strategy other than "none", to merge the windows')
-        return [[e, *e.overflowing] for e in self.tokenizer.encode_batch(texts, stride=stride)]
+        encodings = self.tokenizer.encode_batch(texts, max_length=self.max_length, stride=stride)
+        return [[e, *e.overflowing] for e in encodings]
 
     def entities(self, text: str, encoding: Encoding, logits: np.ndarray, strategy: str, ignore: list[str]):
         pre = self.gather_pre_entities(text, encoding, softmax(logits), strategy)

@@ -1,0 +1,197 @@
+"""Writing a folder atomically: a locked temporary folder beside the target, renamed into place only when
+complete, cleaned on errors, Ctrl-C, SIGTERM and SIGHUP, and, after a SIGKILL, by the next write.
+
+Replacing an existing folder never deletes data the writer does not rewrite (`check_replaceable`), and the old
+folder stays recoverable until the new one is in place (`put_in_place`, `remove_stale`).
+"""
+
+import errno
+import fcntl
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .files import INDEX, TOKENIZER_FILES
+
+LOW_SPACE = 1 << 20  # bytes free under which a failed write is taken for a full disk
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Files `save` writes or replaces: weights, config.json, tokenizer files."""
+    return name in ("config.json", INDEX, *TOKENIZER_FILES) or name.endswith((".safetensors", ".model"))
+
+
+def check_replaceable(target: Path, whole: bool) -> None:
+    """Replacing a folder deletes it: only a checkpoint folder (one with config.json) may be replaced, and
+    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone."""
+    if not (target / "config.json").is_file():
+        raise FileExistsError(f"{target} is not a checkpoint folder (no config.json); refusing to replace it")
+    entries = [] if whole else target.iterdir()
+    others = sorted(p.name + "/" * p.is_dir() for p in entries if not is_checkpoint_file(p.name))
+    if others:
+        raise FileExistsError(
+            f"{target} holds files that save() does not write ({', '.join(others)}); replacing the folder would "
+            "delete them. Save into another folder."
+        )
+
+
+def user_mode() -> int:
+    """Permissions a new folder gets from the user's umask (mkdtemp's folders are private, 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def lock_folder(folder: Path, wait: bool) -> int | None:
+    """An open descriptor of `folder` holding an exclusive `flock` on it, or None when another process holds
+    it (non-blocking), the folder is gone, or the filesystem has no `flock`. The kernel releases the lock when
+    its process ends, however it ends (SIGKILL included), so a locked folder is one a live process writes."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        if os.path.samestat(os.stat(folder, follow_symlinks=False), os.fstat(fd)):  # not removed meanwhile
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def owned_folder(target: Path, suffix: str) -> tuple[Path, int | None]:
+    """A new `.NAME.xxxxxxxx<suffix>` folder beside `target`, locked (`lock_folder`) so that no other run
+    removes it as stale; the lock is None only on a filesystem without `flock`."""
+    while True:
+        folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent))
+        fd = lock_folder(folder, wait=True)
+        if fd is not None or folder.is_dir():  # else another run's `remove_stale` took it before the lock
+            return folder, fd
+
+
+def unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def release_old(old: Path, target: Path) -> None:
+    """Remove an `.old` folder, first putting the previous `target` it holds back when `target` is missing
+    (the writer died between its two renames, or the second one failed)."""
+    kept = old / target.name
+    if kept.exists() and not target.exists():
+        kept.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(target: Path) -> None:
+    """Remove what interrupted writes of `target` left beside it (killed by SIGKILL, power loss): their
+    `.NAME.xxxxxxxx.partial` folders, and `.NAME.xxxxxxxx.old` ones after putting the previous `target` back.
+    A folder whose writer still runs holds its lock and is left alone."""
+    target = Path(target)
+    stale = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(partial|old)")  # mkdtemp's names
+    if not target.parent.is_dir():
+        return
+    for folder in sorted(target.parent.iterdir()):
+        if stale.fullmatch(folder.name) and (fd := lock_folder(folder, wait=False)) is not None:
+            try:
+                if folder.suffix == ".old":
+                    release_old(folder, target)
+                else:
+                    shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
+@contextmanager
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP raise SystemExit(128 + signal), as Ctrl-C raises KeyboardInterrupt,
+    so the cleanup of `atomic_folder` runs before the process ends. Only signals left at their default (which
+    kill the process: `nohup`'s ignored SIGHUP and a program's own handlers are kept) and only in the main
+    thread (Python runs handlers there alone); the previous handlers come back after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def handler(signum: int, frame) -> None:
+        nonlocal raised
+        if not raised:  # a second signal must not cut the cleanup the first one started
+            raised = True
+            raise SystemExit(128 + signum)
+
+    defaults = [s for s in signals if signal.getsignal(s) is signal.SIG_DFL]
+    for s in defaults:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s in defaults:
+            signal.signal(s, signal.SIG_DFL)
+
+
+def disk_full(error: BaseException, folder: Path) -> bool:
+    """ENOSPC or EDQUOT, or MLX's write error (a RuntimeError without errno) on a disk with no space left."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < LOW_SPACE
+    except OSError:
+        return False
+
+
+def put_in_place(tmp: Path, target: Path, replace: bool) -> None:
+    """Rename the complete `tmp` to `target`. An existing `target` is first moved into a locked `.old` folder
+    and removed only once `tmp` is in its place; a process killed between the two renames leaves it there,
+    and the next write of `target` moves it back (`remove_stale`)."""
+    if not target.exists():
+        tmp.rename(target)
+        return
+    if not replace:
+        raise FileExistsError(f"{target} appeared while it was being written; pass overwrite=True to replace it")
+    old, lock = owned_folder(target, ".old")
+    try:
+        target.rename(old / target.name)
+        tmp.rename(target)
+    finally:
+        release_old(old, target)
+        unlock(lock)
+
+
+@contextmanager
+def atomic_folder(target: Path, replace: bool, whole: bool = True) -> Iterator[Path]:
+    """A temporary folder beside `target`, renamed into place only if the block completes. An existing
+    `target` is replaced only when `replace` (see `check_replaceable`), once the new folder is complete; if
+    that fails, the old folder is put back. The temporary folder is removed on any error, Ctrl-C, SIGTERM or
+    SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it (`remove_stale`)."""
+    target = Path(target)
+    remove_stale(target)
+    if target.exists():
+        if not replace:
+            raise FileExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
+        check_replaceable(target, whole)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with exit_on_signals():
+        tmp, lock = owned_folder(target, ".partial")
+        try:
+            tmp.chmod(user_mode())
+            yield tmp
+            put_in_place(tmp, target, replace)
+        except BaseException as error:
+            full = disk_full(error, target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"disk full while writing {target}; nothing was written. Free space on that disk (or write "
+                    "elsewhere) and run again",
+                ) from error
+            raise
+        finally:
+            unlock(lock)
