@@ -272,9 +272,11 @@ def quantized_cosines(tmp_path_factory, real_texts, real_reference) -> dict[int,
     return result
 
 
+@pytest.mark.slow
 def test_all_minilm_l6_v2_8bit_meets_target(quantized_cosines):
     assert quantized_cosines[8].mean() >= 0.9999  # the target for the default conversion
 
 
+@pytest.mark.slow
 def test_all_minilm_l6_v2_4bit_meets_target(quantized_cosines):
     assert quantized_cosines[4].mean() >= 0.99  # the target for the default 4-bit conversion

@@ -1,4 +1,12 @@
-"""Training: the task losses (`losses`); the trainer builds on them."""
+"""Training building blocks; the trainer (loop, command, checkpoints, resume) builds on them.
+
+- `losses`: the task losses, as transformers' heads compute them (`task_loss`).
+- `data`: JSONL / CSV / text / iterable-of-dicts readers with errors naming file and line, labels by name or
+  id, word labels aligned to sub-tokens, and `collate` into padded batches.
+- `masking`: dynamic masked-LM masking (15%, 80/10/10, optional whole words) and next-sentence pairs, seeded.
+- `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
+- `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
+"""
 
 from .losses import task_loss
 

@@ -1,0 +1,459 @@
+"""Training data: rows read from JSONL, CSV/TSV, plain text or any iterable of dicts (a `datasets.Dataset` is one),
+turned into tokenized examples with labels, and padded into batches.
+
+Token labels are aligned to sub-tokens as transformers' token-classification tutorial `tokenize_and_align_labels`
+does (first sub-token of a word labelled, the rest -100, or every sub-token with `label_all_tokens=True`); masked-LM
+batches are masked afresh by `masking.Masker` each time `collate` builds them. Every error about the data names the
+file and its 1-based line (or the 1-based item of an iterable) and says what is wrong.
+"""
+
+import csv
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Encoding
+
+from ..tokenizer import USIZE_MAX, Tokenizer
+from .losses import IGNORE_INDEX
+from .masking import Masker, next_sentence_pairs
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
+ITERABLE = "the data"
+INTEGER = re.compile(r"-?\d+")
+
+
+class DataError(ValueError):
+    """Malformed training data; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of training data and where it came from: `line` is 1-based (the item number for an iterable)."""
+
+    values: dict
+    source: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"item {self.line} of the data" if self.source == ITERABLE else f"{self.source}, line {self.line}"
+
+    def get(self, column: str):
+        """The value in `column`; a DataError naming the row when the row has no such column (or an empty cell)."""
+        value = self.values.get(column)
+        if value is None:
+            found = ", ".join(repr(c) for c in self.values) or "none"
+            raise DataError(
+                f"{self.where}: no value in column {column!r} (columns: {found}); fill it, or name the right "
+                "column with text_column= / text_pair_column= / label_column="
+            )
+        return value
+
+    def text(self, column: str) -> str:
+        value = self.get(column)
+        if not isinstance(value, str):
+            raise DataError(
+                f"{self.where}: column {column!r} must hold a text, found {type(value).__name__} {value!r:.60}"
+            )
+        return value
+
+
+@dataclass
+class Examples:
+    """Tokenized examples of one task: `labels[i]` belongs to `encodings[i]` (None for masked-LM, where `collate`
+    draws them), `rows[i]` is the row it came from (a long masked-LM document gives several examples)."""
+
+    task: str
+    encodings: list[Encoding]
+    labels: list
+    label2id: dict[str, int]
+    rows: list[Row]
+
+    def __len__(self) -> int:
+        return len(self.encodings)
+
+
+# ----- reading rows -----
+
+
+def read_rows(data: str | Path | Iterable[Mapping], text_column: str = "text") -> list[Row]:
+    """The rows of a .jsonl/.ndjson, .csv, .tsv or .txt file (a .txt line is a row `{text_column: line}`; blank lines
+    are skipped), or of an iterable of dicts such as a `datasets.Dataset`. Fails on an empty source."""
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        kind = SUFFIXES.get(path.suffix.lower())
+        if kind is None:
+            raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+        lines = read_lines(path)
+        if kind == "text":
+            rows = text_rows(lines, path, text_column)
+        else:
+            rows = jsonl_rows(lines, path) if kind == "jsonl" else csv_rows(lines, path)
+    else:
+        rows = iterable_rows(data)
+    if not rows:
+        source = data if isinstance(data, (str, Path)) else ITERABLE
+        raise DataError(f"{source} holds no rows of training data; check the path or the filter that built it")
+    return rows
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 file with their line ends (a leading byte-order mark dropped)."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines(keepends=True)
+    for number, raw in enumerate(lines, 1):
+        try:
+            lines[number - 1] = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}, line {number}: not UTF-8 ({e.reason} at byte {e.start}); re-save as UTF-8"
+            ) from None
+    return lines
+
+
+def jsonl_rows(lines: list[str], path: Path) -> list[Row]:
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            values = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}, line {number}: invalid JSON ({e.msg} at column {e.colno}); fix or remove it"
+            ) from None
+        if not isinstance(values, dict):
+            raise DataError(
+                f"{path}, line {number}: a JSON {type(values).__name__}, not an object; write one object a line"
+            )
+        rows.append(Row(values, str(path), number))
+    return rows
+
+
+def csv_rows(lines: list[str], path: Path) -> list[Row]:
+    """Rows of a CSV (or, by suffix, TSV) file with a header line; the line of a row is where its record starts."""
+    reader = csv.reader(lines, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+    header = next(reader, None)
+    rows, start = [], reader.line_num + 1
+    for record in reader:
+        if any(cell.strip() for cell in record):
+            if len(record) != len(header):
+                raise DataError(
+                    f"{path}, line {start}: {len(record)} fields where the header (line 1) has {len(header)}; quote "
+                    "fields that hold the delimiter"
+                )
+            rows.append(Row(dict(zip(header, record, strict=True)), str(path), start))
+        start = reader.line_num + 1
+    return rows
+
+
+def text_rows(lines: list[str], path: Path, text_column: str) -> list[Row]:
+    return [
+        Row({text_column: line.rstrip("\r\n")}, str(path), number)
+        for number, line in enumerate(lines, 1)
+        if line.strip()
+    ]
+
+
+def iterable_rows(data: Iterable[Mapping]) -> list[Row]:
+    if isinstance(data, (Mapping, bytes)) or not isinstance(data, Iterable):
+        raise TypeError(f"Training data must be a file path or an iterable of dicts, got {type(data).__name__}")
+    rows = []
+    for number, values in enumerate(data, 1):
+        if not isinstance(values, Mapping):
+            raise DataError(f"item {number} of the data: a {type(values).__name__}, not a dict of columns")
+        rows.append(Row(dict(values), ITERABLE, number))
+    return rows
+
+
+def read_documents(data: str | Path | Iterable[Mapping], text_column: str = "text") -> list[list[Row]]:
+    """Documents as lists of rows, one sentence (or text) each: in a .txt file, runs of lines separated by blank
+    lines; elsewhere, each row is a one-row document."""
+    if not (isinstance(data, (str, Path)) and Path(data).suffix.lower() == ".txt"):
+        return [[row] for row in read_rows(data, text_column)]
+    path = Path(data)
+    documents, current = [], []
+    for number, line in enumerate(read_lines(path), 1):
+        if line.strip():
+            current.append(Row({text_column: line.rstrip("\r\n")}, str(path), number))
+        elif current:
+            documents.append(current)
+            current = []
+    documents += [current] if current else []
+    if not documents:
+        raise DataError(f"{path} holds no text; check the path")
+    return documents
+
+
+# ----- labels -----
+
+
+def label_key(value, row: Row, column: str) -> str | int:
+    """A label as written: a name (str) or an id (int); a CSV cell of digits is an id."""
+    if isinstance(value, str) and not value.strip():
+        raise DataError(f"{row.where}: empty label in column {column!r}; fill it or remove the row")
+    if isinstance(value, str):
+        return int(value) if row.source.endswith((".csv", ".tsv")) and INTEGER.fullmatch(value.strip()) else value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise DataError(
+        f"{row.where}: column {column!r} must hold a label name or id, found {type(value).__name__} {value!r:.60}"
+    )
+
+
+def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int] | None) -> dict[str, int]:
+    """The given `label2id`, else one built from the data: sorted names -> 0..n-1, or ids 0..max as "LABEL_i"."""
+    if label2id is not None:
+        return {str(name): int(i) for name, i in label2id.items()}
+    names = sorted({k for k, _ in keys if isinstance(k, str)})
+    ids = [(k, row) for k, row in keys if isinstance(k, int)]
+    if names and ids:
+        raise DataError(
+            f"{ids[0][1].where}: label id {ids[0][0]} among label names ({', '.join(names[:5])}); write every label "
+            "as a name or every label as an id, or pass label2id="
+        )
+    if names:
+        return {name: i for i, name in enumerate(names)}
+    return {f"LABEL_{i}": i for i in range(max(k for k, _ in ids) + 1)}
+
+
+def label_id(key: str | int, row: Row, label2id: dict[str, int]) -> int:
+    """The id of a label name or id, checked against `label2id`."""
+    if isinstance(key, int):
+        if key in label2id.values():
+            return key
+        raise DataError(f"{row.where}: label id {key} is not one of the ids 0..{len(label2id) - 1}; fix the row")
+    if key in label2id:
+        return label2id[key]
+    known = ", ".join(repr(name) for name in list(label2id)[:20])
+    raise DataError(f"{row.where}: unknown label {key!r}; the labels are {known}; fix the row or extend label2id")
+
+
+def as_list(value, row: Row, column: str) -> list:
+    """A list cell; in CSV a list is written as JSON, e.g. ["a", "b"]."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{row.where}: column {column!r} is not a valid JSON list ({e.msg})") from None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence | np.ndarray):
+        raise DataError(
+            f"{row.where}: column {column!r} must hold a list, found {type(value).__name__} {value!r:.60} (in a CSV "
+            'cell, write the list as JSON: ["a", "b"])'
+        )
+    return list(value)
+
+
+def regression_target(value, row: Row, column: str) -> float:
+    try:
+        target = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        target = math.nan
+    if math.isnan(target):
+        raise DataError(f"{row.where}: column {column!r} must hold a number for regression, found {value!r:.60}")
+    return target
+
+
+def classification_labels(
+    rows: list[Row], column: str, problem_type: str, label2id: Mapping[str, int] | None
+) -> tuple[list, dict[str, int]]:
+    """Per row: an id (single-label), a multi-hot float list (multi-label) or a float (regression); and label2id."""
+    if problem_type == "regression":
+        return [regression_target(row.get(column), row, column) for row in rows], {"LABEL_0": 0}
+    if problem_type == "single_label_classification":
+        keys = [(label_key(row.get(column), row, column), row) for row in rows]
+        mapping = build_label2id(keys, label2id)
+        return [label_id(k, row, mapping) for k, row in keys], mapping
+    per_row = [[label_key(v, row, column) for v in as_list(row.get(column), row, column)] for row in rows]
+    mapping = build_label2id([(k, row) for ks, row in zip(per_row, rows, strict=True) for k in ks], label2id)
+    hots = []
+    for ks, row in zip(per_row, rows, strict=True):
+        hot = [0.0] * len(mapping)
+        for k in ks:
+            hot[label_id(k, row, mapping)] = 1.0
+        hots.append(hot)
+    return hots, mapping
+
+
+def align_labels(word_labels: list[int], word_ids: list[int | None], label_all_tokens: bool = False) -> list[int]:
+    """transformers' `tokenize_and_align_labels`: a word's label on its first sub-token (on every sub-token with
+    `label_all_tokens`), -100 on its other sub-tokens and on special tokens."""
+    aligned, previous = [], None
+    for word in word_ids:
+        if word is None:
+            aligned.append(IGNORE_INDEX)
+        elif word != previous or label_all_tokens:
+            aligned.append(word_labels[word])
+        else:
+            aligned.append(IGNORE_INDEX)
+        previous = word
+    return aligned
+
+
+# ----- tasks -----
+
+
+def sequence_classification_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    *,
+    text_column: str = "text",
+    text_pair_column: str | None = None,
+    label_column: str = "label",
+    problem_type: str = "single_label_classification",
+    label2id: Mapping[str, int] | None = None,
+    max_length: int | None = None,
+) -> Examples:
+    """Texts (or text pairs) with one label each: a name or id (single-label), a list of them (multi-label), a
+    number (regression). `problem_type` takes transformers' names."""
+    if problem_type not in PROBLEM_TYPES:
+        raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
+    rows = read_rows(data, text_column)
+    texts = [row.text(text_column) for row in rows]
+    pairs = [row.text(text_pair_column) for row in rows] if text_pair_column else None
+    labels, mapping = classification_labels(rows, label_column, problem_type, label2id)
+    encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
+    return Examples("sequence-classification", encodings, labels, mapping, rows)
+
+
+def token_classification_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    *,
+    text_column: str = "tokens",
+    label_column: str = "ner_tags",
+    label2id: Mapping[str, int] | None = None,
+    label_all_tokens: bool = False,
+    max_length: int | None = None,
+) -> Examples:
+    """Rows of a word list and a tag list (names such as BIO tags "B-PER", or ids), as in the Hugging Face
+    datasets' `tokens` / `ner_tags` columns; word labels are aligned to sub-tokens with `align_labels`."""
+    rows = read_rows(data, text_column)
+    words = [word_list(row, text_column, label_column) for row in rows]
+    tags = [
+        [label_key(t, row, label_column) for t in as_list(row.get(label_column), row, label_column)] for row in rows
+    ]
+    mapping = build_label2id([(t, row) for ts, row in zip(tags, rows, strict=True) for t in ts], label2id)
+    ids = [[label_id(t, row, mapping) for t in ts] for ts, row in zip(tags, rows, strict=True)]
+    encodings = encode_words(tokenizer, words, max_length)
+    labels = [align_labels(i, e.word_ids, label_all_tokens) for i, e in zip(ids, encodings, strict=True)]
+    return Examples("token-classification", encodings, labels, mapping, rows)
+
+
+def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
+    words = as_list(row.get(text_column), row, text_column)
+    tags = as_list(row.get(label_column), row, label_column)
+    if not all(isinstance(w, str) for w in words):
+        raise DataError(f"{row.where}: column {text_column!r} must hold a list of words (str)")
+    if len(words) != len(tags):
+        raise DataError(f"{row.where}: {len(words)} words but {len(tags)} tags; give one tag per word")
+    return words
+
+
+def encode_words(tokenizer: Tokenizer, words: list[list[str]], max_length: int | None) -> list[Encoding]:
+    """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`."""
+    tokenizer.backend.enable_truncation(min(max_length or tokenizer.model_max_length, USIZE_MAX))
+    try:
+        return tokenizer.backend.encode_batch(words, is_pretokenized=True)
+    finally:
+        tokenizer.backend.no_truncation()
+
+
+def masked_lm_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    *,
+    text_column: str = "text",
+    max_length: int | None = None,
+) -> Examples:
+    """Masked-LM examples: each document (a blank-line-separated run of lines in a .txt file, else a row's text)
+    split into windows of at most `max_length` tokens, so no text is cut off. Masks are drawn in `collate`."""
+    documents = read_documents(data, text_column)
+    texts = ["\n".join(row.text(text_column) for row in doc) for doc in documents]
+    encodings, rows = [], []
+    for first, doc in zip(tokenizer.encode_batch(texts, max_length=max_length), documents, strict=True):
+        windows = [first, *first.overflowing]
+        encodings += windows
+        rows += [doc[0]] * len(windows)
+    return Examples("masked-lm", encodings, [None] * len(encodings), {}, rows)
+
+
+def pretraining_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    *,
+    text_column: str = "text",
+    max_length: int | None = None,
+) -> Examples:
+    """BERT pretraining examples: next-sentence pairs drawn with `rng` from the documents of a .txt file (one
+    sentence a line, blank lines between documents); `labels` holds the next-sentence label, `collate` the masks."""
+    documents = read_documents(data, text_column)
+    pairs = next_sentence_pairs(documents, rng)
+    if not pairs:
+        raise DataError(f"{documents[0][0].source}: no document has two sentences; write one sentence a line")
+    first = [row.text(text_column) for row, _, _ in pairs]
+    second = [row.text(text_column) for _, row, _ in pairs]
+    encodings = tokenizer.encode_batch(first, second, max_length=max_length)
+    return Examples("pretraining", encodings, [label for *_, label in pairs], {}, [row for row, _, _ in pairs])
+
+
+# ----- batches -----
+
+
+def word_ids(encodings: list[Encoding], width: int) -> np.ndarray:
+    """(B, L) word numbers, unique within a row across the two texts of a pair; -1 on special tokens and padding."""
+    out = np.full((len(encodings), width), -1, dtype=np.int64)
+    for row, e in enumerate(encodings):
+        for i, (word, sequence) in enumerate(zip(e.word_ids, e.sequence_ids, strict=True)):
+            if word is not None:
+                out[row, i] = 2 * word + sequence
+    return out
+
+
+def collate(
+    examples: Examples,
+    indices: Sequence[int],
+    tokenizer: Tokenizer,
+    masker: Masker | None = None,
+    rng: np.random.Generator | None = None,
+) -> dict[str, np.ndarray]:
+    """The padded batch of `examples[indices]` as numpy arrays: the model's inputs and the labels its task's loss
+    takes. Masked-LM and pretraining batches are masked by `masker` with `rng`, afresh on every call."""
+    encodings = [examples.encodings[i] for i in indices]
+    labels = [examples.labels[i] for i in indices]
+    batch = tokenizer.pad(encodings, return_tensors="np")
+    if examples.task in ("masked-lm", "pretraining"):
+        batch["input_ids"], batch["labels"] = mask_batch(batch["input_ids"], encodings, masker, rng)
+        if examples.task == "pretraining":
+            batch["next_sentence_label"] = np.array(labels, dtype=np.int32)
+    elif examples.task == "token-classification":
+        batch["labels"] = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int32)
+        for row, aligned in enumerate(labels):
+            batch["labels"][row, : len(aligned)] = aligned
+    else:
+        batch["labels"] = np.array(labels, dtype=np.float32 if isinstance(labels[0], (float, list)) else np.int32)
+    return batch
+
+
+def mask_batch(
+    input_ids: np.ndarray, encodings: list[Encoding], masker: Masker | None, rng: np.random.Generator | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(masked ids, labels) of a padded batch: special tokens and padding are never selected."""
+    if masker is None or rng is None:
+        raise ValueError(
+            "Masked-LM batches need a masker and a generator: "
+            "collate(..., masker=Masker.from_tokenizer(tokenizer), rng=np.random.default_rng(seed))"
+        )
+    special = np.ones(input_ids.shape, dtype=bool)
+    for row, e in enumerate(encodings):
+        special[row, : len(e.ids)] = np.array(e.special_tokens_mask, dtype=bool)
+    words = word_ids(encodings, input_ids.shape[1]) if masker.whole_word else None
+    return masker(input_ids, special, rng, words)

@@ -1,0 +1,193 @@
+"""LoRA and QLoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; Dettmers et al. 2023,
+"QLoRA"): `W x + (alpha / r) B A x` on chosen linears, A (r, in) kaiming-uniform as PEFT draws it, B (out, r) zero,
+so an adapted model starts equal to its base. Shaped after mlx-lm's `tuner/lora.py`; A and B are stored in PEFT's
+(torch Linear) orientation. The base weights, float or quantized, stay frozen and are never dequantized in training;
+the task head (everything outside the encoder) trains in full. `save_adapters` writes the trainable parameters
+alone, `fuse` merges the adapters into the weights (re-quantized with the same settings for a quantized base).
+"""
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..models.base import HeadModel
+
+# The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
+DEFAULT_TARGETS = {
+    "bert": ["query", "key", "value"],
+    "roberta": ["query", "key", "value"],
+    "xlm-roberta": ["query", "key", "value"],
+    "albert": ["query", "key", "value"],
+    "distilbert": ["q_lin", "k_lin", "v_lin"],
+    "modernbert": ["Wqkv"],
+}
+ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
+LINEARS = (nn.Linear, nn.QuantizedLinear)
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+
+
+@dataclass
+class LoRAConfig:
+    """What `apply_lora` did to a model (kept on it as `model.lora_config`), written to adapter_config.json."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: list[str]
+
+
+class LoRALinear(nn.Module):
+    """`linear(x) + (alpha / rank) * dropout(x) A^T B^T` over a frozen nn.Linear or nn.QuantizedLinear."""
+
+    def __init__(self, linear: nn.Linear | nn.QuantizedLinear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        out_dims, in_dims = dims(linear)
+        self.linear = linear
+        self.dropout = nn.Dropout(dropout)
+        self.scale = alpha / rank
+        bound = 1 / math.sqrt(in_dims)  # torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of lora_A
+        self.lora_a = mx.random.uniform(-bound, bound, (rank, in_dims))
+        self.lora_b = mx.zeros((out_dims, rank))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.linear(x)
+        z = (self.dropout(x) @ self.lora_a.T) @ self.lora_b.T
+        return y + (self.scale * z).astype(y.dtype)
+
+    def delta(self) -> mx.array:
+        """(alpha / r) B A, the (out, in) change of the weight, in float32."""
+        return self.scale * (self.lora_b.astype(mx.float32) @ self.lora_a.astype(mx.float32))
+
+
+def dims(linear: nn.Linear | nn.QuantizedLinear) -> tuple[int, int]:
+    """(out, in) of a float or quantized linear (a quantized weight packs several values per uint32)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear.weight.shape[0], linear.scales.shape[1] * linear.group_size
+    return linear.weight.shape
+
+
+def encoder_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """(prefix, encoder): a head model's encoder under its checkpoint prefix, or a bare encoder itself."""
+    return (model.prefix + ".", model.encoder) if isinstance(model, HeadModel) else ("", model)
+
+
+def matches(path: str, targets: list[str]) -> bool:
+    """A target is a module name (`query`) or a regular expression over the full path (`.*intermediate.dense`)."""
+    name = path.rsplit(".", 1)[-1]
+    return any(re.fullmatch(t, name) or re.fullmatch(t, path) for t in targets)
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    return DEFAULT_TARGETS[model.args.model_type]
+
+
+def apply_lora(
+    model: nn.Module, rank: int = 8, alpha: float = 16.0, targets: list[str] | None = None, dropout: float = 0.0
+) -> list[str]:
+    """Wrap the encoder's linears that match `targets` (default: `DEFAULT_TARGETS` of the model type) in
+    LoRALinear, in place, and leave only the adapters and the task head trainable. Returns the adapted paths."""
+    prefix, encoder = encoder_of(model)
+    targets = targets or default_targets(model)
+    chosen = [(p, m) for p, m in encoder.named_modules() if isinstance(m, LINEARS) and matches(prefix + p, targets)]
+    if not chosen:
+        raise ValueError(f"No linear of the {model.args.model_type} encoder matches the LoRA targets {targets}")
+    encoder.update_modules(tree_unflatten([(p, LoRALinear(m, rank, alpha, dropout)) for p, m in chosen]))
+    freeze_base(model)
+    model.lora_config = LoRAConfig(rank, alpha, dropout, targets)
+    return [prefix + p for p, _ in chosen]
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Freeze the encoder but its adapters; the head trains, but for quantized weights (they cannot)."""
+    model.unfreeze()
+    encoder_of(model)[1].freeze()
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
+    freeze_quantized(model)
+
+
+def freeze_quantized(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, QUANTIZED):
+            module.freeze(keys=["weight", "scales", "biases"], strict=False)
+
+
+def save_adapters(model: nn.Module, folder: str | Path) -> Path:
+    """Write the trainable parameters (adapters and head) to `adapters.safetensors`, and rank, alpha, dropout,
+    targets and model type to `adapter_config.json`, in `folder`; returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / ADAPTERS_FILE), dict(tree_flatten(model.trainable_parameters())))
+    config = {**asdict(model.lora_config), "model_type": model.args.model_type}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Adapt a base `model` as `save_adapters` recorded in `folder` and load the saved adapters and head onto it,
+    in place; fails naming any saved tensor the adapted model lacks or holds with another shape."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    if config["model_type"] != model.args.model_type:
+        raise ValueError(f"The adapters in {folder} are for {config['model_type']}, not {model.args.model_type}")
+    apply_lora(model, config["rank"], config["alpha"], config["targets"], config["dropout"])
+    weights = mx.load(str(folder / ADAPTERS_FILE))
+    current = dict(tree_flatten(model.trainable_parameters()))
+    for key, value in weights.items():
+        if key not in current or current[key].shape != value.shape:
+            found = current[key].shape if key in current else "no such trainable parameter"
+            raise ValueError(f"{folder / ADAPTERS_FILE}: {key} has shape {value.shape}, the model {found}")
+    model.load_weights(list(weights.items()), strict=False)
+    return model
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Merge every adapter into its linear (W + (alpha / r) B A), in place: a float base gives nn.Linear, a quantized
+    one a re-quantized nn.QuantizedLinear with the same bits, group size and mode. The result is a plain model,
+    ready for `mlx_encoders.save`; returns it."""
+    fused = [(p, fused_linear(m)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+    model.update_modules(tree_unflatten(fused))
+    model.unfreeze()  # as loaded: every float parameter trainable
+    freeze_quantized(model)
+    del model.lora_config
+    return model
+
+
+def fused_linear(lora: LoRALinear) -> nn.Linear | nn.QuantizedLinear:
+    base = lora.linear
+    if not isinstance(base, nn.QuantizedLinear):
+        fused = nn.Linear(*reversed(base.weight.shape), bias="bias" in base)
+        fused.update(dict(base.parameters()))
+        fused.weight = (base.weight.astype(mx.float32) + lora.delta()).astype(base.weight.dtype)
+        return fused
+    return requantized(base, dequantized(base) + lora.delta())
+
+
+def dequantized(linear: nn.QuantizedLinear) -> mx.array:
+    """The float32 weight of a quantized linear (scales widened first, as `dequantize_model` does)."""
+    biases = linear.get("biases")
+    biases = biases.astype(mx.float32) if biases is not None else None
+    return mx.dequantize(
+        linear.weight, linear.scales.astype(mx.float32), biases, linear.group_size, linear.bits, mode=linear.mode
+    )
+
+
+def requantized(linear: nn.QuantizedLinear, weight: mx.array) -> nn.QuantizedLinear:
+    """A copy of `linear` holding `weight` quantized with its settings, scales and biases in its dtypes (the
+    constructor's random weight is lazy, replaced before it is ever computed)."""
+    out_dims, in_dims = weight.shape
+    fused = nn.QuantizedLinear(in_dims, out_dims, "bias" in linear, linear.group_size, linear.bits, mode=linear.mode)
+    packed = mx.quantize(weight, linear.group_size, linear.bits, mode=linear.mode)
+    fused.weight, fused.scales = packed[0], packed[1].astype(linear.scales.dtype)
+    if "biases" in linear:
+        fused.biases = packed[2].astype(linear.biases.dtype)
+    if "bias" in linear:
+        fused.bias = linear.bias
+    return fused

@@ -1,0 +1,111 @@
+"""Dynamic masking for masked-LM and next-sentence pairs for BERT pretraining.
+
+`Masker` follows transformers' `DataCollatorForLanguageModeling.torch_mask_tokens` (data/data_collator.py): each
+real token (never a special token or padding) is selected with probability 0.15; of those, 80% become the mask
+token, 10% a random token, 10% stay; labels are the original ids where selected and -100 elsewhere. One difference:
+random replacements are drawn from the vocabulary *without* its special tokens (transformers draws from the whole
+vocabulary, so it can put [CLS] or [PAD] mid-text). Whole-word masking selects a word's first sub-token with
+probability 0.15 and then every sub-token of that word, as transformers' `whole_word_mask=True` does.
+`next_sentence_pairs` follows BERT's `create_pretraining_data.py`: label 0 = the real next sentence, 1 = random.
+
+All randomness comes from a `numpy.random.Generator` the caller passes in, so runs are reproducible and resumable
+(`rng.bit_generator.state` can be saved and restored).
+"""
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from ..tokenizer import Tokenizer
+from .losses import IGNORE_INDEX
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Masker:
+    """Masks a batch of token ids: `masker(input_ids, special_tokens_mask, rng, word_ids=None)`."""
+
+    mask_token_id: int
+    replacement_ids: np.ndarray  # the ids a random replacement is drawn from: the vocabulary less special tokens
+    probability: float = 0.15
+    mask_fraction: float = 0.8
+    random_fraction: float = 0.1
+    whole_word: bool = False
+
+    def __post_init__(self):
+        if not 0 <= self.probability <= 1 or self.mask_fraction + self.random_fraction > 1:
+            raise ValueError(
+                f"Masking needs 0 <= probability <= 1 and mask_fraction + random_fraction <= 1, got probability="
+                f"{self.probability}, mask_fraction={self.mask_fraction}, random_fraction={self.random_fraction}"
+            )
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, **options) -> "Masker":
+        """A masker with the tokenizer's mask token and non-special vocabulary; `options` are the fields above."""
+        if tokenizer.mask_token_id is None:
+            raise ValueError("The tokenizer has no mask token, so it cannot be used for masked-LM training")
+        return cls(tokenizer.mask_token_id, replacement_ids(tokenizer), **options)
+
+    def __call__(
+        self,
+        input_ids: np.ndarray,
+        special_tokens_mask: np.ndarray,
+        rng: np.random.Generator,
+        word_ids: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(masked input ids, labels) for (B, L) ids; `special_tokens_mask` is True on special tokens and padding,
+        `word_ids` (needed for whole-word masking) numbers the words of each row, -1 outside words."""
+        selectable = ~np.asarray(special_tokens_mask, dtype=bool)
+        if self.whole_word:
+            if word_ids is None:
+                raise ValueError("Whole-word masking needs word_ids: pass the batch's (B, L) word numbers")
+            selected = self.select_words(word_ids, selectable, rng)
+        else:
+            selected = (rng.random(selectable.shape) < self.probability) & selectable
+        labels = np.where(selected, input_ids, IGNORE_INDEX).astype(input_ids.dtype)
+        draw = rng.random(selected.shape)
+        masked = selected & (draw < self.mask_fraction)
+        randomized = selected & ~masked & (draw < self.mask_fraction + self.random_fraction)
+        inputs = input_ids.copy()
+        inputs[masked] = self.mask_token_id
+        inputs[randomized] = rng.choice(self.replacement_ids, size=int(randomized.sum()))
+        return inputs, labels
+
+    def select_words(self, word_ids: np.ndarray, selectable: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Pick each word by its first sub-token, then select all its sub-tokens."""
+        in_word = (word_ids >= 0) & selectable
+        previous = np.pad(word_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+        first = in_word & (word_ids != previous)
+        picked = first & (rng.random(first.shape) < self.probability)
+        # one key per (row, word): a word is selected when the key of a picked first sub-token matches
+        keys = word_ids + np.arange(len(word_ids))[:, None] * (int(word_ids.max(initial=0)) + 1)
+        return in_word & np.isin(keys, keys[picked])
+
+
+def replacement_ids(tokenizer: Tokenizer) -> np.ndarray:
+    """Every id of the tokenizer's vocabulary except its special tokens ([CLS], [PAD], added special tokens...)."""
+    special = {i for i, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
+    for name in ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token"):
+        special.add(tokenizer.token_id(getattr(tokenizer, name)))
+    ids = set(tokenizer.backend.get_vocab(with_added_tokens=True).values()) - special
+    return np.array(sorted(ids), dtype=np.int64)
+
+
+def next_sentence_pairs(documents: list[list[T]], rng: np.random.Generator) -> list[tuple[T, T, int]]:
+    """(sentence, next, label) for each two consecutive sentences of each document: with probability 1/2 the real
+    next sentence (label 0), else a random sentence of another document (label 1), as transformers' BERT labels."""
+    if len(documents) < 2:
+        raise ValueError(
+            f"Next-sentence pairs need at least 2 documents to draw random sentences from, got {len(documents)}"
+        )
+    pairs = []
+    for d, document in enumerate(documents):
+        for i in range(len(document) - 1):
+            if rng.random() < 0.5:
+                pairs.append((document[i], document[i + 1], 0))
+            else:
+                other = documents[(d + 1 + rng.integers(len(documents) - 1)) % len(documents)]
+                pairs.append((document[i], other[rng.integers(len(other))], 1))
+    return pairs

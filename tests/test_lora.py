@@ -1,0 +1,176 @@
+"""LoRA and QLoRA: adapters start as no-ops, only they and the head train, they save alone and load back, and
+`fuse` folds them into a float or re-quantized checkpoint that `mlx_encoders.save` writes."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference
+from mlx.utils import tree_flatten
+
+import mlx_encoders
+from mlx_encoders.models import MODEL_TYPES
+from mlx_encoders.quantization import quantize_model
+from mlx_encoders.train import task_loss
+from mlx_encoders.train.lora import (
+    DEFAULT_TARGETS,
+    LoRALinear,
+    apply_lora,
+    fuse,
+    load_adapters,
+    save_adapters,
+)
+from mlx_encoders.train.optim import adamw, optimizer_step
+
+TASK = "sequence-classification"
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "A second, shorter text.", "x"]
+RANK, ALPHA = 4, 8.0
+
+
+def load(checkpoint, model_type: str = "bert", bits: int | None = None):
+    """(model, batch with labels) for a sequence classifier, quantized to `bits` when given."""
+    model, tokenizer = mlx_encoders.load(checkpoint(model_type, TASK))
+    if bits:
+        quantize_model(model, bits=bits, group_size=32)
+    batch = {k: mx.array(v) for k, v in dict(tokenizer(TEXTS, padding=True)).items()}
+    return model, batch, mx.array([0, 2, 1])
+
+
+def logits(model: nn.Module, batch: dict) -> np.ndarray:
+    return np.array(model(**batch).logits)
+
+
+def flat(tree: dict) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(tree)}
+
+
+def train(model: nn.Module, batch: dict, labels: mx.array, steps: int = 3) -> None:
+    """A few AdamW steps at a high rate, so the adapters move well away from their start."""
+    optimizer = adamw(model, 1e-2, weight_decay=0.01)
+    loss_and_grad = nn.value_and_grad(model, lambda: task_loss(model, model(**batch), labels))
+    for _ in range(steps):
+        _, grads = loss_and_grad()
+        optimizer_step(model, optimizer, grads)
+
+
+def adapter_size(model: nn.Module) -> int:
+    return sum(m.lora_a.size + m.lora_b.size for m in model.modules() if isinstance(m, LoRALinear))
+
+
+def head_size(model: nn.Module) -> int:
+    """The head's float parameters: everything outside the encoder's prefix."""
+    return sum(v.size for k, v in tree_flatten(model.parameters()) if not k.startswith(model.prefix + "."))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_default_targets_start_equal_and_train_alone(checkpoint, model_type):
+    model, batch, _ = load(checkpoint, model_type)
+    before = logits(model, batch)
+    adapted = apply_lora(model, RANK, ALPHA)
+    names = {path.rsplit(".", 1)[-1] for path in adapted}
+    assert names == set(DEFAULT_TARGETS[model_type])
+    np.testing.assert_array_equal(logits(model, batch), before)  # B = 0: exactly the base model
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    assert trainable == adapter_size(model) + head_size(model)
+    assert all(k.endswith(("lora_a", "lora_b")) or not k.startswith(model.prefix + ".")
+               for k, _ in tree_flatten(model.trainable_parameters()))  # fmt: skip
+
+
+def test_targets_are_names_or_patterns(checkpoint):
+    model, _, _ = load(checkpoint)
+    adapted = apply_lora(model, RANK, ALPHA, targets=["value", r".*\.intermediate\.dense"])
+    assert len(adapted) == 2 * model.args.num_hidden_layers
+    with pytest.raises(ValueError, match="No linear"):
+        apply_lora(load(checkpoint)[0], targets=["no_such_module"])
+
+
+def test_training_changes_only_adapters_and_head(checkpoint):
+    model, batch, labels = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    trainable = set(flat(model.trainable_parameters()))
+    before = flat(model.parameters())
+    train(model, batch, labels)
+    after = flat(model.parameters())
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed == trainable  # every adapter and head tensor moved; nothing else did
+
+
+def test_qlora_keeps_quantized_weights_frozen(checkpoint):
+    model, batch, labels = load(checkpoint, bits=4)
+    before_logits = logits(model, batch)
+    adapted = apply_lora(model, RANK, ALPHA)
+    wrapped = [m.linear for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(wrapped) == len(adapted) and all(isinstance(m, nn.QuantizedLinear) for m in wrapped)
+    np.testing.assert_array_equal(logits(model, batch), before_logits)
+    trainable = flat(model.trainable_parameters())
+    assert all(np.issubdtype(v.dtype, np.floating) for v in trainable.values())
+    assert sum(v.size for v in trainable.values()) == adapter_size(model) + sum(
+        v.size for k, v in trainable.items() if not k.startswith(model.prefix + ".")
+    )
+    frozen = {k: v for k, v in flat(model.parameters()).items() if k not in trainable}
+    train(model, batch, labels)
+    after = flat(model.parameters())
+    assert all(np.array_equal(v, after[k]) for k, v in frozen.items())
+    assert all(w.weight.dtype == mx.uint32 for w in wrapped)  # still packed: trained through quantized_matmul
+
+
+def test_adapters_save_alone_and_load_back(checkpoint, tmp_path):
+    model, batch, labels = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    train(model, batch, labels)
+    folder = save_adapters(model, tmp_path / "adapters")
+    saved = mx.load(str(folder / "adapters.safetensors"))
+    assert set(saved) == set(flat(model.trainable_parameters()))
+    assert sum(v.size for v in saved.values()) < sum(v.size for _, v in tree_flatten(model.parameters())) / 50
+    restored, _, _ = load(checkpoint)
+    load_adapters(restored, folder)
+    np.testing.assert_array_equal(logits(restored, batch), logits(model, batch))
+    assert restored.lora_config == model.lora_config
+
+
+def test_load_adapters_fails_on_another_architecture(checkpoint, tmp_path):
+    model, _, _ = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    folder = save_adapters(model, tmp_path / "adapters")
+    with pytest.raises(ValueError, match="are for bert"):
+        load_adapters(load(checkpoint, "roberta")[0], folder)
+
+
+def test_fused_float_model_equals_adapted_and_saves(checkpoint, tmp_path):
+    model, batch, labels = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    train(model, batch, labels)
+    adapted = logits(model, batch)
+    fuse(model)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    np.testing.assert_allclose(logits(model, batch), adapted, atol=1e-5, rtol=0)
+    folder = mlx_encoders.save(model, tmp_path / "fused")
+    reloaded = mlx_encoders.load_model(folder)
+    np.testing.assert_array_equal(logits(reloaded, batch), logits(model, batch))
+    with torch.no_grad():  # and transformers reads it back as the same model
+        expected = load_reference(folder, TASK)(**{k: torch.from_numpy(np.array(v)) for k, v in batch.items()}).logits
+    np.testing.assert_allclose(expected.numpy(), adapted, atol=1e-4, rtol=0)
+
+
+def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
+    model, batch, labels = load(checkpoint, bits=8)
+    apply_lora(model, RANK, ALPHA)
+    train(model, batch, labels)
+    adapted = logits(model, batch)
+    settings = {
+        p: (m.linear.bits, m.linear.group_size, m.linear.mode)
+        for p, m in model.named_modules()
+        if isinstance(m, LoRALinear)
+    }
+    fuse(model)
+    for path, module in model.named_modules():
+        if path in settings:
+            assert isinstance(module, nn.QuantizedLinear)
+            assert (module.bits, module.group_size, module.mode) == settings[path]
+    fused = logits(model, batch)
+    # one more rounding to 8 bits: far below the change training made
+    assert np.abs(fused - adapted).max() <= 0.02 * np.abs(adapted).max()
+    folder = mlx_encoders.save(model, tmp_path / "fused")
+    reloaded = mlx_encoders.load_model(folder)
+    np.testing.assert_array_equal(logits(reloaded, batch), fused)

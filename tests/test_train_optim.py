@@ -1,0 +1,178 @@
+"""The optimizer building blocks equal transformers' Trainer step for step: AdamW over its decay / no-decay groups,
+its learning-rate schedules, torch's gradient clipping and the Trainer's gradient accumulation."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference
+from mlx.utils import tree_flatten, tree_map
+
+import mlx_encoders
+from mlx_encoders.train import task_loss
+from mlx_encoders.train.optim import (
+    accumulate_gradients,
+    adamw,
+    clip_grad_norm,
+    decay_parameter_names,
+    make_schedule,
+    optimizer_step,
+)
+
+TEXTS = [
+    ["A short one.", "The quick brown fox jumps over the lazy dog."],
+    ["Hello world", "Training a tiny encoder, step by step, in two frameworks."],
+    ["Gradient accumulation sums micro-batches.", "x"],
+    ["Weight decay skips biases and norms.", "Warmup, then linear decay to zero."],
+]
+STEPS, ACCUMULATION, WARMUP, LR, DECAY, MAX_NORM = 10, 2, 3, 2e-3, 0.01, 1.0
+TORCH_SCHEDULES = {
+    "linear": transformers.get_linear_schedule_with_warmup,
+    "cosine": transformers.get_cosine_schedule_with_warmup,
+    "constant": lambda opt, warmup, total: transformers.get_constant_schedule_with_warmup(opt, warmup),
+}
+
+
+def micro_batches(tokenizer) -> list[dict[str, np.ndarray]]:
+    """Fixed micro-batches with seeded labels, tokenized once, reused in order by both loops."""
+    rng = np.random.default_rng(0)
+    batches = [{k: np.array(v) for k, v in dict(tokenizer(texts, padding=True)).items()} for texts in TEXTS]
+    return [{**b, "labels": rng.integers(0, 3, len(b["input_ids"]))} for b in batches]
+
+
+def torch_training(folder, batches: list[dict]) -> tuple[list[float], dict[str, np.ndarray]]:
+    """transformers' Trainer inner loop, written out: losses / accumulation steps, clip, AdamW step, schedule step."""
+    ref = load_reference(folder, "sequence-classification")
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, ref))
+    groups = [
+        {"params": [p for n, p in ref.named_parameters() if n in decay], "weight_decay": DECAY},
+        {"params": [p for n, p in ref.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    schedule = transformers.get_linear_schedule_with_warmup(opt, WARMUP, STEPS)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for i in range(ACCUMULATION):
+            batch = batches[(step * ACCUMULATION + i) % len(batches)]
+            loss = ref(**{k: torch.from_numpy(v) for k, v in batch.items()}).loss / ACCUMULATION
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().numpy() for n, p in ref.named_parameters()}
+
+
+def mlx_training(model: nn.Module, batches: list[dict]) -> list[float]:
+    """The same loop on the building blocks of mlx_encoders.train.optim."""
+    optimizer = adamw(model, make_schedule("linear", LR, WARMUP, STEPS), weight_decay=DECAY)
+
+    def loss_fn(batch):
+        inputs = {k: mx.array(v) for k, v in batch.items() if k != "labels"}
+        return task_loss(model, model(**inputs), mx.array(batch["labels"]))
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    losses = []
+    for step in range(STEPS):
+        micro = [batches[(step * ACCUMULATION + i) % len(batches)] for i in range(ACCUMULATION)]
+        loss, grads = accumulate_gradients(loss_and_grad, micro)
+        optimizer_step(model, optimizer, grads, MAX_NORM)
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_matches_transformers_trainer(checkpoint):
+    folder = checkpoint("bert", "sequence-classification")
+    model, tokenizer = mlx_encoders.load(folder)
+    batches = micro_batches(tokenizer)
+    expected_losses, expected_weights = torch_training(folder, batches)
+    losses = mlx_training(model, batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    weights = dict(tree_flatten(model.parameters()))
+    assert set(weights) == set(expected_weights)
+    for name, w in weights.items():
+        if name.endswith("attention.self.key.bias"):
+            continue  # its gradient is 0 (softmax ignores a shift shared by all keys): Adam amplifies rounding noise
+        np.testing.assert_allclose(np.array(w), expected_weights[name], atol=1e-4, rtol=0, err_msg=name)
+
+
+def test_training_moves_weights(checkpoint):
+    """A guard on the parity test above: ten steps at this rate move the weights far more than its tolerance."""
+    folder = checkpoint("bert", "sequence-classification")
+    model, tokenizer = mlx_encoders.load(folder)
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    mlx_training(model, micro_batches(tokenizer))
+    moved = max(float(np.abs(np.array(v) - before[k]).max()) for k, v in tree_flatten(model.parameters()))
+    assert moved > 1e-2
+
+
+@pytest.mark.parametrize("model_type", mlx_encoders.MODEL_TYPES)
+def test_decay_parameters_match_transformers(checkpoint, model_type):
+    task = "masked-lm" if model_type in ("distilbert", "modernbert") else "sequence-classification"
+    folder = checkpoint(model_type, task)
+    model, _ = mlx_encoders.load(folder)
+    ours = set(dict(tree_flatten(model.parameters())))
+    expected = set(transformers.Trainer.get_decay_parameter_names(None, load_reference(folder, task)))
+    # tied copies (a masked-LM decoder's weight) live only in transformers' model
+    assert set(decay_parameter_names(model)) == expected & ours
+    assert expected & ours != ours, "every parameter decays: the no-decay group is empty"
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine", "constant"])
+@pytest.mark.parametrize("warmup,total", [(0, 10), (3, 10), (4, 7)])
+def test_schedules_match_transformers(name, warmup, total):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    reference = TORCH_SCHEDULES[name](opt, warmup, total)
+    schedule = make_schedule(name, LR, warmup, total)
+    for step in range(total + 3):  # past the end too: transformers' formulas hold there as well
+        # float32 rounding of the factor: 1e-7 of the peak rate
+        np.testing.assert_allclose(
+            schedule(mx.array(step)).item(), opt.param_groups[0]["lr"], rtol=1e-6, atol=1e-7 * LR
+        )
+        opt.step()
+        reference.step()
+
+
+def test_schedule_drives_the_optimizer_as_lambda_lr():
+    """The rate of the k-th update is schedule(k - 1), starting at 0 under warmup, as torch's LambdaLR gives."""
+    model = nn.Linear(2, 2)
+    optimizer = adamw(model, make_schedule("linear", LR, 2, 4))
+    rates = []
+    for _ in range(4):
+        optimizer_step(model, optimizer, tree_map(mx.ones_like, model.trainable_parameters()))
+        rates.append(optimizer.learning_rate.item())
+    np.testing.assert_allclose(rates, [0.0, LR / 2, LR, LR / 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.1, 10.0])
+def test_clipping_matches_torch(scale):
+    rng = np.random.default_rng(1)
+    grads = {
+        "a": rng.standard_normal((3, 4)).astype(np.float32) * scale,
+        "b": rng.standard_normal(5).astype(np.float32),
+    }
+    params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads.values()]
+    for p, g in zip(params, grads.values(), strict=True):
+        p.grad = torch.from_numpy(g.copy())
+    expected_norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item()
+    clipped, norm = clip_grad_norm({k: mx.array(v) for k, v in grads.items()}, MAX_NORM)
+    assert norm.item() == pytest.approx(expected_norm, rel=1e-6)
+    for p, g in zip(params, clipped.values(), strict=True):
+        np.testing.assert_allclose(np.array(g), p.grad.numpy(), rtol=1e-6)
+
+
+def test_accumulation_averages_micro_batches():
+    """Two micro-batches of one example each give the gradient of the mean loss over both."""
+    model = nn.Linear(3, 1)
+    x = mx.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]])
+    loss_and_grad = nn.value_and_grad(model, lambda batch: (model(batch) ** 2).mean())
+    loss, grads = accumulate_gradients(loss_and_grad, [x[:1], x[1:]])
+    expected_loss, expected = loss_and_grad(x)
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
+    for (_, g), (_, e) in zip(tree_flatten(grads), tree_flatten(expected), strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-6)
