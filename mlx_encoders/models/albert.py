@@ -19,12 +19,12 @@ from .base import (
     TiedDecoder,
     TokenClassification,
     activation,
-    check_inputs,
     multi_head_attention,
     padding_mask,
     run_layer,
 )
 from .bert import BertEmbeddings
+from .inputs import check_inputs
 
 
 @dataclass

@@ -14,12 +14,12 @@ from .base import (
     TiedDecoder,
     TokenClassification,
     activation,
-    check_inputs,
     embed,
     multi_head_attention,
     padding_mask,
     run_layer,
 )
+from .inputs import check_inputs
 
 EPS = 1e-12
 

@@ -18,7 +18,6 @@ from .base import (
     TiedDecoder,
     activation,
     attention,
-    check_inputs,
     embed,
     mask_value,
     masked_mean,
@@ -27,6 +26,7 @@ from .base import (
     span_logits,
     split_heads,
 )
+from .inputs import check_inputs
 
 ATTENTION = ("full_attention", "sliding_attention")
 
