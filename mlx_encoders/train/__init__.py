@@ -1,4 +1,4 @@
-"""Training building blocks; the trainer (loop, command, checkpoints, resume) builds on them.
+"""Training: the loop (`trainer.train`) and the building blocks it uses.
 
 - `losses`: the task losses, as transformers' heads compute them (`task_loss`).
 - `data`: JSONL / CSV / text / iterable-of-dicts readers with errors naming file and line, labels by name or
@@ -6,8 +6,10 @@
 - `masking`: dynamic masked-LM masking (15%, 80/10/10, optional whole words) and next-sentence pairs, seeded.
 - `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
 - `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
+- `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
 """
 
 from .losses import task_loss
+from .trainer import TrainingConfig, train
 
-__all__ = ["task_loss"]
+__all__ = ["TrainingConfig", "task_loss", "train"]
