@@ -23,7 +23,7 @@ from tokenizers import Encoding, normalizers
 from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .pooling import parse_modes, pool, read_pooling_config
-from .tokenizer import text_list
+from .tokenizer import check_count, text_list
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
 DENSE_ACTIVATIONS = {
@@ -111,13 +111,6 @@ def similarity(a, b) -> np.ndarray:
     na = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
     nb = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
     return na @ nb.T
-
-
-def check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(f"encode() batch_size must be an int >= 1, got {type(batch_size).__name__}: {batch_size!r}")
-    if batch_size < 1:
-        raise ValueError(f"encode() batch_size must be an int >= 1, got {batch_size}")
 
 
 class SentenceEncoder:
@@ -246,7 +239,7 @@ class SentenceEncoder:
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
-        check_batch_size(batch_size)
+        check_count("encode() batch_size", batch_size, 1)
         self.check_max_seq_length()
         prefix = self.choose_prompt(prompt_name, prompt)
         vectors = self.run(

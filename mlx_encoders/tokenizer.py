@@ -5,6 +5,7 @@ It reads `tokenizer.json` (which reproduces transformers' ids exactly) and the s
 """
 
 import json
+import numbers
 from collections.abc import Iterable, Mapping, Set
 from pathlib import Path
 
@@ -26,6 +27,14 @@ CLEANUPS = [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), ("
 
 def _content(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def check_count(name: str, value, minimum: int) -> None:
+    """A TypeError unless `value` is an int, a ValueError unless it is >= `minimum`; both name the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}: {value!r:.40}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
 
 
 def text_list(texts, caller: str) -> list:

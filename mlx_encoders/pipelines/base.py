@@ -4,7 +4,6 @@ Mirrors the parts of transformers' `Pipeline` (pipelines/base.py) that change re
 tokenized one by one, then run through the model `batch_size` at a time with right padding.
 """
 
-import numbers
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
@@ -14,7 +13,7 @@ from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint
 from ..models import model_module
-from ..tokenizer import Tokenizer, text_list
+from ..tokenizer import Tokenizer, check_count, text_list
 
 # The pipeline task each stored head serves (a bare encoder serves feature extraction).
 HEAD_TASKS = {
@@ -25,14 +24,6 @@ HEAD_TASKS = {
     "token-classification": "token-classification",
     "question-answering": "question-answering",
 }
-
-
-def check_count(name: str, value, minimum: int) -> None:
-    """A TypeError unless `value` is an int, a ValueError unless it is >= `minimum`; both name the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}: {value!r:.40}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
 
 
 def batches(items: Sequence, batch_size: int) -> Iterator[Sequence]:

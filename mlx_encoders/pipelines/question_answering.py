@@ -10,8 +10,8 @@ capped at the model's positions (longer windows would read past the position tab
 import numpy as np
 from tokenizers import Encoding
 
-from ..tokenizer import check_texts
-from .base import Pipeline, check_count
+from ..tokenizer import check_count, check_texts
+from .base import Pipeline
 
 # Logit given to tokens that cannot be in the answer (question, special and padding tokens).
 EXCLUDED = -10000.0

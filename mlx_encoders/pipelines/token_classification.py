@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 from tokenizers import Encoding
 
-from .base import Pipeline, check_count
+from ..tokenizer import check_count
+from .base import Pipeline
 from .fill_mask import softmax
 
 STRATEGIES = ("none", "simple", "first", "average", "max")
