@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+from .train import cli as train_cli
+
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -37,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
 
     embed = tasks.add_parser("embed", parents=[common], help="sentence embeddings (SentenceEncoder)")
     embed.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings")
+
+    # Commands with their own options and output set `run` (a function of the parsed arguments -> exit status).
+    train_cli.add_parser(tasks)
     return p
 
 
@@ -131,6 +136,12 @@ def print_results(args: argparse.Namespace, texts: list[str], results, show) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if hasattr(args, "run"):
+        try:
+            return args.run(args)
+        except (ValueError, TypeError, OSError) as e:
+            print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
+            return 1
     try:
         texts = read_texts(args)
         results, show = TASKS[args.task](args, texts)

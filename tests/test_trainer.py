@@ -11,7 +11,7 @@ import mlx_encoders
 from mlx_encoders.train import trainer
 from mlx_encoders.train.data import masked_lm_data, sequence_classification_data
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import TrainingConfig, macro_f1, train
+from mlx_encoders.train.trainer import TrainingConfig, train
 
 TEXTS = [
     "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",
@@ -122,11 +122,3 @@ def test_masked_lm_evaluation_reports_accuracy_and_perplexity(checkpoint, tmp_pa
     assert set(metrics) == {"eval_loss", "eval_accuracy", "eval_perplexity"}
     assert metrics["eval_perplexity"] == pytest.approx(np.exp(metrics["eval_loss"]))
     assert 0 <= metrics["eval_accuracy"] <= 1
-
-
-def test_macro_f1_matches_hand_computed_values():
-    # class 0: TP 1, FP 1, FN 1 -> 1/2; class 1: TP 1, FN 1 -> 2/3; class 2: TP 2, FP 1 -> 4/5
-    predicted, expected = np.array([0, 0, 1, 2, 2, 2]), np.array([0, 1, 1, 2, 2, 0])
-    assert macro_f1(predicted, expected) == pytest.approx((1 / 2 + 2 / 3 + 4 / 5) / 3)
-    # a class only predicted counts with F1 0, as in sklearn; a class in neither array does not count
-    assert macro_f1(np.array([0, 3]), np.array([0, 0])) == pytest.approx((2 / 3 + 0) / 2)

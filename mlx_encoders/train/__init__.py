@@ -1,4 +1,5 @@
-"""Training: the loop (`trainer.train`) and the building blocks it uses.
+"""Training: `fine_tune` (one call from a checkpoint and a data file to a trained model folder; the command
+`python -m mlx_encoders train` in `cli`), the loop (`trainer.train`) and the building blocks it uses.
 
 - `losses`: the task losses, as transformers' heads compute them (`task_loss`).
 - `data`: JSONL / CSV / text / iterable-of-dicts readers with errors naming file and line, labels by name or
@@ -7,9 +8,11 @@
 - `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
 - `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
 - `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
+- `metrics`: macro-F1, and entity precision/recall/F1 of BIO tags as seqeval counts them; `plot`: curves.png.
 """
 
+from .fine_tune import Trained, fine_tune
 from .losses import task_loss
 from .trainer import TrainingConfig, train
 
-__all__ = ["TrainingConfig", "task_loss", "train"]
+__all__ = ["Trained", "TrainingConfig", "fine_tune", "task_loss", "train"]

@@ -26,6 +26,7 @@ PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "r
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
 ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
+FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
 
 
 class DataError(ValueError):
@@ -307,20 +308,31 @@ def sequence_classification_data(
     text_column: str = "text",
     text_pair_column: str | None = None,
     label_column: str = "label",
-    problem_type: str = "single_label_classification",
+    problem_type: str | None = None,
     label2id: Mapping[str, int] | None = None,
     max_length: int | None = None,
 ) -> Examples:
     """Texts (or text pairs) with one label each: a name or id (single-label), a list of them (multi-label), a
-    number (regression). `problem_type` takes transformers' names."""
-    if problem_type not in PROBLEM_TYPES:
+    number (regression). `problem_type` takes transformers' names; None reads it from the first row's label."""
+    if problem_type is not None and problem_type not in PROBLEM_TYPES:
         raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
     rows = read_rows(data, text_column)
+    problem_type = problem_type or infer_problem_type(rows[0], label_column)
     texts = [row.text(text_column) for row in rows]
     pairs = [row.text(text_pair_column) for row in rows] if text_pair_column else None
     labels, mapping = classification_labels(rows, label_column, problem_type, label2id)
     encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
     return Examples("sequence-classification", encodings, labels, mapping, rows)
+
+
+def infer_problem_type(row: Row, column: str) -> str:
+    """A list of labels means multi-label, a fractional number regression, anything else one label per text."""
+    value = row.get(column)
+    if isinstance(value, (list, tuple)) or (isinstance(value, str) and value.lstrip().startswith("[")):
+        return "multi_label_classification"
+    if isinstance(value, float) or (isinstance(value, str) and FRACTION.fullmatch(value.strip())):
+        return "regression"
+    return "single_label_classification"
 
 
 def token_classification_data(
@@ -385,6 +397,19 @@ def masked_lm_data(
     return Examples("masked-lm", encodings, [None] * len(encodings), {}, rows)
 
 
+def causal_lm_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    *,
+    text_column: str = "text",
+    max_length: int | None = None,
+) -> Examples:
+    """Causal-LM examples: each document split into windows of at most `max_length` tokens, as for masked-LM;
+    `collate` labels every real token with itself (the loss shifts them) and padding with -100."""
+    windows = masked_lm_data(data, tokenizer, text_column=text_column, max_length=max_length)
+    return Examples("causal-lm", windows.encodings, windows.labels, {}, windows.rows)
+
+
 def pretraining_data(
     data: str | Path | Iterable[Mapping],
     tokenizer: Tokenizer,
@@ -434,6 +459,8 @@ def collate(
         batch["input_ids"], batch["labels"] = mask_batch(batch["input_ids"], encodings, masker, rng)
         if examples.task == "pretraining":
             batch["next_sentence_label"] = np.array(labels, dtype=np.int32)
+    elif examples.task == "causal-lm":
+        batch["labels"] = np.where(batch["attention_mask"] == 1, batch["input_ids"], IGNORE_INDEX).astype(np.int32)
     elif examples.task == "token-classification":
         batch["labels"] = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int32)
         for row, aligned in enumerate(labels):

@@ -29,6 +29,8 @@ def task_loss(
         return sequence_classification_loss(output.logits, labels, model.args.num_labels, model.args.problem_type)
     if task in ("token-classification", "masked-lm"):
         return cross_entropy(output.logits, labels)
+    if task == "causal-lm":  # position t predicts token t + 1 (transformers' `ForCausalLMLoss`)
+        return cross_entropy(output.logits[:, :-1], labels[:, 1:])
     if task == "question-answering":
         return span_loss(output.start_logits, output.end_logits, start_positions, end_positions)
     if task == "pretraining":

@@ -4,8 +4,10 @@
 real token (never a special token or padding) is selected with probability 0.15; of those, 80% become the mask
 token, 10% a random token, 10% stay; labels are the original ids where selected and -100 elsewhere. One difference:
 random replacements are drawn from the vocabulary *without* its special tokens (transformers draws from the whole
-vocabulary, so it can put [CLS] or [PAD] mid-text). Whole-word masking selects a word's first sub-token with
-probability 0.15 and then every sub-token of that word, as transformers' `whole_word_mask=True` does.
+vocabulary, so it can put [CLS] or [PAD] mid-text). Another: a batch in which the draw selected no token gets one
+token (or word) selected, drawn uniformly, where transformers would return a NaN loss. Whole-word masking selects
+a word's first sub-token with probability 0.15 and then every sub-token of that word, as transformers'
+`whole_word_mask=True` does.
 `next_sentence_pairs` follows BERT's `create_pretraining_data.py`: label 0 = the real next sentence, 1 = random.
 
 All randomness comes from a `numpy.random.Generator` the caller passes in, so runs are reproducible and resumable
@@ -63,7 +65,8 @@ class Masker:
                 raise ValueError("Whole-word masking needs word_ids: pass the batch's (B, L) word numbers")
             selected = self.select_words(word_ids, selectable, rng)
         else:
-            selected = (rng.random(selectable.shape) < self.probability) & selectable
+            drawn = (rng.random(selectable.shape) < self.probability) & selectable
+            selected = self.at_least_one(drawn, selectable, rng)
         labels = np.where(selected, input_ids, IGNORE_INDEX).astype(input_ids.dtype)
         draw = rng.random(selected.shape)
         masked = selected & (draw < self.mask_fraction)
@@ -73,12 +76,21 @@ class Masker:
         inputs[randomized] = rng.choice(self.replacement_ids, size=int(randomized.sum()))
         return inputs, labels
 
+    def at_least_one(self, selected: np.ndarray, selectable: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """`selected`, or one selectable position drawn uniformly when it is empty: a batch with nothing selected
+        (short texts, small batches) would have no labels, a NaN loss, and NaN weights after the step."""
+        if selected.any() or not selectable.any() or self.probability == 0:
+            return selected
+        chosen = np.zeros_like(selectable)
+        chosen.flat[rng.choice(np.flatnonzero(selectable))] = True
+        return chosen
+
     def select_words(self, word_ids: np.ndarray, selectable: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Pick each word by its first sub-token, then select all its sub-tokens."""
         in_word = (word_ids >= 0) & selectable
         previous = np.pad(word_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
         first = in_word & (word_ids != previous)
-        picked = first & (rng.random(first.shape) < self.probability)
+        picked = self.at_least_one(first & (rng.random(first.shape) < self.probability), first, rng)
         # one key per (row, word): a word is selected when the key of a picked first sub-token matches
         keys = word_ids + np.arange(len(word_ids))[:, None] * (int(word_ids.max(initial=0)) + 1)
         return in_word & np.isin(keys, keys[picked])

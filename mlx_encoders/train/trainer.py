@@ -12,7 +12,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from tqdm.auto import tqdm
 
 from ..checkpoint.atomic import atomic_folder
@@ -31,11 +31,14 @@ from ..tokenizer import Tokenizer
 from .data import Examples, collate
 from .losses import IGNORE_INDEX, task_loss
 from .masking import Masker
+from .metrics import entity_scores, is_chunk_scheme, macro_f1
 from .optim import Schedule, accumulate_gradients, adamw, make_schedule, optimizer_step
+from .plot import plot_metrics
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 @dataclass
@@ -44,7 +47,10 @@ class TrainingConfig:
     `grad_accum` its `gradient_accumulation_steps`). `max_steps`, when set, replaces `epochs` and is also the
     length of the learning-rate schedule; `eval_every`/`save_every` count optimizer steps (None: never, besides
     each epoch end for evaluation and the end of training for both). `metric_for_best` names an eval metric (e.g.
-    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest."""
+    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest.
+    `group_by_length` batches examples of similar lengths together (transformers' `LengthGroupedSampler`), so
+    less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
+    weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32."""
 
     output_dir: str | Path
     epochs: int = 3
@@ -61,11 +67,15 @@ class TrainingConfig:
     save_every: int | None = None
     keep_last: int | None = 2
     metric_for_best: str | None = None
+    group_by_length: bool = False
+    dtype: str = "float32"
 
     def __post_init__(self):
         for name in ("epochs", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"TrainingConfig.dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"TrainingConfig.max_steps must be at least 1 (or None for epochs), got {self.max_steps}")
         self.output_dir = Path(self.output_dir)
@@ -88,12 +98,28 @@ class TrainerState:
 # ----- batches -----
 
 
-def epoch_steps(n: int, config: TrainingConfig, epoch: int) -> list[list[np.ndarray]]:
+def epoch_steps(
+    n: int, config: TrainingConfig, epoch: int, lengths: np.ndarray | None = None
+) -> list[list[np.ndarray]]:
     """The steps of one epoch, each a list of up to `grad_accum` micro-batches of example indices, in an order
-    drawn from `default_rng([seed, epoch])`; the last step of an epoch may hold fewer micro-batches."""
+    drawn from `default_rng([seed, epoch])`; the last step of an epoch may hold fewer micro-batches. With
+    `config.group_by_length`, the order is grouped by the examples' `lengths`."""
     order = np.random.default_rng([config.seed, epoch]).permutation(n)
+    if config.group_by_length:
+        order = length_grouped(order, lengths, config.batch_size)
     batches = [order[i : i + config.batch_size] for i in range(0, n, config.batch_size)]
     return [batches[i : i + config.grad_accum] for i in range(0, len(batches), config.grad_accum)]
+
+
+def length_grouped(order: np.ndarray, lengths: np.ndarray, batch_size: int) -> np.ndarray:
+    """transformers' `get_length_grouped_indices`: a random order cut into mega-batches of up to 50 batches (at
+    least 4 mega-batches when there is enough data), each sorted longest first, with the longest example of all
+    swapped to the front so that running out of memory happens at once, not late in an epoch."""
+    size = max(1, min(len(order) // (batch_size * 4), 50)) * batch_size
+    groups = [sorted(order[i : i + size], key=lambda j: -lengths[j]) for i in range(0, len(order), size)]
+    longest = int(np.argmax([lengths[g[0]] for g in groups]))
+    groups[0][0], groups[longest][0] = groups[longest][0], groups[0][0]
+    return np.array([i for g in groups for i in g], dtype=order.dtype)
 
 
 def split_batch(batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
@@ -110,22 +136,33 @@ def batch_loss(model: nn.Module, batch: dict[str, np.ndarray]) -> mx.array:
 # ----- evaluation -----
 
 
-def macro_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
-    """sklearn's `f1_score(labels, predictions, average="macro")`: the mean F1 over the classes that occur in
-    either array, F1 = 2TP / (2TP + FP + FN)."""
-    scores = []
-    for c in np.union1d(predictions, labels):
-        tp = np.sum((predictions == c) & (labels == c))
-        wrong = np.sum((predictions == c) != (labels == c))
-        scores.append(2 * tp / (2 * tp + wrong))
-    return float(np.mean(scores))
-
-
-def labelled(target: np.ndarray) -> np.ndarray:
-    """What a loss averages over: the labelled positions of (B, L) token ids, else every example."""
+def labelled(target: np.ndarray, task: str) -> np.ndarray:
+    """What a loss averages over: the labelled positions of (B, L) token ids (for causal LM, those a token before
+    them predicts), else every example."""
     if target.ndim == 2 and np.issubdtype(target.dtype, np.integer):
-        return target != IGNORE_INDEX
+        return (target[:, 1:] if task == "causal-lm" else target) != IGNORE_INDEX
     return np.ones(len(target), dtype=bool)
+
+
+def predictions(logits: mx.array, task: str) -> np.ndarray:
+    """Argmax class ids, aligned with `labelled`'s positions."""
+    ids = np.array(logits.argmax(-1))
+    return ids[:, :-1] if task == "causal-lm" else ids
+
+
+def targets(labels: np.ndarray, task: str) -> np.ndarray:
+    return labels[:, 1:] if task == "causal-lm" else labels
+
+
+def tag_scores(sentences: list[tuple[np.ndarray, np.ndarray]], label2id: dict[str, int]) -> dict[str, float]:
+    """Entity precision, recall and F1 over (true ids, predicted ids) of each sentence's labelled tokens (a word's
+    first sub-token, as transformers' token-classification example evaluates), when the labels are BIO tags."""
+    names = {i: name for name, i in label2id.items()}
+    if not is_chunk_scheme(list(names.values())):
+        return {}
+    true = [[names[int(i)] for i in t] for t, _ in sentences]
+    predicted = [[names.get(int(i), "O") for i in p] for _, p in sentences]
+    return {f"eval_{name}": value for name, value in entity_scores(true, predicted).items()}
 
 
 def evaluate(
@@ -137,28 +174,37 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean eval loss (per labelled token for token-level tasks, per example otherwise) with the model in eval
     mode; accuracy over masked (labelled) positions or examples wherever labels are class ids, perplexity =
-    exp(loss) for masked-LM, macro-F1 for sequence classification. Masks come from `default_rng(seed)`, the same
-    at every evaluation, and leave the training generators alone."""
+    exp(loss) for masked-LM and causal LM, macro-F1 for sequence classification, entity-level precision, recall
+    and F1 (as seqeval counts them) for BIO tags. Masks come from `default_rng(seed)`, the same at every
+    evaluation, and leave the training generators alone."""
     model.eval()
     rng = np.random.default_rng(config.seed)
-    total, weight, predicted, expected = 0.0, 0, [], []
+    task = examples.task
+    total, weight, predicted, expected, sentences = 0.0, 0, [], [], []
     for start in range(0, len(examples), config.batch_size):
         batch = collate(examples, range(start, min(start + config.batch_size, len(examples))), tokenizer, masker, rng)
         inputs, labels = split_batch(batch)
         output = model(**inputs)
-        kept = labelled(batch["labels"])
+        kept = labelled(batch["labels"], task)
+        if not kept.any():  # a masked-LM batch where no token was drawn for masking: nothing to score
+            continue
         total += task_loss(model, output, **labels).item() * int(kept.sum())
         weight += int(kept.sum())
         if np.issubdtype(batch["labels"].dtype, np.integer):
-            predicted.append(np.array(output.logits.astype(mx.float32)).argmax(-1)[kept])
-            expected.append(batch["labels"][kept])
-    metrics = {"eval_loss": total / weight}
+            found, wanted = predictions(output.logits, task), targets(batch["labels"], task)
+            predicted.append(found[kept])
+            expected.append(wanted[kept])
+            if task == "token-classification":
+                sentences += [(t[k], p[k]) for t, p, k in zip(wanted, found, kept, strict=True)]
+    metrics = {"eval_loss": total / weight if weight else math.nan}
     if predicted:
         predicted, expected = np.concatenate(predicted), np.concatenate(expected)
         metrics["eval_accuracy"] = float(np.mean(predicted == expected))
-        if examples.task == "sequence-classification":
+        if task == "sequence-classification":
             metrics["eval_f1"] = macro_f1(predicted, expected)
-    if examples.task == "masked-lm":
+        if task == "token-classification":
+            metrics |= tag_scores(sentences, examples.label2id)
+    if task in ("masked-lm", "causal-lm"):
         metrics["eval_perplexity"] = math.exp(metrics["eval_loss"])
     return metrics
 
@@ -243,15 +289,21 @@ def trim_metrics(output_dir: Path, step: int) -> None:
 # ----- the loop -----
 
 
+def steps_per_epoch(n: int, config: TrainingConfig) -> int:
+    return math.ceil(math.ceil(n / config.batch_size) / config.grad_accum)
+
+
 def total_steps(n: int, config: TrainingConfig) -> int:
-    return config.max_steps or config.epochs * len(epoch_steps(n, config, 0))
+    return config.max_steps or config.epochs * steps_per_epoch(n, config)
 
 
-def steps_from(n: int, config: TrainingConfig, state: TrainerState) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+def steps_from(
+    lengths: np.ndarray, config: TrainingConfig, state: TrainerState
+) -> Iterator[tuple[int, int, list[np.ndarray]]]:
     """(epoch, position after the step, micro-batches) from where `state` stands, epoch after epoch."""
     epoch, position = state.epoch, state.position
     while True:
-        steps = epoch_steps(n, config, epoch)
+        steps = epoch_steps(len(lengths), config, epoch, lengths)
         for i in range(position, len(steps)):
             yield epoch, i + 1, steps[i]
         epoch, position = epoch + 1, 0
@@ -290,7 +342,7 @@ class Loop:
     def __post_init__(self):
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
-        self.loss_and_grad = nn.value_and_grad(self.model, lambda batch: batch_loss(self.model, batch))
+        self.loss_and_grad = value_and_grad(self.model, COMPUTE_DTYPES[self.config.dtype])
 
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
@@ -328,6 +380,36 @@ class Loop:
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint)
 
 
+def value_and_grad(model: nn.Module, dtype: mx.Dtype) -> Callable[[dict], tuple[mx.array, dict]]:
+    """`batch -> (loss, gradients of the trainable parameters)` with the forward and backward passes in `dtype`:
+    the float32 weights are cast for the pass (the casts are part of the graph, so gradients come back in float32)
+    and put back after it. Quantization scales and biases keep their dtype."""
+    if dtype == mx.float32:
+        return nn.value_and_grad(model, lambda batch: batch_loss(model, batch))
+
+    def cast(params: dict) -> dict:
+        return tree_map_with_path(
+            lambda path, p: p if path.endswith((".scales", ".biases")) or p.dtype != mx.float32 else p.astype(dtype),
+            params,
+        )
+
+    def loss(trainable: dict, batch: dict) -> mx.array:
+        model.update(cast(trainable))
+        return batch_loss(model, batch)
+
+    loss_and_grad = mx.value_and_grad(loss)
+
+    def run(batch: dict) -> tuple[mx.array, dict]:
+        weights, trainable = model.parameters(), model.trainable_parameters()
+        model.update(cast(weights))  # the frozen weights, for this pass only
+        try:
+            return loss_and_grad(trainable, batch)
+        finally:
+            model.update(weights)
+
+    return run
+
+
 def due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
 
@@ -349,6 +431,7 @@ def train(
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
+    lengths = np.array([len(e.ids) for e in train_examples.encodings])
     schedule = make_schedule(config.schedule, config.lr, math.ceil(config.warmup_ratio * total), total)
     optimizer = adamw(model, schedule, config.weight_decay)
     config.output_dir.mkdir(parents=True, exist_ok=True)
@@ -357,7 +440,7 @@ def train(
     record = {"step": state.step}
     model.train()
     with tqdm(total=total, initial=state.step, desc="training") as bar:
-        for epoch, position, indices in steps_from(n, config, state):
+        for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
                 break
             record = loop.step(indices)
@@ -366,5 +449,6 @@ def train(
             bar.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
-            loop.evaluate_and_save(end_of_epoch=position == len(epoch_steps(n, config, epoch)))
+            loop.evaluate_and_save(end_of_epoch=position == steps_per_epoch(n, config))
+    plot_metrics(config.output_dir)
     return state.metrics or record

@@ -1,0 +1,93 @@
+"""`python -m mlx_encoders train {mlm,classify,tokens,clm} --data FILE --output DIR (--model PATH_OR_ID | --config
+FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names are `fine_tune`'s and
+`TrainingConfig`'s with dashes; the defaults are theirs."""
+
+import argparse
+import json
+import sys
+
+from .fine_tune import TASK_NAMES
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "train",
+        help="train or fine-tune: masked-LM, classification, token classification, causal LM",
+        description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
+    )
+    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify (texts or pairs), tokens (NER tags), clm")
+    source = p.add_argument_group("model")
+    source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
+    source.add_argument("--config", help="for mlm/clm from scratch: a JSON file of sizes (config.json keys)")
+    source.add_argument("--tokenizer", help="folder holding tokenizer.json (default: the model's)")
+    source.add_argument("--lora-rank", type=int, help="train rank-r LoRA adapters over the frozen model")
+    source.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank)")
+    source.add_argument("--lora-targets", nargs="+", help="linears to adapt (default: the attention projections)")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", required=True, help="training data: .jsonl, .csv, .tsv or .txt")
+    data.add_argument("--eval-data", help="evaluation data, same format")
+    data.add_argument("--output", "-o", required=True, help="output folder: checkpoints, metrics.jsonl, model/")
+    data.add_argument("--text-column", help='text column (default "text"; "tokens" for tokens)')
+    data.add_argument("--text-pair-column", help="second text column, for classify on text pairs")
+    data.add_argument("--label-column", help='label column (default "label"; "ner_tags" for tokens)')
+    data.add_argument(
+        "--problem-type",
+        choices=("single_label_classification", "multi_label_classification", "regression"),
+        help="classify: default from the first label (a list: multi-label; a fraction: regression)",
+    )
+    data.add_argument("--max-length", type=int, help="tokens per example (default: the model's limit)")
+    data.add_argument("--label-all-tokens", action="store_true", help="tokens: label every sub-token of a word")
+    data.add_argument("--whole-word-mask", action="store_true", help="mlm: mask whole words")
+    data.add_argument("--next-sentence", action="store_true", help="mlm: BERT pretraining with next-sentence pairs")
+    loop = p.add_argument_group("training")
+    loop.add_argument("--epochs", type=int, default=3, help="default 3")
+    loop.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
+    loop.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch (default 8)")
+    loop.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
+    loop.add_argument("--schedule", choices=("linear", "cosine", "constant"), default="linear", help="after warmup")
+    loop.add_argument("--warmup-ratio", type=float, default=0.0, help="share of steps warming up (default 0)")
+    loop.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decay (default 0)")
+    loop.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    loop.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm; 0: off (default 1)")
+    loop.add_argument("--seed", type=int, default=42, help="default 42")
+    loop.add_argument("--eval-every", type=int, help="evaluate every N steps (always at each epoch end)")
+    loop.add_argument("--save-every", type=int, help="checkpoint every N steps (always at the end)")
+    loop.add_argument("--keep-last", type=int, default=2, help="checkpoints kept, besides the best (default 2)")
+    loop.add_argument("--metric-for-best", help="eval metric choosing the best checkpoint, e.g. eval_loss")
+    loop.add_argument("--group-by-length", action="store_true", help="batch examples of similar lengths together")
+    loop.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    loop.add_argument("--resume", help="a checkpoint-STEP folder of this run to continue")
+    loop.add_argument("--json", action="store_true", help="print the final metrics as JSON")
+    p.set_defaults(run=run)
+
+
+TRAINING_OPTIONS = (
+    "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "weight_decay", "grad_accum",
+    "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "metric_for_best", "group_by_length", "dtype",
+)  # fmt: skip
+CALL_OPTIONS = (
+    "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",
+    "label_column", "problem_type", "max_length", "label_all_tokens", "whole_word_mask", "next_sentence",
+)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from .fine_tune import fine_tune
+
+    options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
+    try:
+        trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
+    except KeyboardInterrupt:
+        print(
+            f"\nmlx-encoders train: interrupted; continue with --resume {args.output}/checkpoint-STEP (the last "
+            "one saved; --save-every N saves more often)",
+            file=sys.stderr,
+        )
+        return 130
+    if args.json:
+        print(json.dumps({"model": str(trained.path), "metrics": trained.metrics}, indent=2))
+    else:
+        for name, value in trained.metrics.items():
+            print(f"{name:>18}  {value:.4f}" if isinstance(value, float) else f"{name:>18}  {value}")
+        print(f"model saved to {trained.path}")
+    return 0

@@ -1,0 +1,259 @@
+"""`fine_tune`: one call from a checkpoint (or a config of sizes, for training from scratch) and a data file to a
+trained model folder, for masked-LM, sequence classification, token classification and causal LM; the command
+`python -m mlx_encoders train` is a thin shell over it (`train/cli.py`).
+
+It reads the data (labels decide the head), loads the model with that head (a fresh one, initialised as
+transformers does, when the checkpoint lacks it), optionally adds LoRA adapters, runs `trainer.train`, and saves
+the result to `output_dir/model` with `mlx_encoders.save`, so transformers and every mlx_encoders front end read it.
+"""
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..checkpoint.build import initialize, load_model
+from ..checkpoint.files import Checkpoint, read_json_object
+from ..checkpoint.write import save
+from ..models import TASKS, model_class, model_module
+from ..tokenizer import Tokenizer
+from .data import (
+    Examples,
+    causal_lm_data,
+    masked_lm_data,
+    pretraining_data,
+    sequence_classification_data,
+    token_classification_data,
+)
+from .lora import apply_lora, fuse, save_adapters
+from .masking import Masker
+from .trainer import TrainingConfig, train
+
+# The command's short task names, and the head each trains.
+TASK_NAMES = {
+    "mlm": "masked-lm",
+    "classify": "sequence-classification",
+    "tokens": "token-classification",
+    "clm": "causal-lm",
+}
+# (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
+COLUMNS = {"token-classification": ("tokens", "ner_tags")}
+MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"
+
+
+@dataclass
+class Trained:
+    """What `fine_tune` returns: the trained model and its tokenizer (ready to use), the last evaluation's metrics
+    (or the last step's record), and `path`, the saved model folder (`output_dir/model`)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    metrics: dict
+    path: Path
+
+
+def fine_tune(
+    task: str,
+    data: str | Path | Iterable[Mapping],
+    output_dir: str | Path,
+    *,
+    model: str | Path | None = None,
+    config: str | Path | Mapping | None = None,
+    tokenizer: str | Path | None = None,
+    eval_data: str | Path | Iterable[Mapping] | None = None,
+    text_column: str | None = None,
+    text_pair_column: str | None = None,
+    label_column: str | None = None,
+    problem_type: str | None = None,
+    label2id: Mapping[str, int] | None = None,
+    label_all_tokens: bool = False,
+    whole_word_mask: bool = False,
+    next_sentence: bool = False,
+    max_length: int | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: list[str] | None = None,
+    resume: str | Path | None = None,
+    **training,
+) -> Trained:
+    """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", or the
+    long names "masked-lm", "sequence-classification", "token-classification", "causal-lm"); write checkpoints,
+    metrics.jsonl, curves.png and the trained model (`output_dir/model`) to `output_dir`.
+
+    - From scratch (mlm, clm): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
+      `vocab_size` default the tokenizer's) and `tokenizer=` the folder holding tokenizer.json; no `model=`.
+    - Data: a .jsonl/.csv/.tsv/.txt file or an iterable of dicts; columns `text_column` (default "text", or
+      "tokens" for token classification), `text_pair_column` for pairs, `label_column` (default "label", or
+      "ner_tags"). Classification labels by name or id; `problem_type` (default: read from the first label: a
+      list is multi-label, a fraction regression) and `label2id` as transformers names them.
+    - `whole_word_mask`, `next_sentence` (BERT's pretraining head: masked-LM plus next-sentence prediction on
+      the documents of a .txt file), `label_all_tokens` (label every sub-token of a word) and `max_length`.
+    - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
+      the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
+      the saved model.
+    - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
+    - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio,
+      weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
+      metric_for_best, group_by_length, dtype).
+    """
+    task = task_name(task, next_sentence)
+    options = training_config(output_dir, training)
+    checkpoint = check_source(task, model, config, tokenizer)
+    tok = load_tokenizer(checkpoint, config, tokenizer)
+    read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
+    examples = read(data, label2id, options.seed)
+    evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
+    if checkpoint is None:
+        net = from_config(dict(read_config(config)), task, tok)
+    else:
+        net = load_head(checkpoint, task, examples, problem_type)
+    if lora_rank:
+        apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
+    masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
+    metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
+    if lora_rank:
+        save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
+        net = fuse(net)
+    path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
+    net.eval()
+    return Trained(net, tok, metrics, Path(path))
+
+
+def task_name(task: str, next_sentence: bool) -> str:
+    name = TASK_NAMES.get(task, task)
+    if name not in TASK_NAMES.values():
+        choices = ", ".join([*TASK_NAMES, *TASK_NAMES.values()])
+        raise ValueError(f"Unknown training task {task!r}; choose one of {choices}")
+    if next_sentence and name != "masked-lm":
+        raise ValueError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
+    return "pretraining" if next_sentence else name
+
+
+def training_config(output_dir: str | Path, training: dict) -> TrainingConfig:
+    known = {f.name for f in fields(TrainingConfig)} - {"output_dir"}
+    unknown = sorted(set(training) - known)
+    if unknown:
+        raise TypeError(f"fine_tune() got unknown options {', '.join(unknown)}; the training options are: "
+                        f"{', '.join(sorted(known))}")  # fmt: skip
+    return TrainingConfig(output_dir, **training)
+
+
+def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
+    """The checkpoint to start from, or None to train from `config`; exactly one of the two must be given."""
+    if (model is None) == (config is None):
+        raise ValueError(
+            "Give model= (a checkpoint folder or hub id to fine-tune) or config= (sizes, to train from scratch), "
+            f"not {'both' if model is not None else 'neither'}"
+        )
+    if config is not None:
+        if task not in ("masked-lm", "pretraining", "causal-lm"):
+            raise ValueError(f"Training from scratch (config=) is for mlm and clm; {task} starts from a model=")
+        if tokenizer is None:
+            raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
+        return None
+    return Checkpoint.open(model)
+
+
+def read_config(config: str | Path | Mapping) -> Mapping:
+    if isinstance(config, Mapping):
+        return config
+    return read_json_object(Path(config), required=True)
+
+
+def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path | None) -> Tokenizer:
+    """The tokenizer of `tokenizer` (a folder), else of the checkpoint, limited to the model's positions."""
+    settings = checkpoint.config if checkpoint is not None else {"model_type": "bert", **read_config(config)}
+    module = model_module(settings.get("model_type", "bert"))
+    source = tokenizer if tokenizer is not None else checkpoint.path
+    limit = settings.get("max_position_embeddings")
+    return Tokenizer.from_pretrained(source, limit if isinstance(limit, int) else None, module.TOKEN_TYPES)
+
+
+def reader(task, tokenizer, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length):
+    """`read(data, label2id, seed) -> Examples` for `task`, with the columns and options given."""
+    default_text, default_label = COLUMNS.get(task, ("text", "label"))
+    text, label = text_column or default_text, label_column or default_label
+
+    def read(data, label2id, seed) -> Examples:
+        if task == "sequence-classification":
+            return sequence_classification_data(
+                data, tokenizer, text_column=text, text_pair_column=text_pair_column, label_column=label,
+                problem_type=problem_type, label2id=label2id, max_length=max_length,
+            )  # fmt: skip
+        if task == "token-classification":
+            return token_classification_data(
+                data, tokenizer, text_column=text, label_column=label, label2id=label2id,
+                label_all_tokens=label_all_tokens, max_length=max_length,
+            )  # fmt: skip
+        if task == "pretraining":
+            rng = np.random.default_rng(seed)
+            return pretraining_data(data, tokenizer, rng, text_column=text, max_length=max_length)
+        lm_data = causal_lm_data if task == "causal-lm" else masked_lm_data
+        return lm_data(data, tokenizer, text_column=text, max_length=max_length)
+
+    return read
+
+
+def load_head(checkpoint: Checkpoint, task: str, examples: Examples, problem_type: str | None) -> nn.Module:
+    """The checkpoint's model with the `task` head, in float32 (the weights training updates). A classification
+    head is kept when it has the data's labels, else created fresh with them."""
+    if task not in ("sequence-classification", "token-classification"):
+        return load_model(checkpoint, dtype="float32", task=task)
+    labels = dict(label2id=examples.label2id)
+    if task == "sequence-classification":
+        labels["problem_type"] = problem_type or infer_problem(examples)
+    stored = checkpoint.config.get("label2id")
+    if checkpoint.task == task:
+        if stored != examples.label2id:
+            raise ValueError(
+                f"{checkpoint.path} already has a {task} head with the labels {stored}, but the data has "
+                f"{examples.label2id}; pass label2id={stored!r} if the data's labels are among them, or start "
+                "from a checkpoint without this head"
+            )
+        return load_model(checkpoint, dtype="float32", task=task)
+    return load_model(checkpoint, dtype="float32", task=task, **labels)
+
+
+def infer_problem(examples: Examples) -> str:
+    first = examples.labels[0]
+    if isinstance(first, list):
+        return "multi_label_classification"
+    return "regression" if isinstance(first, float) else "single_label_classification"
+
+
+def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
+    """A new model of `config`'s sizes, every weight initialised as transformers does (normal(0,
+    initializer_range), zero biases, LayerNorm 1/0, a zero padding embedding); `vocab_size` and `pad_token_id`
+    default to the tokenizer's."""
+    config.setdefault("model_type", "bert")
+    config.setdefault("vocab_size", tokenizer.max_id + 1)
+    config.setdefault("pad_token_id", tokenizer.pad_token_id)
+    module = model_module(config["model_type"])
+    try:
+        args = module.ModelArgs.from_dict(config)
+    except ValueError as e:
+        raise ValueError(f"config= for training from scratch: {e}") from e
+    if task not in TASKS or task not in module.MODELS:
+        raise ValueError(f"{config['model_type']} has no {task} head to train from scratch")
+    model = model_class(args.model_type, task)(args)
+    initialize(model, [k for k, _ in tree_flatten(model.parameters())], module, mx.float32)
+    zero_padding_rows(model)
+    model.train()
+    return model
+
+
+def zero_padding_rows(model: nn.Module) -> None:
+    """transformers zeroes the `padding_idx` row of the tables it builds with one: the word embeddings, and
+    RoBERTa's positions (which count from the padding id)."""
+    for _, module in model.named_modules():
+        row = getattr(module, "padding_idx", None)
+        tables = ["word_embeddings", "tok_embeddings"]
+        tables += ["position_embeddings"] if getattr(module, "positions_skip_padding", False) else []
+        for name in tables:
+            table = getattr(module, name, None) if row is not None else None
+            if isinstance(table, nn.Embedding) and row < table.weight.shape[0]:
+                table.weight[row] = 0.0
