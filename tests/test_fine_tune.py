@@ -1,0 +1,245 @@
+"""`fine_tune` and `python -m mlx_encoders train`: from a data file to a model folder that transformers and our own
+pipelines read, for each task; the options of the loop (length-grouped batches, bfloat16 compute, LoRA) and the
+errors a user meets first."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import seqeval.metrics as seqeval
+import torch
+import transformers
+from checkpoints import MINILM
+from mlx.utils import tree_flatten
+
+import mlx_encoders
+from mlx_encoders.__main__ import main
+from mlx_encoders.train import TrainingConfig, fine_tune, train
+from mlx_encoders.train.data import DataError, collate, masked_lm_data, sequence_classification_data
+from mlx_encoders.train.fine_tune import from_config
+from mlx_encoders.train.masking import Masker
+from mlx_encoders.train.trainer import epoch_steps, length_grouped
+
+TEXTS = [
+    "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",
+    "a quiet, lovely story", "the plot makes no sense", "worth a second look", "too loud by half",
+]  # fmt: skip
+LABELS = ["pos", "neg", "neutral", "pos", "neg", "neutral", "pos", "neg", "pos", "neg"]
+SENTENCES = [
+    (["Anna", "lives", "in", "Berlin"], ["B-PER", "O", "O", "B-LOC"]),
+    (["Mr", "John", "Smith", "visited", "New", "York"], ["O", "B-PER", "I-PER", "O", "B-LOC", "I-LOC"]),
+    (["The", "river", "Thames", "is", "long"], ["O", "O", "B-LOC", "O", "O"]),
+    (["Maria", "and", "Paul", "met"], ["B-PER", "O", "B-PER", "O"]),
+    (["Rome", "is", "old"], ["B-LOC", "O", "O"]),
+    (["We", "saw", "Lisa", "Ray", "in", "Paris"], ["O", "O", "B-PER", "I-PER", "O", "B-LOC"]),
+]
+DOCUMENTS = (
+    "The cat sat on the mat.\nIt looked at the bird.\nThen it slept all day.\n\n"
+    "Stocks fell in the morning.\nBonds rose after lunch.\nThe market closed flat.\n\n"
+    "The river runs to the sea.\nBoats sail on the river.\n"
+)
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+             max_position_embeddings=64)  # fmt: skip
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def classification_file(tmp_path, name="train.jsonl", rows=None):
+    rows = rows or [{"text": t, "label": label} for t, label in zip(TEXTS, LABELS, strict=True)]
+    return write_jsonl(tmp_path / name, rows)
+
+
+def test_cli_classify_fine_tunes_an_encoder_into_a_head_transformers_reads(checkpoint, tmp_path, capsys):
+    train_file = classification_file(tmp_path)
+    eval_file = tmp_path / "eval.csv"
+    eval_file.write_text(
+        "text,label\n" + "".join(f'"{t}",{label}\n' for t, label in zip(TEXTS[:6], LABELS[:6], strict=True))
+    )
+    out = tmp_path / "run"
+    status = main([
+        "train", "classify", "--model", str(checkpoint("bert")), "--data", str(train_file), "--eval-data",
+        str(eval_file), "--output", str(out), "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "--json",
+    ])  # fmt: skip
+    assert status == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == str(out / "model")
+    assert {"eval_loss", "eval_accuracy", "eval_f1", "step", "epoch"} <= set(printed["metrics"])
+    assert (out / "metrics.jsonl").is_file() and (out / "curves.png").stat().st_size > 1000
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-6"]  # 3 steps an epoch
+
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert config["label2id"] == {"neg": 0, "neutral": 1, "pos": 2}
+    ours, tokenizer = mlx_encoders.load(out / "model")
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    batch = tokenizer(TEXTS[:4], padding=True, return_tensors="np")
+    with torch.no_grad():
+        expected = reference(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    got = np.array(ours(**{k: mx.array(v) for k, v in batch.items()}).logits)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    labels = mlx_encoders.pipeline("text-classification", model=out / "model")(TEXTS[:2])
+    assert {r["label"] for r in labels} <= {"neg", "neutral", "pos"}
+
+
+def test_masked_lm_from_scratch_answers_fill_mask(tmp_path):
+    data, held_out = tmp_path / "docs.txt", tmp_path / "held_out.txt"
+    data.write_text(DOCUMENTS)
+    held_out.write_text("The bird sat on the river.\n\nThe market rose.\n")
+    trained = fine_tune(
+        "mlm", data, tmp_path / "run", config=SIZES, tokenizer=MINILM, eval_data=held_out, epochs=2,
+        batch_size=2, lr=1e-3, max_length=32,
+    )  # fmt: skip
+    assert {"eval_loss", "eval_accuracy", "eval_perplexity"} <= set(trained.metrics)
+    assert trained.metrics["eval_perplexity"] == pytest.approx(np.exp(trained.metrics["eval_loss"]))
+    config = json.loads((trained.path / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and config["vocab_size"] == 30522
+    # initialised as transformers does: normal(0, 0.02) weights, the padding row zero
+    table = np.array(from_config(dict(SIZES), "masked-lm", trained.tokenizer).bert.embeddings.word_embeddings.weight)
+    assert not table[0].any() and table[1:].std() == pytest.approx(0.02, rel=0.02)
+    predictions = mlx_encoders.pipeline("fill-mask", model=trained.path)("The cat [MASK] on the mat.")
+    assert len(predictions) == 5 and all(p["sequence"].startswith("the cat") for p in predictions)
+    reference = transformers.AutoModelForMaskedLM.from_pretrained(trained.path).eval()
+    ids = trained.tokenizer(["The cat sat."], return_tensors="np")
+    with torch.no_grad():
+        expected = reference(**{k: torch.tensor(v) for k, v in ids.items()}).logits.numpy()
+    got = np.array(trained.model(**{k: mx.array(v) for k, v in ids.items()}).logits)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bert_pretraining_trains_masked_lm_and_next_sentence(checkpoint, tmp_path):
+    data = tmp_path / "docs.txt"
+    data.write_text(DOCUMENTS)
+    trained = fine_tune(
+        "mlm", data, tmp_path / "run", model=checkpoint("bert", "pretraining"), next_sentence=True, max_steps=2,
+        batch_size=3,
+    )  # fmt: skip
+    assert trained.metrics["step"] == 2 and np.isfinite(trained.metrics["loss"])
+    config = json.loads((trained.path / "config.json").read_text())
+    assert config["architectures"] == ["BertForPreTraining"]
+
+
+def test_token_classification_reports_entity_scores_as_seqeval(checkpoint, tmp_path):
+    rows = [{"tokens": words, "ner_tags": tags} for words, tags in SENTENCES]
+    data = write_jsonl(tmp_path / "ner.jsonl", rows)
+    trained = fine_tune(
+        "tokens", data, tmp_path / "run", model=checkpoint("distilbert"), eval_data=data, epochs=3, batch_size=2,
+        lr=5e-3,
+    )  # fmt: skip
+    metrics = trained.metrics
+    # the oracle: seqeval on the word-level predictions of the trained model (each word's first sub-token)
+    id2label = trained.model.args.id2label
+    true, predicted = [], []
+    for words, tags in SENTENCES:
+        encoding = trained.tokenizer.backend.encode(words, is_pretokenized=True)
+        logits = trained.model(mx.array([encoding.ids])).logits[0]
+        firsts = [i for i, w in enumerate(encoding.word_ids) if w is not None and w != encoding.word_ids[i - 1]]
+        true.append(tags)
+        predicted.append([id2label[int(logits[i].argmax())] for i in firsts])
+    assert metrics["eval_precision"] == pytest.approx(seqeval.precision_score(true, predicted), abs=1e-6)
+    assert metrics["eval_recall"] == pytest.approx(seqeval.recall_score(true, predicted), abs=1e-6)
+    assert metrics["eval_f1"] == pytest.approx(seqeval.f1_score(true, predicted), abs=1e-6)
+    config = json.loads((trained.path / "config.json").read_text())
+    assert config["architectures"] == ["DistilBertForTokenClassification"]
+    assert set(config["label2id"]) == {"B-LOC", "B-PER", "I-LOC", "I-PER", "O"}
+
+
+@pytest.mark.parametrize(
+    "labels, problem_type",
+    [([["pos"], ["neg", "pos"]] * 5, "multi_label_classification"), ([0.5, 1.25] * 5, "regression")],
+)
+def test_problem_type_follows_the_labels(checkpoint, tmp_path, labels, problem_type):
+    data = classification_file(tmp_path, rows=[{"text": t, "label": v} for t, v in zip(TEXTS, labels, strict=True)])
+    trained = fine_tune("classify", data, tmp_path / "run", model=checkpoint("roberta"), max_steps=2)
+    config = json.loads((trained.path / "config.json").read_text())
+    assert config["problem_type"] == problem_type
+    assert len(config["id2label"]) == (2 if problem_type != "regression" else 1)
+
+
+def test_lora_saves_adapters_alone_and_the_fused_model(checkpoint, tmp_path):
+    data = classification_file(tmp_path)
+    trained = fine_tune(
+        "classify", data, tmp_path / "run", model=checkpoint("bert", "masked-lm"), lora_rank=4, max_steps=3, lr=1e-2
+    )
+    adapters = tmp_path / "run" / "adapters"
+    assert (adapters / "adapters.safetensors").is_file() and (adapters / "adapter_config.json").is_file()
+    assert (adapters / "adapters.safetensors").stat().st_size < (trained.path / "model.safetensors").stat().st_size
+    reloaded, tokenizer = mlx_encoders.load(trained.path)
+    batch = {k: mx.array(v) for k, v in tokenizer(TEXTS[:3], padding=True, return_tensors="np").items()}
+    np.testing.assert_allclose(np.array(reloaded(**batch).logits), np.array(trained.model(**batch).logits), atol=1e-6)
+
+
+def test_errors_name_the_problem(checkpoint, tmp_path, capsys):
+    data = classification_file(tmp_path)
+    bad_eval = classification_file(
+        tmp_path, "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "??"}]
+    )
+    with pytest.raises(DataError, match=r"eval.jsonl, line 2: unknown label '\?\?'"):
+        fine_tune("classify", data, tmp_path / "a", model=checkpoint("bert"), eval_data=bad_eval)
+    with pytest.raises(ValueError, match="not both"):
+        fine_tune("mlm", data, tmp_path / "b", model=checkpoint("bert"), config=SIZES, tokenizer=MINILM)
+    with pytest.raises(ValueError, match="needs tokenizer="):
+        fine_tune("mlm", data, tmp_path / "c", config=SIZES)
+    with pytest.raises(ValueError, match="Unknown training task 'ner'"):
+        fine_tune("ner", data, tmp_path / "d", model=checkpoint("bert"))
+    with pytest.raises(TypeError, match="unknown options learning_rate"):
+        fine_tune("classify", data, tmp_path / "e", model=checkpoint("bert"), learning_rate=1e-3)
+    missing = tmp_path / "missing.jsonl"
+    assert main(["train", "classify", "-m", str(checkpoint("bert")), "--data", str(missing), "-o", "f"]) == 1
+    assert f"mlx-encoders train: error: {missing}: no such file" in capsys.readouterr().err
+
+
+def test_length_grouped_order_equals_transformers(monkeypatch):
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    rng = np.random.default_rng(0)
+    for n, batch_size in [(10, 2), (37, 4), (500, 8)]:
+        lengths = rng.integers(1, 100, n)
+        order = rng.permutation(n)
+        monkeypatch.setattr(torch, "randperm", lambda *_args, **_kw: torch.tensor(order))  # noqa: B023
+        expected = get_length_grouped_indices(lengths.tolist(), batch_size)
+        assert length_grouped(order, lengths, batch_size).tolist() == expected
+
+
+def test_length_grouped_batches_hold_similar_lengths(tmp_path):
+    lengths = np.random.default_rng(1).integers(1, 200, 400)
+    config = TrainingConfig(tmp_path, batch_size=8, group_by_length=True)
+    steps = epoch_steps(len(lengths), config, 0, lengths)
+    batches = [b for step in steps for b in step]
+    assert sorted(np.concatenate(batches).tolist()) == list(range(400))
+    assert lengths[batches[0][0]] == lengths.max()
+    spread = np.mean([np.ptp(lengths[b]) for b in batches])
+    shuffled = np.mean([np.ptp(lengths[b]) for step in epoch_steps(400, TrainingConfig(tmp_path, 8), 0) for b in step])
+    assert spread < shuffled / 4
+
+
+def test_bfloat16_compute_trains_float32_weights(checkpoint, tmp_path):
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        model, tokenizer = mlx_encoders.load(checkpoint("bert", "sequence-classification"))
+        examples = sequence_classification_data(
+            [{"text": t, "label": v} for t, v in zip(TEXTS, LABELS, strict=True)], tokenizer
+        )
+        config = TrainingConfig(tmp_path / dtype, max_steps=3, batch_size=4, lr=1e-3, dtype=dtype)
+        train(model, tokenizer, examples, config=config)
+        records = [json.loads(line) for line in (tmp_path / dtype / "metrics.jsonl").read_text().splitlines()]
+        losses[dtype] = np.array([r["loss"] for r in records])
+        assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=3e-2)
+    assert not np.array_equal(losses["bfloat16"], losses["float32"])  # the passes did run in bfloat16
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_every_masked_lm_batch_has_a_masked_token(checkpoint, whole_word):
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", "masked-lm"))
+    examples = masked_lm_data([{"text": w} for w in ("cat", "dog", "sun", "sea")], tokenizer)
+    masker = Masker.from_tokenizer(tokenizer, probability=0.01, whole_word=whole_word)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        batch = collate(examples, [0, 1], tokenizer, masker, rng)
+        selected = batch["labels"] != -100
+        assert selected.sum() >= 1
+        assert not (selected & (batch["attention_mask"] == 0)).any() and not selected[:, 0].any()  # pads, [CLS]
