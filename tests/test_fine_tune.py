@@ -3,6 +3,7 @@ pipelines read, for each task; the options of the loop (length-grouped batches, 
 errors a user meets first."""
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -170,6 +171,21 @@ def test_lora_saves_adapters_alone_and_the_fused_model(checkpoint, tmp_path):
     reloaded, tokenizer = mlx_encoders.load(trained.path)
     batch = {k: mx.array(v) for k, v in tokenizer(TEXTS[:3], padding=True, return_tensors="np").items()}
     np.testing.assert_allclose(np.array(reloaded(**batch).logits), np.array(trained.model(**batch).logits), atol=1e-6)
+
+
+def test_lora_run_resumes_from_its_adapter_checkpoint(checkpoint, tmp_path):
+    data = classification_file(tmp_path)
+    options = dict(model=checkpoint("bert", "masked-lm"), lora_rank=4, max_steps=4, save_every=2, keep_last=None)
+    whole = fine_tune("classify", data, tmp_path / "whole", lr=1e-2, **options)
+    saved = tmp_path / "whole" / "checkpoint-2"
+    assert (saved / "adapters.safetensors").is_file() and not (saved / "model.safetensors").exists()
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoint-2")
+    resumed = fine_tune("classify", data, tmp_path / "resumed", lr=1e-2, resume=saved, **options)
+    expected = dict(tree_flatten(whole.model.parameters()))
+    for name, value in tree_flatten(resumed.model.parameters()):
+        np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="holds LoRA adapters, but the model to resume has no adapters"):
+        fine_tune("classify", data, tmp_path / "x", model=checkpoint("bert", "masked-lm"), resume=saved, max_steps=4)
 
 
 def test_errors_name_the_problem(checkpoint, tmp_path, capsys):

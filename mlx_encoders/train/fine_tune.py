@@ -107,6 +107,7 @@ def fine_tune(
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
+    mx.random.seed(options.seed)  # the new weights (head, adapters, a model from scratch) are reproducible too
     if checkpoint is None:
         net = from_config(dict(read_config(config)), task, tok)
     else:

@@ -138,6 +138,11 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     if config["model_type"] != model.args.model_type:
         raise ValueError(f"The adapters in {folder} are for {config['model_type']}, not {model.args.model_type}")
     apply_lora(model, config["rank"], config["alpha"], config["targets"], config["dropout"])
+    return load_adapter_weights(model, folder)
+
+
+def load_adapter_weights(model: nn.Module, folder: Path) -> nn.Module:
+    """Load `folder`'s adapters and head onto an adapted `model`, in place, checking every name and shape."""
     weights = mx.load(str(folder / ADAPTERS_FILE))
     current = dict(tree_flatten(model.trainable_parameters()))
     for key, value in weights.items():

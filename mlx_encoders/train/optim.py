@@ -112,9 +112,12 @@ def clip_grad_norm(grads: dict, max_norm: float) -> tuple[dict, mx.array]:
 def accumulate_gradients(
     loss_and_grad: Callable[[Any], tuple[mx.array, dict]], batches: Iterable[Any]
 ) -> tuple[mx.array, dict]:
-    """Gradient accumulation as transformers' `Trainer` does it: each micro-batch's loss (and so its gradient) is
-    divided by the number of micro-batches, and the parts are summed. `loss_and_grad(batch)` is e.g.
-    `nn.value_and_grad(model, loss_fn)`; returns the mean loss and the summed gradients."""
+    """Gradient accumulation: each micro-batch's loss (and so its gradient) is divided by the number of
+    micro-batches, and the parts are summed, so k micro-batches of b examples step as one batch of k x b would
+    (transformers' `Trainer` did this before 4.46; since then it divides by the labelled tokens of the whole step
+    for the heads whose loss takes `num_items_in_batch`, and for the others sums micro-batch means undivided).
+    `loss_and_grad(batch)` is e.g. `nn.value_and_grad(model, loss_fn)`; returns the mean loss and the summed
+    gradients."""
     batches = list(batches)
     total_loss, total_grads = mx.array(0.0), None
     for batch in batches:

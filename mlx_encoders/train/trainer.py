@@ -29,6 +29,7 @@ from ..checkpoint.write import model_config, write_checkpoint
 from ..models import task_of_model
 from ..tokenizer import Tokenizer
 from .data import Examples, collate
+from .lora import ADAPTERS_FILE, load_adapter_weights, save_adapters
 from .losses import IGNORE_INDEX, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
@@ -216,9 +217,13 @@ def save_checkpoint(
     model: nn.Module, tokenizer: Tokenizer, optimizer: optim.Optimizer, state: TrainerState, target: Path
 ) -> None:
     """`target` (checkpoint-STEP) holding what `mlx_encoders.save` writes, `optimizer.safetensors` and
-    `trainer_state.json`, atomically: on any error the previous folder (if any) stays, and no partial one."""
+    `trainer_state.json`, atomically: on any error the previous folder (if any) stays, and no partial one. A model
+    with LoRA adapters saves them alone (`save_adapters`), as `load_adapters` reads them onto its base."""
     with atomic_folder(target, replace=True, whole=True) as tmp:
-        write_checkpoint(model, model_config(model), tmp)
+        if getattr(model, "lora_config", None) is not None:
+            save_adapters(model, tmp)
+        else:
+            write_checkpoint(model, model_config(model), tmp)
         tokenizer.save(tmp)
         mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
@@ -260,12 +265,21 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
             f"{folder} is not a training checkpoint (it needs {STATE_FILE} and {OPTIMIZER_FILE}); pass a "
             "checkpoint-STEP folder that train() wrote"
         )
-    saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
-    current = dict(tree_flatten(model.parameters()))
-    if saved.keys() != current.keys():
-        missing = sorted(current.keys() ^ saved.keys())[:5]
-        raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
-    model.update(tree_unflatten(list(saved.items())))
+    if (folder / ADAPTERS_FILE).is_file() != (getattr(model, "lora_config", None) is not None):
+        raise ValueError(
+            f"{folder} holds {'LoRA adapters' if (folder / ADAPTERS_FILE).is_file() else 'a whole model'}, but the "
+            f"model to resume {'has no' if getattr(model, 'lora_config', None) is None else 'has'} adapters; resume "
+            "with the same LoRA settings as the run that wrote it"
+        )
+    if (folder / ADAPTERS_FILE).is_file():
+        load_adapter_weights(model, folder)
+    else:
+        saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
+        current = dict(tree_flatten(model.parameters()))
+        if saved.keys() != current.keys():
+            missing = sorted(current.keys() ^ saved.keys())[:5]
+            raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
+        model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
     return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
 
