@@ -182,8 +182,12 @@ class AlbertForMaskedLM(AlbertHead):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predictions(out.last_hidden_state, self.albert.embeddings.word_embeddings)
+        out.logits = self.predict_tokens(out.last_hidden_state)
         return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        return self.predictions(hidden, self.albert.embeddings.word_embeddings)
 
 
 class AlbertForSequenceClassification(AlbertHead, PooledClassification):

@@ -234,8 +234,12 @@ class BertForMaskedLM(BertHead):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.cls.predictions(out.last_hidden_state, self.bert.embeddings.word_embeddings)
+        out.logits = self.predict_tokens(out.last_hidden_state)
         return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings)
 
 
 class BertForPreTraining(BertForMaskedLM):

@@ -157,9 +157,13 @@ class DistilBertForMaskedLM(DistilBertHead):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        x = self.vocab_layer_norm(self.act(self.vocab_transform(out.last_hidden_state)))
-        out.logits = self.vocab_projector(x, self.distilbert.embeddings.word_embeddings)
+        out.logits = self.predict_tokens(out.last_hidden_state)
         return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        x = self.vocab_layer_norm(self.act(self.vocab_transform(hidden)))
+        return self.vocab_projector(x, self.distilbert.embeddings.word_embeddings)
 
 
 class DistilBertForSequenceClassification(DistilBertHead):

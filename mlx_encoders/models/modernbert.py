@@ -217,8 +217,12 @@ class ModernBertForMaskedLM(ModernBertHead):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        out.logits = self.decoder(self.head(out.last_hidden_state), self.model.embeddings.tok_embeddings)
+        out.logits = self.predict_tokens(out.last_hidden_state)
         return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        return self.decoder(self.head(hidden), self.model.embeddings.tok_embeddings)
 
 
 class ModernBertForSequenceClassification(ModernBertHead):
