@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
 
     # Commands with their own options and output set `run` (a function of the parsed arguments -> exit status).
     train_cli.add_parser(tasks)
+    from .generation import cli as generation_cli  # streams its own output: mlx_encoders/generation/cli.py
+
+    generation_cli.add_parser(tasks)
     return p
 
 

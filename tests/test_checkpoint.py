@@ -269,8 +269,8 @@ def test_existing_head_keeps_its_weights_with_matching_labels(checkpoint):
 
 
 def test_unknown_architecture_names_itself(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="Unsupported architecture 'GPT2LMHeadModel'"):
-        task_of_architecture("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="Unsupported architecture 'GPT2DoubleHeadsModel'"):
+        task_of_architecture("GPT2DoubleHeadsModel")
     folder = copy(checkpoint("bert"), tmp_path)
     edit_config(folder, lambda c: c.update(architectures=["BertLMHeadModel"]))
     with pytest.raises(ValueError, match=r"config.json: Unsupported architecture 'BertLMHeadModel'.*task='encoder'"):

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import seqeval.metrics as seqeval
@@ -17,10 +18,17 @@ from mlx.utils import tree_flatten
 import mlx_encoders
 from mlx_encoders.__main__ import main
 from mlx_encoders.train import TrainingConfig, fine_tune, train
-from mlx_encoders.train.data import DataError, collate, masked_lm_data, sequence_classification_data
+from mlx_encoders.train.data import (
+    DataError,
+    causal_lm_data,
+    collate,
+    masked_lm_data,
+    sequence_classification_data,
+)
 from mlx_encoders.train.fine_tune import from_config
+from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import epoch_steps, length_grouped
+from mlx_encoders.train.trainer import epoch_steps, length_grouped, split_batch
 
 TEXTS = [
     "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",
@@ -259,3 +267,35 @@ def test_every_masked_lm_batch_has_a_masked_token(checkpoint, whole_word):
         selected = batch["labels"] != -100
         assert selected.sum() >= 1
         assert not (selected & (batch["attention_mask"] == 0)).any() and not selected[:, 0].any()  # pads, [CLS]
+
+
+def test_causal_lm_loss_and_gradients_equal_transformers_on_padded_batches(checkpoint):
+    folder = checkpoint("gpt2", "causal-lm")
+    model, tokenizer = mlx_encoders.load(folder)
+    examples = causal_lm_data(
+        [{"text": t} for t in ("def f(x): return x", "a", "Return the sum of a and b.")], tokenizer
+    )
+    batch = collate(examples, range(3), tokenizer)
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = reference(**{k: torch.tensor(v).long() for k, v in batch.items()}).loss
+    expected.backward()
+    inputs, labels = split_batch(batch)
+    loss, grads = nn.value_and_grad(model, lambda: task_loss(model, model(**inputs), **labels))()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    got = dict(tree_flatten(grads))["transformer.h.0.mlp.c_fc.weight"]
+    want = reference.transformer.h[0].mlp.c_fc.weight.grad.T.numpy()  # Conv1D stores (in, out)
+    np.testing.assert_allclose(np.array(got), want, atol=1e-5 * np.abs(want).max())
+
+
+def test_clm_fine_tune_saves_a_model_transformers_generates_with(checkpoint, tmp_path):
+    data = write_jsonl(tmp_path / "code.jsonl", [{"text": t} for t in TEXTS])
+    trained = fine_tune(
+        "clm", data, tmp_path / "run", model=checkpoint("gpt2", "causal-lm"), eval_data=data, max_steps=3, lr=1e-3
+    )
+    assert {"eval_loss", "eval_accuracy", "eval_perplexity"} <= set(trained.metrics)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(trained.path).eval()
+    ids = trained.tokenizer(["a fine"], return_tensors="np")["input_ids"]
+    with torch.no_grad():
+        expected = reference(torch.tensor(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.array(trained.model(mx.array(ids)).logits), expected, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from ..models import model_module
 from .atomic import atomic_folder
 from .build import common_float_dtype
 from .files import INDEX, TOKENIZER_FILES
@@ -70,6 +71,9 @@ def make_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, 
 def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BYTES) -> list[Path]:
     """`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with their index past `shard_size`."""
     weights = dict(tree_flatten(model.parameters()))
+    module = model_module(model.args.model_type)
+    if hasattr(module, "checkpoint_weights"):  # the inverse of its `sanitize` (GPT-2's Conv1D layout)
+        weights = module.checkpoint_weights(weights)
     shards = make_shards(weights, shard_size)
     names = (
         ["model.safetensors"]

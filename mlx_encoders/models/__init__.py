@@ -1,5 +1,8 @@
 """Registry: config.json `model_type` -> model module, and task names -> head classes.
 
+`MODEL_TYPES` are the encoders, `DECODER_TYPES` the causal language models (GPT-2, task "causal-lm"); "encoder"
+is the task name of every bare model, encoder or decoder.
+
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
 `TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
 the keys or layouts of a checkpoint's tensors before they are fitted to the model, and `init_std(path, args)`,
@@ -17,6 +20,9 @@ MODEL_TYPES = {
     "albert": "albert",
     "modernbert": "modernbert",
 }
+# Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
+# (tests/test_gpt2.py is GPT-2's parity test).
+DECODER_TYPES = {"gpt2": "gpt2"}
 
 # transformers class names are <prefix><suffix>: the prefix names the architecture, the suffix the head.
 ARCHITECTURE_PREFIXES = {
@@ -26,6 +32,7 @@ ARCHITECTURE_PREFIXES = {
     "distilbert": "DistilBert",
     "albert": "Albert",
     "modernbert": "ModernBert",
+    "gpt2": "GPT2",
 }
 ARCHITECTURE_SUFFIXES = {
     "Model": "encoder",
@@ -34,23 +41,26 @@ ARCHITECTURE_SUFFIXES = {
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
     "ForPreTraining": "pretraining",
+    "LMHeadModel": "causal-lm",
 }
 TASKS = tuple(ARCHITECTURE_SUFFIXES.values())
 
 
 def model_module(model_type: str) -> ModuleType:
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(MODEL_TYPES)}")
-    return importlib.import_module(f"{__name__}.{MODEL_TYPES[model_type]}")
+    modules = {**MODEL_TYPES, **DECODER_TYPES}
+    if model_type not in modules:
+        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(modules)}")
+    return importlib.import_module(f"{__name__}.{modules[model_type]}")
 
 
 def task_of_architecture(architecture: str) -> str:
-    """'BertForMaskedLM' -> 'masked-lm'. A name that is not a known prefix + head suffix fails, naming it
-    ('GPT2LMHeadModel' ends in 'Model' but is no encoder this package knows)."""
-    for suffix, task in ARCHITECTURE_SUFFIXES.items():
-        if architecture.endswith(suffix) and architecture[: -len(suffix)] in ARCHITECTURE_PREFIXES.values():
-            return task
-    known = ", ".join(architecture_name("bert", task) for task in TASKS)
+    """'BertForMaskedLM' -> 'masked-lm'. A name that is not a known prefix + a head that architecture has fails,
+    naming it ('BertLMHeadModel': BERT has no causal-LM head here; 'GPT2DoubleHeadsModel': no such head)."""
+    for model_type, prefix in ARCHITECTURE_PREFIXES.items():
+        for suffix, task in ARCHITECTURE_SUFFIXES.items():
+            if architecture == prefix + suffix and task in model_module(model_type).MODELS:
+                return task
+    known = ", ".join(architecture_name("bert", task) for task in model_module("bert").MODELS)
     raise ValueError(
         f"Unsupported architecture {architecture!r} in config.json: not one of the heads mlx_encoders implements "
         f"(for BERT: {known}; likewise for {', '.join(p for p in ARCHITECTURE_PREFIXES.values() if p != 'Bert')}). "

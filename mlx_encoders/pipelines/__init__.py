@@ -13,6 +13,7 @@ from .feature_extraction import FeatureExtractionPipeline
 from .fill_mask import FillMaskPipeline
 from .question_answering import QuestionAnsweringPipeline
 from .text_classification import TextClassificationPipeline
+from .text_generation import TextGenerationPipeline
 from .token_classification import TokenClassificationPipeline
 
 PIPELINES = {
@@ -21,6 +22,7 @@ PIPELINES = {
     "text-classification": TextClassificationPipeline,
     "token-classification": TokenClassificationPipeline,
     "question-answering": QuestionAnsweringPipeline,
+    "text-generation": TextGenerationPipeline,
 }
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 # Stored heads each task can load from (fill-mask also runs on the MLM half of a pretraining checkpoint).
@@ -31,6 +33,7 @@ ACCEPTED = {
     "text-classification": ("sequence-classification",),
     "token-classification": ("token-classification",),
     "question-answering": ("question-answering",),
+    "text-generation": ("causal-lm",),
 }  # fmt: skip
 
 __all__ = ["pipeline", "Pipeline", "PIPELINES", *(cls.__name__ for cls in PIPELINES.values())]

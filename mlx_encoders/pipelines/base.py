@@ -23,6 +23,7 @@ HEAD_TASKS = {
     "sequence-classification": "text-classification",
     "token-classification": "token-classification",
     "question-answering": "question-answering",
+    "causal-lm": "text-generation",
 }
 
 

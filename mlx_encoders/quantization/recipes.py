@@ -17,13 +17,13 @@ MODES = {
     "mxfp8": {"bits": (8,), "group_size": (32,)},
     "nvfp4": {"bits": (4,), "group_size": (16,)},
 }
-# Encoder layers (`encoder.layer.3.`, `layers.3.`, `transformer.layer.3.`, `albert_layers.0.`) vs the rest.
-LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers)\.\d+\.")
+# Layers (`encoder.layer.3.`, `layers.3.`, `transformer.layer.3.`, `albert_layers.0.`, GPT-2's `h.3.`) vs the rest.
+LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers|h)\.\d+\.")
 # Tables added to every token's input (position, token type): an error in them moves every token of a text
 # the same way instead of averaging out. Quantized alone to 4 bits they cost all-MiniLM-L6-v2 0.0009-0.0012
 # of mean embedding cosine, more than its whole word table (0.0008), while holding under 1% of its weights.
-# Below 8 bits they are kept at 8 (affine only).
-SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings")
+# Below 8 bits they are kept at 8 (affine only); GPT-2's `wpe` is such a table.
+SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe")
 
 
 def quantization_spec(bits: int | None, group_size: int | None, mode: str) -> dict:

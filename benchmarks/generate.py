@@ -1,0 +1,194 @@
+"""Greedy generation speed: mlx_encoders (float32, 8-bit) vs transformers (torch CPU) and mlx-lm, in one run.
+
+Models: GPT-2 small's shape (124M parameters) and a tiny one, random seeded weights saved with transformers'
+`save_pretrained` (no weights ship offline). Prompts: random token ids, `--prompt-tokens` long, batch 1 and
+batch 8 (equal lengths, so nothing is padded). Each engine prefills the prompt and decodes `--new-tokens`
+tokens greedily with its key/value cache; prompt tokens/s = batch x prompt length / time to the first new
+token, generated tokens/s = batch x (new tokens - 1) / the time after it. Best of `--repeats` runs, taken
+round-robin so background load hits every engine alike.
+
+    python benchmarks/generate.py                                    # every model, engine and batch size
+    python benchmarks/generate.py --models tiny --new-tokens 32 --repeats 1
+
+mlx-lm is for this benchmark only (`pip install mlx-lm --no-deps`); it is skipped when absent. It runs its own
+`generate_step` at batch 1 and, having no batched greedy loop of that shape, its model and cache in a plain
+greedy loop at batch 8; its 8-bit model is `nn.quantize` at `--group-size`, as ours (convert, no GPTQ). On the
+CPU its 8-bit model runs MLX's quantized matmul kernel, which is slow: the 124M model at batch 8 takes minutes
+(`--engines` leaves it out).
+"""
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SHAPES = {
+    "tiny": dict(n_embd=128, n_layer=2, n_head=4, vocab_size=8192, n_positions=512),
+    "small": dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),  # GPT-2 small, 124M
+}
+ENGINES = ("mlx_encoders-fp32", "mlx_encoders-8bit", "transformers", "mlx-lm-fp32", "mlx-lm-8bit")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny,small", help="comma-separated: tiny, small")
+    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=64, help="8-bit group size, both MLX engines")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
+    return p.parse_args()
+
+
+def make_checkpoint(shape: str, folder: Path) -> tuple[Path, int]:
+    """(the folder of a seeded random GPT-2 of that shape, its parameter count)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**SHAPES[shape], bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(folder / shape)
+    return folder / shape, sum(p.numel() for p in model.parameters())
+
+
+def stepwise(steps) -> tuple[float, float]:
+    """(seconds to the first step of a generator of steps, seconds for the rest)."""
+    start = time.perf_counter()
+    steps = iter(steps)
+    next(steps)
+    first = time.perf_counter()
+    for _ in steps:
+        pass
+    return first - start, time.perf_counter() - first
+
+
+def mlx_encoders_engine(path: Path, bits: int | None, group_size: int, folder: Path) -> Callable:
+    import mlx_encoders
+    from mlx_encoders.generation import GenerationConfig, generate_steps
+
+    if bits:
+        path = mlx_encoders.convert(path, folder / f"{path.name}-q{bits}", bits=bits, group_size=group_size,
+                                    calibration=False)  # fmt: skip
+    model = mlx_encoders.load_model(path)
+    config = GenerationConfig(eos_token_id=[])
+
+    def run(prompts, new_tokens: int) -> tuple[float, float]:
+        return stepwise(generate_steps(model, prompts, None, config.replace(max_new_tokens=new_tokens)))
+
+    return run
+
+
+def transformers_engine(path: Path) -> Callable:
+    import torch
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+
+    def generate(ids, new_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)  # fmt: skip
+        return time.perf_counter() - start
+
+    def run(prompts, new_tokens: int) -> tuple[float, float]:
+        """generate's own loop; the decoding time is the whole call's less a one-token call's."""
+        ids = torch.tensor(prompts).long()
+        first = generate(ids, 1)
+        return first, generate(ids, new_tokens) - first
+
+    return run
+
+
+def mlx_lm_engine(path: Path, bits: int | None, group_size: int) -> Callable:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import transformers
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import cache as mlx_lm_cache
+    from mlx_lm.models import gpt2
+
+    config = transformers.GPT2Config.from_pretrained(path)
+    args = gpt2.ModelArgs(model_type="gpt2", n_ctx=config.n_positions, n_embd=config.n_embd, n_head=config.n_head,
+                          n_layer=config.n_layer, n_positions=config.n_positions,
+                          layer_norm_epsilon=config.layer_norm_epsilon, vocab_size=config.vocab_size)  # fmt: skip
+    model = gpt2.Model(args)
+    weights = {k.removeprefix("transformer."): v for k, v in mx.load(str(path / "model.safetensors")).items()}
+    model.load_weights(list(model.sanitize(weights).items()))
+    if bits:
+        nn.quantize(model, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+
+    def steps(prompts, new_tokens: int):
+        if len(prompts) == 1:  # mlx-lm's own loop (it evaluates one step ahead)
+            sampler = lambda x: x.argmax(-1)  # noqa: E731
+            yield from generate_step(mx.array(prompts[0]), model, max_tokens=new_tokens, sampler=sampler)
+            return
+        cache = mlx_lm_cache.make_prompt_cache(model)
+        tokens = mx.array(prompts)
+        for _ in range(new_tokens):
+            tokens = model(tokens, cache=cache)[:, -1].argmax(-1, keepdims=True)
+            mx.eval(tokens)
+            yield tokens
+
+    return lambda prompts, new_tokens: stepwise(steps(prompts, new_tokens))
+
+
+def build(engine: str, path: Path, group_size: int, folder: Path) -> Callable:
+    if engine.startswith("mlx_encoders"):
+        return mlx_encoders_engine(path, 8 if engine.endswith("8bit") else None, group_size, folder)
+    if engine == "transformers":
+        return transformers_engine(path)
+    return mlx_lm_engine(path, 8 if engine.endswith("8bit") else None, group_size)
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import numpy as np
+
+    import mlx_encoders  # noqa: F401  (first: it gives MLX a fast BLAS on Linux)
+
+    engines = [e for e in args.engines.split(",") if e]
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        print("mlx-lm is not installed (pip install mlx-lm --no-deps): skipping it")
+        engines = [e for e in engines if not e.startswith("mlx-lm")]
+    rng = np.random.default_rng(0)
+    print(f"{args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, greedy; best of {args.repeats}; "
+          f"{os.cpu_count()} cores, torch threads {args.threads}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.models.split(","):
+            path, parameters = make_checkpoint(shape, Path(tmp))
+            runs = {engine: build(engine, path, args.group_size, Path(tmp)) for engine in engines}
+            for batch in (int(b) for b in args.batches.split(",")):
+                prompts = rng.integers(1, SHAPES[shape]["vocab_size"], (batch, args.prompt_tokens)).tolist()
+                best = {engine: [float("inf")] * 2 for engine in engines}
+                for run in runs.values():  # warm-up: compile, allocate, fill caches
+                    run(prompts, 4)
+                for _ in range(args.repeats):
+                    for engine, run in runs.items():
+                        times = run(prompts, args.new_tokens)
+                        best[engine] = [min(a, b) for a, b in zip(best[engine], times, strict=True)]
+                print(f"\n{shape} ({parameters / 1e6:.1f}M parameters), batch {batch}")
+                print(f"  {'engine':<20}{'prompt tok/s':>14}{'generated tok/s':>17}")
+                rates = {}
+                for engine, (prefill, decode) in best.items():
+                    rates[engine] = (batch * args.prompt_tokens / prefill, batch * (args.new_tokens - 1) / decode)
+                    print(f"  {engine:<20}{rates[engine][0]:>14.0f}{rates[engine][1]:>17.1f}")
+                for ours in (e for e in rates if e.startswith("mlx_encoders")):
+                    peers = [e for e in rates if not e.startswith("mlx_encoders")]
+                    ratios = ", ".join(f"{rates[ours][1] / rates[p][1]:.2f}x {p}" for p in peers)
+                    print(f"  {ours} decoding: {ratios}")
+
+
+if __name__ == "__main__":
+    main()

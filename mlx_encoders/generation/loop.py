@@ -1,0 +1,245 @@
+"""The generate loop: prompts left-padded into one batch, a key/value cache, one token per step per prompt.
+
+Matches transformers' `GenerationMixin._sample` (generation/utils.py) token for token in greedy mode: positions
+`cumsum(mask) - 1` (0 on padding), then the last one + 1 per step; the logits processors of `processors`; a
+row that produced eos gets `pad_token_id` until every row has (or the token budget is spent). Text comes out
+as transformers' text-generation pipeline cuts it, `decode(prompt + new)[len(decode(prompt)):]`, and
+streams in whole characters (reference for the streaming loop: mlx-lm's `generate.py`).
+"""
+
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..tokenizer import Tokenizer, text_list
+from .config import PRESETS, GenerationConfig
+from .processors import processors, select
+
+REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
+
+
+def generation_config(config: GenerationConfig | str | None, overrides: dict) -> GenerationConfig:
+    """`config` (a GenerationConfig, a preset name, or None for the defaults) with `overrides` on top."""
+    if isinstance(config, str):
+        return GenerationConfig.preset(config, **overrides)
+    if config is None:
+        return GenerationConfig.from_kwargs(overrides)
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig or a preset ({', '.join(PRESETS)}), got {config!r:.60}")
+    return config.replace(**overrides) if overrides else config
+
+
+def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], int]:
+    """(eos ids, pad id): the config's, else the model's; pad falls back to the first eos, as in transformers."""
+    eos = config.eos_token_id if config.eos_token_id is not None else model.args.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = next((p for p in (config.pad_token_id, model.args.pad_token_id) if p is not None), None)
+    pad = pad if pad is not None else eos[0] if eos else 0
+    if pad >= model.args.vocab_size:
+        raise ValueError(
+            f"pad_token_id {pad} (the config's, else the model's, else its first eos_token_id) is outside the "
+            f"vocabulary of {model.args.vocab_size} tokens; pass pad_token_id= (any id below it)"
+        )
+    return eos, pad
+
+
+def check_model(model: nn.Module) -> None:
+    if not hasattr(model, "make_cache"):
+        raise TypeError(
+            f"{type(model).__name__} is not a causal language model: generation needs one with an LM head, such as "
+            "GPT-2's (load it with task='causal-lm')"
+        )
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask) of the rows, padded on the left to the longest."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad, dtype=np.int32)
+    mask = np.zeros((len(rows), width), dtype=np.int32)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt (special tokens as the tokenizer adds them); an empty prompt fails."""
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            raise TypeError(f"Prompts are strings; prompt {i} is {type(prompt).__name__}: {prompt!r:.60}")
+    rows = [e.ids for e in tokenizer.encode_batch(prompts, truncation=False)]
+    for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+        if not prompt or not row:
+            raise ValueError(f"Prompt {i} ({prompt!r:.40}) is empty: give the model some text to continue")
+    return rows
+
+
+def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> None:
+    """Every prompt, and its continuation, must fit the model's position table."""
+    n, longest = model.args.max_tokens, int(lengths.max())
+    if longest > n:
+        raise ValueError(
+            f"Prompt {int(lengths.argmax())} has {longest} tokens, more than the model's {n} positions "
+            f"(n_positions={n}); shorten it"
+        )
+    if longest + new_tokens > n:
+        raise ValueError(
+            f"A prompt of {longest} tokens leaves room for {n - longest} new tokens in the model's {n} positions, "
+            f"not {new_tokens}: lower max_new_tokens (or max_length), or shorten the prompt"
+        )
+
+
+def forward(model, ids: np.ndarray, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
+    """The last position's logits, (B, V)."""
+    mask, positions = (None if x is None else mx.array(x) for x in (mask, positions))
+    out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def generate_steps(
+    model: nn.Module, input_ids, attention_mask=None, config: GenerationConfig | None = None
+) -> Iterator[np.ndarray]:
+    """Yield each step's (B,) new tokens for a left-padded batch of prompt ids (0 in `attention_mask` on the
+    padding), until `config`'s token budget is spent or every row has produced eos."""
+    check_model(model)
+    config = config or GenerationConfig()
+    tokens = np.asarray(input_ids, dtype=np.int32)
+    mask = None if attention_mask is None else np.asarray(attention_mask, dtype=np.int32)
+    if mask is not None and mask.all():
+        mask = None  # no padding: positions are arange, and no mask is needed
+    B, L = tokens.shape
+    eos, pad = special_ids(model, config)
+    new_tokens = config.new_tokens(L)
+    check_lengths(model, mask.sum(axis=1) if mask is not None else np.full(B, L), new_tokens)
+    if new_tokens == 0:
+        return
+    positions = None if mask is None else np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
+    prompt_start = None if mask is None else mx.array(mask.argmax(axis=1))  # transformers' prompt_ignore_length
+    steps = processors(config, L, prompt_start, eos)
+    key = mx.random.key(config.seed) if config.seed is not None and config.do_sample else None
+    cache = model.make_cache()
+    finished = np.zeros(B, dtype=bool)
+    logits = forward(model, tokens, mask, positions, cache)
+    for step in range(new_tokens):
+        scores = logits.astype(mx.float32)
+        if steps:
+            ids = mx.array(tokens)
+            for process in steps:
+                scores = process(ids, scores)
+        if key is not None:
+            key, draw = mx.random.split(key)
+        chosen = np.array(select(scores, config.do_sample, draw if key is not None else None)).astype(np.int32)
+        chosen = np.where(finished, pad, chosen)
+        tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+        finished |= np.isin(chosen, eos)
+        yield chosen
+        if finished.all() or step == new_tokens - 1:
+            return
+        if mask is not None:
+            mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
+            positions = positions[:, -1:] + 1
+        logits = forward(model, chosen[:, None], mask, positions, cache)
+
+
+def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:
+    """transformers' `generate(input_ids, attention_mask=...)`: (B, L + new) ids, prompts then new tokens."""
+    steps = list(generate_steps(model, input_ids, attention_mask, generation_config(config, overrides)))
+    prompt = np.asarray(input_ids, dtype=np.int32)
+    return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1) if steps else prompt
+
+
+class TextStream:
+    """One prompt's continuation as its tokens arrive: whole characters only, ended by eos or cut before the
+    first stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], eos: list[int], stop: list[str] | None):
+        self.tokenizer, self.ids, self.eos, self.stop = tokenizer, list(prompt_ids), set(eos), stop or []
+        self.prompt_length = len(prompt_ids)
+        self.prefix = len(tokenizer.decode(prompt_ids))
+        self.text, self.shown, self.done, self.stopped = "", 0, False, False
+
+    def add(self, token: int, decode: bool = True) -> str:
+        """Take the next token; the new text safe to show (nothing without `decode`: `finish` decodes at once)."""
+        if token in self.eos:
+            self.done = True
+            return ""
+        self.ids.append(token)
+        return self.decode() if decode else ""
+
+    def decode(self) -> str:
+        text = self.tokenizer.decode(self.ids)[self.prefix :]
+        longest = max((len(s) for s in self.stop), default=0)
+        hits = [i for i in (text.find(s, max(self.shown - longest, 0)) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.done, self.stopped = text[: min(hits)], True, True
+            return self.flush()
+        self.text = text
+        end = len(text)
+        while end > self.shown and text[end - 1] == REPLACEMENT:
+            end -= 1
+        end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        piece, self.shown = text[self.shown : end], max(end, self.shown)
+        return piece
+
+    def flush(self) -> str:
+        piece, self.shown = self.text[self.shown :], len(self.text)
+        return piece
+
+    def finish(self) -> str:
+        """The whole continuation, once no more tokens come."""
+        if not self.stopped:
+            self.decode()
+        return self.text
+
+
+def streams(model, tokenizer, prompts: list[str], config: GenerationConfig) -> tuple[list[TextStream], Iterator]:
+    """A TextStream per prompt, and the steps that feed them (prompts left-padded into one batch)."""
+    check_model(model)
+    eos, pad = special_ids(model, config)
+    rows = encode_prompts(tokenizer, prompts)
+    ids, mask = left_pad(rows, pad)
+    return [TextStream(tokenizer, row, eos, config.stop) for row in rows], generate_steps(model, ids, mask, config)
+
+
+def generate(
+    model: nn.Module, tokenizer: Tokenizer, prompt_or_prompts: str | list[str], config=None, **overrides
+) -> str | list[str]:
+    """The continuation of a prompt (a str), or of each prompt of a list, generated together in one batch.
+
+    `config`: a GenerationConfig, a preset name ("greedy", "sample", "top-k", "nucleus") or None (greedy, 20
+    new tokens); `overrides` (max_new_tokens=, do_sample=, temperature=, top_k=, top_p=, seed=, stop=, ...)
+    replace its fields.
+    """
+    config = generation_config(config, overrides)
+    prompts = text_list(prompt_or_prompts, "generate")
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    texts, steps = streams(model, tokenizer, prompts, config)
+    for chosen in steps:
+        for stream, token in zip(texts, chosen.tolist(), strict=True):
+            if not stream.done:
+                stream.add(token, decode=bool(config.stop))
+        if all(s.done for s in texts):
+            break
+    results = [s.finish() for s in texts]
+    return results[0] if isinstance(prompt_or_prompts, str) else results
+
+
+def stream_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, config=None, **overrides) -> Iterator[str]:
+    """Yield the continuation of `prompt` piece by piece as tokens arrive, in whole characters (options as
+    `generate`); the pieces join to what `generate` returns."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"stream_generate takes one prompt (a str), got {type(prompt).__name__}; lists: generate")
+    (stream,), steps = streams(model, tokenizer, [prompt], generation_config(config, overrides))
+    for chosen in steps:
+        piece = stream.add(int(chosen[0]))
+        if piece:
+            yield piece
+        if stream.done:
+            break
+    stream.done = True
+    piece = stream.flush()
+    if piece:
+        yield piece

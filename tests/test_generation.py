@@ -1,0 +1,294 @@
+"""Generation equals transformers: greedy tokens of `generate` for single prompts and left-padded batches (eos,
+minimum lengths, repetition penalty), each logits processor on random logits, sampling that follows the
+processed distribution; then text, streaming, stop strings, the pipeline, the command and bad input."""
+
+import io
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference
+from scipy.stats import chisquare
+from transformers.generation import logits_process as hf
+
+import mlx_encoders
+from mlx_encoders import GenerationConfig, generate, stream_generate
+from mlx_encoders.__main__ import main
+from mlx_encoders.generation import PRESETS, TextStream, generate_ids
+from mlx_encoders.generation import processors as ours
+from mlx_encoders.generation.loop import left_pad
+
+PROMPTS = ["The quick brown fox", "Return the value of", "a", "Parse the command line arguments and"]
+PAD = 0  # the tokenizer's <|endoftext|>, GPT-2's usual pad
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny reference models: extra threads only add contention
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint):
+    """(folder, model, tokenizer, transformers' model) of a seeded GPT-2 whose greedy text varies (init 0.05)."""
+    folder = checkpoint("gpt2", "causal-lm", initializer_range=0.05)
+    model, tokenizer = mlx_encoders.load(folder)
+    return folder, model, tokenizer, load_reference(folder, "causal-lm")
+
+
+def prompt_ids(tokenizer, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return left_pad([e.ids for e in tokenizer.encode_batch(prompts)], PAD)
+
+
+def transformers_generate(ref, ids: np.ndarray, mask: np.ndarray, **kwargs) -> np.ndarray:
+    kwargs = {"do_sample": False, "pad_token_id": PAD, **kwargs}
+    with torch.no_grad():
+        out = ref.generate(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), **kwargs)
+    return out.numpy()
+
+
+def an_eos(ref, ids, mask, step: int) -> int:
+    """A token greedy decoding of the first prompt first produces at `step` or after (else its first token):
+    made eos, it stops that row mid-way while the others go on."""
+    tokens = list(transformers_generate(ref, ids, mask, max_new_tokens=12, eos_token_id=None)[0, ids.shape[1] :])
+    return int(next((t for i, t in enumerate(tokens) if i >= step and t not in tokens[:i]), tokens[0]))
+
+
+@pytest.mark.parametrize("batch", [[p] for p in PROMPTS[:2]] + [PROMPTS], ids=["single", "single2", "left-padded"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_new_tokens=12),
+        dict(max_new_tokens=12, eos_at=3),
+        dict(max_new_tokens=10, eos_at=2, min_new_tokens=6),
+        dict(max_length=28, eos_at=2, min_length=26),
+        dict(max_new_tokens=12, repetition_penalty=1.5),
+        dict(max_new_tokens=12, repetition_penalty=0.7, eos_at=4),
+    ],
+    ids=["plain", "eos", "min_new_tokens", "max_length,min_length", "repetition_penalty", "penalty<1,eos"],
+)
+def test_greedy_tokens_equal_transformers(lm, batch, options):
+    _, model, tokenizer, ref = lm
+    ids, mask = prompt_ids(tokenizer, batch)
+    options = dict(options)
+    if "eos_at" in options:
+        eos = an_eos(ref, ids, mask, options.pop("eos_at"))
+        options["eos_token_id"] = eos
+    else:
+        options["eos_token_id"] = None
+    expected = transformers_generate(ref, ids, mask, **options)
+    options["eos_token_id"] = options["eos_token_id"] if options["eos_token_id"] is not None else []
+    np.testing.assert_array_equal(generate_ids(model, ids, mask, pad_token_id=PAD, **options), expected)
+
+
+def test_eos_ends_every_row_and_pads_the_finished(lm):
+    _, model, tokenizer, ref = lm
+    ids, mask = prompt_ids(tokenizer, PROMPTS)
+    eos = an_eos(ref, ids, mask, 1)
+    tokens = generate_ids(model, ids, mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=PAD)
+    np.testing.assert_array_equal(tokens, transformers_generate(ref, ids, mask, max_new_tokens=30, eos_token_id=eos))
+    first = list(tokens[0, ids.shape[1] :])
+    assert set(first[first.index(eos) + 1 :]) <= {PAD}
+
+
+def random_case(seed: int, vocab: int = 50):
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((4, vocab)).astype(np.float32) * 3
+    input_ids = rng.integers(0, vocab, (4, 9))
+    return input_ids, scores
+
+
+PROCESSORS = {
+    "temperature": (ours.Temperature(0.7), hf.TemperatureLogitsWarper(0.7)),
+    "top_k": (ours.TopK(5), hf.TopKLogitsWarper(5)),
+    "top_k>vocab": (ours.TopK(80), hf.TopKLogitsWarper(80)),
+    "top_p=0.8": (ours.TopP(0.8), hf.TopPLogitsWarper(0.8)),
+    "top_p=0.05": (ours.TopP(0.05), hf.TopPLogitsWarper(0.05)),
+    "top_p=1": (ours.TopP(1.0), hf.TopPLogitsWarper(1.0)),
+    "repetition_penalty": (ours.RepetitionPenalty(1.3), hf.RepetitionPenaltyLogitsProcessor(1.3)),
+    "repetition_penalty,padding": (
+        ours.RepetitionPenalty(0.8, mx.array([0, 3, 8, 1])),
+        hf.RepetitionPenaltyLogitsProcessor(0.8, prompt_ignore_length=torch.tensor([0, 3, 8, 1])),
+    ),
+    "min_new_tokens": (ours.MinNewTokens(5, 6, [3, 7]), hf.MinNewTokensLengthLogitsProcessor(5, 6, [3, 7])),
+    "min_new_tokens,reached": (ours.MinNewTokens(5, 4, [3]), hf.MinNewTokensLengthLogitsProcessor(5, 4, [3])),
+    "min_length": (ours.MinLength(10, [3, 7]), hf.MinLengthLogitsProcessor(10, [3, 7])),
+}
+
+
+@pytest.mark.parametrize("name", PROCESSORS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_processor_equals_transformers(name, seed):
+    mine, theirs = PROCESSORS[name]
+    input_ids, scores = random_case(seed)
+    expected = theirs(torch.tensor(input_ids), torch.tensor(scores)).numpy()
+    got = np.array(mine(mx.array(input_ids), mx.array(scores)))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_processors_follow_transformers_order():
+    config = GenerationConfig(do_sample=True, temperature=0.5, top_k=10, top_p=0.9, repetition_penalty=1.2,
+                              min_new_tokens=2, min_length=3)  # fmt: skip
+    names = [type(p).__name__ for p in ours.processors(config, 4, None, [0])]
+    assert names == ["RepetitionPenalty", "MinLength", "MinNewTokens", "Temperature", "TopK", "TopP"]
+    assert [type(p).__name__ for p in ours.processors(config.replace(do_sample=False), 4, None, [0])][-1] == (
+        "MinNewTokens"
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.7, top_k=0),
+        dict(top_k=4),
+        dict(top_p=0.8, top_k=0),
+        dict(temperature=1.5, top_k=6, top_p=0.9),
+    ],
+)
+def test_sampled_tokens_follow_the_processed_distribution(options):
+    """Chi-square test of 40,000 draws on a vocabulary of 10: frequencies match softmax(processed scores), and
+    tokens top-k / top-p removed are never drawn."""
+    config = GenerationConfig(do_sample=True, **options)
+    scores = mx.array(np.random.default_rng(3).standard_normal((1, 10)).astype(np.float32))
+    for process in ours.processors(config, 1, None, []):
+        scores = process(mx.zeros((1, 1), mx.int32), scores)
+    probabilities = np.array(mx.softmax(scores, axis=-1))[0]
+    draws = 40_000
+    tokens = np.array(ours.select(mx.broadcast_to(scores, (draws, 10)), True, mx.random.key(7)))
+    counts = np.bincount(tokens, minlength=10)
+    kept = probabilities > 0
+    assert counts[~kept].sum() == 0
+    assert kept.sum() < 10 or not (options.get("top_k") or options.get("top_p", 1) < 1)
+    expected = probabilities[kept].astype(np.float64)
+    assert chisquare(counts[kept], draws * expected / expected.sum()).pvalue > 1e-3
+
+
+def test_sampling_is_reproducible_with_a_seed(lm):
+    _, model, tokenizer, _ = lm
+    a = generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=3, temperature=1.5)
+    assert a == generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=3, temperature=1.5)
+    assert a != generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=4, temperature=1.5)
+
+
+def test_presets():
+    assert set(PRESETS) == {"greedy", "sample", "top-k", "nucleus"}
+    nucleus = GenerationConfig.preset("nucleus", max_new_tokens=5)
+    assert nucleus.do_sample and nucleus.top_p == 0.9 and nucleus.top_k == 0 and nucleus.max_new_tokens == 5
+    with pytest.raises(ValueError, match="Unknown preset 'beam'"):
+        GenerationConfig.preset("beam")
+
+
+def test_text_is_the_pipelines_continuation(lm):
+    """generate's text equals the continuation transformers' text-generation pipeline returns, batched too."""
+    folder, model, tokenizer, ref = lm
+    theirs = transformers.pipeline("text-generation", model=ref, tokenizer=str(folder))
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    expected = [theirs(p, return_full_text=False, **options)[0]["generated_text"] for p in PROMPTS[:2]]
+    assert generate(model, tokenizer, PROMPTS[:2], max_new_tokens=10, eos_token_id=[]) == expected
+    assert generate(model, tokenizer, PROMPTS[0], max_new_tokens=10, eos_token_id=[]) == expected[0]
+
+
+def test_pipeline(lm):
+    folder, _, _, ref = lm
+    ours_ = mlx_encoders.pipeline("text-generation", model=folder, batch_size=2)
+    theirs = transformers.pipeline("text-generation", model=ref, tokenizer=str(folder))
+    options = dict(max_new_tokens=8, eos_token_id=None)
+    got = ours_(PROMPTS[:3], **{**options, "eos_token_id": []})
+    expected = [theirs(p, do_sample=False, pad_token_id=PAD, **options) for p in PROMPTS[:3]]
+    assert got == expected
+    assert ours_(PROMPTS[0], max_new_tokens=8, eos_token_id=[]) == expected[0]
+    short = ours_(PROMPTS[0], return_full_text=False, max_new_tokens=8, eos_token_id=[])
+    assert short == [{"generated_text": expected[0][0]["generated_text"][len(PROMPTS[0]) :]}]
+    three = ours_(PROMPTS[0], num_return_sequences=3, do_sample=True, seed=0, max_new_tokens=8)
+    assert len(three) == 3 and all(r["generated_text"].startswith(PROMPTS[0]) for r in three)
+    with pytest.raises(ValueError, match="needs a causal-lm head"):
+        mlx_encoders.pipeline("text-generation", model=(mlx_encoders.load_model(folder, task="encoder"), None))
+
+
+def test_stream_pieces_join_to_the_text(lm):
+    _, model, tokenizer, _ = lm
+    text = generate(model, tokenizer, PROMPTS[1], max_new_tokens=20, eos_token_id=[])
+    pieces = list(stream_generate(model, tokenizer, PROMPTS[1], max_new_tokens=20, eos_token_id=[]))
+    assert "".join(pieces) == text and len(pieces) > 1
+
+
+def test_stream_shows_whole_characters_only(lm):
+    """Byte-level tokens of multi-byte characters, one byte at a time: no piece holds half a character."""
+    _, _, tokenizer, _ = lm
+    text = "naïve café, 12 µs 🙂 done"
+    byte_tokens = [tokenizer.backend.token_to_id(t) for t in tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)
+                   for t in t[0]]  # fmt: skip
+    stream = TextStream(tokenizer, tokenizer.encode_batch(["Say:"])[0].ids, [], None)
+    pieces = [stream.add(t) for t in byte_tokens]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text and "" in pieces  # some bytes had to wait for the rest of their character
+
+
+def test_stop_strings_end_the_text_before_them(lm):
+    _, model, tokenizer, _ = lm
+    options = dict(max_new_tokens=20, eos_token_id=[], seed=0, temperature=3.0)  # sampled: varied text
+    full = generate(model, tokenizer, PROMPTS, "sample", **options)
+    start = next(i for i in range(4, 15) if full[0].find(full[0][i : i + 3]) == i)
+    stop = full[0][start : start + 3]
+    cut = generate(model, tokenizer, PROMPTS, "sample", **options, stop=[stop, "never there"])
+    for whole, part in zip(full, cut, strict=True):
+        assert part == (whole[: whole.index(stop)] if stop in whole else whole)
+    one = generate(model, tokenizer, PROMPTS[0], "sample", **options)
+    stop = one[start : start + 3]
+    pieces = list(stream_generate(model, tokenizer, PROMPTS[0], "sample", **options, stop=stop))
+    assert "".join(pieces) == one[: one.index(stop)]
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda m, t: generate(m, t, ""), ValueError, r"Prompt 0 \(''\) is empty"),
+        (lambda m, t: generate(m, t, ["fine", ""]), ValueError, "Prompt 1 .* is empty"),
+        (lambda m, t: generate(m, t, []), ValueError, "at least one prompt"),
+        (lambda m, t: generate(m, t, "word " * 30), ValueError, r"Prompt 0 has \d+ tokens, more than the model's 64"),
+        (lambda m, t: generate(m, t, "word " * 15, max_new_tokens=60), ValueError, r"leaves room for \d+ new tokens"),
+        (lambda m, t: generate(m, t, "word " * 15, max_length=10), ValueError, "max_length=10 leaves no room"),
+        (lambda m, t: generate(m, t, "hi", top_p=0), ValueError, r"top_p must be in \(0, 1\]"),
+        (lambda m, t: generate(m, t, "hi", top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+        (lambda m, t: generate(m, t, "hi", do_sample=True, temperature=0), ValueError, "temperature must be > 0"),
+        (lambda m, t: generate(m, t, "hi", max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0"),
+        (lambda m, t: generate(m, t, "hi", max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
+        (lambda m, t: generate(m, t, "hi", top_k=-1), ValueError, "top_k must be an int >= 0"),
+        (lambda m, t: generate(m, t, "hi", beams=2), TypeError, "Unknown generation option.*beams"),
+        (lambda m, t: generate(m, t, "hi", stop=""), TypeError, "stop must be a non-empty string"),
+        (lambda m, t: generate(m, t, "hi", config=3), TypeError, "config must be a GenerationConfig"),
+        (lambda m, t: generate(m, t, "hi", pad_token_id=512), ValueError, "pad_token_id 512 .* outside the vocab"),
+        (lambda m, t: stream_generate(m, t, ["a", "b"]).__next__(), TypeError, "takes one prompt"),
+    ],
+)
+def test_bad_input_fails_clearly(lm, call, error, message):
+    _, model, tokenizer, _ = lm
+    with pytest.raises(error, match=message):
+        call(model, tokenizer)
+
+
+def test_only_language_models_generate(checkpoint, lm):
+    _, _, tokenizer, _ = lm
+    encoder = mlx_encoders.load_model(checkpoint("gpt2", "causal-lm", initializer_range=0.05), task="encoder")
+    with pytest.raises(TypeError, match="GPT2Model is not a causal language model"):
+        generate(encoder, tokenizer, "hi")
+
+
+def test_generate_command_streams_the_text(lm, capsys, monkeypatch):
+    folder, model, tokenizer, _ = lm
+    expected = generate(model, tokenizer, PROMPTS[0], max_new_tokens=9, eos_token_id=[])
+    assert main(["generate", "--model", str(folder), "--max-new-tokens", "9", PROMPTS[0]]) == 0
+    out = capsys.readouterr()
+    assert out.out == PROMPTS[0] + expected + "\n"
+    assert "prompt tokens" in out.err and "9 generated" in out.err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPTS[0]))
+    assert main(["generate", "-m", str(folder), "--preset", "nucleus", "--seed", "1", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith(PROMPTS[0])
+    assert main(["generate", "-m", str(folder), "--top-p", "2", "hi"]) == 1
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
