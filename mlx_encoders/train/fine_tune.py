@@ -170,7 +170,7 @@ def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path 
     settings = checkpoint.config if checkpoint is not None else {"model_type": "bert", **read_config(config)}
     module = model_module(settings.get("model_type", "bert"))
     source = tokenizer if tokenizer is not None else checkpoint.path
-    limit = settings.get("max_position_embeddings")
+    limit = settings.get("max_position_embeddings", settings.get("n_positions"))  # GPT-2 names it n_positions
     return Tokenizer.from_pretrained(source, limit if isinstance(limit, int) else None, module.TOKEN_TYPES)
 
 
@@ -228,11 +228,15 @@ def infer_problem(examples: Examples) -> str:
 
 def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
     """A new model of `config`'s sizes, every weight initialised as transformers does (normal(0,
-    initializer_range), zero biases, LayerNorm 1/0, a zero padding embedding); `vocab_size` and `pad_token_id`
-    default to the tokenizer's."""
+    initializer_range), zero biases, LayerNorm 1/0, a zero padding embedding); `vocab_size`, `pad_token_id`
+    and, for causal LM, `eos_token_id` and `bos_token_id` default to the tokenizer's."""
     config.setdefault("model_type", "bert")
     config.setdefault("vocab_size", tokenizer.max_id + 1)
     config.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if task == "causal-lm":  # a decoder's start and end tokens: the tokenizer's (GPT-2's 50256 may not exist)
+        eos = tokenizer.token_id(tokenizer.eos_token)
+        config.setdefault("eos_token_id", eos)
+        config.setdefault("bos_token_id", tokenizer.token_id(tokenizer.bos_token) or eos)
     module = model_module(config["model_type"])
     try:
         args = module.ModelArgs.from_dict(config)

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..models.base import HeadModel
+from ..quantized import fast_quantized
 
 # The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
 DEFAULT_TARGETS = {
@@ -26,6 +27,7 @@ DEFAULT_TARGETS = {
     "albert": ["query", "key", "value"],
     "distilbert": ["q_lin", "k_lin", "v_lin"],
     "modernbert": ["Wqkv"],
+    "gpt2": ["c_attn"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
@@ -159,6 +161,7 @@ def fuse(model: nn.Module) -> nn.Module:
     ready for `mlx_encoders.save`; returns it."""
     fused = [(p, fused_linear(m)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     model.update_modules(tree_unflatten(fused))
+    fast_quantized(model)  # re-quantized linears take the CPU's fast path, as loaded ones do
     model.unfreeze()  # as loaded: every float parameter trainable
     freeze_quantized(model)
     del model.lora_config

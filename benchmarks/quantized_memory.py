@@ -1,0 +1,118 @@
+"""Peak resident memory and speed of a BERT-base-shaped model while embedding: float32 against 8-bit and 4-bit.
+
+A random BERT-base-shaped encoder (12 layers, width 768, feed-forward 3072, vocabulary 30522) is saved once in
+float32 and once quantized (convert's layout: `quantize_model`, group size 32, rounded to nearest); each then runs
+in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
+passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of `--rows` rows (as
+SentenceEncoder slices a batch on the CPU). The peak resident set (`ru_maxrss`) covers
+loading and embedding; the process's peak after its imports, before loading, is printed beside it. On the
+CPU the quantized weights stay quantized in memory: each is dequantized just before its matmul and freed after.
+
+    python benchmarks/quantized_memory.py
+    python benchmarks/quantized_memory.py --bits 8 --batch 16 --length 256
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BERT_BASE = dict(
+    model_type="bert", hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+    vocab_size=30522, max_position_embeddings=512, type_vocab_size=2,
+)  # fmt: skip
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def write_models(folder: Path, bits: list[str]) -> dict[str, Path]:
+    import mlx_encoders  # noqa: F401  (first: the fast BLAS)
+
+    # isort: split
+    import mlx.core as mx
+
+    from mlx_encoders import save
+    from mlx_encoders.models import model_class, model_module
+    from mlx_encoders.quantization import quantize_model
+
+    def build():
+        mx.random.seed(0)
+        args = model_module("bert").ModelArgs.from_dict(BERT_BASE)
+        return model_class("bert", "encoder")(args, add_pooling_layer=False)
+
+    folders = {"float32": save(build(), folder / "float32")}
+    for b in bits:
+        model = build()
+        quantize_model(model, bits=int(b))
+        folders[f"{b}-bit"] = save(model, folder / f"{b}bit")
+    return folders
+
+
+def worker(folder: str, batch: int, rows: int, length: int, repeats: int) -> None:
+    import mlx_encoders  # noqa: F401
+
+    # isort: split
+    import mlx.core as mx
+
+    from mlx_encoders import load_model
+
+    imported = peak_mb()
+    model = load_model(folder)
+    ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
+
+    def embed():  # in slices of rows, as SentenceEncoder runs a batch on the CPU (its activations stay small)
+        for start in range(0, batch, rows):
+            mx.eval(model(ids[start : start + rows]).last_hidden_state.mean(axis=1))
+
+    embed()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        embed()
+    seconds = (time.perf_counter() - start) / repeats
+    print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bits", default="8,4", help="comma-separated bit widths (default 8,4)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rows", type=int, default=4, help="rows per forward pass (default 4)")
+    p.add_argument("--length", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--write", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.batch, args.rows, args.length, args.repeats)
+        return
+    if args.write:
+        print(json.dumps({k: str(v) for k, v in write_models(Path(args.write), args.bits.split(",")).items()}))
+        return
+    # Every step in its own process, this one importing nothing large: Linux carries ru_maxrss over fork + exec.
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, __file__, "--write", tmp, "--bits", args.bits]
+        written = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        folders = json.loads(written.strip().splitlines()[-1])
+        results = {}
+        for name, folder in folders.items():
+            command = [sys.executable, __file__, "--worker", str(folder), "--batch", str(args.batch), "--rows",
+                       str(args.rows), "--length", str(args.length), "--repeats", str(args.repeats)]  # fmt: skip
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            results[name] = json.loads(out.strip().splitlines()[-1])
+    base = results["float32"]
+    print(f"BERT-base-shaped encoder, {args.batch} x {args.length} tokens per pass in forward passes of {args.rows} "
+          "rows, one process per engine")  # fmt: skip
+    print(f"{'engine':<10}{'peak MB':>9}{'after imports':>15}{'peak / fp32':>13}{'s/pass':>8}{'speed / fp32':>14}")
+    for name, r in results.items():
+        print(f"{name:<10}{r['peak_mb']:>9.0f}{r['imported_mb']:>15.0f}{r['peak_mb'] / base['peak_mb']:>13.2f}"
+              f"{r['seconds']:>8.2f}{base['seconds'] / r['seconds']:>13.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Quantized linears and embeddings that run at float speed on MLX's CPU backend, weights kept quantized.
+
+MLX's CPU `quantized_matmul` runs at about 1 GFLOP/s, while a float matmul goes through BLAS at 100-200: on the
+CPU the weight is dequantized to float32 just before its matmul (a transient copy, freed after it) and
+multiplied in float32. Elsewhere (Metal, CUDA) MLX's own fused kernels run. Both forms are differentiable
+(QLoRA trains through them); the codes are unpacked with shifts and masks rather than `mx.dequantize`, which
+is several times slower on the CPU (tests/test_quantized.py checks both against MLX's kernels).
+`fast_quantized(model)` gives a model's quantized modules these forms; loading and quantizing call it.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Affine codes are packed little-endian into uint32 words: `bits` divides 8 (2, 4, 8) so that each byte holds
+# whole codes, or 3 bytes hold a whole number of them (3, 6 bits).
+UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def unpack(w: mx.array, bits: int) -> mx.array:
+    """The float32 codes of a packed (out, in * bits / 32) uint32 weight, as (out, in)."""
+    unit = UNIT_BYTES[bits]
+    data = w.view(mx.uint8)
+    if bits == 8:
+        return data.astype(mx.float32)
+    if unit == 3:
+        data = data.reshape(*w.shape[:-1], -1, 3).astype(mx.uint32)
+        data = data[..., 0] | (data[..., 1] << 8) | (data[..., 2] << 16)
+    mask = (1 << bits) - 1
+    codes = mx.stack([(data >> shift) & mask for shift in range(0, 8 * unit, bits)], axis=-1)  # (out, units, per unit)
+    return codes.reshape(*w.shape[:-1], -1).astype(mx.float32)
+
+
+def dequantize(
+    w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+) -> mx.array:
+    """The float32 weight of a quantized one: scale * code + bias per group, in float32 (scales widened first)."""
+    if mode != "affine":  # mxfp4, mxfp8, nvfp4: integer scales, no biases
+        return mx.dequantize(w, scales, biases, group_size, bits, mode=mode, dtype=mx.float32)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+    if bits not in UNIT_BYTES:
+        return mx.dequantize(w, scales, biases, group_size, bits, dtype=mx.float32)
+    codes = unpack(w, bits)
+    groups = codes.reshape(*codes.shape[:-1], -1, group_size)
+    weight = groups * scales[..., None] + biases[..., None]
+    return weight.reshape(codes.shape)
+
+
+def quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
+) -> mx.array:
+    """x W^T for a quantized W, as `mx.quantized_matmul(..., transpose=True)`; on the CPU through a float32 BLAS
+    matmul, cast back to x's dtype."""
+    if on_cpu():
+        return (x.astype(mx.float32) @ dequantize(w, scales, biases, group_size, bits, mode).T).astype(x.dtype)
+    return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear through `quantized_matmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
+        )
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose gathered rows are dequantized in float32 on the CPU (MLX's CPU dequantize is
+    several times slower from float16 scales), and whose `as_linear` goes through `quantized_matmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not on_cpu():
+            return super().__call__(x)
+        biases = self.get("biases")
+        return dequantize(
+            self["weight"][x], self["scales"][x], None if biases is None else biases[x], self.group_size, self.bits,
+            self.mode,
+        )  # fmt: skip
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
+        )
+
+
+FAST = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
+
+
+def fast_quantized(model: nn.Module) -> nn.Module:
+    """Give every nn.QuantizedLinear / nn.QuantizedEmbedding of `model` the forms above, in place. They are
+    subclasses with the same parameters, so only the class changes (isinstance checks and saving are unaffected)."""
+    for _, module in model.named_modules():
+        if type(module) in FAST:
+            module.__class__ = FAST[type(module)]
+    return model

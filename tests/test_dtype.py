@@ -1,0 +1,55 @@
+"""Half-precision checkpoints compute in float32 on the CPU by default (MLX's CPU backend runs float16 and
+bfloat16 tens of times slower); a GPU keeps the stored dtype, and an explicit `dtype=` always wins."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx_encoders.checkpoint.build as build
+from mlx_encoders import load_model, save
+from mlx_encoders.quantization import quantize_model
+
+
+def dtypes(model) -> dict[str, set]:
+    """{"weights": dtypes of the float parameters, "scales": those of quantization scales and biases}."""
+    out = {"weights": set(), "scales": set()}
+    for key, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            out["scales" if key.endswith((".scales", ".biases")) else "weights"].add(value.dtype)
+    return out
+
+
+@pytest.fixture(scope="module", params=["float16", "bfloat16"])
+def half(request, checkpoint, tmp_path_factory):
+    """(a copy of the tiny BERT checkpoint stored in that dtype, the dtype)."""
+    dtype = getattr(mx, request.param)
+    model = load_model(checkpoint("bert"), dtype=dtype)
+    return save(model, tmp_path_factory.mktemp(request.param) / "model"), dtype
+
+
+def test_half_precision_computes_in_float32_on_the_cpu(half, checkpoint):
+    folder, _ = half
+    model = load_model(folder)
+    assert dtypes(model)["weights"] == {mx.float32}
+    ids = mx.array([[101, 2023, 2003, 1037, 3231, 102]])
+    assert model(ids).last_hidden_state.dtype == mx.float32
+
+
+def test_explicit_dtype_and_stored_win(half):
+    folder, dtype = half
+    assert dtypes(load_model(folder, dtype=dtype))["weights"] == {dtype}
+    assert dtypes(load_model(folder, dtype="stored"))["weights"] == {dtype}
+
+
+def test_a_gpu_keeps_the_stored_dtype(half, monkeypatch):
+    folder, dtype = half
+    monkeypatch.setattr(build, "on_cpu", lambda: False)
+    assert dtypes(load_model(folder))["weights"] == {dtype}
+
+
+def test_quantized_scales_stay_half_precision(checkpoint, tmp_path):
+    model = load_model(checkpoint("bert", hidden_size=64, intermediate_size=128, num_attention_heads=4))
+    model.set_dtype(mx.float16)
+    quantize_model(model, bits=8, group_size=32)
+    loaded = dtypes(load_model(save(model, tmp_path / "q")))
+    assert loaded == {"weights": {mx.float32}, "scales": {mx.float16}}

@@ -1,0 +1,130 @@
+"""Quantized models on the CPU run through dequantize-then-BLAS (mlx_encoders/quantized.py): the same outputs
+as MLX's own quantized kernels for every architecture, bit width and group size, and gradients through it."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from checkpoints import CONFIGS
+from mlx.utils import tree_flatten
+
+import mlx_encoders.quantized as quantized
+from mlx_encoders import load_model
+from mlx_encoders.models import DECODER_TYPES, MODEL_TYPES, model_class, model_module
+from mlx_encoders.quantization import quantize_model
+
+BITS = (2, 3, 4, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+# Widths that every group size divides, so that each Linear and Embedding is quantized.
+WIDE = {
+    "bert": dict(hidden_size=128, intermediate_size=256),
+    "roberta": dict(hidden_size=128, intermediate_size=256),
+    "xlm-roberta": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4),
+    "distilbert": dict(dim=128, hidden_dim=256),
+    "albert": dict(embedding_size=128, hidden_size=128, intermediate_size=256),
+    "modernbert": dict(hidden_size=128, intermediate_size=128),
+    "gpt2": dict(n_embd=128, n_inner=256),
+}
+TASKS = {"gpt2": "causal-lm"}
+
+
+def outputs(model: nn.Module, ids: mx.array) -> mx.array:
+    out = model(ids)
+    return out.last_hidden_state if out.last_hidden_state is not None else out.logits
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_dequantize_is_mlx_dequantize(bits, group_size):
+    w = mx.random.normal((48, 256), key=mx.random.key(bits))
+    packed, scales, biases = mx.quantize(w, group_size, bits)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    expected = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    assert mx.array_equal(quantized.dequantize(packed, scales, biases, group_size, bits, "affine"), expected)
+
+
+def random_model(model_type: str) -> nn.Module:
+    """A seeded random float32 model of the architecture (its test config, widened), built in code."""
+    config = {**CONFIGS[model_type], **WIDE[model_type], "model_type": model_type, "vocab_size": 256}
+    mx.random.seed(0)
+    model = model_class(model_type, TASKS.get(model_type, "encoder"))(
+        model_module(model_type).ModelArgs.from_dict(config)
+    )
+    model.eval()
+    return model
+
+
+def float32_scales(model: nn.Module) -> None:
+    """Widen the stored float16 scales and biases, so that MLX's kernels, like the fast path, compute in float32
+    (MLX's quantized embedding returns its scales' dtype)."""
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            module.scales, module.biases = module.scales.astype(mx.float32), module.biases.astype(mx.float32)
+
+
+@pytest.mark.parametrize("model_type", [*MODEL_TYPES, *DECODER_TYPES])
+def test_fast_path_equals_mlx_kernels(model_type, monkeypatch):
+    """Every bit width and group size, on each architecture: the fast path is within float32 rounding of MLX's
+    kernels, far inside the quantization's own error (the distance to the float model)."""
+    assert model_type in WIDE, f"add {model_type}'s widths (multiples of 128) to WIDE"
+    ids = mx.array([[3, 17, 42, 5, 9, 11, 60, 7], [3, 8, 25, 33, 2, 19, 50, 6]])
+    reference = outputs(random_model(model_type), ids)
+    for bits in BITS:
+        for group_size in GROUP_SIZES:
+            model = random_model(model_type)
+            quantize_model(model, bits=bits, group_size=group_size, recipe={"*": bits})
+            assert all(type(m) is not nn.Linear for _, m in model.named_modules()), (bits, group_size)
+            float32_scales(model)
+            fast = outputs(model, ids)
+            with monkeypatch.context() as m:
+                m.setattr(quantized, "on_cpu", lambda: False)
+                mlx = outputs(model, ids)
+            difference = mx.abs(fast - mlx).max().item()
+            quantization_error = mx.abs(mlx - reference).max().item()
+            assert difference <= 1e-5 * mx.abs(mlx).max().item() + 1e-3 * quantization_error, (
+                bits, group_size, difference, quantization_error,
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4", "mxfp8", "nvfp4"])
+def test_every_mode_and_a_5_bit_grid_equal_mlx_kernels(mode):
+    """The modes (and widths) that `mx.dequantize` unpacks on the fast path, linear and embedding alike."""
+    settings = dict(bits=5, group_size=32) if mode == "affine" else {}
+    linear = nn.QuantizedLinear.from_linear(nn.Linear(128, 96), mode=mode, **settings)
+    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(50, 128), mode=mode, **settings)
+    x, ids = mx.random.normal((5, 128)), mx.array([[1, 7, 49]])
+    for module, fast, inputs in [
+        (linear, quantized.QuantizedLinear, x),
+        (embedding, quantized.QuantizedEmbedding, ids),
+    ]:
+        expected = type(module).__call__(module, inputs).astype(mx.float32)
+        assert mx.allclose(fast.__call__(module, inputs), expected, rtol=1e-5, atol=1e-5), (mode, fast)
+
+
+def test_loaded_quantized_checkpoint_uses_fast_path(checkpoint, tmp_path):
+    from mlx_encoders import save
+
+    model = load_model(checkpoint("bert"))
+    quantize_model(model, bits=4, group_size=32)
+    model = load_model(save(model, tmp_path / "q"))
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert {quantized.QuantizedLinear, quantized.QuantizedEmbedding} <= kinds
+    assert nn.QuantizedLinear not in kinds and nn.QuantizedEmbedding not in kinds
+
+
+def test_gradients_flow_to_inputs_and_adapters_not_weights():
+    """QLoRA: a frozen quantized linear plus trainable low-rank adapters; the fast path's gradients equal those
+    through MLX's kernel (nn.QuantizedLinear's own __call__)."""
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96), group_size=32, bits=4)
+    assert [k for k, _ in tree_flatten(layer.trainable_parameters())] == ["bias"]  # weight, scales, biases frozen
+    adapters = {"a": 0.1 * mx.random.normal((4, 128)), "b": 0.1 * mx.random.normal((96, 4))}
+    x = mx.random.normal((5, 128))
+
+    def loss(x, adapters, kind):
+        y = kind.__call__(layer, x) + (x @ adapters["a"].T) @ adapters["b"].T
+        return (y * y).sum()
+
+    grad = mx.grad(loss, argnums=(0, 1))
+    expected = tree_flatten(grad(x, adapters, nn.QuantizedLinear))
+    found = tree_flatten(grad(x, adapters, quantized.QuantizedLinear))
+    for (name, e), (_, f) in zip(expected, found, strict=True):
+        assert mx.allclose(e, f, rtol=1e-4, atol=1e-4), name
