@@ -299,3 +299,22 @@ def test_clm_fine_tune_saves_a_model_transformers_generates_with(checkpoint, tmp
     with torch.no_grad():
         expected = reference(torch.tensor(ids).long()).logits.numpy()
     np.testing.assert_allclose(np.array(trained.model(mx.array(ids)).logits), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_qlora_on_a_quantized_encoder_with_per_module_settings(checkpoint, tmp_path):
+    """convert keeps position tables at 8 bits under 4-bit; a new head (another key prefix) must still find them."""
+    from mlx_encoders.quantization import quantize_model
+
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", hidden_size=64, intermediate_size=128))
+    quantize_model(model, bits=4, group_size=32)
+    folder = mlx_encoders.save(model, tmp_path / "q4", tokenizer)
+    overrides = {
+        k
+        for k, v in json.loads((folder / "config.json").read_text())["quantization"].items()
+        if v is not False and isinstance(v, dict)
+    }
+    assert overrides, "the recipe keeps some module at other settings"
+    trained = fine_tune(
+        "classify", classification_file(tmp_path), tmp_path / "run", model=folder, lora_rank=4, max_steps=2
+    )
+    assert {m.bits for _, m in trained.model.named_modules() if hasattr(m, "bits")} == {4, 8}

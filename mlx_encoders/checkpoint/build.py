@@ -70,11 +70,21 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
             return False
-        override = spec.get(path)
+        override = module_override(spec, path)
         return {**default, **override} if isinstance(override, dict) else dict(default)
 
     nn.quantize(model, class_predicate=predicate)
     fast_quantized(model)
+
+
+def module_override(spec: dict, path: str) -> dict | None:
+    """A module's own quantization settings, under its path in the checkpoint, which may lack the head model's
+    prefix (a quantized bare encoder loaded with a head) or carry one the bare encoder lacks."""
+    without_prefix = path.split(".", 1)[-1]
+    for key in (path, without_prefix):
+        if isinstance(spec.get(key), dict):
+            return spec[key]
+    return next((v for k, v in spec.items() if isinstance(v, dict) and k.endswith("." + path)), None)
 
 
 def is_float(x: mx.array) -> bool:
