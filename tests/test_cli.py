@@ -23,12 +23,7 @@ LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = ["I loved this film.", "Terrible service, never again!", "ok"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny reference models: extra threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ PROMPTS = ["The quick brown fox", "Return the value of", "a", "Parse the command
 PAD = 0  # the tokenizer's <|endoftext|>, GPT-2's usual pad
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny reference models: extra threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

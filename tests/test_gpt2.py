@@ -32,12 +32,7 @@ CONFIG_KEYS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny reference models: extra threads only add contention
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def folder_for(checkpoint, model_type: str, task: str, **overrides):
