@@ -123,44 +123,60 @@ def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> m
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    mask: mx.array | None,
+    dropout: nn.Dropout | None = None,
+    *,
+    scale: float | None = None,
+    bias: mx.array | None = None,
 ) -> mx.array:
-    """softmax(q k^T / sqrt(hd) + mask) v on (B, nh, L, hd) tensors; `mask` is additive (see padding_mask), and
-    `dropout`, if given, applies to the softmax's probabilities (transformers' attention dropout).
+    """softmax(q k^T * scale + mask + bias) v on (B, nh, L, hd) tensors; `scale` defaults to 1 / sqrt(hd),
+    `mask` is additive (see padding_mask), `bias` an additive score term broadcastable to (B, nh, L, L) (the
+    relative-position terms of DeBERTa and MPNet; it may carry gradients), and `dropout`, if given, applies
+    to the softmax's probabilities (transformers' attention dropout).
 
     On a GPU, mx.fast.scaled_dot_product_attention: MLX's fused kernel. On the CPU, MLX runs that function
     as separate ops whose softmax exp costs most of an encoder's time, so the same math is written out here
     with exp_nonpositive: `written_out_attention`. Dropout that is on needs the probabilities themselves,
     which neither form materialises: `dropped_out_attention`, on every device.
     """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if bias is not None:
+        mask = bias if mask is None else mask + bias
     if dropout is not None and dropout.training and dropout._p_1 < 1:  # nn.Dropout keeps 1 - p only
-        return dropped_out_attention(q, k, v, mask, dropout)
+        return dropped_out_attention(q, k, v, mask, dropout, scale)
     if mx.default_device() == mx.cpu:
-        return written_out_attention(q, k, v, mask)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
+        return written_out_attention(q, k, v, mask, scale)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None) -> mx.array:
-    """Unnormalised float32 softmax weights exp(s - max s) of the scores s = q k^T / sqrt(hd) + mask. The max
-    only keeps exp in range (softmax does not depend on it), so no gradient flows through it."""
-    scores = ((q * (q.shape[-1] ** -0.5)) @ k.swapaxes(-1, -2)).astype(mx.float32)
+def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None, scale: float | None = None) -> mx.array:
+    """Unnormalised float32 softmax weights exp(s - max s) of the scores s = q k^T * scale + mask (scale
+    1 / sqrt(hd) by default). The max only keeps exp in range (softmax does not depend on it), so no gradient
+    flows through it."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = ((q * scale) @ k.swapaxes(-1, -2)).astype(mx.float32)
     if mask is not None:
         scores = scores + mask
     return exp_nonpositive(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
 
 
-def written_out_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+def written_out_attention(
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, scale: float | None = None
+) -> mx.array:
     """Attention as matmuls and a float32 softmax through exp_nonpositive. The weights are normalised after
     the product with v, which divides (B, nh, L, hd) values instead of (B, nh, L, L); that product runs in
     float32, as its unnormalised sums can pass float16's range."""
-    weights = softmax_weights(q, k, mask)
+    weights = softmax_weights(q, k, mask, scale)
     return ((weights @ v.astype(mx.float32)) / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
 
 
 def dropped_out_attention(
-    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout, scale: float | None = None
 ) -> mx.array:
     """Attention with `dropout` on the (float32) probabilities, as transformers' eager attention."""
-    weights = softmax_weights(q, k, mask)
+    weights = softmax_weights(q, k, mask, scale)
     probabilities = dropout(weights / weights.sum(axis=-1, keepdims=True))
     return (probabilities @ v.astype(mx.float32)).astype(v.dtype)
