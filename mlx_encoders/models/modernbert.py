@@ -1,11 +1,13 @@
 """ModernBERT, matching transformers' `modeling_modernbert.py`.
 
 Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
-sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP.
+sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
+the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask).
 """
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +24,7 @@ from .base import (
     mask_value,
     masked_mean,
     merge_heads,
+    padding_mask,
     run_layer,
     span_logits,
     split_heads,
@@ -124,7 +127,11 @@ class ModernBertAttention(nn.Module):
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
         q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
-        return self.out_drop(self.Wo(merge_heads(attention(q, k, v, mask, self.attention_dropout))))
+        if isinstance(mask, Band):
+            out = banded_attention(q, k, v, mask, self.attention_dropout)
+        else:
+            out = attention(q, k, v, mask, self.attention_dropout)
+        return self.out_drop(self.Wo(merge_heads(out)))
 
 
 class ModernBertMLP(nn.Module):
@@ -156,8 +163,70 @@ class ModernBertEncoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def attention_masks(attention_mask, L: int, half_window: int, dtype) -> tuple[mx.array, mx.array]:
-    """Additive (global, sliding) masks: (B, 1, 1, L) over padded keys, and (B|1, 1, L, L) adding the window."""
+class Band(NamedTuple):
+    """A sliding layer's mask in banded form: the (B, L) keys to keep (None: all) and the half window."""
+
+    keep: mx.array | None
+    half_window: int
+
+
+def banded_attention(q, k, v, band: Band, dropout: nn.Dropout) -> mx.array:
+    """Attention of (B, nh, L, hd) q, k, v over keys with |i - j| <= h (h = band.half_window) and kept.
+
+    The queries are cut into chunks of h; chunk t sees the keys of chunks t - 1, t and t + 1 (3h keys, the
+    sequence padded with h masked keys at each end), which hold its whole window. Each chunk is one row of the
+    batch passed to `attention`, so scores take (L / h) x h x 3h = 3 L h entries instead of L^2.
+    """
+    B, nh, L, hd = q.shape
+    h = band.half_window
+    chunks = -(-L // h)
+    keep = mx.ones((B, L), mx.bool_) if band.keep is None else band.keep.astype(mx.bool_)
+    keep = mx.pad(keep, [(0, 0), (h, chunks * h - L + h)])  # (B, (chunks + 2) h), False at both ends
+
+    def windows(t):  # (B, nh, L, hd) -> (B chunks, nh, 3h, hd): each chunk's keys or values
+        t = mx.pad(t, [(0, 0), (0, 0), (h, chunks * h - L + h), (0, 0)]).reshape(B, nh, chunks + 2, h, hd)
+        t = mx.concatenate([t[:, :, :-2], t[:, :, 1:-1], t[:, :, 2:]], axis=3)  # (B, nh, chunks, 3h, hd)
+        return t.transpose(0, 2, 1, 3, 4).reshape(B * chunks, nh, 3 * h, hd)
+
+    queries = mx.pad(q, [(0, 0), (0, 0), (0, chunks * h - L), (0, 0)]).reshape(B, nh, chunks, h, hd)
+    queries = queries.transpose(0, 2, 1, 3, 4).reshape(B * chunks, nh, h, hd)
+    keys = keep.reshape(B, chunks + 2, h)
+    keys = mx.concatenate([keys[:, :-2], keys[:, 1:-1], keys[:, 2:]], axis=2)  # (B, chunks, 3h)
+    offset = mx.arange(3 * h)[None] - h - mx.arange(h)[:, None]  # key minus query position, (h, 3h)
+    visible = (mx.abs(offset) <= h) & keys[:, :, None, :]  # (B, chunks, h, 3h)
+    mask = mx.where(visible, mx.array(0, q.dtype), mx.array(mask_value(q.dtype), q.dtype))
+    out = attention(queries, windows(k), windows(v), mask.reshape(B * chunks, 1, h, 3 * h), dropout)
+    out = out.reshape(B, chunks, nh, h, hd).transpose(0, 2, 1, 3, 4).reshape(B, nh, chunks * h, hd)[:, :, :L]
+    blind = ~visible.any(axis=-1).reshape(B, 1, chunks * h, 1)[:, :, :L]
+    return mx.where(blind, uniform_attention(q, k, v), out)
+
+
+@mx.custom_function
+def uniform_attention(q, k, v):
+    """The output of a query whose every key is masked: transformers' finite mask weighs all L keys alike, so
+    the mean of v, with the gradients of that softmax (its scores still depend on q and k; see the vjp).
+    Only such (padding) queries use it; their positions hold the only nonzero cotangents."""
+    return mx.broadcast_to(v.mean(axis=2, keepdims=True), v.shape)
+
+
+@uniform_attention.vjp
+def uniform_attention_vjp(primals, cotangent, output):
+    """With p = 1/L and s_ij = q_i.k_j / sqrt(hd): ds_ij = g_i.(v_j - mean v) / L, summed in (hd, hd) products."""
+    q, k, v = primals
+    L, scale = v.shape[2], q.shape[-1] ** -0.5
+    g = cotangent
+    v_mean, k_mean = v.mean(axis=2, keepdims=True), k.mean(axis=2, keepdims=True)
+    dq = (scale / L) * (g @ (v.swapaxes(-1, -2) @ k)) - scale * (g * v_mean).sum(-1, keepdims=True) * k_mean
+    dk = (scale / L) * ((v - v_mean) @ (g.swapaxes(-1, -2) @ q))
+    dv = mx.broadcast_to(g.sum(axis=2, keepdims=True) / L, v.shape)
+    return dq, dk, dv
+
+
+def attention_masks(attention_mask, L: int, half_window: int, dtype) -> tuple[mx.array, mx.array | Band]:
+    """Additive (global, sliding) masks: (B, 1, 1, L) over padded keys, and (B|1, 1, L, L) adding the window;
+    the sliding one as a `Band` when the band is cheaper than the full L x L scores (L > 3 half windows)."""
+    if 0 < 3 * half_window < L:
+        return padding_mask(attention_mask, dtype), Band(attention_mask, half_window)
     idx = mx.arange(L)
     keep = mx.abs(idx[:, None] - idx[None]) <= half_window  # (L, L)
     if attention_mask is not None:
