@@ -8,6 +8,9 @@ is several times slower on the CPU (tests/test_quantized.py checks both against 
 `fast_quantized(model)` gives a model's quantized modules these forms; loading and quantizing call it.
 """
 
+import functools
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -49,13 +52,44 @@ def dequantize(
     return weight.reshape(codes.shape)
 
 
+@functools.cache
+def dequantized_matmul(group_size: int, bits: int, mode: str) -> Callable:
+    """f(x, w, scales, biases) = x W^T through a float32 BLAS matmul, W dequantized on the fly. Its vjp
+    dequantizes W again instead of keeping the float copy from the forward pass: a backward pass (QLoRA) would
+    otherwise hold every layer's float weights at once, as much memory as the float model. The packed codes get
+    a zero gradient; scales and biases their exact one (unused, hence never computed, while they are frozen)."""
+
+    def weight(w: mx.array, scales: mx.array, biases: mx.array | None) -> mx.array:
+        return dequantize(w, scales, None if biases is None or biases.size == 0 else biases, group_size, bits, mode)
+
+    @mx.custom_function
+    def matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+        return (x.astype(mx.float32) @ weight(w, scales, biases).T).astype(x.dtype)
+
+    @matmul.vjp
+    def matmul_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+        x, w, scales, biases = primals
+        dy = cotangent.astype(mx.float32)
+        dx = (dy @ weight(w, scales, biases)).astype(x.dtype)
+        if mode != "affine":
+            return dx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+        # dW = dy^T x per (out, group, in-group) entry; W = scale * code + bias, so dscale = sum dW code, dbias = sum dW
+        dw = dy.reshape(-1, dy.shape[-1]).T @ x.astype(mx.float32).reshape(-1, x.shape[-1])
+        dw = dw.reshape(*scales.shape, group_size)
+        codes = unpack(w, bits).reshape(dw.shape)
+        return dx, mx.zeros_like(w), (dw * codes).sum(-1).astype(scales.dtype), dw.sum(-1).astype(biases.dtype)
+
+    return matmul
+
+
 def quantized_matmul(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str
 ) -> mx.array:
     """x W^T for a quantized W, as `mx.quantized_matmul(..., transpose=True)`; on the CPU through a float32 BLAS
-    matmul, cast back to x's dtype."""
+    matmul (`dequantized_matmul`), cast back to x's dtype."""
     if on_cpu():
-        return (x.astype(mx.float32) @ dequantize(w, scales, biases, group_size, bits, mode).T).astype(x.dtype)
+        no_biases = mx.zeros((0,), scales.dtype)  # a custom function's inputs are arrays; mx/nv-fp modes have none
+        return dequantized_matmul(group_size, bits, mode)(x, w, scales, no_biases if biases is None else biases)
     return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
 
 

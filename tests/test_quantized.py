@@ -3,6 +3,7 @@ as MLX's own quantized kernels for every architecture, bit width and group size,
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from checkpoints import CONFIGS
 from mlx.utils import tree_flatten
@@ -22,6 +23,10 @@ WIDE = {
     "distilbert": dict(dim=128, hidden_dim=256),
     "albert": dict(embedding_size=128, hidden_size=128, intermediate_size=256),
     "modernbert": dict(hidden_size=128, intermediate_size=128),
+    "mpnet": dict(hidden_size=128, intermediate_size=256),  # relative_attention_bias (buckets, heads) stays float
+    "electra": dict(embedding_size=128, hidden_size=256, intermediate_size=256),
+    "deberta-v2": dict(hidden_size=128, intermediate_size=256),
+    "deberta": dict(hidden_size=128, intermediate_size=256),
     "gpt2": dict(n_embd=128, n_inner=256),
 }
 TASKS = {"gpt2": "causal-lm"}
@@ -128,3 +133,27 @@ def test_gradients_flow_to_inputs_and_adapters_not_weights():
     found = tree_flatten(grad(x, adapters, quantized.QuantizedLinear))
     for (name, e), (_, f) in zip(expected, found, strict=True):
         assert mx.allclose(e, f, rtol=1e-4, atol=1e-4), name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_path_gradients_of_scales_and_biases_equal_the_float_reconstructions(bits):
+    """The CPU path's vjp recomputes the dequantized weight; its scale and bias gradients must equal those of
+    W = scale * code + bias written out with MLX's own dequantize of unit scales (codes) as a plain graph."""
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(64, 24), group_size=32, bits=bits)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(1))
+    scales, biases = layer.scales.astype(mx.float32), layer.biases.astype(mx.float32)
+    ones, zeros = mx.ones_like(layer.scales), mx.zeros_like(layer.biases)
+    codes = mx.dequantize(layer.weight, ones, zeros, 32, bits).astype(mx.float32).reshape(24, 2, 32)
+
+    def reference(s, b):
+        w = (codes * s[..., None] + b[..., None]).reshape(24, 64)
+        return ((x @ w.T) ** 2).sum()
+
+    def fast(s, b):
+        return (quantized.quantized_matmul(x, layer.weight, s, b, 32, bits, "affine") ** 2).sum()
+
+    expected = mx.grad(reference, argnums=(0, 1))(scales, biases)
+    found = mx.grad(fast, argnums=(0, 1))(scales, biases)
+    for e, f in zip(expected, found, strict=True):
+        assert mx.allclose(e, f, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.array(fast(scales, biases)), np.array(reference(scales, biases)), rtol=1e-5)
