@@ -13,6 +13,8 @@ from tqdm import tqdm
 
 GRID_ITERATIONS = 8  # alternating refits of each group's scale and bias (see `affine_grid`)
 GRID_ROWS = 4096  # rows fitted at once, to bound the memory of large embedding matrices
+GPTQ_BLOCK = 128  # columns rounded one by one before their errors reach the later columns in one matmul
+REFIT_BYTES = 1 << 26  # working memory of `refit_grid`'s per-row systems, built this many bytes at a time
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -93,13 +95,21 @@ def gptq(
     _, steps, lows = affine_grid(weight, bits, group_size, dtype, np.diag(h))
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
     u = np.linalg.cholesky(np.linalg.inv(h[order][:, order])).T  # upper Cholesky factor of H^-1, permuted
-    w = weight.astype(np.float64)[:, order]
-    codes = np.zeros(w.shape, np.int64)
-    for i, column in enumerate(order):
-        step, low = steps[:, column // group_size], lows[:, column // group_size]
-        codes[:, column] = np.clip(np.round((w[:, i] - low) / step), 0, levels)
-        error = (w[:, i] - (codes[:, column] * step + low)) / u[i, i]
-        w[:, i + 1 :] -= np.outer(error, u[i, i + 1 :])
+    # Column-major copies (one row per input column) keep each step's reads and writes contiguous.
+    w = weight.T.astype(np.float64)[order]
+    steps_t, lows_t = steps.T.copy(), lows.T.copy()
+    codes = np.zeros(w.shape, np.int64)  # transposed, in the original column order
+    for start in range(0, len(order), GPTQ_BLOCK):  # lazy batch updates (the paper's section 3.2): same result
+        end = min(start + GPTQ_BLOCK, len(order))
+        errors = np.empty((end - start, w.shape[1]))
+        for i in range(start, end):
+            column = order[i]
+            step, low = steps_t[column // group_size], lows_t[column // group_size]
+            codes[column] = np.clip(np.round((w[i] - low) / step), 0, levels)
+            errors[i - start] = error = (w[i] - (codes[column] * step + low)) / u[i, i]
+            w[i + 1 : end] -= np.outer(u[i, i + 1 : end], error)
+        w[end:] -= u[start:end, end:].T @ errors
+    codes = codes.T
     scales, biases = refit_grid(weight, h, codes, steps, lows, dtype)
     return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
 
@@ -109,7 +119,7 @@ def output_error(weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, sca
     rows, width = codes.shape
     restored = codes.reshape(rows, scales.shape[1], -1) * scales[..., None] + biases[..., None]
     delta = restored.reshape(rows, width) - weight
-    return np.einsum("ij,jk,ik->i", delta, hessian, delta)
+    return ((delta @ hessian) * delta).sum(-1)
 
 
 def refit_grid(
@@ -124,13 +134,17 @@ def refit_grid(
     rows, width = codes.shape
     groups = scales.shape[1]
     q = codes.reshape(rows, groups, -1).astype(np.float64)
-    h4 = hessian.reshape(groups, width // groups, groups, width // groups)
+    size = width // groups
     hw = (w @ hessian).reshape(rows, groups, -1)
-    qhq = np.einsum("rgj,gjhk,rhk->rgh", q, h4, q, optimize=True)
-    qh1 = np.einsum("rgj,gjhk->rgh", q, h4, optimize=True)
     system = np.empty((rows, 2 * groups, 2 * groups))
-    system[:, :groups, :groups], system[:, :groups, groups:] = qhq, qh1
-    system[:, groups:, :groups], system[:, groups:, groups:] = qh1.transpose(0, 2, 1), h4.sum((1, 3))
+    system[:, groups:, groups:] = hessian.reshape(groups, size, groups, size).sum((1, 3))
+    step = max(1, REFIT_BYTES // (8 * groups * width))
+    for r in range(0, rows, step):  # qh[g, r, h, k] = sum_j q[r, g, j] H[g j, h k]: one matmul per group
+        qh = np.matmul(q[r : r + step].transpose(1, 0, 2), hessian.reshape(groups, size, width))
+        qh = qh.reshape(groups, -1, groups, size)
+        system[r : r + step, :groups, :groups] = np.einsum("grhk,rhk->rgh", qh, q[r : r + step])
+        system[r : r + step, :groups, groups:] = qh.sum(-1).transpose(1, 0, 2)
+    system[:, groups:, :groups] = system[:, :groups, groups:].transpose(0, 2, 1)
     system += 1e-9 * np.trace(hessian) / width * np.eye(2 * groups)
     rhs = np.concatenate([(q * hw).sum(-1), hw.sum(-1)], 1)
     solution = np.linalg.solve(system, rhs[..., None])[..., 0]
