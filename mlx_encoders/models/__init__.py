@@ -19,6 +19,10 @@ MODEL_TYPES = {
     "distilbert": "distilbert",
     "albert": "albert",
     "modernbert": "modernbert",
+    "mpnet": "mpnet",
+    "electra": "electra",
+    "deberta-v2": "deberta_v2",
+    "deberta": "deberta",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -32,6 +36,10 @@ ARCHITECTURE_PREFIXES = {
     "distilbert": "DistilBert",
     "albert": "Albert",
     "modernbert": "ModernBert",
+    "mpnet": "MPNet",
+    "electra": "Electra",
+    "deberta-v2": "DebertaV2",
+    "deberta": "Deberta",
     "gpt2": "GPT2",
 }
 ARCHITECTURE_SUFFIXES = {

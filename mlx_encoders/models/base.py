@@ -10,7 +10,7 @@ import types
 import typing
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,6 +71,7 @@ class BaseArgs:
     problem_type: str | None = None
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
+    signed_keys: ClassVar[tuple[str, ...]] = ()  # integer keys where a negative value means "unset" (DeBERTa's -1)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "BaseArgs":
@@ -110,7 +111,8 @@ class BaseArgs:
             value = getattr(self, f.name)
             if f.name in POSITIVE_KEYS and value is not None and value <= 0:
                 raise ValueError(f"config key {f.name!r} must be a positive integer, got {value}")
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            signed = f.name in self.signed_keys
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 and not signed:
                 raise ValueError(f"config key {f.name!r} must not be negative, got {value}")
             if "dropout" in f.name and value is not None and value >= 1:
                 raise ValueError(f"config key {f.name!r} is a probability below 1, got {value}")

@@ -22,8 +22,9 @@ LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers|h)\.\d+\.")
 # Tables added to every token's input (position, token type): an error in them moves every token of a text
 # the same way instead of averaging out. Quantized alone to 4 bits they cost all-MiniLM-L6-v2 0.0009-0.0012
 # of mean embedding cosine, more than its whole word table (0.0008), while holding under 1% of its weights.
-# Below 8 bits they are kept at 8 (affine only); GPT-2's `wpe` is such a table.
-SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe")
+# Below 8 bits they are kept at 8 (affine only); GPT-2's `wpe` is such a table, and so is DeBERTa's
+# `rel_embeddings`, which every attention score of every layer reads.
+SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe", "*rel_embeddings")
 
 
 def quantization_spec(bits: int | None, group_size: int | None, mode: str) -> dict:

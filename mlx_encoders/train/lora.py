@@ -27,6 +27,10 @@ DEFAULT_TARGETS = {
     "albert": ["query", "key", "value"],
     "distilbert": ["q_lin", "k_lin", "v_lin"],
     "modernbert": ["Wqkv"],
+    "mpnet": ["q", "k", "v"],
+    "electra": ["query", "key", "value"],
+    "deberta-v2": ["query_proj", "key_proj", "value_proj"],
+    "deberta": ["in_proj"],
     "gpt2": ["c_attn"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"

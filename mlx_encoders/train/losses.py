@@ -10,6 +10,9 @@ from ..models import task_of_model
 from ..models.base import ModelOutput
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
+# Architectures whose classifiers read float labels of no configured problem_type as class probabilities (a soft
+# cross-entropy), where the others infer multi-label classification: DeBERTa's `ForSequenceClassification`.
+SOFT_LABEL_TYPES = ("deberta", "deberta-v2")
 
 
 def task_loss(
@@ -26,13 +29,19 @@ def task_loss(
     `labels` for BERT pretraining). `output` is `model`'s output for the batch."""
     task = task_of_model(model)
     if task == "sequence-classification":
-        return sequence_classification_loss(output.logits, labels, model.args.num_labels, model.args.problem_type)
+        args = model.args
+        soft = args.model_type in SOFT_LABEL_TYPES and args.problem_type is None and args.num_labels > 1
+        if soft and labels.ndim == 2 and labels.shape[-1] > 1:
+            return soft_cross_entropy(output.logits, labels)
+        return sequence_classification_loss(output.logits, labels, args.num_labels, args.problem_type)
     if task in ("token-classification", "masked-lm"):
         return cross_entropy(output.logits, labels)
     if task == "causal-lm":  # position t predicts token t + 1 (transformers' `ForCausalLMLoss`)
         return cross_entropy(output.logits[:, :-1], labels[:, 1:])
     if task == "question-answering":
         return span_loss(output.start_logits, output.end_logits, start_positions, end_positions)
+    if task == "pretraining" and output.seq_relationship_logits is None:  # ELECTRA's discriminator
+        return replaced_token_loss(output.logits, labels)
     if task == "pretraining":
         return cross_entropy(output.logits, labels) + cross_entropy(output.seq_relationship_logits, next_sentence_label)
     raise ValueError(f"{type(model).__name__} is a bare encoder: it has no task loss; train it through a head")
@@ -48,6 +57,12 @@ def cross_entropy(logits: mx.array, targets: mx.array, ignore_index: int = IGNOR
     return mx.where(kept, losses, 0).sum() / kept.sum()
 
 
+def soft_cross_entropy(logits: mx.array, probabilities: mx.array) -> mx.array:
+    """-sum(p log softmax(logits)) per row, the mean over rows, in float32 (DeBERTa's loss for float labels)."""
+    log_p = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    return -(log_p * probabilities.astype(mx.float32)).sum(axis=-1).mean()
+
+
 def mse(predictions: mx.array, targets: mx.array) -> mx.array:
     """torch's MSELoss: the mean squared error, in float32."""
     return nn.losses.mse_loss(predictions.astype(mx.float32), targets.astype(mx.float32))
@@ -58,6 +73,16 @@ def binary_cross_entropy_with_logits(logits: mx.array, targets: mx.array) -> mx.
     return nn.losses.binary_cross_entropy(
         logits.astype(mx.float32), targets.astype(mx.float32), with_logits=True, reduction="mean"
     )
+
+
+def replaced_token_loss(logits: mx.array, labels: mx.array) -> mx.array:
+    """ELECTRA's discriminator: BCE-with-logits of (B, L) logits against 1 (replaced) / 0 (original), the mean over
+    tokens whose label is not IGNORE_INDEX. transformers averages over the attention mask's tokens instead: label
+    padding IGNORE_INDEX for the same loss."""
+    kept = labels != IGNORE_INDEX
+    targets = mx.where(kept, labels, 0).astype(mx.float32)
+    losses = nn.losses.binary_cross_entropy(logits.astype(mx.float32), targets, with_logits=True, reduction="none")
+    return mx.where(kept, losses, 0).sum() / kept.sum()
 
 
 def problem_type(labels: mx.array, num_labels: int, configured: str | None = None) -> str:
