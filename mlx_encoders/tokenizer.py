@@ -1,6 +1,7 @@
 """A small wrapper over `tokenizers.Tokenizer` that behaves like transformers' fast tokenizers.
 
-It reads `tokenizer.json` (which reproduces transformers' ids exactly) and the special tokens from
+It reads `tokenizer.json` (which reproduces transformers' ids exactly), or builds the same tokenizer from a
+SentencePiece model when a checkpoint ships only that (see spm.py), takes the special tokens from
 `tokenizer_config.json` / `special_tokens_map.json`, and returns mx.array batches.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 from tokenizers import Encoding
 from tokenizers import Tokenizer as FastTokenizer
 
+from . import spm
 from .checkpoint.files import read_json_object
 
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
@@ -52,10 +54,13 @@ def text_list(texts, caller: str) -> list:
     raise TypeError(f"{caller} takes a str or a list of str, got {type(texts).__name__}{hint}")
 
 
-def check_texts(texts: list) -> None:
-    """Fail on an item `tokenizers` cannot take, naming its index (tokenizers' own message names neither)."""
+def check_texts(texts: list, words: bool = False) -> None:
+    """Fail on an item `tokenizers` cannot take, naming its index (tokenizers' own message names neither).
+    With `words`, each item is a list of str words (pre-split text)."""
     for i, item in enumerate(texts):
-        parts = item if isinstance(item, tuple) and len(item) == 2 else (item,)
+        if words and not isinstance(item, (list, tuple)):
+            raise TypeError(f"Pre-split inputs must be lists of str words, got {type(item).__name__} for item {i}")
+        parts = item if words or (isinstance(item, tuple) and len(item) == 2) else (item,)
         for part in parts:
             if not isinstance(part, str):
                 raise TypeError(
@@ -94,13 +99,6 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path, max_positions: int | None = None, token_types: bool = True):
         path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.exists():
-            raise FileNotFoundError(
-                f"No tokenizer.json in {path}. mlx_encoders reads the fast-tokenizer file only; create it with "
-                "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the "
-                "model alone with `mlx_encoders.load_model`."
-            )
         config = {
             **read_json_object(path / "special_tokens_map.json"),
             **read_json_object(path / "tokenizer_config.json"),
@@ -108,11 +106,25 @@ class Tokenizer:
         limit = int(min(config.get("model_max_length") or NO_LIMIT, NO_LIMIT))
         if max_positions:
             limit = min(limit, max_positions)
-        try:
-            backend = FastTokenizer.from_file(str(file))
-        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
-            raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
-        return cls(backend, config, limit, token_types)
+        file = path / "tokenizer.json"
+        if file.exists():
+            try:
+                backend = FastTokenizer.from_file(str(file))
+            except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+                raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
+            return cls(backend, config, limit, token_types)
+        model = spm.find_model(path)
+        if model is None:
+            raise FileNotFoundError(
+                f"No tokenizer.json in {path}, nor a SentencePiece model ({', '.join(spm.FILES)}). mlx_encoders "
+                "reads these only (not vocab.txt / vocab.json alone); create tokenizer.json with "
+                "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the model "
+                "alone with `mlx_encoders.load_model`."
+            )
+        model_type = read_json_object(path / "config.json").get("model_type")
+        kind = spm.convention(config.get("tokenizer_class"), model_type, model)
+        backend, specials = spm.build(model, kind, config)
+        return cls(backend, {**config, **specials}, limit, token_types)
 
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json, which transformers' AutoTokenizer reads."""
@@ -147,21 +159,27 @@ class Tokenizer:
         return self.backend.num_special_tokens_to_add(pair)
 
     def encode_batch(
-        self, text, text_pair=None, truncation: bool = True, max_length: int | None = None,
-        add_special_tokens: bool = True, stride: int = 0,
+        self, text, text_pair=None, truncation: bool | str = True, max_length: int | None = None,
+        add_special_tokens: bool = True, stride: int = 0, is_split_into_words: bool = False,
     ) -> list[Encoding]:  # fmt: skip
-        """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs."""
+        """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs (or, with
+        `is_split_into_words`, of lists of words). `truncation`: True (longest first), False, or a strategy
+        ("longest_first", "only_first", "only_second")."""
         texts = text_list(text, "The tokenizer")
         if text_pair is not None:
             pairs = text_list(text_pair, "The tokenizer's text_pair")
             if len(pairs) != len(texts):
                 raise ValueError(f"Got {len(texts)} texts but {len(pairs)} text pairs")
             texts = list(zip(texts, pairs, strict=True))
-        check_texts(texts)
+        check_texts(texts, words=is_split_into_words)
         if truncation:  # tokenizers takes a machine-size length: a larger "no limit" becomes the largest it takes
-            self.backend.enable_truncation(min(max_length or self.model_max_length, USIZE_MAX), stride=stride)
+            strategy = "longest_first" if truncation is True else truncation
+            limit = min(max_length or self.model_max_length, USIZE_MAX)
+            self.backend.enable_truncation(limit, stride=stride, strategy=strategy)
         try:
-            return self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return self.backend.encode_batch(
+                texts, is_pretokenized=is_split_into_words, add_special_tokens=add_special_tokens
+            )
         finally:
             self.backend.no_truncation()
 
