@@ -17,12 +17,14 @@ from .tokenizer import Tokenizer
 __version__ = "0.1.0"
 __all__ = [
     "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
-    "SentenceEncoder", "pipeline", "convert", "generate", "stream_generate", "GenerationConfig",
+    "SentenceEncoder", "CrossEncoder", "quantize_embeddings", "pipeline", "convert", "generate", "stream_generate",
+    "GenerationConfig",
 ]  # fmt: skip
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
 _LAZY = {
-    "SentenceEncoder": "sentence", "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
+    "SentenceEncoder": "sentence", "CrossEncoder": "cross_encoder", "quantize_embeddings": "vectors",
+    "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation")

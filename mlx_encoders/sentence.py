@@ -2,10 +2,14 @@
 
 Reads a sentence-transformers folder the way `sentence_transformers.SentenceTransformer` does: `modules.json`
 (Transformer -> Pooling -> Dense* -> Normalize), `sentence_bert_config.json` (max_seq_length, do_lower_case),
-`config_sentence_transformers.json` (prompts, default_prompt_name), `1_Pooling/config.json` and `2_Dense/`.
-A plain transformers checkpoint gets the architecture's natural pooling (ModernBERT's `classifier_pooling`,
-mean for the others). Texts are sorted by token length into batches, so padding is minimal, and returned
-in input order.
+`config_sentence_transformers.json` (prompts, default_prompt_name, similarity_fn_name, truncate_dim),
+`1_Pooling/config.json` and `2_Dense/`. A plain transformers checkpoint, or a folder whose modules.json lists a
+Pooling folder that is not there (as mlx-embeddings' converter leaves them), gets the architecture's natural
+pooling (ModernBERT's `classifier_pooling`, mean for the others). Texts are sorted by token length into
+batches, so padding is minimal, and returned in input order.
+
+`encode` and its keywords follow `SentenceTransformer.encode` of sentence-transformers 6
+(sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
 """
 
 import numbers
@@ -24,6 +28,7 @@ from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .pooling import parse_modes, pool, read_pooling_config
 from .tokenizer import check_count, text_list
+from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
 DENSE_ACTIVATIONS = {
@@ -35,6 +40,9 @@ DENSE_ACTIVATIONS = {
     "Sigmoid": mx.sigmoid,
 }
 PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
+OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
+DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache.
 CPU_SLICE_BYTES = 3 * 2**19
 
@@ -56,6 +64,12 @@ class Dense:
 
 
 def load_dense(folder: Path) -> Dense:
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(
+            f"modules.json lists a Dense module at {folder}, but it has no config.json (converters such as "
+            "mlx-embeddings leave such folders out). Copy the folder from the original sentence-transformers model: "
+            "without its projection the embeddings would be wrong."
+        )
     config = read_json_object(folder / "config.json")
     name = (config.get("activation_function") or "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
     if name not in DENSE_ACTIVATIONS:
@@ -104,25 +118,79 @@ def lowercase(tokenizer) -> None:
     tokenizer.backend.normalizer = normalizers.Sequence([normalizers.Lowercase()] + ([current] if current else []))
 
 
-def similarity(a, b) -> np.ndarray:
-    """Cosine similarity of every row of `a` with every row of `b`: (N, D) x (M, D) -> (N, M) float32.
-    A single vector (D,) on either side drops that axis."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    na = a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-12)
-    nb = b / np.maximum(np.linalg.norm(b, axis=-1, keepdims=True), 1e-12)
-    return na @ nb.T
+def merge_prompts(
+    defaults: tuple[str, ...], saved: dict, prompts: dict | None, default_prompt_name: str | None, source: Path
+) -> tuple[dict[str, str], str | None]:
+    """(prompts, default_prompt_name) as sentence-transformers resolves them: the empty `defaults`, then the
+    folder's config_sentence_transformers.json (`saved`), then the arguments, each later one winning."""
+    merged = {**dict.fromkeys(defaults, ""), **(saved.get("prompts") or {}), **(prompts or {})}
+    default_prompt_name = default_prompt_name or saved.get("default_prompt_name")
+    if default_prompt_name is not None and default_prompt_name not in merged:
+        raise ValueError(
+            f"Default prompt name {default_prompt_name!r} (from {source} or default_prompt_name=) is not among the "
+            f"prompts: {', '.join(sorted(merged)) or 'none'}"
+        )
+    return merged, default_prompt_name
+
+
+def resolve_prompt(
+    prompts: dict[str, str], default_prompt_name: str | None, prompt_name: str | None, prompt: str | None, caller: str
+) -> str:
+    """`prompt` itself, else the prompt named `prompt_name`, else the default prompt, else ""."""
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"{caller} prompt must be a str, got {type(prompt).__name__}: {prompt!r:.60}")
+        if prompt_name is not None:
+            warnings.warn(
+                "Provide either a `prompt`, a `prompt_name`, or neither, but not both; ignoring the `prompt_name`",
+                UserWarning,
+                stacklevel=3,
+            )
+        return prompt
+    prompt_name = default_prompt_name if prompt_name is None else prompt_name
+    if prompt_name is None:
+        return ""
+    if prompt_name not in prompts:
+        raise ValueError(
+            f"Prompt name {prompt_name!r} is not in the prompts (config_sentence_transformers.json or prompts=); "
+            f"available prompts: {', '.join(sorted(prompts)) or 'none'}"
+        )
+    return prompts[prompt_name]
+
+
+def progress(starts: range, show: bool | None):
+    """`starts` behind a tqdm bar when `show`; None shows one from PROGRESS_MIN_BATCHES on, when stderr is a TTY."""
+    if show is None:
+        show = len(starts) >= PROGRESS_MIN_BATCHES and sys.stderr.isatty()
+    if not show:
+        return starts
+    from tqdm.auto import tqdm
+
+    return tqdm(starts, desc="Batches", unit="batch")
 
 
 class SentenceEncoder:
     """Texts -> embeddings, like `sentence_transformers.SentenceTransformer(path).encode(texts)`.
 
-    `path_or_repo`: a local folder (float or quantized, e.g. from `python -m convert`) or a hub id, read
-    from the huggingface_hub cache. `dtype` casts the weights ("float16", ...); `pooling` ("mean", "cls",
-    "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", or a list / "cls+mean" to concatenate)
-    replaces the stored or natural pooling.
+    `path_or_repo`: a local folder (float or quantized, e.g. from `python -m convert` or mlx-embeddings) or a
+    hub id, read from the huggingface_hub cache. `dtype` casts the weights ("float16", ...); `pooling` ("mean",
+    "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", or a list / "cls+mean" to concatenate)
+    replaces the stored or natural pooling. `prompts`, `default_prompt_name`, `similarity_fn_name` and
+    `truncate_dim` override those of config_sentence_transformers.json, as sentence-transformers' arguments do.
     """
 
-    def __init__(self, path_or_repo: str | Path, dtype=None, pooling=None, revision: str | None = None):
+    def __init__(
+        self,
+        path_or_repo: str | Path,
+        dtype=None,
+        pooling=None,
+        revision: str | None = None,
+        *,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: str | None = None,
+        truncate_dim: int | None = None,
+    ):
         self.path = resolve(path_or_repo, revision)
         self.dense: list[Dense] = []
         self.normalize = False
@@ -133,15 +201,18 @@ class SentenceEncoder:
         self.tokenizer = load_tokenizer(self.model, transformer)
         self.pooling = self.read_modules(kinds, pooling)
         self.read_sentence_config(transformer)
+        self.read_model_config(prompts, default_prompt_name, similarity_fn_name, truncate_dim)
         width = len(self.pooling) * self.model.args.hidden_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
         # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None
 
     def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
-        modes = None
+        modes, where = None, "modules.json, 1_Pooling/config.json"
         for kind, folder in kinds:
-            if kind == "Pooling":
+            if kind == "Pooling" and not (folder / "config.json").exists():  # mlx-embeddings leaves it out
+                where = f"{folder.relative_to(self.path)}/config.json, listed in modules.json, is missing"
+            elif kind == "Pooling":
                 modes, self.include_prompt = read_pooling_config(folder)
             elif kind == "Dense":
                 self.dense.append(load_dense(folder))
@@ -152,7 +223,7 @@ class SentenceEncoder:
         if modes is None:
             modes = natural_pooling(self.model.args)
             warnings.warn(
-                f"{self.path} has no sentence-transformers pooling config (modules.json, 1_Pooling/config.json); "
+                f"{self.path} has no sentence-transformers pooling config ({where}); "
                 f"using {'+'.join(modes)} pooling. Pass SentenceEncoder(..., pooling=...) to choose another.",
                 UserWarning,
                 stacklevel=3,
@@ -166,28 +237,38 @@ class SentenceEncoder:
         self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
         if config.get("do_lower_case"):
             lowercase(self.tokenizer)
-        st_config = read_json_object(self.path / "config_sentence_transformers.json")
-        self.prompts: dict[str, str] = st_config.get("prompts") or {}
-        self.default_prompt_name: str | None = st_config.get("default_prompt_name")
 
-    def choose_prompt(self, prompt_name: str | None, prompt: str | None) -> str:
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise TypeError(f"encode() prompt must be a str, got {type(prompt).__name__}: {prompt!r:.60}")
-            return prompt
-        prompt_name = prompt_name or self.default_prompt_name
-        if prompt_name is None:
-            return ""
-        if prompt_name not in self.prompts:
-            raise ValueError(
-                f"Prompt name {prompt_name!r} is not in {self.path / 'config_sentence_transformers.json'}; "
-                f"available prompts: {', '.join(self.prompts) or 'none'}"
-            )
-        return self.prompts[prompt_name]
+    def read_model_config(self, prompts, default_prompt_name, similarity_fn_name, truncate_dim) -> None:
+        file = self.path / "config_sentence_transformers.json"
+        config = read_json_object(file)
+        self.prompts, self.default_prompt_name = merge_prompts(
+            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
+        )
+        saved = config.get("similarity_fn_name")  # a name we do not compute (e.g. "maxsim") is ignored, as there
+        self.similarity_fn_name = similarity_fn_name or (saved if saved in SIMILARITIES else "cosine")
+        self.truncate_dim: int | None = config.get("truncate_dim") if truncate_dim is None else truncate_dim
+        if self.truncate_dim is not None:
+            check_count("truncate_dim", self.truncate_dim, 1)
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """How `similarity` scores: "cosine", "dot", "euclidean" or "manhattan" (negative distances)."""
+        return self._similarity_fn_name
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, name: str) -> None:
+        self._similarity_fn_name = check_similarity_name(name)
+
+    def get_embedding_dimension(self) -> int:
+        """The width of `encode`'s vectors: `dimension`, cut to `truncate_dim` when that is set."""
+        return self.dimension if self.truncate_dim is None else min(self.dimension, self.truncate_dim)
+
+    get_sentence_embedding_dimension = get_embedding_dimension  # sentence-transformers' older name
 
     def prompt_length(self, prompt: str) -> int:
-        """Tokens of the prompt that pooling skips when include_prompt is false (its trailing [SEP] is not)."""
-        if not prompt or self.include_prompt:
+        """Tokens of the prompt, its trailing special token ([SEP]) aside: those pooling skips when
+        include_prompt is false."""
+        if not prompt:
             return 0
         encoding = self.tokenizer.encode_batch([prompt], truncation=False)[0]
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
@@ -204,49 +285,126 @@ class SentenceEncoder:
             )
         return encodings
 
-    def embed(self, batch: dict[str, mx.array], prompt_length: int, normalize: bool) -> mx.array:
-        """One padded batch -> (B, D) float32 embeddings (lazy)."""
+    def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
+        """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
+        `tokens` (lazy). Pooling leaves out the first `skipped` tokens (an excluded prompt)."""
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+        hidden = out.last_hidden_state.astype(mx.float32)
         mask = batch["attention_mask"]
-        pooled_mask = mask if not prompt_length else mask * (mx.arange(mask.shape[1]) >= prompt_length)
-        x = pool(out.last_hidden_state.astype(mx.float32), pooled_mask, self.pooling, mask)
+        pooled_mask = mask if not skipped else mask * (mx.arange(mask.shape[1]) >= skipped)
+        x = pool(hidden, pooled_mask, self.pooling, mask)
         for dense in self.dense:
             x = dense(x.astype(dense.linear.weight.dtype)).astype(mx.float32)
-        if self.normalize or normalize:
-            x = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-        return x
+        if self.normalize:
+            x = normalize(x)
+        return [x, hidden] if tokens else [x]
 
     def encode(
         self,
-        texts: str | list[str],
-        batch_size: int = 32,
-        normalize_embeddings: bool = False,
-        show_progress_bar: bool | None = None,
+        sentences: str | list[str],
         prompt_name: str | None = None,
         prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        output_value: str | None = "sentence_embedding",
+        precision: str = "float32",
         convert_to_numpy: bool = True,
-    ) -> np.ndarray | mx.array:
-        """Embeddings of `texts` as float32 (N, D) (numpy, or mx.array with convert_to_numpy=False);
-        a single str gives (D,), an empty list (0, D).
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+    ):
+        """Embeddings of `sentences`, as sentence-transformers' `encode` returns them: float32 (N, D) numpy by
+        default, a single str giving (D,); `convert_to_tensor` one mx.array, `convert_to_numpy=False` a list of
+        (D,) mx.arrays. An empty list gives (0, D).
 
-        Each item must be a str (TypeError naming the index otherwise). An empty string is encoded like
-        sentence-transformers encodes it: as the special tokens alone ([CLS] [SEP]). `prompt`, or the named
-        prompt from config_sentence_transformers.json (`prompt_name`, else its default_prompt_name), is
+        Each item must be a str (TypeError naming the index otherwise); an empty string is encoded as the special
+        tokens alone ([CLS] [SEP]). `prompt`, or the named prompt (`prompt_name`, else `default_prompt_name`), is
         prepended to every text. Texts longer than `max_seq_length` tokens are truncated, with one warning.
+        The model's own modules (Normalize included) run first, then `truncate_dim` (Matryoshka: keep the first
+        dimensions), then `normalize_embeddings`, then `precision` ("int8", "uint8", "binary", "ubinary":
+        `quantize_embeddings` over the whole result). `output_value="token_embeddings"` gives per text the (L, H)
+        token embeddings of its own L tokens; `None` gives per text a dict of the model's inputs and outputs.
         """
-        single = isinstance(texts, str)
-        texts = text_list(texts, "encode()")
+        single = isinstance(sentences, str)
+        texts = text_list(sentences, "encode()")
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
         check_count("encode() batch_size", batch_size, 1)
+        if output_value not in OUTPUT_VALUES:
+            raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}")
+        precision = check_precision(precision or "float32")
+        if output_value is None and precision != "float32":
+            raise ValueError("precision applies to output_value 'sentence_embedding' or 'token_embeddings', not None")
+        truncate_dim = self.truncate_dim if truncate_dim is None else truncate_dim
+        if truncate_dim is not None:
+            check_count("encode() truncate_dim", truncate_dim, 1)
         self.check_max_seq_length()
-        prefix = self.choose_prompt(prompt_name, prompt)
-        vectors = self.run(
-            [prefix + t for t in texts], batch_size, normalize_embeddings, show_progress_bar, self.prompt_length(prefix)
-        )
-        vectors = vectors[0] if single else vectors
-        return vectors if convert_to_numpy else mx.array(vectors)
+        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        prompt_tokens = self.prompt_length(prefix)
+        skipped = 0 if self.include_prompt else prompt_tokens
+        tokens = output_value != "sentence_embedding"
+        texts = [prefix + t for t in texts]
+        encodings, vectors, token_vectors = self.run(texts, batch_size, show_progress_bar, skipped, tokens)
+        vectors = vectors[:, :truncate_dim]
+        if output_value == "token_embeddings":
+            out = quantize_embeddings(token_vectors, precision) if precision != "float32" else token_vectors
+            out = [mx.array(m) if m.dtype == np.float32 else m for m in out]  # quantized ones stay numpy, as theirs
+        elif output_value is None:
+            out = [
+                self.features(*item, prompt_tokens if prefix else None)
+                for item in zip(encodings, token_vectors, vectors, strict=True)
+            ]
+        else:
+            if normalize_embeddings:
+                vectors = np.array(normalize(mx.array(vectors)))
+            out = quantize_embeddings(vectors, precision)
+            if convert_to_tensor:
+                out = mx.array(out)
+            elif not convert_to_numpy:
+                out = [mx.array(row) for row in out]
+        return out[0] if single else out
+
+    def encode_query(
+        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
+    ):
+        """`encode` with the "query" prompt unless one is given (sentence-transformers defines it, empty, for every
+        model, so the default prompt never applies here)."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name, prompt, **kwargs)
+
+    def encode_document(
+        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
+    ):
+        """`encode` with the first of the "document", "passage" and "corpus" prompts unless one is given."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
+        return self.encode(sentences, prompt_name, prompt, **kwargs)
+
+    def features(self, encoding: Encoding, tokens: np.ndarray, vector: np.ndarray, prompt_length: int | None) -> dict:
+        """What `output_value=None` gives for one text: its inputs and outputs, keyed as sentence-transformers'."""
+        ids = {
+            "input_ids": encoding.ids,
+            "token_type_ids": encoding.type_ids,
+            "attention_mask": encoding.attention_mask,
+        }
+        item = {k: mx.array(v, mx.int64) for k, v in ids.items() if k in self.tokenizer.model_input_names}
+        item["modality"] = "text"
+        if prompt_length is not None:
+            item["prompt_length"] = prompt_length
+        item["token_embeddings"] = mx.array(tokens)
+        item["sentence_embedding"] = mx.array(vector)
+        return item
+
+    def similarity(self, embeddings1, embeddings2) -> mx.array:
+        """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2`, by
+        `similarity_fn_name`; a (D,) vector counts as one row, so it gives (1, M)."""
+        return SIMILARITIES[self.similarity_fn_name][0](embeddings1, embeddings2)
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
+        """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
+        return SIMILARITIES[self.similarity_fn_name][1](embeddings1, embeddings2)
 
     def check_max_seq_length(self) -> None:
         """`max_seq_length` may be set by hand; windows longer than the position table would read past it."""
@@ -259,26 +417,36 @@ class SentenceEncoder:
                 f"set it to at most {limit}"
             )
 
-    def run(self, texts: list[str], batch_size: int, normalize: bool, progress: bool | None, prompt_length: int):
+    def run(
+        self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool
+    ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:
+        """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
         out = np.zeros((len(texts), self.dimension), np.float32)
+        token_vectors = [None] * len(texts) if tokens else []
         if not texts:
-            return out
+            return [], out, token_vectors
         encodings = self.tokenize(texts)
         order = np.argsort([-len(e.ids) for e in encodings], kind="stable")  # longest first: memory peaks early
         starts = range(0, len(texts), batch_size)
-        if progress is None:
-            progress = len(starts) >= PROGRESS_MIN_BATCHES and sys.stderr.isatty()
+
+        def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
+            out[rows] = np.array(arrays[0])
+            if tokens:
+                hidden = np.array(arrays[1])
+                for row, i in enumerate(rows):
+                    token_vectors[i] = hidden[row, : len(encodings[i].ids)]
+
         pending = None
-        for start in self.progress(starts, progress):
+        for start in progress(starts, show_progress):
             batch = order[start : start + batch_size]
             for rows in self.slices(batch, [len(encodings[i]) for i in batch]):
-                vectors = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), prompt_length, normalize)
-                mx.async_eval(vectors)  # the next slice is padded while this one computes
+                arrays = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
+                mx.async_eval(arrays)  # the next slice is padded while this one computes
                 if pending is not None:
-                    out[pending[0]] = np.array(pending[1])
-                pending = (rows, vectors)
-        out[pending[0]] = np.array(pending[1])
-        return out
+                    collect(*pending)
+                pending = (rows, arrays)
+        collect(*pending)
+        return encodings, out, token_vectors
 
     def slices(self, rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
         """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
@@ -298,13 +466,3 @@ class SentenceEncoder:
             count = max(1, self.slice_bytes // max(per_row, 1))
             yield rows[start : start + count]
             start += count
-
-    @staticmethod
-    def progress(starts: range, show: bool):
-        if not show:
-            return starts
-        from tqdm.auto import tqdm
-
-        return tqdm(starts, desc="Batches", unit="batch")
-
-    similarity = staticmethod(similarity)

@@ -1,0 +1,180 @@
+"""Scores of text pairs with sentence-transformers' semantics: `CrossEncoder(path).predict(pairs)` and `.rank()`.
+
+Matches `sentence_transformers.CrossEncoder` (cross_encoder/model.py of sentence-transformers 6) over a
+sequence-classification checkpoint: each (query, document) pair is tokenized as one input (longest-first
+truncation to `max_seq_length`) and its logits go through the activation: the one given, else the one saved
+with the model (config_sentence_transformers.json or config.json `sentence_transformers.activation_fn`), else
+sigmoid for one label and identity for more. `apply_softmax` then softmaxes multi-label scores. Pairs are sorted
+by token length into batches and returned in input order; an mx.array stands where it returns a torch tensor.
+"""
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import load_tokenizer
+from .checkpoint import Checkpoint, load_model, read_json_object
+from .sentence import DENSE_ACTIVATIONS, merge_prompts, progress, resolve_prompt
+from .tokenizer import check_count, text_list
+
+
+def saved_activation(path: str, source: Path) -> Callable | None:
+    """The MLX function of a torch activation saved as a dotted path; None (the default, with a warning) for
+    one outside torch, as sentence-transformers without trust_remote_code."""
+    if not path.startswith("torch."):
+        warnings.warn(
+            f"{source}: activation function {path!r} is not a torch activation; using the default activation",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    name = path.rsplit(".", 1)[-1]
+    if name not in DENSE_ACTIVATIONS:
+        raise ValueError(
+            f"{source}: activation function {path!r} is not supported; supported torch activations: "
+            f"{', '.join(DENSE_ACTIVATIONS)}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead."
+        )
+    return DENSE_ACTIVATIONS[name]
+
+
+def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
+    """(pairs, whether `inputs` was one pair): a pair is a list or tuple of two str, as sentence-transformers
+    takes one when its first item is not itself a list or tuple."""
+    single = isinstance(inputs, (list, tuple)) and len(inputs) > 0 and not isinstance(inputs[0], (list, tuple))
+    items = [inputs] if single else text_list(inputs, "predict()")
+    for i, pair in enumerate(items):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise TypeError(f"predict() takes (str, str) pairs; item {i} is {type(pair).__name__}: {pair!r:.60}")
+    return [tuple(pair) for pair in items], single
+
+
+class CrossEncoder:
+    """(query, document) pairs -> scores, like `sentence_transformers.CrossEncoder(path)`.
+
+    `path_or_repo`: a folder or hub id of a sequence-classification checkpoint (float or quantized). `dtype`
+    casts the weights; `num_labels` sets the labels of the head, creating one (untrained, with a warning) on a
+    checkpoint without it; `max_length` caps the tokens of a pair (default: sentence_bert_config.json, else the
+    tokenizer's limit, within the model's positions); `activation_fn` (an MLX function of the logits) replaces
+    the saved or default activation; `prompts` and `default_prompt_name` as in config_sentence_transformers.json.
+    """
+
+    def __init__(
+        self,
+        path_or_repo: str | Path,
+        dtype=None,
+        revision: str | None = None,
+        *,
+        num_labels: int | None = None,
+        max_length: int | None = None,
+        activation_fn: Callable | None = None,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+    ):
+        checkpoint = Checkpoint.open(path_or_repo, revision)
+        self.path = checkpoint.path
+        self.model = load_model(checkpoint, dtype=dtype, task="sequence-classification", num_labels=num_labels)
+        self.tokenizer = load_tokenizer(self.model, checkpoint)
+        file = self.path / "config_sentence_transformers.json"
+        config = read_json_object(file)
+        self.prompts, self.default_prompt_name = merge_prompts((), config, prompts, default_prompt_name, file)
+        self.activation_fn = activation_fn or self.default_activation(config, checkpoint.config)
+        saved_length = read_json_object(self.path / "sentence_bert_config.json").get("max_seq_length")
+        limit = self.model.args.max_tokens
+        self.max_seq_length = max_length or saved_length or self.tokenizer.model_max_length
+        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
+
+    @property
+    def num_labels(self) -> int:
+        return self.model.args.num_labels
+
+    def default_activation(self, st_config: dict, config: dict) -> Callable:
+        saved = [
+            (st_config.get("activation_fn"), self.path / "config_sentence_transformers.json"),
+            ((config.get("sentence_transformers") or {}).get("activation_fn"), self.path / "config.json"),
+            (config.get("sbert_ce_default_activation_function"), self.path / "config.json"),  # before v4
+        ]
+        for path, source in saved:
+            if path and (function := saved_activation(path, source)) is not None:
+                return function
+        return mx.sigmoid if self.num_labels == 1 else DENSE_ACTIVATIONS["Identity"]
+
+    def predict(
+        self,
+        sentences,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        activation_fn: Callable | None = None,
+        apply_softmax: bool = False,
+        convert_to_numpy: bool = True,
+        convert_to_tensor: bool = False,
+    ):
+        """Scores of a (query, document) pair or a list of them: float32 numpy (N,) for one label, (N, labels)
+        for more (a single pair gives one row); `convert_to_tensor` one mx.array, `convert_to_numpy=False` a list
+        of mx.arrays. The logits go through `activation_fn` (default: the model's), then softmax with
+        `apply_softmax` when there are several labels. The prompt is prepended to each pair's first text.
+        """
+        pairs, single = pair_list(sentences)
+        check_count("predict() batch_size", batch_size, 1)
+        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "predict()")
+        logits = self.logits([(prefix + a, b) for a, b in pairs], batch_size, show_progress_bar)
+        scores = (activation_fn or self.activation_fn)(logits)
+        if self.num_labels == 1:
+            scores = scores.squeeze(-1)
+        elif apply_softmax:
+            scores = mx.softmax(scores, axis=-1)
+        if convert_to_tensor:
+            out = scores
+        elif convert_to_numpy:
+            out = np.array(scores.astype(mx.float32))
+        else:
+            out = list(scores)
+        return out[0] if single else out
+
+    def logits(self, pairs: list[tuple[str, str]], batch_size: int, show_progress: bool | None) -> mx.array:
+        """(N, num_labels) float32 logits in input order, batches of similar token lengths."""
+        if not pairs:
+            return mx.zeros((0, self.num_labels))
+        firsts, seconds = zip(*pairs, strict=True)
+        encodings = self.tokenizer.encode_batch(list(firsts), list(seconds), max_length=self.max_seq_length)
+        order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
+        starts = range(0, len(pairs), batch_size)
+        out = np.zeros((len(pairs), self.num_labels), np.float32)
+        for start in progress(starts, show_progress):
+            rows = order[start : start + batch_size]
+            batch = self.tokenizer.pad([encodings[i] for i in rows])
+            result = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+            out[rows] = np.array(result.logits.astype(mx.float32))
+        return mx.array(out)
+
+    def rank(
+        self,
+        query: str,
+        documents: list[str],
+        top_k: int | None = None,
+        return_documents: bool = False,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        activation_fn: Callable | None = None,
+    ) -> list[dict]:
+        """`documents` by score against `query`, best first: [{"corpus_id": int, "score": float}, ...] (plus
+        "text" with `return_documents`), the first `top_k` of them (all with None). One-label models only."""
+        if self.num_labels != 1:
+            raise ValueError(
+                "CrossEncoder.rank() only works for models with num_labels=1. "
+                "Consider using CrossEncoder.predict() with input pairs instead."
+            )
+        pairs = [[query, document] for document in text_list(documents, "rank()")]
+        scores = self.predict(
+            pairs, prompt_name, prompt, batch_size, show_progress_bar, activation_fn, convert_to_tensor=True
+        ).tolist()
+        results = []
+        for i, score in enumerate(scores):
+            results.append({"corpus_id": i, "score": score, **({"text": documents[i]} if return_documents else {})})
+        return sorted(results, key=lambda r: r["score"], reverse=True)[:top_k]
