@@ -1,8 +1,9 @@
 """`python -m mlx_encoders TASK --model PATH [TEXT ...]` (or `mlx-encoders TASK ...`): fill-mask, classify, embed.
 
 Texts come from the arguments, or one per line from stdin when there are none. Results print as tables,
-or as JSON with `--json`: a list with one {"input", "result"} entry per text, where "result" is what the
-Python API returns for that text (`mlx_encoders.pipeline(...)`, `SentenceEncoder.encode`).
+or as JSON with `--json`: a list with one {"input", "result"} entry per text, one entry per line (`--indent N`
+spreads it out), where "result" is what the Python API returns for that text (`mlx_encoders.pipeline(...)`,
+`SentenceEncoder.encode`).
 """
 
 import argparse
@@ -23,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("texts", nargs="*", metavar="TEXT", help="input texts (default: one per line from stdin)")
     common.add_argument("--model", "-m", required=True, help="checkpoint folder or Hugging Face hub id")
-    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("--json", action="store_true", help="print JSON, one line per text, instead of a table")
+    common.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
     common.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     common.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
 
@@ -124,13 +126,20 @@ def embed(args, texts: list[str]):
 TASKS = {"fill-mask": fill_mask, "classify": classify, "embed": embed}
 
 
+def to_json(records: list, indent: int | None = None) -> str:
+    """A JSON list with one record per line (a 384-number vector stays on its line), or indented throughout."""
+    if indent is not None or not records:
+        return json.dumps(records, indent=indent, ensure_ascii=False)
+    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]"
+
+
 def print_results(args: argparse.Namespace, texts: list[str], results, show) -> None:
     if args.json:
         if args.task == "classify" and args.rerank:
-            print(json.dumps(results, indent=2, ensure_ascii=False))
+            print(to_json(results, args.indent))
         else:
             entries = [{"input": t, "result": r} for t, r in zip(texts, results, strict=True)]
-            print(json.dumps(entries, indent=2, ensure_ascii=False))
+            print(to_json(entries, args.indent))
     elif isinstance(show, str):
         print(show)
     else:

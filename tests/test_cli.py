@@ -131,6 +131,27 @@ def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier
     assert code == 1 and "missing" in err
 
 
+def test_json_is_one_line_per_record(capsys, mlm):
+    """A list with one record per line, so a 384-number embedding stays on one line; --indent spreads it out."""
+    texts = ["Paris is the [MASK] of France.", "A [MASK] and a [MASK]."]
+    for argv in (["fill-mask", "-m", mlm, "--top-k", 2], ["embed", "-m", MINILM]):
+        code, out, _ = run(capsys, *argv, "--json", *texts)
+        lines = out.splitlines()
+        assert code == 0 and lines[0] == "[" and lines[-1] == "]" and len(lines) == len(texts) + 2
+        assert [json.loads(line.removesuffix(","))["input"] for line in lines[1:-1]] == texts
+        code, indented, _ = run(capsys, *argv, "--json", "--indent", 2, *texts)
+        assert json.loads(indented) == json.loads(out) and len(indented.splitlines()) > 20
+    assert len(json.loads(out)[0]["result"]) == 384
+
+
+def test_wrong_head_names_the_subcommand_of_the_head(capsys, checkpoint, classifier):
+    code, _, err = run(capsys, "fill-mask", "-m", checkpoint("bert"), "A [MASK].")
+    assert code == 1 and "(an encoder head), which supports the 'feature-extraction' task" in err
+    assert "(`mlx-encoders embed` on the command line)" in err
+    code, _, err = run(capsys, "fill-mask", "-m", classifier, "A [MASK].")
+    assert "(a sequence-classification head)" in err and "(`mlx-encoders classify` on the command line)" in err
+
+
 def make_directory(path: Path) -> None:
     path.unlink()
     path.mkdir()

@@ -1,17 +1,20 @@
-"""Shared machinery of the task pipelines: loading the right head, padding encodings and batching.
+"""Shared machinery of the task pipelines: loading the right head, call options, padding encodings and batching.
 
 Mirrors the parts of transformers' `Pipeline` (pipelines/base.py) that change results: inputs are
-tokenized one by one, then run through the model `batch_size` at a time with right padding.
+tokenized one by one, then run through the model `batch_size` at a time with right padding; keywords given
+at construction are the defaults of every call, and a call's own keywords (and `batch_size`) override them.
 """
 
+import inspect
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, resolve
 from ..models import model_module
 from ..tokenizer import Tokenizer, check_count, text_list
 
@@ -25,6 +28,13 @@ HEAD_TASKS = {
     "question-answering": "question-answering",
     "causal-lm": "text-generation",
 }
+# The command-line subcommand of a task, where one exists (`python -m mlx_encoders --help`).
+COMMANDS = {"feature-extraction": "embed", "fill-mask": "fill-mask", "text-classification": "classify",
+            "text-generation": "generate"}  # fmt: skip
+# transformers' tokenizer keywords with a meaning for one text at a time; padding only changes batching, which
+# the pipelines do themselves, so it is taken and changes nothing (as in transformers' results).
+TOKENIZER_KEYWORDS = ("truncation", "max_length", "padding")
+TRUNCATIONS = (True, False, "longest_first", "only_first", "only_second", "do_not_truncate")
 
 
 def batches(items: Sequence, batch_size: int) -> Iterator[Sequence]:
@@ -39,17 +49,48 @@ def to_numpy(x: mx.array) -> np.ndarray:
 
 
 class Pipeline:
-    """A model with the head a task needs, its tokenizer, and `batch_size` for lists of inputs."""
+    """A model with the head a task needs, its tokenizer, `batch_size` for lists of inputs, the MLX device it
+    runs on, and default keywords for every call (`pipeline("fill-mask", model=..., top_k=3)`)."""
 
     task = ""
     head = ""  # the models/ task name of the head this pipeline runs
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, batch_size: int = 8):
+    def __init__(
+        self, model: nn.Module, tokenizer: Tokenizer, batch_size: int = 8, device: mx.Device | None = None, **defaults
+    ):
         self.check(model)
         check_count("batch_size", batch_size, 1)
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.device = device or mx.default_device()
+        self.defaults = self.options(defaults)
+
+    def __call__(self, *args, batch_size: int | None = None, **options):
+        """Run the task on the inputs (see `predict` for its keywords); keywords not given here take the values
+        given at construction, and `batch_size` (inputs per forward pass) the pipeline's."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        check_count("batch_size", batch_size, 1)
+        options = {**self.defaults, **self.options(options)}
+        with mx.stream(self.device):
+            return self.predict(*args, batch_size=batch_size, **options)
+
+    def predict(self, inputs, *, batch_size: int):
+        raise NotImplementedError
+
+    def options(self, given: dict) -> dict:
+        """`given` keywords, checked against those `predict` takes (a TypeError naming them all otherwise)."""
+        parameters = inspect.signature(self.predict).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):  # e.g. text generation's GenerationConfig fields
+            return given
+        names = [p.name for p in parameters if p.name != "batch_size"]
+        unknown = [name for name in given if name not in names]
+        if unknown:
+            raise TypeError(
+                f"The {self.task!r} pipeline got an unexpected keyword argument {unknown[0]!r}; it takes "
+                f"{', '.join(names)} and batch_size"
+            )
+        return given
 
     def check(self, model: nn.Module) -> None:
         check_head(model, self.task, self.head)
@@ -70,12 +111,13 @@ class Pipeline:
         )
 
     def forward(
-        self, encodings: Sequence[Encoding], fields: Sequence[str] = ("logits",), per_token: bool = True
-    ) -> list[list[np.ndarray]]:
-        """Run encodings through the model `batch_size` at a time; per encoding, the numpy value of each
-        ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
+        self, encodings: Sequence[Encoding], batch_size: int | None = None, fields: Sequence[str] = ("logits",),
+        per_token: bool = True,
+    ) -> list[list[np.ndarray]]:  # fmt: skip
+        """Run encodings through the model `batch_size` (default the pipeline's) at a time; per encoding, the numpy
+        value of each ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
         results = []
-        for chunk in batches(encodings, self.batch_size):
+        for chunk in batches(encodings, batch_size or self.batch_size):
             out = self.run(self.tokenizer.pad(list(chunk)))
             values = [to_numpy(getattr(out, name)) for name in fields]
             for row, e in enumerate(chunk):
@@ -95,9 +137,20 @@ class Pipeline:
                 )
         return texts
 
-    def encode(self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool = True) -> list[Encoding]:
-        """Encodings truncated to `max_length`; without truncation, one longer than the position table fails."""
-        encodings = self.tokenizer.encode_batch(texts, text_pairs, truncation=truncation, max_length=self.max_length)
+    def encode(
+        self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool | str = True,
+        max_length: int | None = None, is_split_into_words: bool = False,
+    ) -> list[Encoding]:  # fmt: skip
+        """Encodings truncated to `max_length` (default the model's length); without truncation, one longer than the
+        position table fails."""
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"Unknown truncation {truncation!r}; choose one of {TRUNCATIONS}")
+        if max_length is not None:
+            check_count("max_length", max_length, 1)
+        truncation = truncation if truncation != "do_not_truncate" else False
+        encodings = self.tokenizer.encode_batch(
+            texts, text_pairs, truncation, max_length or self.max_length, is_split_into_words=is_split_into_words
+        )
         limit = self.model.args.max_tokens
         for i, (text, e) in enumerate(zip(texts, encodings, strict=True)):
             if not e.ids:
@@ -105,8 +158,31 @@ class Pipeline:
             if limit and len(e.ids) > limit:
                 raise ValueError(
                     f"Item {i} has {len(e.ids)} tokens, more than the model's {limit}; pass truncation=True"
+                    + (f" and a max_length of at most {limit}" if max_length and max_length > limit else "")
                 )
         return encodings
+
+
+def tokenizer_options(options: dict | None, name: str = "tokenizer_kwargs") -> dict:
+    """transformers' `tokenizer_kwargs` as `encode` keywords; a TypeError for one without a meaning here."""
+    options = dict(options or {})
+    unknown = [key for key in options if key not in TOKENIZER_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{name} takes {', '.join(TOKENIZER_KEYWORDS)}; got {unknown[0]!r}")
+    options.pop("padding", None)
+    return options
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
+def supported(head: str) -> str:
+    """The pipeline task a head serves, and its command-line subcommand: "the 'feature-extraction' task
+    (`mlx-encoders embed` on the command line)"."""
+    task = HEAD_TASKS.get(head, "?")
+    command = f" (`mlx-encoders {COMMANDS[task]}` on the command line)" if task in COMMANDS else ""
+    return f"the {task!r} task{command}"
 
 
 def check_head(model: nn.Module, task: str, head: str) -> None:
@@ -117,23 +193,35 @@ def check_head(model: nn.Module, task: str, head: str) -> None:
     have = next((name for name, cls in module.MODELS.items() if type(model) is cls), type(model).__name__)
     source = f" from {model.path}" if getattr(model, "path", None) else ""
     raise ValueError(
-        f"The {task!r} pipeline needs a {head} head, but {type(model).__name__}{source} has a {have} "
-        f"head, which supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
+        f"The {task!r} pipeline needs {article(head)} head, but {type(model).__name__}{source} has {article(have)} "
+        f"head, which supports {supported(have)}. Use a checkpoint fine-tuned for {task}."
     )
 
 
-def load_for(task: str, head: str, model, accepted: Sequence[str], dtype=None) -> tuple[nn.Module, Tokenizer]:
-    """(model, tokenizer) from a path / hub id (loading the `head` the task needs) or from a loaded pair."""
-    from .. import load
+def load_for(
+    task: str, head: str, model, accepted: Sequence[str], dtype: str | None = None,
+    tokenizer: Tokenizer | str | Path | None = None, revision: str | None = None,
+) -> tuple[nn.Module, Tokenizer]:  # fmt: skip
+    """(model, tokenizer) from a path / hub id (loading the `head` the task needs), a loaded model, or a loaded
+    (model, tokenizer) pair; `tokenizer` (a Tokenizer, or a folder / hub id holding one) replaces the model's own."""
+    from .. import load_model, load_tokenizer
 
+    own = None
     if isinstance(model, (tuple, list)):
-        return model[0], model[1]
-    checkpoint = Checkpoint.open(model)
-    have = checkpoint.task
-    if have not in accepted:
-        architecture = (checkpoint.config.get("architectures") or ["a bare encoder"])[0]
-        raise ValueError(
-            f"The {task!r} pipeline needs a {head} head, but {checkpoint.path} holds {architecture} (a {have} head), "
-            f"which supports the {HEAD_TASKS.get(have, '?')!r} task. Use a checkpoint fine-tuned for {task}."
-        )
-    return load(checkpoint, dtype=dtype, task=head)
+        model, own = model
+    elif not isinstance(model, nn.Module):
+        checkpoint = Checkpoint.open(model, revision)
+        have = checkpoint.task
+        if have not in accepted:
+            architecture = (checkpoint.config.get("architectures") or ["a bare encoder"])[0]
+            raise ValueError(
+                f"The {task!r} pipeline needs {article(head)} head, but {checkpoint.path} holds {architecture} "
+                f"({article(have)} head), which supports {supported(have)}. Use a checkpoint fine-tuned for {task}."
+            )
+        model = load_model(checkpoint, dtype=dtype, task=head)
+        own = load_tokenizer(model, checkpoint) if tokenizer is None else None
+    if isinstance(tokenizer, Tokenizer):
+        return model, tokenizer
+    if tokenizer is not None:
+        return model, load_tokenizer(model, resolve(tokenizer, revision))
+    return model, own or load_tokenizer(model)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..tokenizer import text_list
-from .base import Pipeline, batches, check_count, to_numpy
+from .base import Pipeline, batches, check_count, to_numpy, tokenizer_options
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -28,31 +28,39 @@ class FillMaskPipeline(Pipeline):
             source = f" in {self.model.path}" if getattr(self.model, "path", None) else ""
             raise ValueError(f"The tokenizer{source} defines no mask_token; fill-mask needs one")
 
-    def mask_logits(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def mask_logits(
+        self, texts: Sequence[str], batch_size: int | None = None, truncation: bool | str = True,
+        max_length: int | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
         """Per text: (input ids, mask positions, logits at those positions of shape (n_masks, vocab))."""
-        encodings = self.encode(texts)
+        encodings = self.encode(texts, truncation=truncation, max_length=max_length)
         ids = [np.array(e.ids) for e in encodings]
         masks = [np.flatnonzero(i == self.tokenizer.mask_token_id) for i in ids]
         for text, m in zip(texts, masks, strict=True):
             if not len(m):
                 raise ValueError(
                     f"No mask_token ({self.tokenizer.mask_token}) found in the input {text!r} "
-                    f"(after truncation to {self.max_length} tokens)"
+                    f"(after truncation to {max_length or self.max_length} tokens)"
                 )
         logits = []
-        for chunk in batches(range(len(encodings)), self.batch_size):
+        for chunk in batches(range(len(encodings)), batch_size or self.batch_size):
             out = self.run(self.tokenizer.pad([encodings[i] for i in chunk])).logits
             for row, i in enumerate(chunk):  # gather the mask rows before leaving MLX: the full vocab is large
                 logits.append(to_numpy(out[row, mx.array(masks[i])]))
         return list(zip(ids, masks, logits, strict=True))
 
-    def __call__(self, inputs: str | list[str], top_k: int = 5, targets: str | list[str] | None = None):
+    def predict(
+        self, inputs: str | list[str], top_k: int = 5, targets: str | list[str] | None = None,
+        tokenizer_kwargs: dict | None = None, *, batch_size: int,
+    ):  # fmt: skip
         """Top-k fillers per mask: [{"score", "token", "token_str", "sequence"}, ...] (one list per mask
-        when the text has several); a list of texts gives a list of those."""
+        when the text has several); a list of texts gives a list of those. `tokenizer_kwargs` (truncation,
+        max_length) as transformers'; texts are truncated to the model's length by default."""
         texts = self.texts(inputs)
         check_count("top_k", top_k, 1)
         target_ids = self.target_ids(targets) if targets is not None else None
-        results = [self.postprocess(*item, top_k, target_ids) for item in self.mask_logits(texts)]
+        logits = self.mask_logits(texts, batch_size, **tokenizer_options(tokenizer_kwargs))
+        results = [self.postprocess(*item, top_k, target_ids) for item in logits]
         return results[0] if isinstance(inputs, str) or len(results) == 1 else results
 
     def postprocess(self, ids, masks, logits, top_k: int, target_ids: np.ndarray | None):

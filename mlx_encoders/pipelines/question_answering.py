@@ -68,10 +68,10 @@ class QuestionAnsweringPipeline(Pipeline):
     task = "question-answering"
     head = "question-answering"
 
-    def __call__(
+    def predict(
         self, question: str | list[str] | dict | list[dict] | None = None, context: str | list[str] | None = None,
         top_k: int = 1, doc_stride: int | None = None, max_answer_len: int = 15, max_seq_len: int | None = None,
-        handle_impossible_answer: bool = False, align_to_words: bool = True,
+        handle_impossible_answer: bool = False, align_to_words: bool = True, *, batch_size: int,
     ):  # fmt: skip
         """Best answer spans of `context` for `question`: {"score", "start", "end", "answer"}, or a list of
         the `top_k` best; lists of questions and contexts (or {"question", "context"} dicts) give one per pair."""
@@ -80,7 +80,7 @@ class QuestionAnsweringPipeline(Pipeline):
         check_count("max_answer_len", max_answer_len, 1)
         windows = self.windows(examples, self.window_length(max_seq_len), doc_stride)
         flat = [w for example in windows for w in example]
-        logits = iter(self.forward(flat, fields=("start_logits", "end_logits")))
+        logits = iter(self.forward(flat, batch_size, fields=("start_logits", "end_logits")))
         options = dict(top_k=top_k, impossible=handle_impossible_answer, max_answer_len=max_answer_len)
         results = [
             self.answers(context, example, [next(logits) for _ in example], align_to_words, **options)

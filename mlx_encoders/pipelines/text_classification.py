@@ -1,12 +1,13 @@
 """Text classification (single texts and text pairs) and reranking, matching transformers'
 `TextClassificationPipeline` (pipelines/text_classification.py): same labels, scores and nesting.
 
-Inputs longer than the model's positions are truncated (longest-first for pairs).
+Inputs longer than the model's positions are truncated (longest-first for pairs) unless `truncation=False`.
 """
 
+import mlx.core as mx
 import numpy as np
 
-from .base import Pipeline, check_count
+from .base import Pipeline, check_count, tokenizer_options
 from .fill_mask import softmax
 
 FUNCTIONS = ("softmax", "sigmoid", "none")
@@ -29,37 +30,60 @@ class TextClassificationPipeline(Pipeline):
             return "sigmoid"
         return "softmax"
 
-    def scores(self, texts: list[str], pairs: list[str] | None = None, function_to_apply: str | None = None):
+    def scores(
+        self, texts: list[str], pairs: list[str] | None = None, function_to_apply: str | None = None,
+        batch_size: int | None = None, **encode_options,
+    ):  # fmt: skip
         """(n, num_labels) scores after softmax / sigmoid / none (default from problem_type and num_labels)."""
         function = (function_to_apply or self.default_function()).lower()
         if function not in FUNCTIONS:
             raise ValueError(f"Unrecognized function_to_apply {function_to_apply!r}; choose one of {FUNCTIONS}")
-        logits = np.stack([out[0] for out in self.forward(self.encode(texts, pairs), per_token=False)])
+        encodings = self.encode(texts, pairs, **encode_options)
+        logits = np.stack([out[0] for out in self.forward(encodings, batch_size, per_token=False)])
         return {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}[function](logits)
 
-    def __call__(self, inputs, top_k: int | None | str = LEGACY, function_to_apply: str | None = None):
+    def __call__(self, inputs, **options):
+        # transformers puts a single string's result in a list unless this call passes top_k
+        result = super().__call__(inputs, **options)
+        return [result] if isinstance(inputs, str) and "top_k" not in options else result
+
+    def predict(
+        self, inputs, top_k: int | None | str = LEGACY, function_to_apply: str | None = None,
+        return_all_scores: bool | None = None, truncation: bool | str = True, max_length: int | None = None,
+        padding: bool | str = False, tokenizer_kwargs: dict | None = None, *, batch_size: int,
+    ):  # fmt: skip
         """Labels and scores for a text, a {"text", "text_pair"} dict, or a list of either.
 
-        Without `top_k`: the best {"label", "score"} per input (a list of one for a single string);
-        with `top_k` (None = all labels): a list of the best `top_k` per input, highest first.
+        Without `top_k`: the best {"label", "score"} per input (in a list for a single string); with `top_k`
+        (None = all labels): a list of the best `top_k` per input, highest first. `return_all_scores` is
+        transformers 4's legacy form (5 ignores it), taken when `top_k` is not given: True gives every label in
+        the model's order, False the best. `truncation`, `max_length` and `tokenizer_kwargs` as transformers'
+        tokenizer keywords; inputs are truncated to the model's length by default. `padding` is taken and, as
+        in transformers' results, changes nothing.
         """
         items = inputs if isinstance(inputs, list) else [inputs]
         if not items:
             raise ValueError("text-classification needs at least one input")
-        if top_k not in (LEGACY, None):
+        legacy = top_k == LEGACY
+        if legacy:
+            top_k = None if return_all_scores else 1
+        if top_k is not None:
             check_count("top_k", top_k, 1)
         texts, pairs = split_pairs(items)
-        scores = self.scores(texts, pairs, function_to_apply)
-        results = [self.labels(row, top_k) for row in scores]
-        if isinstance(inputs, list):
-            return results
-        return [results[0]] if isinstance(inputs, str) and top_k == LEGACY else results[0]
+        options = {"truncation": truncation, "max_length": max_length, **tokenizer_options(tokenizer_kwargs)}
+        scores = self.scores(texts, pairs, function_to_apply, batch_size, **options)
+        results = [self.labels(row, top_k, legacy) for row in scores]
+        return results if isinstance(inputs, list) else results[0]
 
-    def labels(self, scores: np.ndarray, top_k: int | None | str):
-        if top_k == LEGACY:
+    def labels(self, scores: np.ndarray, top_k: int | None, legacy: bool):
+        """transformers' postprocess: the best label alone (legacy top 1), else labels in the model's order
+        (legacy, all of them) or sorted best first and cut to `top_k`."""
+        if legacy and top_k == 1:
             best = int(scores.argmax())
             return {"label": self.id2label[best], "score": float(scores[best])}
         ranked = [{"label": self.id2label[i], "score": float(s)} for i, s in enumerate(scores)]
+        if legacy:
+            return ranked
         ranked.sort(key=lambda x: x["score"], reverse=True)
         return ranked if top_k is None else ranked[:top_k]
 
@@ -75,7 +99,8 @@ class TextClassificationPipeline(Pipeline):
             check_count("top_k", top_k, 1)
         if not documents:
             return []
-        scores = self.scores([query] * len(documents), list(documents), function_to_apply)[:, -1]
+        with mx.stream(self.device):
+            scores = self.scores([query] * len(documents), list(documents), function_to_apply)[:, -1]
         order = np.argsort(-scores, kind="stable")[:top_k]
         return [{"corpus_id": int(i), "score": float(scores[i]), "text": documents[i]} for i in order]
 

@@ -14,12 +14,14 @@ class TextGenerationPipeline(Pipeline):
     task = "text-generation"
     head = "causal-lm"
 
-    def __call__(
+    def predict(
         self,
         text_inputs: str | list[str],
         return_full_text: bool = True,
         num_return_sequences: int = 1,
         generation_config: GenerationConfig | str | None = None,
+        *,
+        batch_size: int,
         **generate_kwargs,
     ):
         """[{"generated_text": ...}] per prompt (`num_return_sequences` dicts each); a list of prompts gives a
@@ -28,7 +30,7 @@ class TextGenerationPipeline(Pipeline):
         texts = self.texts(text_inputs)
         check_count("num_return_sequences", num_return_sequences, 1)
         results = []
-        for i, chunk in enumerate(batches(texts, self.batch_size)):
+        for i, chunk in enumerate(batches(texts, batch_size)):
             config = self.config(generation_config, generate_kwargs, i)
             prompts = [text for text in chunk for _ in range(num_return_sequences)]
             continuations = generate(self.model, self.tokenizer, prompts, config)

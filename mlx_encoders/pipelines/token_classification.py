@@ -26,32 +26,51 @@ class TokenClassificationPipeline(Pipeline):
     task = "token-classification"
     head = "token-classification"
 
-    def __call__(
-        self, inputs: str | list[str], aggregation_strategy: str = "none", ignore_labels: list[str] | None = None,
-        stride: int | None = None,
+    def options(self, given: dict) -> dict:
+        """transformers' rule, applied to the keywords of one call (or of the construction) on their own."""
+        strategy = given.get("aggregation_strategy")
+        if given.get("stride") is not None and isinstance(strategy, str) and strategy.lower() == "none":
+            raise ValueError('stride needs an aggregation_strategy other than "none", to merge the windows')
+        return super().options(given)
+
+    def predict(
+        self, inputs: str | list[str] | list[list[str]], aggregation_strategy: str | None = None,
+        ignore_labels: list[str] | None = None, stride: int | None = None, is_split_into_words: bool = False,
+        delimiter: str | None = None, *, batch_size: int,
     ):  # fmt: skip
         """Entities of a text (a list of dicts), or of each text in a list (a list of lists).
 
-        "none" gives one dict per token: {"entity", "score", "index", "word", "start", "end"}; the other
-        strategies group tokens into {"entity_group", "score", "word", "start", "end"}. Texts longer than
+        "none" (the default) gives one dict per token: {"entity", "score", "index", "word", "start", "end"}; the
+        other strategies group tokens into {"entity_group", "score", "word", "start", "end"}. Texts longer than
         the model are truncated, unless `stride` is given: then they are split into windows that overlap by
         `stride` tokens, and of overlapping entities the longest (then the higher scored) is kept.
+        `is_split_into_words=True` takes a list of words (or a list of such lists) and reports spans in the words
+        joined by `delimiter` (default " "); as in transformers, the result is a list of lists either way.
         """
-        strategy = aggregation_strategy.lower()
+        strategy = (aggregation_strategy or "none").lower()
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown aggregation_strategy {aggregation_strategy!r}; choose one of {STRATEGIES}")
-        texts = self.texts(inputs)
-        windows = [[e] for e in self.encode(texts)] if stride is None else self.windows(texts, stride, strategy)
-        logits = iter(out[0] for out in self.forward([w for text in windows for w in text]))
+        words = split_words(inputs) if is_split_into_words else None
+        delimiter = " " if delimiter is None else delimiter
+        texts = [delimiter.join(w) for w in words] if words is not None else self.texts(inputs)
+        examples = words if words is not None else texts
+        if stride is None:
+            windows = [[e] for e in self.encode(examples, is_split_into_words=is_split_into_words)]
+        else:
+            windows = self.windows(examples, stride, is_split_into_words)
+        logits = iter(out[0] for out in self.forward([w for text in windows for w in text], batch_size))
         ignore = ["O"] if ignore_labels is None else ignore_labels
         results = []
-        for text, encodings in zip(texts, windows, strict=True):
-            entities = [e for enc in encodings for e in self.entities(text, enc, next(logits), strategy, ignore)]
+        for i, (text, encodings) in enumerate(zip(texts, windows, strict=True)):
+            starts = word_starts(words[i], delimiter) if words is not None else None
+            entities = []
+            for encoding in encodings:
+                entities += self.entities(text, encoding, next(logits), strategy, ignore, starts)
             entities = aggregate_overlapping_entities(entities) if len(encodings) > 1 else entities
             results.append([{**e, "score": float(e["score"])} for e in entities])
         return results[0] if isinstance(inputs, str) else results
 
-    def windows(self, texts: list[str], stride: int, strategy: str) -> list[list[Encoding]]:
+    def windows(self, examples: list, stride: int, is_split_into_words: bool = False) -> list[list[Encoding]]:
         """Each text as windows of the model's length overlapping by `stride` tokens."""
         check_count("stride", stride, 0)
         room = self.max_length - self.tokenizer.num_special_tokens_to_add()  # text tokens per window
@@ -60,35 +79,43 @@ class TokenClassificationPipeline(Pipeline):
                 f"stride ({stride}) must be less than the {room} text tokens of a window (the model's "
                 f"{self.max_length} tokens less {self.max_length - room} special tokens)"
             )
-        if strategy == "none":
-            raise ValueError('stride needs an aggregation_strategy other than "none", to merge the windows')
-        encodings = self.tokenizer.encode_batch(texts, max_length=self.max_length, stride=stride)
+        encodings = self.tokenizer.encode_batch(
+            examples, max_length=self.max_length, stride=stride, is_split_into_words=is_split_into_words
+        )
         return [[e, *e.overflowing] for e in encodings]
 
-    def entities(self, text: str, encoding: Encoding, logits: np.ndarray, strategy: str, ignore: list[str]):
-        pre = self.gather_pre_entities(text, encoding, softmax(logits), strategy)
+    def entities(
+        self, text: str, encoding: Encoding, logits: np.ndarray, strategy: str, ignore: list[str],
+        starts: list[int] | None = None,
+    ):  # fmt: skip
+        pre = self.gather_pre_entities(text, encoding, softmax(logits), strategy, starts)
         grouped = self.aggregate(pre, strategy)
         return [e for e in grouped if e.get("entity") not in ignore and e.get("entity_group") not in ignore]
 
     def is_word_piece(self) -> bool:
         return bool(getattr(self.tokenizer.backend.model, "continuing_subword_prefix", None))
 
-    def gather_pre_entities(self, text: str, encoding: Encoding, scores: np.ndarray, strategy: str) -> list[dict]:
-        """Per non-special token: its token string, scores, character span and whether it continues a word."""
+    def gather_pre_entities(
+        self, text: str, encoding: Encoding, scores: np.ndarray, strategy: str, starts: list[int] | None = None
+    ) -> list[dict]:
+        """Per non-special token: its token string, scores, character span and whether it continues a word.
+        With pre-split words (`starts`: where each word begins in `text`), offsets count from their word."""
         unk = self.tokenizer.token_id(self.tokenizer.unk_token)
         pre = []
-        for idx, (token_id, special, (start, end)) in enumerate(
-            zip(encoding.ids, encoding.special_tokens_mask, encoding.offsets, strict=True)
+        for idx, (token_id, special, (start, end), word_id) in enumerate(
+            zip(encoding.ids, encoding.special_tokens_mask, encoding.offsets, encoding.word_ids, strict=True)
         ):
             if special:
                 continue
+            if starts is not None and word_id is not None:
+                start, end = start + starts[word_id], end + starts[word_id]
             word = self.tokenizer.backend.id_to_token(token_id)
             word_ref = text[start:end]
             if self.is_word_piece():
                 is_subword = len(word) != len(word_ref)
             else:  # no sub-word marker: a token continues a word when no space precedes it
                 if strategy in ("first", "average", "max"):
-                    warnings.warn("Tokenizer does not support real words, using fallback heuristic", stacklevel=4)
+                    warnings.warn("Tokenizer does not support real words, using fallback heuristic", stacklevel=5)
                 is_subword = start > 0 and " " not in text[start - 1 : start + 1]
             if token_id == unk:
                 word, is_subword = word_ref, False
@@ -158,6 +185,31 @@ class TokenClassificationPipeline(Pipeline):
         if current:
             groups.append(self.group_sub_entities(current))
         return groups
+
+
+def split_words(inputs) -> list[list[str]]:
+    """`is_split_into_words` inputs: a list of words (one text) or a list of such lists."""
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(w, str) for w in inputs):
+        return [list(inputs)]
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(w, (list, tuple)) for w in inputs):
+        for i, words in enumerate(inputs):
+            bad = next((w for w in words if not isinstance(w, str)), None)
+            if bad is not None or not words:
+                raise TypeError(f"With is_split_into_words=True, item {i} must be a non-empty list of str words")
+        return [list(words) for words in inputs]
+    raise TypeError(
+        "With is_split_into_words=True, the input must be a list of str words, or a list of such lists; "
+        f"got {inputs!r:.60}"
+    )
+
+
+def word_starts(words: list[str], delimiter: str) -> list[int]:
+    """Where each word begins in `delimiter.join(words)`."""
+    starts, position = [], 0
+    for word in words:
+        starts.append(position)
+        position += len(word) + len(delimiter)
+    return starts
 
 
 def aggregate_overlapping_entities(entities: list[dict]) -> list[dict]:
