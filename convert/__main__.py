@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
 from mlx_encoders.quantization import MODES, quantization_spec
+from mlx_encoders.quantization.recipes import SMALL_GROUPS
 
 BITS = sorted({b for allowed in MODES.values() for b in allowed["bits"]})
 GROUP_SIZES = sorted({g for allowed in MODES.values() for g in allowed["group_size"]})
@@ -36,12 +37,14 @@ def calibration_arg(path: str) -> list[str]:
 
 
 def per_mode(key: str) -> str:
-    """What each mode supports, for the help: 'affine 32, 64, 128 (default 32); mxfp4 32; ...'."""
+    """What each mode supports, for the help: 'affine 32, 64, 128 (default 64; 32 at 4 bits and fewer); ...'."""
     parts = []
     for mode, allowed in MODES.items():
         values = allowed[key]
-        default = f" (default {values[0]})" if len(values) > 1 else ""
-        parts.append(f"{mode} {', '.join(map(str, sorted(values)))}{default}")
+        default = f" (default {values[0]}" if len(values) > 1 else ""
+        if default and key == "group_size" and SMALL_GROUPS.get(mode):
+            default += f"; {min(SMALL_GROUPS[mode].values())} at {max(SMALL_GROUPS[mode])} bits and fewer"
+        parts.append(f"{mode} {', '.join(map(str, sorted(values)))}{default}{')' if default else ''}")
     return "; ".join(parts)
 
 

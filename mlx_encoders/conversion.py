@@ -308,11 +308,11 @@ def convert(
 ) -> Path:
     """Convert a checkpoint (local folder or hub id) into an MLX checkpoint folder; returns its path.
 
-    `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default
-    8; `group_size` 32/64/128, default 32 for affine; `mode` affine or mxfp4/mxfp8/nvfp4); `recipe`
-    "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
-    -> bits). Below 8 bits, affine position and token-type tables get 8 bits unless a recipe pattern
-    names them (`{"*": 4}` puts every module at 4 bits).
+    `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default 8;
+    `group_size` 32/64/128, default 64 for affine, 32 at 4 bits and fewer; `mode` affine or mxfp4/mxfp8/nvfp4);
+    `recipe` "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
+    -> bits). Below 8 bits, affine position and token-type tables get 8 bits unless a recipe pattern names them
+    (`{"*": 4}` puts every module at 4 bits).
     Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 256
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).

@@ -178,10 +178,10 @@ def test_design_card_command_on_offline_hub_cache(tmp_path, monkeypatch, capsys)
     for words in ("parameters", "size on disk", "bits/weight", "cosine mean", "max abs diff", "time"):
         assert words in report
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
     assert config["quantization_config"] == config["quantization"]
     assert config["global_rope_theta"] == 1000.0 and "layer_types" not in config
-    assert_triplets_match(out, snapshot, 32, 8)
+    assert_triplets_match(out, snapshot, 64, 8)
     model, tokenizer = mlx_encoders.load(out)
     assert type(model).__name__ == "ModernBertForMaskedLM"
     assert tokenizer.mask_token == "[MASK]"
@@ -189,7 +189,7 @@ def test_design_card_command_on_offline_hub_cache(tmp_path, monkeypatch, capsys)
     assert text_cosines(ours(out, ids, mask), oracle(snapshot, "masked-lm", ids, mask), mask).min() > MIN_COSINE[8]
     card = (out / "README.md").read_text()
     assert "base_model: answerdotai/ModernBERT-base" in card
-    assert "8-bit affine, group size 32 (GPTQ on 24 calibration texts)" in card
+    assert "8-bit affine, group size 64 (GPTQ on 24 calibration texts)" in card
 
 
 @pytest.mark.parametrize("model_type, task, bits, group_size, overrides", ROUND_TRIPS)
@@ -537,7 +537,7 @@ def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args,
 
 def unsupported(folder: Path) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text('{"model_type": "mpnet", "architectures": ["MPNetForMaskedLM"]}')
+    (folder / "config.json").write_text('{"model_type": "funnel", "architectures": ["FunnelForMaskedLM"]}')
     save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(folder / "model.safetensors"))
     return folder
 
@@ -552,7 +552,7 @@ def pickle_only(folder: Path) -> Path:
 
 BAD_INPUTS = [
     ("missing source", lambda d, bert: d / "nowhere", {}, FileNotFoundError, "nowhere"),
-    ("unsupported architecture", lambda d, bert: unsupported(d / "mpnet"), {}, ValueError, "supported: bert, roberta"),
+    ("unsupported architecture", lambda d, bert: unsupported(d / "funnel"), {}, ValueError, "supported: bert, roberta"),
     ("pickle only", lambda d, bert: pickle_only(d / "pkl"), {}, ValueError, "only pickle weights"),
     ("pickle-only Dense", lambda d, bert: sentence_checkpoint(d / "st", "pickle"), {}, ValueError, "2_Dense"),
     ("bits", lambda d, bert: bert, {"bits": 7}, ValueError, "bits \\[2, 3, 4, 5, 6, 8\\], not 7"),

@@ -37,8 +37,8 @@ def quantize_model(
         if isinstance(m, (nn.Linear, nn.Embedding)) and hessians is not None
     }
     spec = quantization_spec(bits, group_size, mode)
-    rule = recipe_rule(recipe, spec)
-    default = recipe_default(recipe, spec)
+    rule = recipe_rule(recipe, spec, group_size)
+    default = recipe_default(recipe, spec, group_size)
     config = dict(default)
 
     def predicate(path: str, module: nn.Module) -> dict | bool:
