@@ -313,7 +313,7 @@ def convert(
     `recipe` "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
     -> bits). Below 8 bits, affine position and token-type tables get 8 bits unless a recipe pattern names them
     (`{"*": 4}` puts every module at 4 bits).
-    Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 256
+    Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 128
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.

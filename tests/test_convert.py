@@ -128,7 +128,7 @@ def test_builtin_calibration_is_disjoint_from_evaluated_docstrings(monkeypatch):
 
     monkeypatch.undo()  # the real set, not `short_calibration`'s
     texts = calibration.builtin_calibration()
-    assert len(texts) == calibration.CALIBRATION_TEXTS == 256
+    assert len(texts) == calibration.CALIBRATION_TEXTS == 128
     assert not set(texts) & set(stdlib_docstrings(calibration.CALIBRATION_START, calibration.CALIBRATION_CHARS))
 
 
