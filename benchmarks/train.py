@@ -593,6 +593,8 @@ def prepare(args, parts: list[str], workdir: Path) -> dict:
 def main() -> None:
     args = parse_args()
     set_threads(args.threads, args.blas)
+    import mlx_encoders  # noqa: F401  (before MLX: it gives MLX the system OpenBLAS, unless --blas chose one)
+
     if args.worker:
         worker(args)
         return
