@@ -6,7 +6,9 @@ in its own process, so that peak memory is its alone: it loads the folder with a
 LoRA adapters on the attention projections (except full fine-tuning), then takes `--steps` AdamW steps of
 `--batch` sequences of `--length` tokens (`mlx_encoders.train.optim`, as `train` does). Printed: the peak
 resident set (`ru_maxrss`), the bytes of the weights as held in memory, the peak after imports, and the peak
-above the weights: QLoRA's memory should sit close to the quantized size, not the float one.
+above the weights: QLoRA's memory should sit close to the quantized size, not the float one. The "checkpointing"
+rows add gradient checkpointing (`TrainingConfig.gradient_checkpointing`, `--gradient-checkpointing`): each layer's
+activations are recomputed in the backward pass instead of kept, which is what brings QLoRA near its weights.
 
     python benchmarks/qlora_memory.py
     python benchmarks/qlora_memory.py --bits 4 --batch 16 --length 256 --steps 5
@@ -25,7 +27,7 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def worker(folder: str, lora: bool, batch: int, length: int, steps: int) -> None:
+def worker(folder: str, lora: bool, checkpointing: bool, batch: int, length: int, steps: int) -> None:
     import mlx_encoders  # noqa: F401  (first: the fast BLAS)
 
     # isort: split
@@ -47,6 +49,8 @@ def worker(folder: str, lora: bool, batch: int, length: int, steps: int) -> None
     if lora:
         apply_lora(model, rank=8, alpha=16)
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     weights_mb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2**20
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
@@ -60,7 +64,7 @@ def worker(folder: str, lora: bool, batch: int, length: int, steps: int) -> None
     print(json.dumps({**record, "loss": loss.item()}))
 
 
-ENGINES = {"full fine-tuning, float32": ("float32", False), "LoRA, float32": ("float32", True)}
+ENGINES = {"full fine-tuning, float32": ("float32", False, False), "LoRA, float32": ("float32", True, False)}
 
 
 def main() -> None:
@@ -71,12 +75,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.lora, args.batch, args.length, args.steps)
+        worker(args.worker, args.lora, args.checkpointing, args.batch, args.length, args.steps)
         return
     bits = args.bits.split(",")
-    engines = {**ENGINES, **{f"QLoRA, {b}-bit": (f"{b}-bit", True) for b in bits}}
+    engines = {**ENGINES, **{f"QLoRA, {b}-bit": (f"{b}-bit", True, False) for b in bits}}
+    engines.update({f"QLoRA, {b}-bit, checkpointing": (f"{b}-bit", True, True) for b in bits})
     with tempfile.TemporaryDirectory() as tmp:
         # the models of quantized_memory.py, each step in its own process (this one imports nothing large: Linux
         # carries ru_maxrss over fork + exec)
@@ -85,19 +91,20 @@ def main() -> None:
         written = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         folders = json.loads(written.strip().splitlines()[-1])
         results = {}
-        for name, (folder, lora) in engines.items():
+        for name, (folder, lora, checkpointing) in engines.items():
             command = [sys.executable, __file__, "--worker", folders[folder], "--batch", str(args.batch), "--length",
                        str(args.length), "--steps", str(args.steps)] + (["--lora"] if lora else [])  # fmt: skip
+            command += ["--checkpointing"] if checkpointing else []
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"{name} failed:\n{done.stderr[-2000:]}")
             results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"BERT-base-shaped classifier, {args.steps} AdamW steps of {args.batch} x {args.length} tokens, "
           "one process per engine")  # fmt: skip
-    print(f"{'engine':<27}{'peak MB':>9}{'weights MB':>12}{'peak - weights':>16}{'after imports':>15}{'trainable':>11}")
+    print(f"{'engine':<36}{'peak MB':>9}{'weights MB':>12}{'peak - weights':>16}{'after imports':>15}{'trainable':>13}")
     for name, r in results.items():
-        print(f"{name:<27}{r['peak_mb']:>9.0f}{r['weights_mb']:>12.0f}{r['peak_mb'] - r['weights_mb']:>16.0f}"
-              f"{r['imported_mb']:>15.0f}{r['trainable']:>11,}")  # fmt: skip
+        print(f"{name:<36}{r['peak_mb']:>9.0f}{r['weights_mb']:>12.0f}{r['peak_mb'] - r['weights_mb']:>16.0f}"
+              f"{r['imported_mb']:>15.0f}{r['trainable']:>13,}")  # fmt: skip
 
 
 if __name__ == "__main__":

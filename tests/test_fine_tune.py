@@ -318,3 +318,34 @@ def test_qlora_on_a_quantized_encoder_with_per_module_settings(checkpoint, tmp_p
         "classify", classification_file(tmp_path), tmp_path / "run", model=folder, lora_rank=4, max_steps=2
     )
     assert {m.bits for _, m in trained.model.named_modules() if hasattr(m, "bits")} == {4, 8}
+
+
+def test_gradient_checkpointing_with_qlora_changes_memory_not_results(checkpoint, tmp_path):
+    """QLoRA's memory option: each layer's activations recomputed in the backward pass, through the quantized
+    CPU path's own vjp; the trained adapters equal those of a run without it (dropout off: a checkpointed layer
+    draws its own random key, so its dropout masks differ from an unchecked run's)."""
+    from mlx_encoders.quantization import quantize_model
+
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", hidden_size=64, intermediate_size=128, **no_dropout))
+    quantize_model(model, bits=8, group_size=32)
+    folder = mlx_encoders.save(model, tmp_path / "q8", tokenizer)
+    data = classification_file(tmp_path)
+    runs = [
+        fine_tune(
+            "classify",
+            data,
+            tmp_path / f"run{on}",
+            model=folder,
+            lora_rank=4,
+            max_steps=3,
+            lr=1e-2,
+            gradient_checkpointing=on,
+        )  # fmt: skip
+        for on in (False, True)
+    ]
+    expected = dict(tree_flatten(runs[0].model.trainable_parameters()))
+    found = dict(tree_flatten(runs[1].model.trainable_parameters()))
+    assert expected.keys() == found.keys() and expected
+    for name, value in found.items():
+        np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)

@@ -56,6 +56,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     loop.add_argument("--metric-for-best", help="eval metric choosing the best checkpoint, e.g. eval_loss")
     loop.add_argument("--group-by-length", action="store_true", help="batch examples of similar lengths together")
     loop.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    loop.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass: less memory"
+    )
     loop.add_argument("--resume", help="a checkpoint-STEP folder of this run to continue")
     loop.add_argument("--json", action="store_true", help="print the final metrics as JSON")
     p.set_defaults(run=run)
@@ -64,6 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 TRAINING_OPTIONS = (
     "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "weight_decay", "grad_accum",
     "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "metric_for_best", "group_by_length", "dtype",
+    "gradient_checkpointing",
 )  # fmt: skip
 CALL_OPTIONS = (
     "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",

@@ -98,7 +98,7 @@ def fine_tune(
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
-      metric_for_best, group_by_length, dtype).
+      metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
