@@ -4,12 +4,14 @@ embeddings or not, a position table, embedding_size != hidden_size, the v2 xlarg
 layouts, and DeBERTa v1. The default test configs (tests/checkpoints.py) run through every generic test."""
 
 import json
+import re
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+import transformers
 from checkpoints import load_reference
 from safetensors.numpy import load_file, save_file
 from test_gradients import DROPOUT, check_gradients, scale_instead_of_dropping
@@ -136,6 +138,39 @@ def test_fill_mask_with_the_lm_predictions_head(checkpoint):
     ref = reference("fill-mask", folder, "masked-lm", ours)
     texts = [f"The capital of France is {ours.tokenizer.mask_token}.", f"A {ours.tokenizer.mask_token} walks in."]
     assert_same(ours(texts, top_k=3), ref(texts, top_k=3))
+
+
+@pytest.mark.parametrize("model_type", ["deberta-v2", "deberta"])
+def test_masked_lm_head_is_the_one_the_weights_hold_when_config_says_none(checkpoint, tmp_path, model_type):
+    """The hub's DeBERTa checkpoints (microsoft/deberta-v3-base) hold `lm_predictions.lm_head` and say no `legacy`,
+    whose default is `cls.predictions`: transformers then needs legacy=False to load their head."""
+    stored = checkpoint(model_type, "masked-lm", legacy=False)
+    folder = edited_copy(stored, tmp_path, lambda config: config.pop("legacy"))
+    model, tokenizer = mlx_encoders.load(folder)
+    assert "lm_predictions" in model and "cls" not in model
+    batch = tokenizer(TEXTS, padding=True, truncation=True)
+    oracle = transformers.AutoModelForMaskedLM.from_pretrained(folder, legacy=False, attn_implementation="eager")
+    with torch.no_grad():
+        expected = oracle.eval()(**as_torch(batch)).logits.numpy()
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close(our_outputs(model(**batch)), {"logits": expected}, real, "masked-lm")
+    saved = mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    assert json.loads((saved / "config.json").read_text())["legacy"] is False  # transformers reads the same head
+    check_forward(saved, "masked-lm", TEXTS[:3])
+
+
+@pytest.mark.parametrize("stored, said", [("lm_predictions.lm_head", True), ("cls.predictions", False)])
+def test_legacy_the_weights_contradict_fails_naming_both_layouts(checkpoint, tmp_path, stored, said):
+    folder = checkpoint("deberta-v2", "masked-lm", legacy=not said)
+    folder = edited_copy(folder, tmp_path, lambda config: config.update(legacy=said))
+    asked = "cls.predictions" if said else "lm_predictions.lm_head"
+    message = (
+        f"config.json: config key 'legacy' is {json.dumps(said)}, which asks for the `{asked}` masked-LM head, but "
+        f'the weights hold `{stored}`; set "legacy": {json.dumps(not said)} in config.json'
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mlx_encoders.load_model(folder)
+    mlx_encoders.load_model(folder, task="encoder")  # loads: the encoder alone does not read the head
 
 
 @pytest.mark.parametrize(

@@ -66,3 +66,21 @@ def test_generator_predict_tokens_gives_the_logits(checkpoint):
     model, tokenizer = mlx_encoders.load(checkpoint("electra", "masked-lm"))
     out = model(**tokenizer(["Predict [MASK] tokens here."]))
     np.testing.assert_array_equal(np.array(model.predict_tokens(out.last_hidden_state)), np.array(out.logits))
+
+
+def test_fill_mask_refuses_the_discriminator_naming_the_generator(checkpoint):
+    """BERT's pretraining checkpoint fills masks with its masked-LM half; ELECTRA's (the discriminator) has none."""
+    folder = checkpoint("electra", "pretraining")
+    message = (
+        r"The 'fill-mask' pipeline needs a head that predicts words, but ElectraForPreTraining from .+ is a "
+        r"discriminator: it predicts which tokens were replaced, not words\. Use the generator checkpoint "
+        r"\(ElectraForMaskedLM\) for fill-mask\."
+    )
+    for model in (folder, mlx_encoders.load(folder)):
+        with pytest.raises(ValueError, match=message):
+            mlx_encoders.pipeline("fill-mask", model=model)
+    with pytest.raises(ValueError, match=r"ElectraForPreTraining \(a pretraining head\), which supports the 'feat"):
+        mlx_encoders.pipeline("text-classification", model=folder)
+    assert len(mlx_encoders.pipeline("feature-extraction", model=folder)("A text.")[0]) == 5  # its encoder embeds
+    assert len(mlx_encoders.pipeline("fill-mask", model=checkpoint("electra", "masked-lm"))("A [MASK].")) == 5
+    assert len(mlx_encoders.pipeline("fill-mask", model=checkpoint("bert", "pretraining"))("A [MASK].")) == 5

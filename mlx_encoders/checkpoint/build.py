@@ -9,6 +9,7 @@ initializer_range) weights, zero biases, LayerNorm 1 and 0, or the architecture'
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models import TASKS, model_class
-from ..models.base import BaseArgs, HeadModel, label_ids, takes_pooler
+from ..models.base import HeadModel, label_ids, takes_pooler
 from ..quantized import fast_quantized, on_cpu
 from .files import Checkpoint
 
@@ -206,8 +207,13 @@ def with_labels(config: dict, labels: dict[str, Any]) -> dict:
     return config
 
 
-def build_model(args: BaseArgs, task: str, weights: dict[str, mx.array]) -> nn.Module:
-    cls = model_class(args.model_type, task)
+def build_model(module: ModuleType, config: dict, task: str, weights: dict[str, mx.array]) -> nn.Module:
+    """The `task` model of `config`; a head whose layout config.json may leave unsaid takes the one the weights
+    hold (its class's `layout_from_weights(config, keys) -> config`: DeBERTa's masked-LM `legacy`)."""
+    cls = model_class(config["model_type"], task)
+    if hasattr(cls, "layout_from_weights"):
+        config = cls.layout_from_weights(config, weights.keys())
+    args = module.ModelArgs.from_dict(config)
     if takes_pooler(cls):  # a bare encoder has a pooler exactly when the checkpoint stores one
         return cls(args, add_pooling_layer=any(".pooler." in "." + k for k in weights))
     return cls(args)
@@ -302,7 +308,7 @@ def load_model(
     if hasattr(checkpoint.module, "sanitize"):
         weights = checkpoint.module.sanitize(weights)
     try:
-        model = build_model(checkpoint.module.ModelArgs.from_dict(config), task, weights)
+        model = build_model(checkpoint.module, config, task, weights)
     except ValueError as e:
         raise ValueError(f"{checkpoint.path / 'config.json'}: {e}") from e
     weights = fit_prefix(weights, model)

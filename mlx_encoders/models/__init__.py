@@ -6,7 +6,8 @@ is the task name of every bare model, encoder or decoder.
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
 `TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
 the keys or layouts of a checkpoint's tensors before they are fitted to the model, and `init_std(path, args)`,
-the standard deviation (and truncation) transformers initialises a new module with.
+the standard deviation (and truncation) transformers initialises a new module with. A head class may define
+`layout_from_weights(config, keys) -> config`, for a layout config.json may leave unsaid (DeBERTa's `legacy`).
 """
 
 import importlib

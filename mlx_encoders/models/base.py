@@ -304,6 +304,9 @@ class HeadModel(Model, nn.Module):
     pooled: bool = False  # does the head read pooler_output?
     # Checkpoint keys that transformers ignores on load (tied copies of the word embeddings).
     ignored_keys: tuple[str, ...] = ()
+    # A replaced-token detector (ELECTRA's pretraining head): it predicts which tokens were replaced, not words,
+    # so it cannot fill masks as BERT's pretraining head (masked-LM plus next-sentence) does.
+    discriminator: ClassVar[bool] = False
 
     def __init__(self, args):
         super().__init__()

@@ -7,6 +7,8 @@ that every layer shares; distances past position_buckets // 2 are log-bucketed. 
 is query x key (a padded query attends uniformly to every key) and the embeddings are zeroed on padding, as there.
 """
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -365,7 +367,26 @@ def holding(name: str, child: nn.Module) -> nn.Module:
 
 class DebertaV2ForMaskedLM(DebertaV2Head):
     """config.json's `legacy` (the default) picks the head transformers builds: `cls.predictions` or
-    `lm_predictions.lm_head`."""
+    `lm_predictions.lm_head`; where it says none, loading takes the one the weights hold."""
+
+    layouts = {True: "cls.predictions.", False: "lm_predictions.lm_head."}  # `legacy` -> the head's keys
+
+    @classmethod
+    def layout_from_weights(cls, config: dict, keys: Iterable[str]) -> dict:
+        """config.json with the `legacy` the weights hold where it says none: the hub's v3 checkpoints hold
+        `lm_predictions.lm_head` and say none, and transformers then builds a new `cls.predictions` head."""
+        held = {legacy for k in keys for legacy, prefix in cls.layouts.items() if k.startswith(prefix)}
+        said = config.get("legacy")  # null, like no key, says none; ModelArgs rejects a value of another type
+        if len(held) != 1 or not isinstance(said, bool | None) or said in held:
+            return config  # no head stored (a new one is made), or the one config.json asks for
+        stored = held.pop()
+        if said is None:
+            return {**config, "legacy": stored}
+        raise ValueError(
+            f"config key 'legacy' is {json.dumps(said)}, which asks for the `{cls.layouts[said][:-1]}` masked-LM "
+            f'head, but the weights hold `{cls.layouts[stored][:-1]}`; set "legacy": {json.dumps(stored)} in '
+            "config.json to load it"
+        )
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

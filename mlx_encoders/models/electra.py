@@ -90,6 +90,8 @@ class ElectraHead(HeadModel):
 class ElectraForPreTraining(ElectraHead):
     """The discriminator: one logit per token, (B, L) in `logits`, for "this token was replaced"."""
 
+    discriminator = True
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.discriminator_predictions = ElectraDiscriminatorPredictions(args)

@@ -28,7 +28,8 @@ PIPELINES = {
 # transformers' device names (a torch device's type) -> the MLX device; MLX has one GPU.
 DEVICES = {"cpu": mx.cpu, "gpu": mx.gpu, "cuda": mx.gpu, "mps": mx.gpu}  # DeviceTypes: mx.Device(t) is the device
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
-# Stored heads each task can load from (fill-mask also runs on the MLM half of a pretraining checkpoint).
+# Stored heads each task can load from (fill-mask also runs on the MLM half of a pretraining checkpoint, BERT's;
+# ELECTRA's, a discriminator, has none: `check_not_discriminator`).
 ACCEPTED = {
     "feature-extraction": ("encoder", "masked-lm", "pretraining", "sequence-classification",
                            "token-classification", "question-answering"),

@@ -15,10 +15,10 @@ import numpy as np
 from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint, resolve
-from ..models import model_module
+from ..models import architecture_name, model_class, model_module
 from ..tokenizer import Tokenizer, check_count, text_list
 
-# The pipeline task each stored head serves (a bare encoder serves feature extraction).
+# The pipeline task each stored head serves (a bare encoder, like a discriminator, feature extraction: `served_task`).
 HEAD_TASKS = {
     "encoder": "feature-extraction",
     "masked-lm": "fill-mask",
@@ -177,24 +177,44 @@ def article(word: str) -> str:
     return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 
 
-def supported(head: str) -> str:
+def served_task(head: str, cls: type) -> str:
+    """The pipeline task a `head` of class `cls` serves; a discriminator (ELECTRA's pretraining head), which
+    predicts no words, only feature extraction, as a bare encoder."""
+    return HEAD_TASKS["encoder"] if getattr(cls, "discriminator", False) else HEAD_TASKS.get(head, "?")
+
+
+def supported(head: str, cls: type) -> str:
     """The pipeline task a head serves, and its command-line subcommand: "the 'feature-extraction' task
     (`mlx-encoders embed` on the command line)"."""
-    task = HEAD_TASKS.get(head, "?")
+    task = served_task(head, cls)
     command = f" (`mlx-encoders {COMMANDS[task]}` on the command line)" if task in COMMANDS else ""
     return f"the {task!r} task{command}"
+
+
+def check_not_discriminator(task: str, head: str, cls: type, model_type: str, path: Path | None) -> None:
+    """A task that needs a masked-LM head fails on a discriminator, which a pretraining checkpoint may be (ELECTRA's),
+    naming the generator to use instead."""
+    if head == "masked-lm" and getattr(cls, "discriminator", False):
+        source = f" from {path}" if path else ""
+        raise ValueError(
+            f"The {task!r} pipeline needs a head that predicts words, but {cls.__name__}{source} is a discriminator: "
+            f"it predicts which tokens were replaced, not words. Use the generator checkpoint "
+            f"({architecture_name(model_type, head)}) for {task}."
+        )
 
 
 def check_head(model: nn.Module, task: str, head: str) -> None:
     """Fail with the head the model has and the task it serves when it lacks the one `task` needs."""
     module = model_module(model.args.model_type)
+    path = getattr(model, "path", None)
+    check_not_discriminator(task, head, type(model), model.args.model_type, path)
     if isinstance(model, module.MODELS.get(head, ())):
         return
     have = next((name for name, cls in module.MODELS.items() if type(model) is cls), type(model).__name__)
-    source = f" from {model.path}" if getattr(model, "path", None) else ""
+    source = f" from {path}" if path else ""
     raise ValueError(
         f"The {task!r} pipeline needs {article(head)} head, but {type(model).__name__}{source} has {article(have)} "
-        f"head, which supports {supported(have)}. Use a checkpoint fine-tuned for {task}."
+        f"head, which supports {supported(have, type(model))}. Use a checkpoint fine-tuned for {task}."
     )
 
 
@@ -212,11 +232,14 @@ def load_for(
     elif not isinstance(model, nn.Module):
         checkpoint = Checkpoint.open(model, revision)
         have = checkpoint.task
+        stored = model_class(checkpoint.model_type, have)
+        check_not_discriminator(task, head, stored, checkpoint.model_type, checkpoint.path)
         if have not in accepted:
             architecture = (checkpoint.config.get("architectures") or ["a bare encoder"])[0]
             raise ValueError(
                 f"The {task!r} pipeline needs {article(head)} head, but {checkpoint.path} holds {architecture} "
-                f"({article(have)} head), which supports {supported(have)}. Use a checkpoint fine-tuned for {task}."
+                f"({article(have)} head), which supports {supported(have, stored)}. Use a checkpoint fine-tuned for "
+                f"{task}."
             )
         model = load_model(checkpoint, dtype=dtype, task=head)
         own = load_tokenizer(model, checkpoint) if tokenizer is None else None
