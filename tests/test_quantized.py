@@ -157,3 +157,19 @@ def test_cpu_path_gradients_of_scales_and_biases_equal_the_float_reconstructions
     for e, f in zip(expected, found, strict=True):
         assert mx.allclose(e, f, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(np.array(fast(scales, biases)), np.array(reference(scales, biases)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32)])
+def test_few_rows_take_mlx_kernel_and_agree_with_the_blas_path(bits, group_size, monkeypatch):
+    """Decoding one token per sequence: up to KERNEL_ROWS rows go through MLX's kernel (float32 scales), more
+    through dequantize-then-BLAS; both equal the float32 matmul of the dequantized weight."""
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(256, 96), group_size=group_size, bits=bits)
+    weight = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size, bits)
+    calls = []
+    kernel = mx.quantized_matmul
+    monkeypatch.setattr(quantized.mx, "quantized_matmul", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+    for rows in (1, quantized.KERNEL_ROWS, quantized.KERNEL_ROWS + 1):
+        x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+        got = quantized.QuantizedLinear.__call__(layer, x)
+        np.testing.assert_allclose(np.array(got), np.array(x @ weight.T + layer.bias), atol=2e-5, rtol=1e-5)
+    assert calls == [(1, 1, 256), (quantized.KERNEL_ROWS, 1, 256)]
