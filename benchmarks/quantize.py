@@ -7,10 +7,10 @@ tokens, then L2 normalisation), and prints, per setting: weight bytes vs float32
 vs the float model (mean, min), top-10 retrieval agreement (share of each text's 10 nearest neighbours that
 the float model also ranks top 10), the conversion time, and PASS/FAIL against the issue's targets.
 "default" rows are `convert(bits=...)` with nothing else, i.e. `python -m convert --quantize --bits N`:
-group size 64 at 8 bits and 32 at 4, float16 scales, GPTQ calibrated on the built-in docstrings (disjoint from the evaluated ones,
-which the script checks), the position and token-type tables at 8 bits (per-module entries in config.json);
-"uniform" is the same with every module at 4 bits (`recipe={"*": 4}`); "RTN" rows round to nearest
-(`calibration=False`) for comparison.
+group size 64 at 8 bits and 32 at 4, float16 scales, GPTQ calibrated on the built-in docstrings (disjoint
+from the evaluated ones, which the script checks), the position and token-type tables at 8 bits (per-module
+entries in config.json); "uniform" is the same with every module at 4 bits (`recipe={"*": 4}`); "RTN" rows
+round to nearest (`calibration=False`) for comparison.
 
     python benchmarks/quantize.py [--texts 1000] [--blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0]
 
