@@ -3,13 +3,17 @@
 A random BERT-base-shaped encoder (12 layers, width 768, feed-forward 3072, vocabulary 30522) is saved once in
 float32 and once quantized (convert's layout: `quantize_model`, group size 32, rounded to nearest); each then runs
 in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
-passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of `--rows` rows (as
-SentenceEncoder slices a batch on the CPU). The peak resident set (`ru_maxrss`) covers
-loading and embedding; the process's peak after its imports, before loading, is printed beside it. On the
-CPU the quantized weights stay quantized in memory: each is dequantized just before its matmul and freed after.
+passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of as many rows as
+SentenceEncoder gives that model on the CPU (`sentence.slice_rows`: activations within CPU_SLICE_BYTES, and a
+quantized model at least QUANTIZED_SLICE_TOKENS tokens a pass), or of `--rows` rows for every engine. The peak
+resident set (`ru_maxrss`) covers loading and embedding; the process's peak after its imports, before loading,
+is printed beside it. On the CPU the quantized weights stay quantized in memory: each is dequantized just before
+its matmul and freed after.
 
     python benchmarks/quantized_memory.py
     python benchmarks/quantized_memory.py --bits 8 --batch 16 --length 256
+    python benchmarks/quantized_memory.py --rows 4          # the same rows per pass for every engine
+    python benchmarks/quantized_memory.py --slice-tokens 1024   # quantized passes of at least 1024 tokens
 """
 
 import argparse
@@ -54,19 +58,23 @@ def write_models(folder: Path, bits: list[str]) -> dict[str, Path]:
     return folders
 
 
-def worker(folder: str, batch: int, rows: int, length: int, repeats: int) -> None:
+def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, length: int, repeats: int) -> None:
     import mlx_encoders  # noqa: F401
 
     # isort: split
     import mlx.core as mx
 
     from mlx_encoders import load_model
+    from mlx_encoders.quantized import has_quantized_linears
+    from mlx_encoders.sentence import CPU_SLICE_BYTES, QUANTIZED_SLICE_TOKENS, slice_rows
 
     imported = peak_mb()
     model = load_model(folder)
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
+    tokens = (QUANTIZED_SLICE_TOKENS if slice_tokens is None else slice_tokens) if has_quantized_linears(model) else 0
+    rows = rows or slice_rows(model.args, length, CPU_SLICE_BYTES, tokens)
 
-    def embed():  # in slices of rows, as SentenceEncoder runs a batch on the CPU (its activations stay small)
+    def embed():  # in slices of rows, as SentenceEncoder runs a batch on the CPU
         for start in range(0, batch, rows):
             mx.eval(model(ids[start : start + rows]).last_hidden_state.mean(axis=1))
 
@@ -75,21 +83,22 @@ def worker(folder: str, batch: int, rows: int, length: int, repeats: int) -> Non
     for _ in range(repeats):
         embed()
     seconds = (time.perf_counter() - start) / repeats
-    print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds}))
+    print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds, "rows": rows}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bits", default="8,4", help="comma-separated bit widths (default 8,4)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rows", type=int, default=4, help="rows per forward pass (default 4)")
+    p.add_argument("--rows", type=int, help="rows per forward pass for every engine (default: SentenceEncoder's)")
+    p.add_argument("--slice-tokens", type=int, help="least tokens per pass of a quantized model (default: sentence's)")
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--write", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.batch, args.rows, args.length, args.repeats)
+        worker(args.worker, args.batch, args.rows, args.slice_tokens, args.length, args.repeats)
         return
     if args.write:
         print(json.dumps({k: str(v) for k, v in write_models(Path(args.write), args.bits.split(",")).items()}))
@@ -101,17 +110,20 @@ def main() -> None:
         folders = json.loads(written.strip().splitlines()[-1])
         results = {}
         for name, folder in folders.items():
-            command = [sys.executable, __file__, "--worker", str(folder), "--batch", str(args.batch), "--rows",
-                       str(args.rows), "--length", str(args.length), "--repeats", str(args.repeats)]  # fmt: skip
+            command = [sys.executable, __file__, "--worker", str(folder), "--batch", str(args.batch), "--length",
+                       str(args.length), "--repeats", str(args.repeats)]  # fmt: skip
+            command += ["--rows", str(args.rows)] if args.rows else []
+            command += ["--slice-tokens", str(args.slice_tokens)] if args.slice_tokens is not None else []
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             results[name] = json.loads(out.strip().splitlines()[-1])
     base = results["float32"]
-    print(f"BERT-base-shaped encoder, {args.batch} x {args.length} tokens per pass in forward passes of {args.rows} "
-          "rows, one process per engine")  # fmt: skip
-    print(f"{'engine':<10}{'peak MB':>9}{'after imports':>15}{'peak / fp32':>13}{'s/pass':>8}{'speed / fp32':>14}")
+    print(f"BERT-base-shaped encoder, {args.batch} x {args.length} tokens per pass, one process per engine")
+    print(f"{'engine':<10}{'rows/pass':>10}{'peak MB':>9}{'after imports':>15}{'peak / fp32':>13}{'s/pass':>8}"
+          f"{'speed / fp32':>14}")  # fmt: skip
     for name, r in results.items():
-        print(f"{name:<10}{r['peak_mb']:>9.0f}{r['imported_mb']:>15.0f}{r['peak_mb'] / base['peak_mb']:>13.2f}"
-              f"{r['seconds']:>8.2f}{base['seconds'] / r['seconds']:>13.2f}x")  # fmt: skip
+        print(f"{name:<10}{r['rows']:>10}{r['peak_mb']:>9.0f}{r['imported_mb']:>15.0f}"
+              f"{r['peak_mb'] / base['peak_mb']:>13.2f}{r['seconds']:>8.2f}"
+              f"{base['seconds'] / r['seconds']:>13.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def has_quantized_linears(model: nn.Module) -> bool:
+    """Whether `model` has quantized linears, whose weights (on the CPU) each forward pass dequantizes."""
+    return any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+
+
 def unpack(w: mx.array, bits: int) -> mx.array:
     """The float32 codes of a packed (out, in * bits / 32) uint32 weight, as (out, in)."""
     unit = UNIT_BYTES[bits]

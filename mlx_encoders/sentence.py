@@ -26,7 +26,9 @@ from tokenizers import Encoding, normalizers
 
 from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
+from .models.base import BaseArgs
 from .pooling import parse_modes, pool, read_pooling_config
+from .quantized import has_quantized_linears, on_cpu
 from .tokenizer import check_count, text_list
 from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
@@ -43,8 +45,10 @@ PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many ba
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
-# On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache.
+# On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
+# a quantized model's slices hold at least QUANTIZED_SLICE_TOKENS tokens (see slice_rows).
 CPU_SLICE_BYTES = 3 * 2**19
+QUANTIZED_SLICE_TOKENS = 512
 
 
 @dataclass
@@ -205,7 +209,8 @@ class SentenceEncoder:
         width = len(self.pooling) * self.model.args.hidden_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
         # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
-        self.slice_bytes: int | None = CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None
+        self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None
+        self.slice_tokens = QUANTIZED_SLICE_TOKENS if on_cpu() and has_quantized_linears(self.model) else 0
 
     def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
         modes, where = None, "modules.json, 1_Pooling/config.json"
@@ -451,10 +456,9 @@ class SentenceEncoder:
     def slices(self, rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
         """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
 
-        With `slice_bytes` set (the default on the CPU), each group is as large as keeps a layer's largest
-        activation (float32) within that many bytes, so every op works on data in cache; see README,
-        Performance. Embeddings do not depend on the grouping, beyond float rounding. A GPU runs the whole
-        batch in one pass.
+        With `slice_bytes` set (the default on the CPU), each group is as large as `slice_rows` allows at its
+        longest text's length, so that every op works on data in cache; see README, Performance. Embeddings do
+        not depend on the grouping, beyond float rounding. A GPU runs the whole batch in one pass.
         """
         if self.slice_bytes is None:
             yield rows
@@ -462,7 +466,15 @@ class SentenceEncoder:
         start = 0
         while start < len(rows):
             longest = max(lengths[start:])  # lengths[start] when sorted, as run() sorts them
-            per_row = 4 * self.model.args.activation_elements(longest)
-            count = max(1, self.slice_bytes // max(per_row, 1))
+            count = slice_rows(self.model.args, longest, self.slice_bytes, self.slice_tokens)
             yield rows[start : start + count]
             start += count
+
+
+def slice_rows(args: BaseArgs, length: int, slice_bytes: int, slice_tokens: int = 0) -> int:
+    """Rows of `length` tokens per forward pass: as many as keep a layer's largest activation (float32, see
+    `activation_elements`) within `slice_bytes`, yet at least one, and at least `slice_tokens` tokens in all.
+    A quantized model needs the latter: on the CPU each pass dequantizes every weight (quantized.py), a fixed
+    cost that passes of a few hundred tokens repeat too often."""
+    per_row = 4 * args.activation_elements(length)
+    return max(1, slice_bytes // max(per_row, 1), -(-slice_tokens // max(length, 1)))

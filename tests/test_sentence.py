@@ -23,7 +23,7 @@ from mlx_encoders import MODEL_TYPES, SentenceEncoder
 from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
 from mlx_encoders.quantization import dequantize_model
-from mlx_encoders.sentence import CPU_SLICE_BYTES
+from mlx_encoders.sentence import CPU_SLICE_BYTES, QUANTIZED_SLICE_TOKENS
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
 TEXTS = [
@@ -211,6 +211,22 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
     whole.slice_bytes = None
     np.testing.assert_allclose(got, whole.encode(TEXTS, batch_size=8), atol=1e-6)
     np.testing.assert_allclose(got, reference(encoder.path, TEXTS), atol=1e-5)
+
+
+def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
+    """On the CPU a quantized model dequantizes every weight once per forward pass, so its slices hold at least
+    `slice_tokens` (padded) tokens, whatever their activations' size; the embeddings do not change."""
+    st = save_st(tmp_path / "st", bert, Pooling(32))
+    encoder = SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32))
+    cpu = mx.default_device() == mx.cpu
+    assert encoder.slice_tokens == (QUANTIZED_SLICE_TOKENS if cpu else 0)
+    assert SentenceEncoder(st).slice_tokens == 0  # a float model: slices by activation size alone
+    encoder.slice_bytes, encoder.slice_tokens = 1, 100
+    groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
+    assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
+    got = encoder.encode(TEXTS, batch_size=8)
+    encoder.slice_bytes = None
+    np.testing.assert_allclose(got, encoder.encode(TEXTS, batch_size=8), atol=1e-5)
 
 
 def test_hub_id_from_offline_cache(tmp_path, monkeypatch):
