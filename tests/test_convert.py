@@ -411,10 +411,11 @@ def test_existing_target_needs_force(tmp_path, bert):
 # A convert that stops where `step` says and prints the step: "write" inside the atomic write (after the
 # weights), "swap" between moving the old target aside and renaming the new folder into place.
 HOLD = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from mlx_encoders import conversion
 
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as under a terminal: a suite run under nohup passes it ignored
 source, target, step = sys.argv[1:]
 rename = Path.rename
 
