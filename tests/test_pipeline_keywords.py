@@ -33,7 +33,7 @@ WORDS = ["Angela", "Merkel", "met", "Emmanuel", "Macron", "in", "Strasbourg", "y
 
 def same(ours, ref, path="result", tol=1e-4):
     """Same nesting, keys, strings and ints (python ints where transformers has ints or numpy ints), floats within
-    `tol` and python floats where transformers has floats or numpy floats."""
+    `tol` and of transformers' own float type (numpy float32 for token classification's scores)."""
     if isinstance(ref, dict):
         assert isinstance(ours, dict) and list(ours) == list(ref), f"{path}: keys {ours!r:.200} != {ref!r:.200}"
         for key in ref:
@@ -42,8 +42,8 @@ def same(ours, ref, path="result", tol=1e-4):
         assert isinstance(ours, list) and len(ours) == len(ref), f"{path}: {ours!r:.200} != {ref!r:.200}"
         for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
             same(a, b, f"{path}[{i}]", tol)
-    elif isinstance(ref, (float, np.floating)):
-        assert type(ours) is float and abs(ours - float(ref)) <= tol, f"{path}: {ours!r} != {ref!r}"
+    elif isinstance(ref, (float, np.floating)):  # a python float, or numpy's where transformers gives that
+        assert type(ours) is type(ref) and abs(ours - float(ref)) <= tol, f"{path}: {ours!r} != {ref!r}"
     else:
         expected = int(ref) if isinstance(ref, np.integer) else ref
         assert type(ours) is type(expected) and ours == expected, f"{path}: {ours!r} != {ref!r}"

@@ -84,7 +84,8 @@ def reference(task: str, folder, head: str, ours):
 
 
 def assert_same(ours, ref, path="result", tol=SCORE_TOL):
-    """Same nesting, keys, strings and ints; floats within `tol` and returned as python floats."""
+    """Same nesting, keys, strings and ints; floats within `tol` and of transformers' own type (python floats;
+    numpy float32 for token classification's scores)."""
     if isinstance(ref, dict):
         assert isinstance(ours, dict) and list(ours) == list(ref), f"{path}: keys {list(ours)} != {list(ref)}"
         for key in ref:
@@ -94,7 +95,7 @@ def assert_same(ours, ref, path="result", tol=SCORE_TOL):
         for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
             assert_same(a, b, f"{path}[{i}]", tol)
     elif isinstance(ref, (float, np.floating)):
-        assert type(ours) is float, f"{path}: {type(ours).__name__} is not a python float"
+        assert type(ours) is type(ref), f"{path}: {type(ours).__name__}, transformers {type(ref).__name__}"
         assert abs(ours - float(ref)) <= tol, f"{path}: {ours} != {ref}"
     else:
         assert type(ours) is type(int(ref) if isinstance(ref, np.integer) else ref), f"{path}: {ours!r} vs {ref!r}"

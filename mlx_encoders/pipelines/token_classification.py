@@ -67,7 +67,7 @@ class TokenClassificationPipeline(Pipeline):
             for encoding in encodings:
                 entities += self.entities(text, encoding, next(logits), strategy, ignore, starts)
             entities = aggregate_overlapping_entities(entities) if len(encodings) > 1 else entities
-            results.append([{**e, "score": float(e["score"])} for e in entities])
+            results.append([{**e, "score": np.float32(e["score"])} for e in entities])  # transformers' type
         return results[0] if isinstance(inputs, str) else results
 
     def windows(self, examples: list, stride: int, is_split_into_words: bool = False) -> list[list[Encoding]]:
