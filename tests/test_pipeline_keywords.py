@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import transformers
 from checkpoints import load_reference
+from test_pipelines import assert_same
 
 import mlx_encoders
 from mlx_encoders import pipeline
@@ -31,22 +32,7 @@ LONG = "This goes on and on, and on. " * 40
 WORDS = ["Angela", "Merkel", "met", "Emmanuel", "Macron", "in", "Strasbourg", "yesterday."]
 
 
-def same(ours, ref, path="result", tol=1e-4):
-    """Same nesting, keys, strings and ints (python ints where transformers has ints or numpy ints), floats within
-    `tol` and of transformers' own float type (numpy float32 for token classification's scores)."""
-    if isinstance(ref, dict):
-        assert isinstance(ours, dict) and list(ours) == list(ref), f"{path}: keys {ours!r:.200} != {ref!r:.200}"
-        for key in ref:
-            same(ours[key], ref[key], f"{path}[{key!r}]", tol)
-    elif isinstance(ref, list):
-        assert isinstance(ours, list) and len(ours) == len(ref), f"{path}: {ours!r:.200} != {ref!r:.200}"
-        for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
-            same(a, b, f"{path}[{i}]", tol)
-    elif isinstance(ref, (float, np.floating)):  # a python float, or numpy's where transformers gives that
-        assert type(ours) is type(ref) and abs(ours - float(ref)) <= tol, f"{path}: {ours!r} != {ref!r}"
-    else:
-        expected = int(ref) if isinstance(ref, np.integer) else ref
-        assert type(ours) is type(expected) and ours == expected, f"{path}: {ours!r} != {ref!r}"
+same = assert_same  # the pipeline tests' comparison: nesting, keys, values and transformers' own types
 
 
 @pytest.fixture(scope="module")
