@@ -28,6 +28,7 @@ def _candidates() -> list[str]:
 
 def load_fast_blas() -> str | None:
     """Load the first usable BLAS; returns its name, or None when MLX is already loaded or none is found."""
+    global LIBRARY
     if not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
         return None
     for name in _candidates():
@@ -36,6 +37,7 @@ def load_fast_blas() -> str | None:
         except OSError:
             continue
         if hasattr(library, "cblas_sgemm"):
+            LIBRARY = library
             return name
     return None
 
@@ -69,5 +71,24 @@ def warn_if_too_late() -> None:
         )
 
 
+def gemv_library() -> ctypes.CDLL | None:
+    """The fast BLAS, for direct `cblas_sgemv` calls (kernels.blas_linear); loaded now (locally, which is
+    enough for ctypes) when MLX was imported first. None where there is none."""
+    global LIBRARY
+    if LIBRARY is None and sys.platform.startswith("linux"):
+        for name in _candidates():
+            try:
+                library = ctypes.CDLL(name)
+            except OSError:
+                continue
+            if hasattr(library, "cblas_sgemv"):
+                LIBRARY = library
+                break
+        else:
+            LIBRARY = False
+    return LIBRARY or None
+
+
+LIBRARY: ctypes.CDLL | None | bool = None  # the loaded fast BLAS; False once a search found none
 LOADED = load_fast_blas()
 warn_if_too_late()

@@ -7,10 +7,17 @@ on every backend; `attention` alone picks MLX's fused kernel on a GPU, where one
 the exact functions' (custom vjps), within float32 rounding too (tests/test_gradients.py).
 """
 
+import ctypes
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from . import _blas
 
 # erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
 # |erf| rounds to 1 beyond 4).
@@ -139,7 +146,8 @@ def attention(
 
     On a GPU, mx.fast.scaled_dot_product_attention: MLX's fused kernel. On the CPU, MLX runs that function
     as separate ops whose softmax exp costs most of an encoder's time, so the same math is written out here
-    with exp_nonpositive: `written_out_attention`. Dropout that is on needs the probabilities themselves,
+    with exp_nonpositive: `written_out_attention`; a single query (a decoding step) has too few scores for
+    that to pay for its extra ops, and takes MLX's. Dropout that is on needs the probabilities themselves,
     which neither form materialises: `dropped_out_attention`, on every device.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -147,7 +155,7 @@ def attention(
         mask = bias if mask is None else mask + bias
     if dropout is not None and dropout.training and dropout._p_1 < 1:  # nn.Dropout keeps 1 - p only
         return dropped_out_attention(q, k, v, mask, dropout, scale)
-    if mx.default_device() == mx.cpu:
+    if mx.default_device() == mx.cpu and q.shape[-2] > 1:  # one query (decoding): too few scores to matter
         return written_out_attention(q, k, v, mask, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -180,3 +188,65 @@ def dropped_out_attention(
     weights = softmax_weights(q, k, mask, scale)
     probabilities = dropout(weights / weights.sum(axis=-1, keepdims=True))
     return (probabilities @ v.astype(mx.float32)).astype(v.dtype)
+
+
+# Decoding one token multiplies every weight by one row. MLX's CPU matmul calls sgemm, which packs the whole
+# weight first: 3-6x slower than the BLAS's matrix-vector product, which streams it once at memory speed.
+GEMV_ROWS = 2  # up to this many rows, one sgemv per row beats one sgemm (benchmarks/generate.py)
+ROW_MAJOR, COL_MAJOR, NO_TRANS = 101, 102, 111  # CBLAS enum values
+_EAGER_BLAS = ContextVar("eager_blas", default=False)
+
+
+@contextmanager
+def eager_blas() -> Iterator[None]:
+    """Inside: `linear` sends float32 products of at most GEMV_ROWS rows on the CPU to the BLAS's sgemv. That
+    evaluates the input on the spot, outside MLX's graph, so it is for inference loops only (generation's
+    decoding), never under mx.grad or mx.compile."""
+    token = _EAGER_BLAS.set(True)
+    try:
+        yield
+    finally:
+        _EAGER_BLAS.reset(token)
+
+
+def blas_rows(x: mx.array, weight: mx.array) -> mx.array | None:
+    """x @ weight.T through sgemv, one call per row of x; None where the weight's layout does not allow it."""
+    library = _blas.gemv_library()
+    mx.eval(x, weight)
+    w = np.asarray(weight)  # a view of MLX's buffer: the weight is not copied
+    if w.flags.c_contiguous:
+        order, lda = ROW_MAJOR, w.shape[1]
+    elif w.flags.f_contiguous:  # a transposed view, such as GPT-2's Conv1D weights after sanitize
+        order, lda = COL_MAJOR, w.shape[0]
+    else:
+        return None
+    rows = np.ascontiguousarray(np.asarray(x).reshape(-1, w.shape[1]))
+    out = np.empty((rows.shape[0], w.shape[0]), np.float32)
+    one, zero, pointer = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_void_p
+    for row, result in zip(rows, out, strict=True):
+        library.cblas_sgemv(order, NO_TRANS, w.shape[0], w.shape[1], one, pointer(w.ctypes.data), lda,
+                            pointer(row.ctypes.data), 1, zero, pointer(result.ctypes.data), 1)  # fmt: skip
+    return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x @ weight.T (+ bias): nn.Linear's product, through sgemv inside `eager_blas` when that is faster."""
+    if (
+        _EAGER_BLAS.get()
+        and x.size <= GEMV_ROWS * x.shape[-1]
+        and x.dtype == weight.dtype == mx.float32
+        and mx.default_device() == mx.cpu
+        and _blas.gemv_library() is not None
+    ):
+        out = blas_rows(x, weight)
+        if out is not None:
+            return out if bias is None else out + bias
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+def dense(layer: nn.Module, x: mx.array) -> mx.array:
+    """`layer(x)`, with a plain float nn.Linear's product through `linear` (quantized, LoRA and other layers
+    run their own)."""
+    if type(layer) is nn.Linear:
+        return linear(x, layer.weight, layer.get("bias"))
+    return layer(x)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..kernels import eager_blas
 from ..tokenizer import Tokenizer, text_list
 from .config import PRESETS, GenerationConfig
 from .processors import processors, select
@@ -94,7 +95,8 @@ def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> Non
 def forward(model, ids: np.ndarray, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
     """The last position's logits, (B, V)."""
     mask, positions = (None if x is None else mx.array(x) for x in (mask, positions))
-    out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+    with eager_blas():  # one token per row: matrix-vector products at memory speed on the CPU
+        out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
     return out.logits[:, -1]
 
 
