@@ -7,6 +7,11 @@ tokens greedily with its key/value cache; prompt tokens/s = batch x prompt lengt
 token, generated tokens/s = batch x (new tokens - 1) / the time after it. Best of `--repeats` runs, taken
 round-robin so background load hits every engine alike.
 
+Decoding one sequence reads every weight once per token, so its physical limit is memory bandwidth, not
+arithmetic: the run measures how fast a matrix-vector product streams a float32 matrix larger than the
+last-level cache (numpy's BLAS, all cores) and prints each float32 engine's decoding at batch 1 as a share
+of the rate that bandwidth allows (bytes of the weights a step reads / bandwidth).
+
     python benchmarks/generate.py                                    # every model, engine and batch size
     python benchmarks/generate.py --models tiny --new-tokens 32 --repeats 1
 
@@ -45,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_checkpoint(shape: str, folder: Path) -> tuple[Path, int]:
-    """(the folder of a seeded random GPT-2 of that shape, its parameter count)."""
+    """(the folder of a seeded random GPT-2 of that shape, its parameter count: the tied head counted once)."""
     import torch
     import transformers
 
@@ -54,6 +59,20 @@ def make_checkpoint(shape: str, folder: Path) -> tuple[Path, int]:
     model = transformers.GPT2LMHeadModel(config).eval()
     model.save_pretrained(folder / shape)
     return folder / shape, sum(p.numel() for p in model.parameters())
+
+
+def stream_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second a float32 matrix-vector product reads, on a matrix of `megabytes` (past any cache)."""
+    import numpy as np
+
+    matrix = np.ones((megabytes * 2**20 // 4 // 4096, 4096), np.float32)
+    vector = np.ones(4096, np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matrix @ vector
+        best = min(best, time.perf_counter() - start)
+    return matrix.nbytes / best
 
 
 def stepwise(steps) -> tuple[float, float]:
@@ -163,6 +182,8 @@ def main() -> None:
         print("mlx-lm is not installed (pip install mlx-lm --no-deps): skipping it")
         engines = [e for e in engines if not e.startswith("mlx-lm")]
     rng = np.random.default_rng(0)
+    bandwidth = stream_bandwidth()
+    print(f"memory bandwidth (float32 matrix-vector product, 1 GiB matrix): {bandwidth / 1e9:.1f} GB/s")
     print(f"{args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, greedy; best of {args.repeats}; "
           f"{os.cpu_count()} cores, torch threads {args.threads}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,6 +205,12 @@ def main() -> None:
                 for engine, (prefill, decode) in best.items():
                     rates[engine] = (batch * args.prompt_tokens / prefill, batch * (args.new_tokens - 1) / decode)
                     print(f"  {engine:<20}{rates[engine][0]:>14.0f}{rates[engine][1]:>17.1f}")
+                if batch == 1:  # a step reads every weight but the position table's other rows, once
+                    read = 4 * (parameters - SHAPES[shape]["n_positions"] * SHAPES[shape]["n_embd"])
+                    limit = bandwidth / read
+                    shares = ", ".join(f"{e} {rates[e][1] / limit:.0%}" for e in rates if "8bit" not in e)
+                    print(f"  bandwidth limit for float32 decoding: {limit:.1f} tok/s ({read / 1e6:.0f} MB a "
+                          f"step); share reached: {shares}")  # fmt: skip
                 for ours in (e for e in rates if e.startswith("mlx_encoders")):
                     peers = [e for e in rates if not e.startswith("mlx_encoders")]
                     ratios = ", ".join(f"{rates[ours][1] / rates[p][1]:.2f}x {p}" for p in peers)
