@@ -1,19 +1,21 @@
-"""Long inputs on ModernBERT: the sliding-window layers as a band (`modernbert.banded_attention`) against the
-full L x L mask, in seconds per forward pass, peak memory and outputs.
+"""Long inputs on ModernBERT: the sliding-window layers as a band (`modernbert.banded_attention`) and the global
+layers a block of queries at a time (`kernels.blockwise_attention`), against the full L x L scores and mask, in
+seconds per forward pass, peak memory and outputs.
 
 A ModernBERT-base-shaped encoder with random weights (hidden 768, 22 layers, 12 heads, intermediate 1152,
 local_attention 128, a global layer every 3, max_position_embeddings 8192) embeds `--batch` sequences of each
 of `--lengths` tokens. Each form at each length runs in its own process (so its peak memory is its own): the
-banded form as the library runs it, and the full form with `modernbert.attention_masks` patched to return the
-(B, 1, L, L) sliding mask at every length, as short inputs still get it. Both build the same weights (one
-seed) and inputs; a warm-up pass (whose output is saved, to compare the forms), then `--repeats` timed
-passes. Peak memory is the process's resident set (`ru_maxrss`: imports, weights and activations) and MLX's
-own peak (`mx.get_peak_memory`: weights and activations). The global layers attend over all L keys in both
-forms; their (B, heads, L, L) float32 scores, printed beside the results, bound the peak from below. MLX's
-float32 matmul GFLOP/s, measured at the end of the same run, says how fast the machine was.
+banded form as the library runs it, and the full form as short inputs still run: `modernbert.attention_masks`
+patched to return the (B, 1, L, L) sliding mask at every length, and `kernels.BLOCKWISE_FROM` raised past L, so
+the global layers hold all (B, heads, L, L) float32 scores at once (printed beside the results: they bound the
+full form's peak from below). Both build the same weights (one seed) and inputs; a warm-up pass (whose output
+is saved, to compare the forms), then `--repeats` timed passes. Peak memory is the process's resident set
+(`ru_maxrss`: imports, weights and activations) and MLX's own peak (`mx.get_peak_memory`: weights and
+activations). MLX's float32 matmul GFLOP/s, measured at the end of the same run, says how fast the machine was.
 
     python benchmarks/long_inputs.py                                   # 1024, 4096 and 8192 tokens
     python benchmarks/long_inputs.py --lengths 8192 --repeats 2
+    python benchmarks/long_inputs.py --lengths 8192 --layers 3         # one global and two sliding layers
     python benchmarks/long_inputs.py --lengths 512 --layers 2          # a quick check
 """
 
@@ -54,10 +56,14 @@ def peak_mb() -> float:
 
 def force_full_masks() -> None:
     """Patch `modernbert.attention_masks` so that the sliding layers get the additive (B|1, 1, L, L) mask at
-    every length, never a Band: the form before banded attention, which short inputs still get."""
+    every length, never a Band, and the global layers attend in one block: the form before banded and blockwise
+    attention, which short inputs still get."""
     import mlx.core as mx
 
+    from mlx_encoders import kernels
     from mlx_encoders.models import modernbert
+
+    kernels.BLOCKWISE_FROM = sys.maxsize
 
     original = modernbert.attention_masks
 

@@ -2,7 +2,8 @@
 
 Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
-the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask).
+the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask), and the
+global layers a block of queries at a time (`kernels.blockwise_attention`: O(L) memory).
 """
 
 import math
@@ -12,6 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import blockwise_attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -127,10 +129,8 @@ class ModernBertAttention(nn.Module):
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
         q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
-        if isinstance(mask, Band):
-            out = banded_attention(q, k, v, mask, self.attention_dropout)
-        else:
-            out = attention(q, k, v, mask, self.attention_dropout)
+        attend = banded_attention if isinstance(mask, Band) else blockwise_attention  # O(L w), O(L) memory
+        out = attend(q, k, v, mask, self.attention_dropout)
         return self.out_drop(self.Wo(merge_heads(out)))
 
 
