@@ -132,6 +132,25 @@ def test_builtin_calibration_is_disjoint_from_evaluated_docstrings(monkeypatch):
     assert not set(texts) & set(stdlib_docstrings(calibration.CALIBRATION_START, calibration.CALIBRATION_CHARS))
 
 
+def test_builtin_calibration_is_kept_in_the_cache(monkeypatch, tmp_path):
+    """Parsing the standard library takes seconds: the texts are written to the user's cache once, read after."""
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    file = calibration.cache_file()
+    assert file.parent == tmp_path / "mlx-encoders"
+    try:
+        file.parent.mkdir()
+        file.write_text("not json")  # unreadable: parsed again, and replaced
+        calibration.builtin_calibration.cache_clear()
+        texts = calibration.builtin_calibration()
+        assert json.loads(file.read_text()) == list(texts) and len(texts) == calibration.CALIBRATION_TEXTS
+        file.write_text(json.dumps(["a text from the cache"]))
+        calibration.builtin_calibration.cache_clear()
+        assert calibration.builtin_calibration() == ("a text from the cache",)
+    finally:
+        calibration.builtin_calibration.cache_clear()  # later tests read the real texts
+
+
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bert"), "bert", "encoder", hidden_size=64, intermediate_size=64)
@@ -248,6 +267,41 @@ def test_gptq_act_order_moves_outputs_less_than_left_to_right():
     assert errors[True] < 0.7 * errors[False], errors  # measured ratio 0.43
     default, ordered = rounding.gptq(weight, hessian, 4, 32), rounding.gptq(weight, hessian, 4, 32, act_order=True)
     assert all(np.array_equal(a, b) for a, b in zip(default, ordered, strict=True))  # act-order is the default
+
+
+def test_gptq_rounds_stacked_rows_as_alone():
+    """Every row's codes, scales and biases depend on that row and the Hessian only, so Linears that share an input
+    (query, key, value) are rounded as one stacked weight (`rounding.shared_fits`)."""
+    rng = np.random.default_rng(0)
+    inputs_ = rng.standard_normal((512, 96)) + rng.standard_normal((512, 4)) @ rng.standard_normal((4, 96))
+    hessian, parts = inputs_.T @ inputs_, [rng.standard_normal((n, 96)).astype(np.float32) for n in (8, 24)]
+    stacked = rounding.gptq(np.concatenate(parts), hessian, 4, 32)
+    for got, *alone in zip(stacked, *(rounding.gptq(p, hessian, 4, 32) for p in parts), strict=True):
+        np.testing.assert_array_equal(got, np.concatenate(alone))
+
+
+def test_inverse_cholesky_is_the_cholesky_factor_of_the_inverse():
+    rng = np.random.default_rng(0)
+    inputs_ = rng.standard_normal((256, 48))
+    hessian, order = inputs_.T @ inputs_, rng.permutation(48)
+    expected = np.linalg.cholesky(np.linalg.inv(hessian[np.ix_(order, order)])).T  # upper: U^T U = H^-1
+    got = rounding.checked(rounding.inverse_cholesky(hessian, order))
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    with pytest.raises(np.linalg.LinAlgError, match="not positive definite"):
+        rounding.checked(rounding.inverse_cholesky(np.array([[1.0, 2.0], [2.0, 1.0]]), np.arange(2)))
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4, 5, 6, 8))
+def test_pack_is_mlx_packing(bits):
+    packed, scales, biases = mx.quantize(mx.random.normal((4, 128), key=mx.random.key(bits)), 32, bits)
+    codes = np.array(mx.dequantize(packed, mx.ones(scales.shape), mx.zeros(biases.shape), 32, bits), np.int64)
+    np.testing.assert_array_equal(rounding.pack(codes, bits), np.array(packed))
+
+
+def test_calibration_batches_pad_to_a_token_budget():
+    """Shortest texts first, at most `batch_size` texts and `batch_tokens` tokens once padded per batch."""
+    batches = calibration.token_batches([5, 300, 40, 41, 7, 256], batch_size=3, batch_tokens=100)
+    assert batches == [[0, 4], [2, 3], [5], [1]]  # a text longer than the budget goes alone
 
 
 def test_calibration_weighs_texts_alike_and_skips_padding(bert):

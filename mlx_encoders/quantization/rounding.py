@@ -20,6 +20,10 @@ REFIT_BYTES = 1 << 26  # working memory of `refit_grid`'s per-row systems, built
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """MLX's affine packing: each row's codes as a little-endian bit stream, read as uint32 words."""
     rows, width = codes.shape
+    if 32 % bits == 0:  # 2, 4 and 8 bits: whole codes per word, the first in the lowest bits
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        words = codes.reshape(rows, -1, 32 // bits).astype(np.uint32) << shifts
+        return np.ascontiguousarray(words.sum(-1, dtype=np.uint32))
     stream = (codes[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1
     return np.packbits(stream.reshape(rows, width * bits).astype(np.uint8), axis=-1, bitorder="little").view(np.uint32)
 
@@ -36,32 +40,52 @@ def affine_grid(
 
     Starts from the min-max grid and alternates rounding with the least-squares refit of scale and bias
     for the codes (no snapping of 0 onto the grid, unlike `mx.quantize`), keeping each group's best fit.
-    Scales and biases are rounded to `dtype` before use, so the codes fit the stored values.
+    Scales and biases are rounded to `dtype` before use, so the codes fit the stored values. A group whose
+    rounded scale and bias come back unchanged has reached a fixed point and leaves the loop.
     """
-    w = weight.astype(np.float64).reshape(weight.shape[0], -1, group_size)
-    imp = np.ones_like(w) if importance is None else np.broadcast_to(importance.reshape(1, -1, group_size), w.shape)
+    rows, width = weight.shape
+    groups = width // group_size
+    w = weight.astype(np.float64).reshape(-1, group_size)  # (rows * groups, group_size): one group per line
+    imp = None if importance is None else importance.astype(np.float64).reshape(groups, group_size)
     levels = 2**bits - 1
-    low = w.min(-1, keepdims=True)
-    scale, bias = np.maximum((w.max(-1, keepdims=True) - low) / levels, 1e-7), low
-    n, best = imp.sum(-1, keepdims=True), None
+    low = w.min(-1)
+    scale, bias = stored(np.maximum((w.max(-1) - low) / levels, 1e-7), dtype), stored(low, dtype)
+    best = [np.full(len(w), np.inf), scale, bias]  # error, scale, bias
+    weighted_w = w if imp is None else np.tile(imp, (rows, 1)) * w
+    n = np.full(len(w), float(group_size)) if imp is None else np.tile(imp.sum(-1), rows)
+    sx, sxx = weighted_w.sum(-1), np.einsum("ij,ij->i", weighted_w, w)
+    active, w_active, imp_active, previous = np.arange(len(w)), w, None, None
+    codes, products = np.empty_like(w), np.empty_like(w)  # buffers, their first rows in use
     for _ in range(GRID_ITERATIONS):
         scale, bias = stored(np.maximum(scale, 1e-7), dtype), stored(bias, dtype)
-        codes = np.clip(np.round((w - bias) / scale), 0, levels)
-        error = (imp * (codes * scale + bias - w) ** 2).sum(-1, keepdims=True)
-        if best is None:
-            best = [error, codes, scale, bias]
-        else:
-            better = error < best[0]
-            best = [np.where(better, new, old) for new, old in zip((error, codes, scale, bias), best, strict=True)]
-        sq, sqq = (imp * codes).sum(-1, keepdims=True), (imp * codes * codes).sum(-1, keepdims=True)
-        sx, sqx = (imp * w).sum(-1, keepdims=True), (imp * codes * w).sum(-1, keepdims=True)
-        det = n * sqq - sq * sq
-        ok = det > 1e-12 * np.maximum(n * sqq, 1e-30)
+        if previous is not None and not (moving := (scale != previous[0]) | (bias != previous[1])).all():
+            active, w_active, scale, bias = active[moving], w_active[moving], scale[moving], bias[moving]
+            imp_active = None
+            if not len(active):
+                break
+        if imp is not None and imp_active is None:
+            imp_active = imp[active % groups]
+        previous = scale, bias
+        q = codes[: len(active)]
+        np.subtract(w_active, bias[:, None], out=q)
+        np.divide(q, scale[:, None], out=q)
+        np.clip(np.round(q, out=q), 0, levels, out=q)
+        weighted = q if imp is None else np.multiply(imp_active, q, out=products[: len(active)])
+        sq, sqq, sqx = weighted.sum(-1), np.einsum("ij,ij->i", weighted, q), np.einsum("ij,ij->i", weighted, w_active)
+        n_active, sx_active = n[active], sx[active]
+        # The weighted squared error of q * scale + bias - w, expanded into the sums (no pass over the group).
+        error = scale * (scale * sqq + 2 * bias * sq - 2 * sqx) + bias * (bias * n_active - 2 * sx_active) + sxx[active]
+        better = error < best[0][active]
+        for kept, new in zip(best, (error, scale, bias), strict=True):
+            kept[active[better]] = new[better]
+        det = n_active * sqq - sq * sq
+        ok = det > 1e-12 * np.maximum(n_active * sqq, 1e-30)
         safe = np.where(ok, det, 1.0)
-        scale = np.where(ok, (n * sqx - sq * sx) / safe, scale)
-        bias = np.where(ok, (sqq * sx - sq * sqx) / safe, bias)
-    _, codes, scale, bias = best
-    return codes.reshape(weight.shape).astype(np.int64), scale[..., 0], bias[..., 0]
+        scale = np.where(ok, (n_active * sqx - sq * sx_active) / safe, scale)
+        bias = np.where(ok, (sqq * sx_active - sq * sqx) / safe, bias)
+    _, scale, bias = best
+    codes = np.clip(np.round((w - bias[:, None]) / scale[:, None]), 0, levels)
+    return codes.reshape(rows, width).astype(np.int64), scale.reshape(rows, groups), bias.reshape(rows, groups)
 
 
 def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) -> tuple:
@@ -69,6 +93,37 @@ def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) ->
     parts = [affine_grid(weight[i : i + GRID_ROWS], bits, group_size, dtype) for i in range(0, len(weight), GRID_ROWS)]
     codes, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
     return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
+
+
+def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in float64 through MLX's BLAS (MLX takes no negative strides)."""
+    a, b = (mx.array(np.ascontiguousarray(x), dtype=mx.float64) for x in (a, b))
+    return np.array(mx.matmul(a, b, stream=mx.cpu))
+
+
+def inverse_cholesky(hessian: np.ndarray, order: np.ndarray) -> mx.array:
+    """The upper triangular U with U^T U = H^-1 for H = `hessian` with rows and columns in `order`, from one
+    Cholesky factorisation and one triangular inverse (a third of the work of inverting H and factorising H^-1).
+
+    With J the order-reversing permutation, J H J = L L^T gives H = R R^T for the upper R = J L J, so
+    H^-1 = R^-T R^-1 and U = R^-1 = J L^-1 J. numpy has no triangular inverse; MLX's LAPACK runs in float64 on
+    the CPU, on MLX's own thread (`mx.async_eval`) while the caller goes on: `checked` waits for it.
+    """
+    reverse = order[::-1]
+    with mx.stream(mx.cpu):
+        lower = mx.linalg.cholesky(mx.array(hessian[np.ix_(reverse, reverse)], dtype=mx.float64))
+        upper = mx.linalg.tri_inv(lower, upper=False)[::-1, ::-1]
+    mx.async_eval(upper)
+    return upper
+
+
+def checked(upper: mx.array) -> np.ndarray:
+    """`inverse_cholesky`'s factor, once computed; MLX's LAPACK does not raise on a matrix that is not positive
+    definite, it leaves a non-positive or non-finite diagonal."""
+    upper = np.array(upper)
+    if not (np.all(np.isfinite(upper)) and np.all(np.diag(upper) > 0)):
+        raise np.linalg.LinAlgError("the damped input Hessian is not positive definite")
+    return upper
 
 
 def gptq(
@@ -88,27 +143,29 @@ def gptq(
     energy first, "act-order"), each rounding error pushed onto the columns not yet rounded through the
     inverse Hessian of the layer's inputs, so the layer's outputs on calibration data move less than with
     plain rounding (`act_order=False` rounds left to right). At the end `refit_grid` re-solves every scale
-    and bias for the chosen codes. Returns (packed uint32 weight, scales, biases).
+    and bias for the chosen codes. Rows are independent: stacking the weights of Linears that share an input
+    (query, key, value) rounds each as alone. Returns (packed uint32 weight, scales, biases).
     """
     levels = 2**bits - 1
-    h = hessian.astype(np.float64) + damp * np.mean(np.diag(hessian)) * np.eye(len(hessian))
-    _, steps, lows = affine_grid(weight, bits, group_size, dtype, np.diag(h))
+    h = hessian.astype(np.float64)
+    h[np.diag_indices_from(h)] += damp * np.mean(np.diag(hessian))
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(len(h))
-    u = np.linalg.cholesky(np.linalg.inv(h[order][:, order])).T  # upper Cholesky factor of H^-1, permuted
-    # Column-major copies (one row per input column) keep each step's reads and writes contiguous.
+    u = inverse_cholesky(h, order)  # computed while the grid is fitted
+    _, steps, lows = affine_grid(weight, bits, group_size, dtype, np.diag(h))
+    u = checked(u)
+    # Column-major copies in rounding order (one row per input column) keep each step's reads contiguous.
     w = weight.T.astype(np.float64)[order]
-    steps_t, lows_t = steps.T.copy(), lows.T.copy()
-    codes = np.zeros(w.shape, np.int64)  # transposed, in the original column order
+    steps_t, lows_t = steps.T[order // group_size], lows.T[order // group_size]
+    codes = np.empty(w.shape, np.int64)
     for start in range(0, len(order), GPTQ_BLOCK):  # lazy batch updates (the paper's section 3.2): same result
         end = min(start + GPTQ_BLOCK, len(order))
         errors = np.empty((end - start, w.shape[1]))
-        for i in range(start, end):
-            column = order[i]
-            step, low = steps_t[column // group_size], lows_t[column // group_size]
-            codes[column] = np.clip(np.round((w[i] - low) / step), 0, levels)
-            errors[i - start] = error = (w[i] - (codes[column] * step + low)) / u[i, i]
-            w[i + 1 : end] -= np.outer(u[i, i + 1 : end], error)
-        w[end:] -= u[start:end, end:].T @ errors
+        for i in range(start, end):  # the errors of the block's earlier columns reach column i as it is rounded
+            column = w[i] - np.einsum("k,kr->r", u[start:i, i], errors[: i - start])
+            code = np.minimum(np.maximum(np.rint((column - lows_t[i]) / steps_t[i]), 0), levels)
+            errors[i - start] = (column - (code * steps_t[i] + lows_t[i])) / u[i, i]
+            codes[order[i]] = code
+        w[end:] -= product(u[start:end, end:].T, errors)
     codes = codes.T
     scales, biases = refit_grid(weight, h, codes, steps, lows, dtype)
     return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
@@ -122,6 +179,28 @@ def output_error(weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, sca
     return ((delta @ hessian) * delta).sum(-1)
 
 
+def code_products(hessian: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the codes q (rows, G, size) of every row, (rows, G, G) q_g H_gh q_h and q_g H_gh 1, one matmul per
+    group g (only h >= g for the first: it is symmetric), in one MLX graph per REFIT_BYTES of rows."""
+    rows, groups, size = q.shape
+    quadratic, linear = np.empty((rows, groups, groups)), np.empty((rows, groups, groups))
+    chunk = max(1, REFIT_BYTES // (8 * groups * size))
+    with mx.stream(mx.cpu):  # float64 runs on the CPU only
+        h = mx.array(hessian, dtype=mx.float64)
+        summed = h.reshape(groups, size, groups, size).sum(-1)  # (G, size, G): H's rows summed over each group
+        for r in range(0, rows, chunk):
+            codes = mx.array(q[r : r + chunk], dtype=mx.float64)
+            parts = [(codes.transpose(1, 0, 2) @ summed).transpose(1, 0, 2)]
+            for g in range(groups):
+                products = codes[:, g] @ h[g * size : (g + 1) * size, g * size :]  # (chunk, (G - g) * size)
+                parts.append((products.reshape(len(codes), groups - g, size) * codes[:, g:]).sum(-1))
+            mx.eval(parts)
+            linear[r : r + chunk] = np.array(parts[0])
+            for g, part in enumerate(parts[1:]):
+                quadratic[r : r + chunk, g, g:] = quadratic[r : r + chunk, g:, g] = np.array(part)
+    return quadratic, linear
+
+
 def refit_grid(
     weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, dtype
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -133,42 +212,66 @@ def refit_grid(
     w = weight.astype(np.float64)
     rows, width = codes.shape
     groups = scales.shape[1]
-    q = codes.reshape(rows, groups, -1).astype(np.float64)
     size = width // groups
-    hw = (w @ hessian).reshape(rows, groups, -1)
-    system = np.empty((rows, 2 * groups, 2 * groups))
-    system[:, groups:, groups:] = hessian.reshape(groups, size, groups, size).sum((1, 3))
-    step = max(1, REFIT_BYTES // (8 * groups * width))
-    for r in range(0, rows, step):  # qh[g, r, h, k] = sum_j q[r, g, j] H[g j, h k]: one matmul per group
-        qh = np.matmul(q[r : r + step].transpose(1, 0, 2), hessian.reshape(groups, size, width))
-        qh = qh.reshape(groups, -1, groups, size)
-        system[r : r + step, :groups, :groups] = np.einsum("grhk,rhk->rgh", qh, q[r : r + step])
-        system[r : r + step, :groups, groups:] = qh.sum(-1).transpose(1, 0, 2)
+    q = codes.reshape(rows, groups, size).astype(np.float64)
+    hw = product(w, hessian).reshape(rows, groups, size)
+    system = np.empty((rows, 2 * groups, 2 * groups))  # [[q_g H_gh q_h, q_g H_gh 1], [1 H_gh q_h, 1 H_gh 1]]
+    system[:, :groups, :groups], system[:, :groups, groups:] = code_products(hessian, q)
     system[:, groups:, :groups] = system[:, :groups, groups:].transpose(0, 2, 1)
-    system += 1e-9 * np.trace(hessian) / width * np.eye(2 * groups)
+    system[:, groups:, groups:] = hessian.reshape(groups, size, groups, size).sum((1, 3))
     rhs = np.concatenate([(q * hw).sum(-1), hw.sum(-1)], 1)
-    solution = np.linalg.solve(system, rhs[..., None])[..., 0]
+    regularised = system + 1e-9 * np.trace(hessian) / width * np.eye(2 * groups)
+    solution = np.linalg.solve(regularised, rhs[..., None])[..., 0]
     new_scales, new_biases = stored(solution[:, :groups], dtype), stored(solution[:, groups:], dtype)
     new_scales = np.where(np.isfinite(new_scales), new_scales, scales)
     new_biases = np.where(np.isfinite(new_biases), new_biases, biases)
-    better = output_error(w, hessian, codes, new_scales, new_biases) < output_error(w, hessian, codes, scales, biases)
+    # A row's output_error is t system t - 2 t rhs + w H w for t = (scales, biases): the change from old to
+    # new t is (new - old) system (new + old) - 2 (new - old) rhs, without another pass over H.
+    old, new = np.concatenate([scales, biases], 1), np.concatenate([new_scales, new_biases], 1)
+    change = new - old
+    gain = np.einsum("ri,rij,rj->r", change, system, new + old) - 2 * (change * rhs).sum(-1)
+    better = gain < 0
     return np.where(better[:, None], new_scales, scales), np.where(better[:, None], new_biases, biases)
+
+
+def shared_fits(modules: list[tuple[str, nn.Module]], hessians: dict[str, np.ndarray]) -> list[tuple]:
+    """(bits, group size, dtype, Hessian or None, members) per fit: Linears with equal Hessians and settings
+    (query, key and value read one input) share one, as stacked rows; every other module fits alone."""
+    fits = []
+    for path, module in modules:
+        hessian = hessians.get(path) if isinstance(module, nn.QuantizedLinear) else None
+        settings = (module.bits, module.group_size, module.scales.dtype)
+        for fit in fits:
+            same = hessian is not None and fit[3] is not None and fit[3].shape == hessian.shape
+            if same and fit[:3] == settings and np.array_equal(fit[3], hessian):
+                fit[4].append((path, module))
+                break
+        else:
+            fits.append((*settings, hessian, [(path, module)]))
+    return fits
 
 
 def apply_gptq(model: nn.Module, hessians: dict[str, np.ndarray], floats: dict[str, np.ndarray]) -> None:
     """Re-fit each affine quantized module from its float weight, same layout: GPTQ for Linears with a
-    Hessian, the least-squares grid (`affine_grid`) for the rest (embeddings, modules calibration missed)."""
+    Hessian, the least-squares grid (`affine_grid`) for the rest (embeddings, modules calibration missed).
+    Rows are independent in both, so Linears sharing a Hessian are fitted as one stacked weight."""
     modules = [
         (path, m)
         for path, m in model.named_modules()
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine" and path in floats
     ]
-    for path, module in tqdm(modules, desc="GPTQ", unit="module", leave=False):
-        dtype = module.scales.dtype
-        np_dtype = np.float16 if dtype == mx.float16 else np.float32  # bfloat16 is fitted as float32
-        if isinstance(module, nn.QuantizedLinear) and path in hessians:
-            packed, scales, biases = gptq(floats[path], hessians[path], module.bits, module.group_size, np_dtype)
-        else:
-            packed, scales, biases = fit_grid(floats[path], module.bits, module.group_size, np_dtype)
-        module.weight, module.scales = mx.array(packed), mx.array(scales).astype(dtype)
-        module.biases = mx.array(biases).astype(dtype)
+    with tqdm(total=len(modules), desc="GPTQ", unit="module", leave=False) as progress:
+        for bits, group_size, dtype, hessian, members in shared_fits(modules, hessians):
+            np_dtype = np.float16 if dtype == mx.float16 else np.float32  # bfloat16 is fitted as float32
+            weight = np.concatenate([floats[path] for path, _ in members])
+            if hessian is not None:
+                packed, scales, biases = gptq(weight, hessian, bits, group_size, np_dtype)
+            else:
+                packed, scales, biases = fit_grid(weight, bits, group_size, np_dtype)
+            start = 0
+            for path, module in members:
+                end = start + len(floats[path])
+                module.weight, module.scales = mx.array(packed[start:end]), mx.array(scales[start:end]).astype(dtype)
+                module.biases = mx.array(biases[start:end]).astype(dtype)
+                start = end
+            progress.update(len(members))
