@@ -20,26 +20,6 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def one_corpus_walk():
-    """The standard-library walk once per `max_chars`: `stdlib_documents(n, c)` is the first n of any longer walk
-    with the same c (a fixed order, deduplicated by prefix), so calls are served from the longest walk yet."""
-    from mlx_encoders import corpus
-
-    walk, walks = corpus.stdlib_documents, {}
-
-    def stdlib_documents(n=None, max_chars=None):
-        done = walks.get(max_chars)
-        if done is None or (n is None or n > len(done[0])) and not done[1]:  # not yet walked this far
-            docs = walk(n, max_chars)
-            done = walks[max_chars] = (docs, n is None or len(docs) < n)  # (texts, whole library walked)
-        return list(done[0][:n])
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(corpus, "stdlib_documents", stdlib_documents)
-        yield
-
-
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """`checkpoint(model_type, task, **config_overrides)` -> folder, built once per session. Do not modify it:

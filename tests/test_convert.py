@@ -132,25 +132,6 @@ def test_builtin_calibration_is_disjoint_from_evaluated_docstrings(monkeypatch):
     assert not set(texts) & set(stdlib_docstrings(calibration.CALIBRATION_START, calibration.CALIBRATION_CHARS))
 
 
-def test_builtin_calibration_is_kept_in_the_cache(monkeypatch, tmp_path):
-    """Parsing the standard library takes seconds: the texts are written to the user's cache once, read after."""
-    monkeypatch.undo()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    file = calibration.cache_file()
-    assert file.parent == tmp_path / "mlx-encoders"
-    try:
-        file.parent.mkdir()
-        file.write_text("not json")  # unreadable: parsed again, and replaced
-        calibration.builtin_calibration.cache_clear()
-        texts = calibration.builtin_calibration()
-        assert json.loads(file.read_text()) == list(texts) and len(texts) == calibration.CALIBRATION_TEXTS
-        file.write_text(json.dumps(["a text from the cache"]))
-        calibration.builtin_calibration.cache_clear()
-        assert calibration.builtin_calibration() == ("a text from the cache",)
-    finally:
-        calibration.builtin_calibration.cache_clear()  # later tests read the real texts
-
-
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bert"), "bert", "encoder", hidden_size=64, intermediate_size=64)

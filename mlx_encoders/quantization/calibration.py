@@ -6,13 +6,7 @@ default texts are standard-library docstrings (`mlx_encoders.corpus`), disjoint 
 benchmarks evaluate on.
 """
 
-import contextlib
 import functools
-import hashlib
-import json
-import os
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -100,40 +94,13 @@ def input_hessians(
     return {path: np.array(h) for path, h in hessians.items()}
 
 
-def cache_file() -> Path:
-    """Where `builtin_calibration` keeps its texts, named after all they depend on (the Python build and its
-    standard library, `corpus`'s code, the constants): a change to any of them is a new file."""
-    from .. import corpus
-
-    sources = (sys.version, str(corpus.stdlib_root()), Path(corpus.__file__).read_bytes())
-    constants = (CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_CHARS)
-    digest = hashlib.sha256(repr((sources, constants)).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-encoders"
-    return folder / f"calibration-{digest}.json"
-
-
 @functools.cache
 def builtin_calibration() -> tuple[str, ...]:
-    """The default GPTQ calibration texts: CALIBRATION_TEXTS standard-library docstrings (see the constants).
-
-    Parsing the standard library for them takes 3-4 s of a 2-core machine, so they are kept in `cache_file()`
-    (when it can be written) and read from there.
-    """
+    """The default GPTQ calibration texts: CALIBRATION_TEXTS standard-library docstrings (see the constants)."""
     from ..corpus import stdlib_docstrings
 
-    file = cache_file()
-    with contextlib.suppress(OSError, ValueError):
-        texts = json.loads(file.read_text(encoding="utf-8"))
-        if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts):
-            return tuple(texts)
     texts = stdlib_docstrings(CALIBRATION_START + CALIBRATION_TEXTS, max_chars=CALIBRATION_CHARS)
-    texts = tuple(texts[CALIBRATION_START:] or texts[-CALIBRATION_TEXTS:])
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        partial = file.with_name(f".{file.name}.{os.getpid()}")  # renamed into place: never read half written
-        partial.write_text(json.dumps(texts), encoding="utf-8")
-        partial.replace(file)
-    return texts
+    return tuple(texts[CALIBRATION_START:] or texts[-CALIBRATION_TEXTS:])
 
 
 def calibration_texts(
