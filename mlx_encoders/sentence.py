@@ -210,7 +210,19 @@ class SentenceEncoder:
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
         # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None
-        self.slice_tokens = QUANTIZED_SLICE_TOKENS if on_cpu() and has_quantized_linears(self.model) else 0
+        self._slice_tokens: int | None = None  # see the slice_tokens property
+
+    @property
+    def slice_tokens(self) -> int:
+        """The least tokens a forward pass on the CPU holds (see `slice_rows`): QUANTIZED_SLICE_TOKENS when the model
+        has quantized Linears, looked at on each use so that a model quantized in memory counts, else 0. Settable."""
+        if self._slice_tokens is not None:
+            return self._slice_tokens
+        return QUANTIZED_SLICE_TOKENS if on_cpu() and has_quantized_linears(self.model) else 0
+
+    @slice_tokens.setter
+    def slice_tokens(self, tokens: int) -> None:
+        self._slice_tokens = tokens
 
     def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
         modes, where = None, "modules.json, 1_Pooling/config.json"

@@ -22,7 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 from mlx_encoders import MODEL_TYPES, SentenceEncoder
 from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
-from mlx_encoders.quantization import dequantize_model
+from mlx_encoders.quantization import dequantize_model, quantize_model
 from mlx_encoders.sentence import CPU_SLICE_BYTES, QUANTIZED_SLICE_TOKENS
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
@@ -220,7 +220,10 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     encoder = SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32))
     cpu = mx.default_device() == mx.cpu
     assert encoder.slice_tokens == (QUANTIZED_SLICE_TOKENS if cpu else 0)
-    assert SentenceEncoder(st).slice_tokens == 0  # a float model: slices by activation size alone
+    floats = SentenceEncoder(st)
+    assert floats.slice_tokens == 0  # a float model: slices by activation size alone
+    quantize_model(floats.model, bits=8, group_size=32)
+    assert floats.slice_tokens == (QUANTIZED_SLICE_TOKENS if cpu else 0)  # quantized in memory: counts too
     encoder.slice_bytes, encoder.slice_tokens = 1, 100
     groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
     assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
