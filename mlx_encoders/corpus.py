@@ -70,6 +70,10 @@ def cache_file() -> Path:
     return folder / f"stdlib-docstrings-{digest}.json"
 
 
+def valid_pair(pair) -> bool:
+    return isinstance(pair, list) and len(pair) == 2 and all(isinstance(part, str) for part in pair)
+
+
 @functools.cache
 def _documents() -> tuple[tuple[str, str], ...]:
     """`_walk()`, read from `cache_file()` when a valid one is there, else walked and written there (renamed
@@ -77,9 +81,8 @@ def _documents() -> tuple[tuple[str, str], ...]:
     file = cache_file()
     with contextlib.suppress(OSError, ValueError):
         pairs = json.loads(file.read_text(encoding="utf-8"))
-        if isinstance(pairs, list) and pairs and all(isinstance(p, list) and len(p) == 2 for p in pairs):
-            if all(isinstance(part, str) for pair in pairs for part in pair):
-                return tuple((name, doc) for name, doc in pairs)
+        if isinstance(pairs, list) and pairs and all(valid_pair(pair) for pair in pairs):
+            return tuple(map(tuple, pairs))
     pairs = _walk()
     with contextlib.suppress(OSError):
         file.parent.mkdir(parents=True, exist_ok=True)

@@ -475,10 +475,10 @@ class SentenceEncoder:
         if self.slice_bytes is None:
             yield rows
             return
-        start = 0
+        start, tokens = 0, self.slice_tokens  # looked up once a batch: it walks the model's modules
         while start < len(rows):
             longest = max(lengths[start:])  # lengths[start] when sorted, as run() sorts them
-            count = slice_rows(self.model.args, longest, self.slice_bytes, self.slice_tokens)
+            count = slice_rows(self.model.args, longest, self.slice_bytes, tokens)
             yield rows[start : start + count]
             start += count
 
