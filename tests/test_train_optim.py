@@ -202,3 +202,90 @@ def test_fused_adamw_is_mlx_adamw_bit_for_bit(dtype):
         np.testing.assert_array_equal(np.array(fused.state[key]["v"].astype(mx.float32)),
                                       np.array(reference.state[key]["v"].astype(mx.float32)))  # fmt: skip
     assert not np.array_equal(np.array(ours["w"].astype(mx.float32)), np.array(params["w"].astype(mx.float32)))
+
+
+def test_clipping_inside_the_fused_update_equals_clipping_first():
+    """optimizer_step hands the clipping factor to FusedAdamW's kernel (no pass of its own over the gradients):
+    the parameters and moments equal clipping the gradients first and applying mlx's AdamW, bit for bit, over a
+    MultiOptimizer's two groups and parameters spread over several CPU streams."""
+    import mlx.optimizers as optim
+
+    keys = iter(mx.random.split(mx.random.key(1), 32))
+    model = nn.Sequential(nn.Linear(33, 17), nn.LayerNorm(17), nn.Linear(17, 5))
+    reference = nn.Sequential(nn.Linear(33, 17), nn.LayerNorm(17), nn.Linear(17, 5))
+    reference.update(tree_map(lambda p: p, model.parameters()))
+    fused = adamw(model, linear_schedule(1e-2, 1, 4), DECAY)
+    decayed = set(decay_parameter_names(reference))
+    plain = optim.MultiOptimizer(
+        [optim.AdamW(linear_schedule(1e-2, 1, 4), [0.9, 0.999], 1e-8, d, bias_correction=True) for d in (DECAY, 0.0)],
+        [lambda path, _: path in decayed],
+    )
+    for scale in (10.0, 0.01, 10.0):  # clipped, not clipped, clipped
+        grads = tree_map(lambda p, s=scale: mx.random.normal(p.shape, key=next(keys)) * s, model.trainable_parameters())
+        norm = optimizer_step(model, fused, grads, MAX_NORM)
+        clipped, expected_norm = clip_grad_norm(grads, MAX_NORM)
+        plain.update(reference, clipped)
+        assert norm.item() == pytest.approx(expected_norm.item(), rel=1e-6)
+    pairs = zip(tree_flatten(model.parameters()), tree_flatten(reference.parameters()), strict=True)
+    for (name, ours), (_, theirs) in pairs:
+        np.testing.assert_array_equal(np.array(ours), np.array(theirs), err_msg=name)
+    assert all(o.gradient_scale is None for o in fused.optimizers)  # the factor is not left behind
+
+
+def test_global_norm_reads_every_layout():
+    """The norm's CPU path (numpy's dot over MLX's buffers) equals a float64 reference for contiguous, transposed,
+    sliced and half-precision gradients (the last take MLX's own reduction)."""
+    from mlx_encoders.train.optim import global_norm
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((40, 30)).astype(np.float32)
+    grads = {"plain": mx.array(a), "transposed": mx.array(a).T, "sliced": mx.array(a)[::3, 1:], "half": mx.array(a)}
+    grads["half"] = grads["half"].astype(mx.float16)
+    parts = [a, a.T, a[::3, 1:], a.astype(np.float16).astype(np.float32)]
+    expected = np.sqrt(sum(np.sum(p.astype(np.float64) ** 2) for p in parts))
+    assert global_norm(grads).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_updates_are_spread_evenly_over_cpu_streams():
+    from mlx_encoders import kernels
+
+    arrays = [mx.zeros((n,)) for n in (1000, 10, 600, 400, 10, 5)]
+    chosen = kernels.spread_over_streams(arrays)
+    if len(kernels.cpu_streams()) < 2:
+        assert chosen is None
+        return
+    loads = {}
+    for x in arrays:
+        loads[chosen[id(x)]] = loads.get(chosen[id(x)], 0) + x.size
+    assert sum(loads.values()) == 2025 and max(loads.values()) <= 1015  # largest first onto the least loaded
+    assert kernels.spread_over_streams(arrays) == chosen  # the same every step
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="glibc's mallinfo2 only")
+def test_training_keeps_large_buffers_off_fresh_mappings():
+    """Inside keep_freed_memory a 64 MB buffer comes from the heap, not a fresh mmap (whose pages fault in on
+    every use); outside it glibc maps it; after it, freed memory is handed back."""
+    import ctypes
+
+    from mlx_encoders import kernels
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]  # fmt: skip
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+
+    def mapped_while_alive() -> int:
+        before = libc.mallinfo2().hblkhd
+        x = mx.ones((16 << 20,))
+        mx.eval(x)
+        mapped = libc.mallinfo2().hblkhd - before
+        del x
+        return mapped
+
+    assert mapped_while_alive() >= 64 << 20
+    with kernels.keep_freed_memory():
+        assert mapped_while_alive() == 0
+    assert mapped_while_alive() >= 64 << 20

@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from tqdm.auto import tqdm
 
+from .. import kernels
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.write import model_config, write_checkpoint
@@ -471,7 +472,7 @@ def train(
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    with tqdm(total=total, initial=state.step, desc="training") as bar:
+    with kernels.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
         for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
                 break
