@@ -71,24 +71,6 @@ def warn_if_too_late() -> None:
         )
 
 
-def gemv_library() -> ctypes.CDLL | None:
-    """The fast BLAS, for direct `cblas_sgemv` calls (kernels.blas_linear); loaded now (locally, which is
-    enough for ctypes) when MLX was imported first. None where there is none."""
-    global LIBRARY
-    if LIBRARY is None and sys.platform.startswith("linux"):
-        for name in _candidates():
-            try:
-                library = ctypes.CDLL(name)
-            except OSError:
-                continue
-            if hasattr(library, "cblas_sgemv"):
-                LIBRARY = library
-                break
-        else:
-            LIBRARY = False
-    return LIBRARY or None
-
-
 LIBRARY: ctypes.CDLL | None | bool = None  # the loaded fast BLAS; False once a search found none
 LOADED = load_fast_blas()
 warn_if_too_late()

@@ -13,13 +13,10 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-from . import _blas
 
 # erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
 # |erf| rounds to 1 beyond 4).
@@ -283,57 +280,8 @@ def mask_cotangent(rows: list[mx.array], mask: mx.array) -> mx.array:
     return (d.sum(axis=0, keepdims=True) if mask.shape[0] == 1 else d).astype(mask.dtype)
 
 
-# Decoding one token multiplies every weight by one row. MLX's CPU matmul calls sgemm, which packs the whole
-# weight first: 3-6x slower than the BLAS's matrix-vector product, which streams it once at memory speed.
-GEMV_ROWS = 2  # up to this many rows, one sgemv per row beats one sgemm (benchmarks/generate.py)
-ROW_MAJOR, COL_MAJOR, NO_TRANS = 101, 102, 111  # CBLAS enum values
-_EAGER_BLAS = ContextVar("eager_blas", default=False)
-
-
-@contextmanager
-def eager_blas() -> Iterator[None]:
-    """Inside: `linear` sends float32 products of at most GEMV_ROWS rows on the CPU to the BLAS's sgemv. That
-    evaluates the input on the spot, outside MLX's graph, so it is for inference loops only (generation's
-    decoding), never under mx.grad or mx.compile."""
-    token = _EAGER_BLAS.set(True)
-    try:
-        yield
-    finally:
-        _EAGER_BLAS.reset(token)
-
-
-def blas_rows(x: mx.array, weight: mx.array) -> mx.array | None:
-    """x @ weight.T through sgemv, one call per row of x; None where the weight's layout does not allow it."""
-    library = _blas.gemv_library()
-    mx.eval(x, weight)
-    w = np.asarray(weight)  # a view of MLX's buffer: the weight is not copied
-    if w.flags.c_contiguous:
-        order, lda = ROW_MAJOR, w.shape[1]
-    elif w.flags.f_contiguous:  # a transposed view, such as GPT-2's Conv1D weights after sanitize
-        order, lda = COL_MAJOR, w.shape[0]
-    else:
-        return None
-    rows = np.ascontiguousarray(np.asarray(x).reshape(-1, w.shape[1]))
-    out = np.empty((rows.shape[0], w.shape[0]), np.float32)
-    one, zero, pointer = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_void_p
-    for row, result in zip(rows, out, strict=True):
-        library.cblas_sgemv(order, NO_TRANS, w.shape[0], w.shape[1], one, pointer(w.ctypes.data), lda,
-                            pointer(row.ctypes.data), 1, zero, pointer(result.ctypes.data), 1)  # fmt: skip
-    return mx.array(out).reshape(*x.shape[:-1], w.shape[0])
-
-
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """x @ weight.T (+ bias): nn.Linear's product, through sgemv inside `eager_blas` when that is faster."""
-    if (
-        _EAGER_BLAS.get()
-        and x.size <= GEMV_ROWS * x.shape[-1]
-        and x.dtype == weight.dtype == mx.float32
-        and mx.default_device() == mx.cpu
-        and _blas.gemv_library() is not None
-    ):
-        out = blas_rows(x, weight)
-        if out is not None:
-            return out if bias is None else out + bias
+    """x @ weight.T (+ bias): nn.Linear's product."""
     return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
 
 

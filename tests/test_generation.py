@@ -54,7 +54,11 @@ def an_eos(ref, ids, mask, step: int) -> int:
     return int(next((t for i, t in enumerate(tokens) if i >= step and t not in tokens[:i]), tokens[0]))
 
 
-@pytest.mark.parametrize("batch", [[p] for p in PROMPTS[:2]] + [PROMPTS], ids=["single", "single2", "left-padded"])
+@pytest.mark.parametrize(
+    "batch",
+    [[p] for p in PROMPTS[:2]] + [PROMPTS[1:3], PROMPTS],
+    ids=["single", "single2", "left-padded-pair", "left-padded"],  # up to two rows decode in numpy on the CPU
+)
 @pytest.mark.parametrize(
     "options",
     [

@@ -22,7 +22,8 @@ SCORE_TOL = 1e-4
 # Large weights, so the random models rank candidates far apart (no near-ties to flip). ALBERT's shared layers
 # collapse at that scale into nearly the same output for every token, so it gets a smaller one; the seeds
 # chosen avoid a top-5 near-tie (DistilBERT) and a tagger that gives every word one label (BERT, ALBERT,
-# ELECTRA and DeBERTa-v2, which at 0.8 also saturate enough for float32 rounding to move its class scores past the tolerance).
+# ELECTRA and DeBERTa-v2, which at 0.8 also saturate enough for float32 rounding to move their class scores
+# past the tolerance).
 INIT = {
     "albert": dict(initializer_range=0.1, seed=1),
     "bert": dict(initializer_range=0.5, seed=1),

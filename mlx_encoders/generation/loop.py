@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..kernels import eager_blas
 from ..tokenizer import Tokenizer, text_list
+from . import numpy_step
 from .config import PRESETS, GenerationConfig
+from .numpy_step import NumpyDecoder
 from .processors import processors, select
 
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
@@ -95,8 +96,7 @@ def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> Non
 def forward(model, ids: np.ndarray, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
     """The last position's logits, (B, V)."""
     mask, positions = (None if x is None else mx.array(x) for x in (mask, positions))
-    with eager_blas():  # one token per row: matrix-vector products at memory speed on the CPU
-        out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+    out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
     return out.logits[:, -1]
 
 
@@ -124,6 +124,7 @@ def generate_steps(
     cache = model.make_cache()
     finished = np.zeros(B, dtype=bool)
     logits = forward(model, tokens, mask, positions, cache)
+    decoder = NumpyDecoder(model, cache, L + new_tokens) if numpy_step.supported(model, B) else None
     for step in range(new_tokens):
         scores = logits.astype(mx.float32)
         if steps:
@@ -142,7 +143,10 @@ def generate_steps(
         if mask is not None:
             mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
             positions = positions[:, -1:] + 1
-        logits = forward(model, chosen[:, None], mask, positions, cache)
+        if decoder is not None:
+            logits = mx.array(decoder.step(chosen, mask, None if positions is None else positions[:, 0]))
+        else:
+            logits = forward(model, chosen[:, None], mask, positions, cache)
 
 
 def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:
