@@ -23,13 +23,16 @@ from ..models import gpt2
 from ..models.base import ACTIVATIONS, mask_value
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """transformers' gelu_new (and MLX's gelu_approx): the tanh approximation of GELU."""
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1 / (1 + np.exp(-x))
+    """1 / (1 + exp(-x)), exp's argument capped where float32's exp overflows (the result is 0 there anyway)."""
+    return 1 / (1 + np.exp(np.minimum(-x, 88.0)))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """transformers' gelu_new (and MLX's gelu_approx), x (1 + tanh(u)) / 2 with u = sqrt(2 / pi) (x + 0.044715 x^3),
+    as the equal x sigmoid(2u): numpy's float32 exp is vectorised, its tanh and x**3 call libm element by element
+    (2.5 ms of a 22 ms GPT-2 small step)."""
+    return x * sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * (x * x * x)))
 
 
 # The activations numpy computes here; the others (the exact, erf GELU) go through MLX's own function.
@@ -80,6 +83,8 @@ class LayerNorm:
 def product(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """(B, in) x @ weight.T for an (out, in) weight: a matrix-vector product per row for a few rows (the BLAS's
     gemv streams the weight once; its gemm would copy it into blocks first), else one matrix product."""
+    if len(x) == 1:
+        return (weight @ x[0])[None]
     if len(x) <= GEMV_ROWS:
         return np.stack([weight @ row for row in x])
     return x @ weight.T
@@ -92,7 +97,9 @@ class Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         y = product(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        if self.bias is not None:
+            y += self.bias
+        return y
 
 
 class Block:
