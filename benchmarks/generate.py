@@ -5,7 +5,8 @@ Models: GPT-2 small's shape (124M parameters) and a tiny one, random seeded weig
 batch 8 (equal lengths, so nothing is padded). Each engine prefills the prompt and decodes `--new-tokens`
 tokens greedily with its key/value cache; prompt tokens/s = batch x prompt length / time to the first new
 token, generated tokens/s = batch x (new tokens - 1) / the time after it. Best of `--repeats` runs, taken
-round-robin so background load hits every engine alike.
+round-robin so background load hits every engine alike. transformers runs in a spawned process of its own
+(`isolated.py`), so that its products use torch's own BLAS, not the OpenBLAS mlx_encoders loads for MLX.
 
 Decoding one sequence reads every weight once per token, so its physical limit is memory bandwidth, not
 arithmetic: the run measures how fast a matrix-vector product streams a float32 matrix larger than the
