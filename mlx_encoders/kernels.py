@@ -1,4 +1,5 @@
-"""Exact, fast forms of the elementwise functions and attention that encoders spend their time in.
+"""Exact, fast forms of the elementwise functions and attention that encoders spend their time in, and the
+CPU-only helpers of training's optimizer step (streams, a numpy norm, glibc's allocator settings).
 
 MLX's CPU backend computes transcendental functions (exp, erf) one element at a time; the forms here are
 multiply-adds and integer shifts that `mx.compile` fuses and the C++ compiler vectorises, and they stay
@@ -330,18 +331,21 @@ def sum_of_squares(arrays: Sequence[mx.array]) -> mx.array:
     return mx.array(sum(float(np.dot(a, a)) for a in flat), mx.float32)
 
 
-# glibc's mallopt parameters (malloc.h)
+# glibc's mallopt parameters (malloc.h); its values are C ints
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
+NEVER_TRIM = 2**31 - 1
 _KEEPING = 0  # nesting depth of keep_freed_memory
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None (macOS, other C libraries)."""
     try:
-        return ctypes.CDLL(None).mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):
         return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
 
 
 @contextmanager
@@ -359,7 +363,7 @@ def keep_freed_memory() -> Iterator[None]:
         return
     if _KEEPING == 0:
         mallopt(M_MMAP_MAX, 0)
-        mallopt(M_TRIM_THRESHOLD, 1 << 62)
+        mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
     _KEEPING += 1
     try:
         yield
