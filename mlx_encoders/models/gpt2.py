@@ -297,9 +297,10 @@ def is_conv1d(key: str, weights: dict) -> bool:
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Conv1D weights [in, out] -> [out, in], stored so (a copy, made as each is loaded): the CPU's matrix-vector
-    products of decoding (generation/numpy_step.py) stream that layout 15% faster than a transposed view; drop the
-    causal-mask buffers (`attn.bias`, `attn.masked_bias`)."""
+    """Conv1D weights [in, out] -> [out, in], stored so: the CPU's matrix-vector products of decoding
+    (generation/numpy_step.py) stream that layout 15% faster than a transposed view. The copies cost a transient
+    at load (GPT-2 small: MLX's peak 498 -> 630 MB, peak resident memory 558 -> 590 MB). Drop the causal-mask
+    buffers (`attn.bias`, `attn.masked_bias`)."""
     return {
         key: mx.contiguous(value.T) if is_conv1d(key, weights) else value
         for key, value in weights.items()
