@@ -9,7 +9,8 @@ process's libraries and is told not to load the BLAS should it import mlx_encode
 
     engine = Isolated(build, *args)  # build(*args) runs in the child and returns a callable
     result = engine(*request)        # that callable's result, computed in the child
-    engine.close()
+
+The child is a daemon that also ends when this process closes its end of the pipe.
 """
 
 import multiprocessing
@@ -39,11 +40,6 @@ class Isolated:
             raise RuntimeError(f"isolated peer failed:\n{value}")
         return value
 
-    def close(self) -> None:
-        if self.process.is_alive():
-            self.connection.send(None)
-            self.process.join(timeout=30)
-
 
 def serve(connection, build: Callable, args: tuple) -> None:
     os.environ["MLX_ENCODERS_BLAS"] = "0"  # should the peer import mlx_encoders, it must not load the BLAS
@@ -57,8 +53,6 @@ def serve(connection, build: Callable, args: tuple) -> None:
         try:
             request = connection.recv()
         except EOFError:  # the parent is gone
-            return
-        if request is None:
             return
         try:
             connection.send(("ok", engine(*request)))
