@@ -5,7 +5,7 @@ float32 and once quantized (convert's layout: `quantize_model`, group size 32, r
 in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
 passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of as many rows as
 SentenceEncoder gives that model on the CPU (`sentence.slice_rows`: activations within CPU_SLICE_BYTES, and a
-quantized model at least QUANTIZED_SLICE_TOKENS tokens a pass), or of `--rows` rows for every engine. The peak
+quantized model at least `quantized.least_pass_tokens` tokens a pass), or of `--rows` rows for every engine. The peak
 resident set (`ru_maxrss`) covers loading and embedding; the process's peak after its imports, before loading,
 is printed beside it. On the CPU the quantized weights stay quantized in memory: each is dequantized just before
 its matmul and freed after.
@@ -14,11 +14,18 @@ its matmul and freed after.
     python benchmarks/quantized_memory.py --bits 8 --batch 16 --length 256
     python benchmarks/quantized_memory.py --rows 4          # the same rows per pass for every engine
     python benchmarks/quantized_memory.py --slice-tokens 1024   # quantized passes of at least 1024 tokens
+
+The speeds of separate processes move 10-20% between runs here. `--alternate ROUNDS` times the engines in one
+process instead, taking turns ROUNDS times over the same tokens, the quantized ones at each token floor of
+`--floors`, and prints each one's median pass (speed only: memory needs a process per engine):
+
+    python benchmarks/quantized_memory.py --alternate 4 --floors 256,512
 """
 
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,13 +72,14 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
     import mlx.core as mx
 
     from mlx_encoders import load_model
-    from mlx_encoders.quantized import has_quantized_linears
-    from mlx_encoders.sentence import CPU_SLICE_BYTES, QUANTIZED_SLICE_TOKENS, slice_rows
+    from mlx_encoders.quantized import least_pass_tokens
+    from mlx_encoders.sentence import CPU_SLICE_BYTES, slice_rows
 
     imported = peak_mb()
     model = load_model(folder)
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
-    tokens = (QUANTIZED_SLICE_TOKENS if slice_tokens is None else slice_tokens) if has_quantized_linears(model) else 0
+    tokens = least_pass_tokens(model)
+    tokens = slice_tokens if tokens and slice_tokens is not None else tokens
     rows = rows or slice_rows(model.args, length, CPU_SLICE_BYTES, tokens)
 
     def embed():  # in slices of rows, as SentenceEncoder runs a batch on the CPU
@@ -86,6 +94,44 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
     print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds, "rows": rows}))
 
 
+def alternate(folders: dict[str, str], batch: int, length: int, rounds: int, floors: list[int]) -> None:
+    import mlx_encoders  # noqa: F401
+
+    # isort: split
+    import mlx.core as mx
+
+    from mlx_encoders import load_model
+    from mlx_encoders.sentence import CPU_SLICE_BYTES, slice_rows
+
+    ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
+    engines = {}
+    for name, folder in folders.items():
+        model = load_model(folder)
+        for floor in [0] if name == "float32" else floors:
+            rows = slice_rows(model.args, length, CPU_SLICE_BYTES, floor)
+            engines[f"{name}, {floor}-token floor" if floor else name] = (model, rows)
+
+    def embed(model, rows: int) -> float:
+        start = time.perf_counter()
+        for first in range(0, batch, rows):
+            mx.eval(model(ids[first : first + rows]).last_hidden_state.mean(axis=1))
+        return time.perf_counter() - start
+
+    times = {name: [] for name in engines}
+    for model, rows in engines.values():
+        embed(model, rows)  # warm-up
+    for _ in range(rounds):
+        for name, (model, rows) in engines.items():
+            times[name].append(embed(model, rows))
+    base = statistics.median(times["float32"])
+    print(f"BERT-base-shaped encoder, {batch} x {length} tokens, engines taking turns {rounds} times in one process")
+    print(f"{'engine':<30}{'rows/pass':>10}{'median s':>10}{'speed / fp32':>14}  passes (s)")
+    for name, t in times.items():
+        median = statistics.median(t)
+        print(f"{name:<30}{engines[name][1]:>10}{median:>10.2f}{base / median:>13.2f}x  "
+              f"{' '.join(f'{x:.2f}' for x in t)}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bits", default="8,4", help="comma-separated bit widths (default 8,4)")
@@ -94,6 +140,8 @@ def main() -> None:
     p.add_argument("--slice-tokens", type=int, help="least tokens per pass of a quantized model (default: sentence's)")
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--alternate", type=int, metavar="ROUNDS", help="time the engines in turns in one process")
+    p.add_argument("--floors", default="256,512", help="--alternate's token floors of the quantized models")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--write", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -108,6 +156,10 @@ def main() -> None:
         command = [sys.executable, __file__, "--write", tmp, "--bits", args.bits]
         written = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         folders = json.loads(written.strip().splitlines()[-1])
+        if args.alternate:
+            floors = [int(f) for f in args.floors.split(",")]
+            alternate(folders, args.batch, args.length, args.alternate, floors)
+            return
         results = {}
         for name, folder in folders.items():
             command = [sys.executable, __file__, "--worker", str(folder), "--batch", str(args.batch), "--length",

@@ -28,7 +28,7 @@ from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .models.base import BaseArgs
 from .pooling import parse_modes, pool, read_pooling_config
-from .quantized import has_quantized_linears, on_cpu
+from .quantized import least_pass_tokens, on_cpu
 from .tokenizer import check_count, text_list
 from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
@@ -46,9 +46,8 @@ OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
-# a quantized model's slices hold at least QUANTIZED_SLICE_TOKENS tokens (see slice_rows).
+# a quantized model's slices hold at least quantized.least_pass_tokens(model) tokens (see slice_rows).
 CPU_SLICE_BYTES = 3 * 2**19
-QUANTIZED_SLICE_TOKENS = 512
 
 
 @dataclass
@@ -214,11 +213,12 @@ class SentenceEncoder:
 
     @property
     def slice_tokens(self) -> int:
-        """The least tokens a forward pass on the CPU holds (see `slice_rows`): QUANTIZED_SLICE_TOKENS when the model
-        has quantized Linears, looked at on each use so that a model quantized in memory counts, else 0. Settable."""
+        """The least tokens a forward pass on the CPU holds (see `slice_rows`): for a model with quantized Linears
+        `quantized.least_pass_tokens` (256 at 8 bits, 512 at fewer), looked at on each use so that a model quantized
+        in memory counts; 0 for a float model or on a GPU. Settable."""
         if self._slice_tokens is not None:
             return self._slice_tokens
-        return QUANTIZED_SLICE_TOKENS if on_cpu() and has_quantized_linears(self.model) else 0
+        return least_pass_tokens(self.model) if on_cpu() else 0
 
     @slice_tokens.setter
     def slice_tokens(self, tokens: int) -> None:

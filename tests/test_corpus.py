@@ -55,4 +55,3 @@ def test_the_cache_file_is_named_after_the_python_build(monkeypatch):
     name = corpus.cache_file().name
     monkeypatch.setattr(corpus.sys, "version", "another build")
     assert corpus.cache_file().name != name
-
