@@ -122,3 +122,49 @@ def test_masked_lm_evaluation_reports_accuracy_and_perplexity(checkpoint, tmp_pa
     assert set(metrics) == {"eval_loss", "eval_accuracy", "eval_perplexity"}
     assert metrics["eval_perplexity"] == pytest.approx(np.exp(metrics["eval_loss"]))
     assert 0 <= metrics["eval_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("task", ["classification", "masked-lm"])
+def test_compiled_step_equals_value_and_grad(checkpoint, task):
+    """The loop's float32 step runs under mx.compile (compiled_value_and_grad): from the same random key, dropout
+    on, it gives value_and_grad's loss and gradients, over two steps of two batch shapes (each traced anew) and a
+    repeat of the first shape (its cached trace), and leaves the key where value_and_grad leaves it."""
+    import mlx.core as mx
+
+    model, tokenizer, data = classification(checkpoint) if task == "classification" else masked_lm(checkpoint)
+    model.train()
+    rng = np.random.default_rng(0)
+    mask = masker(tokenizer) if task == "masked-lm" else None
+    batches = [trainer.collate(data, rows, tokenizer, mask, rng) for rows in ([0, 1, 2], [3, 4], [5, 6, 7])]
+    assert batches[0]["input_ids"].shape != batches[1]["input_ids"].shape
+
+    def run(loss_and_grad) -> tuple[list, list, list]:
+        mx.random.seed(7)
+        results = [loss_and_grad(batch) for batch in batches]
+        key = np.array(mx.random.state[0])
+        return [r[0].item() for r in results], [tree_flatten(r[1]) for r in results], key
+
+    plain, compiled = run(trainer.value_and_grad(model, mx.float32)), run(trainer.compiled_value_and_grad(model))
+    np.testing.assert_allclose(compiled[0], plain[0], rtol=1e-5)
+    for got, want in zip(compiled[1], plain[1], strict=True):
+        assert [k for k, _ in got] == [k for k, _ in want]
+        for (name, g), (_, w) in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(compiled[2], plain[2])
+    assert len(set(plain[0])) == 3  # the steps differ: the key advanced between them
+
+
+def test_compiled_step_still_checks_token_ids(checkpoint):
+    """A compiled function cannot read its inputs on the host; the model's own checks still reject an id outside
+    the vocabulary (MLX would read stray memory), and the compiled step runs again afterwards."""
+    model, tokenizer, data = classification(checkpoint)
+    model.train()
+    loss_and_grad = trainer.compiled_value_and_grad(model)
+    batch = trainer.collate(data, [0, 1], tokenizer)
+    assert np.isfinite(loss_and_grad(batch)[0].item())
+    bad = dict(batch, input_ids=batch["input_ids"].copy())
+    bad["input_ids"][1, 1] = model.args.vocab_size
+    with pytest.raises(ValueError, match=f"token id {model.args.vocab_size},"):
+        loss_and_grad(bad)
+    assert model.training
+    assert np.isfinite(loss_and_grad(batch)[0].item())

@@ -4,10 +4,15 @@ MLX does not range-check indices: an id past a table reads stray memory (or cras
 the last row, so the encoders check their inputs before any lookup.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import mlx.core as mx
 import numpy as np
 
 from .base import BaseArgs
+
+_unchecked = False  # set within `unchecked_inputs`
 
 
 def check_inputs(
@@ -25,7 +30,7 @@ def check_inputs(
     positions count only the other tokens (RoBERTa). Costs a host read of the ids' min and max.
     """
     check_shapes(input_ids, attention_mask, token_type_ids)
-    if input_ids.size == 0:
+    if _unchecked or input_ids.size == 0:
         return
     check_length(args, input_ids, max_length, pad_token_id)
     type_vocab_size = getattr(args, "type_vocab_size", 0)  # 0 or absent: the model reads no token types
@@ -44,6 +49,18 @@ def check_inputs(
             f"token_type_ids holds token type {bad}, but the model has type_vocab_size={type_vocab_size} "
             f"(types 0..{type_vocab_size - 1}){hint}"
         )
+
+
+@contextmanager
+def unchecked_inputs() -> Iterator[None]:
+    """Within the block, check_inputs checks shapes only, not values: mx.compile traces a function with inputs
+    that cannot be read on the host. The caller checks the same inputs outside the compiled function first."""
+    global _unchecked
+    outer, _unchecked = _unchecked, True
+    try:
+        yield
+    finally:
+        _unchecked = outer
 
 
 def outside(ids: mx.array, size: int) -> int | None:
