@@ -382,8 +382,10 @@ class Loop:
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
         dtype = COMPUTE_DTYPES[self.config.dtype]
-        compiled = dtype == mx.float32 and not self.config.gradient_checkpointing
-        self.loss_and_grad = (compiled_value_and_grad if compiled else value_and_grad)(self.model, dtype)
+        if dtype == mx.float32 and not self.config.gradient_checkpointing:
+            self.loss_and_grad = compiled_value_and_grad(self.model)
+        else:
+            self.loss_and_grad = value_and_grad(self.model, dtype)
 
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
@@ -421,14 +423,13 @@ class Loop:
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint)
 
 
-def compiled_value_and_grad(model: nn.Module, dtype: mx.Dtype = mx.float32) -> Callable[[dict], tuple[mx.array, dict]]:
-    """`value_and_grad` in float32 under one mx.compile, traced again for each new batch shape (a fraction of a
-    step). Within a gradient's trace MLX runs a compiled function op by op, so the fused kernels of kernels.py
-    (gelu, the softmax's exp) only fuse when the whole step is compiled: 6-19% faster steps (README, Training).
+def compiled_value_and_grad(model: nn.Module) -> Callable[[dict], tuple[mx.array, dict]]:
+    """`value_and_grad(model, mx.float32)` under one mx.compile, traced again for each new batch shape (a fraction
+    of a step). Within a gradient's trace MLX runs a compiled function op by op, so the fused kernels of kernels.py
+    (gelu, the softmax's exp) only fuse in training when the whole step is compiled (README, Training speed).
+    Gradient checkpointing (which sets the random key in place) and half-precision passes stay uncompiled.
     The model's input checks read token ids on the host, which a compiled function cannot: they run on each
     batch first, in a forward graph that is built in eval mode (no dropout draws) and never evaluated."""
-    if dtype != mx.float32:
-        raise ValueError(f"compiled_value_and_grad runs float32 passes only, not {dtype}; use value_and_grad")
     state = [model.state, mx.random.state]  # the weights it reads, the dropout key it reads and advances
     step = mx.compile(
         nn.value_and_grad(model, lambda inputs, labels: batch_loss(model, inputs, labels)), inputs=state, outputs=state
