@@ -22,8 +22,9 @@ UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
 KERNEL_ROWS = 2
 # The least tokens a CPU forward pass holds (SentenceEncoder's slices), so that dequantizing every weight, once a
 # pass, stays a small share of it: on a 3072 x 768 weight, 8-bit codes only widen (about 1 ms, 16% of a 256-token
-# matmul's 6.5 ms), narrower ones also unpack (about 2 ms). Passes of fewer tokens hold less activation memory.
-PASS_TOKENS = {8: 256}
+# matmul's 6.5 ms), narrower ones also unpack (about 2 ms), and the float modes (mxfp8, ...) go through
+# mx.dequantize (about 3 ms). Passes of fewer tokens hold less activation memory.
+PASS_TOKENS = {("affine", 8): 256}
 DEFAULT_PASS_TOKENS = 512
 
 
@@ -32,10 +33,10 @@ def on_cpu() -> bool:
 
 
 def least_pass_tokens(model: nn.Module) -> int:
-    """The least tokens a forward pass of `model` on the CPU should hold: PASS_TOKENS by the bits of its quantized
-    linears (the largest over them), 0 for a model without any."""
-    bits = {m.bits for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
-    return max((PASS_TOKENS.get(b, DEFAULT_PASS_TOKENS) for b in bits), default=0)
+    """The least tokens a forward pass of `model` on the CPU should hold: PASS_TOKENS by the mode and bits of its
+    quantized linears (the largest over them), 0 for a model without any."""
+    kinds = {(m.mode, m.bits) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    return max((PASS_TOKENS.get(kind, DEFAULT_PASS_TOKENS) for kind in kinds), default=0)
 
 
 def unpack(w: mx.array, bits: int) -> mx.array:

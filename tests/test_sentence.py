@@ -215,8 +215,9 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
 
 def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
     """On the CPU a quantized model dequantizes every weight once per forward pass, so its slices hold at least
-    `slice_tokens` (padded) tokens, whatever their activations' size: 256 at 8 bits, whose codes only widen, 512
-    at fewer bits, which also unpack, the larger where a model mixes them. The embeddings do not change."""
+    `slice_tokens` (padded) tokens, whatever their activations' size: 256 for 8-bit affine codes, which only
+    widen, 512 for fewer bits (which also unpack) and the float modes, the larger where a model mixes them. The
+    embeddings do not change."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     encoder = SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32))
     cpu = mx.default_device() == mx.cpu
@@ -230,6 +231,9 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     assert floats.slice_tokens == (512 if cpu else 0)  # quantized in memory: counts too
     quantize_model(floats.model, bits=8, group_size=32)  # the other layers at 8 bits: the 4-bit layer's need wins
     assert floats.slice_tokens == (512 if cpu else 0)
+    mxfp8 = SentenceEncoder(st)
+    quantize_model(mxfp8.model, mode="mxfp8")  # 8-bit floats: mx.dequantize, slower than widening affine codes
+    assert mxfp8.slice_tokens == (512 if cpu else 0)
     encoder.slice_bytes, encoder.slice_tokens = 1, 100
     groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
     assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
