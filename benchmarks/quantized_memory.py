@@ -65,6 +65,16 @@ def write_models(folder: Path, bits: list[str]) -> dict[str, Path]:
     return folders
 
 
+def embed(model, ids, rows: int) -> float:
+    """Seconds to embed `ids` (mean-pooled) in passes of `rows` rows, as SentenceEncoder runs a batch on the CPU."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    for first in range(0, ids.shape[0], rows):
+        mx.eval(model(ids[first : first + rows]).last_hidden_state.mean(axis=1))
+    return time.perf_counter() - start
+
+
 def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, length: int, repeats: int) -> None:
     import mlx_encoders  # noqa: F401
 
@@ -82,15 +92,8 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
     tokens = slice_tokens if tokens and slice_tokens is not None else tokens
     rows = rows or slice_rows(model.args, length, CPU_SLICE_BYTES, tokens)
 
-    def embed():  # in slices of rows, as SentenceEncoder runs a batch on the CPU
-        for start in range(0, batch, rows):
-            mx.eval(model(ids[start : start + rows]).last_hidden_state.mean(axis=1))
-
-    embed()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        embed()
-    seconds = (time.perf_counter() - start) / repeats
+    embed(model, ids, rows)
+    seconds = sum(embed(model, ids, rows) for _ in range(repeats)) / repeats
     print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds, "rows": rows}))
 
 
@@ -111,18 +114,12 @@ def alternate(folders: dict[str, str], batch: int, length: int, rounds: int, flo
             rows = slice_rows(model.args, length, CPU_SLICE_BYTES, floor)
             engines[f"{name}, {floor}-token floor" if floor else name] = (model, rows)
 
-    def embed(model, rows: int) -> float:
-        start = time.perf_counter()
-        for first in range(0, batch, rows):
-            mx.eval(model(ids[first : first + rows]).last_hidden_state.mean(axis=1))
-        return time.perf_counter() - start
-
     times = {name: [] for name in engines}
     for model, rows in engines.values():
-        embed(model, rows)  # warm-up
+        embed(model, ids, rows)  # warm-up
     for _ in range(rounds):
         for name, (model, rows) in engines.items():
-            times[name].append(embed(model, rows))
+            times[name].append(embed(model, ids, rows))
     base = statistics.median(times["float32"])
     print(f"BERT-base-shaped encoder, {batch} x {length} tokens, engines taking turns {rounds} times in one process")
     print(f"{'engine':<30}{'rows/pass':>10}{'median s':>10}{'speed / fp32':>14}  passes (s)")
