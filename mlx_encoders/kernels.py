@@ -174,11 +174,18 @@ def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None, scale: floa
 def written_out_attention(
     q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, scale: float | None = None
 ) -> mx.array:
-    """Attention as matmuls and a float32 softmax through exp_nonpositive. The weights are normalised after
-    the product with v, which divides (B, nh, L, hd) values instead of (B, nh, L, L); that product runs in
-    float32, as its unnormalised sums can pass float16's range."""
-    weights = softmax_weights(q, k, mask, scale)
-    return ((weights @ v.astype(mx.float32)) / weights.sum(axis=-1, keepdims=True)).astype(v.dtype)
+    """Attention as matmuls and a float32 softmax through exp_nonpositive. The scores are laid out keys by
+    queries, (B, nh, Lk, Lq), so that the softmax's max and sum both run down columns: MLX's CPU reductions along
+    a row run 2.5-3x slower than down columns at 60-128 keys, and the sum is a product with ones (BLAS). The
+    weights are normalised after the product with v, which divides (B, nh, L, hd) values instead of
+    (B, nh, L, L); that product runs in float32, as its unnormalised sums can pass float16's range."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (k @ (q * scale).swapaxes(-1, -2)).astype(mx.float32)  # (B, nh, Lk, Lq)
+    if mask is not None:
+        scores = scores + mask.swapaxes(-1, -2)
+    weights = exp_nonpositive(scores - mx.stop_gradient(scores.max(axis=-2, keepdims=True)))
+    sums = mx.ones((1, weights.shape[-2]), mx.float32) @ weights  # (B, nh, 1, Lq)
+    return ((weights.swapaxes(-1, -2) @ v.astype(mx.float32)) / sums.swapaxes(-1, -2)).astype(v.dtype)
 
 
 def dropped_out_attention(
