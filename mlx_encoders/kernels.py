@@ -160,6 +160,35 @@ def attention(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+@mx.compile
+def scale_and_shift(centred: mx.array, inverse_std: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    return centred * inverse_std * weight + bias
+
+
+def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
+    """mx.fast.layer_norm(x, weight, bias, eps). On the CPU, for float32 x, the mean and the variance over the last
+    axis are matrix-vector products with a vector of 1 / H (BLAS): MLX's CPU layer norm is its composed fallback,
+    whose row reductions run at about 2.3 ns an element, and this form takes 55-70% of its time at 128-768 tokens
+    of width 384-768, within 5e-7 of it relative to the output's scale (tests/test_numerics.py). The two passes
+    (mean, then the centred values' mean square) are as numerically stable as the fallback's."""
+    if mx.default_device() != mx.cpu or x.dtype != mx.float32:
+        return mx.fast.layer_norm(x, weight, bias, eps)
+    average = mx.full((x.shape[-1], 1), 1.0 / x.shape[-1], mx.float32)
+    centred = x - x @ average
+    inverse_std = mx.rsqrt((centred * centred) @ average + eps)
+    if weight is not None and bias is not None:
+        return scale_and_shift(centred, inverse_std, weight, bias)
+    y = centred * inverse_std
+    return y if weight is None else y * weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm through `layer_norm`; the same parameters and checkpoint keys."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return layer_norm(x, self.get("weight"), self.get("bias"), self.eps)
+
+
 def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None, scale: float | None = None) -> mx.array:
     """Unnormalised float32 softmax weights exp(s - max s) of the scores s = q k^T * scale + mask (scale
     1 / sqrt(hd) by default). The max only keeps exp in range (softmax does not depend on it), so no gradient

@@ -163,3 +163,40 @@ def test_gelu_matches_the_exact_erf_gelu():
     half = gelu(mx.array(x[::1000]).astype(mx.float16))
     assert half.dtype == mx.float16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact[::1000], rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("affine", ["weight and bias", "weight", "none"])
+@pytest.mark.parametrize("shape", [(3, 7, 384), (2, 5, 768), (1, 1, 16)])
+def test_layer_norm_matches_torch_in_float64_and_its_gradients(shape, affine):
+    """kernels.layer_norm (the models' LayerNorm: mean and variance as BLAS products on the CPU) against torch's
+    layer norm in float64, forward and gradients, on inputs with a large common offset (the centred second pass
+    keeps the variance exact there) and at every affine form."""
+    rng = np.random.default_rng(0)
+    inputs = {"x": (rng.standard_normal(shape) * 3 + 50).astype(np.float32)}
+    if affine != "none":
+        inputs["weight"] = rng.standard_normal(shape[-1]).astype(np.float32)
+    if affine == "weight and bias":
+        inputs["bias"] = rng.standard_normal(shape[-1]).astype(np.float32)
+    cotangent = rng.standard_normal(shape).astype(np.float32)
+
+    def ours(arrays: dict) -> mx.array:
+        return kernels.layer_norm(arrays["x"], arrays.get("weight"), arrays.get("bias"), 1e-12)
+
+    arrays = {k: mx.array(v) for k, v in inputs.items()}
+    got = ours(arrays)
+    grads = mx.grad(lambda a: (ours(a) * mx.array(cotangent)).sum())(arrays)
+    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in inputs.items()}
+    want = torch.nn.functional.layer_norm(tensors["x"], shape[-1:], tensors.get("weight"), tensors.get("bias"), 1e-12)
+    (want * torch.tensor(cotangent, dtype=torch.float64)).sum().backward()
+    want = want.detach().numpy()
+    np.testing.assert_allclose(np.array(got), want, atol=2e-6 * np.abs(want).max())
+    for name, tensor in tensors.items():
+        expected = tensor.grad.numpy()
+        np.testing.assert_allclose(np.array(grads[name]), expected, atol=2e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_layer_norm_keeps_mlx_kernel_off_float32():
+    """Half precision (and any device but the CPU) runs mx.fast.layer_norm, which accumulates in float32."""
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    w, b = mx.ones((64,), mx.bfloat16), mx.zeros((64,), mx.bfloat16)
+    assert mx.array_equal(kernels.layer_norm(x, w, b, 1e-5), mx.fast.layer_norm(x, w, b, 1e-5)).item()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import LayerNorm
 from .base import (
     BaseArgs,
     HeadModel,
@@ -70,7 +71,7 @@ class AlbertEmbeddings(BertEmbeddings):
         self.word_embeddings = nn.Embedding(args.vocab_size, E)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
         self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
-        self.LayerNorm = nn.LayerNorm(E, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(E, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
@@ -84,7 +85,7 @@ class AlbertAttention(nn.Module):
         self.key = nn.Linear(H, H)
         self.value = nn.Linear(H, H)
         self.dense = nn.Linear(H, H)
-        self.LayerNorm = nn.LayerNorm(H, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(H, eps=args.layer_norm_eps)
         self.attention_dropout = nn.Dropout(args.attention_probs_dropout_prob)
         self.output_dropout = nn.Dropout(args.hidden_dropout_prob)
 
@@ -100,7 +101,7 @@ class AlbertLayer(nn.Module):
         self.attention = AlbertAttention(args)
         self.ffn = nn.Linear(args.hidden_size, args.intermediate_size)
         self.ffn_output = nn.Linear(args.intermediate_size, args.hidden_size)
-        self.full_layer_layer_norm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.full_layer_layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.act = activation(args.hidden_act)
 
     def __call__(self, x, mask):
@@ -159,7 +160,7 @@ class AlbertMLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.embedding_size)
         self.act = activation(args.hidden_act)
-        self.LayerNorm = nn.LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
         self.decoder = TiedDecoder(args.embedding_size, args.vocab_size, args.tie_word_embeddings, bias=False)
         self.bias = mx.zeros((args.vocab_size,))
 

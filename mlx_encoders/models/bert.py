@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import LayerNorm
 from .base import (
     BaseArgs,
     HeadModel,
@@ -62,7 +63,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
         if args.type_vocab_size > 0:
             self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
@@ -100,7 +101,7 @@ class BertResidual(nn.Module):
     def __init__(self, in_dims: int, args: ModelArgs):
         super().__init__()
         self.dense = nn.Linear(in_dims, args.hidden_size)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
 
     def __call__(self, h, residual):
@@ -186,7 +187,7 @@ class BertPredictionHeadTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.hidden_size)
         self.act = activation(args.hidden_act)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
 
     def __call__(self, x):
         return self.LayerNorm(self.act(self.dense(x)))

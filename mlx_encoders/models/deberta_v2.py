@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import LayerNorm
 from .base import (
     BaseArgs,
     HeadModel,
@@ -113,7 +114,7 @@ class DebertaV2Embeddings(nn.Module):
             self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
         if E != args.hidden_size:
             self.embed_proj = nn.Linear(E, args.hidden_size, bias=False)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
@@ -235,7 +236,7 @@ class ConvLayer(nn.Module):
         super().__init__()
         k, H = args.conv_kernel_size, args.hidden_size
         self.conv = nn.Conv1d(H, H, k, padding=(k - 1) // 2, groups=args.conv_groups)
-        self.LayerNorm = nn.LayerNorm(H, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(H, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.act = activation(args.conv_act)
 
@@ -265,7 +266,7 @@ class DebertaV2Encoder(nn.Module):
         if args.relative_attention:
             self.rel_embeddings = nn.Embedding(2 * args.span, args.hidden_size)
         if "layer_norm" in [x.strip() for x in args.norm_rel_ebd.lower().split("|")]:
-            self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+            self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         if args.conv_kernel_size > 0:
             self.conv = ConvLayer(args)
 
@@ -325,7 +326,7 @@ class PredictionTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, width)
         self.act = activation(args.hidden_act)
-        self.LayerNorm = nn.LayerNorm(width, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(width, eps=args.layer_norm_eps)
 
     def __call__(self, x):
         return self.LayerNorm(self.act(self.dense(x)))

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import LayerNorm
 from .base import (
     BaseArgs,
     HeadModel,
@@ -62,7 +63,7 @@ class Embeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.dim)
-        self.LayerNorm = nn.LayerNorm(args.dim, eps=EPS)
+        self.LayerNorm = LayerNorm(args.dim, eps=EPS)
         self.dropout = nn.Dropout(args.dropout)
         self.padding_idx = args.pad_token_id
 
@@ -105,9 +106,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention = MultiHeadSelfAttention(args)
-        self.sa_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+        self.sa_layer_norm = LayerNorm(args.dim, eps=EPS)
         self.ffn = FFN(args)
-        self.output_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+        self.output_layer_norm = LayerNorm(args.dim, eps=EPS)
 
     def __call__(self, x, mask):
         x = self.sa_layer_norm(self.attention(x, mask) + x)
@@ -152,7 +153,7 @@ class DistilBertForMaskedLM(DistilBertHead):
         super().__init__(args)
         self.act = activation(args.activation)
         self.vocab_transform = nn.Linear(args.dim, args.dim)
-        self.vocab_layer_norm = nn.LayerNorm(args.dim, eps=EPS)
+        self.vocab_layer_norm = LayerNorm(args.dim, eps=EPS)
         self.vocab_projector = TiedDecoder(args.dim, args.vocab_size, args.tie_word_embeddings)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:

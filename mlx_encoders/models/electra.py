@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import gelu
+from ..kernels import LayerNorm, gelu
 from .albert import AlbertEmbeddings
 from .base import HeadModel, ModelOutput, QuestionAnswering, TiedDecoder, TokenClassification, activation, padding_mask
 from .bert import BertModel
@@ -64,7 +64,7 @@ class ElectraGeneratorPredictions(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.embedding_size)
-        self.LayerNorm = nn.LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
 
     def __call__(self, x):
         return self.LayerNorm(gelu(self.dense(x)))  # exact gelu whatever hidden_act says

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import attention, dense, linear
+from ..kernels import LayerNorm, attention, dense, linear
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -170,9 +170,9 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
         self.attn = GPT2Attention(args, layer_idx)
-        self.ln_2 = nn.LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
+        self.ln_2 = LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
         self.mlp = GPT2MLP(args)
 
     def __call__(self, x: mx.array, mask: mx.array | None, cache: KVCache | None = None) -> mx.array:
@@ -190,7 +190,7 @@ class GPT2Model(Model, nn.Module):
         self.wpe = nn.Embedding(args.n_positions, args.n_embd)
         self.drop = nn.Dropout(args.embd_pdrop)
         self.h = [GPT2Block(args, i) for i in range(args.n_layer)]
-        self.ln_f = nn.LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
+        self.ln_f = LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
 
     def __call__(
         self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, cache=None

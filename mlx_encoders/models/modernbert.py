@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import blockwise_attention
+from ..kernels import LayerNorm, blockwise_attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -105,7 +105,7 @@ class ModernBertEmbeddings(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
         self.drop = nn.Dropout(args.embedding_dropout)
         self.padding_idx = args.pad_token_id
 
@@ -152,9 +152,9 @@ class ModernBertEncoderLayer(nn.Module):
         super().__init__()
         self.sliding = args.attention_types[index] == "sliding_attention"
         if index > 0:  # layer 0 reads the already-normalised embeddings
-            self.attn_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+            self.attn_norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
         self.attn = ModernBertAttention(args, args.attention_types[index])
-        self.mlp_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.mlp_norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
         self.mlp = ModernBertMLP(args)
 
     def __call__(self, x, masks):
@@ -246,7 +246,7 @@ class ModernBertModel(Model, nn.Module):
         self.args = args
         self.embeddings = ModernBertEmbeddings(args)
         self.layers = [ModernBertEncoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.final_norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.final_norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         check_inputs(self.args, input_ids, attention_mask, token_type_ids)  # RoPE: no position table to outgrow
@@ -262,7 +262,7 @@ class ModernBertPredictionHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.hidden_size, bias=args.classifier_bias)
         self.act = activation(args.classifier_activation)
-        self.norm = nn.LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
+        self.norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
 
     def __call__(self, x):
         return self.norm(self.act(self.dense(x)))

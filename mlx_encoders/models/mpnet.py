@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import attention
+from ..kernels import LayerNorm, attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -83,7 +83,7 @@ class MPNetEmbeddings(RobertaEmbeddings):
         nn.Module.__init__(self)
         self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.padding_idx = PADDING_IDX
 
@@ -108,7 +108,7 @@ class MPNetAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attn = MPNetSelfAttention(args)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
 
     def __call__(self, x, mask, position_bias):

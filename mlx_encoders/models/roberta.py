@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import LayerNorm
 from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
@@ -44,7 +45,7 @@ class RobertaLMHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = nn.Linear(args.hidden_size, args.hidden_size)
-        self.layer_norm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         if not args.tie_word_embeddings:
             self.decoder = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.bias = mx.zeros((args.vocab_size,))
