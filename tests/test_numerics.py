@@ -1,6 +1,7 @@
 """Batch invariance, reduced precision, masks that can never produce NaN, and the attention's own exp."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -200,3 +201,53 @@ def test_layer_norm_keeps_mlx_kernel_off_float32():
     x = mx.random.normal((2, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
     w, b = mx.ones((64,), mx.bfloat16), mx.zeros((64,), mx.bfloat16)
     assert mx.array_equal(kernels.layer_norm(x, w, b, 1e-5), mx.fast.layer_norm(x, w, b, 1e-5)).item()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 5, 24), (7, 24), (24,)])
+def test_linear_in_training_matches_torch_and_lays_its_weight_gradient_out_row_major(shape, bias):
+    """kernels.Linear in training (its own vjp: d/dW = g^T x in one product) against torch's float64 linear,
+    forward and gradients; the weight's gradient comes out C-contiguous (MLX's own is a transposed view); in
+    eval mode the layer is nn.Linear's product, bit for bit."""
+    rng = np.random.default_rng(0)
+    x, cotangent = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape[:-1] + (10,))
+    layer = kernels.Linear(24, 10, bias=bias)
+    params = {k: np.array(v) for k, v in tree_flatten(layer.parameters())}
+
+    def loss(weights: dict, x: mx.array) -> mx.array:
+        layer.update(weights)
+        return (layer(x) * mx.array(cotangent.astype(np.float32))).sum()
+
+    layer.train()
+    out = np.array(layer(mx.array(x)))
+    grads, dx = mx.grad(loss, argnums=(0, 1))(layer.parameters(), mx.array(x))
+    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    want = torch.nn.functional.linear(tx, tensors["weight"], tensors.get("bias"))
+    (want * torch.tensor(cotangent)).sum().backward()
+    np.testing.assert_allclose(out, want.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(dx), tx.grad.numpy(), rtol=1e-5, atol=1e-5)
+    for name, tensor in tensors.items():
+        np.testing.assert_allclose(np.array(grads[name]), tensor.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.asarray(grads["weight"]).flags["C_CONTIGUOUS"]
+    plain = nn.Linear(24, 10, bias=bias)
+    plain.update(layer.parameters())
+    assert mx.array_equal(layer.eval()(mx.array(x)), plain(mx.array(x))).item()
+
+
+def test_gelu_and_exp_inside_a_compiled_gradient_equal_their_eager_values():
+    """The stage boundaries (`kernels.unfused`) change where kernels split inside a compiled graph, not a bit of
+    the result: GELU and exp_nonpositive, forward and gradient, compiled as one graph equal their eager values."""
+    x = mx.random.normal((4, 16, 96), key=mx.random.key(1)) * 4
+    r = mx.random.normal(x.shape, key=mx.random.key(2))
+
+    def loss(x: mx.array) -> mx.array:
+        return (gelu(x) * r).sum() + (exp_nonpositive(-mx.abs(x) * 30) * r).sum()
+
+    compiled = mx.compile(mx.value_and_grad(loss))(x)
+    eager = mx.value_and_grad(loss)(x)
+    for ours, expected in zip(compiled, eager, strict=True):
+        assert mx.array_equal(ours, expected).item()
+    assert mx.array_equal(kernels.unfused(x), x).item()
+    half = x.astype(mx.float16)
+    assert kernels.unfused(half) is half  # a no-op off float32

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm
+from ..kernels import LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -81,10 +81,10 @@ class AlbertAttention(nn.Module):
         super().__init__()
         H = args.hidden_size
         self.num_heads = args.num_attention_heads
-        self.query = nn.Linear(H, H)
-        self.key = nn.Linear(H, H)
-        self.value = nn.Linear(H, H)
-        self.dense = nn.Linear(H, H)
+        self.query = Linear(H, H)
+        self.key = Linear(H, H)
+        self.value = Linear(H, H)
+        self.dense = Linear(H, H)
         self.LayerNorm = LayerNorm(H, eps=args.layer_norm_eps)
         self.attention_dropout = nn.Dropout(args.attention_probs_dropout_prob)
         self.output_dropout = nn.Dropout(args.hidden_dropout_prob)
@@ -99,8 +99,8 @@ class AlbertLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention = AlbertAttention(args)
-        self.ffn = nn.Linear(args.hidden_size, args.intermediate_size)
-        self.ffn_output = nn.Linear(args.intermediate_size, args.hidden_size)
+        self.ffn = Linear(args.hidden_size, args.intermediate_size)
+        self.ffn_output = Linear(args.intermediate_size, args.hidden_size)
         self.full_layer_layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.act = activation(args.hidden_act)
 
@@ -127,7 +127,7 @@ class AlbertTransformer(nn.Module):
         super().__init__()
         self.num_hidden_layers = args.num_hidden_layers
         self.num_hidden_groups = args.num_hidden_groups
-        self.embedding_hidden_mapping_in = nn.Linear(args.embedding_size, args.hidden_size)
+        self.embedding_hidden_mapping_in = Linear(args.embedding_size, args.hidden_size)
         self.albert_layer_groups = [AlbertLayerGroup(args) for _ in range(args.num_hidden_groups)]
 
     def __call__(self, x, mask):
@@ -145,7 +145,7 @@ class AlbertModel(Model, nn.Module):
         self.embeddings = AlbertEmbeddings(args)
         self.encoder = AlbertTransformer(args)
         if add_pooling_layer:
-            self.pooler = nn.Linear(args.hidden_size, args.hidden_size)
+            self.pooler = Linear(args.hidden_size, args.hidden_size)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens)
@@ -158,7 +158,7 @@ class AlbertModel(Model, nn.Module):
 class AlbertMLMHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.embedding_size)
+        self.dense = Linear(args.hidden_size, args.embedding_size)
         self.act = activation(args.hidden_act)
         self.LayerNorm = LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
         self.decoder = TiedDecoder(args.embedding_size, args.vocab_size, args.tie_word_embeddings, bias=False)

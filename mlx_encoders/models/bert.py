@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm
+from ..kernels import LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -86,9 +86,9 @@ class BertSelfAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_heads = args.num_attention_heads
-        self.query = nn.Linear(args.hidden_size, args.hidden_size)
-        self.key = nn.Linear(args.hidden_size, args.hidden_size)
-        self.value = nn.Linear(args.hidden_size, args.hidden_size)
+        self.query = Linear(args.hidden_size, args.hidden_size)
+        self.key = Linear(args.hidden_size, args.hidden_size)
+        self.value = Linear(args.hidden_size, args.hidden_size)
         self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask):
@@ -100,7 +100,7 @@ class BertResidual(nn.Module):
 
     def __init__(self, in_dims: int, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(in_dims, args.hidden_size)
+        self.dense = Linear(in_dims, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
 
@@ -121,7 +121,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.intermediate_size)
+        self.dense = Linear(args.hidden_size, args.intermediate_size)
         self.act = activation(args.hidden_act)
 
     def __call__(self, x):
@@ -156,7 +156,7 @@ class BertEncoder(nn.Module):
 class BertPooler(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
 
     def __call__(self, x):
         return mx.tanh(self.dense(x[:, 0]))
@@ -185,7 +185,7 @@ class BertModel(Model, nn.Module):
 class BertPredictionHeadTransform(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.act = activation(args.hidden_act)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
 
@@ -200,7 +200,7 @@ class BertLMPredictionHead(nn.Module):
         super().__init__()
         self.transform = BertPredictionHeadTransform(args)
         if not args.tie_word_embeddings:
-            self.decoder = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
@@ -218,7 +218,7 @@ class BertOnlyMLMHead(nn.Module):
 class BertPreTrainingHeads(BertOnlyMLMHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.seq_relationship = nn.Linear(args.hidden_size, 2)
+        self.seq_relationship = Linear(args.hidden_size, 2)
 
 
 class BertHead(HeadModel):

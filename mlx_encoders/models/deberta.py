@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import Linear
 from . import deberta_v2 as v2
 from .base import split_heads
 
@@ -42,15 +43,15 @@ class DebertaSelfAttention(v2.DisentangledSelfAttention):
         self.num_heads = args.num_attention_heads
         self.c2p, self.p2c = "c2p" in args.terms, "p2c" in args.terms
         self.scale = (H // self.num_heads * (1 + len(args.terms))) ** -0.5
-        self.in_proj = nn.Linear(H, 3 * H, bias=False)
+        self.in_proj = Linear(H, 3 * H, bias=False)
         self.q_bias = mx.zeros((H,))
         self.v_bias = mx.zeros((H,))
         if args.relative_attention:
             self.pos_dropout = nn.Dropout(args.hidden_dropout_prob)
             if self.c2p:
-                self.pos_proj = nn.Linear(H, H, bias=False)
+                self.pos_proj = Linear(H, H, bias=False)
             if self.p2c:
-                self.pos_q_proj = nn.Linear(H, H)
+                self.pos_q_proj = Linear(H, H)
         self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:

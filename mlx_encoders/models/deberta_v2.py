@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm
+from ..kernels import LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -113,7 +113,7 @@ class DebertaV2Embeddings(nn.Module):
         if args.type_vocab_size > 0:
             self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
         if E != args.hidden_size:
-            self.embed_proj = nn.Linear(E, args.hidden_size, bias=False)
+            self.embed_proj = Linear(E, args.hidden_size, bias=False)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = nn.Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
@@ -154,16 +154,16 @@ class DisentangledSelfAttention(nn.Module):
         self.num_heads = args.num_attention_heads
         self.c2p, self.p2c = "c2p" in args.terms, "p2c" in args.terms
         self.scale = (H // self.num_heads * (1 + self.c2p + self.p2c)) ** -0.5
-        self.query_proj = nn.Linear(H, H)
-        self.key_proj = nn.Linear(H, H)
-        self.value_proj = nn.Linear(H, H)
+        self.query_proj = Linear(H, H)
+        self.key_proj = Linear(H, H)
+        self.value_proj = Linear(H, H)
         self.share_att_key = args.share_att_key
         if args.relative_attention:
             self.pos_dropout = nn.Dropout(args.hidden_dropout_prob)
             if not args.share_att_key and self.c2p:
-                self.pos_key_proj = nn.Linear(H, H)
+                self.pos_key_proj = Linear(H, H)
             if not args.share_att_key and self.p2c:
-                self.pos_query_proj = nn.Linear(H, H)
+                self.pos_query_proj = Linear(H, H)
         self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -324,7 +324,7 @@ class PredictionTransform(nn.Module):
 
     def __init__(self, args: ModelArgs, width: int):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, width)
+        self.dense = Linear(args.hidden_size, width)
         self.act = activation(args.hidden_act)
         self.LayerNorm = LayerNorm(width, eps=args.layer_norm_eps)
 
@@ -415,7 +415,7 @@ class DebertaV2ForMaskedLM(DebertaV2Head):
 class ContextPooler(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.dropout = nn.Dropout(args.pooler_dropout)
         self.act = activation(args.pooler_hidden_act)
 
@@ -430,7 +430,7 @@ class DebertaV2ForSequenceClassification(DebertaV2Head):
         super().__init__(args)
         self.pooler = ContextPooler(args)
         self.dropout = nn.Dropout(args.sequence_classifier_dropout)
-        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+        self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask, token_type_ids)

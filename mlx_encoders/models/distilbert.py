@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm
+from ..kernels import LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -79,10 +79,10 @@ class MultiHeadSelfAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.n_heads
-        self.q_lin = nn.Linear(args.dim, args.dim)
-        self.k_lin = nn.Linear(args.dim, args.dim)
-        self.v_lin = nn.Linear(args.dim, args.dim)
-        self.out_lin = nn.Linear(args.dim, args.dim)
+        self.q_lin = Linear(args.dim, args.dim)
+        self.k_lin = Linear(args.dim, args.dim)
+        self.v_lin = Linear(args.dim, args.dim)
+        self.out_lin = Linear(args.dim, args.dim)
         self.dropout = nn.Dropout(args.attention_dropout)
 
     def __call__(self, x, mask):
@@ -93,8 +93,8 @@ class MultiHeadSelfAttention(nn.Module):
 class FFN(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.lin1 = nn.Linear(args.dim, args.hidden_dim)
-        self.lin2 = nn.Linear(args.hidden_dim, args.dim)
+        self.lin1 = Linear(args.dim, args.hidden_dim)
+        self.lin2 = Linear(args.hidden_dim, args.dim)
         self.act = activation(args.activation)
         self.dropout = nn.Dropout(args.dropout)
 
@@ -152,7 +152,7 @@ class DistilBertForMaskedLM(DistilBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.act = activation(args.activation)
-        self.vocab_transform = nn.Linear(args.dim, args.dim)
+        self.vocab_transform = Linear(args.dim, args.dim)
         self.vocab_layer_norm = LayerNorm(args.dim, eps=EPS)
         self.vocab_projector = TiedDecoder(args.dim, args.vocab_size, args.tie_word_embeddings)
 
@@ -170,9 +170,9 @@ class DistilBertForMaskedLM(DistilBertHead):
 class DistilBertForSequenceClassification(DistilBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.pre_classifier = nn.Linear(args.dim, args.dim)
+        self.pre_classifier = Linear(args.dim, args.dim)
         self.dropout = nn.Dropout(args.seq_classif_dropout)
-        self.classifier = nn.Linear(args.dim, args.num_labels)
+        self.classifier = Linear(args.dim, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)

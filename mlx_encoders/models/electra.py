@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, gelu
+from ..kernels import LayerNorm, Linear, gelu
 from .albert import AlbertEmbeddings
 from .base import HeadModel, ModelOutput, QuestionAnswering, TiedDecoder, TokenClassification, activation, padding_mask
 from .bert import BertModel
@@ -38,7 +38,7 @@ class ElectraModel(BertModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args, add_pooling_layer=False)
         if args.embedding_size != args.hidden_size:
-            self.embeddings_project = nn.Linear(args.embedding_size, args.hidden_size)
+            self.embeddings_project = Linear(args.embedding_size, args.hidden_size)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens)
@@ -52,9 +52,9 @@ class ElectraModel(BertModel):
 class ElectraDiscriminatorPredictions(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.act = activation(args.hidden_act)
-        self.dense_prediction = nn.Linear(args.hidden_size, 1)
+        self.dense_prediction = Linear(args.hidden_size, 1)
 
     def __call__(self, x):
         return self.dense_prediction(self.act(self.dense(x))).squeeze(-1)  # (B, L)
@@ -63,7 +63,7 @@ class ElectraDiscriminatorPredictions(nn.Module):
 class ElectraGeneratorPredictions(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.embedding_size)
+        self.dense = Linear(args.hidden_size, args.embedding_size)
         self.LayerNorm = LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
 
     def __call__(self, x):
@@ -73,9 +73,9 @@ class ElectraGeneratorPredictions(nn.Module):
 class ElectraClassificationHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.dropout = nn.Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
-        self.out_proj = nn.Linear(args.hidden_size, args.num_labels)
+        self.out_proj = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, x):
         x = gelu(self.dense(self.dropout(x[:, 0])))  # gelu where BERT and RoBERTa use tanh

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, attention, dense, linear
+from ..kernels import LayerNorm, Linear, attention, dense, linear
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -132,8 +132,8 @@ class GPT2Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.n_head = args.n_head
-        self.c_attn = nn.Linear(args.n_embd, 3 * args.n_embd)
-        self.c_proj = nn.Linear(args.n_embd, args.n_embd)
+        self.c_attn = Linear(args.n_embd, 3 * args.n_embd)
+        self.c_proj = Linear(args.n_embd, args.n_embd)
         self.attn_dropout = nn.Dropout(args.attn_pdrop)
         self.resid_dropout = nn.Dropout(args.resid_pdrop)
         head_dim = args.n_embd // args.n_head
@@ -158,8 +158,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.c_fc = nn.Linear(args.n_embd, args.ffn_width)
-        self.c_proj = nn.Linear(args.ffn_width, args.n_embd)
+        self.c_fc = Linear(args.n_embd, args.ffn_width)
+        self.c_proj = Linear(args.ffn_width, args.n_embd)
         self.act = activation(args.activation_function)
         self.dropout = nn.Dropout(args.resid_pdrop)
 
@@ -247,7 +247,7 @@ class GPT2LMHeadModel(GPT2Head):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.n_embd, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.n_embd, args.vocab_size, bias=False)
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:
@@ -275,7 +275,7 @@ class GPT2ForSequenceClassification(GPT2Head):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.score = nn.Linear(args.n_embd, args.num_labels, bias=False)
+        self.score = Linear(args.n_embd, args.num_labels, bias=False)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> ModelOutput:
         out = self.transformer(input_ids, attention_mask, token_type_ids, position_ids)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, blockwise_attention
+from ..kernels import LayerNorm, Linear, blockwise_attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -120,8 +120,8 @@ class ModernBertAttention(nn.Module):
         self.num_heads = args.num_attention_heads
         self.head_dim = args.hidden_size // args.num_attention_heads
         self.theta = args.rope_theta[layer_type]
-        self.Wqkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
-        self.Wo = nn.Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
+        self.Wqkv = Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
+        self.Wo = Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
         # transformers applies attention_dropout twice: to the probabilities and after Wo
         self.attention_dropout = nn.Dropout(args.attention_dropout)
         self.out_drop = nn.Dropout(args.attention_dropout)
@@ -137,8 +137,8 @@ class ModernBertAttention(nn.Module):
 class ModernBertMLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.Wi = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.Wo = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.Wi = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.Wo = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = activation(args.hidden_activation)
         self.drop = nn.Dropout(args.mlp_dropout)
 
@@ -260,7 +260,7 @@ class ModernBertModel(Model, nn.Module):
 class ModernBertPredictionHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size, bias=args.classifier_bias)
+        self.dense = Linear(args.hidden_size, args.hidden_size, bias=args.classifier_bias)
         self.act = activation(args.classifier_activation)
         self.norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
 
@@ -298,7 +298,7 @@ class ModernBertForSequenceClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.drop = nn.Dropout(args.classifier_dropout)
-        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+        self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
@@ -312,7 +312,7 @@ class ModernBertForTokenClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.drop = nn.Dropout(args.classifier_dropout)
-        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+        self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)

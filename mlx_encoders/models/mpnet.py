@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, attention
+from ..kernels import LayerNorm, Linear, attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -93,10 +93,10 @@ class MPNetSelfAttention(nn.Module):
         super().__init__()
         H = args.hidden_size
         self.num_heads = args.num_attention_heads
-        self.q = nn.Linear(H, H)
-        self.k = nn.Linear(H, H)
-        self.v = nn.Linear(H, H)
-        self.o = nn.Linear(H, H)
+        self.q = Linear(H, H)
+        self.k = Linear(H, H)
+        self.v = Linear(H, H)
+        self.o = Linear(H, H)
         self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask, position_bias):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm
+from ..kernels import LayerNorm, Linear
 from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
@@ -44,10 +44,10 @@ class RobertaModel(BertModel):
 class RobertaLMHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         if not args.tie_word_embeddings:
-            self.decoder = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
@@ -59,9 +59,9 @@ class RobertaLMHead(nn.Module):
 class RobertaClassificationHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = Linear(args.hidden_size, args.hidden_size)
         self.dropout = nn.Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
-        self.out_proj = nn.Linear(args.hidden_size, args.num_labels)
+        self.out_proj = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, x):
         x = mx.tanh(self.dense(self.dropout(x[:, 0])))
