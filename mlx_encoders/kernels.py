@@ -160,17 +160,18 @@ def attention(
 
     On a GPU, mx.fast.scaled_dot_product_attention: MLX's fused kernel. On the CPU, MLX runs that function
     as separate ops whose softmax exp costs most of an encoder's time, so the same math is written out here
-    with exp_nonpositive: `written_out_attention`; a single query (a decoding step) has too few scores for
-    that to pay for its extra ops, and takes MLX's. Dropout that is on needs the probabilities themselves,
-    which neither form materialises: `dropped_out_attention`, on every device.
+    with exp_nonpositive: `written_out_attention`, which also applies dropout (training); a single query (a
+    decoding step) has too few scores for that to pay for its extra ops, and takes MLX's. MLX's fused kernel
+    has no dropout: with dropout on, other devices (and single queries) take `dropped_out_attention`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if bias is not None:
         mask = bias if mask is None else mask + bias
-    if dropout is not None and dropout.training and dropout._p_1 < 1:  # nn.Dropout keeps 1 - p only
-        return dropped_out_attention(q, k, v, mask, dropout, scale)
+    active = dropout is not None and dropout.training and dropout._p_1 < 1  # nn.Dropout keeps 1 - p only
     if mx.default_device() == mx.cpu and q.shape[-2] > 1:  # one query (decoding): too few scores to matter
-        return written_out_attention(q, k, v, mask, scale)
+        return written_out_attention(q, k, v, mask, scale, dropout if active else None)
+    if active:
+        return dropped_out_attention(q, k, v, mask, dropout, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -216,19 +217,28 @@ def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None, scale: floa
 
 
 def written_out_attention(
-    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, scale: float | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    mask: mx.array | None,
+    scale: float | None = None,
+    dropout: nn.Dropout | None = None,
 ) -> mx.array:
     """Attention as matmuls and a float32 softmax through exp_nonpositive. The scores are laid out keys by
     queries, (B, nh, Lk, Lq), so that the softmax's max and sum both run down columns: MLX's CPU reductions along
     a row run 2.5-3x slower than down columns at 60-128 keys, and the sum is a product with ones (BLAS). The
     weights are normalised after the product with v, which divides (B, nh, L, hd) values instead of
-    (B, nh, L, L); that product runs in float32, as its unnormalised sums can pass float16's range."""
+    (B, nh, L, L); that product runs in float32, as its unnormalised sums can pass float16's range. `dropout`
+    (on, in training) drops weights before that product: each query's probabilities share one divisor, so
+    dividing after the product gives transformers' dropped-out probabilities times v."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (k @ (q * scale).swapaxes(-1, -2)).astype(mx.float32)  # (B, nh, Lk, Lq)
     if mask is not None:
         scores = scores + mask.swapaxes(-1, -2)
     weights = exp_nonpositive(scores - mx.stop_gradient(scores.max(axis=-2, keepdims=True)))
     sums = mx.ones((1, weights.shape[-2]), mx.float32) @ weights  # (B, nh, 1, Lq)
+    if dropout is not None:
+        weights = dropout(weights)
     return ((weights.swapaxes(-1, -2) @ v.astype(mx.float32)) / sums.swapaxes(-1, -2)).astype(v.dtype)
 
 

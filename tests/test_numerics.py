@@ -94,8 +94,9 @@ def force_branch(monkeypatch, device: str) -> None:
     monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(getattr(mx, device)))
     if device == "gpu":
         monkeypatch.setattr(kernels, "written_out_attention", None)
-    else:
+    else:  # the written-out form applies dropout too
         monkeypatch.setattr(kernels.mx.fast, "scaled_dot_product_attention", None)
+        monkeypatch.setattr(kernels, "dropped_out_attention", None)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
