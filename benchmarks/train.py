@@ -9,7 +9,9 @@ the other, never at once), on the docstrings of the installed Python standard li
   (AdamW with its decay groups, linear warmup schedule, clipping), the same batches in the same order. Peak
   resident memory of each, and the share of this machine's float32 sgemm rate (a 2048^3 matmul, measured in
   the same run) that each reaches, counting 6 x non-embedding parameters FLOPs per real token (the usual
-  forward + backward estimate; attention scores and padding not counted).
+  forward + backward estimate; attention scores and padding not counted). `--rounds N` runs each engine N
+  times, taking turns, and compares their median rounds: this machine's speed drifts by 20% or more over
+  minutes, which one round each cannot tell from a difference between the engines.
 - task: all-MiniLM-L6-v2 fine-tuned to tell which top-level package a docstring comes from (`--classes`),
   split by module (every docstring of a module on one side, so test modules are unseen); held-out accuracy
   after each epoch of ours and of transformers' Trainer (the same loop written out when `accelerate`, which
@@ -20,6 +22,7 @@ the other, never at once), on the docstrings of the installed Python standard li
 
     python benchmarks/train.py --blas /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
     python benchmarks/train.py --parts throughput --models minilm --steps 3 --warmup 1
+    python benchmarks/train.py --parts throughput --steps 8 --warmup 2 --rounds 3
     python benchmarks/train.py --parts task --train-examples 2000 --test-examples 500 --max-length 128 --epochs 3
     python benchmarks/train.py --parts mlm --mlm-docs 3000 --mlm-eval-docs 300 --mlm-epochs 5 --mlm-batch-size 32
 
@@ -65,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--batch-size", type=int, default=8, help="examples per optimizer step (default 8)")
     g.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     g.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="run the engines this many times each, taking turns (default 1); with more than one, "
+                        "ratios are of the engines' median rounds and each round's ratio is printed")  # fmt: skip
     g = p.add_argument_group("task")
     g.add_argument("--train-examples", type=int, default=240, help="at most this many, drawn evenly (default 240)")
     g.add_argument("--test-examples", type=int, default=160, help="at most this many held out (default 160)")
@@ -492,28 +498,48 @@ def throughput(args, data, workdir: Path, sgemm: float) -> None:
         job = dict(part="throughput", model=str(folder), train=str(data["train"]), label2id=data["label2id"],
                    batch_size=args.batch_size, max_length=args.max_length, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, seed=0)  # fmt: skip
-        results = {}
-        for engine in ENGINES:
-            results[engine] = run(job | dict(engine=engine, out=str(workdir / f"tp-{name}-{engine}")), args)
-        parameters = results["torch"]["parameters"]
-        for engine, r in results.items():
+        rounds = defaultdict(list)  # engine -> one result per round; the engines take turns
+        for k in range(args.rounds):
+            for engine in ENGINES:
+                out = str(workdir / f"tp-{name}-{engine}-{k}")
+                rounds[engine].append(run(job | dict(engine=engine, out=out), args))
+        parameters = rounds["torch"][0]["parameters"]
+        rates = {e: [rate_of(r, args.warmup) for r in rs] for e, rs in rounds.items()}
+        for engine, results in rounds.items():
+            r = results[median_index(rates[engine])]
             times, tokens = r["times"][args.warmup :], r["tokens"][args.warmup :]
-            rate = sum(tokens) / sum(times)
+            rate = rate_of(r, args.warmup)
             steps = sorted(t / s for t, s in zip(tokens, times, strict=True))
             gflops = 6 * parameters * rate / 1e9
             rows.append((name, engine, rate, steps[0], steps[-1], statistics.median(times), r["peak_mib"], gflops))
-        if results["mlx_encoders"]["tokens"] != results["torch"]["tokens"]:
+        if rounds["mlx_encoders"][0]["tokens"] != rounds["torch"][0]["tokens"]:
             print(f"  note: {name}: the engines' batches differ in real tokens (tokenizers disagree)")
         print(f"  {name}: {parameters / 1e6:.1f}M non-embedding parameters; {sum(tokens)} real tokens timed")
+        if args.rounds > 1:
+            each = [a / b for a, b in zip(rates["mlx_encoders"], rates["torch"], strict=True)]
+            print(f"  {name}: tokens/s per round, mlx_encoders " + ", ".join(f"{r:.0f}" for r in rates["mlx_encoders"])
+                  + "; torch " + ", ".join(f"{r:.0f}" for r in rates["torch"])
+                  + "; ratios " + ", ".join(f"{r:.2f}" for r in each))  # fmt: skip
     print(f"\n{'model':<11}{'engine':<14}{'tokens/s':>10}{'(step min-max)':>17}{'s/step':>8}{'peak MiB':>10}"
           f"{'GFLOP/s':>9}{'% sgemm':>9}")  # fmt: skip
     for name, engine, rate, low, high, per_step, peak, gflops in rows:
         print(f"{name:<11}{engine:<14}{rate:>10.0f}{f'({low:.0f}-{high:.0f})':>17}{per_step:>8.2f}{peak:>10.0f}"
               f"{gflops:>9.1f}{100 * gflops / sgemm:>8.1f}%")  # fmt: skip
-    print("ratios (tokens/s of mlx_encoders / torch; peak memory of mlx_encoders / torch)")
+    rounds = f", each engine's median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"ratios (tokens/s of mlx_encoders / torch{rounds}; peak memory of mlx_encoders / torch)")
     for name in args.models.split(","):
         ours_, theirs = (next(r for r in rows if r[0] == name and r[1] == e) for e in ENGINES)
         print(f"  {name:<11}{ours_[2] / theirs[2]:.2f}x speed   {ours_[6] / theirs[6]:.2f}x memory")
+
+
+def rate_of(result: dict, warmup: int) -> float:
+    """Real tokens per second over a throughput run's timed steps."""
+    return sum(result["tokens"][warmup:]) / sum(result["times"][warmup:])
+
+
+def median_index(values: list[float]) -> int:
+    """The index of the median value (the lower middle one for an even count)."""
+    return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
 
 
 def task(args, data, workdir: Path) -> None:
