@@ -64,9 +64,17 @@ def unfused(x: mx.array) -> mx.array:
     return x.view(mx.uint32).view(mx.float32)
 
 
+@mx.compile
+def clip_z(x32: mx.array) -> mx.array:
+    """x / sqrt(2) clipped to [-4, 4] (NaN stays NaN), with selects: alone, they vectorise, where mx.clip's
+    minimum and maximum do not (0.17 ms against 0.36 ms on 8 x 64 x 1536 values)."""
+    z = x32 * (1 / math.sqrt(2))
+    return mx.where(z > 4.0, 4.0, mx.where(z < -4.0, -4.0, z))
+
+
 def clipped_z(x32: mx.array) -> mx.array:
-    # The clip runs apart from the rest (`unfused`): MLX's CPU kernels do not vectorise minimum and maximum.
-    return unfused(mx.clip(x32 * (1 / math.sqrt(2)), -4.0, 4.0))
+    # Apart from the rest (`unfused`): fused with it, the selects made the whole kernel scalar.
+    return unfused(clip_z(x32))
 
 
 @mx.custom_function
