@@ -403,14 +403,6 @@ class Linear(nn.Linear):
         return linear_without_bias(x, self["weight"])
 
 
-def dense(layer: nn.Module, x: mx.array) -> mx.array:
-    """`layer(x)`, with a plain float nn.Linear's product through `linear` (quantized, LoRA and other layers
-    run their own)."""
-    if type(layer) is nn.Linear:
-        return linear(x, layer.weight, layer.get("bias"))
-    return layer(x)
-
-
 # Element-wise work over many independent arrays (an optimizer's per-parameter updates): MLX's CPU backend runs
 # each stream's ops on one thread, so spreading the arrays over a few CPU streams puts every core to work.
 MAX_CPU_STREAMS = 8

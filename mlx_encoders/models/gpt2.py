@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear, attention, dense, linear
+from ..kernels import LayerNorm, Linear, attention, linear
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -144,7 +144,7 @@ class GPT2Attention(nn.Module):
         self.upcast = args.reorder_and_upcast_attn  # scores in float32 whatever the dtype (they already are on CPU)
 
     def __call__(self, x: mx.array, mask: mx.array | None, cache: KVCache | None = None) -> mx.array:
-        q, k, v = (split_heads(t, self.n_head) for t in mx.split(dense(self.c_attn, x), 3, axis=-1))  # (B, nh, L, hd)
+        q, k, v = (split_heads(t, self.n_head) for t in mx.split(self.c_attn(x), 3, axis=-1))  # (B, nh, L, hd)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)  # (B, nh, offset + L, hd)
         if self.query_factor != 1:
@@ -152,7 +152,7 @@ class GPT2Attention(nn.Module):
         if self.upcast:
             q, k, v = (t.astype(mx.float32) for t in (q, k, v))
         h = attention(q, k, v, mask, self.attn_dropout).astype(x.dtype)
-        return self.resid_dropout(dense(self.c_proj, merge_heads(h)))
+        return self.resid_dropout(self.c_proj(merge_heads(h)))
 
 
 class GPT2MLP(nn.Module):
@@ -164,7 +164,7 @@ class GPT2MLP(nn.Module):
         self.dropout = nn.Dropout(args.resid_pdrop)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.dropout(dense(self.c_proj, self.act(dense(self.c_fc, x))))
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
 class GPT2Block(nn.Module):
@@ -260,7 +260,7 @@ class GPT2LMHeadModel(GPT2Head):
         out = self.transformer(input_ids, attention_mask, token_type_ids, position_ids, cache)
         x = out.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else out.last_hidden_state
         if "lm_head" in self:
-            out.logits = dense(self.lm_head, x)
+            out.logits = self.lm_head(x)
         else:
             wte = self.transformer.wte
             out.logits = linear(x, wte.weight) if type(wte) is nn.Embedding else wte.as_linear(x)
