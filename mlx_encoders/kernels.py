@@ -152,6 +152,46 @@ def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> m
     return cotangent * output
 
 
+# Dropout masks. MLX's own (mx.random.bernoulli) draws a 32-bit threefry word for every element, on one thread on
+# the CPU: 4.4-4.9 ns an element, about a twentieth of a BERT training step. Here MLX draws two 32-bit keys per
+# call and each element's index is hashed, twice, in one compiled kernel: 3.5 ns for the whole dropout instead of
+# 5.9 (a (8, 12, 64, 64) attention mask: 1.4 against 2.3 ms).
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+
+
+def mix32(h: mx.array) -> mx.array:
+    """lowbias32 (Chris Wellons' hash-prospector): a bijection of uint32 words in which every input bit flips each
+    output bit with probability close to 1/2."""
+    h = (h ^ (h >> 16)) * HASH_MULTIPLIERS[0]
+    h = (h ^ (h >> 15)) * HASH_MULTIPLIERS[1]
+    return h ^ (h >> 16)
+
+
+def random_words(shape: Sequence[int]) -> mx.array:
+    """uint32 random words of `shape`: mix32(mix32(i + k1) ^ k2) of each element's index i, with two 32-bit keys
+    drawn from MLX's global random key, so mx.random.seed, a compiled step's random state and gradient
+    checkpointing's keyed recomputation govern them as they do mx.random's draws. Two calls' index windows
+    i + k1 overlap with probability (elements) / 2^31, and even then the second key sets them apart."""
+    halves = mx.random.randint(0, 1 << 16, (4,), dtype=mx.uint32)
+    k1, k2 = (halves[0] << 16) | halves[1], (halves[2] << 16) | halves[3]
+    index = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
+    return mix32(mix32(index + k1) ^ k2)
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout (zero each element with probability p in training, scale the rest by 1 / (1 - p), as torch's
+    dropout), its mask from `random_words`: an element is dropped when its word is below round(p * 2^32), so p is
+    met to 2^-32 (MLX's float32 uniforms compare at 2^-24). Dropped NaNs and infinities stay NaN, as in torch
+    (x times a zero). The same parameters (none) and arguments as nn.Dropout."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._p_1 == 1 or not self.training:
+            return x
+        threshold = mx.array(min(round((1 - self._p_1) * 2**32), 2**32 - 1), mx.uint32)
+        scale = mx.where(random_words(x.shape) >= threshold, mx.array(1 / self._p_1, x.dtype), mx.array(0, x.dtype))
+        return x * scale
+
+
 def attention(
     q: mx.array,
     k: mx.array,

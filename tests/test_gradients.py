@@ -15,6 +15,7 @@ from test_numerics import force_branch
 from test_parity import as_torch, assert_close, our_outputs
 
 import mlx_encoders
+from mlx_encoders import kernels
 from mlx_encoders.kernels import attention, exp_nonpositive, gelu
 from mlx_encoders.models import MODEL_TYPES, model_module
 from mlx_encoders.models.base import padding_mask
@@ -174,7 +175,7 @@ def scale_instead_of_dropping(monkeypatch):
     monkeypatch.setattr(
         torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x * (1 - p) if training else x
     )
-    monkeypatch.setattr(nn.Dropout, "__call__", lambda self, x: x * self._p_1 if self.training else x)
+    monkeypatch.setattr(kernels.Dropout, "__call__", lambda self, x: x * self._p_1 if self.training else x)
 
 
 @pytest.mark.parametrize("model_type,task,config", DROPOUT_CASES)
@@ -218,7 +219,7 @@ def test_attention_dropout_drops_probabilities(monkeypatch, branch):
     mask = padding_mask(mx.ones((2, 64), mx.int32), mx.float32)
     probabilities = np.array(attention(q, k, v, mask))
     np.testing.assert_allclose(probabilities.sum(axis=-1), 1, rtol=1e-6)
-    dropout = nn.Dropout(0.3)
+    dropout = kernels.Dropout(0.3)
     first, second = (np.array(attention(q, k, v, mask, dropout)) for _ in range(2))
     assert not np.array_equal(first, second)
     zeroed = first == 0
@@ -226,7 +227,7 @@ def test_attention_dropout_drops_probabilities(monkeypatch, branch):
     np.testing.assert_allclose(first[~zeroed], probabilities[~zeroed] / 0.7, rtol=1e-5)
     # eval mode, or p = 0, is the attention without dropout, bit for bit
     np.testing.assert_array_equal(np.array(attention(q, k, v, mask, dropout.eval())), probabilities)
-    np.testing.assert_array_equal(np.array(attention(q, k, v, mask, nn.Dropout(0.0))), probabilities)
+    np.testing.assert_array_equal(np.array(attention(q, k, v, mask, kernels.Dropout(0.0))), probabilities)
 
 
 @pytest.mark.parametrize("model_type,task", CASES)
@@ -265,13 +266,13 @@ def test_checkpointed_layers_recompute_the_forward_dropout_masks(checkpoint, mon
     model.train()
     model.gradient_checkpointing_enable()
     drawn = []
-    bernoulli = mx.random.bernoulli
+    random_words = kernels.random_words
 
     def recorded(*args, **kwargs):
-        drawn.append(bernoulli(*args, **kwargs))
+        drawn.append(random_words(*args, **kwargs))
         return drawn[-1]
 
-    monkeypatch.setattr(mx.random, "bernoulli", recorded)
+    monkeypatch.setattr(kernels, "random_words", recorded)
     model(**batch)
     forward = len(drawn)
     our_gradients(model, batch, labels)

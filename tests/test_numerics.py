@@ -1,5 +1,7 @@
 """Batch invariance, reduced precision, masks that can never produce NaN, and the attention's own exp."""
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -252,3 +254,67 @@ def test_gelu_and_exp_inside_a_compiled_gradient_equal_their_eager_values():
     assert mx.array_equal(kernels.unfused(x), x).item()
     half = x.astype(mx.float16)
     assert kernels.unfused(half) is half  # a no-op off float32
+
+
+# ----- dropout masks: kernels.random_words and kernels.Dropout -----
+
+WORDS = 1 << 20
+
+
+def test_random_words_are_uniform_and_independent():
+    """Every byte of the words uniform (chi-square over 256 values), every bit set half the time, neighbouring
+    words and two calls' words uncorrelated: a hash of the index that mixed poorly fails each of these."""
+    mx.random.seed(0)
+    words, other = (np.array(kernels.random_words((WORDS,))).astype(np.int64) for _ in range(2))
+    assert words.dtype == np.int64 and words.max() < 2**32
+    expected = WORDS / 256
+    for shift in (0, 8, 16, 24):  # 255 degrees of freedom: 360 is beyond their 99.99th percentile
+        counts = np.bincount((words >> shift) & 255, minlength=256)
+        assert ((counts - expected) ** 2 / expected).sum() < 360, shift
+    bits = (words[:, None] >> np.arange(32)) & 1
+    assert np.abs(bits.mean(axis=0) - 0.5).max() < 5 * 0.5 / math.sqrt(WORDS)
+    bound = 5 / math.sqrt(WORDS)  # five standard errors of a correlation
+    assert abs(np.corrcoef(words[:-1], words[1:])[0, 1]) < bound
+    assert abs(np.corrcoef(words, other)[0, 1]) < bound
+    assert abs((((words ^ other) >> 31) & 1).mean() - 0.5) < 5 * 0.5 / math.sqrt(WORDS)
+
+
+def test_random_words_follow_mlx_random_key():
+    """mx.random.seed sets them, each call draws new ones, and a compiled function that carries the random state
+    (as the training step does) draws what eager code draws from the same key."""
+    mx.random.seed(7)
+    first = np.array(kernels.random_words((3, 50)))
+    second = np.array(kernels.random_words((3, 50)))
+    mx.random.seed(7)
+    np.testing.assert_array_equal(np.array(kernels.random_words((3, 50))), first)
+    assert not np.array_equal(first, second)
+    state = [mx.random.state]
+    compiled = mx.compile(lambda: kernels.random_words((3, 50)), inputs=state, outputs=state)
+    mx.random.seed(7)
+    np.testing.assert_array_equal(np.array(compiled()), first)
+    np.testing.assert_array_equal(np.array(compiled()), second)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_drops_p_and_scales_the_rest(p):
+    mx.random.seed(1)
+    x = mx.random.uniform(1, 2, (WORDS,))
+    dropout = kernels.Dropout(p)
+    y = np.array(dropout(x))
+    dropped = y == 0
+    assert abs(dropped.mean() - p) < 5 * math.sqrt(p * (1 - p) / WORDS)
+    scale = np.float32(1) / np.float32(1 - p)  # nn.Dropout's and torch's factor
+    np.testing.assert_array_equal(y[~dropped], np.array(x)[~dropped] * scale)
+    np.testing.assert_array_equal(np.array(dropout.eval()(x)), np.array(x))  # eval mode: x itself
+    np.testing.assert_array_equal(np.array(kernels.Dropout(0.0)(x)), np.array(x))
+
+
+def test_dropout_keeps_dtype_and_nan():
+    """Half-precision inputs stay half precision; a dropped NaN or infinity is NaN (x times 0), as in torch."""
+    x = mx.array([float("nan"), float("inf")] * 512, mx.bfloat16)
+    y = kernels.Dropout(0.5)(x)
+    assert y.dtype == mx.bfloat16
+    values = np.array(y.astype(mx.float32))
+    assert np.isnan(values[0::2]).all()
+    assert set(np.unique(values[1::2][~np.isnan(values[1::2])])) == {np.inf}  # kept ones stay infinite
+    assert np.isnan(values[1::2]).any()  # dropped ones: inf * 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear
+from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -72,7 +72,7 @@ class AlbertEmbeddings(BertEmbeddings):
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
         self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
         self.LayerNorm = LayerNorm(E, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
 
@@ -86,8 +86,8 @@ class AlbertAttention(nn.Module):
         self.value = Linear(H, H)
         self.dense = Linear(H, H)
         self.LayerNorm = LayerNorm(H, eps=args.layer_norm_eps)
-        self.attention_dropout = nn.Dropout(args.attention_probs_dropout_prob)
-        self.output_dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.attention_dropout = Dropout(args.attention_probs_dropout_prob)
+        self.output_dropout = Dropout(args.hidden_dropout_prob)
 
     def __call__(self, x, mask):
         q, k, v = self.query(x), self.key(x), self.value(x)

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Linear, attention, gelu
+from ..kernels import Dropout, Linear, attention, gelu
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
 POSITIVE_KEYS = (
@@ -329,7 +329,7 @@ class PooledClassification(HeadModel):
 
     def __init__(self, args):
         super().__init__(args)
-        self.dropout = nn.Dropout(args.sequence_classifier_dropout)
+        self.dropout = Dropout(args.sequence_classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
@@ -343,7 +343,7 @@ class TokenClassification(HeadModel):
 
     def __init__(self, args):
         super().__init__(args)
-        self.dropout = nn.Dropout(args.token_classifier_dropout)
+        self.dropout = Dropout(args.token_classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
@@ -364,7 +364,7 @@ class QuestionAnswering(HeadModel):
 
     def __init__(self, args):
         super().__init__(args)
-        self.dropout = nn.Dropout(args.qa_dropout)
+        self.dropout = Dropout(args.qa_dropout)
         self.qa_outputs = Linear(args.hidden_size, 2)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:

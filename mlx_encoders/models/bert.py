@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear
+from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -64,7 +64,7 @@ class BertEmbeddings(nn.Module):
         if args.type_vocab_size > 0:
             self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
     def embed_positions(self, input_ids: mx.array) -> mx.array:
@@ -89,7 +89,7 @@ class BertSelfAttention(nn.Module):
         self.query = Linear(args.hidden_size, args.hidden_size)
         self.key = Linear(args.hidden_size, args.hidden_size)
         self.value = Linear(args.hidden_size, args.hidden_size)
-        self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
+        self.dropout = Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask):
         return multi_head_attention(self.query(x), self.key(x), self.value(x), self.num_heads, mask, self.dropout)
@@ -102,7 +102,7 @@ class BertResidual(nn.Module):
         super().__init__()
         self.dense = Linear(in_dims, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
 
     def __call__(self, h, residual):
         return self.LayerNorm(self.dropout(self.dense(h)) + residual)

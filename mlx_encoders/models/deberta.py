@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Linear
+from ..kernels import Dropout, Linear
 from . import deberta_v2 as v2
 from .base import split_heads
 
@@ -47,12 +47,12 @@ class DebertaSelfAttention(v2.DisentangledSelfAttention):
         self.q_bias = mx.zeros((H,))
         self.v_bias = mx.zeros((H,))
         if args.relative_attention:
-            self.pos_dropout = nn.Dropout(args.hidden_dropout_prob)
+            self.pos_dropout = Dropout(args.hidden_dropout_prob)
             if self.c2p:
                 self.pos_proj = Linear(H, H, bias=False)
             if self.p2c:
                 self.pos_q_proj = Linear(H, H)
-        self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
+        self.dropout = Dropout(args.attention_probs_dropout_prob)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         q, k, v = mx.split(split_heads(self.in_proj(x), self.num_heads), 3, axis=-1)  # (B, nh, L, hd) each

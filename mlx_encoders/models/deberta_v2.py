@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear
+from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -115,7 +115,7 @@ class DebertaV2Embeddings(nn.Module):
         if E != args.hidden_size:
             self.embed_proj = Linear(E, args.hidden_size, bias=False)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id
 
     def __call__(self, input_ids, token_type_ids=None, attention_mask=None) -> mx.array:
@@ -159,12 +159,12 @@ class DisentangledSelfAttention(nn.Module):
         self.value_proj = Linear(H, H)
         self.share_att_key = args.share_att_key
         if args.relative_attention:
-            self.pos_dropout = nn.Dropout(args.hidden_dropout_prob)
+            self.pos_dropout = Dropout(args.hidden_dropout_prob)
             if not args.share_att_key and self.c2p:
                 self.pos_key_proj = Linear(H, H)
             if not args.share_att_key and self.p2c:
                 self.pos_query_proj = Linear(H, H)
-        self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
+        self.dropout = Dropout(args.attention_probs_dropout_prob)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return tuple(split_heads(f(x), self.num_heads) for f in (self.query_proj, self.key_proj, self.value_proj))
@@ -237,7 +237,7 @@ class ConvLayer(nn.Module):
         k, H = args.conv_kernel_size, args.hidden_size
         self.conv = nn.Conv1d(H, H, k, padding=(k - 1) // 2, groups=args.conv_groups)
         self.LayerNorm = LayerNorm(H, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
         self.act = activation(args.conv_act)
 
     def __call__(self, x, residual, keep):
@@ -416,7 +416,7 @@ class ContextPooler(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = Linear(args.hidden_size, args.hidden_size)
-        self.dropout = nn.Dropout(args.pooler_dropout)
+        self.dropout = Dropout(args.pooler_dropout)
         self.act = activation(args.pooler_hidden_act)
 
     def __call__(self, x):
@@ -429,7 +429,7 @@ class DebertaV2ForSequenceClassification(DebertaV2Head):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.pooler = ContextPooler(args)
-        self.dropout = nn.Dropout(args.sequence_classifier_dropout)
+        self.dropout = Dropout(args.sequence_classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:

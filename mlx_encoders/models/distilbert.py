@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear
+from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -64,7 +64,7 @@ class Embeddings(nn.Module):
         self.word_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.dim)
         self.LayerNorm = LayerNorm(args.dim, eps=EPS)
-        self.dropout = nn.Dropout(args.dropout)
+        self.dropout = Dropout(args.dropout)
         self.padding_idx = args.pad_token_id
 
     def __call__(self, input_ids):
@@ -83,7 +83,7 @@ class MultiHeadSelfAttention(nn.Module):
         self.k_lin = Linear(args.dim, args.dim)
         self.v_lin = Linear(args.dim, args.dim)
         self.out_lin = Linear(args.dim, args.dim)
-        self.dropout = nn.Dropout(args.attention_dropout)
+        self.dropout = Dropout(args.attention_dropout)
 
     def __call__(self, x, mask):
         h = multi_head_attention(self.q_lin(x), self.k_lin(x), self.v_lin(x), self.n_heads, mask, self.dropout)
@@ -96,7 +96,7 @@ class FFN(nn.Module):
         self.lin1 = Linear(args.dim, args.hidden_dim)
         self.lin2 = Linear(args.hidden_dim, args.dim)
         self.act = activation(args.activation)
-        self.dropout = nn.Dropout(args.dropout)
+        self.dropout = Dropout(args.dropout)
 
     def __call__(self, x):
         return self.dropout(self.lin2(self.act(self.lin1(x))))
@@ -171,7 +171,7 @@ class DistilBertForSequenceClassification(DistilBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.pre_classifier = Linear(args.dim, args.dim)
-        self.dropout = nn.Dropout(args.seq_classif_dropout)
+        self.dropout = Dropout(args.seq_classif_dropout)
         self.classifier = Linear(args.dim, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear, gelu
+from ..kernels import Dropout, LayerNorm, Linear, gelu
 from .albert import AlbertEmbeddings
 from .base import HeadModel, ModelOutput, QuestionAnswering, TiedDecoder, TokenClassification, activation, padding_mask
 from .bert import BertModel
@@ -74,7 +74,7 @@ class ElectraClassificationHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = Linear(args.hidden_size, args.hidden_size)
-        self.dropout = nn.Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
+        self.dropout = Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
         self.out_proj = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, x):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear, attention, linear
+from ..kernels import Dropout, LayerNorm, Linear, attention, linear
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -134,8 +134,8 @@ class GPT2Attention(nn.Module):
         self.n_head = args.n_head
         self.c_attn = Linear(args.n_embd, 3 * args.n_embd)
         self.c_proj = Linear(args.n_embd, args.n_embd)
-        self.attn_dropout = nn.Dropout(args.attn_pdrop)
-        self.resid_dropout = nn.Dropout(args.resid_pdrop)
+        self.attn_dropout = Dropout(args.attn_pdrop)
+        self.resid_dropout = Dropout(args.resid_pdrop)
         head_dim = args.n_embd // args.n_head
         scale = head_dim**-0.5 if args.scale_attn_weights else 1.0
         if args.scale_attn_by_inverse_layer_idx:
@@ -161,7 +161,7 @@ class GPT2MLP(nn.Module):
         self.c_fc = Linear(args.n_embd, args.ffn_width)
         self.c_proj = Linear(args.ffn_width, args.n_embd)
         self.act = activation(args.activation_function)
-        self.dropout = nn.Dropout(args.resid_pdrop)
+        self.dropout = Dropout(args.resid_pdrop)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
@@ -188,7 +188,7 @@ class GPT2Model(Model, nn.Module):
         self.args = args
         self.wte = nn.Embedding(args.vocab_size, args.n_embd)
         self.wpe = nn.Embedding(args.n_positions, args.n_embd)
-        self.drop = nn.Dropout(args.embd_pdrop)
+        self.drop = Dropout(args.embd_pdrop)
         self.h = [GPT2Block(args, i) for i in range(args.n_layer)]
         self.ln_f = LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)
 

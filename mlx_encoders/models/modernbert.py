@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear, blockwise_attention
+from ..kernels import Dropout, LayerNorm, Linear, blockwise_attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -106,7 +106,7 @@ class ModernBertEmbeddings(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
-        self.drop = nn.Dropout(args.embedding_dropout)
+        self.drop = Dropout(args.embedding_dropout)
         self.padding_idx = args.pad_token_id
 
     def __call__(self, input_ids):
@@ -123,8 +123,8 @@ class ModernBertAttention(nn.Module):
         self.Wqkv = Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
         self.Wo = Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
         # transformers applies attention_dropout twice: to the probabilities and after Wo
-        self.attention_dropout = nn.Dropout(args.attention_dropout)
-        self.out_drop = nn.Dropout(args.attention_dropout)
+        self.attention_dropout = Dropout(args.attention_dropout)
+        self.out_drop = Dropout(args.attention_dropout)
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
@@ -140,7 +140,7 @@ class ModernBertMLP(nn.Module):
         self.Wi = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.Wo = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = activation(args.hidden_activation)
-        self.drop = nn.Dropout(args.mlp_dropout)
+        self.drop = Dropout(args.mlp_dropout)
 
     def __call__(self, x):
         a, gate = mx.split(self.Wi(x), 2, axis=-1)
@@ -297,7 +297,7 @@ class ModernBertForMaskedLM(ModernBertHead):
 class ModernBertForSequenceClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.drop = nn.Dropout(args.classifier_dropout)
+        self.drop = Dropout(args.classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
@@ -311,7 +311,7 @@ class ModernBertForSequenceClassification(ModernBertHead):
 class ModernBertForTokenClassification(ModernBertHead):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.drop = nn.Dropout(args.classifier_dropout)
+        self.drop = Dropout(args.classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:

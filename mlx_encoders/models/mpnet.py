@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear, attention
+from ..kernels import Dropout, LayerNorm, Linear, attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -84,7 +84,7 @@ class MPNetEmbeddings(RobertaEmbeddings):
         self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = PADDING_IDX
 
 
@@ -97,7 +97,7 @@ class MPNetSelfAttention(nn.Module):
         self.k = Linear(H, H)
         self.v = Linear(H, H)
         self.o = Linear(H, H)
-        self.dropout = nn.Dropout(args.attention_probs_dropout_prob)
+        self.dropout = Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask, position_bias):
         q, k, v = (split_heads(t, self.num_heads) for t in (self.q(x), self.k(x), self.v(x)))
@@ -109,7 +109,7 @@ class MPNetAttention(nn.Module):
         super().__init__()
         self.attn = MPNetSelfAttention(args)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        self.dropout = nn.Dropout(args.hidden_dropout_prob)
+        self.dropout = Dropout(args.hidden_dropout_prob)
 
     def __call__(self, x, mask, position_bias):
         return self.LayerNorm(self.dropout(self.attn(x, mask, position_bias)) + x)

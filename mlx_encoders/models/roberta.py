@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import LayerNorm, Linear
+from ..kernels import Dropout, LayerNorm, Linear
 from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
@@ -60,7 +60,7 @@ class RobertaClassificationHead(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = Linear(args.hidden_size, args.hidden_size)
-        self.dropout = nn.Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
+        self.dropout = Dropout(args.sequence_classifier_dropout)  # before dense and before out_proj
         self.out_proj = Linear(args.hidden_size, args.num_labels)
 
     def __call__(self, x):

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..kernels import Dropout
 from ..models.base import HeadModel
 from ..quantized import fast_quantized
 
@@ -55,7 +56,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         out_dims, in_dims = dims(linear)
         self.linear = linear
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.scale = alpha / rank
         bound = 1 / math.sqrt(in_dims)  # torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of lora_A
         self.lora_a = mx.random.uniform(-bound, bound, (rank, in_dims))
