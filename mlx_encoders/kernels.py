@@ -157,6 +157,7 @@ def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> m
 # call and each element's index is hashed, twice, in one compiled kernel: 3.5 ns for the whole dropout instead of
 # 5.9 (a (8, 12, 64, 64) attention mask: 1.4 against 2.3 ms).
 HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+MAX_HASHED = 2**32  # elements a uint32 index tells apart
 
 
 def mix32(h: mx.array) -> mx.array:
@@ -187,6 +188,8 @@ class Dropout(nn.Dropout):
     def __call__(self, x: mx.array) -> mx.array:
         if self._p_1 == 1 or not self.training:
             return x
+        if x.size > MAX_HASHED:  # the uint32 index would wrap around and repeat its masks: MLX's own draws
+            return super().__call__(x)
         threshold = mx.array(min(round((1 - self._p_1) * 2**32), 2**32 - 1), mx.uint32)
         scale = mx.where(random_words(x.shape) >= threshold, mx.array(1 / self._p_1, x.dtype), mx.array(0, x.dtype))
         return x * scale

@@ -318,3 +318,15 @@ def test_dropout_keeps_dtype_and_nan():
     assert np.isnan(values[0::2]).all()
     assert set(np.unique(values[1::2][~np.isnan(values[1::2])])) == {np.inf}  # kept ones stay infinite
     assert np.isnan(values[1::2]).any()  # dropped ones: inf * 0
+
+
+def test_dropout_of_more_elements_than_a_uint32_counts_uses_mlx_draws(monkeypatch):
+    """Past 2^32 elements the index would repeat, so nn.Dropout's own draws serve (shown here with a lower bound)."""
+    monkeypatch.setattr(kernels, "MAX_HASHED", 100)
+    x = mx.ones((101,))
+    mx.random.seed(3)
+    ours = np.array(kernels.Dropout(0.5)(x))
+    mx.random.seed(3)
+    np.testing.assert_array_equal(ours, np.array(nn.Dropout(0.5)(x)))
+    mx.random.seed(3)
+    assert not np.array_equal(np.array(kernels.Dropout(0.5)(mx.ones((100,)))), ours[:100])  # hashed below it
