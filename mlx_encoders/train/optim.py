@@ -148,8 +148,7 @@ class FusedAdamW(optim.AdamW):
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
         stream = self._streams.get(id(gradient)) if self._streams else None
-        if self.bias_correction:
-            self.step_scalars(gradient.dtype)  # on the default stream, before any parameter's (see `dispatch`)
+        self.step_scalars(gradient.dtype)  # on the default stream, before any parameter's (see `dispatch`)
         with mx.stream(stream) if stream is not None else contextlib.nullcontext():
             parameter = self.fused_single(gradient, parameter, state)
         if stream is not None and self._pending is not None:
@@ -166,8 +165,8 @@ class FusedAdamW(optim.AdamW):
         pending, self._pending = self._pending or {}, None
         if not pending:
             return
-        # The step's scalars first: made on one stream, an async_eval would signal them to the others only
-        # once that stream's whole share is done.
+        # The step's scalars first: inside the first share's async_eval, the other streams could wait for them
+        # behind work that eval dispatches before them.
         mx.eval(self._made_scalars)
         for _, arrays in sorted(pending.values(), key=lambda entry: -entry[0]):
             mx.async_eval(arrays)
@@ -188,11 +187,9 @@ class FusedAdamW(optim.AdamW):
         return scale, lr, c1, c2
 
     def fused_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        dtype = gradient.dtype
+        scale, lr, c1, c2 = self.step_scalars(gradient.dtype)
         if not self.bias_correction:
-            scale = mx.array(1.0, dtype) if self.gradient_scale is None else self.gradient_scale.astype(dtype)
             return super().apply_single(gradient * scale, parameter, state)
-        scale, lr, c1, c2 = self.step_scalars(dtype)
         b1, b2 = self.betas
         parameter, state["m"], state["v"] = adamw_update(
             parameter, gradient, state["m"], state["v"], scale, lr, c1, c2, self.weight_decay, b1, b2, self.eps
