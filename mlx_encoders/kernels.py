@@ -399,6 +399,14 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
 
 
+def product_plus_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    """x @ weight.T + bias, in two ops. MLX's CPU addmm (nn.Linear's call) first copies the bias into every row of
+    the output through its general strided copy, then accumulates the product onto it: the product alone and a
+    contiguous add embed 2-3% faster (all-MiniLM-L6-v2, 200 docstrings, passes of both in turns: 83.0 against
+    81.0 texts/s), within 2e-7 of it. Training keeps addmm (`linear_with_bias`): there the two ops ran slower."""
+    return x @ weight.T + bias
+
+
 @mx.custom_function
 def linear_with_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
     """`linear(x, weight, bias)`, its gradients laid out as the weights are (`Linear`)."""
@@ -435,11 +443,13 @@ def _linear_cotangents(x: mx.array, weight: mx.array, cotangent: mx.array) -> tu
 class Linear(nn.Linear):
     """nn.Linear whose weight gradient comes out row-major (`linear_with_bias`): in training, the fused AdamW
     update reads it contiguously (it ran its strided kernel for every linear weight: 10.6 ms against 7.2 on a
-    3072 x 768 weight), with no transposing copy. In eval mode it is nn.Linear's product, unchanged. The same
-    parameters and keys."""
+    3072 x 768 weight), with no transposing copy. In eval mode it is nn.Linear's function: on the CPU the product
+    and then the bias added (`product_plus_bias`), elsewhere nn.Linear's own call. The same parameters and keys."""
 
     def __call__(self, x: mx.array) -> mx.array:
         if not self.training:
+            if "bias" in self and mx.default_device() == mx.cpu:
+                return product_plus_bias(x, self["weight"], self["bias"])
             return super().__call__(x)
         if "bias" in self:
             return linear_with_bias(x, self["weight"], self["bias"])

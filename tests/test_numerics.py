@@ -211,7 +211,8 @@ def test_layer_norm_keeps_mlx_kernel_off_float32():
 def test_linear_in_training_matches_torch_and_lays_its_weight_gradient_out_row_major(shape, bias):
     """kernels.Linear in training (its own vjp: d/dW = g^T x in one product) against torch's float64 linear,
     forward and gradients; the weight's gradient comes out C-contiguous (MLX's own is a transposed view); in
-    eval mode the layer is nn.Linear's product, bit for bit."""
+    eval mode the layer is nn.Linear's function: the product, then the bias added (on the CPU), within float32
+    rounding of nn.Linear's fused addmm."""
     rng = np.random.default_rng(0)
     x, cotangent = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape[:-1] + (10,))
     layer = kernels.Linear(24, 10, bias=bias)
@@ -235,7 +236,10 @@ def test_linear_in_training_matches_torch_and_lays_its_weight_gradient_out_row_m
     assert np.asarray(grads["weight"]).flags["C_CONTIGUOUS"]
     plain = nn.Linear(24, 10, bias=bias)
     plain.update(layer.parameters())
-    assert mx.array_equal(layer.eval()(mx.array(x)), plain(mx.array(x))).item()
+    evaluated = layer.eval()(mx.array(x))
+    product = mx.array(x) @ layer.weight.T
+    assert mx.array_equal(evaluated, product + layer.bias if bias else product).item()
+    np.testing.assert_allclose(np.array(evaluated), np.array(plain(mx.array(x))), rtol=1e-6, atol=1e-6)
 
 
 def test_gelu_and_exp_inside_a_compiled_gradient_equal_their_eager_values():
