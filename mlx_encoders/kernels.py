@@ -403,7 +403,7 @@ def product_plus_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array
     """x @ weight.T + bias, in two ops. MLX's CPU addmm (nn.Linear's call) first copies the bias into every row of
     the output through its general strided copy, then accumulates the product onto it: the product alone and a
     contiguous add embed 2-3% faster (all-MiniLM-L6-v2, 200 docstrings, passes of both in turns: 83.0 against
-    81.0 texts/s, faster in 5 pairs of 5; in one of this machine's slow periods 61.4 against 61.7), within 2e-7 of
+    81.0 texts/s, faster in 5 of 6 pairs; in one of this machine's slow periods 61.4 against 61.7), within 2e-7 of
     it. Training keeps addmm (`linear_with_bias`): there the two ops ran slower."""
     return x @ weight.T + bias
 
