@@ -411,7 +411,7 @@ def product_plus_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array
 @mx.custom_function
 def linear_with_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
     """`linear(x, weight, bias)`, its gradients laid out as the weights are (`Linear`)."""
-    return mx.addmm(bias, x, weight.T)
+    return linear(x, weight, bias)
 
 
 @linear_with_bias.vjp
@@ -424,7 +424,7 @@ def _linear_with_bias_vjp(primals: tuple, cotangent: mx.array, output: mx.array)
 @mx.custom_function
 def linear_without_bias(x: mx.array, weight: mx.array) -> mx.array:
     """`linear(x, weight)`, its gradients laid out as the weights are (`Linear`)."""
-    return x @ weight.T
+    return linear(x, weight)
 
 
 @linear_without_bias.vjp
