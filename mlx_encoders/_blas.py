@@ -9,9 +9,13 @@ imported MLX earlier, it is too late (the reference BLAS is bound), and one warn
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Shared-object names of the BLAS libraries that give MLX fast float matmuls when mapped before it.
@@ -69,6 +73,54 @@ def warn_if_too_late() -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+_ONE_THREAD_LOCK = threading.Lock()
+_ONE_THREAD_DEPTH = 0  # open one_thread_per_call blocks
+_THREADS = 0  # OpenBLAS's thread count before the outermost block
+
+
+@functools.cache
+def library_in_use() -> ctypes.CDLL | None:
+    """The fast BLAS answering MLX's `cblas_sgemm` on Linux (loaded here, or mapped before MLX), or None: MLX's
+    bundled reference BLAS, or another platform."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if LIBRARY:
+        return LIBRARY
+    path = mapped_fast_blas()
+    return ctypes.CDLL(path) if path else None
+
+
+@contextmanager
+def one_thread_per_call() -> Iterator[bool]:
+    """Inside, MLX's BLAS runs each call on the calling thread alone, so that forward passes on several CPU streams
+    at once each keep one core (sentence.py); yields whether that holds. It holds for OpenBLAS (its thread count is
+    set to 1, then restored; meanwhile that is true of every call in the process) and for MLX's bundled reference
+    BLAS on Linux, which never starts threads; not for other BLAS libraries or other platforms."""
+    if not sys.platform.startswith("linux"):
+        yield False
+        return
+    library = library_in_use()
+    if library is None:
+        yield True
+        return
+    if not hasattr(library, "openblas_set_num_threads"):
+        yield False
+        return
+    global _ONE_THREAD_DEPTH, _THREADS
+    with _ONE_THREAD_LOCK:  # nested or concurrent blocks: the outermost sets and restores
+        if _ONE_THREAD_DEPTH == 0:
+            _THREADS = library.openblas_get_num_threads()
+            library.openblas_set_num_threads(1)
+        _ONE_THREAD_DEPTH += 1
+    try:
+        yield True
+    finally:
+        with _ONE_THREAD_LOCK:
+            _ONE_THREAD_DEPTH -= 1
+            if _ONE_THREAD_DEPTH == 0:
+                library.openblas_set_num_threads(_THREADS)
 
 
 LIBRARY: ctypes.CDLL | None | bool = None  # the loaded fast BLAS; False once a search found none

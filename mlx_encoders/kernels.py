@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_encoders import _blas
+
 # erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
 # |erf| rounds to 1 beyond 4).
 ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
@@ -466,6 +468,26 @@ MAX_CPU_STREAMS = 8
 def cpu_streams() -> tuple[mx.Stream, ...]:
     """One CPU stream per core (at most MAX_CPU_STREAMS), made once per process."""
     return tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+
+
+@contextmanager
+def forward_lanes() -> Iterator[tuple[mx.Stream, ...]]:
+    """Streams for independent forward passes that run at once, one per core on the CPU: MLX runs each stream's
+    elementwise ops on one thread, and a multithreaded BLAS splits only the products (its threads wait
+    between them), so one pass at a time leaves a core idle for a third or more of an encoder's time. Inside,
+    the BLAS runs each product on its calling stream's thread (`_blas.one_thread_per_call`). Off the CPU, with
+    one core, or with a BLAS that cannot be held to one thread: the default stream alone. The lanes are idle
+    when the block ends, whether it raised or not."""
+    if mx.default_device() != mx.cpu or len(cpu_streams()) < 2:
+        yield (mx.default_stream(mx.default_device()),)
+        return
+    with _blas.one_thread_per_call() as one_thread:
+        lanes = cpu_streams() if one_thread else (mx.default_stream(mx.cpu),)
+        try:
+            yield lanes
+        finally:
+            for lane in lanes:  # before the BLAS gets its threads back
+                mx.synchronize(lane)
 
 
 def spread_over_streams(arrays: Sequence[mx.array]) -> dict[int, mx.Stream] | None:

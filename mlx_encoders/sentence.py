@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding, normalizers
 
-from . import load_tokenizer
+from . import kernels, load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .models.base import BaseArgs
 from .pooling import parse_modes, pool, read_pooling_config
@@ -444,7 +444,6 @@ class SentenceEncoder:
             return [], out, token_vectors
         encodings = self.tokenize(texts)
         order = np.argsort([-len(e.ids) for e in encodings], kind="stable")  # longest first: memory peaks early
-        starts = range(0, len(texts), batch_size)
 
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             out[rows] = np.array(arrays[0])
@@ -453,17 +452,39 @@ class SentenceEncoder:
                 for row, i in enumerate(rows):
                     token_vectors[i] = hidden[row, : len(encodings[i].ids)]
 
-        pending = None
-        for start in progress(starts, show_progress):
+        pending: list[tuple[np.ndarray, list[mx.array]]] = []
+        with kernels.forward_lanes() as lanes:
+            for group in self.slice_groups(order, encodings, batch_size, len(lanes), show_progress):
+                dispatched = []
+                for lane, rows in zip(lanes, group, strict=False):  # the last group may be short
+                    with mx.stream(lane):
+                        batch = self.tokenizer.pad([encodings[i] for i in rows])
+                        dispatched.append((rows, self.embed(batch, skipped, tokens)))
+                # One eval for the group, so that its passes' ops interleave over the lanes; the next group is
+                # padded and built while this one computes.
+                mx.async_eval([a for _, arrays in dispatched for a in arrays])
+                for rows, arrays in pending:
+                    collect(rows, arrays)
+                pending = dispatched
+            for rows, arrays in pending:
+                collect(rows, arrays)
+        return encodings, out, token_vectors
+
+    def slice_groups(
+        self, order: np.ndarray, encodings: list[Encoding], batch_size: int, size: int, show_progress: bool | None
+    ) -> Iterator[list[np.ndarray]]:
+        """The slices (`slices`) of each batch of `batch_size` rows of `order`, in groups of `size` (a group may
+        take slices of two batches); the progress bar counts batches."""
+        group = []
+        for start in progress(range(0, len(order), batch_size), show_progress):
             batch = order[start : start + batch_size]
             for rows in self.slices(batch, [len(encodings[i]) for i in batch]):
-                arrays = self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
-                mx.async_eval(arrays)  # the next slice is padded while this one computes
-                if pending is not None:
-                    collect(*pending)
-                pending = (rows, arrays)
-        collect(*pending)
-        return encodings, out, token_vectors
+                group.append(rows)
+                if len(group) == size:
+                    yield group
+                    group = []
+        if group:
+            yield group
 
     def slices(self, rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
         """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.

@@ -7,6 +7,7 @@ wheel) checks float, 8-bit and 4-bit embeddings over 512 docstrings of the stand
 
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ from sentence_transformers.base.modules import Dense, Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoModel, AutoTokenizer
 
-from mlx_encoders import MODEL_TYPES, SentenceEncoder
+from mlx_encoders import MODEL_TYPES, SentenceEncoder, _blas, kernels
 from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
 from mlx_encoders.quantization import dequantize_model, quantize_model
@@ -211,6 +212,67 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
     whole.slice_bytes = None
     np.testing.assert_allclose(got, whole.encode(TEXTS, batch_size=8), atol=1e-6)
     np.testing.assert_allclose(got, reference(encoder.path, TEXTS), atol=1e-5)
+
+
+def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert, monkeypatch):
+    """On the CPU, the slices run in groups, one per core, each on its own stream with the BLAS on one thread a
+    call; order, embeddings (sentence and token) and the BLAS's threads afterwards are those of one lane."""
+    encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
+    encoder.slice_bytes = 1  # one text a slice: 9 slices, so the last group is short
+    lanes_seen, blas_threads = [], []
+    library = _blas.library_in_use()
+    embed = encoder.embed
+
+    def recording_embed(batch, *args):
+        lanes_seen.append(str(mx.default_stream(mx.cpu)))  # Streams compare, but hash by identity
+        if library is not None:
+            blas_threads.append(library.openblas_get_num_threads())
+        return embed(batch, *args)
+
+    encoder.embed = recording_embed
+    threads_before = library.openblas_get_num_threads() if library is not None else None
+    got = encoder.encode(TEXTS, batch_size=4)
+    tokens = encoder.encode(TEXTS, batch_size=4, output_value="token_embeddings")
+    if mx.default_device() == mx.cpu and len(kernels.cpu_streams()) > 1:
+        assert set(lanes_seen) == {str(lane) for lane in kernels.cpu_streams()}
+        assert set(blas_threads) <= {1}
+    if library is not None:
+        assert library.openblas_get_num_threads() == threads_before
+    default = mx.default_stream(mx.default_device())
+
+    @contextmanager
+    def one_lane():
+        yield (default,)
+
+    monkeypatch.setattr(kernels, "forward_lanes", one_lane)
+    lanes_seen.clear()
+    np.testing.assert_allclose(got, encoder.encode(TEXTS, batch_size=4), atol=1e-6)
+    for a, b in zip(tokens, encoder.encode(TEXTS, batch_size=4, output_value="token_embeddings"), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert set(lanes_seen) == {str(default)}
+    np.testing.assert_allclose(got, reference(encoder.path, TEXTS), atol=1e-5)
+
+
+def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp_path, bert):
+    encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
+    encoder.slice_bytes = 1
+    library = _blas.library_in_use()
+    threads_before = library.openblas_get_num_threads() if library is not None else None
+    calls, embed = [], encoder.embed
+
+    def failing_embed(batch, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("slice 5")
+        return embed(batch, *args)
+
+    encoder.embed = failing_embed
+    with pytest.raises(RuntimeError, match="slice 5"):
+        encoder.encode(TEXTS, batch_size=4)
+    if library is not None:
+        assert library.openblas_get_num_threads() == threads_before
+    encoder.embed = embed
+    np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=4), reference(encoder.path, TEXTS), atol=1e-5)
 
 
 def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
