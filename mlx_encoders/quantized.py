@@ -9,7 +9,9 @@ is several times slower on the CPU (tests/test_quantized.py checks both against 
 """
 
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,8 +50,9 @@ def unpack(w: mx.array, bits: int) -> mx.array:
     if unit == 3:
         data = data.reshape(*w.shape[:-1], -1, 3).astype(mx.uint32)
         data = data[..., 0] | (data[..., 1] << 8) | (data[..., 2] << 16)
-    mask = (1 << bits) - 1
-    codes = mx.stack([(data >> shift) & mask for shift in range(0, 8 * unit, bits)], axis=-1)  # (out, units, per unit)
+    mask, top = (1 << bits) - 1, 8 * unit - bits  # the lowest code needs no shift, the top one no mask
+    fields = [data & mask, *((data >> shift) & mask for shift in range(bits, top, bits)), data >> top]
+    codes = mx.stack(fields, axis=-1)  # (out, units, codes per unit)
     return codes.reshape(*w.shape[:-1], -1).astype(mx.float32)
 
 
@@ -109,10 +112,62 @@ def quantized_matmul(
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         y = mx.quantized_matmul(x.astype(mx.float32), w, scales, biases, True, group_size, bits, mode=mode)
         return y.astype(x.dtype)
+    shared = getattr(_SHARING, "weights", None)
+    if on_cpu() and shared is not None:
+        return shared.matmul(x, (w, scales, biases, group_size, bits, mode))
     if on_cpu():
         no_biases = mx.zeros((0,), scales.dtype)  # a custom function's inputs are arrays; mx/nv-fp modes have none
         return dequantized_matmul(group_size, bits, mode)(x, w, scales, no_biases if biases is None else biases)
     return mx.quantized_matmul(x, w, scales, biases, True, group_size, bits, mode=mode)
+
+
+class SharedFloatWeights:
+    """The float copies of a model's quantized weights that a group of forward passes shares (`shared_dequantized`).
+    The first pass of a group built makes each copy, on its own stream, as the other passes of the group are
+    built after it; and it makes the copy of the weight used next one product early, so that passes on other
+    streams rarely wait for a copy (the order of the weights in a pass is learned from the first one)."""
+
+    def __init__(self):
+        self.place: dict[int, int] = {}  # id(packed weight) -> its place in a pass's order of products
+        self.arguments: list[tuple] = []  # per place: dequantize's arguments
+        self.weights: dict[int, mx.array] = {}  # this group's copies, by id(packed weight)
+
+    def next_group(self) -> None:
+        self.weights = {}
+
+    def float_weight(self, key: int) -> mx.array:
+        if key not in self.weights:
+            self.weights[key] = dequantize(*self.arguments[self.place[key]])
+        return self.weights[key]
+
+    def matmul(self, x: mx.array, arguments: tuple) -> mx.array:
+        key = id(arguments[0])
+        if key not in self.place:
+            self.place[key] = len(self.arguments)
+            self.arguments.append(arguments)
+        weight = self.float_weight(key)
+        following = self.place[key] + 1
+        if following < len(self.arguments) and id(self.arguments[following][0]) not in self.weights:
+            x = mx.depends(x, self.float_weight(id(self.arguments[following][0])))  # made before this product
+        return (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+
+
+_SHARING = threading.local()  # .weights: the SharedFloatWeights of this thread's shared_dequantized block
+
+
+@contextmanager
+def shared_dequantized() -> Iterator[SharedFloatWeights]:
+    """Inside, the forward passes built on the CPU share one float copy of each quantized weight per group of
+    passes (`next_group` starts one): passes that run at once on several streams (SentenceEncoder's lanes)
+    dequantize every weight once between them, not once each. Inference only: these products have no custom
+    vjp, so a gradient through them would hold every float copy. The copies are lazy, and freed once the
+    passes that use them have run."""
+    outer = getattr(_SHARING, "weights", None)
+    _SHARING.weights = SharedFloatWeights()
+    try:
+        yield _SHARING.weights
+    finally:
+        _SHARING.weights = outer
 
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -181,3 +181,41 @@ def test_few_rows_take_mlx_kernel_and_agree_with_the_blas_path(bits, group_size,
         got = quantized.QuantizedLinear.__call__(layer, x)
         np.testing.assert_allclose(np.array(got), np.array(x @ weight.T + layer.bias), atol=2e-5, rtol=1e-5)
     assert calls == [(1, 1, 256), (quantized.KERNEL_ROWS, 1, 256)]
+
+
+@pytest.mark.parametrize("model_type", ["bert", "gpt2"])
+def test_shared_dequantized_passes_equal_their_own_and_dequantize_each_weight_once_a_group(model_type, monkeypatch):
+    """Inside shared_dequantized, the passes of a group (SentenceEncoder's lanes) share each weight's float copy:
+    the same outputs as passes that dequantize for themselves; each weight dequantized once a group; from the
+    second group on, the first pass also makes the copy its next product uses, before its current product."""
+    model = random_model(model_type)
+    quantize_model(model, bits=4, group_size=32, recipe={"*": 4})
+    batches = [mx.array([[3, 17, 42, 5, 9, 11]]), mx.array([[8, 25, 33, 2, 19, 50], [1, 2, 3, 4, 5, 6]])]
+    own = [outputs(model, ids) for ids in batches]
+    made, ready, used = [], [], set()  # ids of the packed weights dequantized; per product, whether its copy existed
+    dequantize = quantized.dequantize
+    monkeypatch.setattr(quantized, "dequantize", lambda w, *args: made.append(id(w)) or dequantize(w, *args))
+    with quantized.shared_dequantized() as shared:
+        matmul = shared.matmul
+
+        def recording(x, arguments):
+            ready.append(id(arguments[0]) in shared.weights)
+            used.add(id(arguments[0]))
+            return matmul(x, arguments)
+
+        shared.matmul = recording
+        for group in range(2):
+            shared.next_group()
+            made.clear()
+            built = []
+            for ids in batches:
+                ready.clear()
+                built.append(outputs(model, ids))
+                if ids is batches[0]:  # the first pass makes the copies, from the second group on one product early
+                    assert len(ready) == len(used) > 5 and ready == [False] + [group == 1] * (len(ready) - 1)
+                else:
+                    assert all(ready) and len(ready) == len(used)
+            assert sorted(w for w in made if w in used) == sorted(used)  # each once a group
+            for got, expected in zip(built, own, strict=True):
+                assert mx.array_equal(got, expected)
+    assert getattr(quantized._SHARING, "weights", None) is None  # outside the block: each pass its own copies again
