@@ -306,11 +306,13 @@ def sgemm_limit(seconds: float = 2.0) -> float:
     return count * 2 * 4096 * 384 * 1536 / (time.perf_counter() - start) / 1e9
 
 
-def report(outputs: dict, times: dict, n: int, gflop: float, limit: float) -> None:
+def report(outputs: dict, times: dict, n: int, gflop: float, limits: tuple[float, float]) -> None:
     name = next((n for n in ("sentence-transformers", "mlx_encoders-fp32") if n in outputs), None)
     reference = outputs.get(name)
+    limit = max(limits)  # the machine's speed drifts within a run; the higher one is the closer to its limit
     print(
-        f"\nmatmuls of one pass: {gflop:.1f} GFLOP; sgemm limit measured now: {limit:.1f} GFLOP/s; cosines with {name}"
+        f"\nmatmuls of one pass: {gflop:.1f} GFLOP; sgemm limit measured in this run: {limits[0]:.1f} GFLOP/s before "
+        f"the engines, {limits[1]:.1f} after (shares below of {limit:.1f}); cosines with {name}"
     )
     print(f"{'engine':<24}{'texts/s':>10}{'(min-max)':>18}{'s/pass':>9}{'sgemm %':>9}{'cos mean':>11}{'cos min':>10}")
     for name, t in times.items():
@@ -445,10 +447,11 @@ def main() -> None:
     unknown = set(names) - set(ENGINE_NAMES)
     if unknown:
         sys.exit(f"unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINE_NAMES)}")
+    limit_before = sgemm_limit()
     with tempfile.TemporaryDirectory() as workdir:
         engines = build_engines(names, args.batch_size, Path(workdir), args.whole_batches, args.baseline, args.threads)
         outputs, times = run(engines, texts, args.repeats)
-    report(outputs, times, len(texts), matmul_gflop(texts), sgemm_limit())
+    report(outputs, times, len(texts), matmul_gflop(texts), (limit_before, sgemm_limit()))
 
 
 if __name__ == "__main__":

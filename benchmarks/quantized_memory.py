@@ -5,7 +5,8 @@ float32 and once quantized (convert's layout: `quantize_model`, group size 32, r
 in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
 passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of as many rows as
 SentenceEncoder gives that model on the CPU (`sentence.slice_rows`: activations within CPU_SLICE_BYTES, and a
-quantized model at least `quantized.least_pass_tokens` tokens a pass), or of `--rows` rows for every engine. The peak
+quantized model at least `quantized.least_pass_tokens` tokens a group of passes), or of `--rows` rows for every
+engine, run as SentenceEncoder runs them (`sentence.run_in_lanes`: a group's passes on every core at once). The peak
 resident set (`ru_maxrss`) covers loading and embedding; the process's peak after its imports, before loading,
 is printed beside it. On the CPU the quantized weights stay quantized in memory: each is dequantized just before
 its matmul and freed after.
@@ -65,14 +66,24 @@ def write_models(folder: Path, bits: list[str]) -> dict[str, Path]:
     return folders
 
 
-def embed(model, ids, rows: int) -> float:
-    """Seconds to embed `ids` (mean-pooled) in passes of `rows` rows, as SentenceEncoder runs a batch on the CPU."""
-    import mlx.core as mx
+def embed(model, ids, rows: int | None, tokens: int) -> tuple[float, int]:
+    """(seconds to embed `ids` mean-pooled, rows a pass) as SentenceEncoder runs it on the CPU: passes of `rows` rows
+    (default: `sentence.slice_rows`, with the `tokens` floor spread over a group's passes) in `sentence.run_in_lanes`,
+    which runs a group's passes on every core at once and dequantizes a quantized model's weights once a group."""
+    import numpy as np
+
+    from mlx_encoders.sentence import CPU_SLICE_BYTES, run_in_lanes, slice_rows
+
+    length, used = ids.shape[1], []
+
+    def groups(size: int):
+        used.append(rows or slice_rows(model.args, length, CPU_SLICE_BYTES, -(-tokens // size)))
+        starts = [slice(first, first + used[-1]) for first in range(0, ids.shape[0], used[-1])]
+        return [starts[i : i + size] for i in range(0, len(starts), size)]
 
     start = time.perf_counter()
-    for first in range(0, ids.shape[0], rows):
-        mx.eval(model(ids[first : first + rows]).last_hidden_state.mean(axis=1))
-    return time.perf_counter() - start
+    run_in_lanes(groups, lambda r: [model(ids[r]).last_hidden_state.mean(axis=1)], lambda r, a: np.array(a[0]))
+    return time.perf_counter() - start, used[-1]
 
 
 def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, length: int, repeats: int) -> None:
@@ -83,18 +94,16 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
 
     from mlx_encoders import load_model
     from mlx_encoders.quantized import least_pass_tokens
-    from mlx_encoders.sentence import CPU_SLICE_BYTES, slice_rows
 
     imported = peak_mb()
     model = load_model(folder)
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
     tokens = least_pass_tokens(model)
     tokens = slice_tokens if tokens and slice_tokens is not None else tokens
-    rows = rows or slice_rows(model.args, length, CPU_SLICE_BYTES, tokens)
 
-    embed(model, ids, rows)
-    seconds = sum(embed(model, ids, rows) for _ in range(repeats)) / repeats
-    print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds, "rows": rows}))
+    _, used = embed(model, ids, rows, tokens)
+    seconds = sum(embed(model, ids, rows, tokens)[0] for _ in range(repeats)) / repeats
+    print(json.dumps({"imported_mb": imported, "peak_mb": peak_mb(), "seconds": seconds, "rows": used}))
 
 
 def alternate(folders: dict[str, str], batch: int, length: int, rounds: int, floors: list[int]) -> None:
@@ -104,28 +113,26 @@ def alternate(folders: dict[str, str], batch: int, length: int, rounds: int, flo
     import mlx.core as mx
 
     from mlx_encoders import load_model
-    from mlx_encoders.sentence import CPU_SLICE_BYTES, slice_rows
 
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
     engines = {}
     for name, folder in folders.items():
         model = load_model(folder)
         for floor in [0] if name == "float32" else floors:
-            rows = slice_rows(model.args, length, CPU_SLICE_BYTES, floor)
-            engines[f"{name}, {floor}-token floor" if floor else name] = (model, rows)
+            engines[f"{name}, {floor}-token floor" if floor else name] = (model, floor)
 
-    times = {name: [] for name in engines}
-    for model, rows in engines.values():
-        embed(model, ids, rows)  # warm-up
+    times, used = {name: [] for name in engines}, {}
+    for name, (model, floor) in engines.items():
+        used[name] = embed(model, ids, None, floor)[1]  # warm-up
     for _ in range(rounds):
-        for name, (model, rows) in engines.items():
-            times[name].append(embed(model, ids, rows))
+        for name, (model, floor) in engines.items():
+            times[name].append(embed(model, ids, None, floor)[0])
     base = statistics.median(times["float32"])
     print(f"BERT-base-shaped encoder, {batch} x {length} tokens, engines taking turns {rounds} times in one process")
     print(f"{'engine':<30}{'rows/pass':>10}{'median s':>10}{'speed / fp32':>14}  passes (s)")
     for name, t in times.items():
         median = statistics.median(t)
-        print(f"{name:<30}{engines[name][1]:>10}{median:>10.2f}{base / median:>13.2f}x  "
+        print(f"{name:<30}{used[name]:>10}{median:>10.2f}{base / median:>13.2f}x  "
               f"{' '.join(f'{x:.2f}' for x in t)}")  # fmt: skip
 
 
@@ -134,7 +141,7 @@ def main() -> None:
     p.add_argument("--bits", default="8,4", help="comma-separated bit widths (default 8,4)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rows", type=int, help="rows per forward pass for every engine (default: SentenceEncoder's)")
-    p.add_argument("--slice-tokens", type=int, help="least tokens per pass of a quantized model (default: sentence's)")
+    p.add_argument("--slice-tokens", type=int, help="least tokens a group of passes of a quantized model holds")
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--alternate", type=int, metavar="ROUNDS", help="time the engines in turns in one process")

@@ -122,34 +122,23 @@ def quantized_matmul(
 
 
 class SharedFloatWeights:
-    """The float copies of a model's quantized weights that a group of forward passes shares (`shared_dequantized`).
-    The first pass of a group built makes each copy, on its own stream, as the other passes of the group are
-    built after it; and it makes the copy of the weight used next one product early, so that passes on other
-    streams rarely wait for a copy (the order of the weights in a pass is learned from the first one)."""
+    """The float copies of a model's quantized weights that a group of forward passes shares (`shared_dequantized`):
+    the group's first pass built makes each copy, on its own stream, and the others use it."""
 
     def __init__(self):
-        self.place: dict[int, int] = {}  # id(packed weight) -> its place in a pass's order of products
-        self.arguments: list[tuple] = []  # per place: dequantize's arguments
         self.weights: dict[int, mx.array] = {}  # this group's copies, by id(packed weight)
 
     def next_group(self) -> None:
+        """Start a new group: forget this group's copies once its passes are built. The passes hold them until they
+        have run; kept here, every layer's copy would stay in memory at once."""
         self.weights = {}
 
-    def float_weight(self, key: int) -> mx.array:
-        if key not in self.weights:
-            self.weights[key] = dequantize(*self.arguments[self.place[key]])
-        return self.weights[key]
-
     def matmul(self, x: mx.array, arguments: tuple) -> mx.array:
+        """x W^T, W = dequantize(*arguments)."""
         key = id(arguments[0])
-        if key not in self.place:
-            self.place[key] = len(self.arguments)
-            self.arguments.append(arguments)
-        weight = self.float_weight(key)
-        following = self.place[key] + 1
-        if following < len(self.arguments) and id(self.arguments[following][0]) not in self.weights:
-            x = mx.depends(x, self.float_weight(id(self.arguments[following][0])))  # made before this product
-        return (x.astype(mx.float32) @ weight.T).astype(x.dtype)
+        if key not in self.weights:
+            self.weights[key] = dequantize(*arguments)
+        return (x.astype(mx.float32) @ self.weights[key].T).astype(x.dtype)
 
 
 _SHARING = threading.local()  # .weights: the SharedFloatWeights of this thread's shared_dequantized block
@@ -158,10 +147,10 @@ _SHARING = threading.local()  # .weights: the SharedFloatWeights of this thread'
 @contextmanager
 def shared_dequantized() -> Iterator[SharedFloatWeights]:
     """Inside, the forward passes built on the CPU share one float copy of each quantized weight per group of
-    passes (`next_group` starts one): passes that run at once on several streams (SentenceEncoder's lanes)
-    dequantize every weight once between them, not once each. Inference only: these products have no custom
-    vjp, so a gradient through them would hold every float copy. The copies are lazy, and freed once the
-    passes that use them have run."""
+    passes (`next_group` ends one, once its passes are built): passes that run at once on several streams
+    (SentenceEncoder's lanes) dequantize every weight once between them, not once each. Inference only: these
+    products have no custom vjp, so a gradient through them would hold every float copy. The copies are lazy,
+    and freed once the passes that use them have run."""
     outer = getattr(_SHARING, "weights", None)
     _SHARING.weights = SharedFloatWeights()
     try:

@@ -15,9 +15,10 @@ batches, so padding is minimal, and returned in input order.
 import numbers
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,6 +53,7 @@ CPU_SLICE_BYTES = 3 * 2**19
 # once and sharing one dequantizing of a quantized model's weights (3-10% faster than one per lane; three are
 # slower: a lane's passes interleave, and their data no longer stays in its cache).
 PASSES_PER_LANE = 2
+Rows = TypeVar("Rows")  # what picks a forward pass's rows: SentenceEncoder's are index arrays
 
 
 @dataclass
@@ -457,26 +459,13 @@ class SentenceEncoder:
                 for row, i in enumerate(rows):
                     token_vectors[i] = hidden[row, : len(encodings[i].ids)]
 
-        pending: list[tuple[np.ndarray, list[mx.array]]] = []
-        # freed buffers stay with the process meanwhile: see keep_freed_memory (as many page faults as work otherwise)
-        with kernels.keep_freed_memory(), kernels.forward_lanes() as lanes, shared_dequantized() as float_weights:
-            size = len(lanes) * (PASSES_PER_LANE if len(lanes) > 1 else 1)
-            for number, group in enumerate(self.slice_groups(order, encodings, batch_size, size, show_progress)):
-                float_weights.next_group()  # a quantized weight is dequantized once a group, by its first pass
-                turn = number % len(lanes)  # which lane's pass comes first (and dequantizes) goes round
-                dispatched = []
-                for lane, rows in zip((lanes[turn:] + lanes[:turn]) * PASSES_PER_LANE, group, strict=False):
-                    with mx.stream(lane):
-                        batch = self.tokenizer.pad([encodings[i] for i in rows])
-                        dispatched.append((rows, self.embed(batch, skipped, tokens)))
-                # One eval for the group, so that its passes' ops interleave over the lanes; the next group is
-                # padded and built while this one computes.
-                mx.async_eval([a for _, arrays in dispatched for a in arrays])
-                for rows, arrays in pending:
-                    collect(rows, arrays)
-                pending = dispatched
-            for rows, arrays in pending:
-                collect(rows, arrays)
+        def forward(rows: np.ndarray) -> list[mx.array]:
+            return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
+
+        def groups(size: int) -> Iterator[list[np.ndarray]]:
+            return self.slice_groups(order, encodings, batch_size, size, show_progress)
+
+        run_in_lanes(groups, forward, collect)
         return encodings, out, token_vectors
 
     def slice_groups(
@@ -514,6 +503,35 @@ class SentenceEncoder:
             count = slice_rows(self.model.args, longest, self.slice_bytes, tokens)
             yield rows[start : start + count]
             start += count
+
+
+def run_in_lanes(
+    groups: Callable[[int], Iterable[list[Rows]]],
+    forward: Callable[[Rows], list[mx.array]],
+    collect: Callable[[Rows, list[mx.array]], None],
+) -> None:
+    """`collect(rows, forward(rows))` for the slices of every group of `groups(size)` (groups of `size` slices), the
+    passes of a group on the CPU's lanes (`kernels.forward_lanes`), PASSES_PER_LANE of them on each, evaluated
+    at once, sharing one dequantizing of a quantized model's weights; the first pass of each group (the one
+    that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
+    one pass a group on the default stream. `forward` returns lazy arrays; `collect` reads them."""
+    pending: list[tuple[Rows, list[mx.array]]] = []
+    # freed buffers stay with the process meanwhile: see keep_freed_memory (as many page faults as work otherwise)
+    with kernels.keep_freed_memory(), kernels.forward_lanes() as lanes, shared_dequantized() as float_weights:
+        size = len(lanes) * (PASSES_PER_LANE if len(lanes) > 1 else 1)
+        for number, group in enumerate(groups(size)):
+            turn = number % len(lanes)
+            dispatched = []
+            for lane, rows in zip((lanes[turn:] + lanes[:turn]) * PASSES_PER_LANE, group, strict=False):
+                with mx.stream(lane):
+                    dispatched.append((rows, forward(rows)))
+            float_weights.next_group()
+            mx.async_eval([a for _, arrays in dispatched for a in arrays])  # one eval: its ops interleave over lanes
+            for rows, arrays in pending:
+                collect(rows, arrays)
+            pending = dispatched
+        for rows, arrays in pending:
+            collect(rows, arrays)
 
 
 def slice_rows(args: BaseArgs, length: int, slice_bytes: int, slice_tokens: int = 0) -> int:
