@@ -5,7 +5,7 @@ float32 and once quantized (convert's layout: `quantize_model`, group size 32, r
 in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
 passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of as many rows as
 SentenceEncoder gives that model on the CPU (`sentence.slice_rows`: activations within CPU_SLICE_BYTES, and a
-quantized model at least `quantized.least_pass_tokens` tokens a group of passes), or of `--rows` rows for every
+quantized model at least `quantized.least_group_tokens` tokens a group of passes), or of `--rows` rows for every
 engine, run as SentenceEncoder runs them (`sentence.run_in_lanes`: a group's passes on every core at once). The peak
 resident set (`ru_maxrss`) covers loading and embedding; the process's peak after its imports, before loading,
 is printed beside it. On the CPU the quantized weights stay quantized in memory: each is dequantized just before
@@ -93,12 +93,12 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
     import mlx.core as mx
 
     from mlx_encoders import load_model
-    from mlx_encoders.quantized import least_pass_tokens
+    from mlx_encoders.quantized import least_group_tokens
 
     imported = peak_mb()
     model = load_model(folder)
     ids = mx.random.randint(1000, 30000, (batch, length), key=mx.random.key(0))
-    tokens = least_pass_tokens(model)
+    tokens = least_group_tokens(model)
     tokens = slice_tokens if tokens and slice_tokens is not None else tokens
 
     _, used = embed(model, ids, rows, tokens)

@@ -22,23 +22,26 @@ UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
 # Up to this many rows of inputs MLX's CPU quantized kernel beats dequantize-then-BLAS (measured on a 3072 x 768
 # weight at 8 and 4 bits: 2-4x faster at 1 and 2 rows, slower from 4).
 KERNEL_ROWS = 2
-# The least tokens a CPU forward pass holds (SentenceEncoder's slices), so that dequantizing every weight, once a
-# pass, stays a small share of it: on a 3072 x 768 weight, 8-bit codes only widen (about 1 ms, 16% of a 256-token
-# matmul's 6.5 ms), narrower ones also unpack (about 2 ms), and the float modes (mxfp8, ...) go through
-# mx.dequantize (about 3 ms). Passes of fewer tokens hold less activation memory.
-PASS_TOKENS = {("affine", 8): 256}
-DEFAULT_PASS_TOKENS = 512
+# The least tokens the CPU forward passes that share one dequantizing of every weight hold together (a group of
+# SentenceEncoder's slices, run on every core at once), so that the dequantizing stays a small share of their
+# time: on a 3072 x 768 weight, 8-bit codes only widen (about 1 ms, against 6.5 ms for a 256-token matmul on both
+# cores), narrower ones also unpack (about 2 ms), and the float modes (mxfp8, ...) go through mx.dequantize (about
+# 3 ms). Passes of more tokens hold more activations: on a BERT-base-shaped model, 32 x 128 tokens, 1024 tokens
+# a group ran 8-bit at 1.04x float32's speed but at 0.54x its peak memory (256: 0.93x, 0.47x), and 4-bit at
+# 1.00x and 0.45x (256: 0.86x).
+GROUP_TOKENS = {("affine", 8): 256}
+DEFAULT_GROUP_TOKENS = 1024
 
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def least_pass_tokens(model: nn.Module) -> int:
-    """The least tokens a forward pass of `model` on the CPU should hold: PASS_TOKENS by the mode and bits of its
-    quantized linears (the largest over them), 0 for a model without any."""
+def least_group_tokens(model: nn.Module) -> int:
+    """The least tokens the CPU forward passes of `model` that share one dequantizing should hold together:
+    GROUP_TOKENS by the mode and bits of its quantized linears (the largest over them), 0 for a model without any."""
     kinds = {(m.mode, m.bits) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
-    return max((PASS_TOKENS.get(kind, DEFAULT_PASS_TOKENS) for kind in kinds), default=0)
+    return max((GROUP_TOKENS.get(kind, DEFAULT_GROUP_TOKENS) for kind in kinds), default=0)
 
 
 def unpack(w: mx.array, bits: int) -> mx.array:

@@ -29,7 +29,7 @@ from . import kernels, load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
 from .models.base import BaseArgs
 from .pooling import parse_modes, pool, read_pooling_config
-from .quantized import least_pass_tokens, on_cpu, shared_dequantized
+from .quantized import least_group_tokens, on_cpu, shared_dequantized
 from .tokenizer import check_count, text_list
 from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
@@ -47,7 +47,7 @@ OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
-# a quantized model's slices hold at least quantized.least_pass_tokens(model) tokens (see slice_rows).
+# a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens (see slice_groups).
 CPU_SLICE_BYTES = 3 * 2**19
 # With several CPU streams (kernels.forward_lanes), the passes run in groups of this many per lane, evaluated at
 # once and sharing one dequantizing of a quantized model's weights (3-10% faster than one per lane; three are
@@ -220,12 +220,12 @@ class SentenceEncoder:
     @property
     def slice_tokens(self) -> int:
         """The least tokens the forward passes that share one dequantizing of the weights hold on the CPU, all
-        together (see `slice_rows`, `slice_groups`): for a model with quantized Linears `quantized.least_pass_tokens`
-        (256 at 8 bits, 512 at fewer), looked at on each use so that a model quantized in memory counts; 0 for a
+        together (see `slice_rows`, `slice_groups`): for a model with quantized Linears `quantized.least_group_tokens`
+        (256 at 8 bits, 1024 at fewer), looked at on each use so that a model quantized in memory counts; 0 for a
         float model or on a GPU. Settable."""
         if self._slice_tokens is not None:
             return self._slice_tokens
-        return least_pass_tokens(self.model) if on_cpu() else 0
+        return least_group_tokens(self.model) if on_cpu() else 0
 
     @slice_tokens.setter
     def slice_tokens(self, tokens: int) -> None:

@@ -280,29 +280,36 @@ def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp
 
 
 def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
-    """On the CPU a quantized model dequantizes every weight once per forward pass, so its slices hold at least
-    `slice_tokens` (padded) tokens, whatever their activations' size: 256 for 8-bit affine codes, which only
-    widen, 512 for fewer bits (which also unpack) and the float modes, the larger where a model mixes them. The
-    embeddings do not change."""
+    """On the CPU a quantized model dequantizes every weight once per group of forward passes (the passes that run
+    at once on every core), so a group's slices hold at least `slice_tokens` (padded) tokens between them, whatever
+    their activations' size: 256 for 8-bit affine codes, which only widen, 1024 for fewer bits (which also unpack)
+    and the float modes, the larger where a model mixes them. The embeddings do not change."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     encoder = SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32))
     cpu = mx.default_device() == mx.cpu
     assert encoder.slice_tokens == (256 if cpu else 0)
     assert SentenceEncoder(convert(st, tmp_path / "q4", quantize=True, bits=4, group_size=32)).slice_tokens == (
-        512 if cpu else 0
+        1024 if cpu else 0
     )
     floats = SentenceEncoder(st)
     assert floats.slice_tokens == 0  # a float model: slices by activation size alone
     quantize_model(floats.model.encoder.layer[0], bits=4, group_size=32)
-    assert floats.slice_tokens == (512 if cpu else 0)  # quantized in memory: counts too
+    assert floats.slice_tokens == (1024 if cpu else 0)  # quantized in memory: counts too
     quantize_model(floats.model, bits=8, group_size=32)  # the other layers at 8 bits: the 4-bit layer's need wins
-    assert floats.slice_tokens == (512 if cpu else 0)
+    assert floats.slice_tokens == (1024 if cpu else 0)
     mxfp8 = SentenceEncoder(st)
     quantize_model(mxfp8.model, mode="mxfp8")  # 8-bit floats: mx.dequantize, slower than widening affine codes
-    assert mxfp8.slice_tokens == (512 if cpu else 0)
+    assert mxfp8.slice_tokens == (1024 if cpu else 0)
     encoder.slice_bytes, encoder.slice_tokens = 1, 100
     groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
     assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
+    floors, slices = [], encoder.slices
+    encoder.slices = lambda rows, lengths, least_tokens: floors.append(least_tokens) or slices(rows, lengths, 25)
+    encodings = encoder.tokenize(TEXTS)
+    grouped = list(encoder.slice_groups(np.arange(len(TEXTS)), encodings, 4, 4, False))
+    assert set(floors) == {25}  # 100 tokens spread over a group of 4 slices
+    assert [len(g) for g in grouped[:-1]] == [4] * (len(grouped) - 1) and 0 < len(grouped[-1]) <= 4
+    del encoder.slices
     got = encoder.encode(TEXTS, batch_size=8)
     encoder.slice_bytes = None
     np.testing.assert_allclose(got, encoder.encode(TEXTS, batch_size=8), atol=1e-5)
