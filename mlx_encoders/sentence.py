@@ -474,16 +474,12 @@ class SentenceEncoder:
         """The slices (`slices`) of each batch of `batch_size` rows of `order`, in groups of `size` (a group may
         take slices of two batches); the progress bar counts batches. A group's passes share the dequantizing
         of a quantized model's weights (`shared_dequantized`), so `slice_tokens` is spread over them."""
-        group, least_tokens = [], -(-self.slice_tokens // size)
-        for start in progress(range(0, len(order), batch_size), show_progress):
-            batch = order[start : start + batch_size]
-            for rows in self.slices(batch, [len(encodings[i]) for i in batch], least_tokens):
-                group.append(rows)
-                if len(group) == size:
-                    yield group
-                    group = []
-        if group:
-            yield group
+        least_tokens = -(-self.slice_tokens // size)
+
+        def slices(rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
+            return self.slices(rows, lengths, least_tokens)
+
+        return grouped_slices(order, [len(e) for e in encodings], batch_size, size, show_progress, slices)
 
     def slices(self, rows: np.ndarray, lengths: list[int], least_tokens: int | None = None) -> Iterator[np.ndarray]:
         """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
@@ -493,16 +489,47 @@ class SentenceEncoder:
         not depend on the grouping, beyond float rounding. A GPU runs the whole batch in one pass. Each slice
         holds at least `least_tokens` tokens (default `slice_tokens`).
         """
-        if self.slice_bytes is None:
-            yield rows
-            return
-        start = 0
         tokens = self.slice_tokens if least_tokens is None else least_tokens  # looked up once: it walks the model
-        while start < len(rows):
-            longest = max(lengths[start:])  # lengths[start] when sorted, as run() sorts them
-            count = slice_rows(self.model.args, longest, self.slice_bytes, tokens)
-            yield rows[start : start + count]
-            start += count
+        return batch_slices(rows, lengths, self.model.args, self.slice_bytes, tokens)
+
+
+def batch_slices(
+    rows: np.ndarray, lengths: list[int], args: BaseArgs, slice_bytes: int | None, least_tokens: int = 0
+) -> Iterator[np.ndarray]:
+    """`rows` (token counts `lengths`, longest first) in slices of as many rows as `slice_rows` allows at each
+    slice's longest length; all of them at once when `slice_bytes` is None."""
+    if slice_bytes is None:
+        yield rows
+        return
+    start = 0
+    while start < len(rows):
+        longest = max(lengths[start:])  # lengths[start] when sorted longest first
+        count = slice_rows(args, longest, slice_bytes, least_tokens)
+        yield rows[start : start + count]
+        start += count
+
+
+def grouped_slices(
+    order: np.ndarray,
+    lengths: list[int],
+    batch_size: int,
+    size: int,
+    show_progress: bool | None,
+    slices: Callable[[np.ndarray, list[int]], Iterable[np.ndarray]],
+) -> Iterator[list[np.ndarray]]:
+    """`slices(batch, its lengths)` of each batch of `batch_size` rows of `order` (`lengths`: each row's tokens), in
+    groups of `size` (a group may take slices of two batches, the last one may be short); the progress bar counts
+    batches."""
+    group = []
+    for start in progress(range(0, len(order), batch_size), show_progress):
+        batch = order[start : start + batch_size]
+        for rows in slices(batch, [lengths[i] for i in batch]):
+            group.append(rows)
+            if len(group) == size:
+                yield group
+                group = []
+    if group:
+        yield group
 
 
 def run_in_lanes(

@@ -30,7 +30,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util.quantization import quantize_embeddings as their_quantize_embeddings
 from transformers import AutoTokenizer
 
-from mlx_encoders import CrossEncoder, SentenceEncoder, quantize_embeddings
+from mlx_encoders import CrossEncoder, SentenceEncoder, cross_encoder, kernels, quantize_embeddings
 from mlx_encoders.quantized import QuantizedEmbedding, QuantizedLinear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -293,6 +293,29 @@ def test_cross_encoder_predict_matches_sentence_transformers(cross_encoders, num
         their_kwargs["activation_fn"], our_kwargs["activation_fn"] = torch.nn.Identity(), lambda x: x
         del our_kwargs["raw"]
     assert_same(ours.predict(pairs, **our_kwargs), theirs.predict(pairs, **their_kwargs))
+
+
+def test_cross_encoder_runs_cache_sized_slices_on_every_lane(cross_encoders, monkeypatch):
+    """On the CPU, predict runs each batch in slices (sentence.batch_slices), the slices in groups on every core's
+    stream (sentence.run_in_lanes), and the scores stay sentence-transformers'."""
+    ours, theirs = cross_encoders(3)
+    seen, model = [], ours.model
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, input_ids, *rest):
+            seen.append((input_ids.shape[0], str(mx.default_stream(mx.cpu))))
+            return model(input_ids, *rest)
+
+    monkeypatch.setattr(ours, "model", Recording())
+    monkeypatch.setattr(cross_encoder, "CPU_SLICE_BYTES", 1)  # one pair a slice
+    pairs = PAIRS * 3
+    assert_same(ours.predict(pairs, batch_size=4), theirs.predict(pairs, batch_size=4))
+    if mx.default_device() == mx.cpu and len(kernels.cpu_streams()) > 1:
+        assert [rows for rows, _ in seen] == [1] * len(pairs)
+        assert {stream for _, stream in seen} == {str(lane) for lane in kernels.cpu_streams()}
 
 
 def test_cross_encoder_rank_matches_sentence_transformers(cross_encoders):
