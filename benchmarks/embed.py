@@ -172,9 +172,9 @@ def onnxruntime_engine(path: Path, batch_size: int, threads: int, workdir: Path)
     return encode
 
 
-def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
-    """The float model as the package in `checkout` computes it, imported as `mlx_encoders_baseline` (the
-    package imports itself relatively, so both versions live in one process)."""
+def baseline_package(checkout: Path):
+    """The package in `checkout` (another revision), imported as `mlx_encoders_baseline` (the package imports
+    itself relatively, so both versions live in one process)."""
     import importlib.util
 
     package = checkout / "mlx_encoders"
@@ -184,7 +184,12 @@ def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    encoder = module.SentenceEncoder(path)
+    return module
+
+
+def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
+    """The float model as the package in `checkout` computes it (`baseline_package`)."""
+    encoder = baseline_package(checkout).SentenceEncoder(path)
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
