@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -75,9 +75,25 @@ def warn_if_too_late() -> None:
         )
 
 
-_ONE_THREAD_LOCK = threading.Lock()
-_ONE_THREAD_DEPTH = 0  # open one_thread_per_call blocks
-_THREADS = 0  # OpenBLAS's thread count before the outermost block
+class Outermost:
+    """A process-wide setting for nested or concurrent blocks (`with setting:`): the first block to open calls
+    `enter`, the last to close calls `leave`, whatever the order the threads leave in."""
+
+    def __init__(self, enter: Callable[[], None], leave: Callable[[], None]):
+        self.enter, self.leave = enter, leave
+        self.lock, self.open = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.open == 0:
+                self.enter()
+            self.open += 1
+
+    def __exit__(self, *exception) -> None:
+        with self.lock:
+            self.open -= 1
+            if self.open == 0:
+                self.leave()
 
 
 @functools.cache
@@ -108,19 +124,20 @@ def one_thread_per_call() -> Iterator[bool]:
     if not hasattr(library, "openblas_set_num_threads"):
         yield False
         return
-    global _ONE_THREAD_DEPTH, _THREADS
-    with _ONE_THREAD_LOCK:  # nested or concurrent blocks: the outermost sets and restores
-        if _ONE_THREAD_DEPTH == 0:
-            _THREADS = library.openblas_get_num_threads()
-            library.openblas_set_num_threads(1)
-        _ONE_THREAD_DEPTH += 1
-    try:
+    with _one_openblas_thread(library):
         yield True
-    finally:
-        with _ONE_THREAD_LOCK:
-            _ONE_THREAD_DEPTH -= 1
-            if _ONE_THREAD_DEPTH == 0:
-                library.openblas_set_num_threads(_THREADS)
+
+
+@functools.cache
+def _one_openblas_thread(library: ctypes.CDLL) -> Outermost:
+    """OpenBLAS on one thread for the outermost of nested or concurrent blocks, its thread count restored after."""
+    threads = []
+
+    def enter() -> None:
+        threads[:] = [library.openblas_get_num_threads()]
+        library.openblas_set_num_threads(1)
+
+    return Outermost(enter, lambda: library.openblas_set_num_threads(threads[0]))
 
 
 LIBRARY: ctypes.CDLL | None | bool = None  # the loaded fast BLAS; False once a search found none

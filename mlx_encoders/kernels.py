@@ -12,7 +12,6 @@ import ctypes
 import functools
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -531,10 +530,9 @@ NEVER_TRIM = 2**31 - 1
 # adjustment reaches in a process that frees large buffers.
 LEFT_MMAP_THRESHOLD = 32 * 2**20
 LEFT_TRIM_THRESHOLD = 2 * LEFT_MMAP_THRESHOLD
-_KEEPING = 0  # open keep_freed_memory blocks, nested or in other threads
-_KEEPING_LOCK = threading.Lock()
 
 
+@functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None (macOS, other C libraries)."""
     try:
@@ -556,23 +554,26 @@ def keep_freed_memory() -> Iterator[None]:
     SentenceEncoder's passes on several streams (lanes) ran 10-15% slower without this. The price is resident
     memory that is not handed back until the outermost block ends (then `malloc_trim` hands it back, and glibc is
     left as its own adjustment would leave it: LEFT_MMAP_THRESHOLD). Elsewhere it does nothing."""
-    global _KEEPING
-    mallopt = _mallopt()
-    if mallopt is None:
+    if _mallopt() is None:
         yield
         return
-    with _KEEPING_LOCK:
-        if _KEEPING == 0:
-            mallopt(M_MMAP_MAX, 0)
-            mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
-        _KEEPING += 1
-    try:
+    with _keeping():
         yield
-    finally:
-        with _KEEPING_LOCK:
-            _KEEPING -= 1
-            if _KEEPING == 0:
-                mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-                mallopt(M_MMAP_THRESHOLD, LEFT_MMAP_THRESHOLD)
-                mallopt(M_TRIM_THRESHOLD, LEFT_TRIM_THRESHOLD)
-                ctypes.CDLL(None).malloc_trim(0)
+
+
+@functools.cache
+def _keeping() -> _blas.Outermost:
+    """The heap kept for the outermost of nested or concurrent keep_freed_memory blocks, handed back after it."""
+    mallopt = _mallopt()
+
+    def keep() -> None:
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+
+    def hand_back() -> None:
+        mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        mallopt(M_MMAP_THRESHOLD, LEFT_MMAP_THRESHOLD)
+        mallopt(M_TRIM_THRESHOLD, LEFT_TRIM_THRESHOLD)
+        ctypes.CDLL(None).malloc_trim(0)
+
+    return _blas.Outermost(keep, hand_back)
