@@ -1,8 +1,5 @@
 """BERT-family text encoders on MLX, numerically equal to Hugging Face transformers."""
 
-from . import _blas  # noqa: F401  (first: on Linux it must load a fast BLAS before MLX loads its own)
-
-# isort: split
 import importlib
 from pathlib import Path
 
@@ -10,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .checkpoint import Checkpoint, load_model, save
+from .engine import runtime
 from .models import MODEL_TYPES, TASKS, model_module
 from .models.base import ModelOutput
 from .tokenizer import Tokenizer
@@ -28,6 +26,7 @@ _LAZY = {
     "stream_generate": "generation", "GenerationConfig": "generation",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation")
+runtime.warn_if_slow_blas()
 
 
 def __getattr__(name: str):

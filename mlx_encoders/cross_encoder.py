@@ -9,7 +9,7 @@ by token length into batches and returned in input order; an mx.array stands whe
 """
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,16 +17,8 @@ import numpy as np
 
 from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object
-from .quantized import least_group_tokens, on_cpu
-from .sentence import (
-    CPU_SLICE_BYTES,
-    DENSE_ACTIVATIONS,
-    batch_slices,
-    grouped_slices,
-    merge_prompts,
-    resolve_prompt,
-    run_in_lanes,
-)
+from .engine.batching import run_batches
+from .sentence import DENSE_ACTIVATIONS, merge_prompts, resolve_prompt
 from .tokenizer import check_count, text_list
 
 
@@ -150,19 +142,7 @@ class CrossEncoder:
             return mx.zeros((0, self.num_labels))
         firsts, seconds = zip(*pairs, strict=True)
         encodings = self.tokenizer.encode_batch(list(firsts), list(seconds), max_length=self.max_seq_length)
-        order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
-        lengths = [len(e.ids) for e in encodings]
         out = np.zeros((len(pairs), self.num_labels), np.float32)
-        # On the CPU, batches run in cache-sized slices on every core at once, as SentenceEncoder's (sentence.py).
-        slice_bytes, least_tokens = (CPU_SLICE_BYTES, least_group_tokens(self.model)) if on_cpu() else (None, 0)
-
-        def groups(size: int) -> Iterator[list[np.ndarray]]:
-            per_slice = -(-least_tokens // size)  # the passes of a group share the dequantizing (sentence.py)
-
-            def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
-                return batch_slices(rows, counts, self.model.args, slice_bytes, per_slice)
-
-            return grouped_slices(order, lengths, batch_size, size, show_progress, slices)
 
         def forward(rows: np.ndarray) -> list[mx.array]:
             batch = self.tokenizer.pad([encodings[i] for i in rows])
@@ -172,7 +152,9 @@ class CrossEncoder:
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             out[rows] = np.array(arrays[0])
 
-        run_in_lanes(groups, forward, collect)
+        run_batches(
+            self.model, [len(e.ids) for e in encodings], forward, collect, batch_size, show_progress=show_progress
+        )
         return mx.array(out)
 
     def rank(

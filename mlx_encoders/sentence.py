@@ -13,23 +13,22 @@ batches, so padding is minimal, and returned in input order.
 """
 
 import numbers
-import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding, normalizers
 
-from . import kernels, load_tokenizer
+from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
-from .models.base import BaseArgs
+from .engine.batching import CPU_SLICE_BYTES, batch_slices, run_batches
+from .engine.quantized import least_group_tokens
+from .engine.runtime import on_cpu
 from .pooling import parse_modes, pool, read_pooling_config
-from .quantized import least_group_tokens, on_cpu, shared_dequantized
 from .tokenizer import check_count, text_list
 from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
@@ -42,18 +41,9 @@ DENSE_ACTIVATIONS = {
     "SiLU": nn.silu,
     "Sigmoid": mx.sigmoid,
 }
-PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
 DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
-# On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
-# a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens (see slice_groups).
-CPU_SLICE_BYTES = 3 * 2**19
-# With several CPU streams (kernels.forward_lanes), the passes run in groups of this many per lane, evaluated at
-# once and sharing one dequantizing of a quantized model's weights (3-10% faster than one per lane; three are
-# slower: a lane's passes interleave, and their data no longer stays in its cache).
-PASSES_PER_LANE = 2
-Rows = TypeVar("Rows")  # what picks a forward pass's rows: SentenceEncoder's are index arrays
 
 
 @dataclass
@@ -165,17 +155,6 @@ def resolve_prompt(
             f"available prompts: {', '.join(sorted(prompts)) or 'none'}"
         )
     return prompts[prompt_name]
-
-
-def progress(starts: range, show: bool | None):
-    """`starts` behind a tqdm bar when `show`; None shows one from PROGRESS_MIN_BATCHES on, when stderr is a TTY."""
-    if show is None:
-        show = len(starts) >= PROGRESS_MIN_BATCHES and sys.stderr.isatty()
-    if not show:
-        return starts
-    from tqdm.auto import tqdm
-
-    return tqdm(starts, desc="Batches", unit="batch")
 
 
 class SentenceEncoder:
@@ -450,7 +429,6 @@ class SentenceEncoder:
         if not texts:
             return [], out, token_vectors
         encodings = self.tokenize(texts)
-        order = np.argsort([-len(e.ids) for e in encodings], kind="stable")  # longest first: memory peaks early
 
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             out[rows] = np.array(arrays[0])
@@ -462,109 +440,20 @@ class SentenceEncoder:
         def forward(rows: np.ndarray) -> list[mx.array]:
             return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
 
-        def groups(size: int) -> Iterator[list[np.ndarray]]:
-            return self.slice_groups(order, encodings, batch_size, size, show_progress)
-
-        run_in_lanes(groups, forward, collect)
+        lengths = [len(e.ids) for e in encodings]
+        run_batches(
+            self.model, lengths, forward, collect, batch_size, show_progress=show_progress,
+            slice_bytes=self.slice_bytes, least_tokens=self.slice_tokens,
+        )  # fmt: skip
         return encodings, out, token_vectors
-
-    def slice_groups(
-        self, order: np.ndarray, encodings: list[Encoding], batch_size: int, size: int, show_progress: bool | None
-    ) -> Iterator[list[np.ndarray]]:
-        """The slices (`slices`) of each batch of `batch_size` rows of `order`, in groups of `size` (a group may
-        take slices of two batches); the progress bar counts batches. A group's passes share the dequantizing
-        of a quantized model's weights (`shared_dequantized`), so `slice_tokens` is spread over them."""
-        least_tokens = -(-self.slice_tokens // size)
-
-        def slices(rows: np.ndarray, lengths: list[int]) -> Iterator[np.ndarray]:
-            return self.slices(rows, lengths, least_tokens)
-
-        return grouped_slices(order, [len(e) for e in encodings], batch_size, size, show_progress, slices)
 
     def slices(self, rows: np.ndarray, lengths: list[int], least_tokens: int | None = None) -> Iterator[np.ndarray]:
         """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
 
         With `slice_bytes` set (the default on the CPU), each group is as large as `slice_rows` allows at its
-        longest text's length, so that every op works on data in cache; see README, Performance. Embeddings do
+        longest text's length, so that every op works on data in cache (engine/batching.py). Embeddings do
         not depend on the grouping, beyond float rounding. A GPU runs the whole batch in one pass. Each slice
         holds at least `least_tokens` tokens (default `slice_tokens`).
         """
         tokens = self.slice_tokens if least_tokens is None else least_tokens  # looked up once: it walks the model
         return batch_slices(rows, lengths, self.model.args, self.slice_bytes, tokens)
-
-
-def batch_slices(
-    rows: np.ndarray, lengths: list[int], args: BaseArgs, slice_bytes: int | None, least_tokens: int = 0
-) -> Iterator[np.ndarray]:
-    """`rows` (token counts `lengths`, longest first) in slices of as many rows as `slice_rows` allows at each
-    slice's longest length; all of them at once when `slice_bytes` is None."""
-    if slice_bytes is None:
-        yield rows
-        return
-    start = 0
-    while start < len(rows):
-        longest = max(lengths[start:])  # lengths[start] when sorted longest first
-        count = slice_rows(args, longest, slice_bytes, least_tokens)
-        yield rows[start : start + count]
-        start += count
-
-
-def grouped_slices(
-    order: np.ndarray,
-    lengths: list[int],
-    batch_size: int,
-    size: int,
-    show_progress: bool | None,
-    slices: Callable[[np.ndarray, list[int]], Iterable[np.ndarray]],
-) -> Iterator[list[np.ndarray]]:
-    """`slices(batch, its lengths)` of each batch of `batch_size` rows of `order` (`lengths`: each row's tokens), in
-    groups of `size` (a group may take slices of two batches, the last one may be short); the progress bar counts
-    batches."""
-    group = []
-    for start in progress(range(0, len(order), batch_size), show_progress):
-        batch = order[start : start + batch_size]
-        for rows in slices(batch, [lengths[i] for i in batch]):
-            group.append(rows)
-            if len(group) == size:
-                yield group
-                group = []
-    if group:
-        yield group
-
-
-def run_in_lanes(
-    groups: Callable[[int], Iterable[list[Rows]]],
-    forward: Callable[[Rows], list[mx.array]],
-    collect: Callable[[Rows, list[mx.array]], None],
-) -> None:
-    """`collect(rows, forward(rows))` for the slices of every group of `groups(size)` (groups of `size` slices), the
-    passes of a group on the CPU's lanes (`kernels.forward_lanes`), PASSES_PER_LANE of them on each, evaluated
-    at once, sharing one dequantizing of a quantized model's weights; the first pass of each group (the one
-    that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
-    one pass a group on the default stream. `forward` returns lazy arrays; `collect` reads them."""
-    pending: list[tuple[Rows, list[mx.array]]] = []
-    # freed buffers stay with the process meanwhile: see keep_freed_memory (as many page faults as work otherwise)
-    with kernels.keep_freed_memory(), kernels.forward_lanes() as lanes, shared_dequantized() as float_weights:
-        size = len(lanes) * (PASSES_PER_LANE if len(lanes) > 1 else 1)
-        for number, group in enumerate(groups(size)):
-            turn = number % len(lanes)
-            dispatched = []
-            for lane, rows in zip((lanes[turn:] + lanes[:turn]) * PASSES_PER_LANE, group, strict=False):
-                with mx.stream(lane):
-                    dispatched.append((rows, forward(rows)))
-            float_weights.next_group()
-            mx.async_eval([a for _, arrays in dispatched for a in arrays])  # one eval: its ops interleave over lanes
-            for rows, arrays in pending:
-                collect(rows, arrays)
-            pending = dispatched
-        for rows, arrays in pending:
-            collect(rows, arrays)
-
-
-def slice_rows(args: BaseArgs, length: int, slice_bytes: int, slice_tokens: int = 0) -> int:
-    """Rows of `length` tokens per forward pass: as many as keep a layer's largest activation (float32, see
-    `activation_elements`) within `slice_bytes`, yet at least one, and at least `slice_tokens` tokens in all.
-    A quantized model needs the latter: on the CPU each pass dequantizes every weight (quantized.py), a fixed
-    cost that passes of a few hundred tokens repeat too often."""
-    per_row = 4 * args.activation_elements(length)
-    return max(1, slice_bytes // max(per_row, 1), -(-slice_tokens // max(length, 1)))

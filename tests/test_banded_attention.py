@@ -1,5 +1,5 @@
 """ModernBERT on long inputs: its sliding-window layers compute only the band (`modernbert.banded_attention`),
-its global layers a block of queries at a time (`kernels.blockwise_attention`). Outputs and gradients equal
+its global layers a block of queries at a time (`engine.attention.blockwise_attention`). Outputs and gradients equal
 transformers' (full L x L scores and masks) at several times the window, with padding, including padding queries
 whose whole window is padding; both forms' memory grows linearly with the length."""
 
@@ -14,7 +14,7 @@ from test_numerics import force_branch
 from test_parity import as_torch
 
 import mlx_encoders
-from mlx_encoders import kernels
+from mlx_encoders.engine import attention as kernels
 from mlx_encoders.models import modernbert
 from mlx_encoders.models.base import padding_mask
 

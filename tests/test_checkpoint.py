@@ -20,8 +20,8 @@ from test_parity import CASES, as_torch, assert_close, our_outputs, reference_ou
 
 import mlx_encoders
 from mlx_encoders.checkpoint import save
+from mlx_encoders.engine.quantized import fast_quantized
 from mlx_encoders.models import bert, model_module, task_of_architecture
-from mlx_encoders.quantized import fast_quantized
 
 TEXTS = ["hello there", "a second, longer text for the batch", ""]
 

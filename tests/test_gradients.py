@@ -15,9 +15,9 @@ from test_numerics import force_branch
 from test_parity import as_torch, assert_close, our_outputs
 
 import mlx_encoders
-from mlx_encoders import kernels
-from mlx_encoders.kernels import attention, exp_nonpositive, gelu
-from mlx_encoders.models import MODEL_TYPES, model_module
+from mlx_encoders.engine.attention import attention
+from mlx_encoders.engine.ops import exp_nonpositive, gelu
+from mlx_encoders.models import MODEL_TYPES, layers, model_module
 from mlx_encoders.models.base import padding_mask
 from mlx_encoders.models.bert import BertForMaskedLM, ModelArgs
 from mlx_encoders.train import task_loss
@@ -46,7 +46,7 @@ PROBLEMS = [
     ("deberta", dict(num_labels=1), "regression"),
 ]
 TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog."]
-BRANCHES = ["cpu", "gpu"]  # kernels.attention's written-out attention, and mx.fast.scaled_dot_product_attention
+BRANCHES = ["cpu", "gpu"]  # engine.attention's written-out attention, and mx.fast.scaled_dot_product_attention
 
 
 def make_labels(task: str, args, batch: dict, problem: str | None = None) -> dict[str, np.ndarray]:
@@ -175,7 +175,7 @@ def scale_instead_of_dropping(monkeypatch):
     monkeypatch.setattr(
         torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: x * (1 - p) if training else x
     )
-    monkeypatch.setattr(kernels.Dropout, "__call__", lambda self, x: x * self._p_1 if self.training else x)
+    monkeypatch.setattr(layers.Dropout, "__call__", lambda self, x: x * self._p_1 if self.training else x)
 
 
 @pytest.mark.parametrize("model_type,task,config", DROPOUT_CASES)
@@ -219,7 +219,7 @@ def test_attention_dropout_drops_probabilities(monkeypatch, branch):
     mask = padding_mask(mx.ones((2, 64), mx.int32), mx.float32)
     probabilities = np.array(attention(q, k, v, mask))
     np.testing.assert_allclose(probabilities.sum(axis=-1), 1, rtol=1e-6)
-    dropout = kernels.Dropout(0.3)
+    dropout = layers.Dropout(0.3)
     first, second = (np.array(attention(q, k, v, mask, dropout)) for _ in range(2))
     assert not np.array_equal(first, second)
     zeroed = first == 0
@@ -227,7 +227,7 @@ def test_attention_dropout_drops_probabilities(monkeypatch, branch):
     np.testing.assert_allclose(first[~zeroed], probabilities[~zeroed] / 0.7, rtol=1e-5)
     # eval mode, or p = 0, is the attention without dropout, bit for bit
     np.testing.assert_array_equal(np.array(attention(q, k, v, mask, dropout.eval())), probabilities)
-    np.testing.assert_array_equal(np.array(attention(q, k, v, mask, kernels.Dropout(0.0))), probabilities)
+    np.testing.assert_array_equal(np.array(attention(q, k, v, mask, layers.Dropout(0.0))), probabilities)
 
 
 @pytest.mark.parametrize("model_type,task", CASES)
@@ -266,13 +266,13 @@ def test_checkpointed_layers_recompute_the_forward_dropout_masks(checkpoint, mon
     model.train()
     model.gradient_checkpointing_enable()
     drawn = []
-    random_words = kernels.random_words
+    random_words = layers.random_words
 
     def recorded(*args, **kwargs):
         drawn.append(random_words(*args, **kwargs))
         return drawn[-1]
 
-    monkeypatch.setattr(kernels, "random_words", recorded)
+    monkeypatch.setattr(layers, "random_words", recorded)
     model(**batch)
     forward = len(drawn)
     our_gradients(model, batch, labels)

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
 import mlx_encoders
-from mlx_encoders.quantized import fast_quantized
+from mlx_encoders.engine.quantized import fast_quantized
 
 TEXTS = ["hello there", "a second, longer text for the batch"]
 

@@ -10,9 +10,11 @@ import torch
 from mlx.utils import tree_flatten
 
 import mlx_encoders
-from mlx_encoders import kernels
-from mlx_encoders.kernels import attention, exp_nonpositive, gelu
-from mlx_encoders.models import MODEL_TYPES
+from mlx_encoders.engine import attention as attention_forms
+from mlx_encoders.engine import ops
+from mlx_encoders.engine.attention import attention
+from mlx_encoders.engine.ops import exp_nonpositive, gelu
+from mlx_encoders.models import MODEL_TYPES, layers
 from mlx_encoders.models.base import padding_mask
 
 TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog.", " ".join(["a long text"] * 60)]
@@ -92,13 +94,13 @@ def test_exp_nonpositive_below_the_normal_range_is_tiny_and_finite():
 
 
 def force_branch(monkeypatch, device: str) -> None:
-    """Make kernels.attention take the `device` branch (both run here on the CPU); the other must not run."""
-    monkeypatch.setattr(kernels.mx, "default_device", lambda: mx.Device(getattr(mx, device)))
+    """Make attention take the `device` branch (both run here on the CPU); the other must not run."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(getattr(mx, device)))
     if device == "gpu":
-        monkeypatch.setattr(kernels, "written_out_attention", None)
+        monkeypatch.setattr(attention_forms, "written_out_attention", None)
     else:  # the written-out form applies dropout too
-        monkeypatch.setattr(kernels.mx.fast, "scaled_dot_product_attention", None)
-        monkeypatch.setattr(kernels, "dropped_out_attention", None)
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", None)
+        monkeypatch.setattr(attention_forms, "dropped_out_attention", None)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
@@ -172,7 +174,7 @@ def test_gelu_matches_the_exact_erf_gelu():
 @pytest.mark.parametrize("affine", ["weight and bias", "weight", "none"])
 @pytest.mark.parametrize("shape", [(3, 7, 384), (2, 5, 768), (1, 1, 16)])
 def test_layer_norm_matches_torch_in_float64_and_its_gradients(shape, affine):
-    """kernels.layer_norm (the models' LayerNorm: mean and variance as BLAS products on the CPU) against torch's
+    """ops.layer_norm (the models' LayerNorm: mean and variance as BLAS products on the CPU) against torch's
     layer norm in float64, forward and gradients, on inputs with a large common offset (the centred second pass
     keeps the variance exact there) and at every affine form."""
     rng = np.random.default_rng(0)
@@ -184,7 +186,7 @@ def test_layer_norm_matches_torch_in_float64_and_its_gradients(shape, affine):
     cotangent = rng.standard_normal(shape).astype(np.float32)
 
     def ours(arrays: dict) -> mx.array:
-        return kernels.layer_norm(arrays["x"], arrays.get("weight"), arrays.get("bias"), 1e-12)
+        return ops.layer_norm(arrays["x"], arrays.get("weight"), arrays.get("bias"), 1e-12)
 
     arrays = {k: mx.array(v) for k, v in inputs.items()}
     got = ours(arrays)
@@ -203,19 +205,19 @@ def test_layer_norm_keeps_mlx_kernel_off_float32():
     """Half precision (and any device but the CPU) runs mx.fast.layer_norm, which accumulates in float32."""
     x = mx.random.normal((2, 3, 64), key=mx.random.key(0)).astype(mx.bfloat16)
     w, b = mx.ones((64,), mx.bfloat16), mx.zeros((64,), mx.bfloat16)
-    assert mx.array_equal(kernels.layer_norm(x, w, b, 1e-5), mx.fast.layer_norm(x, w, b, 1e-5)).item()
+    assert mx.array_equal(ops.layer_norm(x, w, b, 1e-5), mx.fast.layer_norm(x, w, b, 1e-5)).item()
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(2, 5, 24), (7, 24), (24,)])
 def test_linear_in_training_matches_torch_and_lays_its_weight_gradient_out_row_major(shape, bias):
-    """kernels.Linear in training (its own vjp: d/dW = g^T x in one product) against torch's float64 linear,
+    """layers.Linear in training (its own vjp: d/dW = g^T x in one product) against torch's float64 linear,
     forward and gradients; the weight's gradient comes out C-contiguous (MLX's own is a transposed view); in
     eval mode the layer is nn.Linear's function: the product, then the bias added (on the CPU), within float32
     rounding of nn.Linear's fused addmm."""
     rng = np.random.default_rng(0)
     x, cotangent = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape[:-1] + (10,))
-    layer = kernels.Linear(24, 10, bias=bias)
+    layer = layers.Linear(24, 10, bias=bias)
     params = {k: np.array(v) for k, v in tree_flatten(layer.parameters())}
 
     def loss(weights: dict, x: mx.array) -> mx.array:
@@ -243,7 +245,7 @@ def test_linear_in_training_matches_torch_and_lays_its_weight_gradient_out_row_m
 
 
 def test_gelu_and_exp_inside_a_compiled_gradient_equal_their_eager_values():
-    """The stage boundaries (`kernels.unfused`) change where kernels split inside a compiled graph, not a bit of
+    """The stage boundaries (`ops.unfused`) change where kernels split inside a compiled graph, not a bit of
     the result: GELU and exp_nonpositive, forward and gradient, compiled as one graph equal their eager values."""
     x = mx.random.normal((4, 16, 96), key=mx.random.key(1)) * 4
     r = mx.random.normal(x.shape, key=mx.random.key(2))
@@ -255,12 +257,12 @@ def test_gelu_and_exp_inside_a_compiled_gradient_equal_their_eager_values():
     eager = mx.value_and_grad(loss)(x)
     for ours, expected in zip(compiled, eager, strict=True):
         assert mx.array_equal(ours, expected).item()
-    assert mx.array_equal(kernels.unfused(x), x).item()
+    assert mx.array_equal(ops.unfused(x), x).item()
     half = x.astype(mx.float16)
-    assert kernels.unfused(half) is half  # a no-op off float32
+    assert ops.unfused(half) is half  # a no-op off float32
 
 
-# ----- dropout masks: kernels.random_words and kernels.Dropout -----
+# ----- dropout masks: ops.random_words and layers.Dropout -----
 
 WORDS = 1 << 20
 
@@ -269,7 +271,7 @@ def test_random_words_are_uniform_and_independent():
     """Every byte of the words uniform (chi-square over 256 values), every bit set half the time, neighbouring
     words and two calls' words uncorrelated: a hash of the index that mixed poorly fails each of these."""
     mx.random.seed(0)
-    words, other = (np.array(kernels.random_words((WORDS,))).astype(np.int64) for _ in range(2))
+    words, other = (np.array(ops.random_words((WORDS,))).astype(np.int64) for _ in range(2))
     assert words.dtype == np.int64 and words.max() < 2**32
     expected = WORDS / 256
     for shift in (0, 8, 16, 24):  # 255 degrees of freedom: 360 is beyond their 99.99th percentile
@@ -287,13 +289,13 @@ def test_random_words_follow_mlx_random_key():
     """mx.random.seed sets them, each call draws new ones, and a compiled function that carries the random state
     (as the training step does) draws what eager code draws from the same key."""
     mx.random.seed(7)
-    first = np.array(kernels.random_words((3, 50)))
-    second = np.array(kernels.random_words((3, 50)))
+    first = np.array(ops.random_words((3, 50)))
+    second = np.array(ops.random_words((3, 50)))
     mx.random.seed(7)
-    np.testing.assert_array_equal(np.array(kernels.random_words((3, 50))), first)
+    np.testing.assert_array_equal(np.array(ops.random_words((3, 50))), first)
     assert not np.array_equal(first, second)
     state = [mx.random.state]
-    compiled = mx.compile(lambda: kernels.random_words((3, 50)), inputs=state, outputs=state)
+    compiled = mx.compile(lambda: ops.random_words((3, 50)), inputs=state, outputs=state)
     mx.random.seed(7)
     np.testing.assert_array_equal(np.array(compiled()), first)
     np.testing.assert_array_equal(np.array(compiled()), second)
@@ -303,20 +305,20 @@ def test_random_words_follow_mlx_random_key():
 def test_dropout_drops_p_and_scales_the_rest(p):
     mx.random.seed(1)
     x = mx.random.uniform(1, 2, (WORDS,))
-    dropout = kernels.Dropout(p)
+    dropout = layers.Dropout(p)
     y = np.array(dropout(x))
     dropped = y == 0
     assert abs(dropped.mean() - p) < 5 * math.sqrt(p * (1 - p) / WORDS)
     scale = np.float32(1) / np.float32(1 - p)  # nn.Dropout's and torch's factor
     np.testing.assert_array_equal(y[~dropped], np.array(x)[~dropped] * scale)
     np.testing.assert_array_equal(np.array(dropout.eval()(x)), np.array(x))  # eval mode: x itself
-    np.testing.assert_array_equal(np.array(kernels.Dropout(0.0)(x)), np.array(x))
+    np.testing.assert_array_equal(np.array(layers.Dropout(0.0)(x)), np.array(x))
 
 
 def test_dropout_keeps_dtype_and_nan():
     """Half-precision inputs stay half precision; a dropped NaN or infinity is NaN (x times 0), as in torch."""
     x = mx.array([float("nan"), float("inf")] * 512, mx.bfloat16)
-    y = kernels.Dropout(0.5)(x)
+    y = layers.Dropout(0.5)(x)
     assert y.dtype == mx.bfloat16
     values = np.array(y.astype(mx.float32))
     assert np.isnan(values[0::2]).all()
@@ -326,11 +328,11 @@ def test_dropout_keeps_dtype_and_nan():
 
 def test_dropout_of_more_elements_than_a_uint32_counts_uses_mlx_draws(monkeypatch):
     """Past 2^32 elements the index would repeat, so nn.Dropout's own draws serve (shown here with a lower bound)."""
-    monkeypatch.setattr(kernels, "MAX_HASHED", 100)
+    monkeypatch.setattr(layers, "MAX_HASHED", 100)
     x = mx.ones((101,))
     mx.random.seed(3)
-    ours = np.array(kernels.Dropout(0.5)(x))
+    ours = np.array(layers.Dropout(0.5)(x))
     mx.random.seed(3)
     np.testing.assert_array_equal(ours, np.array(nn.Dropout(0.5)(x)))
     mx.random.seed(3)
-    assert not np.array_equal(np.array(kernels.Dropout(0.5)(mx.ones((100,)))), ours[:100])  # hashed below it
+    assert not np.array_equal(np.array(layers.Dropout(0.5)(mx.ones((100,)))), ours[:100])  # hashed below it

@@ -4,12 +4,12 @@ gradients through it."""
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_encoders.quantized as quantized
 import numpy as np
 import pytest
 from checkpoints import CONFIGS
 from mlx.utils import tree_flatten
 
-import mlx_encoders.quantized as quantized
 from mlx_encoders import load_model
 from mlx_encoders.models import DECODER_TYPES, MODEL_TYPES, model_class, model_module
 from mlx_encoders.quantization import quantize_model

@@ -20,11 +20,12 @@ from sentence_transformers.base.modules import Dense, Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from transformers import AutoModel, AutoTokenizer
 
-from mlx_encoders import MODEL_TYPES, SentenceEncoder, _blas, kernels
+from mlx_encoders import MODEL_TYPES, SentenceEncoder
 from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
+from mlx_encoders.engine import batching, runtime
+from mlx_encoders.engine.batching import CPU_SLICE_BYTES
 from mlx_encoders.quantization import dequantize_model, quantize_model
-from mlx_encoders.sentence import CPU_SLICE_BYTES
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
 TEXTS = [
@@ -223,7 +224,7 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
     encoder = SentenceEncoder(convert(st, tmp_path / "q", quantize=True, bits=bits, group_size=32) if bits else st)
     encoder.slice_bytes = 1  # one text a slice: 9 slices, so the last group is short
     lanes_seen, blas_threads = [], []
-    library = _blas.library_in_use()
+    library = runtime.BLAS
     embed = encoder.embed
 
     def recording_embed(batch, *args):
@@ -236,8 +237,8 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
     threads_before = library.openblas_get_num_threads() if library is not None else None
     got = encoder.encode(TEXTS, batch_size=4)
     tokens = encoder.encode(TEXTS, batch_size=4, output_value="token_embeddings")
-    if mx.default_device() == mx.cpu and len(kernels.cpu_streams()) > 1:
-        assert set(lanes_seen) == {str(lane) for lane in kernels.cpu_streams()}
+    if mx.default_device() == mx.cpu and len(runtime.cpu_streams()) > 1:
+        assert set(lanes_seen) == {str(lane) for lane in runtime.cpu_streams()}
         assert set(blas_threads) <= {1}
     if library is not None:
         assert library.openblas_get_num_threads() == threads_before
@@ -247,7 +248,7 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
     def one_lane():
         yield (default,)
 
-    monkeypatch.setattr(kernels, "forward_lanes", one_lane)
+    monkeypatch.setattr(batching, "forward_lanes", one_lane)
     lanes_seen.clear()
     np.testing.assert_allclose(got, encoder.encode(TEXTS, batch_size=4), atol=1e-6)
     for a, b in zip(tokens, encoder.encode(TEXTS, batch_size=4, output_value="token_embeddings"), strict=True):
@@ -260,7 +261,7 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
 def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp_path, bert):
     encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
     encoder.slice_bytes = 1
-    library = _blas.library_in_use()
+    library = runtime.BLAS
     threads_before = library.openblas_get_num_threads() if library is not None else None
     calls, embed = [], encoder.embed
 
@@ -303,13 +304,20 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     encoder.slice_bytes, encoder.slice_tokens = 1, 100
     groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
     assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
-    floors, slices = [], encoder.slices
-    encoder.slices = lambda rows, lengths, least_tokens: floors.append(least_tokens) or slices(rows, lengths, 25)
-    encodings = encoder.tokenize(TEXTS)
-    grouped = list(encoder.slice_groups(np.arange(len(TEXTS)), encodings, 4, 4, False))
-    assert set(floors) == {25}  # 100 tokens spread over a group of 4 slices
-    assert [len(g) for g in grouped[:-1]] == [4] * (len(grouped) - 1) and 0 < len(grouped[-1]) <= 4
-    del encoder.slices
+    floors, real = [], batching.batch_slices
+
+    def recording(rows, lengths, args, slice_bytes, least_tokens=0):
+        floors.append(least_tokens)
+        return real(rows, lengths, args, slice_bytes, least_tokens)
+
+    batching.batch_slices = recording
+    try:
+        encoder.encode(TEXTS, batch_size=4)
+    finally:
+        batching.batch_slices = real
+    lanes = len(runtime.cpu_streams()) if cpu else 1
+    group = lanes * batching.PASSES_PER_LANE if lanes > 1 else 1
+    assert set(floors) == {-(-100 // group)}  # 100 tokens spread over a group's slices
     got = encoder.encode(TEXTS, batch_size=8)
     encoder.slice_bytes = None
     np.testing.assert_allclose(got, encoder.encode(TEXTS, batch_size=8), atol=1e-5)

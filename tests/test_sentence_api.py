@@ -30,8 +30,9 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util.quantization import quantize_embeddings as their_quantize_embeddings
 from transformers import AutoTokenizer
 
-from mlx_encoders import CrossEncoder, SentenceEncoder, cross_encoder, kernels, quantize_embeddings
-from mlx_encoders.quantized import QuantizedEmbedding, QuantizedLinear
+from mlx_encoders import CrossEncoder, SentenceEncoder, quantize_embeddings
+from mlx_encoders.engine import batching, runtime
+from mlx_encoders.engine.quantized import QuantizedEmbedding, QuantizedLinear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -296,8 +297,8 @@ def test_cross_encoder_predict_matches_sentence_transformers(cross_encoders, num
 
 
 def test_cross_encoder_runs_cache_sized_slices_on_every_lane(cross_encoders, monkeypatch):
-    """On the CPU, predict runs each batch in slices (sentence.batch_slices), the slices in groups on every core's
-    stream (sentence.run_in_lanes), and the scores stay sentence-transformers'."""
+    """On the CPU, predict runs each batch in slices (engine.batching), the slices in groups on every core's
+    stream (engine.batching), and the scores stay sentence-transformers'."""
     ours, theirs = cross_encoders(3)
     seen, model = [], ours.model
 
@@ -310,12 +311,12 @@ def test_cross_encoder_runs_cache_sized_slices_on_every_lane(cross_encoders, mon
             return model(input_ids, *rest)
 
     monkeypatch.setattr(ours, "model", Recording())
-    monkeypatch.setattr(cross_encoder, "CPU_SLICE_BYTES", 1)  # one pair a slice
+    monkeypatch.setattr(batching, "CPU_SLICE_BYTES", 1)  # one pair a slice
     pairs = PAIRS * 3
     assert_same(ours.predict(pairs, batch_size=4), theirs.predict(pairs, batch_size=4))
-    if mx.default_device() == mx.cpu and len(kernels.cpu_streams()) > 1:
+    if mx.default_device() == mx.cpu and len(runtime.cpu_streams()) > 1:
         assert [rows for rows, _ in seen] == [1] * len(pairs)
-        assert {stream for _, stream in seen} == {str(lane) for lane in kernels.cpu_streams()}
+        assert {stream for _, stream in seen} == {str(lane) for lane in runtime.cpu_streams()}
 
 
 def test_cross_encoder_rank_matches_sentence_transformers(cross_encoders):

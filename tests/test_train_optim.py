@@ -247,25 +247,25 @@ def test_global_norm_reads_every_layout():
 
 
 def test_updates_are_spread_evenly_over_cpu_streams():
-    from mlx_encoders import kernels
+    from mlx_encoders.engine import runtime
 
     arrays = [mx.zeros((n,)) for n in (1000, 10, 600, 400, 10, 5)]
-    chosen = kernels.spread_over_streams(arrays)
-    if len(kernels.cpu_streams()) < 2:
+    chosen = runtime.spread_over_streams(arrays)
+    if len(runtime.cpu_streams()) < 2:
         assert chosen is None
         return
     loads = {}
     for x in arrays:
         loads[chosen[id(x)]] = loads.get(chosen[id(x)], 0) + x.size
     assert sum(loads.values()) == 2025 and max(loads.values()) <= 1015  # largest first onto the least loaded
-    assert kernels.spread_over_streams(arrays) == chosen  # the same every step
+    assert runtime.spread_over_streams(arrays) == chosen  # the same every step
 
 
 KEEP_FREED_CHECK = """
 import ctypes
 import mlx_encoders
 import mlx.core as mx
-from mlx_encoders import kernels
+from mlx_encoders.engine import runtime
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -283,7 +283,7 @@ def mapped_while_alive(elements=16 << 20):
     return mapped
 
 outside = mapped_while_alive()
-with kernels.keep_freed_memory():
+with runtime.keep_freed_memory():
     inside = mapped_while_alive()
     kept = libc.mallinfo2().fordblks
 after = [mapped_while_alive((2 << 20) + 4096 * k) for k in range(3)]  # 8 MB, sizes MLX's own cache has not seen

@@ -17,9 +17,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..engine.quantized import fast_quantized
+from ..engine.runtime import on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
-from ..quantized import fast_quantized, on_cpu
 from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -20,8 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .. import kernels
-from ..models import gpt2
+from ..models import gpt2, layers
 from ..models.base import ACTIVATIONS, mask_value
 
 
@@ -50,8 +49,8 @@ NUMPY_ACTIVATIONS = {
 }
 GEMV_ROWS = 2  # up to this many rows, one matrix-vector product per row: numpy's 2-D product packs the weight
 # Exactly these classes (quantized and LoRA layers are others): GPT-2's own and the plain layers it is made of.
-MODULES = (gpt2.GPT2LMHeadModel, gpt2.GPT2Model, gpt2.GPT2Block, gpt2.GPT2Attention, gpt2.GPT2MLP, kernels.Linear,
-           nn.Embedding, kernels.LayerNorm, kernels.Dropout)  # fmt: skip
+MODULES = (gpt2.GPT2LMHeadModel, gpt2.GPT2Model, gpt2.GPT2Block, gpt2.GPT2Attention, gpt2.GPT2MLP, layers.Linear,
+           nn.Embedding, layers.LayerNorm, layers.Dropout)  # fmt: skip
 
 
 def supported(model: nn.Module, batch: int) -> bool:

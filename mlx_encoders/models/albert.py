@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -26,6 +25,7 @@ from .base import (
 )
 from .bert import BertEmbeddings
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear
 
 
 @dataclass

@@ -8,14 +8,13 @@ import dataclasses
 import inspect
 import types
 import typing
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, Linear, attention, gelu
+from .layers import Dropout, Linear, attention, drawing_from, gelu, next_key
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
 POSITIVE_KEYS = (
@@ -202,27 +201,16 @@ class Model:
 def run_layer(layer: nn.Module, *args, checkpoint: bool):
     """`layer(*args)`; with `checkpoint`, through mx.checkpoint (nn.utils.checkpoint passes the layer's trainable
     parameters in explicitly: mx.checkpoint differentiates its arguments only). The recomputation must draw the
-    forward pass's dropout masks again, so each call runs from a random key of its own."""
+    forward pass's dropout masks again, so each call draws from a random key of its own."""
     if not checkpoint:
         return layer(*args)
-    key = mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32)
+    key = mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32, key=next_key())
 
     def keyed(*args):
-        with random_key(key):
+        with drawing_from([key]):
             return layer(*args)
 
     return nn.utils.checkpoint(layer, keyed)(*args)
-
-
-@contextmanager
-def random_key(key: mx.array):
-    """Run the block from MLX's global random key `key`, then restore the key it had."""
-    outer = mx.array(mx.random.state[0])
-    mx.random.state[0][...] = key  # MLX has no setter for its global key: update the state's array in place
-    try:
-        yield
-    finally:
-        mx.random.state[0][...] = outer
 
 
 ACTIVATIONS = {

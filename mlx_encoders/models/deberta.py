@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, Linear
 from . import deberta_v2 as v2
 from .base import split_heads
+from .layers import Dropout, Linear
 
 
 @dataclass

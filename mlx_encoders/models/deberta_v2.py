@@ -3,7 +3,7 @@
 Disentangled attention: besides the content scores q k^T, each query reads the keys' relative positions (c2p:
 q . k_pos[i - j]) and each key the queries' (p2c: k . q_pos[j - i]), from one table of relative-position embeddings
 that every layer shares; distances past position_buckets // 2 are log-bucketed. Those terms reach
-`kernels.attention` as an additive bias, everything scaled by 1 / sqrt(head_dim * (1 + number of terms)). The mask
+`layers.attention` as an additive bias, everything scaled by 1 / sqrt(head_dim * (1 + number of terms)). The mask
 is query x key (a padded query attends uniformly to every key) and the embeddings are zeroed on padding, as there.
 """
 
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -33,6 +32,7 @@ from .base import (
 )
 from .bert import BertIntermediate, BertResidual
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear
 
 TERMS = ("c2p", "p2c")
 

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear
 from .base import (
     BaseArgs,
     HeadModel,
@@ -21,6 +20,7 @@ from .base import (
     run_layer,
 )
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear
 
 EPS = 1e-12
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear, gelu
 from .albert import AlbertEmbeddings
 from .base import HeadModel, ModelOutput, QuestionAnswering, TiedDecoder, TokenClassification, activation, padding_mask
 from .bert import BertModel
 from .bert import ModelArgs as BertArgs
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear, gelu
 
 
 @dataclass

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear, attention, linear
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -26,6 +25,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs, outside
+from .layers import Dropout, LayerNorm, Linear, attention, linear
 
 # Conv1D modules: their weights are stored [in, out] in transformers checkpoints.
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")

@@ -3,7 +3,7 @@
 Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
 the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask), and the
-global layers a block of queries at a time (`kernels.blockwise_attention`: O(L) memory).
+global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory).
 """
 
 import math
@@ -13,7 +13,6 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear, blockwise_attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -32,6 +31,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear, blockwise_attention
 
 ATTENTION = ("full_attention", "sliding_attention")
 

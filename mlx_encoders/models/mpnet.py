@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear, attention
 from .base import (
     BaseArgs,
     HeadModel,
@@ -26,6 +25,7 @@ from .base import (
 )
 from .bert import BertIntermediate, BertPooler, BertResidual
 from .inputs import check_inputs
+from .layers import Dropout, LayerNorm, Linear, attention
 from .roberta import RobertaClassificationHead, RobertaEmbeddings, RobertaLMHead
 
 # transformers' MPNet hard-codes these, whatever config.json says: padding_idx 1 for the positions, and

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import Dropout, LayerNorm, Linear
 from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
+from .layers import Dropout, LayerNorm, Linear
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Shared machinery of the task pipelines: loading the right head, call options, padding encodings and batching.
 
 Mirrors the parts of transformers' `Pipeline` (pipelines/base.py) that change results: inputs are
-tokenized one by one, then run through the model `batch_size` at a time with right padding; keywords given
+tokenized one by one, then run through the model with right padding by the engine's batching runner (results do
+not depend on the batching beyond float rounding); keywords given
 at construction are the defaults of every call, and a call's own keywords (and `batch_size`) override them.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint, resolve
+from ..engine.batching import run_batches
 from ..models import architecture_name, model_class, model_module
 from ..tokenizer import Tokenizer, check_count, text_list
 
@@ -114,16 +116,29 @@ class Pipeline:
         self, encodings: Sequence[Encoding], batch_size: int | None = None, fields: Sequence[str] = ("logits",),
         per_token: bool = True,
     ) -> list[list[np.ndarray]]:  # fmt: skip
-        """Run encodings through the model `batch_size` (default the pipeline's) at a time; per encoding, the numpy
-        value of each ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
-        results = []
-        for chunk in batches(encodings, batch_size or self.batch_size):
-            out = self.run(self.tokenizer.pad(list(chunk)))
-            values = [to_numpy(getattr(out, name)) for name in fields]
-            for row, e in enumerate(chunk):
-                n = len(e.ids) if per_token else None
-                results.append([v[row, :n] for v in values])
+        """Run encodings through the model (`run_batches`); per encoding, in input order, the numpy value of each
+        ModelOutput field in `fields`, cut back to the encoding's own length when `per_token`."""
+        results: list[list[np.ndarray]] = [[] for _ in encodings]
+
+        def forward(rows: np.ndarray) -> list[mx.array]:
+            out = self.run(self.tokenizer.pad([encodings[i] for i in rows]))
+            return [getattr(out, name) for name in fields]
+
+        def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
+            values = [to_numpy(a) for a in arrays]
+            for row, i in enumerate(rows):
+                n = len(encodings[i].ids) if per_token else None
+                results[i] = [v[row, :n] for v in values]
+
+        self.run_batches(encodings, forward, collect, batch_size)
         return results
+
+    def run_batches(self, encodings: Sequence[Encoding], forward, collect, batch_size: int | None = None) -> None:
+        """`collect(rows, forward(rows))` over `encodings` through the engine's batching runner (longest first,
+        cache-sized slices on every core of the CPU), `batch_size` (default the pipeline's) at a time."""
+        batch_size = batch_size or self.batch_size
+        check_count("batch_size", batch_size, 1)
+        run_batches(self.model, [len(e.ids) for e in encodings], forward, collect, batch_size)
 
     def texts(self, inputs) -> list[str]:
         """A str or a list of str as a non-empty list; a TypeError naming the first item that is not a str."""

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..tokenizer import text_list
-from .base import Pipeline, batches, check_count, to_numpy, tokenizer_options
+from .base import Pipeline, check_count, to_numpy, tokenizer_options
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -42,11 +42,18 @@ class FillMaskPipeline(Pipeline):
                     f"No mask_token ({self.tokenizer.mask_token}) found in the input {text!r} "
                     f"(after truncation to {max_length or self.max_length} tokens)"
                 )
-        logits = []
-        for chunk in batches(range(len(encodings)), batch_size or self.batch_size):
-            out = self.run(self.tokenizer.pad([encodings[i] for i in chunk])).logits
-            for row, i in enumerate(chunk):  # gather the mask rows before leaving MLX: the full vocab is large
-                logits.append(to_numpy(out[row, mx.array(masks[i])]))
+        logits: list[np.ndarray] = [None] * len(encodings)
+
+        def forward(rows: np.ndarray) -> list[mx.array]:
+            out = self.run(self.tokenizer.pad([encodings[i] for i in rows])).logits
+            # gather the mask rows before leaving MLX: the full vocabulary is large
+            return [out[row, mx.array(masks[i])] for row, i in enumerate(rows)]
+
+        def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
+            for i, array in zip(rows, arrays, strict=True):
+                logits[i] = to_numpy(array)
+
+        self.run_batches(encodings, forward, collect, batch_size)
         return list(zip(ids, masks, logits, strict=True))
 
     def predict(

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
-from ..quantized import fast_quantized
+from ..engine.quantized import fast_quantized
 from .recipes import quantization_spec, recipe_default, recipe_rule
 from .rounding import apply_gptq
 

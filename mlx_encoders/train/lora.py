@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..kernels import Dropout
+from ..engine.quantized import fast_quantized
 from ..models.base import HeadModel
-from ..quantized import fast_quantized
+from ..models.layers import Dropout
 
 # The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
 DEFAULT_TARGETS = {

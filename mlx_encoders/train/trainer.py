@@ -23,10 +23,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from tqdm.auto import tqdm
 
-from .. import kernels
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.write import model_config, write_checkpoint
+from ..engine import runtime
+from ..engine.ops import drawing_from
 from ..models import task_of_model
 from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
@@ -95,7 +96,7 @@ class TrainerState:
     epoch: int = 0
     position: int = 0  # optimizer steps already taken in `epoch`
     mask_rng: dict | None = None  # the masking generator's `bit_generator.state`
-    mlx_key: list[int] | None = None  # `mx.random.state[0]`, the key dropout draws from
+    mlx_key: list[int] | None = None  # the MLX key dropout draws from (`drawing_from`)
     metrics: dict | None = None  # the last evaluation
     best_metric: float | None = None
     best_checkpoint: str | None = None
@@ -354,11 +355,10 @@ def start_state(
     """A fresh state (MLX seeded with `seed`) or the one in `resume_from`, with MLX's key put back; the metrics
     log keeps only the records up to the state's step."""
     if resume_from is None:
-        mx.random.seed(config.seed)
-        state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state)
+        key = np.array(mx.random.key(config.seed)).tolist()
+        state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
     else:
         state = load_checkpoint(model, optimizer, resume_from)
-        mx.random.state[0][...] = mx.array(state.mlx_key, dtype=mx.uint32)  # in place: the state list cannot be set
     trim_metrics(config.output_dir, state.step)
     return state
 
@@ -381,9 +381,10 @@ class Loop:
     def __post_init__(self):
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
+        self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
         dtype = COMPUTE_DTYPES[self.config.dtype]
         if dtype == mx.float32 and not self.config.gradient_checkpointing:
-            self.loss_and_grad = compiled_value_and_grad(self.model)
+            self.loss_and_grad = compiled_value_and_grad(self.model, self.random)
         else:
             self.loss_and_grad = value_and_grad(self.model, dtype)
 
@@ -393,7 +394,8 @@ class Loop:
         batches = [collate(self.examples, i, self.tokenizer, self.masker, self.mask_rng) for i in indices]
         self.state.mask_rng = self.mask_rng.bit_generator.state
         lr = self.schedule(mx.array(self.state.step)).item()
-        loss, grads = accumulate_gradients(self.loss_and_grad, batches)
+        with drawing_from(self.random):
+            loss, grads = accumulate_gradients(self.loss_and_grad, batches)
         norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm)
         self.state.step += 1
         record = {
@@ -416,21 +418,21 @@ class Loop:
             state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
             log_metrics(config.output_dir, state.metrics)
         if last or due(state.step, config.save_every):
-            state.mlx_key = np.array(mx.random.state[0]).tolist()
+            state.mlx_key = np.array(self.random[0]).tolist()
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
             save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint)
 
 
-def compiled_value_and_grad(model: nn.Module) -> Callable[[dict], tuple[mx.array, dict]]:
+def compiled_value_and_grad(model: nn.Module, random: list[mx.array]) -> Callable[[dict], tuple[mx.array, dict]]:
     """`value_and_grad(model, mx.float32)` under one mx.compile, traced again for each new batch shape (a fraction
-    of a step). Within a gradient's trace MLX runs a compiled function op by op, so the fused kernels of kernels.py
+    of a step). Within a gradient's trace MLX runs a compiled function op by op, so the fused kernels of engine/ops.py
     (gelu, the softmax's exp) only fuse in training when the whole step is compiled (README, Training speed).
-    Gradient checkpointing (which sets the random key in place) and half-precision passes stay uncompiled.
+    Gradient checkpointing (which draws from a key of its own per layer) and half-precision passes stay uncompiled.
     The model's input checks read token ids on the host, which a compiled function cannot: they run on each
     batch first, in a forward graph that is built in eval mode (no dropout draws) and never evaluated."""
-    state = [model.state, mx.random.state]  # the weights it reads, the dropout key it reads and advances
+    state = [model.state, random]  # the weights it reads, the dropout key it reads and advances
     step = mx.compile(
         nn.value_and_grad(model, lambda inputs, labels: batch_loss(model, inputs, labels)), inputs=state, outputs=state
     )
@@ -510,7 +512,7 @@ def train(
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    with kernels.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
+    with runtime.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
         for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
                 break

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+from .runtime import on_cpu
+
 # Affine codes are packed little-endian into uint32 words: `bits` divides 8 (2, 4, 8) so that each byte holds
 # whole codes, or 3 bytes hold a whole number of them (3, 6 bits).
 UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
@@ -31,10 +33,6 @@ KERNEL_ROWS = 2
 # 1.00x and 0.45x (256: 0.86x).
 GROUP_TOKENS = {("affine", 8): 256}
 DEFAULT_GROUP_TOKENS = 1024
-
-
-def on_cpu() -> bool:
-    return mx.default_device() == mx.cpu
 
 
 def least_group_tokens(model: nn.Module) -> int:

@@ -1,0 +1,152 @@
+"""The one batching runner of every front end (SentenceEncoder, CrossEncoder, the pipelines; any caller with
+tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
+
+Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
+stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
+core, PASSES_PER_LANE passes on each, one async_eval per group, the next group built while one computes); a
+quantized model's passes in a group share one dequantizing of each weight. Off the CPU each batch is one pass.
+Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
+"""
+
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .quantized import least_group_tokens, shared_dequantized
+from .runtime import forward_lanes, on_cpu, warm_heap
+
+PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
+# On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
+# a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens.
+CPU_SLICE_BYTES = 3 * 2**19
+# With several CPU streams (runtime.forward_lanes), the passes run in groups of this many per lane, evaluated at
+# once and sharing one dequantizing of a quantized model's weights (3-10% faster than one per lane; three are
+# slower: a lane's passes interleave, and their data no longer stays in its cache).
+PASSES_PER_LANE = 2
+Rows = TypeVar("Rows")  # what picks a forward pass's rows: index arrays here
+
+
+def progress(starts: range, show: bool | None):
+    """`starts` behind a tqdm bar when `show`; None shows one from PROGRESS_MIN_BATCHES on, when stderr is a TTY."""
+    if show is None:
+        show = len(starts) >= PROGRESS_MIN_BATCHES and sys.stderr.isatty()
+    if not show:
+        return starts
+    from tqdm.auto import tqdm
+
+    return tqdm(starts, desc="Batches", unit="batch")
+
+
+def batch_slices(
+    rows: np.ndarray, lengths: list[int], args, slice_bytes: int | None, least_tokens: int = 0
+) -> Iterator[np.ndarray]:
+    """`rows` (token counts `lengths`, longest first) in slices of as many rows as `slice_rows` allows at each
+    slice's longest length; all of them at once when `slice_bytes` is None."""
+    if slice_bytes is None:
+        yield rows
+        return
+    start = 0
+    while start < len(rows):
+        longest = max(lengths[start:])  # lengths[start] when sorted longest first
+        count = slice_rows(args, longest, slice_bytes, least_tokens)
+        yield rows[start : start + count]
+        start += count
+
+
+def grouped_slices(
+    order: np.ndarray,
+    lengths: list[int],
+    batch_size: int,
+    size: int,
+    show_progress: bool | None,
+    slices: Callable[[np.ndarray, list[int]], Iterable[np.ndarray]],
+) -> Iterator[list[np.ndarray]]:
+    """`slices(batch, its lengths)` of each batch of `batch_size` rows of `order` (`lengths`: each row's tokens), in
+    groups of `size` (a group may take slices of two batches, the last one may be short); the progress bar counts
+    batches."""
+    group = []
+    for start in progress(range(0, len(order), batch_size), show_progress):
+        batch = order[start : start + batch_size]
+        for rows in slices(batch, [lengths[i] for i in batch]):
+            group.append(rows)
+            if len(group) == size:
+                yield group
+                group = []
+    if group:
+        yield group
+
+
+def run_in_lanes(
+    groups: Callable[[int], Iterable[list[Rows]]],
+    forward: Callable[[Rows], list[mx.array]],
+    collect: Callable[[Rows, list[mx.array]], None],
+) -> None:
+    """`collect(rows, forward(rows))` for the slices of every group of `groups(size)` (groups of `size` slices), the
+    passes of a group on the CPU's lanes (`runtime.forward_lanes`), PASSES_PER_LANE of them on each, evaluated
+    at once, sharing one dequantizing of a quantized model's weights; the first pass of each group (the one
+    that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
+    one pass a group on the default stream. `forward` returns lazy arrays; `collect` reads them."""
+    pending: list[tuple[Rows, list[mx.array]]] = []
+    warm_heap()
+    with forward_lanes() as lanes, shared_dequantized() as float_weights:
+        size = len(lanes) * (PASSES_PER_LANE if len(lanes) > 1 else 1)
+        for number, group in enumerate(groups(size)):
+            turn = number % len(lanes)
+            dispatched = []
+            for lane, rows in zip((lanes[turn:] + lanes[:turn]) * PASSES_PER_LANE, group, strict=False):
+                with mx.stream(lane):
+                    dispatched.append((rows, forward(rows)))
+            float_weights.next_group()
+            mx.async_eval([a for _, arrays in dispatched for a in arrays])  # one eval: its ops interleave over lanes
+            for rows, arrays in pending:
+                collect(rows, arrays)
+            pending = dispatched
+        for rows, arrays in pending:
+            collect(rows, arrays)
+
+
+def slice_rows(args, length: int, slice_bytes: int, slice_tokens: int = 0) -> int:
+    """Rows of `length` tokens per forward pass: as many as keep a layer's largest activation (float32, see
+    `activation_elements`) within `slice_bytes`, yet at least one, and at least `slice_tokens` tokens in all.
+    A quantized model needs the latter: on the CPU each pass dequantizes every weight (quantized.py), a fixed
+    cost that passes of a few hundred tokens repeat too often."""
+    per_row = 4 * args.activation_elements(length)
+    return max(1, slice_bytes // max(per_row, 1), -(-slice_tokens // max(length, 1)))
+
+
+def run_batches(
+    model: nn.Module,
+    lengths: Sequence[int],
+    forward: Callable[[np.ndarray], list[mx.array]],
+    collect: Callable[[np.ndarray, list[mx.array]], None],
+    batch_size: int,
+    *,
+    show_progress: bool | None = False,
+    slice_bytes: int | None = -1,
+    least_tokens: int | None = None,
+) -> None:
+    """`collect(rows, forward(rows))` for every forward pass over the items whose token counts are `lengths`: rows
+    are index arrays into them, `forward` returns lazy arrays whose first axis follows `rows`, `collect` reads
+    them once evaluated. `slice_bytes` (default CPU_SLICE_BYTES on the CPU, None elsewhere: whole batches) caps a
+    slice's largest activation; `least_tokens` (default `least_group_tokens(model)` on the CPU) is the least
+    tokens a group of passes holds. `show_progress` as sentence-transformers' show_progress_bar, counting batches."""
+    if not len(lengths):
+        return
+    slice_bytes = (CPU_SLICE_BYTES if on_cpu() else None) if slice_bytes == -1 else slice_bytes
+    least_tokens = (least_group_tokens(model) if on_cpu() else 0) if least_tokens is None else least_tokens
+    lengths = list(lengths)
+    order = np.argsort([-n for n in lengths], kind="stable")  # longest first: memory peaks early
+
+    def groups(size: int) -> Iterator[list[np.ndarray]]:
+        per_slice = -(-least_tokens // size)  # a group's passes share the dequantizing: spread the floor over them
+
+        def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
+            return batch_slices(rows, counts, model.args, slice_bytes, per_slice)
+
+        return grouped_slices(order, lengths, batch_size, size, show_progress, slices)
+
+    run_in_lanes(groups, forward, collect)

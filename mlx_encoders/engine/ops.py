@@ -1,0 +1,270 @@
+"""Exact, fast forms of the element-wise functions encoders spend their time in: exp, erf (GELU), layer norm, the
+linear product, and the hashed words dropout masks come from.
+
+MLX's CPU backend computes transcendental functions one element at a time; the forms here are multiply-adds and
+integer shifts that `mx.compile` fuses and the C++ compiler vectorises, within float32 rounding of the exact
+function (tests/test_numerics.py), their gradients the exact functions' (tests/test_gradients.py). They are pure
+MLX: on a GPU, where MLX's own kernels are fast, the functions that have a fused form step aside for it.
+"""
+
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from .runtime import on_cpu
+
+# erf(z) = z N(z^2) / D(z^2) on [-4, 4], highest power first (Eigen's / XLA's float32 erf, within ~2 ulp;
+# |erf| rounds to 1 beyond 4).
+ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+                 -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)  # fmt: skip
+ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+                   -1.42647390514189e-02)  # fmt: skip
+
+
+def erf(z: mx.array) -> mx.array:
+    """erf(z) for float32 z in [-4, 4], both polynomials of the ratio in Estrin's form, so their dependency chains
+    are short enough for mx.compile to fuse all of it (it is inlined into the compiled functions below)."""
+    n0, n1, n2, n3, n4, n5, n6 = ERF_NUMERATOR
+    d0, d1, d2, d3, d4 = ERF_DENOMINATOR
+    z2 = z * z
+    z4 = z2 * z2
+    z8 = z4 * z4
+    numerator = (n6 + n5 * z2) + z4 * (n4 + n3 * z2) + z8 * (n2 + n1 * z2 + n0 * z4)
+    denominator = (d4 + d3 * z2) + z4 * (d2 + d1 * z2) + z8 * d0
+    return z * numerator / denominator
+
+
+@mx.compile
+def gelu_from(x: mx.array, z: mx.array) -> mx.array:
+    """x (1 + erf(z)) / 2 for float32 x and z = x / sqrt(2) clipped to [-4, 4]."""
+    return x * (1 + erf(z)) / 2
+
+
+@mx.compile
+def gelu_slope_from(x: mx.array, z: mx.array, density: mx.array) -> mx.array:
+    """GELU'(x) = Phi(x) + x phi(x), from z as in gelu_from and density = exp(-x^2 / 2)."""
+    return (1 + erf(z)) / 2 + x * density * (1 / math.sqrt(2 * math.pi))
+
+
+def unfused(x: mx.array) -> mx.array:
+    """`x` itself, as a kernel boundary on the CPU: mx.compile does not fuse through a bit-cast (`view`), which
+    for a contiguous array shares its buffer (no copy). The training step compiles all of its graph as one, and
+    there MLX fused these functions' stages into kernels its C++ compiler does not vectorise: one `maximum` or
+    `where` in a loop makes all of it scalar. Apart, the stages run as in an eager call: on 8 x 64 x 3072 values
+    in a compiled gradient, GELU's forward took 1.8 ms instead of 6.8, forward and backward 11.4 ms instead of
+    15.8. Float32 only; only in graphs that are not differentiated (custom-vjp bodies); elsewhere (GPUs, other
+    dtypes) a no-op."""
+    if x.dtype != mx.float32 or not on_cpu():
+        return x
+    return x.view(mx.uint32).view(mx.float32)
+
+
+@mx.compile
+def clip_z(x32: mx.array) -> mx.array:
+    """x / sqrt(2) clipped to [-4, 4] (NaN stays NaN), with selects: alone, they vectorise, where mx.clip's
+    minimum and maximum do not (0.17 ms against 0.36 ms on 8 x 64 x 1536 values)."""
+    z = x32 * (1 / math.sqrt(2))
+    return mx.where(z > 4.0, 4.0, mx.where(z < -4.0, -4.0, z))
+
+
+def clipped_z(x32: mx.array) -> mx.array:
+    # Apart from the rest (`unfused`): fused with it, the selects made the whole kernel scalar.
+    return unfused(clip_z(x32))
+
+
+@mx.custom_function
+def gelu(x: mx.array) -> mx.array:
+    """Exact (erf) GELU, as torch's nn.GELU(): a fused rational erf replaces mx.erf, which is several times
+    slower on MLX's CPU backend; within 1.1e-6 of the exact GELU on [-12, 12] (tests/test_numerics.py).
+    Half-precision inputs are computed in float32 (the small coefficients underflow in float16), as torch does."""
+    x32 = x.astype(mx.float32)
+    return gelu_from(x32, clipped_z(x32)).astype(x.dtype)
+
+
+@gelu.vjp
+def gelu_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    """The exact GELU's derivative, within 2.6e-7 (differentiating the rational erf and its clip: 7.5e-6 off)."""
+    x32 = x.astype(mx.float32)
+    slope = gelu_slope_from(x32, clipped_z(x32), exp_nonpositive(unfused(x32 * x32 * -0.5)))
+    return (cotangent.astype(mx.float32) * unfused(slope)).astype(x.dtype)
+
+
+# exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2 in two parts);
+# exp(r) = 1 + r + r^2 P(r), Cephes' float32 expf polynomial (within 1 ulp of exp).
+LOG2E = 1.4426950408889634
+LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4
+EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1)  # fmt: skip
+ROUNDING = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer, in its low bits
+# Below this, exp is 0: x rounds to n = -127, whose 2^n bit pattern is all zeros. Masked scores land here, and
+# must give exactly 0, never a subnormal: x86 arithmetic on subnormals is slow enough to make a backward pass
+# over padded batches 15-20x slower (torch's softmax gives 0 there too).
+FLUSH_TO_ZERO = -88.0
+
+
+@mx.compile
+def exp_reduce(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(x / ln 2 + ROUNDING, whose low bits hold n; r)."""
+    shifted = x * LOG2E + ROUNDING
+    n = shifted - ROUNDING
+    return shifted, (x - n * LN2_HIGH) - n * LN2_LOW
+
+
+@mx.compile
+def exp_small(r: mx.array, scale: mx.array) -> mx.array:
+    """exp(r) * scale for |r| <= ln2 / 2, the polynomial in Estrin's form (short dependency chains)."""
+    c0, c1, c2, c3, c4, c5 = EXP_POLYNOMIAL
+    r2 = r * r
+    p = (c5 + c4 * r) + r2 * (c3 + c2 * r) + (r2 * r2) * (c1 + c0 * r)
+    return (p * r2 + r + 1) * scale
+
+
+@mx.compile
+def exponent_bits(shifted_bits: mx.array) -> mx.array:
+    """The float32 bit pattern of 2^n, from the (uint32) bits of x / ln 2 + ROUNDING, whose low bits hold n."""
+    return (shifted_bits + 127) << 23
+
+
+@mx.custom_function
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """exp of float32 x <= 0, within 1 ulp for x >= ln(2^-126) (about -87.34); below about -87.68 it is 0.
+    Positive x are outside its contract (past 88 the exponent overflows); softmax only needs x <= 0.
+
+    MLX's CPU backend computes mx.exp one element at a time, about 10 ns each (and up to 64 ulp off); these
+    multiply-adds and integer shifts vectorise. They run as separate kernels (`unfused`), also inside a larger
+    compiled graph: MLX's CPU kernels do not vectorise `maximum`, which therefore runs alone, and fusing the
+    range reduction with the polynomial made both slower (5.2 ms against 2.8 ms on 1.6M values).
+    """
+    shifted, r = exp_reduce(unfused(mx.maximum(x, FLUSH_TO_ZERO)))
+    scale = unfused(exponent_bits(shifted.view(mx.uint32)).view(mx.float32))
+    return exp_small(unfused(r), scale)
+
+
+@exp_nonpositive.vjp
+def exp_nonpositive_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    """exp' = exp. MLX cannot differentiate the bit-casts, and the range reduction would differentiate wrongly."""
+    return cotangent * output
+
+
+# Dropout masks. MLX's own (mx.random.bernoulli) draws a 32-bit threefry word for every element, on one thread on
+# the CPU: 4.4-4.9 ns an element, about a twentieth of a BERT training step. Here MLX draws two 32-bit keys per
+# call and each element's index is hashed, twice, in one compiled kernel: 3.5 ns for the whole dropout instead of
+# 5.9 (a (8, 12, 64, 64) attention mask: 1.4 against 2.3 ms).
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+MAX_HASHED = 2**32  # elements a uint32 index tells apart
+
+
+_KEYS: contextvars.ContextVar[list | None] = contextvars.ContextVar("random_keys", default=None)
+
+
+@contextmanager
+def drawing_from(state: list[mx.array]) -> Iterator[None]:
+    """Inside, `random_words` draws from the one-key list `state`, advancing it as MLX advances its global key
+    (the same sequence of draws), and leaves MLX's global key alone. `state` may be a compiled function's input
+    and output, as mx.random.state is."""
+    token = _KEYS.set(state)
+    try:
+        yield
+    finally:
+        _KEYS.reset(token)
+
+
+def next_key() -> mx.array | None:
+    """The next key of the enclosing `drawing_from` block's state, or None (MLX's global key) outside one."""
+    state = _KEYS.get()
+    if state is None:
+        return None
+    state[0], key = mx.random.split(state[0])
+    return key
+
+
+def mix32(h: mx.array) -> mx.array:
+    """lowbias32 (Chris Wellons' hash-prospector): a bijection of uint32 words in which every input bit flips each
+    output bit with probability close to 1/2."""
+    h = (h ^ (h >> 16)) * HASH_MULTIPLIERS[0]
+    h = (h ^ (h >> 15)) * HASH_MULTIPLIERS[1]
+    return h ^ (h >> 16)
+
+
+def random_words(shape: Sequence[int]) -> mx.array:
+    """uint32 random words of `shape`: mix32(mix32(i + k1) ^ k2) of each element's index i, with two 32-bit keys
+    drawn from the key of the enclosing `drawing_from` block, else from MLX's global key (so mx.random.seed and a
+    compiled step's random state govern them as they do mx.random's draws). Two calls' index windows i + k1
+    overlap with probability (elements) / 2^31, and even then the second key sets them apart."""
+    halves = mx.random.randint(0, 1 << 16, (4,), dtype=mx.uint32, key=next_key())
+    k1, k2 = (halves[0] << 16) | halves[1], (halves[2] << 16) | halves[3]
+    index = mx.arange(math.prod(shape), dtype=mx.uint32).reshape(shape)
+    return mix32(mix32(index + k1) ^ k2)
+
+
+@mx.compile
+def scale_and_shift(centred: mx.array, inverse_std: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    return centred * inverse_std * weight + bias
+
+
+def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
+    """mx.fast.layer_norm(x, weight, bias, eps). On the CPU, for float32 x, the mean and the variance over the last
+    axis are matrix-vector products with a vector of 1 / H (BLAS): MLX's CPU layer norm is its composed fallback,
+    whose row reductions run at about 2.3 ns an element, and this form takes 54-72% of its time at 128-256 tokens
+    of width 384-768. It stays within 2e-6 of torch's float64 layer norm relative to the output's scale, gradients
+    too (tests/test_numerics.py): the two passes (mean, then the centred values' mean square) are as stable as
+    the fallback's."""
+    if not on_cpu() or x.dtype != mx.float32:
+        return mx.fast.layer_norm(x, weight, bias, eps)
+    average = mx.full((x.shape[-1], 1), 1.0 / x.shape[-1], mx.float32)
+    centred = x - x @ average
+    inverse_std = mx.rsqrt((centred * centred) @ average + eps)
+    if weight is not None and bias is not None:
+        return scale_and_shift(centred, inverse_std, weight, bias)
+    y = centred * inverse_std
+    return y if weight is None else y * weight
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x @ weight.T (+ bias): nn.Linear's product."""
+    return x @ weight.T if bias is None else mx.addmm(bias, x, weight.T)
+
+
+def linear_in_eval(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """nn.Linear's product. On the CPU with a bias: the product, then the bias added; MLX's CPU addmm first copies
+    the bias into every output row through its general strided copy, which is slower (training keeps addmm,
+    `linear_with_bias`, where two ops were slower)."""
+    if bias is not None and on_cpu():
+        return x @ weight.T + bias
+    return linear(x, weight, bias)
+
+
+@mx.custom_function
+def linear_with_bias(x: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
+    """`linear(x, weight, bias)`, its gradients laid out as the weights are (`Linear`)."""
+    return linear(x, weight, bias)
+
+
+@linear_with_bias.vjp
+def _linear_with_bias_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+    x, weight, bias = primals
+    dx, dw = _linear_cotangents(x, weight, cotangent)
+    return dx, dw, cotangent.reshape(-1, cotangent.shape[-1]).sum(axis=0).astype(bias.dtype)
+
+
+@mx.custom_function
+def linear_without_bias(x: mx.array, weight: mx.array) -> mx.array:
+    """`linear(x, weight)`, its gradients laid out as the weights are (`Linear`)."""
+    return linear(x, weight)
+
+
+@linear_without_bias.vjp
+def _linear_without_bias_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple:
+    return _linear_cotangents(*primals, cotangent)
+
+
+def _linear_cotangents(x: mx.array, weight: mx.array, cotangent: mx.array) -> tuple[mx.array, mx.array]:
+    """d/dx = g W and d/dW = g^T x over all leading axes at once: one (out, in) product in W's row-major layout.
+    MLX's own is (x^T g)^T, a transposed view, which the optimizer's fused update then reads through strides
+    and the gradient norm across the cache."""
+    rows = cotangent.reshape(-1, cotangent.shape[-1])
+    dw = rows.T @ x.reshape(-1, x.shape[-1])
+    return (cotangent @ weight).astype(x.dtype), dw.astype(weight.dtype)

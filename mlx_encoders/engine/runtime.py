@@ -1,0 +1,333 @@
+"""What MLX's CPU backend runs on, and every process-wide setting the engine makes, in one place.
+
+- **BLAS.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
+  encoder's products. At import, when OpenBLAS is installed, `give_mlx_fast_blas` loads it with local symbol
+  scope and writes the addresses of its `cblas_*gemm` into libmlx's own table of imported functions (its GOT):
+  only MLX's calls reach it, whatever was imported first, and no other library in the process (torch, numpy)
+  binds to it. `MLX_ENCODERS_BLAS=/path/to/libopenblas.so` picks the library, `MLX_ENCODERS_BLAS=0` leaves MLX
+  as it is. One warning says when MLX's products run on the reference BLAS.
+- **Tuning while `encode`, `predict`, the pipelines or training run** (`MLX_ENCODERS_CPU_TUNING=0` turns it off):
+  MLX's OpenBLAS runs each product on its caller's thread (`one_blas_thread`), so passes on several streams each
+  keep one core; the previous thread count is restored after. `keep_freed_memory` keeps large freed buffers with
+  the process (see there). Nothing else is changed, and nothing at import but MLX's own BLAS.
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import os
+import struct
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+# The BLAS entry points MLX's matrix products call (cblas_sgemm for float32, the others for float64/complex).
+GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
+# ELF relocation types of an imported function's slot: x86-64 and AArch64 (JUMP_SLOT, then GLOB_DAT)
+SLOT_RELOCATIONS = {62: (7, 6), 183: (1026, 1025)}  # e_machine -> types
+
+
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def tuning_enabled() -> bool:
+    """Whether the engine may make its documented process-wide settings while a call runs."""
+    return os.environ.get("MLX_ENCODERS_CPU_TUNING", "1") != "0"
+
+
+def _mlx_library() -> Path | None:
+    """The libmlx shared object mapped into this process (Linux), or None."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    for line in maps.read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith("libmlx.so"):
+            return Path(path)
+    return None
+
+
+def _load_base(library: Path) -> int | None:
+    """The address libmlx's file offset 0 is mapped at."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1] == str(library) and int(fields[2], 16) == 0:
+            return int(fields[0].split("-")[0], 16)
+    return None
+
+
+def import_slots(data: bytes, names: Sequence[str]) -> dict[str, int]:
+    """{name: slot offset} of the imported functions `names` in an ELF64 little-endian shared object's bytes: the
+    place the dynamic linker writes each one's address (relative to the object's load address)."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return {}
+    machine = struct.unpack_from("<H", data, 0x12)[0]
+    if machine not in SLOT_RELOCATIONS:
+        return {}
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+    def string(table_offset: int, at: int) -> str:
+        start = table_offset + at
+        return data[start : data.index(b"\0", start)].decode()
+
+    by_name = {string(sections[shstrndx][4], s[0]): s for s in sections}
+    dynsym, dynstr = by_name.get(".dynsym"), by_name.get(".dynstr")
+    if dynsym is None or dynstr is None:
+        return {}
+    wanted, slots = set(names), {}
+    for section in (by_name.get(".rela.plt"), by_name.get(".rela.dyn")):
+        if section is None:
+            continue
+        offset, size = section[4], section[5]
+        for at in range(offset, offset + size, 24):
+            r_offset, r_info, _ = struct.unpack_from("<QQq", data, at)
+            if r_info & 0xFFFFFFFF not in SLOT_RELOCATIONS[machine]:
+                continue
+            name = string(dynstr[4], struct.unpack_from("<I", data, dynsym[4] + (r_info >> 32) * 24)[0])
+            if name in wanted:
+                slots[name] = r_offset
+    return slots
+
+
+def _write_slot(address: int, value: int) -> None:
+    """Write a function address into a slot, making its page writable for the write if it is read-only (RELRO)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = address & ~(mmap.PAGESIZE - 1)
+    writable = any(
+        int(start, 16) <= address < int(end, 16) and perms[1] == "w"
+        for start, end, perms in (
+            (*line.split()[0].split("-"), line.split()[1]) for line in Path("/proc/self/maps").read_text().splitlines()
+        )
+    )
+    if not writable:
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed on libmlx's import table")
+    ctypes.c_void_p.from_address(address).value = value
+    if not writable:
+        libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ)
+
+
+def _candidates() -> list[str]:
+    chosen = os.environ.get("MLX_ENCODERS_BLAS")
+    if chosen:
+        return [] if chosen == "0" else [chosen]
+    found = ctypes.util.find_library("openblas")
+    return [found] if found else []
+
+
+def give_mlx_fast_blas() -> ctypes.CDLL | None:
+    """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; returns that library, or None (not Linux,
+    turned off, none installed, or an MLX build this cannot read)."""
+    library_path = _mlx_library() if sys.platform.startswith("linux") else None
+    if library_path is None:
+        return None
+    for name in _candidates():
+        try:
+            blas = ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
+        except OSError:
+            continue
+        slots = {n: s for n, s in import_slots(library_path.read_bytes(), GEMMS).items() if hasattr(blas, n)}
+        base = _load_base(library_path)
+        if "cblas_sgemm" not in slots or base is None:
+            return None
+        for symbol, slot in slots.items():
+            _write_slot(base + slot, ctypes.cast(getattr(blas, symbol), ctypes.c_void_p).value)
+        return blas
+    return None
+
+
+def global_blas() -> bool:
+    """Whether a BLAS is in the global symbol scope (LD_PRELOAD, or loaded globally by other code before MLX), where
+    MLX's imports bind to it unless they were given one here."""
+    return hasattr(ctypes.CDLL(None), "cblas_sgemm")
+
+
+def warn_if_slow_blas() -> None:
+    if not sys.platform.startswith("linux") or BLAS is not None or global_blas():
+        return
+    if os.environ.get("MLX_ENCODERS_BLAS") == "0":
+        return
+    warnings.warn(
+        "MLX's matrix products run on the reference BLAS bundled with its Linux wheel, 10-50x slower on the CPU. "
+        "Install OpenBLAS (apt-get install libopenblas0-pthread) or point MLX_ENCODERS_BLAS at a libopenblas.so; "
+        "MLX_ENCODERS_BLAS=0 silences this warning.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class Outermost:
+    """A process-wide setting for nested or concurrent blocks (`with setting:`): the first block to open calls
+    `enter`, the last to close calls `leave`, whatever the order the threads leave in."""
+
+    def __init__(self, enter: Callable[[], None], leave: Callable[[], None]):
+        self.enter, self.leave = enter, leave
+        self.lock, self.open = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.open == 0:
+                self.enter()
+            self.open += 1
+
+    def __exit__(self, *exception) -> None:
+        with self.lock:
+            self.open -= 1
+            if self.open == 0:
+                self.leave()
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[bool]:
+    """Inside, MLX's BLAS runs each product on the calling thread alone, so that passes on several CPU streams at once
+    each keep one core; yields whether that holds. It holds for the OpenBLAS given to MLX (its thread count set to
+    1, restored after; other libraries' BLAS are untouched) and for the reference BLAS, which never starts threads;
+    not with tuning off, on other platforms, or for a BLAS another program put in the global scope."""
+    if not sys.platform.startswith("linux") or not tuning_enabled():
+        yield False
+        return
+    if BLAS is None:
+        yield not global_blas()
+        return
+    with _one_openblas_thread(BLAS):
+        yield True
+
+
+@functools.cache
+def _one_openblas_thread(library: ctypes.CDLL) -> Outermost:
+    threads = []
+
+    def enter() -> None:
+        threads[:] = [library.openblas_get_num_threads()]
+        library.openblas_set_num_threads(1)
+
+    return Outermost(enter, lambda: library.openblas_set_num_threads(threads[0]))
+
+
+# Element-wise work over many independent arrays (an optimizer's per-parameter updates): MLX's CPU backend runs
+# each stream's ops on one thread, so spreading the arrays over a few CPU streams puts every core to work.
+MAX_CPU_STREAMS = 8
+
+
+@functools.cache
+def cpu_streams() -> tuple[mx.Stream, ...]:
+    """One CPU stream per core (at most MAX_CPU_STREAMS), made once per process."""
+    return tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+
+
+@contextmanager
+def forward_lanes() -> Iterator[tuple[mx.Stream, ...]]:
+    """Streams for independent forward passes that run at once, one per core on the CPU: MLX runs each stream's
+    elementwise ops on one thread, and a multithreaded BLAS splits only the products (its threads wait
+    between them), so one pass at a time leaves a core idle for a third or more of an encoder's time. Inside,
+    the BLAS runs each product on its calling stream's thread (`one_blas_thread`). Off the CPU, with
+    one core, or with a BLAS that cannot be held to one thread: the default stream alone. The lanes are idle
+    when the block ends, whether it raised or not."""
+    if not on_cpu() or len(cpu_streams()) < 2:
+        yield (mx.default_stream(mx.default_device()),)
+        return
+    with one_blas_thread() as one_thread:
+        lanes = cpu_streams() if one_thread else (mx.default_stream(mx.cpu),)
+        try:
+            yield lanes
+        finally:
+            for lane in lanes:  # before the BLAS gets its threads back
+                mx.synchronize(lane)
+
+
+def spread_over_streams(arrays: Sequence[mx.array]) -> dict[int, mx.Stream] | None:
+    """{id(array): stream} sharing `arrays` out over `cpu_streams()`, largest first onto the least loaded, so each
+    stream gets about the same number of elements; None off the CPU or with one core, where the default stream
+    serves (a GPU runs each kernel on all of its cores)."""
+    if not on_cpu() or len(cpu_streams()) < 2:
+        return None
+    loads = dict.fromkeys(cpu_streams(), 0)
+    chosen = {}
+    for x in sorted(arrays, key=lambda a: -a.size):
+        stream = min(loads, key=loads.get)
+        loads[stream] += x.size
+        chosen[id(x)] = stream
+    return chosen
+
+
+# glibc's mallopt parameters (malloc.h); its values are C ints
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+DEFAULT_MMAP_MAX = 65536
+NEVER_TRIM = 2**31 - 1
+# glibc raises its mmap threshold to the size of each mapped buffer freed, up to this (64-bit), the trim threshold
+# to twice that; setting any value through mallopt turns that adjustment off for good, so a block leaves these.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+LEFT_TRIM_THRESHOLD = 2 * GLIBC_MMAP_THRESHOLD_MAX
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, or None (macOS, other C libraries)."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+        return None
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+@functools.cache
+def _heap_warmed() -> None:
+    libc = _libc()
+    buffer = libc.malloc(GLIBC_MMAP_THRESHOLD_MAX - 2**16)  # mapped, being above glibc's starting threshold
+    libc.free(buffer)
+
+
+def warm_heap() -> None:
+    """Have glibc serve buffers of up to 32 MB from its heap, through its own adjustment: one buffer just under that
+    size is mapped and freed, which raises its mmap threshold as any program freeing a large buffer does (no
+    setting changes). Otherwise every buffer above the starting 128 KB is mapped afresh and faults its pages in,
+    once per 4 KB, and each unmapping interrupts the other threads; MLX's CPU allocator keeps no such buffers.
+    Once per process; nothing with tuning off or without glibc."""
+    if tuning_enabled() and _libc() is not None:
+        _heap_warmed()
+
+
+@contextmanager
+def keep_freed_memory() -> Iterator[None]:
+    """Inside, on Linux with glibc: every buffer comes from the heap and freed memory stays with the process for the
+    next one (training allocates the same large buffers, gradients and optimizer state, at every step, some above
+    32 MB). Made through mallopt for the outermost of nested or concurrent blocks; after it `malloc_trim` hands the
+    memory back and glibc is left with the thresholds its own adjustment reaches (GLIBC_MMAP_THRESHOLD_MAX; mallopt
+    cannot turn that adjustment back on). Nothing with tuning off or without glibc."""
+    if not tuning_enabled() or _libc() is None:
+        yield
+        return
+    with _keeping():
+        yield
+
+
+@functools.cache
+def _keeping() -> Outermost:
+    libc = _libc()
+
+    def keep() -> None:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+
+    def hand_back() -> None:
+        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, LEFT_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
+
+    return Outermost(keep, hand_back)
+
+
+BLAS: ctypes.CDLL | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at import, if any
