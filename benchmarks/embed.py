@@ -14,8 +14,9 @@ speed relative to mlx_encoders' float32 model.
     python benchmarks/embed.py --profile             # where the float model's time goes, per op
     git worktree add /tmp/base REV && python benchmarks/embed.py --baseline /tmp/base   # before vs after
 
-mlx_encoders loads the system OpenBLAS before MLX (mlx_encoders/_blas.py); `--blas PATH` loads another library
-exporting `cblas_sgemm` instead. The 8-bit and 4-bit engines are the float model quantized in memory with
+mlx_encoders gives MLX's products the system OpenBLAS (mlx_encoders/engine/runtime.py); `--blas PATH` loads
+another library exporting `cblas_sgemm` into the global scope instead (with MLX_ENCODERS_BLAS=0). The 8-bit and
+4-bit engines are the float model quantized in memory with
 convert's layout (weights stay quantized; on the CPU each is dequantized just before its matmul), the float16
 engine a copy of the model stored in float16 and loaded with the default dtype (float32 compute on the CPU).
 `onnxruntime` runs the model exported with `torch.onnx` (benchmark-only: `pip install onnxruntime onnx`).
@@ -23,8 +24,10 @@ engine a copy of the model stored in float16 and loaded with the default dtype (
 imported under another name, as the engine `baseline`: a change's speed before and after in one run.
 `mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
 sorted by length, as sentence-transformers and mlx_encoders make them. It is skipped when not installed.
-sentence-transformers runs in a process of its own (`isolated.py`): in this one, the OpenBLAS that mlx_encoders
-loads for MLX would also take torch's matmuls from the MKL torch ships.
+`mlx_encoders-pipeline` runs the same float model through the feature-extraction pipeline (mean pooling and
+normalizing its hidden states in numpy, as the model's Pooling and Normalize modules do): the pipelines batch
+through the same engine as `encode`. sentence-transformers runs in a process of its own (`isolated.py`), with its
+own thread settings.
 """
 
 import argparse
@@ -56,8 +59,8 @@ def parse_args() -> argparse.Namespace:
 
 
 ENGINE_NAMES = (
-    "mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "mlx_encoders-fp16", "sentence-transformers",
-    "onnxruntime", "mlx-embeddings", "mlx-embeddings-sorted",
+    "mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "mlx_encoders-fp16", "mlx_encoders-pipeline",
+    "sentence-transformers", "onnxruntime", "mlx-embeddings", "mlx-embeddings-sorted",
 )  # fmt: skip
 
 
@@ -66,6 +69,7 @@ def set_threads(threads: int, blas: str | None) -> None:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
     if blas:
+        os.environ["MLX_ENCODERS_BLAS"] = "0"
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
 
 
@@ -97,6 +101,21 @@ def mlx_encoders_encoder(path: Path, whole_batches: bool):
 def mlx_encoders_engine(path: Path, batch_size: int, whole_batches: bool) -> Callable:
     encoder = mlx_encoders_encoder(path, whole_batches)
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+
+
+def pipeline_engine(path: Path, batch_size: int) -> Callable:
+    """The feature-extraction pipeline's hidden states, mean-pooled over each text's tokens and normalized."""
+    import numpy as np
+
+    from mlx_encoders import pipeline
+
+    extract = pipeline("feature-extraction", model=str(path), batch_size=batch_size)
+
+    def encode(texts):
+        pooled = np.stack([np.asarray(states[0]).mean(axis=0) for states in extract(texts, return_tensors=True)])
+        return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+    return encode
 
 
 def quantized_engine(path: Path, bits: int, batch_size: int, whole_batches: bool) -> Callable:
@@ -242,6 +261,8 @@ def build_engines(
     for name in names:
         if name == "mlx_encoders-fp32":
             engines[name] = mlx_encoders_engine(source, batch_size, whole_batches)
+        elif name == "mlx_encoders-pipeline":
+            engines[name] = pipeline_engine(source, batch_size)
         elif name == "mlx_encoders-fp16":  # loaded with the default dtype: float32 compute on the CPU
             engines[name] = mlx_encoders_engine(float16_folder(source, workdir), batch_size, whole_batches)
         elif name.startswith("mlx_encoders-"):
@@ -369,8 +390,8 @@ def bert_layer_ops(timer: Timer, layer, x, mask):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_encoders.kernels import attention
     from mlx_encoders.models.base import merge_heads, split_heads
+    from mlx_encoders.models.layers import attention
 
     attn = layer.attention.self
     q, k, v = (timer("matmul qkv", m, x) for m in (attn.query, attn.key, attn.value))

@@ -1,11 +1,5 @@
-"""A benchmark peer in a process of its own, free of the BLAS that mlx_encoders gives MLX.
-
-`import mlx_encoders` loads the system OpenBLAS with RTLD_GLOBAL so that MLX's matmuls use it (mlx_encoders/_blas.py),
-and a library loaded that way answers every later call to the same symbol anywhere in the process: torch's BLAS
-calls then run OpenBLAS rather than the MKL that torch ships. Measured on this project's 2-core machine, that made
-a one-row torch product 1.8x slower and a BERT-base training step in torch 1.9x slower. So peers built on torch
-(sentence-transformers, transformers) run in a spawned process: a fresh interpreter, which maps none of this
-process's libraries and is told not to load the BLAS should it import mlx_encoders.
+"""A benchmark peer in a process of its own: a fresh interpreter with its own thread settings and allocator, so
+that neither engine's warm-up or background threads share a process with the other's timed passes.
 
     engine = Isolated(build, *args)  # build(*args) runs in the child and returns a callable
     result = engine(*request)        # that callable's result, computed in the child

@@ -1,12 +1,12 @@
 """Long inputs on ModernBERT: the sliding-window layers as a band (`modernbert.banded_attention`) and the global
-layers a block of queries at a time (`kernels.blockwise_attention`), against the full L x L scores and mask, in
+layers a block of queries at a time (`engine.attention.blockwise_attention`), against the full L x L scores and mask, in
 seconds per forward pass, peak memory and outputs.
 
 A ModernBERT-base-shaped encoder with random weights (hidden 768, 22 layers, 12 heads, intermediate 1152,
 local_attention 128, a global layer every 3, max_position_embeddings 8192) embeds `--batch` sequences of each
 of `--lengths` tokens. Each form at each length runs in its own process (so its peak memory is its own): the
 banded form as the library runs it, and the full form as short inputs still run: `modernbert.attention_masks`
-patched to return the (B, 1, L, L) sliding mask at every length, and `kernels.BLOCKWISE_FROM` raised past L, so
+patched to return the (B, 1, L, L) sliding mask at every length, and `engine.attention.BLOCKWISE_FROM` raised past L, so
 the global layers hold all (B, heads, L, L) float32 scores at once (printed beside the results: they bound the
 full form's peak from below). Both build the same weights (one seed) and inputs; a warm-up pass (whose output
 is saved, to compare the forms), then `--repeats` timed passes. Peak memory is the process's resident set
@@ -60,7 +60,7 @@ def force_full_masks() -> None:
     attention, which short inputs still get."""
     import mlx.core as mx
 
-    from mlx_encoders import kernels
+    from mlx_encoders.engine import attention as kernels
     from mlx_encoders.models import modernbert
 
     kernels.BLOCKWISE_FROM = sys.maxsize

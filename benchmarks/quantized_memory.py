@@ -4,9 +4,10 @@ A random BERT-base-shaped encoder (12 layers, width 768, feed-forward 3072, voca
 float32 and once quantized (convert's layout: `quantize_model`, group size 32, rounded to nearest); each then runs
 in its own process (so peak memory is that engine's alone): `load_model`, a warm-up pass, then `--repeats` timed
 passes of `--batch` sequences of `--length` tokens, mean-pooled, in forward passes of as many rows as
-SentenceEncoder gives that model on the CPU (`sentence.slice_rows`: activations within CPU_SLICE_BYTES, and a
+SentenceEncoder gives that model on the CPU (`engine.batching.slice_rows`: activations within CPU_SLICE_BYTES, and a
 quantized model at least `quantized.least_group_tokens` tokens a group of passes), or of `--rows` rows for every
-engine, run as SentenceEncoder runs them (`sentence.run_in_lanes`: a group's passes on every core at once). The peak
+engine, run as SentenceEncoder runs them (`engine.batching.run_in_lanes`: a group's passes on every core at
+once). The peak
 resident set (`ru_maxrss`) covers loading and embedding; the process's peak after its imports, before loading,
 is printed beside it. On the CPU the quantized weights stay quantized in memory: each is dequantized just before
 its matmul and freed after.
@@ -68,11 +69,12 @@ def write_models(folder: Path, bits: list[str]) -> dict[str, Path]:
 
 def embed(model, ids, rows: int | None, tokens: int) -> tuple[float, int]:
     """(seconds to embed `ids` mean-pooled, rows a pass) as SentenceEncoder runs it on the CPU: passes of `rows` rows
-    (default: `sentence.slice_rows`, with the `tokens` floor spread over a group's passes) in `sentence.run_in_lanes`,
+    (default: `engine.batching.slice_rows`, with the `tokens` floor spread over a group's passes) in
+    `engine.batching.run_in_lanes`,
     which runs a group's passes on every core at once and dequantizes a quantized model's weights once a group."""
     import numpy as np
 
-    from mlx_encoders.sentence import CPU_SLICE_BYTES, run_in_lanes, slice_rows
+    from mlx_encoders.engine.batching import CPU_SLICE_BYTES, run_in_lanes, slice_rows
 
     length, used = ids.shape[1], []
 
@@ -93,7 +95,7 @@ def worker(folder: str, batch: int, rows: int | None, slice_tokens: int | None, 
     import mlx.core as mx
 
     from mlx_encoders import load_model
-    from mlx_encoders.quantized import least_group_tokens
+    from mlx_encoders.engine.quantized import least_group_tokens
 
     imported = peak_mb()
     model = load_model(folder)

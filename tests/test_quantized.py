@@ -1,15 +1,15 @@
-"""Quantized models on the CPU run through dequantize-then-BLAS (mlx_encoders/quantized.py): the same outputs
+"""Quantized models on the CPU run through dequantize-then-BLAS (mlx_encoders/engine/quantized.py): the same outputs
 as MLX's own quantized kernels for every architecture and every bit width and group size (see SETTINGS), and
 gradients through it."""
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_encoders.quantized as quantized
 import numpy as np
 import pytest
 from checkpoints import CONFIGS
 from mlx.utils import tree_flatten
 
+import mlx_encoders.engine.quantized as quantized
 from mlx_encoders import load_model
 from mlx_encoders.models import DECODER_TYPES, MODEL_TYPES, model_class, model_module
 from mlx_encoders.quantization import quantize_model

@@ -65,7 +65,7 @@ def written_out_attention(
 ) -> mx.array:
     """Attention as matmuls and a float32 softmax through exp_nonpositive. The scores are laid out keys by
     queries, (B, nh, Lk, Lq), so that the softmax's max and sum both run down columns: MLX's CPU reductions along
-    a row run 2.5-3x slower than down columns at 60-128 keys, and the sum is a product with ones (BLAS). The
+    a row run slower than down columns at encoder lengths, and the sum is a product with ones (BLAS). The
     weights are normalised after the product with v, which divides (B, nh, L, hd) values instead of
     (B, nh, L, L); that product runs in float32, as its unnormalised sums can pass float16's range. `dropout`
     (on, in training) drops weights before that product: each query's probabilities share one divisor, so
@@ -91,7 +91,7 @@ def dropped_out_attention(
 
 
 # Long inputs on the CPU: one head's QUERY_BLOCK queries at a time, whose (QUERY_BLOCK, L) float32 scores and
-# their softmax stay in the CPU's cache (1.6-1.9x faster than all (B, nh, L, L) scores at 1024-8192 tokens).
+# their softmax stay in the CPU's cache, where all (B, nh, L, L) scores would not.
 # Shorter inputs keep `attention`: their scores fit in memory, and its gradients need no recomputed softmax.
 QUERY_BLOCK = 256
 BLOCKWISE_FROM = 2048

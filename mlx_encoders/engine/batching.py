@@ -24,8 +24,7 @@ PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many ba
 # a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens.
 CPU_SLICE_BYTES = 3 * 2**19
 # With several CPU streams (runtime.forward_lanes), the passes run in groups of this many per lane, evaluated at
-# once and sharing one dequantizing of a quantized model's weights (3-10% faster than one per lane; three are
-# slower: a lane's passes interleave, and their data no longer stays in its cache).
+# once and sharing one dequantizing of a quantized model's weights; with more, a lane's data leaves its cache.
 PASSES_PER_LANE = 2
 Rows = TypeVar("Rows")  # what picks a forward pass's rows: index arrays here
 

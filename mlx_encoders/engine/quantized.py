@@ -21,16 +21,10 @@ from .runtime import on_cpu
 # Affine codes are packed little-endian into uint32 words: `bits` divides 8 (2, 4, 8) so that each byte holds
 # whole codes, or 3 bytes hold a whole number of them (3, 6 bits).
 UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
-# Up to this many rows of inputs MLX's CPU quantized kernel beats dequantize-then-BLAS (measured on a 3072 x 768
-# weight at 8 and 4 bits: 2-4x faster at 1 and 2 rows, slower from 4).
+# Up to this many rows MLX's CPU quantized kernel beats dequantize-then-BLAS (a decoding step's few rows).
 KERNEL_ROWS = 2
-# The least tokens the CPU forward passes that share one dequantizing of every weight hold together (a group of
-# SentenceEncoder's slices, run on every core at once), so that the dequantizing stays a small share of their
-# time: on a 3072 x 768 weight, 8-bit codes only widen (about 1 ms, against 6.5 ms for a 256-token matmul on both
-# cores), narrower ones also unpack (about 2 ms), and the float modes (mxfp8, ...) go through mx.dequantize (about
-# 3 ms). Passes of more tokens hold more activations: on a BERT-base-shaped model, 32 x 128 tokens, 1024 tokens
-# a group ran 8-bit at 1.04x float32's speed but at 0.54x its peak memory (256: 0.93x, 0.47x), and 4-bit at
-# 1.00x and 0.45x (256: 0.86x).
+# The least tokens the CPU passes that share one dequantizing of every weight hold together, so that dequantizing
+# stays a small share of their time: 8-bit codes only widen; narrower ones unpack too, so they need more tokens.
 GROUP_TOKENS = {("affine", 8): 256}
 DEFAULT_GROUP_TOKENS = 1024
 
