@@ -130,6 +130,13 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"No model.safetensors (or shards with {INDEX}) in {path}")
 
 
+def missing_config(path: Path) -> str:
+    """Why `path` is no checkpoint; a training run's output folder holds its model in `model/`."""
+    if (path / "model" / "config.json").exists():
+        return f"No config.json in {path}; it looks like a training run's output: pass {path / 'model'}"
+    return f"No config.json in {path}; is this a transformers or MLX checkpoint folder?"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint folder, resolved once, and its config.json, read once; every front end starts here."""
@@ -144,7 +151,7 @@ class Checkpoint:
         path = resolve(source, revision)
         file = path / "config.json"
         if not file.exists():
-            raise FileNotFoundError(f"No config.json in {path}; is this a transformers or MLX checkpoint folder?")
+            raise FileNotFoundError(missing_config(path))
         checkpoint = cls(path, read_json_object(file))
         checkpoint.check_architecture()
         return checkpoint
@@ -156,6 +163,14 @@ class Checkpoint:
     @property
     def module(self) -> ModuleType:
         return model_module(self.model_type)
+
+    @cached_property
+    def args(self):
+        """config.json as the architecture's `ModelArgs`, for what is known before the model is built."""
+        try:
+            return self.module.ModelArgs.from_dict(self.config)
+        except ValueError as e:
+            raise ValueError(f"{self.path / 'config.json'}: {e}") from e
 
     def check_architecture(self) -> None:
         """An unknown model_type fails, naming the file, before anything else is read."""
