@@ -15,6 +15,7 @@ from .build import DTYPES, load_model
 from .files import (
     PICKLE_SUFFIXES,
     Checkpoint,
+    folder_digest,
     inside,
     read_json,
     read_json_object,
@@ -27,7 +28,7 @@ from .tokenizer import load_tokenizer, tokenizer_for
 from .write import MAX_SHARD_BYTES, model_config, save, write_checkpoint
 
 __all__ = [
-    "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "inside", "load_model",
-    "load_tokenizer", "model_config", "read_json", "read_json_object", "read_modules", "read_safetensors", "resolve",
-    "save", "tokenizer_for", "weight_files", "write_checkpoint",
+    "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "folder_digest", "inside",
+    "load_model", "load_tokenizer", "model_config", "read_json", "read_json_object", "read_modules",
+    "read_safetensors", "resolve", "save", "tokenizer_for", "weight_files", "write_checkpoint",
 ]  # fmt: skip

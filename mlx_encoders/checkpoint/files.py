@@ -4,6 +4,7 @@ Every file that fails to parse names itself, paths listed inside a folder's file
 and pickle weights are refused, so reading never runs code from a checkpoint.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -78,6 +79,22 @@ def inside(folder: Path, name: Any, listed_in: Path) -> Path:
     if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
         raise ValueError(f"{listed_in} lists {name!r}, which is not a relative path inside {folder}; refusing it")
     return folder / name
+
+
+def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
+    """SHA-256 over the relative names and contents of every file under `folder` (not `exclude`, not .git): the
+    same files give the same digest, whenever and wherever they were written."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".git" not in p.relative_to(folder).parts):
+        name = file.relative_to(folder).as_posix()
+        if name in exclude:
+            continue
+        digest.update(name.encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def read_modules(folder: Path) -> list[tuple[str, Path]]:
