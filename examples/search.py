@@ -4,13 +4,13 @@
     python examples/search.py --corpus notes/ --model path/to/mlx-minilm-8bit      # then type queries
     python examples/search.py --corpus docs.jsonl --index /tmp/docs-index --top-k 3 < queries.txt
 
-The corpus is embedded with `mlx_encoders.SentenceEncoder` into one SQLite file, `--index`/index.sqlite: a
-float32 vector per distinct text (keyed by the text's SHA-256; default folder: one per model) and the model's fingerprint, dimension and row
-count. Each run checks the file (a broken one, or one built with another model, is rebuilt with a message),
-embeds only the texts it lacks, drops those no document has any more, and writes all of that in one
-transaction, so a kill or a full disk leaves the previous index as it was. Files are split into paragraphs;
-.jsonl lines are {"text": ..., "id": ...} objects or plain strings. Queries come from --query, else from an
-interactive prompt (stdin a terminal), else one per line of stdin.
+The corpus is embedded with `mlx_encoders.SentenceEncoder` into one SQLite file, `--index`/index.sqlite (by
+default a folder per model): a float32 vector per distinct text (keyed by the text's SHA-256) and the model's
+fingerprint (its files' contents), dimension and row count. Each run checks the file (a broken one, or one built
+with another model, is rebuilt with a message), embeds only the texts it lacks, drops those no document has any
+more, and writes all of that in one transaction, so a kill or a full disk leaves the previous index as it was.
+Files are split into paragraphs; .jsonl lines are {"text": ..., "id": ...} objects or plain strings. Queries come
+from --query, else from an interactive prompt (stdin a terminal), else one per line of stdin.
 """
 
 import argparse

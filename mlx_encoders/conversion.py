@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import __version__
 from .checkpoint import (
     DTYPES,
     MAX_SHARD_BYTES,
@@ -34,7 +35,6 @@ from .checkpoint import (
     read_safetensors,
     write_checkpoint,
 )
-from . import __version__
 from .checkpoint.atomic import remove_stale
 from .checkpoint.build import check_dtype
 from .checkpoint.write import copy_tokenizer_files
