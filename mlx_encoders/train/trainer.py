@@ -11,6 +11,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -382,7 +383,8 @@ class Loop:
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
         dtype = COMPUTE_DTYPES[self.config.dtype]
-        if dtype == mx.float32 and not self.config.gradient_checkpointing:
+        self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing
+        if self.compiled:
             self.loss_and_grad = compiled_value_and_grad(self.model)
         else:
             self.loss_and_grad = value_and_grad(self.model, dtype)
@@ -511,6 +513,8 @@ def train(
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     with kernels.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
+        if loop.compiled and state.step < total:  # compiling takes seconds before the bar can move: say so
+            bar.write("Compiling the training step (first step only)...", file=sys.stderr)
         for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
                 break
