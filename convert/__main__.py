@@ -1,7 +1,8 @@
-"""`python -m convert [options] SOURCE`: turn a Hugging Face encoder checkpoint into an MLX checkpoint.
+"""`python -m convert [options] SOURCE` (or `mlx-encoders-convert`): turn a Hugging Face encoder checkpoint into an
+MLX checkpoint.
 
-A thin argparse layer over `mlx_encoders.conversion.convert`; it also accepts mlx-lm's spellings
-(`--hf-path`, `--q-bits`, `--q-group-size`), as in `mlx_lm.convert`.
+A thin argparse layer over `mlx_encoders.conversion.convert`, which checks the options; it also accepts mlx-lm's
+spellings (`--hf-path`, `--q-bits`, `--q-group-size`), as in `mlx_lm.convert`.
 """
 
 import argparse
@@ -9,12 +10,12 @@ import json
 import sys
 from pathlib import Path
 
+from mlx_encoders.checkpoint import DTYPES
 from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
-from mlx_encoders.quantization import MODES, quantization_spec
+from mlx_encoders.quantization import MODES
 from mlx_encoders.quantization.recipes import SMALL_GROUPS
 
-BITS = sorted({b for allowed in MODES.values() for b in allowed["bits"]})
-GROUP_SIZES = sorted({g for allowed in MODES.values() for g in allowed["group_size"]})
+SCRIPT = "mlx-encoders-convert"  # pyproject.toml's console script; otherwise this runs as `python -m convert`
 
 
 def recipe_arg(text: str) -> str | dict:
@@ -55,24 +56,29 @@ def describe(error: Exception) -> str:
     return str(error)
 
 
+def program() -> str:
+    """The name this command was run by, for its usage line and errors."""
+    return SCRIPT if Path(sys.argv[0]).name == SCRIPT else "python -m convert"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m convert",
+        prog=program(),
         description="Convert a Hugging Face encoder checkpoint (hub id or folder) into an MLX checkpoint.",
     )
     p.add_argument("source", nargs="?", help="hub repo id (e.g. answerdotai/ModernBERT-base) or local folder")
     p.add_argument("--hf-path", dest="hf_path", help="same as SOURCE (mlx-lm spelling)")
     p.add_argument("--mlx-path", help="output folder (default: <source name>-<bits>bit in the current folder)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
-    p.add_argument("--bits", "--q-bits", type=int, choices=BITS, help=f"bits per weight: {per_mode('bits')}")
-    p.add_argument("--group-size", "--q-group-size", type=int, choices=GROUP_SIZES, help=per_mode("group_size"))
-    p.add_argument("--mode", "--q-mode", default="affine", choices=list(MODES), help="quantization mode")
+    p.add_argument("--bits", "--q-bits", type=int, help=f"bits per weight: {per_mode('bits')}")
+    p.add_argument("--group-size", "--q-group-size", type=int, help=f"group size: {per_mode('group_size')}")
+    p.add_argument("--mode", "--q-mode", default="affine", help=f"quantization mode: {', '.join(MODES)}")
     p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
     p.add_argument("--calibration", type=calibration_arg, help="text file, one text per line: quantize with GPTQ")
     p.add_argument(
         "--no-calibration", action="store_true", help="round to nearest instead of GPTQ on built-in texts (faster)"
     )
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="dtype of everything not quantized")
+    p.add_argument("--dtype", help=f"dtype of everything not quantized: {', '.join(DTYPES)}")
     p.add_argument("-d", "--dequantize", action="store_true", help="turn a quantized MLX checkpoint back to floats")
     p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
     p.add_argument("--force", action="store_true", help="replace an existing output checkpoint folder")
@@ -86,11 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     source = args.source or args.hf_path
     if not source or (args.source and args.hf_path and args.source != args.hf_path):
         p.error("give the checkpoint once: SOURCE or --hf-path")
-    if args.bits is not None or args.group_size is not None:
-        try:
-            quantization_spec(args.bits, args.group_size, args.mode)
-        except ValueError as e:
-            p.error(str(e))
     try:
         convert(
             source,
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             calibration=False if args.no_calibration else args.calibration,
         )
     except (ValueError, OSError) as e:  # a bad request, a missing or unreadable file, a full disk
-        print(f"error: {describe(e)}", file=sys.stderr)
+        print(f"{p.prog}: error: {describe(e)}", file=sys.stderr)
         return 1
     return 0
 

@@ -4,13 +4,13 @@
     python examples/search.py --corpus notes/ --model path/to/mlx-minilm-8bit      # then type queries
     python examples/search.py --corpus docs.jsonl --index /tmp/docs-index --top-k 3 < queries.txt
 
-The corpus is embedded with `mlx_encoders.SentenceEncoder` into one SQLite file, `--index`/index.sqlite: a
-float32 vector per distinct text (keyed by the text's SHA-256) and the model's fingerprint, dimension and row
-count. Each run checks the file (a broken one, or one built with another model, is rebuilt with a message),
-embeds only the texts it lacks, drops those no document has any more, and writes all of that in one
-transaction, so a kill or a full disk leaves the previous index as it was. Files are split into paragraphs;
-.jsonl lines are {"text": ..., "id": ...} objects or plain strings. Queries come from --query, else from an
-interactive prompt (stdin a terminal), else one per line of stdin.
+The corpus is embedded with `mlx_encoders.SentenceEncoder` into one SQLite file, `--index`/index.sqlite (by
+default a folder per model): a float32 vector per distinct text (keyed by the text's SHA-256) and the model's
+fingerprint (its files' contents), dimension and row count. Each run checks the file (a broken one, or one built
+with another model, is rebuilt with a message), embeds only the texts it lacks, drops those no document has any
+more, and writes all of that in one transaction, so a kill or a full disk leaves the previous index as it was.
+Files are split into paragraphs; .jsonl lines are {"text": ..., "id": ...} objects or plain strings. Queries come
+from --query, else from an interactive prompt (stdin a terminal), else one per line of stdin.
 """
 
 import argparse
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_encoders import SentenceEncoder
+from mlx_encoders.checkpoint import folder_digest
 from mlx_encoders.corpus import stdlib_documents
 
 DEFAULT_INDEX = Path.home() / ".cache" / "mlx-encoders" / "search-index"
@@ -108,10 +109,16 @@ class InvalidIndex(Exception):
 
 
 def model_fingerprint(encoder: SentenceEncoder) -> str:
-    """Hash of the name, size and mtime of every file of the model folder: any re-conversion or edit changes it."""
-    files = sorted(p for p in encoder.path.rglob("*") if p.is_file() and ".git" not in p.parts)
-    stats = [(str(p.relative_to(encoder.path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+    """Hash of the names and contents of the model folder's files: an edit or a different conversion changes it,
+    rewriting the same bytes (a rerun of the same convert command) does not."""
+    return folder_digest(encoder.path)
+
+
+def default_index(model: str) -> Path:
+    """An index folder per model under DEFAULT_INDEX, so switching models never rebuilds another model's index."""
+    path = Path(model).expanduser()
+    name = str(path.resolve()) if path.exists() else model  # a local folder, else a hub id
+    return DEFAULT_INDEX / f"{path.name}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def text_key(text: str) -> str:
@@ -189,8 +196,8 @@ def update_index(folder: Path, docs: list[tuple[str, str]], encoder: SentenceEnc
     keys = [text_key(text) for _, text in docs]
     texts, known = {key: text for key, (_, text) in zip(keys, docs, strict=True)}, set(stored)
     new, removed = [key for key in texts if key not in known], known - texts.keys()
-    if not new and not removed:
-        print(f"Reusing the index in {folder} ({len(docs)} texts)", file=sys.stderr)
+    if not new and not removed:  # count distinct texts, as "Indexing" does: a repeated text is stored once
+        print(f"Reusing the index in {folder} ({len(texts)} texts)", file=sys.stderr)
     else:
         update = f"Updating the index in {folder}: {len(new)} new or changed texts, {len(removed)} dropped"
         print(update if stored else f"Indexing {len(new)} texts with {model_id} into {folder}", file=sys.stderr)
@@ -245,7 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", help="folder of .txt/.md files or a .jsonl file (default: stdlib docstrings)")
     p.add_argument("--model", default=default_model(), help="model folder or hub id (default: %(default)s)")
-    p.add_argument("--index", type=Path, default=DEFAULT_INDEX, help="index folder (default: %(default)s)")
+    p.add_argument("--index", type=Path, help=f"index folder (default: one per model in {DEFAULT_INDEX})")
     p.add_argument("--query", "-q", action="append", help="a query (repeatable); none: interactive / stdin")
     p.add_argument("--top-k", "-k", type=positive_int, default=5, help="results per query (default: %(default)s)")
     p.add_argument("--limit", type=positive_int, default=300, help="docstrings in the default corpus (default: 300)")
@@ -256,7 +263,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     docs = load_corpus(args.corpus, args.limit)
     encoder = SentenceEncoder(args.model)
-    vectors = update_index(args.index, docs, encoder, args.model)
+    vectors = update_index(args.index or default_index(args.model), docs, encoder, args.model)
     for query in queries(args.query):
         search(query, vectors, docs, encoder, args.top_k)
 

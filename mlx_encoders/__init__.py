@@ -6,9 +6,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checkpoint import Checkpoint, load_model, save
+from .checkpoint import Checkpoint, load_model, load_tokenizer, save
 from .engine import runtime
-from .models import MODEL_TYPES, TASKS, model_module
+from .models import MODEL_TYPES, TASKS
 from .models.base import ModelOutput
 from .tokenizer import Tokenizer
 
@@ -35,35 +35,6 @@ def __getattr__(name: str):
     if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def load_tokenizer(model: nn.Module, path: str | Path | Checkpoint | None = None) -> Tokenizer:
-    """The tokenizer in `path` (default: the folder `model` was loaded from), limited to the model's positions.
-
-    A model built in code from its `ModelArgs` has no folder: pass the tokenizer's `path`.
-    """
-    path = path if path is not None else getattr(model, "path", None)
-    if path is None:
-        raise ValueError(
-            f"{type(model).__name__} was not loaded from a folder; pass the tokenizer's folder: "
-            "load_tokenizer(model, path)"
-        )
-    path = path.path if isinstance(path, Checkpoint) else path
-    module = model_module(model.args.model_type)
-    tokenizer = Tokenizer.from_pretrained(path, model.args.max_tokens, module.TOKEN_TYPES)
-    check_vocab(tokenizer, model, path)
-    return tokenizer
-
-
-def check_vocab(tokenizer: Tokenizer, model: nn.Module, path: str | Path) -> None:
-    """Fail when the tokenizer can produce ids the model has no embedding for (they would index past the table)."""
-    size = getattr(model.args, "vocab_size", None)
-    if size is not None and tokenizer.max_id >= size:
-        raise ValueError(
-            f"The tokenizer in {path} has {tokenizer.vocab_size} tokens (ids up to {tokenizer.max_id}), more than the "
-            f"model's vocab_size of {size} embeddings in its config.json. Use the tokenizer the model was trained "
-            "with, or a checkpoint whose vocab_size covers the tokenizer's."
-        )
 
 
 def load(

@@ -1,4 +1,5 @@
-"""`python -m mlx_encoders TASK --model PATH [TEXT ...]` (or `mlx-encoders TASK ...`): fill-mask, classify, embed.
+"""`python -m mlx_encoders TASK --model PATH [TEXT ...]` (or `mlx-encoders TASK ...`): fill-mask, classify, tokens,
+answer, embed.
 
 Texts come from the arguments, or one per line from stdin when there are none. Results print as tables,
 or as JSON with `--json`: a list with one {"input", "result"} entry per text, one entry per line (`--indent N`
@@ -13,6 +14,7 @@ import sys
 
 import numpy as np
 
+from .pipelines.token_classification import STRATEGIES
 from .train import cli as train_cli
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -34,10 +36,22 @@ def parser() -> argparse.ArgumentParser:
     fill.add_argument("--targets", nargs="+", help="only score these tokens")
 
     classify = tasks.add_parser("classify", parents=[common], help="text classification, pairs and reranking")
-    classify.add_argument("--top-k", type=int, default=1, help="labels per text (0: all; default 1)")
+    classify.add_argument("--top-k", type=label_count, default=1, help="labels per text (0 or -1: all; default 1)")
     classify.add_argument("--query", help="score each TEXT as the pair (QUERY, TEXT), as a cross-encoder does")
     classify.add_argument("--rerank", action="store_true", help="with --query: print the texts best first")
     classify.add_argument("--function", choices=("softmax", "sigmoid", "none"), help="score function")
+
+    tokens = tasks.add_parser("tokens", parents=[common], help="token classification: named entities, tags")
+    tokens.add_argument("--aggregation", choices=STRATEGIES, default="simple",
+                        help="group tokens into entities (default simple; none: one row per token)")  # fmt: skip
+    tokens.add_argument("--stride", type=int, help="split long texts into windows overlapping by this many tokens")
+
+    answer = tasks.add_parser("answer", parents=[common], help="extractive question answering over each context")
+    answer.add_argument("--question", "-q", required=True, help="the question to answer from each context")
+    answer.add_argument("--context", "-c", action="append", help="a context (repeatable), before any TEXT")
+    answer.add_argument("--top-k", type=int, default=1, help="answers per context (default 1)")
+    answer.add_argument("--max-answer-len", type=int, default=15, help="longest answer in tokens (default 15)")
+    answer.add_argument("--allow-no-answer", action="store_true", help="answer '' when no span scores higher")
 
     embed = tasks.add_parser("embed", parents=[common], help="sentence embeddings (SentenceEncoder)")
     embed.add_argument("--normalize", action="store_true", help="L2-normalize the embeddings")
@@ -50,9 +64,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def label_count(text: str) -> int:
+    """--top-k of classify: a count of labels, or 0 or -1 for all of them (transformers' top_k=None)."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -2
+    if count < -1:
+        raise argparse.ArgumentTypeError(f"must be a number of labels (1 or more), or 0 or -1 for all; got {text!r}")
+    return count
+
+
 def read_texts(args: argparse.Namespace) -> list[str]:
-    if args.texts:
-        return args.texts
+    if getattr(args, "context", None) or args.texts:
+        return (getattr(args, "context", None) or []) + args.texts
     if sys.stdin.isatty():
         raise ValueError("no input: give texts as arguments or pipe them in, one per line")
     texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -104,10 +129,44 @@ def classify(args, texts: list[str]):
         rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]
         return ranked, table(["rank", "score", "input", "text"], rows)
     inputs = [{"text": args.query, "text_pair": t} for t in texts] if args.query is not None else texts
-    results = clf(inputs, top_k=args.top_k or None, function_to_apply=args.function)
+    results = clf(inputs, top_k=args.top_k if args.top_k > 0 else None, function_to_apply=args.function)
 
     def show(text, labels):
         return table(["label", "score", "text"], [[r["label"], r["score"], text] for r in labels])
+
+    return results, show
+
+
+def tokens(args, texts: list[str]):
+    from .pipelines import pipeline
+
+    ner = pipeline("token-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
+    results = ner(texts, aggregation_strategy=args.aggregation, stride=args.stride)
+    grouped = args.aggregation != "none"
+
+    def show(text, entities):
+        header = ["entity", "score", "word", "start", "end"]
+        rows = [[e["entity_group" if grouped else "entity"], float(e["score"]), e["word"], e["start"], e["end"]]
+                for e in entities]  # fmt: skip
+        return "\n".join([text, table(header, rows) if rows else "(no entities)"])
+
+    return results, show
+
+
+def answer(args, texts: list[str]):
+    from .pipelines import pipeline
+
+    qa = pipeline("question-answering", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
+    results = qa(
+        question=[args.question] * len(texts), context=texts, top_k=args.top_k, max_answer_len=args.max_answer_len,
+        handle_impossible_answer=args.allow_no_answer,
+    )  # fmt: skip
+    results = [results] if len(texts) == 1 else results
+
+    def show(context, answers):
+        answers = answers if isinstance(answers, list) else [answers]
+        rows = [[i, a["answer"], float(a["score"]), a["start"], a["end"]] for i, a in enumerate(answers, start=1)]
+        return "\n".join([context, table(["rank", "answer", "score", "start", "end"], rows)])
 
     return results, show
 
@@ -123,14 +182,21 @@ def embed(args, texts: list[str]):
     return results, table(["dim", "norm", "first values", "text"], rows)
 
 
-TASKS = {"fill-mask": fill_mask, "classify": classify, "embed": embed}
+TASKS = {"fill-mask": fill_mask, "classify": classify, "tokens": tokens, "answer": answer, "embed": embed}
 
 
 def to_json(records: list, indent: int | None = None) -> str:
     """A JSON list with one record per line (a 384-number vector stays on its line), or indented throughout."""
     if indent is not None or not records:
-        return json.dumps(records, indent=indent, ensure_ascii=False)
-    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n]"
+        return json.dumps(records, indent=indent, ensure_ascii=False, default=plain)
+    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, default=plain) for r in records) + "\n]"
+
+
+def plain(value):
+    """numpy scalars as JSON numbers: token classification's scores are numpy floats, as in transformers."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def print_results(args: argparse.Namespace, texts: list[str], results, show) -> None:

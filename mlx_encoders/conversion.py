@@ -8,6 +8,8 @@ the same `quantization_config`, tokenizer and sentence-transformers files, a mod
 appears only when complete, then optionally uploads it to the hub.
 """
 
+import hashlib
+import json
 import math
 import shutil
 import time
@@ -18,14 +20,17 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import __version__
 from .checkpoint import (
     DTYPES,
     MAX_SHARD_BYTES,
     PICKLE_SUFFIXES,
     Checkpoint,
     atomic_folder,
+    folder_digest,
     load_model,
     model_config,
+    read_json,
     read_modules,
     read_safetensors,
     write_checkpoint,
@@ -45,6 +50,7 @@ from .quantization import (
 )
 from .tokenizer import Tokenizer
 
+RECORD = "conversion.json"  # what a folder was converted from and how, to reuse it for the same request
 SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 PROBE_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -261,15 +267,12 @@ def check_request(config: dict, quantize: bool, dequantize: bool, path: Path) ->
         raise ValueError(f"{path} is already quantized; convert it with dequantize=True first to re-quantize")
 
 
-def check_inputs(
-    source: str | Path, target: Path, spec: dict | None, recipe, dtype: str | None, dequantize: bool, force: bool
-) -> Checkpoint:
+def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dtype: str | None, dequantize: bool
+                 ) -> Checkpoint:  # fmt: skip
     """Every check that needs no model, so a bad request fails fast and writes nothing; returns the source."""
     if recipe is not None:  # a recipe implies quantizing, so `spec` is set
         recipe_rule(recipe, spec)
     check_dtype(dtype)
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
     checkpoint = Checkpoint.open(source)
     check_request(checkpoint.config, spec is not None, dequantize, checkpoint.path)
     if target.resolve() == checkpoint.path.resolve():
@@ -277,6 +280,24 @@ def check_inputs(
     checkpoint.weight_files()  # refuses pickle-only checkpoints
     check_sentence_modules(checkpoint.path)
     return checkpoint
+
+
+def conversion_record(checkpoint: Checkpoint, request: dict) -> dict:
+    """The source's content and every option that shapes the result, with the code versions that make it."""
+    calibration = request["calibration"]
+    if isinstance(calibration, list):
+        request = {**request, "calibration": hashlib.sha256(json.dumps(calibration).encode()).hexdigest()}
+    versions = {"mlx_encoders": __version__, "mlx": mx.__version__}
+    return {"source": folder_digest(checkpoint.path), "request": request, "versions": versions}
+
+
+def reusable(target: Path, record: dict) -> bool:
+    """Whether `target` is an unchanged conversion made from `record`'s source and options."""
+    stored = read_json(target / RECORD) if (target / RECORD).is_file() else None
+    if not isinstance(stored, dict) or stored.get("output") is None:
+        return False
+    same = {k: v for k, v in stored.items() if k != "output"} == record
+    return same and stored["output"] == folder_digest(target, exclude=(RECORD,))
 
 
 def write_folder(
@@ -317,7 +338,8 @@ def convert(
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.
-    The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it. Ctrl-C,
+    The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it, but a folder
+    converted from the same source files with the same options is kept and reused as it is. Ctrl-C,
     SIGTERM and SIGHUP remove the partial folder; what a SIGKILL leaves, the next run into it removes.
     """
     start = time.perf_counter()
@@ -325,10 +347,22 @@ def convert(
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     remove_stale(target)  # a run killed mid-write: free its space now, and put back a target it had moved aside
-    checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize, force)
+    checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize)
     explicit = calibration is not None and calibration is not False
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
+    request = dict(spec=spec, group_size=group_size, recipe=recipe, dtype=dtype, dequantize=dequantize,
+                   calibration=calibration, shard_size=shard_size)  # fmt: skip
+    record = conversion_record(checkpoint, request)
+    if target.exists() and reusable(target, record):
+        # the same source and options give the same files: a rerun keeps them (and what was built from them)
+        print(f"{target} is already a conversion of {source} with these options; reusing it (delete it to convert "
+              "again)")  # fmt: skip
+        if upload_repo:
+            print(f"Uploaded to {upload(target, upload_repo)}")
+        return target
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
     model = load_model(checkpoint, dtype="stored")  # convert keeps the dtype unless --dtype says otherwise
     tokenizer = source_tokenizer(model, checkpoint)
     calibration = calibration_texts(calibration, spec, tokenizer)
@@ -343,7 +377,8 @@ def convert(
         model.set_dtype(DTYPES[dtype])
     quantization = None
     if spec is not None:
-        quantization = quantize_model(model, spec["bits"], spec["group_size"], spec["mode"], recipe, hessians)
+        # the asked group size, not the spec's: a recipe's other bit widths take their own default
+        quantization = quantize_model(model, spec["bits"], group_size, spec["mode"], recipe, hessians)
     config = model_config(model)
     if quantization:  # convert's entry also names the modules it left float
         config["quantization"] = config["quantization_config"] = quantization
@@ -362,6 +397,7 @@ def convert(
     with atomic_folder(target, force) as tmp:
         write_folder(model, config, checkpoint.path, tmp, report, DTYPES.get(dtype), shard_size)
         (tmp / "README.md").write_text(model_card(str(source), target.name, report, upload_repo))
+        (tmp / RECORD).write_text(json.dumps({**record, "output": folder_digest(tmp)}, indent=2))
     report["seconds"] = time.perf_counter() - start
     print_report(str(source), target, report)
     if upload_repo:

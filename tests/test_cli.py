@@ -1,6 +1,7 @@
 """`python -m mlx_encoders TASK ...`: the command line gives the pipelines' results, compared with transformers'
 pipelines and sentence-transformers on the same checkpoints."""
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -15,6 +16,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import MINILM, load_reference
+from test_pipelines import reference_answers
 
 from mlx_encoders.__main__ import main
 
@@ -58,7 +60,7 @@ def close(ours, ref, tol=1e-4):
         assert len(ours) == len(ref)
         for a, b in zip(ours, ref, strict=True):
             close(a, b, tol)
-    elif isinstance(ref, float):
+    elif isinstance(ref, (float, np.floating)):  # token classification's scores are numpy floats
         assert abs(ours - ref) <= tol
     else:
         assert ours == ref
@@ -104,6 +106,63 @@ def test_classify_labels_pairs_and_rerank(capsys, classifier):
     assert [int(r[2]) for r in rows] == order.tolist()
     assert [r[3] for r in rows] == [TEXTS[i] for i in order]
     assert [float(r[1]) for r in rows] == pytest.approx([relevant[i] for i in order], abs=1e-4)
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_classify_top_k_all_as_help_says(capsys, classifier, top_k):
+    ref = reference("text-classification", classifier, "sequence-classification")
+    code, out, _ = run(capsys, "classify", "--model", classifier, "--top-k", top_k, "--json", *TEXTS)
+    assert code == 0 and "0 or -1: all" in subcommand_help("classify")
+    close([e["result"] for e in json.loads(out)], ref(TEXTS, top_k=None))
+
+
+def test_classify_refuses_other_negative_top_k(capsys, classifier):
+    with pytest.raises(SystemExit) as stop:
+        main(["classify", "-m", str(classifier), "--top-k", "-2", "text"])
+    assert stop.value.code == 2 and "or 0 or -1 for all; got '-2'" in capsys.readouterr().err
+
+
+def subcommand_help(name: str) -> str:
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        main([name, "--help"])
+    return " ".join(out.getvalue().split())
+
+
+NER_TEXTS = ["Angela Merkel met Emmanuel Macron in Strasbourg yesterday.", "Rome is old"]
+BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+
+
+@pytest.mark.parametrize("strategy", ["simple", "none"])
+def test_tokens_matches_transformers_ner(capsys, checkpoint, strategy):
+    # test_pipelines' seeded tagger, which gives the words several labels
+    tagger = checkpoint("bert", "token-classification", initializer_range=0.5, seed=1, id2label=BIO,
+                        label2id={v: k for k, v in BIO.items()})  # fmt: skip
+    ref = reference("token-classification", tagger, "token-classification")
+    expected = ref(NER_TEXTS, aggregation_strategy=strategy)
+    code, out, _ = run(capsys, "tokens", "-m", tagger, "--aggregation", strategy, "--json", *NER_TEXTS)
+    assert code == 0 and len(expected[0]) > 1
+    close([e["result"] for e in json.loads(out)], expected)
+    code, out, _ = run(capsys, "tokens", "-m", tagger, "--aggregation", strategy, NER_TEXTS[1])
+    key = "entity_group" if strategy != "none" else "entity"
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [r[0] for r in rows] == [e[key] for e in expected[1]] and [r[2] for r in rows] == [
+        e["word"] for e in expected[1]
+    ]
+
+
+def test_answer_matches_transformers_question_answering(capsys, checkpoint):
+    reader = checkpoint("bert", "question-answering", initializer_range=0.8)
+    # transformers 5 has no question-answering pipeline: test_pipelines' copy of transformers 4's
+    ref = (transformers.AutoTokenizer.from_pretrained(reader), load_reference(reader, "question-answering"))
+    question, contexts = "Where does Anna live?", ["Anna lives in Berlin and works in Potsdam.", "Rome is old."]
+    code, out, _ = run(capsys, "answer", "-m", reader, "-q", question, "-c", contexts[0], "--json", contexts[1])
+    assert code == 0
+    close([e["result"] for e in json.loads(out)], [reference_answers(ref, question, c) for c in contexts])
+    code, out, _ = run(capsys, "answer", "-m", reader, "--question", question, "--top-k", 2, contexts[0])
+    expected = reference_answers(ref, question, contexts[0], top_k=2)
+    rows = out.splitlines()[2:]
+    assert len(rows) == 2 and [r.split()[0] for r in rows] == ["1", "2"]
+    assert all(e["answer"] in row for e, row in zip(expected, rows, strict=True))
 
 
 def test_embed_matches_sentence_transformers(capsys):

@@ -22,7 +22,7 @@ from checkpoints import load_reference, make_checkpoint
 from safetensors.numpy import load_file, save_file
 
 import mlx_encoders
-from convert.__main__ import main
+from convert.__main__ import main, parser
 from mlx_encoders import conversion
 from mlx_encoders.quantization import calibration, rounding
 
@@ -343,6 +343,16 @@ def test_recipe_keeps_embeddings_and_heads_at_higher_precision(tmp_path):
     assert cos.min() > MIN_COSINE[4]
 
 
+def test_mixed_recipe_layers_take_the_group_size_of_plain_4_bits(tmp_path, bert):
+    plain = mlx_encoders.convert(bert, tmp_path / "q4", bits=4, calibration=False)
+    mixed = mlx_encoders.convert(bert, tmp_path / "mixed", recipe="mixed_4_8", calibration=False)
+    plain_config = json.loads((plain / "config.json").read_text())["quantization"]
+    mixed_config = json.loads((mixed / "config.json").read_text())["quantization"]
+    assert mixed_config["bits"] == 4 and mixed_config["group_size"] == plain_config["group_size"]
+    layer = "encoder.layer.0.attention.self.query.weight"
+    assert stored(mixed)[layer].shape == stored(plain)[layer].shape
+
+
 def test_shared_tables_stay_at_8_bits_unless_a_recipe_names_them(tmp_path, bert):
     out = mlx_encoders.convert(bert, tmp_path / "q4", bits=4, calibration=False)
     assert json.loads((out / "config.json").read_text())["quantization"] == {
@@ -441,6 +451,30 @@ def test_existing_target_needs_force(tmp_path, bert):
     mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)
     assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mlx"]
+
+
+def test_a_second_identical_convert_reuses_the_folder(tmp_path, bert, capsys):
+    target = tmp_path / "mlx"
+    command = [str(bert), "--mlx-path", str(target), "-q", "--bits", "8", "--no-calibration", "--force"]
+    assert main(command) == 0
+    written = {p.name: p.stat().st_mtime_ns for p in target.iterdir()}
+    assert main(command) == 0 and main(command[:-1]) == 0  # with --force or without
+    assert capsys.readouterr().out.count(f"{target} is already a conversion of {bert} with these options") == 2
+    assert {p.name: p.stat().st_mtime_ns for p in target.iterdir()} == written
+
+    def converts_again(command) -> bool:
+        assert main(command) == 0
+        return f"Converted {command[0]} -> {target}" in capsys.readouterr().out
+
+    assert converts_again([*command, "--dtype", "float16"])  # other options
+    with (target / "README.md").open("a") as card:  # an edited output
+        card.write("edited")
+    assert converts_again([*command, "--dtype", "float16"])
+    source = Path(shutil.copytree(bert, tmp_path / "source"))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-5}))  # another source
+    assert converts_again([str(source), *command[1:], "--dtype", "float16"])
+    assert not converts_again([str(source), *command[1:], "--dtype", "float16"])
 
 
 # A convert that stops where `step` says and prints the step: "write" inside the atomic write (after the
@@ -547,28 +581,42 @@ def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
     assert main([str(bert), "--mlx-path", str(tmp_path / "mlx"), "--no-calibration"]) == 1
     err = capsys.readouterr().err
     message = err.split("\r")[-1]  # after the progress bar
-    assert message.startswith(f"error: disk full while writing {tmp_path / 'mlx'}; nothing was written. Free space")
+    expected = f"python -m convert: error: disk full while writing {tmp_path / 'mlx'}; nothing was written. Free space"
+    assert message.startswith(expected)
     assert message.count("\n") == 1 and "Traceback" not in err
     assert listing(tmp_path) == []
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, message, status",
     [
-        (["--calibration", "{tmp}/missing.txt"], "argument --calibration: cannot read {tmp}/missing.txt (No such file"),
-        (["--calibration", "{tmp}"], "argument --calibration: cannot read {tmp} (Is a directory)"),
-        (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16"),
-        (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8"),
+        (["--calibration", "{tmp}/missing.txt"], "argument --calibration: cannot read {tmp}/missing.txt (No such", 2),
+        (["--calibration", "{tmp}"], "argument --calibration: cannot read {tmp} (Is a directory)", 2),
+        (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16", 1),
+        (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8", 1),
+        (["--mode", "int3"], "Unknown quantization mode 'int3'; choose one of: affine, mxfp4", 1),
+        (["--dtype", "float64"], "Unsupported dtype 'float64'; choose one of: float32, float16, bfloat16", 1),
     ],
-    ids=["missing calibration", "calibration folder", "group size", "bits"],
+    ids=["missing calibration", "calibration folder", "group size", "bits", "mode", "dtype"],
 )
-def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args, message):
+def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args, message, status):
+    # argparse reads the files (status 2); the library checks the options (status 1), one line either way
     args = [a.format(tmp=tmp_path) for a in args]
-    with pytest.raises(SystemExit) as stop:
-        main(["-q", str(bert), "--mlx-path", str(tmp_path / "mlx"), *args])
+    try:
+        code = main(["-q", str(bert), "--mlx-path", str(tmp_path / "mlx"), *args])
+    except SystemExit as stop:
+        code = stop.code
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and f"python -m convert: error: {message.format(tmp=tmp_path)}" in err
+    assert code == status and f"python -m convert: error: {message.format(tmp=tmp_path)}" in err
     assert "Traceback" not in err and not (tmp_path / "mlx").exists()
+
+
+def test_usage_names_the_command_it_was_run_by(monkeypatch):
+    root = Path(__file__).parents[1]
+    module = subprocess.run([sys.executable, "-m", "convert", "--help"], cwd=root, capture_output=True, text=True)
+    assert module.stdout.startswith("usage: python -m convert ")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mlx-encoders-convert", "--help"])
+    assert parser().format_usage().startswith("usage: mlx-encoders-convert ")
 
 
 def unsupported(folder: Path) -> Path:

@@ -12,7 +12,7 @@ import pytest
 import seqeval.metrics as seqeval
 import torch
 import transformers
-from checkpoints import MINILM
+from checkpoints import MINILM, make_checkpoint
 from mlx.utils import tree_flatten
 
 import mlx_encoders
@@ -74,7 +74,9 @@ def test_cli_classify_fine_tunes_an_encoder_into_a_head_transformers_reads(check
         str(eval_file), "--output", str(out), "--epochs", "2", "--batch-size", "4", "--lr", "1e-3", "--json",
     ])  # fmt: skip
     assert status == 0
-    printed = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert captured.err.count("Compiling the training step (first step only)...") == 1  # else a silent first step
     assert printed["model"] == str(out / "model")
     assert {"eval_loss", "eval_accuracy", "eval_f1", "step", "epoch"} <= set(printed["metrics"])
     assert (out / "metrics.jsonl").is_file() and (out / "curves.png").stat().st_size > 1000
@@ -214,6 +216,16 @@ def test_errors_name_the_problem(checkpoint, tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     assert main(["train", "classify", "-m", str(checkpoint("bert")), "--data", str(missing), "-o", "f"]) == 1
     assert f"mlx-encoders train: error: {missing}: no such file" in capsys.readouterr().err
+
+
+def test_fine_tune_refuses_a_tokenizer_with_ids_past_the_model_vocabulary(tmp_path):
+    # all-MiniLM-L6-v2's tokenizer has 30522 tokens; a table of 1000 embeddings would be indexed past its end
+    small = make_checkpoint(tmp_path / "small", "bert", "masked-lm", vocab_size=1000)
+    data = classification_file(tmp_path)
+    with pytest.raises(ValueError, match=r"has 30522 tokens .*vocab_size of 1000 embeddings"):
+        fine_tune("classify", data, tmp_path / "a", model=small, max_steps=1)
+    with pytest.raises(ValueError, match=r"has 30522 tokens .*vocab_size of 1000 embeddings"):
+        fine_tune("mlm", data, tmp_path / "b", config={**SIZES, "vocab_size": 1000}, tokenizer=MINILM, max_steps=1)
 
 
 def test_length_grouped_order_equals_transformers(monkeypatch):

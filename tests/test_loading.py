@@ -1,6 +1,7 @@
 """Loading: hub ids, task overrides, key fixes, shards, dtypes, quantized checkpoints and every refusal."""
 
 import json
+import re
 import shutil
 
 import mlx.core as mx
@@ -191,6 +192,16 @@ def test_no_weights_at_all(checkpoint, tmp_path):
 def test_missing_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="No config.json in"):
         mlx_encoders.load_model(tmp_path)
+
+
+def test_a_training_runs_output_folder_points_to_its_model_folder(checkpoint, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint("bert", "sequence-classification"), run / "model")
+    hint = f"No config.json in {run}; it looks like a training run's output: pass {run / 'model'}"
+    with pytest.raises(FileNotFoundError, match=re.escape(hint)):
+        mlx_encoders.load(run)
+    with pytest.raises(FileNotFoundError, match=re.escape(hint)):
+        mlx_encoders.pipeline("text-classification", model=run)
 
 
 def test_missing_tokenizer_json_says_what_to_do(checkpoint, tmp_path):

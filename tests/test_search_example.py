@@ -20,6 +20,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 
+from convert.__main__ import main as convert_main
 from mlx_encoders import SentenceEncoder
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "search.py"
@@ -144,6 +145,41 @@ def test_folder_corpus_and_index_reuse(tmp_path, model):
     assert f"Updating the index in {index}: 1 new or changed texts, 2 dropped" in changed.stderr
     assert changed.stdout.splitlines()[2] == " 1. 1.000  animals.md#1"
     assert len(changed.stdout.strip().splitlines()) == 1 + 3 * 2  # --top-k 5 on 3 texts: all 3
+
+
+def test_counts_agree_when_the_corpus_repeats_a_text(tmp_path, model, capsys):
+    # five paragraphs, four distinct texts: each distinct text is embedded and stored once
+    corpus = write_corpus(tmp_path / "corpus", {**PARAGRAPHS, "again.md": [PARAGRAPHS["animals.md"][0]]})
+    index = tmp_path / "index"
+    _, first = main(capsys, "--corpus", corpus, "--model", model, "--index", index, "--query", "cats")
+    _, again = main(capsys, "--corpus", corpus, "--model", model, "--index", index, "--query", "cats")
+    assert f"Indexing 4 texts with {model} into {index}" in first
+    assert f"Reusing the index in {index} (4 texts)" in again
+
+
+def test_quick_start_rerun_reuses_the_conversion_and_the_index(tmp_path, model, capsys, monkeypatch):
+    """README's quick start run twice as it is (convert with --force, then search with the default index), then
+    with another model and back: each model keeps its own default index."""
+    monkeypatch.setattr(search, "DEFAULT_INDEX", tmp_path / "cache" / "search-index")
+    corpus, converted = write_corpus(tmp_path / "corpus"), tmp_path / "model-8bit"
+    command = ["--quantize", "--bits", "8", str(model), "--mlx-path", str(converted), "--force", "--no-calibration"]
+    query = ["--corpus", corpus, "--query", PARAGRAPHS["animals.md"][0]]
+    assert convert_main(command) == 0
+    first, first_err = main(capsys, *query, "--model", converted)
+    assert f"Converted {model} -> {converted}" in first and "Indexing 4 texts" in first_err
+    weights = (converted / "model.safetensors").stat().st_mtime_ns
+
+    assert convert_main(command) == 0
+    again, again_err = main(capsys, *query, "--model", converted)
+    assert f"{converted} is already a conversion of {model} with these options; reusing it" in again
+    assert (converted / "model.safetensors").stat().st_mtime_ns == weights
+    assert "Reusing the index" in again_err and "Embedded" not in again_err
+    assert again.splitlines()[-4:] == first.splitlines()[-4:]
+
+    _, other_err = main(capsys, *query, "--model", model)
+    _, back_err = main(capsys, *query, "--model", converted)
+    assert "Indexing 4 texts" in other_err and "Reusing the index" in back_err
+    assert len(list(search.DEFAULT_INDEX.iterdir())) == 2
 
 
 def test_jsonl_corpus_and_queries_from_stdin(tmp_path, model):

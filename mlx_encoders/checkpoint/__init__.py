@@ -3,6 +3,7 @@
 - `files`: resolve a folder or hub id once, read config.json, JSON files, safetensors, shards and the index.
 - `build`: fit tensors to a model (prefixes, tied copies, legacy names, each architecture's `sanitize`),
   build a model from config + task, initialise heads the checkpoint lacks, `load_model`.
+- `tokenizer`: the checkpoint's tokenizer, fitted to its model (positions, vocabulary).
 - `write`: `save` (transformers-readable folders) and the writers convert uses; `atomic`: folders that
   appear only when complete, whatever interrupts the writer.
 
@@ -14,6 +15,7 @@ from .build import DTYPES, load_model
 from .files import (
     PICKLE_SUFFIXES,
     Checkpoint,
+    folder_digest,
     inside,
     read_json,
     read_json_object,
@@ -22,10 +24,11 @@ from .files import (
     resolve,
     weight_files,
 )
+from .tokenizer import load_tokenizer, tokenizer_for
 from .write import MAX_SHARD_BYTES, model_config, save, write_checkpoint
 
 __all__ = [
-    "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "inside", "load_model",
-    "model_config", "read_json", "read_json_object", "read_modules", "read_safetensors", "resolve", "save",
-    "weight_files", "write_checkpoint",
+    "Checkpoint", "DTYPES", "MAX_SHARD_BYTES", "PICKLE_SUFFIXES", "atomic_folder", "folder_digest", "inside",
+    "load_model", "load_tokenizer", "model_config", "read_json", "read_json_object", "read_modules",
+    "read_safetensors", "resolve", "save", "tokenizer_for", "weight_files", "write_checkpoint",
 ]  # fmt: skip

@@ -4,6 +4,7 @@ Every file that fails to parse names itself, paths listed inside a folder's file
 and pickle weights are refused, so reading never runs code from a checkpoint.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -80,6 +81,22 @@ def inside(folder: Path, name: Any, listed_in: Path) -> Path:
     return folder / name
 
 
+def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
+    """SHA-256 over the relative names and contents of every file under `folder` (not `exclude`, not .git): the
+    same files give the same digest, whenever and wherever they were written."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".git" not in p.relative_to(folder).parts):
+        name = file.relative_to(folder).as_posix()
+        if name in exclude:
+            continue
+        digest.update(name.encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def read_modules(folder: Path) -> list[tuple[str, Path]]:
     """sentence-transformers' modules.json: (module type, module folder) per entry; [] without the file."""
     file = folder / "modules.json"
@@ -130,6 +147,13 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"No model.safetensors (or shards with {INDEX}) in {path}")
 
 
+def missing_config(path: Path) -> str:
+    """Why `path` is no checkpoint; a training run's output folder holds its model in `model/`."""
+    if (path / "model" / "config.json").exists():
+        return f"No config.json in {path}; it looks like a training run's output: pass {path / 'model'}"
+    return f"No config.json in {path}; is this a transformers or MLX checkpoint folder?"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint folder, resolved once, and its config.json, read once; every front end starts here."""
@@ -144,7 +168,7 @@ class Checkpoint:
         path = resolve(source, revision)
         file = path / "config.json"
         if not file.exists():
-            raise FileNotFoundError(f"No config.json in {path}; is this a transformers or MLX checkpoint folder?")
+            raise FileNotFoundError(missing_config(path))
         checkpoint = cls(path, read_json_object(file))
         checkpoint.check_architecture()
         return checkpoint
@@ -156,6 +180,14 @@ class Checkpoint:
     @property
     def module(self) -> ModuleType:
         return model_module(self.model_type)
+
+    @cached_property
+    def args(self):
+        """config.json as the architecture's `ModelArgs`, for what is known before the model is built."""
+        try:
+            return self.module.ModelArgs.from_dict(self.config)
+        except ValueError as e:
+            raise ValueError(f"{self.path / 'config.json'}: {e}") from e
 
     def check_architecture(self) -> None:
         """An unknown model_type fails, naming the file, before anything else is read."""

@@ -22,6 +22,7 @@ POSITIVE_KEYS = (
     "hidden_dim", "n_layers", "embedding_size", "num_hidden_groups", "inner_group_num", "max_position_embeddings",
     "local_attention", "global_attn_every_n_layers",
 )  # fmt: skip
+# config.json's `problem_type` values, as transformers names them; `infer_problem_type` picks one when it is unset.
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 ACTIVATION_KEYS = ("hidden_act", "activation", "hidden_activation", "classifier_activation")
 # config.json's dtype notes (transformers 5 `dtype`, 4.x `torch_dtype`): loading reads the stored tensors' own.
@@ -51,6 +52,16 @@ def label_ids(mapping: dict, name: str) -> dict[int, str]:
     if sorted(id2label) != list(range(len(id2label))):
         raise ValueError(f"{name}: label ids must be 0..{len(id2label) - 1}, got {sorted(id2label)}")
     return id2label
+
+
+def infer_problem_type(configured: str | None, num_labels: int, integer_labels: bool) -> str:
+    """The config's `problem_type`, else the one transformers' `ForSequenceClassification` infers from the labels:
+    regression for a single label, single-label classification for integer labels, multi-label for float ones."""
+    if configured is not None:
+        return configured
+    if num_labels == 1:
+        return "regression"
+    return "single_label_classification" if integer_labels else "multi_label_classification"
 
 
 def type_name(hint: Any) -> str:

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding
 
+from ..models.base import PROBLEM_TYPES
 from ..tokenizer import USIZE_MAX, Tokenizer
 from .losses import IGNORE_INDEX
 from .masking import Masker, next_sentence_pairs
 
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
 ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
@@ -75,6 +75,7 @@ class Examples:
     labels: list
     label2id: dict[str, int]
     rows: list[Row]
+    problem_type: str | None = None  # sequence classification's, given or read from the data (`infer_from_row`)
 
     def __len__(self) -> int:
         return len(self.encodings)
@@ -317,16 +318,17 @@ def sequence_classification_data(
     if problem_type is not None and problem_type not in PROBLEM_TYPES:
         raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
     rows = read_rows(data, text_column)
-    problem_type = problem_type or infer_problem_type(rows[0], label_column)
+    problem_type = problem_type or infer_from_row(rows[0], label_column)
     texts = [row.text(text_column) for row in rows]
     pairs = [row.text(text_pair_column) for row in rows] if text_pair_column else None
     labels, mapping = classification_labels(rows, label_column, problem_type, label2id)
     encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
-    return Examples("sequence-classification", encodings, labels, mapping, rows)
+    return Examples("sequence-classification", encodings, labels, mapping, rows, problem_type)
 
 
-def infer_problem_type(row: Row, column: str) -> str:
-    """A list of labels means multi-label, a fractional number regression, anything else one label per text."""
+def infer_from_row(row: Row, column: str) -> str:
+    """The problem type a data file's label says (the model's config has none yet): a list of labels means
+    multi-label, a fractional number regression, anything else one label per text."""
     value = row.get(column)
     if isinstance(value, (list, tuple)) or (isinstance(value, str) and value.lstrip().startswith("[")):
         return "multi_label_classification"

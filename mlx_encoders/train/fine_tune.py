@@ -18,8 +18,10 @@ from mlx.utils import tree_flatten
 
 from ..checkpoint.build import initialize, load_model
 from ..checkpoint.files import Checkpoint, read_json_object
+from ..checkpoint.tokenizer import tokenizer_for
 from ..checkpoint.write import save
 from ..models import TASKS, model_class, model_module
+from ..models.base import BaseArgs
 from ..tokenizer import Tokenizer
 from .data import (
     Examples,
@@ -111,7 +113,7 @@ def fine_tune(
     if checkpoint is None:
         net = from_config(dict(read_config(config)), task, tok)
     else:
-        net = load_head(checkpoint, task, examples, problem_type)
+        net = load_head(checkpoint, task, examples)
     if lora_rank:
         apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
@@ -166,12 +168,12 @@ def read_config(config: str | Path | Mapping) -> Mapping:
 
 
 def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path | None) -> Tokenizer:
-    """The tokenizer of `tokenizer` (a folder), else of the checkpoint, limited to the model's positions."""
-    settings = checkpoint.config if checkpoint is not None else {"model_type": "bert", **read_config(config)}
-    module = model_module(settings.get("model_type", "bert"))
-    source = tokenizer if tokenizer is not None else checkpoint.path
-    limit = settings.get("max_position_embeddings", settings.get("n_positions"))  # GPT-2 names it n_positions
-    return Tokenizer.from_pretrained(source, limit if isinstance(limit, int) else None, module.TOKEN_TYPES)
+    """The tokenizer of `tokenizer` (a folder), else of the checkpoint, fitted to the model it will train."""
+    if checkpoint is not None:
+        return tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
+    settings = {"model_type": "bert", **read_config(config)}
+    # without a vocab_size the new model takes the tokenizer's (`from_config`), so there is nothing to check yet
+    return tokenizer_for(scratch_args(settings), tokenizer, check_vocab="vocab_size" in settings)
 
 
 def reader(task, tokenizer, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length):
@@ -199,14 +201,14 @@ def reader(task, tokenizer, text_column, text_pair_column, label_column, problem
     return read
 
 
-def load_head(checkpoint: Checkpoint, task: str, examples: Examples, problem_type: str | None) -> nn.Module:
+def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Module:
     """The checkpoint's model with the `task` head, in float32 (the weights training updates). A classification
     head is kept when it has the data's labels, else created fresh with them."""
     if task not in ("sequence-classification", "token-classification"):
         return load_model(checkpoint, dtype="float32", task=task)
     labels = dict(label2id=examples.label2id)
     if task == "sequence-classification":
-        labels["problem_type"] = problem_type or infer_problem(examples)
+        labels["problem_type"] = examples.problem_type
     stored = checkpoint.config.get("label2id")
     if checkpoint.task == task:
         if stored != examples.label2id:
@@ -217,13 +219,6 @@ def load_head(checkpoint: Checkpoint, task: str, examples: Examples, problem_typ
             )
         return load_model(checkpoint, dtype="float32", task=task)
     return load_model(checkpoint, dtype="float32", task=task, **labels)
-
-
-def infer_problem(examples: Examples) -> str:
-    first = examples.labels[0]
-    if isinstance(first, list):
-        return "multi_label_classification"
-    return "regression" if isinstance(first, float) else "single_label_classification"
 
 
 def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
@@ -237,11 +232,8 @@ def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
         eos = tokenizer.token_id(tokenizer.eos_token)
         config.setdefault("eos_token_id", eos)
         config.setdefault("bos_token_id", tokenizer.token_id(tokenizer.bos_token) or eos)
-    module = model_module(config["model_type"])
-    try:
-        args = module.ModelArgs.from_dict(config)
-    except ValueError as e:
-        raise ValueError(f"config= for training from scratch: {e}") from e
+    args = scratch_args(config)
+    module = model_module(args.model_type)
     if task not in TASKS or task not in module.MODELS:
         raise ValueError(f"{config['model_type']} has no {task} head to train from scratch")
     model = model_class(args.model_type, task)(args)
@@ -249,6 +241,13 @@ def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
     zero_padding_rows(model)
     model.train()
     return model
+
+
+def scratch_args(config: Mapping) -> BaseArgs:
+    try:
+        return model_module(config["model_type"]).ModelArgs.from_dict(dict(config))
+    except ValueError as e:
+        raise ValueError(f"config= for training from scratch: {e}") from e
 
 
 def zero_padding_rows(model: nn.Module) -> None:

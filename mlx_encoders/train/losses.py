@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models import task_of_model
-from ..models.base import ModelOutput
+from ..models.base import ModelOutput, infer_problem_type
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
 # Architectures whose classifiers read float labels of no configured problem_type as class probabilities (a soft
@@ -85,21 +85,11 @@ def replaced_token_loss(logits: mx.array, labels: mx.array) -> mx.array:
     return mx.where(kept, losses, 0).sum() / kept.sum()
 
 
-def problem_type(labels: mx.array, num_labels: int, configured: str | None = None) -> str:
-    """The config's `problem_type`, else the one transformers infers: regression for a single label,
-    single-label classification for integer labels, multi-label classification for float ones."""
-    if configured is not None:
-        return configured
-    if num_labels == 1:
-        return "regression"
-    return "single_label_classification" if mx.issubdtype(labels.dtype, mx.integer) else "multi_label_classification"
-
-
 def sequence_classification_loss(
     logits: mx.array, labels: mx.array, num_labels: int, configured: str | None = None
 ) -> mx.array:
     """transformers' `ForSequenceClassification` loss: MSE, cross-entropy or BCE-with-logits by `problem_type`."""
-    kind = problem_type(labels, num_labels, configured)
+    kind = infer_problem_type(configured, num_labels, mx.issubdtype(labels.dtype, mx.integer))
     if kind == "regression":
         # transformers squeezes a single label's (B, 1) logits and labels alike
         return mse(logits.squeeze(), labels.squeeze()) if num_labels == 1 else mse(logits, labels)

@@ -11,6 +11,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -383,7 +384,8 @@ class Loop:
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
         dtype = COMPUTE_DTYPES[self.config.dtype]
-        if dtype == mx.float32 and not self.config.gradient_checkpointing:
+        self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing
+        if self.compiled:
             self.loss_and_grad = compiled_value_and_grad(self.model, self.random)
         else:
             self.loss_and_grad = value_and_grad(self.model, dtype)
@@ -513,6 +515,8 @@ def train(
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     with runtime.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
+        if loop.compiled and state.step < total:  # compiling takes seconds before the bar can move: say so
+            bar.write("Compiling the training step (first step only)...", file=sys.stderr)
         for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
                 break
