@@ -18,7 +18,7 @@ from mlx_encoders.models import MODEL_TYPES, layers
 from mlx_encoders.models.base import padding_mask
 
 TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog.", " ".join(["a long text"] * 60)]
-# Documented in README: max abs difference from float32, relative to the output's scale.
+# Documented in docs/numerics.md: max abs difference from float32, relative to the output's scale.
 TOLERANCE = {"float16": 1e-2, "bfloat16": 6e-2}
 
 

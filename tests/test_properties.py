@@ -3,7 +3,7 @@ surrogates, huge texts), random id tensors (in and out of range), random masks a
 argument values, through `SentenceEncoder.encode`, the pipelines and the model entry. Never a crash, never
 NaN, and every refusal is one of the documented error types.
 
-The cases are derandomized (`CASES` per property, the same inputs on every run), so README can say what ran.
+The cases are derandomized (`CASES` per property, the same inputs on every run), so the docs can say what ran.
 The model-entry property runs in a subprocess: a crash there (an out-of-range id used to segfault) fails
 the test instead of killing the run.
 """
