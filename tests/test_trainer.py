@@ -133,6 +133,8 @@ def test_compiled_step_equals_value_and_grad(checkpoint, task):
     repeat of the first shape (its cached trace), and leaves the key where value_and_grad leaves it."""
     import mlx.core as mx
 
+    from mlx_encoders.engine.ops import drawing_from
+
     model, tokenizer, data = classification(checkpoint) if task == "classification" else masked_lm(checkpoint)
     model.train()
     rng = np.random.default_rng(0)
@@ -140,13 +142,17 @@ def test_compiled_step_equals_value_and_grad(checkpoint, task):
     batches = [trainer.collate(data, rows, tokenizer, mask, rng) for rows in ([0, 1, 2], [3, 4], [5, 6, 7])]
     assert batches[0]["input_ids"].shape != batches[1]["input_ids"].shape
 
-    def run(loss_and_grad) -> tuple[list, list, list]:
-        mx.random.seed(7)
-        results = [loss_and_grad(batch) for batch in batches]
-        key = np.array(mx.random.state[0])
-        return [r[0].item() for r in results], [tree_flatten(r[1]) for r in results], key
+    def run(loss_and_grad, random: list) -> tuple[list, list, list]:
+        random[0] = mx.random.key(7)
+        with drawing_from(random):
+            results = [loss_and_grad(batch) for batch in batches]
+        return [r[0].item() for r in results], [tree_flatten(r[1]) for r in results], np.array(random[0])
 
-    plain, compiled = run(trainer.value_and_grad(model, mx.float32)), run(trainer.compiled_value_and_grad(model))
+    global_key = np.array(mx.random.state[0])
+    random = [mx.random.key(7)]
+    plain = run(trainer.value_and_grad(model, mx.float32), [None])
+    compiled = run(trainer.compiled_value_and_grad(model, random), random)
+    np.testing.assert_array_equal(np.array(mx.random.state[0]), global_key)  # drawn from the trainer's own key
     np.testing.assert_allclose(compiled[0], plain[0], rtol=1e-5)
     for got, want in zip(compiled[1], plain[1], strict=True):
         assert [k for k, _ in got] == [k for k, _ in want]
@@ -161,7 +167,9 @@ def test_compiled_step_still_checks_token_ids(checkpoint):
     the vocabulary (MLX would read stray memory), and the compiled step runs again afterwards."""
     model, tokenizer, data = classification(checkpoint)
     model.train()
-    loss_and_grad = trainer.compiled_value_and_grad(model)
+    import mlx.core as mx
+
+    loss_and_grad = trainer.compiled_value_and_grad(model, [mx.random.key(0)])
     batch = trainer.collate(data, [0, 1], tokenizer)
     assert np.isfinite(loss_and_grad(batch)[0].item())
     bad = dict(batch, input_ids=batch["input_ids"].copy())

@@ -31,8 +31,10 @@ HEAD_TASKS = {
     "causal-lm": "text-generation",
 }
 # The command-line subcommand of a task, where one exists (`python -m mlx_encoders --help`).
-COMMANDS = {"feature-extraction": "embed", "fill-mask": "fill-mask", "text-classification": "classify",
-            "token-classification": "tokens", "question-answering": "answer", "text-generation": "generate"}  # fmt: skip
+COMMANDS = {
+    "feature-extraction": "embed", "fill-mask": "fill-mask", "text-classification": "classify",
+    "token-classification": "tokens", "question-answering": "answer", "text-generation": "generate",
+}  # fmt: skip
 # transformers' tokenizer keywords with a meaning for one text at a time; padding only changes batching, which
 # the pipelines do themselves, so it is taken and changes nothing (as in transformers' results).
 TOKENIZER_KEYWORDS = ("truncation", "max_length", "padding")
