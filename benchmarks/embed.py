@@ -453,7 +453,7 @@ def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) 
 def main() -> None:
     args = parse_args()
     set_threads(args.threads, args.blas)
-    import mlx_encoders  # noqa: F401  (before MLX: it gives MLX the system OpenBLAS, unless --blas chose one)
+    import mlx_encoders  # noqa: F401  (gives MLX the system OpenBLAS, unless --blas chose one)
 
     # isort: split
     import mlx.core as mx

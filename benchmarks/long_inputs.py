@@ -81,7 +81,7 @@ def force_full_masks() -> None:
 
 
 def worker(job: dict) -> None:
-    import mlx_encoders  # noqa: F401  (before MLX: it gives MLX the system OpenBLAS)
+    import mlx_encoders  # noqa: F401  (gives MLX the system OpenBLAS)
 
     # isort: split
     import mlx.core as mx

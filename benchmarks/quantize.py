@@ -45,7 +45,7 @@ CHECK_TEXTS = 16  # texts embedded with the real quantized kernels to confirm th
 
 def embed(folder: Path, texts: list[str], batch_size: int = 32) -> np.ndarray:
     """all-MiniLM-L6-v2 sentence embeddings: masked mean of last_hidden_state, L2-normalised."""
-    import mlx_encoders  # first: on Linux it gives MLX a fast BLAS
+    import mlx_encoders
 
     # isort: split
     import mlx.core as mx

@@ -624,7 +624,7 @@ def main() -> None:
         os.environ["MLX_ENCODERS_BLAS"] = "0"
         args.blas = None
     set_threads(args.threads, args.blas)
-    import mlx_encoders  # noqa: F401  (before MLX: it gives MLX the system OpenBLAS, unless --blas chose one)
+    import mlx_encoders  # noqa: F401  (gives MLX the system OpenBLAS, unless --blas chose one)
 
     if args.worker:
         worker(args)

@@ -12,7 +12,7 @@ model is saved to OUTPUT/model, which `mlx_encoders.load`, the `generate` comman
 import argparse
 import pathlib
 
-import mlx_encoders  # first: on Linux it gives MLX a fast BLAS
+import mlx_encoders
 from mlx_encoders.corpus import stdlib_docstrings
 from mlx_encoders.generation import PRESETS
 from mlx_encoders.train import fine_tune

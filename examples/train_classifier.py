@@ -16,7 +16,7 @@ import collections
 import json
 import pathlib
 
-import mlx_encoders  # first: on Linux it gives MLX a fast BLAS
+import mlx_encoders
 from mlx_encoders.corpus import stdlib_documents
 from mlx_encoders.train import fine_tune
 

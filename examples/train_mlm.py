@@ -14,7 +14,7 @@ import argparse
 import json
 import pathlib
 
-import mlx_encoders  # first: on Linux it gives MLX a fast BLAS
+import mlx_encoders
 from mlx_encoders.corpus import stdlib_docstrings
 from mlx_encoders.train import fine_tune
 
