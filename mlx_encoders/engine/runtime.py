@@ -63,9 +63,9 @@ def _load_base(library: Path) -> int | None:
     return None
 
 
-def import_slots(data: bytes, names: Sequence[str]) -> dict[str, int]:
-    """{name: slot offset} of the imported functions `names` in an ELF64 little-endian shared object's bytes: the
-    place the dynamic linker writes each one's address (relative to the object's load address)."""
+def import_slots(data, names: Sequence[str]) -> dict[str, int]:
+    """{name: slot offset} of the imported functions `names` in an ELF64 little-endian shared object's bytes (bytes or
+    an mmap): the place the dynamic linker writes each one's address (relative to the object's load address)."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         return {}
     machine = struct.unpack_from("<H", data, 0x12)[0]
@@ -77,7 +77,7 @@ def import_slots(data: bytes, names: Sequence[str]) -> dict[str, int]:
 
     def string(table_offset: int, at: int) -> str:
         start = table_offset + at
-        return data[start : data.index(b"\0", start)].decode()
+        return data[start : data.find(b"\0", start)].decode()
 
     by_name = {string(sections[shstrndx][4], s[0]): s for s in sections}
     dynsym, dynstr = by_name.get(".dynsym"), by_name.get(".dynstr")
@@ -136,7 +136,8 @@ def give_mlx_fast_blas() -> ctypes.CDLL | None:
             blas = ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
         except OSError:
             continue
-        slots = {n: s for n, s in import_slots(library_path.read_bytes(), GEMMS).items() if hasattr(blas, n)}
+        with open(library_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            slots = {n: s for n, s in import_slots(data, GEMMS).items() if hasattr(blas, n)}
         base = _load_base(library_path)
         if "cblas_sgemm" not in slots or base is None:
             return None
