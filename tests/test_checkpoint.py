@@ -20,7 +20,6 @@ from test_parity import CASES, as_torch, assert_close, our_outputs, reference_ou
 
 import mlx_encoders
 from mlx_encoders.checkpoint import save
-from mlx_encoders.engine.quantized import fast_quantized
 from mlx_encoders.models import bert, model_module, task_of_architecture
 
 TEXTS = ["hello there", "a second, longer text for the batch", ""]
@@ -140,7 +139,6 @@ def test_quantized_model_saves_in_the_layout_convert_writes(checkpoint, tmp_path
     special = "cls.predictions.transform.dense"
     override = {"group_size": 32, "bits": 8}
     nn.quantize(model, 64, 4, class_predicate=lambda p, m: override if p == special else hasattr(m, "to_quantized"))
-    fast_quantized(model)  # the CPU's fast path, which loading gives the saved model too
     folder = save(model, tmp_path / "q", tokenizer)
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization"] == config["quantization_config"]

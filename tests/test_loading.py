@@ -14,7 +14,6 @@ from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
 import mlx_encoders
-from mlx_encoders.engine.quantized import fast_quantized
 
 TEXTS = ["hello there", "a second, longer text for the batch"]
 
@@ -218,7 +217,7 @@ def test_stored_dtype_is_kept_and_dtype_argument_casts(checkpoint, tmp_path, dty
     folder = tmp_path / dtype
     load_reference(source, "masked-lm").to(getattr(torch, dtype)).save_pretrained(folder)
     shutil.copy(source / "tokenizer.json", folder / "tokenizer.json")
-    stored = mlx_encoders.load_model(folder, dtype="stored")  # the default computes in float32 on the CPU
+    stored = mlx_encoders.load_model(folder, dtype=mlx_encoders.Checkpoint.open(folder).float_dtype())
     assert {v.dtype for _, v in tree_flatten(stored.parameters())} == {getattr(mx, dtype)}
     cast = mlx_encoders.load_model(folder, dtype="float32")
     assert {v.dtype for _, v in tree_flatten(cast.parameters())} == {mx.float32}
@@ -244,7 +243,6 @@ def test_quantized_checkpoint_loads_exactly_the_stored_quantized_modules(checkpo
         bits=bits,
         class_predicate=lambda p, m: hasattr(m, "to_quantized") and p != keep_float,
     )
-    fast_quantized(model)  # the forms loading gives quantized modules (dequantize-then-BLAS on the CPU)
     expected = np.array(model(**batch).logits)
     config = {**model.config, "quantization": {"group_size": group_size, "bits": bits, "mode": "affine"}}
     folder = tmp_path / "quantized"

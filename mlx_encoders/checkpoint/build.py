@@ -17,7 +17,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..engine.quantized import fast_quantized
 from ..engine.runtime import on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
@@ -61,7 +60,7 @@ def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.a
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
-    """Turn exactly the modules whose `<path>.scales` is stored into quantized ones (their fast CPU forms)."""
+    """Turn exactly the modules whose `<path>.scales` is stored into quantized ones (models/layers.py: the engine's)."""
     spec = config.get("quantization") or config.get("quantization_config") or {}
     default = {
         "group_size": spec.get("group_size", 64),
@@ -76,7 +75,6 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
         return {**default, **override} if isinstance(override, dict) else dict(default)
 
     nn.quantize(model, class_predicate=predicate)
-    fast_quantized(model)
 
 
 def module_override(spec: dict, path: str) -> dict | None:
@@ -258,15 +256,21 @@ def warn_non_finite(model: nn.Module, source: Path) -> None:
         )
 
 
-def widen_half_precision(model: nn.Module) -> None:
-    """Cast float16/bfloat16 parameters to float32, quantization scales and biases aside (the quantized modules
-    widen those themselves): MLX's CPU backend computes half precision tens of times slower than float32."""
-    half = [
-        (k, v.astype(mx.float32))
-        for k, v in tree_flatten(model.parameters())
-        if v.dtype in (mx.float16, mx.bfloat16) and not k.endswith((".scales", ".biases"))
-    ]
-    model.load_weights(half, strict=False)
+HALF_PRECISION = (mx.float16, mx.bfloat16)
+
+
+def compute_dtype(stored: mx.Dtype) -> mx.Dtype:
+    """The dtype a model whose weights are stored in `stored` computes in by default: float32 for half precision on
+    the CPU, whose backend computes half precision tens of times slower; the stored dtype elsewhere."""
+    return mx.float32 if stored in HALF_PRECISION and on_cpu() else stored
+
+
+def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """`weights` with every float tensor in `dtype`, quantization scales and biases aside (the quantized layers
+    widen those themselves)."""
+    return {
+        k: v.astype(dtype) if is_float(v) and not k.endswith((".scales", ".biases")) else v for k, v in weights.items()
+    }
 
 
 def load_model(
@@ -282,17 +286,16 @@ def load_model(
 ) -> nn.Module:
     """Build the model a checkpoint describes (or the `task` head / bare `"encoder"`) and load its weights.
 
-    `dtype=None` keeps the stored dtype, except that half-precision weights compute in float32 on the CPU
-    (at float32's speed; a GPU keeps them); "stored" keeps it everywhere; "float32", "float16" or "bfloat16"
-    casts everything not quantized.
+    `dtype=None` computes in the stored dtype, except that half-precision weights compute in float32 on the CPU
+    (`compute_dtype`); "float32", "float16" or "bfloat16" casts everything not quantized
+    (`Checkpoint.float_dtype()` is the stored one).
     `num_labels`, `id2label`, `label2id` or `problem_type` set the labels of a classification head; a head
     the checkpoint lacks (e.g. `task="sequence-classification"` on a masked-LM checkpoint) is then created,
     initialised as transformers does, with one warning naming its new tensors. Without them a missing head
     fails.
     """
     checkpoint = Checkpoint.open(path_or_repo, revision)
-    keep_stored = dtype == "stored"
-    dtype = None if keep_stored else check_dtype(dtype)
+    dtype = check_dtype(dtype)
     labels = dict(num_labels=num_labels, id2label=id2label, label2id=label2id, problem_type=problem_type)
     new_head = any(v is not None for v in labels.values())
     try:
@@ -315,9 +318,12 @@ def load_model(
     weights = fit_prefix(weights, model)
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
+    stored = common_float_dtype(weights.items())
+    if dtype is None:
+        weights = cast_floats(weights, compute_dtype(stored))
     model.load_weights(list(weights.items()), strict=not created)
     if created:
-        initialize(model, created, checkpoint.module, dtype or common_float_dtype(weights.items()))
+        initialize(model, created, checkpoint.module, dtype or compute_dtype(stored))
         warnings.warn(
             f"Some weights of {type(model).__name__} were not in the checkpoint at {checkpoint.path} and are newly "
             f"initialized: {', '.join(sorted(created))}. Train this model on a downstream task before using it "
@@ -327,8 +333,6 @@ def load_model(
         )
     if dtype is not None:
         model.set_dtype(dtype)
-    elif not keep_stored and on_cpu():
-        widen_half_precision(model)
     warn_non_finite(model, checkpoint.path)
     model.eval()
     model.path = checkpoint.path

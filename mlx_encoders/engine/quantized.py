@@ -5,7 +5,7 @@ CPU the weight is dequantized to float32 just before its matmul (a transient cop
 multiplied in float32. Elsewhere (Metal, CUDA) MLX's own fused kernels run. Both forms are differentiable
 (QLoRA trains through them); the codes are unpacked with shifts and masks rather than `mx.dequantize`, which
 is several times slower on the CPU (tests/test_quantized.py checks both against MLX's kernels).
-`fast_quantized(model)` gives a model's quantized modules these forms; loading and quantizing call it.
+models/layers.py's Linear and Embedding quantize into these (`nn.quantize`), so loading and quantizing make them.
 """
 
 import functools
@@ -181,15 +181,3 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return quantized_matmul(
             x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits, self.mode
         )
-
-
-FAST = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
-
-
-def fast_quantized(model: nn.Module) -> nn.Module:
-    """Give every nn.QuantizedLinear / nn.QuantizedEmbedding of `model` the forms above, in place. They are
-    subclasses with the same parameters, so only the class changes (isinstance checks and saving are unaffected)."""
-    for _, module in model.named_modules():
-        if type(module) in FAST:
-            module.__class__ = FAST[type(module)]
-    return model

@@ -25,7 +25,7 @@ from .base import (
 )
 from .bert import BertEmbeddings
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 
 
 @dataclass
@@ -68,9 +68,9 @@ class AlbertEmbeddings(BertEmbeddings):
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
         E = args.embedding_size
-        self.word_embeddings = nn.Embedding(args.vocab_size, E)
-        self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
-        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
+        self.word_embeddings = Embedding(args.vocab_size, E)
+        self.position_embeddings = Embedding(args.max_position_embeddings, E)
+        self.token_type_embeddings = Embedding(args.type_vocab_size, E)
         self.LayerNorm = LayerNorm(E, eps=args.layer_norm_eps)
         self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id

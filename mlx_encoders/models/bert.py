@@ -20,7 +20,7 @@ from .base import (
     run_layer,
 )
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 
 
 @dataclass
@@ -59,10 +59,10 @@ class BertEmbeddings(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        self.word_embeddings = Embedding(args.vocab_size, args.hidden_size)
+        self.position_embeddings = Embedding(args.max_position_embeddings, args.hidden_size)
         if args.type_vocab_size > 0:
-            self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
+            self.token_type_embeddings = Embedding(args.type_vocab_size, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = args.pad_token_id

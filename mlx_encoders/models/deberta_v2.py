@@ -32,7 +32,7 @@ from .base import (
 )
 from .bert import BertIntermediate, BertResidual
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 
 TERMS = ("c2p", "p2c")
 
@@ -107,11 +107,11 @@ class DebertaV2Embeddings(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         E = args.embedding_width
-        self.word_embeddings = nn.Embedding(args.vocab_size, E)
+        self.word_embeddings = Embedding(args.vocab_size, E)
         if args.position_biased_input:
-            self.position_embeddings = nn.Embedding(args.max_position_embeddings, E)
+            self.position_embeddings = Embedding(args.max_position_embeddings, E)
         if args.type_vocab_size > 0:
-            self.token_type_embeddings = nn.Embedding(args.type_vocab_size, E)
+            self.token_type_embeddings = Embedding(args.type_vocab_size, E)
         if E != args.hidden_size:
             self.embed_proj = Linear(E, args.hidden_size, bias=False)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
@@ -264,7 +264,7 @@ class DebertaV2Encoder(nn.Module):
         self.args = args
         self.layer = [self.layer_class(args) for _ in range(args.num_hidden_layers)]
         if args.relative_attention:
-            self.rel_embeddings = nn.Embedding(2 * args.span, args.hidden_size)
+            self.rel_embeddings = Embedding(2 * args.span, args.hidden_size)
         if "layer_norm" in [x.strip() for x in args.norm_rel_ebd.lower().split("|")]:
             self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         if args.conv_kernel_size > 0:

@@ -20,7 +20,7 @@ from .base import (
     run_layer,
 )
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, Embedding, LayerNorm, Linear
 
 EPS = 1e-12
 
@@ -61,8 +61,8 @@ class ModelArgs(BaseArgs):
 class Embeddings(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.word_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.dim)
+        self.word_embeddings = Embedding(args.vocab_size, args.dim)
+        self.position_embeddings = Embedding(args.max_position_embeddings, args.dim)
         self.LayerNorm = LayerNorm(args.dim, eps=EPS)
         self.dropout = Dropout(args.dropout)
         self.padding_idx = args.pad_token_id

@@ -25,7 +25,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs, outside
-from .layers import Dropout, LayerNorm, Linear, attention, linear
+from .layers import Dropout, Embedding, LayerNorm, Linear, attention, linear
 
 # Conv1D modules: their weights are stored [in, out] in transformers checkpoints.
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -186,8 +186,8 @@ class GPT2Model(Model, nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.wte = nn.Embedding(args.vocab_size, args.n_embd)
-        self.wpe = nn.Embedding(args.n_positions, args.n_embd)
+        self.wte = Embedding(args.vocab_size, args.n_embd)
+        self.wpe = Embedding(args.n_positions, args.n_embd)
         self.drop = Dropout(args.embd_pdrop)
         self.h = [GPT2Block(args, i) for i in range(args.n_layer)]
         self.ln_f = LayerNorm(args.n_embd, eps=args.layer_norm_epsilon)

@@ -1,6 +1,7 @@
-"""The layers every model is built from: Linear, LayerNorm and Dropout with the parameters and checkpoint keys of
-MLX's own, computing through the engine's exact, fast forms, and the attention entry points. Model files import
-these and never ask which device they run on.
+"""The layers every model is built from: Linear, Embedding, LayerNorm and Dropout with the parameters and checkpoint
+keys of MLX's own, computing through the engine's exact, fast forms, and the attention entry points. Model files
+import these and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear and Embedding into
+the engine's quantized layers directly.
 """
 
 import mlx.core as mx
@@ -19,9 +20,11 @@ from ..engine.ops import (
     next_key,
     random_words,
 )
+from ..engine.quantized import QuantizedEmbedding, QuantizedLinear
 
 __all__ = [
-    "Dropout", "LayerNorm", "Linear", "attention", "blockwise_attention", "drawing_from", "gelu", "linear", "next_key",
+    "Dropout", "Embedding", "LayerNorm", "Linear",
+    "attention", "blockwise_attention", "drawing_from", "gelu", "linear", "next_key",
 ]  # fmt: skip
 
 
@@ -60,3 +63,13 @@ class Linear(nn.Linear):
         if bias is not None:
             return linear_with_bias(x, self["weight"], bias)
         return linear_without_bias(x, self["weight"])
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding, quantized into the engine's QuantizedEmbedding."""
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)

@@ -31,7 +31,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
 
 ATTENTION = ("full_attention", "sliding_attention")
 
@@ -104,7 +104,7 @@ class ModelArgs(BaseArgs):
 class ModernBertEmbeddings(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.tok_embeddings = Embedding(args.vocab_size, args.hidden_size)
         self.norm = LayerNorm(args.hidden_size, eps=args.norm_eps, bias=args.norm_bias)
         self.drop = Dropout(args.embedding_dropout)
         self.padding_idx = args.pad_token_id

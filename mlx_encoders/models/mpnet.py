@@ -25,7 +25,7 @@ from .base import (
 )
 from .bert import BertIntermediate, BertPooler, BertResidual
 from .inputs import check_inputs
-from .layers import Dropout, LayerNorm, Linear, attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, attention
 from .roberta import RobertaClassificationHead, RobertaEmbeddings, RobertaLMHead
 
 # transformers' MPNet hard-codes these, whatever config.json says: padding_idx 1 for the positions, and
@@ -81,8 +81,8 @@ class MPNetEmbeddings(RobertaEmbeddings):
 
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)
-        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        self.word_embeddings = Embedding(args.vocab_size, args.hidden_size)
+        self.position_embeddings = Embedding(args.max_position_embeddings, args.hidden_size)
         self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.dropout = Dropout(args.hidden_dropout_prob)
         self.padding_idx = PADDING_IDX
@@ -146,7 +146,7 @@ class MPNetEncoder(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.layer = [MPNetLayer(args) for _ in range(args.num_hidden_layers)]
-        self.relative_attention_bias = nn.Embedding(args.relative_attention_num_buckets, args.num_attention_heads)
+        self.relative_attention_bias = Embedding(args.relative_attention_num_buckets, args.num_attention_heads)
 
     def __call__(self, x, mask):
         buckets = relative_position_buckets(x.shape[1])

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
-from ..engine.quantized import fast_quantized
+from ..models.layers import Embedding, Linear
 from .recipes import quantization_spec, recipe_default, recipe_rule
 from .rounding import apply_gptq
 
@@ -53,7 +53,6 @@ def quantize_model(
         return dict(params)
 
     nn.quantize(model, class_predicate=predicate)
-    fast_quantized(model)
     set_scale_dtype(model)
     if hessians is not None:
         apply_gptq(model, hessians, floats)
@@ -90,9 +89,9 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
         weight = mx.dequantize(module.weight, scales, biases, module.group_size, module.bits, mode=module.mode)
         weight = weight.astype(target)
         if isinstance(module, nn.QuantizedEmbedding):
-            float_module = nn.Embedding(*weight.shape)
+            float_module = Embedding(*weight.shape)
         else:
-            float_module = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            float_module = Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:
                 float_module.bias = module.bias
         float_module.weight = weight

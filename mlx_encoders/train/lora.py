@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..engine.quantized import fast_quantized
+from ..engine.quantized import QuantizedLinear
 from ..models.base import HeadModel
-from ..models.layers import Dropout
+from ..models.layers import Dropout, Linear
 
 # The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
 DEFAULT_TARGETS = {
@@ -166,7 +166,6 @@ def fuse(model: nn.Module) -> nn.Module:
     ready for `mlx_encoders.save`; returns it."""
     fused = [(p, fused_linear(m)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     model.update_modules(tree_unflatten(fused))
-    fast_quantized(model)  # re-quantized linears take the CPU's fast path, as loaded ones do
     model.unfreeze()  # as loaded: every float parameter trainable
     freeze_quantized(model)
     del model.lora_config
@@ -176,7 +175,7 @@ def fuse(model: nn.Module) -> nn.Module:
 def fused_linear(lora: LoRALinear) -> nn.Linear | nn.QuantizedLinear:
     base = lora.linear
     if not isinstance(base, nn.QuantizedLinear):
-        fused = nn.Linear(*reversed(base.weight.shape), bias="bias" in base)
+        fused = Linear(*reversed(base.weight.shape), bias="bias" in base)
         fused.update(dict(base.parameters()))
         fused.weight = (base.weight.astype(mx.float32) + lora.delta()).astype(base.weight.dtype)
         return fused
@@ -196,7 +195,7 @@ def requantized(linear: nn.QuantizedLinear, weight: mx.array) -> nn.QuantizedLin
     """A copy of `linear` holding `weight` quantized with its settings, scales and biases in its dtypes (the
     constructor's random weight is lazy, replaced before it is ever computed)."""
     out_dims, in_dims = weight.shape
-    fused = nn.QuantizedLinear(in_dims, out_dims, "bias" in linear, linear.group_size, linear.bits, mode=linear.mode)
+    fused = QuantizedLinear(in_dims, out_dims, "bias" in linear, linear.group_size, linear.bits, mode=linear.mode)
     packed = mx.quantize(weight, linear.group_size, linear.bits, mode=linear.mode)
     fused.weight, fused.scales = packed[0], packed[1].astype(linear.scales.dtype)
     if "biases" in linear:
