@@ -6,6 +6,7 @@ The command of mlx-lm's `convert` (reference: `mlx_lm/convert.py`; `save_model` 
 mlx-community layout (weights under the model's own parameter names, config.json with `quantization` and
 the same `quantization_config`, tokenizer and sentence-transformers files, a model card) into a folder that
 appears only when complete, then optionally uploads it to the hub.
+Longer than most modules: it is convert's one pipeline (load, quantize, check fidelity, write, card, upload).
 """
 
 import hashlib

@@ -337,6 +337,21 @@ class PooledClassification(HeadModel):
         return out
 
 
+class HiddenStateClassification(HeadModel):
+    """`classifier_class(args)` on the last hidden state (RoBERTa's and ELECTRA's heads read its first token)."""
+
+    classifier_class: type = nn.Module
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.classifier = self.classifier_class(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.classifier(out.last_hidden_state)
+        return out
+
+
 class TokenClassification(HeadModel):
     """`dropout` (args.token_classifier_dropout), then `classifier` on every token's hidden state."""
 

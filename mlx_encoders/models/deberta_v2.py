@@ -5,6 +5,7 @@ q . k_pos[i - j]) and each key the queries' (p2c: k . q_pos[j - i]), from one ta
 that every layer shares; distances past position_buckets // 2 are log-bucketed. Those terms reach
 `layers.attention` as an additive bias, everything scaled by 1 / sqrt(head_dim * (1 + number of terms)). The mask
 is query x key (a padded query attends uniformly to every key) and the embeddings are zeroed on padding, as there.
+Longer than most model files: disentangled attention (relative buckets, shared terms) is DeBERTa's own.
 """
 
 import json

@@ -12,7 +12,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .albert import AlbertEmbeddings
-from .base import HeadModel, ModelOutput, QuestionAnswering, TiedDecoder, TokenClassification, activation, padding_mask
+from .base import (
+    HeadModel,
+    HiddenStateClassification,
+    ModelOutput,
+    QuestionAnswering,
+    TiedDecoder,
+    TokenClassification,
+    activation,
+    padding_mask,
+)
 from .bert import BertModel
 from .bert import ModelArgs as BertArgs
 from .inputs import check_inputs
@@ -122,15 +131,8 @@ class ElectraForMaskedLM(ElectraHead):
         return self.generator_lm_head(self.generator_predictions(hidden), self.electra.embeddings.word_embeddings)
 
 
-class ElectraForSequenceClassification(ElectraHead):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.classifier = ElectraClassificationHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.classifier(out.last_hidden_state)
-        return out
+class ElectraForSequenceClassification(ElectraHead, HiddenStateClassification):
+    classifier_class = ElectraClassificationHead
 
 
 class ElectraForTokenClassification(ElectraHead, TokenClassification):

@@ -294,29 +294,30 @@ class ModernBertForMaskedLM(ModernBertHead):
         return self.decoder(self.head(hidden), self.model.embeddings.tok_embeddings)
 
 
-class ModernBertForSequenceClassification(ModernBertHead):
+class ModernBertClassifier(ModernBertHead):
+    """The prediction head, dropout, then `classifier`: transformers' sequence and token heads alike."""
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.drop = Dropout(args.classifier_dropout)
         self.classifier = Linear(args.hidden_size, args.num_labels)
 
+    def classify(self, x: mx.array) -> mx.array:
+        return self.classifier(self.drop(self.head(x)))
+
+
+class ModernBertForSequenceClassification(ModernBertClassifier):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
         x = out.last_hidden_state
-        pooled = x[:, 0] if self.args.classifier_pooling == "cls" else masked_mean(x, attention_mask)
-        out.logits = self.classifier(self.drop(self.head(pooled)))
+        out.logits = self.classify(x[:, 0] if self.args.classifier_pooling == "cls" else masked_mean(x, attention_mask))
         return out
 
 
-class ModernBertForTokenClassification(ModernBertHead):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.drop = Dropout(args.classifier_dropout)
-        self.classifier = Linear(args.hidden_size, args.num_labels)
-
+class ModernBertForTokenClassification(ModernBertClassifier):
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        out.logits = self.classifier(self.drop(self.head(out.last_hidden_state)))
+        out.logits = self.classify(out.last_hidden_state)
         return out
 
 

@@ -14,6 +14,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    HiddenStateClassification,
     Model,
     ModelOutput,
     QuestionAnswering,
@@ -195,15 +196,8 @@ class MPNetForMaskedLM(MPNetHead):
         return self.lm_head(hidden, self.mpnet.embeddings.word_embeddings)
 
 
-class MPNetForSequenceClassification(MPNetHead):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.classifier = RobertaClassificationHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask)
-        out.logits = self.classifier(out.last_hidden_state)
-        return out
+class MPNetForSequenceClassification(MPNetHead, HiddenStateClassification):
+    classifier_class = RobertaClassificationHead
 
 
 class MPNetForTokenClassification(MPNetHead, TokenClassification):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import HeadModel, ModelOutput, QuestionAnswering, TokenClassification, embed
+from .base import HeadModel, HiddenStateClassification, ModelOutput, QuestionAnswering, TokenClassification, embed
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
 from .layers import Dropout, LayerNorm, Linear
@@ -86,15 +86,8 @@ class RobertaForMaskedLM(RobertaHead):
         return out
 
 
-class RobertaForSequenceClassification(RobertaHead):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.classifier = RobertaClassificationHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.classifier(out.last_hidden_state)
-        return out
+class RobertaForSequenceClassification(RobertaHead, HiddenStateClassification):
+    classifier_class = RobertaClassificationHead
 
 
 class RobertaForTokenClassification(RobertaHead, TokenClassification):

@@ -5,6 +5,7 @@ Token labels are aligned to sub-tokens as transformers' token-classification tut
 does (first sub-token of a word labelled, the rest -100, or every sub-token with `label_all_tokens=True`); masked-LM
 batches are masked afresh by `masking.Masker` each time `collate` builds them. Every error about the data names the
 file and its 1-based line (or the 1-based item of an iterable) and says what is wrong.
+Longer than most modules: one reader and collate per task, sharing their checks.
 """
 
 import csv
