@@ -21,7 +21,8 @@ convert's layout (weights stay quantized; on the CPU each is dequantized just be
 engine a copy of the model stored in float16 and loaded with the default dtype (float32 compute on the CPU).
 `onnxruntime` runs the model exported with `torch.onnx` (benchmark-only: `pip install onnxruntime onnx`).
 `--baseline DIR` adds the float model as the package in DIR (a checkout of another revision) computes it,
-imported under another name, as the engine `baseline`: a change's speed before and after in one run.
+imported under another name, as the engine `baseline` (and `baseline-8bit`, `baseline-4bit` beside the quantized
+engines asked for): a change's speed before and after in one run.
 `mlx-embeddings` runs as its README shows (batches in input order); `mlx-embeddings-sorted` gets batches
 sorted by length, as sentence-transformers and mlx_encoders make them. It is skipped when not installed.
 `mlx_encoders-pipeline` runs the same float model through the feature-extraction pipeline (mean pooling and
@@ -32,6 +33,7 @@ own thread settings.
 
 import argparse
 import ctypes
+import importlib
 import os
 import statistics
 import sys
@@ -110,9 +112,11 @@ def pipeline_engine(path: Path, batch_size: int) -> Callable:
     from mlx_encoders import pipeline
 
     extract = pipeline("feature-extraction", model=str(path), batch_size=batch_size)
+    window = {"max_length": MAX_SEQ_LENGTH}  # the model's sentence_bert_config.json, as SentenceEncoder reads it
 
     def encode(texts):
-        pooled = np.stack([np.asarray(states[0]).mean(axis=0) for states in extract(texts, return_tensors=True)])
+        states = extract(texts, return_tensors=True, tokenize_kwargs=window)
+        pooled = np.stack([np.asarray(s[0]).mean(axis=0) for s in states])
         return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
 
     return encode
@@ -196,7 +200,17 @@ def baseline_package(checkout: Path):
     itself relatively, so both versions live in one process)."""
     import importlib.util
 
+    import mlx_encoders
+
     package = checkout / "mlx_encoders"
+    # an absolute `from mlx_encoders import X` inside the checkout, for a module X this revision no longer has
+    for file in package.glob("*.py"):
+        if not (Path(mlx_encoders.__file__).parent / file.name).exists():
+            spec = importlib.util.spec_from_file_location(f"mlx_encoders.{file.stem}", file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            setattr(mlx_encoders, file.stem, module)
     spec = importlib.util.spec_from_file_location(
         "mlx_encoders_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
     )
@@ -206,9 +220,13 @@ def baseline_package(checkout: Path):
     return module
 
 
-def baseline_engine(checkout: Path, path: Path, batch_size: int) -> Callable:
-    """The float model as the package in `checkout` computes it (`baseline_package`)."""
-    encoder = baseline_package(checkout).SentenceEncoder(path)
+def baseline_engine(checkout: Path, path: Path, batch_size: int, bits: int | None = None) -> Callable:
+    """The float model (or quantized in memory at `bits`, as `quantized_engine`) as the package in `checkout`
+    computes it (`baseline_package`)."""
+    package = sys.modules.get("mlx_encoders_baseline") or baseline_package(checkout)
+    encoder = package.SentenceEncoder(path)
+    if bits:
+        importlib.import_module("mlx_encoders_baseline.quantization").quantize_model(encoder.model, bits=bits)
     return lambda texts: encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
 
 
@@ -258,6 +276,9 @@ def build_engines(
 ) -> dict[str, Callable]:
     source = model_folder()
     engines = {"baseline": baseline_engine(baseline, source, batch_size)} if baseline else {}
+    for bits in (8, 4) if baseline else ():  # the quantized engines asked for, before and after
+        if f"mlx_encoders-{bits}bit" in names:
+            engines[f"baseline-{bits}bit"] = baseline_engine(baseline, source, batch_size, bits)
     for name in names:
         if name == "mlx_encoders-fp32":
             engines[name] = mlx_encoders_engine(source, batch_size, whole_batches)
