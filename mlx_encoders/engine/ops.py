@@ -197,8 +197,13 @@ def random_words(shape: Sequence[int]) -> mx.array:
 
 
 @mx.compile
-def scale_and_shift(centred: mx.array, inverse_std: mx.array, weight: mx.array, bias: mx.array) -> mx.array:
-    return centred * inverse_std * weight + bias
+def scale_and_shift(centred: mx.array, error: mx.array, inverse_std: mx.array, weight: mx.array, bias: mx.array):
+    return (centred - error) * inverse_std * weight + bias
+
+
+@mx.compile
+def scaled(centred: mx.array, error: mx.array, inverse_std: mx.array) -> mx.array:
+    return (centred - error) * inverse_std
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
@@ -207,16 +212,16 @@ def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps:
     whose row reductions are slower. It stays within 2e-6 of torch's float64 layer norm relative to the output's
     scale, gradients too (tests/test_numerics.py): the mean's rounding error, which a BLAS's summation order sets
     and a large common offset magnifies, is measured on the centred values and taken off; the variance is the
-    centred values' mean square."""
+    mean square of the centred values less that error."""
     if not on_cpu() or x.dtype != mx.float32:
         return mx.fast.layer_norm(x, weight, bias, eps)
     average = mx.full((x.shape[-1], 1), 1.0 / x.shape[-1], mx.float32)
     centred = x - x @ average
-    centred = centred - centred @ average
-    inverse_std = mx.rsqrt((centred * centred) @ average + eps)
+    error = centred @ average  # what is left of the mean; (centred - error)'s mean square is the variance
+    inverse_std = mx.rsqrt((centred * centred) @ average - error * error + eps)
     if weight is not None and bias is not None:
-        return scale_and_shift(centred, inverse_std, weight, bias)
-    y = centred * inverse_std
+        return scale_and_shift(centred, error, inverse_std, weight, bias)
+    y = scaled(centred, error, inverse_std)
     return y if weight is None else y * weight
 
 
