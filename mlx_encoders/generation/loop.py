@@ -14,9 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..tokenizer import Tokenizer, text_list
-from . import numpy_step
+from . import steps as compiled
 from .config import PRESETS, GenerationConfig
-from .numpy_step import NumpyDecoder
 from .processors import processors, select
 
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
@@ -124,7 +123,7 @@ def generate_steps(
     cache = model.make_cache()
     finished = np.zeros(B, dtype=bool)
     logits = forward(model, tokens, mask, positions, cache)
-    decoder = NumpyDecoder(model, cache, L + new_tokens) if numpy_step.supported(model, B) else None
+    decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
     for step in range(new_tokens):
         scores = logits.astype(mx.float32)
         if steps:
@@ -144,7 +143,7 @@ def generate_steps(
             mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
             positions = positions[:, -1:] + 1
         if decoder is not None:
-            logits = mx.array(decoder.step(chosen, mask, None if positions is None else positions[:, 0]))
+            logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
         else:
             logits = forward(model, chosen[:, None], mask, positions, cache)
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import Dropout, LayerNorm, Linear, attention, linear
+from . import inputs
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -229,7 +230,7 @@ class GPT2Model(Model, nn.Module):
                 f"input of {offset + input_ids.shape[1]} tokens is longer than the {n} positions of the model's "
                 f"position table (n_positions={n}); truncate it, e.g. tokenizer(..., truncation=True, max_length={n})"
             )
-        bad = outside(position_ids, n) if position_ids is not None else None
+        bad = outside(position_ids, n) if position_ids is not None and not inputs._unchecked else None
         if bad is not None:
             raise ValueError(f"position_ids holds {bad}, outside the model's {n} positions (n_positions={n})")
         if token_type_ids is not None and outside(token_type_ids, self.args.vocab_size) is not None:
@@ -297,10 +298,9 @@ def is_conv1d(key: str, weights: dict) -> bool:
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Conv1D weights [in, out] -> [out, in], stored so: the CPU's matrix-vector products of decoding
-    (generation/numpy_step.py) stream that layout 15% faster than a transposed view. The copies cost a transient
-    at load (GPT-2 small: MLX's peak 498 -> 630 MB, peak resident memory 558 -> 590 MB). Drop the causal-mask
-    buffers (`attn.bias`, `attn.masked_bias`)."""
+    """Conv1D weights [in, out] -> [out, in], nn.Linear's layout, stored so (a contiguous copy, not a transposed
+    view): every product reads the weights of all the model's layers in one layout. Drop the causal-mask buffers
+    (`attn.bias`, `attn.masked_bias`)."""
     return {
         key: mx.contiguous(value.T) if is_conv1d(key, weights) else value
         for key, value in weights.items()
