@@ -136,9 +136,9 @@ def test_compiled_steps_equal_transformers(checkpoint, name, padded):
         full_mask = np.concatenate([full_mask, np.ones((len(prompt), 1), np.int32)], axis=1)
         if padded:
             positions = positions[:, -1:] + 1
-            got.append(np.array(decoder.step(new, full_mask, positions[:, 0])))
+            got.append(np.array(decoder.step(mx.array(new), full_mask, positions[:, 0])))
         else:
-            got.append(np.array(decoder.step(new, None, None)))
+            got.append(np.array(decoder.step(mx.array(new), None, None)))
     expected = transformers_logits(ref, ids, full_mask)[:, prompt.shape[1] :]
     np.testing.assert_allclose(np.stack(got, axis=1), expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 

@@ -92,10 +92,11 @@ def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> Non
         )
 
 
-def forward(model, ids: np.ndarray, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
-    """The last position's logits, (B, V)."""
+def forward(model, ids, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
+    """The last position's logits, (B, V), of (B, L) `ids` (numpy or MLX)."""
     mask, positions = (None if x is None else mx.array(x) for x in (mask, positions))
-    out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+    ids = ids if isinstance(ids, mx.array) else mx.array(ids)
+    out = model(ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
     return out.logits[:, -1]
 
 
@@ -120,32 +121,44 @@ def generate_steps(
     prompt_start = None if mask is None else mx.array(mask.argmax(axis=1))  # transformers' prompt_ignore_length
     steps = processors(config, L, prompt_start, eos)
     key = mx.random.key(config.seed) if config.seed is not None and config.do_sample else None
-    cache = model.make_cache()
-    finished = np.zeros(B, dtype=bool)
-    logits = forward(model, tokens, mask, positions, cache)
-    decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
-    for step in range(new_tokens):
+    ids, finished = mx.array(tokens), mx.zeros((B,), mx.bool_)
+    eos_ids = mx.array(eos, mx.int32) if eos else None
+
+    def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The next (B,) tokens (pad in the finished rows) and which rows have finished, both lazy."""
+        nonlocal key, ids, finished
         scores = logits.astype(mx.float32)
-        if steps:
-            ids = mx.array(tokens)
-            for process in steps:
-                scores = process(ids, scores)
+        for process in steps:
+            scores = process(ids, scores)
+        draw = None
         if key is not None:
             key, draw = mx.random.split(key)
-        chosen = np.array(select(scores, config.do_sample, draw if key is not None else None)).astype(np.int32)
-        chosen = np.where(finished, pad, chosen)
-        tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
-        finished |= np.isin(chosen, eos)
-        yield chosen
-        if finished.all() or step == new_tokens - 1:
+        chosen = mx.where(finished, pad, select(scores, config.do_sample, draw).astype(mx.int32))
+        ids = mx.concatenate([ids, chosen[:, None]], axis=1)
+        if eos_ids is not None:
+            finished = finished | (chosen[:, None] == eos_ids).any(axis=1)
+        return chosen, finished
+
+    cache = model.make_cache()
+    logits = forward(model, tokens, mask, positions, cache)
+    decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
+    chosen, done = choose(logits)
+    for step in range(new_tokens):
+        if step < new_tokens - 1:  # the next step is queued on the lazy tokens before they are read (mlx-lm's loop)
+            if mask is not None:
+                mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
+                positions = positions[:, -1:] + 1
+            if decoder is not None:
+                logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
+            else:
+                logits = forward(model, chosen[:, None], mask, positions, cache)
+            following = choose(logits)
+            mx.async_eval(*following)
+        yield np.array(chosen)
+        if np.array(done).all():
             return
-        if mask is not None:
-            mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
-            positions = positions[:, -1:] + 1
-        if decoder is not None:
-            logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
-        else:
-            logits = forward(model, chosen[:, None], mask, positions, cache)
+        if step < new_tokens - 1:
+            chosen, done = following
 
 
 def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:

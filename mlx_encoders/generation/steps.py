@@ -56,7 +56,7 @@ class CompiledSteps:
             out = self.model(ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
         return out.logits[:, -1], [c.keys for c in cache], [c.values for c in cache]
 
-    def step(self, ids: np.ndarray, attention_mask: np.ndarray | None, positions: np.ndarray | None) -> mx.array:
+    def step(self, ids: mx.array, attention_mask: np.ndarray | None, positions: np.ndarray | None) -> mx.array:
         """(B, V) logits of the next token after `ids` (B,), at `positions` (B,) (default: the cache's length);
         `attention_mask` (B, cached + 1), 0 on padding, as the model takes it."""
         B = len(ids)
@@ -66,7 +66,7 @@ class CompiledSteps:
             self.written[:, : self.index + 1] = attention_mask
         positions = np.full((B, 1), self.index) if positions is None else positions.reshape(B, 1)
         logits, self.keys, self.values = self.step_function(
-            mx.array(ids.reshape(B, 1)), mx.array(self.written), mx.array(positions, mx.int32),
+            ids.reshape(B, 1).astype(mx.int32), mx.array(self.written), mx.array(positions, mx.int32),
             mx.array(self.index, mx.int32), self.keys, self.values,
         )  # fmt: skip
         self.index += 1
