@@ -37,7 +37,7 @@ def applies(model: nn.Module) -> bool:
 
 class CompiledSteps:
     """Decoding steps of `model` whose cache (`make_cache`'s, after the prompt's forward pass) holds the prompt:
-    its keys and values are copied into buffers with room for `capacity` positions in all."""
+    its keys and values move into buffers with room for `capacity` positions in all (the cache is emptied)."""
 
     def __init__(self, model: nn.Module, cache: list, capacity: int):
         self.model, self.index = model, cache[0].offset
@@ -47,6 +47,7 @@ class CompiledSteps:
                 B, heads, _, head_dim = stored.shape
                 room = mx.zeros((B, heads, capacity - self.index, head_dim), stored.dtype)
                 buffers.append(mx.concatenate([stored[..., : self.index, :], room], axis=2))
+            layer.keys = layer.values = None  # not held twice while decoding
         self.written = np.zeros((B, capacity), np.int32)  # 1 where a key is written and is not padding
         self.step_function = mx.compile(self.forward)  # a function of this object: traced anew for each generation
 
