@@ -117,11 +117,14 @@ def transformers_logits(ref, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.logits.numpy()
 
 
+@pytest.mark.parametrize("block", [steps.BLOCK, 4], ids=["one-length", "growing-lengths"])
 @pytest.mark.parametrize("padded", [False, True], ids=["one-unmasked", "left-padded-pair"])
 @pytest.mark.parametrize("name", list(STEP_CONFIGS))
-def test_compiled_steps_equal_transformers(checkpoint, name, padded):
+def test_compiled_steps_equal_transformers(checkpoint, monkeypatch, name, padded, block):
     """The logits of each compiled decoding step, across the config options the forward pass reads; without a
-    mask (an unpadded prompt) positions follow the cache's length."""
+    mask (an unpadded prompt) positions follow the cache's length. With a small block, the attention length
+    grows across the steps (one compiled function per length) and ends at the buffers' capacity."""
+    monkeypatch.setattr(steps, "BLOCK", block)
     folder = checkpoint("gpt2", "causal-lm", initializer_range=0.2, **STEP_CONFIGS[name])
     model, ref = mlx_encoders.load_model(folder), load_reference(folder, "causal-lm")
     prompt, mask = left_pad(STEP_PROMPTS if padded else STEP_PROMPTS[:1], 0)
