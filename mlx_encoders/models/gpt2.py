@@ -303,11 +303,11 @@ def is_head_table(key: str, weights: dict) -> bool:
 
 
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers (no copy):
-    `x @ weight.T` then multiplies by the [in, out] buffer as it is, which OpenBLAS's sgemm packs faster for one
-    row (a decoding step) than the [out, in] layout. For the same reason the LM head's [vocab, n_embd] matrix is
-    copied to [n_embd, vocab] and viewed back (embedding lookups then read strided rows: a few per token). Drop
-    the causal-mask buffers (`attn.bias`, `attn.masked_bias`)."""
+    """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers: no copy at
+    load, and `x @ weight.T` multiplies by the [in, out] buffer as it is, a layout OpenBLAS's sgemm packs at least
+    as fast for one row (a decoding step). The LM head's [vocab, n_embd] matrix is copied to [n_embd, vocab] and
+    viewed back: for one row, sgemm packs that layout faster (embedding lookups then read strided rows, a few per
+    token). Drop the causal-mask buffers (`attn.bias`, `attn.masked_bias`)."""
     return {
         key: value.T if is_conv1d(key, weights) else mx.contiguous(value.T).T if is_head_table(key, weights) else value
         for key, value in weights.items()
