@@ -143,6 +143,7 @@ def generate_steps(
     logits = forward(model, tokens, mask, positions, cache)
     decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
     chosen, done = choose(logits)
+    mx.async_eval(chosen, done)  # on its own: reading the first token then waits for the prompt's pass alone
     for step in range(new_tokens):
         if step < new_tokens - 1:  # the next step is queued on the lazy tokens before they are read (mlx-lm's loop)
             if mask is not None:
