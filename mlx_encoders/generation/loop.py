@@ -142,24 +142,30 @@ def generate_steps(
     cache = model.make_cache()
     logits = forward(model, tokens, mask, positions, cache)
     decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
+
+    def advance(chosen: mx.array) -> tuple[mx.array, mx.array]:
+        """Queue the step after the (lazy) tokens `chosen`; its tokens and finished rows, lazy."""
+        nonlocal mask, positions
+        if mask is not None:
+            mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
+            positions = positions[:, -1:] + 1
+        if decoder is not None:
+            logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
+        else:
+            logits = forward(model, chosen[:, None], mask, positions, cache)
+        following = choose(logits)
+        mx.async_eval(*following)
+        return following
+
     chosen, done = choose(logits)
-    mx.async_eval(chosen, done)  # on its own: reading the first token then waits for the prompt's pass alone
     for step in range(new_tokens):
-        if step < new_tokens - 1:  # the next step is queued on the lazy tokens before they are read (mlx-lm's loop)
-            if mask is not None:
-                mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
-                positions = positions[:, -1:] + 1
-            if decoder is not None:
-                logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
-            else:
-                logits = forward(model, chosen[:, None], mask, positions, cache)
-            following = choose(logits)
-            mx.async_eval(*following)
+        last = step == new_tokens - 1
+        if step and not last:  # queued before this step's tokens are read (mlx-lm's loop); not the first step,
+            following = advance(chosen)  # whose tracing would hold back the first token
         yield np.array(chosen)
-        if np.array(done).all():
+        if last or np.array(done).all():
             return
-        if step < new_tokens - 1:
-            chosen, done = following
+        chosen, done = following if step else advance(chosen)
 
 
 def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:
