@@ -6,6 +6,7 @@ import io
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -17,9 +18,9 @@ from transformers.generation import logits_process as hf
 import mlx_encoders
 from mlx_encoders import GenerationConfig, generate, stream_generate
 from mlx_encoders.__main__ import main
-from mlx_encoders.generation import PRESETS, TextStream, generate_ids
+from mlx_encoders.generation import PRESETS, TextStream, generate_ids, steps
 from mlx_encoders.generation import processors as ours
-from mlx_encoders.generation.loop import left_pad
+from mlx_encoders.generation.loop import forward, left_pad
 
 PROMPTS = ["The quick brown fox", "Return the value of", "a", "Parse the command line arguments and"]
 PAD = 0  # the tokenizer's <|endoftext|>, GPT-2's usual pad
@@ -57,7 +58,7 @@ def an_eos(ref, ids, mask, step: int) -> int:
 @pytest.mark.parametrize(
     "batch",
     [[p] for p in PROMPTS[:2]] + [PROMPTS[1:3], PROMPTS],
-    ids=["single", "single2", "left-padded-pair", "left-padded"],  # up to two rows decode in numpy on the CPU
+    ids=["single", "single2", "left-padded-pair", "left-padded"],
 )
 @pytest.mark.parametrize(
     "options",
@@ -93,6 +94,82 @@ def test_eos_ends_every_row_and_pads_the_finished(lm):
     np.testing.assert_array_equal(tokens, transformers_generate(ref, ids, mask, max_new_tokens=30, eos_token_id=eos))
     first = list(tokens[0, ids.shape[1] :])
     assert set(first[first.index(eos) + 1 :]) <= {PAD}
+
+
+STEP_CONFIGS = {
+    "default": {},
+    "erf-gelu": dict(activation_function="gelu"),
+    "relu": dict(activation_function="relu"),
+    "layer-scaled": dict(scale_attn_by_inverse_layer_idx=True),
+    "unscaled": dict(scale_attn_weights=False),
+    "untied": dict(tie_word_embeddings=False),
+}
+STEP_PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 120]]  # left-padded as a pair: the second row starts with 4 pads
+FED = [11, 3, 250, 64, 9]  # the tokens fed after the prompt, one a step
+
+
+def transformers_logits(ref, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """transformers' logits of every position of the whole sequence, positions as its `generate` makes them."""
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = ref(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
+                  position_ids=torch.tensor(positions).long())  # fmt: skip
+    return out.logits.numpy()
+
+
+@pytest.mark.parametrize("block", [steps.BLOCK, 4], ids=["one-length", "growing-lengths"])
+@pytest.mark.parametrize("padded", [False, True], ids=["one-unmasked", "left-padded-pair"])
+@pytest.mark.parametrize("name", list(STEP_CONFIGS))
+def test_compiled_steps_equal_transformers(checkpoint, monkeypatch, name, padded, block):
+    """The logits of each compiled decoding step, across the config options the forward pass reads; without a
+    mask (an unpadded prompt) positions follow the cache's length. With a small block, the attention length
+    grows across the steps (one compiled function per length) and ends at the buffers' capacity."""
+    monkeypatch.setattr(steps, "BLOCK", block)
+    folder = checkpoint("gpt2", "causal-lm", initializer_range=0.2, **STEP_CONFIGS[name])
+    model, ref = mlx_encoders.load_model(folder), load_reference(folder, "causal-lm")
+    prompt, mask = left_pad(STEP_PROMPTS if padded else STEP_PROMPTS[:1], 0)
+    positions = np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0) if padded else None
+    cache = model.make_cache()
+    forward(model, prompt, mask if padded else None, positions, cache)
+    decoder = steps.CompiledSteps(model, cache, prompt.shape[1] + len(FED))
+    ids, full_mask, got = prompt, mask, []
+    for token in FED:
+        new = np.full(len(prompt), token, np.int32)
+        ids = np.concatenate([ids, new[:, None]], axis=1)
+        full_mask = np.concatenate([full_mask, np.ones((len(prompt), 1), np.int32)], axis=1)
+        if padded:
+            positions = positions[:, -1:] + 1
+            got.append(np.array(decoder.step(mx.array(new), full_mask, positions[:, 0])))
+        else:
+            got.append(np.array(decoder.step(mx.array(new), None, None)))
+    expected = transformers_logits(ref, ids, full_mask)[:, prompt.shape[1] :]
+    np.testing.assert_allclose(np.stack(got, axis=1), expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["float32", "8-bit"])
+def test_generation_takes_the_compiled_steps_and_equals_the_forward_pass(checkpoint, monkeypatch, variant):
+    """Greedy tokens through the compiled steps equal those of the plain forward pass with the growing cache
+    (the path of models in training mode), quantized models too."""
+    folder = checkpoint("gpt2", "causal-lm", initializer_range=0.05)
+    model = mlx_encoders.load_model(folder)
+    if variant == "8-bit":
+        nn.quantize(model, 32, 8, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[1] % 32 == 0)
+    prompt, mask = left_pad(STEP_PROMPTS, 0)
+    taken = []
+    monkeypatch.setattr(
+        steps.CompiledSteps, "step", lambda self, *a, f=steps.CompiledSteps.step: taken.append(1) or f(self, *a)
+    )
+    fast = generate_ids(model, prompt, mask, max_new_tokens=12, eos_token_id=[])
+    assert len(taken) == 11  # every token after the first came from a compiled step
+    monkeypatch.setattr(steps, "applies", lambda model: False)
+    np.testing.assert_array_equal(fast, generate_ids(model, prompt, mask, max_new_tokens=12, eos_token_id=[]))
+
+
+def test_compiled_steps_only_in_eval_mode(checkpoint):
+    model = mlx_encoders.load_model(checkpoint("gpt2", "causal-lm", initializer_range=0.2))
+    assert steps.applies(model)
+    model.train()
+    assert not steps.applies(model)  # dropout draws a new mask each call
 
 
 def random_case(seed: int, vocab: int = 50):

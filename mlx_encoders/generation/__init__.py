@@ -2,7 +2,8 @@
 
 - `config`: `GenerationConfig` and its presets; `processors`: the logits processors and token selection,
   equal to transformers' classes; `loop`: the generate loop with a key/value cache, batched (left-padded) and
-  streamed; `cli`: the `generate` command of `python -m mlx_encoders`.
+  streamed; `steps`: its decoding steps, the model's own forward pass compiled once per generation; `cli`: the
+  `generate` command of `python -m mlx_encoders`.
 """
 
 from .config import PRESETS, GenerationConfig

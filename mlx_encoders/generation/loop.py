@@ -14,9 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..tokenizer import Tokenizer, text_list
-from . import numpy_step
+from . import steps as compiled
 from .config import PRESETS, GenerationConfig
-from .numpy_step import NumpyDecoder
 from .processors import processors, select
 
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
@@ -93,10 +92,11 @@ def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> Non
         )
 
 
-def forward(model, ids: np.ndarray, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
-    """The last position's logits, (B, V)."""
+def forward(model, ids, mask: np.ndarray | None, positions: np.ndarray | None, cache) -> mx.array:
+    """The last position's logits, (B, V), of (B, L) `ids` (numpy or MLX)."""
     mask, positions = (None if x is None else mx.array(x) for x in (mask, positions))
-    out = model(mx.array(ids), attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
+    ids = ids if isinstance(ids, mx.array) else mx.array(ids)
+    out = model(ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
     return out.logits[:, -1]
 
 
@@ -121,32 +121,51 @@ def generate_steps(
     prompt_start = None if mask is None else mx.array(mask.argmax(axis=1))  # transformers' prompt_ignore_length
     steps = processors(config, L, prompt_start, eos)
     key = mx.random.key(config.seed) if config.seed is not None and config.do_sample else None
-    cache = model.make_cache()
-    finished = np.zeros(B, dtype=bool)
-    logits = forward(model, tokens, mask, positions, cache)
-    decoder = NumpyDecoder(model, cache, L + new_tokens) if numpy_step.supported(model, B) else None
-    for step in range(new_tokens):
+    ids, finished = mx.array(tokens), mx.zeros((B,), mx.bool_)
+    eos_ids = mx.array(eos, mx.int32) if eos else None
+
+    def choose(logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The next (B,) tokens (pad in the finished rows) and which rows have finished, both lazy."""
+        nonlocal key, ids, finished
         scores = logits.astype(mx.float32)
-        if steps:
-            ids = mx.array(tokens)
-            for process in steps:
-                scores = process(ids, scores)
+        for process in steps:
+            scores = process(ids, scores)
+        draw = None
         if key is not None:
             key, draw = mx.random.split(key)
-        chosen = np.array(select(scores, config.do_sample, draw if key is not None else None)).astype(np.int32)
-        chosen = np.where(finished, pad, chosen)
-        tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
-        finished |= np.isin(chosen, eos)
-        yield chosen
-        if finished.all() or step == new_tokens - 1:
-            return
+        chosen = mx.where(finished, pad, select(scores, config.do_sample, draw).astype(mx.int32))
+        ids = mx.concatenate([ids, chosen[:, None]], axis=1)
+        if eos_ids is not None:
+            finished = finished | (chosen[:, None] == eos_ids).any(axis=1)
+        return chosen, finished
+
+    cache = model.make_cache()
+    logits = forward(model, tokens, mask, positions, cache)
+    decoder = compiled.CompiledSteps(model, cache, L + new_tokens) if compiled.applies(model) else None
+
+    def advance(chosen: mx.array) -> tuple[mx.array, mx.array]:
+        """Queue the step after the (lazy) tokens `chosen`; its tokens and finished rows, lazy."""
+        nonlocal mask, positions
         if mask is not None:
             mask = np.concatenate([mask, np.ones((B, 1), np.int32)], axis=1)
             positions = positions[:, -1:] + 1
         if decoder is not None:
-            logits = mx.array(decoder.step(chosen, mask, None if positions is None else positions[:, 0]))
+            logits = decoder.step(chosen, mask, None if positions is None else positions[:, 0])
         else:
             logits = forward(model, chosen[:, None], mask, positions, cache)
+        following = choose(logits)
+        mx.async_eval(*following)
+        return following
+
+    chosen, done = choose(logits)
+    for step in range(new_tokens):
+        last = step == new_tokens - 1
+        if step and not last:  # queued before this step's tokens are read (mlx-lm's loop); not the first step,
+            following = advance(chosen)  # whose tracing would hold back the first token
+        yield np.array(chosen)
+        if last or np.array(done).all():
+            return
+        chosen, done = following if step else advance(chosen)
 
 
 def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:

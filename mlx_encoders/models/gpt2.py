@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import inputs
 from .base import (
     ACTIVATIONS,
     BaseArgs,
@@ -229,7 +230,7 @@ class GPT2Model(Model, nn.Module):
                 f"input of {offset + input_ids.shape[1]} tokens is longer than the {n} positions of the model's "
                 f"position table (n_positions={n}); truncate it, e.g. tokenizer(..., truncation=True, max_length={n})"
             )
-        bad = outside(position_ids, n) if position_ids is not None else None
+        bad = outside(position_ids, n) if position_ids is not None and not inputs._unchecked else None
         if bad is not None:
             raise ValueError(f"position_ids holds {bad}, outside the model's {n} positions (n_positions={n})")
         if token_type_ids is not None and outside(token_type_ids, self.args.vocab_size) is not None:
@@ -263,7 +264,7 @@ class GPT2LMHeadModel(GPT2Head):
             out.logits = self.lm_head(x)
         else:
             wte = self.transformer.wte
-            out.logits = linear(x, wte.weight) if type(wte) is nn.Embedding else wte.as_linear(x)
+            out.logits = wte.as_linear(x) if isinstance(wte, nn.QuantizedEmbedding) else linear(x, wte.weight)
         return out
 
     def make_cache(self) -> list[KVCache]:
@@ -296,13 +297,19 @@ def is_conv1d(key: str, weights: dict) -> bool:
     return key.endswith(tuple(f"{name}.weight" for name in CONV1D)) and key[: -len("weight")] + "scales" not in weights
 
 
+def is_head_table(key: str, weights: dict) -> bool:
+    """The [vocab, n_embd] matrix of the LM head (the word table, or an untied head), unless quantized."""
+    return key.endswith(("wte.weight", "lm_head.weight")) and key[: -len("weight")] + "scales" not in weights
+
+
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Conv1D weights [in, out] -> [out, in], stored so: the CPU's matrix-vector products of decoding
-    (generation/numpy_step.py) stream that layout 15% faster than a transposed view. The copies cost a transient
-    at load (GPT-2 small: MLX's peak 498 -> 630 MB, peak resident memory 558 -> 590 MB). Drop the causal-mask
-    buffers (`attn.bias`, `attn.masked_bias`)."""
+    """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers: no copy at
+    load, and `x @ weight.T` multiplies by the [in, out] buffer as it is, a layout OpenBLAS's sgemm packs at least
+    as fast for one row (a decoding step). The LM head's [vocab, n_embd] matrix is copied to [n_embd, vocab] and
+    viewed back: for one row, sgemm packs that layout faster (embedding lookups then read strided rows, a few per
+    token). Drop the causal-mask buffers (`attn.bias`, `attn.masked_bias`)."""
     return {
-        key: mx.contiguous(value.T) if is_conv1d(key, weights) else value
+        key: value.T if is_conv1d(key, weights) else mx.contiguous(value.T).T if is_head_table(key, weights) else value
         for key, value in weights.items()
         if key.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
     }
