@@ -210,3 +210,34 @@ print([mapped_while_alive((1 << 18) + 4096 * k) for k in range(1, 4)] == [0, 0, 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc's mallinfo2 only")
 def test_warm_heap_serves_megabyte_buffers_from_the_heap_without_a_setting():
     assert run(WARM_HEAP).stdout.split() == ["True", "True"]
+
+
+ONE_ROW = """
+import json, numpy as np, mlx.core as mx
+from mlx_encoders.engine import gemv, runtime
+rng = np.random.default_rng(0)
+w = rng.standard_normal((96, 80)).astype(np.float32)
+x = rng.standard_normal((1, 80)).astype(np.float32)
+W, X = mx.array(w), mx.array(x)
+cases = {  # every layout a one-row or one-column product reaches cblas_sgemm in
+    "row @ W^T": (X @ W.T, x @ w.T), "row @ W": (X[:, :80] @ W[:80], x @ w[:80]),
+    "W @ column": (W @ X.T, w @ x.T), "W^T @ column": (W[:80].T @ X.T, w[:80].T @ x.T),
+    "strided row @ W^T": (W[3:4, :80] @ W[:, :80].T, w[3:4] @ w.T), "1 x 1": (X @ X.T, x @ x.T),
+    "2 rows": (W[:2] @ W.T, w[:2] @ w.T),
+}
+errors = {k: float(np.abs(np.array(got, np.float64) - ref).max()) for k, (got, ref) in cases.items()}
+print(json.dumps(dict(forwarding=bool(gemv.FORWARDING), errors=errors)))
+"""
+
+
+@needs_openblas
+@pytest.mark.parametrize("compiler", ["default", "none"])
+def test_one_row_products_go_through_gemv_and_equal_numpy(compiler, tmp_path):
+    """With a C compiler, MLX's cblas_sgemm is the forwarding function (one-row and one-column products through
+    sgemv); without one, OpenBLAS's own sgemm. Every layout gives numpy's product either way."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)} | (
+        {"CC": "/nonexistent/cc", "PATH": "/nonexistent"} if compiler == "none" else {}
+    )
+    result = json.loads(run(ONE_ROW, **env).stdout.strip().splitlines()[-1])
+    assert result["forwarding"] == (compiler == "default")
+    assert all(error < 1e-4 for error in result["errors"].values()), result["errors"]

@@ -2,7 +2,8 @@
 
 - **BLAS.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
   encoder's products. At import, when OpenBLAS is installed, `give_mlx_fast_blas` loads it with local symbol
-  scope and writes the addresses of its `cblas_*gemm` into libmlx's own table of imported functions (its GOT):
+  scope and writes the addresses of its `cblas_*gemm` into libmlx's own table of imported functions (its GOT;
+  one-row float32 products go to its sgemv, `gemv.py`):
   only MLX's calls reach it, whatever was imported first, and no other library in the process (torch, numpy)
   binds to it. `MLX_ENCODERS_BLAS=/path/to/libopenblas.so` picks the library, `MLX_ENCODERS_BLAS=0` leaves MLX
   as it is. One warning says when MLX's products run on the reference BLAS.
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+
+from .gemv import forwarding_sgemm
 
 # The BLAS entry points MLX's matrix products call (cblas_sgemm for float32, the others for float64/complex).
 GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
@@ -141,8 +144,10 @@ def give_mlx_fast_blas() -> ctypes.CDLL | None:
         base = _load_base(library_path)
         if "cblas_sgemm" not in slots or base is None:
             return None
+        addresses = {n: ctypes.cast(getattr(blas, n), ctypes.c_void_p).value for n in slots}
+        addresses["cblas_sgemm"] = forwarding_sgemm(blas) or addresses["cblas_sgemm"]  # one-row products: gemv
         for symbol, slot in slots.items():
-            _write_slot(base + slot, ctypes.cast(getattr(blas, symbol), ctypes.c_void_p).value)
+            _write_slot(base + slot, addresses[symbol])
         return blas
     return None
 
