@@ -297,19 +297,12 @@ def is_conv1d(key: str, weights: dict) -> bool:
     return key.endswith(tuple(f"{name}.weight" for name in CONV1D)) and key[: -len("weight")] + "scales" not in weights
 
 
-def is_head_table(key: str, weights: dict) -> bool:
-    """The [vocab, n_embd] matrix of the LM head (the word table, or an untied head), unless quantized."""
-    return key.endswith(("wte.weight", "lm_head.weight")) and key[: -len("weight")] + "scales" not in weights
-
-
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers: no copy at
-    load, and `x @ weight.T` multiplies by the [in, out] buffer as it is, a layout OpenBLAS's sgemm packs at least
-    as fast for one row (a decoding step). The LM head's [vocab, n_embd] matrix is copied to [n_embd, vocab] and
-    viewed back: for one row, sgemm packs that layout faster (embedding lookups then read strided rows, a few per
-    token). Drop the causal-mask buffers (`attn.bias`, `attn.masked_bias`)."""
+    """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers (no copy at load:
+    `x @ weight.T` multiplies by the [in, out] buffer as it is). Drop the causal-mask buffers (`attn.bias`,
+    `attn.masked_bias`)."""
     return {
-        key: value.T if is_conv1d(key, weights) else mx.contiguous(value.T).T if is_head_table(key, weights) else value
+        key: value.T if is_conv1d(key, weights) else value
         for key, value in weights.items()
         if key.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])
     }
