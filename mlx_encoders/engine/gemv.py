@@ -10,6 +10,7 @@ compiled kernels, into the user's cache; without a compiler MLX keeps the librar
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -25,16 +26,23 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 void forwarding_init(sgemm_fn gemm, sgemv_fn gemv) { real_sgemm = gemm; real_sgemv = gemv; }
 
+/* sgemm leaves nothing of c when beta is 0, but some sgemv builds scale it (NaN * 0): clear it first */
+static void clear(float *y, int count, int stride) {
+  for (int i = 0; i < count; i++) y[(long)i * stride] = 0.0f;
+}
+
 void forwarding_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                       const float *b, int ldb, float beta, float *c, int ldc) {
   if (order == ROW_MAJOR && m == 1 && k > 0) { /* c (1 x n) = op(a) (1 x k) op(b) (k x n) = op(b)^T a */
     int inca = ta == NO_TRANS ? 1 : lda;
+    if (beta == 0.0f) clear(c, n, 1);
     if (tb == NO_TRANS) real_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, inca, beta, c, 1);
     else real_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, inca, beta, c, 1);
     return;
   }
   if (order == ROW_MAJOR && n == 1 && k > 0) { /* c (m x 1) = op(a) (m x k) op(b) (k x 1) */
     int incb = tb == NO_TRANS ? ldb : 1;
+    if (beta == 0.0f) clear(c, m, ldc);
     if (ta == NO_TRANS) real_sgemv(ROW_MAJOR, NO_TRANS, m, k, alpha, a, lda, b, incb, beta, c, ldc);
     else real_sgemv(ROW_MAJOR, TRANS, k, m, alpha, a, lda, b, incb, beta, c, ldc);
     return;
@@ -53,23 +61,26 @@ def compiler() -> str | None:
 
 
 def build() -> Path | None:
-    """The compiled forwarding library (built on first use, written whole or not at all), or None without a compiler
-    or a writable cache."""
+    """The compiled forwarding library (built on first use, written whole or not at all, kept per source, machine
+    and compiler), or None without a compiler or a usable cache of the user's own."""
     cc = compiler()
     if cc is None:
         return None
-    target = cache_folder() / f"forwarding-sgemm-{hashlib.sha256(SOURCE.encode()).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
+    key = hashlib.sha256(f"{SOURCE}{platform.machine()}{shutil.which(cc)}".encode()).hexdigest()[:16]
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            source, built = Path(work) / "forwarding.c", Path(work) / target.name
-            source.write_text(SOURCE)
-            command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)]
-            subprocess.run(command, check=True, capture_output=True, timeout=60)
-            os.replace(built, target)
-    except (OSError, subprocess.SubprocessError):
+        target = cache_folder() / f"forwarding-sgemm-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as work:
+                source, built = Path(work) / "forwarding.c", Path(work) / target.name
+                source.write_text(SOURCE)
+                command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)]
+                subprocess.run(command, check=True, capture_output=True, timeout=60)
+                os.replace(built, target)
+        owner = target.stat()
+        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # loaded code: the user's own, written by no other
+            return None
+    except (OSError, RuntimeError, subprocess.SubprocessError):
         return None
     return target
 

@@ -9,8 +9,11 @@
   as it is. One warning says when MLX's products run on the reference BLAS.
 - **Tuning while `encode`, `predict`, the pipelines or training run** (`MLX_ENCODERS_CPU_TUNING=0` turns it off):
   MLX's OpenBLAS runs each product on its caller's thread (`one_blas_thread`), so passes on several streams each
-  keep one core; the previous thread count is restored after. `keep_freed_memory` keeps large freed buffers with
-  the process (see there). Nothing else is changed, and nothing at import but MLX's own BLAS.
+  keep one core; the previous thread count is restored after. Before the first inference pass, `warm_heap` frees
+  one large buffer, which raises glibc's mmap threshold to 32 MB through glibc's own adjustment (for the rest of
+  the process, as any program freeing a large buffer does). A training run keeps freed memory with the process
+  through mallopt while it runs (`keep_freed_memory`); glibc is left with the thresholds its own adjustment
+  reaches. Nothing else is changed, and nothing at import but MLX's own BLAS.
 """
 
 import ctypes
@@ -45,30 +48,39 @@ def tuning_enabled() -> bool:
     return os.environ.get("MLX_ENCODERS_CPU_TUNING", "1") != "0"
 
 
+def _mappings() -> list[tuple[int, int, str, int, str]]:
+    """(start, end, permissions, file offset, path) of each of this process's mappings (Linux), paths whole."""
+    maps = Path("/proc/self/maps")
+    rows = []
+    for line in maps.read_text().splitlines() if maps.exists() else []:
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        rows.append((start, end, fields[1], int(fields[2], 16), fields[5] if len(fields) == 6 else ""))
+    return rows
+
+
 def _mlx_library() -> Path | None:
     """The libmlx shared object mapped into this process (Linux), or None."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return None
-    for line in maps.read_text().splitlines():
-        path = line.split()[-1]
-        if Path(path).name.startswith("libmlx.so"):
-            return Path(path)
-    return None
+    return next((Path(m[4]) for m in _mappings() if Path(m[4]).name.startswith("libmlx.so")), None)
 
 
 def _load_base(library: Path) -> int | None:
-    """The address libmlx's file offset 0 is mapped at."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[-1] == str(library) and int(fields[2], 16) == 0:
-            return int(fields[0].split("-")[0], 16)
-    return None
+    """The address libmlx is loaded at (its link map's l_addr, which ELF offsets are relative to)."""
+    try:
+        handle = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD)._handle
+        link_map = ctypes.c_void_p()
+        dlinfo = ctypes.CDLL(None).dlinfo
+        dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        if dlinfo(handle, 2, ctypes.byref(link_map)) != 0 or not link_map.value:  # 2: RTLD_DI_LINKMAP
+            return None
+        return ctypes.c_size_t.from_address(link_map.value).value  # l_addr, the struct's first field
+    except (OSError, AttributeError):
+        return None
 
 
-def import_slots(data, names: Sequence[str]) -> dict[str, int]:
-    """{name: slot offset} of the imported functions `names` in an ELF64 little-endian shared object's bytes (bytes or
-    an mmap): the place the dynamic linker writes each one's address (relative to the object's load address)."""
+def import_slots(data, names: Sequence[str]) -> dict[str, list[int]]:
+    """{name: slot offsets} of the imported functions `names` in an ELF64 little-endian shared object's bytes (bytes or
+    an mmap): the places the dynamic linker writes each one's address (relative to the object's load address)."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         return {}
     machine = struct.unpack_from("<H", data, 0x12)[0]
@@ -97,27 +109,33 @@ def import_slots(data, names: Sequence[str]) -> dict[str, int]:
                 continue
             name = string(dynstr[4], struct.unpack_from("<I", data, dynsym[4] + (r_info >> 32) * 24)[0])
             if name in wanted:
-                slots[name] = r_offset
+                slots.setdefault(name, []).append(r_offset)
     return slots
 
 
-def _write_slot(address: int, value: int) -> None:
-    """Write a function address into a slot, making its page writable for the write if it is read-only (RELRO)."""
+def _write_slots(values: dict[int, int]) -> bool:
+    """Write function addresses into their slots ({address: value}), making a read-only page (RELRO) writable for
+    the write; False, and nothing written, when a page cannot be made writable."""
     libc = ctypes.CDLL(None, use_errno=True)
-    page = address & ~(mmap.PAGESIZE - 1)
-    writable = any(
-        int(start, 16) <= address < int(end, 16) and perms[1] == "w"
-        for start, end, perms in (
-            (*line.split()[0].split("-"), line.split()[1]) for line in Path("/proc/self/maps").read_text().splitlines()
-        )
-    )
-    if not writable:
-        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mappings = _mappings()
+    locked = {
+        address & ~(mmap.PAGESIZE - 1)
+        for address in values
+        if not any(start <= address < end and "w" in perms for start, end, perms, _, _ in mappings)
+    }
+    opened = []
+    for page in sorted(locked):
         if libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
-            raise OSError(ctypes.get_errno(), "mprotect failed on libmlx's import table")
-    ctypes.c_void_p.from_address(address).value = value
-    if not writable:
+            for done in opened:
+                libc.mprotect(done, mmap.PAGESIZE, mmap.PROT_READ)
+            return False
+        opened.append(page)
+    for address, value in values.items():
+        ctypes.c_void_p.from_address(address).value = value
+    for page in opened:
         libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ)
+    return True
 
 
 def _candidates() -> list[str]:
@@ -130,7 +148,7 @@ def _candidates() -> list[str]:
 
 def give_mlx_fast_blas() -> ctypes.CDLL | None:
     """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; returns that library, or None (not Linux,
-    turned off, none installed, or an MLX build this cannot read)."""
+    turned off, none installed, or an MLX build this cannot read: MLX then keeps its own, and the import goes on)."""
     library_path = _mlx_library() if sys.platform.startswith("linux") else None
     if library_path is None:
         return None
@@ -139,17 +157,23 @@ def give_mlx_fast_blas() -> ctypes.CDLL | None:
             blas = ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
         except OSError:
             continue
-        with open(library_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            slots = {n: s for n, s in import_slots(data, GEMMS).items() if hasattr(blas, n)}
-        base = _load_base(library_path)
-        if "cblas_sgemm" not in slots or base is None:
+        try:
+            return blas if _point_mlx_at(library_path, blas) else None
+        except Exception as e:  # an ELF or a process this cannot read must not stop the import
+            warnings.warn(f"mlx_encoders could not give MLX {name} ({e!r}); MLX keeps its own BLAS", stacklevel=3)
             return None
-        addresses = {n: ctypes.cast(getattr(blas, n), ctypes.c_void_p).value for n in slots}
-        addresses["cblas_sgemm"] = forwarding_sgemm(blas) or addresses["cblas_sgemm"]  # one-row products: gemv
-        for symbol, slot in slots.items():
-            _write_slot(base + slot, addresses[symbol])
-        return blas
     return None
+
+
+def _point_mlx_at(library_path: Path, blas: ctypes.CDLL) -> bool:
+    with open(library_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        slots = {n: s for n, s in import_slots(data, GEMMS).items() if hasattr(blas, n)}
+    base = _load_base(library_path)
+    if "cblas_sgemm" not in slots or base is None:
+        return False
+    addresses = {n: ctypes.cast(getattr(blas, n), ctypes.c_void_p).value for n in slots}
+    addresses["cblas_sgemm"] = forwarding_sgemm(blas) or addresses["cblas_sgemm"]  # one-row products: gemv
+    return _write_slots({base + offset: addresses[n] for n, offsets in slots.items() for offset in offsets})
 
 
 def global_blas() -> bool:
@@ -159,7 +183,7 @@ def global_blas() -> bool:
 
 
 def warn_if_slow_blas() -> None:
-    if not sys.platform.startswith("linux") or BLAS is not None or global_blas():
+    if not sys.platform.startswith("linux") or not on_cpu() or BLAS is not None or global_blas():
         return
     if os.environ.get("MLX_ENCODERS_BLAS") == "0":
         return
@@ -204,6 +228,9 @@ def one_blas_thread() -> Iterator[bool]:
         return
     if BLAS is None:
         yield not global_blas()
+        return
+    if not hasattr(BLAS, "openblas_set_num_threads"):  # MLX_ENCODERS_BLAS named another library: its own threads
+        yield False
         return
     with _one_openblas_thread(BLAS):
         yield True
@@ -297,9 +324,9 @@ def _heap_warmed() -> None:
 
 def warm_heap() -> None:
     """Have glibc serve buffers of up to 32 MB from its heap, through its own adjustment: one buffer just under that
-    size is mapped and freed, which raises its mmap threshold as any program freeing a large buffer does (no
-    setting changes). Otherwise every buffer above the starting 128 KB is mapped afresh and faults its pages in,
-    once per 4 KB, and each unmapping interrupts the other threads; MLX's CPU allocator keeps no such buffers.
+    size is mapped and freed, which raises its mmap threshold (for the rest of the process) as any program freeing
+    a large buffer does; no mallopt. Otherwise every buffer above the starting 128 KB is mapped afresh and faults
+    its pages in, once per 4 KB, and each unmapping interrupts the other threads; MLX's CPU allocator keeps none.
     Once per process; nothing with tuning off or without glibc."""
     if tuning_enabled() and _libc() is not None:
         _heap_warmed()

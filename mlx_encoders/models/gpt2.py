@@ -230,7 +230,7 @@ class GPT2Model(Model, nn.Module):
                 f"input of {offset + input_ids.shape[1]} tokens is longer than the {n} positions of the model's "
                 f"position table (n_positions={n}); truncate it, e.g. tokenizer(..., truncation=True, max_length={n})"
             )
-        bad = outside(position_ids, n) if position_ids is not None and not inputs._unchecked else None
+        bad = outside(position_ids, n) if position_ids is not None and not inputs.checking_off() else None
         if bad is not None:
             raise ValueError(f"position_ids holds {bad}, outside the model's {n} positions (n_positions={n})")
         if token_type_ids is not None and outside(token_type_ids, self.args.vocab_size) is not None:

@@ -4,6 +4,7 @@ MLX does not range-check indices: an id past a table reads stray memory (or cras
 the last row, so the encoders check their inputs before any lookup.
 """
 
+import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from .base import BaseArgs
 
-_unchecked = False  # set within `unchecked_inputs`
+_UNCHECKED = contextvars.ContextVar("unchecked_inputs", default=False)  # set within `unchecked_inputs`
 
 
 def check_inputs(
@@ -30,7 +31,7 @@ def check_inputs(
     positions count only the other tokens (RoBERTa). Costs a host read of the ids' min and max.
     """
     check_shapes(input_ids, attention_mask, token_type_ids)
-    if _unchecked or input_ids.size == 0:
+    if checking_off() or input_ids.size == 0:
         return
     check_length(args, input_ids, max_length, pad_token_id)
     type_vocab_size = getattr(args, "type_vocab_size", 0)  # 0 or absent: the model reads no token types
@@ -53,14 +54,18 @@ def check_inputs(
 
 @contextmanager
 def unchecked_inputs() -> Iterator[None]:
-    """Within the block, check_inputs checks shapes only, not values: mx.compile traces a function with inputs
-    that cannot be read on the host. The caller checks the same inputs outside the compiled function first."""
-    global _unchecked
-    outer, _unchecked = _unchecked, True
+    """Within the block (this thread or task only), check_inputs checks shapes only, not values: mx.compile traces
+    a function with inputs that cannot be read on the host. The caller checks the same inputs outside first."""
+    token = _UNCHECKED.set(True)
     try:
         yield
     finally:
-        _unchecked = outer
+        _UNCHECKED.reset(token)
+
+
+def checking_off() -> bool:
+    """Whether inputs go unchecked here (`unchecked_inputs`)."""
+    return _UNCHECKED.get()
 
 
 def outside(ids: mx.array, size: int) -> int | None:

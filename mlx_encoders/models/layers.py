@@ -38,7 +38,7 @@ class Dropout(nn.Dropout):
         if self._p_1 == 1 or not self.training:
             return x
         if x.size > MAX_HASHED:  # the uint32 index would wrap around and repeat its masks: MLX's own draws
-            return super().__call__(x)
+            return (mx.random.bernoulli(self._p_1, x.shape, key=next_key()) * x) * (1 / self._p_1)
         threshold = mx.array(min(round((1 - self._p_1) * 2**32), 2**32 - 1), mx.uint32)
         scale = mx.where(random_words(x.shape) >= threshold, mx.array(1 / self._p_1, x.dtype), mx.array(0, x.dtype))
         return x * scale
@@ -64,12 +64,16 @@ class Linear(nn.Linear):
             return linear_with_bias(x, self["weight"], bias)
         return linear_without_bias(x, self["weight"])
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+    def to_quantized(self, group_size=None, bits=None, mode: str = "affine", quantize_input: bool = False):
+        if quantize_input:  # activations quantized too: MLX's own layer
+            return super().to_quantized(group_size, bits, mode, quantize_input)
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
 class Embedding(nn.Embedding):
     """nn.Embedding, quantized into the engine's QuantizedEmbedding."""
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+    def to_quantized(self, group_size=None, bits=None, mode: str = "affine", quantize_input: bool = False):
+        if quantize_input:
+            return super().to_quantized(group_size, bits, mode, quantize_input)  # MLX's error for embeddings
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)

@@ -354,8 +354,8 @@ def steps_from(
 def start_state(
     model: nn.Module, optimizer: optim.Optimizer, config: TrainingConfig, resume_from: str | Path | None
 ) -> TrainerState:
-    """A fresh state (MLX seeded with `seed`) or the one in `resume_from`, with MLX's key put back; the metrics
-    log keeps only the records up to the state's step."""
+    """A fresh state (the dropout key and masking generator from `seed`) or the one in `resume_from`, with its saved
+    key; the metrics log keeps only the records up to the state's step. MLX's global key is left alone."""
     if resume_from is None:
         key = np.array(mx.random.key(config.seed)).tolist()
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
