@@ -364,7 +364,7 @@ def convert(
         return target
     if target.exists() and not force:
         raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
-    model = load_model(checkpoint, dtype=checkpoint.float_dtype())  # kept unless --dtype says otherwise
+    model = load_model(checkpoint, as_stored=True)  # each tensor's dtype kept unless --dtype says otherwise
     tokenizer = source_tokenizer(model, checkpoint)
     calibration = calibration_texts(calibration, spec, tokenizer)
     hessians = input_hessians(model, tokenizer, calibration, max_length=CALIBRATION_TOKENS) if calibration else None

@@ -6,7 +6,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_encoders.checkpoint.build as build
-from mlx_encoders import Checkpoint, load_model, save
+from mlx_encoders import load_model, save
 from mlx_encoders.quantization import quantize_model
 
 
@@ -38,7 +38,7 @@ def test_half_precision_computes_in_float32_on_the_cpu(half, checkpoint):
 def test_explicit_dtype_and_stored_win(half):
     folder, dtype = half
     assert dtypes(load_model(folder, dtype=dtype))["weights"] == {dtype}
-    assert Checkpoint.open(folder).float_dtype() == dtype
+    assert dtypes(load_model(folder, as_stored=True))["weights"] == {dtype}
 
 
 def test_a_gpu_keeps_the_stored_dtype(half, monkeypatch):

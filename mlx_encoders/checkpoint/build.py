@@ -265,11 +265,12 @@ def compute_dtype(stored: mx.Dtype) -> mx.Dtype:
     return mx.float32 if stored in HALF_PRECISION and on_cpu() else stored
 
 
-def cast_floats(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """`weights` with every float tensor in `dtype`, quantization scales and biases aside (the quantized layers
-    widen those themselves)."""
+def widen_half_precision(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`weights` with every half-precision tensor in float32, quantization scales and biases aside (the quantized
+    layers widen those themselves); other tensors as stored."""
     return {
-        k: v.astype(dtype) if is_float(v) and not k.endswith((".scales", ".biases")) else v for k, v in weights.items()
+        k: v.astype(mx.float32) if v.dtype in HALF_PRECISION and not k.endswith((".scales", ".biases")) else v
+        for k, v in weights.items()
     }
 
 
@@ -283,12 +284,13 @@ def load_model(
     id2label: dict | None = None,
     label2id: dict | None = None,
     problem_type: str | None = None,
+    as_stored: bool = False,
 ) -> nn.Module:
     """Build the model a checkpoint describes (or the `task` head / bare `"encoder"`) and load its weights.
 
-    `dtype=None` computes in the stored dtype, except that half-precision weights compute in float32 on the CPU
-    (`compute_dtype`); "float32", "float16" or "bfloat16" casts everything not quantized
-    (`Checkpoint.float_dtype()` is the stored one).
+    `dtype=None` keeps each tensor's stored dtype, except that half-precision weights compute in float32 on the CPU
+    (`compute_dtype`; `as_stored=True` keeps them too, as convert does); "float32", "float16" or "bfloat16" casts
+    everything not quantized.
     `num_labels`, `id2label`, `label2id` or `problem_type` set the labels of a classification head; a head
     the checkpoint lacks (e.g. `task="sequence-classification"` on a masked-LM checkpoint) is then created,
     initialised as transformers does, with one warning naming its new tensors. Without them a missing head
@@ -319,11 +321,11 @@ def load_model(
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())
-    if dtype is None:
-        weights = cast_floats(weights, compute_dtype(stored))
+    if dtype is None and not as_stored and on_cpu():
+        weights = widen_half_precision(weights)
     model.load_weights(list(weights.items()), strict=not created)
     if created:
-        initialize(model, created, checkpoint.module, dtype or compute_dtype(stored))
+        initialize(model, created, checkpoint.module, dtype or (stored if as_stored else compute_dtype(stored)))
         warnings.warn(
             f"Some weights of {type(model).__name__} were not in the checkpoint at {checkpoint.path} and are newly "
             f"initialized: {', '.join(sorted(created))}. Train this model on a downstream task before using it "

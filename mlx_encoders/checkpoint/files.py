@@ -212,12 +212,6 @@ class Checkpoint:
     def weight_files(self) -> list[Path]:
         return weight_files(self.path)
 
-    def float_dtype(self) -> mx.Dtype:
-        """The stored weights' most common float dtype (MLX reads safetensors lazily: headers only)."""
-        from .build import common_float_dtype
-
-        return common_float_dtype(self.read_weights().items())
-
     def read_weights(self) -> dict[str, mx.array]:
         weights = {}
         for file in self.weight_files():
