@@ -81,13 +81,18 @@ def inside(folder: Path, name: Any, listed_in: Path) -> Path:
     return folder / name
 
 
+# Weights in other formats (pickles, ONNX, TensorFlow, Flax), which loading never reads
+OTHER_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".ot", ".onnx", ".onnx_data", ".xml")
+
+
 def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
-    """SHA-256 over the relative names and contents of every file under `folder` (not `exclude`, not .git): the
-    same files give the same digest, whenever and wherever they were written."""
+    """SHA-256 over the relative names and contents of the files under `folder` that loading can read (not
+    `exclude`, not .git, no weights in other formats): the same files give the same digest, whenever and wherever
+    they were written."""
     digest = hashlib.sha256()
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and ".git" not in p.relative_to(folder).parts):
         name = file.relative_to(folder).as_posix()
-        if name in exclude:
+        if name in exclude or file.suffix in OTHER_FORMATS:
             continue
         digest.update(name.encode() + b"\0")
         with file.open("rb") as f:
