@@ -438,6 +438,7 @@ def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) 
     import mlx.core as mx
     import numpy as np
 
+    from mlx_encoders.engine.batching import batch_slices
     from mlx_encoders.models.base import padding_mask
     from mlx_encoders.pooling import pool
 
@@ -449,7 +450,11 @@ def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) 
         order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
         real = padded = 0
         batches = [order[start : start + batch_size] for start in range(0, len(texts), batch_size)]
-        slices = [rows for batch in batches for rows in enc.slices(batch, [len(encodings[i]) for i in batch])]
+        slices = [
+            rows
+            for batch in batches
+            for rows in batch_slices(batch, [len(encodings[i]) for i in batch], enc.model.args, enc.slice_bytes)
+        ]
         for rows in slices:
             batch = timer("pad + host->device", enc.tokenizer.pad, [encodings[i] for i in rows])
             ids, am = batch["input_ids"], batch["attention_mask"]

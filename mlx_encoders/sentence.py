@@ -15,7 +15,6 @@ Longer than most modules: it mirrors `SentenceTransformer`'s folder reading and 
 
 import numbers
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tokenizers import Encoding, normalizers
 
 from . import load_tokenizer
 from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
-from .engine.batching import CPU_SLICE_BYTES, batch_slices, run_batches
+from .engine.batching import CPU_SLICE_BYTES, run_batches
 from .engine.quantized import least_group_tokens
 from .engine.runtime import on_cpu
 from .pooling import parse_modes, pool, read_pooling_config
@@ -447,14 +446,3 @@ class SentenceEncoder:
             slice_bytes=self.slice_bytes, least_tokens=self.slice_tokens,
         )  # fmt: skip
         return encodings, out, token_vectors
-
-    def slices(self, rows: np.ndarray, lengths: list[int], least_tokens: int | None = None) -> Iterator[np.ndarray]:
-        """Split a batch (`lengths`: token counts of `rows`) into the row groups that run as one forward pass.
-
-        With `slice_bytes` set (the default on the CPU), each group is as large as `slice_rows` allows at its
-        longest text's length, so that every op works on data in cache (engine/batching.py). Embeddings do
-        not depend on the grouping, beyond float rounding. A GPU runs the whole batch in one pass. Each slice
-        holds at least `least_tokens` tokens (default `slice_tokens`).
-        """
-        tokens = self.slice_tokens if least_tokens is None else least_tokens  # looked up once: it walks the model
-        return batch_slices(rows, lengths, self.model.args, self.slice_bytes, tokens)

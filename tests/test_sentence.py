@@ -197,7 +197,7 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
     assert encoder.slice_bytes == (CPU_SLICE_BYTES if mx.default_device() == mx.cpu else None)
     encoder.slice_bytes = slice_bytes
     rows, lengths = np.arange(7), [60, 41, 40, 12, 9, 3, 2]  # a batch, longest text first
-    groups = list(encoder.slices(rows, lengths))
+    groups = list(batching.batch_slices(rows, lengths, encoder.model.args, encoder.slice_bytes, encoder.slice_tokens))
     np.testing.assert_array_equal(np.concatenate(groups), rows)
     for group in groups:
         per_row = 4 * encoder.model.args.activation_elements(lengths[group[0]])
@@ -302,7 +302,7 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     quantize_model(mxfp8.model, mode="mxfp8")  # 8-bit floats: mx.dequantize, slower than widening affine codes
     assert mxfp8.slice_tokens == (1024 if cpu else 0)
     encoder.slice_bytes, encoder.slice_tokens = 1, 100
-    groups = list(encoder.slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2]))
+    groups = list(batching.batch_slices(np.arange(7), [60, 41, 40, 12, 9, 3, 2], encoder.model.args, 1, 100))
     assert [list(g) for g in groups] == [[0, 1], [2, 3, 4], [5, 6]]  # 2 x 60, 3 x 40, then what is left
     floors, real = [], batching.batch_slices
 
