@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     source = args.source or args.hf_path
     if not source or (args.source and args.hf_path and args.source != args.hf_path):
         p.error("give the checkpoint once: SOURCE or --hf-path")
+    if args.no_calibration and args.calibration is not None:
+        p.error("--calibration and --no-calibration conflict: give a text file to calibrate on, or neither")
     try:
         convert(
             source,

@@ -9,6 +9,7 @@ spreads it out), where "result" is what the Python API returns for that text (`m
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -33,7 +34,9 @@ def parser() -> argparse.ArgumentParser:
 
     fill = tasks.add_parser("fill-mask", parents=[common], help="predict the masked token(s)")
     fill.add_argument("--top-k", type=int, default=5, help="predictions per mask (default 5)")
-    fill.add_argument("--targets", nargs="+", help="only score these tokens")
+    # one comma-separated value (repeatable): with nargs="+" the texts after it were taken as targets
+    fill.add_argument("--targets", type=comma_list, action="extend", metavar="T1,T2",
+                      help="only score these tokens, comma-separated: --targets paris,london (repeatable)")  # fmt: skip
 
     classify = tasks.add_parser("classify", parents=[common], help="text classification, pairs and reranking")
     classify.add_argument("--top-k", type=label_count, default=1, help="labels per text (0 or -1: all; default 1)")
@@ -185,18 +188,38 @@ def embed(args, texts: list[str]):
 TASKS = {"fill-mask": fill_mask, "classify": classify, "tokens": tokens, "answer": answer, "embed": embed}
 
 
+def comma_list(value: str) -> list[str]:
+    items = [item.strip() for item in value.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"empty target in {value!r}; give tokens separated by commas: paris,london")
+    return items
+
+
 def to_json(records: list, indent: int | None = None) -> str:
-    """A JSON list with one record per line (a 384-number vector stays on its line), or indented throughout."""
+    """A JSON list with one record per line (a 384-number vector stays on its line), or indented throughout.
+    NaN and infinity, which JSON lacks, become null, with one warning on stderr."""
+    replaced = [0]
+    records = finite(records, replaced)
+    if replaced[0]:
+        print(f"mlx-encoders: warning: {replaced[0]} NaN or infinite number(s) written as null", file=sys.stderr)
     if indent is not None or not records:
-        return json.dumps(records, indent=indent, ensure_ascii=False, default=plain)
-    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, default=plain) for r in records) + "\n]"
+        return json.dumps(records, indent=indent, ensure_ascii=False, allow_nan=False)
+    return "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, allow_nan=False) for r in records) + "\n]"
 
 
-def plain(value):
-    """numpy scalars as JSON numbers: token classification's scores are numpy floats, as in transformers."""
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+def finite(value, replaced: list[int]):
+    """`value` with numpy scalars and arrays as Python numbers and lists (token classification's scores are numpy
+    floats, as in transformers), and each non-finite float as None, counted in `replaced[0]`."""
+    if isinstance(value, dict):
+        return {k: finite(v, replaced) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v, replaced) for v in value]
+    if isinstance(value, (np.ndarray, np.generic)):
+        return finite(value.tolist(), replaced)
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced[0] += 1
+        return None
+    return value
 
 
 def print_results(args: argparse.Namespace, texts: list[str], results, show) -> None:

@@ -344,6 +344,10 @@ def convert(
     SIGTERM and SIGHUP remove the partial folder; what a SIGKILL leaves, the next run into it removes.
     """
     start = time.perf_counter()
+    if isinstance(recipe, str) and bits is not None:  # mixed_L_H sets every module's bits: `bits` would be ignored
+        raise ValueError(
+            f"recipe {recipe!r} and bits={bits} (--bits) conflict: the recipe sets every module's bits; drop one"
+        )
     quantize = quantize or bits is not None or recipe is not None or mode != "affine"
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)

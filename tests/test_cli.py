@@ -80,6 +80,41 @@ def test_fill_mask_json_from_arguments_and_stdin(capsys, monkeypatch, mlm):
     assert code == 0 and json.loads(piped) == entries
 
 
+def test_fill_mask_targets_are_one_comma_separated_value(capsys, mlm):
+    """`--targets` once took every word after it, the text too; now it takes one value, and the text stays a text."""
+    text = "Paris is the [MASK] of France."
+    ref = reference("fill-mask", mlm, "masked-lm")(text, targets=["paris", "london"])
+    code, out, _ = run(capsys, "fill-mask", "-m", mlm, "--targets", "paris,london", "--json", text)
+    assert code == 0
+    close(json.loads(out)[0]["result"], ref)
+    code, again, _ = run(capsys, "fill-mask", "-m", mlm, "--targets", "paris", "--targets", "london", "--json", text)
+    assert code == 0 and again == out
+    code, _, err = run(capsys, "fill-mask", "-m", mlm, "--targets", "paris", "london", text)
+    assert code == 1 and "No mask_token" in err and "'london'" in err  # london is a text now, and has no mask
+    with pytest.raises(SystemExit):
+        main(["fill-mask", "-m", str(mlm), "--targets", "paris,,london", text])
+    assert "empty target" in capsys.readouterr().err
+
+
+def strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_writes_non_finite_numbers_as_null(capsys, monkeypatch, mlm):
+    """Python's json writes NaN and Infinity, which JSON lacks and strict parsers refuse."""
+    import mlx_encoders.__main__ as cli
+
+    results = [[{"score": float("nan"), "token": 1}, {"score": np.float32("inf"), "token": 2}]]
+    monkeypatch.setitem(cli.TASKS, "fill-mask", lambda args, texts: (results, None))
+    for extra in ([], ["--indent", "2"]):
+        code, out, err = run(capsys, "fill-mask", "-m", mlm, "--json", *extra, "A [MASK].")
+        assert code == 0 and strict_json(out)[0]["result"] == [{"score": None, "token": 1}, {"score": None, "token": 2}]
+        assert err.count("warning") == 1 and "2 NaN or infinite number(s) written as null" in err
+
+
 def test_fill_mask_table(capsys, mlm):
     ref = reference("fill-mask", mlm, "masked-lm")("Paris is the [MASK] of France.", top_k=2)
     code, out, _ = run(capsys, "fill-mask", "--model", mlm, "--top-k", 2, "Paris is the [MASK] of France.")

@@ -694,3 +694,13 @@ def test_quantized_source_is_not_quantized_twice(tmp_path, bert_q8):
     with pytest.raises(ValueError, match="already quantized"):
         mlx_encoders.convert(bert_q8, tmp_path / "again", bits=4)
     assert not (tmp_path / "again").exists()
+
+
+def test_conflicting_options_are_refused_naming_both(tmp_path, capsys):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("one text\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "model"), "--calibration", str(texts), "--no-calibration"])
+    assert "--calibration and --no-calibration conflict" in capsys.readouterr().err
+    assert main([str(tmp_path / "model"), "--recipe", "mixed_4_8", "--bits", "8"]) == 1
+    assert "recipe 'mixed_4_8' and bits=8 (--bits) conflict" in capsys.readouterr().err

@@ -213,9 +213,9 @@ def test_processors_follow_transformers_order():
                               min_new_tokens=2, min_length=3)  # fmt: skip
     names = [type(p).__name__ for p in ours.processors(config, 4, None, [0])]
     assert names == ["RepetitionPenalty", "MinLength", "MinNewTokens", "Temperature", "TopK", "TopP"]
-    assert [type(p).__name__ for p in ours.processors(config.replace(do_sample=False), 4, None, [0])][-1] == (
-        "MinNewTokens"
-    )
+    with pytest.warns(UserWarning, match="is ignored"):  # greedy keeps the sampling values but does not use them
+        greedy = config.replace(do_sample=False)
+    assert [type(p).__name__ for p in ours.processors(greedy, 4, None, [0])][-1] == "MinNewTokens"
 
 
 @pytest.mark.parametrize(
@@ -258,6 +258,52 @@ def test_presets():
     assert nucleus.do_sample and nucleus.top_p == 0.9 and nucleus.top_k == 0 and nucleus.max_new_tokens == 5
     with pytest.raises(ValueError, match="Unknown preset 'beam'"):
         GenerationConfig.preset("beam")
+
+
+@pytest.mark.parametrize(
+    "options", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.9), dict(temperature=0.5, top_k=3)]
+)
+def test_sampling_options_without_sampling_warn_as_in_transformers(options):
+    """transformers flags these in greedy mode (strict validate raises, else it logs); ours warns, naming them."""
+    with pytest.raises(ValueError, match="only used in sample-based generation"):
+        transformers.GenerationConfig(**options).validate(strict=True)
+    with pytest.warns(UserWarning, match=f"do_sample is not True, so {next(iter(options))}=.* is ignored"):
+        GenerationConfig(**options)
+    with pytest.warns(UserWarning, match="seed=3 is ignored"):
+        GenerationConfig(seed=3)  # transformers has no seed option; ours is equally unused without sampling
+
+
+def test_defaults_and_sampling_do_not_warn(recwarn):
+    transformers.GenerationConfig(top_k=50, temperature=1.0).validate(strict=True)
+    GenerationConfig(top_k=50, temperature=1.0)
+    GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=1)
+    GenerationConfig.preset("nucleus", seed=2)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_several_greedy_sequences_are_refused_as_in_transformers(lm):
+    folder, _, _, _ = lm
+    with pytest.raises(ValueError, match="num_return_sequences.* different than 1 .got 3"):
+        transformers.GenerationConfig(num_return_sequences=3).validate()
+    ours_ = mlx_encoders.pipeline("text-generation", model=folder)
+    with pytest.raises(ValueError, match=r"num_return_sequences different than 1 \(got 3\); set do_sample=True"):
+        ours_(PROMPTS[0], num_return_sequences=3, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+        (dict(do_sample=True, temperature=float("inf")), "temperature must be a finite number, got inf"),
+        (dict(temperature=-1.0), "temperature must be > 0"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty must be a finite number"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+        (dict(do_sample=True, top_p=float("nan")), "top_p must be a finite number"),
+    ],
+)
+def test_non_finite_or_out_of_range_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**options)
 
 
 def test_text_is_the_pipelines_continuation(lm):
@@ -368,3 +414,24 @@ def test_generate_command_streams_the_text(lm, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith(PROMPTS[0])
     assert main(["generate", "-m", str(folder), "--top-p", "2", "hi"]) == 1
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--temperature", "nan"], "temperature must be a finite number"),
+        (["--repetition-penalty", "inf"], "repetition_penalty must be a finite number"),
+        (["--max-new-tokens", "60"], "leaves room for"),  # found by the model's length, after loading
+    ],
+)
+def test_generate_command_validates_before_printing(lm, capsys, flags, message):
+    folder, _, _, _ = lm
+    assert main(["generate", "-m", str(folder), *flags, "word " * 15]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and message in out.err
+
+
+def test_generate_command_warns_of_ignored_sampling_options(lm, capsys):
+    folder, _, _, _ = lm
+    with pytest.warns(UserWarning, match="temperature=0.7 is ignored .greedy decoding.*--preset sample"):
+        assert main(["generate", "-m", str(folder), "--temperature", "0.7", "--max-new-tokens", "2", "hi"]) == 0

@@ -118,10 +118,13 @@ def save(
 
     The folder appears only when complete; an existing one is replaced only with `overwrite=True`, and only
     if it holds checkpoint files alone (weights, config.json, tokenizer files), as nothing else is rewritten.
+    Without `tokenizer`, the folder's own tokenizer files are kept: loading the folder needs them.
     """
     folder = Path(folder)
     with atomic_folder(folder, overwrite, whole=False) as tmp:
         write_checkpoint(model, model_config(model), tmp, shard_size)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        elif folder.is_dir():
+            copy_tokenizer_files(folder, tmp)
     return folder

@@ -26,7 +26,12 @@ def add_parser(tasks) -> None:
     p = tasks.add_parser("generate", help="continue a prompt with a causal language model (GPT-2), streamed")
     p.add_argument("prompt", nargs="?", help="the text to continue (default: all of stdin)")
     p.add_argument("--model", "-m", required=True, help="checkpoint folder or Hugging Face hub id")
-    p.add_argument("--preset", choices=PRESETS, default="greedy", help="decoding strategy (default greedy)")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="greedy",
+        help="decoding strategy (default greedy, which ignores --temperature, --top-k, --top-p, --seed: it warns)",
+    )
     for name, (kind, text) in OPTIONS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     p.add_argument("--stop", action="append", help="end the text before this string (repeatable)")

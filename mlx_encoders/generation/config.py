@@ -2,11 +2,14 @@
 
 Names and defaults follow transformers' `GenerationConfig` (top_k 50 when sampling, as transformers applies it),
 except that without `max_new_tokens` or `max_length` 20 new tokens are generated (transformers: 20 in all,
-prompt included). Values that cannot work fail here, naming the field.
+prompt included). Values that cannot work fail here, naming the field; sampling options set for greedy decoding
+warn that they are ignored, as transformers' `GenerationConfig.validate` does.
 """
 
 import dataclasses
+import math
 import numbers
+import warnings
 from dataclasses import dataclass
 
 from ..tokenizer import check_count
@@ -20,9 +23,14 @@ PRESETS = {
 }
 
 
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "seed": None}  # what greedy decoding ignores
+
+
 def check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r:.40}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 @dataclass
@@ -61,7 +69,7 @@ class GenerationConfig:
             check_number(name, getattr(self, name))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (the probability mass to keep), got {self.top_p}")
-        if self.do_sample and self.temperature <= 0:
+        if self.temperature < 0 or (self.do_sample and self.temperature == 0):
             raise ValueError(
                 f"temperature must be > 0 when sampling, got {self.temperature}; for greedy decoding, do_sample=False"
             )
@@ -72,6 +80,20 @@ class GenerationConfig:
         stops = self.stop if isinstance(self.stop, list) else [None]
         if self.stop is not None and not all(isinstance(s, str) and s for s in stops):
             raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.80}")
+        if not self.do_sample:
+            self.warn_unused_sampling()
+
+    def warn_unused_sampling(self) -> None:
+        # transformers warns rather than fails here; silence would let a user believe they sampled
+        unused = {k: getattr(self, k) for k, default in SAMPLING_DEFAULTS.items() if getattr(self, k) != default}
+        if unused:
+            given = ", ".join(f"{k}={v}" for k, v in unused.items())
+            warnings.warn(
+                f"do_sample is not True, so {given} is ignored (greedy decoding); set do_sample=True "
+                "(command line: --preset sample, top-k or nucleus) to sample, or leave these unset",
+                UserWarning,
+                stacklevel=5,  # the caller of GenerationConfig(...)
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GenerationConfig":

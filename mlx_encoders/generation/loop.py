@@ -116,7 +116,15 @@ def generate_steps(
     new_tokens = config.new_tokens(L)
     check_lengths(model, mask.sum(axis=1) if mask is not None else np.full(B, L), new_tokens)
     if new_tokens == 0:
-        return
+        return iter(())
+    return decode(model, tokens, mask, config, eos, pad, new_tokens)
+
+
+def decode(
+    model, tokens: np.ndarray, mask, config: GenerationConfig, eos, pad, new_tokens: int
+) -> Iterator[np.ndarray]:
+    """generate_steps' loop, a generator of its own so that generate_steps' checks run when it is called."""
+    B, L = tokens.shape
     positions = None if mask is None else np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
     prompt_start = None if mask is None else mx.array(mask.argmax(axis=1))  # transformers' prompt_ignore_length
     steps = processors(config, L, prompt_start, eos)

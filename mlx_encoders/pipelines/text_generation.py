@@ -32,6 +32,11 @@ class TextGenerationPipeline(Pipeline):
         results = []
         for i, chunk in enumerate(batches(texts, batch_size)):
             config = self.config(generation_config, generate_kwargs, i)
+            if num_return_sequences > 1 and not config.do_sample:  # n identical greedy texts: transformers refuses
+                raise ValueError(
+                    "Greedy methods (do_sample != True) do not support num_return_sequences different than 1 "
+                    f"(got {num_return_sequences}); set do_sample=True (or a sampling preset) to get varied texts"
+                )
             prompts = [text for text in chunk for _ in range(num_return_sequences)]
             continuations = generate(self.model, self.tokenizer, prompts, config)
             for j, text in enumerate(chunk):
