@@ -28,7 +28,7 @@ from mlx_encoders.train.data import (
 from mlx_encoders.train.fine_tune import from_config
 from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import epoch_steps, length_grouped, split_batch
+from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped, split_batch
 
 TEXTS = [
     "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",
@@ -361,3 +361,36 @@ def test_gradient_checkpointing_with_qlora_changes_memory_not_results(checkpoint
     assert expected.keys() == found.keys() and expected
     for name, value in found.items():
         np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)
+
+
+def test_options_out_of_range_stop_the_call_before_any_work(checkpoint, tmp_path, capsys):
+    data, eval_data = classification_file(tmp_path), classification_file(tmp_path, "eval.jsonl")
+    model, out = checkpoint("bert"), tmp_path / "run"
+    with pytest.raises(OptionError, match="lr must be a finite number"):
+        fine_tune("classify", data, out, model=model, lr=float("nan"))
+    with pytest.raises(OptionError, match="lora_rank must be an integer >= 1 or None, got 0"):
+        fine_tune("classify", data, out, model=model, lora_rank=0)
+    with pytest.raises(OptionError, match="max_length must be an integer >= 1 or None, got 0"):
+        fine_tune("classify", data, out, model=model, max_length=0)
+    # BERT's [CLS] and [SEP] take 2 tokens: a window of 2 holds no text
+    with pytest.raises(OptionError, match=r"max_length must be at least 3 for sequence-classification"):
+        fine_tune("classify", data, out, model=model, max_length=2)
+    with pytest.raises(OptionError, match="metric_for_best='eval_perplexity' is not a metric sequence-classification "
+                       "reports; choose one of eval_loss, eval_accuracy, eval_f1"):  # fmt: skip
+        fine_tune("classify", data, out, model=model, eval_data=eval_data, metric_for_best="eval_perplexity")
+    with pytest.raises(OptionError, match="metric_for_best='eval_loss' needs evaluation data"):
+        fine_tune("classify", data, out, model=model, metric_for_best="eval_loss")
+    assert not out.exists()
+    status = main(["train", "classify", "-m", str(model), "--data", str(data), "-o", str(out), "--warmup-ratio", "2"])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "mlx-encoders train: error: warmup_ratio must be a finite number in [0, 1], got 2.0" in error
+    status = main(["train", "classify", "-m", str(model), "--data", str(data), "-o", str(out), "--lr", "inf"])
+    assert status == 2 and not out.exists()
+
+
+def test_metric_for_best_names_a_reported_metric(checkpoint, tmp_path):
+    data = classification_file(tmp_path)
+    options = dict(model=checkpoint("bert"), eval_data=data, max_steps=2, save_every=1, keep_last=1, lr=1e-3)
+    trained = fine_tune("classify", data, tmp_path / "run", metric_for_best="eval_f1", eval_every=1, **options)
+    assert set(trained.metrics) - {"step", "epoch"} == {"eval_loss", "eval_accuracy", "eval_f1"}

@@ -38,7 +38,7 @@ from .lora import ADAPTERS_FILE, load_adapter_weights, save_adapters
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
-from .optim import Schedule, accumulate_gradients, adamw, make_schedule, optimizer_step
+from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, make_schedule, optimizer_step
 from .plot import plot_metrics
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
@@ -53,7 +53,9 @@ class TrainingConfig:
     `grad_accum` its `gradient_accumulation_steps`). `max_steps`, when set, replaces `epochs` and is also the
     length of the learning-rate schedule; `eval_every`/`save_every` count optimizer steps (None: never, besides
     each epoch end for evaluation and the end of training for both). `metric_for_best` names an eval metric (e.g.
-    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest.
+    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest. `warmup_steps`
+    > 0 replaces `warmup_ratio`; `max_grad_norm` None or <= 0 turns clipping off. Every option's range is checked
+    here (`check_options`).
     `group_by_length` batches examples of similar lengths together (transformers' `LengthGroupedSampler`), so
     less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
     weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
@@ -66,6 +68,7 @@ class TrainingConfig:
     batch_size: int = 8
     lr: float = 5e-5
     warmup_ratio: float = 0.0
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0
@@ -80,14 +83,50 @@ class TrainingConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"TrainingConfig.dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"TrainingConfig.max_steps must be at least 1 (or None for epochs), got {self.max_steps}")
+        check_options(self)
         self.output_dir = Path(self.output_dir)
+
+
+class OptionError(ValueError):
+    """A training option outside its range; the command exits with status 2 on it, as on a malformed option."""
+
+
+def at_least(name: str, value, low: int, optional: bool = False) -> None:
+    """`value` is an integer >= `low` (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        allowed = f"an integer >= {low}" + (" or None" if optional else "")
+        raise OptionError(f"{name} must be {allowed}, got {value!r}")
+
+
+def in_range(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """`value` is a finite number in [low, high] ((low, high] when `low_open`); NaN and infinities are refused."""
+    number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+        raise OptionError(f"{name} must be a finite number in {bounds}, got {value!r}")
+
+
+def check_options(config: TrainingConfig) -> None:
+    """Every option in its range, before any work. `max_grad_norm` <= 0 turns clipping off (as transformers' 0 and
+    None do): a negative norm would otherwise scale the gradients by a negative factor and step uphill."""
+    for name in ("epochs", "batch_size", "grad_accum"):
+        at_least(name, getattr(config, name), 1)
+    for name in ("max_steps", "eval_every", "save_every", "keep_last"):
+        at_least(name, getattr(config, name), 1, optional=True)
+    at_least("warmup_steps", config.warmup_steps, 0)
+    at_least("seed", config.seed, 0)  # numpy's generators refuse negative seeds
+    in_range("lr", config.lr, 0.0, low_open=True)
+    in_range("weight_decay", config.weight_decay, 0.0)
+    in_range("warmup_ratio", config.warmup_ratio, 0.0, 1.0)
+    norm = config.max_grad_norm
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)):
+        raise OptionError(f"max_grad_norm must be a finite number (<= 0 turns clipping off) or None, got {norm!r}")
+    if config.schedule not in SCHEDULES:
+        raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    if config.dtype not in COMPUTE_DTYPES:
+        raise OptionError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {config.dtype!r}")
 
 
 @dataclass
@@ -236,6 +275,33 @@ def evaluate(
     if task in ("masked-lm", "causal-lm"):
         metrics["eval_perplexity"] = math.exp(metrics["eval_loss"])
     return metrics
+
+
+def eval_metric_names(examples: Examples) -> list[str]:
+    """The metrics `evaluate` reports for `examples`' task and labels, to check `metric_for_best` before training."""
+    names = ["eval_loss"]
+    if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
+        names.append("eval_accuracy")  # the tasks whose labels are class ids
+    if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
+        names.append("eval_f1")
+    if examples.task == "token-classification" and is_chunk_scheme(list(examples.label2id)):
+        names += ["eval_precision", "eval_recall", "eval_f1"]
+    if examples.task in ("masked-lm", "causal-lm"):
+        names.append("eval_perplexity")
+    return names
+
+
+def check_metric_for_best(config: TrainingConfig, eval_examples: Examples | None) -> None:
+    if config.metric_for_best is None:
+        return
+    if eval_examples is None:
+        raise OptionError(f"metric_for_best={config.metric_for_best!r} needs evaluation data (eval_data / --eval-data)")
+    names = eval_metric_names(eval_examples)
+    if config.metric_for_best not in names:
+        raise OptionError(
+            f"metric_for_best={config.metric_for_best!r} is not a metric {eval_examples.task} reports; choose one "
+            f"of {', '.join(names)}"
+        )
 
 
 # ----- checkpoints -----
@@ -502,11 +568,13 @@ def train(
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
     continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
+    check_metric_for_best(config, eval_examples)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
     lengths = np.array([len(e.ids) for e in train_examples.encodings])
-    schedule = make_schedule(config.schedule, config.lr, math.ceil(config.warmup_ratio * total), total)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
+    schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
