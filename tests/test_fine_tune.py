@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import TrainingConfig, fine_tune, train
+from mlx_encoders.train import TrainingConfig, fine_tune, train, trainer
 from mlx_encoders.train.data import (
     DataError,
     causal_lm_data,
@@ -394,3 +394,31 @@ def test_metric_for_best_names_a_reported_metric(checkpoint, tmp_path):
     options = dict(model=checkpoint("bert"), eval_data=data, max_steps=2, save_every=1, keep_last=1, lr=1e-3)
     trained = fine_tune("classify", data, tmp_path / "run", metric_for_best="eval_f1", eval_every=1, **options)
     assert set(trained.metrics) - {"step", "epoch"} == {"eval_loss", "eval_accuracy", "eval_f1"}
+
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(checkpoint, tmp_path, monkeypatch):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    accumulate, calls = trainer.accumulate_gradients, []
+
+    def nan_at_step_3(loss_and_grad, batches):
+        loss, grads = accumulate(loss_and_grad, batches)
+        calls.append(None)
+        return (loss * mx.nan if len(calls) == 3 else loss), grads
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", nan_at_step_3)
+    options = dict(model=checkpoint("bert"), max_steps=4, save_every=2, batch_size=4, lr=1e-3)
+    with pytest.raises(trainer.Diverged, match=r"diverged at step 3: loss nan.*last good checkpoint is .*checkpoint-2"):
+        fine_tune("classify", data, out, **options)
+    assert not (out / "model").exists() and [p.name for p in trainer.checkpoints(out)] == ["checkpoint-2"]
+    weights = mx.load(str(out / "checkpoint-2" / "model.safetensors"))
+    assert all(np.isfinite(np.array(w)).all() for w in weights.values())
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_cli_stops_a_run_whose_huge_lr_overflows_the_weights(checkpoint, tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "classify", "-m", str(checkpoint("bert")), "--data", str(classification_file(tmp_path)),
+                   "-o", str(out), "--max-steps", "3", "--batch-size", "4", "--lr", "1e30"])  # fmt: skip
+    assert status == 1
+    assert "mlx-encoders train: error: Training diverged at step" in capsys.readouterr().err
+    assert not (out / "model").exists()

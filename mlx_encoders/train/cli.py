@@ -78,7 +78,7 @@ CALL_OPTIONS = (
 
 def run(args: argparse.Namespace) -> int:
     from .fine_tune import fine_tune
-    from .trainer import OptionError
+    from .trainer import Diverged, OptionError
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
     try:
@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     except OptionError as e:  # an option out of range: a usage error, as argparse reports one
         print(f"mlx-encoders train: error: {e}", file=sys.stderr)
         return 2
+    except Diverged as e:
+        print(f"mlx-encoders train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             f"\nmlx-encoders train: interrupted; continue with --resume {args.output}/checkpoint-STEP (the last "

@@ -154,16 +154,21 @@ def accumulate_gradients(
 
 
 def optimizer_step(
-    model: nn.Module, optimizer: optim.Optimizer, grads: dict, max_grad_norm: float | None = 1.0
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    grads: dict,
+    max_grad_norm: float | None = 1.0,
+    norm: mx.array | None = None,
 ) -> mx.array | None:
-    """Clip (unless `max_grad_norm` is None or <= 0, as `TrainingArguments.max_grad_norm`) and apply `grads` to `model`;
-    returns the gradient norm before clipping, None when not clipping. `FusedAdamW` optimizers (alone or in a
-    `MultiOptimizer`) apply the clipping factor inside their update kernel."""
-    norm = None
+    """Clip (unless `max_grad_norm` is None or <= 0, as `TrainingArguments.max_grad_norm`) and apply `grads` to
+    `model`; returns the gradient norm before clipping (`norm`, when the caller has computed it already), None when
+    not clipping. `FusedAdamW` optimizers (alone or in a `MultiOptimizer`) apply the clipping factor inside their
+    update kernel."""
     parts = getattr(optimizer, "optimizers", [optimizer])
     fused = all(isinstance(o, FusedAdamW) for o in parts)
-    if max_grad_norm is not None and max_grad_norm > 0:  # a negative factor would flip every gradient
-        norm = global_norm(grads)
+    clipping = max_grad_norm is not None and max_grad_norm > 0  # a negative factor would flip every gradient
+    if clipping:
+        norm = global_norm(grads) if norm is None else norm
         scale = clip_scale(norm, max_grad_norm)
         if fused:
             for o in parts:
@@ -179,4 +184,4 @@ def optimizer_step(
         if fused:
             for o in parts:
                 o.gradient_scale = None
-    return norm
+    return norm if clipping else None

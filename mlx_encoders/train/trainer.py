@@ -38,7 +38,7 @@ from .lora import ADAPTERS_FILE, load_adapter_weights, save_adapters
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
-from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, make_schedule, optimizer_step
+from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
 from .plot import plot_metrics
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
@@ -85,6 +85,10 @@ class TrainingConfig:
     def __post_init__(self):
         check_options(self)
         self.output_dir = Path(self.output_dir)
+
+
+class Diverged(ArithmeticError):
+    """A non-finite loss or gradient norm: training stopped before the step that would have spoiled the weights."""
 
 
 class OptionError(ValueError):
@@ -465,7 +469,9 @@ class Loop:
         lr = self.schedule(mx.array(self.state.step)).item()
         with drawing_from(self.random):
             loss, grads = accumulate_gradients(self.loss_and_grad, batches)
-        norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm)
+        norm = global_norm(grads)
+        self.check_finite(loss.item(), norm.item())
+        norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
         self.state.step += 1
         record = {
             "step": self.state.step,
@@ -476,6 +482,19 @@ class Loop:
         log_metrics(self.config.output_dir, record)
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         return {**record, "tokens_s": tokens / (time.perf_counter() - started)}
+
+    def check_finite(self, loss: float, norm: float) -> None:
+        """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
+        would be NaN. The checkpoints saved so far are kept; nothing of this step is written."""
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        saved = checkpoints(self.config.output_dir)
+        last = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved before it"
+        raise Diverged(
+            f"Training diverged at step {self.state.step + 1}: loss {loss}, gradient norm {norm}; the weights were "
+            f"not updated and no model was saved ({last}). Lower lr (now {self.config.lr:g}), add warmup or "
+            "clipping (max_grad_norm), or check the data, then start again or resume from a checkpoint"
+        )
 
     def evaluate_and_save(self, end_of_epoch: bool) -> None:
         """Evaluate every `eval_every` steps, at each epoch end and at the end; save every `save_every` steps and
