@@ -189,8 +189,8 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(checkpoint, tmp_path):
     whole = fine_tune("classify", data, tmp_path / "whole", lr=1e-2, **options)
     saved = tmp_path / "whole" / "checkpoint-2"
     assert (saved / "adapters.safetensors").is_file() and not (saved / "model.safetensors").exists()
-    shutil.copytree(saved, tmp_path / "resumed" / "checkpoint-2")
-    resumed = fine_tune("classify", data, tmp_path / "resumed", lr=1e-2, resume=saved, **options)
+    copy = shutil.copytree(saved, tmp_path / "resumed" / "checkpoint-2")
+    resumed = fine_tune("classify", data, tmp_path / "resumed", lr=1e-2, resume=copy, **options)
     expected = dict(tree_flatten(whole.model.parameters()))
     for name, value in tree_flatten(resumed.model.parameters()):
         np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)
@@ -422,3 +422,28 @@ def test_cli_stops_a_run_whose_huge_lr_overflows_the_weights(checkpoint, tmp_pat
     assert status == 1
     assert "mlx-encoders train: error: Training diverged at step" in capsys.readouterr().err
     assert not (out / "model").exists()
+
+
+def test_an_output_holding_another_run_is_refused_unless_resumed_or_overwritten(checkpoint, tmp_path, capsys):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), max_steps=2, batch_size=4, lr=1e-3)
+    fine_tune("classify", data, out, **options)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"run already holds another run's files \(checkpoint-2, metrics.jsonl"):
+        fine_tune("classify", data, out, **options)
+    cli = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(out), "--max-steps", "1"]
+    assert main(cli) == 1 and "--overwrite" in capsys.readouterr().err
+    fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_steps": 3})  # its own checkpoint
+    assert main([*cli, "--overwrite"]) == 0
+    # the old run's checkpoints and log are gone, the user's file stays
+    assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-1"] and (out / "notes.txt").read_text() == "mine"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_rotation_keeps_the_checkpoint_just_saved_when_resuming_before_later_ones(checkpoint, tmp_path):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), batch_size=2, lr=1e-3, schedule="constant")
+    fine_tune("classify", data, out, max_steps=4, save_every=2, keep_last=None, **options)
+    fine_tune("classify", data, out, max_steps=3, save_every=1, keep_last=1, resume=out / "checkpoint-2", **options)
+    # checkpoint-4 was the stopped run's later state: the resumed run's checkpoint-3 is the newest and stays
+    assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-3"]

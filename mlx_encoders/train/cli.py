@@ -61,6 +61,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass: less memory"
     )
     loop.add_argument("--resume", help="a checkpoint-STEP folder of this run to continue")
+    loop.add_argument("--overwrite", action="store_true", help="clear another run's files from OUTPUT first")
     loop.add_argument("--json", action="store_true", help="print the final metrics as JSON")
     p.set_defaults(run=run)
 
@@ -68,7 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 TRAINING_OPTIONS = (
     "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "warmup_steps", "weight_decay", "grad_accum",
     "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "metric_for_best", "group_by_length", "dtype",
-    "gradient_checkpointing",
+    "gradient_checkpointing", "overwrite",
 )  # fmt: skip
 CALL_OPTIONS = (
     "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",

@@ -33,7 +33,7 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
-from .trainer import OptionError, TrainingConfig, at_least, in_range, train
+from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
 
 # The command's short task names, and the head each trains.
 TASK_NAMES = {
@@ -44,7 +44,6 @@ TASK_NAMES = {
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
-MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"
 
 
 @dataclass

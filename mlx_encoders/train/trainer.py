@@ -39,10 +39,11 @@ from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
 from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
-from .plot import plot_metrics
+from .plot import CURVES_FILE, plot_metrics
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
+MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"  # where `fine_tune` saves the trained model and LoRA adapters
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -60,7 +61,8 @@ class TrainingConfig:
     less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
     weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
     recomputes each layer's activations in the backward pass instead of keeping them: less memory (with QLoRA,
-    close to the quantized weights), about a third more compute, the same gradients."""
+    close to the quantized weights), about a third more compute, the same gradients. `overwrite` clears another
+    run's files from `output_dir` first (transformers' `overwrite_output_dir`); without it they are refused."""
 
     output_dir: str | Path
     epochs: int = 3
@@ -81,6 +83,7 @@ class TrainingConfig:
     group_by_length: bool = False
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    overwrite: bool = False
 
     def __post_init__(self):
         check_options(self)
@@ -333,14 +336,36 @@ def checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name)[1]))
 
 
-def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None) -> None:
-    """Delete all but the last `keep_last` checkpoints and the `best` one (transformers' `save_total_limit`)."""
+def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None, newest: str | None = None) -> None:
+    """Delete all but the last `keep_last` checkpoints, the `best` one and the `newest` (the one just saved)
+    (transformers' `save_total_limit`)."""
     if keep_last is None:
         return
     found = checkpoints(output_dir)
     for folder in found[: max(0, len(found) - keep_last)]:
-        if folder.name != best:
+        if folder.name not in (best, newest):
             shutil.rmtree(folder)
+
+
+def run_files(output_dir: Path) -> list[Path]:
+    """What a run writes to `output_dir`: checkpoints, the metrics log and plot, the model and adapters."""
+    names = (METRICS_FILE, CURVES_FILE, MODEL_FOLDER, ADAPTERS_FOLDER)
+    return checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
+
+
+def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | None) -> None:
+    """Refuse to mix this run's files with another's in `output_dir`, unless it resumes from a checkpoint there or
+    `overwrite` clears them first. Only a run's files are cleared: other files in the folder are the user's."""
+    found = run_files(output_dir)
+    if not found or (resume_from is not None and Path(resume_from).resolve().parent == output_dir.resolve()):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{output_dir} already holds another run's files ({', '.join(p.name for p in found[:4])}); pass "
+            "overwrite=True (--overwrite) to clear them, resume from one of its checkpoints, or choose another output"
+        )
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def update_best(state: TrainerState, metric: str | None, name: str) -> None:
@@ -432,6 +457,9 @@ def start_state(
     else:
         state = load_checkpoint(model, optimizer, resume_from)
     trim_metrics(config.output_dir, state.step)
+    for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
+        if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
+            shutil.rmtree(later)
     return state
 
 
@@ -510,7 +538,7 @@ class Loop:
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
             save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
-            rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint)
+            rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, name)
 
 
 def compiled_value_and_grad(model: nn.Module, random: list[mx.array]) -> Callable[[dict], tuple[mx.array, dict]]:
@@ -595,6 +623,7 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
+    claim_output(config.output_dir, config.overwrite, resume_from)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
     loop = Loop(model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total)
