@@ -447,3 +447,24 @@ def test_rotation_keeps_the_checkpoint_just_saved_when_resuming_before_later_one
     fine_tune("classify", data, out, max_steps=3, save_every=1, keep_last=1, resume=out / "checkpoint-2", **options)
     # checkpoint-4 was the stopped run's later state: the resumed run's checkpoint-3 is the newest and stays
     assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-3"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_size_or_label_count(checkpoint, tmp_path):
+    data = classification_file(tmp_path)  # 3 labels
+    options = dict(max_steps=1, batch_size=4, lr=1e-3)
+    fine_tune("classify", data, tmp_path / "wide", model=checkpoint("bert", hidden_size=48, intermediate_size=64),
+              **options)  # fmt: skip
+    with pytest.raises(ValueError, match=r"wide/checkpoint-1/model.safetensors: .* has shape \(\d+, 48\), but this "
+                       r"run's model has \(\d+, 32\)"):  # fmt: skip
+        fine_tune("classify", data, tmp_path / "a", model=checkpoint("bert"), resume=tmp_path / "wide/checkpoint-1",
+                  **options)  # fmt: skip
+    fine_tune("classify", data, tmp_path / "three", model=checkpoint("bert"), **options)
+    two = classification_file(tmp_path, "two.jsonl", [{"text": t, "label": "pos" if t < "m" else "neg"} for t in TEXTS])
+    with pytest.raises(ValueError, match=r"three/checkpoint-1/config.json: labels 3 in the checkpoint, 2 in this run"):
+        fine_tune("classify", two, tmp_path / "b", model=checkpoint("bert"), resume=tmp_path / "three/checkpoint-1",
+                  **options)  # fmt: skip
+    lora = dict(model=checkpoint("bert", "masked-lm"), **options)
+    fine_tune("classify", data, tmp_path / "rank4", lora_rank=4, **lora)
+    with pytest.raises(ValueError, match=r"rank4/checkpoint-1/adapter_config.json: LoRA alpha is 8, but this run's is"):
+        fine_tune("classify", data, tmp_path / "c", lora_rank=4, lora_alpha=4, resume=tmp_path / "rank4/checkpoint-1",
+                  **lora)  # fmt: skip

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
+from ..checkpoint.files import Checkpoint
 from ..checkpoint.write import model_config, write_checkpoint
 from ..engine import runtime
 from ..engine.ops import drawing_from
@@ -34,7 +35,8 @@ from ..models import task_of_model
 from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
 from .data import Examples, collate
-from .lora import ADAPTERS_FILE, load_adapter_weights, save_adapters
+from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
+from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
@@ -380,6 +382,37 @@ def update_best(state: TrainerState, metric: str | None, name: str) -> None:
         state.best_metric, state.best_checkpoint = value, name
 
 
+def check_lora_settings(lora: LoRAConfig, folder: Path) -> None:
+    """The adapters in `folder` were trained with this run's rank, alpha, dropout and targets."""
+    saved = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+    for name, value in asdict(lora).items():
+        if saved.get(name) != value:
+            raise ValueError(
+                f"{folder / ADAPTER_CONFIG_FILE}: LoRA {name} is {saved.get(name)!r}, but this run's is {value!r}; "
+                "resume with the same LoRA settings as the run that wrote it"
+            )
+
+
+def check_head(model: nn.Module, folder: Path) -> None:
+    """The checkpoint in `folder` has this run's task head, with as many labels and the same problem type."""
+    saved, current = Checkpoint.open(folder), model_config(model)
+    if saved.task != task_of_model(model):
+        raise ValueError(
+            f"{folder / 'config.json'}: the checkpoint has a {saved.task} head, but this run trains "
+            f"{task_of_model(model)}; resume with the task of the run that wrote it"
+        )
+    settings = {
+        "labels": (len(saved.config.get("id2label") or {}), len(current.get("id2label") or {})),
+        "problem_type": (saved.config.get("problem_type"), current.get("problem_type")),
+    }
+    for name, (found, expected) in settings.items():
+        if found and expected and found != expected:  # a checkpoint without labels (an encoder) has none to compare
+            raise ValueError(
+                f"{folder / 'config.json'}: {name} {found!r} in the checkpoint, {expected!r} in this run; resume with "
+                "the data (labels) of the run that wrote it"
+            )
+
+
 def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) -> TrainerState:
     """Restore `model`'s weights, the optimizer state and the trainer state from a checkpoint folder."""
     folder = Path(folder)
@@ -388,20 +421,29 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
             f"{folder} is not a training checkpoint (it needs {STATE_FILE} and {OPTIMIZER_FILE}); pass a "
             "checkpoint-STEP folder that train() wrote"
         )
-    if (folder / ADAPTERS_FILE).is_file() != (getattr(model, "lora_config", None) is not None):
+    lora = getattr(model, "lora_config", None)
+    if (folder / ADAPTERS_FILE).is_file() != (lora is not None):
         raise ValueError(
             f"{folder} holds {'LoRA adapters' if (folder / ADAPTERS_FILE).is_file() else 'a whole model'}, but the "
-            f"model to resume {'has no' if getattr(model, 'lora_config', None) is None else 'has'} adapters; resume "
+            f"model to resume {'has no' if lora is None else 'has'} adapters; resume "
             "with the same LoRA settings as the run that wrote it"
         )
-    if (folder / ADAPTERS_FILE).is_file():
-        load_adapter_weights(model, folder)
+    if lora is not None:
+        check_lora_settings(lora, folder)
+        load_adapter_weights(model, folder)  # checks each tensor's name and shape, naming the file
     else:
+        check_head(model, folder)
         saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
         current = dict(tree_flatten(model.parameters()))
         if saved.keys() != current.keys():
             missing = sorted(current.keys() ^ saved.keys())[:5]
             raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
+        for name, value in current.items():
+            if saved[name].shape != value.shape:
+                raise ValueError(
+                    f"{folder / 'model.safetensors'}: {name} has shape {tuple(saved[name].shape)}, but this run's "
+                    f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
+                )
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
     return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
