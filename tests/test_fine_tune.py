@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import TrainingConfig, fine_tune, train
+from mlx_encoders.train import TrainingConfig, fine_tune, train, trainer
 from mlx_encoders.train.data import (
     DataError,
     causal_lm_data,
@@ -28,7 +28,7 @@ from mlx_encoders.train.data import (
 from mlx_encoders.train.fine_tune import from_config
 from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import epoch_steps, length_grouped, split_batch
+from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped, split_batch
 
 TEXTS = [
     "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",
@@ -189,8 +189,8 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(checkpoint, tmp_path):
     whole = fine_tune("classify", data, tmp_path / "whole", lr=1e-2, **options)
     saved = tmp_path / "whole" / "checkpoint-2"
     assert (saved / "adapters.safetensors").is_file() and not (saved / "model.safetensors").exists()
-    shutil.copytree(saved, tmp_path / "resumed" / "checkpoint-2")
-    resumed = fine_tune("classify", data, tmp_path / "resumed", lr=1e-2, resume=saved, **options)
+    copy = shutil.copytree(saved, tmp_path / "resumed" / "checkpoint-2")
+    resumed = fine_tune("classify", data, tmp_path / "resumed", lr=1e-2, resume=copy, **options)
     expected = dict(tree_flatten(whole.model.parameters()))
     for name, value in tree_flatten(resumed.model.parameters()):
         np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)
@@ -361,3 +361,110 @@ def test_gradient_checkpointing_with_qlora_changes_memory_not_results(checkpoint
     assert expected.keys() == found.keys() and expected
     for name, value in found.items():
         np.testing.assert_allclose(np.array(value), np.array(expected[name]), atol=1e-6, err_msg=name)
+
+
+def test_options_out_of_range_stop_the_call_before_any_work(checkpoint, tmp_path, capsys):
+    data, eval_data = classification_file(tmp_path), classification_file(tmp_path, "eval.jsonl")
+    model, out = checkpoint("bert"), tmp_path / "run"
+    with pytest.raises(OptionError, match="lr must be a finite number"):
+        fine_tune("classify", data, out, model=model, lr=float("nan"))
+    with pytest.raises(OptionError, match="lora_rank must be an integer >= 1 or None, got 0"):
+        fine_tune("classify", data, out, model=model, lora_rank=0)
+    with pytest.raises(OptionError, match="max_length must be an integer >= 1 or None, got 0"):
+        fine_tune("classify", data, out, model=model, max_length=0)
+    # BERT's [CLS] and [SEP] take 2 tokens: a window of 2 holds no text
+    with pytest.raises(OptionError, match=r"max_length must be at least 3 for sequence-classification"):
+        fine_tune("classify", data, out, model=model, max_length=2)
+    with pytest.raises(OptionError, match="metric_for_best='eval_perplexity' is not a metric sequence-classification "
+                       "reports; choose one of eval_loss, eval_accuracy, eval_f1"):  # fmt: skip
+        fine_tune("classify", data, out, model=model, eval_data=eval_data, metric_for_best="eval_perplexity")
+    with pytest.raises(OptionError, match="metric_for_best='eval_loss' needs evaluation data"):
+        fine_tune("classify", data, out, model=model, metric_for_best="eval_loss")
+    assert not out.exists()
+    status = main(["train", "classify", "-m", str(model), "--data", str(data), "-o", str(out), "--warmup-ratio", "2"])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "mlx-encoders train: error: warmup_ratio must be a finite number in [0, 1], got 2.0" in error
+    status = main(["train", "classify", "-m", str(model), "--data", str(data), "-o", str(out), "--lr", "inf"])
+    assert status == 2 and not out.exists()
+
+
+def test_metric_for_best_names_a_reported_metric(checkpoint, tmp_path):
+    data = classification_file(tmp_path)
+    options = dict(model=checkpoint("bert"), eval_data=data, max_steps=2, save_every=1, keep_last=1, lr=1e-3)
+    trained = fine_tune("classify", data, tmp_path / "run", metric_for_best="eval_f1", eval_every=1, **options)
+    assert set(trained.metrics) - {"step", "epoch"} == {"eval_loss", "eval_accuracy", "eval_f1"}
+
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(checkpoint, tmp_path, monkeypatch):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    accumulate, calls = trainer.accumulate_gradients, []
+
+    def nan_at_step_3(loss_and_grad, batches):
+        loss, grads = accumulate(loss_and_grad, batches)
+        calls.append(None)
+        return (loss * mx.nan if len(calls) == 3 else loss), grads
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", nan_at_step_3)
+    options = dict(model=checkpoint("bert"), max_steps=4, save_every=2, batch_size=4, lr=1e-3)
+    with pytest.raises(trainer.Diverged, match=r"diverged at step 3: loss nan.*last good checkpoint is .*checkpoint-2"):
+        fine_tune("classify", data, out, **options)
+    assert not (out / "model").exists() and [p.name for p in trainer.checkpoints(out)] == ["checkpoint-2"]
+    weights = mx.load(str(out / "checkpoint-2" / "model.safetensors"))
+    assert all(np.isfinite(np.array(w)).all() for w in weights.values())
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_cli_stops_a_run_whose_huge_lr_overflows_the_weights(checkpoint, tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["train", "classify", "-m", str(checkpoint("bert")), "--data", str(classification_file(tmp_path)),
+                   "-o", str(out), "--max-steps", "3", "--batch-size", "4", "--lr", "1e30"])  # fmt: skip
+    assert status == 1
+    assert "mlx-encoders train: error: Training diverged at step" in capsys.readouterr().err
+    assert not (out / "model").exists()
+
+
+def test_an_output_holding_another_run_is_refused_unless_resumed_or_overwritten(checkpoint, tmp_path, capsys):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), max_steps=2, batch_size=4, lr=1e-3)
+    fine_tune("classify", data, out, **options)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"run already holds another run's files \(checkpoint-2, metrics.jsonl"):
+        fine_tune("classify", data, out, **options)
+    cli = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(out), "--max-steps", "1"]
+    assert main(cli) == 1 and "--overwrite" in capsys.readouterr().err
+    fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_steps": 3})  # its own checkpoint
+    assert main([*cli, "--overwrite"]) == 0
+    # the old run's checkpoints and log are gone, the user's file stays
+    assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-1"] and (out / "notes.txt").read_text() == "mine"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_rotation_keeps_the_checkpoint_just_saved_when_resuming_before_later_ones(checkpoint, tmp_path):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), batch_size=2, lr=1e-3, schedule="constant")
+    fine_tune("classify", data, out, max_steps=4, save_every=2, keep_last=None, **options)
+    fine_tune("classify", data, out, max_steps=3, save_every=1, keep_last=1, resume=out / "checkpoint-2", **options)
+    # checkpoint-4 was the stopped run's later state: the resumed run's checkpoint-3 is the newest and stays
+    assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-3"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_size_or_label_count(checkpoint, tmp_path):
+    data = classification_file(tmp_path)  # 3 labels
+    options = dict(max_steps=1, batch_size=4, lr=1e-3)
+    fine_tune("classify", data, tmp_path / "wide", model=checkpoint("bert", hidden_size=48, intermediate_size=64),
+              **options)  # fmt: skip
+    with pytest.raises(ValueError, match=r"wide/checkpoint-1/model.safetensors: .* has shape \(\d+, 48\), but this "
+                       r"run's model has \(\d+, 32\)"):  # fmt: skip
+        fine_tune("classify", data, tmp_path / "a", model=checkpoint("bert"), resume=tmp_path / "wide/checkpoint-1",
+                  **options)  # fmt: skip
+    fine_tune("classify", data, tmp_path / "three", model=checkpoint("bert"), **options)
+    two = classification_file(tmp_path, "two.jsonl", [{"text": t, "label": "pos" if t < "m" else "neg"} for t in TEXTS])
+    with pytest.raises(ValueError, match=r"three/checkpoint-1/config.json: labels 3 in the checkpoint, 2 in this run"):
+        fine_tune("classify", two, tmp_path / "b", model=checkpoint("bert"), resume=tmp_path / "three/checkpoint-1",
+                  **options)  # fmt: skip
+    lora = dict(model=checkpoint("bert", "masked-lm"), **options)
+    fine_tune("classify", data, tmp_path / "rank4", lora_rank=4, **lora)
+    with pytest.raises(ValueError, match=r"rank4/checkpoint-1/adapter_config.json: LoRA alpha is 8, but this run's is"):
+        fine_tune("classify", data, tmp_path / "c", lora_rank=4, lora_alpha=4, resume=tmp_path / "rank4/checkpoint-1",
+                  **lora)  # fmt: skip

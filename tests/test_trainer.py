@@ -3,12 +3,14 @@ on), atomic checkpoints, the metrics log, macro-F1, and a tiny run that overfits
 
 import json
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 import mlx_encoders
-from mlx_encoders.train import trainer
+from mlx_encoders.train import optim, trainer
 from mlx_encoders.train.data import masked_lm_data, sequence_classification_data
 from mlx_encoders.train.masking import Masker
 from mlx_encoders.train.trainer import TrainingConfig, train
@@ -178,3 +180,48 @@ def test_compiled_step_still_checks_token_ids(checkpoint):
         loss_and_grad(bad)
     assert model.training
     assert np.isfinite(loss_and_grad(batch)[0].item())
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("lr", 0.0, r"lr must be a finite number in \(0, inf\), got 0.0"),
+        ("lr", -1e-3, r"lr must be a finite number in \(0, inf\)"),
+        ("lr", float("nan"), r"lr must be a finite number in \(0, inf\), got nan"),
+        ("lr", float("inf"), r"lr must be a finite number in \(0, inf\), got inf"),
+        ("weight_decay", -0.01, r"weight_decay must be a finite number in \[0, inf\)"),
+        ("weight_decay", float("nan"), r"weight_decay must be a finite number in \[0, inf\)"),
+        ("warmup_ratio", 1.5, r"warmup_ratio must be a finite number in \[0, 1\], got 1.5"),
+        ("warmup_ratio", float("nan"), r"warmup_ratio must be a finite number in \[0, 1\]"),
+        ("warmup_steps", -1, "warmup_steps must be an integer >= 0, got -1"),
+        ("max_grad_norm", float("nan"), r"max_grad_norm must be a finite number \(<= 0 turns clipping off\) or None"),
+        ("max_grad_norm", float("inf"), r"max_grad_norm must be a finite number"),
+        ("keep_last", 0, "keep_last must be an integer >= 1 or None, got 0"),
+        ("eval_every", 0, "eval_every must be an integer >= 1 or None, got 0"),
+        ("save_every", -2, "save_every must be an integer >= 1 or None, got -2"),
+        ("max_steps", 0, "max_steps must be an integer >= 1 or None, got 0"),
+        ("epochs", 0, "epochs must be an integer >= 1, got 0"),
+        ("epochs", 1.5, "epochs must be an integer >= 1, got 1.5"),
+        ("batch_size", 0, "batch_size must be an integer >= 1, got 0"),
+        ("grad_accum", 0, "grad_accum must be an integer >= 1, got 0"),
+        ("seed", -1, "seed must be an integer >= 0, got -1"),
+        ("schedule", "warm", "schedule must be one of linear, cosine, constant, got 'warm'"),
+    ],
+)
+def test_options_outside_their_range_are_refused_naming_the_range(tmp_path, option, value, message):
+    with pytest.raises(trainer.OptionError, match=message):
+        TrainingConfig(tmp_path / "run", **{option: value})
+
+
+def test_a_negative_max_grad_norm_turns_clipping_off_and_never_flips_gradients():
+    # transformers clips only when max_grad_norm > 0; a negative clip factor would step uphill
+    def stepped(max_grad_norm):
+        mx.random.seed(0)
+        model = nn.Linear(4, 2)
+        grads = {"weight": mx.full((2, 4), 3.0), "bias": mx.full((2,), -3.0)}
+        optim.optimizer_step(model, optim.adamw(model, 1e-1), grads, max_grad_norm)
+        return model
+
+    off, negative = stepped(None), stepped(-1.0)
+    np.testing.assert_array_equal(np.array(negative.weight), np.array(off.weight))
+    np.testing.assert_array_equal(np.array(negative.bias), np.array(off.bias))

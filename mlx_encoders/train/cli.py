@@ -46,9 +46,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     loop.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
     loop.add_argument("--schedule", choices=("linear", "cosine", "constant"), default="linear", help="after warmup")
     loop.add_argument("--warmup-ratio", type=float, default=0.0, help="share of steps warming up (default 0)")
+    loop.add_argument("--warmup-steps", type=int, default=0, help="warmup steps; > 0 replaces --warmup-ratio")
     loop.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decay (default 0)")
     loop.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    loop.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm; 0: off (default 1)")
+    loop.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm; <= 0: off (default 1)")
     loop.add_argument("--seed", type=int, default=42, help="default 42")
     loop.add_argument("--eval-every", type=int, help="evaluate every N steps (always at each epoch end)")
     loop.add_argument("--save-every", type=int, help="checkpoint every N steps (always at the end)")
@@ -60,14 +61,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass: less memory"
     )
     loop.add_argument("--resume", help="a checkpoint-STEP folder of this run to continue")
+    loop.add_argument("--overwrite", action="store_true", help="clear another run's files from OUTPUT first")
     loop.add_argument("--json", action="store_true", help="print the final metrics as JSON")
     p.set_defaults(run=run)
 
 
 TRAINING_OPTIONS = (
-    "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "weight_decay", "grad_accum",
+    "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "warmup_steps", "weight_decay", "grad_accum",
     "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "metric_for_best", "group_by_length", "dtype",
-    "gradient_checkpointing",
+    "gradient_checkpointing", "overwrite",
 )  # fmt: skip
 CALL_OPTIONS = (
     "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",
@@ -77,10 +79,17 @@ CALL_OPTIONS = (
 
 def run(args: argparse.Namespace) -> int:
     from .fine_tune import fine_tune
+    from .trainer import Diverged, OptionError
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
     try:
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
+    except OptionError as e:  # an option out of range: a usage error, as argparse reports one
+        print(f"mlx-encoders train: error: {e}", file=sys.stderr)
+        return 2
+    except Diverged as e:
+        print(f"mlx-encoders train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             f"\nmlx-encoders train: interrupted; continue with --resume {args.output}/checkpoint-STEP (the last "

@@ -33,7 +33,7 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
-from .trainer import TrainingConfig, train
+from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
 
 # The command's short task names, and the head each trains.
 TASK_NAMES = {
@@ -44,7 +44,6 @@ TASK_NAMES = {
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
-MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"
 
 
 @dataclass
@@ -97,15 +96,18 @@ def fine_tune(
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
+    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
-    - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio,
+    - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
+    check_call_options(max_length, lora_rank, lora_alpha)
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
+    check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
@@ -143,6 +145,27 @@ def training_config(output_dir: str | Path, training: dict) -> TrainingConfig:
         raise TypeError(f"fine_tune() got unknown options {', '.join(unknown)}; the training options are: "
                         f"{', '.join(sorted(known))}")  # fmt: skip
     return TrainingConfig(output_dir, **training)
+
+
+def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha: float | None) -> None:
+    """`fine_tune`'s own numeric options in their ranges (the training ones are `TrainingConfig`'s)."""
+    at_least("max_length", max_length, 1, optional=True)
+    at_least("lora_rank", lora_rank, 1, optional=True)
+    if lora_alpha is not None:
+        in_range("lora_alpha", lora_alpha, 0.0, low_open=True)
+
+
+def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pairs: bool) -> None:
+    """`max_length` leaves room for a token of text besides the special ones, and causal LM for two (one predicting
+    the next): a shorter window trains on nothing."""
+    if max_length is None:
+        return
+    minimum = max(tokenizer.num_special_tokens_to_add(pairs) + 1, 2 if task == "causal-lm" else 1)
+    if max_length < minimum:
+        raise OptionError(
+            f"max_length must be at least {minimum} for {task} with this tokenizer (its special tokens take "
+            f"{tokenizer.num_special_tokens_to_add(pairs)}), got {max_length}"
+        )
 
 
 def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:

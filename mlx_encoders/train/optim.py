@@ -97,13 +97,15 @@ def constant_schedule(learning_rate: float, num_warmup_steps: int, num_training_
     return schedule
 
 
+SCHEDULES = {"linear": linear_schedule, "cosine": cosine_schedule, "constant": constant_schedule}
+
+
 def make_schedule(name: str, learning_rate: float, num_warmup_steps: int, num_training_steps: int) -> Schedule:
     """The schedule `TrainingArguments.lr_scheduler_type` names: "linear" (its default), "cosine" or "constant"
     (transformers' "constant_with_warmup"; with 0 warmup steps, its "constant")."""
-    schedules = {"linear": linear_schedule, "cosine": cosine_schedule, "constant": constant_schedule}
-    if name not in schedules:
-        raise ValueError(f"Unknown learning-rate schedule {name!r}; choose one of {', '.join(schedules)}")
-    return schedules[name](learning_rate, num_warmup_steps, num_training_steps)
+    if name not in SCHEDULES:
+        raise ValueError(f"Unknown learning-rate schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](learning_rate, num_warmup_steps, num_training_steps)
 
 
 def global_norm(grads: dict) -> mx.array:
@@ -152,16 +154,21 @@ def accumulate_gradients(
 
 
 def optimizer_step(
-    model: nn.Module, optimizer: optim.Optimizer, grads: dict, max_grad_norm: float | None = 1.0
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    grads: dict,
+    max_grad_norm: float | None = 1.0,
+    norm: mx.array | None = None,
 ) -> mx.array | None:
-    """Clip (unless `max_grad_norm` is None or 0, as `TrainingArguments.max_grad_norm`) and apply `grads` to `model`;
-    returns the gradient norm before clipping, None when not clipping. `FusedAdamW` optimizers (alone or in a
-    `MultiOptimizer`) apply the clipping factor inside their update kernel."""
-    norm = None
+    """Clip (unless `max_grad_norm` is None or <= 0, as `TrainingArguments.max_grad_norm`) and apply `grads` to
+    `model`; returns the gradient norm before clipping (`norm`, when the caller has computed it already), None when
+    not clipping. `FusedAdamW` optimizers (alone or in a `MultiOptimizer`) apply the clipping factor inside their
+    update kernel."""
     parts = getattr(optimizer, "optimizers", [optimizer])
     fused = all(isinstance(o, FusedAdamW) for o in parts)
-    if max_grad_norm:
-        norm = global_norm(grads)
+    clipping = max_grad_norm is not None and max_grad_norm > 0  # a negative factor would flip every gradient
+    if clipping:
+        norm = global_norm(grads) if norm is None else norm
         scale = clip_scale(norm, max_grad_norm)
         if fused:
             for o in parts:
@@ -177,4 +184,4 @@ def optimizer_step(
         if fused:
             for o in parts:
                 o.gradient_scale = None
-    return norm
+    return norm if clipping else None

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
+from ..checkpoint.files import Checkpoint
 from ..checkpoint.write import model_config, write_checkpoint
 from ..engine import runtime
 from ..engine.ops import drawing_from
@@ -34,15 +35,17 @@ from ..models import task_of_model
 from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
 from .data import Examples, collate
-from .lora import ADAPTERS_FILE, load_adapter_weights, save_adapters
+from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
+from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
-from .optim import Schedule, accumulate_gradients, adamw, make_schedule, optimizer_step
-from .plot import plot_metrics
+from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
+from .plot import CURVES_FILE, plot_metrics
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
+MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"  # where `fine_tune` saves the trained model and LoRA adapters
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -53,12 +56,15 @@ class TrainingConfig:
     `grad_accum` its `gradient_accumulation_steps`). `max_steps`, when set, replaces `epochs` and is also the
     length of the learning-rate schedule; `eval_every`/`save_every` count optimizer steps (None: never, besides
     each epoch end for evaluation and the end of training for both). `metric_for_best` names an eval metric (e.g.
-    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest.
+    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest. `warmup_steps`
+    > 0 replaces `warmup_ratio`; `max_grad_norm` None or <= 0 turns clipping off. Every option's range is checked
+    here (`check_options`).
     `group_by_length` batches examples of similar lengths together (transformers' `LengthGroupedSampler`), so
     less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
     weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
     recomputes each layer's activations in the backward pass instead of keeping them: less memory (with QLoRA,
-    close to the quantized weights), about a third more compute, the same gradients."""
+    close to the quantized weights), about a third more compute, the same gradients. `overwrite` clears another
+    run's files from `output_dir` first (transformers' `overwrite_output_dir`); without it they are refused."""
 
     output_dir: str | Path
     epochs: int = 3
@@ -66,6 +72,7 @@ class TrainingConfig:
     batch_size: int = 8
     lr: float = 5e-5
     warmup_ratio: float = 0.0
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0
@@ -78,16 +85,57 @@ class TrainingConfig:
     group_by_length: bool = False
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    overwrite: bool = False
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainingConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"TrainingConfig.dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {self.dtype!r}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"TrainingConfig.max_steps must be at least 1 (or None for epochs), got {self.max_steps}")
+        check_options(self)
         self.output_dir = Path(self.output_dir)
+
+
+class Diverged(ArithmeticError):
+    """A non-finite loss or gradient norm: training stopped before the step that would have spoiled the weights."""
+
+
+class OptionError(ValueError):
+    """A training option outside its range; the command exits with status 2 on it, as on a malformed option."""
+
+
+def at_least(name: str, value, low: int, optional: bool = False) -> None:
+    """`value` is an integer >= `low` (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        allowed = f"an integer >= {low}" + (" or None" if optional else "")
+        raise OptionError(f"{name} must be {allowed}, got {value!r}")
+
+
+def in_range(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    """`value` is a finite number in [low, high] ((low, high] when `low_open`); NaN and infinities are refused."""
+    number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+        raise OptionError(f"{name} must be a finite number in {bounds}, got {value!r}")
+
+
+def check_options(config: TrainingConfig) -> None:
+    """Every option in its range, before any work. `max_grad_norm` <= 0 turns clipping off (as transformers' 0 and
+    None do): a negative norm would otherwise scale the gradients by a negative factor and step uphill."""
+    for name in ("epochs", "batch_size", "grad_accum"):
+        at_least(name, getattr(config, name), 1)
+    for name in ("max_steps", "eval_every", "save_every", "keep_last"):
+        at_least(name, getattr(config, name), 1, optional=True)
+    at_least("warmup_steps", config.warmup_steps, 0)
+    at_least("seed", config.seed, 0)  # numpy's generators refuse negative seeds
+    in_range("lr", config.lr, 0.0, low_open=True)
+    in_range("weight_decay", config.weight_decay, 0.0)
+    in_range("warmup_ratio", config.warmup_ratio, 0.0, 1.0)
+    norm = config.max_grad_norm
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)):
+        raise OptionError(f"max_grad_norm must be a finite number (<= 0 turns clipping off) or None, got {norm!r}")
+    if config.schedule not in SCHEDULES:
+        raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    if config.dtype not in COMPUTE_DTYPES:
+        raise OptionError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {config.dtype!r}")
 
 
 @dataclass
@@ -238,6 +286,33 @@ def evaluate(
     return metrics
 
 
+def eval_metric_names(examples: Examples) -> list[str]:
+    """The metrics `evaluate` reports for `examples`' task and labels, to check `metric_for_best` before training."""
+    names = ["eval_loss"]
+    if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
+        names.append("eval_accuracy")  # the tasks whose labels are class ids
+    if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
+        names.append("eval_f1")
+    if examples.task == "token-classification" and is_chunk_scheme(list(examples.label2id)):
+        names += ["eval_precision", "eval_recall", "eval_f1"]
+    if examples.task in ("masked-lm", "causal-lm"):
+        names.append("eval_perplexity")
+    return names
+
+
+def check_metric_for_best(config: TrainingConfig, eval_examples: Examples | None) -> None:
+    if config.metric_for_best is None:
+        return
+    if eval_examples is None:
+        raise OptionError(f"metric_for_best={config.metric_for_best!r} needs evaluation data (eval_data / --eval-data)")
+    names = eval_metric_names(eval_examples)
+    if config.metric_for_best not in names:
+        raise OptionError(
+            f"metric_for_best={config.metric_for_best!r} is not a metric {eval_examples.task} reports; choose one "
+            f"of {', '.join(names)}"
+        )
+
+
 # ----- checkpoints -----
 
 
@@ -263,14 +338,36 @@ def checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT.fullmatch(p.name)[1]))
 
 
-def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None) -> None:
-    """Delete all but the last `keep_last` checkpoints and the `best` one (transformers' `save_total_limit`)."""
+def rotate_checkpoints(output_dir: Path, keep_last: int | None, best: str | None, newest: str | None = None) -> None:
+    """Delete all but the last `keep_last` checkpoints, the `best` one and the `newest` (the one just saved)
+    (transformers' `save_total_limit`)."""
     if keep_last is None:
         return
     found = checkpoints(output_dir)
     for folder in found[: max(0, len(found) - keep_last)]:
-        if folder.name != best:
+        if folder.name not in (best, newest):
             shutil.rmtree(folder)
+
+
+def run_files(output_dir: Path) -> list[Path]:
+    """What a run writes to `output_dir`: checkpoints, the metrics log and plot, the model and adapters."""
+    names = (METRICS_FILE, CURVES_FILE, MODEL_FOLDER, ADAPTERS_FOLDER)
+    return checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
+
+
+def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | None) -> None:
+    """Refuse to mix this run's files with another's in `output_dir`, unless it resumes from a checkpoint there or
+    `overwrite` clears them first. Only a run's files are cleared: other files in the folder are the user's."""
+    found = run_files(output_dir)
+    if not found or (resume_from is not None and Path(resume_from).resolve().parent == output_dir.resolve()):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{output_dir} already holds another run's files ({', '.join(p.name for p in found[:4])}); pass "
+            "overwrite=True (--overwrite) to clear them, resume from one of its checkpoints, or choose another output"
+        )
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def update_best(state: TrainerState, metric: str | None, name: str) -> None:
@@ -285,6 +382,37 @@ def update_best(state: TrainerState, metric: str | None, name: str) -> None:
         state.best_metric, state.best_checkpoint = value, name
 
 
+def check_lora_settings(lora: LoRAConfig, folder: Path) -> None:
+    """The adapters in `folder` were trained with this run's rank, alpha, dropout and targets."""
+    saved = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+    for name, value in asdict(lora).items():
+        if saved.get(name) != value:
+            raise ValueError(
+                f"{folder / ADAPTER_CONFIG_FILE}: LoRA {name} is {saved.get(name)!r}, but this run's is {value!r}; "
+                "resume with the same LoRA settings as the run that wrote it"
+            )
+
+
+def check_head(model: nn.Module, folder: Path) -> None:
+    """The checkpoint in `folder` has this run's task head, with as many labels and the same problem type."""
+    saved, current = Checkpoint.open(folder), model_config(model)
+    if saved.task != task_of_model(model):
+        raise ValueError(
+            f"{folder / 'config.json'}: the checkpoint has a {saved.task} head, but this run trains "
+            f"{task_of_model(model)}; resume with the task of the run that wrote it"
+        )
+    settings = {
+        "labels": (len(saved.config.get("id2label") or {}), len(current.get("id2label") or {})),
+        "problem_type": (saved.config.get("problem_type"), current.get("problem_type")),
+    }
+    for name, (found, expected) in settings.items():
+        if found and expected and found != expected:  # a checkpoint without labels (an encoder) has none to compare
+            raise ValueError(
+                f"{folder / 'config.json'}: {name} {found!r} in the checkpoint, {expected!r} in this run; resume with "
+                "the data (labels) of the run that wrote it"
+            )
+
+
 def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) -> TrainerState:
     """Restore `model`'s weights, the optimizer state and the trainer state from a checkpoint folder."""
     folder = Path(folder)
@@ -293,20 +421,29 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
             f"{folder} is not a training checkpoint (it needs {STATE_FILE} and {OPTIMIZER_FILE}); pass a "
             "checkpoint-STEP folder that train() wrote"
         )
-    if (folder / ADAPTERS_FILE).is_file() != (getattr(model, "lora_config", None) is not None):
+    lora = getattr(model, "lora_config", None)
+    if (folder / ADAPTERS_FILE).is_file() != (lora is not None):
         raise ValueError(
             f"{folder} holds {'LoRA adapters' if (folder / ADAPTERS_FILE).is_file() else 'a whole model'}, but the "
-            f"model to resume {'has no' if getattr(model, 'lora_config', None) is None else 'has'} adapters; resume "
+            f"model to resume {'has no' if lora is None else 'has'} adapters; resume "
             "with the same LoRA settings as the run that wrote it"
         )
-    if (folder / ADAPTERS_FILE).is_file():
-        load_adapter_weights(model, folder)
+    if lora is not None:
+        check_lora_settings(lora, folder)
+        load_adapter_weights(model, folder)  # checks each tensor's name and shape, naming the file
     else:
+        check_head(model, folder)
         saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
         current = dict(tree_flatten(model.parameters()))
         if saved.keys() != current.keys():
             missing = sorted(current.keys() ^ saved.keys())[:5]
             raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
+        for name, value in current.items():
+            if saved[name].shape != value.shape:
+                raise ValueError(
+                    f"{folder / 'model.safetensors'}: {name} has shape {tuple(saved[name].shape)}, but this run's "
+                    f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
+                )
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
     return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
@@ -362,6 +499,9 @@ def start_state(
     else:
         state = load_checkpoint(model, optimizer, resume_from)
     trim_metrics(config.output_dir, state.step)
+    for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
+        if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
+            shutil.rmtree(later)
     return state
 
 
@@ -399,7 +539,9 @@ class Loop:
         lr = self.schedule(mx.array(self.state.step)).item()
         with drawing_from(self.random):
             loss, grads = accumulate_gradients(self.loss_and_grad, batches)
-        norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm)
+        norm = global_norm(grads)
+        self.check_finite(loss.item(), norm.item())
+        norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
         self.state.step += 1
         record = {
             "step": self.state.step,
@@ -410,6 +552,19 @@ class Loop:
         log_metrics(self.config.output_dir, record)
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         return {**record, "tokens_s": tokens / (time.perf_counter() - started)}
+
+    def check_finite(self, loss: float, norm: float) -> None:
+        """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
+        would be NaN. The checkpoints saved so far are kept; nothing of this step is written."""
+        if math.isfinite(loss) and math.isfinite(norm):
+            return
+        saved = checkpoints(self.config.output_dir)
+        last = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was saved before it"
+        raise Diverged(
+            f"Training diverged at step {self.state.step + 1}: loss {loss}, gradient norm {norm}; the weights were "
+            f"not updated and no model was saved ({last}). Lower lr (now {self.config.lr:g}), add warmup or "
+            "clipping (max_grad_norm), or check the data, then start again or resume from a checkpoint"
+        )
 
     def evaluate_and_save(self, end_of_epoch: bool) -> None:
         """Evaluate every `eval_every` steps, at each epoch end and at the end; save every `save_every` steps and
@@ -425,7 +580,7 @@ class Loop:
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
             save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
-            rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint)
+            rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, name)
 
 
 def compiled_value_and_grad(model: nn.Module, random: list[mx.array]) -> Callable[[dict], tuple[mx.array, dict]]:
@@ -502,12 +657,15 @@ def train(
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
     continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
+    check_metric_for_best(config, eval_examples)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
     lengths = np.array([len(e.ids) for e in train_examples.encodings])
-    schedule = make_schedule(config.schedule, config.lr, math.ceil(config.warmup_ratio * total), total)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
+    schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
+    claim_output(config.output_dir, config.overwrite, resume_from)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
     loop = Loop(model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total)
