@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--prompt", default="Return the")
     p.add_argument("--output", default="gpt2-run", help="output folder (default gpt2-run)")
+    p.add_argument("--overwrite", action="store_true", help="clear an earlier run in the output folder first")
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
@@ -52,6 +53,7 @@ def main() -> None:
         "clm", [{"text": t} for t in texts[20:]], output, config=sizes, tokenizer=tokenizer,
         eval_data=[{"text": t} for t in texts[:20]], epochs=args.epochs, batch_size=16, lr=2e-3, warmup_ratio=0.05,
         weight_decay=0.01, max_length=128,
+        overwrite=args.overwrite,
     )  # fmt: skip
     print(f"held-out loss {trained.metrics['eval_loss']:.3f}, perplexity {trained.metrics['eval_perplexity']:.1f}")
     print(f"model saved to {trained.path}\n")

