@@ -42,6 +42,7 @@ from .checkpoint.write import copy_tokenizer_files
 from .models import task_of_model
 from .quantization import (
     CALIBRATION_TOKENS,
+    applied_settings,
     calibration_texts,
     dequantize_model,
     input_hessians,
@@ -177,20 +178,24 @@ def upload(folder: Path, repo: str) -> str:
     return f"https://huggingface.co/{repo}"
 
 
-def describe_quantization(quantization: dict | None, method: str = "round to nearest") -> str:
+def describe_quantization(
+    quantization: dict | None, method: str = "round to nearest", applied: dict | None = None
+) -> str:
+    """The settings `applied` ({(bits, mode, group size): modules}, from `applied_settings`) and the modules left
+    float: what was done, which config.json's default alone does not say (a recipe may override it everywhere)."""
     if not quantization:
         return "none (float)"
-    spec = {k: quantization[k] for k in ("bits", "group_size", "mode")}
-    overrides = {k: v for k, v in quantization.items() if isinstance(v, dict)}
+    applied = applied or {(quantization["bits"], quantization["mode"], quantization["group_size"]): None}
+    if len(applied) == 1:
+        (bits, mode, group_size), _ = next(iter(applied.items()))
+        text = f"{bits}-bit {mode}, group size {group_size} ({method})"
+    else:
+        parts = [f"{b}-bit {m} (g{g}) for {n} modules" for (b, m, g), n in sorted(applied.items(), key=lambda i: -i[1])]
+        text = f"mixed: {', '.join(parts)} ({method})"
     floats = [k for k, v in quantization.items() if v is False]
-    text = f"{spec['bits']}-bit {spec['mode']}, group size {spec['group_size']} ({method})"
-    if overrides:
-        by_bits = {}
-        for path, v in overrides.items():
-            by_bits.setdefault(f"{v['bits']}-bit {v['mode']} g{v['group_size']}", []).append(path)
-        text += "; " + "; ".join(f"{len(p)} modules at {k}" for k, p in by_bits.items())
     if floats:
-        text += f"; left float (input width not divisible by the group size, or by recipe): {', '.join(floats)}"
+        text += f"; {len(floats)} modules left float (input width not divisible by the group size, or by recipe): "
+        text += ", ".join(floats)
     return text
 
 
@@ -210,7 +215,7 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
             f"\n# {folder_name}\n",
             f"MLX weights of `{source}` converted with the `convert` command of mlx-encoders.\n",
             f"- Architecture: {report['model_type']} ({report['architecture']}), {report['parameters']:,} parameters",
-            f"- Quantization: {describe_quantization(report['quantization'], report['method'])}",
+            f"- Quantization: {describe_quantization(report['quantization'], report['method'], report['applied'])}",
             f"- Weights on disk: {report['bytes_before'] / 1e6:.1f} MB in the source, "
             f"{report['bytes_after'] / 1e6:.1f} MB here ({report['bits_per_weight']:.2f} bits per weight)",
             f"- Fidelity vs the source on {len(PROBE_TEXTS)} built-in probe texts ({report['output']}): "
@@ -236,7 +241,7 @@ def print_report(source: str, target: Path, report: dict) -> None:
     rows = [
         ("architecture", f"{report['model_type']} ({report['architecture']})"),
         ("parameters", f"{report['parameters']:,}"),
-        ("quantization", describe_quantization(report["quantization"], report["method"])),
+        ("quantization", describe_quantization(report["quantization"], report["method"], report["applied"])),
         (
             "size on disk",
             f"{report['bytes_before'] / 1e6:.2f} MB -> {report['bytes_after'] / 1e6:.2f} MB ({ratio:.3f}x)",
@@ -392,6 +397,7 @@ def convert(
         "architecture": type(model).__name__,
         "parameters": parameters,
         "quantization": config.get("quantization"),
+        "applied": applied_settings(model),
         "method": f"GPTQ on {len(calibration)} calibration texts" if hessians else "round to nearest",
         "bytes_before": sum(f.stat().st_size for f in checkpoint.weight_files()),
         "output": output,

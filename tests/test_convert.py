@@ -209,7 +209,7 @@ def test_float_widths_are_reported(tmp_path, capsys):
     out = mlx_encoders.convert(source, tmp_path / "mlx", bits=4, group_size=32, calibration=False)
     left = [k for k, v in json.loads((out / "config.json").read_text())["quantization"].items() if v is False]
     assert sorted(left) == [f"encoder.layer.{i}.output.dense" for i in range(3)]
-    assert "left float" in capsys.readouterr().out
+    assert "3 modules left float" in capsys.readouterr().out
     assert "(round to nearest)" in (out / "README.md").read_text()
     assert_triplets_match(out, source, 32, 4, rounded=True)
 
@@ -327,6 +327,26 @@ def test_sharding_writes_an_index(tmp_path, bert):
     assert text_cosines(ours(out, ids, mask), oracle(bert, "encoder", ids, mask), mask).min() > MIN_COSINE[8]
 
 
+def test_a_group_size_that_fits_no_width_is_refused_naming_one_that_does(tmp_path, checkpoint, capsys):
+    source = checkpoint("bert", hidden_size=32, intermediate_size=96)  # widths 32 and 96: 64 divides neither
+    args = [str(source), "--mlx-path", str(tmp_path / "mlx"), "-q", "--bits", "8", "--group-size", "64"]
+    assert main([*args, "--no-calibration"]) == 1
+    err = capsys.readouterr().err
+    assert "group size 64 (group_size, --group-size) divides none of this model's input widths (32, 96)" in err
+    assert "use group_size=32 (--group-size 32" in err and not (tmp_path / "mlx").exists()
+
+
+def test_report_describes_the_settings_applied_not_the_default(tmp_path, bert, capsys):
+    # every module overridden to mxfp4: config.json's default (8-bit affine) describes none of them
+    out = mlx_encoders.convert(bert, tmp_path / "fp4", recipe={"*": {"bits": 4, "mode": "mxfp4"}}, calibration=False)
+    printed = capsys.readouterr().out
+    for text in (printed, (out / "README.md").read_text()):
+        assert "4-bit mxfp4, group size 32 (round to nearest)" in text and "8-bit affine" not in text
+    out = mlx_encoders.convert(bert, tmp_path / "mixed", recipe="mixed_4_8", calibration=False)
+    # 6 Linears in each of 3 layers at 4 bits; word, position, token-type tables and pooler at 8
+    assert "mixed: 4-bit affine (g32) for 18 modules, 8-bit affine (g64) for 4 modules" in capsys.readouterr().out
+
+
 def test_recipe_keeps_embeddings_and_heads_at_higher_precision(tmp_path):
     source = make_checkpoint(tmp_path / "hf", "bert", "sequence-classification", hidden_size=64, intermediate_size=64)
     out = mlx_encoders.convert(source, tmp_path / "mlx", recipe="mixed_4_8", group_size=32)
@@ -341,6 +361,11 @@ def test_recipe_keeps_embeddings_and_heads_at_higher_precision(tmp_path):
     ids, mask = inputs(30522)
     cos = text_cosines(ours(out, ids, mask), oracle(source, "sequence-classification", ids, mask), mask)
     assert cos.min() > MIN_COSINE[4]
+
+
+def test_a_recipe_pattern_matching_no_module_warns_naming_it(tmp_path, bert):
+    with pytest.warns(UserWarning, match=r"Recipe pattern 'encoder\.layers\.\*' matches no Linear or Embedding"):
+        mlx_encoders.convert(bert, tmp_path / "mlx", recipe={"encoder.layers.*": 4, "*": 8}, calibration=False)
 
 
 def test_mixed_recipe_layers_take_the_group_size_of_plain_4_bits(tmp_path, bert):
@@ -643,6 +668,13 @@ BAD_INPUTS = [
     ("group size", lambda d, bert: bert, {"group_size": 48}, ValueError, "group sizes \\[32, 64, 128\\], not 48"),
     ("mode", lambda d, bert: bert, {"mode": "int3"}, ValueError, "choose one of: affine, mxfp4"),
     ("recipe", lambda d, bert: bert, {"recipe": "fancy"}, ValueError, "mixed_4_8"),
+    (
+        "recipe key",
+        lambda d, bert: bert,
+        {"recipe": {"*.query": {"bit": 4}}},
+        ValueError,
+        "Recipe entry '\\*.query': unknown key\\(s\\) 'bit'; a params dict may set only bits, group_size, mode",
+    ),
 ]
 
 

@@ -3,6 +3,9 @@
 given input Hessians, the affine modules are then re-fitted (GPTQ, least-squares grid) by `rounding`.
 """
 
+import warnings
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -11,7 +14,7 @@ from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
 from ..models.layers import Embedding, Linear
-from .recipes import quantization_spec, recipe_default, recipe_rule
+from .recipes import quantization_spec, recipe_default, recipe_rule, unmatched_patterns
 from .rounding import apply_gptq
 
 
@@ -40,19 +43,25 @@ def quantize_model(
     rule = recipe_rule(recipe, spec, group_size)
     default = recipe_default(recipe, spec, group_size)
     config = dict(default)
-
-    def predicate(path: str, module: nn.Module) -> dict | bool:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            return False
-        params = rule(path)
-        if params is False or module.weight.shape[-1] % params["group_size"]:
+    modules = {p: m for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    for pattern in unmatched_patterns(recipe, list(modules)):
+        example = next(iter(modules), "")
+        warnings.warn(f"Recipe pattern {pattern!r} matches no Linear or Embedding of this model, so it changes "
+                      f"nothing; patterns match module paths such as {example!r}", stacklevel=2)  # fmt: skip
+    settings, misfits = {}, {}
+    for path, module in modules.items():
+        params, width = rule(path), module.weight.shape[-1]
+        if params is not False and width % params["group_size"]:
+            misfits[path] = (width, params["group_size"])
+        if params is False or path in misfits:
             config[path] = False
-            return False
+            continue
+        settings[path] = dict(params)
         if params != default:
             config[path] = dict(params)
-        return dict(params)
-
-    nn.quantize(model, class_predicate=predicate)
+    if modules and not settings:
+        raise ValueError(nothing_quantized(misfits))
+    nn.quantize(model, class_predicate=lambda path, module: settings.get(path, False))
     set_scale_dtype(model)
     if hessians is not None:
         apply_gptq(model, hessians, floats)
@@ -60,6 +69,31 @@ def quantize_model(
     for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
         mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
     return config
+
+
+def nothing_quantized(misfits: dict[str, tuple[int, int]]) -> str:
+    """Why a request would quantize nothing, and the affine group size that would fit (largest first)."""
+    if not misfits:
+        return "the recipe keeps every Linear and Embedding float: nothing to quantize; give it bits, or don't quantize"
+    widths = sorted({w for w, _ in misfits.values()})
+    groups = ", ".join(str(g) for g in sorted({g for _, g in misfits.values()}))
+    fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
+    fits = fits or [g for g in (128, 64, 32) if any(w % g == 0 for w in widths)]
+    advice = (
+        f"use group_size={fits[0]} (--group-size {fits[0]}, affine mode)"
+        if fits
+        else "no affine group size (128, 64, 32) divides them; keep this model float"
+    )
+    return (
+        f"group size {groups} (group_size, --group-size) divides none of this model's input widths "
+        f"({', '.join(map(str, widths))}), so nothing would be quantized; {advice}"
+    )
+
+
+def applied_settings(model: nn.Module) -> Counter:
+    """How many modules are quantized with each (bits, mode, group size): what a report should describe."""
+    quantized = (m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    return Counter((m.bits, m.mode, m.group_size) for m in quantized)
 
 
 def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:

@@ -30,6 +30,8 @@ SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe", "*rel
 # Affine group sizes below which the default of 64 (mlx-lm's) loses too much: at 4 bits, all-MiniLM-L6-v2's mean
 # embedding cosine with float is 0.98977 at group size 64 and 0.99265 at 32 (GPTQ both; the target is 0.99).
 SMALL_GROUPS = {"affine": {2: 32, 3: 32, 4: 32}}
+# What a recipe's params dict may set; anything else (a typo such as "bit") would be silently ignored.
+PARAM_KEYS = ("bits", "group_size", "mode")
 
 
 def default_group_size(bits: int, mode: str) -> int:
@@ -80,11 +82,23 @@ def recipe_rule(recipe: str | dict | None, spec: dict, group_size: int | None = 
         if isinstance(value, int) and not isinstance(value, bool):
             value = quantization_spec(value, group_size, spec["mode"])
         elif isinstance(value, dict):
+            if unknown := sorted(set(value) - set(PARAM_KEYS)):
+                raise ValueError(
+                    f"Recipe entry {pattern!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                    f"a params dict may set only {', '.join(PARAM_KEYS)}"
+                )
             value = quantization_spec(value.get("bits"), value.get("group_size"), value.get("mode", spec["mode"]))
         elif value is not False:
             raise ValueError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
         rules[pattern] = value
     return lambda path: next((v for p, v in rules.items() if fnmatch.fnmatchcase(path, p)), shared_table(path, spec))
+
+
+def unmatched_patterns(recipe: str | dict | None, paths: list[str]) -> list[str]:
+    """The patterns of a dict recipe that match none of `paths` (likely a typo: they change nothing)."""
+    if not isinstance(recipe, dict):
+        return []
+    return [p for p in recipe if not any(fnmatch.fnmatchcase(path, p) for path in paths)]
 
 
 def recipe_default(recipe: str | dict | None, spec: dict, group_size: int | None = None) -> dict:
