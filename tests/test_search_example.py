@@ -162,10 +162,11 @@ def test_quick_start_rerun_reuses_the_conversion_and_the_index(tmp_path, model, 
     with another model and back: each model keeps its own default index."""
     monkeypatch.setattr(search, "DEFAULT_INDEX", tmp_path / "cache" / "search-index")
     corpus, converted = write_corpus(tmp_path / "corpus"), tmp_path / "model-8bit"
+    # the tiny model's widths take group size 32
     command = [
         "--quantize", "--bits", "8", "--group-size", "32", str(model), "--mlx-path", str(converted), "--force",
         "--no-calibration",
-    ]  # fmt: skip  (the tiny model's widths take group size 32)
+    ]  # fmt: skip
     query = ["--corpus", corpus, "--query", PARAGRAPHS["animals.md"][0]]
     assert convert_main(command) == 0
     first, first_err = main(capsys, *query, "--model", converted)
