@@ -2,6 +2,7 @@
 on), atomic checkpoints, the metrics log, macro-F1, and a tiny run that overfits."""
 
 import json
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,6 +99,68 @@ def test_failed_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, monkeyp
         p.name for p in (tmp_path / "checkpoint-2").iterdir()
     }
     mlx_encoders.load(tmp_path / "checkpoint-2")
+
+
+@pytest.fixture(scope="module")
+def stopped_run(checkpoint, tmp_path_factory):
+    """An output folder whose run stopped at checkpoint-2; copy it before damaging a file."""
+    folder = tmp_path_factory.mktemp("stopped") / "run"
+    model, tokenizer, examples = classification(checkpoint)
+    train(model, tokenizer, examples, config=TrainingConfig(folder, max_steps=2, batch_size=4, seed=3))
+    return folder
+
+
+def set_field(name, value):
+    def edit(path):
+        state = json.loads(path.read_text())
+        state[name] = value
+        path.write_text(json.dumps(state))
+
+    return edit
+
+
+def drop_field(name):
+    def edit(path):
+        state = json.loads(path.read_text())
+        del state[name]
+        path.write_text(json.dumps(state))
+
+    return edit
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def tear_last_line(path):
+    path.write_text(path.read_text() + '{"step": 3, "lo')
+
+
+@pytest.mark.parametrize(
+    "file, damage, message",
+    [
+        ("checkpoint-2/optimizer.safetensors", truncate, r"optimizer\.safetensors: not a readable optimizer state"),
+        ("checkpoint-2/trainer_state.json", truncate, r"trainer_state\.json, line \d+: not valid JSON"),
+        ("checkpoint-2/trainer_state.json", drop_field("step"), r"trainer_state\.json: field 'step' is missing"),
+        ("checkpoint-2/trainer_state.json", set_field("epoch", "0"), r"field 'epoch' must be an integer >= 0"),
+        ("checkpoint-2/trainer_state.json", set_field("step", -1), r"field 'step' must be an integer >= 0"),
+        ("checkpoint-2/trainer_state.json", set_field("mlx_key", [1]), r"field 'mlx_key' must be two uint32"),
+        ("checkpoint-2/trainer_state.json", set_field("mask_rng", {"state": 1}), r"field 'mask_rng' is not"),
+        ("checkpoint-2/trainer_state.json", set_field("stepp", 2), r"unknown field\(s\) stepp"),
+        ("metrics.jsonl", tear_last_line, r"metrics\.jsonl, line 3: not a JSON record"),
+    ],
+)
+def test_resuming_from_a_damaged_file_names_it_and_what_to_do(checkpoint, stopped_run, tmp_path, file, damage, message):
+    folder = tmp_path / "run"
+    shutil.copytree(stopped_run, folder)
+    damage(folder / file)
+    model, tokenizer, examples = classification(checkpoint)
+    config = TrainingConfig(folder, max_steps=4, batch_size=4, seed=3)
+    with pytest.raises(ValueError, match=message) as raised:
+        train(model, tokenizer, examples, config=config, resume_from=folder / "checkpoint-2")
+    assert str(folder / file) in str(raised.value) and (
+        "another checkpoint" in str(raised.value) or "delete" in str(raised.value)
+    )
 
 
 def test_tiny_run_overfits_and_logs_metrics(checkpoint, tmp_path):

@@ -445,8 +445,53 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
                     f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
                 )
         model.update(tree_unflatten(list(saved.items())))
-    optimizer.state = tree_unflatten(list(mx.load(str(folder / OPTIMIZER_FILE)).items()))
-    return TrainerState(**json.loads((folder / STATE_FILE).read_text()))
+    state = read_state(folder / STATE_FILE)  # read first: a torn state must not leave a half-restored optimizer
+    optimizer.state = tree_unflatten(list(read_optimizer_state(folder / OPTIMIZER_FILE).items()))
+    return state
+
+
+RESUME_ELSEWHERE = "resume from another checkpoint-STEP folder (an earlier one), or start the run afresh"
+
+
+def read_optimizer_state(path: Path) -> dict[str, mx.array]:
+    """The tensors of `optimizer.safetensors`; a ValueError naming it when it is truncated or not safetensors."""
+    try:
+        return mx.load(str(path), format="safetensors")
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable optimizer state ({e}); {RESUME_ELSEWHERE}") from None
+
+
+def read_state(path: Path) -> TrainerState:
+    """`trainer_state.json`, each field checked: a hand-edited or torn file must not resume inexactly."""
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}); {RESUME_ELSEWHERE}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: holds a {type(saved).__name__}, not the trainer state object; {RESUME_ELSEWHERE}")
+    fields = set(TrainerState.__dataclass_fields__)
+    if unknown := sorted(saved.keys() - fields):
+        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; {RESUME_ELSEWHERE}")
+    for name in ("step", "epoch", "position", "mask_rng", "mlx_key"):
+        if name not in saved:
+            raise ValueError(f"{path}: field {name!r} is missing; {RESUME_ELSEWHERE}")
+    for name in ("step", "epoch", "position"):
+        if type(saved[name]) is not int or saved[name] < 0:
+            raise ValueError(
+                f"{path}: field {name!r} must be an integer >= 0, found {saved[name]!r}; {RESUME_ELSEWHERE}"
+            )
+    key = saved["mlx_key"]
+    if not (isinstance(key, list) and len(key) == 2 and all(type(k) is int and 0 <= k < 2**32 for k in key)):
+        raise ValueError(f"{path}: field 'mlx_key' must be two uint32 integers, found {key!r:.80}; {RESUME_ELSEWHERE}")
+    try:  # numpy checks the generator's name and state words itself
+        np.random.default_rng().bit_generator.state = saved["mask_rng"]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: field 'mask_rng' is not a PCG64 generator state ({e}); {RESUME_ELSEWHERE}") from None
+    for name, kinds in (("metrics", dict), ("best_metric", (int, float)), ("best_checkpoint", str)):
+        value = saved.get(name)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise ValueError(f"{path}: field {name!r} has the wrong type ({value!r:.80}); {RESUME_ELSEWHERE}")
+    return TrainerState(**saved)
 
 
 # ----- metrics -----
@@ -462,7 +507,23 @@ def trim_metrics(output_dir: Path, step: int) -> None:
     path = output_dir / METRICS_FILE
     if path.is_file():
         lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+        path.write_text(
+            "".join(line for number, line in enumerate(lines, 1) if record_step(path, number, line) <= step)
+        )
+
+
+def record_step(path: Path, number: int, line: str) -> int:
+    """The step of one metrics record; a ValueError naming the line when it is torn (a run killed mid-write)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}, line {number}: not a JSON record ({e.msg}); delete that line (or the file), or "
+            f"{RESUME_ELSEWHERE} with a fresh output_dir"
+        ) from None
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        raise ValueError(f"{path}, line {number}: a record with no integer 'step'; delete that line, then resume")
+    return record["step"]
 
 
 # ----- the loop -----
