@@ -285,7 +285,7 @@ def test_causal_lm_loss_and_gradients_equal_transformers_on_padded_batches(check
     folder = checkpoint("gpt2", "causal-lm")
     model, tokenizer = mlx_encoders.load(folder)
     examples = causal_lm_data(
-        [{"text": t} for t in ("def f(x): return x", "a", "Return the sum of a and b.")], tokenizer
+        [{"text": t} for t in ("def f(x): return x", "a b", "Return the sum of a and b.")], tokenizer
     )
     batch = collate(examples, range(3), tokenizer)
     assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()

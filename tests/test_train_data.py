@@ -12,6 +12,7 @@ import transformers
 import mlx_encoders
 from mlx_encoders.train.data import (
     DataError,
+    causal_lm_data,
     collate,
     masked_lm_data,
     pretraining_data,
@@ -162,6 +163,12 @@ def test_labels_by_id_and_given_label2id(tmp_path, tokenizer):
     assert sequence_classification_data(ROWS, tokenizer, label2id=given).labels == [0, 1, 2]
     csv_path = write(tmp_path, "ids.csv", "text,label\na,10\nb,2\n")  # CSV cells are text: digits are ids
     assert sequence_classification_data(csv_path, tokenizer).labels == [10, 2]
+    # an id far beyond the data's classes is a typo that would build a million-way head: < 10x the distinct ids
+    typo = write(tmp_path, "typo.csv", "text,label\na,0\nb,1000000\nc,1\n")
+    with pytest.raises(DataError, match=r"typo.csv, line 3: label id 1000000 is far beyond the 3 distinct ids"):
+        sequence_classification_data(typo, tokenizer)
+    given = {f"LABEL_{i}": i for i in range(1000001)}  # with label2id, the classes are known
+    assert sequence_classification_data(typo, tokenizer, label2id=given).labels == [0, 1000000, 1]
 
 
 def test_pairs_multi_label_and_regression(tmp_path, tokenizer):
@@ -317,6 +324,20 @@ def test_masked_lm_documents_become_windows(tmp_path, tokenizer):
     )[0].tokens[1:-1] + ["second", "document", "."]
     with pytest.raises(ValueError, match="need a masker and a generator"):
         collate(examples, [0], tokenizer)
+
+
+def test_documents_that_give_no_loss_are_refused_naming_the_line(tmp_path, tokenizer, checkpoint):
+    # these would crash mid-run with an empty loss ("[logsumexp] Received empty array"), not where the data is
+    only_special = write(tmp_path, "corpus.jsonl", '{"text": "a fine film"}\n{"text": " "}\n')
+    with pytest.raises(DataError, match=r"corpus.jsonl, line 2: the document has no token to mask"):
+        masked_lm_data(only_special, tokenizer)
+    gpt2 = mlx_encoders.load(checkpoint("gpt2", "causal-lm"))[1]
+    one_token = write(tmp_path, "story.jsonl", '{"text": "a fine film"}\n{"text": "a"}\n')
+    with pytest.raises(DataError, match=r"story.jsonl, line 2: the document has 1 token\(s\), so nothing to predict"):
+        causal_lm_data(one_token, gpt2)
+    # a long document's last window of one token only loses a token that had nothing to predict it from
+    windows = causal_lm_data([{"text": " ".join(["a"] * 9)}], gpt2, max_length=4)
+    assert [len(e.ids) for e in windows.encodings] == [4, 4]
 
 
 # ----- next-sentence prediction -----

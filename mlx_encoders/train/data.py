@@ -28,6 +28,7 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv",
 ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
 FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
+LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the number of distinct ids
 
 
 class DataError(ValueError):
@@ -224,6 +225,15 @@ def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int
         )
     if names:
         return {name: i for i, name in enumerate(names)}
+    # ids may leave gaps (a sample of the classes), but a far-off id is a typo that would build a huge head
+    distinct = len({k for k, _ in ids})
+    for k, row in ids:
+        if k >= LABEL_ID_SPREAD * distinct:
+            raise DataError(
+                f"{row.where}: label id {k} is far beyond the {distinct} distinct ids in the data (ids must be < "
+                f"{LABEL_ID_SPREAD * distinct}, {LABEL_ID_SPREAD}x that count); fix the row, or pass label2id= naming "
+                "every class"
+            )
     return {f"LABEL_{i}": i for i in range(max(k for k, _ in ids) + 1)}
 
 
@@ -390,6 +400,17 @@ def masked_lm_data(
 ) -> Examples:
     """Masked-LM examples: each document (a blank-line-separated run of lines in a .txt file, else a row's text)
     split into windows of at most `max_length` tokens, so no text is cut off. Masks are drawn in `collate`."""
+    encodings, rows = lm_windows(data, tokenizer, text_column, max_length)
+    for e, row in zip(encodings, rows, strict=True):
+        if all(e.special_tokens_mask):  # nothing to mask: the batch's loss would be an empty mean
+            raise DataError(f"{row.where}: the document has no token to mask, only special tokens; remove it")
+    return Examples("masked-lm", encodings, [None] * len(encodings), {}, rows)
+
+
+def lm_windows(
+    data: str | Path | Iterable[Mapping], tokenizer: Tokenizer, text_column: str, max_length: int | None
+) -> tuple[list[Encoding], list[Row]]:
+    """Each document's windows of at most `max_length` tokens, each with the row the document starts on."""
     documents = read_documents(data, text_column)
     texts = ["\n".join(row.text(text_column) for row in doc) for doc in documents]
     encodings, rows = [], []
@@ -397,7 +418,7 @@ def masked_lm_data(
         windows = [first, *first.overflowing]
         encodings += windows
         rows += [doc[0]] * len(windows)
-    return Examples("masked-lm", encodings, [None] * len(encodings), {}, rows)
+    return encodings, rows
 
 
 def causal_lm_data(
@@ -409,8 +430,15 @@ def causal_lm_data(
 ) -> Examples:
     """Causal-LM examples: each document split into windows of at most `max_length` tokens, as for masked-LM;
     `collate` labels every real token with itself (the loss shifts them) and padding with -100."""
-    windows = masked_lm_data(data, tokenizer, text_column=text_column, max_length=max_length)
-    return Examples("causal-lm", windows.encodings, windows.labels, {}, windows.rows)
+    encodings, rows = lm_windows(data, tokenizer, text_column, max_length)
+    kept = []
+    for i, (e, row) in enumerate(zip(encodings, rows, strict=True)):
+        if len(e.ids) >= 2:
+            kept.append((e, row))
+        elif i == 0 or rows[i - 1] is not row:  # the document's first window: the whole document is one token
+            raise DataError(f"{row.where}: the document has {len(e.ids)} token(s), so nothing to predict; remove it")
+        # else a document's last window of one token: it has no next token to predict, so it is dropped
+    return Examples("causal-lm", [e for e, _ in kept], [None] * len(kept), {}, [row for _, row in kept])
 
 
 def pretraining_data(
