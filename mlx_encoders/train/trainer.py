@@ -421,6 +421,9 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
             f"{folder} is not a training checkpoint (it needs {STATE_FILE} and {OPTIMIZER_FILE}); pass a "
             "checkpoint-STEP folder that train() wrote"
         )
+    # the files that can be torn are read first: a damaged one must leave the model and optimizer untouched
+    state = read_state(folder / STATE_FILE)
+    optimizer_state = read_optimizer_state(folder / OPTIMIZER_FILE)
     lora = getattr(model, "lora_config", None)
     if (folder / ADAPTERS_FILE).is_file() != (lora is not None):
         raise ValueError(
@@ -445,8 +448,7 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
                     f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
                 )
         model.update(tree_unflatten(list(saved.items())))
-    state = read_state(folder / STATE_FILE)  # read first: a torn state must not leave a half-restored optimizer
-    optimizer.state = tree_unflatten(list(read_optimizer_state(folder / OPTIMIZER_FILE).items()))
+    optimizer.state = tree_unflatten(list(optimizer_state.items()))
     return state
 
 
