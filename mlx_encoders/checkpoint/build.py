@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from ..engine.runtime import on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
+from ..models.layers import next_key
 from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -172,9 +173,9 @@ def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> No
             std, bound = module.init_std(path, model.args) if hasattr(module, "init_std") else (None, None)
             std = model.args.initializer_range if std is None else std
             if bound is None:
-                value = std * mx.random.normal(shape)
+                value = std * mx.random.normal(shape, key=next_key())
             else:
-                value = std * mx.random.truncated_normal(-bound / std, bound / std, shape)
+                value = std * mx.random.truncated_normal(-bound / std, bound / std, shape, key=next_key())
         values.append((key, value.astype(dtype)))
     model.load_weights(values, strict=False)
 

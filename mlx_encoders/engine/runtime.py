@@ -11,9 +11,8 @@
   MLX's OpenBLAS runs each product on its caller's thread (`one_blas_thread`), so passes on several streams each
   keep one core; the previous thread count is restored after. Before the first inference pass, `warm_heap` frees
   one large buffer, which raises glibc's mmap threshold to 32 MB through glibc's own adjustment (for the rest of
-  the process, as any program freeing a large buffer does). A training run keeps freed memory with the process
-  through mallopt while it runs (`keep_freed_memory`); glibc is left with the thresholds its own adjustment
-  reaches. Nothing else is changed, and nothing at import but MLX's own BLAS.
+  the process, as any program freeing a large buffer does). A training run raises MLX's own cache limit while it
+  runs (`keep_freed_memory`), then sets it back. Nothing else is changed, and nothing at import but MLX's own BLAS.
 """
 
 import ctypes
@@ -293,23 +292,16 @@ def spread_over_streams(arrays: Sequence[mx.array]) -> dict[int, mx.Stream] | No
     return chosen
 
 
-# glibc's mallopt parameters (malloc.h); its values are C ints
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-DEFAULT_MMAP_MAX = 65536
-NEVER_TRIM = 2**31 - 1
-# glibc raises its mmap threshold to the size of each mapped buffer freed, up to this (64-bit), the trim threshold
-# to twice that; setting any value through mallopt turns that adjustment off for good, so a block leaves these.
+# glibc raises its mmap threshold to the size of each mapped buffer freed, up to this (64-bit).
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
-LEFT_TRIM_THRESHOLD = 2 * GLIBC_MMAP_THRESHOLD_MAX
 
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     """glibc, or None (macOS, other C libraries)."""
     libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+    if not hasattr(libc, "mallopt"):
         return None
-    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     return libc
@@ -326,7 +318,7 @@ def warm_heap() -> None:
     """Have glibc serve buffers of up to 32 MB from its heap, through its own adjustment: one buffer just under that
     size is mapped and freed, which raises its mmap threshold (for the rest of the process) as any program freeing
     a large buffer does; no mallopt. Otherwise every buffer above the starting 128 KB is mapped afresh and faults
-    its pages in, once per 4 KB, and each unmapping interrupts the other threads; MLX's CPU allocator keeps none.
+    its pages in, once per 4 KB, and each unmapping interrupts the other threads (MLX caches 32 MB by default).
     Once per process; nothing with tuning off or without glibc."""
     if tuning_enabled() and _libc() is not None:
         _heap_warmed()
@@ -334,12 +326,12 @@ def warm_heap() -> None:
 
 @contextmanager
 def keep_freed_memory() -> Iterator[None]:
-    """Inside, on Linux with glibc: every buffer comes from the heap and freed memory stays with the process for the
-    next one (training allocates the same large buffers, gradients and optimizer state, at every step, some above
-    32 MB). Made through mallopt for the outermost of nested or concurrent blocks; after it `malloc_trim` hands the
-    memory back and glibc is left with the thresholds its own adjustment reaches (GLIBC_MMAP_THRESHOLD_MAX; mallopt
-    cannot turn that adjustment back on). Nothing with tuning off or without glibc."""
-    if not tuning_enabled() or _libc() is None:
+    """Inside, MLX keeps the buffers it frees for reuse, up to its memory limit: training allocates the same large
+    buffers (activations, gradients, optimizer state) at every step, and a buffer given back to the system has its
+    pages faulted in again at the next step. On leaving, MLX's previous cache limit is set again and its cache
+    emptied, so nothing outlives the block. The outermost of nested or concurrent blocks does both; nothing with
+    tuning off."""
+    if not tuning_enabled():
         yield
         return
     with _keeping():
@@ -348,17 +340,14 @@ def keep_freed_memory() -> Iterator[None]:
 
 @functools.cache
 def _keeping() -> Outermost:
-    libc = _libc()
+    previous = []
 
     def keep() -> None:
-        libc.mallopt(M_MMAP_MAX, 0)
-        libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+        previous.append(mx.set_cache_limit(mx.get_memory_limit()))
 
     def hand_back() -> None:
-        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, LEFT_TRIM_THRESHOLD)
-        libc.malloc_trim(0)
+        mx.set_cache_limit(previous.pop())
+        mx.clear_cache()
 
     return Outermost(keep, hand_back)
 

@@ -22,6 +22,7 @@ from ..checkpoint.tokenizer import tokenizer_for
 from ..checkpoint.write import save
 from ..models import TASKS, model_class, model_module
 from ..models.base import BaseArgs
+from ..models.layers import drawing_from
 from ..tokenizer import Tokenizer
 from .data import (
     Examples,
@@ -111,13 +112,13 @@ def fine_tune(
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
-    mx.random.seed(options.seed)  # the new weights (head, adapters, a model from scratch) are reproducible too
-    if checkpoint is None:
-        net = from_config(dict(read_config(config)), task, tok)
-    else:
-        net = load_head(checkpoint, task, examples)
-    if lora_rank:
-        apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
+    with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
+        if checkpoint is None:
+            net = from_config(dict(read_config(config)), task, tok)
+        else:
+            net = load_head(checkpoint, task, examples)
+        if lora_rank:
+            apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
     metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
     if lora_rank:

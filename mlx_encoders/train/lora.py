@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.quantized import QuantizedLinear
 from ..models.base import HeadModel
-from ..models.layers import Dropout, Linear
+from ..models.layers import Dropout, Linear, next_key
 
 # The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
 DEFAULT_TARGETS = {
@@ -59,7 +59,7 @@ class LoRALinear(nn.Module):
         self.dropout = Dropout(dropout)
         self.scale = alpha / rank
         bound = 1 / math.sqrt(in_dims)  # torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of lora_A
-        self.lora_a = mx.random.uniform(-bound, bound, (rank, in_dims))
+        self.lora_a = mx.random.uniform(-bound, bound, (rank, in_dims), key=next_key())
         self.lora_b = mx.zeros((out_dims, rank))
 
     def __call__(self, x: mx.array) -> mx.array:
