@@ -3,7 +3,8 @@
 Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
 the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask), and the
-global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory).
+global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory). The encoder's
+`pooler_output` is the CLS token's final hidden state (transformers' ModernBertModel returns no pooler output).
 """
 
 import math
@@ -254,7 +255,9 @@ class ModernBertModel(Model, nn.Module):
         masks = attention_masks(attention_mask, x.shape[1], self.args.local_attention // 2, x.dtype)
         for layer in self.layers:
             x = run_layer(layer, x, masks, checkpoint=self.gradient_checkpointing)
-        return ModelOutput(last_hidden_state=self.final_norm(x))
+        x = self.final_norm(x)
+        # No pooler layer: the CLS token after the final norm, the embedding the "cls" pooling reads.
+        return ModelOutput(last_hidden_state=x, pooler_output=x[:, 0])
 
 
 class ModernBertPredictionHead(nn.Module):
