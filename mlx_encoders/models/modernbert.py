@@ -9,7 +9,7 @@ global layers a block of queries at a time (`layers.blockwise_attention`: O(L) m
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,6 +68,11 @@ class ModelArgs(BaseArgs):
     global_rope_theta: float | None = None
     local_rope_theta: float | None = None
     initializer_cutoff_factor: float = 2.0
+    # answerdotai/ModernBERT-{base,large}; the other keys' defaults are theirs.
+    presets: ClassVar[dict] = {
+        "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
+        "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
+    }
 
     @property
     def ffn_width(self) -> int:

@@ -18,7 +18,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify (texts or pairs), tokens (NER tags), clm")
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
-    source.add_argument("--config", help="for mlm/clm from scratch: a JSON file of sizes (config.json keys)")
+    source.add_argument(
+        "--config",
+        help="for mlm/clm from scratch: a JSON file of sizes (config.json keys) or a preset (bert-base, gpt2-small)",
+    )
     source.add_argument("--tokenizer", help="folder holding tokenizer.json (default: the model's)")
     source.add_argument("--lora-rank", type=int, help="train rank-r LoRA adapters over the frozen model")
     source.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank)")

@@ -20,7 +20,7 @@ from ..checkpoint.build import initialize, load_model
 from ..checkpoint.files import Checkpoint, read_json_object
 from ..checkpoint.tokenizer import tokenizer_for
 from ..checkpoint.write import save
-from ..models import TASKS, model_class, model_module
+from ..models import TASKS, model_class, model_module, preset_config, presets
 from ..models.base import BaseArgs
 from ..tokenizer import Tokenizer
 from .data import (
@@ -86,7 +86,8 @@ def fine_tune(
     metrics.jsonl, curves.png and the trained model (`output_dir/model`) to `output_dir`.
 
     - From scratch (mlm, clm): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
-      `vocab_size` default the tokenizer's) and `tokenizer=` the folder holding tokenizer.json; no `model=`.
+      `vocab_size` default the tokenizer's) or a preset name ("bert-base", "gpt2-small": `models.presets()`), and
+      `tokenizer=` the folder holding tokenizer.json; no `model=`.
     - Data: a .jsonl/.csv/.tsv/.txt file or an iterable of dicts; columns `text_column` (default "text", or
       "tokens" for token classification), `text_pair_column` for pairs, `label_column` (default "label", or
       "ner_tags"). Classification labels by name or id; `problem_type` (default: read from the first label: a
@@ -187,6 +188,8 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
 def read_config(config: str | Path | Mapping) -> Mapping:
     if isinstance(config, Mapping):
         return config
+    if isinstance(config, str) and config in presets() and not Path(config).is_file():
+        return preset_config(config)  # its sizes; the vocabulary (vocab_size) is the tokenizer's
     return read_json_object(Path(config), required=True)
 
 
