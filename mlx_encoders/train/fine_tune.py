@@ -33,6 +33,8 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
+from .rtd import TASK as RTD_TASK
+from .rtd import ReplacedTokenDetection, generator_args, rtd_masker
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
 
 # The command's short task names, and the head each trains.
@@ -41,6 +43,7 @@ TASK_NAMES = {
     "classify": "sequence-classification",
     "tokens": "token-classification",
     "clm": "causal-lm",
+    "rtd": RTD_TASK,
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
@@ -74,6 +77,9 @@ def fine_tune(
     label_all_tokens: bool = False,
     whole_word_mask: bool = False,
     next_sentence: bool = False,
+    generator: str | Path | None = None,
+    generator_size: float = 0.25,
+    discriminator_weight: float = 50.0,
     max_length: int | None = None,
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
@@ -94,6 +100,10 @@ def fine_tune(
       list is multi-label, a fraction regression) and `label2id` as transformers names them.
     - `whole_word_mask`, `next_sentence` (BERT's pretraining head: masked-LM plus next-sentence prediction on
       the documents of a .txt file), `label_all_tokens` (label every sub-token of a word) and `max_length`.
+    - rtd (ELECTRA's replaced-token detection, `train/rtd.py`): `model=` (or `config=`, model_type "electra")
+      is the discriminator; `generator=` a masked-LM checkpoint, else a new one `generator_size` (1/4) as wide;
+      `discriminator_weight` (50) scales its loss. Saved as `output_dir/model/discriminator` (`Trained.path`,
+      `Trained.model`) and `output_dir/model/generator`.
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
@@ -106,6 +116,8 @@ def fine_tune(
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
+    if task == RTD_TASK and lora_rank:
+        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
@@ -113,18 +125,24 @@ def fine_tune(
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
     mx.random.seed(options.seed)  # the new weights (head, adapters, a model from scratch) are reproducible too
-    if checkpoint is None:
+    if task == RTD_TASK:
+        net = rtd_pair(checkpoint, config, tok, generator, generator_size, discriminator_weight)
+    elif checkpoint is None:
         net = from_config(dict(read_config(config)), task, tok)
     else:
         net = load_head(checkpoint, task, examples)
     if lora_rank:
         apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
+    masker = rtd_masker(tok, whole_word_mask) if task == RTD_TASK else masker
     metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
     if lora_rank:
         save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
-    path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
+    if task == RTD_TASK:  # the discriminator is the model to fine-tune; the generator is saved beside it
+        path, net = net.save(options.output_dir / MODEL_FOLDER, tok, overwrite=True), net.discriminator
+    else:
+        path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 
@@ -177,7 +195,7 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
             f"not {'both' if model is not None else 'neither'}"
         )
     if config is not None:
-        if task not in ("masked-lm", "pretraining", "causal-lm"):
+        if task not in ("masked-lm", "pretraining", "causal-lm", RTD_TASK):
             raise ValueError(f"Training from scratch (config=) is for mlm and clm; {task} starts from a model=")
         if tokenizer is None:
             raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
@@ -267,6 +285,25 @@ def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
     zero_padding_rows(model)
     model.train()
     return model
+
+
+def rtd_pair(
+    checkpoint: Checkpoint | None, config, tokenizer: Tokenizer, generator, size: float, weight: float
+) -> ReplacedTokenDetection:
+    """The discriminator (from `checkpoint` or new, of `config`'s sizes) and the generator (from its checkpoint, or
+    new at `size` x the discriminator's width), sharing the discriminator's embeddings."""
+    if checkpoint is None:
+        settings = {"model_type": "electra", **read_config(config)}
+        if settings["model_type"] != "electra":
+            raise ValueError(f"rtd trains ELECTRA models; config= has model_type {settings['model_type']!r}")
+        discriminator = from_config(settings, "pretraining", tokenizer)
+    else:
+        discriminator = load_model(checkpoint, dtype="float32", task="pretraining")
+    if generator is not None:
+        part = load_model(generator, dtype="float32", task="masked-lm")
+    else:
+        part = from_config(generator_args(discriminator.args, size).to_config(), "masked-lm", tokenizer)
+    return ReplacedTokenDetection(discriminator, part, weight)
 
 
 def scratch_args(config: Mapping) -> BaseArgs:
