@@ -18,9 +18,10 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders.__main__ import main
-from mlx_encoders.models.electra import ModelArgs
+from mlx_encoders.models.electra import ElectraForMaskedLM, ElectraForPreTraining, ModelArgs
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.rtd import ReplacedTokenDetection, generator_args
+from mlx_encoders.train.trainer import OptionError
 
 ROOT = Path(__file__).parent.parent
 SIZES = dict(
@@ -177,7 +178,7 @@ def test_the_discriminator_fine_tunes_and_lora_is_refused(tmp_path):
     data = write_texts(tmp_path / "train.jsonl", TEXTS)
     trained = fine_tune("rtd", data, tmp_path / "run", config={**SIZES}, tokenizer=MINILM, max_steps=1, batch_size=4,
                         max_length=24)  # fmt: skip
-    assert isinstance(trained.model, mlx_encoders.models.electra.ElectraForPreTraining)
+    assert isinstance(trained.model, ElectraForPreTraining)
     rows = [{"text": t, "label": i % 2} for i, t in enumerate(TEXTS)]
     labelled = tmp_path / "labelled.jsonl"
     labelled.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -185,10 +186,27 @@ def test_the_discriminator_fine_tunes_and_lora_is_refused(tmp_path):
         classifier = fine_tune("classify", labelled, tmp_path / "cls", model=trained.path, max_steps=1, batch_size=4)
     config = json.loads((classifier.path / "config.json").read_text())
     assert config["architectures"] == ["ElectraForSequenceClassification"]
+    # from both checkpoints: the discriminator's embeddings are the pair's
+    again = fine_tune("rtd", data, tmp_path / "again", model=trained.path, generator=trained.path.parent / "generator",
+                      max_steps=1, batch_size=4, max_length=24)  # fmt: skip
+    assert again.path == tmp_path / "again/model/discriminator"
     with pytest.raises(ValueError, match="rtd trains every weight .* LoRA \\(lora_rank\\) is off"):
         fine_tune("rtd", data, tmp_path / "lora", config=SIZES, tokenizer=MINILM, lora_rank=2)
     with pytest.raises(ValueError, match="rtd trains ELECTRA models; config= has model_type 'bert'"):
         fine_tune("rtd", data, tmp_path / "bert", config={**SIZES, "model_type": "bert"}, tokenizer=MINILM)
+    with pytest.raises(OptionError, match="generator_size must be a finite number in \\(0, 1\\]"):
+        fine_tune("rtd", data, tmp_path / "size", config=SIZES, tokenizer=MINILM, generator_size=0)
+    with pytest.raises(ValueError, match="generator= is rtd's"):
+        fine_tune("mlm", data, tmp_path / "mlm", config=SIZES, tokenizer=MINILM, generator=trained.path)
+
+
+def test_a_generator_that_cannot_share_the_embeddings_is_refused():
+    args = ModelArgs.from_dict(SIZES)
+    other = ModelArgs.from_dict({**SIZES, "embedding_size": 8})
+    with pytest.raises(ValueError, match="cannot share the discriminator's embeddings: embedding_size 8 vs 16"):
+        ReplacedTokenDetection(ElectraForPreTraining(args), ElectraForMaskedLM(other))
+    with pytest.raises(ValueError, match="an ElectraForPreTraining discriminator with an ElectraForMaskedLM"):
+        ReplacedTokenDetection(ElectraForMaskedLM(args), ElectraForMaskedLM(args))
 
 
 def test_example_runs_at_a_tiny_size(tmp_path):

@@ -116,8 +116,10 @@ def fine_tune(
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
-    if task == RTD_TASK and lora_rank:
-        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
+    if task == RTD_TASK:
+        check_rtd_options(lora_rank, generator_size, discriminator_weight)
+    elif generator is not None:
+        raise ValueError(f"generator= is rtd's (ELECTRA's generator); {task} trains one model")
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
@@ -172,6 +174,13 @@ def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha
     at_least("lora_rank", lora_rank, 1, optional=True)
     if lora_alpha is not None:
         in_range("lora_alpha", lora_alpha, 0.0, low_open=True)
+
+
+def check_rtd_options(lora_rank: int | None, generator_size: float, discriminator_weight: float) -> None:
+    if lora_rank:
+        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
+    in_range("generator_size", generator_size, 0.0, 1.0, low_open=True)
+    in_range("discriminator_weight", discriminator_weight, 0.0)
 
 
 def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pairs: bool) -> None:
