@@ -196,6 +196,9 @@ def test_the_discriminator_fine_tunes_and_lora_is_refused(tmp_path):
         fine_tune("rtd", data, tmp_path / "bert", config={**SIZES, "model_type": "bert"}, tokenizer=MINILM)
     with pytest.raises(OptionError, match="generator_size must be a finite number in \\(0, 1\\]"):
         fine_tune("rtd", data, tmp_path / "size", config=SIZES, tokenizer=MINILM, generator_size=0)
+    with pytest.raises(OptionError, match="'eval_perplexity' is not a metric .* eval_generator_accuracy"):
+        fine_tune("rtd", data, tmp_path / "best", config=SIZES, tokenizer=MINILM, eval_data=data,
+                  metric_for_best="eval_perplexity")  # fmt: skip
     with pytest.raises(ValueError, match="generator= is rtd's"):
         fine_tune("mlm", data, tmp_path / "mlm", config=SIZES, tokenizer=MINILM, generator=trained.path)
 

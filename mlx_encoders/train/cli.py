@@ -20,7 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
     source.add_argument(
         "--config",
-        help="for mlm/clm from scratch: a JSON file of sizes (config.json keys) or a preset (bert-base, gpt2-small)",
+        help="for mlm/clm/rtd from scratch: a JSON file of sizes (config.json keys) or a preset (bert-base, ...)",
     )
     source.add_argument("--tokenizer", help="folder holding tokenizer.json (default: the model's)")
     source.add_argument("--lora-rank", type=int, help="train rank-r LoRA adapters over the frozen model")

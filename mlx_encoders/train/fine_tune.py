@@ -87,11 +87,11 @@ def fine_tune(
     resume: str | Path | None = None,
     **training,
 ) -> Trained:
-    """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", or the
+    """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", "rtd", or the
     long names "masked-lm", "sequence-classification", "token-classification", "causal-lm"); write checkpoints,
     metrics.jsonl, curves.png and the trained model (`output_dir/model`) to `output_dir`.
 
-    - From scratch (mlm, clm): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
+    - From scratch (mlm, clm, rtd): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
       `vocab_size` default the tokenizer's) or a preset name ("bert-base", "gpt2-small": `models.presets()`), and
       `tokenizer=` the folder holding tokenizer.json; no `model=`.
     - Data: a .jsonl/.csv/.tsv/.txt file or an iterable of dicts; columns `text_column` (default "text", or
@@ -205,7 +205,7 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
         )
     if config is not None:
         if task not in ("masked-lm", "pretraining", "causal-lm", RTD_TASK):
-            raise ValueError(f"Training from scratch (config=) is for mlm and clm; {task} starts from a model=")
+            raise ValueError(f"Training from scratch (config=) is for mlm, clm and rtd; {task} starts from a model=")
         if tokenizer is None:
             raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
         return None

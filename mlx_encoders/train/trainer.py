@@ -307,7 +307,9 @@ def eval_metric_names(examples: Examples) -> list[str]:
     return names
 
 
-def check_metric_for_best(config: TrainingConfig, eval_examples: Examples | None, model: nn.Module = None) -> None:
+def check_metric_for_best(
+    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None
+) -> None:
     if config.metric_for_best is None:
         return
     if eval_examples is None:
