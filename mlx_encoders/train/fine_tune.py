@@ -297,7 +297,12 @@ def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
 
 
 def rtd_pair(
-    checkpoint: Checkpoint | None, config, tokenizer: Tokenizer, generator, size: float, weight: float
+    checkpoint: Checkpoint | None,
+    config: str | Path | Mapping | None,
+    tokenizer: Tokenizer,
+    generator: str | Path | None,
+    size: float,
+    weight: float,
 ) -> ReplacedTokenDetection:
     """The discriminator (from `checkpoint` or new, of `config`'s sizes) and the generator (from its checkpoint, or
     new at `size` x the discriminator's width), sharing the discriminator's embeddings."""

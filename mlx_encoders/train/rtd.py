@@ -75,7 +75,8 @@ def check_pair(discriminator: nn.Module, generator: nn.Module) -> None:
 
 class ReplacedTokenDetection(nn.Module):
     """The discriminator and the generator trained together (`trainer.train` runs it through the methods below:
-    `loss_arrays`, `batch_loss`, `evaluate`, `write_checkpoint`, `read_checkpoint`)."""
+    `loss_arrays`, `batch_loss`, `evaluate`, `metric_names`, `write_checkpoint`, `read_checkpoint`). The generator
+    given gives up its embeddings: it reads the discriminator's."""
 
     def __init__(self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = 50.0):
         check_pair(discriminator, generator)
