@@ -186,6 +186,11 @@ def test_the_discriminator_fine_tunes_and_lora_is_refused(tmp_path):
         classifier = fine_tune("classify", labelled, tmp_path / "cls", model=trained.path, max_steps=1, batch_size=4)
     config = json.loads((classifier.path / "config.json").read_text())
     assert config["architectures"] == ["ElectraForSequenceClassification"]
+    tagged = tmp_path / "tags.jsonl"
+    tagged.write_text(json.dumps({"tokens": ["Anna", "is", "in", "Rome"], "ner_tags": ["B-PER", "O", "O", "B-LOC"]}))
+    with pytest.warns(UserWarning, match="ElectraForTokenClassification were not in the checkpoint"):
+        tagger = fine_tune("tokens", tagged, tmp_path / "tags", model=trained.path, max_steps=1)
+    assert tagger.model.args.id2label == {0: "B-LOC", 1: "B-PER", 2: "O"}
     # from both checkpoints: the discriminator's embeddings are the pair's
     again = fine_tune("rtd", data, tmp_path / "again", model=trained.path, generator=trained.path.parent / "generator",
                       max_steps=1, batch_size=4, max_length=24)  # fmt: skip
