@@ -89,7 +89,10 @@ def reference_gradients(folder, task: str, batch: dict, labels: dict) -> tuple[f
     inputs = as_torch(batch)
     if task == "encoder":
         out = ref(**inputs)
-        loss = encoder_loss(out.last_hidden_state, out.get("pooler_output"), torch.from_numpy(labels["projection"]))
+        pooled = out.get("pooler_output")
+        if pooled is None and ref.config.model_type == "modernbert":  # ours: the CLS token after the final norm
+            pooled = out.last_hidden_state[:, 0]
+        loss = encoder_loss(out.last_hidden_state, pooled, torch.from_numpy(labels["projection"]))
     else:
         loss = ref(**inputs, **{k: torch.from_numpy(v) for k, v in labels.items()}).loss
     loss.backward()

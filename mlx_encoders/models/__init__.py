@@ -98,3 +98,18 @@ def model_class(model_type: str, task: str) -> type:
     if task not in module.MODELS:
         raise ValueError(f"{model_type} has no {task!r} model; available tasks: {', '.join(module.MODELS)}")
     return module.MODELS[task]
+
+
+def presets() -> dict[str, tuple[str, str]]:
+    """Every published size by its `<model_type>-<preset>` name ('bert-base', 'gpt2-xl', 'albert-large-v2', ...):
+    (model_type, the preset's name in that architecture's `ModelArgs.presets`)."""
+    modules = {**MODEL_TYPES, **DECODER_TYPES}
+    return {f"{t}-{name}": (t, name) for t in modules for name in model_module(t).ModelArgs.__dict__.get("presets", {})}
+
+
+def preset_config(name: str) -> dict:
+    """config.json keys of a published size, by its `presets()` name."""
+    if name not in presets():
+        raise ValueError(f"Unknown model preset {name!r}; presets: {', '.join(presets())}")
+    model_type, preset = presets()[name]
+    return {"model_type": model_type, **model_module(model_type).ModelArgs.presets[preset]}

@@ -5,6 +5,7 @@ the shared group `int(i / (num_hidden_layers / num_hidden_groups))`.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,6 +48,15 @@ class ModelArgs(BaseArgs):
     hidden_dropout_prob: float = 0.0
     attention_probs_dropout_prob: float = 0.0
     classifier_dropout_prob: float | None = 0.1
+    # Google's ALBERT v2 sizes (albert-*-v2 on the hub): one shared layer group, embeddings 128 wide.
+    presets: ClassVar[dict] = {
+        name: dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                   intermediate_size=4 * width)
+        for name, layers, width, heads in (
+            ("base-v2", 12, 768, 12), ("large-v2", 24, 1024, 16), ("xlarge-v2", 24, 2048, 16),
+            ("xxlarge-v2", 12, 4096, 64),
+        )
+    }  # fmt: skip
 
     @property
     def sequence_classifier_dropout(self) -> float:

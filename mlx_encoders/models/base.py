@@ -82,6 +82,18 @@ class BaseArgs:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     signed_keys: ClassVar[tuple[str, ...]] = ()  # integer keys where a negative value means "unset" (DeBERTa's -1)
+    # Published sizes by name ("base", ...) as config.json keys; a subclass does not inherit its parent's.
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def preset(cls, name: str) -> "BaseArgs":
+        """The args of a published size of this architecture: `bert.ModelArgs.preset("base")` is bert-base."""
+        presets = cls.__dict__.get("presets", {})
+        if name not in presets:
+            raise ValueError(
+                f"{cls.__module__.rsplit('.', 1)[-1]} has no preset {name!r}; presets: {', '.join(presets) or 'none'}"
+            )
+        return cls.from_dict({"model_type": cls.model_type, **presets[name]})
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "BaseArgs":

@@ -1,6 +1,7 @@
 """BERT, matching transformers' `modeling_bert.py`. Attribute names are the checkpoint's keys."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +40,15 @@ class ModelArgs(BaseArgs):
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
     classifier_dropout: float | None = None
+    # google-research/bert: base and large, and the smaller models of Turc et al. 2019 (heads = width / 64).
+    presets: ClassVar[dict] = {
+        name: dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=width // 64,
+                   intermediate_size=4 * width)
+        for name, layers, width in (
+            ("tiny", 2, 128), ("mini", 4, 256), ("small", 4, 512), ("medium", 8, 512), ("base", 12, 768),
+            ("large", 24, 1024),
+        )
+    }  # fmt: skip
 
     @property
     def sequence_classifier_dropout(self) -> float:

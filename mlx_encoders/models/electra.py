@@ -7,6 +7,7 @@ each token as replaced or original; the generator (`ElectraForMaskedLM`) predict
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +36,14 @@ class ModelArgs(BertArgs):
     hidden_size: int = 256
     num_attention_heads: int = 4
     intermediate_size: int = 1024
+    # google/electra-{small,base,large}-discriminator.
+    presets: ClassVar[dict] = {
+        name: dict(num_hidden_layers=layers, embedding_size=embedding, hidden_size=width,
+                   num_attention_heads=heads, intermediate_size=4 * width)
+        for name, layers, embedding, width, heads in (
+            ("small", 12, 128, 256, 4), ("base", 12, 768, 768, 12), ("large", 24, 1024, 1024, 16),
+        )
+    }  # fmt: skip
 
 
 class ElectraEmbeddings(AlbertEmbeddings):

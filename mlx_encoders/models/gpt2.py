@@ -7,6 +7,7 @@ transformers reads what `save` writes. Positions default to `offset + arange(L)`
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,6 +55,14 @@ class ModelArgs(BaseArgs):
     bos_token_id: int | None = 50256
     eos_token_id: int | list[int] | None = 50256
     pad_token_id: int | None = None
+    # OpenAI's four sizes; "tiny" (2 layers, 128 wide, 2 heads: BERT-tiny's shape) is for tests and quick runs.
+    presets: ClassVar[dict] = {
+        name: dict(n_layer=layers, n_embd=width, n_head=heads)
+        for name, layers, width, heads in (
+            ("tiny", 2, 128, 2), ("small", 12, 768, 12), ("medium", 24, 1024, 16), ("large", 36, 1280, 20),
+            ("xl", 48, 1600, 25),
+        )
+    }  # fmt: skip
 
     def check(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner"):

@@ -3,12 +3,13 @@
 Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
 the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask), and the
-global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory).
+global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory). The encoder's
+`pooler_output` is the CLS token's final hidden state (transformers' ModernBertModel returns no pooler output).
 """
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,6 +68,11 @@ class ModelArgs(BaseArgs):
     global_rope_theta: float | None = None
     local_rope_theta: float | None = None
     initializer_cutoff_factor: float = 2.0
+    # answerdotai/ModernBERT-{base,large}; the other keys' defaults are theirs.
+    presets: ClassVar[dict] = {
+        "base": dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12),
+        "large": dict(hidden_size=1024, intermediate_size=2624, num_hidden_layers=28, num_attention_heads=16),
+    }
 
     @property
     def ffn_width(self) -> int:
@@ -254,7 +260,9 @@ class ModernBertModel(Model, nn.Module):
         masks = attention_masks(attention_mask, x.shape[1], self.args.local_attention // 2, x.dtype)
         for layer in self.layers:
             x = run_layer(layer, x, masks, checkpoint=self.gradient_checkpointing)
-        return ModelOutput(last_hidden_state=self.final_norm(x))
+        x = self.final_norm(x)
+        # No pooler layer: the CLS token after the final norm, the embedding the "cls" pooling reads.
+        return ModelOutput(last_hidden_state=x, pooler_output=x[:, 0])
 
 
 class ModernBertPredictionHead(nn.Module):

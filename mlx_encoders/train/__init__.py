@@ -6,6 +6,7 @@
   id, word labels aligned to sub-tokens, and `collate` into padded batches.
 - `masking`: dynamic masked-LM masking (15%, 80/10/10, optional whole words) and next-sentence pairs, seeded.
 - `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
+- `rtd`: ELECTRA's replaced-token detection: a generator and a discriminator pretrained together.
 - `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
 - `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
 - `metrics`: macro-F1, and entity precision/recall/F1 of BIO tags as seqeval counts them; `plot`: curves.png.

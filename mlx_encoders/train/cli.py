@@ -1,4 +1,4 @@
-"""`python -m mlx_encoders train {mlm,classify,tokens,clm} --data FILE --output DIR (--model PATH_OR_ID | --config
+"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd} --data FILE --output DIR (--model PATH_OR_ID | --config
 FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names are `fine_tune`'s and
 `TrainingConfig`'s with dashes; the defaults are theirs."""
 
@@ -12,13 +12,16 @@ from .fine_tune import TASK_NAMES
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "train",
-        help="train or fine-tune: masked-LM, classification, token classification, causal LM",
+        help="train or fine-tune: masked-LM, classification, token classification, causal LM, ELECTRA",
         description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
     )
-    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify (texts or pairs), tokens (NER tags), clm")
+    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify (texts/pairs), tokens (NER), clm, rtd")
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
-    source.add_argument("--config", help="for mlm/clm from scratch: a JSON file of sizes (config.json keys)")
+    source.add_argument(
+        "--config",
+        help="for mlm/clm/rtd from scratch: a JSON file of sizes (config.json keys) or a preset (bert-base, ...)",
+    )
     source.add_argument("--tokenizer", help="folder holding tokenizer.json (default: the model's)")
     source.add_argument("--lora-rank", type=int, help="train rank-r LoRA adapters over the frozen model")
     source.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 x rank)")
@@ -39,6 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     data.add_argument("--label-all-tokens", action="store_true", help="tokens: label every sub-token of a word")
     data.add_argument("--whole-word-mask", action="store_true", help="mlm: mask whole words")
     data.add_argument("--next-sentence", action="store_true", help="mlm: BERT pretraining with next-sentence pairs")
+    rtd = p.add_argument_group("rtd (ELECTRA's replaced-token detection; --model/--config: the discriminator)")
+    rtd.add_argument("--generator", help="masked-LM checkpoint to start the generator from (default: a new one)")
+    rtd.add_argument("--generator-size", type=float, default=0.25, help="a new generator's share of the width")
+    rtd.add_argument("--discriminator-weight", type=float, default=50.0, help="the discriminator loss's weight")
     loop = p.add_argument_group("training")
     loop.add_argument("--epochs", type=int, default=3, help="default 3")
     loop.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
@@ -74,6 +81,7 @@ TRAINING_OPTIONS = (
 CALL_OPTIONS = (
     "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",
     "label_column", "problem_type", "max_length", "label_all_tokens", "whole_word_mask", "next_sentence",
+    "generator", "generator_size", "discriminator_weight",
 )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from ..checkpoint.build import initialize, load_model
 from ..checkpoint.files import Checkpoint, read_json_object
 from ..checkpoint.tokenizer import tokenizer_for
 from ..checkpoint.write import save
-from ..models import TASKS, model_class, model_module
+from ..models import TASKS, model_class, model_module, preset_config, presets
 from ..models.base import BaseArgs
 from ..models.layers import drawing_from
 from ..tokenizer import Tokenizer
@@ -34,6 +34,8 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
+from .rtd import TASK as RTD_TASK
+from .rtd import ReplacedTokenDetection, generator_args, rtd_masker
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
 
 # The command's short task names, and the head each trains.
@@ -42,6 +44,7 @@ TASK_NAMES = {
     "classify": "sequence-classification",
     "tokens": "token-classification",
     "clm": "causal-lm",
+    "rtd": RTD_TASK,
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
@@ -75,6 +78,9 @@ def fine_tune(
     label_all_tokens: bool = False,
     whole_word_mask: bool = False,
     next_sentence: bool = False,
+    generator: str | Path | None = None,
+    generator_size: float = 0.25,
+    discriminator_weight: float = 50.0,
     max_length: int | None = None,
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
@@ -82,18 +88,23 @@ def fine_tune(
     resume: str | Path | None = None,
     **training,
 ) -> Trained:
-    """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", or the
+    """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", "rtd", or the
     long names "masked-lm", "sequence-classification", "token-classification", "causal-lm"); write checkpoints,
     metrics.jsonl, curves.png and the trained model (`output_dir/model`) to `output_dir`.
 
-    - From scratch (mlm, clm): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
-      `vocab_size` default the tokenizer's) and `tokenizer=` the folder holding tokenizer.json; no `model=`.
+    - From scratch (mlm, clm, rtd): `config=` a config.json-like dict or file of sizes (`model_type` default "bert",
+      `vocab_size` default the tokenizer's) or a preset name ("bert-base", "gpt2-small": `models.presets()`), and
+      `tokenizer=` the folder holding tokenizer.json; no `model=`.
     - Data: a .jsonl/.csv/.tsv/.txt file or an iterable of dicts; columns `text_column` (default "text", or
       "tokens" for token classification), `text_pair_column` for pairs, `label_column` (default "label", or
       "ner_tags"). Classification labels by name or id; `problem_type` (default: read from the first label: a
       list is multi-label, a fraction regression) and `label2id` as transformers names them.
     - `whole_word_mask`, `next_sentence` (BERT's pretraining head: masked-LM plus next-sentence prediction on
       the documents of a .txt file), `label_all_tokens` (label every sub-token of a word) and `max_length`.
+    - rtd (ELECTRA's replaced-token detection, `train/rtd.py`): `model=` (or `config=`, model_type "electra")
+      is the discriminator; `generator=` a masked-LM checkpoint, else a new one `generator_size` (1/4) as wide;
+      `discriminator_weight` (50) scales its loss. Saved as `output_dir/model/discriminator` (`Trained.path`,
+      `Trained.model`) and `output_dir/model/generator`.
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
@@ -106,6 +117,10 @@ def fine_tune(
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
+    if task == RTD_TASK:
+        check_rtd_options(lora_rank, generator_size, discriminator_weight)
+    elif generator is not None:
+        raise ValueError(f"generator= is rtd's (ELECTRA's generator); {task} trains one model")
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
@@ -113,18 +128,24 @@ def fine_tune(
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
     with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
-        if checkpoint is None:
+        if task == RTD_TASK:
+            net = rtd_pair(checkpoint, config, tok, generator, generator_size, discriminator_weight)
+        elif checkpoint is None:
             net = from_config(dict(read_config(config)), task, tok)
         else:
             net = load_head(checkpoint, task, examples)
         if lora_rank:
             apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
+    masker = rtd_masker(tok, whole_word_mask) if task == RTD_TASK else masker
     metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
     if lora_rank:
         save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
-    path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
+    if task == RTD_TASK:  # the discriminator is the model to fine-tune; the generator is saved beside it
+        path, net = net.save(options.output_dir / MODEL_FOLDER, tok, overwrite=True), net.discriminator
+    else:
+        path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 
@@ -156,6 +177,13 @@ def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha
         in_range("lora_alpha", lora_alpha, 0.0, low_open=True)
 
 
+def check_rtd_options(lora_rank: int | None, generator_size: float, discriminator_weight: float) -> None:
+    if lora_rank:
+        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
+    in_range("generator_size", generator_size, 0.0, 1.0, low_open=True)
+    in_range("discriminator_weight", discriminator_weight, 0.0)
+
+
 def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pairs: bool) -> None:
     """`max_length` leaves room for a token of text besides the special ones, and causal LM for two (one predicting
     the next): a shorter window trains on nothing."""
@@ -177,8 +205,8 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
             f"not {'both' if model is not None else 'neither'}"
         )
     if config is not None:
-        if task not in ("masked-lm", "pretraining", "causal-lm"):
-            raise ValueError(f"Training from scratch (config=) is for mlm and clm; {task} starts from a model=")
+        if task not in ("masked-lm", "pretraining", "causal-lm", RTD_TASK):
+            raise ValueError(f"Training from scratch (config=) is for mlm, clm and rtd; {task} starts from a model=")
         if tokenizer is None:
             raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
         return None
@@ -188,6 +216,8 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
 def read_config(config: str | Path | Mapping) -> Mapping:
     if isinstance(config, Mapping):
         return config
+    if isinstance(config, str) and config in presets() and not Path(config).is_file():
+        return preset_config(config)  # its sizes; the vocabulary (vocab_size) is the tokenizer's
     return read_json_object(Path(config), required=True)
 
 
@@ -265,6 +295,30 @@ def from_config(config: dict, task: str, tokenizer: Tokenizer) -> nn.Module:
     zero_padding_rows(model)
     model.train()
     return model
+
+
+def rtd_pair(
+    checkpoint: Checkpoint | None,
+    config: str | Path | Mapping | None,
+    tokenizer: Tokenizer,
+    generator: str | Path | None,
+    size: float,
+    weight: float,
+) -> ReplacedTokenDetection:
+    """The discriminator (from `checkpoint` or new, of `config`'s sizes) and the generator (from its checkpoint, or
+    new at `size` x the discriminator's width), sharing the discriminator's embeddings."""
+    if checkpoint is None:
+        settings = {"model_type": "electra", **read_config(config)}
+        if settings["model_type"] != "electra":
+            raise ValueError(f"rtd trains ELECTRA models; config= has model_type {settings['model_type']!r}")
+        discriminator = from_config(settings, "pretraining", tokenizer)
+    else:
+        discriminator = load_model(checkpoint, dtype="float32", task="pretraining")
+    if generator is not None:
+        part = load_model(generator, dtype="float32", task="masked-lm")
+    else:
+        part = from_config(generator_args(discriminator.args, size).to_config(), "masked-lm", tokenizer)
+    return ReplacedTokenDetection(discriminator, part, weight)
 
 
 def scratch_args(config: Mapping) -> BaseArgs:

@@ -187,7 +187,10 @@ def split_batch(batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict
 
 def loss_arrays(model: nn.Module, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
     """`split_batch`, the labels of a masked-LM batch also giving `masked`: the flat positions of its masked
-    tokens (a loss under mx.compile reads nothing on the host)."""
+    tokens (a loss under mx.compile reads nothing on the host). A model that trains two parts at once (train/rtd.py)
+    brings its own `loss_arrays`, `batch_loss`, `evaluate`, `metric_names` and checkpoint methods."""
+    if hasattr(model, "loss_arrays"):
+        return model.loss_arrays(batch)
     inputs, labels = split_batch(batch)
     if task_of_model(model) == "masked-lm":
         labels["masked"] = mx.array(np.flatnonzero(batch["labels"].reshape(-1) != IGNORE_INDEX))
@@ -196,6 +199,8 @@ def loss_arrays(model: nn.Module, batch: dict[str, np.ndarray]) -> tuple[dict[st
 
 def batch_loss(model: nn.Module, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> mx.array:
     """The loss of a batch given as `loss_arrays`, in MLX operations only."""
+    if hasattr(model, "batch_loss"):
+        return model.batch_loss(inputs, labels)
     if task_of_model(model) == "masked-lm":
         return masked_lm_loss(model, inputs, labels["labels"], labels["masked"])
     return task_loss(model, model(**inputs), **labels)
@@ -254,6 +259,8 @@ def evaluate(
     exp(loss) for masked-LM and causal LM, macro-F1 for sequence classification, entity-level precision, recall
     and F1 (as seqeval counts them) for BIO tags. Masks come from `default_rng(seed)`, the same at every
     evaluation, and leave the training generators alone."""
+    if hasattr(model, "evaluate"):
+        return model.evaluate(tokenizer, examples, config.batch_size, config.seed, masker)
     model.eval()
     rng = np.random.default_rng(config.seed)
     task = examples.task
@@ -300,12 +307,14 @@ def eval_metric_names(examples: Examples) -> list[str]:
     return names
 
 
-def check_metric_for_best(config: TrainingConfig, eval_examples: Examples | None) -> None:
+def check_metric_for_best(
+    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None
+) -> None:
     if config.metric_for_best is None:
         return
     if eval_examples is None:
         raise OptionError(f"metric_for_best={config.metric_for_best!r} needs evaluation data (eval_data / --eval-data)")
-    names = eval_metric_names(eval_examples)
+    names = model.metric_names() if hasattr(model, "metric_names") else eval_metric_names(eval_examples)
     if config.metric_for_best not in names:
         raise OptionError(
             f"metric_for_best={config.metric_for_best!r} is not a metric {eval_examples.task} reports; choose one "
@@ -325,6 +334,8 @@ def save_checkpoint(
     with atomic_folder(target, replace=True, whole=True) as tmp:
         if getattr(model, "lora_config", None) is not None:
             save_adapters(model, tmp)
+        elif hasattr(model, "write_checkpoint"):
+            model.write_checkpoint(tmp)
         else:
             write_checkpoint(model, model_config(model), tmp)
         tokenizer.save(tmp)
@@ -434,6 +445,8 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
     if lora is not None:
         check_lora_settings(lora, folder)
         load_adapter_weights(model, folder)  # checks each tensor's name and shape, naming the file
+    elif hasattr(model, "read_checkpoint"):
+        model.read_checkpoint(folder)
     else:
         check_head(model, folder)
         saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
@@ -720,7 +733,7 @@ def train(
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
     continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
-    check_metric_for_best(config, eval_examples)
+    check_metric_for_best(config, eval_examples, model)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)

@@ -1,0 +1,244 @@
+"""ELECTRA's replaced-token detection (Clark et al. 2020; google-research/electra `run_pretraining.py`).
+
+A small masked-LM generator fills the masked positions with tokens sampled from its softmax (no gradient flows
+through the sampling); the discriminator (`ElectraForPreTraining`) reads the result and scores every real token
+as replaced or original, a sample equal to the original counting as original. The loss is the generator's
+masked-LM loss + `discriminator_weight` (50) x the discriminator's BCE over real tokens. The two share one
+embedding module (word, position and token-type tables and their LayerNorm, as ELECTRA's shared
+`embedding_scope` does), held by the discriminator; the generator's `embeddings_project` maps it to its width.
+Masking is ELECTRA's: 15% of the real tokens, 85% of those become [MASK], the rest stay (`rtd_masker`).
+"""
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..checkpoint.build import load_model
+from ..checkpoint.write import model_config, save, write_checkpoint
+from ..engine.ops import drawing_from, next_key
+from ..models.base import padding_mask
+from ..models.electra import ElectraForMaskedLM, ElectraForPreTraining, ModelArgs
+from ..tokenizer import Tokenizer
+from .data import Examples, collate
+from .losses import IGNORE_INDEX, cross_entropy, replaced_token_loss
+from .masking import Masker
+
+TASK = "replaced-token-detection"
+DISCRIMINATOR_FOLDER, GENERATOR_FOLDER = "discriminator", "generator"
+METRICS = (
+    "eval_loss", "eval_generator_loss", "eval_discriminator_loss", "eval_generator_accuracy",
+    "eval_discriminator_accuracy", "eval_precision", "eval_recall", "eval_replacement_rate",
+)  # fmt: skip
+
+
+def rtd_masker(tokenizer: Tokenizer, whole_word: bool = False) -> Masker:
+    """ELECTRA's masking (`pretrain_helpers.mask`): 15% of the real tokens (or words), 85% of them [MASK], no
+    random tokens (the generator's samples are the replacements)."""
+    return Masker.from_tokenizer(tokenizer, whole_word=whole_word, mask_fraction=0.85, random_fraction=0.0)
+
+
+def generator_args(discriminator: ModelArgs, size: float) -> ModelArgs:
+    """ELECTRA's `get_generator_config`: the discriminator's config at `size` x its hidden and feed-forward widths,
+    with heads as wide as the discriminator's (64 in the published models: hidden // 64 heads); the embeddings,
+    shared, keep their width."""
+    if not 0 < size <= 1:
+        raise ValueError(f"generator_size must be a fraction in (0, 1] of the discriminator's width, got {size!r}")
+    head = discriminator.hidden_size // discriminator.num_attention_heads
+    heads = max(1, round(discriminator.hidden_size * size / head))
+    sizes = dict(hidden_size=heads * head, num_attention_heads=heads)
+    sizes["intermediate_size"] = max(1, round(discriminator.intermediate_size * size))
+    return ModelArgs.from_dict({**discriminator.to_config(), **sizes})
+
+
+def check_pair(discriminator: nn.Module, generator: nn.Module) -> None:
+    """The generator can read the discriminator's embeddings and predict its vocabulary."""
+    if not (isinstance(discriminator, ElectraForPreTraining) and isinstance(generator, ElectraForMaskedLM)):
+        raise ValueError(
+            "Replaced-token detection trains an ElectraForPreTraining discriminator with an ElectraForMaskedLM "
+            f"generator, got {type(discriminator).__name__} and {type(generator).__name__}"
+        )
+    keys = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
+    differ = [k for k in keys if getattr(discriminator.args, k) != getattr(generator.args, k)]
+    if differ:
+        found = ", ".join(f"{k} {getattr(generator.args, k)} vs {getattr(discriminator.args, k)}" for k in differ)
+        raise ValueError(
+            f"The generator cannot share the discriminator's embeddings: {found} (generator vs discriminator); "
+            "give a generator of the same vocabulary, embedding width and position table"
+        )
+
+
+class ReplacedTokenDetection(nn.Module):
+    """The discriminator and the generator trained together (`trainer.train` runs it through the methods below:
+    `loss_arrays`, `batch_loss`, `evaluate`, `metric_names`, `write_checkpoint`, `read_checkpoint`). The generator
+    given gives up its embeddings: it reads the discriminator's."""
+
+    def __init__(self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = 50.0):
+        check_pair(discriminator, generator)
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+        del generator.electra["embeddings"]  # held once, by the discriminator: one gradient from both parts
+        self.discriminator_weight = discriminator_weight
+
+    @property
+    def embeddings(self) -> nn.Module:
+        return self.discriminator.electra.embeddings
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
+        return self.discriminator(input_ids, attention_mask, token_type_ids)  # what the trainer checks inputs on
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.discriminator.gradient_checkpointing_enable()
+        self.generator.gradient_checkpointing_enable()
+
+    def generator_logits(self, input_ids, attention_mask, token_type_ids, masked: mx.array) -> mx.array:
+        """(M, V) vocabulary logits at the `masked` flat positions (ElectraForMaskedLM over the shared embeddings)."""
+        electra = self.generator.electra
+        x = self.embeddings(input_ids, token_type_ids)
+        if "embeddings_project" in electra:
+            x = electra.embeddings_project(x)
+        hidden = electra.encoder(x, padding_mask(attention_mask, x.dtype))
+        hidden = hidden.reshape(-1, hidden.shape[-1])[masked]
+        head = self.generator.generator_predictions(hidden)
+        return self.generator.generator_lm_head(head, self.embeddings.word_embeddings)
+
+    def losses(self, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The losses and what the metrics count: `labels` holds `original` (B, L) ids, `masked` (the flat masked
+        positions) and optionally `sampled` (the generator's tokens there, drawn here when absent)."""
+        original, masked, types = labels["original"], labels["masked"], inputs.get("token_type_ids")
+        logits = self.generator_logits(inputs["input_ids"], inputs["attention_mask"], types, masked)
+        targets = original.reshape(-1)[masked]
+        sampled = labels.get("sampled")
+        if sampled is None:
+            sampled = mx.random.categorical(logits.astype(mx.float32), key=next_key())
+        corrupted = original.reshape(-1)
+        corrupted[masked] = mx.stop_gradient(sampled).astype(corrupted.dtype)
+        corrupted = corrupted.reshape(original.shape)
+        replaced = (corrupted != original).astype(mx.int32)
+        real = inputs["attention_mask"].astype(mx.bool_)
+        scores = self.discriminator(corrupted, inputs["attention_mask"], types).logits
+        generator_loss = cross_entropy(logits, targets)
+        discriminator_loss = replaced_token_loss(scores, mx.where(real, replaced, IGNORE_INDEX))
+        return {
+            "loss": generator_loss + self.discriminator_weight * discriminator_loss,
+            "generator_loss": generator_loss,
+            "discriminator_loss": discriminator_loss,
+            "generator_right": (logits.argmax(-1) == targets).sum(),
+            "replaced": replaced,
+            "flagged": scores > 0,  # sigmoid > 1/2
+            "real": real,
+        }
+
+    # ----- what `trainer.train` calls -----
+
+    def loss_arrays(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """(inputs, labels) of a masked batch: the generator's (masked) inputs; the original ids and the masked
+        (flat) positions."""
+        selected = batch["labels"] != IGNORE_INDEX
+        original = np.where(selected, batch["labels"], batch["input_ids"])
+        inputs = {k: mx.array(v) for k, v in batch.items() if k != "labels"}
+        labels = {"original": mx.array(original), "masked": mx.array(np.flatnonzero(selected.reshape(-1)))}
+        return inputs, labels
+
+    def batch_loss(self, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> mx.array:
+        return self.losses(inputs, labels)["loss"]
+
+    def evaluate(
+        self, tokenizer: Tokenizer, examples: Examples, batch_size: int, seed: int, masker: Masker
+    ) -> dict[str, float]:
+        """The mean losses per batch weighted by its real tokens; the generator's accuracy on the masked tokens; the
+        discriminator's accuracy on real tokens, its precision and recall on the replaced ones (0 when it flags none,
+        or none was replaced); the share of real tokens replaced. Masks and samples come from `seed`, the same at
+        every evaluation."""
+        self.eval()
+        rng = np.random.default_rng(seed)
+        sums = dict.fromkeys(("loss", "generator_loss", "discriminator_loss"), 0.0)
+        counts = dict.fromkeys(("real", "masked", "generator_right", "right", "replaced", "flagged", "caught"), 0)
+        with drawing_from([mx.random.key(seed)]):
+            for start in range(0, len(examples), batch_size):
+                batch = collate(examples, range(start, min(start + batch_size, len(examples))), tokenizer, masker, rng)
+                inputs, labels = self.loss_arrays(batch)
+                out = self.losses(inputs, labels)
+                real = np.array(out["real"])
+                replaced, flagged = np.array(out["replaced"]).astype(bool)[real], np.array(out["flagged"])[real]
+                for name in sums:
+                    sums[name] += out[name].item() * int(real.sum())
+                counts["real"] += int(real.sum())
+                counts["masked"] += labels["masked"].size
+                counts["generator_right"] += out["generator_right"].item()
+                counts["right"] += int((replaced == flagged).sum())
+                counts["replaced"] += int(replaced.sum())
+                counts["flagged"] += int(flagged.sum())
+                counts["caught"] += int((replaced & flagged).sum())
+        n = counts["real"]
+        return {
+            **{f"eval_{name}": value / n if n else math.nan for name, value in sums.items()},
+            "eval_generator_accuracy": ratio(counts["generator_right"], counts["masked"]),
+            "eval_discriminator_accuracy": ratio(counts["right"], n),
+            "eval_precision": ratio(counts["caught"], counts["flagged"], 0.0),
+            "eval_recall": ratio(counts["caught"], counts["replaced"], 0.0),
+            "eval_replacement_rate": ratio(counts["replaced"], n),
+        }
+
+    @staticmethod
+    def metric_names() -> list[str]:
+        return list(METRICS)
+
+    @contextmanager
+    def parts(self) -> Iterator[tuple[nn.Module, nn.Module]]:
+        """(discriminator, generator), the generator holding the shared embeddings for the time of the block, as a
+        checkpoint of it holds them."""
+        self.generator.electra.embeddings = self.embeddings
+        try:
+            yield self.discriminator, self.generator
+        finally:
+            del self.generator.electra["embeddings"]
+
+    def write_checkpoint(self, folder: Path, tokenizer: Tokenizer | None = None) -> None:
+        """`discriminator/` and `generator/` in `folder`: checkpoints that transformers' ElectraForPreTraining and
+        ElectraForMaskedLM (and every mlx_encoders front end) load."""
+        with self.parts() as models:
+            for name, model in zip((DISCRIMINATOR_FOLDER, GENERATOR_FOLDER), models, strict=True):
+                write_checkpoint(model, model_config(model), Path(folder) / name)
+                if tokenizer is not None:
+                    tokenizer.save(Path(folder) / name)
+
+    def read_checkpoint(self, folder: Path) -> None:
+        """The weights of `folder`'s `discriminator/` and `generator/`, each checked against this pair's."""
+        with self.parts() as models:
+            loaded = {}
+            for name, model in zip((DISCRIMINATOR_FOLDER, GENERATOR_FOLDER), models, strict=True):
+                saved = dict(tree_flatten(load_model(Path(folder) / name, task=task_name(model)).parameters()))
+                current = dict(tree_flatten(model.parameters()))
+                for key, value in current.items():
+                    if key not in saved or saved[key].shape != value.shape:
+                        found = "missing" if key not in saved else f"of shape {tuple(saved[key].shape)}"
+                        raise ValueError(
+                            f"{Path(folder) / name}: {key} is {found}, but this run's {name} has "
+                            f"{tuple(value.shape)}; resume with the sizes of the run that wrote it"
+                        )
+                loaded[name] = tree_unflatten(list(saved.items()))
+            self.discriminator.update(loaded[DISCRIMINATOR_FOLDER])
+            self.generator.update(loaded[GENERATOR_FOLDER])  # its embeddings equal the discriminator's: both saved
+
+    def save(self, folder: str | Path, tokenizer: Tokenizer, overwrite: bool = False) -> Path:
+        """`mlx_encoders.save` of each part (atomic) to `folder/discriminator` and `folder/generator`, with the
+        tokenizer; returns the discriminator's folder."""
+        with self.parts() as models:
+            for name, model in zip((DISCRIMINATOR_FOLDER, GENERATOR_FOLDER), models, strict=True):
+                save(model, Path(folder) / name, tokenizer, overwrite=overwrite)
+        return Path(folder) / DISCRIMINATOR_FOLDER
+
+
+def task_name(model: nn.Module) -> str:
+    return "pretraining" if isinstance(model, ElectraForPreTraining) else "masked-lm"
+
+
+def ratio(part: int, whole: int, undefined: float = math.nan) -> float:
+    """part / whole; precision and recall of no predictions count 0, as scikit-learn's do."""
+    return part / whole if whole else undefined
