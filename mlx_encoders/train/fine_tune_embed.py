@@ -74,6 +74,8 @@ def fine_tune_embedding(
         loss.check_width(net.args.hidden_size * len(setup.pooling))
     if lora_rank:
         apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
+    if getattr(net, "pooler", None) is not None:  # unused by pooling: torch's AdamW neither steps nor decays it
+        net.pooler.freeze()
     metrics = train(net, tok, examples, evaluation, options, resume_from=resume, objective=objective)
     if lora_rank:
         save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
