@@ -323,3 +323,14 @@ def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_pa
     texts = ["rainy weather"]
     expected = SentenceTransformer(str(out / "model"), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(out / "model").encode(texts), expected, atol=1e-5)
+
+
+def test_bfloat16_accumulation_and_checkpointing_train_from_a_dataset(st_folder, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    trained = fine_tune(
+        "embed", datasets.Dataset.from_list(TRIPLETS), tmp_path, model=st_folder, loss="cached-mnrl", max_steps=1,
+        batch_size=3, grad_accum=2, dtype="bfloat16", gradient_checkpointing=True,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(trained.model.parameters()))
