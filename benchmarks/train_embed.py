@@ -15,6 +15,11 @@ Engines, each in its own subprocess (so peak memory, `ru_maxrss`, is its own), o
 
     python benchmarks/train_embed.py --train 2000 --test 500 --epochs 1 --batch-size 32 --seeds 0 1 2
     python benchmarks/train_embed.py --train 64 --test 32 --batch-size 8 --seeds 0       # a quick check
+    python benchmarks/train_embed.py --memory-batch 1024 --max-length 64
+
+`--memory-batch N` measures memory instead: one optimizer step on a batch of N pairs, plain MNRL and
+CachedMultipleNegativesRankingLoss (`--mini-batch-size`) for ours and sentence-transformers, each process's
+peak resident memory.
 
 Timings and memory are printed, never asserted; run it on an otherwise idle machine.
 """
@@ -49,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--engines", nargs="+", default=["before", "ours", "st"], choices=("before", "ours", "st"))
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--memory-batch", type=int, help="measure one step's peak memory at this batch size instead")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -163,7 +169,7 @@ def worker(job: dict) -> dict:
         else:
             folder = (run_ours if job["engine"] == "ours" else run_st)(job, Path(tmp))
         trained = time.perf_counter() - started
-        scores = evaluate_folder(folder, job["test"], job["engine"])
+        scores = {} if job.get("memory") else evaluate_folder(folder, job["test"], job["engine"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return scores | {"train_s": trained if job["engine"] != "before" else 0.0, "peak_mib": peak}
 
@@ -186,6 +192,8 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(json.loads(Path(args.worker).read_text()))))
         return
     train, test = pairs()
+    if args.memory_batch:
+        return memory(args, spread(train, args.memory_batch))
     train, test = spread(train, args.train), spread(test, args.test)
     print(f"{len(train)} training pairs, {len(test)} test queries against {len(test)} documents (unseen modules)")
     base = dict(
@@ -209,6 +217,21 @@ def main() -> None:
     if "ours" in results and "st" in results:
         ratio = np.mean([r["train_s"] for r in results["ours"]]) / np.mean([r["train_s"] for r in results["st"]])
         print(f"training time, ours / sentence-transformers': {ratio:.2f}x")
+
+
+def memory(args: argparse.Namespace, train: list[dict]) -> None:
+    """One step on one batch of all of `train`, plain and cached, for each engine: peak resident memory."""
+    print(f"one step, batch {len(train)}, max_length {args.max_length}, mini-batch {args.mini_batch_size}")
+    for engine in ("ours", "st"):
+        for cached in (False, True):
+            job = dict(
+                engine=engine, train=train, test=[], epochs=1, batch_size=len(train), lr=args.lr, threads=args.threads,
+                warmup_ratio=0.0, max_length=args.max_length, cached=cached, mini_batch_size=args.mini_batch_size,
+                seed=args.seeds[0], memory=True,
+            )  # fmt: skip
+            r = run(job)
+            name = "CachedMNRL" if cached else "MNRL"
+            print(f"{engine:>6} {name:>10}: peak {r['peak_mib']:.0f} MiB, {r['train_s']:.1f} s")
 
 
 if __name__ == "__main__":
