@@ -310,6 +310,10 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
         embedding_data([{"text": "a"}], tokenizer)
     with pytest.raises(ValueError, match="CoSENTLoss trains on rows of sentence1, sentence2, score"):
         fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, loss="cosent")
+    with pytest.raises(ValueError, match="text_column: not options of the embed task"):
+        fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, text_column="anchor")
+    with pytest.raises(ValueError, match="loss are options of the embed task, not of sequence-classification"):
+        fine_tune("classify", [{"text": "a", "label": 0}], tmp_path / "o", model=st_folder, loss="mnrl")
 
 
 def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_path, capsys):
@@ -334,3 +338,11 @@ def test_bfloat16_accumulation_and_checkpointing_train_from_a_dataset(st_folder,
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
     assert all(p.dtype == mx.float32 for _, p in tree_flatten(trained.model.parameters()))
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "modernbert"])
+def test_other_architectures_train_into_folders_sentence_transformers_reads(checkpoint, tmp_path, model_type):
+    trained = fine_tune("embed", TRIPLETS, tmp_path, model=checkpoint(model_type), max_steps=1, batch_size=6, lr=1e-3)
+    texts = ["how do cats sleep", "a much longer text about python, the programming language"]
+    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)

@@ -116,6 +116,12 @@ def fine_tune(
     if task == "sentence-embedding":
         from .fine_tune_embed import fine_tune_embedding
 
+        others = dict(config=config, text_column=text_column, text_pair_column=text_pair_column, label2id=label2id,
+                      label_column=label_column, problem_type=problem_type, label_all_tokens=label_all_tokens,
+                      whole_word_mask=whole_word_mask)  # fmt: skip
+        if given := [name for name, value in others.items() if value not in (None, False)]:
+            raise ValueError(f"{', '.join(given)}: not options of the embed task, which reads its columns by name")
+
         return fine_tune_embedding(
             data, output_dir, model=model, tokenizer=tokenizer, eval_data=eval_data, max_length=max_length,
             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
