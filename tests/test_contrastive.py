@@ -341,7 +341,9 @@ def test_bfloat16_accumulation_and_checkpointing_train_from_a_dataset(st_folder,
 
 
 @pytest.mark.parametrize("model_type", ["distilbert", "modernbert"])
-def test_other_architectures_train_into_folders_sentence_transformers_reads(checkpoint, tmp_path, model_type):
+def test_other_architectures_train_into_folders_sentence_transformers_reads(
+    checkpoint, tmp_path, model_type, one_torch_thread
+):
     trained = fine_tune("embed", TRIPLETS, tmp_path, model=checkpoint(model_type), max_steps=1, batch_size=6, lr=1e-3)
     texts = ["how do cats sleep", "a much longer text about python, the programming language"]
     expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
