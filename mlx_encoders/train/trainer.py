@@ -171,8 +171,10 @@ def epoch_steps(
     order = np.random.default_rng([config.seed, epoch]).permutation(n)
     if config.group_by_length:
         order = length_grouped(order, lengths, config.batch_size)
-    batches = [order[i : i + config.batch_size] for i in range(0, n, config.batch_size)]
-    batches = batcher(order) if batcher is not None else batches
+    if batcher is not None:
+        batches = batcher(order)
+    else:
+        batches = [order[i : i + config.batch_size] for i in range(0, n, config.batch_size)]
     return [batches[i : i + config.grad_accum] for i in range(0, len(batches), config.grad_accum)]
 
 
