@@ -8,6 +8,9 @@
 - `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
 - `rtd`: ELECTRA's replaced-token detection: a generator and a discriminator pretrained together.
 - `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
+- `contrastive`: sentence-transformers' embedding losses (MNRL and its cached, symmetric and Matryoshka forms,
+  CoSENT, cosine similarity); `embedding`: their data, the `no_duplicates` sampler, GradCache and the
+  sentence-transformers folder that `fine_tune("embed")` (`fine_tune_embed`) writes.
 - `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
 - `metrics`: macro-F1, and entity precision/recall/F1 of BIO tags as seqeval counts them; `plot`: curves.png.
 """

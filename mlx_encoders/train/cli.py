@@ -1,11 +1,13 @@
-"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd} --data FILE --output DIR (--model PATH_OR_ID | --config
-FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names are `fine_tune`'s and
+"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd,embed} --data FILE --output DIR (--model PATH_OR_ID |
+--config FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names are `fine_tune`'s and
 `TrainingConfig`'s with dashes; the defaults are theirs."""
 
 import argparse
 import json
 import sys
 
+from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+from .embedding import SAMPLERS
 from .fine_tune import TASK_NAMES
 
 
@@ -15,7 +17,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train or fine-tune: masked-LM, classification, token classification, causal LM, ELECTRA",
         description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
     )
-    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify (texts/pairs), tokens (NER), clm, rtd")
+    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify, tokens (NER), clm, rtd, embed")
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
     source.add_argument(
@@ -46,6 +48,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     rtd.add_argument("--generator", help="masked-LM checkpoint to start the generator from (default: a new one)")
     rtd.add_argument("--generator-size", type=float, default=0.25, help="a new generator's share of the width")
     rtd.add_argument("--discriminator-weight", type=float, default=50.0, help="the discriminator loss's weight")
+    embed = p.add_argument_group("embed")
+    embed.add_argument(
+        "--loss", choices=list(LOSSES), help="embed: default mnrl (anchor/positive rows), cosent (scored pairs)"
+    )
+    embed.add_argument("--mini-batch-size", type=int, help="embed, cached-mnrl: rows per GradCache pass (default 32)")
+    embed.add_argument("--matryoshka-dims", type=int, nargs="+", help="embed: train the loss at these widths too")
+    embed.add_argument("--matryoshka-weights", type=float, nargs="+", help="embed: one weight per dim (default 1)")
+    embed.add_argument("--query-prompt", help="embed: text put before each anchor / sentence1")
+    embed.add_argument("--document-prompt", help="embed: text put before each positive and negative / sentence2")
+    embed.add_argument("--batch-sampler", choices=SAMPLERS, help="embed: default no_duplicates for mnrl losses")
     loop = p.add_argument_group("training")
     loop.add_argument("--epochs", type=int, default=3, help="default 3")
     loop.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
@@ -90,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     from .trainer import Diverged, OptionError
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
+    if args.kind == "embed":
+        options |= dict(loss=embed_loss(args), query_prompt=args.query_prompt, document_prompt=args.document_prompt)
+        options["batch_sampler"] = args.batch_sampler
     try:
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
     except OptionError as e:  # an option out of range: a usage error, as argparse reports one
@@ -112,3 +127,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:>18}  {value:.4f}" if isinstance(value, float) else f"{name:>18}  {value}")
         print(f"model saved to {trained.path}")
     return 0
+
+
+def embed_loss(args: argparse.Namespace):
+    """The loss the embed options name: a name of `LOSSES`, built with --mini-batch-size and wrapped in
+    Matryoshka with --matryoshka-dims."""
+    loss = args.loss
+    if args.mini_batch_size is not None:
+        if loss != "cached-mnrl":
+            raise ValueError("--mini-batch-size is an option of --loss cached-mnrl")
+        loss = CachedMultipleNegativesRankingLoss(mini_batch_size=args.mini_batch_size)
+    if args.matryoshka_dims:
+        inner = LOSSES[loss or "mnrl"]() if loss is None or isinstance(loss, str) else loss
+        loss = MatryoshkaLoss(inner, args.matryoshka_dims, args.matryoshka_weights)
+    return loss

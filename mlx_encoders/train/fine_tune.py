@@ -45,6 +45,7 @@ TASK_NAMES = {
     "tokens": "token-classification",
     "clm": "causal-lm",
     "rtd": RTD_TASK,
+    "embed": "sentence-embedding",
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
@@ -86,6 +87,10 @@ def fine_tune(
     lora_alpha: float | None = None,
     lora_targets: list[str] | None = None,
     resume: str | Path | None = None,
+    loss=None,
+    query_prompt: str | None = None,
+    document_prompt: str | None = None,
+    batch_sampler: str | None = None,
     **training,
 ) -> Trained:
     """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", "rtd", or the
@@ -110,11 +115,35 @@ def fine_tune(
       the saved model.
     - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
+    - "embed" ("sentence-embedding") trains a sentence-embedding model (`fine_tune_embed`): rows of anchor, positive
+      (negative or negative_1..n) or sentence1, sentence2, score; `loss` a name ("mnrl", "symmetric-mnrl",
+      "cached-mnrl", "cosent", "cosine") or a loss of `train.contrastive`; `query_prompt` / `document_prompt`;
+      `batch_sampler` "no_duplicates" (the default for in-batch-negative losses) or "batch_sampler".
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
+    embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler)
+    rtd_options = [("generator_size", generator_size, 0.25), ("discriminator_weight", discriminator_weight, 50.0)]
+    if task == "sentence-embedding":
+        from .fine_tune_embed import fine_tune_embedding
+
+        others = dict(config=config, text_column=text_column, text_pair_column=text_pair_column, label2id=label2id,
+                      label_column=label_column, problem_type=problem_type, label_all_tokens=label_all_tokens,
+                      whole_word_mask=whole_word_mask, generator=generator)  # fmt: skip
+        given = [name for name, value in others.items() if value not in (None, False)]
+        given += [name for name, value, default in rtd_options if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not options of the embed task, which reads its columns by name")
+
+        return fine_tune_embedding(
+            data, output_dir, model=model, tokenizer=tokenizer, eval_data=eval_data, max_length=max_length,
+            lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
+            **training,
+        )  # fmt: skip
+    if given := [name for name, value in embedding.items() if value is not None]:
+        raise ValueError(f"{', '.join(given)} are options of the embed task, not of {task}")
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
     if task == RTD_TASK:

@@ -35,6 +35,8 @@ from ..models import task_of_model
 from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
 from .data import Examples, collate
+from .embedding import TASK as EMBEDDING_TASK
+from .embedding import EmbeddingObjective, batch_tokens
 from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
 from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
@@ -156,15 +158,23 @@ class TrainerState:
 
 
 def epoch_steps(
-    n: int, config: TrainingConfig, epoch: int, lengths: np.ndarray | None = None
+    n: int,
+    config: TrainingConfig,
+    epoch: int,
+    lengths: np.ndarray | None = None,
+    batcher: Callable[[np.ndarray], list[np.ndarray]] | None = None,
 ) -> list[list[np.ndarray]]:
     """The steps of one epoch, each a list of up to `grad_accum` micro-batches of example indices, in an order
     drawn from `default_rng([seed, epoch])`; the last step of an epoch may hold fewer micro-batches. With
-    `config.group_by_length`, the order is grouped by the examples' `lengths`."""
+    `config.group_by_length`, the order is grouped by the examples' `lengths`; `batcher` cuts the order into
+    batches instead of consecutive runs (e.g. `embedding.no_duplicates`)."""
     order = np.random.default_rng([config.seed, epoch]).permutation(n)
     if config.group_by_length:
         order = length_grouped(order, lengths, config.batch_size)
-    batches = [order[i : i + config.batch_size] for i in range(0, n, config.batch_size)]
+    if batcher is not None:
+        batches = batcher(order)
+    else:
+        batches = [order[i : i + config.batch_size] for i in range(0, n, config.batch_size)]
     return [batches[i : i + config.grad_accum] for i in range(0, len(batches), config.grad_accum)]
 
 
@@ -296,6 +306,8 @@ def evaluate(
 def eval_metric_names(examples: Examples) -> list[str]:
     """The metrics `evaluate` reports for `examples`' task and labels, to check `metric_for_best` before training."""
     names = ["eval_loss"]
+    if examples.task == EMBEDDING_TASK:
+        return names
     if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
         names.append("eval_accuracy")  # the tasks whose labels are class ids
     if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
@@ -553,12 +565,12 @@ def total_steps(n: int, config: TrainingConfig) -> int:
 
 
 def steps_from(
-    lengths: np.ndarray, config: TrainingConfig, state: TrainerState
+    lengths: np.ndarray, config: TrainingConfig, state: TrainerState, batcher: Callable | None = None
 ) -> Iterator[tuple[int, int, list[np.ndarray]]]:
     """(epoch, position after the step, micro-batches) from where `state` stands, epoch after epoch."""
     epoch, position = state.epoch, state.position
     while True:
-        steps = epoch_steps(len(lengths), config, epoch, lengths)
+        steps = epoch_steps(len(lengths), config, epoch, lengths, batcher)
         for i in range(position, len(steps)):
             yield epoch, i + 1, steps[i]
         epoch, position = epoch + 1, 0
@@ -595,14 +607,18 @@ class Loop:
     schedule: Schedule
     state: TrainerState
     total: int
+    objective: EmbeddingObjective | None = None  # a sentence-embedding model's batches, loss and evaluation
 
     def __post_init__(self):
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
         dtype = COMPUTE_DTYPES[self.config.dtype]
-        self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing
-        if self.compiled:
+        self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing and self.objective is None
+        if self.objective is not None:
+            make = lambda loss: value_and_grad(self.model, dtype, loss)  # noqa: E731
+            self.loss_and_grad = self.objective.value_and_grad(self.model, make, self.random)
+        elif self.compiled:
             self.loss_and_grad = compiled_value_and_grad(self.model, self.random)
         else:
             self.loss_and_grad = value_and_grad(self.model, dtype)
@@ -610,7 +626,7 @@ class Loop:
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
         started = time.perf_counter()
-        batches = [collate(self.examples, i, self.tokenizer, self.masker, self.mask_rng) for i in indices]
+        batches = [self.collate(i) for i in indices]
         self.state.mask_rng = self.mask_rng.bit_generator.state
         lr = self.schedule(mx.array(self.state.step)).item()
         with drawing_from(self.random):
@@ -626,8 +642,18 @@ class Loop:
             "grad_norm": None if norm is None else norm.item(),
         }
         log_metrics(self.config.output_dir, record)
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        tokens = sum(batch_tokens(b) for b in batches)
         return {**record, "tokens_s": tokens / (time.perf_counter() - started)}
+
+    def collate(self, indices: np.ndarray) -> dict:
+        if self.objective is not None:
+            return self.objective.collate(self.examples, indices)
+        return collate(self.examples, indices, self.tokenizer, self.masker, self.mask_rng)
+
+    def evaluate(self) -> dict[str, float]:
+        if self.objective is not None:
+            return self.objective.evaluate(self.model, self.eval_examples, self.config.batch_size)
+        return evaluate(self.model, self.tokenizer, self.eval_examples, self.config, self.masker)
 
     def check_finite(self, loss: float, norm: float) -> None:
         """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
@@ -647,7 +673,7 @@ class Loop:
         at the end, keeping the last `keep_last` checkpoints and the best."""
         config, state, last = self.config, self.state, self.state.step == self.total
         if self.eval_examples is not None and (end_of_epoch or last or due(state.step, config.eval_every)):
-            metrics = evaluate(self.model, self.tokenizer, self.eval_examples, config, self.masker)
+            metrics = self.evaluate()
             self.model.train()
             state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
             log_metrics(config.output_dir, state.metrics)
@@ -685,12 +711,16 @@ def compiled_value_and_grad(model: nn.Module, random: list[mx.array]) -> Callabl
     return run
 
 
-def value_and_grad(model: nn.Module, dtype: mx.Dtype) -> Callable[[dict], tuple[mx.array, dict]]:
+def value_and_grad(
+    model: nn.Module, dtype: mx.Dtype, loss_fn: Callable[[dict], mx.array] | None = None
+) -> Callable[[dict], tuple[mx.array, dict]]:
     """`batch -> (loss, gradients of the trainable parameters)` with the forward and backward passes in `dtype`:
     the float32 weights are cast for the pass (the casts are part of the graph, so gradients come back in float32)
-    and put back after it. Quantization scales and biases keep their dtype."""
+    and put back after it. Quantization scales and biases keep their dtype. `loss_fn(batch)` replaces the task
+    loss (`batch_loss`)."""
+    loss_fn = loss_fn or (lambda batch: batch_loss(model, *loss_arrays(model, batch)))
     if dtype == mx.float32:
-        return nn.value_and_grad(model, lambda batch: batch_loss(model, *loss_arrays(model, batch)))
+        return nn.value_and_grad(model, loss_fn)
 
     def cast(params: dict) -> dict:
         return tree_map_with_path(
@@ -700,7 +730,7 @@ def value_and_grad(model: nn.Module, dtype: mx.Dtype) -> Callable[[dict], tuple[
 
     def loss(trainable: dict, batch: dict) -> mx.array:
         model.update(cast(trainable))
-        return batch_loss(model, *loss_arrays(model, batch))
+        return loss_fn(batch)
 
     loss_and_grad = mx.value_and_grad(loss)
 
@@ -727,11 +757,13 @@ def train(
     config: TrainingConfig | None = None,
     masker: Masker | None = None,
     resume_from: str | Path | None = None,
+    objective: EmbeddingObjective | None = None,
 ) -> dict:
     """Train `model` on `train_examples` as `config` says (AdamW with transformers' decay groups, warmup then
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
-    continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
+    continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`).
+    Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
     check_metric_for_best(config, eval_examples, model)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
@@ -744,7 +776,10 @@ def train(
     claim_output(config.output_dir, config.overwrite, resume_from)
     config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
-    loop = Loop(model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total)
+    loop = Loop(
+        model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total, objective
+    )
+    batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
     record = {"step": state.step}
     model.train()
     if config.gradient_checkpointing:
@@ -752,7 +787,7 @@ def train(
     with runtime.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
         if loop.compiled and state.step < total:  # compiling takes seconds before the bar can move: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-        for epoch, position, indices in steps_from(lengths, config, state):
+        for epoch, position, indices in steps_from(lengths, config, state, batcher):
             if state.step >= total:
                 break
             record = loop.step(indices)

@@ -1,0 +1,174 @@
+"""Embedding losses over sentence embeddings, as sentence-transformers defines them (reference:
+`sentence_transformers/sentence_transformer/losses/`: `multiple_negatives_ranking.py`,
+`cached_multiple_negatives_ranking.py`, `matryoshka.py`, `cosent.py`, `cosine_similarity.py`).
+
+Each loss is called as `loss(embeddings, labels)`: `embeddings` holds one (B, D) array per text column (anchor,
+positive, negatives...; or sentence1, sentence2), `labels` the (B,) scores of scored pairs (None otherwise). The
+model pass that makes the embeddings lives in `train/embedding.py`, so a loss is plain MLX math that GradCache
+(`CachedMultipleNegativesRankingLoss`) can differentiate with respect to the embeddings alone.
+"""
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+SIMILARITIES = ("cosine", "dot")
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+NORM_EPS = 1e-12  # torch's F.normalize
+
+
+def l2_normalize(x: mx.array) -> mx.array:
+    """torch's `F.normalize(x, p=2, dim=-1)`: x / max(||x||, 1e-12)."""
+    return x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), NORM_EPS)
+
+
+def similarity_matrix(a: mx.array, b: mx.array, name: str) -> mx.array:
+    """(N, D) x (M, D) -> (N, M): sentence-transformers' `cos_sim` or `dot_score`."""
+    if name == "cosine":
+        a, b = l2_normalize(a), l2_normalize(b)
+    return a @ b.T
+
+
+def check_similarity(name: str) -> str:
+    if name not in SIMILARITIES:
+        raise ValueError(f"similarity must be one of {', '.join(SIMILARITIES)}, got {name!r}")
+    return name
+
+
+class MultipleNegativesRankingLoss:
+    """InfoNCE with in-batch negatives: for each anchor, its positive against every positive and hard negative
+    of the batch (the full B x B(1 + n) matrix), scores times `scale`. `directions` and `partition_mode` as
+    sentence-transformers names them: ("query_to_doc", "doc_to_query") with "per_direction" is the symmetric
+    loss (`symmetric=True`), all four with "joint" GTE's."""
+
+    needs_scores = False
+    in_batch_negatives = True
+
+    def __init__(
+        self,
+        scale: float = 20.0,
+        similarity: str = "cosine",
+        directions: Sequence[str] = ("query_to_doc",),
+        partition_mode: str = "joint",
+        symmetric: bool = False,
+    ):
+        if symmetric:
+            directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        if "query_to_doc" not in directions or not set(directions) <= set(DIRECTIONS):
+            raise ValueError(f"directions must include 'query_to_doc' and be among {', '.join(DIRECTIONS)}")
+        if partition_mode not in PARTITION_MODES:
+            raise ValueError(f"partition_mode must be one of {', '.join(PARTITION_MODES)}, got {partition_mode!r}")
+        if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+            raise ValueError("partition_mode='per_direction' takes only the query_to_doc and doc_to_query directions")
+        self.scale, self.similarity = scale, check_similarity(similarity)
+        self.directions, self.partition_mode = tuple(directions), partition_mode
+
+    def __call__(self, embeddings: list[mx.array], labels: mx.array | None = None) -> mx.array:
+        if len(embeddings) < 2:
+            raise ValueError(f"{type(self).__name__} needs an anchor and a positive column, got {len(embeddings)}")
+        queries, docs = embeddings[0], embeddings[1:]
+        B = queries.shape[0]
+        docs_all = mx.concatenate(docs, axis=0)  # (B(1 + n), D): positives, then each negative column
+        rows = mx.arange(B)
+        own = rows[:, None] == rows[None, :]  # (B, B)
+        sims = {"query_to_doc": similarity_matrix(queries, docs_all, self.similarity)}
+        if "query_to_query" in self.directions:
+            sims["query_to_query"] = mx.where(own, -mx.inf, similarity_matrix(queries, queries, self.similarity))
+        if "doc_to_query" in self.directions:
+            sims["doc_to_query"] = similarity_matrix(queries, docs[0], self.similarity).T
+        if "doc_to_doc" in self.directions:
+            same_query = mx.concatenate([own] * len(docs), axis=1)  # a query's own positive and negatives
+            sims["doc_to_doc"] = mx.where(same_query, -mx.inf, similarity_matrix(docs_all, docs[0], self.similarity).T)
+        sims = {k: v * self.scale for k, v in sims.items()}
+        positive = sims["query_to_doc"][rows, rows]
+        if self.partition_mode == "joint":
+            log_z = mx.logsumexp(mx.concatenate(list(sims.values()), axis=1), axis=1)
+        else:
+            log_z = sum(mx.logsumexp(s, axis=1) for s in sims.values()) / len(sims)
+        return -(positive - log_z).mean()
+
+
+class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
+    """`MultipleNegativesRankingLoss` computed by GradCache: the embeddings of the whole batch are computed in
+    mini-batches of `mini_batch_size` without keeping activations, the loss and its gradient with respect to them
+    once, then each mini-batch's pass is run again and back-propagated from those gradients. The same loss and
+    gradients as the plain loss, in the memory of one mini-batch's activations (`embedding.cached_value_and_grad`)."""
+
+    def __init__(self, scale: float = 20.0, similarity: str = "cosine", mini_batch_size: int = 32, **options):
+        super().__init__(scale, similarity, **options)
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be an integer >= 1, got {mini_batch_size!r}")
+        self.mini_batch_size = mini_batch_size
+
+
+class MatryoshkaLoss:
+    """`loss` at each of `dims` (largest first), on the first d dimensions of every embedding, re-normalized as
+    sentence-transformers' `shrink` does; the sum weighted by `weights` (default all 1)."""
+
+    def __init__(self, loss, dims: Sequence[int], weights: Sequence[float] | None = None):
+        weights = [1.0] * len(dims) if weights is None else list(weights)
+        if not dims or len(weights) != len(dims):
+            raise ValueError(f"MatryoshkaLoss needs one weight per dimension; got dims {dims} and weights {weights}")
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+            raise ValueError(f"Matryoshka dims must be integers >= 1, got {list(dims)}")
+        pairs = sorted(zip(dims, weights, strict=True), key=lambda p: p[0], reverse=True)
+        self.loss, self.dims, self.weights = loss, [d for d, _ in pairs], [w for _, w in pairs]
+
+    def __getattr__(self, name):  # what the trainer asks of the wrapped loss (mini_batch_size, needs_scores, ...)
+        if name == "loss":
+            raise AttributeError(name)
+        return getattr(self.loss, name)
+
+    def check_width(self, width: int) -> None:
+        if self.dims[0] > width:
+            raise ValueError(f"Matryoshka dims {self.dims} exceed the model's embedding width {width}")
+
+    def __call__(self, embeddings: list[mx.array], labels: mx.array | None = None) -> mx.array:
+        total = mx.array(0.0)
+        for dim, weight in zip(self.dims, self.weights, strict=True):
+            total = total + weight * self.loss([l2_normalize(e[:, :dim]) for e in embeddings], labels)
+        return total
+
+
+class CoSENTLoss:
+    """CoSENT on scored pairs: log(1 + sum over pairs (i, j) with score_i > score_j of exp(s_j - s_i)), where s is
+    `scale` times the pairs' cosine similarity."""
+
+    needs_scores = True
+    in_batch_negatives = False
+
+    def __init__(self, scale: float = 20.0, similarity: str = "cosine"):
+        self.scale, self.similarity = scale, check_similarity(similarity)
+
+    def __call__(self, embeddings: list[mx.array], labels: mx.array) -> mx.array:
+        a, b = embeddings[0], embeddings[1]
+        if self.similarity == "cosine":
+            a, b = l2_normalize(a), l2_normalize(b)
+        scores = (a * b).sum(axis=-1) * self.scale
+        labels = labels.reshape(-1)
+        higher = labels[:, None] > labels[None, :]  # (i, j): pair i should score above pair j
+        diffs = mx.where(higher, scores[None, :] - scores[:, None], -mx.inf).reshape(-1)
+        return mx.logsumexp(mx.concatenate([mx.zeros(1), diffs]))
+
+
+class CosineSimilarityLoss:
+    """Mean squared error between the pairs' cosine similarity and their scores."""
+
+    needs_scores = True
+    in_batch_negatives = False
+
+    def __call__(self, embeddings: list[mx.array], labels: mx.array) -> mx.array:
+        cosine = (l2_normalize(embeddings[0]) * l2_normalize(embeddings[1])).sum(axis=-1)
+        return ((cosine - labels.reshape(-1).astype(mx.float32)) ** 2).mean()
+
+
+LOSSES = {
+    "mnrl": MultipleNegativesRankingLoss,
+    "symmetric-mnrl": lambda: MultipleNegativesRankingLoss(symmetric=True),
+    "cached-mnrl": CachedMultipleNegativesRankingLoss,
+    "cosent": CoSENTLoss,
+    "cosine": CosineSimilarityLoss,
+}

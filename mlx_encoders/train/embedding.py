@@ -1,0 +1,350 @@
+"""Training sentence-embedding models, as sentence-transformers' trainer does: text-column data (anchor, positive,
+negatives; or sentence1, sentence2, score), the `no_duplicates` batch sampler (`base/sampler.py`,
+`NoDuplicatesBatchSampler`), the model pass Transformer -> Pooling -> Normalize, GradCache for the cached loss
+(`base/losses/gradcache.py`), and the sentence-transformers folder written at the end. The losses themselves are
+in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
+"""
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map
+from tokenizers import Encoding
+
+from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.files import read_json_object, read_modules
+from ..checkpoint.write import model_config, write_checkpoint
+from ..pooling import pool, read_pooling_config
+from ..tokenizer import Tokenizer
+from .contrastive import (
+    LOSSES,
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    MultipleNegativesRankingLoss,
+    l2_normalize,
+)
+from .data import DataError, Examples, read_rows, regression_target
+
+TASK = "sentence-embedding"
+SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
+SCORE_COLUMNS = ("score", "label")
+NEGATIVE = re.compile(r"negative_(\d+)")
+TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
+POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+NORMALIZE = "sentence_transformers.base.modules.normalize.Normalize"
+
+
+# ----- the model's sentence-transformers setup -----
+
+
+@dataclass
+class SentenceSetup:
+    """What a sentence-transformers folder adds to its transformer: where the transformer is, pooling, Normalize,
+    prompts, similarity and tokenizer settings. A plain checkpoint gets mean pooling, as `SentenceTransformer`
+    gives one."""
+
+    transformer: Path
+    pooling: tuple[str, ...] = ("mean",)
+    include_prompt: bool = True
+    normalize: bool = False
+    prompts: dict = field(default_factory=dict)
+    similarity_fn_name: str | None = None
+    sentence_config: dict = field(default_factory=dict)
+
+
+def read_setup(path: Path) -> SentenceSetup:
+    """The setup of the folder at `path` (modules.json, 1_Pooling, config_sentence_transformers.json,
+    sentence_bert_config.json); Dense modules are refused, as training them is not supported."""
+    modules = read_modules(path)
+    kinds = [(kind.rsplit(".", 1)[-1], folder) for kind, folder in modules]
+    setup = SentenceSetup(next((folder for kind, folder in kinds if kind == "Transformer"), path))
+    for kind, folder in kinds:
+        if kind == "Pooling" and (folder / "config.json").is_file():
+            setup.pooling, setup.include_prompt = read_pooling_config(folder)
+        elif kind == "Normalize":
+            setup.normalize = True
+        elif kind != "Transformer":
+            raise ValueError(
+                f"{path / 'modules.json'}: module {kind} ({folder.name}) cannot be trained here; fine_tune('embed') "
+                "trains Transformer -> Pooling -> Normalize models. Start from the folder without it"
+            )
+    config = read_json_object(path / "config_sentence_transformers.json")
+    setup.prompts = dict(config.get("prompts") or {})
+    setup.similarity_fn_name = config.get("similarity_fn_name")
+    setup.sentence_config = dict(read_json_object(setup.transformer / "sentence_bert_config.json"))
+    return setup
+
+
+def save_sentence_transformer(
+    model: nn.Module, folder: Path, tokenizer: Tokenizer, setup: SentenceSetup, max_seq_length: int
+) -> Path:
+    """`folder` as `SentenceTransformer.save` writes it: the transformer at the root (config, weights, tokenizer,
+    sentence_bert_config.json), modules.json, 1_Pooling/config.json, 2_Normalize when used, and
+    config_sentence_transformers.json with the prompts and the similarity function. Written whole or not at all."""
+    modules = [("0", "", TRANSFORMER), ("1", "1_Pooling", POOLING)]
+    modules += [("2", "2_Normalize", NORMALIZE)] if setup.normalize else []
+    width = model.args.hidden_size
+    pooling = {"embedding_dimension": width * len(setup.pooling), "include_prompt": setup.include_prompt}
+    pooling["pooling_mode"] = setup.pooling[0] if len(setup.pooling) == 1 else list(setup.pooling)
+    sentence_config = {**setup.sentence_config, "max_seq_length": max_seq_length}
+    sentence_config.setdefault("do_lower_case", False)
+    settings = {
+        "model_type": "SentenceTransformer",
+        "prompts": {"query": "", "document": "", **setup.prompts},
+        "default_prompt_name": None,
+        "similarity_fn_name": setup.similarity_fn_name or "cosine",
+    }
+    with atomic_folder(folder, replace=True, whole=True) as tmp:
+        write_checkpoint(model, model_config(model), tmp)
+        tokenizer.save(tmp)
+        write_json(tmp / "modules.json", [{"idx": int(i), "name": i, "path": p, "type": t} for i, p, t in modules])
+        write_json(tmp / "sentence_bert_config.json", sentence_config)
+        write_json(tmp / "config_sentence_transformers.json", settings)
+        (tmp / "1_Pooling").mkdir()
+        write_json(tmp / "1_Pooling" / "config.json", pooling)
+        if setup.normalize:
+            (tmp / "2_Normalize").mkdir()
+            write_json(tmp / "2_Normalize" / "config.json", {})
+    return folder
+
+
+def write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+# ----- data -----
+
+
+@dataclass
+class TextExamples(Examples):
+    """Examples of several text columns: `columns[c][i]` is example i's encoding in column c (its prompt
+    prepended), `texts[i]` its raw texts (what `no_duplicates` compares); `encodings` is the first column, whose
+    lengths `group_by_length` reads; `labels` the scores (None each without)."""
+
+    columns: list[list[Encoding]] = field(default_factory=list)
+    texts: list[tuple[str, ...]] = field(default_factory=list)
+    column_names: list[str] = field(default_factory=list)
+
+
+def text_columns(row) -> tuple[list[str], str | None]:
+    """(text columns, score column) of a row: anchor, positive, then negative and negative_1..n in order; or
+    sentence1, sentence2 and score (or label)."""
+    values = row.values
+    if "anchor" in values:
+        numbered = sorted((int(m[1]), name) for name in values if (m := NEGATIVE.fullmatch(name)))
+        negatives = ["negative"] * ("negative" in values) + [name for _, name in numbered]
+        return ["anchor", "positive", *negatives], None
+    if "sentence1" in values:
+        score = next((c for c in SCORE_COLUMNS if c in values), None)
+        if score is None:
+            raise DataError(f"{row.where}: sentence1/sentence2 rows need a 'score' column (a number per pair)")
+        return ["sentence1", "sentence2"], score
+    found = ", ".join(repr(c) for c in values) or "none"
+    raise DataError(
+        f"{row.where}: embedding data needs the columns anchor, positive (and optionally negative or negative_1.."
+        f"negative_n), or sentence1, sentence2 and score; found {found}"
+    )
+
+
+def embedding_data(
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    *,
+    query_prompt: str = "",
+    document_prompt: str = "",
+    max_length: int | None = None,
+) -> TextExamples:
+    """The rows of `data` as text columns, each tokenized with its prompt in front (`query_prompt` before the
+    first column, `document_prompt` before the others), as sentence-transformers' data collator prepends them."""
+    rows = read_rows(data, "anchor")
+    names, score = text_columns(rows[0])
+    for row in rows[1:]:
+        found, _ = text_columns(row)
+        if found != names:
+            raise DataError(
+                f"{row.where}: columns {', '.join(found)}, but the first row ({rows[0].where}) has "
+                f"{', '.join(names)}; give every row the same text columns"
+            )
+    texts = [tuple(row.text(c) for c in names) for row in rows]
+    scores = [regression_target(row.get(score), row, score) for row in rows] if score else [None] * len(rows)
+    prompts = [query_prompt] + [document_prompt] * (len(names) - 1)
+    columns = [
+        tokenizer.encode_batch([prompt + t[c] for t in texts], max_length=max_length)
+        for c, prompt in enumerate(prompts)
+    ]
+    return TextExamples(TASK, columns[0], scores, {}, rows, columns=columns, texts=texts, column_names=names)
+
+
+def no_duplicates(order: np.ndarray, texts: list[tuple[str, ...]], batch_size: int) -> list[np.ndarray]:
+    """sentence-transformers' `NoDuplicatesBatchSampler` (drop_last=False) over `order`: each batch takes the next
+    examples in order that share no text (in any column) with it, deferring the others to later batches."""
+    remaining, batches = list(order), []
+    while remaining:
+        batch, seen, deferred = [], set(), []
+        for position, index in enumerate(remaining):
+            if len(batch) == batch_size:
+                deferred += remaining[position:]
+                break
+            values = set(texts[index])
+            if values & seen:
+                deferred.append(index)
+                continue
+            batch.append(index)
+            seen |= values
+        batches.append(np.array(batch, dtype=order.dtype))
+        remaining = deferred
+    return batches
+
+
+# ----- the objective -----
+
+
+def make_loss(loss, scored: bool):
+    """A loss instance from a name of `contrastive.LOSSES` or an instance; default MNRL, CoSENT for scored pairs."""
+    if loss is None:
+        return CoSENTLoss() if scored else MultipleNegativesRankingLoss()
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"Unknown embedding loss {loss!r}; choose one of {', '.join(LOSSES)} or pass a loss")
+        return LOSSES[loss]()
+    if not callable(loss):
+        raise TypeError(f"loss= must be a loss name or a loss from mlx_encoders.train.contrastive, got {loss!r}")
+    return loss
+
+
+@dataclass
+class EmbeddingObjective:
+    """What `trainer.train` needs to train a sentence-embedding model: batches of text columns, the embedding
+    pass, the loss and its gradients (by GradCache for the cached loss) and the evaluation loss."""
+
+    loss: Callable
+    tokenizer: Tokenizer
+    pooling: tuple[str, ...] = ("mean",)
+    normalize: bool = False
+    batch_sampler: str = "no_duplicates"
+    prompt_tokens: tuple[int, ...] = ()  # per column, the prompt's tokens pooling leaves out (include_prompt=False)
+
+    def __post_init__(self):
+        if self.batch_sampler not in SAMPLERS:
+            raise ValueError(f"batch_sampler must be one of {', '.join(SAMPLERS)}, got {self.batch_sampler!r}")
+
+    @property
+    def cached(self) -> bool:
+        return isinstance(getattr(self.loss, "loss", self.loss), CachedMultipleNegativesRankingLoss)
+
+    def check(self, examples: TextExamples) -> None:
+        """The data has what the loss reads: scores for CoSENT/cosine, anchor-positive rows for the others."""
+        scored = examples.labels[0] is not None
+        if getattr(self.loss, "needs_scores", False) != scored:
+            wanted = "sentence1, sentence2, score" if not scored else "anchor, positive (negative...)"
+            raise ValueError(
+                f"{type(self.loss).__name__} trains on rows of {wanted}, but the data has "
+                f"{', '.join(examples.column_names)}{' and scores' if scored else ''}; choose a loss for this data "
+                "(cosent or cosine for scored pairs)"
+            )
+
+    def batcher(self, examples: TextExamples, batch_size: int) -> Callable[[np.ndarray], list[np.ndarray]] | None:
+        if self.batch_sampler != "no_duplicates":
+            return None
+        return lambda order: no_duplicates(order, examples.texts, batch_size)
+
+    def collate(self, examples: TextExamples, indices) -> dict:
+        """{"columns": one padded numpy batch per text column, "labels": the scores or None}."""
+        columns = [self.tokenizer.pad([column[i] for i in indices], return_tensors="np") for column in examples.columns]
+        scores = [examples.labels[i] for i in indices]
+        labels = None if scores[0] is None else np.array(scores, dtype=np.float32)
+        return {"columns": columns, "labels": labels}
+
+    def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> mx.array:
+        """(B, D) float32 sentence embeddings: the transformer, the pooling (without the prompt's tokens when the
+        pooling excludes it), Normalize."""
+        mask = features["attention_mask"]
+        hidden = model(features["input_ids"], mask, features.get("token_type_ids")).last_hidden_state
+        skipped = self.prompt_tokens[column] if self.prompt_tokens else 0
+        pooled_mask = mask if not skipped else mask * (mx.arange(mask.shape[1]) >= skipped)
+        x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
+        return l2_normalize(x) if self.normalize else x
+
+    def batch_loss(self, model: nn.Module, batch: dict) -> mx.array:
+        columns, labels = arrays(batch)
+        return self.loss([self.embed(model, f, c) for c, f in enumerate(columns)], labels)
+
+    def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
+        """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one
+        argument (it casts to the compute dtype); `random` the dropout key, replayed in GradCache's second pass."""
+        if not self.cached:
+            return make(lambda batch: self.batch_loss(model, batch))
+        surrogate = make(lambda part: (self.embed(model, part[0], part[1]) * part[2]).sum())
+        return lambda batch: self.cached_value_and_grad(model, surrogate, random, batch)
+
+    def cached_value_and_grad(self, model, surrogate, random: list[mx.array], batch: dict) -> tuple[mx.array, dict]:
+        """GradCache: every mini-batch's embeddings without a graph (the dropout key saved before each), the loss
+        and its gradient with respect to all embeddings, then each mini-batch's pass again under its saved key,
+        back-propagated from its rows of that gradient (the surrogate sum(embedding * gradient))."""
+        columns, labels = arrays(batch)
+        size = self.loss.mini_batch_size
+        parts = [(c, f, random[0]) for c, f in enumerate(columns) for f in mini_batches(f, size)]
+        keys, pieces = [], [[] for _ in columns]
+        for c, f, _ in parts:
+            keys.append(random[0])
+            pieces[c].append(self.embed(model, f, c))
+            mx.eval(pieces[c][-1], random[0])
+        after = random[0]
+        embeddings = [mx.concatenate(p) for p in pieces]
+        loss, d_embeddings = mx.value_and_grad(lambda e: self.loss(e, labels))(embeddings)
+        mx.eval(loss, d_embeddings)
+        grads, offsets = None, [0] * len(columns)
+        for (c, f, _), key in zip(parts, keys, strict=True):
+            rows = f["input_ids"].shape[0]
+            random[0] = key
+            _, g = surrogate((f, c, d_embeddings[c][offsets[c] : offsets[c] + rows]))
+            offsets[c] += rows
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.eval(grads)
+        random[0] = after
+        return loss, grads
+
+    def evaluate(self, model: nn.Module, examples: TextExamples, batch_size: int) -> dict[str, float]:
+        """The mean loss over consecutive batches of `batch_size`, weighted by their sizes, in eval mode."""
+        model.eval()
+        total = 0.0
+        size = getattr(self.loss, "mini_batch_size", batch_size)
+        for start in range(0, len(examples), batch_size):
+            indices = range(start, min(start + batch_size, len(examples)))
+            columns, labels = arrays(self.collate(examples, indices))
+            embeddings = [
+                mx.concatenate([self.embed(model, part, c) for part in mini_batches(f, size)])
+                for c, f in enumerate(columns)
+            ]
+            total += self.loss(embeddings, labels).item() * len(indices)
+        return {"eval_loss": total / len(examples) if len(examples) else math.nan}
+
+
+def arrays(batch: dict) -> tuple[list[dict[str, mx.array]], mx.array | None]:
+    columns = [{k: mx.array(v) for k, v in f.items()} for f in batch["columns"]]
+    return columns, None if batch["labels"] is None else mx.array(batch["labels"])
+
+
+def mini_batches(features: dict[str, mx.array], size: int) -> list[dict[str, mx.array]]:
+    """Rows of a padded batch in groups of `size`, each cut to its own longest row (right padding)."""
+    n = features["input_ids"].shape[0]
+    lengths = np.array(features["attention_mask"].sum(axis=1))
+    out = []
+    for start in range(0, n, size):
+        width = int(lengths[start : start + size].max())
+        out.append({k: v[start : start + size, :width] for k, v in features.items()})
+    return out
+
+
+def batch_tokens(batch: dict) -> int:
+    """The real tokens of a collated batch, of any task."""
+    if "columns" in batch:
+        return sum(int(f["attention_mask"].sum()) for f in batch["columns"])
+    return int(batch["attention_mask"].sum())

@@ -1,0 +1,350 @@
+"""Embedding losses and the embed task against sentence-transformers (torch CPU), on the same weights and batches.
+
+A tiny seeded BERT (tests/checkpoints.py) wrapped into a sentence-transformers folder by sentence-transformers
+itself; each loss's value and the gradients of named parameters are compared with sentence-transformers' loss
+on the same batch, 20 AdamW steps with a torch loop running its loss, and the trained folder with
+`SentenceTransformer`.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from mlx.utils import tree_flatten
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+from sentence_transformers.sentence_transformer import losses as st_losses
+from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util import dot_score
+
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.__main__ import main
+from mlx_encoders.checkpoint.build import load_model
+from mlx_encoders.checkpoint.tokenizer import tokenizer_for
+from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.contrastive import (
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    CosineSimilarityLoss,
+    MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
+)
+from mlx_encoders.train.data import DataError
+from mlx_encoders.train.embedding import EmbeddingObjective, embedding_data, no_duplicates
+
+PARAMETERS = (
+    "embeddings.word_embeddings.weight",
+    "encoder.layer.0.attention.self.query.weight",
+    "encoder.layer.0.intermediate.dense.bias",
+    "encoder.layer.1.output.LayerNorm.weight",
+)
+TRIPLETS = [
+    dict(anchor="how do cats sleep", positive="cats sleep curled up in warm places", negative="dogs bark at night"),
+    dict(anchor="what is python", positive="python is a programming language", negative="a python is a snake"),
+    dict(anchor="capital of france", positive="paris is the capital of france", negative="berlin is in germany"),
+    dict(anchor="boil an egg", positive="put the egg in boiling water for ten minutes", negative="fry the bacon"),
+    dict(anchor="rainy weather", positive="it rains a lot in autumn", negative="the desert is dry and hot"),
+    dict(anchor="learn guitar", positive="practice chords every day on the guitar", negative="pianos have keys"),
+]
+PAIRS = [
+    dict(sentence1="a man plays guitar", sentence2="a person plays an instrument", score=0.8),
+    dict(sentence1="a cat sleeps", sentence2="the stock market fell", score=0.0),
+    dict(sentence1="kids play football", sentence2="children are playing soccer", score=0.95),
+    dict(sentence1="a woman cooks", sentence2="someone is cooking food", score=0.7),
+    dict(sentence1="the sun is bright", sentence2="the sun is bright", score=1.0),
+    dict(sentence1="a bird flies", sentence2="a plane lands", score=0.3),
+]
+
+
+def save_st(folder: Path, checkpoint: Path, *modules, **kwargs) -> Path:
+    """A sentence-transformers model over `checkpoint`, saved to `folder` by sentence-transformers itself."""
+    SentenceTransformer(modules=[Transformer(str(checkpoint)), *modules], device="cpu", **kwargs).save(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory, one_torch_thread) -> Path:
+    """Mean pooling, no dropout (so training steps compare exactly)."""
+    root = tmp_path_factory.mktemp("embed")
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    bert = make_checkpoint(root / "bert", "bert", num_hidden_layers=2, **no_dropout)
+    return save_st(root / "st", bert, Pooling(32))
+
+
+@pytest.fixture(scope="module")
+def st_normalized(tmp_path_factory, st_folder) -> Path:
+    """CLS + mean pooling with Normalize: the modules an embed model may have besides the transformer."""
+    return save_st(tmp_path_factory.mktemp("embed-n") / "st", st_folder, Pooling(32, ("cls", "mean")), Normalize())
+
+
+def st_features(model: SentenceTransformer, rows: list[dict], columns: list[str]) -> list[dict]:
+    return [model.preprocess([row[c] for row in rows]) for c in columns]
+
+
+def st_loss_and_grads(folder: Path, make_loss, rows: list[dict], columns: list[str], labels=None):
+    """sentence-transformers' loss on `rows` and the gradients of PARAMETERS, in eval mode (no dropout)."""
+    model = SentenceTransformer(str(folder), device="cpu").eval()
+    loss = make_loss(model)
+    value = loss(st_features(model, rows, columns), None if labels is None else torch.tensor(labels))
+    value.backward()
+    params = dict(model[0].auto_model.named_parameters())
+    return value.item(), {name: params[name].grad.numpy() for name in PARAMETERS}
+
+
+def our_loss_and_grads(folder: Path, loss, rows: list[dict], normalize=False, pooling=("mean",)):
+    model = load_model(folder, dtype="float32", task="encoder")
+    model.eval()
+    tokenizer = tokenizer_for(model.args, folder)
+    examples = embedding_data(rows, tokenizer)
+    objective = EmbeddingObjective(loss, tokenizer, pooling, normalize, "batch_sampler")
+    batch = objective.collate(examples, range(len(rows)))
+    make = lambda fn: trainer.value_and_grad(model, mx.float32, fn)  # noqa: E731
+    value, grads = objective.value_and_grad(model, make, [mx.random.key(0)])(batch)
+    grads = dict(tree_flatten(grads))
+    return value.item(), {name: np.array(grads[name]) for name in PARAMETERS}
+
+
+def assert_close(ours, reference, rtol=1e-5):
+    """Equal within `rtol` of the reference's largest magnitude (tiny entries of a gradient differ by rounding)."""
+    ours, reference = np.asarray(ours), np.asarray(reference)
+    scale = max(np.abs(reference).max(), 1e-12)
+    assert np.abs(ours - reference).max() <= rtol * scale, np.abs(ours - reference).max() / scale
+
+
+TRIPLET_COLUMNS = ["anchor", "positive", "negative"]
+ALL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")  # GTE's loss
+LOSS_CASES = {
+    "mnrl-cosine": (lambda: MultipleNegativesRankingLoss(), lambda m: st_losses.MultipleNegativesRankingLoss(m)),
+    "mnrl-dot": (
+        lambda: MultipleNegativesRankingLoss(scale=1.0, similarity="dot"),
+        lambda m: st_losses.MultipleNegativesRankingLoss(m, scale=1.0, similarity_fct=dot_score),
+    ),
+    "mnrl-symmetric": (
+        lambda: MultipleNegativesRankingLoss(symmetric=True),
+        lambda m: st_losses.MultipleNegativesRankingLoss(
+            m, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+        ),
+    ),
+    "mnrl-gte": (
+        lambda: MultipleNegativesRankingLoss(directions=ALL_DIRECTIONS),
+        lambda m: st_losses.MultipleNegativesRankingLoss(m, directions=ALL_DIRECTIONS),
+    ),
+    "cached-mnrl": (
+        lambda: CachedMultipleNegativesRankingLoss(mini_batch_size=4),
+        lambda m: st_losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size=4),
+    ),
+    "matryoshka-mnrl": (
+        lambda: MatryoshkaLoss(MultipleNegativesRankingLoss(), [8, 32, 16], [0.5, 1.0, 2.0]),
+        lambda m: st_losses.MatryoshkaLoss(m, st_losses.MultipleNegativesRankingLoss(m), [8, 32, 16], [0.5, 1.0, 2.0]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_ranking_losses_and_gradients_equal_sentence_transformers(st_folder, case):
+    ours, theirs = LOSS_CASES[case]
+    value, grads = our_loss_and_grads(st_folder, ours(), TRIPLETS)
+    expected, expected_grads = st_loss_and_grads(st_folder, theirs, TRIPLETS, TRIPLET_COLUMNS)
+    assert value == pytest.approx(expected, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], expected_grads[name])
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (CoSENTLoss, lambda m: st_losses.CoSENTLoss(m)),
+        (CosineSimilarityLoss, lambda m: st_losses.CosineSimilarityLoss(m)),
+    ],
+)
+def test_scored_pair_losses_and_gradients_equal_sentence_transformers(st_folder, ours, theirs):
+    value, grads = our_loss_and_grads(st_folder, ours(), PAIRS)
+    scores = [row["score"] for row in PAIRS]
+    expected, expected_grads = st_loss_and_grads(st_folder, theirs, PAIRS, ["sentence1", "sentence2"], scores)
+    assert value == pytest.approx(expected, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], expected_grads[name])
+
+
+def test_normalize_and_concatenated_pooling_follow_the_folder(st_normalized):
+    value, grads = our_loss_and_grads(
+        st_normalized, MultipleNegativesRankingLoss(scale=1.0, similarity="dot"), TRIPLETS, True, ("cls", "mean")
+    )
+    theirs = lambda m: st_losses.MultipleNegativesRankingLoss(m, scale=1.0, similarity_fct=dot_score)  # noqa: E731
+    expected, expected_grads = st_loss_and_grads(st_normalized, theirs, TRIPLETS, TRIPLET_COLUMNS)
+    assert value == pytest.approx(expected, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], expected_grads[name])
+
+
+@pytest.mark.parametrize("mini_batch_size", [1, 4])
+def test_cached_mnrl_gives_the_loss_and_gradients_of_mnrl(st_folder, mini_batch_size):
+    plain = MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 8])
+    plain, plain_grads = our_loss_and_grads(st_folder, plain, TRIPLETS)
+    cached = MatryoshkaLoss(CachedMultipleNegativesRankingLoss(mini_batch_size=mini_batch_size), [32, 8])
+    value, grads = our_loss_and_grads(st_folder, cached, TRIPLETS)
+    assert value == pytest.approx(plain, rel=1e-6)
+    for name in PARAMETERS:  # mini-batches are padded to their own longest row: float rounding differs
+        assert_close(grads[name], plain_grads[name])
+
+
+def test_matryoshka_is_the_weighted_sum_over_truncated_normalized_embeddings():
+    embeddings = [mx.random.normal((5, 12), key=mx.random.key(i)) for i in range(3)]
+    inner = MultipleNegativesRankingLoss()
+    total = MatryoshkaLoss(inner, [4, 12], [2.0, 0.5])(embeddings)
+    expected = sum(
+        w * inner([e[:, :d] / np.linalg.norm(np.array(e[:, :d]), axis=1, keepdims=True) for e in embeddings])
+        for d, w in [(4, 2.0), (12, 0.5)]
+    )
+    assert total.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_no_duplicates_batches_equal_sentence_transformers_sampler_and_never_repeat(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(12)]  # few distinct texts: many would-be duplicates in a batch
+    rows = [dict(anchor=str(rng.choice(words)), positive=str(rng.choice(words))) for _ in range(60)]
+    order = rng.permutation(len(rows))
+    texts = [(r["anchor"], r["positive"]) for r in rows]
+    ours = no_duplicates(order, texts, 5)
+    monkeypatch.setattr(torch, "randperm", lambda n, **_: torch.tensor(order, dtype=torch.int32))
+    sampler = NoDuplicatesBatchSampler(datasets.Dataset.from_list(rows), batch_size=5, drop_last=False)
+    assert [list(b) for b in ours] == list(sampler)
+    assert sorted(i for b in ours for i in b) == list(range(len(rows)))
+    for batch in ours:
+        seen = [t for i in batch for t in set(texts[i])]
+        assert len(seen) == len(set(seen))
+
+
+def test_twenty_adamw_steps_equal_a_torch_loop_with_sentence_transformers_loss(st_folder, tmp_path):
+    rows = TRIPLETS * 3 + [dict(anchor=r["negative"], positive=r["anchor"], negative=r["positive"]) for r in TRIPLETS]
+    trained = fine_tune(
+        "embed", rows, tmp_path / "out", model=st_folder, loss="mnrl", batch_size=4, max_steps=20, lr=2e-4,
+        warmup_steps=3, max_grad_norm=1.0, seed=3,
+    )  # fmt: skip
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    # the same batches, in the same order: the trainer's epochs of no_duplicates batches
+    texts = [tuple(r.values()) for r in rows]
+    orders = [np.random.default_rng([3, epoch]).permutation(len(rows)) for epoch in range(6)]
+    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:20]
+    model = SentenceTransformer(str(st_folder), device="cpu").train()
+    loss = st_losses.MultipleNegativesRankingLoss(model)
+    params = [p for name, p in model[0].auto_model.named_parameters() if not name.startswith("pooler")]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0, eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 3 if s < 3 else max(0.0, (20 - s) / 17))
+    expected = []
+    for batch in batches:
+        value = loss(st_features(model, [rows[i] for i in batch], TRIPLET_COLUMNS), None)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        expected.append(value.item())
+    np.testing.assert_allclose(losses, expected, rtol=2e-5)
+    weights = dict(tree_flatten(trained.model.parameters()))
+    for name, p in model[0].auto_model.named_parameters():
+        if name in PARAMETERS:
+            assert_close(np.array(weights[name]), p.detach().numpy(), rtol=2e-5)
+
+
+def test_trained_folder_loads_in_sentence_transformers_with_equal_embeddings(st_normalized, tmp_path):
+    trained = fine_tune(
+        "embed", PAIRS, tmp_path / "out", model=st_normalized, loss="cosent", max_steps=2, batch_size=3,
+        query_prompt="query: ", document_prompt="doc: ",
+    )  # fmt: skip
+    folder = trained.path
+    assert (folder / "2_Normalize").is_dir() and (folder / "1_Pooling" / "config.json").is_file()
+    settings = json.loads((folder / "config_sentence_transformers.json").read_text())
+    assert settings["prompts"] == {"query": "query: ", "document": "doc: "}
+    texts = ["a cat on a mat", "the stock market", "x", "a much longer sentence about birds flying south in autumn"]
+    model = SentenceTransformer(str(folder), device="cpu")
+    for kind in ("query", "document"):
+        expected = getattr(model, f"encode_{kind}")(texts, convert_to_numpy=True)
+        ours = getattr(SentenceEncoder(folder), f"encode_{kind}")(texts)
+        np.testing.assert_allclose(ours, expected, atol=1e-5)
+    # the trained weights: not the starting ones
+    start = SentenceTransformer(str(st_normalized), device="cpu").encode(texts, convert_to_numpy=True)
+    assert not np.allclose(start, model.encode(texts, convert_to_numpy=True), atol=1e-4)
+
+
+def test_plain_masked_lm_checkpoint_trains_with_mean_pooling_and_lora(tmp_path):
+    mlm = make_checkpoint(tmp_path / "mlm", "bert", "masked-lm", num_hidden_layers=2)
+    trained = fine_tune(
+        "embed", TRIPLETS, tmp_path / "out", model=mlm, max_steps=2, batch_size=3, lora_rank=2, eval_data=TRIPLETS
+    )
+    assert (tmp_path / "out" / "adapters").is_dir()
+    assert math.isfinite(trained.metrics["eval_loss"])
+    assert json.loads((trained.path / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
+    texts = ["how do cats sleep", "python"]
+    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
+
+
+def test_resumed_embed_run_equals_an_uninterrupted_one(st_folder, tmp_path):
+    options = dict(model=st_folder, loss="cached-mnrl", batch_size=4, max_steps=4, save_every=2, lr=1e-4)
+    whole = fine_tune("embed", TRIPLETS * 2, tmp_path, **options)
+    resumed = fine_tune("embed", TRIPLETS * 2, tmp_path, resume=tmp_path / "checkpoint-2", **options)
+    resumed_weights = dict(tree_flatten(resumed.model.parameters()))
+    for name, weight in tree_flatten(whole.model.parameters()):
+        np.testing.assert_array_equal(np.array(weight), np.array(resumed_weights[name]), err_msg=name)
+
+
+def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
+    tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"anchor": "a", "positive": "b"}\n\n{"anchor": "c"}\n')
+    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .*'positive'"):
+        embedding_data(data, tokenizer)
+    data = tmp_path / "pairs.csv"
+    data.write_text("sentence1,sentence2,score\na,b,0.5\nc,d,high\n")
+    with pytest.raises(DataError, match=r"pairs\.csv, line 3: column 'score' must hold a number"):
+        embedding_data(data, tokenizer)
+    with pytest.raises(DataError, match="item 1 of the data: embedding data needs the columns anchor"):
+        embedding_data([{"text": "a"}], tokenizer)
+    with pytest.raises(ValueError, match="CoSENTLoss trains on rows of sentence1, sentence2, score"):
+        fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, loss="cosent")
+    with pytest.raises(ValueError, match="text_column: not options of the embed task"):
+        fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, text_column="anchor")
+    with pytest.raises(ValueError, match="loss are options of the embed task, not of sequence-classification"):
+        fine_tune("classify", [{"text": "a", "label": 0}], tmp_path / "o", model=st_folder, loss="mnrl")
+
+
+def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TRIPLETS))
+    out = tmp_path / "out"
+    argv = ["train", "embed", "-m", str(st_folder), "--data", str(data), "-o", str(out), "--max-steps", "2"]
+    argv += ["--loss", "cached-mnrl", "--mini-batch-size", "2", "--matryoshka-dims", "32", "16", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(out / "model")
+    texts = ["rainy weather"]
+    expected = SentenceTransformer(str(out / "model"), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(out / "model").encode(texts), expected, atol=1e-5)
+
+
+def test_bfloat16_accumulation_and_checkpointing_train_from_a_dataset(st_folder, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    trained = fine_tune(
+        "embed", datasets.Dataset.from_list(TRIPLETS), tmp_path, model=st_folder, loss="cached-mnrl", max_steps=1,
+        batch_size=3, grad_accum=2, dtype="bfloat16", gradient_checkpointing=True,
+    )  # fmt: skip
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(trained.model.parameters()))
+
+
+@pytest.mark.parametrize("model_type", ["distilbert", "modernbert"])
+def test_other_architectures_train_into_folders_sentence_transformers_reads(
+    checkpoint, tmp_path, model_type, one_torch_thread
+):
+    trained = fine_tune("embed", TRIPLETS, tmp_path, model=checkpoint(model_type), max_steps=1, batch_size=6, lr=1e-3)
+    texts = ["how do cats sleep", "a much longer text about python, the programming language"]
+    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
