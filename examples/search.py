@@ -11,6 +11,7 @@ vectors: a rerun embeds only new or changed texts. `mlx-encoders index build|sea
 import argparse
 import hashlib
 import random
+import sys
 from pathlib import Path
 
 from mlx_encoders import SentenceEncoder
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.index or Path.home() / ".cache" / "mlx-encoders" / f"search-{Path(args.model).name}-{digest}"
 
     encoder = SentenceEncoder(args.model)
-    build(args.corpus or stdlib_sample(), folder, encoder)  # embeds only what the index lacks
+    counts = build(args.corpus or stdlib_sample(), folder, encoder, quiet=True)  # embeds only what it lacks
+    print(f"{folder}: {counts['documents']} documents, {counts['added']} texts embedded", file=sys.stderr)
     index = Index(folder, encoder)
     for query in args.query:
         print(f"\n> {query}")

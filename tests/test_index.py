@@ -203,11 +203,14 @@ def free_ports(count: int) -> int:
 
 
 RANK_BUILD = """
-import json, sys
+import json, os, sys
 import mlx.core as mx
+from mlx_encoders import SentenceEncoder
 from mlx_encoders.index import build
 corpus, index, model, status = sys.argv[1:]
 rank = mx.distributed.init().rank()
+if os.environ.get("FAIL_RANK") == str(rank):
+    SentenceEncoder.encode = lambda *args, **kwargs: 1 / 0
 try:
     counts = build(corpus, index, model, chunk=3, quiet=True)
     result = {"rank": rank, "size": mx.distributed.init().size(), "ok": True, "counts": counts}
@@ -217,23 +220,51 @@ open(f"{status}.{rank}", "w").write(json.dumps(result))
 """
 
 
-def test_two_ranks_build_equals_one_process(tmp_path, model, encoder):
-    files = {**FILES, "long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(20))}
-    corpus, index, single = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "single"
+def launch_two_ranks(tmp_path: Path, corpus: Path, index: Path, model: Path, **env) -> list[dict]:
+    """Each rank's status ({"rank", "ok", ...}) of a 2-rank `mlx.launch` build on 127.0.0.1."""
     script = tmp_path / "rank_build.py"
     script.write_text(RANK_BUILD)
     launched = subprocess.run(
         ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable,
          str(script), str(corpus), str(index), str(model), str(tmp_path / "status")],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180,
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=180,
     )  # fmt: skip
     files = [tmp_path / f"status.{rank}" for rank in range(2)]
     statuses = [json.loads(file.read_text()) for file in files if file.exists()]
     assert len(statuses) == 2, launched.stdout + launched.stderr  # mlx.launch can exit 0 when a rank failed
+    return statuses
+
+
+def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatch):
+    files = {**FILES, "long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(20))}
+    corpus, index, single = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "single"
+    statuses = launch_two_ranks(tmp_path, corpus, index, model)
     assert all(s["ok"] and s["size"] == 2 for s in statuses), statuses
     assert statuses[0]["counts"] == {"documents": 28, "texts": 28, "added": 28, "dropped": 0}
     assert not list((index / "shards").glob("*.sqlite"))  # merged and removed
 
+    build(corpus, single, encoder, chunk=3, quiet=True)
+    assert_same_index(index, single, atol=1e-6)
+
+    (corpus / "new.txt").write_text("\n\n".join(f"New sentence {i}." for i in range(10)))  # 4 chunks
+    statuses = launch_two_ranks(tmp_path, corpus, index, model, FAIL_RANK="1")
+    assert statuses[1] == {"rank": 1, "ok": False, "error": "ZeroDivisionError('division by zero')"}
+    failed = "RuntimeError('index build: embedding failed on rank(s) [1]; see their messages')"
+    assert statuses[0] == {"rank": 0, "ok": False, "error": failed}
+    assert_same_index(index, single, atol=1e-6)  # the previous index
+    shard = index / "shards" / "rank-0.sqlite"
+    with closing(sqlite3.connect(shard)) as con:  # rank 0 committed its 2 chunks before rank 1 failed
+        done = {text for (text,) in con.execute("SELECT text FROM staged")}
+    assert len(done) == 6
+
+    encoded = []  # resumed by one process: the shard's texts count as done and are merged
+    real_encode = SentenceEncoder.encode
+    monkeypatch.setattr(
+        SentenceEncoder, "encode", lambda self, t, *a, **k: encoded.extend(t) or real_encode(self, t, *a, **k)
+    )
+    assert build(corpus, index, encoder, chunk=3, quiet=True)["added"] == 10
+    assert len(encoded) == 4 and not done & set(encoded) and not shard.exists()
+    monkeypatch.undo()
     build(corpus, single, encoder, chunk=3, quiet=True)
     assert_same_index(index, single, atol=1e-6)
 
@@ -289,6 +320,28 @@ def test_damaged_shard_is_named_and_the_index_kept(tmp_path, encoder):
         build(corpus, index, encoder, quiet=True)
     assert stored(index) == previous
     shard.unlink()
+    assert build(corpus, index, encoder, quiet=True)["added"] == 1
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), sqlite3.OperationalError("disk is full")])
+def test_full_disk_rolls_back_and_keeps_the_index(tmp_path, encoder, monkeypatch, failure):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    previous = stored(index)
+
+    class FullDisk(sqlite3.Connection):
+        def executemany(self, sql, rows):
+            if sql.startswith("INSERT INTO documents"):  # the last transaction, after the old documents went
+                raise failure
+            return super().executemany(sql, rows)
+
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *args, **kwargs: connect(*args, factory=FullDisk, **kwargs))
+    (corpus / "new.txt").write_text("Snow is frozen water.")
+    with pytest.raises(StoreError, match=f"Could not write to the index store {index / 'index.sqlite'}: .*full|space"):
+        build(corpus, index, encoder, quiet=True)
+    monkeypatch.undo()
+    assert stored(index) == previous
     assert build(corpus, index, encoder, quiet=True)["added"] == 1
 
 
