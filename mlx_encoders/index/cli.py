@@ -3,6 +3,7 @@
 
 import argparse
 import json
+import sys
 
 from .build import CHUNK, build
 from .search import ANN_THRESHOLD, PRECISIONS, Index
@@ -42,6 +43,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return build_or_search(args)
+    except (RuntimeError, ImportError) as e:  # another rank failed; usearch missing (ValueError: __main__ prints it)
+        print(f"mlx-encoders index: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_or_search(args: argparse.Namespace) -> int:
     if args.action == "build":
         counts = build(
             args.corpus, args.index, args.model, batch_size=args.batch_size, chunk=args.chunk, quiet=args.quiet
