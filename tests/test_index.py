@@ -203,7 +203,7 @@ def free_ports(count: int) -> int:
 
 
 RANK_BUILD = """
-import json, os, sys
+import json, os, signal, sys
 import mlx.core as mx
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.index import build
@@ -211,6 +211,10 @@ corpus, index, model, status = sys.argv[1:]
 rank = mx.distributed.init().rank()
 if os.environ.get("FAIL_RANK") == str(rank):
     SentenceEncoder.encode = lambda *args, **kwargs: 1 / 0
+if os.environ.get("KILL_RANK") == str(rank):  # SIGKILLed right after its first commit
+    from mlx_encoders.index.store import Store
+    stage = Store.stage
+    Store.stage = lambda *args: stage(*args) or os.kill(os.getpid(), signal.SIGKILL)
 try:
     counts = build(corpus, index, model, chunk=3, quiet=True)
     result = {"rank": rank, "size": mx.distributed.init().size(), "ok": True, "counts": counts}
@@ -231,7 +235,9 @@ def launch_two_ranks(tmp_path: Path, corpus: Path, index: Path, model: Path, **e
     )  # fmt: skip
     files = [tmp_path / f"status.{rank}" for rank in range(2)]
     statuses = [json.loads(file.read_text()) for file in files if file.exists()]
-    assert len(statuses) == 2, launched.stdout + launched.stderr  # mlx.launch can exit 0 when a rank failed
+    for file in files:
+        file.unlink(missing_ok=True)
+    assert len(statuses) == 2 or "KILL_RANK" in env, launched.stdout + launched.stderr  # it may exit 0 all the same
     return statuses
 
 
@@ -267,6 +273,32 @@ def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatc
     monkeypatch.undo()
     build(corpus, single, encoder, chunk=3, quiet=True)
     assert_same_index(index, single, atol=1e-6)
+
+
+def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, encoder, monkeypatch):
+    files = {"long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(24))}
+    corpus, index, clean = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "clean"
+    build(write_corpus(tmp_path / "first", FILES), index, encoder, chunk=3, quiet=True)
+    previous = stored(index)
+    statuses = launch_two_ranks(tmp_path, corpus, index, model, KILL_RANK="1")
+    assert not any(s.get("ok") for s in statuses), statuses  # mlx.launch ends rank 0 when rank 1 dies
+    assert stored(index) == previous
+    done = set()
+    for shard in (index / "shards").glob("rank-*.sqlite"):
+        with closing(sqlite3.connect(shard)) as con:
+            done |= {text for (text,) in con.execute("SELECT text FROM staged")}
+    assert len(done) >= 3  # rank 1's first chunk at least
+
+    encoded = []
+    real_encode = SentenceEncoder.encode
+    monkeypatch.setattr(
+        SentenceEncoder, "encode", lambda self, t, *a, **k: encoded.extend(t) or real_encode(self, t, *a, **k)
+    )
+    build(corpus, index, encoder, chunk=3, quiet=True)
+    assert not done & set(encoded) and len(done) + len(encoded) == 24
+    monkeypatch.undo()
+    build(corpus, clean, encoder, chunk=3, quiet=True)
+    assert_same_index(index, clean, atol=1e-6)
 
 
 def test_corrupted_ann_file_is_rebuilt_and_stale_one_replaced(tmp_path, encoder, capsys):
