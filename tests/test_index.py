@@ -383,8 +383,9 @@ def test_another_model_is_an_error(tmp_path, encoder):
     other = st_model(tmp_path / "other", seed=1)
     with pytest.raises(StoreError, match=f"built with the model .*; '{other}' gives model_fingerprint"):
         build(corpus, index, other, quiet=True)
-    with pytest.raises(StoreError, match=f"'{other}' is another model"):
-        search(index, "x", model=other)
+    for given in (other, SentenceEncoder(other)):
+        with pytest.raises(StoreError, match=f"'{other}' is another model"):
+            search(index, "x", model=given)
 
 
 def test_bad_corpus_lines_are_named(tmp_path):

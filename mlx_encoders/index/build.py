@@ -83,7 +83,9 @@ def build(
     quiet: bool = False,
 ) -> dict[str, int]:
     """Build or update the index in folder `index` from `corpus` (a path, or (id, text) pairs) with `model` (a
-    folder, hub id or SentenceEncoder). Returns counts (on rank 0): documents, texts, added, dropped."""
+    folder, hub id or SentenceEncoder), committing every `chunk` texts. The HNSW graph of `precision` is built
+    too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
+    that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped."""
     group, folder = world(), Path(index)
     rank, size = group.rank(), group.size()
     encoder = model if isinstance(model, SentenceEncoder) else SentenceEncoder(model)

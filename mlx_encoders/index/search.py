@@ -65,7 +65,7 @@ class Index:
             self.meta = store.meta
             self.rows, self.vectors = store.vectors()
         self.model, self.encoder = model, model if isinstance(model, SentenceEncoder) else None
-        self.graph = None
+        self.graph, self.checked = None, False
         if ann if ann is not None else len(self.rows) >= ann_threshold:
             generation = self.meta["generation"]
             self.graph = ann_index.load(self.folder, precision, generation, len(self.rows))
@@ -86,7 +86,9 @@ class Index:
     def embed(self, query: str) -> np.ndarray:
         if self.encoder is None:
             self.encoder = SentenceEncoder(self.model or self.meta["model"])
+        if not self.checked:  # once: it hashes the model's files
             check_encoder(self.encoder, self.meta, self.folder)
+            self.checked = True
         return self.encoder.encode_query(query, normalize_embeddings=True)
 
     def search(self, query: str | np.ndarray, k: int = 10) -> list[Hit]:

@@ -156,15 +156,15 @@ class Store:
 
     def vectors(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows (N,) int64, vectors (N, D) float32) of the indexed texts, in row order."""
-        dimension = int(self.meta["dimension"])
-        try:
-            found = self.con.execute("SELECT row, vector FROM texts ORDER BY row").fetchall()
+        dimension, count = int(self.meta["dimension"]), self.count()
+        rows, vectors = np.empty(count, np.int64), np.empty((count, dimension), DTYPE)
+        try:  # row by row into one array: no second copy of every vector
+            for i, (row, vector) in enumerate(self.con.execute("SELECT row, vector FROM texts ORDER BY row")):
+                if len(vector) != dimension * DTYPE.itemsize:
+                    raise self.damaged(f"the vector of text row {row} is not {dimension} float32 values")
+                rows[i], vectors[i] = row, np.frombuffer(vector, DTYPE)
         except sqlite3.DatabaseError as e:
             raise self.damaged(e) from None
-        if any(len(v) != dimension * DTYPE.itemsize for _, v in found):
-            raise self.damaged(f"some vectors are not {dimension} float32 values")
-        rows = np.array([r for r, _ in found], np.int64)
-        vectors = np.frombuffer(b"".join(v for _, v in found), DTYPE).reshape(len(found), dimension)
         return rows, vectors
 
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
@@ -179,10 +179,6 @@ class Store:
         for row, doc_id, text in found:
             out[row].append((doc_id, text))
         return out
-
-    def ids(self) -> list[tuple[str, str]]:
-        """(document id, text key) of every document, in corpus order."""
-        return self.con.execute("SELECT id, key FROM documents ORDER BY position").fetchall()
 
 
 def shard_keys(path: Path, identity: dict[str, str], model: str) -> set[str]:
