@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     from .generation import cli as generation_cli  # streams its own output: mlx_encoders/generation/cli.py
 
     generation_cli.add_parser(tasks)
+    from .index import cli as index_cli  # build and search: mlx_encoders/index/cli.py
+
+    index_cli.add_parser(tasks)
     return p
 
 

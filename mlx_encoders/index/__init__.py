@@ -1,0 +1,9 @@
+"""A search index over a corpus: build it (`build`, sharded over ranks under `mlx.launch`), search it (`search`,
+`Index`). SQLite is the system of record; an HNSW graph (usearch) speeds up large indexes."""
+
+from .build import build
+from .documents import CorpusError, read_corpus
+from .search import Hit, Index, search
+from .store import StoreError
+
+__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError"]

@@ -1,0 +1,172 @@
+"""Build or update an index: embed the texts the store lacks, a chunk at a time, each chunk committed on its own,
+then swap in the new documents in one transaction.
+
+Under `mlx.launch` (an `mx.distributed` world of more than one process) every rank reads the whole corpus, takes
+every world-size-th chunk of the texts to embed, and commits them into its own shard (`shards/rank-<r>.sqlite`);
+rank 0 then merges the shards into the store. Chunks are cut the same way for any world size, so the vectors
+equal a one-process build's. A killed run resumes: texts already in the store or in any shard are not embedded
+again, and shards left by a run of another world size are merged too.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..checkpoint import folder_digest
+from ..sentence import SentenceEncoder
+from . import ann as ann_index
+from .documents import read_corpus
+from .search import ANN_THRESHOLD
+from .store import Store, shard_keys, text_key
+
+CHUNK = 256  # texts per committed transaction: a kill loses at most this much work per rank
+
+
+def world() -> mx.distributed.Group:
+    """The processes of this run: a group of one unless started by `mlx.launch`."""
+    return mx.distributed.init()
+
+
+def agree(group: mx.distributed.Group, error: BaseException | None, step: str) -> None:
+    """Every rank says whether `step` went well; each raises when any rank failed (its own error, else one naming
+    the ranks that failed), so no rank waits forever for a rank that stopped."""
+    if group.size() > 1:
+        flags = mx.array([float(error is not None and r == group.rank()) for r in range(group.size())])
+        flags = mx.distributed.all_sum(flags, group=group, stream=mx.cpu)
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if failed and error is None:
+            raise RuntimeError(f"index build: {step} failed on rank(s) {failed}; see their messages")
+    if error is not None:
+        raise error
+
+
+def identity(encoder: SentenceEncoder, model: str) -> dict[str, str]:
+    return {
+        "model": model,
+        "model_fingerprint": folder_digest(encoder.path),
+        "dimension": str(encoder.dimension),
+        "dtype": "<f4",
+        "pooling": "+".join(encoder.pooling),
+    }
+
+
+def log(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"mlx-encoders index: {message}", file=sys.stderr, flush=True)
+
+
+def embed_chunks(target: Store, encoder: SentenceEncoder, chunks: list[list[tuple[str, str]]], batch_size: int,
+                 quiet: bool) -> None:  # fmt: skip
+    start, done = time.perf_counter(), 0
+    for chunk in chunks:
+        keys, texts = [k for k, _ in chunk], [t for _, t in chunk]
+        vectors = encoder.encode_document(texts, batch_size=batch_size, normalize_embeddings=True)
+        target.stage(keys, texts, vectors)
+        done += len(chunk)
+    if done:
+        seconds = time.perf_counter() - start
+        log(f"embedded {done} texts in {seconds:.1f} s ({done / seconds:.1f} texts/s)", quiet)
+
+
+def build(
+    corpus,
+    index: str | Path,
+    model: str | SentenceEncoder,
+    *,
+    batch_size: int = 32,
+    chunk: int = CHUNK,
+    ann: bool | None = None,
+    ann_threshold: int = ANN_THRESHOLD,
+    precision: str = "float32",
+    quiet: bool = False,
+) -> dict[str, int]:
+    """Build or update the index in folder `index` from `corpus` (a path, or (id, text) pairs) with `model` (a
+    folder, hub id or SentenceEncoder), committing every `chunk` texts. The HNSW graph of `precision` is built
+    too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
+    that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped."""
+    group, folder = world(), Path(index)
+    rank, size = group.rank(), group.size()
+    encoder = model if isinstance(model, SentenceEncoder) else SentenceEncoder(model)
+    name = str(model.path) if isinstance(model, SentenceEncoder) else str(model)
+    docs = read_corpus(corpus)
+    meta = identity(encoder, name)
+    store_file, shard_folder = folder / "index.sqlite", folder / "shards"
+
+    error = None
+    try:  # rank 0 creates the store and checks it before any rank reads it
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            with Store(store_file, create=True) as store:
+                store.check()
+                store.check_identity(meta, name)
+                if "model_fingerprint" not in store.meta:
+                    store.set_meta(meta)
+    except Exception as e:
+        error = e
+    agree(group, error, "opening the index")
+
+    keys = [text_key(text) for _, text in docs]
+    with Store(store_file) as store:
+        known = store.keys()
+    shards = sorted(shard_folder.glob("rank-*.sqlite"))
+    error = None
+    try:
+        for shard in shards:
+            known |= shard_keys(shard, meta, name)
+    except Exception as e:
+        error = e
+    agree(group, error, "reading the shards")
+
+    texts = dict(zip(keys, (t for _, t in docs), strict=True))
+    pending = sorted(key for key in texts if key not in known)
+    chunks = [[(k, texts[k]) for k in pending[i : i + chunk]] for i in range(0, len(pending), chunk)]
+    if rank == 0:
+        log(f"{len(docs)} documents, {len(texts)} distinct texts: {len(pending)} to embed over {size} rank(s)", quiet)
+    error = None
+    try:
+        if size > 1:
+            shard_folder.mkdir(exist_ok=True)
+            target = Store(shard_folder / f"rank-{rank}.sqlite", create=True)
+            target.set_meta(meta)
+        else:
+            target = Store(store_file)
+        with target:
+            embed_chunks(target, encoder, chunks[rank::size], batch_size, quiet or rank != 0)
+    except Exception as e:
+        error = e
+    agree(group, error, "embedding")
+
+    error, counts = None, {}
+    try:
+        if rank == 0:
+            counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
+    except Exception as e:
+        error = e
+    agree(group, error, "merging")
+    return counts
+
+
+def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, ann: bool | None,
+           ann_threshold: int, precision: str, quiet: bool) -> dict[str, int]:  # fmt: skip
+    """Rank 0: merge the shards and swap in the new documents in one transaction, then remove the merged shards
+    and refresh the approximate index."""
+    shards = sorted((folder / "shards").glob("rank-*.sqlite"))
+    for shard in shards:  # checked again: a rank of this run may have written it
+        shard_keys(shard, meta, name)
+    with Store(folder / "index.sqlite") as store:
+        for shard in shards:
+            store.merge(shard)
+        indexed, wanted = {key for (key,) in store.con.execute("SELECT key FROM texts")}, set(keys)
+        store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
+        count, generation = store.count(), store.meta["generation"]
+        if ann if ann is not None else count >= ann_threshold:
+            rows, vectors = store.vectors()
+    for shard in shards:  # merged: its rows are in the store now
+        for path in (shard, shard.with_name(shard.name + "-wal"), shard.with_name(shard.name + "-shm")):
+            path.unlink(missing_ok=True)
+    if ann if ann is not None else count >= ann_threshold:
+        ann_index.build(folder, rows, vectors, precision, generation)
+    log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
+    return {"documents": len(docs), "texts": count, "added": len(wanted - indexed), "dropped": len(indexed - wanted)}

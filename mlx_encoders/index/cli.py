@@ -1,0 +1,75 @@
+"""`mlx-encoders index build --corpus PATH --index DIR --model M` and
+`mlx-encoders index search --index DIR "query" [-k K] [--json]`."""
+
+import argparse
+import json
+import sys
+
+from .build import CHUNK, build
+from .search import ANN_THRESHOLD, PRECISIONS, Index
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return value
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("index", help="build and search a vector index of a corpus (SQLite, HNSW)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    make = actions.add_parser("build", help="embed a corpus into an index folder (only new or changed texts)")
+    make.add_argument("--corpus", required=True, help="a folder of .txt/.md/.jsonl/.csv files, or one such file")
+    make.add_argument("--index", required=True, help="the index folder (created, or updated)")
+    make.add_argument("--model", "-m", required=True, help="sentence-transformers model folder or hub id")
+    make.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
+    make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
+    make.add_argument("--quiet", action="store_true", help="print nothing on stderr")
+    find = actions.add_parser("search", help="the top-k documents for each query")
+    find.add_argument("queries", nargs="+", metavar="QUERY")
+    find.add_argument("--index", required=True, help="the index folder")
+    find.add_argument("--model", "-m", help="model for the queries (default: the index's)")
+    find.add_argument("-k", "--top-k", type=positive, default=10, help="results per query (default 10)")
+    find.add_argument("--json", action="store_true", help="print one JSON list of {query, hits} objects")
+    find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
+    graph = find.add_mutually_exclusive_group()
+    graph.add_argument("--ann", action="store_true", default=None, help="use the HNSW graph at any size")
+    graph.add_argument("--exact", dest="ann", action="store_false", help=f"never (default: from {ANN_THRESHOLD})")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return build_or_search(args)
+    except (RuntimeError, ImportError) as e:  # another rank failed; usearch missing (ValueError: __main__ prints it)
+        print(f"mlx-encoders index: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_or_search(args: argparse.Namespace) -> int:
+    if args.action == "build":
+        counts = build(
+            args.corpus, args.index, args.model, batch_size=args.batch_size, chunk=args.chunk, quiet=args.quiet
+        )
+        if counts and not args.quiet:
+            print(
+                f"{args.index}: {counts['documents']} documents, {counts['texts']} texts "
+                f"({counts['added']} added, {counts['dropped']} dropped)"
+            )
+        return 0
+    index = Index(args.index, args.model, ann=args.ann, precision=args.precision)
+    results = [(query, index.search(query, args.top_k)) for query in args.queries]
+    if args.json:
+        records = [{"query": q, "hits": [vars(h) for h in hits]} for q, hits in results]
+        print(json.dumps(records, ensure_ascii=False, indent=1))
+        return 0
+    for query, hits in results:
+        print(f"> {query}")
+        for rank, hit in enumerate(hits, 1):
+            shown = hit.text if len(hit.text) <= 200 else hit.text[:197] + "..."
+            print(f"{rank:2d}. {hit.score:.3f}  {hit.id}\n    {shown}")
+    return 0

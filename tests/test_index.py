@@ -1,0 +1,470 @@
+"""mlx_encoders.index: build (incremental, resumable, sharded over 2 ranks), search (exact, HNSW, int8/binary with
+re-scoring), its faults, and the `mlx-encoders index` command. Vectors are checked against sentence-transformers,
+rankings against numpy's exact search."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoints import make_checkpoint
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.__main__ import main as cli
+from mlx_encoders.index import CorpusError, Index, StoreError, build, read_corpus, search
+from mlx_encoders.index.store import Store
+
+ROOT = Path(__file__).parents[1]
+FILES = {
+    "animals.md": "Cats purr when they are content.\n\nDogs bark at the mail carrier every morning.\n",
+    "notes/code.txt": "Use argparse to read command line options.\n\nA zip file bundles many files in one.\n",
+    "more.jsonl": '{"id": "fern", "text": "Ferns grow in the shade."}\n"Cacti store water."\n',
+    "table.csv": "id,text\nrain,Rain falls from the clouds.\nsun,The sun rises in the east.\n",
+}
+IDS = ["animals.md#1", "animals.md#2", "fern", "more.jsonl:2", "notes/code.txt#1", "notes/code.txt#2", "rain", "sun"]
+
+
+def st_model(folder: Path, seed: int = 0) -> Path:
+    transformer = Transformer(str(make_checkpoint(folder / "bert", "bert", seed=seed)))
+    SentenceTransformer(modules=[transformer, Pooling(32), Normalize()], device="cpu").save(str(folder / "st"))
+    return folder / "st"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A tiny random sentence-transformers model: it cannot rank by meaning, but a query equal to a document
+    gets that document first with score 1."""
+    return st_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def encoder(model) -> SentenceEncoder:
+    return SentenceEncoder(model)
+
+
+def write_corpus(folder: Path, files: dict[str, str] = FILES) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder
+
+
+def stored(index: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
+    """(document ids with their texts in corpus order, float32 vector bytes by text), read with sqlite3 alone."""
+    with closing(sqlite3.connect(index / "index.sqlite")) as con:
+        docs = con.execute("SELECT d.id, t.text FROM documents d JOIN texts t USING (key) ORDER BY d.position")
+        vectors = dict(con.execute("SELECT text, vector FROM texts"))
+        return docs.fetchall(), vectors
+
+
+def assert_same_index(a: Path, b: Path, atol: float = 1e-6) -> None:
+    (docs_a, vectors_a), (docs_b, vectors_b) = stored(a), stored(b)
+    assert docs_a == docs_b and vectors_a.keys() == vectors_b.keys()
+    for text, vector in vectors_a.items():  # chunks of other texts pad batches differently: rounding only
+        np.testing.assert_allclose(np.frombuffer(vector, "<f4"), np.frombuffer(vectors_b[text], "<f4"), atol=atol)
+
+
+def unit_vectors(count: int, dimension: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((count, dimension)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_build_and_search_match_sentence_transformers(tmp_path, model, encoder):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    counts = build(corpus, index, encoder, quiet=True)
+    assert counts == {"documents": 8, "texts": 8, "added": 8, "dropped": 0}
+    docs, vectors = stored(index)
+    assert [doc_id for doc_id, _ in docs] == IDS
+
+    oracle = SentenceTransformer(str(model), device="cpu")
+    texts = [text for _, text in docs]
+    expected = oracle.encode(texts, normalize_embeddings=True)
+    np.testing.assert_allclose(np.stack([np.frombuffer(vectors[t], "<f4") for t in texts]), expected, atol=1e-5)
+
+    query = "a question about files"
+    q = oracle.encode(query, normalize_embeddings=True)
+    order = np.argsort(-(expected @ q), kind="stable")[:3]
+    hits = search(index, query, k=3, model=encoder)
+    assert [h.id for h in hits] == [IDS[i] for i in order]
+    np.testing.assert_allclose([h.score for h in hits], (expected @ q)[order], atol=1e-5)
+    assert [h.text for h in hits] == [texts[i] for i in order]
+    top = search(index, "Ferns grow in the shade.", k=1, model=encoder)[0]
+    assert top.id == "fern" and abs(top.score - 1) < 1e-5
+
+
+def test_incremental_rebuild_embeds_only_changes(tmp_path, encoder, monkeypatch):
+    encoded = []
+    real_encode = SentenceEncoder.encode
+
+    def counting_encode(self, texts, *args, **kwargs):
+        encoded.extend([texts] if isinstance(texts, str) else texts)
+        return real_encode(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceEncoder, "encode", counting_encode)
+    corpus, index, clean = tmp_path / "corpus", tmp_path / "index", tmp_path / "clean"
+    build(write_corpus(corpus), index, encoder, quiet=True)
+    assert sorted(encoded) == sorted(text for _, text in read_corpus(corpus))
+
+    changed = {**FILES, "animals.md": "Cats purr when they are content.\n\nDogs bark at the postman.\n"}
+    del changed["table.csv"]
+    changed["plants.txt"] = "Cacti store water.\n\nMoss likes damp stones.\n"  # one repeated text, one new
+    encoded.clear()
+    counts = build(write_corpus(corpus, changed), index, encoder, quiet=True)
+    assert sorted(encoded) == ["Dogs bark at the postman.", "Moss likes damp stones."]
+    assert counts == {"documents": 8, "texts": 7, "added": 2, "dropped": 3}
+    encoded.clear()
+    assert build(corpus, index, encoder, quiet=True)["added"] == 0 and encoded == []
+
+    build(corpus, clean, encoder, quiet=True)
+    assert_same_index(index, clean)
+    assert [h.id for h in search(index, "Cacti store water.", k=2, model=encoder)] == ["more.jsonl:2", "plants.txt#1"]
+
+
+# Builds with 2-text chunks and SIGKILLs itself right after the 3rd chunk is committed; every text sent to encode
+# is appended to a log first.
+KILLED_BUILD = """
+import os, signal, sys
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.index import build
+from mlx_encoders.index.store import Store
+corpus, index, model, log = sys.argv[1:]
+encode, stage, commits = SentenceEncoder.encode, Store.stage, []
+def logged_encode(self, texts, *args, **kwargs):
+    with open(log, "a") as f:
+        f.writelines(t + "\\n" for t in texts)
+    return encode(self, texts, *args, **kwargs)
+def stage_then_die(self, *args):
+    stage(self, *args)
+    commits.append(1)
+    if len(commits) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+SentenceEncoder.encode, Store.stage = logged_encode, stage_then_die
+build(corpus, index, model, chunk=2, quiet=True)
+"""
+
+
+def test_killed_build_resumes_without_repeating_or_losing_texts(tmp_path, model, encoder, monkeypatch):
+    corpus, index, clean = write_corpus(tmp_path / "corpus"), tmp_path / "index", tmp_path / "clean"
+    build(corpus, index, encoder, quiet=True)
+    previous = stored(index)
+    texts = [f"Paragraph number {i} of a longer file." for i in range(12)]
+    (corpus / "long.txt").write_text("\n\n".join(texts))
+    log = tmp_path / "encoded.txt"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_BUILD, str(corpus), str(index), str(model), str(log)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    first = log.read_text().splitlines()
+    assert len(first) == 6 and set(first) <= set(texts)
+    assert stored(index) == previous  # the 3 committed chunks are staged: searches still see the previous index
+    assert sorted(h.id for h in search(index, texts[0], k=20, model=encoder)) == IDS
+
+    resumed = []
+    real_encode = SentenceEncoder.encode
+    monkeypatch.setattr(
+        SentenceEncoder, "encode", lambda self, t, *a, **k: resumed.extend(t) or real_encode(self, t, *a, **k)
+    )
+    assert build(corpus, index, encoder, quiet=True)["added"] == 12
+    assert not set(first) & set(resumed) and sorted(first + resumed) == sorted(texts)
+    monkeypatch.undo()
+    build(corpus, clean, encoder, quiet=True)
+    assert_same_index(index, clean)
+
+
+def free_ports(count: int) -> int:
+    """A first port of `count` consecutive free ones on 127.0.0.1 (mlx.launch's ring takes one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count > 65535:
+            continue
+        try:
+            sockets = [socket.create_server(("127.0.0.1", first + i)) for i in range(count)]
+        except OSError:
+            continue
+        for s in sockets:
+            s.close()
+        return first
+    raise RuntimeError("no free consecutive ports on 127.0.0.1")
+
+
+RANK_BUILD = """
+import json, os, signal, sys
+import mlx.core as mx
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.index import build
+corpus, index, model, status = sys.argv[1:]
+rank = mx.distributed.init().rank()
+if os.environ.get("FAIL_RANK") == str(rank):
+    SentenceEncoder.encode = lambda *args, **kwargs: 1 / 0
+if os.environ.get("KILL_RANK") == str(rank):  # SIGKILLed right after its first commit
+    from mlx_encoders.index.store import Store
+    stage = Store.stage
+    Store.stage = lambda *args: stage(*args) or os.kill(os.getpid(), signal.SIGKILL)
+try:
+    counts = build(corpus, index, model, chunk=3, quiet=True)
+    result = {"rank": rank, "size": mx.distributed.init().size(), "ok": True, "counts": counts}
+except Exception as e:
+    result = {"rank": rank, "ok": False, "error": repr(e)}
+open(f"{status}.{rank}", "w").write(json.dumps(result))
+"""
+
+
+def launch_two_ranks(tmp_path: Path, corpus: Path, index: Path, model: Path, **env) -> list[dict]:
+    """Each rank's status ({"rank", "ok", ...}) of a 2-rank `mlx.launch` build on 127.0.0.1."""
+    script = tmp_path / "rank_build.py"
+    script.write_text(RANK_BUILD)
+    launched = subprocess.run(
+        ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable,
+         str(script), str(corpus), str(index), str(model), str(tmp_path / "status")],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=180,
+    )  # fmt: skip
+    files = [tmp_path / f"status.{rank}" for rank in range(2)]
+    statuses = [json.loads(file.read_text()) for file in files if file.exists()]
+    for file in files:
+        file.unlink(missing_ok=True)
+    assert len(statuses) == 2 or "KILL_RANK" in env, launched.stdout + launched.stderr  # it may exit 0 all the same
+    return statuses
+
+
+def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatch):
+    files = {**FILES, "long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(20))}
+    corpus, index, single = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "single"
+    statuses = launch_two_ranks(tmp_path, corpus, index, model)
+    assert all(s["ok"] and s["size"] == 2 for s in statuses), statuses
+    assert statuses[0]["counts"] == {"documents": 28, "texts": 28, "added": 28, "dropped": 0}
+    assert not list((index / "shards").glob("*.sqlite"))  # merged and removed
+
+    build(corpus, single, encoder, chunk=3, quiet=True)
+    assert_same_index(index, single, atol=1e-6)
+
+    (corpus / "new.txt").write_text("\n\n".join(f"New sentence {i}." for i in range(10)))  # 4 chunks
+    statuses = launch_two_ranks(tmp_path, corpus, index, model, FAIL_RANK="1")
+    assert statuses[1] == {"rank": 1, "ok": False, "error": "ZeroDivisionError('division by zero')"}
+    failed = "RuntimeError('index build: embedding failed on rank(s) [1]; see their messages')"
+    assert statuses[0] == {"rank": 0, "ok": False, "error": failed}
+    assert_same_index(index, single, atol=1e-6)  # the previous index
+    shard = index / "shards" / "rank-0.sqlite"
+    with closing(sqlite3.connect(shard)) as con:  # rank 0 committed its 2 chunks before rank 1 failed
+        done = {text for (text,) in con.execute("SELECT text FROM staged")}
+    assert len(done) == 6
+
+    encoded = []  # resumed by one process: the shard's texts count as done and are merged
+    real_encode = SentenceEncoder.encode
+    monkeypatch.setattr(
+        SentenceEncoder, "encode", lambda self, t, *a, **k: encoded.extend(t) or real_encode(self, t, *a, **k)
+    )
+    assert build(corpus, index, encoder, chunk=3, quiet=True)["added"] == 10
+    assert len(encoded) == 4 and not done & set(encoded) and not shard.exists()
+    monkeypatch.undo()
+    build(corpus, single, encoder, chunk=3, quiet=True)
+    assert_same_index(index, single, atol=1e-6)
+
+
+def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, encoder, monkeypatch):
+    files = {"long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(24))}
+    corpus, index, clean = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "clean"
+    build(write_corpus(tmp_path / "first", FILES), index, encoder, chunk=3, quiet=True)
+    previous = stored(index)
+    statuses = launch_two_ranks(tmp_path, corpus, index, model, KILL_RANK="1")
+    assert not any(s.get("ok") for s in statuses), statuses  # mlx.launch ends rank 0 when rank 1 dies
+    assert stored(index) == previous
+    done = set()
+    for shard in (index / "shards").glob("rank-*.sqlite"):
+        with closing(sqlite3.connect(shard)) as con:
+            done |= {text for (text,) in con.execute("SELECT text FROM staged")}
+    assert len(done) >= 3  # rank 1's first chunk at least
+
+    encoded = []
+    real_encode = SentenceEncoder.encode
+    monkeypatch.setattr(
+        SentenceEncoder, "encode", lambda self, t, *a, **k: encoded.extend(t) or real_encode(self, t, *a, **k)
+    )
+    build(corpus, index, encoder, chunk=3, quiet=True)
+    assert not done & set(encoded) and len(done) + len(encoded) == 24
+    monkeypatch.undo()
+    build(corpus, clean, encoder, chunk=3, quiet=True)
+    assert_same_index(index, clean, atol=1e-6)
+
+
+def test_corrupted_ann_file_is_rebuilt_and_stale_one_replaced(tmp_path, encoder, capsys):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, ann=True, quiet=True)
+    graph = index / "ann-float32.usearch"
+    exact = [(h.id, h.score) for h in Index(index, encoder, ann=False).search("Rain falls from the clouds.", 8)]
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    hits = Index(index, encoder, ann=True).search("Rain falls from the clouds.", 8)
+    assert "rebuilding" in capsys.readouterr().err
+    assert [(h.id, h.score) for h in hits] == exact  # 8 vectors: every one is a candidate, re-scored exactly
+
+    graph.write_bytes(graph.read_bytes()[:100])
+    Index(index, encoder, ann=True)
+    assert "damaged: its bytes do not match" in capsys.readouterr().err
+
+    (corpus / "new.txt").write_text("Snow is frozen water.")
+    build(corpus, index, encoder, ann=False, quiet=True)
+    hits = Index(index, encoder, ann=True).search("Snow is frozen water.", 1)
+    assert "stale" in capsys.readouterr().err and hits[0].id == "new.txt#1"
+    Index(index, encoder, ann=True)
+    assert capsys.readouterr().err == ""  # the rebuilt graph is reused
+
+
+def test_corrupted_store_is_a_clear_error_and_left_as_it_was(tmp_path, encoder):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    store = index / "index.sqlite"
+    data = bytearray(store.read_bytes())
+    data[100:4096] = os.urandom(3996)  # the header's tail and the schema page
+    store.write_bytes(bytes(data))
+    for attempt in (lambda: build(corpus, index, encoder, quiet=True), lambda: search(index, "x", model=encoder)):
+        with pytest.raises(StoreError, match=f"The index store {store} is damaged or not an index") as e:
+            attempt()
+        assert "restore it from a copy, or delete its folder and build again" in str(e.value)
+        assert store.read_bytes() == bytes(data)
+
+
+def test_damaged_shard_is_named_and_the_index_kept(tmp_path, encoder):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    previous = stored(index)
+    (index / "shards").mkdir()
+    shard = index / "shards" / "rank-1.sqlite"
+    shard.write_bytes(os.urandom(8192))
+    (corpus / "new.txt").write_text("Snow is frozen water.")
+    message = rf"shard of a distributed build is unusable: .* {shard} is damaged.*Delete {shard} to re-embed"
+    with pytest.raises(StoreError, match=message):
+        build(corpus, index, encoder, quiet=True)
+    assert stored(index) == previous
+    shard.unlink()
+    assert build(corpus, index, encoder, quiet=True)["added"] == 1
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), sqlite3.OperationalError("disk is full")])
+def test_full_disk_rolls_back_and_keeps_the_index(tmp_path, encoder, monkeypatch, failure):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    previous = stored(index)
+
+    class FullDisk(sqlite3.Connection):
+        def executemany(self, sql, rows):
+            if sql.startswith("INSERT INTO documents"):  # the last transaction, after the old documents went
+                raise failure
+            return super().executemany(sql, rows)
+
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *args, **kwargs: connect(*args, factory=FullDisk, **kwargs))
+    (corpus / "new.txt").write_text("Snow is frozen water.")
+    with pytest.raises(StoreError, match=f"Could not write to the index store {index / 'index.sqlite'}: .*full|space"):
+        build(corpus, index, encoder, quiet=True)
+    monkeypatch.undo()
+    assert stored(index) == previous
+    assert build(corpus, index, encoder, quiet=True)["added"] == 1
+
+
+def test_another_model_is_an_error(tmp_path, encoder):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    other = st_model(tmp_path / "other", seed=1)
+    with pytest.raises(StoreError, match=f"built with the model .*; '{other}' gives model_fingerprint"):
+        build(corpus, index, other, quiet=True)
+    for given in (other, SentenceEncoder(other)):
+        with pytest.raises(StoreError, match=f"'{other}' is another model"):
+            search(index, "x", model=given)
+
+
+def test_bad_corpus_lines_are_named(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_bytes(b'"fine"\n\n{"text": "unterminated\n')
+    with pytest.raises(CorpusError, match=f"^{jsonl}:3: not a JSON value"):
+        read_corpus(jsonl)
+    jsonl.write_bytes(b'"fine"\n"caf\xe9"\n')  # latin-1, not UTF-8
+    with pytest.raises(CorpusError, match=f"^{jsonl}:2: not UTF-8"):
+        read_corpus(jsonl)
+    jsonl.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
+    with pytest.raises(CorpusError, match="the id 'a' appears twice"):
+        read_corpus(jsonl)
+    table = tmp_path / "t.csv"
+    table.write_text("id,body\n1,x\n")
+    with pytest.raises(CorpusError, match=f"^{table}: no 'text' column"):
+        read_corpus(table)
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"one\n\ntwo \xff\n")
+    with pytest.raises(CorpusError, match=f"^{text}:3: not UTF-8"):
+        read_corpus(text)
+
+
+def write_vectors(index: Path, vectors: np.ndarray) -> None:
+    """An index of `vectors` without a model: documents "0", "1", ..."""
+    index.mkdir()
+    with Store(index / "index.sqlite", create=True) as store:
+        store.set_meta({"model": "random", "model_fingerprint": "-", "dimension": str(vectors.shape[1])})
+        keys = [str(i) for i in range(len(vectors))]
+        store.stage(keys, keys, vectors)
+        store.commit_index(list(zip(keys, keys, strict=True)))
+
+
+def recall_at_10(index: Index, vectors: np.ndarray, queries: np.ndarray) -> float:
+    found = 0
+    for q in queries:
+        exact = set(np.argsort(-(vectors @ q), kind="stable")[:10].astype(str))
+        found += len(exact & {h.id for h in index.search(q, 10)})
+    return found / (10 * len(queries))
+
+
+def test_ann_and_quantized_recall_against_exact_search(tmp_path):
+    """recall@10 against exact float32 search on random unit vectors, the hardest case for both (no clusters)."""
+    recalls, queries = {}, {d: unit_vectors(30, d, seed=1) for d in (32, 128)}
+    for name, count, dimension, ann, precision, rescore in [
+        ("hnsw float32 10k x 32", 10_000, 32, True, "float32", 100),
+        ("exact int8 10k x 128", 10_000, 128, False, "int8", 100),
+        ("exact binary 10k x 128, 1000 re-scored", 10_000, 128, False, "binary", 1000),
+        ("hnsw int8 2k x 32", 2_000, 32, True, "int8", 100),
+        ("hnsw binary 2k x 32", 2_000, 32, True, "binary", 100),
+    ]:
+        folder, vectors = tmp_path / f"{count}-{dimension}", unit_vectors(count, dimension, seed=0)
+        if not folder.exists():
+            write_vectors(folder, vectors)
+        index = Index(folder, ann=ann, precision=precision, rescore=rescore)
+        recalls[name] = recall_at_10(index, vectors, queries[dimension])
+    print("\nrecall@10 against exact search:", json.dumps(recalls, indent=1))
+    assert min(recalls.values()) >= 0.4, recalls
+    assert recalls["hnsw float32 10k x 32"] >= 0.95 and recalls["exact int8 10k x 128"] >= 0.95
+    assert recalls["hnsw int8 2k x 32"] >= 0.95 and recalls["exact binary 10k x 128, 1000 re-scored"] >= 0.6
+    hit = Index(tmp_path / "2000-32", precision="binary").search(unit_vectors(2_000, 32, seed=0)[123], 1)[0]
+    assert hit.id == "123" and abs(hit.score - 1) < 1e-6  # re-scored in float32
+
+
+def test_command_line_build_and_search(tmp_path, model, capsys):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{index}: 8 documents, 8 texts (8 added, 0 dropped)\n" and "8 to embed over 1 rank(s)" in err
+    assert cli(["index", "search", "--index", str(index), "Cats purr when they are content.", "-k", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["> Cats purr when they are content.", " 1. 1.000  animals.md#1",
+                         "    Cats purr when they are content."]  # fmt: skip
+    assert len(lines) == 5
+    assert cli(["index", "search", "--index", str(index), "Rain falls from the clouds.", "-k", "1", "--json"]) == 0
+    [record] = json.loads(capsys.readouterr().out)
+    assert record["query"] == "Rain falls from the clouds." and record["hits"][0]["id"] == "rain"
+    assert abs(record["hits"][0]["score"] - 1) < 1e-5 and record["hits"][0]["text"] == "Rain falls from the clouds."
+
+    (corpus / "bad.jsonl").write_text("{oops\n")
+    assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 1
+    assert f"mlx-encoders index: error: {corpus / 'bad.jsonl'}:1: not a JSON value" in capsys.readouterr().err
