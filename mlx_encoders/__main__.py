@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     from .generation import cli as generation_cli  # streams its own output: mlx_encoders/generation/cli.py
 
     generation_cli.add_parser(tasks)
+    from .serve import cli as serve_cli  # the HTTP server: mlx_encoders/serve/ (imports Starlette only when run)
+
+    serve_cli.add_parser(tasks)
     return p
 
 
