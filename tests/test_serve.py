@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,10 +45,10 @@ def call(url: str, path: str, body=None, headers: dict | None = None, raw: bytes
         return status, text, got
 
 
-def start(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """A `python -m mlx_encoders serve ... --port 0` process and its URL, read from its start-up lines."""
+def start(args: list[str], port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A `python -m mlx_encoders serve ... --port PORT` process and its URL, read from its start-up lines."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlx_encoders", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "mlx_encoders", "serve", "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -96,13 +97,35 @@ def folders(checkpoint, tmp_path_factory):
     }
 
 
+def readme_block() -> list[str]:
+    """README's Serve block (serve, curl, openai SDK), word for word but for the model folder, this interpreter and
+    `{port}` in place of 8080."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"\*\*Serve\*\*.*?\n```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    swaps = [
+        ("{", "{{"), ("}", "}}"), ("path/to/all-MiniLM-L6-v2", str(MINILM)), ("8080", "{port}"),
+        ("mlx-encoders serve", f"{sys.executable} -m mlx_encoders serve"), ("python -c", f"{sys.executable} -c"),
+    ]  # fmt: skip
+    for old, new in swaps:
+        block = [line.replace(old, new) for line in block]
+    return block
+
+
 @pytest.fixture(scope="module")
 def server(folders):
-    """One `serve` process for the module: MiniLM and the tiny models, at most 64 inputs a request."""
-    args = ["--model", f"minilm={MINILM}", "--max-inputs", "64"]
+    """One `serve` process for the module: README's command (MiniLM), plus the tiny models and at most 64 inputs a
+    request."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = readme_block()[0].format(port=port)
+    assert command.endswith(" &")
+    args = command[:-2].split()[command.split().index("serve") + 1 :] + ["--max-inputs", "64"]
     for name, folder in folders.items():
         args += ["--model", f"{name}={folder}"]
-    process, url = start(args)
+    process, url = start(args, port)  # README's own --port comes last and wins; it is the same
+    assert url == f"http://127.0.0.1:{port}"
     yield url
     assert stop(process) == 0
 
@@ -437,3 +460,24 @@ def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_readme_serve_block_runs(server):
+    """The module's server runs README's command; its curl and openai SDK lines, word for word, call it."""
+    port = server.rsplit(":", 1)[1]
+    _, curl, sdk = (line.format(port=port) for line in readme_block())
+    answer = json.loads(subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout)
+    assert len(answer["data"][0]["embedding"]) == 384
+    printed = subprocess.run(sdk, shell=True, capture_output=True, text=True, timeout=60)
+    assert printed.stdout.strip() == sdk.rsplit("# ", 1)[1], printed.stderr
+
+
+def test_the_package_and_its_command_line_import_without_the_serve_stack():
+    code = (
+        "import sys; sys.modules['starlette'] = None; import mlx_encoders, mlx_encoders.__main__, mlx_encoders.serve\n"
+        "mlx_encoders.__main__.parser()\n"
+        "try:\n    mlx_encoders.serve.app('unused')\nexcept ImportError as e:\n    print(e)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 'pip install "mlx-encoders[serve]"' in done.stdout and "starlette" in done.stdout
