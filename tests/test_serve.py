@@ -308,7 +308,7 @@ def test_over_long_input_is_an_error_unless_truncation_is_asked(server):
 def test_non_finite_output_is_a_500_that_fails_alone(server, folders):
     from mlx_encoders import SentenceEncoder
 
-    with pytest.warns(UserWarning, match="pooling"):
+    with pytest.warns(UserWarning, match="NaN or inf"), pytest.warns(UserWarning, match="pooling"):
         expected = SentenceEncoder(folders["nan"]).encode(TEXTS)
     bodies = [{"model": "nan", "input": [f"a {NAN_WORD} here"]}] * 4 + [{"model": "nan", "input": TEXTS}] * 8
     with ThreadPoolExecutor(12) as pool:
@@ -320,8 +320,8 @@ def test_non_finite_output_is_a_500_that_fails_alone(server, folders):
         np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
 
 
-def metric_values(url: str) -> dict[str, float]:
-    status, text, _ = call(url, "/metrics")
+def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
+    status, text, _ = call(url, "/metrics", headers=headers)
     assert status == 200
     values = {}
     for line in text.splitlines():
@@ -349,7 +349,7 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
     with ThreadPoolExecutor(64) as pool:
         answers = list(pool.map(lambda r: call(server, *r)[:2], jobs))
     after = metric_values(server)
-    tokens = {}
+    tokens, inputs, sent_to = {}, {}, {}  # per model, over the requests answered with 200
     for request, (status, answer) in zip(jobs, answers, strict=True):
         want_status, want = sequential[json.dumps(request)]
         assert status == want_status, answer
@@ -372,6 +372,8 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
         assert answer["usage"] == want["usage"]
         model = request[1]["model"]
         tokens[model] = tokens.get(model, 0) + answer["usage"]["total_tokens"]
+        inputs[model] = inputs.get(model, 0) + len(answer["data"] if "data" in answer else answer["results"])
+        sent_to[model] = sent_to.get(model, 0) + 1
 
     def delta(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
@@ -383,14 +385,17 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
     assert delta('mlx_encoders_request_errors_total{route="/v1/embeddings",status="400"}') == 16
     for model, count in tokens.items():
         assert delta(f'mlx_encoders_tokens_total{{model="{model}"}}') == count
+        assert delta(f'mlx_encoders_inputs_total{{model="{model}"}}') == inputs[model]
+        assert delta(f'mlx_encoders_batch_size_sum{{model="{model}"}}') == inputs[model]
+        assert delta(f'mlx_encoders_batch_size_count{{model="{model}"}}') <= sent_to[model]
     assert delta('mlx_encoders_request_duration_seconds_count{route="/v1/rerank"}') == 16
     assert delta('mlx_encoders_queue_depth{model="tiny"}') == 0
 
 
 @pytest.fixture(scope="module")
 def small_queue(folders):
-    """An in-process server (uvicorn on a thread) whose tiny model holds one waiting request and waits 300 ms for a
-    batch to fill, behind an API key and with CORS for one origin."""
+    """An in-process server (uvicorn on a thread) whose tiny model holds one waiting request, waits 300 ms for a
+    batch to fill and runs batches of 32 tokens at most, behind an API key and with CORS for one origin."""
     import uvicorn
 
     from mlx_encoders import serve
@@ -398,7 +403,7 @@ def small_queue(folders):
     with pytest.warns(UserWarning, match="pooling"):
         app = serve.app(
             {"tiny": folders["tiny"]}, max_queue=1, max_wait_ms=300, api_key="secret",
-            cors_origins=("http://example.com",),
+            cors_origins=("http://example.com",), max_batch_tokens=32, max_request_bytes=4000,
         )  # fmt: skip
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -429,6 +434,25 @@ def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue)
     assert status == 200
     for vectors in accepted:
         np.testing.assert_allclose(vectors, [d["embedding"] for d in again["data"]], atol=1e-6, rtol=0)
+
+
+def test_a_request_over_the_token_budget_is_split_and_put_back_in_order(small_queue, folders):
+    from mlx_encoders import SentenceEncoder
+
+    key = {"Authorization": "Bearer secret"}
+    texts = [f"{i} " + TEXTS[i % 4] for i in range(12)]  # about 130 tokens: five batches or more of 32
+    before = metric_values(small_queue, key)
+    status, answer, _ = call(small_queue, "/v1/embeddings", {"model": "tiny", "input": texts}, key)
+    after = metric_values(small_queue, key)
+    assert status == 200, answer
+    batches = 'mlx_encoders_batch_size_count{model="tiny"}'
+    assert after[batches] - before[batches] >= answer["usage"]["total_tokens"] // 32
+    assert [d["index"] for d in answer["data"]] == list(range(12))
+    with pytest.warns(UserWarning, match="pooling"):
+        expected = SentenceEncoder(folders["tiny"]).encode(texts)
+    np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
+    status, answer, _ = call(small_queue, "/v1/embeddings", {"model": "tiny", "input": ["x" * 5000]}, key)
+    assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
 
 
 def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small_queue, server):

@@ -52,7 +52,11 @@ def model_specs(values: list[str]) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from . import require_stack
 
-    require_stack()
+    try:
+        require_stack()
+    except ImportError as e:
+        print(f"mlx-encoders serve: error: {e}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from . import load_models
