@@ -405,7 +405,7 @@ def small_queue(folders):
             {"tiny": folders["tiny"]}, max_queue=1, max_wait_ms=300, api_key="secret",
             cors_origins=("http://example.com",), max_batch_tokens=32, max_request_bytes=4000,
         )  # fmt: skip
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

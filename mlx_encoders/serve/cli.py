@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     server = Server(load_models(model_specs(args.model), args.dtype, args.batch_size), options)
     server.warm()
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
