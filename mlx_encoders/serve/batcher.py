@@ -61,6 +61,7 @@ class Batcher:
         self.queued_tokens = 0
         self.stopping = False
         self.condition = threading.Condition()
+        self.drained = threading.Event()
         self.thread = threading.Thread(target=self.work, name=f"mlx-encoders serve {name}", daemon=True)
         self.thread.start()
 
@@ -80,15 +81,19 @@ class Batcher:
         return job.future
 
     def stop(self) -> None:
-        """Finish what is queued, then end the worker."""
+        """Finish what is queued; the worker then parks."""
         with self.condition:
             self.stopping = True
             self.condition.notify()
-        self.thread.join()
+        self.drained.wait()
 
     def work(self) -> None:
         while (pieces := self.take()) is not None:
             self.run(pieces)
+        self.drained.set()
+        # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
+        # ("terminate called without an active exception"); a daemon thread left waiting does not.
+        threading.Event().wait()
 
     def take(self) -> list[tuple[Job, int, int]] | None:
         """The next batch as (job, start, stop) pieces, waiting up to max_wait for the budget to fill; None once
