@@ -23,6 +23,7 @@ from checkpoints import MINILM
 
 TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "hello", "Serving embeddings on MLX."]
 DOCS = ["Paris is the capital of France.", "The mat was red.", "Foxes are quick.", "Nothing to see here at all."]
+PAIRS = list(zip(TEXTS, DOCS, strict=True))
 NAN_WORD = "zebra"  # its embedding row is NaN in the `nan` model
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 60
@@ -239,6 +240,14 @@ def test_classify_and_predict_equal_the_transformers_pipeline(server, folders, o
         assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected] == [x["label"] for x in predicted]
         np.testing.assert_allclose([x["score"] for x in got["labels"]], [x["score"] for x in expected], atol=1e-6)
         assert got["label"] == expected[0]["label"]
+    pairs = pipeline("text-classification", model=str(folders["classify"]), top_k=None, device="cpu")(
+        [{"text": t, "text_pair": d} for t, d in PAIRS]
+    )
+    status, tei, _ = call(server, "/predict", {"model": "classify", "inputs": [[t, d] for t, d in PAIRS]})
+    assert status == 200, tei
+    for expected, predicted in zip(pairs, tei, strict=True):
+        assert [x["label"] for x in predicted] == [x["label"] for x in expected]
+        np.testing.assert_allclose([x["score"] for x in predicted], [x["score"] for x in expected], atol=1e-6)
     status, one, _ = call(server, "/v1/classify", {"model": "classify", "input": TEXTS[0], "top_k": 1})
     assert status == 200 and [x["label"] for x in one["data"][0]["labels"]] == [oracle[0][0]["label"]]
     np.testing.assert_allclose(one["data"][0]["labels"][0]["score"], oracle[0][0]["score"], atol=1e-6)
@@ -303,6 +312,14 @@ def test_over_long_input_is_an_error_unless_truncation_is_asked(server):
     with pytest.warns(UserWarning, match="truncated"):
         expected = SentenceEncoder(MINILM).encode(["short", long])
     np.testing.assert_allclose(np.stack(got), expected, atol=1e-6, rtol=0)
+
+
+def test_over_long_pairs_are_an_error_unless_truncation_is_asked(server):
+    body = {"model": "rerank", "query": "q", "documents": ["short", " ".join(["word"] * 200)]}  # the model takes 128
+    status, answer, _ = call(server, "/v1/rerank", body)
+    assert status == 400 and "documents[1]" in answer["error"]["message"] and "128" in answer["error"]["message"]
+    status, answer, _ = call(server, "/v1/rerank", {**body, "truncate": True})
+    assert status == 200 and len(answer["results"]) == 2
 
 
 def test_non_finite_output_is_a_500_that_fails_alone(server, folders):
