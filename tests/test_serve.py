@@ -439,7 +439,7 @@ def small_queue(folders):
 
 def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue):
     key = {"Authorization": "Bearer secret"}
-    body = {"model": "tiny", "input": TEXTS}
+    body = {"model": "tiny", "input": ["hello"]}  # under the 32-token budget: the first waits 300 ms in the queue
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda _: call(small_queue, "/v1/embeddings", body, key), range(16)))
     statuses = [status for status, _, _ in answers]
@@ -485,13 +485,20 @@ def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small
 
 
 def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders):
-    process, url = start(["--model", f"tiny={folders['tiny']}", "--max-wait-ms", "300", "--max-batch-tokens", "100000"])
+    process, url = start(
+        ["--model", f"tiny={folders['tiny']}", "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
+    )
     try:
         assert call(url, "/health")[0] == 200
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(call, url, "/v1/embeddings", {"model": "tiny", "input": TEXTS}) for _ in range(8)]
-            time.sleep(0.15)  # the requests now wait in the worker's 300 ms batch window
+            deadline = time.monotonic() + 10  # until the 8 wait in the worker's 1.5 s batch window (+ this scrape)
+            while (in_flight := metric_values(url)["mlx_encoders_requests_in_flight"]) < 9:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             process.send_signal(signal.SIGTERM)
+            assert in_flight >= 2  # at least one request besides the scrape
             answers = [f.result() for f in futures]
         assert [status for status, _, _ in answers] == [200] * 8
         assert all(len(answer["data"]) == len(TEXTS) for _, answer, _ in answers)

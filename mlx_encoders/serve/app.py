@@ -408,6 +408,7 @@ class Guard:
         route = path if path in ROUTES else "other"
         status = [500]
         start = time.perf_counter()
+        self.server.metrics.started()
 
         async def record(message):
             if message["type"] == "http.response.start":

@@ -39,14 +39,21 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests: Counter = Counter()  # (route, status) -> count
+        self.in_flight = 0
         self.latency: dict[str, Histogram] = {}
         self.batches: dict[str, Histogram] = {}
         self.inputs: Counter = Counter()
         self.tokens: Counter = Counter()
         self.queue_depth: dict[str, Callable[[], int]] = {}
 
-    def request(self, route: str, status: int, seconds: float) -> None:
+    def started(self) -> None:
         with self.lock:
+            self.in_flight += 1
+
+    def request(self, route: str, status: int, seconds: float) -> None:
+        """A request answered (`started` counted it in flight)."""
+        with self.lock:
+            self.in_flight -= 1
             self.requests[route, status] += 1
             self.latency.setdefault(route, Histogram(LATENCY_BUCKETS)).observe(seconds)
 
@@ -79,6 +86,8 @@ class Metrics:
                 lines += [f"# HELP {p}_{name}_total {text} processed by a model.", f"# TYPE {p}_{name}_total counter"]
                 lines += [f'{p}_{name}_total{{model="{m}"}} {n}' for m, n in sorted(counter.items())]
             depths = sorted(self.queue_depth.items())
+            lines += [f"# HELP {p}_requests_in_flight HTTP requests being answered, this one included.",
+                      f"# TYPE {p}_requests_in_flight gauge", f"{p}_requests_in_flight {self.in_flight}"]  # fmt: skip
         lines += [f"# HELP {p}_queue_depth Requests waiting for a model.", f"# TYPE {p}_queue_depth gauge"]
         lines += [f'{p}_queue_depth{{model="{m}"}} {depth()}' for m, depth in depths]
         return "\n".join(lines) + "\n"
