@@ -46,12 +46,16 @@ def call(url: str, path: str, body=None, headers: dict | None = None, raw: bytes
         return status, text, got
 
 
-def start(args: list[str], port: int = 0) -> tuple[subprocess.Popen, str]:
-    """A `python -m mlx_encoders serve ... --port PORT` process and its URL, read from its start-up lines."""
-    process = subprocess.Popen(
+def launch(args: list[str], port: int = 0) -> subprocess.Popen:
+    """A `python -m mlx_encoders serve ... --port PORT` process, loading its models."""
+    return subprocess.Popen(
         [sys.executable, "-m", "mlx_encoders", "serve", "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
+
+
+def url_of(process: subprocess.Popen) -> str:
+    """The URL a launched server prints once its models are warm."""
     deadline = time.monotonic() + START_TIMEOUT_S
     lines = []
     while time.monotonic() < deadline:
@@ -61,9 +65,14 @@ def start(args: list[str], port: int = 0) -> tuple[subprocess.Popen, str]:
         lines.append(line)
         found = re.search(r"listening on (http://\S+)", line)
         if found:
-            return process, found.group(1)
+            return found.group(1)
     process.kill()
     raise AssertionError(f"the server did not start: {lines}")
+
+
+def start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    process = launch(args)
+    return process, url_of(process)
 
 
 def stop(process: subprocess.Popen) -> int:
@@ -113,9 +122,9 @@ def readme_block() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(folders):
-    """One `serve` process for the module: README's command (MiniLM), plus the tiny models and at most 64 inputs a
-    request."""
+def launched(folders):
+    """One `serve` process for the module, launched: README's command (MiniLM), plus the tiny models and at most
+    64 inputs a request. `server` waits for it; the oracles load meanwhile."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -125,14 +134,22 @@ def server(folders):
     args = command[:-2].split()[command.split().index("serve") + 1 :] + ["--max-inputs", "64"]
     for name, folder in folders.items():
         args += ["--model", f"{name}={folder}"]
-    process, url = start(args, port)  # README's own --port comes last and wins; it is the same
-    assert url == f"http://127.0.0.1:{port}"
-    yield url
+    process = launch(args, port)  # README's own --port comes last and wins; it is the same
+    yield process, port
     assert stop(process) == 0
 
 
 @pytest.fixture(scope="module")
-def sentence_transformer(one_torch_thread):
+def server(launched):
+    process, port = launched
+    url = url_of(process)
+    assert url == f"http://127.0.0.1:{port}"
+    return url
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer(launched, one_torch_thread):
+    """sentence-transformers' model of all-MiniLM-L6-v2, loaded while the server starts."""
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(MINILM), device="cpu")
@@ -148,7 +165,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
-def test_openai_sdk_base64_and_float_equal_sentence_transformers_and_encode(server, sentence_transformer):
+def test_openai_sdk_base64_and_float_equal_sentence_transformers_and_encode(sentence_transformer, server):
     from openai import OpenAI
     from transformers import AutoTokenizer
 
