@@ -105,11 +105,17 @@ class Server:
             )  # fmt: skip
         return model
 
+    def count(self, inputs: list, param: str) -> list:
+        """`inputs`, unless there are more than --max-inputs (413)."""
+        if len(inputs) > self.options.max_inputs:
+            raise ApiError(
+                413, f"{len(inputs)} inputs, more than the server's --max-inputs {self.options.max_inputs}", param
+            )
+        return inputs
+
     async def run(self, model: ServedModel, items: list) -> np.ndarray:
         """The model's rows for `items`, computed with other requests' on its worker; 429 when its queue is full,
         500 when a row is not finite."""
-        if len(items) > self.options.max_inputs:
-            raise ApiError(413, f"{len(items)} inputs, more than the server's --max-inputs {self.options.max_inputs}")
         try:
             future = self.batchers[model.name].submit(items)
         except QueueFull as e:
@@ -140,9 +146,13 @@ async def read_json(request: Request, server: Server) -> dict:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes, more than the server's --max-request-bytes {limit}")
-    body = await request.body()
-    if len(body) > limit:
-        raise ApiError(413, f"request body of {len(body)} bytes, more than the server's --max-request-bytes {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a chunked body declares no length: count it as it comes
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body of more than the server's --max-request-bytes {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -215,6 +225,7 @@ async def embeddings(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), EMBED, "/v1/embeddings")
     found, ids = texts_or_ids(body.get("input"))
+    server.count(found or ids, "input")
     fmt = option(body, "encoding_format", str, "float")
     if fmt not in ("float", "base64"):
         raise ApiError(400, f'"encoding_format" must be "float" or "base64", got {fmt!r}', "encoding_format")
@@ -250,7 +261,7 @@ async def rerank(request: Request, server: Server):
     query = option(body, "query", str)
     if query is None:
         raise ApiError(400, '"query" is required: a string', "query")
-    docs = documents(body.get("documents"), "documents")
+    docs = server.count(documents(body.get("documents"), "documents"), "documents")
     top_n = option(body, "top_n", int, None, 1)
     keep = option(body, "return_documents", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
@@ -268,7 +279,7 @@ async def rerank(request: Request, server: Server):
 async def classify(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), CLASSIFY, "/v1/classify")
-    found = texts(body.get("input"), "input")
+    found = server.count(texts(body.get("input"), "input"), "input")
     top_k = option(body, "top_k", int, None, 1)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     items = model.tokenize(found, truncate)
@@ -290,7 +301,7 @@ async def models(request: Request, server: Server):
 async def tei_embed(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), EMBED, "/embed")
-    found = texts(body.get("inputs"), "inputs")
+    found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     normalize = option(body, "normalize", bool, True)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     dimensions = dimensions_of(body, model)
@@ -304,7 +315,7 @@ async def tei_rerank(request: Request, server: Server):
     query = option(body, "query", str)
     if query is None:
         raise ApiError(400, '"query" is required: a string', "query")
-    docs = documents(body.get("texts"), "texts")
+    docs = server.count(documents(body.get("texts"), "texts"), "texts")
     raw = option(body, "raw_scores", bool, False)
     keep = option(body, "return_text", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
@@ -323,6 +334,7 @@ async def tei_predict(request: Request, server: Server):
     items = [value] if single else value
     if not isinstance(items, list) or not items:
         raise ApiError(400, '"inputs" must be a string or a non-empty list of strings or [text, pair] lists', "inputs")
+    server.count(items, "inputs")
     pairs = [isinstance(x, list) and len(x) == 2 and all(isinstance(t, str) for t in x) for x in items]
     if not all(pairs) and not all(isinstance(x, str) for x in items):
         raise ApiError(400, '"inputs" must be all strings or all [text, text_pair] lists', "inputs")
@@ -339,7 +351,7 @@ async def tei_predict(request: Request, server: Server):
 async def tei_tokenize(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), None, "/tokenize")
-    found = texts(body.get("inputs"), "inputs")
+    found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     special = option(body, "add_special_tokens", bool, True)
     try:
         encodings = model.tokenizer.encode_batch(found, truncation=False, add_special_tokens=special)
