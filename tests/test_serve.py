@@ -546,3 +546,30 @@ def test_the_package_and_its_command_line_import_without_the_serve_stack():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert 'pip install "mlx-encoders[serve]"' in done.stdout and "starlette" in done.stdout
+
+
+def test_batcher_splits_large_requests_in_order_and_a_failure_fails_only_its_request():
+    """The batcher alone, over a stand-in model (row i = the ids of item i, summed): a request over the token budget
+    is split and put back in order; a batch that raises is retried request by request."""
+    from mlx_encoders.serve.batcher import Batcher
+    from mlx_encoders.serve.models import TokenIds
+
+    batches = []
+
+    def compute(items):
+        batches.append(len(items))
+        if any(-1 in item.ids for item in items):
+            raise ValueError("bad item")
+        return np.array([[sum(item.ids)] for item in items], np.float32)
+
+    batcher = Batcher("stand-in", compute, max_batch_tokens=10, max_wait_ms=200, max_queue=8)
+    large = [TokenIds([i, i, i], [0, 0, 0]) for i in range(9)]  # 27 tokens: three batches or more
+    futures = [batcher.submit([TokenIds([1], [0])]), batcher.submit([TokenIds([-1], [0])]), batcher.submit(large)]
+    assert futures[0].result(timeout=10).tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="bad item"):
+        futures[1].result(timeout=10)
+    assert futures[2].result(timeout=10).ravel().tolist() == [3.0 * i for i in range(9)]
+    assert len(batches) >= 4 and max(batches) <= 5  # the first batch failed and was rerun request by request
+    batcher.stop()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        batcher.submit(large)
