@@ -4,6 +4,7 @@ rerank, classify and TEI routes. Vectors are checked against sentence-transforme
 transformers' text-classification pipeline, all on the same folders."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -46,11 +47,11 @@ def call(url: str, path: str, body=None, headers: dict | None = None, raw: bytes
         return status, text, got
 
 
-def launch(args: list[str], port: int = 0) -> subprocess.Popen:
+def launch(args: list[str], port: int = 0, env: dict | None = None) -> subprocess.Popen:
     """A `python -m mlx_encoders serve ... --port PORT` process, loading its models."""
     return subprocess.Popen(
         [sys.executable, "-m", "mlx_encoders", "serve", "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )  # fmt: skip
 
 
@@ -68,11 +69,6 @@ def url_of(process: subprocess.Popen) -> str:
             return found.group(1)
     process.kill()
     raise AssertionError(f"the server did not start: {lines}")
-
-
-def start(args: list[str]) -> tuple[subprocess.Popen, str]:
-    process = launch(args)
-    return process, url_of(process)
 
 
 def stop(process: subprocess.Popen) -> int:
@@ -502,15 +498,19 @@ def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small
 
 
 def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders):
-    process, url = start(
-        ["--model", f"tiny={folders['tiny']}", "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
-    )
+    """Also: the API key from the environment, and a model named after its folder."""
+    name, key = folders["tiny"].name, {"Authorization": "Bearer from-env"}
+    args = ["--model", str(folders["tiny"]), "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
+    process = launch(args, env={**os.environ, "MLX_ENCODERS_API_KEY": "from-env"})
+    url = url_of(process)
     try:
         assert call(url, "/health")[0] == 200
+        assert call(url, "/v1/embeddings", {"model": name, "input": TEXTS})[0] == 401
+        body = {"model": name, "input": TEXTS}
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(call, url, "/v1/embeddings", {"model": "tiny", "input": TEXTS}) for _ in range(8)]
+            futures = [pool.submit(call, url, "/v1/embeddings", body, key) for _ in range(8)]
             deadline = time.monotonic() + 10  # until the 8 wait in the worker's 1.5 s batch window (+ this scrape)
-            while (in_flight := metric_values(url)["mlx_encoders_requests_in_flight"]) < 9:
+            while (in_flight := metric_values(url, key)["mlx_encoders_requests_in_flight"]) < 9:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
