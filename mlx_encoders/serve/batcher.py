@@ -89,7 +89,8 @@ class Batcher:
 
     def work(self) -> None:
         while (pieces := self.take()) is not None:
-            self.run(pieces)
+            if pieces:  # empty when every waiting request was cancelled
+                self.run(pieces)
         self.drained.set()
         # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
         # ("terminate called without an active exception"); a daemon thread left waiting does not.
