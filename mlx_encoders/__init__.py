@@ -25,7 +25,7 @@ _LAZY = {
     "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
 }  # fmt: skip
-_SUBPACKAGES = ("train", "quantization", "generation")
+_SUBPACKAGES = ("train", "quantization", "generation", "serve")
 runtime.warn_if_slow_blas()
 
 

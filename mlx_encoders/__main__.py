@@ -67,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     from .index import cli as index_cli  # build and search: mlx_encoders/index/cli.py
 
     index_cli.add_parser(tasks)
+
+    from .serve import cli as serve_cli  # the HTTP server: mlx_encoders/serve/ (imports Starlette only when run)
+
+    serve_cli.add_parser(tasks)
     return p
 
 

@@ -142,7 +142,12 @@ class CrossEncoder:
             return mx.zeros((0, self.num_labels))
         firsts, seconds = zip(*pairs, strict=True)
         encodings = self.tokenizer.encode_batch(list(firsts), list(seconds), max_length=self.max_seq_length)
-        out = np.zeros((len(pairs), self.num_labels), np.float32)
+        return mx.array(self.encoding_logits(encodings, batch_size, show_progress))
+
+    def encoding_logits(self, encodings: list, batch_size: int, show_progress: bool | None = False) -> np.ndarray:
+        """(N, num_labels) float32 logits of tokenized pairs (anything with `ids` and `type_ids`, e.g. a server's
+        batch of many requests), in input order."""
+        out = np.zeros((len(encodings), self.num_labels), np.float32)
 
         def forward(rows: np.ndarray) -> list[mx.array]:
             batch = self.tokenizer.pad([encodings[i] for i in rows])
@@ -155,7 +160,7 @@ class CrossEncoder:
         run_batches(
             self.model, [len(e.ids) for e in encodings], forward, collect, batch_size, show_progress=show_progress
         )
-        return mx.array(out)
+        return out
 
     def rank(
         self,

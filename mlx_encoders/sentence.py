@@ -424,11 +424,19 @@ class SentenceEncoder:
         self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool
     ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:
         """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
-        out = np.zeros((len(texts), self.dimension), np.float32)
-        token_vectors = [None] * len(texts) if tokens else []
-        if not texts:
-            return [], out, token_vectors
-        encodings = self.tokenize(texts)
+        encodings = self.tokenize(texts) if texts else []
+        return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens)
+
+    def run_encodings(
+        self, encodings: list[Encoding], batch_size: int, show_progress: bool | None = False, skipped: int = 0,
+        tokens: bool = False,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
+        """`run` of tokenized texts (anything with `ids` and `type_ids`, e.g. a server's batch of many requests):
+        ((N, D) float32 sentence embeddings before truncate_dim, per text its (L, H) token embeddings when `tokens`)."""
+        out = np.zeros((len(encodings), self.dimension), np.float32)
+        token_vectors = [None] * len(encodings) if tokens else []
+        if not encodings:
+            return out, token_vectors
 
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             out[rows] = np.array(arrays[0])
@@ -445,4 +453,4 @@ class SentenceEncoder:
             self.model, lengths, forward, collect, batch_size, show_progress=show_progress,
             slice_bytes=self.slice_bytes, least_tokens=self.slice_tokens,
         )  # fmt: skip
-        return encodings, out, token_vectors
+        return out, token_vectors

@@ -251,10 +251,15 @@ def _one_openblas_thread(library: ctypes.CDLL) -> Outermost:
 MAX_CPU_STREAMS = 8
 
 
-@functools.cache
+_thread_streams = threading.local()
+
+
 def cpu_streams() -> tuple[mx.Stream, ...]:
-    """One CPU stream per core (at most MAX_CPU_STREAMS), made once per process."""
-    return tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+    """One CPU stream per core (at most MAX_CPU_STREAMS), made once per thread: an MLX stream belongs to the thread
+    that made it (a server's model worker runs beside the main thread)."""
+    if not hasattr(_thread_streams, "lanes"):
+        _thread_streams.lanes = tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+    return _thread_streams.lanes
 
 
 @contextmanager

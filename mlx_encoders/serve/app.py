@@ -1,0 +1,471 @@
+"""The HTTP application (Starlette): OpenAI's /v1/embeddings and /v1/models, Cohere/Jina's /v1/rerank, /v1/classify,
+TEI's /embed, /rerank, /predict and /tokenize, /health and /metrics. Each model's requests go through its
+`Batcher`; handlers only parse, validate and tokenize (on the event loop's thread: the tokenizer is not
+thread-safe) and shape the answer."""
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .batcher import Batcher, QueueFull
+from .errors import ApiError
+from .metrics import Metrics
+from .models import CLASSIFY, EMBED, RERANK, ServedModel
+
+log = logging.getLogger("mlx_encoders.serve")
+TEI_ROUTES = ("/embed", "/rerank", "/predict", "/tokenize")
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class Options:
+    """Limits and behaviour of a server; the command line's options of the same names."""
+
+    max_batch_tokens: int = 8192
+    max_wait_ms: float = 2.0
+    max_queue: int = 256
+    max_inputs: int = 2048
+    max_request_bytes: int = 4 * 2**20
+    auto_truncate: bool = False
+    batch_size: int = 32
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+
+
+class Server:
+    """The served models, one batcher each, the metrics, and the options."""
+
+    def __init__(self, models: list[ServedModel], options: Options):
+        names = [m.name for m in models]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"model name {duplicated[0]!r} is given twice; name each model: --model NAME=PATH")
+        self.models = {m.name: m for m in models}
+        self.options = options
+        self.metrics = Metrics()
+        self.batchers = {}
+        for m in models:
+            self.batchers[m.name] = Batcher(
+                m.name, m.compute, max_batch_tokens=options.max_batch_tokens, max_wait_ms=options.max_wait_ms,
+                max_queue=options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
+            )  # fmt: skip
+            self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
+        self.ready = False
+
+    def warm(self) -> None:
+        """One input through each model's worker, so the first request pays no start-up cost."""
+        for m in self.models.values():
+            items = m.tokenize(["warm up"], True) if m.encoder is not None else m.tokenize(["warm"], True, ["up"])
+            self.batchers[m.name].submit(items).result()
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False
+        for batcher in self.batchers.values():
+            batcher.stop()
+
+    def model(self, name, capability: str | None, route: str) -> ServedModel:
+        """The model `name` (None: the only one able to serve `route`); 404 naming the served ones, 400 when it
+        cannot serve `route` (`capability`; None: any model can)."""
+        able = [m for m in self.models.values() if capability in (None, *m.capabilities)]
+        if name is None:
+            if len(able) == 1:
+                return able[0]
+            raise ApiError(
+                400, f'"model" is required: {route} is served by {", ".join(m.name for m in able) or "no model"}',
+                "model",
+            )  # fmt: skip
+        if not isinstance(name, str):
+            raise ApiError(400, f'"model" must be a string, got {type(name).__name__}', "model")
+        if name not in self.models:
+            raise ApiError(
+                404, f"model {name!r} is not served; served models: {', '.join(self.models)}", "model",
+                "model_not_found",
+            )  # fmt: skip
+        model = self.models[name]
+        if model not in able:
+            raise ApiError(
+                400,
+                f"model {name!r} serves {', '.join(model.capabilities)}, not {capability} ({route}); models that do: "
+                f"{', '.join(m.name for m in able) or 'none'}",
+                "model", "model_not_supported",
+            )  # fmt: skip
+        return model
+
+    def count(self, inputs: list, param: str) -> list:
+        """`inputs`, unless there are more than --max-inputs (413)."""
+        if len(inputs) > self.options.max_inputs:
+            raise ApiError(
+                413, f"{len(inputs)} inputs, more than the server's --max-inputs {self.options.max_inputs}", param
+            )
+        return inputs
+
+    async def run(self, model: ServedModel, items: list) -> np.ndarray:
+        """The model's rows for `items`, computed with other requests' on its worker; 429 when its queue is full,
+        500 when a row is not finite."""
+        try:
+            future = self.batchers[model.name].submit(items)
+        except QueueFull as e:
+            raise ApiError(429, f"{e}; retry later", None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), None, "shutting_down") from None
+        try:
+            out = await asyncio.wrap_future(future)
+        except Exception as e:  # noqa: BLE001  the model failed on this request's inputs: its 500 alone
+            log.exception("model %s failed", model.name)
+            raise ApiError(500, f"model {model.name!r} failed on this request: {e}", None, "model_error") from None
+        bad = np.flatnonzero(~np.isfinite(out).reshape(len(out), -1).all(axis=1))
+        if len(bad):
+            raise ApiError(
+                500,
+                f"model {model.name!r} gave non-finite values (NaN or infinity) for input {int(bad[0])}"
+                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}; nothing is returned rather than wrong numbers",
+                None, "non_finite_output",
+            )  # fmt: skip
+        return out
+
+
+# ---- request parsing
+
+
+async def read_json(request: Request, server: Server) -> dict:
+    limit = server.options.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes, more than the server's --max-request-bytes {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a chunked body declares no length: count it as it comes
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body of more than the server's --max-request-bytes {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def texts_or_ids(value, param: str = "input") -> tuple[list[str] | None, list[list[int]] | None]:
+    """OpenAI's `input`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    expected = "a string, a list of strings, a list of token ids or a list of such lists"
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ApiError(400, f'"{param}" must be {expected}, got {type(value).__name__}', param)
+    if not value:
+        raise ApiError(400, f'"{param}" is empty; send at least one input', param, "empty_input")
+    if all(isinstance(v, str) for v in value):
+        empty = next((i for i, v in enumerate(value) if not v), None)
+        if empty is not None:
+            raise ApiError(400, f"{param}[{empty}] is an empty string", param, "empty_input")
+        return value, None
+    if all(is_int(v) for v in value):
+        return None, [value]
+    if all(isinstance(v, list) and v and all(is_int(t) for t in v) for v in value):
+        return None, value
+    raise ApiError(400, f'"{param}" must be {expected} (non-empty, not mixed)', param)
+
+
+def texts(value, param: str) -> list[str]:
+    found, ids = texts_or_ids(value, param)
+    if found is None:
+        raise ApiError(400, f'"{param}" must be a string or a list of strings', param)
+    return found
+
+
+def option(body: dict, key: str, kind: type, default=None, minimum: int | None = None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if kind is int and not is_int(value) or kind is not int and not isinstance(value, kind):
+        raise ApiError(400, f'"{key}" must be {kind.__name__}, got {type(value).__name__}: {value!r:.40}', key)
+    if minimum is not None and value < minimum:
+        raise ApiError(400, f'"{key}" must be at least {minimum}, got {value}', key)
+    return value
+
+
+def documents(value, param: str) -> list[str]:
+    """Cohere's / Jina's documents: strings or {"text": ...} objects."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, f'"{param}" must be a non-empty list of strings or {{"text": ...}} objects', param)
+    out = []
+    for i, d in enumerate(value):
+        d = d.get("text") if isinstance(d, dict) else d
+        if not isinstance(d, str):
+            raise ApiError(400, f'{param}[{i}] must be a string or an object with a string "text"', param)
+        out.append(d)
+    return out
+
+
+# ---- routes
+
+
+async def embeddings(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), EMBED, "/v1/embeddings")
+    found, ids = texts_or_ids(body.get("input"))
+    server.count(found or ids, "input")
+    fmt = option(body, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, f'"encoding_format" must be "float" or "base64", got {fmt!r}', "encoding_format")
+    dimensions = dimensions_of(body, model)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = model.tokenize(found, truncate) if ids is None else model.token_ids(ids, truncate)
+    vectors = model.embeddings(await server.run(model, items), dimensions)
+    tokens = sum(len(item.ids) for item in items)
+
+    def encoded(v: np.ndarray):
+        return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+        "model": model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def dimensions_of(body: dict, model: ServedModel) -> int | None:
+    dimensions = option(body, "dimensions", int, None, 1)
+    if dimensions is not None and dimensions > model.dimension:
+        raise ApiError(
+            400, f'"dimensions" is {dimensions}, more than the {model.dimension} of model {model.name!r}', "dimensions"
+        )
+    return dimensions
+
+
+async def rerank(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), RERANK, "/v1/rerank")
+    query = option(body, "query", str)
+    if query is None:
+        raise ApiError(400, '"query" is required: a string', "query")
+    docs = server.count(documents(body.get("documents"), "documents"), "documents")
+    top_n = option(body, "top_n", int, None, 1)
+    keep = option(body, "return_documents", bool, False)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = model.tokenize([query] * len(docs), truncate, docs, "documents")
+    scores = model.scores(await server.run(model, items))
+    order = np.argsort(-scores, kind="stable")[:top_n]
+    results = [
+        {"index": int(i), "relevance_score": float(scores[i]), **({"document": {"text": docs[i]}} if keep else {})}
+        for i in order
+    ]
+    tokens = sum(len(item.ids) for item in items)
+    return {"model": model.name, "results": results, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def classify(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), CLASSIFY, "/v1/classify")
+    found = server.count(texts(body.get("input"), "input"), "input")
+    top_k = option(body, "top_k", int, None, 1)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = model.tokenize(found, truncate)
+    labels = model.labels(await server.run(model, items), top_k)
+    tokens = sum(len(item.ids) for item in items)
+    return {
+        "object": "list",
+        "model": model.name,
+        "data": [{"index": i, "label": ranked[0]["label"], "labels": ranked} for i, ranked in enumerate(labels)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+async def models(request: Request, server: Server):
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"} for name in server.models]
+    return {"object": "list", "data": data}
+
+
+async def tei_embed(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), EMBED, "/embed")
+    found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
+    normalize = option(body, "normalize", bool, True)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    dimensions = dimensions_of(body, model)
+    items = model.tokenize(found, truncate, param="inputs")
+    return model.embeddings(await server.run(model, items), dimensions, normalize).tolist()
+
+
+async def tei_rerank(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), RERANK, "/rerank")
+    query = option(body, "query", str)
+    if query is None:
+        raise ApiError(400, '"query" is required: a string', "query")
+    docs = server.count(documents(body.get("texts"), "texts"), "texts")
+    raw = option(body, "raw_scores", bool, False)
+    keep = option(body, "return_text", bool, False)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = model.tokenize([query] * len(docs), truncate, docs, "texts")
+    scores = model.scores(await server.run(model, items), raw)
+    order = np.argsort(-scores, kind="stable")
+    return [{"index": int(i), "score": float(scores[i]), **({"text": docs[i]} if keep else {})} for i in order]
+
+
+async def tei_predict(request: Request, server: Server):
+    """TEI's /predict: `inputs` a string (one answer) or a list of strings or [text, text_pair] lists."""
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), CLASSIFY, "/predict")
+    value = body.get("inputs")
+    single = isinstance(value, str)
+    items = [value] if single else value
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, '"inputs" must be a string or a non-empty list of strings or [text, pair] lists', "inputs")
+    server.count(items, "inputs")
+    pairs = [isinstance(x, list) and len(x) == 2 and all(isinstance(t, str) for t in x) for x in items]
+    if not all(pairs) and not all(isinstance(x, str) for x in items):
+        raise ApiError(400, '"inputs" must be all strings or all [text, text_pair] lists', "inputs")
+    raw = option(body, "raw_scores", bool, False)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    if all(pairs):
+        encoded = model.tokenize([x[0] for x in items], truncate, [x[1] for x in items], "inputs")
+    else:
+        encoded = model.tokenize(items, truncate, param="inputs")
+    labels = model.labels(await server.run(model, encoded), None, raw)
+    return labels[0] if single else labels
+
+
+async def tei_tokenize(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), None, "/tokenize")
+    found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
+    special = option(body, "add_special_tokens", bool, True)
+    try:
+        encodings = model.tokenizer.encode_batch(found, truncation=False, add_special_tokens=special)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e), "inputs") from None
+    out = []
+    for text, e in zip(found, encodings, strict=True):
+        out.append([
+            {"id": i, "text": tok if s else text[a:b], "special": bool(s), "start": None if s else a,
+             "stop": None if s else b}
+            for i, tok, s, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets, strict=True)
+        ])  # fmt: skip
+    return out
+
+
+async def health(request: Request, server: Server):
+    if not server.ready:
+        raise ApiError(503, "the server is starting or stopping", None, "not_ready")
+    return {"status": "ok"}
+
+
+async def metrics(request: Request, server: Server):
+    return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ROUTES = {
+    "/v1/embeddings": (embeddings, ["POST"]), "/v1/rerank": (rerank, ["POST"]), "/v1/classify": (classify, ["POST"]),
+    "/v1/models": (models, ["GET"]), "/embed": (tei_embed, ["POST"]), "/rerank": (tei_rerank, ["POST"]),
+    "/predict": (tei_predict, ["POST"]), "/tokenize": (tei_tokenize, ["POST"]), "/health": (health, ["GET"]),
+    "/metrics": (metrics, ["GET"]),
+}  # fmt: skip
+
+
+def error_response(path: str, error: ApiError) -> JSONResponse:
+    content = error.tei() if path in TEI_ROUTES else error.openai()
+    return JSONResponse(content, error.status, headers=error.headers)
+
+
+def endpoint(path: str, handler: Callable[[Request, Server], Awaitable], server: Server):
+    async def call(request: Request) -> Response:
+        try:
+            result = await handler(request, server)
+        except ApiError as e:
+            return error_response(path, e)
+        except Exception as e:  # noqa: BLE001  a bug answers its own request with 500; the server stays up
+            log.exception("%s failed", path)
+            return error_response(path, ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal"))
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    return call
+
+
+class Guard:
+    """ASGI middleware: the API key (every route but /health, compared in constant time) and the request metrics."""
+
+    def __init__(self, app, server: Server):
+        self.app = app
+        self.server = server
+        key = server.options.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        status = [500]
+        start = time.perf_counter()
+        self.server.metrics.started()
+
+        async def record(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and path != "/health" and not self.authorized(scope):
+                error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY", None,
+                                 "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return await error_response(path, error)(scope, receive, record)
+            return await self.app(scope, receive, record)
+        finally:
+            self.server.metrics.request(route, status[0], time.perf_counter() - start)
+
+    def authorized(self, scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)
+
+
+def not_found(request: Request, exc) -> JSONResponse:
+    status = getattr(exc, "status_code", 404)
+    message = f"no route {request.method} {request.url.path}; routes: {', '.join(ROUTES)}"
+    return error_response(request.url.path, ApiError(status, message, None, "not_found"))
+
+
+def build(server: Server) -> Starlette:
+    """The ASGI app of a built `Server`; its lifespan stops the model workers (after uvicorn has finished every
+    request in flight)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.stop)
+
+    routes = [
+        Route(path, endpoint(path, handler, server), methods=methods) for path, (handler, methods) in ROUTES.items()
+    ]
+    middleware = []
+    if server.options.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(server.options.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"]))  # fmt: skip
+    middleware.append(Middleware(Guard, server=server))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: not_found},
+                    lifespan=lifespan)  # fmt: skip
+    app.state.server = server
+    return app

@@ -1,0 +1,146 @@
+"""The request batcher: one worker thread per model owns its MLX evaluation; requests wait in a bounded queue and
+are packed, first come first served, into batches of at most `max_batch_tokens` tokens (a large request is split
+over several batches and put back together in order). Each batch goes through the encoders' own runner
+(`SentenceEncoder.run_encodings`, `CrossEncoder.encoding_logits` -> engine.batching.run_batches), which sorts it by
+length; a row's result does not depend on its batch-mates beyond float rounding.
+"""
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+
+import numpy as np
+
+
+class QueueFull(Exception):
+    """The model's queue holds `max_queue` requests: the caller answers 429 with Retry-After."""
+
+
+class Job:
+    """One request's tokenized inputs, the rows computed so far and the future its handler waits on."""
+
+    def __init__(self, items: Sequence):
+        self.items = items
+        self.future: Future = Future()
+        self.rows: list[np.ndarray | None] = [None] * len(items)
+        self.taken = 0  # items handed to batches
+        self.done = 0  # items computed
+
+    def finish(self, start: int, rows: np.ndarray) -> None:
+        if self.future.done():  # an earlier piece failed, or the handler was cancelled
+            return
+        self.rows[start : start + len(rows)] = list(rows)
+        self.done += len(rows)
+        if self.done == len(self.items):
+            self.settle(result=np.stack(self.rows))
+
+    def settle(self, result=None, error: BaseException | None = None) -> None:
+        try:  # the waiting handler may have been cancelled (client gone): nothing to tell it
+            self.future.set_exception(error) if error is not None else self.future.set_result(result)
+        except InvalidStateError:
+            pass
+
+
+class Batcher:
+    """`submit(items)` -> Future of `compute(items)` (an (N, ...) array, row i for item i), computed on this
+    batcher's worker thread together with other requests' items."""
+
+    def __init__(
+        self, name: str, compute: Callable[[list], np.ndarray], *, max_batch_tokens: int, max_wait_ms: float,
+        max_queue: int, on_batch: Callable[[int, int], None] | None = None,
+    ):  # fmt: skip
+        self.name = name
+        self.compute = compute
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait = max_wait_ms / 1000
+        self.max_queue = max_queue
+        self.on_batch = on_batch
+        self.jobs: deque[Job] = deque()
+        self.queued_tokens = 0
+        self.stopping = False
+        self.condition = threading.Condition()
+        self.drained = threading.Event()
+        self.thread = threading.Thread(target=self.work, name=f"mlx-encoders serve {name}", daemon=True)
+        self.thread.start()
+
+    def depth(self) -> int:
+        return len(self.jobs)
+
+    def submit(self, items: Sequence) -> Future:
+        job = Job(items)
+        with self.condition:
+            if self.stopping:
+                raise RuntimeError(f"model {self.name!r} is shutting down")
+            if len(self.jobs) >= self.max_queue:
+                raise QueueFull(f"model {self.name!r} has {self.max_queue} requests waiting (--max-queue)")
+            self.jobs.append(job)
+            self.queued_tokens += sum(len(item.ids) for item in items)
+            self.condition.notify()
+        return job.future
+
+    def stop(self) -> None:
+        """Finish what is queued; the worker then parks."""
+        with self.condition:
+            self.stopping = True
+            self.condition.notify()
+        self.drained.wait()
+
+    def work(self) -> None:
+        while (pieces := self.take()) is not None:
+            if pieces:  # empty when every waiting request was cancelled
+                self.run(pieces)
+        self.drained.set()
+        # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
+        # ("terminate called without an active exception"); a daemon thread left waiting does not.
+        threading.Event().wait()
+
+    def take(self) -> list[tuple[Job, int, int]] | None:
+        """The next batch as (job, start, stop) pieces, waiting up to max_wait for the budget to fill; None once
+        stopping with nothing queued."""
+        with self.condition:
+            while not self.jobs and not self.stopping:
+                self.condition.wait()
+            deadline = time.monotonic() + self.max_wait
+            while self.queued_tokens < self.max_batch_tokens and not self.stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.condition.wait(left)
+            pieces, tokens = [], 0
+            while self.jobs:
+                job = self.jobs[0]
+                start = stop = job.taken
+                while stop < len(job.items):
+                    size = len(job.items[stop].ids)
+                    if tokens + size > self.max_batch_tokens and (pieces or stop > start):
+                        break  # a single over-budget item still runs, alone
+                    tokens += size
+                    stop += 1
+                if stop > start and not job.future.cancelled():
+                    pieces.append((job, start, stop))
+                self.queued_tokens -= sum(len(item.ids) for item in job.items[start:stop])
+                job.taken = stop
+                if stop < len(job.items):
+                    break  # the budget is full: the rest of this job leads the next batch
+                self.jobs.popleft()
+            return pieces if pieces or not self.stopping else None
+
+    def run(self, pieces: list[tuple[Job, int, int]]) -> None:
+        items = [item for job, start, stop in pieces for item in job.items[start:stop]]
+        try:
+            out = self.compute(items)
+        except Exception as error:  # noqa: BLE001  a failure fails its own requests only: retry them one by one
+            if len(pieces) == 1:
+                pieces[0][0].settle(error=error)
+                return
+            for piece in pieces:
+                self.run([piece])
+            return
+        if self.on_batch is not None:
+            self.on_batch(len(items), sum(len(item.ids) for item in items))
+        offset = 0
+        for job, start, stop in pieces:
+            job.finish(start, out[offset : offset + stop - start])
+            offset += stop - start

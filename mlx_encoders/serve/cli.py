@@ -1,0 +1,94 @@
+"""`mlx-encoders serve --model [NAME=]PATH ...`: load and warm the models, print one line per model and the URL,
+serve until SIGINT or SIGTERM, then finish the requests in flight and exit 0."""
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+from ..pipelines.base import check_count
+
+API_KEY_ENV = "MLX_ENCODERS_API_KEY"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify (and TEI's routes)",
+        description="Serve embeddings (/v1/embeddings, /embed), reranking (/v1/rerank, /rerank) and classification "
+        "(/v1/classify, /predict) over HTTP, batching concurrent requests. Needs: pip install \"mlx-encoders[serve]\"",
+    )  # fmt: skip
+    p.add_argument("--model", "-m", action="append", required=True, metavar="[NAME=]PATH",
+                   help="folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="cast the weights (default: as stored)")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per batch a model runs (default 8192)")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for a batch to fill, in ms (default 2)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting per model before 429 (default 256)")
+    p.add_argument("--batch-size", type=int, default=32, help="inputs per forward pass within a batch (default 32)")
+    p.add_argument("--max-inputs", type=int, default=2048, help="inputs per request (default 2048)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="request body size (default 4 MiB)")
+    p.add_argument("--auto-truncate", action="store_true", help="cut over-long inputs instead of answering 400")
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} when set)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; default: no CORS)")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def model_specs(values: list[str]) -> dict[str, str]:
+    from .models import default_name
+
+    specs = {}
+    for value in values:
+        name, _, path = value.rpartition("=") if "=" in value and not os.path.exists(value) else ("", "", value)
+        name = name or default_name(path)
+        if name in specs:
+            raise ValueError(f"model name {name!r} is given twice; name each model: --model NAME=PATH")
+        specs[name] = path
+    return specs
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import require_stack
+
+    try:
+        require_stack()
+    except ImportError as e:
+        print(f"mlx-encoders serve: error: {e}", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    from . import load_models
+    from .app import Options, Server, build
+
+    for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
+        check_count(f"--{name.replace('_', '-')}", getattr(args, name), 1)
+    if args.max_wait_ms < 0:
+        raise ValueError(f"--max-wait-ms must be 0 or more, got {args.max_wait_ms}")
+    options = Options(
+        max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        max_inputs=args.max_inputs, max_request_bytes=args.max_request_bytes, auto_truncate=args.auto_truncate,
+        batch_size=args.batch_size, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        cors_origins=tuple(args.cors_origin),
+    )  # fmt: skip
+    server = Server(load_models(model_specs(args.model), args.dtype, args.batch_size), options)
+    server.warm()
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    for model in server.models.values():
+        print(f"mlx-encoders serve: model {model.describe()}")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(build(server), log_level="warning", access_log=False, timeout_graceful_shutdown=None)
+    # uvicorn re-raises the stopping signal once it has shut down; these handlers take it, so the exit status is 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    print("mlx-encoders serve: stopped", file=sys.stderr)
+    return 0

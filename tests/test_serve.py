@@ -1,0 +1,575 @@
+"""`mlx-encoders serve` on a loopback port, called by real clients: the official `openai` SDK, plain HTTP for the
+rerank, classify and TEI routes. Vectors are checked against sentence-transformers (real all-MiniLM-L6-v2) and
+`SentenceEncoder.encode`, rerank scores against sentence-transformers' CrossEncoder and labels against
+transformers' text-classification pipeline, all on the same folders."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoints import MINILM
+
+TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "hello", "Serving embeddings on MLX."]
+DOCS = ["Paris is the capital of France.", "The mat was red.", "Foxes are quick.", "Nothing to see here at all."]
+PAIRS = list(zip(TEXTS, DOCS, strict=True))
+NAN_WORD = "zebra"  # its embedding row is NaN in the `nan` model
+START_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 60
+
+
+def call(url: str, path: str, body=None, headers: dict | None = None, raw: bytes | None = None):
+    """(status, parsed JSON or text, headers) of GET (no body) or POST `body` as JSON (or `raw` bytes)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            status, text, got = response.status, response.read().decode(), response.headers
+    except urllib.error.HTTPError as e:
+        status, text, got = e.code, e.read().decode(), e.headers
+    try:
+        return status, json.loads(text), got
+    except json.JSONDecodeError:
+        return status, text, got
+
+
+def launch(args: list[str], port: int = 0, env: dict | None = None) -> subprocess.Popen:
+    """A `python -m mlx_encoders serve ... --port PORT` process, loading its models."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_encoders", "serve", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+
+
+def url_of(process: subprocess.Popen) -> str:
+    """The URL a launched server prints once its models are warm."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    lines = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        found = re.search(r"listening on (http://\S+)", line)
+        if found:
+            return found.group(1)
+    process.kill()
+    raise AssertionError(f"the server did not start: {lines}")
+
+
+def stop(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def folders(checkpoint, tmp_path_factory):
+    """The tiny seeded models: an encoder, a one-label cross-encoder, a 3-label classifier, and the encoder with
+    NaN in one word's embedding row."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoTokenizer
+
+    tiny = checkpoint("bert", "encoder")
+    nan = tmp_path_factory.mktemp("serve") / "nan"
+    shutil.copytree(tiny, nan)
+    weights = load_file(nan / "model.safetensors")
+    key = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[key][AutoTokenizer.from_pretrained(tiny).convert_tokens_to_ids(NAN_WORD)] = np.nan
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    return {
+        "tiny": tiny,
+        "rerank": checkpoint("bert", "sequence-classification", num_labels=1),
+        "classify": checkpoint("bert", "sequence-classification"),
+        "nan": nan,
+    }
+
+
+def readme_block() -> list[str]:
+    """README's Serve block (serve, curl, openai SDK), word for word but for the model folder, this interpreter and
+    `{port}` in place of 8080."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"\*\*Serve\*\*.*?\n```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    swaps = [
+        ("{", "{{"), ("}", "}}"), ("path/to/all-MiniLM-L6-v2", str(MINILM)), ("8080", "{port}"),
+        ("mlx-encoders serve", f"{sys.executable} -m mlx_encoders serve"), ("python -c", f"{sys.executable} -c"),
+    ]  # fmt: skip
+    for old, new in swaps:
+        block = [line.replace(old, new) for line in block]
+    return block
+
+
+@pytest.fixture(scope="module")
+def launched(folders):
+    """One `serve` process for the module, launched: README's command (MiniLM), plus the tiny models and at most
+    64 inputs a request. `server` waits for it; the oracles load meanwhile."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = readme_block()[0].format(port=port)
+    assert command.endswith(" &")
+    args = command[:-2].split()[command.split().index("serve") + 1 :] + ["--max-inputs", "64"]
+    for name, folder in folders.items():
+        args += ["--model", f"{name}={folder}"]
+    process = launch(args, port)  # README's own --port comes last and wins; it is the same
+    yield process, port
+    assert stop(process) == 0
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    process, port = launched
+    url = url_of(process)
+    assert url == f"http://127.0.0.1:{port}"
+    return url
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer(launched, one_torch_thread):
+    """sentence-transformers' model of all-MiniLM-L6-v2, loaded while the server starts."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(MINILM), device="cpu")
+
+
+def embeddings(url: str, **body) -> list[np.ndarray]:
+    status, answer, _ = call(url, "/v1/embeddings", body)
+    assert status == 200, answer
+    return [np.array(d["embedding"], np.float32) for d in answer["data"]]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def test_openai_sdk_base64_and_float_equal_sentence_transformers_and_encode(sentence_transformer, server):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from mlx_encoders import SentenceEncoder
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    default = client.embeddings.create(model="minilm", input=TEXTS)  # the SDK asks for base64
+    floats = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    got = np.array([d.embedding for d in default.data], np.float32)
+    assert [d.index for d in default.data] == list(range(len(TEXTS)))
+    np.testing.assert_array_equal(got, np.array([d.embedding for d in floats.data], np.float32))
+    assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+    np.testing.assert_allclose(got, SentenceEncoder(MINILM).encode(TEXTS), atol=1e-6, rtol=0)
+    tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(MINILM)(TEXTS)["input_ids"])
+    assert default.usage.prompt_tokens == default.usage.total_tokens == tokens
+    assert default.model == "minilm"
+
+
+def test_openai_sdk_token_ids_dimensions_and_two_models(server, sentence_transformer, folders):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from mlx_encoders import SentenceEncoder
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    ids = AutoTokenizer.from_pretrained(MINILM)(TEXTS)["input_ids"]
+    by_ids = client.embeddings.create(model="minilm", input=ids)
+    by_one_list = client.embeddings.create(model="minilm", input=ids[0])
+    expected = sentence_transformer.encode(TEXTS)
+    got = np.array([d.embedding for d in by_ids.data])
+    assert cosine(got, expected).min() >= 0.99999
+    np.testing.assert_allclose(by_one_list.data[0].embedding, got[0], atol=1e-6)
+    assert by_ids.usage.prompt_tokens == sum(map(len, ids))
+
+    short = client.embeddings.create(model="minilm", input=TEXTS, dimensions=64)
+    got = np.array([d.embedding for d in short.data])
+    assert got.shape == (len(TEXTS), 64)  # cut, then re-normalised: the model normalises
+    oracle = sentence_transformer.encode(TEXTS, truncate_dim=64, normalize_embeddings=True)
+    assert cosine(got, oracle).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-6)
+
+    tiny = client.embeddings.create(model="tiny", input=TEXTS)
+    with pytest.warns(UserWarning, match="pooling"):
+        encoder = SentenceEncoder(folders["tiny"])
+    np.testing.assert_allclose([d.embedding for d in tiny.data], encoder.encode(TEXTS), atol=1e-6, rtol=0)
+    assert {m.id for m in client.models.list()} == {"minilm", "tiny", "rerank", "classify", "nan"}
+
+
+def test_rerank_equals_sentence_transformers_cross_encoder(server, folders, one_torch_thread):
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    query = "Where is Paris?"
+    oracle = CrossEncoder(str(folders["rerank"]), device="cpu").predict([(query, d) for d in DOCS])
+    status, answer, _ = call(
+        server,
+        "/v1/rerank",
+        {"model": "rerank", "query": query, "documents": DOCS, "top_n": 3, "return_documents": True},
+    )
+    assert status == 200, answer
+    best = np.argsort(-oracle, kind="stable")[:3]
+    assert [r["index"] for r in answer["results"]] == best.tolist()
+    np.testing.assert_allclose([r["relevance_score"] for r in answer["results"]], oracle[best], atol=1e-6)
+    assert [r["document"]["text"] for r in answer["results"]] == [DOCS[i] for i in best]
+    assert answer["usage"]["total_tokens"] > 0
+
+    # TEI's shape: documents as {"text"} objects are taken too; raw scores are the logits
+    status, tei, _ = call(server, "/rerank", {"query": query, "texts": DOCS, "raw_scores": True, "return_text": True})
+    assert status == 200, tei
+    tokenizer = AutoTokenizer.from_pretrained(folders["rerank"])
+    model = AutoModelForSequenceClassification.from_pretrained(folders["rerank"]).eval()
+    with torch.no_grad():
+        logits = model(**tokenizer([query] * len(DOCS), DOCS, padding=True, return_tensors="pt")).logits[:, 0].numpy()
+    order = np.argsort(-logits, kind="stable")
+    assert [r["index"] for r in tei] == order.tolist() and [r["text"] for r in tei] == [DOCS[i] for i in order]
+    np.testing.assert_allclose([r["score"] for r in tei], logits[order], atol=1e-5)
+
+
+def test_classify_and_predict_equal_the_transformers_pipeline(server, folders, one_torch_thread):
+    from transformers import pipeline
+
+    oracle = pipeline("text-classification", model=str(folders["classify"]), top_k=None, device="cpu")(TEXTS)
+    status, answer, _ = call(server, "/v1/classify", {"model": "classify", "input": TEXTS})
+    assert status == 200, answer
+    status, tei, _ = call(server, "/predict", {"model": "classify", "inputs": TEXTS})
+    assert status == 200, tei
+    for expected, got, predicted in zip(oracle, answer["data"], tei, strict=True):
+        assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected] == [x["label"] for x in predicted]
+        np.testing.assert_allclose([x["score"] for x in got["labels"]], [x["score"] for x in expected], atol=1e-6)
+        assert got["label"] == expected[0]["label"]
+    pairs = pipeline("text-classification", model=str(folders["classify"]), top_k=None, device="cpu")(
+        [{"text": t, "text_pair": d} for t, d in PAIRS]
+    )
+    status, tei, _ = call(server, "/predict", {"model": "classify", "inputs": [[t, d] for t, d in PAIRS]})
+    assert status == 200, tei
+    for expected, predicted in zip(pairs, tei, strict=True):
+        assert [x["label"] for x in predicted] == [x["label"] for x in expected]
+        np.testing.assert_allclose([x["score"] for x in predicted], [x["score"] for x in expected], atol=1e-6)
+    status, one, _ = call(server, "/v1/classify", {"model": "classify", "input": TEXTS[0], "top_k": 1})
+    assert status == 200 and [x["label"] for x in one["data"][0]["labels"]] == [oracle[0][0]["label"]]
+    np.testing.assert_allclose(one["data"][0]["labels"][0]["score"], oracle[0][0]["score"], atol=1e-6)
+
+
+def test_tei_embed_and_tokenize(server, sentence_transformer):
+    from transformers import AutoTokenizer
+
+    status, vectors, _ = call(server, "/embed", {"model": "minilm", "inputs": TEXTS, "dimensions": 32})
+    assert status == 200, vectors
+    oracle = sentence_transformer.encode(TEXTS, truncate_dim=32, normalize_embeddings=True)
+    assert cosine(np.array(vectors), oracle).min() >= 0.99999
+    status, tokens, _ = call(server, "/tokenize", {"model": "minilm", "inputs": TEXTS[0]})
+    assert status == 200, tokens
+    encoded = AutoTokenizer.from_pretrained(MINILM)(TEXTS[0], return_offsets_mapping=True)
+    assert [t["id"] for t in tokens[0]] == encoded["input_ids"]
+    words = [t for t in tokens[0] if not t["special"]]
+    assert [(t["start"], t["stop"]) for t in words] == [tuple(o) for o in encoded["offset_mapping"][1:-1]]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/embeddings", b"{not json", 400, None),
+        ("/v1/embeddings", {"model": "minilm", "input": []}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": ["fine", ""]}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": [1, "a"]}, 400, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+        ("/v1/embeddings", {"model": "minilm", "input": "a", "dimensions": 999}, 400, "dimensions"),
+        ("/v1/embeddings", {"model": "minilm", "input": [[1, 10**9]]}, 400, None),
+        ("/v1/embeddings", {"model": "minilm", "input": ["a"] * 65}, 413, "input"),
+        ("/v1/embeddings", {"model": "gpt-4", "input": "a"}, 404, "model"),
+        ("/v1/embeddings", {"input": "a"}, 400, "model"),
+        ("/v1/rerank", {"model": "minilm", "query": "q", "documents": ["d"]}, 400, "model"),
+        ("/v1/rerank", {"model": "rerank", "query": "q", "documents": [3]}, 400, "documents"),
+        ("/v1/classify", {"model": "rerank", "input": "a", "top_k": 0}, 400, "top_k"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(server, path, body, status, param):
+    got, answer, _ = call(server, path, raw=body) if isinstance(body, bytes) else call(server, path, body)
+    assert got == status, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["param"] == param
+    if status == 404:
+        assert "minilm" in answer["error"]["message"] and "rerank" in answer["error"]["message"]
+
+
+def test_tei_routes_answer_tei_shaped_errors_and_unknown_routes_json(server):
+    status, answer, _ = call(server, "/embed", {"model": "minilm", "inputs": []})
+    assert status == 400 and answer["error_type"] == "Validation" and "inputs" in answer["error"]
+    status, answer, _ = call(server, "/v1/nothing", {})
+    assert status == 404 and "/v1/embeddings" in answer["error"]["message"]
+
+
+def test_over_long_input_is_an_error_unless_truncation_is_asked(server):
+    from mlx_encoders import SentenceEncoder
+
+    long = " ".join(["word"] * 400)  # MiniLM takes 256 tokens
+    status, answer, _ = call(server, "/v1/embeddings", {"model": "minilm", "input": ["short", long]})
+    assert status == 400 and "input[1]" in answer["error"]["message"] and "256" in answer["error"]["message"]
+    assert answer["error"]["code"] == "input_too_long"
+    got = embeddings(server, model="minilm", input=["short", long], truncate=True)
+    with pytest.warns(UserWarning, match="truncated"):
+        expected = SentenceEncoder(MINILM).encode(["short", long])
+    np.testing.assert_allclose(np.stack(got), expected, atol=1e-6, rtol=0)
+
+
+def test_over_long_pairs_are_an_error_unless_truncation_is_asked(server):
+    body = {"model": "rerank", "query": "q", "documents": ["short", " ".join(["word"] * 200)]}  # the model takes 128
+    status, answer, _ = call(server, "/v1/rerank", body)
+    assert status == 400 and "documents[1]" in answer["error"]["message"] and "128" in answer["error"]["message"]
+    status, answer, _ = call(server, "/v1/rerank", {**body, "truncate": True})
+    assert status == 200 and len(answer["results"]) == 2
+
+
+def test_non_finite_output_is_a_500_that_fails_alone(server, folders):
+    from mlx_encoders import SentenceEncoder
+
+    with pytest.warns(UserWarning, match="NaN or inf"), pytest.warns(UserWarning, match="pooling"):
+        expected = SentenceEncoder(folders["nan"]).encode(TEXTS)
+    bodies = [{"model": "nan", "input": [f"a {NAN_WORD} here"]}] * 4 + [{"model": "nan", "input": TEXTS}] * 8
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda body: call(server, "/v1/embeddings", body), bodies))
+    for status, answer, _ in answers[:4]:
+        assert status == 500 and answer["error"]["code"] == "non_finite_output", answer
+    for status, answer, _ in answers[4:]:
+        assert status == 200, answer
+        np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
+
+
+def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
+    status, text, _ = call(url, "/metrics", headers=headers)
+    assert status == 200
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(server):
+    kinds = [
+        ("/v1/embeddings", lambda i: {"model": "tiny", "input": TEXTS[: 1 + i % 4]}),
+        (
+            "/v1/embeddings",
+            lambda i: {"model": "minilm", "input": [TEXTS[i % 4], DOCS[i % 4]], "encoding_format": "float"},
+        ),
+        ("/v1/rerank", lambda i: {"model": "rerank", "query": TEXTS[i % 4], "documents": DOCS}),
+        ("/v1/classify", lambda i: {"model": "classify", "input": DOCS[i % 3 :]}),
+        ("/v1/embeddings", lambda i: {"model": "tiny", "input": [[1, 2, 10**9]]}),  # a bad one: 400, alone
+    ]
+    requests = [(path, body(i)) for i in range(8) for path, body in kinds]
+    sequential = {json.dumps(r): call(server, *r)[:2] for r in requests}
+    before = metric_values(server)
+    jobs = requests * 2  # 80 requests from 64 clients at once
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(lambda r: call(server, *r)[:2], jobs))
+    after = metric_values(server)
+    tokens, inputs, sent_to = {}, {}, {}  # per model, over the requests answered with 200
+    for request, (status, answer) in zip(jobs, answers, strict=True):
+        want_status, want = sequential[json.dumps(request)]
+        assert status == want_status, answer
+        if status != 200:
+            assert answer == want
+            continue
+        if request[0] == "/v1/embeddings":
+            np.testing.assert_allclose(
+                [d["embedding"] for d in answer["data"]], [d["embedding"] for d in want["data"]], atol=1e-6, rtol=0
+            )
+        elif request[0] == "/v1/rerank":
+            assert [r["index"] for r in answer["results"]] == [r["index"] for r in want["results"]]
+            np.testing.assert_allclose(
+                [r["relevance_score"] for r in answer["results"]], [r["relevance_score"] for r in want["results"]],
+                atol=1e-6,
+            )  # fmt: skip
+        else:
+            for got, expected in zip(answer["data"], want["data"], strict=True):
+                assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected["labels"]]
+        assert answer["usage"] == want["usage"]
+        model = request[1]["model"]
+        tokens[model] = tokens.get(model, 0) + answer["usage"]["total_tokens"]
+        inputs[model] = inputs.get(model, 0) + len(answer["data"] if "data" in answer else answer["results"])
+        sent_to[model] = sent_to.get(model, 0) + 1
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    for path in {path for path, _ in requests}:
+        for status in {s for s, _ in answers}:
+            sent = sum(1 for (p, _), (s, _) in zip(jobs, answers, strict=True) if p == path and s == status)
+            assert delta(f'mlx_encoders_requests_total{{route="{path}",status="{status}"}}') == sent
+    assert delta('mlx_encoders_request_errors_total{route="/v1/embeddings",status="400"}') == 16
+    for model, count in tokens.items():
+        assert delta(f'mlx_encoders_tokens_total{{model="{model}"}}') == count
+        assert delta(f'mlx_encoders_inputs_total{{model="{model}"}}') == inputs[model]
+        assert delta(f'mlx_encoders_batch_size_sum{{model="{model}"}}') == inputs[model]
+        assert delta(f'mlx_encoders_batch_size_count{{model="{model}"}}') <= sent_to[model]
+    assert delta('mlx_encoders_request_duration_seconds_count{route="/v1/rerank"}') == 16
+    assert delta('mlx_encoders_queue_depth{model="tiny"}') == 0
+
+
+@pytest.fixture(scope="module")
+def small_queue(folders):
+    """An in-process server (uvicorn on a thread) whose tiny model holds one waiting request, waits 300 ms for a
+    batch to fill and runs batches of 32 tokens at most, behind an API key and with CORS for one origin."""
+    import uvicorn
+
+    from mlx_encoders import serve
+
+    with pytest.warns(UserWarning, match="pooling"):
+        app = serve.app(
+            {"tiny": folders["tiny"]}, max_queue=1, max_wait_ms=300, api_key="secret",
+            cors_origins=("http://example.com",), max_batch_tokens=32, max_request_bytes=4000,
+        )  # fmt: skip
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue):
+    key = {"Authorization": "Bearer secret"}
+    body = {"model": "tiny", "input": ["hello"]}  # under the 32-token budget: the first waits 300 ms in the queue
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: call(small_queue, "/v1/embeddings", body, key), range(16)))
+    statuses = [status for status, _, _ in answers]
+    assert set(statuses) == {200, 429} and statuses.count(429) >= 8, statuses
+    refused = next(a for a in answers if a[0] == 429)
+    assert refused[2]["Retry-After"] == "1" and refused[1]["error"]["code"] == "queue_full"
+    accepted = [np.array([d["embedding"] for d in a[1]["data"]]) for a in answers if a[0] == 200]
+    status, again, _ = call(small_queue, "/v1/embeddings", body, key)
+    assert status == 200
+    for vectors in accepted:
+        np.testing.assert_allclose(vectors, [d["embedding"] for d in again["data"]], atol=1e-6, rtol=0)
+
+
+def test_a_request_over_the_token_budget_is_split_and_put_back_in_order(small_queue, folders):
+    from mlx_encoders import SentenceEncoder
+
+    key = {"Authorization": "Bearer secret"}
+    texts = [f"{i} " + TEXTS[i % 4] for i in range(12)]  # about 130 tokens: five batches or more of 32
+    before = metric_values(small_queue, key)
+    status, answer, _ = call(small_queue, "/v1/embeddings", {"model": "tiny", "input": texts}, key)
+    after = metric_values(small_queue, key)
+    assert status == 200, answer
+    batches = 'mlx_encoders_batch_size_count{model="tiny"}'
+    assert after[batches] - before[batches] >= answer["usage"]["total_tokens"] // 32
+    assert [d["index"] for d in answer["data"]] == list(range(12))
+    with pytest.warns(UserWarning, match="pooling"):
+        expected = SentenceEncoder(folders["tiny"]).encode(texts)
+    np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
+    status, answer, _ = call(small_queue, "/v1/embeddings", {"model": "tiny", "input": ["x" * 5000]}, key)
+    assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
+
+
+def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small_queue, server):
+    assert call(small_queue, "/v1/models")[0] == 401
+    status, answer, headers = call(small_queue, "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert status == 401 and answer["error"]["type"] == "authentication_error"
+    assert call(small_queue, "/embed", {"inputs": "a"})[1]["error_type"] == "Unauthorized"
+    assert call(small_queue, "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    assert call(small_queue, "/health")[0] == 200
+    origin = {"Origin": "http://example.com", "Authorization": "Bearer secret"}
+    assert call(small_queue, "/v1/models", headers=origin)[2]["access-control-allow-origin"] == "http://example.com"
+    assert "access-control-allow-origin" not in call(server, "/v1/models", headers=origin)[2]
+
+
+def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders):
+    """Also: the API key from the environment, and a model named after its folder."""
+    name, key = folders["tiny"].name, {"Authorization": "Bearer from-env"}
+    args = ["--model", str(folders["tiny"]), "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
+    process = launch(args, env={**os.environ, "MLX_ENCODERS_API_KEY": "from-env"})
+    url = url_of(process)
+    try:
+        assert call(url, "/health")[0] == 200
+        assert call(url, "/v1/embeddings", {"model": name, "input": TEXTS})[0] == 401
+        body = {"model": name, "input": TEXTS}
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, url, "/v1/embeddings", body, key) for _ in range(8)]
+            deadline = time.monotonic() + 10  # until the 8 wait in the worker's 1.5 s batch window (+ this scrape)
+            while (in_flight := metric_values(url, key)["mlx_encoders_requests_in_flight"]) < 9:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            assert in_flight >= 2  # at least one request besides the scrape
+            answers = [f.result() for f in futures]
+        assert [status for status, _, _ in answers] == [200] * 8
+        assert all(len(answer["data"]) == len(TEXTS) for _, answer, _ in answers)
+        assert process.wait(timeout=30) == 0
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(url + "/health", timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_readme_serve_block_runs(server):
+    """The module's server runs README's command; its curl and openai SDK lines, word for word, call it."""
+    port = server.rsplit(":", 1)[1]
+    _, curl, sdk = (line.format(port=port) for line in readme_block())
+    answer = json.loads(subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout)
+    assert len(answer["data"][0]["embedding"]) == 384
+    printed = subprocess.run(sdk, shell=True, capture_output=True, text=True, timeout=60)
+    assert printed.stdout.strip() == sdk.rsplit("# ", 1)[1], printed.stderr
+
+
+def test_the_package_and_its_command_line_import_without_the_serve_stack():
+    code = (
+        "import sys; sys.modules['starlette'] = None; import mlx_encoders, mlx_encoders.__main__, mlx_encoders.serve\n"
+        "mlx_encoders.__main__.parser()\n"
+        "try:\n    mlx_encoders.serve.app('unused')\nexcept ImportError as e:\n    print(e)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 'pip install "mlx-encoders[serve]"' in done.stdout and "starlette" in done.stdout
+
+
+def test_batcher_splits_large_requests_in_order_and_a_failure_fails_only_its_request():
+    """The batcher alone, over a stand-in model (row i = the ids of item i, summed): a request over the token budget
+    is split and put back in order; a batch that raises is retried request by request."""
+    from mlx_encoders.serve.batcher import Batcher
+    from mlx_encoders.serve.models import TokenIds
+
+    batches = []
+
+    def compute(items):
+        batches.append(len(items))
+        if any(-1 in item.ids for item in items):
+            raise ValueError("bad item")
+        return np.array([[sum(item.ids)] for item in items], np.float32)
+
+    batcher = Batcher("stand-in", compute, max_batch_tokens=10, max_wait_ms=200, max_queue=8)
+    large = [TokenIds([i, i, i], [0, 0, 0]) for i in range(9)]  # 27 tokens: three batches or more
+    futures = [batcher.submit([TokenIds([1], [0])]), batcher.submit([TokenIds([-1], [0])]), batcher.submit(large)]
+    assert futures[0].result(timeout=10).tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="bad item"):
+        futures[1].result(timeout=10)
+    assert futures[2].result(timeout=10).ravel().tolist() == [3.0 * i for i in range(9)]
+    assert len(batches) >= 4 and max(batches) <= 5  # the first batch failed and was rerun request by request
+    batcher.stop()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        batcher.submit(large)
