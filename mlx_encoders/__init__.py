@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
     "SentenceEncoder", "CrossEncoder", "quantize_embeddings", "pipeline", "convert", "generate", "stream_generate",
-    "GenerationConfig",
+    "GenerationConfig", "SparseEncoder", "SparseVectors",
 ]  # fmt: skip
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
@@ -24,6 +24,7 @@ _LAZY = {
     "SentenceEncoder": "sentence", "CrossEncoder": "cross_encoder", "quantize_embeddings": "vectors",
     "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
+    "SparseEncoder": "sparse", "SparseVectors": "sparse",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation")
 runtime.warn_if_slow_blas()
