@@ -17,6 +17,7 @@ __all__ = [
     "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
     "SentenceEncoder", "CrossEncoder", "quantize_embeddings", "pipeline", "convert", "generate", "stream_generate",
     "GenerationConfig", "SparseEncoder", "SparseVectors",
+    "MultiVectorEncoder", "Muvera",
 ]  # fmt: skip
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
@@ -24,7 +25,7 @@ _LAZY = {
     "SentenceEncoder": "sentence", "CrossEncoder": "cross_encoder", "quantize_embeddings": "vectors",
     "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
-    "SparseEncoder": "sparse", "SparseVectors": "sparse",
+    "SparseEncoder": "sparse", "SparseVectors": "sparse", "MultiVectorEncoder": "multi_vector", "Muvera": "muvera",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation")
 runtime.warn_if_slow_blas()
