@@ -17,7 +17,7 @@ __all__ = [
     "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
     "SentenceEncoder", "CrossEncoder", "quantize_embeddings", "pipeline", "convert", "generate", "stream_generate",
     "GenerationConfig", "SparseEncoder", "SparseVectors",
-    "MultiVectorEncoder", "Muvera",
+    "MultiVectorEncoder", "Muvera", "BGEM3",
 ]  # fmt: skip
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
@@ -26,6 +26,7 @@ _LAZY = {
     "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
     "SparseEncoder": "sparse", "SparseVectors": "sparse", "MultiVectorEncoder": "multi_vector", "Muvera": "muvera",
+    "BGEM3": "bge_m3",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation")
 runtime.warn_if_slow_blas()
