@@ -123,3 +123,70 @@ def test_sparse_vectors_layout():
     np.testing.assert_array_equal(vectors.toarray(), [[0, 2.0, 0, 0, 0.5, 0], [0] * 6])
     ids, values = vectors[-1]
     assert len(ids) == len(values) == 0
+
+
+def test_splade_loss_value_and_gradients_match_sentence_transformers(tmp_path, mlm):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
+
+    from mlx_encoders.train.sparse_losses import splade_loss
+
+    columns = [TEXTS[:3] + TEXTS[4:5], TEXTS[1:5], TEXTS[2:6]]  # queries, positives, hard negatives
+    weights = dict(document_regularizer_weight=3e-6, query_regularizer_weight=5e-6, document_regularizer_threshold=40)
+    folder = save_splade(tmp_path / "st", mlm["bert"], strategy="sum")  # max pooling's near-ties route gradients apart
+    st = STSparseEncoder(str(folder), device="cpu").train()  # SpladePooling's eval mode works in place
+    for module in st.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # deterministic, like our eval-mode forward
+    loss = SpladeLoss(st, SparseMultipleNegativesRankingLoss(st, scale=1e-5), **weights)
+    expected = loss([st.preprocess(column) for column in columns], None)
+    sum(expected.values()).backward()
+
+    route = SparseEncoder(folder).route(None)
+    route.model.eval()
+
+    def total(_model) -> tuple[mx.array, dict]:
+        batches = [route.tokenizer.encode_batch(c, truncation=True, max_length=route.max_seq_length) for c in columns]
+        parts = splade_loss([route.pooled(route.tokenizer.pad(b)) for b in batches], scale=1e-5, **weights)
+        return sum(parts.values()), parts
+
+    (value, parts), grads = nn.value_and_grad(route.model, total)(route.model)
+    assert parts.keys() == expected.keys()
+    for name, part in parts.items():
+        # sums over 30522 dimensions of sum-pooled weights in the thousands: float32 rounding reaches 1e-5
+        np.testing.assert_allclose(part.item(), expected[name].item(), rtol=3e-5)
+    assert parts["document_regularizer_loss"].item() > 0 and parts["query_regularizer_loss"].item() > 0
+    torch_params = dict(st[0].auto_model.named_parameters())
+    grads = dict(tree_flatten(grads))
+    for name in ("cls.predictions.transform.dense.weight", "bert.encoder.layer.1.attention.self.query.weight"):
+        reference = torch_params[name].grad.numpy()
+        np.testing.assert_allclose(np.array(grads[name]), reference, atol=1e-5 * np.abs(reference).max(), rtol=1e-4)
+
+
+def test_flops_threshold_and_ranking_loss_match_sentence_transformers():
+    import mlx.core as mx
+    from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
+
+    from mlx_encoders.train.sparse_losses import flops, multiple_negatives_ranking
+
+    rng = np.random.default_rng(0)
+    columns = [np.maximum(rng.normal(size=(5, 40)), 0).astype(np.float32) for _ in range(3)]
+    columns[1][:2, 5:] = 0  # two rows with 5 active dimensions: under the threshold, they drop out of FLOPS
+    tensors = [torch.tensor(c, requires_grad=True) for c in columns]
+    model = None  # the losses' compute_loss_from_embeddings reads no model
+    expected = FlopsLoss(model, threshold=6).compute_loss_from_embeddings(tensors[1])
+    expected = expected + SparseMultipleNegativesRankingLoss(model, scale=2.0).compute_loss_from_embeddings(
+        tensors, None
+    )
+    expected.backward()
+
+    def total(*arrays):
+        return flops(arrays[1], threshold=6) + multiple_negatives_ranking(list(arrays), scale=2.0)
+
+    value, grads = mx.value_and_grad(total, argnums=(0, 1, 2))(*(mx.array(c) for c in columns))
+    np.testing.assert_allclose(value.item(), expected.item(), rtol=1e-6)
+    for ours, theirs in zip(grads, tensors, strict=True):
+        np.testing.assert_allclose(np.array(ours), theirs.grad.numpy(), atol=1e-6)
+    assert np.abs(np.array(grads[1])[:2]).max() > 0  # ranking still reaches the rows FLOPS left out
