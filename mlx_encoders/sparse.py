@@ -60,6 +60,15 @@ class SparseVectors:
         keep = self.row == range(len(self))[i]
         return self.col[keep], self.data[keep]
 
+    def rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(token ids, weights) of every row (one for a single vector), without densifying."""
+        count = self.shape[0] if len(self.shape) == 2 else 1
+        if not count:
+            return []
+        order = np.argsort(self.row, kind="stable")
+        bounds = np.cumsum(np.bincount(self.row, minlength=count))[:-1]
+        return list(zip(np.split(self.col[order], bounds), np.split(self.data[order], bounds), strict=True))
+
     def toarray(self) -> np.ndarray:
         out = np.zeros((self.shape[0] if len(self.shape) == 2 else 1, self.shape[-1]), np.float32)
         out[self.row, self.col] = self.data
@@ -76,6 +85,18 @@ def keep_largest(values: np.ndarray, limit: int | None) -> tuple[np.ndarray, np.
         values = kept
     ids = np.flatnonzero(values)
     return ids, values[ids]
+
+
+def sparse_dot(a: SparseVectors, b: SparseVectors) -> np.ndarray:
+    """(N, M) float32 dot products of sparse rows, touching only b's stored entries once per row of a."""
+    count = b.shape[0] if len(b.shape) == 2 else 1
+    query = np.zeros(b.shape[-1], np.float64)
+    out = np.zeros((len(a.rows()), count), np.float32)
+    for i, (ids, values) in enumerate(a.rows()):
+        query[ids] = values
+        out[i] = np.bincount(b.row, weights=b.data * query[b.col], minlength=count)
+        query[ids] = 0
+    return out
 
 
 def dense_rows(x) -> np.ndarray:
@@ -322,6 +343,9 @@ class SparseEncoder:
     def similarity(self, embeddings1, embeddings2) -> mx.array:
         """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2` (SparseVectors or
         dense arrays), by `similarity_fn_name`."""
+        if self.similarity_fn_name == "dot" and isinstance(embeddings1, SparseVectors):
+            if isinstance(embeddings2, SparseVectors):  # a corpus's vocabulary-wide dense copy would not fit
+                return mx.array(sparse_dot(embeddings1, embeddings2))
         return SIMILARITIES[self.similarity_fn_name][0](dense_rows(embeddings1), dense_rows(embeddings2))
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
@@ -333,10 +357,13 @@ class SparseEncoder:
         input), a list of such lists for (N, V)."""
         if top_k is not None:
             check_count("decode() top_k", top_k, 1)
-        single = np.ndim(embeddings.toarray() if isinstance(embeddings, SparseVectors) else embeddings) == 1
+        if isinstance(embeddings, SparseVectors):
+            single, rows = len(embeddings.shape) == 1, embeddings.rows()
+        else:
+            single = np.ndim(embeddings) == 1
+            rows = [(np.flatnonzero(row), row[np.flatnonzero(row)]) for row in dense_rows(embeddings)]
         out = []
-        for row in dense_rows(embeddings):
-            ids = np.flatnonzero(row)
-            ids = ids[np.argsort(-row[ids], kind="stable")][:top_k]
-            out.append(list(zip(self.tokenizer.convert_ids_to_tokens(ids), row[ids].tolist(), strict=True)))
+        for ids, values in rows:
+            keep = np.argsort(-values, kind="stable")[:top_k]
+            out.append(list(zip(self.tokenizer.convert_ids_to_tokens(ids[keep]), values[keep].tolist(), strict=True)))
         return out[0] if single else out

@@ -16,6 +16,7 @@ from sentence_transformers.base.modules import Router, Transformer
 from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
 
 from mlx_encoders import SparseEncoder, SparseVectors
+from mlx_encoders.sparse import sparse_dot
 
 TEXTS = [
     "A cat sat on the mat.",
@@ -123,6 +124,12 @@ def test_sparse_vectors_layout():
     np.testing.assert_array_equal(vectors.toarray(), [[0, 2.0, 0, 0, 0.5, 0], [0] * 6])
     ids, values = vectors[-1]
     assert len(ids) == len(values) == 0
+    assert [len(ids) for ids, _ in vectors.rows()] == [2, 0] and SparseVectors.from_rows([], 6).rows() == []
+    rng = np.random.default_rng(0)
+    dense = np.where(rng.random((7, 50)) < 0.2, rng.random((7, 50)), 0).astype(np.float32)
+    many = SparseVectors.from_rows([(np.flatnonzero(r), r[np.flatnonzero(r)]) for r in dense], 50)
+    np.testing.assert_array_equal(many.toarray(), dense)
+    np.testing.assert_allclose(sparse_dot(many, many), dense @ dense.T, rtol=1e-6)
 
 
 def test_splade_loss_value_and_gradients_match_sentence_transformers(tmp_path, mlm):
