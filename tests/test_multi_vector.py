@@ -162,3 +162,13 @@ def test_muvera_dot_products_rank_like_maxsim():
             assert hits < 0.3 and r < 0.2
         else:
             assert hits >= recall and r > correlation
+
+
+def test_unsupported_modules_are_refused_by_name(tmp_path, encoders):
+    folder = save_colbert(tmp_path / "st", encoders["bert"])
+    text = (
+        (folder / "modules.json").read_text().replace("multi_vector_mask.MultiVectorMask", "token_pooling.Hierarchical")
+    )
+    (folder / "modules.json").write_text(text)
+    with pytest.raises(ValueError, match="module 'sentence_transformers.multi_vector_encoder.modules.token_pooling"):
+        MultiVectorEncoder(folder)
