@@ -45,6 +45,14 @@ def as_list(x) -> list:
     return list(x)
 
 
+def maxsim_scores(queries: mx.array, query_mask: mx.array, documents: mx.array, document_mask: mx.array) -> mx.array:
+    """(N, M) MaxSim of (N, Lq, D) queries and (M, Ld, D) documents, their (N, Lq) / (M, Ld) masks marking the
+    scored tokens: differentiable, for scoring and training alike."""
+    scores = mx.einsum("nqd,mtd->nmqt", queries, documents)  # (N, M, Lq, Ld)
+    best = mx.where(document_mask[None, :, None, :] > 0, scores, -mx.inf).max(axis=-1)  # (N, M, Lq)
+    return mx.where(query_mask[:, None, :] > 0, best, 0).sum(axis=-1)
+
+
 def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
     """(N, M) float32: sum over each query's tokens of the largest dot with a token of the document (divided by
     the query's token count with `length_normalize`), as sentence_transformers.util.maxsim."""
@@ -53,13 +61,9 @@ def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
     if not len(q) or not docs:
         return mx.zeros((len(q), len(docs)), mx.float32)
     step = max(1, CHUNK_ELEMENTS // max(q.shape[0] * q.shape[1] * max(len(d) for d in docs), 1))
-    parts = []
-    for start in range(0, len(docs), step):
-        d, d_mask = padded(docs[start : start + step])
-        scores = mx.einsum("nqd,mtd->nmqt", q, d)  # (N, M, Lq, Ld)
-        best = mx.where(d_mask[None, :, None, :] > 0, scores, -mx.inf).max(axis=-1)  # (N, M, Lq)
-        parts.append((best * q_mask[:, None, :]).sum(axis=-1))
-    out = mx.concatenate(parts, axis=1)
+    out = mx.concatenate(
+        [maxsim_scores(q, q_mask, *padded(docs[start : start + step])) for start in range(0, len(docs), step)], axis=1
+    )
     return out / mx.maximum(q_mask.sum(axis=1, keepdims=True), 1) if length_normalize else out
 
 

@@ -172,3 +172,43 @@ def test_unsupported_modules_are_refused_by_name(tmp_path, encoders):
     (folder / "modules.json").write_text(text)
     with pytest.raises(ValueError, match="module 'sentence_transformers.multi_vector_encoder.modules.token_pooling"):
         MultiVectorEncoder(folder)
+
+
+def test_maxsim_ranking_loss_value_and_gradients_match_sentence_transformers(tmp_path, encoders):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+
+    from mlx_encoders.train.multi_vector_losses import multi_vector_ranking
+
+    columns = [("query", QUERIES), ("document", DOCUMENTS[:4]), ("document", DOCUMENTS[1:])]  # + hard negatives
+    folder = save_colbert(tmp_path / "st", encoders["bert"], {"strategy": "fixed", "length": 12})
+    st = STMultiVectorEncoder(str(folder), device="cpu").train()
+    for module in st.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # deterministic, like our forward
+    features = [{**st.preprocess(t, prompt=st.prompts[task], task=task), "task": task} for task, t in columns]
+    expected = MultiVectorMultipleNegativesRankingLoss(st, scale=3.0)(features)
+    expected.backward()
+
+    encoder = MultiVectorEncoder(folder)
+    encoder.model.eval()
+    inputs = []
+    for task, texts in columns:
+        prompt = encoder.prompts[task]
+        encodings = encoder.tokenizer.encode_batch([prompt + t for t in texts], max_length=encoder.max_length(task))
+        batch, scored = encoder.batch(encodings, task)
+        inputs.append((batch, mx.array(scored)))
+
+    def loss(_model):
+        embedded = [(encoder.embed(batch), scored) for batch, scored in inputs]
+        return multi_vector_ranking(embedded[0], embedded[1:], scale=3.0)
+
+    value, grads = nn.value_and_grad(encoder.model, loss)(encoder.model)
+    np.testing.assert_allclose(value.item(), expected.item(), rtol=1e-5)
+    grads = dict(tree_flatten(grads))
+    torch_params = dict(st[0].auto_model.named_parameters())
+    for name in ("encoder.layer.1.attention.self.query.weight", "embeddings.word_embeddings.weight"):
+        reference = torch_params[name].grad.numpy()
+        np.testing.assert_allclose(np.array(grads[name]), reference, atol=1e-5 * np.abs(reference).max(), rtol=1e-4)
