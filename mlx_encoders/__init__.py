@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "load", "load_model", "load_tokenizer", "save", "ModelOutput", "Tokenizer", "MODEL_TYPES", "TASKS",
     "SentenceEncoder", "CrossEncoder", "quantize_embeddings", "pipeline", "convert", "generate", "stream_generate",
-    "GenerationConfig",
+    "GenerationConfig", "SparseEncoder", "SparseVectors",
+    "MultiVectorEncoder", "Muvera", "BGEM3",
 ]  # fmt: skip
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
@@ -24,6 +25,8 @@ _LAZY = {
     "SentenceEncoder": "sentence", "CrossEncoder": "cross_encoder", "quantize_embeddings": "vectors",
     "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
     "stream_generate": "generation", "GenerationConfig": "generation",
+    "SparseEncoder": "sparse", "SparseVectors": "sparse", "MultiVectorEncoder": "multi_vector", "Muvera": "muvera",
+    "BGEM3": "bge_m3",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation", "serve")
 runtime.warn_if_slow_blas()

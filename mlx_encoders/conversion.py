@@ -22,6 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import __version__
+from .bge_m3 import HEADS as BGE_M3_HEADS
 from .checkpoint import (
     DTYPES,
     MAX_SHARD_BYTES,
@@ -102,6 +103,42 @@ def copy_sentence_files(source: Path, folder: Path, dtype: mx.Dtype | None) -> l
                 shutil.copy2(file, target / file.name)
         names.append(module.name + "/")
     return names
+
+
+def convert_torch_heads(source: Path, folder: Path, dtype: mx.Dtype | None) -> list[str]:
+    """BGE-M3's extra heads (sparse_linear, colbert_linear) as safetensors in `folder`: copied when the source
+    has them so, else read from their .pt pickles with torch's weights-only loader, which refuses anything but
+    tensors. Returns the names written."""
+    written = []
+    for name in BGE_M3_HEADS:
+        target = folder / f"{name}.safetensors"
+        if (source / target.name).is_file():
+            weights = read_safetensors(source / target.name)
+        elif (source / f"{name}.pt").is_file():
+            weights = read_torch_weights(source / f"{name}.pt")
+        else:
+            continue
+        if dtype is not None:
+            weights = {k: v.astype(dtype) for k, v in weights.items()}
+        mx.save_safetensors(str(target), weights, metadata={"format": "pt"})
+        written.append(target.name)
+    return written
+
+
+def read_torch_weights(file: Path) -> dict[str, mx.array]:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"Converting {file} (a torch pickle) needs torch: pip install torch") from e
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError or RuntimeError for what its safe loader refuses
+        raise ValueError(
+            f"{file} is not a plain state dict of tensors that torch's weights-only loader reads: {e}"
+        ) from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{file} must hold a state dict of tensors (a Linear's weight and bias)")
+    return {k: mx.array(v.detach().to(torch.float32).numpy()) for k, v in state.items()}
 
 
 def source_tokenizer(model: nn.Module, checkpoint: Checkpoint) -> Tokenizer | None:
@@ -313,6 +350,7 @@ def write_folder(
     files = write_checkpoint(model, config, folder, shard_size)
     copy_tokenizer_files(source, folder)
     copy_sentence_files(source, folder, dtype)
+    convert_torch_heads(source, folder, dtype)
     report["bytes_after"] = sum(f.stat().st_size for f in files)
     report["bits_per_weight"] = 8 * report["bytes_after"] / report["parameters"]
 

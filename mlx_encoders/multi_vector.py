@@ -1,0 +1,292 @@
+"""Late-interaction (ColBERT) embeddings with sentence-transformers' semantics: `MultiVectorEncoder(path)`.
+
+Reads the folders `sentence_transformers.MultiVectorEncoder` (multi_vector_encoder/ of sentence-transformers 6)
+saves: a `Transformer` whose sentence_bert_config.json holds `query_length`, `document_length` and
+`query_expansion` (ColBERT's query padding with [MASK] tokens the encoder does not attend to, yet which are
+scored), token-level `Dense` projections, a `MultiVectorMask` (which tokens are scored: the real ones, the
+expansion ones of queries, minus the `skiplist_words` of documents) and `Normalize`. Markers such as "[Q] " are
+the query / document prompts. `similarity` is MaxSim: sum over query tokens of the best document token's dot.
+"""
+
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import Checkpoint, load_model, load_tokenizer, read_json_object, read_modules
+from .checkpoint import resolve as resolve_path
+from .engine.batching import run_batches
+from .sentence import DEFAULT_PROMPTS, DOCUMENT_PROMPTS, Dense, load_dense, lowercase, merge_prompts, resolve_prompt
+from .tokenizer import check_count, text_list
+from .vectors import normalize
+
+MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
+SIMILARITY_NAMES = ("maxsim", "meanmaxsim")
+CHUNK_ELEMENTS = 2**24  # MaxSim scores (queries x query tokens x documents x document tokens) per chunk of documents
+
+
+def padded(matrices: list) -> tuple[mx.array, mx.array]:
+    """A list of (n_i, D) matrices -> (N, L, D) float32 zero-padded and the (N, L) 1/0 mask of real rows."""
+    matrices = [np.asarray(m, dtype=np.float32) for m in matrices]
+    width = max((len(m) for m in matrices), default=0)
+    dim = matrices[0].shape[1] if matrices else 0
+    out = np.zeros((len(matrices), width, dim), np.float32)
+    mask = np.zeros((len(matrices), width), np.float32)
+    for i, m in enumerate(matrices):
+        out[i, : len(m)], mask[i, : len(m)] = m, 1
+    return mx.array(out), mx.array(mask)
+
+
+def as_list(x) -> list:
+    """A (n, D) matrix is one text, a (N, L, D) array or a list are several."""
+    if isinstance(x, (np.ndarray, mx.array)) and x.ndim == 2:
+        return [x]
+    return list(x)
+
+
+def maxsim_scores(queries: mx.array, query_mask: mx.array, documents: mx.array, document_mask: mx.array) -> mx.array:
+    """(N, M) MaxSim of (N, Lq, D) queries and (M, Ld, D) documents, their (N, Lq) / (M, Ld) masks marking the
+    scored tokens: differentiable, for scoring and training alike."""
+    scores = mx.einsum("nqd,mtd->nmqt", queries, documents)  # (N, M, Lq, Ld)
+    best = mx.where(document_mask[None, :, None, :] > 0, scores, -mx.inf).max(axis=-1)  # (N, M, Lq)
+    return mx.where(query_mask[:, None, :] > 0, best, 0).sum(axis=-1)
+
+
+def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
+    """(N, M) float32: sum over each query's tokens of the largest dot with a token of the document (divided by
+    the query's token count with `length_normalize`), as sentence_transformers.util.maxsim."""
+    q, q_mask = padded(as_list(queries))
+    docs = as_list(documents)
+    if not len(q) or not docs:
+        return mx.zeros((len(q), len(docs)), mx.float32)
+    step = max(1, CHUNK_ELEMENTS // max(q.shape[0] * q.shape[1] * max(len(d) for d in docs), 1))
+    out = mx.concatenate(
+        [maxsim_scores(q, q_mask, *padded(docs[start : start + step])) for start in range(0, len(docs), step)], axis=1
+    )
+    return out / mx.maximum(q_mask.sum(axis=1, keepdims=True), 1) if length_normalize else out
+
+
+class MultiVectorEncoder:
+    """Texts -> one (tokens, D) matrix each, like `sentence_transformers.MultiVectorEncoder(path).encode(texts)`.
+
+    `path_or_repo`: a local folder or hub id of a sentence-transformers multi-vector model. `dtype` casts the
+    encoder's weights; `prompts`, `default_prompt_name` and `similarity_fn_name` ("maxsim" or "meanmaxsim")
+    override config_sentence_transformers.json.
+    """
+
+    def __init__(
+        self,
+        path_or_repo: str | Path,
+        dtype=None,
+        revision: str | None = None,
+        *,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: str | None = None,
+    ):
+        self.path = resolve_path(path_or_repo, revision)
+        self.dense: list[Dense] = []
+        self.normalize = False
+        self.skiplist_words: list[str] = []
+        self.skiplist_tasks = ["document"]
+        self.keep_only_token_ids: list[int] | None = None
+        transformer = self.read_modules()
+        checkpoint = Checkpoint.open(transformer)
+        self.model = load_model(checkpoint, dtype=dtype, task="encoder")
+        self.tokenizer = load_tokenizer(self.model, checkpoint)
+        self.read_transformer_config(transformer / "sentence_bert_config.json")
+        file = self.path / "config_sentence_transformers.json"
+        config = read_json_object(file)
+        self.prompts, self.default_prompt_name = merge_prompts(
+            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
+        )
+        self.similarity_fn_name = similarity_fn_name or config.get("similarity_fn_name") or "maxsim"
+        if self.similarity_fn_name not in SIMILARITY_NAMES:
+            raise ValueError(f"similarity_fn_name must be one of {SIMILARITY_NAMES}, got {self.similarity_fn_name!r}")
+        self.skip_ids = self.resolve_skiplist()
+        self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else self.model.args.hidden_size
+
+    def read_modules(self) -> Path:
+        """Read the modules after the Transformer; returns the Transformer's folder."""
+        transformer = self.path
+        for kind, folder in read_modules(self.path):
+            name = kind.rsplit(".", 1)[-1]
+            if name not in MODULES:
+                raise ValueError(
+                    f"{self.path / 'modules.json'}: module {kind!r} is not supported; MultiVectorEncoder runs "
+                    f"{', '.join(MODULES)} modules"
+                )
+            if name == "Transformer":
+                transformer = folder
+            elif name == "Dense":
+                self.dense.append(load_dense(folder))
+            elif name == "Normalize":
+                self.normalize = True
+            else:
+                config = read_json_object(folder / "config.json")
+                self.skiplist_words = list(config.get("skiplist_words") or [])
+                tasks = config.get("skiplist_tasks") or ["document"]
+                self.skiplist_tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+                self.keep_only_token_ids = config.get("keep_only_token_ids")
+        return transformer
+
+    def read_transformer_config(self, file: Path) -> None:
+        config = read_json_object(file)
+        limit = self.model.args.max_tokens
+        self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
+        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
+        self.query_length: int | None = config.get("query_length")
+        self.document_length: int | None = config.get("document_length")
+        self.query_expansion: dict | None = config.get("query_expansion")
+        expansion = self.query_expansion
+        if expansion is not None and (
+            expansion.get("strategy") not in ("fixed", "min") or not isinstance(expansion.get("length"), int)
+        ):
+            raise ValueError(
+                f"{file}: query_expansion needs strategy 'fixed' or 'min' and an int length, got {expansion!r}"
+            )
+        if config.get("do_lower_case"):
+            lowercase(self.tokenizer)
+
+    def resolve_skiplist(self) -> np.ndarray:
+        """Token ids of the skiplist words that are single vocabulary tokens (others would only match [UNK])."""
+        ids = [self.tokenizer.token_id(word) for word in self.skiplist_words]
+        return np.array([i for i in ids if i is not None], np.int64)
+
+    def expansion_id(self) -> int:
+        """The expansion token's id: the configured token, else [MASK], else the end-of-text token (decoders)."""
+        token = self.query_expansion.get("token")
+        if token is not None:
+            found = self.tokenizer.token_id(token)
+        else:
+            found = self.tokenizer.mask_token_id
+            found = found if found is not None else self.tokenizer.token_id(self.tokenizer.eos_token)
+        if found is None:
+            raise ValueError(f"{self.path}: query expansion token {token!r} is not in the tokenizer's vocabulary")
+        return found
+
+    def max_length(self, task: str | None) -> int:
+        expansion = self.query_expansion if task == "query" else None
+        length = {"query": self.query_length, "document": self.document_length}.get(task) or self.max_seq_length
+        if expansion is None:
+            return length
+        return expansion["length"] if expansion["strategy"] == "fixed" else max(length, expansion["length"])
+
+    def batch(self, encodings: list, task: str | None) -> tuple[dict[str, mx.array], np.ndarray]:
+        """One padded batch and its (B, L) mask of the scored tokens."""
+        expansion = self.query_expansion if task == "query" else None
+        floor = expansion["length"] if expansion else 0
+        width = max(floor, max(len(e.ids) for e in encodings))
+        batch = self.tokenizer.pad(encodings, width, return_tensors="np")
+        scored = batch["attention_mask"].astype(bool)
+        if expansion:  # pad positions below the floor become expansion tokens: scored, attended only if configured
+            added = ~scored & (np.arange(width) < floor)
+            batch["input_ids"][added] = self.expansion_id()
+            scored |= added
+            if expansion.get("attend"):
+                batch["attention_mask"][added] = 1
+        if (task or "document") in self.skiplist_tasks and len(self.skip_ids):
+            scored &= ~np.isin(batch["input_ids"], self.skip_ids)
+        if task != "query" and self.keep_only_token_ids:
+            scored &= np.isin(batch["input_ids"], self.keep_only_token_ids)
+        return {name: mx.array(value) for name, value in batch.items()}, scored
+
+    def embed(self, batch: dict[str, mx.array]) -> mx.array:
+        """(B, L, D) float32 token embeddings: encoder, Dense projections, Normalize."""
+        out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+        x = out.last_hidden_state.astype(mx.float32)
+        for dense in self.dense:
+            x = dense(x.astype(dense.linear.weight.dtype)).astype(mx.float32)
+        return normalize(x) if self.normalize else x
+
+    def encode(
+        self,
+        sentences: str | list[str],
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        convert_to_numpy: bool = False,
+        normalize_embeddings: bool = False,
+        task: str | None = None,
+    ):
+        """Per text its (n_i, D) float32 matrix of scored tokens (padding and skipped tokens removed): a list of
+        mx.arrays, numpy arrays with `convert_to_numpy`; one matrix for a single str. `task` ("query",
+        "document" or None) picks the length limit, query expansion and skiplist."""
+        single = isinstance(sentences, str)
+        texts = text_list(sentences, "encode()")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
+        check_count("encode() batch_size", batch_size, 1)
+        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        out = self.run([prefix + t for t in texts], task, batch_size, show_progress_bar) if texts else []
+        if normalize_embeddings:
+            out = [np.array(normalize(mx.array(m))) for m in out]
+        out = out if convert_to_numpy else [mx.array(m) for m in out]
+        return out[0] if single else out
+
+    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
+        """`encode` with task "query" and the "query" prompt (the query marker) unless one is given."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
+
+    def encode_document(
+        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
+    ):
+        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
+        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
+
+    def run(self, texts: list[str], task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
+        limit = self.max_length(task)
+        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=limit)
+        expansion = self.query_expansion if task == "query" else None
+        truncated = sum(1 for e in encodings if e.overflowing)
+        if truncated and not (expansion and expansion["strategy"] == "fixed"):
+            warnings.warn(
+                f"{truncated} of {len(texts)} texts are longer than {limit} tokens and were truncated",
+                UserWarning,
+                stacklevel=4,
+            )
+        if expansion and expansion["strategy"] == "fixed" and any(len(e.ids) >= limit for e in encodings):
+            warnings.warn(
+                f"Some queries fill the query_expansion length of {limit} tokens: any text past it was cut",
+                UserWarning,
+                stacklevel=4,
+            )
+        out: list = [None] * len(texts)
+
+        def forward(rows: np.ndarray) -> list[mx.array]:
+            batch, scored = self.batch([encodings[i] for i in rows], task)
+            return [self.embed(batch), mx.array(scored)]
+
+        def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
+            for matrix, keep, i in zip(np.array(arrays[0]), np.array(arrays[1]), rows, strict=True):
+                out[i] = matrix[keep]
+
+        lengths = [max(len(e.ids), expansion["length"] if expansion else 0) for e in encodings]
+        run_batches(self.model, lengths, forward, collect, batch_size, show_progress=show_progress)
+        return out
+
+    def similarity(self, embeddings1, embeddings2) -> mx.array:
+        """(N, M) float32 MaxSim (or MeanMaxSim, by `similarity_fn_name`) of every query matrix in `embeddings1`
+        with every document matrix in `embeddings2`; a single (n, D) matrix counts as one."""
+        return maxsim(embeddings1, embeddings2, self.similarity_fn_name == "meanmaxsim")
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
+        """(N,) float32 MaxSim of query i with document i."""
+        queries, documents = as_list(embeddings1), as_list(embeddings2)
+        if len(queries) != len(documents):
+            raise ValueError(
+                f"similarity_pairwise needs as many queries as documents: {len(queries)}, {len(documents)}"
+            )
+        scores = [self.similarity([q], [d])[0, 0] for q, d in zip(queries, documents, strict=True)]
+        return mx.stack(scores) if scores else mx.zeros((0,), mx.float32)
+
+    def get_embedding_dimension(self) -> int:
+        """The width D of each token vector."""
+        return self.dimension

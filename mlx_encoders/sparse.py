@@ -1,0 +1,369 @@
+"""Learned sparse embeddings (SPLADE) with sentence-transformers' semantics: `SparseEncoder(path).encode(texts)`.
+
+Reads the folders `sentence_transformers.SparseEncoder` saves (sparse_encoder/ of sentence-transformers 6): a
+fill-mask `Transformer` (or the older `MLMTransformer`) then `SpladePooling` (log(1 + relu(masked-LM logits)),
+log1p once more for "log1p_relu", then max or sum over the text's tokens), or a `Router` whose routes are such a
+pair or a `SparseStaticEmbedding` (a stored weight for each vocabulary id the text holds: the inference-free
+query side of SPLADE-doc models). Outputs are `SparseVectors`, a COO matrix that needs no scipy.
+"""
+
+import ast
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .checkpoint import Checkpoint, inside, load_model, load_tokenizer, read_json_object, read_modules, read_safetensors
+from .checkpoint import resolve as resolve_path
+from .engine.batching import run_batches
+from .sentence import DEFAULT_PROMPTS, DOCUMENT_PROMPTS, lowercase, merge_prompts, resolve_prompt
+from .tokenizer import Tokenizer, check_count, text_list
+from .vectors import SIMILARITIES, check_similarity_name
+
+POOLING_STRATEGIES = ("max", "sum")
+ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass
+class SparseVectors:
+    """Sparse embeddings in scipy's COO layout: entry k is `data[k]` at (`row[k]`, `col[k]`) of a `shape` matrix.
+
+    A (V,) `shape` is one vector (its `row` all 0), as `encode` gives for a single str. `vectors[i]` is row i's
+    (token ids, weights), `toarray()` the dense float32 array.
+    """
+
+    row: np.ndarray
+    col: np.ndarray
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[np.ndarray, np.ndarray]], dimension: int) -> "SparseVectors":
+        counts = [len(ids) for ids, _ in rows]
+        row = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+        col = np.concatenate([ids for ids, _ in rows]).astype(np.int64) if rows else np.zeros(0, np.int64)
+        data = np.concatenate([v for _, v in rows]).astype(np.float32) if rows else np.zeros(0, np.float32)
+        return cls(row, col, data, (len(rows), dimension))
+
+    @property
+    def nnz(self) -> int:
+        return len(self.data)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.shape) == 1:
+            raise TypeError("A single sparse vector has no rows; use .col and .data")
+        keep = self.row == range(len(self))[i]
+        return self.col[keep], self.data[keep]
+
+    def rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(token ids, weights) of every row (one for a single vector), without densifying."""
+        count = self.shape[0] if len(self.shape) == 2 else 1
+        if not count:
+            return []
+        order = np.argsort(self.row, kind="stable")
+        bounds = np.cumsum(np.bincount(self.row, minlength=count))[:-1]
+        return list(zip(np.split(self.col[order], bounds), np.split(self.data[order], bounds), strict=True))
+
+    def toarray(self) -> np.ndarray:
+        out = np.zeros((self.shape[0] if len(self.shape) == 2 else 1, self.shape[-1]), np.float32)
+        out[self.row, self.col] = self.data
+        return out.reshape(self.shape)
+
+
+def keep_largest(values: np.ndarray, limit: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, values) of the non-zero entries of a dense (V,) row, only the `limit` largest in magnitude when set
+    (sentence-transformers' select_max_active_dims)."""
+    if limit is not None and limit < np.count_nonzero(values):
+        top = np.argpartition(-np.abs(values), limit - 1)[:limit]
+        kept = np.zeros_like(values)
+        kept[top] = values[top]
+        values = kept
+    ids = np.flatnonzero(values)
+    return ids, values[ids]
+
+
+def sparse_dot(a: SparseVectors, b: SparseVectors) -> np.ndarray:
+    """(N, M) float32 dot products of sparse rows, touching only b's stored entries once per row of a."""
+    count = b.shape[0] if len(b.shape) == 2 else 1
+    query = np.zeros(b.shape[-1], np.float64)
+    out = np.zeros((len(a.rows()), count), np.float32)
+    for i, (ids, values) in enumerate(a.rows()):
+        query[ids] = values
+        out[i] = np.bincount(b.row, weights=b.data * query[b.col], minlength=count)
+        query[ids] = 0
+    return out
+
+
+def dense_rows(x) -> np.ndarray:
+    """float32 (N, V) numpy of SparseVectors, an mx.array, a numpy array or a list of rows; (V,) counts as one."""
+    if isinstance(x, SparseVectors):
+        x = x.toarray()
+    x = np.asarray(x, dtype=np.float32)
+    return x[None] if x.ndim == 1 else x
+
+
+class SpladeRoute:
+    """A masked-LM `Transformer` then `SpladePooling`: (B, L) ids -> (B, V) pooled log-saturated logits."""
+
+    def __init__(self, transformer: Path, pooling: Path, dtype):
+        checkpoint = Checkpoint.open(transformer)
+        self.model = load_model(checkpoint, dtype=dtype, task="masked-lm")
+        self.tokenizer = load_tokenizer(self.model, checkpoint)
+        config = read_json_object(transformer / "sentence_bert_config.json")
+        task = config.get("transformer_task", "fill-mask")
+        if task != "fill-mask":
+            raise ValueError(
+                f"{transformer / 'sentence_bert_config.json'}: transformer_task {task!r} before SpladePooling; "
+                "SparseEncoder runs SPLADE models, whose Transformer is a fill-mask (masked-LM) one"
+            )
+        limit = self.model.args.max_tokens
+        self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
+        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
+        if config.get("do_lower_case"):
+            lowercase(self.tokenizer)
+        pooling_config = read_json_object(pooling / "config.json")
+        self.strategy = pooling_config.get("pooling_strategy", "max")
+        self.activation = pooling_config.get("activation_function", "relu")
+        if self.strategy not in POOLING_STRATEGIES or self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"{pooling / 'config.json'}: pooling_strategy must be one of {POOLING_STRATEGIES} and "
+                f"activation_function one of {ACTIVATIONS}; got {self.strategy!r}, {self.activation!r}"
+            )
+        self.dimension = self.model.args.vocab_size
+
+    def pooled(self, batch: dict[str, mx.array]) -> mx.array:
+        """(B, V) float32: log(1 + relu(logits)) of the real tokens (log1p twice for "log1p_relu"), max or sum."""
+        out = self.model.encode(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+        logits = self.model.predict_tokens(out.last_hidden_state).astype(mx.float32)  # (B, L, V)
+        x = mx.log1p(mx.maximum(logits * batch["attention_mask"][..., None], 0))  # padding gives 0, below any max
+        if self.activation == "log1p_relu":
+            x = mx.log1p(x)
+        return x.max(axis=1) if self.strategy == "max" else x.sum(axis=1)
+
+    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
+        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+        warn_truncated(encodings, len(texts), self.max_seq_length)
+        rows = [None] * len(texts)
+
+        def forward(indices: np.ndarray) -> list[mx.array]:
+            return [self.pooled(self.tokenizer.pad([encodings[i] for i in indices]))]
+
+        def collect(indices: np.ndarray, arrays: list[mx.array]) -> None:
+            for values, i in zip(np.array(arrays[0]), indices, strict=True):
+                rows[i] = keep_largest(values, limit)
+
+        lengths = [len(e.ids) for e in encodings]
+        run_batches(self.model, lengths, forward, collect, batch_size, show_progress=show_progress)
+        return rows
+
+
+class StaticRoute:
+    """sentence-transformers' `SparseStaticEmbedding`: each vocabulary id in the text (no special tokens) gets its
+    stored weight; no model runs."""
+
+    def __init__(self, folder: Path):
+        self.tokenizer = Tokenizer.from_pretrained(folder)
+        file = folder / "model.safetensors"
+        if not file.exists():
+            raise FileNotFoundError(f"No model.safetensors in {folder}: SparseStaticEmbedding needs its weights")
+        weights = read_safetensors(file)
+        if "weight" not in weights or weights["weight"].ndim != 1:
+            raise ValueError(f"{file} must hold a (vocab_size,) tensor 'weight'; found {sorted(weights)}")
+        self.weight = np.array(weights["weight"].astype(mx.float32))
+        self.dimension = len(self.weight)
+
+    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        rows = []
+        for e in encodings:
+            values = np.zeros(self.dimension, np.float32)
+            ids = np.unique(np.asarray(e.ids, np.int64))
+            values[ids] = self.weight[ids]
+            rows.append(keep_largest(values, limit))
+        return rows
+
+
+def warn_truncated(encodings, count: int, max_seq_length: int) -> None:
+    truncated = sum(1 for e in encodings if e.overflowing)
+    if truncated:
+        warnings.warn(
+            f"{truncated} of {count} texts are longer than max_seq_length={max_seq_length} tokens and were truncated",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def module_name(module_type: str) -> str:
+    return module_type.rsplit(".", 1)[-1]
+
+
+def build_route(modules: list[tuple[str, Path]], source: Path, dtype) -> SpladeRoute | StaticRoute:
+    """A route from its modules: [SparseStaticEmbedding] or [Transformer/MLMTransformer, SpladePooling]."""
+    names = [module_name(kind) for kind, _ in modules]
+    if names == ["SparseStaticEmbedding"]:
+        return StaticRoute(modules[0][1])
+    if len(names) == 2 and names[0] in ("Transformer", "MLMTransformer") and names[1] == "SpladePooling":
+        return SpladeRoute(modules[0][1], modules[1][1], dtype)
+    raise ValueError(
+        f"{source}: modules {names} are not supported; SparseEncoder runs a (MLM)Transformer then SpladePooling, "
+        "a SparseStaticEmbedding, or a Router of these (SparseAutoEncoder / CSR models are not supported)"
+    )
+
+
+def read_router(folder: Path, dtype) -> tuple[dict, str | None, dict]:
+    """(route name -> route, default route, {(task, modality): route}) from router_config.json."""
+    file = folder / "router_config.json"
+    config = read_json_object(file, required=True)
+    types, structure = config.get("types") or {}, config.get("structure") or {}
+    routes = {}
+    for name, names in structure.items():
+        routes[name] = build_route([(types.get(n, ""), inside(folder, n, file)) for n in names], file, dtype)
+    parameters = config.get("parameters") or {}
+    mappings = {ast.literal_eval(key): route for key, route in (parameters.get("route_mappings") or {}).items()}
+    default = parameters.get("default_route")
+    if default is None and parameters.get("allow_empty_key", True) and routes:
+        default = next(iter(routes))
+    return routes, default, mappings
+
+
+class SparseEncoder:
+    """Texts -> sparse vocabulary-sized embeddings, like `sentence_transformers.SparseEncoder(path).encode(texts)`.
+
+    `path_or_repo`: a local folder or hub id of a sentence-transformers sparse model. `dtype` casts the model's
+    weights; `prompts`, `default_prompt_name`, `similarity_fn_name` ("dot" unless the folder says otherwise) and
+    `max_active_dims` (keep only that many largest weights per text) override config_sentence_transformers.json.
+    """
+
+    def __init__(
+        self,
+        path_or_repo: str | Path,
+        dtype=None,
+        revision: str | None = None,
+        *,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        similarity_fn_name: str | None = None,
+        max_active_dims: int | None = None,
+    ):
+        self.path = resolve_path(path_or_repo, revision)
+        modules = read_modules(self.path)
+        if [module_name(kind) for kind, _ in modules] == ["Router"]:
+            self.routes, self.default_route, self.route_mappings = read_router(modules[0][1], dtype)
+        else:
+            modules = modules or [("Transformer", self.path)]
+            self.routes, self.default_route, self.route_mappings = {"": build_route(modules, self.path, dtype)}, "", {}
+        file = self.path / "config_sentence_transformers.json"
+        config = read_json_object(file)
+        self.prompts, self.default_prompt_name = merge_prompts(
+            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
+        )
+        saved = config.get("similarity_fn_name")
+        self.similarity_fn_name = similarity_fn_name or (saved if saved in SIMILARITIES else "dot")
+        self.max_active_dims = max_active_dims if max_active_dims is not None else config.get("max_active_dims")
+        if self.max_active_dims is not None:
+            check_count("max_active_dims", self.max_active_dims, 1)
+        self.tokenizer = self.route(None).tokenizer
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """How `similarity` scores: "dot" (SPLADE's), "cosine", "euclidean" or "manhattan"."""
+        return self._similarity_fn_name
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, name: str) -> None:
+        self._similarity_fn_name = check_similarity_name(name)
+
+    def route(self, task: str | None) -> SpladeRoute | StaticRoute:
+        """The route a `task` ("query", "document", None) takes, looked up as sentence-transformers' Router does."""
+        for key in ((task, "text"), (task, None), (None, "text"), (None, None)):
+            if key in self.route_mappings:
+                return self.routes[self.route_mappings[key]]
+        if task in self.routes:
+            return self.routes[task]
+        if len(self.routes) > 1 and task is not None:
+            raise ValueError(f"{self.path}: no route for task {task!r}; routes: {', '.join(self.routes)}")
+        if self.default_route not in self.routes:
+            raise ValueError(f"{self.path}: no default route; pass task= ('query' or 'document')")
+        return self.routes[self.default_route]
+
+    def get_embedding_dimension(self) -> int:
+        """The width of the sparse vectors: the vocabulary size."""
+        return self.route(None).dimension
+
+    def encode(
+        self,
+        sentences: str | list[str],
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        show_progress_bar: bool | None = None,
+        convert_to_sparse_tensor: bool = True,
+        max_active_dims: int | None = None,
+        task: str | None = None,
+    ):
+        """Sparse embeddings of `sentences`: `SparseVectors` (N, V), or (V,) for a single str; a dense float32
+        numpy array instead with `convert_to_sparse_tensor=False`. `prompt` or the named prompt is prepended;
+        `max_active_dims` keeps that many largest weights per text; `task` picks a Router's route."""
+        single = isinstance(sentences, str)
+        texts = text_list(sentences, "encode()")
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
+        check_count("encode() batch_size", batch_size, 1)
+        limit = self.max_active_dims if max_active_dims is None else max_active_dims
+        if limit is not None:
+            check_count("encode() max_active_dims", limit, 1)
+        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        route = self.route(task)
+        rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit) if texts else []
+        vectors = SparseVectors.from_rows(rows, route.dimension)
+        if single:
+            vectors = SparseVectors(vectors.row, vectors.col, vectors.data, (route.dimension,))
+        return vectors if convert_to_sparse_tensor else vectors.toarray()
+
+    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
+        """`encode` with task "query" and the "query" prompt unless one is given."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
+
+    def encode_document(
+        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
+    ):
+        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
+        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
+
+    def similarity(self, embeddings1, embeddings2) -> mx.array:
+        """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2` (SparseVectors or
+        dense arrays), by `similarity_fn_name`."""
+        if self.similarity_fn_name == "dot" and isinstance(embeddings1, SparseVectors):
+            if isinstance(embeddings2, SparseVectors):  # a corpus's vocabulary-wide dense copy would not fit
+                return mx.array(sparse_dot(embeddings1, embeddings2))
+        return SIMILARITIES[self.similarity_fn_name][0](dense_rows(embeddings1), dense_rows(embeddings2))
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
+        """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
+        return SIMILARITIES[self.similarity_fn_name][1](dense_rows(embeddings1), dense_rows(embeddings2))
+
+    def decode(self, embeddings, top_k: int | None = None) -> list:
+        """(token, weight) pairs by descending weight, the `top_k` first when set: a list for one vector (a (V,)
+        input), a list of such lists for (N, V)."""
+        if top_k is not None:
+            check_count("decode() top_k", top_k, 1)
+        if isinstance(embeddings, SparseVectors):
+            single, rows = len(embeddings.shape) == 1, embeddings.rows()
+        else:
+            single = np.ndim(embeddings) == 1
+            rows = [(np.flatnonzero(row), row[np.flatnonzero(row)]) for row in dense_rows(embeddings)]
+        out = []
+        for ids, values in rows:
+            keep = np.argsort(-values, kind="stable")[:top_k]
+            out.append(list(zip(self.tokenizer.convert_ids_to_tokens(ids[keep]), values[keep].tolist(), strict=True)))
+        return out[0] if single else out

@@ -1,0 +1,21 @@
+"""ColBERT's training loss, as sentence-transformers' `MultiVectorMultipleNegativesRankingLoss`
+(multi_vector_encoder/losses/multiple_negatives_ranking.py) computes it: cross-entropy of each query's scaled
+MaxSim scores against every document of the batch, its own positive the target.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..multi_vector import maxsim_scores
+
+
+def multi_vector_ranking(
+    queries: tuple[mx.array, mx.array], documents: list[tuple[mx.array, mx.array]], scale: float = 1.0
+) -> mx.array:
+    """`queries`: (B, Lq, D) token embeddings and their (B, Lq) scored-token mask; `documents`: such a pair per
+    column, the positives first, then any hard negatives (each (B, Ld_c, D), (B, Ld_c)). The mean over queries of
+    -log softmax(scale * MaxSim) at the query's positive."""
+    if not documents:
+        raise ValueError("multi_vector_ranking needs at least the positive documents' column")
+    scores = mx.concatenate([maxsim_scores(*queries, *column) for column in documents], axis=1)  # (B, B * columns)
+    return nn.losses.cross_entropy(scale * scores, mx.arange(scores.shape[0]), reduction="mean")
