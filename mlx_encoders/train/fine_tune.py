@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import distributed
 from ..checkpoint.build import initialize, load_model
 from ..checkpoint.files import Checkpoint, read_json_object
 from ..checkpoint.tokenizer import tokenizer_for
@@ -120,10 +121,14 @@ def fine_tune(
         apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
     metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
+    main = distributed.is_main()  # under mlx.launch, rank 0 alone writes
     if lora_rank:
-        save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
+        if main:
+            save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
-    path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
+    path = options.output_dir / MODEL_FOLDER
+    if main:
+        path = save(net, path, tok, overwrite=True)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 

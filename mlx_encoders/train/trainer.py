@@ -25,6 +25,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
@@ -561,6 +562,8 @@ def start_state(
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
     else:
         state = load_checkpoint(model, optimizer, resume_from)
+    if not distributed.is_main():  # rank 0 alone owns the files
+        return state
     trim_metrics(config.output_dir, state.step)
     for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
         if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
@@ -587,6 +590,7 @@ class Loop:
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
+        self.world = distributed.world()
         dtype = COMPUTE_DTYPES[self.config.dtype]
         self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing
         if self.compiled:
@@ -601,7 +605,7 @@ class Loop:
         self.state.mask_rng = self.mask_rng.bit_generator.state
         lr = self.schedule(mx.array(self.state.step)).item()
         with drawing_from(self.random):
-            loss, grads = accumulate_gradients(self.loss_and_grad, batches)
+            loss, grads = self.gradients(batches)
         norm = global_norm(grads)
         self.check_finite(loss.item(), norm.item())
         norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
@@ -612,9 +616,25 @@ class Loop:
             "lr": lr,
             "grad_norm": None if norm is None else norm.item(),
         }
-        log_metrics(self.config.output_dir, record)
+        if self.world.is_main:
+            log_metrics(self.config.output_dir, record)
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         return {**record, "tokens_s": tokens / (time.perf_counter() - started)}
+
+    def gradients(self, batches: list[dict]) -> tuple[mx.array, dict]:
+        """The step's mean loss and gradients over its micro-batches; under `mlx.launch`, every rank collates the
+        same global batches and computes its rows' part (`distributed.step_gradients`), summed over ranks."""
+        if self.world.size == 1:
+            return accumulate_gradients(self.loss_and_grad, batches)
+        task = self.examples.task
+        return distributed.step_gradients(
+            self.loss_and_grad,
+            batches,
+            count=lambda batch: int(labelled(batch["labels"], task).sum()),
+            parameters=self.model.trainable_parameters(),
+            world=self.world,
+            what=f"step {self.state.step + 1}",
+        )
 
     def check_finite(self, loss: float, norm: float) -> None:
         """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
@@ -637,11 +657,14 @@ class Loop:
             metrics = evaluate(self.model, self.tokenizer, self.eval_examples, config, self.masker)
             self.model.train()
             state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
-            log_metrics(config.output_dir, state.metrics)
+            if self.world.is_main:
+                log_metrics(config.output_dir, state.metrics)
         if last or due(state.step, config.save_every):
             state.mlx_key = np.array(self.random[0]).tolist()
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
+            if not self.world.is_main:
+                return
             save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, name)
 
@@ -721,6 +744,9 @@ def train(
     continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
     check_metric_for_best(config, eval_examples)
+    world = distributed.world()
+    if problem := distributed.check_batch_size(config.batch_size, world):
+        raise OptionError(problem)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
@@ -728,16 +754,22 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
-    claim_output(config.output_dir, config.overwrite, resume_from)
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    if world.is_main:
+        claim_output(config.output_dir, config.overwrite, resume_from)
+        config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
+    if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
+        model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
     loop = Loop(model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total)
     record = {"step": state.step}
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    with runtime.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
-        if loop.compiled and state.step < total:  # compiling takes seconds before the bar can move: say so
+    with (
+        runtime.keep_freed_memory(),
+        tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
+    ):
+        if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
         for epoch, position, indices in steps_from(lengths, config, state):
             if state.step >= total:
@@ -749,5 +781,6 @@ def train(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
             loop.evaluate_and_save(end_of_epoch=position == steps_per_epoch(n, config))
-    plot_metrics(config.output_dir)
+    if world.is_main:
+        plot_metrics(config.output_dir)
     return state.metrics or record
