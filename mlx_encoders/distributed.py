@@ -24,8 +24,8 @@ TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait
 DEFAULT_TIMEOUT = 1800.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
 
 
-class RankLost(RuntimeError):
-    """Another rank stopped (or stopped answering) while this one waited for it in a collective."""
+class RankLost(ConnectionError):
+    """Another rank stopped (or its connection dropped) while this one waited for it in a collective."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,8 @@ def all_gather(x: mx.array, within: World | None = None) -> mx.array:
         return mx.distributed.all_gather(x, group=ranks.group)
 
     @gather.vjp
-    def gather_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> mx.array:
-        n = primals[0].shape[0]
+    def gather_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+        n = x.shape[0]
         return mx.distributed.all_sum(cotangent, group=ranks.group)[ranks.rank * n : (ranks.rank + 1) * n]
 
     return gather(x)
