@@ -21,7 +21,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
-DEFAULT_TIMEOUT = 1800.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
+DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
 
 
 class RankLost(ConnectionError):
