@@ -18,7 +18,7 @@ from functools import cache
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
@@ -97,11 +97,21 @@ def step_gradients(
 
 
 def all_sum(tree, world: World, what: str):
-    """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it."""
-    summed = tree_map(lambda a: mx.distributed.all_sum(a, group=world.group), tree)
+    """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
+    of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency)."""
+    arrays = [a for _, a in tree_flatten(tree)]
+    summed = list(arrays)
+    for dtype in {a.dtype for a in arrays}:
+        chosen = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+        flat = mx.distributed.all_sum(mx.concatenate([arrays[i].reshape(-1) for i in chosen]), group=world.group)
+        start = 0
+        for i in chosen:
+            summed[i] = flat[start : start + arrays[i].size].reshape(arrays[i].shape)
+            start += arrays[i].size
     with collective(world, what):
         mx.eval(summed)
-    return summed
+    leaves = iter(summed)
+    return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
 
 
 def broadcast(tree, world: World, what: str):
