@@ -85,3 +85,4 @@ if __name__ == "__main__":
     spec_path = Path(sys.argv[1])
     status = run(spec_path)
     (spec_path.parent / f"status-{status['rank']}.json").write_text(json.dumps(status))
+    sys.exit(status.get("cli", 0))
