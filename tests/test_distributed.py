@@ -20,6 +20,7 @@ from checkpoints import make_checkpoint
 
 from mlx_encoders import distributed
 from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.lora import ADAPTERS_FILE
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # Two lengths (10 and 11 tokens): few batch shapes to compile, and rows padded for the other rank's longer ones.
@@ -105,7 +106,9 @@ def start_ranks(
 
 
 def weights(folder: Path) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    """A saved model's (or LoRA adapters') tensors."""
+    file = folder / "model.safetensors" if (folder / "model.safetensors").is_file() else folder / ADAPTERS_FILE
+    return {k: np.array(v) for k, v in mx.load(str(file)).items()}
 
 
 def assert_same_weights(found: Path, expected: Path) -> None:
@@ -129,6 +132,7 @@ def runs(tmp_path_factory):
     one = root / "one"
     fine_tune(output_dir=one / "classify", save_every=5, **classify)
     fine_tune(output_dir=one / "mlm", **mlm)
+    fine_tune(output_dir=one / "lora", lora_rank=4, **classify)
     rng = np.random.default_rng(0)
     np.savez(root / "mnrl.npz", anchors=rng.normal(size=(8, 6)), positives=rng.normal(size=(8, 6)),
              weights=rng.normal(size=(6, 5)))  # fmt: skip
@@ -137,6 +141,7 @@ def runs(tmp_path_factory):
         "fine_tune": {
             "classify": dict(output_dir=str(two / "classify"), save_every=5, **classify),
             "mlm": dict(output_dir=str(two / "mlm"), **mlm),
+            "lora": dict(output_dir=str(two / "lora"), lora_rank=4, **classify),
             "resumed": dict(output_dir=str(two / "resumed"), resume=str(one / "classify" / "checkpoint-5"), **classify),
             "odd_batch": dict(output_dir=str(two / "odd"), **{**classify, "batch_size": 5}),
         },
@@ -166,6 +171,13 @@ def test_two_ranks_train_a_masked_lm_as_one_process_does(runs):
     root, _, result, statuses = runs
     assert all(s["fine_tune"]["mlm"] == "ok" for s in statuses.values()), result.stderr
     assert_same_weights(root / "two" / "mlm" / "model", root / "one" / "mlm" / "model")
+
+
+def test_two_ranks_train_lora_adapters_as_one_process_does(runs):
+    root, _, result, statuses = runs
+    assert all(s["fine_tune"]["lora"] == "ok" for s in statuses.values()), result.stderr
+    assert_same_weights(root / "two" / "lora" / "model", root / "one" / "lora" / "model")
+    assert_same_weights(root / "two" / "lora" / "adapters", root / "one" / "lora" / "adapters")
 
 
 def test_resume_on_another_world_size(runs, tmp_path):
