@@ -124,6 +124,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     model = str(make_checkpoint(root / "encoder", "modernbert", **SIZES))
     mlm_model = str(make_checkpoint(root / "mlm", "modernbert", "masked-lm", **SIZES))
+    noisy = str(make_checkpoint(root / "dropout", "modernbert", **SIZES, mlp_dropout=0.2, attention_dropout=0.2))
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t, "label": x}) + "\n" for t, x in zip(TEXTS, LABELS, strict=True)))
     # 10 examples in batches of 4: each epoch ends on a batch of 2, one row per rank
@@ -144,6 +145,12 @@ def runs(tmp_path_factory):
             "lora": dict(output_dir=str(two / "lora"), lora_rank=4, **classify),
             "resumed": dict(output_dir=str(two / "resumed"), resume=str(one / "classify" / "checkpoint-5"), **classify),
             "odd_batch": dict(output_dir=str(two / "odd"), **{**classify, "batch_size": 5}),
+            "dropout": dict(output_dir=str(two / "dropout"), save_every=5, **{**classify, "model": noisy}),
+            "dropout_resumed": dict(
+                output_dir=str(two / "dropout_resumed"),
+                resume=str(two / "dropout" / "checkpoint-5"),
+                **{**classify, "model": noisy},
+            ),  # fmt: skip
         },
         "gather": str(root / "mnrl.npz"),
     }
@@ -188,6 +195,17 @@ def test_resume_on_another_world_size(runs, tmp_path):
     # a two-rank checkpoint resumed in one process
     fine_tune(output_dir=tmp_path / "back", resume=root / "two" / "classify" / "checkpoint-5", **classify)
     assert_same_weights(tmp_path / "back" / "model", root / "one" / "classify" / "model")
+
+
+def test_a_run_with_dropout_resumes_exactly_on_as_many_ranks(runs):
+    """Each rank draws its own dropout masks from a key split off the shared one, which every rank advances alike
+    and the checkpoint keeps."""
+    root, _, result, statuses = runs
+    assert statuses[0]["fine_tune"]["dropout_resumed"] == "ok", result.stderr
+    assert_same_weights(root / "two" / "dropout_resumed" / "model", root / "two" / "dropout" / "model")
+    # the same start as the classifier (one seed), dropout aside: dropout changed the steps
+    noisy, plain = weights(root / "two" / "dropout" / "model"), weights(root / "two" / "classify" / "model")
+    assert max(np.abs(noisy[k] - plain[k]).max() for k in plain) > 1e-3
 
 
 def test_a_batch_size_the_world_does_not_divide_is_refused(runs):

@@ -626,15 +626,19 @@ class Loop:
         same global batches and computes its rows' part (`distributed.step_gradients`), summed over ranks."""
         if self.world.size == 1:
             return accumulate_gradients(self.loss_and_grad, batches)
-        task = self.examples.task
-        return distributed.step_gradients(
-            self.loss_and_grad,
-            batches,
-            count=lambda batch: int(labelled(batch["labels"], task).sum()),
-            parameters=self.model.trainable_parameters(),
-            world=self.world,
-            what=f"step {self.state.step + 1}",
-        )
+        task, shared = self.examples.task, self.random[0]
+        self.random[0] = mx.random.split(shared, self.world.size)[self.world.rank]  # this rank's own dropout masks
+        try:
+            return distributed.step_gradients(
+                self.loss_and_grad,
+                batches,
+                count=lambda batch: int(labelled(batch["labels"], task).sum()),
+                parameters=self.model.trainable_parameters(),
+                world=self.world,
+                what=f"step {self.state.step + 1}",
+            )
+        finally:
+            self.random[0] = mx.random.split(shared)[0]  # the next key, the same on every rank (and in checkpoints)
 
     def check_finite(self, loss: float, norm: float) -> None:
         """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
