@@ -145,6 +145,7 @@ def runs(tmp_path_factory):
             "lora": dict(output_dir=str(two / "lora"), lora_rank=4, **classify),
             "resumed": dict(output_dir=str(two / "resumed"), resume=str(one / "classify" / "checkpoint-5"), **classify),
             "odd_batch": dict(output_dir=str(two / "odd"), **{**classify, "batch_size": 5}),
+            "taken": dict(output_dir=str(two / "classify"), **classify),  # holds the first run's files
             "dropout": dict(output_dir=str(two / "dropout"), save_every=5, **{**classify, "model": noisy}),
             "dropout_resumed": dict(
                 output_dir=str(two / "dropout_resumed"),
@@ -214,6 +215,12 @@ def test_a_batch_size_the_world_does_not_divide_is_refused(runs):
         error = status["fine_tune"]["odd_batch"]
         assert error.startswith("OptionError") and "batch_size 5" in error and "world size 2" in error, error
     assert not (runs[0] / "two" / "odd").exists()
+
+
+def test_an_output_folder_holding_another_run_is_refused_by_every_rank(runs):
+    _, _, _, statuses = runs
+    for status in statuses.values():
+        assert status["fine_tune"]["taken"].startswith("FileExistsError"), status["fine_tune"]["taken"]
 
 
 def test_gathered_embeddings_get_every_ranks_gradient(runs):

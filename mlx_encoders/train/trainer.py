@@ -758,8 +758,9 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
-    if world.is_main:
+    if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
         claim_output(config.output_dir, config.overwrite, resume_from)
+    if world.is_main:
         config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
     if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
