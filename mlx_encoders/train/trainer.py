@@ -745,7 +745,9 @@ def train(
     """Train `model` on `train_examples` as `config` says (AdamW with transformers' decay groups, warmup then
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
-    continues that run exactly. Returns the last evaluation's metrics, else the last step's record."""
+    continues that run exactly. Returns the last evaluation's metrics, else the last step's record. Under
+    `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
+    """
     config = config or TrainingConfig("output")
     check_metric_for_best(config, eval_examples)
     world = distributed.world()
