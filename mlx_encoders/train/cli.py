@@ -98,6 +98,7 @@ CALL_OPTIONS = (
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..distributed import is_main
     from .fine_tune import fine_tune
     from .trainer import Diverged, OptionError
 
@@ -120,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    if not is_main():  # under mlx.launch, rank 0 alone reports
+        return 0
     if args.json:
         print(json.dumps({"model": str(trained.path), "metrics": trained.metrics}, indent=2))
     else:

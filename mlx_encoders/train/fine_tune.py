@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import distributed
 from ..checkpoint.build import initialize, load_model
 from ..checkpoint.files import Checkpoint, read_json_object
 from ..checkpoint.tokenizer import tokenizer_for
@@ -168,13 +169,16 @@ def fine_tune(
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
     masker = rtd_masker(tok, whole_word_mask) if task == RTD_TASK else masker
     metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
+    main = distributed.is_main()  # under mlx.launch, rank 0 alone writes
     if lora_rank:
-        save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
+        if main:
+            save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
+    path = options.output_dir / MODEL_FOLDER
     if task == RTD_TASK:  # the discriminator is the model to fine-tune; the generator is saved beside it
-        path, net = net.save(options.output_dir / MODEL_FOLDER, tok, overwrite=True), net.discriminator
-    else:
-        path = save(net, options.output_dir / MODEL_FOLDER, tok, overwrite=True)
+        path, net = net.save(path, tok, overwrite=True), net.discriminator
+    elif main:
+        path = save(net, path, tok, overwrite=True)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 

@@ -25,6 +25,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
@@ -586,6 +587,8 @@ def start_state(
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
     else:
         state = load_checkpoint(model, optimizer, resume_from)
+    if not distributed.is_main():  # rank 0 alone owns the files
+        return state
     trim_metrics(config.output_dir, state.step)
     for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
         if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
@@ -613,6 +616,7 @@ class Loop:
         self.mask_rng = np.random.default_rng()
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
+        self.world = distributed.world()
         dtype = COMPUTE_DTYPES[self.config.dtype]
         self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing and self.objective is None
         if self.objective is not None:
@@ -630,7 +634,7 @@ class Loop:
         self.state.mask_rng = self.mask_rng.bit_generator.state
         lr = self.schedule(mx.array(self.state.step)).item()
         with drawing_from(self.random):
-            loss, grads = accumulate_gradients(self.loss_and_grad, batches)
+            loss, grads = self.gradients(batches)
         norm = global_norm(grads)
         self.check_finite(loss.item(), norm.item())
         norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
@@ -641,7 +645,8 @@ class Loop:
             "lr": lr,
             "grad_norm": None if norm is None else norm.item(),
         }
-        log_metrics(self.config.output_dir, record)
+        if self.world.is_main:
+            log_metrics(self.config.output_dir, record)
         tokens = sum(batch_tokens(b) for b in batches)
         return {**record, "tokens_s": tokens / (time.perf_counter() - started)}
 
@@ -654,6 +659,25 @@ class Loop:
         if self.objective is not None:
             return self.objective.evaluate(self.model, self.eval_examples, self.config.batch_size)
         return evaluate(self.model, self.tokenizer, self.eval_examples, self.config, self.masker)
+
+    def gradients(self, batches: list[dict]) -> tuple[mx.array, dict]:
+        """The step's mean loss and gradients over its micro-batches; under `mlx.launch`, every rank collates the
+        same global batches and computes its rows' part (`distributed.step_gradients`), summed over ranks."""
+        if self.world.size == 1:
+            return accumulate_gradients(self.loss_and_grad, batches)
+        task, shared = self.examples.task, self.random[0]
+        self.random[0] = mx.random.split(shared, self.world.size)[self.world.rank]  # this rank's own dropout masks
+        try:
+            return distributed.step_gradients(
+                self.loss_and_grad,
+                batches,
+                count=lambda batch: int(labelled(batch["labels"], task).sum()),
+                parameters=self.model.trainable_parameters(),
+                world=self.world,
+                what=f"step {self.state.step + 1}",
+            )
+        finally:
+            self.random[0] = mx.random.split(shared)[0]  # the next key, the same on every rank (and in checkpoints)
 
     def check_finite(self, loss: float, norm: float) -> None:
         """Stop before a NaN or infinite loss or gradient reaches the weights: every later step and the saved model
@@ -676,11 +700,14 @@ class Loop:
             metrics = self.evaluate()
             self.model.train()
             state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
-            log_metrics(config.output_dir, state.metrics)
+            if self.world.is_main:
+                log_metrics(config.output_dir, state.metrics)
         if last or due(state.step, config.save_every):
             state.mlx_key = np.array(self.random[0]).tolist()
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
+            if not self.world.is_main:
+                return
             save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, name)
 
@@ -763,9 +790,17 @@ def train(
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
     continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`).
-    Returns the last evaluation's metrics, else the last step's record."""
+    Returns the last evaluation's metrics, else the last step's record. Under `mlx.launch`, each rank trains on its
+    rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
+    """
     config = config or TrainingConfig("output")
     check_metric_for_best(config, eval_examples, model)
+    world = distributed.world()
+    if problem := distributed.check_batch_size(config.batch_size, world):
+        raise OptionError(problem)
+    if world.size > 1 and (objective is not None or hasattr(model, "batch_loss")):
+        kind = "sentence-embedding" if objective is not None else train_examples.task
+        raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
@@ -773,9 +808,13 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
-    claim_output(config.output_dir, config.overwrite, resume_from)
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
+        claim_output(config.output_dir, config.overwrite, resume_from)
+    if world.is_main:
+        config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from)
+    if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
+        model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
     loop = Loop(
         model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total, objective
     )
@@ -784,8 +823,11 @@ def train(
     model.train()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    with runtime.keep_freed_memory(), tqdm(total=total, initial=state.step, desc="training") as bar:
-        if loop.compiled and state.step < total:  # compiling takes seconds before the bar can move: say so
+    with (
+        runtime.keep_freed_memory(),
+        tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
+    ):
+        if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
         for epoch, position, indices in steps_from(lengths, config, state, batcher):
             if state.step >= total:
@@ -797,5 +839,6 @@ def train(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
             loop.evaluate_and_save(end_of_epoch=position == steps_per_epoch(n, config))
-    plot_metrics(config.output_dir)
+    if world.is_main:
+        plot_metrics(config.output_dir)
     return state.metrics or record

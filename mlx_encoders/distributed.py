@@ -1,0 +1,184 @@
+"""Data parallelism on `mx.distributed`, after mlx-lm's `tuner/trainer.py` (rank-strided batches, gradients summed
+with `all_sum` inside the step): the world this process belongs to, each rank's slice of a global batch, gradients
+reduced over ranks, and an `all_gather` whose gradient reaches every rank (for in-batch negatives).
+
+Every rank builds the same global batch (same order, same masks), takes rows `rank::size` and weights its loss by
+its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A
+collective that fails (a rank died: the ring backend reports a lost connection) or stalls past `TIMEOUT_ENV`
+seconds ends this rank with an error naming the rank(s) it lost.
+"""
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
+DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
+
+
+class RankLost(ConnectionError):
+    """Another rank stopped (or its connection dropped) while this one waited for it in a collective."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the processes `mlx.launch` started: `size` ranks, this one `rank`."""
+
+    group: mx.distributed.Group | None
+    size: int
+    rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes files and prints progress."""
+        return self.rank == 0
+
+
+@cache
+def world() -> World:
+    """The world of `mx.distributed.init()`: size 1 (no group) when the process was not started by `mlx.launch`."""
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return World(None, 1, 0)
+    return World(group, group.size(), group.rank())
+
+
+def is_main() -> bool:
+    return world().is_main
+
+
+def rows(batch: dict[str, np.ndarray], world: World) -> dict[str, np.ndarray]:
+    """This rank's rows (`rank::size`) of a collated global batch; the padded width stays the batch's."""
+    return {name: array[world.rank :: world.size] for name, array in batch.items()}
+
+
+def check_batch_size(batch_size: int, world: World) -> str | None:
+    """Why `batch_size` cannot be split over the world (each rank takes an equal share of every batch), or None."""
+    if batch_size % world.size == 0:
+        return None
+    lower, upper = batch_size - batch_size % world.size, batch_size + world.size - batch_size % world.size
+    return (
+        f"batch_size {batch_size} is not divisible by the world size {world.size} (the number of ranks "
+        f"mlx.launch started): the batch size is the global one, split equally over ranks; use "
+        f"{lower or upper} or {upper}, or launch a number of ranks that divides {batch_size}"
+    )
+
+
+def step_gradients(
+    loss_and_grad: Callable[[dict], tuple[mx.array, dict]],
+    batches: list[dict[str, np.ndarray]],
+    count: Callable[[dict[str, np.ndarray]], int],
+    parameters: dict,
+    world: World,
+    what: str,
+) -> tuple[mx.array, dict]:
+    """The loss and gradients of one optimizer step over global micro-batches, equal on every rank to one process's:
+    each micro-batch's loss is the mean over its `count`ed labelled items, so this rank's part is weighted by its
+    share of them (a part with none adds zeros), parts are averaged over micro-batches, then summed over ranks.
+    `parameters` are the trainable ones (the gradients' structure)."""
+    loss, grads = mx.array(0.0), tree_map(mx.zeros_like, parameters)
+    for batch in batches:
+        part, total = rows(batch, world), count(batch)
+        share = count(part) / total / len(batches) if total else 0.0
+        if share:
+            part_loss, part_grads = loss_and_grad(part)
+            loss = loss + part_loss * share
+            grads = tree_map(lambda a, g, s=share: a + g * s, grads, part_grads)
+        mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
+    return all_sum((loss, grads), world, what)
+
+
+def all_sum(tree, world: World, what: str):
+    """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
+    of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency)."""
+    arrays = [a for _, a in tree_flatten(tree)]
+    summed = list(arrays)
+    for dtype in {a.dtype for a in arrays}:
+        chosen = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+        flat = mx.distributed.all_sum(mx.concatenate([arrays[i].reshape(-1) for i in chosen]), group=world.group)
+        start = 0
+        for i in chosen:
+            summed[i] = flat[start : start + arrays[i].size].reshape(arrays[i].shape)
+            start += arrays[i].size
+    with collective(world, what):
+        mx.eval(summed)
+    leaves = iter(summed)
+    return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
+
+
+def broadcast(tree, world: World, what: str):
+    """Rank 0's arrays of `tree` on every rank (a sum of rank 0's values and the others' zeros is exact)."""
+    return all_sum(tree if world.is_main else tree_map(mx.zeros_like, tree), world, what)
+
+
+def peers(world: World) -> str:
+    """The ranks a failed collective on this rank can have lost: its ring neighbours (or the one other rank)."""
+    if world.size == 2:
+        return f"rank {1 - world.rank}"
+    left, right = (world.rank - 1) % world.size, (world.rank + 1) % world.size
+    return f"rank {left} or rank {right} (this rank's neighbours in the ring, or a rank beyond them)"
+
+
+def timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+
+
+@contextmanager
+def collective(world: World, what: str, seconds: float | None = None) -> Iterator[None]:
+    """Wait for the other ranks in a collective (`what` names it in errors). A lost connection raises `RankLost`;
+    a wait past `seconds` (default `TIMEOUT_ENV`) ends the process with status 1, as a blocked collective cannot be
+    interrupted."""
+    seconds = timeout() if seconds is None else seconds
+
+    def stalled() -> None:
+        print(
+            f"rank {world.rank}: no answer from {peers(world)} for {seconds:g} s during {what}: it stopped or "
+            f"hangs; stopping this rank too (set {TIMEOUT_ENV} to wait longer)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(seconds, stalled)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except RuntimeError as e:  # the ring backend's "[ring] connection to a peer was lost", and the like
+        raise RankLost(f"rank {world.rank}: lost {peers(world)} during {what}: it stopped or disconnected ({e})") from e
+    finally:
+        timer.cancel()
+
+
+def all_gather(x: mx.array, within: World | None = None) -> mx.array:
+    """Every rank's `x` (same shape on each) concatenated along axis 0 in rank order, with the gradient of the sum
+    of every rank's loss: `mx.distributed.all_gather`'s own VJP keeps only this rank's loss's part of the cotangent,
+    so in-batch negatives from other ranks would get no gradient from them. Every rank must take this gradient
+    (it sums over ranks) with the same weight (equal slices of the global batch), so that the gradients summed over
+    ranks are the global batch's."""
+    ranks = within or world()
+    if ranks.size == 1:
+        return x
+
+    @mx.custom_function
+    def gather(x: mx.array) -> mx.array:
+        return mx.distributed.all_gather(x, group=ranks.group)
+
+    @gather.vjp
+    def gather_vjp(x: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+        n = x.shape[0]
+        return mx.distributed.all_sum(cotangent, group=ranks.group)[ranks.rank * n : (ranks.rank + 1) * n]
+
+    return gather(x)

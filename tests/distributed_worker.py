@@ -1,0 +1,88 @@
+"""What each rank runs when tests/test_distributed.py starts `mlx.launch ... python distributed_worker.py SPEC`.
+
+SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome recorded), `gather` (an .npz of
+anchors, positives and a weight matrix: this rank's gradient of an MNRL-like loss, summed over ranks, is saved),
+`cli` (arguments of `mlx-encoders`, its exit status recorded) and `kill_rank`/`kill_at_step` (that rank kills
+itself with SIGKILL before that step). Each rank writes `status-RANK.json` beside SPEC, as mlx.launch can exit 0
+when a rank failed.
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlx_encoders import distributed
+from mlx_encoders.__main__ import main
+from mlx_encoders.train import fine_tune, trainer
+
+
+def run_fine_tune(jobs: dict) -> dict:
+    outcomes = {}
+    for name, job in jobs.items():
+        try:
+            fine_tune(**job)
+            outcomes[name] = "ok"
+        except Exception as e:  # recorded for the test to judge
+            outcomes[name] = f"{type(e).__name__}: {e}"
+    return outcomes
+
+
+def mnrl(weights: mx.array, anchors: mx.array, positives: mx.array, first: int, gather) -> mx.array:
+    """In-batch-negatives loss of this rank's anchors against every rank's positives (cosine scores x 20)."""
+    a, p = mx.tanh(anchors @ weights), gather(mx.tanh(positives @ weights))
+    a = a / mx.linalg.norm(a, axis=-1, keepdims=True)
+    p = p / mx.linalg.norm(p, axis=-1, keepdims=True)
+    return nn.losses.cross_entropy(20 * a @ p.T, mx.arange(len(a)) + first).mean()
+
+
+def gather_gradients(path: str, out: Path, world: distributed.World) -> None:
+    data = np.load(path)
+    b = len(data["anchors"]) // world.size
+    mine = slice(world.rank * b, (world.rank + 1) * b)
+    anchors, positives = mx.array(data["anchors"][mine]), mx.array(data["positives"][mine])
+    gathers = {"ours": distributed.all_gather, "mlx": lambda x: mx.distributed.all_gather(x, group=world.group)}
+    grads = {}
+    for name, gather in gathers.items():
+        grad = mx.grad(mnrl)(mx.array(data["weights"]), anchors, positives, world.rank * b, gather) / world.size
+        grads[name] = np.array(mx.distributed.all_sum(grad, group=world.group))
+    np.savez(out / f"gradients-{world.rank}.npz", **grads)
+
+
+def kill_at(rank: int, step: int, world: distributed.World) -> None:
+    """Make `rank` die (SIGKILL: no cleanup, as a crash or a lost machine) just before `step`."""
+    take_step = trainer.Loop.step
+
+    def step_or_die(self, indices):
+        if world.rank == rank and self.state.step + 1 == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return take_step(self, indices)
+
+    trainer.Loop.step = step_or_die
+
+
+def run(spec_path: Path) -> dict:
+    spec = json.loads(spec_path.read_text())
+    world = distributed.world()
+    status = {"rank": world.rank, "size": world.size}
+    if "kill_rank" in spec:
+        kill_at(spec["kill_rank"], spec["kill_at_step"], world)
+    if "fine_tune" in spec:
+        status["fine_tune"] = run_fine_tune(spec["fine_tune"])
+    if "gather" in spec:
+        gather_gradients(spec["gather"], spec_path.parent, world)
+    if "cli" in spec:
+        status["cli"] = main(spec["cli"])
+    return status
+
+
+if __name__ == "__main__":
+    spec_path = Path(sys.argv[1])
+    status = run(spec_path)
+    (spec_path.parent / f"status-{status['rank']}.json").write_text(json.dumps(status))
+    sys.exit(status.get("cli", 0))

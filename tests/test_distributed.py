@@ -1,0 +1,276 @@
+"""Data-parallel training under `mlx.launch --backend ring -n 2` on loopback: two ranks on the same global batches
+end with the weights one process reaches, resume across world sizes, refuse a batch size the world does not
+divide, give in-batch negatives gathered from every rank the gradient of one process's loss (torch is the oracle),
+and stop with an error naming a rank that died. Each launch runs tests/distributed_worker.py; runs are judged by
+the files each rank wrote (mlx.launch can exit 0 when a rank failed)."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint
+
+from mlx_encoders import distributed
+from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.lora import ADAPTERS_FILE
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+# Two lengths (10 and 11 tokens): few batch shapes to compile, and rows padded for the other rank's longer ones.
+TEXTS = [
+    "a fine film", "dull and long", "I walked out", "a good story", "a dull film", "a sad film", "a fine story",
+    "a long story", "a bad film", "it was long",
+]  # fmt: skip
+LABELS = ["pos", "neg", "neg", "pos", "neg", "neutral", "pos", "neutral", "neg", "neutral"]
+# ModernBERT without attention biases: a key bias has no true gradient (softmax ignores a shift shared by all keys),
+# so Adam turns its float-noise gradient into lr-sized steps that no two summation orders share. Dropout is 0.
+SIZES = dict(num_hidden_layers=2, attention_bias=False)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free loopback ports (the ring backend listens on one per rank)."""
+    for _ in range(100):
+        first = random.randint(20000, 60000)
+        try:
+            sockets = []
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free loopback ports")
+
+
+def rank_env() -> dict:
+    # one BLAS thread per rank: two ranks share this machine's cores
+    path = os.pathsep.join([str(WORKER.parents[1]), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1"}
+
+
+def statuses_in(folder: Path) -> dict[int, dict]:
+    statuses = {}
+    for path in folder.glob("status-*.json"):
+        status = json.loads(path.read_text())
+        statuses[status["rank"]] = status
+    return statuses
+
+
+def launch(folder: Path, spec: dict, ranks: int = 2, timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the worker on `ranks` ranks with `mlx.launch` and `spec`; (the launcher's result, each rank's status)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps(spec))
+    command = [
+        Path(sys.executable).with_name("mlx.launch"), "--backend", "ring", "-n", str(ranks),
+        "--starting-port", str(free_ports(ranks)), sys.executable, WORKER, folder / "spec.json",
+    ]  # fmt: skip
+    result = subprocess.run(
+        [str(c) for c in command], capture_output=True, text=True, timeout=timeout, env=rank_env(), cwd=folder
+    )
+    return result, statuses_in(folder)
+
+
+def start_ranks(
+    folder: Path, spec: dict, ranks: int = 2, timeout: float = 90, env: dict | None = None
+) -> tuple[list, dict]:
+    """The ranks started as mlx.launch starts them (MLX_RANK, MLX_HOSTFILE), without its stopping the others when
+    one fails; (each rank's (exit status, stderr), each rank's status)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps(spec))
+    first = free_ports(ranks)
+    (folder / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(ranks)]))
+    logs = [folder / f"stderr-{r}.txt" for r in range(ranks)]
+    processes = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would block the rank
+            variables = {**rank_env(), **(env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(folder / "hosts.json")}
+            command = [sys.executable, WORKER, folder / "spec.json"]
+            processes.append(subprocess.Popen(command, stderr=stderr, env=variables))
+    try:
+        codes = [p.wait(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    return [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)], statuses_in(folder)
+
+
+def weights(folder: Path) -> dict[str, np.ndarray]:
+    """A saved model's (or LoRA adapters') tensors."""
+    file = folder / "model.safetensors" if (folder / "model.safetensors").is_file() else folder / ADAPTERS_FILE
+    return {k: np.array(v) for k, v in mx.load(str(file)).items()}
+
+
+def assert_same_weights(found: Path, expected: Path) -> None:
+    found, expected = weights(found), weights(expected)
+    assert found.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(found[name], expected[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process's runs (the reference), then one launch of two ranks doing the same and more."""
+    root = tmp_path_factory.mktemp("distributed")
+    model = str(make_checkpoint(root / "encoder", "modernbert", **SIZES))
+    mlm_model = str(make_checkpoint(root / "mlm", "modernbert", "masked-lm", **SIZES))
+    noisy = str(make_checkpoint(root / "dropout", "modernbert", **SIZES, mlp_dropout=0.2, attention_dropout=0.2))
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": x}) + "\n" for t, x in zip(TEXTS, LABELS, strict=True)))
+    # 10 examples in batches of 4: each epoch ends on a batch of 2, one row per rank
+    classify = dict(task="classify", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=3)
+    mlm = dict(task="mlm", data=str(data), model=mlm_model, max_steps=10, batch_size=4, grad_accum=2, lr=1e-3, seed=5)
+    one = root / "one"
+    fine_tune(output_dir=one / "classify", save_every=5, **classify)
+    fine_tune(output_dir=one / "mlm", **mlm)
+    fine_tune(output_dir=one / "lora", lora_rank=4, **classify)
+    rng = np.random.default_rng(0)
+    np.savez(root / "mnrl.npz", anchors=rng.normal(size=(8, 6)), positives=rng.normal(size=(8, 6)),
+             weights=rng.normal(size=(6, 5)))  # fmt: skip
+    two = root / "two"
+    spec = {
+        "fine_tune": {
+            "classify": dict(output_dir=str(two / "classify"), save_every=5, **classify),
+            "mlm": dict(output_dir=str(two / "mlm"), **mlm),
+            "lora": dict(output_dir=str(two / "lora"), lora_rank=4, **classify),
+            "resumed": dict(output_dir=str(two / "resumed"), resume=str(one / "classify" / "checkpoint-5"), **classify),
+            "odd_batch": dict(output_dir=str(two / "odd"), **{**classify, "batch_size": 5}),
+            "taken": dict(output_dir=str(two / "classify"), **classify),  # holds the first run's files
+            "dropout": dict(output_dir=str(two / "dropout"), save_every=5, **{**classify, "model": noisy}),
+            "dropout_resumed": dict(
+                output_dir=str(two / "dropout_resumed"),
+                resume=str(two / "dropout" / "checkpoint-5"),
+                **{**classify, "model": noisy},
+            ),  # fmt: skip
+        },
+        "gather": str(root / "mnrl.npz"),
+    }
+    result, statuses = launch(two, spec)
+    return root, classify, result, statuses
+
+
+def test_two_ranks_train_a_classifier_as_one_process_does(runs):
+    root, _, result, statuses = runs
+    assert sorted(statuses) == [0, 1], result.stderr
+    assert all(s["fine_tune"]["classify"] == "ok" for s in statuses.values()), statuses
+    assert_same_weights(root / "two" / "classify" / "model", root / "one" / "classify" / "model")
+    records = [json.loads(line) for line in (root / "two" / "classify" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))  # one writer: no record twice
+    one = [json.loads(line) for line in (root / "one" / "classify" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in one], atol=1e-5)
+    # progress is printed by rank 0 alone (each fine_tune call compiles its step once)
+    assert result.stderr.count("Compiling the training step") == sum(
+        outcome == "ok" for outcome in statuses[0]["fine_tune"].values()
+    )
+
+
+def test_two_ranks_train_a_masked_lm_as_one_process_does(runs):
+    """Masks are drawn from the global batch (every rank collates it), so both runs mask the same tokens."""
+    root, _, result, statuses = runs
+    assert all(s["fine_tune"]["mlm"] == "ok" for s in statuses.values()), result.stderr
+    assert_same_weights(root / "two" / "mlm" / "model", root / "one" / "mlm" / "model")
+
+
+def test_two_ranks_train_lora_adapters_as_one_process_does(runs):
+    root, _, result, statuses = runs
+    assert all(s["fine_tune"]["lora"] == "ok" for s in statuses.values()), result.stderr
+    assert_same_weights(root / "two" / "lora" / "model", root / "one" / "lora" / "model")
+    assert_same_weights(root / "two" / "lora" / "adapters", root / "one" / "lora" / "adapters")
+
+
+def test_resume_on_another_world_size(runs, tmp_path):
+    root, classify, _, statuses = runs
+    # a one-process checkpoint resumed on two ranks
+    assert statuses[0]["fine_tune"]["resumed"] == "ok"
+    assert_same_weights(root / "two" / "resumed" / "model", root / "one" / "classify" / "model")
+    # a two-rank checkpoint resumed in one process
+    fine_tune(output_dir=tmp_path / "back", resume=root / "two" / "classify" / "checkpoint-5", **classify)
+    assert_same_weights(tmp_path / "back" / "model", root / "one" / "classify" / "model")
+
+
+def test_a_run_with_dropout_resumes_exactly_on_as_many_ranks(runs):
+    """Each rank draws its own dropout masks from a key split off the shared one, which every rank advances alike
+    and the checkpoint keeps."""
+    root, _, result, statuses = runs
+    assert statuses[0]["fine_tune"]["dropout_resumed"] == "ok", result.stderr
+    assert_same_weights(root / "two" / "dropout_resumed" / "model", root / "two" / "dropout" / "model")
+    # the same start as the classifier (one seed), dropout aside: dropout changed the steps
+    noisy, plain = weights(root / "two" / "dropout" / "model"), weights(root / "two" / "classify" / "model")
+    assert max(np.abs(noisy[k] - plain[k]).max() for k in plain) > 1e-3
+
+
+def test_a_batch_size_the_world_does_not_divide_is_refused(runs):
+    _, _, _, statuses = runs
+    for status in statuses.values():
+        error = status["fine_tune"]["odd_batch"]
+        assert error.startswith("OptionError") and "batch_size 5" in error and "world size 2" in error, error
+    assert not (runs[0] / "two" / "odd").exists()
+
+
+def test_an_output_folder_holding_another_run_is_refused_by_every_rank(runs):
+    _, _, _, statuses = runs
+    for status in statuses.values():
+        assert status["fine_tune"]["taken"].startswith("FileExistsError"), status["fine_tune"]["taken"]
+
+
+def test_gathered_embeddings_get_every_ranks_gradient(runs):
+    """2 ranks x 4 anchors against all 8 positives: the gradient of one process's loss on 8 (torch), with our
+    gather; MLX's own all_gather drops the other rank's share of it."""
+    root, _, _, _ = runs
+    data = np.load(root / "mnrl.npz")
+    w = torch.tensor(data["weights"], dtype=torch.float32, requires_grad=True)
+    a = torch.nn.functional.normalize(torch.tanh(torch.tensor(data["anchors"], dtype=torch.float32) @ w), dim=-1)
+    p = torch.nn.functional.normalize(torch.tanh(torch.tensor(data["positives"], dtype=torch.float32) @ w), dim=-1)
+    torch.nn.functional.cross_entropy(20 * a @ p.T, torch.arange(8)).backward()
+    for rank in (0, 1):
+        grads = np.load(root / "two" / f"gradients-{rank}.npz")
+        np.testing.assert_allclose(grads["ours"], w.grad.numpy(), atol=1e-5)
+        assert np.abs(grads["mlx"] - w.grad.numpy()).max() > 1e-3
+
+
+def test_a_killed_rank_stops_the_other_with_an_error_naming_it(runs, tmp_path):
+    """`mlx-encoders train` on two ranks; rank 1 dies (SIGKILL) before step 5: rank 0 exits 1 naming it, and the
+    checkpoint of step 4 is complete. The ring backend mostly reports the lost connection; when its wait hangs
+    instead, the collective's timer ends the rank (mlx.launch itself would also stop rank 0, naming rank 1)."""
+    root, _, _, _ = runs
+    out = tmp_path / "run" / "out"
+    cli = ["train", "classify", "--model", str(root / "encoder"), "--data", str(root / "train.jsonl"), "--output",
+           str(out), "--max-steps", "40", "--batch-size", "4", "--save-every", "2", "--seed", "1"]  # fmt: skip
+    spec = {"cli": cli, "kill_rank": 1, "kill_at_step": 5}
+    (code_0, log_0), (code_1, _) = start_ranks(tmp_path / "run", spec, env={distributed.TIMEOUT_ENV: "15"})[0]
+    assert code_1 == -9 and code_0 == 1, log_0[-2000:]
+    lost = "mlx-encoders train: error: rank 0: lost rank 1 during step 5"
+    assert lost in log_0 or "rank 0: no answer from rank 1 for 15 s during step 5" in log_0, log_0[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]
+    assert trainer.read_state(out / "checkpoint-4" / trainer.STATE_FILE).step == 4
+    fine_tune("classify", root / "train.jsonl", tmp_path / "resumed", model=root / "encoder", max_steps=6,
+              batch_size=4, seed=1, resume=out / "checkpoint-4")  # fmt: skip
+
+
+def test_a_stalled_collective_ends_the_rank_naming_its_peers():
+    """A rank that stops answering without closing its connection (a hung or lost machine) cannot be noticed by
+    the backend: the timer ends the waiting rank."""
+    code = (
+        "import time\nfrom mlx_encoders import distributed\n"
+        "world = distributed.World(None, 4, 2)\n"
+        "with distributed.collective(world, 'step 7', seconds=0.2):\n    time.sleep(5)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "rank 2: no answer from rank 1 or rank 3" in result.stderr and "during step 7" in result.stderr
+
+
+def test_check_batch_size_names_both_numbers():
+    world = distributed.World(None, 4, 0)
+    assert distributed.check_batch_size(8, world) is None
+    assert "batch_size 6 is not divisible by the world size 4" in distributed.check_batch_size(6, world)
