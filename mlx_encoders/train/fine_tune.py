@@ -33,7 +33,17 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
+from .options import check_task_options
+from .trainer import (
+    ADAPTERS_FOLDER,
+    MODEL_FOLDER,
+    OptionError,
+    TrainingConfig,
+    at_least,
+    check_metric_for_best,
+    in_range,
+    train,
+)
 
 # The command's short task names, and the head each trains.
 TASK_NAMES = {
@@ -96,7 +106,8 @@ def fine_tune(
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
-    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it).
+    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it), and an
+      option the task would ignore is refused (`options.READ_BY`).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
@@ -105,12 +116,19 @@ def fine_tune(
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
+    given = dict(
+        text_pair_column=text_pair_column, label_column=label_column, problem_type=problem_type, label2id=label2id,
+        label_all_tokens=label_all_tokens, whole_word_mask=whole_word_mask, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_targets=lora_targets, eval_data=eval_data,
+    )  # fmt: skip
+    check_task_options(task, given | training)  # before the model and data load
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
+    check_metric_for_best(options, evaluation)  # the metrics these labels give, before the model loads
     mx.random.seed(options.seed)  # the new weights (head, adapters, a model from scratch) are reproducible too
     if checkpoint is None:
         net = from_config(dict(read_config(config)), task, tok)
@@ -134,7 +152,7 @@ def task_name(task: str, next_sentence: bool) -> str:
         choices = ", ".join([*TASK_NAMES, *TASK_NAMES.values()])
         raise ValueError(f"Unknown training task {task!r}; choose one of {choices}")
     if next_sentence and name != "masked-lm":
-        raise ValueError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
+        raise OptionError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
     return "pretraining" if next_sentence else name
 
 
