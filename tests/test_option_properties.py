@@ -1,10 +1,10 @@
 """A property-based campaign (hypothesis, derandomized) over the options of training, generation and conversion:
 `fine_tune` with drawn options and data rows (labels non-finite, huge or of the wrong kind, empty and one-token
 documents, typed special tokens), `python -m mlx_encoders train` with drawn flags as typed, the text-generation
-pipeline with drawn sampling options, and `convert` with
-drawn bits, group sizes, modes, recipes and calibration. Every draw either runs and gives finite weights and valid
-outputs, or is refused before any work (nothing written) with a ValueError naming the option or the data's line;
-never another exception, never a NaN result. Each test records its case counts, printed at the end of the run."""
+pipeline with drawn sampling options, and `convert` with drawn bits, group sizes, modes, recipes and calibration.
+Every draw either runs and gives finite weights and valid outputs, or is refused before any work (nothing written)
+with a ValueError naming the option or the data's line (exit 2 on the command line); never another exception,
+never a NaN result. Each test records its case counts, printed at the end of the run."""
 
 import itertools
 import json
