@@ -422,9 +422,10 @@ def check_maskable(encodings: list[Encoding], rows: list[Row], tokenizer: Tokeni
         in_text = [s == 0 and i in special for i, s in zip(e.ids, e.special_tokens_mask, strict=True)]
         if all(s or t for s, t in zip(e.special_tokens_mask, in_text, strict=True)):
             raise DataError(f"{row.where}: the document has no token to mask, only special or unknown ones; remove it")
-        found = {token for token, i, t in zip(e.tokens, e.ids, in_text, strict=True) if t and i != unknown}
-        if found:
-            typed.setdefault((row.source, row.line), (row, set()))[1].update(found)
+        if any(in_text):
+            found = {token for token, i, t in zip(e.tokens, e.ids, in_text, strict=True) if t and i != unknown}
+            if found:
+                typed.setdefault((row.source, row.line), (row, set()))[1].update(found)
     if typed:
         (first, tokens), *others = typed.values()
         lines = ", ".join(str(row.line) for row, _ in others[:5]) + (", ..." if len(others) > 5 else "")
