@@ -97,7 +97,7 @@ PER_TASK = {  # the options each task reads
     "mlm": {"whole_word_mask": st.booleans(), "next_sentence": st.booleans()},
     "clm": {"metric_for_best": one_of(None, "eval_perplexity")},
 }  # fmt: skip
-INVALID = {  # out of range, non-finite, unknown, or ignored by the task drawn (then it must be refused)
+INVALID = {  # out of range, non-finite or unknown for every task: always refused
     "lr": one_of(0.0, -1e-3, NAN, INF),
     "warmup_ratio": one_of(-0.1, 1.5, NAN),
     "warmup_steps": one_of(-1),
@@ -113,33 +113,43 @@ INVALID = {  # out of range, non-finite, unknown, or ignored by the task drawn (
     "schedule": one_of("step"),
     "dtype": one_of("float16"),
     "seed": one_of(-1),
-    "max_length": one_of(2, 1, 0, -1),
+    "max_length": one_of(1, 0, -1),
     "lora_rank": one_of(0, -1),
-    "lora_alpha": one_of(0.0, NAN, 4.0),  # 4.0 without lora_rank does nothing
-    "lora_targets": one_of(["query"]),
-    "metric_for_best": one_of("eval_bogus", "eval_perplexity", "eval_precision"),
-    "problem_type": one_of("bogus", "regression"),
-    "whole_word_mask": one_of(True),
-    "label_all_tokens": one_of(True),
-    "next_sentence": one_of(True),
-    "text_pair_column": one_of("pair"),
+    "lora_alpha": one_of(0.0, NAN),
+    "metric_for_best": one_of("eval_bogus"),
+    "problem_type": one_of("bogus"),
+}
+IGNORED = {  # what a task does not read (PER_TASK), or an option without its companion: refused too
+    "whole_word_mask": (True, ("mlm",)),
+    "label_all_tokens": (True, ("tokens",)),
+    "next_sentence": (True, ("mlm",)),
+    "text_pair_column": ("pair", ("classify",)),
+    "problem_type": ("regression", ("classify",)),
+    "label2id": ({"pos": 0, "neg": 1}, ("classify", "tokens")),
+    "lora_alpha": (4.0, ()),  # without lora_rank
+    "lora_targets": (["query"], ()),
 }
 
 
 @st.composite
-def training_draw(draw, task: str, evaluate: bool) -> tuple[dict, list[dict]]:
-    """(options, rows): options in range and read by the task, with at most one drawn invalid; rows of one label
-    kind, with at most one odd text and one odd label."""
+def training_draw(draw, task: str, evaluate: bool) -> tuple[dict, list[dict], str | None]:
+    """(options, rows, bad): options in range and read by the task, with at most one out of range or one the task
+    ignores (`bad`: the one, or None); rows of one label kind, with at most one odd text and one odd label."""
     pool = {**VALID, **(EVALUATION if evaluate else {}), **PER_TASK[task]}
     options = draw(st.fixed_dictionaries({}, optional=pool))
-    if draw(st.booleans()):
-        name = draw(st.sampled_from(sorted(INVALID)))
-        options[name] = draw(INVALID[name])
+    bad, kind = None, draw(one_of(None, "invalid", "ignored"))
+    if kind == "invalid":
+        bad = draw(st.sampled_from(sorted(INVALID)))
+        options[bad] = draw(INVALID[bad])
+    elif kind == "ignored":
+        options.pop("lora_rank", None)
+        bad = draw(st.sampled_from([name for name, (_, tasks) in IGNORED.items() if task not in tasks]))
+        options[bad] = IGNORED[bad][0]
     rows, n = [], draw(st.integers(1, 5))
-    kind = draw(st.sampled_from(sorted(LABELS)))
+    labels = LABELS[draw(st.sampled_from(sorted(LABELS)))]
     for _ in range(n):
         if task == "classify":
-            rows.append({"text": draw(TEXTS), "pair": draw(TEXTS), "label": draw(LABELS[kind])})
+            rows.append({"text": draw(TEXTS), "pair": draw(TEXTS), "label": draw(labels)})
         elif task == "tokens":
             words = draw(TEXTS).split()
             rows.append({"tokens": words, "ner_tags": draw(st.lists(TAGS, min_size=len(words), max_size=len(words)))})
@@ -153,7 +163,7 @@ def training_draw(draw, task: str, evaluate: bool) -> tuple[dict, list[dict]]:
             rows[row]["label"] = draw(ODD_LABELS)
         else:
             rows[row]["ner_tags"] = [draw(ODD_TAGS) for _ in rows[row]["tokens"]] or [draw(ODD_TAGS)]
-    return options, rows
+    return options, rows, bad
 
 
 def write_text(path, rows: list[dict]):
@@ -181,7 +191,8 @@ def check_trained(trained, out) -> None:
 
 @pytest.fixture(scope="module")
 def sources(checkpoint):
-    return {"bert": checkpoint("bert", "masked-lm"), "gpt2": checkpoint("gpt2", "causal-lm")}
+    # BERT's pretraining checkpoint has both the masked-LM and the next-sentence head: mlm trains with and without
+    return {"bert": checkpoint("bert", "pretraining"), "gpt2": checkpoint("gpt2", "causal-lm")}
 
 
 def test_training_options_and_rows_run_or_are_refused_before_any_work(sources, tmp_path, record_property):
@@ -190,7 +201,7 @@ def test_training_options_and_rows_run_or_are_refused_before_any_work(sources, t
     @campaign(50)
     @given(data=st.data(), task=one_of("classify", "tokens", "mlm", "clm"), evaluate=st.booleans())
     def run(data, task, evaluate):
-        options, rows = data.draw(training_draw(task, evaluate))
+        options, rows, bad = data.draw(training_draw(task, evaluate))
         options.setdefault("max_steps", 2)  # a few steps each (each new batch shape compiles the step again)
         options.setdefault("max_length", 16)
         out = tmp_path / f"run{next(serial)}"
@@ -204,9 +215,11 @@ def test_training_options_and_rows_run_or_are_refused_before_any_work(sources, t
                 )
         except (OptionError, DataError) as e:
             assert not out.exists(), f"refused after writing to {out}: {e}"
+            assert bad is None or isinstance(e, OptionError), f"{bad}={options[bad]!r} not refused first: {e}"
             assert names_option_or_line(e, options, train_data), f"names no option or line: {e}"
             counts[f"refused ({type(e).__name__})"] += 1
             return
+        assert bad is None, f"{bad}={options[bad]!r} was accepted for {task}"
         check_trained(trained, out)
         counts["trained"] += 1
 

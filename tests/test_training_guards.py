@@ -1,7 +1,8 @@
 """What training and conversion refuse or flag before any work: options a task would ignore, `metric_for_best`
 before the data and model load, an optimizer state of another run on resume, special tokens typed in masked-LM
-text, pretraining pairs with nothing to mask, regression targets that would overflow, and recipe patterns that
-match no module (warned before the weights load)."""
+text, pretraining pairs with nothing to mask, regression targets that would overflow; in conversion, recipe
+patterns that match no module (warned before the weights load) and recipe settings a mode refuses (naming the
+recipe)."""
 
 import importlib
 import json
@@ -171,3 +172,18 @@ def test_convert_warns_of_an_unmatched_recipe_pattern_before_the_weights_load(ch
     with pytest.warns(UserWarning, match=r"Recipe pattern 'encoder\.layers\.\*' matches no Linear or Embedding"):
         with pytest.raises(RuntimeError, match="weights loaded"):
             mlx_encoders.convert(checkpoint("bert"), tmp_path / "mlx", recipe=recipe, calibration=False)
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ("mixed_4_8", r"recipe 'mixed_4_8': mxfp4 quantization supports bits \[4\], not 8"),
+        ({"*.query": 8}, r"Recipe entry '\*\.query': mxfp4 quantization supports bits \[4\], not 8"),
+        ({"*": {"bits": 4, "group_size": 7}}, r"Recipe entry '\*': mxfp4 quantization supports group sizes"),
+    ],
+)
+def test_a_recipe_setting_the_mode_refuses_names_the_recipe(checkpoint, tmp_path, recipe, message):
+    # the bits come from the recipe, not --bits: the error says where
+    with pytest.raises(ValueError, match=message):
+        mlx_encoders.convert(checkpoint("bert"), tmp_path / "mlx", mode="mxfp4", recipe=recipe)
+    assert not (tmp_path / "mlx").exists()
