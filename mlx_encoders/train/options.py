@@ -13,7 +13,8 @@ CLASSIFY, TOKENS, MLM, PRETRAINING, CLM = (
     "sequence-classification", "token-classification", "masked-lm", "pretraining", "causal-lm",
 )  # fmt: skip
 
-# option -> the tasks that read it ("pretraining" is mlm with next_sentence); every other task would ignore it
+# option -> the tasks that read it; every other task would ignore it. "pretraining" is mlm with next_sentence, which
+# only mlm takes (`fine_tune.task_name` refuses it elsewhere, as it picks the task)
 READ_BY = {
     "text_pair_column": (CLASSIFY,),
     "label_column": (CLASSIFY, TOKENS),
