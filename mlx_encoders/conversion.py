@@ -14,6 +14,7 @@ import json
 import math
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,7 +39,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .checkpoint.atomic import remove_stale
-from .checkpoint.build import check_dtype
+from .checkpoint.build import build_model, check_dtype, normalize_keys
 from .checkpoint.write import copy_tokenizer_files
 from .models import task_of_model
 from .quantization import (
@@ -47,9 +48,11 @@ from .quantization import (
     calibration_texts,
     dequantize_model,
     input_hessians,
+    quantizable_paths,
     quantization_spec,
     quantize_model,
     recipe_rule,
+    warn_unmatched_patterns,
 )
 from .tokenizer import Tokenizer
 
@@ -325,6 +328,21 @@ def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dt
     return checkpoint
 
 
+def check_patterns(checkpoint: Checkpoint, recipe: str | dict | None) -> None:
+    """Warn of a recipe pattern that matches no module before the weights load: the model is built from config.json
+    and the weights' names alone (MLX reads a tensor only when it is used, and nothing here uses one)."""
+    if not isinstance(recipe, dict):
+        return
+    weights = normalize_keys(checkpoint.read_weights())
+    if hasattr(checkpoint.module, "sanitize"):
+        weights = checkpoint.module.sanitize(weights)
+    try:
+        model = build_model(checkpoint.module, checkpoint.config, checkpoint.task, weights)
+    except ValueError:
+        return  # load_model reports it, naming the file
+    warn_unmatched_patterns(recipe, quantizable_paths(model))
+
+
 def conversion_record(checkpoint: Checkpoint, request: dict) -> dict:
     """The source's content and every option that shapes the result, with the code versions that make it."""
     calibration = request["calibration"]
@@ -396,6 +414,7 @@ def convert(
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     remove_stale(target)  # a run killed mid-write: free its space now, and put back a target it had moved aside
     checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize)
+    check_patterns(checkpoint, recipe)
     explicit = calibration is not None and calibration is not False
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
@@ -426,7 +445,9 @@ def convert(
     quantization = None
     if spec is not None:
         # the asked group size, not the spec's: a recipe's other bit widths take their own default
-        quantization = quantize_model(model, spec["bits"], group_size, spec["mode"], recipe, hessians)
+        with warnings.catch_warnings():  # check_patterns has warned of the patterns that match nothing
+            warnings.filterwarnings("ignore", message="Recipe pattern .* matches no Linear or Embedding")
+            quantization = quantize_model(model, spec["bits"], group_size, spec["mode"], recipe, hessians)
     config = model_config(model)
     if quantization:  # convert's entry also names the modules it left float
         config["quantization"] = config["quantization_config"] = quantization

@@ -62,3 +62,20 @@ def hub_cache(tmp_path, monkeypatch):
         return repo / "snapshots" / sha
 
     return place
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what tests recorded as `record_property("summary", line)` (the property campaigns' case counts), so
+    the counts show at the end of every run, `-q` included."""
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "summary"
+    ]
+    if lines:
+        terminalreporter.write_sep("-", "case counts")
+        for line in lines:
+            terminalreporter.write_line(line)

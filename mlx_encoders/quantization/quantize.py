@@ -44,10 +44,7 @@ def quantize_model(
     default = recipe_default(recipe, spec, group_size)
     config = dict(default)
     modules = {p: m for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-    for pattern in unmatched_patterns(recipe, list(modules)):
-        example = next(iter(modules), "")
-        warnings.warn(f"Recipe pattern {pattern!r} matches no Linear or Embedding of this model, so it changes "
-                      f"nothing; patterns match module paths such as {example!r}", stacklevel=2)  # fmt: skip
+    warn_unmatched_patterns(recipe, list(modules))
     settings, misfits = {}, {}
     for path, module in modules.items():
         params, width = rule(path), module.weight.shape[-1]
@@ -69,6 +66,19 @@ def quantize_model(
     for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
         mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
     return config
+
+
+def quantizable_paths(model: nn.Module) -> list[str]:
+    """The paths of the modules a recipe's patterns match: every nn.Linear and nn.Embedding."""
+    return [p for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+
+
+def warn_unmatched_patterns(recipe: str | dict | None, paths: list[str]) -> None:
+    """A recipe pattern that matches none of the module `paths` is likely a typo: it changes nothing."""
+    example = next(iter(paths), "")
+    for pattern in unmatched_patterns(recipe, paths):
+        warnings.warn(f"Recipe pattern {pattern!r} matches no Linear or Embedding of this model, so it changes "
+                      f"nothing; patterns match module paths such as {example!r}", stacklevel=3)  # fmt: skip
 
 
 def nothing_quantized(misfits: dict[str, tuple[int, int]]) -> str:

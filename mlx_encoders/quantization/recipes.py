@@ -75,23 +75,32 @@ def recipe_rule(recipe: str | dict | None, spec: dict, group_size: int | None = 
         match = re.fullmatch(r"mixed_(\d)_(\d)", recipe)
         if not match:
             raise ValueError(f"Unknown recipe {recipe!r}; use 'mixed_L_H' (e.g. 'mixed_4_8') or a dict of patterns")
-        low, high = (quantization_spec(int(b), group_size, spec["mode"]) for b in match.groups())
+        try:
+            low, high = (quantization_spec(int(b), group_size, spec["mode"]) for b in match.groups())
+        except ValueError as e:  # the bits are the recipe's, not --bits: say so
+            raise ValueError(f"recipe {recipe!r}: {e}") from None
         return lambda path: low if LAYER_PATTERN.search(path) else shared_table(path, high)
     rules = {}
     for pattern, value in recipe.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = quantization_spec(value, group_size, spec["mode"])
-        elif isinstance(value, dict):
-            if unknown := sorted(set(value) - set(PARAM_KEYS)):
-                raise ValueError(
-                    f"Recipe entry {pattern!r}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                    f"a params dict may set only {', '.join(PARAM_KEYS)}"
-                )
-            value = quantization_spec(value.get("bits"), value.get("group_size"), value.get("mode", spec["mode"]))
-        elif value is not False:
-            raise ValueError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
-        rules[pattern] = value
+        rules[pattern] = recipe_entry(pattern, value, spec, group_size)
     return lambda path: next((v for p, v in rules.items() if fnmatch.fnmatchcase(path, p)), shared_table(path, spec))
+
+
+def recipe_entry(pattern: str, value, spec: dict, group_size: int | None) -> dict | bool:
+    """The params of one dict-recipe entry (bits, a params dict or False), checked; errors name the entry."""
+    try:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return quantization_spec(value, group_size, spec["mode"])
+        if isinstance(value, dict):
+            if unknown := sorted(set(value) - set(PARAM_KEYS)):
+                keys = ", ".join(map(repr, unknown))
+                raise ValueError(f"unknown key(s) {keys}; a params dict may set only {', '.join(PARAM_KEYS)}")
+            return quantization_spec(value.get("bits"), value.get("group_size"), value.get("mode", spec["mode"]))
+    except ValueError as e:
+        raise ValueError(f"Recipe entry {pattern!r}: {e}") from None
+    if value is not False:
+        raise ValueError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
+    return False
 
 
 def unmatched_patterns(recipe: str | dict | None, paths: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,14 @@ from tokenizers import Encoding
 from ..models.base import PROBLEM_TYPES
 from ..tokenizer import USIZE_MAX, Tokenizer
 from .losses import IGNORE_INDEX
-from .masking import Masker, next_sentence_pairs
+from .masking import Masker, next_sentence_pairs, special_ids
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".txt": "text"}
 ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
 FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
 LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the number of distinct ids
+REGRESSION_LIMIT = 1e12  # regression targets beyond this would overflow the float32 squared error and its gradients
 
 
 class DataError(ValueError):
@@ -271,6 +273,11 @@ def regression_target(value, row: Row, column: str) -> float:
         target = math.nan
     if math.isnan(target):
         raise DataError(f"{row.where}: column {column!r} must hold a number for regression, found {value!r:.60}")
+    if not abs(target) <= REGRESSION_LIMIT:  # the squared error, in float32, would overflow and stop the run
+        raise DataError(
+            f"{row.where}: regression target {value!r:.60} in column {column!r} is not a finite number within "
+            f"+-{REGRESSION_LIMIT:g}; fix the row, or scale the targets"
+        )
     return target
 
 
@@ -401,10 +408,35 @@ def masked_lm_data(
     """Masked-LM examples: each document (a blank-line-separated run of lines in a .txt file, else a row's text)
     split into windows of at most `max_length` tokens, so no text is cut off. Masks are drawn in `collate`."""
     encodings, rows = lm_windows(data, tokenizer, text_column, max_length)
-    for e, row in zip(encodings, rows, strict=True):
-        if all(e.special_tokens_mask):  # nothing to mask: the batch's loss would be an empty mean
-            raise DataError(f"{row.where}: the document has no token to mask, only special tokens; remove it")
+    check_maskable(encodings, rows, tokenizer)
     return Examples("masked-lm", encodings, [None] * len(encodings), {}, rows)
+
+
+def check_maskable(encodings: list[Encoding], rows: list[Row], tokenizer: Tokenizer) -> None:
+    """Every masked-LM example has a token to mask (else the batch's loss is an empty mean); a special token typed
+    in the text ("[MASK]", "<s>") becomes that special id, which transformers never masks and we would: warn,
+    naming the lines."""
+    special, unknown = special_ids(tokenizer), tokenizer.token_id(tokenizer.unk_token)
+    typed: dict[tuple[str, int], tuple[Row, set[str]]] = {}  # by (source, line): a Row holds a dict, unhashable
+    for e, row in zip(encodings, rows, strict=True):
+        in_text = [s == 0 and i in special for i, s in zip(e.ids, e.special_tokens_mask, strict=True)]
+        if all(s or t for s, t in zip(e.special_tokens_mask, in_text, strict=True)):
+            raise DataError(f"{row.where}: the document has no token to mask, only special or unknown ones; remove it")
+        if any(in_text):
+            found = {token for token, i, t in zip(e.tokens, e.ids, in_text, strict=True) if t and i != unknown}
+            if found:
+                typed.setdefault((row.source, row.line), (row, set()))[1].update(found)
+    if typed:
+        (first, tokens), *others = typed.values()
+        lines = ", ".join(str(row.line) for row, _ in others[:5]) + (", ..." if len(others) > 5 else "")
+        more = f" (and in {len(others)} more: {'items' if first.source == ITERABLE else 'lines'} {lines})"
+        warnings.warn(
+            f"{first.where}: {', '.join(sorted(tokens))} typed in the text{more if others else ''} becomes the "
+            "special token itself, which masked-LM training then masks and predicts as a word; remove it, or write "
+            "it otherwise if it is not meant as that token",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def lm_windows(
@@ -452,12 +484,18 @@ def pretraining_data(
     """BERT pretraining examples: next-sentence pairs drawn with `rng` from the documents of a .txt file (one
     sentence a line, blank lines between documents); `labels` holds the next-sentence label, `collate` the masks."""
     documents = read_documents(data, text_column)
+    if len(documents) < 2:  # the random second sentences come from another document
+        raise DataError(
+            f"{documents[0][0].source}: next-sentence pairs need at least 2 documents, found 1; separate documents "
+            "with a blank line"
+        )
     pairs = next_sentence_pairs(documents, rng)
     if not pairs:
         raise DataError(f"{documents[0][0].source}: no document has two sentences; write one sentence a line")
     first = [row.text(text_column) for row, _, _ in pairs]
     second = [row.text(text_column) for _, row, _ in pairs]
     encodings = tokenizer.encode_batch(first, second, max_length=max_length)
+    check_maskable(encodings, [row for row, _, _ in pairs], tokenizer)
     return Examples("pretraining", encodings, [label for *_, label in pairs], {}, [row for row, _, _ in pairs])
 
 

@@ -35,9 +35,19 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
+from .options import check_task_options
 from .rtd import TASK as RTD_TASK
 from .rtd import ReplacedTokenDetection, generator_args, rtd_masker
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, OptionError, TrainingConfig, at_least, in_range, train
+from .trainer import (
+    ADAPTERS_FOLDER,
+    MODEL_FOLDER,
+    OptionError,
+    TrainingConfig,
+    at_least,
+    check_metric_for_best,
+    in_range,
+    train,
+)
 
 # The command's short task names, and the head each trains.
 TASK_NAMES = {
@@ -114,7 +124,8 @@ def fine_tune(
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
-    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it).
+    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it), and an
+      option the task would ignore is refused (`options.READ_BY`).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
     - "embed" ("sentence-embedding") trains a sentence-embedding model (`fine_tune_embed`): rows of anchor, positive
       (negative or negative_1..n) or sentence1, sentence2, score; `loss` a name ("mnrl", "symmetric-mnrl",
@@ -147,6 +158,12 @@ def fine_tune(
         raise ValueError(f"{', '.join(given)} are options of the embed task, not of {task}")
     options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
+    given = dict(
+        text_pair_column=text_pair_column, label_column=label_column, problem_type=problem_type, label2id=label2id,
+        label_all_tokens=label_all_tokens, whole_word_mask=whole_word_mask, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_targets=lora_targets, eval_data=eval_data,
+    )  # fmt: skip
+    check_task_options(task, given | training)  # before the model and data load
     if task == RTD_TASK:
         check_rtd_options(lora_rank, generator_size, discriminator_weight)
     elif generator is not None:
@@ -157,6 +174,8 @@ def fine_tune(
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
+    if task != RTD_TASK:  # rtd's metrics are its model's: train() checks them
+        check_metric_for_best(options, evaluation)  # the metrics these labels give, before the model loads
     with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
         if task == RTD_TASK:
             net = rtd_pair(checkpoint, config, tok, generator, generator_size, discriminator_weight)
@@ -189,7 +208,7 @@ def task_name(task: str, next_sentence: bool) -> str:
         choices = ", ".join([*TASK_NAMES, *TASK_NAMES.values()])
         raise ValueError(f"Unknown training task {task!r}; choose one of {choices}")
     if next_sentence and name != "masked-lm":
-        raise ValueError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
+        raise OptionError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
     return "pretraining" if next_sentence else name
 
 

@@ -96,12 +96,17 @@ class Masker:
         return in_word & np.isin(keys, keys[picked])
 
 
-def replacement_ids(tokenizer: Tokenizer) -> np.ndarray:
-    """Every id of the tokenizer's vocabulary except its special tokens ([CLS], [PAD], added special tokens...)."""
+def special_ids(tokenizer: Tokenizer) -> set[int]:
+    """The ids of the tokenizer's special tokens ([CLS], [PAD], [MASK], added special tokens...)."""
     special = {i for i, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
     for name in ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token"):
         special.add(tokenizer.token_id(getattr(tokenizer, name)))
-    ids = set(tokenizer.backend.get_vocab(with_added_tokens=True).values()) - special
+    return special - {None}
+
+
+def replacement_ids(tokenizer: Tokenizer) -> np.ndarray:
+    """Every id of the tokenizer's vocabulary except its special tokens."""
+    ids = set(tokenizer.backend.get_vocab(with_added_tokens=True).values()) - special_ids(tokenizer)
     return np.array(sorted(ids), dtype=np.int64)
 
 

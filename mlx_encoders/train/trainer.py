@@ -473,6 +473,8 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
                     f"{folder / 'model.safetensors'}: {name} has shape {tuple(saved[name].shape)}, but this run's "
                     f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
                 )
+    check_optimizer_state(optimizer, model, optimizer_state, folder / OPTIMIZER_FILE)
+    if lora is None:
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(optimizer_state.items()))
     return state
@@ -487,6 +489,30 @@ def read_optimizer_state(path: Path) -> dict[str, mx.array]:
         return mx.load(str(path), format="safetensors")
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path}: not a readable optimizer state ({e}); {RESUME_ELSEWHERE}") from None
+
+
+def check_optimizer_state(optimizer: optim.Optimizer, model: nn.Module, saved: dict[str, mx.array], path: Path) -> None:
+    """The saved state holds the moments of exactly this run's trainable parameters, each of its shape: another
+    run's (other sizes, LoRA targets or weight decay groups) would resume from moments that belong elsewhere."""
+    optimizer.init(model.trainable_parameters())  # what the first step would build: the state this run expects
+    expected = dict(tree_flatten(optimizer.state))
+    other_run = "it belongs to another run (other sizes, LoRA settings or weight_decay)"
+    if missing := sorted(expected.keys() - saved.keys()):
+        raise ValueError(
+            f"{path}: no tensor {missing[0]!r} ({len(missing)} of this run's optimizer tensors missing); "
+            f"{other_run}; {RESUME_ELSEWHERE}"
+        )
+    if extra := sorted(saved.keys() - expected.keys()):
+        raise ValueError(
+            f"{path}: tensor {extra[0]!r} is no trainable parameter's state in this run ({len(extra)} such); "
+            f"{other_run}; {RESUME_ELSEWHERE}"
+        )
+    for name, value in expected.items():
+        if saved[name].shape != value.shape:
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {tuple(saved[name].shape)}, but this run's parameter has "
+                f"{tuple(value.shape)}; {RESUME_ELSEWHERE}"
+            )
 
 
 def read_state(path: Path) -> TrainerState:

@@ -1,0 +1,189 @@
+"""What training and conversion refuse or flag before any work: options a task would ignore, `metric_for_best`
+before the data and model load, an optimizer state of another run on resume, special tokens typed in masked-LM
+text, pretraining pairs with nothing to mask, regression targets that would overflow; in conversion, recipe
+patterns that match no module (warned before the weights load) and recipe settings a mode refuses (naming the
+recipe)."""
+
+import importlib
+import json
+import warnings
+
+import mlx.core as mx
+import pytest
+from checkpoints import MINILM
+
+import mlx_encoders
+from mlx_encoders import conversion
+from mlx_encoders.__main__ import main
+from mlx_encoders.tokenizer import Tokenizer
+from mlx_encoders.train import fine_tune
+from mlx_encoders.train.data import DataError, masked_lm_data, pretraining_data, sequence_classification_data
+from mlx_encoders.train.trainer import OptionError
+
+fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
+ROWS = [{"text": t, "label": label} for t, label in [("a fine film", "pos"), ("dull", "neg"), ("ok", "pos")]]
+TAGGED = [{"tokens": ["Anna", "lives", "in", "Rome"], "ner_tags": ["B-PER", "O", "O", "B-LOC"]}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_pretrained(MINILM)
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "task, rows, option, value, message",
+    [
+        ("classify", ROWS, "whole_word_mask", True, r"whole_word_mask \(--whole-word-mask\) is for masked-lm and "
+         r"pretraining; sequence-classification would ignore it"),
+        ("mlm", ROWS, "label_all_tokens", True, r"label_all_tokens \(--label-all-tokens\) is for token-classification"),
+        ("tokens", TAGGED, "text_pair_column", "pair", r"text_pair_column .* token-classification would ignore it"),
+        ("mlm", ROWS, "problem_type", "regression", r"problem_type .* masked-lm would ignore it"),
+        ("clm", ROWS, "label2id", {"a": 0}, r"label2id .* causal-lm would ignore it"),
+        ("clm", ROWS, "label_column", "label", r"label_column .* causal-lm would ignore it"),
+        ("clm", ROWS, "next_sentence", True, r"next_sentence=True trains BERT's pretraining head"),
+        ("classify", ROWS, "lora_alpha", 16.0, r"lora_alpha=16.0 needs lora_rank \(--lora-rank\)"),
+        ("classify", ROWS, "lora_targets", ["query"], r"lora_targets=\['query'\] needs lora_rank"),
+        ("classify", ROWS, "eval_every", 1, r"eval_every=1 needs evaluation data \(eval_data / --eval-data\)"),
+        ("classify", ROWS, "problem_type", "ordinal", r"problem_type must be one of regression, .*, got 'ordinal'"),
+    ],
+)  # fmt: skip
+def test_an_option_the_task_would_ignore_is_refused_before_any_work(
+    checkpoint, tmp_path, task, rows, option, value, message
+):
+    source = checkpoint("gpt2", "causal-lm") if task == "clm" else checkpoint("bert")
+    with pytest.raises(OptionError, match=message):
+        fine_tune(task, rows, tmp_path / "run", model=source, **{option: value})
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_command_exits_2_on_an_ignored_option(checkpoint, tmp_path, capsys):
+    data = jsonl(tmp_path / "train.jsonl", ROWS)
+    args = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(tmp_path / "run")]
+    assert main([*args, "--whole-word-mask"]) == 2
+    assert "mlx-encoders train: error: whole_word_mask (--whole-word-mask) is for" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_option_another_replaces_warns(checkpoint, tmp_path):
+    with pytest.warns(UserWarning, match=r"warmup_ratio \(--warmup-ratio\) is ignored: warmup_steps"):
+        fine_tune("classify", ROWS, tmp_path / "run", model=checkpoint("bert"), max_steps=1, warmup_ratio=0.5,
+                  warmup_steps=1)  # fmt: skip
+
+
+def test_metric_for_best_is_checked_before_the_data_and_the_model_load(tmp_path, checkpoint, monkeypatch):
+    missing = tmp_path / "missing.jsonl"  # neither the data nor the model exists: the option fails first
+    with pytest.raises(OptionError, match=r"metric_for_best='eval_bogus' is not a metric sequence-classification"):
+        fine_tune("classify", missing, tmp_path / "run", model=tmp_path / "no-model", eval_data=missing,
+                  metric_for_best="eval_bogus")  # fmt: skip
+    with pytest.raises(OptionError, match=r"'eval_perplexity' is not a metric token-classification reports"):
+        fine_tune("tokens", missing, tmp_path / "run", model=tmp_path / "no-model", eval_data=missing,
+                  metric_for_best="eval_perplexity")  # fmt: skip
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the option was checked")
+
+    # multi-label data reports no F1: known once the data is read, still before the model loads
+    monkeypatch.setattr(fine_tune_module, "load_head", no_model)
+    rows = [{"text": "a fine film", "label": ["pos"]}, {"text": "dull", "label": ["neg", "pos"]}]
+    with pytest.raises(OptionError, match=r"metric_for_best='eval_f1' is not a metric sequence-classification "
+                       r"reports; choose one of eval_loss$"):  # fmt: skip
+        fine_tune("classify", rows, tmp_path / "run", model=checkpoint("bert"), eval_data=rows,
+                  metric_for_best="eval_f1")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_an_optimizer_state_of_another_run(checkpoint, tmp_path):
+    options = dict(model=checkpoint("bert"), max_steps=1, batch_size=2, lr=1e-3)
+    fine_tune("classify", ROWS, tmp_path / "plain", **options)
+    state = tmp_path / "plain/checkpoint-1/optimizer.safetensors"
+    # weight decay splits the parameters into two groups: the state of one group cannot resume the other's
+    with pytest.raises(ValueError, match=r"plain/checkpoint-1/optimizer.safetensors: no tensor 'states\.0\.bert\..*"
+                       r"belongs to another run"):  # fmt: skip
+        fine_tune("classify", ROWS, tmp_path / "a", weight_decay=0.01, resume=state.parent, **options)
+    # a hand-edited tensor of another shape would broadcast silently into every later step
+    tensors = mx.load(str(state))
+    tensors["classifier.bias.m"] = mx.zeros((1,))
+    mx.save_safetensors(str(state), tensors)
+    with pytest.raises(ValueError, match=r"optimizer.safetensors: tensor 'classifier.bias.m' has shape \(1,\), but "
+                       r"this run's parameter has \(2,\)"):  # fmt: skip
+        fine_tune("classify", ROWS, tmp_path / "b", resume=state.parent, **options)
+    del tensors["classifier.bias.m"], tensors["classifier.bias.v"]
+    tensors["classifier.extra.m"] = mx.zeros((2,))
+    mx.save_safetensors(str(state), tensors)
+    with pytest.raises(ValueError, match=r"optimizer.safetensors: no tensor 'classifier.bias.m'"):
+        fine_tune("classify", ROWS, tmp_path / "c", resume=state.parent, **options)
+    del tensors["classifier.extra.m"]
+    tensors["classifier.bias.m"] = tensors["classifier.bias.v"] = mx.zeros((2,))
+    tensors["classifier.extra.m"] = mx.zeros((2,))
+    mx.save_safetensors(str(state), tensors)
+    with pytest.raises(ValueError, match=r"tensor 'classifier.extra.m' is no trainable parameter's state in this run"):
+        fine_tune("classify", ROWS, tmp_path / "d", resume=state.parent, **options)
+
+
+def test_special_tokens_typed_in_masked_lm_text_are_flagged_naming_the_lines(tmp_path, tokenizer):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a plain line\n\nthe [MASK] sat\n\nplain again\n\n[CLS] tea and [SEP] cake\n")
+    with pytest.warns(UserWarning, match=r"corpus.txt, line 3: \[MASK\] typed in the text \(and in 1 more: lines 7\) "
+                      r"becomes the special token itself"):  # fmt: skip
+        masked_lm_data(corpus, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unknown character is no typed special token
+        masked_lm_data([{"text": "tea \u2603 and cake"}], tokenizer)
+    # a text of typed special tokens only has nothing to mask, as transformers' collator sees it
+    with pytest.raises(DataError, match=r"item 2 of the data: the document has no token to mask"):
+        masked_lm_data([{"text": "tea"}, {"text": "[MASK] [SEP]"}], tokenizer)
+
+
+def test_pretraining_pairs_are_checked_as_masked_lm_text(tmp_path, tokenizer):
+    rng = __import__("numpy").random.default_rng(0)
+    nothing = tmp_path / "nothing.txt"
+    nothing.write_text("[SEP]\n[CLS]\n\n[MASK]\n[SEP]\n")
+    with pytest.raises(DataError, match=r"nothing.txt, line 1: the document has no token to mask"):
+        pretraining_data(nothing, tokenizer, rng)
+    typed = tmp_path / "typed.txt"
+    typed.write_text("tea and [MASK]\ncake\n\nmore tea\nand cake\n")
+    with pytest.warns(UserWarning, match=r"typed.txt, line 1: \[MASK\] typed in the text"):
+        pretraining_data(typed, tokenizer, rng)
+    one = tmp_path / "one.txt"
+    one.write_text("tea\ncake\n")
+    with pytest.raises(DataError, match=r"one.txt: next-sentence pairs need at least 2 documents, found 1"):
+        pretraining_data(one, tokenizer, rng)
+
+
+@pytest.mark.parametrize("target", [float("inf"), float("-inf"), 1e30, "1e400"])
+def test_regression_targets_that_would_overflow_are_refused_naming_the_item(tokenizer, target):
+    rows = [{"text": "a", "label": 0.5}, {"text": "b", "label": target}]
+    with pytest.raises(DataError, match=r"item 2 of the data: regression target .* is not a finite number within "
+                       r"\+-1e\+12"):  # fmt: skip
+        sequence_classification_data(rows, tokenizer, problem_type="regression")
+
+
+def test_convert_warns_of_an_unmatched_recipe_pattern_before_the_weights_load(checkpoint, tmp_path, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise RuntimeError("weights loaded")
+
+    monkeypatch.setattr(conversion, "load_model", no_load)
+    recipe = {"encoder.layers.*": 4, "*": 8}  # our BERT's paths are bert.encoder.layer.N...
+    with pytest.warns(UserWarning, match=r"Recipe pattern 'encoder\.layers\.\*' matches no Linear or Embedding"):
+        with pytest.raises(RuntimeError, match="weights loaded"):
+            mlx_encoders.convert(checkpoint("bert"), tmp_path / "mlx", recipe=recipe, calibration=False)
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ("mixed_4_8", r"recipe 'mixed_4_8': mxfp4 quantization supports bits \[4\], not 8"),
+        ({"*.query": 8}, r"Recipe entry '\*\.query': mxfp4 quantization supports bits \[4\], not 8"),
+        ({"*": {"bits": 4, "group_size": 7}}, r"Recipe entry '\*': mxfp4 quantization supports group sizes"),
+    ],
+)
+def test_a_recipe_setting_the_mode_refuses_names_the_recipe(checkpoint, tmp_path, recipe, message):
+    # the bits come from the recipe, not --bits: the error says where
+    with pytest.raises(ValueError, match=message):
+        mlx_encoders.convert(checkpoint("bert"), tmp_path / "mlx", mode="mxfp4", recipe=recipe)
+    assert not (tmp_path / "mlx").exists()
