@@ -38,8 +38,8 @@ def jsonl(path, rows):
 @pytest.mark.parametrize(
     "task, rows, option, value, message",
     [
-        ("classify", ROWS, "whole_word_mask", True, r"whole_word_mask \(--whole-word-mask\) is for masked-lm and "
-         r"pretraining; sequence-classification would ignore it"),
+        ("classify", ROWS, "whole_word_mask", True, r"whole_word_mask \(--whole-word-mask\) is for masked-lm, "
+         r"pretraining and replaced-token-detection; sequence-classification would ignore it"),
         ("mlm", ROWS, "label_all_tokens", True, r"label_all_tokens \(--label-all-tokens\) is for token-classification"),
         ("tokens", TAGGED, "text_pair_column", "pair", r"text_pair_column .* token-classification would ignore it"),
         ("mlm", ROWS, "problem_type", "regression", r"problem_type .* masked-lm would ignore it"),

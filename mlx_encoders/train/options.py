@@ -45,6 +45,10 @@ def given(options: Mapping, name: str) -> bool:
     return name not in DEFAULTS or value != DEFAULTS[name]
 
 
+def words(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def flag(name: str) -> str:
     return f"{name} (--{name.replace('_', '-')})"
 
@@ -58,7 +62,7 @@ def check_task_options(task: str, options: Mapping) -> None:
     for name, tasks in READ_BY.items():
         if given(options, name) and task not in tasks:
             raise OptionError(
-                f"{flag(name)} is for {' and '.join(tasks)}; {task} would ignore it, so drop it (or train the task "
+                f"{flag(name)} is for {words(tasks)}; {task} would ignore it, so drop it (or train the task "
                 "it belongs to)"
             )
     for name, (needed, what) in NEEDS.items():

@@ -448,7 +448,7 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
     # the files that can be torn are read first: a damaged one must leave the model and optimizer untouched
     state = read_state(folder / STATE_FILE)
     optimizer_state = read_optimizer_state(folder / OPTIMIZER_FILE)
-    lora = getattr(model, "lora_config", None)
+    lora, saved = getattr(model, "lora_config", None), None
     if (folder / ADAPTERS_FILE).is_file() != (lora is not None):
         raise ValueError(
             f"{folder} holds {'LoRA adapters' if (folder / ADAPTERS_FILE).is_file() else 'a whole model'}, but the "
@@ -474,7 +474,7 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
                     f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
                 )
     check_optimizer_state(optimizer, model, optimizer_state, folder / OPTIMIZER_FILE)
-    if lora is None:
+    if saved is not None:
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(optimizer_state.items()))
     return state
