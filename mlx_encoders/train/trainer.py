@@ -44,6 +44,9 @@ from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
 from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
 from .plot import CURVES_FILE, plot_metrics
+from .rerank import METRIC_NAMES as RERANK_METRICS
+from .rerank import TASK as RERANK_TASK
+from .rerank import RerankObjective
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
@@ -308,6 +311,8 @@ def eval_metric_names(examples: Examples) -> list[str]:
     names = ["eval_loss"]
     if examples.task == EMBEDDING_TASK:
         return names
+    if examples.task == RERANK_TASK:
+        return RERANK_METRICS
     if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
         names.append("eval_accuracy")  # the tasks whose labels are class ids
     if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
@@ -607,7 +612,7 @@ class Loop:
     schedule: Schedule
     state: TrainerState
     total: int
-    objective: EmbeddingObjective | None = None  # a sentence-embedding model's batches, loss and evaluation
+    objective: EmbeddingObjective | RerankObjective | None = None  # a task's own batches, loss and evaluation
 
     def __post_init__(self):
         self.mask_rng = np.random.default_rng()
@@ -757,12 +762,13 @@ def train(
     config: TrainingConfig | None = None,
     masker: Masker | None = None,
     resume_from: str | Path | None = None,
-    objective: EmbeddingObjective | None = None,
+    objective: EmbeddingObjective | RerankObjective | None = None,
 ) -> dict:
     """Train `model` on `train_examples` as `config` says (AdamW with transformers' decay groups, warmup then
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
-    continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`).
+    continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`) or a
+    reranker (`rerank.RerankObjective`).
     Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
     check_metric_for_best(config, eval_examples, model)
