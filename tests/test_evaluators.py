@@ -19,8 +19,9 @@ from sentence_transformers.util import cos_sim, dot_score
 
 from mlx_encoders import CrossEncoder, SentenceEncoder
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import evaluators
+from mlx_encoders.train import evaluators, fine_tune
 from mlx_encoders.train.evaluators import InformationRetrievalEvaluator, RerankingEvaluator
+from mlx_encoders.train.trainer import OptionError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -218,3 +219,33 @@ def test_evaluators_name_bad_input():
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {"q": {"d"}}, ndcg_at_k=[0])
     with pytest.raises(ValueError, match="sample 0 needs 'query', 'positive' and one of"):
         RerankingEvaluator([{"query": "q", "positive": "p"}])
+
+
+def test_embed_training_reports_retrieval_metrics_equal_sentence_transformers_on_the_trained_folder(
+    tmp_path, st_folder
+):
+    rows = [
+        {"anchor": "where is the cat", "positive": TEXTS[0], "negative": TEXTS[4]},
+        {"anchor": "capital cities", "positive": TEXTS[2], "negative": TEXTS[9]},
+        {"anchor": "capital cities", "positive": TEXTS[10], "negative": TEXTS[4]},  # two relevant documents
+        {"anchor": "programming", "positive": TEXTS[3], "negative": TEXTS[8]},
+        {"anchor": "the weather", "positive": TEXTS[5], "negative": TEXTS[7]},
+        {"anchor": "dogs outside", "positive": TEXTS[1], "negative": TEXTS[11]},
+    ]
+    trained = fine_tune(
+        "embed", rows, tmp_path / "run", model=st_folder, eval_data=rows, max_steps=2, batch_size=3, lr=1e-3,
+        metric_for_best="eval_cosine_ndcg@10",
+    )  # fmt: skip
+    queries = {f"q{i:09d}": q for i, q in enumerate(dict.fromkeys(r["anchor"] for r in rows))}
+    texts = list(dict.fromkeys(t for r in rows for t in (r["positive"], r["negative"])))
+    corpus = {f"d{i:09d}": t for i, t in enumerate(texts)}
+    ids = {t: i for i, t in corpus.items()} | {q: i for i, q in queries.items()}
+    relevant = {}
+    for r in rows:
+        relevant.setdefault(ids[r["anchor"]], set()).add(ids[r["positive"]])
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False)(SentenceTransformer(str(trained.path)))
+    assert {k: v for k, v in trained.metrics.items() if k.startswith("eval_cosine")} == pytest.approx(
+        {f"eval_{k}": float(v) for k, v in theirs.items()}, abs=1e-6
+    )
+    with pytest.raises(OptionError, match="eval_cosine_ndcg@10"):  # the metrics it names, to choose from
+        fine_tune("embed", rows, tmp_path / "x", model=st_folder, eval_data=rows, metric_for_best="eval_ndcg")

@@ -102,6 +102,14 @@ def retrieval_metrics(
     return {name: sums[name] / len(query_ids) for name in metric_list(at_k)}
 
 
+def retrieval_metric_names(
+    score_functions: Sequence[str] = ("cosine",), at_k: Mapping[str, Sequence[int]] = DEFAULT_AT_K, name: str = ""
+) -> list[str]:
+    """The names `InformationRetrievalEvaluator.metrics` reports: "<function>_<metric>@<k>", "<name>_..."."""
+    names = [f"{function}_{metric}" for function in sorted(score_functions) for metric in metric_list(at_k)]
+    return list(prefixed(dict.fromkeys(names, 0), name))
+
+
 def metric_list(at_k: Mapping[str, Sequence[int]]) -> list[str]:
     """The metric names of `at_k`, in sentence-transformers' order."""
     names = [f"accuracy@{k}" for k in at_k["accuracy"]]
@@ -162,8 +170,7 @@ class InformationRetrievalEvaluator:
 
     def metric_names(self, score_functions: Sequence[str] = ("cosine",)) -> list[str]:
         """The names `metrics` reports (a trainer prefixes "eval_", for `metric_for_best` to pick one)."""
-        names = [f"{f}_{name}" for f in sorted(score_functions) for name in metric_list(self.at_k)]
-        return list(prefixed(dict.fromkeys(names, 0), self.name))
+        return retrieval_metric_names(score_functions, self.at_k, self.name)
 
     def __call__(self, model) -> dict[str, float]:
         """The metrics of `model` (a `SentenceEncoder`) on this evaluator's queries and corpus."""
@@ -186,6 +193,31 @@ class InformationRetrievalEvaluator:
         self.primary_metric = prefixed({f"{best}_{ndcg}": 0}, self.name).popitem()[0]
         flat = {f"{function}_{metric}": value for function, found in results.items() for metric, value in found.items()}
         return prefixed(flat, self.name)
+
+
+def row_retrieval_metrics(
+    texts: Sequence[tuple[str, ...]], embeddings: Sequence[np.ndarray], score_function: str = "cosine"
+) -> dict[str, float]:
+    """The retrieval metrics of (anchor, positive, negatives...) rows and their (N, D) embeddings per column: each
+    distinct anchor a query, each distinct positive or negative a document (ids in order of first appearance),
+    an anchor's positives its relevant documents; named as `InformationRetrievalEvaluator.metrics`."""
+    query_ids: dict[str, str] = {}
+    doc_ids: dict[str, str] = {}
+    relevant: dict[str, set[str]] = {}
+    query_rows, doc_places = [], []
+    for i, row in enumerate(texts):
+        if row[0] not in query_ids:
+            query_ids[row[0]] = f"q{len(query_ids):09d}"
+            query_rows.append(i)
+        for column, text in enumerate(row[1:], 1):
+            if text not in doc_ids:
+                doc_ids[text] = f"d{len(doc_ids):09d}"
+                doc_places.append((column, i))
+        relevant.setdefault(query_ids[row[0]], set()).add(doc_ids[row[1]])
+    queries = {qid: text for text, qid in query_ids.items()}
+    evaluator = InformationRetrievalEvaluator(queries, {did: text for text, did in doc_ids.items()}, relevant)
+    documents = np.stack([embeddings[column][i] for column, i in doc_places])
+    return evaluator.metrics(np.asarray(embeddings[0])[query_rows], documents, [score_function])
 
 
 # ----- reranking -----

@@ -249,6 +249,9 @@ class RerankObjective:
         index = labels["pair_index"]
         return self.pair_loss(logits[mx.maximum(index, 0)], labels["labels"], index >= 0), logits
 
+    def metric_names(self, examples: RerankExamples) -> list[str]:
+        return METRIC_NAMES
+
     def evaluate(self, model: nn.Module, examples: RerankExamples, batch_size: int) -> dict[str, float]:
         """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's documents
         gathered over its rows (a label > 0 is relevant)."""

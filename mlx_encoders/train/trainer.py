@@ -44,8 +44,6 @@ from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
 from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
 from .plot import CURVES_FILE, plot_metrics
-from .rerank import METRIC_NAMES as RERANK_METRICS
-from .rerank import TASK as RERANK_TASK
 from .rerank import RerankObjective
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
@@ -311,8 +309,6 @@ def eval_metric_names(examples: Examples) -> list[str]:
     names = ["eval_loss"]
     if examples.task == EMBEDDING_TASK:
         return names
-    if examples.task == RERANK_TASK:
-        return RERANK_METRICS
     if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
         names.append("eval_accuracy")  # the tasks whose labels are class ids
     if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
@@ -325,13 +321,16 @@ def eval_metric_names(examples: Examples) -> list[str]:
 
 
 def check_metric_for_best(
-    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None
+    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None, objective=None
 ) -> None:
     if config.metric_for_best is None:
         return
     if eval_examples is None:
         raise OptionError(f"metric_for_best={config.metric_for_best!r} needs evaluation data (eval_data / --eval-data)")
-    names = model.metric_names() if hasattr(model, "metric_names") else eval_metric_names(eval_examples)
+    if objective is not None:  # a task's own metrics (`objective.evaluate`)
+        names = objective.metric_names(eval_examples)
+    else:
+        names = model.metric_names() if hasattr(model, "metric_names") else eval_metric_names(eval_examples)
     if config.metric_for_best not in names:
         raise OptionError(
             f"metric_for_best={config.metric_for_best!r} is not a metric {eval_examples.task} reports; choose one "
@@ -771,7 +770,7 @@ def train(
     reranker (`rerank.RerankObjective`).
     Returns the last evaluation's metrics, else the last step's record."""
     config = config or TrainingConfig("output")
-    check_metric_for_best(config, eval_examples, model)
+    check_metric_for_best(config, eval_examples, model, objective)
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
