@@ -17,6 +17,7 @@ import numpy as np
 
 from .pipelines.token_classification import STRATEGIES
 from .train import cli as train_cli
+from .train import retrieval_cli
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -61,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
 
     # Commands with their own options and output set `run` (a function of the parsed arguments -> exit status).
     train_cli.add_parser(tasks)
+    retrieval_cli.add_parsers(tasks)
     from .generation import cli as generation_cli  # streams its own output: mlx_encoders/generation/cli.py
 
     generation_cli.add_parser(tasks)

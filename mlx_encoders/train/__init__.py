@@ -11,12 +11,25 @@
 - `contrastive`: sentence-transformers' embedding losses (MNRL and its cached, symmetric and Matryoshka forms,
   CoSENT, cosine similarity); `embedding`: their data, the `no_duplicates` sampler, GradCache and the
   sentence-transformers folder that `fine_tune("embed")` (`fine_tune_embed`) writes.
+- `rerank`: cross-encoder (reranker) rows, BCE, ListNet, LambdaLoss and MNRL losses, reranking evaluation.
+- `evaluators`: retrieval and reranking metrics as sentence-transformers' evaluators; `hard_negatives`: mining.
 - `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
 - `metrics`: macro-F1, and entity precision/recall/F1 of BIO tags as seqeval counts them; `plot`: curves.png.
 """
 
+from .evaluators import InformationRetrievalEvaluator, RerankingEvaluator
 from .fine_tune import Trained, fine_tune
+from .hard_negatives import mine_hard_negatives
 from .losses import task_loss
 from .trainer import TrainingConfig, train
 
-__all__ = ["Trained", "TrainingConfig", "fine_tune", "task_loss", "train"]
+__all__ = [
+    "InformationRetrievalEvaluator",
+    "RerankingEvaluator",
+    "Trained",
+    "TrainingConfig",
+    "fine_tune",
+    "mine_hard_negatives",
+    "task_loss",
+    "train",
+]

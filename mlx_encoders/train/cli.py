@@ -1,6 +1,6 @@
-"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd,embed} --data FILE --output DIR (--model PATH_OR_ID |
---config FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names are `fine_tune`'s and
-`TrainingConfig`'s with dashes; the defaults are theirs."""
+"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd,embed,rerank} --data FILE --output DIR
+(--model PATH_OR_ID | --config FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names
+are `fine_tune`'s and `TrainingConfig`'s with dashes; the defaults are theirs."""
 
 import argparse
 import json
@@ -9,6 +9,7 @@ import sys
 from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .embedding import SAMPLERS
 from .fine_tune import TASK_NAMES
+from .rerank import LOSSES as RERANK_LOSSES
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train or fine-tune: masked-LM, classification, token classification, causal LM, ELECTRA",
         description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
     )
-    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify, tokens (NER), clm, rtd, embed")
+    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify, tokens (NER), clm, rtd, embed, rerank")
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
     source.add_argument(
@@ -50,7 +51,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     rtd.add_argument("--discriminator-weight", type=float, default=50.0, help="the discriminator loss's weight")
     embed = p.add_argument_group("embed")
     embed.add_argument(
-        "--loss", choices=list(LOSSES), help="embed: default mnrl (anchor/positive rows), cosent (scored pairs)"
+        "--loss",
+        choices=list(dict.fromkeys([*LOSSES, *RERANK_LOSSES])),
+        help="embed: default mnrl (anchor/positive rows), cosent (scored pairs); rerank: bce, listnet (default for "
+        "rows of several documents), lambda or mnrl",
     )
     embed.add_argument("--mini-batch-size", type=int, help="embed, cached-mnrl: rows per GradCache pass (default 32)")
     embed.add_argument("--matryoshka-dims", type=int, nargs="+", help="embed: train the loss at these widths too")
@@ -106,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "embed":
         options |= dict(loss=embed_loss(args), query_prompt=args.query_prompt, document_prompt=args.document_prompt)
         options["batch_sampler"] = args.batch_sampler
+    elif args.kind == "rerank":
+        options["loss"] = args.loss
     try:
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
     except OptionError as e:  # an option out of range: a usage error, as argparse reports one

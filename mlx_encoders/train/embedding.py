@@ -31,6 +31,7 @@ from .contrastive import (
     l2_normalize,
 )
 from .data import DataError, Examples, read_rows, regression_target
+from .evaluators import retrieval_metric_names, row_retrieval_metrics
 
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
@@ -230,6 +231,7 @@ class EmbeddingObjective:
     normalize: bool = False
     batch_sampler: str = "no_duplicates"
     prompt_tokens: tuple[int, ...] = ()  # per column, the prompt's tokens pooling leaves out (include_prompt=False)
+    similarity_fn_name: str = "cosine"  # the retrieval metrics' score function
 
     def __post_init__(self):
         if self.batch_sampler not in SAMPLERS:
@@ -311,10 +313,19 @@ class EmbeddingObjective:
         random[0] = after
         return loss, grads
 
+    def metric_names(self, examples: TextExamples) -> list[str]:
+        """What `evaluate` reports: the loss, and for anchor-positive rows retrieval metrics (eval_cosine_ndcg@10)."""
+        names = ["eval_loss"]
+        if retrieval_rows(examples):
+            names += [f"eval_{name}" for name in retrieval_metric_names([self.similarity_fn_name])]
+        return names
+
     def evaluate(self, model: nn.Module, examples: TextExamples, batch_size: int) -> dict[str, float]:
-        """The mean loss over consecutive batches of `batch_size`, weighted by their sizes, in eval mode."""
+        """The mean loss over consecutive batches of `batch_size`, weighted by their sizes, in eval mode; for
+        anchor-positive rows also sentence-transformers' retrieval metrics (`evaluators.row_retrieval_metrics`):
+        each anchor ranks every positive and negative of the evaluation data."""
         model.eval()
-        total = 0.0
+        total, found = 0.0, [[] for _ in examples.columns]
         size = getattr(self.loss, "mini_batch_size", batch_size)
         for start in range(0, len(examples), batch_size):
             indices = range(start, min(start + batch_size, len(examples)))
@@ -324,7 +335,19 @@ class EmbeddingObjective:
                 for c, f in enumerate(columns)
             ]
             total += self.loss(embeddings, labels).item() * len(indices)
-        return {"eval_loss": total / len(examples) if len(examples) else math.nan}
+            for column, vectors in zip(found, embeddings, strict=True):
+                column.append(np.array(vectors))
+        metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
+        if retrieval_rows(examples):
+            vectors = [np.concatenate(column) for column in found]
+            retrieval = row_retrieval_metrics(examples.texts, vectors, self.similarity_fn_name)
+            metrics |= {f"eval_{name}": value for name, value in retrieval.items()}
+        return metrics
+
+
+def retrieval_rows(examples: TextExamples) -> bool:
+    """Anchor-positive rows (not scored pairs), of which retrieval metrics can be computed."""
+    return len(examples) > 0 and examples.labels[0] is None and len(examples.columns) >= 2
 
 
 def arrays(batch: dict) -> tuple[list[dict[str, mx.array]], mx.array | None]:

@@ -36,6 +36,8 @@ from .data import (
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
 from .options import check_task_options
+from .rerank import TASK as RERANK_TASK
+from .rerank import RerankObjective, choose_loss, load_reranker, rerank_data
 from .rtd import TASK as RTD_TASK
 from .rtd import ReplacedTokenDetection, generator_args, rtd_masker
 from .trainer import (
@@ -57,6 +59,7 @@ TASK_NAMES = {
     "clm": "causal-lm",
     "rtd": RTD_TASK,
     "embed": "sentence-embedding",
+    "rerank": RERANK_TASK,
 }
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
@@ -131,6 +134,9 @@ def fine_tune(
       (negative or negative_1..n) or sentence1, sentence2, score; `loss` a name ("mnrl", "symmetric-mnrl",
       "cached-mnrl", "cosent", "cosine") or a loss of `train.contrastive`; `query_prompt` / `document_prompt`;
       `batch_sampler` "no_duplicates" (the default for in-batch-negative losses) or "batch_sampler".
+    - "rerank" trains a cross-encoder (`train/rerank.py`: rows of query, document, label or query, positive,
+      negatives) with `loss` "bce", "listnet", "lambda" or "mnrl" (default: listnet when rows hold several
+      documents); its eval metrics add eval_map, eval_mrr@10 and eval_ndcg@10.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
@@ -154,6 +160,8 @@ def fine_tune(
             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
             **training,
         )  # fmt: skip
+    if task == RERANK_TASK:  # loss= names the reranking loss too
+        embedding.pop("loss")
     if given := [name for name, value in embedding.items() if value is not None]:
         raise ValueError(f"{', '.join(given)} are options of the embed task, not of {task}")
     options = training_config(output_dir, training)
@@ -170,11 +178,12 @@ def fine_tune(
         raise ValueError(f"generator= is rtd's (ELECTRA's generator); {task} trains one model")
     checkpoint = check_source(task, model, config, tokenizer)
     tok = load_tokenizer(checkpoint, config, tokenizer)
-    check_max_length(max_length, task, tok, pairs=text_pair_column is not None or task == "pretraining")
+    pairs = text_pair_column is not None or task in ("pretraining", RERANK_TASK)
+    check_max_length(max_length, task, tok, pairs=pairs)
     read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
-    if task != RTD_TASK:  # rtd's metrics are its model's: train() checks them
+    if task not in (RTD_TASK, RERANK_TASK):  # their metrics are their model's or objective's: train() checks them
         check_metric_for_best(options, evaluation)  # the metrics these labels give, before the model loads
     with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
         if task == RTD_TASK:
@@ -187,7 +196,8 @@ def fine_tune(
             apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
     masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
     masker = rtd_masker(tok, whole_word_mask) if task == RTD_TASK else masker
-    metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume)
+    objective = RerankObjective(choose_loss(loss, examples), tok) if task == RERANK_TASK else None
+    metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume, objective=objective)
     main = distributed.is_main()  # under mlx.launch, rank 0 alone writes
     if lora_rank:
         if main:
@@ -288,6 +298,8 @@ def reader(task, tokenizer, text_column, text_pair_column, label_column, problem
     text, label = text_column or default_text, label_column or default_label
 
     def read(data, label2id, seed) -> Examples:
+        if task == RERANK_TASK:
+            return rerank_data(data, tokenizer, max_length)
         if task == "sequence-classification":
             return sequence_classification_data(
                 data, tokenizer, text_column=text, text_pair_column=text_pair_column, label_column=label,
@@ -310,6 +322,8 @@ def reader(task, tokenizer, text_column, text_pair_column, label_column, problem
 def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Module:
     """The checkpoint's model with the `task` head, in float32 (the weights training updates). A classification
     head is kept when it has the data's labels, else created fresh with them."""
+    if task == RERANK_TASK:
+        return load_reranker(checkpoint)
     if task not in ("sequence-classification", "token-classification"):
         return load_model(checkpoint, dtype="float32", task=task)
     labels = dict(label2id=examples.label2id)

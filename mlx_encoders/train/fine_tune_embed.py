@@ -65,7 +65,8 @@ def fine_tune_embedding(
     loss = make_loss(loss, scored=examples.labels[0] is not None)
     in_batch = getattr(loss, "in_batch_negatives", False)
     sampler = batch_sampler or ("no_duplicates" if in_batch else "batch_sampler")
-    objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler)
+    similarity = setup.similarity_fn_name or "cosine"
+    objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     for part in (examples, evaluation):
         if part is not None:
             objective.check(part)

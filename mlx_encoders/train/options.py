@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 from ..models.base import PROBLEM_TYPES
 from .data import Examples
+from .rerank import METRIC_NAMES as RERANK_METRICS
+from .rerank import TASK as RERANK
 from .rtd import METRICS as RTD_METRICS
 from .rtd import TASK as RTD
 from .trainer import OptionError, TrainingConfig, eval_metric_names
@@ -83,7 +85,7 @@ def check_metric_name(task: str, metric: str | None, problem_type: str | None) -
         return
     labels = {"B-X": 0, "O": 1}  # BIO tags: the most metrics token classification reports
     most = Examples(task, [], [], labels, [], problem_type or "single_label_classification")
-    names = list(RTD_METRICS) if task == RTD else eval_metric_names(most)
+    names = {RTD: list(RTD_METRICS), RERANK: RERANK_METRICS}.get(task) or eval_metric_names(most)
     if metric not in names:
         raise OptionError(
             f"metric_for_best={metric!r} is not a metric {task} reports; choose one of {', '.join(names)}"

@@ -45,6 +45,7 @@ from .masking import Masker
 from .metrics import entity_scores, is_chunk_scheme, macro_f1
 from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
 from .plot import CURVES_FILE, plot_metrics
+from .rerank import RerankObjective
 
 LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
@@ -321,13 +322,16 @@ def eval_metric_names(examples: Examples) -> list[str]:
 
 
 def check_metric_for_best(
-    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None
+    config: TrainingConfig, eval_examples: Examples | None, model: nn.Module | None = None, objective=None
 ) -> None:
     if config.metric_for_best is None:
         return
     if eval_examples is None:
         raise OptionError(f"metric_for_best={config.metric_for_best!r} needs evaluation data (eval_data / --eval-data)")
-    names = model.metric_names() if hasattr(model, "metric_names") else eval_metric_names(eval_examples)
+    if objective is not None:  # a task's own metrics (`objective.evaluate`)
+        names = objective.metric_names(eval_examples)
+    else:
+        names = model.metric_names() if hasattr(model, "metric_names") else eval_metric_names(eval_examples)
     if config.metric_for_best not in names:
         raise OptionError(
             f"metric_for_best={config.metric_for_best!r} is not a metric {eval_examples.task} reports; choose one "
@@ -636,7 +640,7 @@ class Loop:
     schedule: Schedule
     state: TrainerState
     total: int
-    objective: EmbeddingObjective | None = None  # a sentence-embedding model's batches, loss and evaluation
+    objective: EmbeddingObjective | RerankObjective | None = None  # a task's own batches, loss and evaluation
 
     def __post_init__(self):
         self.mask_rng = np.random.default_rng()
@@ -810,22 +814,22 @@ def train(
     config: TrainingConfig | None = None,
     masker: Masker | None = None,
     resume_from: str | Path | None = None,
-    objective: EmbeddingObjective | None = None,
+    objective: EmbeddingObjective | RerankObjective | None = None,
 ) -> dict:
     """Train `model` on `train_examples` as `config` says (AdamW with transformers' decay groups, warmup then
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
-    continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`).
-    Returns the last evaluation's metrics, else the last step's record. Under `mlx.launch`, each rank trains on its
-    rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
+    continues that run exactly. `objective` trains a sentence-embedding model (`embedding.EmbeddingObjective`) or a
+    reranker (`rerank.RerankObjective`). Returns the last evaluation's metrics, else the last step's record. Under
+    `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
     """
     config = config or TrainingConfig("output")
-    check_metric_for_best(config, eval_examples, model)
+    check_metric_for_best(config, eval_examples, model, objective)
     world = distributed.world()
     if problem := distributed.check_batch_size(config.batch_size, world):
         raise OptionError(problem)
     if world.size > 1 and (objective is not None or hasattr(model, "batch_loss")):
-        kind = "sentence-embedding" if objective is not None else train_examples.task
+        kind = type(objective).__name__ if objective is not None else train_examples.task
         raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)

@@ -1,0 +1,291 @@
+"""Reranker (cross-encoder) training: data, losses and evaluation, as sentence-transformers' cross-encoder losses
+define them (reference: `sentence_transformers/cross_encoder/losses/`: `binary_cross_entropy.py`, `list_net.py`,
+`lambda_loss.py`, `multiple_negatives_ranking.py`).
+
+A row is one query with its documents: (`query`, `document`, `label`) rows give one pair each (a binary or graded
+label in [0, 1]); (`query`, `positive`, `negative` or `negative_1` ... `negative_n`) rows give the positive
+(label 1) and its negatives (label 0); (`query`, `documents`, `labels`) rows give lists. Each (query, document)
+pair is one input of a one-label sequence classifier. "bce" is `BinaryCrossEntropyLoss` (BCE-with-logits over
+every pair); "listnet" is `ListNetLoss` (per query, cross-entropy of softmax(labels) against softmax(logits));
+"lambda" is `LambdaLoss` (pairwise logistic losses weighted by their NDCG change, NDCGLoss2++); "mnrl" is the
+cross-encoder `MultipleNegativesRankingLoss` with every in-batch document as a negative.
+`RerankObjective` plugs these into `trainer.train` (its `objective=`).
+"""
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from tokenizers import Encoding
+
+from ..checkpoint.build import load_model
+from ..checkpoint.files import Checkpoint
+from ..tokenizer import Tokenizer
+from .data import DataError, Row, read_rows
+from .evaluators import reranking_metrics
+
+LOSSES = ("bce", "listnet", "lambda", "mnrl")
+TASK = "rerank"
+AT_K = 10  # MRR@10 and NDCG@10, as sentence-transformers' CrossEncoderRerankingEvaluator
+METRIC_NAMES = ["eval_loss", "eval_map", f"eval_mrr@{AT_K}", f"eval_ndcg@{AT_K}"]
+
+
+@dataclass
+class RerankExamples:
+    """Tokenized rows: `groups[i]` holds row i's (query, document) pair encodings, `labels[i]` their labels."""
+
+    queries: list[str]
+    groups: list[list[Encoding]]
+    labels: list[list[float]]
+    rows: list[Row]
+    documents: list[list[str]] = field(default_factory=list)  # the texts of `groups`, for in-batch pairs
+    max_length: int | None = None
+    task: str = TASK
+    label2id: dict = field(default_factory=dict)  # none: the labels are relevance, not classes
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    @property
+    def encodings(self) -> list[Encoding]:
+        """The longest pair of each row: what `group_by_length` sorts by."""
+        return [max(group, key=lambda e: len(e.ids)) for group in self.groups]
+
+
+def negatives(row: Row) -> list[str]:
+    if "negative" in row.values:
+        value = row.get("negative")
+        return [value] if isinstance(value, str) else list(value)
+    numbered = sorted(
+        (k for k in row.values if k.startswith("negative_") and k[9:].isdigit()), key=lambda k: int(k[9:])
+    )
+    return [row.text(k) for k in numbered]
+
+
+def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
+    """A row's documents and their labels, from whichever of the three layouts it has."""
+    if "documents" in row.values:
+        documents, labels = row.get("documents"), row.get("labels")
+        if not isinstance(documents, list) or not isinstance(labels, list) or len(documents) != len(labels):
+            raise DataError(f"{row.where}: 'documents' and 'labels' must be lists of the same length")
+    elif "positive" in row.values:
+        documents = [row.text("positive"), *negatives(row)]
+        labels = [1.0] + [0.0] * (len(documents) - 1)
+    elif "document" in row.values:
+        documents, labels = [row.text("document")], [row.get("label")]
+    else:
+        found = ", ".join(repr(c) for c in row.values)
+        raise DataError(
+            f"{row.where}: a reranking row needs 'query' and 'document' + 'label', or 'positive' (+ 'negative' or "
+            f"'negative_1' ...), or 'documents' + 'labels'; found {found}"
+        )
+    return documents, [relevance(label, row) for label in labels]
+
+
+def relevance(label, row: Row) -> float:
+    """A label as a number in [0, 1]; CSV and TSV cells hold it as text."""
+    number = label
+    if isinstance(label, str):
+        try:
+            number = float(label)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number <= 1:
+        raise DataError(f"{row.where}: labels must be numbers in [0, 1] (1 relevant, 0 not), found {label!r}")
+    return float(number)
+
+
+def rerank_data(
+    data: str | Path | Iterable[Mapping], tokenizer: Tokenizer, max_length: int | None = None
+) -> RerankExamples:
+    """The rows of `data` as (query, document) pairs, tokenized as sentence-transformers' CrossEncoder does (one
+    input per pair, longest-first truncation to `max_length`)."""
+    queries, groups, labels, texts, rows = [], [], [], [], read_rows(data)
+    for row in rows:
+        query = row.text("query")
+        documents, row_labels = documents_and_labels(row)
+        if not documents:
+            raise DataError(f"{row.where}: no documents to score for the query")
+        for i, document in enumerate(documents):
+            if not isinstance(document, str):
+                raise DataError(f"{row.where}: document {i} is a {type(document).__name__}, not a text")
+        queries.append(query)
+        texts.append(documents)
+        groups.append(tokenizer.encode_batch([query] * len(documents), documents, max_length=max_length))
+        labels.append(row_labels)
+    return RerankExamples(queries, groups, labels, rows, texts, max_length)
+
+
+def choose_loss(loss: str | None, examples: RerankExamples) -> str:
+    """`loss`, checked; by default "listnet" when rows hold several documents, else "bce"."""
+    if loss is None:
+        return "listnet" if any(len(g) > 1 for g in examples.groups) else "bce"
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)} for reranking, got {loss!r}")
+    if loss == "mnrl":
+        size = len(examples.groups[0])
+        for row, labels in zip(examples.rows, examples.labels, strict=True):
+            if labels != [1.0] + [0.0] * (size - 1):
+                raise DataError(
+                    f"{row.where}: loss 'mnrl' takes (query, positive, negatives) rows, each with the same number "
+                    f"of negatives ({size - 1}, as the first row)"
+                )
+    return loss
+
+
+def bce_loss(logits: mx.array, labels: mx.array, kept: mx.array) -> mx.array:
+    """torch's BCEWithLogitsLoss over the kept pairs (mean), in float32."""
+    losses = nn.losses.binary_cross_entropy(logits, labels, with_logits=True, reduction="none")
+    return mx.where(kept, losses, 0).sum() / kept.sum()
+
+
+def listnet_loss(logits: mx.array, labels: mx.array, kept: mx.array) -> mx.array:
+    """sentence-transformers' ListNetLoss over (B, N) logits: missing documents score -1e16 and carry no label."""
+    logits = mx.where(kept, logits, -1e16)
+    targets = mx.softmax(mx.where(kept, labels, -mx.inf), axis=-1)
+    log_p = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return -(mx.where(kept, targets * log_p, 0)).sum(axis=-1).mean()
+
+
+def lambda_loss(logits: mx.array, labels: mx.array, kept: mx.array, mu: float = 10.0) -> mx.array:
+    """sentence-transformers' LambdaLoss with its default NDCGLoss2++ weighting (mu x NDCGLoss2 + LambdaRank),
+    sigma 1, k None, binary logarithms, over (B, N) logits whose missing documents score -1e16."""
+    n = logits.shape[1]
+    logits = mx.where(kept, logits, -1e16)
+    labels = mx.where(kept, labels, -mx.inf)
+    order = mx.stop_gradient(mx.argsort(-logits, axis=1))
+    scores = mx.take_along_axis(logits, order, axis=1)
+    true = mx.take_along_axis(labels, order, axis=1)
+    ideal = -mx.sort(-labels, axis=1)
+    diffs = true[:, :, None] - true[:, None, :]
+    pairs = mx.isfinite(diffs) & (diffs > 0)
+    true, ideal = mx.maximum(true, 0.0), mx.maximum(ideal, 0.0)
+    discount = mx.log2(1.0 + mx.arange(1, n + 1, dtype=mx.float32))[None, :]  # (1, N)
+    max_dcg = mx.maximum(((2.0**ideal - 1) / discount).sum(axis=-1), 1e-10)
+    gain = (2.0**true - 1) / max_dcg[:, None]
+    gain_gaps = mx.abs(gain[:, :, None] - gain[:, None, :])
+    positions = mx.arange(1, n + 1)
+    delta = mx.abs(positions[:, None] - positions[None, :])  # (N, N)
+    inverse = 1 / discount[0]
+    ndcg2 = mx.abs(inverse[(delta - 1) % n] - inverse[delta])  # the diagonal (delta 0) wraps, then is zeroed
+    ndcg2 = mx.where(mx.eye(n, dtype=mx.bool_), 0.0, ndcg2)
+    lambda_rank = mx.abs(inverse[None, :, None] - inverse[None, None, :]) * gain_gaps
+    weights = mu * ndcg2[None] * gain_gaps + lambda_rank
+    gaps = mx.clip(scores[:, :, None] - scores[:, None, :], -1e8, 1e8)
+    losses = weights * nn.log_sigmoid(gaps) / math.log(2)
+    return -mx.where(pairs, losses, 0).sum() / mx.maximum(pairs.sum(), 1)
+
+
+def mnrl_loss(logits: mx.array, labels: mx.array, kept: mx.array, scale: float = 10.0) -> mx.array:
+    """sentence-transformers' cross-encoder MultipleNegativesRankingLoss: cross-entropy of sigmoid(logits) x scale
+    over each query's (B, M) candidates, the target marked 1 in `labels`."""
+    scores = mx.sigmoid(logits) * scale
+    return -(labels * (scores - mx.logsumexp(scores, axis=-1, keepdims=True))).sum(axis=-1).mean()
+
+
+class RerankObjective:
+    """The batches, loss and evaluation of reranker training, for `trainer.train(..., objective=)`."""
+
+    def __init__(self, loss: str, tokenizer: Tokenizer):
+        self.loss_name, self.tokenizer = loss, tokenizer
+        self.pair_loss = {"bce": bce_loss, "listnet": listnet_loss, "lambda": lambda_loss, "mnrl": mnrl_loss}[loss]
+
+    def collate(self, examples: RerankExamples, indices) -> dict[str, np.ndarray]:
+        """The batch the loss takes: for "mnrl" every query against every document of the rows, else each row's
+        own pairs."""
+        return self.in_batch(examples, indices) if self.loss_name == "mnrl" else self.own_pairs(examples, indices)
+
+    def in_batch(self, examples: RerankExamples, indices) -> dict[str, np.ndarray]:
+        """Each of the B queries paired with all M documents of the B rows (every in-batch document a negative,
+        sentence-transformers' `num_negatives=None`); `labels` (B, M) marks each query's own positive."""
+        documents = [d for i in indices for d in examples.documents[i]]
+        queries = [examples.queries[i] for i in indices for _ in documents]
+        encodings = self.tokenizer.encode_batch(queries, documents * len(indices), max_length=examples.max_length)
+        batch = self.tokenizer.pad(encodings, return_tensors="np")
+        rows, width = len(indices), len(documents)
+        batch["pair_index"] = np.arange(rows * width, dtype=np.int32).reshape(rows, width)
+        batch["labels"] = np.zeros((rows, width), dtype=np.float32)
+        batch["labels"][np.arange(rows), np.arange(rows) * (width // rows)] = 1.0
+        return batch
+
+    def own_pairs(self, examples: RerankExamples, indices) -> dict[str, np.ndarray]:
+        """Every pair of the rows as one padded batch, with `pair_index` (B, N): each row's pairs' places in it
+        (-1 past a row's documents) and `labels` (B, N)."""
+        groups = [examples.groups[i] for i in indices]
+        width = max(len(g) for g in groups)
+        batch = self.tokenizer.pad([e for g in groups for e in g], return_tensors="np")
+        batch["pair_index"] = np.full((len(groups), width), -1, dtype=np.int32)
+        batch["labels"] = np.zeros((len(groups), width), dtype=np.float32)
+        start = 0
+        for row, (i, group) in enumerate(zip(indices, groups, strict=True)):
+            batch["pair_index"][row, : len(group)] = np.arange(start, start + len(group))
+            batch["labels"][row, : len(group)] = examples.labels[i]
+            start += len(group)
+        return batch
+
+    def batcher(self, examples: RerankExamples, batch_size: int) -> None:
+        """Consecutive batches of the trainer's order (no sampler of its own)."""
+        return None
+
+    def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
+        """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one batch."""
+        return make(lambda batch: self.loss(model, *self.split(batch)))
+
+    def split(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+        """(model inputs, loss arrays) of a collated batch."""
+        inputs = {k: mx.array(v) for k, v in batch.items() if k not in ("pair_index", "labels")}
+        return inputs, {"pair_index": mx.array(batch["pair_index"]), "labels": mx.array(batch["labels"])}
+
+    def loss(self, model: nn.Module, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> mx.array:
+        return self.scored(model, inputs, labels)[0]
+
+    def scored(self, model: nn.Module, inputs: dict, labels: dict) -> tuple[mx.array, mx.array]:
+        """(the batch's loss, the (pairs,) logits)."""
+        logits = model(**inputs).logits[:, 0].astype(mx.float32)
+        index = labels["pair_index"]
+        return self.pair_loss(logits[mx.maximum(index, 0)], labels["labels"], index >= 0), logits
+
+    def metric_names(self, examples: RerankExamples) -> list[str]:
+        return METRIC_NAMES
+
+    def evaluate(self, model: nn.Module, examples: RerankExamples, batch_size: int) -> dict[str, float]:
+        """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's documents
+        gathered over its rows (a label > 0 is relevant)."""
+        model.eval()
+        total, logits = 0.0, []
+        for start in range(0, len(examples), batch_size):
+            indices = range(start, min(start + batch_size, len(examples)))
+            loss, scores = self.scored(model, *self.split(self.collate(examples, indices)))
+            if self.loss_name == "mnrl":  # the loss paired each query with every document; the metrics take its own
+                scores = self.scored(model, *self.split(self.own_pairs(examples, indices)))[1]
+            total += loss.item() * len(indices)
+            logits.append(np.array(scores))
+        logits = np.concatenate(logits)
+        per_query: dict[str, tuple[list, list]] = {}
+        offset = 0
+        for query, row_labels in zip(examples.queries, examples.labels, strict=True):
+            relevant, scores = per_query.setdefault(query, ([], []))
+            relevant += [label > 0 for label in row_labels]
+            scores += list(logits[offset : offset + len(row_labels)])
+            offset += len(row_labels)
+        found = [reranking_metrics(np.array(r, dtype=int), np.array(s), AT_K) for r, s in per_query.values()]
+        mrr, ndcg, ap = np.mean(found, axis=0)
+        return {"eval_loss": total / len(examples), "eval_map": float(ap), f"eval_mrr@{AT_K}": float(mrr),
+                f"eval_ndcg@{AT_K}": float(ndcg)}  # fmt: skip
+
+
+def load_reranker(checkpoint: Checkpoint) -> nn.Module:
+    """The checkpoint as a one-label sequence classifier in float32: its own head when it has one, else a new one."""
+    if checkpoint.task != "sequence-classification":
+        return load_model(checkpoint, dtype="float32", task="sequence-classification", num_labels=1)
+    model = load_model(checkpoint, dtype="float32", task="sequence-classification")
+    if model.args.num_labels != 1:
+        raise ValueError(
+            f"{checkpoint.path} has a classification head of {model.args.num_labels} labels; a reranker scores with "
+            "one: start from a checkpoint without a classification head, or from a one-label cross-encoder"
+        )
+    return model

@@ -1,0 +1,251 @@
+"""The retrieval and reranking evaluators against sentence-transformers' `InformationRetrievalEvaluator` and
+`CrossEncoderRerankingEvaluator` on the same embeddings, scores and models; the `evaluate retrieval` command."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from sentence_transformers import CrossEncoder as TorchCrossEncoder
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.cross_encoder.evaluation import CrossEncoderRerankingEvaluator
+from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator as TheirIR
+from sentence_transformers.sentence_transformer.modules import Pooling
+from sentence_transformers.util import cos_sim, dot_score
+
+from mlx_encoders import CrossEncoder, SentenceEncoder
+from mlx_encoders.__main__ import main
+from mlx_encoders.train import evaluators, fine_tune
+from mlx_encoders.train.evaluators import InformationRetrievalEvaluator, RerankingEvaluator
+from mlx_encoders.train.trainer import OptionError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class FixedEmbeddings:
+    """A stand-in sentence-transformers model whose embeddings are a table: both evaluators see the same vectors."""
+
+    def __init__(self, table: dict[str, np.ndarray], similarity_fn_name: str = "cosine"):
+        self.table, self.similarity_fn_name = table, similarity_fn_name
+        self.similarity = {"cosine": cos_sim, "dot": dot_score}[similarity_fn_name]
+        self.model_card_data = SimpleNamespace(set_evaluation_metrics=lambda *a: None)
+
+    def encode_query(self, texts, **kwargs):
+        return torch.tensor(np.stack([self.table[t] for t in texts]))
+
+    encode_document = encode_query
+
+
+def synthetic(seed: int = 0, n_queries: int = 12, n_docs: int = 40, dim: int = 8):
+    """Integer-valued embeddings (exact dot products), with duplicate documents (exact score ties across ids in an
+    order different from insertion order), queries with one to four relevant documents, one query with none and
+    one relevant document that is never among the best 10."""
+    rng = np.random.default_rng(seed)
+    doc_vectors = rng.integers(-3, 4, size=(n_docs, dim)).astype(np.float32)
+    doc_vectors[5] = doc_vectors[17] = doc_vectors[30]  # ties
+    doc_vectors[8] = doc_vectors[2]
+    query_vectors = rng.integers(-3, 4, size=(n_queries, dim)).astype(np.float32)
+    query_vectors[3] = doc_vectors[17]  # its best documents are the three tied ones
+    ids = [f"d{(7 * i) % n_docs:02d}" for i in range(n_docs)]  # not sorted: ties break by id, not position
+    corpus = {cid: f"doc {cid}" for cid in ids}
+    queries = {f"q{i}": f"query {i}" for i in range(n_queries)}
+    relevant = {}
+    for i in range(n_queries - 1):  # the last query has no relevant document: both evaluators leave it out
+        count = 1 + i % 4
+        relevant[f"q{i}"] = {ids[j] for j in rng.choice(n_docs, size=count, replace=False)}
+    relevant["q3"] = {ids[17], ids[30], ids[0]}
+    table = {corpus[cid]: v for cid, v in zip(ids, doc_vectors, strict=True)}
+    table |= {queries[q]: v for q, v in zip(queries, query_vectors, strict=True)}
+    return queries, corpus, relevant, table
+
+
+@pytest.mark.parametrize("block", [None, 90], ids=["one-block", "blocks-of-2-queries"])
+@pytest.mark.parametrize("function", ["cosine", "dot"])
+@pytest.mark.parametrize(
+    "ks", [{}, {"mrr_at_k": [1, 5], "ndcg_at_k": [3, 7], "map_at_k": [2, 10], "accuracy_at_k": [2]}]
+)
+def test_retrieval_metrics_equal_sentence_transformers_on_the_same_embeddings(monkeypatch, function, ks, block):
+    if block:
+        monkeypatch.setattr(evaluators, "SCORE_BLOCK", block)
+    queries, corpus, relevant, table = synthetic()
+    model = FixedEmbeddings(table, function)
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False, **ks)(model)
+    evaluator = InformationRetrievalEvaluator(queries, corpus, relevant, **ks)
+    ours = evaluator.metrics(
+        np.stack([table[queries[q]] for q in evaluator.query_ids]), np.stack([table[t] for t in corpus.values()]),
+        [function],
+    )  # fmt: skip
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert ours[key] == pytest.approx(float(theirs[key]), abs=1e-12), key
+    assert ours[f"{function}_ndcg@{max(ks.get('ndcg_at_k', [10]))}"] < 1  # not a trivially perfect ranking
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ir")
+    checkpoint = make_checkpoint(root / "bert", "bert")
+    model = SentenceTransformer(modules=[Transformer(str(checkpoint)), Pooling(32, pooling_mode="mean")], device="cpu")
+    model.save(str(root / "st"))
+    return root / "st"
+
+
+TEXTS = [
+    "The cat sat on the mat.", "Dogs chase balls in the park.", "Paris is the capital of France.",
+    "Python is a programming language.", "The stock market fell today.", "Rain is expected tomorrow.",
+    "The cat sat on the mat.", "Apples and oranges are fruit.", "A train leaves at noon.", "Music fills the hall.",
+    "Berlin is the capital of Germany.", "Lists hold items in order.",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", [{}, {"query_prompt": "query: ", "corpus_prompt": "passage: ", "truncate_dim": 16}])
+def test_evaluator_on_a_model_equals_sentence_transformers(st_folder, options):
+    corpus = {f"c{i}": text for i, text in enumerate(TEXTS)}
+    queries = {"q0": "where is the cat", "q1": "capital cities", "q2": "programming", "q3": "weather"}
+    relevant = {"q0": {"c0", "c6"}, "q1": {"c2", "c10"}, "q2": {"c3", "c11"}, "q3": {"c5"}}
+    model = SentenceTransformer(str(st_folder))
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False, name="dev", **options)(model)
+    evaluator = InformationRetrievalEvaluator(queries, corpus, relevant, name="dev", **options)
+    ours = evaluator(SentenceEncoder(st_folder))
+    assert sorted(ours) == sorted(theirs) and evaluator.primary_metric == "dev_cosine_ndcg@10"
+    assert evaluator.metric_names() == list(ours)
+    for key in theirs:
+        assert ours[key] == pytest.approx(float(theirs[key]), abs=1e-9), key
+
+
+def test_evaluate_retrieval_command(tmp_path, st_folder, capsys):
+    corpus = {f"c{i}": text for i, text in enumerate(TEXTS)}
+    queries = {"q0": "where is the cat", "q1": "capital cities"}
+    relevant = {"q0": {"c0", "c6"}, "q1": {"c2", "c10"}}
+    write = lambda name, rows: (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+    write("queries.jsonl", [{"_id": q, "text": t} for q, t in queries.items()])
+    write("corpus.jsonl", [{"_id": c, "title": "", "text": t} for c, t in corpus.items()])
+    write("qrels.jsonl", [{"query-id": q, "corpus-id": c, "score": 1} for q, cs in relevant.items() for c in cs])
+    args = ["evaluate", "retrieval", "--model", str(st_folder), "--queries", str(tmp_path / "queries.jsonl"),
+            "--corpus", str(tmp_path / "corpus.jsonl"), "--qrels", str(tmp_path / "qrels.jsonl"), "--json"]  # fmt: skip
+    assert main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False)(SentenceTransformer(str(st_folder)))
+    assert printed == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-9)
+    write("qrels.jsonl", [{"query-id": "q0", "corpus-id": "missing"}])
+    assert main(args) == 1
+    assert "corpus id 'missing'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- reranking
+class FixedScores:
+    """A stand-in CrossEncoder that returns given scores (both evaluators see the same numbers)."""
+
+    def __init__(self, scores: dict[tuple[str, str], float]):
+        self.scores = scores
+        self.model_card_data = SimpleNamespace(set_evaluation_metrics=lambda *a: None)
+
+    def predict(self, pairs, **kwargs):
+        return np.array([self.scores[tuple(p)] for p in pairs], dtype=np.float32)
+
+
+def reranking_samples(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    samples, scores = [], {}
+    for i in range(9):
+        positive = [f"p{i}-{j}" for j in range(1 + i % 3)]
+        negative = [f"n{i}-{j}" for j in range(3 + i % 5)]
+        samples.append({"query": f"q{i}", "positive": positive if i % 2 else positive[0], "negative": negative})
+        for doc in positive + negative:  # few distinct values: ties inside and across relevance levels
+            scores[(f"q{i}", doc)] = float(rng.integers(0, 4))
+    samples.append({"query": "q-none", "positive": [], "negative": ["x", "y"]})
+    scores |= {("q-none", "x"): 1.0, ("q-none", "y"): 0.0}
+    return samples, scores
+
+
+def first_stage_samples(seed: int = 1):
+    """Samples with a first-stage ranking ("documents"): some positives inside it, some missed, one with none."""
+    rng = np.random.default_rng(seed)
+    samples, scores = [], {}
+    for i in range(8):
+        positive = [f"p{i}-{j}" for j in range(1 + i % 3)]
+        others = [f"o{i}-{j}" for j in range(4 + i % 4)]
+        documents = others + positive[: (i % 3)] if i != 5 else others  # sample 5's first stage missed them all
+        documents = [documents[j] for j in rng.permutation(len(documents))]
+        samples.append({"query": f"q{i}", "positive": positive, "documents": documents})
+        for doc in positive + others:
+            scores[(f"q{i}", doc)] = float(rng.integers(0, 5))
+    return samples, scores
+
+
+@pytest.mark.parametrize(
+    "at_k,case", [(10, "negatives"), (3, "negatives"), (10, "documents"), (3, "documents-only-retrieved")]
+)
+def test_reranking_metrics_equal_sentence_transformers_on_the_same_scores(at_k, case):
+    samples, scores = reranking_samples() if case == "negatives" else first_stage_samples()
+    options = {"always_rerank_positives": case == "documents", "at_k": at_k}
+    theirs = CrossEncoderRerankingEvaluator(samples, write_csv=False, **options)(FixedScores(scores))
+    ours = RerankingEvaluator(samples, **options)(FixedScores(scores))
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert ours[key] == pytest.approx(float(theirs[key]), abs=1e-12), key
+
+
+def test_reranking_evaluator_on_a_model_equals_sentence_transformers(tmp_path):
+    checkpoint = make_checkpoint(tmp_path, "bert", "sequence-classification", num_labels=1)
+    samples = [
+        {"query": "where is the cat", "positive": ["The cat sat on the mat."], "negative": TEXTS[1:5]},
+        {"query": "capital cities", "positive": [TEXTS[2], TEXTS[10]], "negative": TEXTS[5:9]},
+    ]
+    theirs = CrossEncoderRerankingEvaluator(samples, name="dev", write_csv=False)(TorchCrossEncoder(str(checkpoint)))
+    ours = RerankingEvaluator(samples, name="dev")(CrossEncoder(checkpoint))
+    assert ours == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-9)
+
+
+def test_evaluate_rerank_command(tmp_path, capsys):
+    checkpoint = make_checkpoint(tmp_path / "ce", "bert", "sequence-classification", num_labels=1)
+    samples, _ = reranking_samples()
+    samples = [{**s, "positive": [s["positive"]] if isinstance(s["positive"], str) else s["positive"]} for s in samples]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    args = ["evaluate", "rerank", "--model", str(checkpoint), "--samples", str(tmp_path / "samples.jsonl"), "--json"]
+    assert main([*args, "--at-k", "5"]) == 0
+    theirs = CrossEncoderRerankingEvaluator(samples, at_k=5, write_csv=False)(TorchCrossEncoder(str(checkpoint)))
+    assert json.loads(capsys.readouterr().out) == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-9)
+
+
+def test_evaluators_name_bad_input():
+    with pytest.raises(ValueError, match="No query has a relevant document"):
+        InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {})
+    with pytest.raises(ValueError, match="ndcg_at_k"):
+        InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {"q": {"d"}}, ndcg_at_k=[0])
+    with pytest.raises(ValueError, match="sample 0 needs 'query', 'positive' and one of"):
+        RerankingEvaluator([{"query": "q", "positive": "p"}])
+
+
+def test_embed_training_reports_retrieval_metrics_equal_sentence_transformers_on_the_trained_folder(
+    tmp_path, st_folder
+):
+    rows = [
+        {"anchor": "where is the cat", "positive": TEXTS[0], "negative": TEXTS[4]},
+        {"anchor": "capital cities", "positive": TEXTS[2], "negative": TEXTS[9]},
+        {"anchor": "capital cities", "positive": TEXTS[10], "negative": TEXTS[4]},  # two relevant documents
+        {"anchor": "programming", "positive": TEXTS[3], "negative": TEXTS[8]},
+        {"anchor": "the weather", "positive": TEXTS[5], "negative": TEXTS[7]},
+        {"anchor": "dogs outside", "positive": TEXTS[1], "negative": TEXTS[11]},
+    ]
+    trained = fine_tune(
+        "embed", rows, tmp_path / "run", model=st_folder, eval_data=rows, max_steps=2, batch_size=3, lr=1e-3,
+        metric_for_best="eval_cosine_ndcg@10",
+    )  # fmt: skip
+    queries = {f"q{i:09d}": q for i, q in enumerate(dict.fromkeys(r["anchor"] for r in rows))}
+    texts = list(dict.fromkeys(t for r in rows for t in (r["positive"], r["negative"])))
+    corpus = {f"d{i:09d}": t for i, t in enumerate(texts)}
+    ids = {t: i for i, t in corpus.items()} | {q: i for i, q in queries.items()}
+    relevant = {}
+    for r in rows:
+        relevant.setdefault(ids[r["anchor"]], set()).add(ids[r["positive"]])
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False)(SentenceTransformer(str(trained.path)))
+    assert {k: v for k, v in trained.metrics.items() if k.startswith("eval_cosine")} == pytest.approx(
+        {f"eval_{k}": float(v) for k, v in theirs.items()}, abs=1e-6
+    )
+    with pytest.raises(OptionError, match="eval_cosine_ndcg@10"):  # the metrics it names, to choose from
+        fine_tune("embed", rows, tmp_path / "x", model=st_folder, eval_data=rows, metric_for_best="eval_ndcg")
