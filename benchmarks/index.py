@@ -10,6 +10,15 @@ model loading included). Searching: `--sizes` random unit vectors written
 straight into a store; each of `--queries` random unit queries answered by a matrix product over all vectors
 (exact) and through the HNSW graph with the top candidates re-scored (ann); recall@10 is the share of the exact
 top 10 the graph finds. Embedding the query is not included (see benchmarks/embed.py).
+
+`--retrieval N` prints retrieval quality instead: NDCG@10 of dense, sparse and hybrid (RRF and weighted) search
+on N pairs of the docstring retrieval task of benchmarks/train_embed.py (a function's one-line summary -> the rest
+of its docstring, the test modules), one index built with `--model` and `--sparse-model`. Without
+`--sparse-model` the sparse side is an IDF-weighted bag of words (sentence-transformers' SparseStaticEmbedding,
+each vocabulary id of the text weighted by its IDF over the documents, MiniLM's tokenizer): a lexical baseline,
+not SPLADE.
+
+    python benchmarks/index.py --retrieval 500 [--sparse-model path/to/splade]
 """
 
 import argparse
@@ -94,6 +103,52 @@ def search_figures(size: int, args: argparse.Namespace, folder: Path) -> dict:
     return figures
 
 
+def idf_model(folder: Path, documents: list[str], tokenizer_folder: str) -> Path:
+    """An inference-free sparse model: a SparseStaticEmbedding of the IDF of each vocabulary id over `documents`."""
+    import mlx.core as mx
+
+    from mlx_encoders import Tokenizer
+
+    folder.mkdir(parents=True)
+    for name in Path(tokenizer_folder).iterdir():
+        if name.name.startswith(("tok", "special", "vocab")):
+            shutil.copy(name, folder / name.name)
+    tokenizer = Tokenizer.from_pretrained(folder)
+    frequency = np.zeros(tokenizer.vocab_size)
+    for encoding in tokenizer.encode_batch(documents, add_special_tokens=False):
+        frequency[list(set(encoding.ids))] += 1
+    idf = np.log(1 + len(documents) / (1 + frequency)).astype(np.float32)
+    mx.save_safetensors(str(folder / "model.safetensors"), {"weight": mx.array(idf)})
+    module = "sentence_transformers.sparse_encoder.modules.sparse_static_embedding.SparseStaticEmbedding"
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": module}]))
+    return folder
+
+
+def retrieval_quality(args: argparse.Namespace, folder: Path) -> None:
+    """NDCG@10 (one relevant document per query) of each search mode on the docstring retrieval task."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_embed import pairs, spread
+
+    test = spread(pairs()[1], args.retrieval)
+    documents = [(str(i), row["positive"]) for i, row in enumerate(test)]
+    sparse = args.sparse_model or str(idf_model(folder / "idf", [t for _, t in documents], args.model))
+    start = time.perf_counter()
+    build(documents, folder / "index", args.model, sparse_model=sparse, quiet=True)
+    print(json.dumps({"pairs": len(test), "build s": round(time.perf_counter() - start, 1), "sparse model": sparse}))
+    index = Index(folder / "index")
+    modes = {"dense": {"mode": "dense"}, "sparse": {"mode": "sparse"}, "hybrid rrf": {"mode": "hybrid"}}
+    modes["hybrid weighted 0.5"] = {"mode": "hybrid", "fusion": "weighted"}
+    for name, options in modes.items():
+        gains, start = [], time.perf_counter()
+        for i, row in enumerate(test):
+            ids = [hit.id for hit in index.search(row["anchor"], 10, **options)]
+            gains.append(1 / np.log2(ids.index(str(i)) + 2) if str(i) in ids else 0.0)
+        seconds = (time.perf_counter() - start) / len(test)
+        print(
+            json.dumps({"mode": name, "ndcg@10": round(float(np.mean(gains)), 4), "ms/query": round(1000 * seconds, 1)})
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--texts", type=int, default=100_000, help="texts to embed in the build benchmark")
@@ -101,6 +156,8 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     p.add_argument("--dimension", type=int, default=384)
     p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
+    p.add_argument("--sparse-model", help="SparseEncoder folder for --retrieval (default: an IDF bag of words)")
     p.add_argument("--rank-build", type=Path, help=argparse.SUPPRESS)  # one rank of the build benchmark
     args = p.parse_args()
     args.model = args.model or default_model()
@@ -109,6 +166,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="index-bench-") as temporary:
         folder = Path(temporary)
+        if args.retrieval:
+            retrieval_quality(args, folder)
+            return
         rates = {ranks: round(build_rate(args, folder / f"build-{ranks}", ranks), 1) for ranks in (1, 2)}
         print(json.dumps({"texts": args.texts, "texts/s by ranks": rates}))
         for size in args.sizes:

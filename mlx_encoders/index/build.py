@@ -5,7 +5,8 @@ Under `mlx.launch` (an `mx.distributed` world of more than one process) every ra
 every world-size-th chunk of the texts to embed, and commits them into its own shard (`shards/rank-<r>.sqlite`);
 rank 0 then merges the shards into the store. Chunks are cut the same way for any world size, so the vectors
 equal a one-process build's. A killed run resumes: texts already in the store or in any shard are not embedded
-again, and shards left by a run of another world size are merged too.
+again, and shards left by a run of another world size are merged too. A sparse model (`sparse_model`, a
+`SparseEncoder` folder) is embedded in the same chunks and committed with the dense vectors, into postings.
 """
 
 import sys
@@ -13,9 +14,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..checkpoint import folder_digest
 from ..sentence import SentenceEncoder
+from ..sparse import SparseEncoder
 from . import ann as ann_index
 from .documents import read_corpus
 from .search import ANN_THRESHOLD
@@ -42,14 +45,26 @@ def agree(group: mx.distributed.Group, error: BaseException | None, step: str) -
         raise error
 
 
-def identity(encoder: SentenceEncoder, model: str) -> dict[str, str]:
+def identity(encoder: SentenceEncoder | None, model: str, sparse: SparseEncoder | None, sparse_model: str):
+    """The meta of an index of these models; "" (and dimension 0) for a model it has not."""
     return {
-        "model": model,
-        "model_fingerprint": folder_digest(encoder.path),
-        "dimension": str(encoder.dimension),
+        "model": model if encoder else "",
+        "model_fingerprint": folder_digest(encoder.path) if encoder else "",
+        "dimension": str(encoder.dimension if encoder else 0),
         "dtype": "<f4",
-        "pooling": "+".join(encoder.pooling),
+        "pooling": "+".join(encoder.pooling) if encoder else "",
+        "sparse_model": sparse_model if sparse else "",
+        "sparse_model_fingerprint": folder_digest(sparse.path) if sparse else "",
+        "sparse_dimension": str(sparse.get_embedding_dimension() if sparse else 0),
     }
+
+
+def open_model(model, kind: type):
+    """(encoder or None, its name) of a folder, hub id or encoder of class `kind`."""
+    if model is None:
+        return None, ""
+    encoder = model if isinstance(model, kind) else kind(model)
+    return encoder, str(model.path) if isinstance(model, kind) else str(model)
 
 
 def log(message: str, quiet: bool) -> None:
@@ -57,13 +72,17 @@ def log(message: str, quiet: bool) -> None:
         print(f"mlx-encoders index: {message}", file=sys.stderr, flush=True)
 
 
-def embed_chunks(target: Store, encoder: SentenceEncoder, chunks: list[list[tuple[str, str]]], batch_size: int,
-                 quiet: bool) -> None:  # fmt: skip
+def embed_chunks(target: Store, encoder: SentenceEncoder | None, sparse: SparseEncoder | None,
+                 chunks: list[list[tuple[str, str]]], batch_size: int, quiet: bool) -> None:  # fmt: skip
     start, done = time.perf_counter(), 0
     for chunk in chunks:
         keys, texts = [k for k, _ in chunk], [t for _, t in chunk]
-        vectors = encoder.encode_document(texts, batch_size=batch_size, normalize_embeddings=True)
-        target.stage(keys, texts, vectors)
+        if encoder is not None:
+            vectors = encoder.encode_document(texts, batch_size=batch_size, normalize_embeddings=True)
+        else:
+            vectors = np.zeros((len(texts), 0), np.float32)
+        terms = sparse.encode_document(texts, batch_size=batch_size).rows() if sparse is not None else None
+        target.stage(keys, texts, vectors, terms)
         done += len(chunk)
     if done:
         seconds = time.perf_counter() - start
@@ -73,8 +92,9 @@ def embed_chunks(target: Store, encoder: SentenceEncoder, chunks: list[list[tupl
 def build(
     corpus,
     index: str | Path,
-    model: str | SentenceEncoder,
+    model: str | SentenceEncoder | None,
     *,
+    sparse_model: str | SparseEncoder | None = None,
     batch_size: int = 32,
     chunk: int = CHUNK,
     ann: bool | None = None,
@@ -83,15 +103,19 @@ def build(
     quiet: bool = False,
 ) -> dict[str, int]:
     """Build or update the index in folder `index` from `corpus` (a path, or (id, text) pairs) with `model` (a
-    folder, hub id or SentenceEncoder), committing every `chunk` texts. The HNSW graph of `precision` is built
+    folder, hub id or SentenceEncoder) and/or `sparse_model` (a SparseEncoder or its folder: an inverted index of
+    its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built
     too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
     that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped."""
     group, folder = world(), Path(index)
     rank, size = group.rank(), group.size()
-    encoder = model if isinstance(model, SentenceEncoder) else SentenceEncoder(model)
-    name = str(model.path) if isinstance(model, SentenceEncoder) else str(model)
+    if model is None and sparse_model is None:
+        raise ValueError("index build needs a model (--model), a sparse model (--sparse-model) or both")
+    encoder, name = open_model(model, SentenceEncoder)
+    sparse, sparse_name = open_model(sparse_model, SparseEncoder)
     docs = read_corpus(corpus)
-    meta = identity(encoder, name)
+    meta = identity(encoder, name, sparse, sparse_name)
+    name = " and ".join(n for n in (name, sparse_name) if n)
     store_file, shard_folder = folder / "index.sqlite", folder / "shards"
 
     error = None
@@ -133,7 +157,7 @@ def build(
         else:
             target = Store(store_file)
         with target:
-            embed_chunks(target, encoder, chunks[rank::size], batch_size, quiet or rank != 0)
+            embed_chunks(target, encoder, sparse, chunks[rank::size], batch_size, quiet or rank != 0)
     except Exception as e:
         error = e
     agree(group, error, "embedding")
@@ -161,12 +185,13 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
         indexed, wanted = {key for (key,) in store.con.execute("SELECT key FROM texts")}, set(keys)
         store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
         count, generation = store.count(), store.meta["generation"]
-        if ann if ann is not None else count >= ann_threshold:
+        graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
+        if graph:
             rows, vectors = store.vectors()
     for shard in shards:  # merged: its rows are in the store now
         for path in (shard, shard.with_name(shard.name + "-wal"), shard.with_name(shard.name + "-shm")):
             path.unlink(missing_ok=True)
-    if ann if ann is not None else count >= ann_threshold:
+    if graph:
         ann_index.build(folder, rows, vectors, precision, generation)
     log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
     return {"documents": len(docs), "texts": count, "added": len(wanted - indexed), "dropped": len(indexed - wanted)}

@@ -1,12 +1,12 @@
-"""`mlx-encoders index build --corpus PATH --index DIR --model M` and
-`mlx-encoders index search --index DIR "query" [-k K] [--json]`."""
+"""`mlx-encoders index build --corpus PATH --index DIR --model M [--sparse-model S]` and
+`mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]`."""
 
 import argparse
 import json
 import sys
 
 from .build import CHUNK, build
-from .search import ANN_THRESHOLD, PRECISIONS, Index
+from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
 
 
 def positive(text: str) -> int:
@@ -25,7 +25,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make = actions.add_parser("build", help="embed a corpus into an index folder (only new or changed texts)")
     make.add_argument("--corpus", required=True, help="a folder of .txt/.md/.jsonl/.csv files, or one such file")
     make.add_argument("--index", required=True, help="the index folder (created, or updated)")
-    make.add_argument("--model", "-m", required=True, help="sentence-transformers model folder or hub id")
+    make.add_argument("--model", "-m", help="sentence-transformers model folder or hub id (dense vectors)")
+    make.add_argument("--sparse-model", help="SparseEncoder (SPLADE) folder or hub id: an inverted index too")
     make.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
     make.add_argument("--quiet", action="store_true", help="print nothing on stderr")
@@ -33,6 +34,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     find.add_argument("queries", nargs="+", metavar="QUERY")
     find.add_argument("--index", required=True, help="the index folder")
     find.add_argument("--model", "-m", help="model for the queries (default: the index's)")
+    find.add_argument("--sparse-model", help="sparse model for the queries (default: the index's)")
+    find.add_argument("--mode", choices=MODES, help="dense (default if the index has a dense model), sparse, hybrid")
+    find.add_argument("--fusion", choices=FUSIONS, default="rrf", help="how hybrid fuses the rankings (default rrf)")
+    find.add_argument("--rrf-k", type=float, default=RRF_K, help=f"reciprocal-rank fusion's k (default {RRF_K})")
+    find.add_argument("--alpha", type=float, default=0.5, help="dense share of a weighted fusion (default 0.5)")
     find.add_argument("-k", "--top-k", type=positive, default=10, help="results per query (default 10)")
     find.add_argument("--json", action="store_true", help="print one JSON list of {query, hits} objects")
     find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
@@ -53,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
 def build_or_search(args: argparse.Namespace) -> int:
     if args.action == "build":
         counts = build(
-            args.corpus, args.index, args.model, batch_size=args.batch_size, chunk=args.chunk, quiet=args.quiet
+            args.corpus,
+            args.index,
+            args.model,
+            sparse_model=args.sparse_model,
+            batch_size=args.batch_size,
+            chunk=args.chunk,
+            quiet=args.quiet,
         )
         if counts and not args.quiet:
             print(
@@ -61,8 +73,9 @@ def build_or_search(args: argparse.Namespace) -> int:
                 f"({counts['added']} added, {counts['dropped']} dropped)"
             )
         return 0
-    index = Index(args.index, args.model, ann=args.ann, precision=args.precision)
-    results = [(query, index.search(query, args.top_k)) for query in args.queries]
+    index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision)
+    options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha}
+    results = [(query, index.search(query, args.top_k, **options)) for query in args.queries]
     if args.json:
         records = [{"query": q, "hits": [vars(h) for h in hits]} for q, hits in results]
         print(json.dumps(records, ensure_ascii=False, indent=1))

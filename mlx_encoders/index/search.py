@@ -2,6 +2,11 @@
 else through the HNSW graph of `ann.py`, whose candidates are re-scored exactly. `precision` "int8" or "binary"
 ranks candidates on quantized vectors (`vectors.quantize_embeddings`, as `SentenceEncoder.encode(precision=)`)
 and re-scores the best of them with the stored float32 vectors. Scores are cosine similarities.
+
+An index built with a sparse model also answers `mode="sparse"` (exact: the dot product of the query's weights
+with the postings of its terms) and `mode="hybrid"`: each mode's best `depth` texts fused by reciprocal-rank
+fusion (`rrf`: the sum over the rankings of 1 / (rrf_k + rank), rank from 1) or `weighted` (alpha x the dense
+score + (1 - alpha) x the sparse score, each min-max normalised over its ranking; 0 where a text is absent).
 """
 
 from dataclasses import dataclass
@@ -11,12 +16,16 @@ import numpy as np
 
 from ..checkpoint import folder_digest
 from ..sentence import SentenceEncoder
+from ..sparse import SparseEncoder, SparseVectors
 from ..vectors import quantize_embeddings
 from . import ann as ann_index
 from .store import Store, StoreError
 
 ANN_THRESHOLD = 50_000  # below this many vectors a matrix product is as fast as the graph, and exact
 PRECISIONS = ("float32", "int8", "binary")
+MODES = ("dense", "sparse", "hybrid")
+FUSIONS = ("rrf", "weighted")
+RRF_K = 60  # reciprocal-rank fusion's constant, as its authors (Cormack et al. 2009) and most engines use
 
 
 @dataclass
@@ -32,18 +41,43 @@ def best(scores: np.ndarray, k: int) -> np.ndarray:
     return top[np.lexsort((top, -scores[top]))]
 
 
-def check_encoder(encoder: SentenceEncoder, meta: dict[str, str], where: Path) -> None:
+def check_encoder(encoder, meta: dict[str, str], where: Path, kind: str = "model") -> None:
     found = folder_digest(encoder.path)
-    if found != meta.get("model_fingerprint"):
+    if found != meta.get(f"{kind}_fingerprint"):
         raise StoreError(
-            f"The index {where} was built with the model {meta.get('model')!r}; {str(encoder.path)!r} is another "
-            "model (its files differ). Search with the index's model, or build the index with this one."
+            f"The index {where} was built with the {kind.replace('_', ' ')} {meta.get(kind)!r}; "
+            f"{str(encoder.path)!r} is another model (its files differ). Search with the index's model, or build "
+            "the index with this one."
         )
+
+
+def fuse(
+    rankings: list[tuple[np.ndarray, np.ndarray]],
+    fusion: str = "rrf",
+    rrf_k: float = RRF_K,
+    weights: tuple[float, ...] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, fused scores), best first (ties by row), of several (rows, scores) rankings, each best first:
+    `rrf` sums 1 / (rrf_k + rank) over the rankings a row is in; `weighted` sums weight x its min-max normalised
+    score (1 when all of a ranking's scores are equal)."""
+    total: dict[int, float] = {}
+    for i, (rows, scores) in enumerate(rankings):
+        if fusion == "rrf":
+            parts = 1.0 / (rrf_k + np.arange(1, len(rows) + 1))
+        else:
+            low, high = (float(scores.min()), float(scores.max())) if len(scores) else (0.0, 0.0)
+            normal = (scores - low) / (high - low) if high > low else np.ones(len(scores))
+            parts = (1.0 if weights is None else weights[i]) * normal
+        for row, part in zip(rows.tolist(), parts.tolist(), strict=True):
+            total[row] = total.get(row, 0.0) + part
+    order = sorted(total, key=lambda row: (-total[row], row))
+    return np.array(order, np.int64), np.array([total[row] for row in order], np.float64)
 
 
 class Index:
     """A built index opened for searching. `model` (a folder or hub id, or a SentenceEncoder) embeds text queries;
-    by default the model the index was built with. `ann`: True/False forces the graph on or off, None uses it
+    by default the model the index was built with; so does `sparse_model` (a SparseEncoder or its folder) for an
+    index built with one. `ann`: True/False forces the graph on or off, None uses it
     from `ann_threshold` vectors. `rescore`: candidates re-scored exactly per query (at least 4 x k)."""
 
     def __init__(
@@ -51,6 +85,7 @@ class Index:
         folder: str | Path,
         model: str | SentenceEncoder | None = None,
         *,
+        sparse_model: str | SparseEncoder | None = None,
         ann: bool | None = None,
         ann_threshold: int = ANN_THRESHOLD,
         precision: str = "float32",
@@ -65,13 +100,18 @@ class Index:
             self.meta = store.meta
             self.rows, self.vectors = store.vectors()
         self.model, self.encoder = model, model if isinstance(model, SentenceEncoder) else None
-        self.graph, self.checked = None, False
-        if ann if ann is not None else len(self.rows) >= ann_threshold:
+        self.sparse_model = sparse_model
+        self.sparse_encoder = sparse_model if isinstance(sparse_model, SparseEncoder) else None
+        self.dense = self.meta.get("model_fingerprint", "") != ""
+        self.sparse = self.meta.get("sparse_model_fingerprint", "") != ""
+        self.graph, self.checked = None, set()
+        graph = ann if ann is not None else len(self.rows) >= ann_threshold
+        if self.dense and graph:
             generation = self.meta["generation"]
             self.graph = ann_index.load(self.folder, precision, generation, len(self.rows))
             if self.graph is None:
                 self.graph = ann_index.build(self.folder, self.rows, self.vectors, precision, generation)
-        elif precision != "float32":
+        elif self.dense and precision != "float32":
             self.codes = self.quantize(self.vectors)
 
     def quantize(self, vectors: np.ndarray) -> np.ndarray:
@@ -86,21 +126,86 @@ class Index:
     def embed(self, query: str) -> np.ndarray:
         if self.encoder is None:
             self.encoder = SentenceEncoder(self.model or self.meta["model"])
-        if not self.checked:  # once: it hashes the model's files
+        if "model" not in self.checked:  # once: it hashes the model's files
             check_encoder(self.encoder, self.meta, self.folder)
-            self.checked = True
+            self.checked.add("model")
         return self.encoder.encode_query(query, normalize_embeddings=True)
 
-    def search(self, query: str | np.ndarray, k: int = 10) -> list[Hit]:
-        """The `k` best documents for `query` (a text, or a unit vector of the index's dimension), best first."""
-        if k < 1:
-            raise ValueError(f"k must be 1 or more, got {k}")
+    def embed_sparse(self, query: str | SparseVectors) -> tuple[np.ndarray, np.ndarray]:
+        """(term ids, weights) of a text query (by the sparse model) or of one sparse vector."""
+        if isinstance(query, str):
+            if self.sparse_encoder is None:
+                self.sparse_encoder = SparseEncoder(self.sparse_model or self.meta["sparse_model"])
+            if "sparse_model" not in self.checked:
+                check_encoder(self.sparse_encoder, self.meta, self.folder, "sparse_model")
+                self.checked.add("sparse_model")
+            query = self.sparse_encoder.encode_query(query)
+        return query.col, query.data
+
+    def search(
+        self,
+        query: str | np.ndarray | SparseVectors,
+        k: int = 10,
+        *,
+        mode: str | None = None,
+        fusion: str = "rrf",
+        rrf_k: float = RRF_K,
+        alpha: float = 0.5,
+        depth: int = 100,
+    ) -> list[Hit]:
+        """The `k` best documents for `query`, best first: a text, a unit vector of the index's dimension (dense)
+        or one sparse vector (sparse). `mode`: "dense" (default when the index has a dense model), "sparse" or
+        "hybrid" (each mode's best `depth` texts fused by `fusion`, "rrf" with `rrf_k` or "weighted" with the
+        dense share `alpha`)."""
+        mode = self.check_mode(mode, k, fusion, rrf_k, alpha, depth)
+        if mode == "dense":
+            rows, scores = self.dense_nearest(query, k)
+        elif mode == "sparse":
+            rows, scores = self.sparse_nearest(query, k)
+        else:
+            if not isinstance(query, str):
+                raise TypeError(f"a hybrid search takes a text query, got {type(query).__name__}")
+            rankings = [self.dense_nearest(query, max(depth, k)), self.sparse_nearest(query, max(depth, k))]
+            rows, scores = fuse(rankings, fusion, rrf_k, (alpha, 1 - alpha))
+            rows, scores = rows[:k], scores[:k]
+        with Store(self.folder / "index.sqlite") as store:
+            found = store.documents([int(r) for r in rows])
+        hits = [Hit(i, float(s), t) for r, s in zip(rows, scores, strict=True) for i, t in found[int(r)]]
+        return hits[:k]
+
+    def check_mode(self, mode: str | None, k: int, fusion: str, rrf_k: float, alpha: float, depth: int) -> str:
+        mode = mode or ("dense" if self.dense else "sparse")
+        if k < 1 or depth < 1:
+            raise ValueError(f"k and depth must be 1 or more, got k={k}, depth={depth}")
+        if mode not in MODES or fusion not in FUSIONS:
+            raise ValueError(f"mode must be one of {MODES} and fusion one of {FUSIONS}; got {mode!r}, {fusion!r}")
+        if rrf_k < 0 or not 0 <= alpha <= 1:
+            raise ValueError(f"rrf_k must be 0 or more and alpha within [0, 1]; got {rrf_k}, {alpha}")
+        for kind, present, option in (("dense", self.dense, "--model"), ("sparse", self.sparse, "--sparse-model")):
+            if mode in (kind, "hybrid") and not present:
+                raise ValueError(
+                    f"The index {self.folder} has no {kind} model, so it cannot answer a {mode} search; build it "
+                    f"with {option} (into a new --index folder) or search with another mode."
+                )
+        return mode
+
+    def dense_nearest(self, query: str | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, cosine scores) of the best `k` texts, best first."""
         vector = self.embed(query) if isinstance(query, str) else np.asarray(query, np.float32)
         positions, scores = self.nearest(vector, k)
+        return self.rows[positions], scores
+
+    def sparse_nearest(self, query: str | SparseVectors, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, dot products) of the best `k` texts sharing a term with the query, best first (ties by row)."""
+        terms, weights = self.embed_sparse(query)
+        order = np.argsort(terms)
+        terms, weights = terms[order], weights[order].astype(np.float64)
         with Store(self.folder / "index.sqlite") as store:
-            found = store.documents([int(self.rows[p]) for p in positions])
-        hits = [Hit(i, float(s), t) for p, s in zip(positions, scores, strict=True) for i, t in found[self.rows[p]]]
-        return hits[:k]
+            found, rows, values = store.postings(terms)
+        rows, slots = np.unique(rows, return_inverse=True)  # ascending rows: ties go by row
+        scores = np.bincount(slots, weights=values * weights[np.searchsorted(terms, found)], minlength=len(rows))
+        top = best(scores, k) if len(rows) else np.zeros(0, np.int64)
+        return rows[top], scores[top]
 
     def nearest(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, exact scores) of the best `k` vectors, best first."""
@@ -119,7 +224,22 @@ class Index:
         return pool[top], scores[top]
 
 
-def search(index: str | Path, query: str, k: int = 10, model: str | SentenceEncoder | None = None, **options) -> list:
+def search(
+    index: str | Path,
+    query: str,
+    k: int = 10,
+    model: str | SentenceEncoder | None = None,
+    *,
+    mode: str | None = None,
+    fusion: str = "rrf",
+    rrf_k: float = RRF_K,
+    alpha: float = 0.5,
+    depth: int = 100,
+    **options,
+) -> list:
     """The `k` best documents of the index in folder `index` for `query`: [Hit(id, score, text)], best first.
-    Opens the index each call; keep an `Index` to answer many queries."""
-    return Index(index, model, **options).search(query, k)
+    `mode`, `fusion`, `rrf_k`, `alpha`, `depth` as `Index.search`; `options` go to `Index`. Opens the index each
+    call; keep an `Index` to answer many queries."""
+    return Index(index, model, **options).search(
+        query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
+    )

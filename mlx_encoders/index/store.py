@@ -1,9 +1,11 @@
 """The index's system of record: one SQLite file (WAL) of texts, their float32 vectors and document ids.
 
-Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, generation), `texts` (one row per distinct
-text: integer row, SHA-256 key, text, vector), `documents` (id -> text key, in corpus order) and `staged`
-(vectors embedded by a build that has not finished). A build commits its vectors into `staged` a chunk at a time,
-then swaps `documents` and `texts` in one transaction, so a reader sees the previous index or the new one.
+Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation), `texts` (one
+row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense model), `documents`
+(id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text row, weight;
+clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished). A build
+commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings` in
+one transaction, so a reader sees the previous index or the new one.
 """
 
 import hashlib
@@ -22,8 +24,14 @@ CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT N
 CREATE TABLE IF NOT EXISTS documents (position INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, key TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS documents_key ON documents (key);
 CREATE TABLE IF NOT EXISTS staged (key TEXT PRIMARY KEY, text TEXT NOT NULL, vector BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS postings (term INTEGER NOT NULL, row INTEGER NOT NULL, weight REAL NOT NULL,
+                                     PRIMARY KEY (term, row)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS postings_row ON postings (row);
+CREATE TABLE IF NOT EXISTS staged_postings (key TEXT NOT NULL, term INTEGER NOT NULL, weight REAL NOT NULL,
+                                            PRIMARY KEY (key, term)) WITHOUT ROWID;
 """
-IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling")  # what must match for vectors to be comparable
+# what must match for vectors to be comparable; "" where the index has no dense or no sparse model
+IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_fingerprint")
 
 
 class StoreError(ValueError):
@@ -89,12 +97,18 @@ class Store:
 
     def check_identity(self, identity: dict[str, str], model: str) -> None:
         """A store of another model (or pooling, dimension) is an error naming both."""
+        if "model_fingerprint" not in self.meta:  # a new store: any models
+            return
         for name in IDENTITY:
-            if name in self.meta and self.meta[name] != identity[name]:
+            if self.meta.get(name, "") != identity[name]:
+                built = " and ".join(
+                    f"the {kind}model {self.meta[m]!r}" for m, kind in (("model", ""), ("sparse_model", "sparse "))
+                    if self.meta.get(m)
+                )  # fmt: skip
                 raise StoreError(
-                    f"{self.path} was built with the model {self.meta.get('model')!r} ({name} "
-                    f"{self.meta[name]!r}); {model!r} gives {name} {identity[name]!r}. Use the index's model "
-                    "(--model), or build into a new --index folder."
+                    f"{self.path} was built with {built} ({name} {self.meta.get(name, '')!r}); "
+                    f"{model!r} gives {name} {identity[name]!r}. Use the index's models (--model, --sparse-model), "
+                    "or build into a new --index folder."
                 )
 
     def transaction(self, statements: Iterable[tuple[str, Iterable]]) -> None:
@@ -118,9 +132,19 @@ class Store:
     def set_meta(self, meta: dict[str, str]) -> None:
         self.transaction([("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(meta.items()))])
 
-    def stage(self, keys: list[str], texts: list[str], vectors: np.ndarray) -> None:
+    def stage(self, keys: list[str], texts: list[str], vectors: np.ndarray, sparse: list | None = None) -> None:
+        """Stage texts with their dense vectors ((N, 0) without a dense model) and sparse (term ids, weights), in
+        one transaction: a text is staged with all its vectors or not at all."""
         rows = [(k, t, v.astype(DTYPE).tobytes()) for k, t, v in zip(keys, texts, vectors, strict=True)]
-        self.transaction([("INSERT OR IGNORE INTO staged VALUES (?, ?, ?)", rows)])
+        postings = [
+            (key, int(term), float(weight))
+            for key, (terms, weights) in zip(keys, sparse or [], strict=sparse is not None)
+            for term, weight in zip(terms, weights, strict=True)
+        ]
+        self.transaction([
+            ("INSERT OR IGNORE INTO staged VALUES (?, ?, ?)", rows),
+            ("INSERT OR IGNORE INTO staged_postings VALUES (?, ?, ?)", postings),
+        ])  # fmt: skip
 
     def keys(self) -> set[str]:
         """Keys of every text this store holds a vector for, indexed or staged."""
@@ -134,19 +158,29 @@ class Store:
         except sqlite3.Error as e:
             raise StoreError(f"Could not read the shard {shard}: {e}; delete it to re-embed its texts") from None
         try:
-            self.transaction([("INSERT OR IGNORE INTO staged SELECT key, text, vector FROM shard.staged", [()])])
+            self.transaction([
+                ("INSERT OR IGNORE INTO staged SELECT key, text, vector FROM shard.staged", [()]),
+                ("INSERT OR IGNORE INTO staged_postings SELECT key, term, weight FROM shard.staged_postings", [()]),
+            ])  # fmt: skip
         finally:
             self.con.execute("DETACH DATABASE shard")
 
     def commit_index(self, docs: list[tuple[str, str]]) -> None:
         """The new index in one transaction: `docs` (id, key) replace the documents, the staged texts join the
-        texts, texts no document uses go, and the generation moves on."""
+        texts and their postings the inverted index, texts no document uses go with their postings, and the
+        generation moves on."""
         generation = str(int(self.meta.get("generation", "0")) + 1)
         self.transaction([
+            ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
             ("INSERT OR IGNORE INTO texts (key, text, vector) SELECT key, text, vector FROM staged", [()]),
+            ("INSERT INTO postings SELECT s.term, t.row, s.weight FROM staged_postings s JOIN texts t USING (key)",
+             [()]),
             ("DELETE FROM staged", [()]),
+            ("DELETE FROM staged_postings", [()]),
             ("DELETE FROM documents", [()]),
             ("INSERT INTO documents (id, key) VALUES (?, ?)", docs),
+            ("DELETE FROM postings WHERE row IN (SELECT row FROM texts WHERE key NOT IN (SELECT key FROM documents))",
+             [()]),
             ("DELETE FROM texts WHERE key NOT IN (SELECT key FROM documents)", [()]),
             ("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("generation", generation)]),
         ])  # fmt: skip
@@ -166,6 +200,18 @@ class Store:
         except sqlite3.DatabaseError as e:
             raise self.damaged(e) from None
         return rows, vectors
+
+    def postings(self, terms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(terms, rows, weights) of every posting of the given term ids, read through the term index."""
+        marks = ",".join("?" * len(terms))
+        try:
+            found = self.con.execute(
+                f"SELECT term, row, weight FROM postings WHERE term IN ({marks})", [int(t) for t in terms]
+            ).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise self.damaged(e) from None
+        columns = np.array(found, np.float64).reshape(-1, 3)
+        return columns[:, 0].astype(np.int64), columns[:, 1].astype(np.int64), columns[:, 2]
 
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
         """For each text row its (document id, text) pairs, in corpus order (a shared text has several)."""
