@@ -174,9 +174,14 @@ def assert_multivector_folder_matches(folder: Path) -> None:
             np.testing.assert_allclose(mine, theirs.float().numpy(), atol=1e-5)
 
 
-def test_multivector_from_an_encoder_adds_the_projection_sentence_transformers_adds(checkpoints, tmp_path):
-    trained = fine_tune("multivector", TRIPLETS, tmp_path / "out", model=checkpoints["encoder"], max_steps=2,
-                        batch_size=3, lr=1e-3)  # fmt: skip
+def test_multivector_from_an_encoder_adds_sentence_transformers_projection_and_resumes(checkpoints, tmp_path):
+    options = dict(model=checkpoints["encoder"], max_steps=2, save_every=1, batch_size=3, lr=1e-3)
+    trained = fine_tune("multivector", TRIPLETS, tmp_path / "out", eval_data=TRIPLETS[:3], **options)
+    assert np.isfinite(trained.metrics["eval_loss"])
+    resumed = fine_tune("multivector", TRIPLETS, tmp_path / "out", resume=tmp_path / "out" / "checkpoint-1", **options)
+    resumed_weights = dict(tree_flatten(resumed.model.parameters()))
+    for name, weight in tree_flatten(trained.model.parameters()):  # the projection too: restored, not redrawn
+        np.testing.assert_array_equal(np.array(weight), np.array(resumed_weights[name]), err_msg=name)
     dense = json.loads((trained.path / "1_Dense" / "config.json").read_text())
     assert (dense["in_features"], dense["out_features"], dense["bias"]) == (32, 128, False)
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((trained.path / "modules.json").read_text())]
