@@ -16,10 +16,12 @@ import torch
 from checkpoints import make_checkpoint
 from mlx.utils import tree_flatten
 from sentence_transformers import MultiVectorEncoder as STMultiVectorEncoder
+from sentence_transformers import SentenceTransformer
 from sentence_transformers import SparseEncoder as STSparseEncoder
 from sentence_transformers.base.modules import Dense, Normalize, Transformer
 from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
 from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 from sentence_transformers.sparse_encoder.losses import SpladeLoss as STSpladeLoss
 from sentence_transformers.sparse_encoder.modules import SpladePooling
@@ -186,6 +188,17 @@ def test_multivector_from_an_encoder_adds_sentence_transformers_projection_and_r
     assert (dense["in_features"], dense["out_features"], dense["bias"]) == (32, 128, False)
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((trained.path / "modules.json").read_text())]
     assert modules == ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+    assert_multivector_folder_matches(trained.path)
+
+
+def test_multivector_from_a_sentence_transformer_drops_its_pooling(checkpoints, tmp_path):
+    folder = tmp_path / "st"
+    SentenceTransformer(modules=[Transformer(str(checkpoints["encoder"])), Pooling(32), Normalize()]).save(str(folder))
+    trained = fine_tune("multivector", TRIPLETS, tmp_path / "out", model=folder, max_steps=1, batch_size=3)
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((trained.path / "modules.json").read_text())]
+    assert modules == ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+    settings = json.loads((trained.path / "config_sentence_transformers.json").read_text())
+    assert settings["similarity_fn_name"] == "maxsim"
     assert_multivector_folder_matches(trained.path)
 
 

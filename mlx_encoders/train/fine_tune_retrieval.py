@@ -252,6 +252,32 @@ class MultiVectorModel(nn.Module):
         self.load_weights(list(saved.items()))
 
 
+class SentenceTransformerSource(MultiVectorEncoder):
+    """A SentenceTransformer folder's transformer alone (its pooling and Normalize dropped), as sentence-transformers'
+    MultiVectorEncoder reads one before adding the token modules."""
+
+    def __init__(self, path: Path, transformer: Path):
+        self.transformer_folder = transformer
+        super().__init__(path, dtype="float32", similarity_fn_name="maxsim")
+
+    def read_modules(self) -> Path:
+        return self.transformer_folder
+
+
+def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
+    """A SentenceTransformer folder (Transformer, Pooling, Normalize) started from as sentence-transformers 6
+    converts one: its transformer, then the token modules a plain encoder gets; `setup` becomes a plain one's."""
+    if any(kind.endswith(".Dense") for kind, _ in setup.modules):
+        raise ValueError(
+            f"{path / 'modules.json'}: a SentenceTransformer folder with a Dense module; start from its transformer "
+            "(or a MultiVectorEncoder folder) instead"
+        )
+    prompts = setup.prompts
+    setup.modules, setup.settings = [], {"model_type": "MultiVectorEncoder", "similarity_fn_name": "maxsim"}
+    setup.settings["prompts"] = prompts
+    return SentenceTransformerSource(path, setup.transformer)
+
+
 @dataclass
 class MultiVectorObjective(EmbeddingObjective):
     """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
@@ -304,8 +330,12 @@ def fine_tune_multivector(
     if not isinstance(loss, MaxSimRankingLoss):
         raise TypeError(f"fine_tune('multivector') trains with loss=MaxSimRankingLoss(...), got {loss!r}")
     path = resolve(model)
-    setup = read_retrieval_setup(path, "MultiVectorEncoder", ("Transformer", "Dense", "MultiVectorMask", "Normalize"))
-    encoder = MultiVectorEncoder(path, dtype="float32")
+    kinds = ("Transformer", "Dense", "MultiVectorMask", "Normalize", "Pooling")
+    setup = read_retrieval_setup(path, "MultiVectorEncoder", kinds)
+    if any(kind.endswith(".Pooling") for kind, _ in setup.modules):
+        encoder = converted(path, setup)
+    else:
+        encoder = MultiVectorEncoder(path, dtype="float32")
     if any(d.use_residual or d.activation is not DENSE_ACTIVATIONS["Identity"] for d in encoder.dense):
         raise ValueError(f"{path}: only Dense projections with the identity activation and no residual are trained")
     files: dict[str, object] = {}
