@@ -48,12 +48,12 @@ PROJECTIONS_FILE = "projections.safetensors"  # a multivector training checkpoin
 
 @dataclass
 class RetrievalSetup:
-    """Where a folder's transformer is (relative to the folder: the trained one is written there), the module
-    folders to copy unchanged, the files to write, the prompts and the transformer's sentence_bert_config.json."""
+    """A sentence-transformers folder's parts: its root, its transformer's folder, its modules (the trained folder
+    keeps their order and paths), config_sentence_transformers.json and the transformer's sentence_bert_config."""
 
     root: Path
     transformer: Path
-    modules: list[tuple[str, str]]  # (type, relative path) in modules.json order, the transformer's path ""-based
+    modules: list[tuple[str, str]]  # (type, path relative to the root; "" for the root) in modules.json order
     settings: dict
     sentence_config: dict
 
