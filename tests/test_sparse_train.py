@@ -210,11 +210,15 @@ def test_cli_trains_sparse_and_multivector(checkpoints, tmp_path, capsys):
         argv = ["train", kind, "-m", str(checkpoints[model]), "--data", str(data), "-o", str(out), "--max-steps", "1"]
         argv += ["--json", "--query-prompt", "q: "]
         if kind == "sparse":
-            argv += ["--document-regularizer-weight", "1e-4", "--query-regularizer-weight", "0"]
+            argv += ["--document-regularizer-weight", "1e-4", "--query-regularizer-weight", "0", "--lora-rank", "2"]
         assert main(argv) == 0
+        assert (out / "adapters").is_dir() == (kind == "sparse")
         assert json.loads(capsys.readouterr().out)["model"] == str(out / "model")
         settings = json.loads((out / "model" / "config_sentence_transformers.json").read_text())
         assert settings["prompts"]["query"] == "q: "
+    expected = STSparseEncoder(str(tmp_path / "sparse" / "model"), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    got = SparseEncoder(tmp_path / "sparse" / "model").encode(TEXTS).toarray()  # LoRA fused into the saved model
+    np.testing.assert_allclose(got, expected.to_dense().numpy(), atol=1e-5)
     with pytest.raises(TypeError, match="SpladeLoss"):
         fine_tune("sparse", TRIPLETS, tmp_path / "bad", model=checkpoints["mlm"], loss="mnrl")
     with pytest.raises(ValueError, match="masked-LM"):
