@@ -107,6 +107,17 @@ def dense_rows(x) -> np.ndarray:
     return x[None] if x.ndim == 1 else x
 
 
+def splade_pool(model, batch: dict[str, mx.array], strategy: str = "max", activation: str = "relu") -> mx.array:
+    """(B, V) float32: log(1 + relu(masked-LM logits)) of the real tokens (log1p twice for "log1p_relu"), max or
+    sum over them; differentiable, for encoding and training alike."""
+    out = model.encode(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+    logits = model.predict_tokens(out.last_hidden_state).astype(mx.float32)  # (B, L, V)
+    x = mx.log1p(mx.maximum(logits * batch["attention_mask"][..., None], 0))  # padding gives 0, below any max
+    if activation == "log1p_relu":
+        x = mx.log1p(x)
+    return x.max(axis=1) if strategy == "max" else x.sum(axis=1)
+
+
 class SpladeRoute:
     """A masked-LM `Transformer` then `SpladePooling`: (B, L) ids -> (B, V) pooled log-saturated logits."""
 
@@ -137,13 +148,8 @@ class SpladeRoute:
         self.dimension = self.model.args.vocab_size
 
     def pooled(self, batch: dict[str, mx.array]) -> mx.array:
-        """(B, V) float32: log(1 + relu(logits)) of the real tokens (log1p twice for "log1p_relu"), max or sum."""
-        out = self.model.encode(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-        logits = self.model.predict_tokens(out.last_hidden_state).astype(mx.float32)  # (B, L, V)
-        x = mx.log1p(mx.maximum(logits * batch["attention_mask"][..., None], 0))  # padding gives 0, below any max
-        if self.activation == "log1p_relu":
-            x = mx.log1p(x)
-        return x.max(axis=1) if self.strategy == "max" else x.sum(axis=1)
+        """(B, V) float32 SPLADE vectors of a padded batch (`splade_pool`)."""
+        return splade_pool(self.model, batch, self.strategy, self.activation)
 
     def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
         encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)

@@ -1,4 +1,4 @@
-"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd,embed,rerank} --data FILE --output DIR
+"""`python -m mlx_encoders train {mlm,classify,tokens,clm,rtd,embed,rerank,sparse,multivector} --data FILE
 (--model PATH_OR_ID | --config FILE --tokenizer DIR) [options]`: `fine_tune` from the command line. Option names
 are `fine_tune`'s and `TrainingConfig`'s with dashes; the defaults are theirs."""
 
@@ -18,7 +18,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train or fine-tune: masked-LM, classification, token classification, causal LM, ELECTRA",
         description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
     )
-    p.add_argument("kind", choices=list(TASK_NAMES), help="mlm, classify, tokens (NER), clm, rtd, embed, rerank")
+    p.add_argument(
+        "kind", choices=list(TASK_NAMES), help="mlm, classify, tokens, clm, rtd, embed, rerank, sparse, multivector"
+    )
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
     source.add_argument(
@@ -62,6 +64,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     embed.add_argument("--query-prompt", help="embed: text put before each anchor / sentence1")
     embed.add_argument("--document-prompt", help="embed: text put before each positive and negative / sentence2")
     embed.add_argument("--batch-sampler", choices=SAMPLERS, help="embed: default no_duplicates for mnrl losses")
+    sparse = p.add_argument_group("sparse (SPLADE) and multivector (ColBERT): the embed data, prompts and sampler")
+    sparse.add_argument("--document-regularizer-weight", type=float, help="sparse: FLOPS weight of documents (3e-5)")
+    sparse.add_argument("--query-regularizer-weight", type=float, help="sparse: FLOPS weight of queries (5e-5; 0: off)")
     loop = p.add_argument_group("training")
     loop.add_argument("--epochs", type=int, default=3, help="default 3")
     loop.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
@@ -112,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         options["batch_sampler"] = args.batch_sampler
     elif args.kind == "rerank":
         options["loss"] = args.loss
+    elif args.kind in ("sparse", "multivector"):
+        options |= dict(query_prompt=args.query_prompt, document_prompt=args.document_prompt)
+        options |= dict(batch_sampler=args.batch_sampler, loss=retrieval_loss(args))
     try:
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
     except OptionError as e:  # an option out of range: a usage error, as argparse reports one
@@ -149,4 +157,21 @@ def embed_loss(args: argparse.Namespace):
     if args.matryoshka_dims:
         inner = LOSSES[loss or "mnrl"]() if loss is None or isinstance(loss, str) else loss
         loss = MatryoshkaLoss(inner, args.matryoshka_dims, args.matryoshka_weights)
+    return loss
+
+
+def retrieval_loss(args: argparse.Namespace):
+    """SpladeLoss with the regularizer weights given (the others default), or None for the task's default."""
+    weights = (args.document_regularizer_weight, args.query_regularizer_weight)
+    if args.kind != "sparse" or weights == (None, None):
+        if weights != (None, None):
+            raise ValueError("--document/query-regularizer-weight are options of train sparse")
+        return None
+    from .sparse_losses import SpladeLoss
+
+    loss = SpladeLoss()
+    if args.document_regularizer_weight is not None:
+        loss.document_regularizer_weight = args.document_regularizer_weight
+    if args.query_regularizer_weight is not None:
+        loss.query_regularizer_weight = args.query_regularizer_weight or None
     return loss

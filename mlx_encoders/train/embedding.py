@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -161,9 +162,11 @@ def embedding_data(
     query_prompt: str = "",
     document_prompt: str = "",
     max_length: int | None = None,
+    query_max_length: int | None = None,
 ) -> TextExamples:
     """The rows of `data` as text columns, each tokenized with its prompt in front (`query_prompt` before the
-    first column, `document_prompt` before the others), as sentence-transformers' data collator prepends them."""
+    first column, `document_prompt` before the others), as sentence-transformers' data collator prepends them;
+    the first column cut at `query_max_length` when given, the others (and it, by default) at `max_length`."""
     rows = read_rows(data, "anchor")
     names, score = text_columns(rows[0])
     for row in rows[1:]:
@@ -176,9 +179,10 @@ def embedding_data(
     texts = [tuple(row.text(c) for c in names) for row in rows]
     scores = [regression_target(row.get(score), row, score) for row in rows] if score else [None] * len(rows)
     prompts = [query_prompt] + [document_prompt] * (len(names) - 1)
+    limits = [query_max_length or max_length] + [max_length] * (len(names) - 1)
     columns = [
-        tokenizer.encode_batch([prompt + t[c] for t in texts], max_length=max_length)
-        for c, prompt in enumerate(prompts)
+        tokenizer.encode_batch([prompt + t[c] for t in texts], max_length=limit)
+        for c, (prompt, limit) in enumerate(zip(prompts, limits, strict=True))
     ]
     return TextExamples(TASK, columns[0], scores, {}, rows, columns=columns, texts=texts, column_names=names)
 
@@ -232,6 +236,7 @@ class EmbeddingObjective:
     batch_sampler: str = "no_duplicates"
     prompt_tokens: tuple[int, ...] = ()  # per column, the prompt's tokens pooling leaves out (include_prompt=False)
     similarity_fn_name: str = "cosine"  # the retrieval metrics' score function
+    ranks_texts: ClassVar[bool] = True  # one vector per text: eval rows give retrieval metrics
 
     def __post_init__(self):
         if self.batch_sampler not in SAMPLERS:
@@ -316,9 +321,13 @@ class EmbeddingObjective:
     def metric_names(self, examples: TextExamples) -> list[str]:
         """What `evaluate` reports: the loss, and for anchor-positive rows retrieval metrics (eval_cosine_ndcg@10)."""
         names = ["eval_loss"]
-        if retrieval_rows(examples):
+        if self.ranks_texts and retrieval_rows(examples):
             names += [f"eval_{name}" for name in retrieval_metric_names([self.similarity_fn_name])]
         return names
+
+    def embed_column(self, model: nn.Module, features: dict[str, mx.array], column: int, size: int):
+        """A column's embeddings, in mini-batches of `size` rows (no gradients are taken)."""
+        return mx.concatenate([self.embed(model, part, column) for part in mini_batches(features, size)])
 
     def evaluate(self, model: nn.Module, examples: TextExamples, batch_size: int) -> dict[str, float]:
         """The mean loss over consecutive batches of `batch_size`, weighted by their sizes, in eval mode; for
@@ -330,15 +339,12 @@ class EmbeddingObjective:
         for start in range(0, len(examples), batch_size):
             indices = range(start, min(start + batch_size, len(examples)))
             columns, labels = arrays(self.collate(examples, indices))
-            embeddings = [
-                mx.concatenate([self.embed(model, part, c) for part in mini_batches(f, size)])
-                for c, f in enumerate(columns)
-            ]
+            embeddings = [self.embed_column(model, f, c, size) for c, f in enumerate(columns)]
             total += self.loss(embeddings, labels).item() * len(indices)
             for column, vectors in zip(found, embeddings, strict=True):
                 column.append(np.array(vectors))
         metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
-        if retrieval_rows(examples):
+        if self.ranks_texts and retrieval_rows(examples):
             vectors = [np.concatenate(column) for column in found]
             retrieval = row_retrieval_metrics(examples.texts, vectors, self.similarity_fn_name)
             metrics |= {f"eval_{name}": value for name, value in retrieval.items()}

@@ -60,7 +60,10 @@ TASK_NAMES = {
     "rtd": RTD_TASK,
     "embed": "sentence-embedding",
     "rerank": RERANK_TASK,
+    "sparse": "sparse-embedding",
+    "multivector": "multi-vector-embedding",
 }
+RETRIEVAL_TASKS = ("sentence-embedding", "sparse-embedding", "multi-vector-embedding")  # text-column tasks
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
 
@@ -137,6 +140,10 @@ def fine_tune(
     - "rerank" trains a cross-encoder (`train/rerank.py`: rows of query, document, label or query, positive,
       negatives) with `loss` "bce", "listnet", "lambda" or "mnrl" (default: listnet when rows hold several
       documents); its eval metrics add eval_map, eval_mrr@10 and eval_ndcg@10.
+    - "sparse" trains a SPLADE model (`fine_tune_retrieval`; a SparseEncoder folder or a masked-LM checkpoint) with
+      `loss` a `sparse_losses.SpladeLoss` (default weights documents 3e-5, queries 5e-5); "multivector" a ColBERT
+      model (a MultiVectorEncoder folder or an encoder) with `multi_vector_losses.MaxSimRankingLoss`. Both read
+      the embed task's columns (the first the queries) and options.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
@@ -144,8 +151,9 @@ def fine_tune(
     task = task_name(task, next_sentence)
     embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler)
     rtd_options = [("generator_size", generator_size, 0.25), ("discriminator_weight", discriminator_weight, 50.0)]
-    if task == "sentence-embedding":
+    if task in RETRIEVAL_TASKS:
         from .fine_tune_embed import fine_tune_embedding
+        from .fine_tune_retrieval import fine_tune_multivector, fine_tune_sparse
 
         others = dict(config=config, text_column=text_column, text_pair_column=text_pair_column, label2id=label2id,
                       label_column=label_column, problem_type=problem_type, label_all_tokens=label_all_tokens,
@@ -155,7 +163,8 @@ def fine_tune(
         if given:
             raise ValueError(f"{', '.join(given)}: not options of the embed task, which reads its columns by name")
 
-        return fine_tune_embedding(
+        run = {"sparse-embedding": fine_tune_sparse, "multi-vector-embedding": fine_tune_multivector}
+        return run.get(task, fine_tune_embedding)(
             data, output_dir, model=model, tokenizer=tokenizer, eval_data=eval_data, max_length=max_length,
             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
             **training,

@@ -6,16 +6,25 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint, resolve
 from ..checkpoint.tokenizer import tokenizer_for
 from ..models.layers import drawing_from
 from ..sentence import lowercase
-from .embedding import EmbeddingObjective, embedding_data, make_loss, read_setup, save_sentence_transformer
+from ..tokenizer import Tokenizer
+from .embedding import (
+    EmbeddingObjective,
+    TextExamples,
+    embedding_data,
+    make_loss,
+    read_setup,
+    save_sentence_transformer,
+)
 from .fine_tune import Trained, check_call_options, training_config
 from .lora import apply_lora, fuse, save_adapters
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
+from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, TrainingConfig, train
 
 
 def fine_tune_embedding(
@@ -45,11 +54,6 @@ def fine_tune_embedding(
         )
     setup = read_setup(resolve(model))
     checkpoint = Checkpoint.open(setup.transformer)
-    tok = tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
-    if setup.sentence_config.get("do_lower_case"):
-        lowercase(tok)
-    limit = max_length or setup.sentence_config.get("max_seq_length") or tok.model_max_length
-    limit = min(limit, checkpoint.args.max_tokens or limit)
     query = setup.prompts.get("query", "") if query_prompt is None else query_prompt
     document = setup.prompts.get("document", "") if document_prompt is None else document_prompt
     if not setup.include_prompt and (query or document):
@@ -58,21 +62,67 @@ def fine_tune_embedding(
             "prompts does not support; train without query_prompt/document_prompt or with include_prompt true"
         )
     setup.prompts = {**setup.prompts, "query": query, "document": document}
-    examples = embedding_data(data, tok, query_prompt=query, document_prompt=document, max_length=limit)
-    evaluation = None
-    if eval_data is not None:
-        evaluation = embedding_data(eval_data, tok, query_prompt=query, document_prompt=document, max_length=limit)
+    tok, limit, examples, evaluation = text_examples(
+        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document
+    )
     loss = make_loss(loss, scored=examples.labels[0] is not None)
     in_batch = getattr(loss, "in_batch_negatives", False)
     sampler = batch_sampler or ("no_duplicates" if in_batch else "batch_sampler")
     similarity = setup.similarity_fn_name or "cosine"
     objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
-    for part in (examples, evaluation):
-        if part is not None:
-            objective.check(part)
     net = load_model(checkpoint, dtype="float32", task="encoder")
     if hasattr(loss, "check_width"):
         loss.check_width(net.args.hidden_size * len(setup.pooling))
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
+                                   lora_targets, resume)  # fmt: skip
+    path = save_sentence_transformer(net, options.output_dir / MODEL_FOLDER, tok, setup, limit)
+    net.eval()
+    return Trained(net, tok, metrics, Path(path))
+
+
+def text_examples(
+    checkpoint: Checkpoint,
+    tokenizer: str | Path | None,
+    sentence_config: Mapping,
+    max_length: int | None,
+    data,
+    eval_data,
+    query_prompt: str,
+    document_prompt: str,
+    query_max_length: int | None = None,
+) -> tuple[Tokenizer, int, TextExamples, TextExamples | None]:
+    """(tokenizer, token limit, training examples, evaluation examples or None) of a retrieval-style task: the
+    tokenizer of the checkpoint (lowercasing as `do_lower_case` says), the limit `max_length` or the folder's
+    `max_seq_length` or the tokenizer's, within the model's positions; `query_max_length` for the first column."""
+    tok = tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
+    if sentence_config.get("do_lower_case"):
+        lowercase(tok)
+    limit = max_length or sentence_config.get("max_seq_length") or tok.model_max_length
+    limit = min(limit, checkpoint.args.max_tokens or limit)
+    read = dict(query_prompt=query_prompt, document_prompt=document_prompt, max_length=limit,
+                query_max_length=query_max_length)  # fmt: skip
+    examples = embedding_data(data, tok, **read)
+    evaluation = embedding_data(eval_data, tok, **read) if eval_data is not None else None
+    return tok, limit, examples, evaluation
+
+
+def train_objective(
+    net: nn.Module,
+    tok: Tokenizer,
+    objective: EmbeddingObjective,
+    examples: TextExamples,
+    evaluation: TextExamples | None,
+    options: TrainingConfig,
+    lora_rank: int | None,
+    lora_alpha: float | None,
+    lora_targets: list[str] | None,
+    resume: str | Path | None,
+) -> tuple[nn.Module, dict]:
+    """Check the data against the objective, add LoRA adapters, train through `trainer.train`, save the adapters
+    and fuse them; returns (the trained model, the final metrics)."""
+    for part in (examples, evaluation):
+        if part is not None:
+            objective.check(part)
     if lora_rank:  # LoRA's new weights from the seed; MLX's global key untouched
         with drawing_from([mx.random.key(options.seed)]):
             apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
@@ -82,6 +132,4 @@ def fine_tune_embedding(
     if lora_rank:
         save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
-    path = save_sentence_transformer(net, options.output_dir / MODEL_FOLDER, tok, setup, limit)
-    net.eval()
-    return Trained(net, tok, metrics, Path(path))
+    return net, metrics

@@ -3,6 +3,8 @@
 MaxSim scores against every document of the batch, its own positive the target.
 """
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -19,3 +21,15 @@ def multi_vector_ranking(
         raise ValueError("multi_vector_ranking needs at least the positive documents' column")
     scores = mx.concatenate([maxsim_scores(*queries, *column) for column in documents], axis=1)  # (B, B * columns)
     return nn.losses.cross_entropy(scale * scores, mx.arange(scores.shape[0]), reduction="mean")
+
+
+@dataclass
+class MaxSimRankingLoss:
+    """`multi_vector_ranking` as a loss of the embedding objective: `loss(columns, labels)`, each column a
+    ((B, L, D) token embeddings, (B, L) scored-token mask) pair, the queries first."""
+
+    scale: float = 1.0
+    in_batch_negatives = True  # the no_duplicates sampler by default
+
+    def __call__(self, columns: list[tuple[mx.array, mx.array]], labels=None) -> mx.array:
+        return multi_vector_ranking(columns[0], columns[1:], self.scale)

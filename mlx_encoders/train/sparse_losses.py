@@ -6,6 +6,8 @@ scores, scale 1, the query-to-document direction). Each takes the embeddings of 
 column first, then the positive documents, then any hard negatives; all are differentiable MLX functions.
 """
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 
@@ -48,3 +50,26 @@ def splade_loss(
     if query_regularizer_weight is not None and not use_document_regularizer_only:
         losses["query_regularizer_loss"] = flops(embeddings[0], query_regularizer_threshold) * query_regularizer_weight
     return losses
+
+
+@dataclass
+class SpladeLoss:
+    """`splade_loss` summed, as a loss of the embedding objective: `loss(column embeddings, labels)`. The
+    weights default to sentence-transformers' documented SPLADE recipe (documents 3e-5, queries 5e-5)."""
+
+    document_regularizer_weight: float = 3e-5
+    query_regularizer_weight: float | None = 5e-5
+    scale: float = 1.0
+    document_regularizer_threshold: int | None = None
+    query_regularizer_threshold: int | None = None
+    use_document_regularizer_only: bool = False
+    in_batch_negatives = True  # the no_duplicates sampler by default
+
+    def __call__(self, embeddings: list[mx.array], labels=None) -> mx.array:
+        parts = splade_loss(
+            embeddings, self.document_regularizer_weight, self.query_regularizer_weight, scale=self.scale,
+            document_regularizer_threshold=self.document_regularizer_threshold,
+            query_regularizer_threshold=self.query_regularizer_threshold,
+            use_document_regularizer_only=self.use_document_regularizer_only,
+        )  # fmt: skip
+        return sum(parts.values())

@@ -1,0 +1,384 @@
+"""`fine_tune("sparse", ...)` (SPLADE: `SpladeLoss`, MNRL on sparse dot scores plus FLOPS) and
+`fine_tune("multivector", ...)` (ColBERT: MaxSim MNRL), on the embed task's objective and `trainer.train`.
+
+Each starts from a sentence-transformers folder (`SparseEncoder`: a fill-mask Transformer then SpladePooling;
+`MultiVectorEncoder`: Transformer, token Dense, MultiVectorMask, Normalize) or from a plain checkpoint, built as
+sentence-transformers 6 builds one: a masked-LM gets SpladePooling("max"); an encoder gets a new bias-free
+Dense to 128 dimensions, a MultiVectorMask without skiplist and Normalize. The trained model is saved as a complete
+folder of the same modules, which sentence-transformers and `mlx_encoders.SparseEncoder` / `MultiVectorEncoder`
+load. The first data column is the query side, the others the documents (positives, then hard negatives).
+"""
+
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.build import load_model
+from ..checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
+from ..checkpoint.write import model_config, write_checkpoint
+from ..models.layers import drawing_from
+from ..multi_vector import MultiVectorEncoder
+from ..sentence import DENSE_ACTIVATIONS
+from ..sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
+from ..tokenizer import Tokenizer
+from ..vectors import normalize
+from .embedding import EmbeddingObjective, TextExamples, write_json
+from .fine_tune import Trained, check_call_options, training_config
+from .fine_tune_embed import text_examples, train_objective
+from .multi_vector_losses import MaxSimRankingLoss
+from .sparse_losses import SpladeLoss
+from .trainer import MODEL_FOLDER
+
+ST = "sentence_transformers."
+TRANSFORMER = ST + "base.modules.transformer.Transformer"
+SPLADE_POOLING = ST + "sparse_encoder.modules.splade_pooling.SpladePooling"
+DENSE = ST + "base.modules.dense.Dense"
+MASK = ST + "multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask"
+NORMALIZE = ST + "base.modules.normalize.Normalize"
+COLBERT_DIMENSION = 128  # sentence-transformers' projection for a plain encoder
+PROJECTIONS_FILE = "projections.safetensors"  # a multivector training checkpoint's Dense weights
+
+
+@dataclass
+class RetrievalSetup:
+    """A sentence-transformers folder's parts: its root, its transformer's folder, its modules (the trained folder
+    keeps their order and paths), config_sentence_transformers.json and the transformer's sentence_bert_config."""
+
+    root: Path
+    transformer: Path
+    modules: list[tuple[str, str]]  # (type, path relative to the root; "" for the root) in modules.json order
+    settings: dict
+    sentence_config: dict
+
+    @property
+    def prompts(self) -> dict:
+        return dict(self.settings.get("prompts") or {})
+
+
+def read_retrieval_setup(path: Path, model_type: str, allowed: tuple[str, ...]) -> RetrievalSetup:
+    """The setup of a sentence-transformers folder of `allowed` module kinds (no modules.json: a plain
+    checkpoint, its modules left to the caller)."""
+    found = read_modules(path)
+    modules, transformer = [], path
+    for kind, folder in found:
+        name = kind.rsplit(".", 1)[-1]
+        if name not in allowed:
+            raise ValueError(
+                f"{path / 'modules.json'}: module {name} ({folder.name}) cannot be trained here; {model_type} "
+                f"training takes {', '.join(allowed)} modules"
+            )
+        if name in ("Transformer", "MLMTransformer"):
+            transformer = folder
+        modules.append((kind, str(folder.relative_to(path)) if folder != path else ""))
+    settings = dict(read_json_object(path / "config_sentence_transformers.json"))
+    settings.setdefault("model_type", model_type)
+    sentence_config = dict(read_json_object(transformer / "sentence_bert_config.json"))
+    return RetrievalSetup(path, transformer, modules, settings, sentence_config)
+
+
+def prompts_of(setup: RetrievalSetup, query_prompt: str | None, document_prompt: str | None) -> tuple[str, str]:
+    """The query and document prompts: the given ones, else the folder's (as the embed task reads them)."""
+    prompts = setup.prompts
+    query = prompts.get("query", "") if query_prompt is None else query_prompt
+    document = prompts.get("document", "") if document_prompt is None else document_prompt
+    setup.settings["prompts"] = {**prompts, "query": query, "document": document}
+    return query, document
+
+
+def save_retrieval_folder(
+    folder: Path,
+    write_transformer,
+    tokenizer: Tokenizer,
+    setup: RetrievalSetup,
+    files: Mapping[str, object],
+    max_seq_length: int | None,
+) -> Path:
+    """`folder` as sentence-transformers saves it: the source's modules.json and module folders, the trained
+    transformer (`write_transformer(path)`) with the tokenizer and sentence_bert_config.json at its path, the
+    prompts in config_sentence_transformers.json, and `files` (relative path -> a JSON value, or a dict of
+    arrays for a .safetensors file) written over them. Written whole or not at all."""
+    transformer = next(
+        rel for kind, rel in setup.modules if kind.rsplit(".", 1)[-1] in ("Transformer", "MLMTransformer")
+    )
+    sentence_config = dict(setup.sentence_config)
+    if max_seq_length is not None:
+        sentence_config["max_seq_length"] = max_seq_length
+    with atomic_folder(folder, replace=True, whole=True) as tmp:
+        for _, rel in setup.modules:
+            if rel and rel != transformer and (setup.root / rel).is_dir():
+                shutil.copytree(setup.root / rel, tmp / rel)
+        target = tmp / transformer
+        target.mkdir(parents=True, exist_ok=True)
+        write_transformer(target)
+        tokenizer.save(target)
+        write_json(target / "sentence_bert_config.json", sentence_config)
+        modules = [{"idx": i, "name": str(i), "path": rel, "type": kind} for i, (kind, rel) in enumerate(setup.modules)]
+        write_json(tmp / "modules.json", modules)
+        write_json(tmp / "config_sentence_transformers.json", setup.settings)
+        for rel, value in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            if rel.endswith(".safetensors"):
+                mx.save_safetensors(str(tmp / rel), dict(value))
+            else:
+                write_json(tmp / rel, value)
+    return folder
+
+
+def writer(model: nn.Module):
+    return lambda target: write_checkpoint(model, model_config(model), target)
+
+
+# ----- sparse (SPLADE) -----
+
+
+@dataclass
+class SparseObjective(EmbeddingObjective):
+    """The embed objective with SPLADE's pass: masked-LM logits -> log(1 + relu) -> max or sum over tokens."""
+
+    strategy: str = "max"
+    activation: str = "relu"
+    ranks_texts: ClassVar[bool] = False  # retrieval metrics are the dense models' (cosine or dot)
+
+    def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> mx.array:
+        return splade_pool(model, features, self.strategy, self.activation)
+
+
+def fine_tune_sparse(
+    data: str | Path | Iterable[Mapping],
+    output_dir: str | Path,
+    *,
+    model: str | Path,
+    tokenizer: str | Path | None = None,
+    eval_data: str | Path | Iterable[Mapping] | None = None,
+    max_length: int | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: list[str] | None = None,
+    resume: str | Path | None = None,
+    loss: SpladeLoss | None = None,
+    query_prompt: str | None = None,
+    document_prompt: str | None = None,
+    batch_sampler: str | None = None,
+    **training,
+) -> Trained:
+    """See `fine_tune`: the sparse task's part. `loss` a `sparse_losses.SpladeLoss` (its weights), default
+    `SpladeLoss()`."""
+    options = training_config(output_dir, training)
+    check_call_options(max_length, lora_rank, lora_alpha)
+    if model is None:
+        raise ValueError("fine_tune('sparse') starts from model=: a SparseEncoder folder or a masked-LM checkpoint")
+    loss = SpladeLoss() if loss is None else loss
+    if not isinstance(loss, SpladeLoss):
+        raise TypeError(f"fine_tune('sparse') trains with loss=SpladeLoss(...) (train.sparse_losses), got {loss!r}")
+    path = resolve(model)
+    setup = read_retrieval_setup(path, "SparseEncoder", ("Transformer", "MLMTransformer", "SpladePooling"))
+    checkpoint = Checkpoint.open(setup.transformer)
+    if not setup.modules:  # a plain checkpoint: sentence-transformers' SparseEncoder gives a masked-LM max pooling
+        if checkpoint.task != "masked-lm":
+            raise ValueError(
+                f"{path}: a {checkpoint.task} checkpoint; fine_tune('sparse') starts from a masked-LM checkpoint "
+                "(its head gives the vocabulary weights) or a SparseEncoder folder"
+            )
+        setup.modules = [(TRANSFORMER, ""), (SPLADE_POOLING, "1_SpladePooling")]
+        setup.sentence_config = {"transformer_task": "fill-mask", **setup.sentence_config}
+    pooling_folder = next((rel for kind, rel in setup.modules if kind.endswith("SpladePooling")), None)
+    if pooling_folder is None:
+        raise ValueError(f"{path / 'modules.json'}: no SpladePooling module after the transformer")
+    pooling = {"pooling_strategy": "max", "activation_function": "relu", "embedding_dimension": None}
+    pooling |= dict(read_json_object(path / pooling_folder / "config.json"))
+    if pooling["pooling_strategy"] not in POOLING_STRATEGIES or pooling["activation_function"] not in ACTIVATIONS:
+        raise ValueError(
+            f"{path / pooling_folder / 'config.json'}: pooling_strategy must be one of {POOLING_STRATEGIES} and "
+            f"activation_function one of {ACTIVATIONS}"
+        )
+    query, document = prompts_of(setup, query_prompt, document_prompt)
+    tok, limit, examples, evaluation = text_examples(
+        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document
+    )
+    sampler = batch_sampler or "no_duplicates"
+    strategy, activation = pooling["pooling_strategy"], pooling["activation_function"]
+    objective = SparseObjective(loss, tok, batch_sampler=sampler, strategy=strategy, activation=activation)
+    net = load_model(checkpoint, dtype="float32", task="masked-lm")
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
+                                   lora_targets, resume)  # fmt: skip
+    setup.settings.setdefault("similarity_fn_name", "dot")
+    files = {f"{pooling_folder}/config.json": pooling}
+    saved = save_retrieval_folder(options.output_dir / MODEL_FOLDER, writer(net), tok, setup, files, max_length)
+    net.eval()
+    return Trained(net, tok, metrics, Path(saved))
+
+
+# ----- multi-vector (ColBERT) -----
+
+
+class MultiVectorModel(nn.Module):
+    """An encoder with its token projections (bias-free or not, identity activation) and Normalize: the weights
+    `fine_tune("multivector")` trains. Calling it gives (B, L, D) float32 token embeddings."""
+
+    def __init__(self, encoder: nn.Module, projections: list[nn.Linear], normalized: bool):
+        super().__init__()
+        self.encoder = encoder
+        self.projections = projections
+        self.normalized = normalized
+
+    def __call__(self, input_ids: mx.array, attention_mask: mx.array, token_type_ids=None) -> mx.array:
+        x = self.encoder(input_ids, attention_mask, token_type_ids).last_hidden_state.astype(mx.float32)
+        for linear in self.projections:
+            x = linear(x)
+        return normalize(x) if self.normalized else x
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.encoder.gradient_checkpointing_enable()
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """A training checkpoint: the encoder's checkpoint plus `projections.safetensors`."""
+        write_checkpoint(self.encoder, model_config(self.encoder), folder)
+        mx.save_safetensors(str(Path(folder) / PROJECTIONS_FILE), dict(tree_flatten(self.projections)))
+
+    def read_checkpoint(self, folder: Path) -> None:
+        encoder = load_model(folder, task="encoder")
+        projections = read_safetensors(Path(folder) / PROJECTIONS_FILE)
+        current = dict(tree_flatten(self.parameters()))
+        saved = {f"encoder.{k}": v for k, v in tree_flatten(encoder.parameters())}
+        saved |= {f"projections.{k}": v for k, v in projections.items()}
+        if saved.keys() != current.keys() or any(saved[k].shape != v.shape for k, v in current.items()):
+            raise ValueError(f"{folder} does not hold this model's weights; resume with the run that wrote it")
+        self.load_weights(list(saved.items()))
+
+
+class SentenceTransformerSource(MultiVectorEncoder):
+    """A SentenceTransformer folder's transformer alone (its pooling and Normalize dropped), as sentence-transformers'
+    MultiVectorEncoder reads one before adding the token modules."""
+
+    def __init__(self, path: Path, transformer: Path):
+        self.transformer_folder = transformer
+        super().__init__(path, dtype="float32", similarity_fn_name="maxsim")
+
+    def read_modules(self) -> Path:
+        return self.transformer_folder
+
+
+def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
+    """A SentenceTransformer folder (Transformer, Pooling, Normalize) started from as sentence-transformers 6
+    converts one: its transformer, then the token modules a plain encoder gets; `setup` becomes a plain one's."""
+    if any(kind.endswith(".Dense") for kind, _ in setup.modules):
+        raise ValueError(
+            f"{path / 'modules.json'}: a SentenceTransformer folder with a Dense module; start from its transformer "
+            "(or a MultiVectorEncoder folder) instead"
+        )
+    prompts = setup.prompts
+    setup.modules, setup.settings = [], {"model_type": "MultiVectorEncoder", "similarity_fn_name": "maxsim"}
+    setup.settings["prompts"] = prompts
+    return SentenceTransformerSource(path, setup.transformer)
+
+
+@dataclass
+class MultiVectorObjective(EmbeddingObjective):
+    """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
+    expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask)."""
+
+    encoder: MultiVectorEncoder | None = None
+    ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
+
+    def collate(self, examples: TextExamples, indices) -> dict:
+        columns = []
+        for c, column in enumerate(examples.columns):
+            batch, scored = self.encoder.batch([column[i] for i in indices], "query" if c == 0 else "document")
+            columns.append({**{k: np.array(v) for k, v in batch.items()}, "scored": scored.astype(np.float32)})
+        return {"columns": columns, "labels": None}
+
+    def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> tuple[mx.array, mx.array]:
+        x = model(features["input_ids"], features["attention_mask"], features.get("token_type_ids"))
+        return x, features["scored"]
+
+    def embed_column(self, model: nn.Module, features: dict[str, mx.array], column: int, size: int):
+        return self.embed(model, features, column)
+
+
+def fine_tune_multivector(
+    data: str | Path | Iterable[Mapping],
+    output_dir: str | Path,
+    *,
+    model: str | Path,
+    tokenizer: str | Path | None = None,
+    eval_data: str | Path | Iterable[Mapping] | None = None,
+    max_length: int | None = None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: list[str] | None = None,
+    resume: str | Path | None = None,
+    loss: MaxSimRankingLoss | None = None,
+    query_prompt: str | None = None,
+    document_prompt: str | None = None,
+    batch_sampler: str | None = None,
+    **training,
+) -> Trained:
+    """See `fine_tune`: the multivector task's part. `loss` a `multi_vector_losses.MaxSimRankingLoss` (its
+    scale), default scale 1 as sentence-transformers'."""
+    options = training_config(output_dir, training)
+    check_call_options(max_length, lora_rank, lora_alpha)
+    if model is None:
+        raise ValueError("fine_tune('multivector') starts from model=: a MultiVectorEncoder folder or an encoder")
+    if lora_rank:
+        raise ValueError("fine_tune('multivector') trains the whole model and its projection; drop lora_rank")
+    loss = MaxSimRankingLoss() if loss is None else loss
+    if not isinstance(loss, MaxSimRankingLoss):
+        raise TypeError(f"fine_tune('multivector') trains with loss=MaxSimRankingLoss(...), got {loss!r}")
+    path = resolve(model)
+    kinds = ("Transformer", "Dense", "MultiVectorMask", "Normalize", "Pooling")
+    setup = read_retrieval_setup(path, "MultiVectorEncoder", kinds)
+    if any(kind.endswith(".Pooling") for kind, _ in setup.modules):
+        encoder = converted(path, setup)
+    else:
+        encoder = MultiVectorEncoder(path, dtype="float32")
+    if any(d.use_residual or d.activation is not DENSE_ACTIVATIONS["Identity"] for d in encoder.dense):
+        raise ValueError(f"{path}: only Dense projections with the identity activation and no residual are trained")
+    files: dict[str, object] = {}
+    if not setup.modules:  # a plain encoder, as sentence-transformers 6 builds it: a new projection to 128
+        width = encoder.model.args.hidden_size
+        with drawing_from([mx.random.key(options.seed)]):
+            projection = nn.Linear(width, COLBERT_DIMENSION, bias=False)
+        encoder.dense, encoder.normalize = [], True
+        projections = [projection]
+        setup.modules = [(TRANSFORMER, ""), (DENSE, "1_Dense"), (MASK, "2_MultiVectorMask"), (NORMALIZE, "3_Normalize")]
+        setup.sentence_config = {"transformer_task": "feature-extraction", **setup.sentence_config}
+        files["1_Dense/config.json"] = {
+            "in_features": width, "out_features": COLBERT_DIMENSION, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity", "module_input_name": "token_embeddings",
+            "module_output_name": "token_embeddings",
+        }  # fmt: skip
+        files["2_MultiVectorMask/config.json"] = {
+            "skiplist_words": [], "skiplist_tasks": ["document"], "keep_only_token_ids": None
+        }  # fmt: skip
+        files["3_Normalize/config.json"] = {
+            "module_input_name": "token_embeddings", "module_output_name": "token_embeddings"
+        }  # fmt: skip
+    else:
+        projections = [d.linear for d in encoder.dense]
+    if max_length is not None:
+        encoder.max_seq_length = max_length
+    query, document = prompts_of(setup, query_prompt, document_prompt)
+    tok, _, examples, evaluation = text_examples(
+        Checkpoint.open(setup.transformer), tokenizer, setup.sentence_config, encoder.max_length("document"), data,
+        eval_data, query, document, query_max_length=encoder.max_length("query"),
+    )  # fmt: skip
+    encoder.tokenizer = tok  # padding, expansion and skiplist ids from the tokenizer the texts were cut with
+    encoder.skip_ids = encoder.resolve_skiplist()
+    objective = MultiVectorObjective(loss, tok, batch_sampler=batch_sampler or "no_duplicates", encoder=encoder)
+    net = MultiVectorModel(encoder.model, projections, encoder.normalize)
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, None, None, None, resume)
+    dense_folders = [rel for kind, rel in setup.modules if kind.rsplit(".", 1)[-1] == "Dense"]
+    for rel, linear in zip(dense_folders, net.projections, strict=True):
+        files[f"{rel}/model.safetensors"] = {f"linear.{k}": v for k, v in tree_flatten(linear.parameters())}
+    setup.settings.setdefault("similarity_fn_name", "maxsim")
+    saved = save_retrieval_folder(options.output_dir / MODEL_FOLDER, writer(net.encoder), tok, setup, files, max_length)
+    net.eval()
+    return Trained(net, tok, metrics, Path(saved))
