@@ -342,7 +342,8 @@ class EmbeddingObjective:
             embeddings = [self.embed_column(model, f, c, size) for c, f in enumerate(columns)]
             total += self.loss(embeddings, labels).item() * len(indices)
             for column, vectors in zip(found, embeddings, strict=True):
-                column.append(np.array(vectors))
+                if self.ranks_texts:
+                    column.append(np.array(vectors))
         metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
         if self.ranks_texts and retrieval_rows(examples):
             vectors = [np.concatenate(column) for column in found]
