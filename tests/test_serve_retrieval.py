@@ -18,7 +18,8 @@ from test_sparse import MAX_SEQ_LENGTH, save_splade
 
 from mlx_encoders import MultiVectorEncoder, SentenceEncoder, SparseEncoder
 from mlx_encoders.index import Index, build
-from mlx_encoders.serve.models import kind_of
+from mlx_encoders.serve.models import ServedModel, kind_of
+from mlx_encoders.serve.search import ServedIndex, open_index
 
 TEXTS = ["A cat sat on the mat.", "Sparse vectors explain their matches, token by token.", "x", "Ferns like shade."]
 LONG = "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank. " * 2
@@ -226,3 +227,13 @@ def test_tei_routes_name_the_kind_of_a_model_that_cannot_serve_them(server):
     assert "models that do: splade" in answer["error"]
     status, answer, _ = call(url, "/embed", {"model": "splade", "inputs": "a"})
     assert status == 400 and "'splade' is a sparse model" in answer["error"] and answer["error_type"] == "Validation"
+
+
+def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_another(folders):
+    dense = ServedModel("dense", folders["dense"])
+    models = [dense]
+    assert open_index("notes", folders["index-dense"], models, None, 8).model is dense and models == [dense]
+    more = open_index("more", folders["index-other"], models, None, 8)
+    assert models == [dense, more.model] and more.model.name == "st" and more.model.kind == "dense"
+    with pytest.raises(ValueError, match=r"--index notes=.*index-other: the index was built with the model .*other"):
+        ServedIndex("notes", folders["index-other"], Index(folders["index-other"]), dense)
