@@ -237,3 +237,5 @@ def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_anoth
     assert models == [dense, more.model] and more.model.name == "st" and more.model.kind == "dense"
     with pytest.raises(ValueError, match=r"--index notes=.*index-other: the index was built with the model .*other"):
         ServedIndex("notes", folders["index-other"], Index(folders["index-other"]), dense)
+    with pytest.raises(ValueError, match=r"--index gone=.*nope: .*does not exist; build the index first"):
+        open_index("gone", folders["dense"] / "nope", models, None, 8)

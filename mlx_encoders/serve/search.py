@@ -34,7 +34,10 @@ class ServedIndex:
 def open_index(name: str, folder: str | Path, models: list[ServedModel], dtype, batch_size: int) -> ServedIndex:
     """The index in `folder`, served with the `--model` of its model's folder, else with its model loaded once and
     added to `models` (under its folder's name)."""
-    index = Index(folder)
+    try:
+        index = Index(folder)
+    except ValueError as e:  # StoreError: no index there, or a damaged one
+        raise ValueError(f"--index {name}={folder}: {e}") from None
     source = index.meta["model"]
     try:
         path = resolve(source).resolve()
