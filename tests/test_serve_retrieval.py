@@ -148,6 +148,14 @@ def test_multi_vector_embeddings_equal_multi_vector_encoder(folders, server):
     assert_matrices_equal(matrices(post(url, "/v1/embeddings", {**body, "input_type": "document"})), expected)
 
 
+def test_dense_input_types_equal_encode_query_and_encode_document(folders, server):
+    url, _ = server
+    encoder = SentenceEncoder(folders["dense"])
+    for kind, expected in (("query", encoder.encode_query(TEXTS)), ("document", encoder.encode_document(TEXTS))):
+        answer = post(url, "/v1/embeddings", {"model": "dense", "input": TEXTS, "input_type": kind})
+        np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6)
+
+
 def test_the_openai_sdk_reads_multi_vectors_as_floats_and_is_refused_base64(folders, server):
     import openai
 
