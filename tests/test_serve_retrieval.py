@@ -247,3 +247,22 @@ def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_anoth
         ServedIndex("notes", folders["index-other"], Index(folders["index-other"]), dense)
     with pytest.raises(ValueError, match=r"--index gone=.*nope: .*does not exist; build the index first"):
         open_index("gone", folders["dense"] / "nope", models, None, 8)
+
+
+def test_an_inference_free_sparse_router_is_served_as_encode_runs_it(folders, tmp_path):
+    from sentence_transformers import SparseEncoder as STSparseEncoder
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+
+    document = Transformer(str(folders["splade"]), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH)
+    router = Router.for_query_document(
+        query_modules=[SparseStaticEmbedding(tokenizer=document.tokenizer, frozen=False)],
+        document_modules=[document, SpladePooling("max")],
+    )
+    STSparseEncoder(modules=[router], device="cpu").save(str(tmp_path / "router"))
+    assert kind_of(tmp_path / "router") == "sparse"
+    model = ServedModel("router", tmp_path / "router")
+    rows = model.compute(model.tokenize(TEXTS, False))  # on this thread: no worker needed here
+    assert model.route is model.sparse.routes["document"] and all(len(ids) for ids, _ in rows)  # the default route
+    answer = [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
+    assert_sparse_equal(answer, SparseEncoder(tmp_path / "router").encode(TEXTS).toarray())
