@@ -241,9 +241,12 @@ class MultiVectorEncoder:
             prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
         return self.encode(sentences, prompt_name, prompt, task="document", **kw)
 
+    def tokenize(self, texts: list[str], task: str | None) -> list:
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_length(task))
+
     def run(self, texts: list[str], task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
         limit = self.max_length(task)
-        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=limit)
+        encodings = self.tokenize(texts, task)
         expansion = self.query_expansion if task == "query" else None
         truncated = sum(1 for e in encodings if e.overflowing)
         if truncated and not (expansion and expansion["strategy"] == "fixed"):
@@ -258,7 +261,12 @@ class MultiVectorEncoder:
                 UserWarning,
                 stacklevel=4,
             )
-        out: list = [None] * len(texts)
+        return self.run_encodings(encodings, task, batch_size, show_progress)
+
+    def run_encodings(self, encodings: list, task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
+        """Per tokenized text (e.g. a server's batch of many requests) its (n_i, D) float32 scored-token matrix."""
+        expansion = self.query_expansion if task == "query" else None
+        out: list = [None] * len(encodings)
 
         def forward(rows: np.ndarray) -> list[mx.array]:
             batch, scored = self.batch([encodings[i] for i in rows], task)

@@ -151,10 +151,17 @@ class SpladeRoute:
         """(B, V) float32 SPLADE vectors of a padded batch (`splade_pool`)."""
         return splade_pool(self.model, batch, self.strategy, self.activation)
 
+    def tokenize(self, texts: list[str]) -> list:
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+
     def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
-        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+        encodings = self.tokenize(texts)
         warn_truncated(encodings, len(texts), self.max_seq_length)
-        rows = [None] * len(texts)
+        return self.run_encodings(encodings, batch_size, show_progress, limit)
+
+    def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
+        """Per tokenized text (e.g. a server's batch of many requests) its (token ids, weights)."""
+        rows = [None] * len(encodings)
 
         def forward(indices: np.ndarray) -> list[mx.array]:
             return [self.pooled(self.tokenizer.pad([encodings[i] for i in indices]))]
@@ -183,8 +190,15 @@ class StaticRoute:
         self.weight = np.array(weights["weight"].astype(mx.float32))
         self.dimension = len(self.weight)
 
+    max_seq_length = None  # no model runs: no length limit
+
+    def tokenize(self, texts: list[str]) -> list:
+        return self.tokenizer.encode_batch(texts, truncation=False, add_special_tokens=False)
+
     def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return self.run_encodings(self.tokenize(texts), batch_size, show_progress, limit)
+
+    def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
         rows = []
         for e in encodings:
             values = np.zeros(self.dimension, np.float32)

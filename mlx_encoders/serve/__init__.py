@@ -1,6 +1,7 @@
-"""`mlx-encoders serve`: an HTTP server of embeddings (OpenAI's /v1/embeddings, TEI's /embed), reranking
-(/v1/rerank, TEI's /rerank) and classification (/v1/classify, TEI's /predict), batching concurrent requests
-per model. Needs the `serve` extra (Starlette, uvicorn): `pip install "mlx-encoders[serve]"`.
+"""`mlx-encoders serve`: an HTTP server of embeddings (OpenAI's /v1/embeddings, TEI's /embed and /embed_sparse),
+reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /predict) and index search
+(/v1/search), batching concurrent requests per model. Needs the `serve` extra (Starlette, uvicorn):
+`pip install "mlx-encoders[serve]"`.
 
     app = mlx_encoders.serve.app({"minilm": "path/to/all-MiniLM-L6-v2"})   # an ASGI app, models loaded and warm
     uvicorn.run(app, host="127.0.0.1", port=8080)
@@ -20,26 +21,32 @@ def require_stack() -> None:
         raise ImportError(f"{MISSING} ({' and '.join(missing)} not installed)")
 
 
-def load_models(models, dtype: str | None = None, batch_size: int = 32) -> list:
-    """`models`: a path or hub id, a list of them (each named after its folder or hub id), or {name: path}."""
+def load_models(models, dtype: str | None = None, batch_size: int = 32, indexes: dict | None = None) -> tuple:
+    """(served models, served indexes). `models`: a path or hub id, a list of them (each named after its folder or
+    hub id), or {name: path}; `indexes`: {name: index folder}, each searched with the served model of its model's
+    folder, else with its model loaded too."""
     from .models import ServedModel, default_name
+    from .search import open_index
 
     if isinstance(models, (str, Path)):
         models = [models]
+    models = models or []
     named = models.items() if isinstance(models, dict) else [(default_name(m), m) for m in models]
-    if not named:
-        raise ValueError("no model to serve: give at least one path or hub id")
-    return [ServedModel(name, source, dtype, batch_size) for name, source in named]
+    if not named and not indexes:
+        raise ValueError("nothing to serve: give at least one model (path or hub id) or index")
+    served = [ServedModel(name, source, dtype, batch_size) for name, source in named]
+    return served, [open_index(name, folder, served, dtype, batch_size) for name, folder in (indexes or {}).items()]
 
 
-def app(models, *, dtype: str | None = None, **options):
-    """A Starlette (ASGI) app serving `models` (see `load_models`), loaded and warmed on return. `options` are
-    `Options` fields: max_batch_tokens, max_wait_ms, max_queue, max_inputs, max_request_bytes, auto_truncate,
-    batch_size, api_key, cors_origins. Its lifespan shutdown stops the model workers."""
+def app(models=None, *, indexes: dict | None = None, dtype: str | None = None, **options):
+    """A Starlette (ASGI) app serving `models` and `indexes` (see `load_models`), loaded and warmed on return.
+    `options` are `Options` fields: max_batch_tokens, max_wait_ms, max_queue, max_inputs, max_request_bytes,
+    auto_truncate, batch_size, api_key, cors_origins. Its lifespan shutdown stops the model workers."""
     require_stack()
     from .app import Options, Server, build
 
     settings = Options(**options)
-    server = Server(load_models(models, dtype, settings.batch_size), settings)
+    served, indexed = load_models(models, dtype, settings.batch_size, indexes)
+    server = Server(served, settings, indexed)
     server.warm()
     return build(server)

@@ -1,7 +1,7 @@
 """The HTTP application (Starlette): OpenAI's /v1/embeddings and /v1/models, Cohere/Jina's /v1/rerank, /v1/classify,
-TEI's /embed, /rerank, /predict and /tokenize, /health and /metrics. Each model's requests go through its
-`Batcher`; handlers only parse, validate and tokenize (on the event loop's thread: the tokenizer is not
-thread-safe) and shape the answer."""
+/v1/search, TEI's /embed, /embed_sparse, /rerank, /predict and /tokenize, /health and /metrics. Each model's
+requests go through its `Batcher`; handlers only parse, validate and tokenize (on the event loop's thread: the
+tokenizer is not thread-safe) and shape the answer."""
 
 import asyncio
 import base64
@@ -23,10 +23,11 @@ from starlette.routing import Route
 from .batcher import Batcher, QueueFull
 from .errors import ApiError
 from .metrics import Metrics
-from .models import CLASSIFY, EMBED, RERANK, ServedModel
+from .models import CLASSIFY, EMBED, MULTI_VECTOR, RERANK, SPARSE, TASKS, ServedModel
+from .search import ServedIndex
 
 log = logging.getLogger("mlx_encoders.serve")
-TEI_ROUTES = ("/embed", "/rerank", "/predict", "/tokenize")
+TEI_ROUTES = ("/embed", "/embed_sparse", "/rerank", "/predict", "/tokenize")
 RETRY_AFTER_S = 1
 
 
@@ -46,9 +47,9 @@ class Options:
 
 
 class Server:
-    """The served models, one batcher each, the metrics, and the options."""
+    """The served models, one batcher each, the served indexes, the metrics, and the options."""
 
-    def __init__(self, models: list[ServedModel], options: Options):
+    def __init__(self, models: list[ServedModel], options: Options, indexes: list[ServedIndex] = ()):
         names = [m.name for m in models]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -63,12 +64,13 @@ class Server:
                 max_queue=options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
             )  # fmt: skip
             self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
+        self.indexes = {i.name: i for i in indexes}
         self.ready = False
 
     def warm(self) -> None:
         """One input through each model's worker, so the first request pays no start-up cost."""
         for m in self.models.values():
-            items = m.tokenize(["warm up"], True) if m.encoder is not None else m.tokenize(["warm"], True, ["up"])
+            items = m.tokenize(["warm"], True, ["up"]) if m.cross is not None else m.tokenize(["warm up"], True)
             self.batchers[m.name].submit(items).result()
         self.ready = True
 
@@ -77,10 +79,11 @@ class Server:
         for batcher in self.batchers.values():
             batcher.stop()
 
-    def model(self, name, capability: str | None, route: str) -> ServedModel:
-        """The model `name` (None: the only one able to serve `route`); 404 naming the served ones, 400 when it
-        cannot serve `route` (`capability`; None: any model can)."""
-        able = [m for m in self.models.values() if capability in (None, *m.capabilities)]
+    def model(self, name, capability: str | tuple | None, route: str) -> ServedModel:
+        """The model `name` (None: the only one able to serve `route`); 404 naming the served ones, 400 naming its
+        kind when it cannot serve `route` (`capability`, or one of a tuple of them; None: any model can)."""
+        wanted = capability if isinstance(capability, tuple) else (capability,)
+        able = [m for m in self.models.values() if None in wanted or set(wanted) & set(m.capabilities)]
         if name is None:
             if len(able) == 1:
                 return able[0]
@@ -99,8 +102,8 @@ class Server:
         if model not in able:
             raise ApiError(
                 400,
-                f"model {name!r} serves {', '.join(model.capabilities)}, not {capability} ({route}); models that do: "
-                f"{', '.join(m.name for m in able) or 'none'}",
+                f"model {name!r} is a {model.kind} model: it serves {', '.join(model.capabilities)}, not "
+                f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}",
                 "model", "model_not_supported",
             )  # fmt: skip
         return model
@@ -127,7 +130,7 @@ class Server:
         except Exception as e:  # noqa: BLE001  the model failed on this request's inputs: its 500 alone
             log.exception("model %s failed", model.name)
             raise ApiError(500, f"model {model.name!r} failed on this request: {e}", None, "model_error") from None
-        bad = np.flatnonzero(~np.isfinite(out).reshape(len(out), -1).all(axis=1))
+        bad = np.flatnonzero(~finite_rows(out))
         if len(bad):
             raise ApiError(
                 500,
@@ -136,6 +139,30 @@ class Server:
                 None, "non_finite_output",
             )  # fmt: skip
         return out
+
+    def index(self, name) -> ServedIndex:
+        """The index `name` (None: the only one served); 404 naming the served ones."""
+        if name is None and len(self.indexes) == 1:
+            return next(iter(self.indexes.values()))
+        if name is None or not isinstance(name, str):
+            got = "nothing" if name is None else type(name).__name__
+            raise ApiError(
+                400, f'"index" must name a served index ({", ".join(self.indexes) or "none"}), got {got}', "index"
+            )
+        if name not in self.indexes:
+            raise ApiError(
+                404, f"index {name!r} is not served; served indexes: {', '.join(self.indexes) or 'none'} (--index)",
+                "index", "index_not_found",
+            )  # fmt: skip
+        return self.indexes[name]
+
+
+def finite_rows(out: np.ndarray) -> np.ndarray:
+    """(N,) whether every value of row i is finite: rows of an array, or the arrays in an object array's row."""
+    if out.dtype != object:
+        return np.isfinite(out).reshape(len(out), -1).all(axis=1)
+    parts = [row if isinstance(row, tuple) else (row,) for row in out]
+    return np.array([all(np.isfinite(np.asarray(p, np.float64)).all() for p in row) for row in parts], bool)
 
 
 # ---- request parsing
@@ -222,17 +249,26 @@ def documents(value, param: str) -> list[str]:
 
 
 async def embeddings(request: Request, server: Server):
+    """OpenAI's embeddings; for a multi-vector model each `embedding` is a list of token vectors (floats only)."""
     body = await read_json(request, server)
-    model = server.model(body.get("model"), EMBED, "/v1/embeddings")
+    model = server.model(body.get("model"), (EMBED, MULTI_VECTOR), "/v1/embeddings")
     found, ids = texts_or_ids(body.get("input"))
     server.count(found or ids, "input")
     fmt = option(body, "encoding_format", str, "float")
     if fmt not in ("float", "base64"):
         raise ApiError(400, f'"encoding_format" must be "float" or "base64", got {fmt!r}', "encoding_format")
-    dimensions = dimensions_of(body, model)
+    task = option(body, "input_type", str)
+    if task is not None and task not in TASKS:
+        raise ApiError(400, f'"input_type" must be "query" or "document", got {task!r}', "input_type")
+    if model.multi is not None:
+        multi_vector_request(model, body, fmt, ids)
+    dimensions = dimensions_of(body, model) if model.multi is None else None
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = model.tokenize(found, truncate) if ids is None else model.token_ids(ids, truncate)
-    vectors = model.embeddings(await server.run(model, items), dimensions)
+    if ids is not None and task is not None:
+        raise ApiError(400, '"input_type" applies to texts (its prompt); token ids are the whole input', "input_type")
+    items = model.tokenize(found, truncate, task=task) if ids is None else model.token_ids(ids, truncate)
+    out = await server.run(model, items)
+    vectors = out if model.multi is not None else model.embeddings(out, dimensions)
     tokens = sum(len(item.ids) for item in items)
 
     def encoded(v: np.ndarray):
@@ -244,6 +280,21 @@ async def embeddings(request: Request, server: Server):
         "model": model.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def multi_vector_request(model: ServedModel, body: dict, fmt: str, ids) -> None:
+    """What a multi-vector model refuses: base64 (a client would read the flat floats as one vector), dimensions
+    and token ids (its prompts and query expansion work on texts)."""
+    where = f"model {model.name!r} is a multi-vector model"
+    if fmt != "float":
+        raise ApiError(
+            400, f'{where}: each embedding is a list of token vectors, sent as floats only; send "encoding_format": '
+            '"float" (the openai SDK asks for base64 unless told)', "encoding_format",
+        )  # fmt: skip
+    if body.get("dimensions") is not None:
+        raise ApiError(400, f'{where}: "dimensions" does not apply to its token vectors', "dimensions")
+    if ids is not None:
+        raise ApiError(400, f"{where}: send texts, not token ids", "input")
 
 
 def dimensions_of(body: dict, model: ServedModel) -> int | None:
@@ -307,6 +358,46 @@ async def tei_embed(request: Request, server: Server):
     dimensions = dimensions_of(body, model)
     items = model.tokenize(found, truncate, param="inputs")
     return model.embeddings(await server.run(model, items), dimensions, normalize).tolist()
+
+
+async def tei_embed_sparse(request: Request, server: Server):
+    """TEI's /embed_sparse: per input its non-zero weights as [{"index": token id, "value": weight}], by id."""
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), SPARSE, "/embed_sparse")
+    found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = model.tokenize(found, truncate, param="inputs")
+    rows = await server.run(model, items)
+    return [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
+
+
+async def search(request: Request, server: Server):
+    """A served index's `top_k` best documents for `query`, as `Index.search` gives them: id, score, text."""
+    body = await read_json(request, server)
+    served = server.index(body.get("index"))
+    query = option(body, "query", str)
+    if not query:
+        raise ApiError(400, '"query" is required: a non-empty string', "query")
+    top_k = option(body, "top_k", int, 10, 1)
+    precision = option(body, "precision", str, "float32")
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    model = served.model
+    items = model.tokenize([query], truncate, param="query", task="query")
+    vector = model.embeddings(await server.run(model, items), None, normalize=True)[0]
+    loop = asyncio.get_running_loop()
+    try:  # opening an index at a new precision reads its vectors: off the event loop, as the search itself
+        index = await loop.run_in_executor(None, served.index, precision)
+    except ValueError as e:
+        raise ApiError(400, f"index {served.name!r}: {e}", "precision") from None
+    hits = await loop.run_in_executor(None, index.search, vector, top_k)
+    tokens = sum(len(item.ids) for item in items)
+    return {
+        "object": "list",
+        "index": served.name,
+        "model": model.name,
+        "hits": [{"id": h.id, "score": h.score, "text": h.text} for h in hits],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def tei_rerank(request: Request, server: Server):
@@ -379,7 +470,8 @@ async def metrics(request: Request, server: Server):
 
 ROUTES = {
     "/v1/embeddings": (embeddings, ["POST"]), "/v1/rerank": (rerank, ["POST"]), "/v1/classify": (classify, ["POST"]),
-    "/v1/models": (models, ["GET"]), "/embed": (tei_embed, ["POST"]), "/rerank": (tei_rerank, ["POST"]),
+    "/v1/models": (models, ["GET"]), "/v1/search": (search, ["POST"]), "/embed": (tei_embed, ["POST"]),
+    "/embed_sparse": (tei_embed_sparse, ["POST"]), "/rerank": (tei_rerank, ["POST"]),
     "/predict": (tei_predict, ["POST"]), "/tokenize": (tei_tokenize, ["POST"]), "/health": (health, ["GET"]),
     "/metrics": (metrics, ["GET"]),
 }  # fmt: skip

@@ -24,17 +24,19 @@ class Job:
     def __init__(self, items: Sequence):
         self.items = items
         self.future: Future = Future()
-        self.rows: list[np.ndarray | None] = [None] * len(items)
+        self.out: np.ndarray | None = None  # allocated from the first rows computed: their dtype and shape
         self.taken = 0  # items handed to batches
         self.done = 0  # items computed
 
     def finish(self, start: int, rows: np.ndarray) -> None:
         if self.future.done():  # an earlier piece failed, or the handler was cancelled
             return
-        self.rows[start : start + len(rows)] = list(rows)
+        if self.out is None:
+            self.out = np.empty((len(self.items), *rows.shape[1:]), rows.dtype)
+        self.out[start : start + len(rows)] = rows
         self.done += len(rows)
         if self.done == len(self.items):
-            self.settle(result=np.stack(self.rows))
+            self.settle(result=self.out)
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
         try:  # the waiting handler may have been cancelled (client gone): nothing to tell it
@@ -44,8 +46,8 @@ class Job:
 
 
 class Batcher:
-    """`submit(items)` -> Future of `compute(items)` (an (N, ...) array, row i for item i), computed on this
-    batcher's worker thread together with other requests' items."""
+    """`submit(items)` -> Future of `compute(items)` (an (N, ...) array, row i for item i; an object array for
+    outputs of varying size), computed on this batcher's worker thread together with other requests' items."""
 
     def __init__(
         self, name: str, compute: Callable[[list], np.ndarray], *, max_batch_tokens: int, max_wait_ms: float,

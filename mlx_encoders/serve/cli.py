@@ -1,5 +1,6 @@
-"""`mlx-encoders serve --model [NAME=]PATH ...`: load and warm the models, print one line per model and the URL,
-serve until SIGINT or SIGTERM, then finish the requests in flight and exit 0."""
+"""`mlx-encoders serve --model [NAME=]PATH ... [--index NAME=DIR ...]`: load and warm the models, open the indexes,
+print one line per model and index and the URL, serve until SIGINT or SIGTERM, then finish the requests in flight
+and exit 0."""
 
 import argparse
 import os
@@ -14,12 +15,15 @@ API_KEY_ENV = "MLX_ENCODERS_API_KEY"
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "serve", help="HTTP server: OpenAI embeddings, rerank, classify (and TEI's routes)",
-        description="Serve embeddings (/v1/embeddings, /embed), reranking (/v1/rerank, /rerank) and classification "
-        "(/v1/classify, /predict) over HTTP, batching concurrent requests. Needs: pip install \"mlx-encoders[serve]\"",
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's routes)",
+        description="Serve embeddings (/v1/embeddings, /embed, /embed_sparse), reranking (/v1/rerank, /rerank), "
+        "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
+        "requests. Needs: pip install \"mlx-encoders[serve]\"",
     )  # fmt: skip
-    p.add_argument("--model", "-m", action="append", required=True, metavar="[NAME=]PATH",
+    p.add_argument("--model", "-m", action="append", default=[], metavar="[NAME=]PATH",
                    help="folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable")  # fmt: skip
+    p.add_argument("--index", action="append", default=[], metavar="NAME=DIR",
+                   help="index folder (mlx-encoders index build) to search on /v1/search; repeatable")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="cast the weights (default: as stored)")
@@ -49,6 +53,18 @@ def model_specs(values: list[str]) -> dict[str, str]:
     return specs
 
 
+def index_specs(values: list[str]) -> dict[str, str]:
+    specs = {}
+    for value in values:
+        name, _, folder = value.partition("=")
+        if not name or not folder:
+            raise ValueError(f"--index takes NAME=DIR, got {value!r}")
+        if name in specs:
+            raise ValueError(f"index name {name!r} is given twice; name each index: --index NAME=DIR")
+        specs[name] = folder
+    return specs
+
+
 def run(args: argparse.Namespace) -> int:
     from . import require_stack
 
@@ -72,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         cors_origins=tuple(args.cors_origin),
     )  # fmt: skip
-    server = Server(load_models(model_specs(args.model), args.dtype, args.batch_size), options)
+    if not args.model and not args.index:
+        raise ValueError("mlx-encoders serve needs --model PATH or --index NAME=DIR (or both)")
+    models, indexes = load_models(model_specs(args.model), args.dtype, args.batch_size, index_specs(args.index))
+    server = Server(models, options, indexes)
     server.warm()
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
     sock = socket.socket(
@@ -83,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     for model in server.models.values():
         print(f"mlx-encoders serve: model {model.describe()}")
+    for index in server.indexes.values():
+        print(f"mlx-encoders serve: index {index.name}: {index.folder}, queries embedded by model {index.model.name}")
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(build(server), log_level="warning", access_log=False, timeout_graceful_shutdown=None)

@@ -1,5 +1,6 @@
-"""The models a server holds: a sentence-embedding model (`SentenceEncoder`) or a sequence-classification model
-(`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it), their
+"""The models a server holds, by what their folder is: a sentence-embedding model (`SentenceEncoder`), a sparse
+one (`SparseEncoder`, SPLADE), a multi-vector one (`MultiVectorEncoder`, ColBERT) or a sequence-classification
+model (`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it); their
 tokenization and limits, and what a model worker computes for a batch."""
 
 from dataclasses import dataclass
@@ -9,14 +10,19 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Encoding
 
-from ..checkpoint import Checkpoint, read_modules, resolve
+from ..checkpoint import Checkpoint, read_json_object, read_modules, resolve
 from ..cross_encoder import CrossEncoder
+from ..multi_vector import MultiVectorEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
-from ..sentence import SentenceEncoder, resolve_prompt
+from ..sentence import DOCUMENT_PROMPTS, SentenceEncoder, resolve_prompt
+from ..sparse import SparseEncoder
 from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
+SPARSE, MULTI_VECTOR = "sparse embeddings", "multi-vector embeddings"
+SPARSE_MODULES = {"SpladePooling", "SparseStaticEmbedding", "MLMTransformer"}
+TASKS = ("query", "document")
 FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}
 
 
@@ -34,9 +40,60 @@ def default_name(source: str | Path) -> str:
     return path.name if path.is_dir() else str(source)
 
 
-def is_cross_encoder(path: Path) -> bool:
-    """A sequence-classification checkpoint (not a sentence-transformers folder of modules)."""
-    return not read_modules(path) and Checkpoint.open(path).task == "sequence-classification"
+@dataclass
+class Tagged:
+    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a dense
+    text's count of prompt tokens that pooling skips. A worker runs inputs of different tags apart."""
+
+    item: Encoding | TokenIds
+    tag: object
+
+    @property
+    def ids(self) -> list[int]:
+        return self.item.ids
+
+    @property
+    def type_ids(self) -> list[int]:
+        return self.item.type_ids
+
+
+def kind_of(path: Path) -> str:
+    """The folder's kind: "cross-encoder" (a sequence-classification checkpoint), "sparse" or "multi-vector" (as
+    sentence-transformers' modules.json and config_sentence_transformers.json say), else "dense"."""
+    modules = read_modules(path)
+    if not modules:
+        return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
+    names = {kind.rsplit(".", 1)[-1] for kind, _ in modules}
+    for kind, folder in modules:  # a Router's routes are listed in its own config
+        if kind.endswith("Router"):
+            types = read_json_object(folder / "router_config.json").get("types") or {}
+            names |= {str(t).rsplit(".", 1)[-1] for t in types.values()}
+    model_type = read_json_object(path / "config_sentence_transformers.json").get("model_type")
+    if names & SPARSE_MODULES or model_type == "SparseEncoder":
+        return "sparse"
+    if "MultiVectorMask" in names or model_type == "MultiVectorEncoder":
+        return "multi-vector"
+    return "dense"
+
+
+def by_tag(items: list, default, run) -> list:
+    """`run(inputs, tag)` over each group of `items` of one tag; the results back in the items' order."""
+    tags = [item.tag if isinstance(item, Tagged) else default for item in items]
+    out = [None] * len(items)
+    for tag in dict.fromkeys(tags):
+        rows = [i for i, t in enumerate(tags) if t == tag]
+        inputs = [items[i].item if isinstance(items[i], Tagged) else items[i] for i in rows]
+        for i, result in zip(rows, run(inputs, tag), strict=True):
+            out[i] = result
+    return out
+
+
+def objects(rows: list) -> np.ndarray:
+    """A (N,) object array of `rows` (matrices, (ids, values) pairs): one row per input for the batcher."""
+    out = np.empty(len(rows), object)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -45,65 +102,117 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
 
 
 class ServedModel:
-    """One served model under `name`: what it can do (`capabilities`), tokenization that refuses (or, with
-    `truncate`, cuts) over-long inputs, and `compute`, run by its worker on a batch of many requests' inputs."""
+    """One served model under `name`: its `kind` (dense, sparse, multi-vector, cross-encoder, classifier), what it
+    can do (`capabilities`), tokenization that refuses (or, with `truncate`, cuts) over-long inputs, and
+    `compute`, run by its worker on a batch of many requests' inputs."""
 
     def __init__(self, name: str, source: str | Path, dtype: str | None = None, batch_size: int = 32):
         self.name = name
         self.source = str(source)
         self.batch_size = batch_size
         path = resolve(source)
-        self.encoder = self.cross = self.classifier = None
-        if is_cross_encoder(path):
+        self.encoder = self.cross = self.classifier = self.sparse = self.multi = None
+        self.kind = kind_of(path)
+        self.prefix, self.skipped = "", 0
+        if self.kind == "cross-encoder":
             self.cross = CrossEncoder(path, dtype=dtype)
             self.model, self.tokenizer = self.cross.model, self.cross.tokenizer
             self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
             self.max_length = self.cross.max_seq_length
             self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
-            self.prefix, self.skipped = "", 0
+            self.kind = "cross-encoder" if self.cross.num_labels == 1 else "classifier"
+        elif self.kind == "sparse":
+            self.sparse = SparseEncoder(path, dtype=dtype)
+            self.route = self.sparse.route(None)  # what `encode` runs without a task
+            self.tokenizer, self.max_length = self.route.tokenizer, self.route.max_seq_length
+            self.model = getattr(self.route, "model", None)
+            self.capabilities = (SPARSE,)
+            self.prefix = self.prompt(None)
+        elif self.kind == "multi-vector":
+            self.multi = MultiVectorEncoder(path, dtype=dtype)
+            self.model, self.tokenizer = self.multi.model, self.multi.tokenizer
+            self.max_length = self.multi.max_seq_length
+            self.capabilities = (MULTI_VECTOR,)
+            self.prefix = self.prompt(None)
         else:
             self.encoder = SentenceEncoder(path, dtype=dtype)
             self.model, self.tokenizer = self.encoder.model, self.encoder.tokenizer
             self.encoder.check_max_seq_length()
             self.max_length = self.encoder.max_seq_length
             self.capabilities = (EMBED,)
-            self.prefix = resolve_prompt(self.encoder.prompts, self.encoder.default_prompt_name, None, None, "serve")
-            self.skipped = 0 if self.encoder.include_prompt else self.encoder.prompt_length(self.prefix)
+            self.prefix = self.prompt(None)
+            self.skipped = self.prompt_tokens(self.prefix)
+        # Dense projections load lazily on this thread's stream, which the worker's thread cannot evaluate
+        dense = getattr(self.encoder or self.multi, "dense", [])
+        mx.eval([(d.linear.parameters(), d.residual.parameters() if d.residual else []) for d in dense])
+
+    def prompt(self, task: str | None) -> str:
+        """The prompt `encode` (task None), `encode_query` or `encode_document` prepends."""
+        encoder = self.encoder or self.sparse or self.multi
+        name = None
+        if task == "query" and "query" in encoder.prompts:
+            name = "query"
+        elif task == "document":
+            name = next((n for n in DOCUMENT_PROMPTS if n in encoder.prompts), None)
+        return resolve_prompt(encoder.prompts, encoder.default_prompt_name, name, None, "serve")
+
+    def prompt_tokens(self, prefix: str) -> int:
+        """Tokens of a dense model's prompt that pooling leaves out (none when it includes the prompt)."""
+        return 0 if self.encoder.include_prompt else self.encoder.prompt_length(prefix)
 
     def describe(self) -> str:
         if self.encoder is not None:
             size = f"{self.dimension} dimensions"
+        elif self.sparse is not None:
+            size = f"{self.sparse.get_embedding_dimension()} sparse dimensions"
+        elif self.multi is not None:
+            size = f"{self.multi.get_embedding_dimension()} dimensions a token"
         else:
             size = f"{self.cross.num_labels} label{'s' if self.cross.num_labels > 1 else ''}"
         can = ", ".join(self.capabilities)
-        return f"{self.name}: {can} ({size}, up to {self.max_length} tokens) from {self.source}"
+        limit = f"up to {self.max_length} tokens" if self.max_length else "no length limit"
+        return f"{self.name}: {self.kind} model, {can} ({size}, {limit}) from {self.source}"
 
     @property
     def dimension(self) -> int:
         return self.encoder.get_embedding_dimension()
 
     def compute(self, items: list) -> np.ndarray:
-        """On the model worker: (N, D) embeddings (before truncate_dim), or (N, 2 x labels) logits then activated
+        """On the model worker: (N, D) embeddings (before truncate_dim); per input its (token ids, weights) (sparse)
+        or its (n, D) token matrix (multi-vector), as an object array; or (N, 2 x labels) logits then activated
         scores (the activation is an MLX function, so it runs here too)."""
         if self.encoder is not None:
-            return self.encoder.run_encodings(items, self.batch_size, False, self.skipped)[0]
+            run = self.encoder.run_encodings
+            return np.stack(by_tag(items, self.skipped, lambda x, skip: run(x, self.batch_size, False, skip)[0]))
+        if self.sparse is not None:
+            return objects(self.route.run_encodings(items, self.batch_size, False, self.sparse.max_active_dims))
+        if self.multi is not None:
+            run = self.multi.run_encodings
+            return objects(by_tag(items, None, lambda x, task: run(x, task, self.batch_size, False)))
         logits = self.cross.encoding_logits(items, self.batch_size)
         scores = np.array(self.cross.activation_fn(mx.array(logits)).astype(mx.float32))
         return np.concatenate([logits, scores], axis=1)
 
     def tokenize(
-        self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input"
-    ) -> list[Encoding]:
-        """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length); an input longer
-        than that is an error unless `truncate`."""
+        self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
+        task: str | None = None,
+    ) -> list:  # fmt: skip
+        """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
+        "document": as `encode_query` / `encode_document`); an input longer than that is an error unless
+        `truncate`."""
+        prefix = self.prefix if task is None else self.prompt(task)
+        texts = [prefix + t for t in texts]
         limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
         try:
-            encodings = self.tokenizer.encode_batch(
-                [self.prefix + t for t in texts], pairs, truncation=True, max_length=limit
-            )
+            if self.sparse is not None:
+                encodings = self.route.tokenize(texts)
+            elif self.multi is not None:
+                encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
+            else:
+                encodings = self.tokenizer.encode_batch(texts, pairs, truncation=True, max_length=limit)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param) from None
-        if not truncate:
+        if not truncate and limit is not None:
             for i, e in enumerate(encodings):
                 if e.overflowing:
                     raise ApiError(
@@ -112,6 +221,10 @@ class ServedModel:
                         '"truncate": true, or start the server with --auto-truncate',
                         param, "input_too_long",
                     )  # fmt: skip
+        if self.multi is not None and task is not None:
+            return [Tagged(e, task) for e in encodings]
+        if self.encoder is not None and task is not None and self.prompt_tokens(prefix) != self.skipped:
+            return [Tagged(e, self.prompt_tokens(prefix)) for e in encodings]
         return encodings
 
     def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:

@@ -1,0 +1,268 @@
+"""Retrieval on `mlx-encoders serve`: TEI's /embed_sparse for a SPLADE folder, /v1/embeddings for a ColBERT folder
+(each embedding a list of token vectors) and /v1/search over `--index NAME=DIR`, on one launched server. Answers
+are checked against the in-process `SparseEncoder.encode`, `MultiVectorEncoder.encode` and `Index.search` of the
+same folders (themselves checked against sentence-transformers in test_sparse, test_multi_vector, test_index)."""
+
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from checkpoints import make_checkpoint
+from test_index import st_model, write_corpus
+from test_multi_vector import save_colbert
+from test_serve import START_TIMEOUT_S, call, launch, stop
+from test_sparse import MAX_SEQ_LENGTH, save_splade
+
+from mlx_encoders import MultiVectorEncoder, SentenceEncoder, SparseEncoder
+from mlx_encoders.index import Index, build
+from mlx_encoders.serve.models import ServedModel, kind_of
+from mlx_encoders.serve.search import ServedIndex, open_index
+
+TEXTS = ["A cat sat on the mat.", "Sparse vectors explain their matches, token by token.", "x", "Ferns like shade."]
+LONG = "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank. " * 2
+QUERIES = ["a question about files", "Ferns grow in the shade.", "what barks?"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    """A SPLADE and a ColBERT folder (as test_sparse and test_multi_vector save them), two dense models and an
+    index built with each."""
+    root = tmp_path_factory.mktemp("retrieval")
+    colbert = {"strategy": "fixed", "length": 12}
+    found = {
+        "splade": save_splade(root / "splade", make_checkpoint(root / "mlm", "bert", "masked-lm")),
+        "colbert": save_colbert(root / "colbert", make_checkpoint(root / "encoder", "bert"), colbert),
+        "dense": st_model(root / "dense"),
+        "other": st_model(root / "other", seed=1),
+    }
+    corpus = write_corpus(root / "corpus")
+    for name in ("dense", "other"):
+        build(corpus, root / f"index-{name}", SentenceEncoder(found[name]), quiet=True)
+        found[f"index-{name}"] = root / f"index-{name}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    """One server: the SPLADE, ColBERT and dense models, and two indexes, "notes" built with the served dense
+    model (shared) and "more" built with a model not given by --model (loaded for it). Yields (url, start lines)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    args = [f"--model={name}={folders[name]}" for name in ("splade", "colbert", "dense")]
+    args += ["--index", f"notes={folders['index-dense']}", "--index", f"more={folders['index-other']}"]
+    process = launch(args, port)
+    lines, deadline = [], time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and (line := process.stdout.readline()):
+        lines.append(line)
+        if "listening on" in line:
+            break
+    else:
+        process.kill()
+        raise AssertionError(f"the server did not start: {lines}")
+    assert re.search(r"listening on (http://\S+)", lines[-1]).group(1) == f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", lines
+    assert stop(process) == 0
+
+
+def post(url: str, path: str, body: dict):
+    status, answer, _ = call(url, path, body)
+    assert status == 200, answer
+    return answer
+
+
+def sparse_dense(answer: list) -> np.ndarray:
+    """TEI's sparse answer as a dense (N, V) array (V: the tiny BERT's vocabulary)."""
+    out = np.zeros((len(answer), 30522), np.float32)
+    for row, entries in enumerate(answer):
+        ids = [e["index"] for e in entries]
+        assert ids == sorted(ids) and all(e["value"] != 0 for e in entries)  # non-zero weights, by token id
+        out[row, ids] = [e["value"] for e in entries]
+    return out
+
+
+def assert_sparse_equal(answer: list, expected: np.ndarray) -> None:
+    # a weight's rounding follows its batch-mates (vocabulary-wide logits): compared densely, so that one weight
+    # rounding to zero in one batch and not in the other stays a rounding difference
+    np.testing.assert_allclose(sparse_dense(answer), expected, atol=1e-5, rtol=1e-5)
+
+
+def matrices(answer: dict) -> list[np.ndarray]:
+    assert [d["index"] for d in answer["data"]] == list(range(len(answer["data"])))
+    return [np.array(d["embedding"], np.float32) for d in answer["data"]]
+
+
+def assert_matrices_equal(got: list, expected: list) -> None:
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.ndim == 2 and mine.shape == theirs.shape
+        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+
+
+def test_each_folder_is_served_as_its_kind(folders, server, checkpoint):
+    assert [kind_of(folders[n]) for n in ("splade", "colbert", "dense")] == ["sparse", "multi-vector", "dense"]
+    assert kind_of(checkpoint("bert", "sequence-classification", num_labels=1)) == "cross-encoder"
+    _, lines = server
+    described = {line.split()[3].rstrip(":"): line for line in lines if line.startswith("mlx-encoders serve: model")}
+    assert "sparse model" in described["splade"] and "multi-vector model" in described["colbert"]
+    assert "dense model" in described["dense"] and "dense model" in described["st"]  # "more"'s model, loaded for it
+    indexes = [line for line in lines if line.startswith("mlx-encoders serve: index")]
+    assert "notes:" in indexes[0] and "by model dense" in indexes[0] and "by model st" in indexes[1]
+
+
+def test_embed_sparse_equals_sparse_encoder(folders, server):
+    url, _ = server
+    encoder = SparseEncoder(folders["splade"])
+    assert_sparse_equal(post(url, "/embed_sparse", {"inputs": TEXTS}), encoder.encode(TEXTS).toarray())
+    assert_sparse_equal(post(url, "/embed_sparse", {"inputs": TEXTS[0]}), encoder.encode(TEXTS[:1]).toarray())
+
+    status, answer, _ = call(url, "/embed_sparse", {"inputs": [TEXTS[0], LONG]})
+    assert status == 400 and f"inputs[1] is longer than the {MAX_SEQ_LENGTH} tokens" in answer["error"]
+    with pytest.warns(UserWarning, match="truncated"):
+        expected = encoder.encode([TEXTS[0], LONG])
+    answer = post(url, "/embed_sparse", {"inputs": [TEXTS[0], LONG], "truncate": True})
+    assert_sparse_equal(answer, expected.toarray())
+
+
+def test_multi_vector_embeddings_equal_multi_vector_encoder(folders, server):
+    url, _ = server
+    encoder = MultiVectorEncoder(folders["colbert"])
+    texts = [*TEXTS, LONG]
+    body = {"model": "colbert", "input": texts, "truncate": True}
+    expected = encoder.encode(texts, convert_to_numpy=True)  # no task: up to max_seq_length, 128
+    answer = post(url, "/v1/embeddings", body)
+    assert_matrices_equal(matrices(answer), expected)
+    assert answer["usage"]["prompt_tokens"] > 0
+    status, answer, _ = call(url, "/v1/embeddings", {**body, "input_type": "query", "truncate": False})
+    assert status == 400 and "input[0] is longer than the 12 tokens" in answer["error"]["message"]  # fixed expansion
+    queries = post(url, "/v1/embeddings", {**body, "input_type": "query"})
+    with pytest.warns(UserWarning, match="fill the query_expansion length of 12"):
+        expected = encoder.encode_query(texts, convert_to_numpy=True)
+    assert_matrices_equal(matrices(queries), expected)
+    with pytest.warns(UserWarning):
+        expected = encoder.encode_document(texts, convert_to_numpy=True)
+    assert_matrices_equal(matrices(post(url, "/v1/embeddings", {**body, "input_type": "document"})), expected)
+
+
+def test_dense_input_types_equal_encode_query_and_encode_document(folders, server):
+    url, _ = server
+    encoder = SentenceEncoder(folders["dense"])
+    for kind, expected in (("query", encoder.encode_query(TEXTS)), ("document", encoder.encode_document(TEXTS))):
+        answer = post(url, "/v1/embeddings", {"model": "dense", "input": TEXTS, "input_type": kind})
+        np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6)
+
+
+def test_the_openai_sdk_reads_multi_vectors_as_floats_and_is_refused_base64(folders, server):
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    answer = client.embeddings.create(model="colbert", input=TEXTS[:2], encoding_format="float")
+    expected = MultiVectorEncoder(folders["colbert"]).encode(TEXTS[:2], convert_to_numpy=True)
+    assert_matrices_equal([np.array(d.embedding, np.float32) for d in answer.data], expected)
+    with pytest.raises(openai.BadRequestError, match='each embedding is a list of token vectors.*"float"'):
+        client.embeddings.create(model="colbert", input=TEXTS[:2])  # the SDK asks for base64 unless told
+
+
+def test_search_equals_index_search_in_process(folders, server):
+    url, _ = server
+    for name, model in (("notes", "dense"), ("more", "other")):
+        encoder = SentenceEncoder(folders[model])
+        for precision in ("float32", "int8", "binary"):
+            index = Index(folders[f"index-{model}"], encoder, precision=precision)
+            for query in QUERIES:
+                body = {"index": name, "query": query, "top_k": 3, "precision": precision}
+                answer = post(url, "/v1/search", body)
+                expected = index.search(query, 3)
+                assert answer["index"] == name and answer["model"] == ("dense" if model == "dense" else "st")
+                assert [(h["id"], h["text"]) for h in answer["hits"]] == [(h.id, h.text) for h in expected]
+                np.testing.assert_allclose([h["score"] for h in answer["hits"]], [h.score for h in expected], atol=1e-5)
+    top = post(url, "/v1/search", {"index": "notes", "query": "Ferns grow in the shade."})
+    assert len(top["hits"]) == 8 and top["hits"][0]["id"] == "fern"  # top_k 10 by default; 8 documents
+
+
+def test_concurrent_mixed_requests_equal_the_sequential_answers(server):
+    url, _ = server
+    requests = [
+        ("/embed_sparse", {"inputs": TEXTS[i:]}) for i in range(4)
+    ] + [
+        ("/v1/embeddings", {"model": "colbert", "input": TEXTS[i:], "input_type": kind, "truncate": True})
+        for i in range(4) for kind in ("query", "document")
+    ] + [
+        ("/v1/search", {"index": "notes", "query": q, "top_k": 4}) for q in QUERIES
+    ]  # fmt: skip
+    sequential = [post(url, path, body) for path, body in requests]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda r: post(url, *r), requests * 2))
+    for got, expected in zip(concurrent, sequential * 2, strict=True):
+        if isinstance(expected, list):
+            assert_sparse_equal(got, sparse_dense(expected))
+        elif "hits" in expected:
+            assert [h["id"] for h in got["hits"]] == [h["id"] for h in expected["hits"]]
+        else:
+            assert_matrices_equal(matrices(got), matrices(expected))
+
+
+@pytest.mark.parametrize(
+    "path, body, status, message",
+    [
+        ("/v1/search", {"index": "nope", "query": "q"}, 404, "index 'nope' is not served; served indexes: notes, more"),
+        ("/v1/search", {"query": "q"}, 400, '"index" must name a served index (notes, more)'),
+        ("/v1/search", {"index": "notes"}, 400, '"query" is required'),
+        ("/v1/search", {"index": "notes", "query": "q", "top_k": 0}, 400, '"top_k" must be at least 1'),
+        ("/v1/search", {"index": "notes", "query": "q", "precision": "int4"}, 400, "precision must be one of"),
+        ("/v1/embeddings", {"model": "splade", "input": "a"}, 400, "'splade' is a sparse model: it serves sparse"),
+        ("/v1/embeddings", {"model": "colbert", "input": "a", "dimensions": 8}, 400, '"dimensions" does not apply'),
+        ("/v1/embeddings", {"model": "colbert", "input": [[101, 102]], "encoding_format": "float"}, 400, "not token"),
+        ("/v1/embeddings", {"model": "dense", "input": "a", "input_type": "question"}, 400, '"input_type" must be'),
+        ("/v1/rerank", {"model": "colbert", "query": "q", "documents": ["d"]}, 400, "is a multi-vector model"),
+    ],
+)
+def test_requests_a_model_or_index_cannot_serve_get_openai_shaped_errors(server, path, body, status, message):
+    url, _ = server
+    got, answer, _ = call(url, path, body)
+    assert got == status and message in answer["error"]["message"], answer
+
+
+def test_tei_routes_name_the_kind_of_a_model_that_cannot_serve_them(server):
+    url, _ = server
+    status, answer, _ = call(url, "/embed_sparse", {"model": "dense", "inputs": "a"})
+    assert status == 400 and "'dense' is a dense model" in answer["error"]
+    assert "models that do: splade" in answer["error"]
+    status, answer, _ = call(url, "/embed", {"model": "splade", "inputs": "a"})
+    assert status == 400 and "'splade' is a sparse model" in answer["error"] and answer["error_type"] == "Validation"
+
+
+def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_another(folders):
+    dense = ServedModel("dense", folders["dense"])
+    models = [dense]
+    assert open_index("notes", folders["index-dense"], models, None, 8).model is dense and models == [dense]
+    more = open_index("more", folders["index-other"], models, None, 8)
+    assert models == [dense, more.model] and more.model.name == "st" and more.model.kind == "dense"
+    with pytest.raises(ValueError, match=r"--index notes=.*index-other: the index was built with the model .*other"):
+        ServedIndex("notes", folders["index-other"], Index(folders["index-other"]), dense)
+    with pytest.raises(ValueError, match=r"--index gone=.*nope: .*does not exist; build the index first"):
+        open_index("gone", folders["dense"] / "nope", models, None, 8)
+
+
+def test_an_inference_free_sparse_router_is_served_as_encode_runs_it(folders, tmp_path):
+    from sentence_transformers import SparseEncoder as STSparseEncoder
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+
+    document = Transformer(str(folders["splade"]), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH)
+    router = Router.for_query_document(
+        query_modules=[SparseStaticEmbedding(tokenizer=document.tokenizer, frozen=False)],
+        document_modules=[document, SpladePooling("max")],
+    )
+    STSparseEncoder(modules=[router], device="cpu").save(str(tmp_path / "router"))
+    assert kind_of(tmp_path / "router") == "sparse"
+    model = ServedModel("router", tmp_path / "router")
+    rows = model.compute(model.tokenize(TEXTS, False))  # on this thread: no worker needed here
+    assert model.route is model.sparse.routes["document"] and all(len(ids) for ids, _ in rows)  # the default route
+    answer = [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
+    assert_sparse_equal(answer, SparseEncoder(tmp_path / "router").encode(TEXTS).toarray())
