@@ -1,5 +1,5 @@
-"""Serving throughput and latency: `mlx-encoders serve` under closed-loop load, against offline `encode` and a
-one-forward-per-request server (the no-batching baseline), optionally infinity-emb.
+"""Serving throughput and latency: `mlx-encoders serve` under closed-loop load, against offline `encode`, a
+one-forward-per-request server (the no-batching baseline) and, optionally, infinity-emb.
 
 Each level runs N client threads (`--clients 1,8,64`) for `--seconds`, each sending its next request as soon as
 the last one is answered (keep-alive connections), 1 to `--max-texts` texts of the standard-library docstrings a
@@ -9,11 +9,19 @@ an idle server against in-process `encode`, and each server's peak memory (VmHWM
 
     python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
     python benchmarks/serve.py --max-texts 1 --clients 64        # the single-text target
-    python benchmarks/serve.py --infinity-python /tmp/inf/bin/python   # add infinity-emb from its own venv
+    python benchmarks/serve.py --infinity-python /work/infinity-venv/bin/python   # add infinity-emb
 
 The baseline is the same stack (Starlette on uvicorn) whose handler calls `encode` on its request's texts alone,
-one request at a time. infinity-emb (torch CPU, the same model folder) runs only with `--infinity-python`, the
-interpreter of a virtual environment where it is installed: it is never installed beside this package.
+one request at a time. infinity-emb runs only with `--infinity-python`, the interpreter of a virtual environment
+where it is installed, never beside this package; it serves the same model folder offline on 127.0.0.1 with its
+torch engine on the CPU (`v2 --engine torch --device cpu`, its default batch size and no `torch.compile`, which
+is its default). Its venv, CPU torch first so that infinity-emb does not pull a CUDA build:
+
+    python3 -m venv /work/infinity-venv
+    /work/infinity-venv/bin/pip install torch==2.13.0                  # the CPU wheel (elsewhere: torch's CPU index)
+    /work/infinity-venv/bin/pip install "infinity-emb[torch,server]==0.0.78" torch==2.13.0   # torch stays pinned
+
+(`[server]` alone installs no sentence-transformers, which its torch engine needs.)
 """
 
 import argparse
@@ -27,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -46,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--servers", default="serve,baseline", help="comma-separated: serve, baseline, infinity")
     p.add_argument("--infinity-python", help="python of a venv with infinity-emb installed (adds `infinity`)")
     p.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the baseline's process
-    return p.parse_args()
+    args = p.parse_args()
+    if "infinity" in args.servers.split(",") and not args.infinity_python:
+        p.error("--servers infinity needs --infinity-python PATH (the python of a venv with infinity-emb installed)")
+    return args
 
 
 def free_port() -> int:
@@ -85,8 +97,10 @@ def run_baseline_server(model: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def start(name: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start(name: str, args: argparse.Namespace, log) -> tuple[subprocess.Popen, int]:
+    """Launch server `name` on a free loopback port, its output to the file `log`; return once it answers."""
     port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the model is a folder: never download
     if name == "serve":
         command = [
             sys.executable,
@@ -101,22 +115,47 @@ def start(name: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
         ]  # fmt: skip  (encode, and so the baseline, truncates long docstrings too)
     elif name == "baseline":
         command = [sys.executable, __file__, "--model", args.model, "--baseline-server", str(port)]
-    else:
+    else:  # its own venv: nothing of this package on its path; no usage statistics sent
         command = [args.infinity_python, "-m", "infinity_emb.cli", "v2", "--model-id", args.model,
-                   "--served-model-name", "bench", "--port", str(port), "--url-prefix", "/v1"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 300
+                   "--served-model-name", "bench", "--engine", "torch", "--device", "cpu", "--no-compile",
+                   "--host", "127.0.0.1", "--port", str(port), "--url-prefix", "/v1",
+                   "--log-level", "warning"]  # fmt: skip
+        env.update(DO_NOT_TRACK="1", INFINITY_ANONYMOUS_USAGE_STATS="0")
+    if name != "infinity":
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    # a file, not a pipe nobody reads: a server logging each request would block once a pipe's buffer filled
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    deadline, status = time.monotonic() + 300, None
     while time.monotonic() < deadline:  # the server answers once its model is loaded
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}: {tail(log)}")
         try:
-            if post(http.client.HTTPConnection("127.0.0.1", port, timeout=60), ["ready?"]) == 200:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            status = post(connection, ["ready?"])
+            connection.close()
+            if status == 200:
                 return process, port
-        except OSError:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited: {process.stdout.read()[-2000:]}") from None
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{name} did not answer within 300 s")
+        except (OSError, http.client.HTTPException):
+            pass
+        time.sleep(0.2)
+    stop(process)
+    raise RuntimeError(f"{name} did not answer 200 on /v1/embeddings within 300 s (last status {status}): {tail(log)}")
+
+
+def tail(log, size: int = 3000) -> str:
+    """The end of a server's log file, read without moving the offset the server writes at."""
+    end = os.fstat(log.fileno()).st_size
+    return os.pread(log.fileno(), size, max(0, end - size)).decode(errors="replace")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 60 s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=60)
 
 
 def post(connection: http.client.HTTPConnection, texts: list[str]) -> int:
@@ -139,7 +178,12 @@ def load(port: int, clients: int, texts: list[str], max_texts: int, seconds: flo
         while time.monotonic() < stop_at:
             batch = rng.sample(texts, rng.randint(1, max_texts))
             start = time.perf_counter()
-            status = post(connection, batch)
+            try:
+                status = post(connection, batch)
+            except (OSError, http.client.HTTPException):  # a reset or a timeout: an error, then a new connection
+                status = None
+                connection.close()
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             took = time.perf_counter() - start
             with lock:
                 if status == 200:
@@ -147,6 +191,7 @@ def load(port: int, clients: int, texts: list[str], max_texts: int, seconds: flo
                     sent[0] += len(batch)
                 else:
                     errors[0] += 1
+        connection.close()
 
     threads = [threading.Thread(target=client, args=(seed,)) for seed in range(clients)]
     start = time.perf_counter()
@@ -168,8 +213,10 @@ def idle_latency(port: int, repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        post(connection, ["A short text."])
+        if post(connection, ["A short text."]) != 200:
+            raise RuntimeError(f"the server on port {port} did not answer 200 to one short text")
         times.append(time.perf_counter() - start)
+    connection.close()
     return 1000 * statistics.median(times)
 
 
@@ -211,18 +258,18 @@ def main() -> None:
     print(f"offline encode: {rate:.1f} texts/s; one short text {short:.1f} ms")
     print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
     for name in dict.fromkeys(servers):
-        process, port = start(name, args)
-        try:
-            for clients in levels:
-                r = load(port, clients, texts, args.max_texts, args.seconds)
-                print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} {r['p50 ms']:>8.1f} "
-                      f"{r['p99 ms']:>8.1f} {r['errors']:>6}")  # fmt: skip
-            idle = idle_latency(port)
-            print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
-                  f"peak memory {peak_memory_mb(process.pid):.0f} MB")  # fmt: skip
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
+        with tempfile.TemporaryFile() as log:
+            process, port = start(name, args, log)
+            try:
+                for clients in levels:
+                    r = load(port, clients, texts, args.max_texts, args.seconds)
+                    print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} "
+                          f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6}", flush=True)  # fmt: skip
+                idle = idle_latency(port)
+                print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
+                      f"peak memory {peak_memory_mb(process.pid):.0f} MB", flush=True)  # fmt: skip
+            finally:
+                stop(process)
 
 
 if __name__ == "__main__":
