@@ -135,7 +135,8 @@ def assert_matrices_equal(got: list, expected: list) -> None:
 
 
 def test_each_folder_is_served_as_its_kind(folders, server, checkpoint):
-    assert [kind_of(folders[n]) for n in ("splade", "colbert", "dense")] == ["sparse", "multi-vector", "dense"]
+    kinds = [kind_of(folders[n]) for n in ("splade", "router", "colbert", "dense")]
+    assert kinds == ["sparse", "sparse", "multi-vector", "dense"]
     assert kind_of(checkpoint("bert", "sequence-classification", num_labels=1)) == "cross-encoder"
     _, lines = server
     described = {line.split()[3].rstrip(":"): line for line in lines if line.startswith("mlx-encoders serve: model")}
@@ -170,14 +171,14 @@ def test_embed_sparse_input_type_and_prompt_name_equal_sentence_transformers(fol
     from sentence_transformers import SparseEncoder as STSparseEncoder
 
     url, _ = server
-    for name in ("splade", "router"):  # prompts "query: " / "passage: "; a Router's query and document routes
+    for name in ("splade-k", "router"):  # prompts "query: " / "passage: "; a Router's query and document routes
         st = STSparseEncoder(str(folders[name]), device="cpu")
         cases = [
             ({"input_type": "query"}, st.encode_query(TEXTS)),
             ({"input_type": "document"}, st.encode_document(TEXTS)),
             ({}, st.encode(TEXTS)),  # the Router's default route: documents, as sentence-transformers' encode
         ]
-        if name == "splade":
+        if name == "splade-k":
             cases += [
                 ({"prompt_name": "document"}, st.encode(TEXTS, prompt_name="document")),  # TEI's field: prompt only
                 ({"input_type": "query", "prompt_name": "document"}, st.encode_query(TEXTS, prompt_name="document")),
@@ -365,22 +366,3 @@ def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_anoth
     assert (free.model, free.sparse, free.modes) == (None, router, ("sparse",))  # the served Router, shared
     with pytest.raises(ValueError, match=r"--index free=.*: the index was built with the sparse model .*router"):
         ServedIndex("free", folders["index-free"], Index(folders["index-free"]), None, hybrid.sparse)
-
-
-def test_an_inference_free_sparse_router_is_served_as_encode_runs_it(folders, tmp_path):
-    from sentence_transformers import SparseEncoder as STSparseEncoder
-    from sentence_transformers.base.modules import Router, Transformer
-    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-
-    document = Transformer(str(folders["splade"]), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH)
-    router = Router.for_query_document(
-        query_modules=[SparseStaticEmbedding(tokenizer=document.tokenizer, frozen=False)],
-        document_modules=[document, SpladePooling("max")],
-    )
-    STSparseEncoder(modules=[router], device="cpu").save(str(tmp_path / "router"))
-    assert kind_of(tmp_path / "router") == "sparse"
-    model = ServedModel("router", tmp_path / "router")
-    rows = model.compute(model.tokenize(TEXTS, False))  # on this thread: no worker needed here
-    assert model.route is model.sparse.routes["document"] and all(len(ids) for ids, _ in rows)  # the default route
-    answer = [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
-    assert_sparse_equal(answer, SparseEncoder(tmp_path / "router").encode(TEXTS).toarray())
