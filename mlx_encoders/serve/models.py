@@ -42,8 +42,9 @@ def default_name(source: str | Path) -> str:
 
 @dataclass
 class Tagged:
-    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a dense
-    text's count of prompt tokens that pooling skips. A worker runs inputs of different tags apart."""
+    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a sparse
+    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips. A
+    worker runs inputs of different tags apart."""
 
     item: Encoding | TokenIds
     tag: object
