@@ -1,17 +1,22 @@
-"""Retrieval on `mlx-encoders serve`: TEI's /embed_sparse for a SPLADE folder, /v1/embeddings for a ColBERT folder
-(each embedding a list of token vectors) and /v1/search over `--index NAME=DIR`, on one launched server. Answers
-are checked against the in-process `SparseEncoder.encode`, `MultiVectorEncoder.encode` and `Index.search` of the
-same folders (themselves checked against sentence-transformers in test_sparse, test_multi_vector, test_index)."""
+"""Retrieval on `mlx-encoders serve`: TEI's /embed_sparse for a SPLADE folder and an inference-free Router (query
+and document sides), /v1/embeddings for a ColBERT folder (each embedding a list of token vectors) and /v1/search
+over `--index NAME=DIR` (dense, sparse and hybrid indexes, every mode), on one launched server. Answers are checked
+against sentence-transformers or the in-process `SparseEncoder.encode`, `MultiVectorEncoder.encode` and
+`Index.search` of the same folders (themselves checked against sentence-transformers in test_sparse,
+test_multi_vector, test_index, test_index_sparse)."""
 
 import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from checkpoints import make_checkpoint
 from test_index import st_model, write_corpus
+from test_index_sparse import MAX_ACTIVE_DIMS, PROMPTS
 from test_multi_vector import save_colbert
 from test_serve import START_TIMEOUT_S, call, launch, stop
 from test_sparse import MAX_SEQ_LENGTH, save_splade
@@ -26,14 +31,35 @@ LONG = "The quick brown fox jumps over the lazy dog, then runs far away into the
 QUERIES = ["a question about files", "Ferns grow in the shade.", "what barks?"]
 
 
+def save_router(folder: Path, mlm: Path) -> Path:
+    """An inference-free SPLADE Router as test_sparse saves it: stored idf-like query weights (some zero), a SPLADE
+    document side."""
+    from sentence_transformers import SparseEncoder as STSparseEncoder
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+
+    document = Transformer(str(mlm), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH)
+    static = SparseStaticEmbedding(tokenizer=document.tokenizer, frozen=False)
+    with torch.no_grad():
+        static.weight.copy_(torch.rand(static.weight.shape, generator=torch.Generator().manual_seed(1)))
+        static.weight[static.weight < 0.2] = 0
+    router = Router.for_query_document(query_modules=[static], document_modules=[document, SpladePooling("max")])
+    STSparseEncoder(modules=[router], device="cpu", max_active_dims=MAX_ACTIVE_DIMS).save(str(folder))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    """A SPLADE and a ColBERT folder (as test_sparse and test_multi_vector save them), two dense models and an
-    index built with each."""
+    """A SPLADE (with query and document prompts), an inference-free Router and a ColBERT folder (as test_sparse
+    and test_multi_vector save them), two dense models and an index built with each; a hybrid index (dense + a
+    SPLADE kept to 100 weights a text, as a trained one) and a sparse-only index of the Router."""
     root = tmp_path_factory.mktemp("retrieval")
     colbert = {"strategy": "fixed", "length": 12}
+    mlm = make_checkpoint(root / "mlm", "bert", "masked-lm")
     found = {
-        "splade": save_splade(root / "splade", make_checkpoint(root / "mlm", "bert", "masked-lm")),
+        "splade": save_splade(root / "splade", mlm, prompts=PROMPTS),
+        "splade-k": save_splade(root / "splade-k", mlm, prompts=PROMPTS, max_active_dims=MAX_ACTIVE_DIMS),
+        "router": save_router(root / "router", mlm),
         "colbert": save_colbert(root / "colbert", make_checkpoint(root / "encoder", "bert"), colbert),
         "dense": st_model(root / "dense"),
         "other": st_model(root / "other", seed=1),
@@ -42,19 +68,24 @@ def folders(tmp_path_factory) -> dict:
     for name in ("dense", "other"):
         build(corpus, root / f"index-{name}", SentenceEncoder(found[name]), quiet=True)
         found[f"index-{name}"] = root / f"index-{name}"
+    build(corpus, root / "index-hybrid", SentenceEncoder(found["dense"]), sparse_model=found["splade-k"], quiet=True)
+    build(corpus, root / "index-free", None, sparse_model=found["router"], quiet=True)
+    found["index-hybrid"], found["index-free"] = root / "index-hybrid", root / "index-free"
     return found
 
 
 @pytest.fixture(scope="module")
 def server(folders):
-    """One server: the SPLADE, ColBERT and dense models, and two indexes, "notes" built with the served dense
-    model (shared) and "more" built with a model not given by --model (loaded for it). Yields (url, start lines)."""
+    """One server: the SPLADE, Router, ColBERT and dense models, and four indexes: "notes" built with the served
+    dense model (shared), "more" built with a model not given by --model (loaded for it), "hybrid" (the served dense
+    model and a SPLADE loaded for it) and "free" (sparse only, the served Router). Yields (url, start lines)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    args = [f"--model={name}={folders[name]}" for name in ("splade", "colbert", "dense")]
-    args += ["--index", f"notes={folders['index-dense']}", "--index", f"more={folders['index-other']}"]
+    args = [f"--model={name}={folders[name]}" for name in ("splade", "router", "colbert", "dense")]
+    for name, folder in (("notes", "dense"), ("more", "other"), ("hybrid", "hybrid"), ("free", "free")):
+        args += ["--index", f"{name}={folders[f'index-{folder}']}"]
     process = launch(args, port)
     lines, deadline = [], time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and (line := process.stdout.readline()):
@@ -104,28 +135,61 @@ def assert_matrices_equal(got: list, expected: list) -> None:
 
 
 def test_each_folder_is_served_as_its_kind(folders, server, checkpoint):
-    assert [kind_of(folders[n]) for n in ("splade", "colbert", "dense")] == ["sparse", "multi-vector", "dense"]
+    kinds = [kind_of(folders[n]) for n in ("splade", "router", "colbert", "dense")]
+    assert kinds == ["sparse", "sparse", "multi-vector", "dense"]
     assert kind_of(checkpoint("bert", "sequence-classification", num_labels=1)) == "cross-encoder"
     _, lines = server
     described = {line.split()[3].rstrip(":"): line for line in lines if line.startswith("mlx-encoders serve: model")}
     assert "sparse model" in described["splade"] and "multi-vector model" in described["colbert"]
     assert "dense model" in described["dense"] and "dense model" in described["st"]  # "more"'s model, loaded for it
+    assert "sparse model" in described["router"] and "sparse model" in described["splade-k"]  # loaded for "hybrid"
     indexes = [line for line in lines if line.startswith("mlx-encoders serve: index")]
-    assert "notes:" in indexes[0] and "by model dense" in indexes[0] and "by model st" in indexes[1]
+    assert "notes:" in indexes[0] and "by model dense (dense)" in indexes[0] and "by model st" in indexes[1]
+    assert "by model dense and sparse model splade-k (dense, sparse, hybrid)" in indexes[2]
+    assert "by sparse model router (sparse)" in indexes[3]
 
 
 def test_embed_sparse_equals_sparse_encoder(folders, server):
     url, _ = server
     encoder = SparseEncoder(folders["splade"])
-    assert_sparse_equal(post(url, "/embed_sparse", {"inputs": TEXTS}), encoder.encode(TEXTS).toarray())
-    assert_sparse_equal(post(url, "/embed_sparse", {"inputs": TEXTS[0]}), encoder.encode(TEXTS[:1]).toarray())
+    assert_sparse_equal(
+        post(url, "/embed_sparse", {"model": "splade", "inputs": TEXTS}), encoder.encode(TEXTS).toarray()
+    )
+    assert_sparse_equal(
+        post(url, "/embed_sparse", {"model": "splade", "inputs": TEXTS[0]}), encoder.encode(TEXTS[:1]).toarray()
+    )
 
-    status, answer, _ = call(url, "/embed_sparse", {"inputs": [TEXTS[0], LONG]})
+    status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": [TEXTS[0], LONG]})
     assert status == 400 and f"inputs[1] is longer than the {MAX_SEQ_LENGTH} tokens" in answer["error"]
     with pytest.warns(UserWarning, match="truncated"):
         expected = encoder.encode([TEXTS[0], LONG])
-    answer = post(url, "/embed_sparse", {"inputs": [TEXTS[0], LONG], "truncate": True})
+    answer = post(url, "/embed_sparse", {"model": "splade", "inputs": [TEXTS[0], LONG], "truncate": True})
     assert_sparse_equal(answer, expected.toarray())
+
+
+def test_embed_sparse_input_type_and_prompt_name_equal_sentence_transformers(folders, server):
+    from sentence_transformers import SparseEncoder as STSparseEncoder
+
+    url, _ = server
+    for name in ("splade-k", "router"):  # prompts "query: " / "passage: "; a Router's query and document routes
+        st = STSparseEncoder(str(folders[name]), device="cpu")
+        cases = [
+            ({"input_type": "query"}, st.encode_query(TEXTS)),
+            ({"input_type": "document"}, st.encode_document(TEXTS)),
+            ({}, st.encode(TEXTS)),  # the Router's default route: documents, as sentence-transformers' encode
+        ]
+        if name == "splade-k":
+            cases += [
+                ({"prompt_name": "document"}, st.encode(TEXTS, prompt_name="document")),  # TEI's field: prompt only
+                ({"input_type": "query", "prompt_name": "document"}, st.encode_query(TEXTS, prompt_name="document")),
+            ]
+        for fields, expected in cases:
+            answer = post(url, "/embed_sparse", {"model": name, "inputs": TEXTS, **fields})
+            assert_sparse_equal(answer, expected.to_dense().numpy())
+    status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": "a", "input_type": "passage"})
+    assert status == 400 and '"input_type" must be "query" or "document"' in answer["error"]
+    status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": "a", "prompt_name": "nope"})
+    assert status == 400 and "has no prompt 'nope'; its prompts: 'query', 'document'" in answer["error"]
 
 
 def test_multi_vector_embeddings_equal_multi_vector_encoder(folders, server):
@@ -185,15 +249,44 @@ def test_search_equals_index_search_in_process(folders, server):
     assert len(top["hits"]) == 8 and top["hits"][0]["id"] == "fern"  # top_k 10 by default; 8 documents
 
 
+def test_every_search_mode_equals_index_search_in_process(folders, server):
+    url, _ = server
+    dense, splade = SentenceEncoder(folders["dense"]), SparseEncoder(folders["splade-k"])
+    weighted = {"mode": "hybrid", "fusion": "weighted", "alpha": 0.3}
+    cases = [  # (index, its in-process Index, request options, the mode they give, models named in the answer)
+        ("hybrid", Index(folders["index-hybrid"], dense, sparse_model=splade), [
+            ({}, "dense", ("dense",)), ({"mode": "sparse"}, "sparse", ("splade-k",)),
+            ({"mode": "hybrid"}, "hybrid", ("dense", "splade-k")),
+            ({"mode": "hybrid", "rrf_k": 10, "depth": 3}, "hybrid", ("dense", "splade-k")),
+            (weighted, "hybrid", ("dense", "splade-k")),
+        ]),
+        ("free", Index(folders["index-free"], sparse_model=SparseEncoder(folders["router"])), [
+            ({}, "sparse", ("router",)),  # a sparse-only index: sparse by default; inference-free queries
+        ]),
+    ]  # fmt: skip
+    for name, index, requests in cases:
+        for options, mode, names in requests:
+            for query in QUERIES[:2]:
+                answer = post(url, "/v1/search", {"index": name, "query": query, "top_k": 4, **options})
+                expected = index.search(query, 4, **options)
+                assert answer["mode"] == mode and (answer["model"], answer.get("sparse_model")) == (*names, None)[:2]
+                assert [(h["id"], h["text"]) for h in answer["hits"]] == [(h.id, h.text) for h in expected]
+                got = [h["score"] for h in answer["hits"]]
+                np.testing.assert_allclose(got, [h.score for h in expected], rtol=1e-5, atol=1e-5)
+                assert answer["usage"]["prompt_tokens"] > 0
+
+
 def test_concurrent_mixed_requests_equal_the_sequential_answers(server):
     url, _ = server
     requests = [
-        ("/embed_sparse", {"inputs": TEXTS[i:]}) for i in range(4)
+        ("/embed_sparse", {"model": "splade", "inputs": TEXTS[i:]}) for i in range(4)
     ] + [
         ("/v1/embeddings", {"model": "colbert", "input": TEXTS[i:], "input_type": kind, "truncate": True})
         for i in range(4) for kind in ("query", "document")
     ] + [
         ("/v1/search", {"index": "notes", "query": q, "top_k": 4}) for q in QUERIES
+    ] + [
+        ("/v1/search", {"index": "hybrid", "query": q, "top_k": 4, "mode": "hybrid"}) for q in QUERIES
     ]  # fmt: skip
     sequential = [post(url, path, body) for path, body in requests]
     with ThreadPoolExecutor(8) as pool:
@@ -211,7 +304,25 @@ def test_concurrent_mixed_requests_equal_the_sequential_answers(server):
     "path, body, status, message",
     [
         ("/v1/search", {"index": "nope", "query": "q"}, 404, "index 'nope' is not served; served indexes: notes, more"),
-        ("/v1/search", {"query": "q"}, 400, '"index" must name a served index (notes, more)'),
+        ("/v1/search", {"query": "q"}, 400, '"index" must name a served index (notes, more, hybrid, free)'),
+        (
+            "/v1/search",
+            {"index": "notes", "query": "q", "mode": "sparse"},
+            400,
+            "index 'notes' cannot answer a 'sparse' search; its modes: dense",
+        ),
+        ("/v1/search", {"index": "free", "query": "q", "mode": "hybrid"}, 400, "its modes: sparse"),
+        ("/v1/search", {"index": "hybrid", "query": "q", "mode": "bm25"}, 400, "its modes: dense, sparse, hybrid"),
+        (
+            "/v1/search",
+            {"index": "hybrid", "query": "q", "fusion": "max"},
+            400,
+            '"fusion" must be one of rrf, weighted',
+        ),
+        ("/v1/search", {"index": "hybrid", "query": "q", "alpha": 1.5}, 400, '"alpha" must be within [0, 1], got 1.5'),
+        ("/v1/search", {"index": "hybrid", "query": "q", "rrf_k": "60"}, 400, '"rrf_k" must be a number'),
+        ("/v1/search", {"index": "hybrid", "query": "q", "rrf_k": -1}, 400, '"rrf_k" must be at least 0'),
+        ("/v1/search", {"index": "hybrid", "query": "q", "depth": 0}, 400, '"depth" must be at least 1'),
         ("/v1/search", {"index": "notes"}, 400, '"query" is required'),
         ("/v1/search", {"index": "notes", "query": "q", "top_k": 0}, 400, '"top_k" must be at least 1'),
         ("/v1/search", {"index": "notes", "query": "q", "precision": "int4"}, 400, "precision must be one of"),
@@ -248,21 +359,10 @@ def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_anoth
     with pytest.raises(ValueError, match=r"--index gone=.*nope: .*does not exist; build the index first"):
         open_index("gone", folders["dense"] / "nope", models, None, 8)
 
-
-def test_an_inference_free_sparse_router_is_served_as_encode_runs_it(folders, tmp_path):
-    from sentence_transformers import SparseEncoder as STSparseEncoder
-    from sentence_transformers.base.modules import Router, Transformer
-    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
-
-    document = Transformer(str(folders["splade"]), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH)
-    router = Router.for_query_document(
-        query_modules=[SparseStaticEmbedding(tokenizer=document.tokenizer, frozen=False)],
-        document_modules=[document, SpladePooling("max")],
-    )
-    STSparseEncoder(modules=[router], device="cpu").save(str(tmp_path / "router"))
-    assert kind_of(tmp_path / "router") == "sparse"
-    model = ServedModel("router", tmp_path / "router")
-    rows = model.compute(model.tokenize(TEXTS, False))  # on this thread: no worker needed here
-    assert model.route is model.sparse.routes["document"] and all(len(ids) for ids, _ in rows)  # the default route
-    answer = [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
-    assert_sparse_equal(answer, SparseEncoder(tmp_path / "router").encode(TEXTS).toarray())
+    hybrid = open_index("hybrid", folders["index-hybrid"], models, None, 8)  # its SPLADE is not served: loaded
+    assert hybrid.model is dense and models[-1] is hybrid.sparse and hybrid.sparse.name == "splade-k"
+    router = ServedModel("router", folders["router"])
+    free = open_index("free", folders["index-free"], [router], None, 8)
+    assert (free.model, free.sparse, free.modes) == (None, router, ("sparse",))  # the served Router, shared
+    with pytest.raises(ValueError, match=r"--index free=.*: the index was built with the sparse model .*router"):
+        ServedIndex("free", folders["index-free"], Index(folders["index-free"]), None, hybrid.sparse)

@@ -144,7 +144,7 @@ class Index:
 
     def search(
         self,
-        query: str | np.ndarray | SparseVectors,
+        query: str | np.ndarray | SparseVectors | tuple[np.ndarray | None, SparseVectors | None],
         k: int = 10,
         *,
         mode: str | None = None,
@@ -153,19 +153,23 @@ class Index:
         alpha: float = 0.5,
         depth: int = 100,
     ) -> list[Hit]:
-        """The `k` best documents for `query`, best first: a text, a unit vector of the index's dimension (dense)
-        or one sparse vector (sparse). `mode`: "dense" (default when the index has a dense model), "sparse" or
-        "hybrid" (each mode's best `depth` texts fused by `fusion`, "rrf" with `rrf_k` or "weighted" with the
-        dense share `alpha`)."""
+        """The `k` best documents for `query`, best first: a text, a unit vector of the index's dimension (dense),
+        one sparse vector (sparse), or a (unit vector, sparse vector) pair of the same query embedded elsewhere
+        (either mode, and hybrid; a server embeds queries so). `mode`: "dense" (default when the index has a dense
+        model), "sparse" or "hybrid" (each mode's best `depth` texts fused by `fusion`, "rrf" with `rrf_k` or
+        "weighted" with the dense share `alpha`)."""
         mode = self.check_mode(mode, k, fusion, rrf_k, alpha, depth)
+        dense, sparse = query if isinstance(query, tuple) else (query, query)
         if mode == "dense":
-            rows, scores = self.dense_nearest(query, k)
+            rows, scores = self.dense_nearest(dense, k)
         elif mode == "sparse":
-            rows, scores = self.sparse_nearest(query, k)
+            rows, scores = self.sparse_nearest(sparse, k)
         else:
-            if not isinstance(query, str):
-                raise TypeError(f"a hybrid search takes a text query, got {type(query).__name__}")
-            rankings = [self.dense_nearest(query, max(depth, k)), self.sparse_nearest(query, max(depth, k))]
+            if not isinstance(query, (str, tuple)):
+                raise TypeError(
+                    f"a hybrid search takes a text or a (vector, sparse vector) pair, got {type(query).__name__}"
+                )
+            rankings = [self.dense_nearest(dense, max(depth, k)), self.sparse_nearest(sparse, max(depth, k))]
             rows, scores = fuse(rankings, fusion, rrf_k, (alpha, 1 - alpha))
             rows, scores = rows[:k], scores[:k]
         with Store(self.folder / "index.sqlite") as store:

@@ -5,9 +5,11 @@ tokenizer is not thread-safe) and shape the answer."""
 
 import asyncio
 import base64
+import functools
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from ..index.search import FUSIONS, RRF_K
+from ..sparse import SparseVectors
 from .batcher import Batcher, QueueFull
 from .errors import ApiError
 from .metrics import Metrics
@@ -232,6 +236,19 @@ def option(body: dict, key: str, kind: type, default=None, minimum: int | None =
     return value
 
 
+def number(body: dict, key: str, default: float, minimum: float, maximum: float | None = None) -> float:
+    """A JSON number (int or float) within [minimum, maximum]."""
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f'"{key}" must be a number, got {type(value).__name__}: {value!r:.40}', key)
+    if not math.isfinite(value) or value < minimum or maximum is not None and value > maximum:
+        within = f"within [{minimum}, {maximum}]" if maximum is not None else f"at least {minimum}"
+        raise ApiError(400, f'"{key}" must be {within}, got {value}', key)
+    return value
+
+
 def documents(value, param: str) -> list[str]:
     """Cohere's / Jina's documents: strings or {"text": ...} objects."""
     if not isinstance(value, list) or not value:
@@ -361,18 +378,25 @@ async def tei_embed(request: Request, server: Server):
 
 
 async def tei_embed_sparse(request: Request, server: Server):
-    """TEI's /embed_sparse: per input its non-zero weights as [{"index": token id, "value": weight}], by id."""
+    """TEI's /embed_sparse: per input its non-zero weights as [{"index": token id, "value": weight}], by id.
+    `prompt_name` (TEI's) prepends that prompt; `input_type` "query" / "document" encodes as `encode_query` /
+    `encode_document` (their prompt, and an inference-free Router's query or document route)."""
     body = await read_json(request, server)
     model = server.model(body.get("model"), SPARSE, "/embed_sparse")
     found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = model.tokenize(found, truncate, param="inputs")
+    task, prompt_name = option(body, "input_type", str), option(body, "prompt_name", str)
+    if task is not None and task not in TASKS:
+        raise ApiError(400, f'"input_type" must be "query" or "document", got {task!r}', "input_type")
+    items = model.tokenize(found, truncate, param="inputs", task=task, prompt_name=prompt_name)
     rows = await server.run(model, items)
     return [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
 
 
 async def search(request: Request, server: Server):
-    """A served index's `top_k` best documents for `query`, as `Index.search` gives them: id, score, text."""
+    """A served index's `top_k` best documents for `query`, as `Index.search` gives them (id, score, text), in the
+    request's `mode` ("dense", "sparse" or "hybrid"; default: as `Index.search` picks) with its `fusion`, `rrf_k`,
+    `alpha` and `depth`. Each embedding the mode needs runs on its model's worker."""
     body = await read_json(request, server)
     served = server.index(body.get("index"))
     query = option(body, "query", str)
@@ -381,20 +405,43 @@ async def search(request: Request, server: Server):
     top_k = option(body, "top_k", int, 10, 1)
     precision = option(body, "precision", str, "float32")
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    model = served.model
-    items = model.tokenize([query], truncate, param="query", task="query")
-    vector = model.embeddings(await server.run(model, items), None, normalize=True)[0]
+    mode = option(body, "mode", str)
+    if mode is not None and mode not in served.modes:
+        raise ApiError(
+            400, f"index {served.name!r} cannot answer a {mode!r} search; its modes: {', '.join(served.modes)}", "mode"
+        )
+    fusion = option(body, "fusion", str, "rrf")
+    if fusion not in FUSIONS:
+        raise ApiError(400, f'"fusion" must be one of {", ".join(FUSIONS)}, got {fusion!r}', "fusion")
+    rrf_k, alpha = number(body, "rrf_k", RRF_K, 0), number(body, "alpha", 0.5, 0, 1)
+    depth = option(body, "depth", int, 100, 1)
     loop = asyncio.get_running_loop()
     try:  # opening an index at a new precision reads its vectors: off the event loop, as the search itself
         index = await loop.run_in_executor(None, served.index, precision)
     except ValueError as e:
         raise ApiError(400, f"index {served.name!r}: {e}", "precision") from None
-    hits = await loop.run_in_executor(None, index.search, vector, top_k)
-    tokens = sum(len(item.ids) for item in items)
+    try:  # the mode Index.search takes (None: the index's default), and its checks of the other options
+        mode = index.check_mode(mode, top_k, fusion, rrf_k, alpha, depth)
+    except ValueError as e:
+        raise ApiError(400, f"index {served.name!r}: {e}", "mode") from None
+    used = [m for m, ok in ((served.model, mode != "sparse"), (served.sparse, mode != "dense")) if ok]
+    items = [m.tokenize([query], truncate, param="query", task="query") for m in used]
+    out = await asyncio.gather(*(server.run(m, i) for m, i in zip(used, items, strict=True)))
+    vector = served.model.embeddings(out[0], None, normalize=True)[0] if mode != "sparse" else None
+    sparse = None
+    if mode != "dense":
+        ids, weights = out[-1][0]
+        width = served.sparse.sparse.get_embedding_dimension()
+        sparse = SparseVectors(np.zeros(len(ids), np.int64), np.asarray(ids, np.int64), weights, (width,))
+    options = {"mode": mode, "fusion": fusion, "rrf_k": rrf_k, "alpha": alpha, "depth": depth}
+    hits = await loop.run_in_executor(None, functools.partial(index.search, (vector, sparse), top_k, **options))
+    tokens = sum(len(item.ids) for i in items for item in i)
     return {
         "object": "list",
         "index": served.name,
-        "model": model.name,
+        "mode": mode,
+        "model": used[0].name,
+        **({"sparse_model": used[1].name} if len(used) == 2 else {}),
         "hits": [{"id": h.id, "score": h.score, "text": h.text} for h in hits],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

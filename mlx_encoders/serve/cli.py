@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     for model in server.models.values():
         print(f"mlx-encoders serve: model {model.describe()}")
     for index in server.indexes.values():
-        print(f"mlx-encoders serve: index {index.name}: {index.folder}, queries embedded by model {index.model.name}")
+        print(f"mlx-encoders serve: index {index.describe()}")
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(build(server), log_level="warning", access_log=False, timeout_graceful_shutdown=None)

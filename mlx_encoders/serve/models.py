@@ -42,8 +42,9 @@ def default_name(source: str | Path) -> str:
 
 @dataclass
 class Tagged:
-    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a dense
-    text's count of prompt tokens that pooling skips. A worker runs inputs of different tags apart."""
+    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a sparse
+    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips. A
+    worker runs inputs of different tags apart."""
 
     item: Encoding | TokenIds
     tag: object
@@ -156,6 +157,21 @@ class ServedModel:
             name = next((n for n in DOCUMENT_PROMPTS if n in encoder.prompts), None)
         return resolve_prompt(encoder.prompts, encoder.default_prompt_name, name, None, "serve")
 
+    def named_prompt(self, name: str) -> str:
+        """The prompt `name` of the model's prompts; 400 naming them when it has none of that name."""
+        prompts = (self.encoder or self.sparse or self.multi).prompts
+        if name not in prompts:
+            known = ", ".join(repr(n) for n in prompts) or "none"
+            raise ApiError(400, f"model {self.name!r} has no prompt {name!r}; its prompts: {known}", "prompt_name")
+        return prompts[name]
+
+    def sparse_route(self, task: str | None):
+        """The route of a sparse model's Router that `encode(task=)` takes (the only route of a plain folder)."""
+        try:
+            return self.sparse.route(task)
+        except ValueError as e:
+            raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
+
     def prompt_tokens(self, prefix: str) -> int:
         """Tokens of a dense model's prompt that pooling leaves out (none when it includes the prompt)."""
         return 0 if self.encoder.include_prompt else self.encoder.prompt_length(prefix)
@@ -185,7 +201,10 @@ class ServedModel:
             run = self.encoder.run_encodings
             return np.stack(by_tag(items, self.skipped, lambda x, skip: run(x, self.batch_size, False, skip)[0]))
         if self.sparse is not None:
-            return objects(self.route.run_encodings(items, self.batch_size, False, self.sparse.max_active_dims))
+            limit = self.sparse.max_active_dims
+            return objects(
+                by_tag(items, self.route, lambda x, route: route.run_encodings(x, self.batch_size, False, limit))
+            )
         if self.multi is not None:
             run = self.multi.run_encodings
             return objects(by_tag(items, None, lambda x, task: run(x, task, self.batch_size, False)))
@@ -195,17 +214,21 @@ class ServedModel:
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
-        task: str | None = None,
+        task: str | None = None, prompt_name: str | None = None,
     ) -> list:  # fmt: skip
         """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
-        "document": as `encode_query` / `encode_document`); an input longer than that is an error unless
+        "document": as `encode_query` / `encode_document`, a sparse Router's route for the task included;
+        `prompt_name`: that prompt instead, as their `prompt_name=`); an input longer than that is an error unless
         `truncate`."""
         prefix = self.prefix if task is None else self.prompt(task)
+        if prompt_name is not None:
+            prefix = self.named_prompt(prompt_name)
         texts = [prefix + t for t in texts]
         limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
+        route = self.sparse_route(task) if self.sparse is not None else None
         try:
-            if self.sparse is not None:
-                encodings = self.route.tokenize(texts)
+            if route is not None:
+                encodings, limit = route.tokenize(texts), route.max_seq_length
             elif self.multi is not None:
                 encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
             else:
@@ -223,6 +246,8 @@ class ServedModel:
                     )  # fmt: skip
         if self.multi is not None and task is not None:
             return [Tagged(e, task) for e in encodings]
+        if route is not None and route is not self.route:
+            return [Tagged(e, route) for e in encodings]
         if self.encoder is not None and task is not None and self.prompt_tokens(prefix) != self.skipped:
             return [Tagged(e, self.prompt_tokens(prefix)) for e in encodings]
         return encodings

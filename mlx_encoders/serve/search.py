@@ -1,6 +1,7 @@
-"""Served indexes (`--index NAME=DIR`): an `mlx_encoders.index.Index` opened once per precision, searched with a
-query vector that the index's model computes on its worker (so queries share forward passes with the model's
-other requests), as `Index.search` of the query text would."""
+"""Served indexes (`--index NAME=DIR`): an `mlx_encoders.index.Index` opened once per precision, searched with query
+embeddings that the index's models compute on their workers (so queries share forward passes with the models' other
+requests): the dense model's unit vector and, for an index with postings, the sparse model's query vector, as
+`Index.search` of the query text computes them (`encode_query` of each)."""
 
 import threading
 from pathlib import Path
@@ -11,16 +12,24 @@ from .models import ServedModel, default_name
 
 
 class ServedIndex:
-    """The index in `folder` under `name`, searched with `model` (the dense model it was built with)."""
+    """The index in `folder` under `name`, searched with `model` (the dense model it was built with; None for a
+    sparse-only index) and `sparse` (its sparse model; None for a dense-only index)."""
 
-    def __init__(self, name: str, folder: str | Path, index: Index, model: ServedModel):
-        self.name, self.folder, self.model = name, Path(folder), model
-        if folder_digest(model.encoder.path) != index.meta.get("model_fingerprint"):
-            raise ValueError(
-                f"--index {name}={folder}: the index was built with the model {index.meta.get('model')!r}, and "
-                f"{model.source!r} is another model (its files differ); serve the index's model, or rebuild the index"
-            )
+    def __init__(
+        self, name: str, folder: str | Path, index: Index, model: ServedModel | None, sparse: ServedModel | None = None
+    ):
+        self.name, self.folder, self.model, self.sparse = name, Path(folder), model, sparse
+        for served, encoder, kind in ((model, "encoder", "model"), (sparse, "sparse", "sparse_model")):
+            files = None if served is None else folder_digest(getattr(served, encoder).path)
+            if files is not None and files != index.meta.get(f"{kind}_fingerprint"):
+                raise ValueError(
+                    f"--index {name}={folder}: the index was built with the {kind.replace('_', ' ')} "
+                    f"{index.meta.get(kind)!r}, and {served.source!r} is another model (its files differ); serve the "
+                    "index's model, or rebuild the index"
+                )
         self.opened = {index.precision: index}
+        self.modes = tuple(m for m, has in (("dense", index.dense), ("sparse", index.sparse)) if has)
+        self.modes += ("hybrid",) if len(self.modes) == 2 else ()
         self.lock = threading.Lock()
 
     def index(self, precision: str) -> Index:
@@ -30,28 +39,45 @@ class ServedIndex:
                 self.opened[precision] = Index(self.folder, precision=precision)
             return self.opened[precision]
 
+    def describe(self) -> str:
+        by = [f"{kind}model {m.name}" for m, kind in ((self.model, ""), (self.sparse, "sparse ")) if m is not None]
+        return f"{self.name}: {self.folder}, queries embedded by {' and '.join(by)} ({', '.join(self.modes)})"
+
+
+def served_model(name: str, folder, source: str, kind: str, models: list[ServedModel], dtype, batch_size: int):
+    """The served model of `source`'s folder able to embed an index's queries (`kind` "dense" or "sparse"), else
+    that model loaded and added to `models` (under its folder's name)."""
+    try:
+        path = resolve(source).resolve()
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--index {name}={folder}: its {kind} model {source!r} cannot be found ({e}); serve it"
+        ) from None
+    held = "encoder" if kind == "dense" else "sparse"
+    for model in models:
+        if getattr(model, held) is not None and Path(getattr(model, held).path).resolve() == path:
+            return model
+    model = ServedModel(default_name(source), source, dtype, batch_size)
+    if getattr(model, held) is None:
+        raise ValueError(f"--index {name}={folder}: its {kind} model {source!r} is a {model.kind} model")
+    if any(m.name == model.name for m in models):
+        raise ValueError(
+            f"--index {name}={folder}: its {kind} model {source!r} would be served as {model.name!r}, a name another "
+            f"model takes; serve it with --model OTHER_NAME={source}"
+        )
+    models.append(model)
+    return model
+
 
 def open_index(name: str, folder: str | Path, models: list[ServedModel], dtype, batch_size: int) -> ServedIndex:
-    """The index in `folder`, served with the `--model` of its model's folder, else with its model loaded once and
-    added to `models` (under its folder's name)."""
+    """The index in `folder`, served with the `--model` of each of its models' folders (dense, sparse), else with
+    that model loaded once and added to `models`."""
     try:
         index = Index(folder)
     except ValueError as e:  # StoreError: no index there, or a damaged one
         raise ValueError(f"--index {name}={folder}: {e}") from None
-    source = index.meta["model"]
-    try:
-        path = resolve(source).resolve()
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--index {name}={folder}: its model {source!r} cannot be found ({e}); serve it") from None
-    model = next((m for m in models if m.encoder is not None and Path(m.encoder.path).resolve() == path), None)
-    if model is None:
-        model = ServedModel(default_name(source), source, dtype, batch_size)
-        if model.encoder is None:
-            raise ValueError(f"--index {name}={folder}: its model {source!r} is a {model.kind} model, not a dense one")
-        if any(m.name == model.name for m in models):
-            raise ValueError(
-                f"--index {name}={folder}: its model {source!r} would be served as {model.name!r}, a name another "
-                f"model takes; serve it with --model OTHER_NAME={source}"
-            )
-        models.append(model)
-    return ServedIndex(name, folder, index, model)
+    dense, sparse = (
+        served_model(name, folder, index.meta[key], kind, models, dtype, batch_size) if present else None
+        for present, key, kind in ((index.dense, "model", "dense"), (index.sparse, "sparse_model", "sparse"))
+    )
+    return ServedIndex(name, folder, index, dense, sparse)
