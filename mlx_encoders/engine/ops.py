@@ -8,11 +8,13 @@ MLX: on a GPU, where MLX's own kernels are fast, the functions that have a fused
 """
 
 import contextvars
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
+import numpy as np
 
 from .runtime import on_cpu
 
@@ -196,14 +198,20 @@ def random_words(shape: Sequence[int]) -> mx.array:
     return mix32(mix32(index + k1) ^ k2)
 
 
+# Up to this many elements a layer norm's last step runs as one compiled kernel, whose one dispatch beats four;
+# above it MLX's own broadcasting element-wise kernels are faster than the compiled kernel's generic indexing.
+COMPILED_SCALE_MAX_ELEMENTS = 2**14
+
+
 @mx.compile
 def scale_and_shift(centred: mx.array, error: mx.array, inverse_std: mx.array, weight: mx.array, bias: mx.array):
     return (centred - error) * inverse_std * weight + bias
 
 
-@mx.compile
-def scaled(centred: mx.array, error: mx.array, inverse_std: mx.array) -> mx.array:
-    return (centred - error) * inverse_std
+@functools.cache
+def averaging_vector(width: int) -> mx.array:
+    """(width, 1) of 1 / width, made from data so that a first call inside a compiled function caches no tracer."""
+    return mx.array(np.full((width, 1), 1.0 / width, np.float32))
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
@@ -211,18 +219,19 @@ def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps:
     axis are matrix-vector products with a vector of 1 / H (BLAS): MLX's CPU layer norm is its composed fallback,
     whose row reductions are slower. It stays within 2e-6 of torch's float64 layer norm relative to the output's
     scale, gradients too (tests/test_numerics.py): the mean's rounding error, which a BLAS's summation order sets
-    and a large common offset magnifies, is measured on the centred values and taken off; the variance is the
-    mean square of the centred values less that error."""
+    and a large common offset magnifies, is measured on the centred values and taken off; it is too small for its
+    square to change the variance, the centred values' mean square."""
     if not on_cpu() or x.dtype != mx.float32:
         return mx.fast.layer_norm(x, weight, bias, eps)
-    average = mx.full((x.shape[-1], 1), 1.0 / x.shape[-1], mx.float32)
+    average = averaging_vector(x.shape[-1])
     centred = x - x @ average
-    error = centred @ average  # what is left of the mean; (centred - error)'s mean square is the variance
-    inverse_std = mx.rsqrt((centred * centred) @ average - error * error + eps)
-    if weight is not None and bias is not None:
+    error = centred @ average
+    inverse_std = mx.rsqrt(mx.addmm(mx.array(eps, mx.float32), centred * centred, average))  # eps added in the product
+    if weight is not None and bias is not None and x.size <= COMPILED_SCALE_MAX_ELEMENTS:
         return scale_and_shift(centred, error, inverse_std, weight, bias)
-    y = scaled(centred, error, inverse_std)
-    return y if weight is None else y * weight
+    y = (centred - error) * inverse_std
+    y = y if weight is None else y * weight
+    return y if bias is None else y + bias
 
 
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
