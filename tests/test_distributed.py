@@ -19,7 +19,7 @@ import torch
 from checkpoints import make_checkpoint
 
 from mlx_encoders import distributed
-from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train import contrastive, fine_tune, trainer
 from mlx_encoders.train.lora import ADAPTERS_FILE
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -32,6 +32,42 @@ LABELS = ["pos", "neg", "neg", "pos", "neg", "neutral", "pos", "neutral", "neg",
 # ModernBERT without attention biases: a key bias has no true gradient (softmax ignores a shift shared by all keys),
 # so Adam turns its float-noise gradient into lr-sized steps that no two summation orders share. Dropout is 0.
 SIZES = dict(num_hidden_layers=2, attention_bias=False)
+
+
+CONTRASTIVE = ("embed", "cached", "rerank")  # runs of a task's own objective (not compiled)
+
+
+def contrastive_runs(root: Path, model: str) -> tuple[dict, dict, dict]:
+    """fine_tune options of MNRL with hard negatives, CachedMNRL (mini-batches of 1) and a BCE reranker."""
+    texts = [t.split() for t in TEXTS]
+    rows = [{"anchor": " ".join(t), "positive": " ".join(t[::-1]), "negative": " ".join(t[1:])} for t in texts]
+    rows.append({"anchor": "a fine film", "positive": "fine", "negative": "film"})  # a repeated anchor
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = dict(task="embed", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=7)
+    embed = dict(common, loss={"class": "MultipleNegativesRankingLoss"})
+    cached = dict(common, loss={"class": "CachedMultipleNegativesRankingLoss", "mini_batch_size": 1}, seed=8)
+    reranker = str(make_checkpoint(root / "reranker", "modernbert", "sequence-classification", num_labels=1, **SIZES))
+    lists = [
+        {
+            "query": t,
+            "documents": [TEXTS[(i + k + 1) % len(TEXTS)] for k in range(i % 3 + 1)],
+            "labels": [1, 0, 0.5][: i % 3 + 1],
+        }
+        for i, t in enumerate(TEXTS)
+    ]  # one to three documents a query: batches of 5 to 9 pairs
+    (root / "lists.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lists))
+    rerank = dict(task="rerank", data=str(root / "lists.jsonl"), model=reranker, loss="bce", max_steps=10,
+                  batch_size=4, lr=1e-3, seed=3)  # fmt: skip
+    return embed, cached, rerank
+
+
+def worker_loss(loss):
+    """A `loss` option as distributed_worker.py reads it: {"class": NAME, **options} is that contrastive loss."""
+    if not isinstance(loss, dict):
+        return loss
+    options = dict(loss)
+    return getattr(contrastive, options.pop("class"))(**options)
 
 
 def free_ports(count: int) -> int:
@@ -130,7 +166,10 @@ def runs(tmp_path_factory):
     # 10 examples in batches of 4: each epoch ends on a batch of 2, one row per rank
     classify = dict(task="classify", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=3)
     mlm = dict(task="mlm", data=str(data), model=mlm_model, max_steps=10, batch_size=4, grad_accum=2, lr=1e-3, seed=5)
+    embed, cached, rerank = contrastive_runs(root, model)
     one = root / "one"
+    for name, options in zip(CONTRASTIVE, (embed, cached, rerank), strict=True):
+        fine_tune(output_dir=one / name, **{**options, "loss": worker_loss(options["loss"])})
     fine_tune(output_dir=one / "classify", save_every=5, **classify)
     fine_tune(output_dir=one / "mlm", **mlm)
     fine_tune(output_dir=one / "lora", lora_rank=4, **classify)
@@ -152,7 +191,11 @@ def runs(tmp_path_factory):
                 resume=str(two / "dropout" / "checkpoint-5"),
                 **{**classify, "model": noisy},
             ),  # fmt: skip
-        },
+            **{
+                name: dict(output_dir=str(two / name), **options)
+                for name, options in zip(CONTRASTIVE, (embed, cached, rerank), strict=True)
+            },
+        },  # fmt: skip
         "gather": str(root / "mnrl.npz"),
     }
     result, statuses = launch(two, spec)
@@ -168,10 +211,42 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
     assert [r["step"] for r in records] == list(range(1, 11))  # one writer: no record twice
     one = [json.loads(line) for line in (root / "one" / "classify" / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in one], atol=1e-5)
-    # progress is printed by rank 0 alone (each fine_tune call compiles its step once)
+    # progress is printed by rank 0 alone (each fine_tune call of a compiled step compiles it once)
     assert result.stderr.count("Compiling the training step") == sum(
-        outcome == "ok" for outcome in statuses[0]["fine_tune"].values()
+        outcome == "ok" for name, outcome in statuses[0]["fine_tune"].items() if name not in CONTRASTIVE
     )
+
+
+def test_two_ranks_train_mnrl_with_hard_negatives_as_one_process_does(runs):
+    """Each rank embeds its rows; the loss takes every rank's embeddings (in-batch negatives over the global
+    batch), so 10 steps on 2 ranks end where one process at the global batch does. The no_duplicates sampler
+    defers a repeated text, leaving a batch of 3 (one rank pads its part) and batches of 2."""
+    root, _, result, statuses = runs
+    for name in ("embed", "cached"):
+        assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+        assert_same_weights(root / "two" / name / "model", root / "one" / name / "model")
+        assert_same_steps(root, name)
+
+
+def assert_same_steps(root: Path, name: str) -> None:
+    """The two runs logged the same losses and gradient norms at every step (Adam alone would hide a gradient
+    scaled by the world size)."""
+    one, two = ([json.loads(line) for line in (root / run / name / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))  # fmt: skip
+    assert [r["step"] for r in two] == list(range(1, 11)) and abs(one[-1]["loss"] - one[0]["loss"]) > 1e-3
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+
+
+def test_two_ranks_train_a_reranker_as_one_process_does(runs):
+    """Each rank scores its pairs (a batch of 5 to 9: one rank pads its part) and the loss takes every rank's
+    logits: BCE's mean over the global batch's pairs. (Listwise losses see only score differences within a query,
+    so the classifier bias has no true gradient, and Adam would turn its float noise into lr-sized steps; the seed
+    is one whose weights have no near-zero gradient that Adam amplifies past 1e-5 either, see `SIZES`.)"""
+    root, _, result, statuses = runs
+    assert all(s["fine_tune"]["rerank"] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+    assert_same_weights(root / "two" / "rerank" / "model", root / "one" / "rerank" / "model")
+    assert_same_steps(root, "rerank")
 
 
 def test_two_ranks_train_a_masked_lm_as_one_process_does(runs):

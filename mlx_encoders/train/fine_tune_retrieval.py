@@ -143,6 +143,8 @@ def writer(model: nn.Module):
 class SparseObjective(EmbeddingObjective):
     """The embed objective with SPLADE's pass: masked-LM logits -> log(1 + relu) -> max or sum over tokens."""
 
+    part = None  # not yet trained under mlx.launch: `trainer.train` refuses a world size above 1
+
     strategy: str = "max"
     activation: str = "relu"
     ranks_texts: ClassVar[bool] = False  # retrieval metrics are the dense models' (cosine or dot)
@@ -284,6 +286,8 @@ def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
 class MultiVectorObjective(EmbeddingObjective):
     """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
     expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask)."""
+
+    part = None  # not yet trained under mlx.launch: `trainer.train` refuses a world size above 1
 
     encoder: MultiVectorEncoder | None = None
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
