@@ -191,6 +191,7 @@ def runs(tmp_path_factory):
                 resume=str(two / "dropout" / "checkpoint-5"),
                 **{**classify, "model": noisy},
             ),  # fmt: skip
+            "sparse": dict(embed, task="sparse", model=mlm_model, loss=None, output_dir=str(two / "sparse")),
             **{
                 name: dict(output_dir=str(two / name), **options)
                 for name, options in zip(CONTRASTIVE, (embed, cached, rerank), strict=True)
@@ -247,6 +248,13 @@ def test_two_ranks_train_a_reranker_as_one_process_does(runs):
     assert all(s["fine_tune"]["rerank"] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
     assert_same_weights(root / "two" / "rerank" / "model", root / "one" / "rerank" / "model")
     assert_same_steps(root, "rerank")
+
+
+def test_a_task_not_yet_distributed_is_refused_naming_it(runs):
+    _, _, _, statuses = runs
+    for status in statuses.values():
+        error = status["fine_tune"]["sparse"]
+        assert error.startswith("OptionError: sparse-embedding training runs in one process only"), error
 
 
 def test_two_ranks_train_a_masked_lm_as_one_process_does(runs):

@@ -143,6 +143,7 @@ def writer(model: nn.Module):
 class SparseObjective(EmbeddingObjective):
     """The embed objective with SPLADE's pass: masked-LM logits -> log(1 + relu) -> max or sum over tokens."""
 
+    task: ClassVar[str] = "sparse-embedding"
     part = None  # not yet trained under mlx.launch: `trainer.train` refuses a world size above 1
 
     strategy: str = "max"
@@ -287,6 +288,7 @@ class MultiVectorObjective(EmbeddingObjective):
     """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
     expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask)."""
 
+    task: ClassVar[str] = "multi-vector-embedding"
     part = None  # not yet trained under mlx.launch: `trainer.train` refuses a world size above 1
 
     encoder: MultiVectorEncoder | None = None

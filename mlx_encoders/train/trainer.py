@@ -830,7 +830,8 @@ def train(
     if problem := distributed.check_batch_size(config.batch_size, world):
         raise OptionError(problem)
     if world.size > 1 and (getattr(objective, "part", None) is None if objective else hasattr(model, "batch_loss")):
-        raise OptionError(f"{train_examples.task} training runs in one process only: start it without mlx.launch")
+        kind = getattr(objective if objective is not None else model, "task", train_examples.task)
+        raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
     n, total = len(train_examples), total_steps(len(train_examples), config)
