@@ -35,12 +35,19 @@ LABELS = ["pos", "neg", "neg", "pos", "neg", "neutral", "pos", "neutral", "neg",
 SIZES = dict(num_hidden_layers=2, attention_bias=False)
 
 
-CONTRASTIVE = ("embed", "cached", "rerank", "sparse", "multivector")  # runs of a task's own objective (not compiled)
+CONTRASTIVE = (
+    "embed",
+    "cached",
+    "cosent",
+    "rerank",
+    "sparse",
+    "multivector",
+)  # runs of a task's own objective (not compiled)
 
 
 def contrastive_runs(root: Path, model: str, mlm_model: str) -> dict[str, dict]:
-    """fine_tune options of MNRL with hard negatives, CachedMNRL (mini-batches of 1), a BCE reranker, SPLADE and
-    ColBERT (their default losses), by name (`CONTRASTIVE`)."""
+    """fine_tune options of MNRL with hard negatives, CachedMNRL (mini-batches of 1), CoSENT, a BCE reranker,
+    SPLADE and ColBERT (their default losses), by name (`CONTRASTIVE`)."""
     texts = [t.split() for t in TEXTS]
     rows = [{"anchor": " ".join(t), "positive": " ".join(t[::-1]), "negative": " ".join(t[1:])} for t in texts]
     rows.append({"anchor": "a fine film", "positive": "fine", "negative": "film"})  # a repeated anchor
@@ -49,6 +56,12 @@ def contrastive_runs(root: Path, model: str, mlm_model: str) -> dict[str, dict]:
     common = dict(task="embed", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=7)
     embed = dict(common, loss={"class": "MultipleNegativesRankingLoss"})
     cached = dict(common, loss={"class": "CachedMultipleNegativesRankingLoss", "mini_batch_size": 1}, seed=8)
+    pairs = [(row["anchor"], row["positive"] if i % 2 else row["negative"], 0.9 if i % 2 else 0.2)
+             for i, row in enumerate(rows)]  # fmt: skip
+    scored = root / "scored.jsonl"  # 11 pairs: batches of 4, 4 and 3
+    scored.write_text("".join(json.dumps(dict(zip(("sentence1", "sentence2", "score"), p, strict=True))) + "\n"
+                              for p in pairs))  # fmt: skip
+    cosent = dict(common, data=str(scored), loss={"class": "CoSENTLoss"}, seed=12)
     reranker = str(make_checkpoint(root / "reranker", "modernbert", "sequence-classification", num_labels=1, **SIZES))
     lists = [
         {
@@ -65,7 +78,7 @@ def contrastive_runs(root: Path, model: str, mlm_model: str) -> dict[str, dict]:
     # to batch): a lower rate, and a seed whose weights have no near-zero gradient that Adam magnifies past 1e-5
     sparse = dict(common, task="sparse", model=mlm_model, seed=14, lr=1e-4)
     multivector = dict(common, task="multivector", seed=11, lr=5e-4)
-    return dict(zip(CONTRASTIVE, (embed, cached, rerank, sparse, multivector), strict=True))
+    return dict(zip(CONTRASTIVE, (embed, cached, cosent, rerank, sparse, multivector), strict=True))
 
 
 def worker_loss(loss):
@@ -223,9 +236,10 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
 def test_two_ranks_train_mnrl_with_hard_negatives_as_one_process_does(runs):
     """Each rank embeds its rows; the loss takes every rank's embeddings (in-batch negatives over the global
     batch), so 10 steps on 2 ranks end where one process at the global batch does. The no_duplicates sampler
-    defers a repeated text, leaving a batch of 3 (one rank pads its part) and batches of 2."""
+    defers a repeated text, leaving a batch of 3 (one rank pads its part) and batches of 2. CoSENT, which ranks
+    every pair of the batch against every other, gathers too."""
     root, _, result, statuses = runs
-    for name in ("embed", "cached"):
+    for name in ("embed", "cached", "cosent"):
         assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
         assert_same_weights(root / "two" / name / "model", root / "one" / name / "model")
         assert_same_steps(root, name)
