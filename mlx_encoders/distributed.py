@@ -3,9 +3,11 @@ with `all_sum` inside the step): the world this process belongs to, each rank's 
 reduced over ranks, and an `all_gather` whose gradient reaches every rank (for in-batch negatives).
 
 Every rank builds the same global batch (same order, same masks), takes rows `rank::size` and weights its loss by
-its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A
-collective that fails (a rank died: the ring backend reports a lost connection) or stalls past `TIMEOUT_ENV`
-seconds ends this rank with an error naming the rank(s) it lost.
+its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A loss
+over the whole batch (in-batch negatives, pairs of pairs) instead takes this rank's `gathered_part`, and every
+rank computes the global loss over every rank's outputs (`gather_rows`); its share is that loss over the world
+size. A collective that fails (a rank died: the ring backend reports a lost connection) or stalls past
+`TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
 """
 
 import os

@@ -829,7 +829,7 @@ def train(
     world = distributed.world()
     if problem := distributed.check_batch_size(config.batch_size, world):
         raise OptionError(problem)
-    if world.size > 1 and (getattr(objective, "part", None) is None if objective else hasattr(model, "batch_loss")):
+    if world.size > 1 and (hasattr(model, "batch_loss") if objective is None else not hasattr(objective, "part")):
         kind = getattr(objective if objective is not None else model, "task", train_examples.task)
         raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
