@@ -3,9 +3,11 @@ with `all_sum` inside the step): the world this process belongs to, each rank's 
 reduced over ranks, and an `all_gather` whose gradient reaches every rank (for in-batch negatives).
 
 Every rank builds the same global batch (same order, same masks), takes rows `rank::size` and weights its loss by
-its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A
-collective that fails (a rank died: the ring backend reports a lost connection) or stalls past `TIMEOUT_ENV`
-seconds ends this rank with an error naming the rank(s) it lost.
+its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A loss
+over the whole batch (in-batch negatives, pairs of pairs) instead takes this rank's `gathered_part`, and every
+rank computes the global loss over every rank's outputs (`gather_rows`); its share is that loss over the world
+size. A collective that fails (a rank died: the ring backend reports a lost connection) or stalls past
+`TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
 """
 
 import os
@@ -75,25 +77,54 @@ def check_batch_size(batch_size: int, world: World) -> str | None:
 def step_gradients(
     loss_and_grad: Callable[[dict], tuple[mx.array, dict]],
     batches: list[dict[str, np.ndarray]],
-    count: Callable[[dict[str, np.ndarray]], int],
+    count: Callable[[dict[str, np.ndarray]], int] | None,
     parameters: dict,
     world: World,
     what: str,
+    part: Callable[[dict, World], dict] | None = None,
 ) -> tuple[mx.array, dict]:
     """The loss and gradients of one optimizer step over global micro-batches, equal on every rank to one process's:
     each micro-batch's loss is the mean over its `count`ed labelled items, so this rank's part is weighted by its
     share of them (a part with none adds zeros), parts are averaged over micro-batches, then summed over ranks.
-    `parameters` are the trainable ones (the gradients' structure)."""
+    `parameters` are the trainable ones (the gradients' structure). With `part` (a batch's part for this rank, whose
+    loss gathers over ranks and is already this rank's share of the global loss: `gathered_part`), every rank runs
+    every micro-batch, as the gathers inside its loss wait for all ranks."""
     loss, grads = mx.array(0.0), tree_map(mx.zeros_like, parameters)
     for batch in batches:
-        part, total = rows(batch, world), count(batch)
-        share = count(part) / total / len(batches) if total else 0.0
+        if part is not None:
+            mine, share = part(batch, world), 1 / len(batches)
+        else:
+            mine, total = rows(batch, world), count(batch)
+            share = count(mine) / total / len(batches) if total else 0.0
         if share:
-            part_loss, part_grads = loss_and_grad(part)
+            part_loss, part_grads = loss_and_grad(mine)
             loss = loss + part_loss * share
             grads = tree_map(lambda a, g, s=share: a + g * s, grads, part_grads)
-        mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
+        if part is not None:
+            with collective(world, what):  # the loss's gathers
+                mx.eval(loss, grads)
+        else:
+            mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
     return all_sum((loss, grads), world, what)
+
+
+def gathered_part(n: int, world: World) -> tuple[np.ndarray, np.ndarray]:
+    """(this rank's rows of a global batch of `n` rows, where each global row lies in the gathered parts): rows
+    `rank::size`, padded with row 0 to `ceil(n / size)` so every rank's part has the same shape (`all_gather` needs
+    it, and a rank with no row still takes part); `gather_rows` drops the padding, whose rows get no gradient."""
+    share = -(-n // world.size)
+    mine = np.arange(world.rank, n, world.size)
+    mine = np.concatenate([mine, np.zeros(share - len(mine), dtype=mine.dtype)])
+    everywhere = np.arange(n)
+    return mine, (everywhere % world.size) * share + everywhere // world.size
+
+
+def gather_rows(x: mx.array, order: np.ndarray | None, world: World | None = None) -> mx.array:
+    """The global batch's rows of `x` (this rank's `gathered_part` rows, computed), in the global order; `x` itself
+    where `order` is None (one process)."""
+    if order is None:
+        return x
+    return all_gather(x, world)[mx.array(order)]
 
 
 def all_sum(tree, world: World, what: str):

@@ -1,6 +1,7 @@
 """What each rank runs when tests/test_distributed.py starts `mlx.launch ... python distributed_worker.py SPEC`.
 
-SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome recorded), `gather` (an .npz of
+SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome recorded; a `loss` may name a
+loss class and its options), `gather` (an .npz of
 anchors, positives and a weight matrix: this rank's gradient of an MNRL-like loss, summed over ranks, is saved),
 `cli` (arguments of `mlx-encoders`, its exit status recorded) and `kill_rank`/`kill_at_step` (that rank kills
 itself with SIGKILL before that step). Each rank writes `status-RANK.json` beside SPEC, as mlx.launch can exit 0
@@ -19,12 +20,16 @@ import numpy as np
 
 from mlx_encoders import distributed
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train import contrastive, fine_tune, trainer
 
 
 def run_fine_tune(jobs: dict) -> dict:
+    """Each job's outcome; a `loss` given as {"class": NAME, **options} is that class of `train.contrastive`."""
     outcomes = {}
     for name, job in jobs.items():
+        if isinstance(job.get("loss"), dict):
+            options = dict(job["loss"])
+            job = {**job, "loss": getattr(contrastive, options.pop("class"))(**options)}
         try:
             fine_tune(**job)
             outcomes[name] = "ok"

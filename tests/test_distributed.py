@@ -19,8 +19,9 @@ import torch
 from checkpoints import make_checkpoint
 
 from mlx_encoders import distributed
-from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train import contrastive, fine_tune, trainer
 from mlx_encoders.train.lora import ADAPTERS_FILE
+from mlx_encoders.train.trainer import OptionError
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # Two lengths (10 and 11 tokens): few batch shapes to compile, and rows padded for the other rank's longer ones.
@@ -32,6 +33,60 @@ LABELS = ["pos", "neg", "neg", "pos", "neg", "neutral", "pos", "neutral", "neg",
 # ModernBERT without attention biases: a key bias has no true gradient (softmax ignores a shift shared by all keys),
 # so Adam turns its float-noise gradient into lr-sized steps that no two summation orders share. Dropout is 0.
 SIZES = dict(num_hidden_layers=2, attention_bias=False)
+
+
+CONTRASTIVE = (
+    "embed",
+    "cached",
+    "cosent",
+    "rerank",
+    "sparse",
+    "multivector",
+)  # runs of a task's own objective (not compiled)
+
+
+def contrastive_runs(root: Path, model: str, mlm_model: str) -> dict[str, dict]:
+    """fine_tune options of MNRL with hard negatives, CachedMNRL (mini-batches of 1), CoSENT, a BCE reranker,
+    SPLADE and ColBERT (their default losses), by name (`CONTRASTIVE`)."""
+    texts = [t.split() for t in TEXTS]
+    rows = [{"anchor": " ".join(t), "positive": " ".join(t[::-1]), "negative": " ".join(t[1:])} for t in texts]
+    rows.append({"anchor": "a fine film", "positive": "fine", "negative": "film"})  # a repeated anchor
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = dict(task="embed", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=7)
+    embed = dict(common, loss={"class": "MultipleNegativesRankingLoss"})
+    cached = dict(common, loss={"class": "CachedMultipleNegativesRankingLoss", "mini_batch_size": 1}, seed=8)
+    pairs = [(row["anchor"], row["positive"] if i % 2 else row["negative"], 0.9 if i % 2 else 0.2)
+             for i, row in enumerate(rows)]  # fmt: skip
+    scored = root / "scored.jsonl"  # 11 pairs: batches of 4, 4 and 3
+    scored.write_text("".join(json.dumps(dict(zip(("sentence1", "sentence2", "score"), p, strict=True))) + "\n"
+                              for p in pairs))  # fmt: skip
+    cosent = dict(common, data=str(scored), loss={"class": "CoSENTLoss"}, seed=12)
+    reranker = str(make_checkpoint(root / "reranker", "modernbert", "sequence-classification", num_labels=1, **SIZES))
+    lists = [
+        {
+            "query": t,
+            "documents": [TEXTS[(i + k + 1) % len(TEXTS)] for k in range(i % 3 + 1)],
+            "labels": [1, 0, 0.5][: i % 3 + 1],
+        }
+        for i, t in enumerate(TEXTS)
+    ]  # one to three documents a query: batches of 5 to 9 pairs
+    (root / "lists.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lists))
+    rerank = dict(task="rerank", data=str(root / "lists.jsonl"), model=reranker, loss="bce", max_steps=10,
+                  batch_size=4, lr=1e-3, seed=3)  # fmt: skip
+    # SPLADE's dot products of wide vectors make an ill-conditioned loss (it swings between 0.3 and 22 from batch
+    # to batch): a lower rate, and a seed whose weights have no near-zero gradient that Adam magnifies past 1e-5
+    sparse = dict(common, task="sparse", model=mlm_model, seed=14, lr=1e-4)
+    multivector = dict(common, task="multivector", seed=11, lr=5e-4)
+    return dict(zip(CONTRASTIVE, (embed, cached, cosent, rerank, sparse, multivector), strict=True))
+
+
+def worker_loss(loss):
+    """A `loss` option as distributed_worker.py reads it: {"class": NAME, **options} is that contrastive loss."""
+    if not isinstance(loss, dict):
+        return loss
+    options = dict(loss)
+    return getattr(contrastive, options.pop("class"))(**options)
 
 
 def free_ports(count: int) -> int:
@@ -130,7 +185,10 @@ def runs(tmp_path_factory):
     # 10 examples in batches of 4: each epoch ends on a batch of 2, one row per rank
     classify = dict(task="classify", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=3)
     mlm = dict(task="mlm", data=str(data), model=mlm_model, max_steps=10, batch_size=4, grad_accum=2, lr=1e-3, seed=5)
+    contrastive = contrastive_runs(root, model, mlm_model)
     one = root / "one"
+    for name, options in contrastive.items():
+        fine_tune(output_dir=one / name, **{**options, "loss": worker_loss(options.get("loss"))})
     fine_tune(output_dir=one / "classify", save_every=5, **classify)
     fine_tune(output_dir=one / "mlm", **mlm)
     fine_tune(output_dir=one / "lora", lora_rank=4, **classify)
@@ -152,7 +210,8 @@ def runs(tmp_path_factory):
                 resume=str(two / "dropout" / "checkpoint-5"),
                 **{**classify, "model": noisy},
             ),  # fmt: skip
-        },
+            **{name: dict(output_dir=str(two / name), **options) for name, options in contrastive.items()},
+        },  # fmt: skip
         "gather": str(root / "mnrl.npz"),
     }
     result, statuses = launch(two, spec)
@@ -168,10 +227,65 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
     assert [r["step"] for r in records] == list(range(1, 11))  # one writer: no record twice
     one = [json.loads(line) for line in (root / "one" / "classify" / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in one], atol=1e-5)
-    # progress is printed by rank 0 alone (each fine_tune call compiles its step once)
+    # progress is printed by rank 0 alone (each fine_tune call of a compiled step compiles it once)
     assert result.stderr.count("Compiling the training step") == sum(
-        outcome == "ok" for outcome in statuses[0]["fine_tune"].values()
+        outcome == "ok" for name, outcome in statuses[0]["fine_tune"].items() if name not in CONTRASTIVE
     )
+
+
+def test_two_ranks_train_mnrl_with_hard_negatives_as_one_process_does(runs):
+    """Each rank embeds its rows; the loss takes every rank's embeddings (in-batch negatives over the global
+    batch), so 10 steps on 2 ranks end where one process at the global batch does. The no_duplicates sampler
+    defers a repeated text, leaving a batch of 3 (one rank pads its part) and batches of 2. CoSENT, which ranks
+    every pair of the batch against every other, gathers too."""
+    root, _, result, statuses = runs
+    for name in ("embed", "cached", "cosent"):
+        assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+        assert_same_weights(root / "two" / name / "model", root / "one" / name / "model")
+        assert_same_steps(root, name)
+
+
+def assert_same_steps(root: Path, name: str) -> None:
+    """The two runs logged the same losses and gradient norms at every step (Adam alone would hide a gradient
+    scaled by the world size)."""
+    one, two = ([json.loads(line) for line in (root / run / name / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))  # fmt: skip
+    assert [r["step"] for r in two] == list(range(1, 11)) and abs(one[-1]["loss"] - one[0]["loss"]) > 1e-3
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=1e-5, err_msg=key)
+
+
+def test_two_ranks_train_a_reranker_as_one_process_does(runs):
+    """Each rank scores its pairs (a batch of 5 to 9: one rank pads its part) and the loss takes every rank's
+    logits: BCE's mean over the global batch's pairs. (Listwise losses see only score differences within a query,
+    so the classifier bias has no true gradient, and Adam would turn its float noise into lr-sized steps; the seed
+    is one whose weights have no near-zero gradient that Adam amplifies past 1e-5 either, see `SIZES`.)"""
+    root, _, result, statuses = runs
+    assert all(s["fine_tune"]["rerank"] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+    assert_same_weights(root / "two" / "rerank" / "model", root / "one" / "rerank" / "model")
+    assert_same_steps(root, "rerank")
+
+
+def test_two_ranks_train_sparse_and_multivector_models_as_one_process_does(runs):
+    """SPLADE (its FLOPS regulariser takes the global batch's mean) and ColBERT (MaxSim against every rank's
+    documents) gather their embeddings as the embed task does."""
+    root, _, result, statuses = runs
+    for name in ("sparse", "multivector"):
+        assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+        assert_same_weights(root / "two" / name / "model", root / "one" / name / "model")
+        assert_same_steps(root, name)
+
+
+def test_rtd_is_refused_on_several_ranks_naming_it(tmp_path, monkeypatch):
+    from test_rtd import MINILM, write_texts
+    from test_rtd import SIZES as RTD_SIZES
+    from test_rtd import TEXTS as RTD_TEXTS
+
+    monkeypatch.setattr(distributed, "world", lambda: distributed.World(None, 2, 0))
+    data = write_texts(tmp_path / "train.jsonl", RTD_TEXTS)
+    with pytest.raises(OptionError, match="replaced-token-detection training runs in one process only"):
+        fine_tune("rtd", data, tmp_path / "run", config=RTD_SIZES, tokenizer=MINILM, max_steps=1, batch_size=4)
+    assert not (tmp_path / "run").exists()
 
 
 def test_two_ranks_train_a_masked_lm_as_one_process_does(runs):

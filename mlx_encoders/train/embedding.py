@@ -19,6 +19,7 @@ import numpy as np
 from mlx.utils import tree_map
 from tokenizers import Encoding
 
+from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.files import read_json_object, read_modules
 from ..checkpoint.write import model_config, write_checkpoint
@@ -269,6 +270,13 @@ class EmbeddingObjective:
         labels = None if scores[0] is None else np.array(scores, dtype=np.float32)
         return {"columns": columns, "labels": labels}
 
+    def part(self, batch: dict, world: distributed.World) -> dict:
+        """This rank's rows of a collated global batch under `mlx.launch` (`distributed.gathered_part`); the scores
+        stay global, as the loss is computed on every rank over every rank's embeddings."""
+        mine, order = distributed.gathered_part(batch["columns"][0]["input_ids"].shape[0], world)
+        columns = [{k: v[mine] for k, v in f.items()} for f in batch["columns"]]
+        return {"columns": columns, "labels": batch["labels"], "order": order}
+
     def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> mx.array:
         """(B, D) float32 sentence embeddings: the transformer, the pooling (without the prompt's tokens when the
         pooling excludes it), Normalize."""
@@ -280,8 +288,13 @@ class EmbeddingObjective:
         return l2_normalize(x) if self.normalize else x
 
     def batch_loss(self, model: nn.Module, batch: dict) -> mx.array:
+        """The loss of a batch; of a rank's `part`, the global batch's loss over every rank's embeddings (in-batch
+        negatives span the global batch), divided by the world size: this rank's share of the summed gradients."""
         columns, labels = arrays(batch)
-        return self.loss([self.embed(model, f, c) for c, f in enumerate(columns)], labels)
+        order = batch.get("order")
+        embeddings = [gathered(self.embed(model, f, c), order) for c, f in enumerate(columns)]
+        loss = self.loss(embeddings, labels)
+        return loss if order is None else loss / distributed.world().size
 
     def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
         """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one
@@ -304,9 +317,17 @@ class EmbeddingObjective:
             pieces[c].append(self.embed(model, f, c))
             mx.eval(pieces[c][-1], random[0])
         after = random[0]
-        embeddings = [mx.concatenate(p) for p in pieces]
-        loss, d_embeddings = mx.value_and_grad(lambda e: self.loss(e, labels))(embeddings)
-        mx.eval(loss, d_embeddings)
+        embeddings, order = [mx.concatenate(p) for p in pieces], batch.get("order")
+        if order is None:
+            loss, d_embeddings = mx.value_and_grad(lambda e: self.loss(e, labels))(embeddings)
+            mx.eval(loss, d_embeddings)
+        else:  # every rank's embeddings; this rank back-propagates its own rows' gradient of the global loss
+            world, rows = distributed.world(), embeddings[0].shape[0]
+            with distributed.collective(world, "the gather of a step's embeddings"):
+                everyone = [distributed.all_gather(e, world) for e in embeddings]
+                loss, d_all = mx.value_and_grad(lambda e: self.loss([x[mx.array(order)] for x in e], labels))(everyone)
+                mx.eval(loss, d_all)
+            loss, d_embeddings = loss / world.size, [d[world.rank * rows : (world.rank + 1) * rows] for d in d_all]
         grads, offsets = None, [0] * len(columns)
         for (c, f, _), key in zip(parts, keys, strict=True):
             rows = f["input_ids"].shape[0]
@@ -355,6 +376,13 @@ class EmbeddingObjective:
 def retrieval_rows(examples: TextExamples) -> bool:
     """Anchor-positive rows (not scored pairs), of which retrieval metrics can be computed."""
     return len(examples) > 0 and examples.labels[0] is None and len(examples.columns) >= 2
+
+
+def gathered(x: mx.array | tuple[mx.array, ...], order: np.ndarray | None) -> mx.array | tuple[mx.array, ...]:
+    """A column's embeddings (or each array of a multi-vector column) over the global batch (`gather_rows`)."""
+    if isinstance(x, tuple):
+        return tuple(distributed.gather_rows(a, order) for a in x)
+    return distributed.gather_rows(x, order)
 
 
 def arrays(batch: dict) -> tuple[list[dict[str, mx.array]], mx.array | None]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint, resolve
 from ..checkpoint.tokenizer import tokenizer_for
@@ -75,7 +76,9 @@ def fine_tune_embedding(
         loss.check_width(net.args.hidden_size * len(setup.pooling))
     net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
                                    lora_targets, resume)  # fmt: skip
-    path = save_sentence_transformer(net, options.output_dir / MODEL_FOLDER, tok, setup, limit)
+    path = options.output_dir / MODEL_FOLDER
+    if distributed.is_main():  # under mlx.launch, rank 0 alone writes
+        save_sentence_transformer(net, path, tok, setup, limit)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 
@@ -130,6 +133,7 @@ def train_objective(
         net.pooler.freeze()
     metrics = train(net, tok, examples, evaluation, options, resume_from=resume, objective=objective)
     if lora_rank:
-        save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
+        if distributed.is_main():
+            save_adapters(net, options.output_dir / ADAPTERS_FOLDER)
         net = fuse(net)
     return net, metrics

@@ -20,11 +20,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
 from ..checkpoint.write import model_config, write_checkpoint
-from ..models.layers import drawing_from
 from ..multi_vector import MultiVectorEncoder
 from ..sentence import DENSE_ACTIVATIONS
 from ..sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
@@ -211,7 +211,9 @@ def fine_tune_sparse(
                                    lora_targets, resume)  # fmt: skip
     setup.settings.setdefault("similarity_fn_name", "dot")
     files = {f"{pooling_folder}/config.json": pooling}
-    saved = save_retrieval_folder(options.output_dir / MODEL_FOLDER, writer(net), tok, setup, files, max_length)
+    saved = options.output_dir / MODEL_FOLDER
+    if distributed.is_main():  # under mlx.launch, rank 0 alone writes
+        save_retrieval_folder(saved, writer(net), tok, setup, files, max_length)
     net.eval()
     return Trained(net, tok, metrics, Path(saved))
 
@@ -344,8 +346,9 @@ def fine_tune_multivector(
     files: dict[str, object] = {}
     if not setup.modules:  # a plain encoder, as sentence-transformers 6 builds it: a new projection to 128
         width = encoder.model.args.hidden_size
-        with drawing_from([mx.random.key(options.seed)]):
-            projection = nn.Linear(width, COLBERT_DIMENSION, bias=False)
+        projection = nn.Linear(width, COLBERT_DIMENSION, bias=False)
+        bound = width**-0.5  # nn.Linear's own initialisation, drawn from the seed (it draws from MLX's global key)
+        projection.weight = mx.random.uniform(-bound, bound, projection.weight.shape, key=mx.random.key(options.seed))
         encoder.dense, encoder.normalize = [], True
         projections = [projection]
         setup.modules = [(TRANSFORMER, ""), (DENSE, "1_Dense"), (MASK, "2_MultiVectorMask"), (NORMALIZE, "3_Normalize")]
@@ -379,6 +382,8 @@ def fine_tune_multivector(
     for rel, linear in zip(dense_folders, net.projections, strict=True):
         files[f"{rel}/model.safetensors"] = {f"linear.{k}": v for k, v in tree_flatten(linear.parameters())}
     setup.settings.setdefault("similarity_fn_name", "maxsim")
-    saved = save_retrieval_folder(options.output_dir / MODEL_FOLDER, writer(net.encoder), tok, setup, files, max_length)
+    saved = options.output_dir / MODEL_FOLDER
+    if distributed.is_main():  # under mlx.launch, rank 0 alone writes
+        save_retrieval_folder(saved, writer(net.encoder), tok, setup, files, max_length)
     net.eval()
     return Trained(net, tok, metrics, Path(saved))

@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding
 
+from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
@@ -31,6 +32,7 @@ from .evaluators import reranking_metrics
 LOSSES = ("bce", "listnet", "lambda", "mnrl")
 TASK = "rerank"
 AT_K = 10  # MRR@10 and NDCG@10, as sentence-transformers' CrossEncoderRerankingEvaluator
+LOSS_KEYS = ("pair_index", "labels")  # a collated batch's arrays the loss reads, over all its rows
 METRIC_NAMES = ["eval_loss", "eval_map", f"eval_mrr@{AT_K}", f"eval_ndcg@{AT_K}"]
 
 
@@ -235,19 +237,30 @@ class RerankObjective:
         """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one batch."""
         return make(lambda batch: self.loss(model, *self.split(batch)))
 
-    def split(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
-        """(model inputs, loss arrays) of a collated batch."""
-        inputs = {k: mx.array(v) for k, v in batch.items() if k not in ("pair_index", "labels")}
-        return inputs, {"pair_index": mx.array(batch["pair_index"]), "labels": mx.array(batch["labels"])}
+    def part(self, batch: dict[str, np.ndarray], world: distributed.World) -> dict[str, np.ndarray]:
+        """This rank's pairs of a collated global batch under `mlx.launch` (`distributed.gathered_part`); the loss
+        arrays stay global, as the loss is computed on every rank over every rank's logits."""
+        mine, order = distributed.gathered_part(batch["input_ids"].shape[0], world)
+        part = {k: v if k in LOSS_KEYS else v[mine] for k, v in batch.items()}
+        return {**part, "order": order}
+
+    def split(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict]:
+        """(model inputs, loss arrays) of a collated batch (with a rank's part's `order`)."""
+        inputs = {k: mx.array(v) for k, v in batch.items() if k not in (*LOSS_KEYS, "order")}
+        labels = {"pair_index": mx.array(batch["pair_index"]), "labels": mx.array(batch["labels"])}
+        return inputs, {**labels, "order": batch.get("order")}
 
     def loss(self, model: nn.Module, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> mx.array:
         return self.scored(model, inputs, labels)[0]
 
     def scored(self, model: nn.Module, inputs: dict, labels: dict) -> tuple[mx.array, mx.array]:
-        """(the batch's loss, the (pairs,) logits)."""
-        logits = model(**inputs).logits[:, 0].astype(mx.float32)
+        """(the batch's loss, the (pairs,) logits). Of a rank's `part`: the global batch's loss over every rank's
+        logits divided by the world size (this rank's share of the summed gradients), and the global logits."""
+        order = labels.get("order")
+        logits = distributed.gather_rows(model(**inputs).logits[:, 0].astype(mx.float32), order)
         index = labels["pair_index"]
-        return self.pair_loss(logits[mx.maximum(index, 0)], labels["labels"], index >= 0), logits
+        loss = self.pair_loss(logits[mx.maximum(index, 0)], labels["labels"], index >= 0)
+        return (loss if order is None else loss / distributed.world().size), logits
 
     def metric_names(self, examples: RerankExamples) -> list[str]:
         return METRIC_NAMES

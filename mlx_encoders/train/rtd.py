@@ -78,6 +78,8 @@ class ReplacedTokenDetection(nn.Module):
     `loss_arrays`, `batch_loss`, `evaluate`, `metric_names`, `write_checkpoint`, `read_checkpoint`). The generator
     given gives up its embeddings: it reads the discriminator's."""
 
+    task = TASK  # what `trainer.train` names it in errors
+
     def __init__(self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = 50.0):
         check_pair(discriminator, generator)
         super().__init__()

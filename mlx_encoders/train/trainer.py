@@ -705,6 +705,7 @@ class Loop:
                 parameters=self.model.trainable_parameters(),
                 world=self.world,
                 what=f"step {self.state.step + 1}",
+                part=getattr(self.objective, "part", None),  # a loss over every rank's rows (in-batch negatives)
             )
         finally:
             self.random[0] = mx.random.split(shared)[0]  # the next key, the same on every rank (and in checkpoints)
@@ -828,8 +829,8 @@ def train(
     world = distributed.world()
     if problem := distributed.check_batch_size(config.batch_size, world):
         raise OptionError(problem)
-    if world.size > 1 and (objective is not None or hasattr(model, "batch_loss")):
-        kind = type(objective).__name__ if objective is not None else train_examples.task
+    if world.size > 1 and (hasattr(model, "batch_loss") if objective is None else not hasattr(objective, "part")):
+        kind = getattr(objective if objective is not None else model, "task", train_examples.task)
         raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
