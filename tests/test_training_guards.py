@@ -9,6 +9,7 @@ import json
 import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from checkpoints import MINILM
 
@@ -17,7 +18,15 @@ from mlx_encoders import conversion
 from mlx_encoders.__main__ import main
 from mlx_encoders.tokenizer import Tokenizer
 from mlx_encoders.train import fine_tune
-from mlx_encoders.train.data import DataError, masked_lm_data, pretraining_data, sequence_classification_data
+from mlx_encoders.train.data import (
+    DataError,
+    causal_lm_data,
+    collate,
+    masked_lm_data,
+    pretraining_data,
+    sequence_classification_data,
+)
+from mlx_encoders.train.masking import Masker
 from mlx_encoders.train.trainer import OptionError
 
 fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
@@ -137,6 +146,37 @@ def test_special_tokens_typed_in_masked_lm_text_are_flagged_naming_the_lines(tmp
     # a text of typed special tokens only has nothing to mask, as transformers' collator sees it
     with pytest.raises(DataError, match=r"item 2 of the data: the document has no token to mask"):
         masked_lm_data([{"text": "tea"}, {"text": "[MASK] [SEP]"}], tokenizer)
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masking_never_selects_a_special_token_typed_in_the_text(tokenizer, whole_word):
+    from transformers import AutoTokenizer
+
+    texts = ["the [MASK] sat on [CLS] a mat", "[SEP] tea and [UNK] cake [PAD]", "plain words only"]
+    with pytest.warns(UserWarning, match=r"item 1 of the data: \[CLS\], \[MASK\] typed in the text \(and in 1 more"):
+        examples = masked_lm_data([{"text": t} for t in texts], tokenizer)
+    reference = AutoTokenizer.from_pretrained(MINILM)
+    masker = Masker.from_tokenizer(tokenizer, probability=1.0, mask_fraction=1.0, random_fraction=0.0,
+                                   whole_word=whole_word)  # fmt: skip
+    batch = collate(examples, range(len(texts)), tokenizer, masker, np.random.default_rng(0))
+    for row, text in enumerate(texts):
+        ids = reference(text)["input_ids"]  # the collator's mask, as it computes it without one given
+        special = np.array(reference.get_special_tokens_mask(ids, already_has_special_tokens=True), dtype=bool)
+        assert batch["input_ids"].shape[1] >= len(ids) and examples.encodings[row].ids == ids
+        # every token is selected (probability 1) except exactly those the collator's special mask excludes
+        np.testing.assert_array_equal(batch["labels"][row, : len(ids)] == -100, special)
+
+
+def test_special_tokens_typed_in_causal_lm_text_are_flagged_naming_the_lines(checkpoint, tmp_path):
+    tokenizer = Tokenizer.from_pretrained(checkpoint("gpt2", "causal-lm"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a plain line\n\nthe end<|endoftext|>and more\n")
+    with pytest.warns(UserWarning, match=r"corpus.txt, line 3: <\|endoftext\|> typed in the text becomes the special "
+                      r"token itself, which causal-LM training then learns to predict inside text"):  # fmt: skip
+        causal_lm_data(corpus, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        causal_lm_data([{"text": "tea \u2603 and cake"}], tokenizer)
 
 
 def test_pretraining_pairs_are_checked_as_masked_lm_text(tmp_path, tokenizer):
