@@ -179,6 +179,17 @@ def test_special_tokens_typed_in_causal_lm_text_are_flagged_naming_the_lines(che
         causal_lm_data([{"text": "tea \u2603 and cake"}], tokenizer)
 
 
+@pytest.mark.parametrize("head", ["encoder", "masked-lm"])
+def test_next_sentence_from_a_checkpoint_without_that_head_is_refused_before_the_data_is_read(
+    checkpoint, tmp_path, head
+):
+    missing = tmp_path / "missing.txt"  # the data is not read: the option fails first
+    with pytest.raises(OptionError, match=r"next_sentence \(--next-sentence\) trains BERT's pretraining heads, but .* "
+                       r"has no next-sentence head .*; start from a BERT pretraining checkpoint"):  # fmt: skip
+        fine_tune("mlm", missing, tmp_path / "run", model=checkpoint("bert", head), next_sentence=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_pretraining_pairs_are_checked_as_masked_lm_text(tmp_path, tokenizer):
     rng = __import__("numpy").random.default_rng(0)
     nothing = tmp_path / "nothing.txt"

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from safetensors import safe_open
 
 from .. import distributed
 from ..checkpoint.build import initialize, load_model
@@ -186,6 +187,8 @@ def fine_tune(
     elif generator is not None:
         raise ValueError(f"generator= is rtd's (ELECTRA's generator); {task} trains one model")
     checkpoint = check_source(task, model, config, tokenizer)
+    if task == "pretraining" and checkpoint is not None:
+        check_next_sentence_head(checkpoint)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     pairs = text_pair_column is not None or task in ("pretraining", RERANK_TASK)
     check_max_length(max_length, task, tok, pairs=pairs)
@@ -282,6 +285,26 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
             raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
         return None
     return Checkpoint.open(model)
+
+
+def check_next_sentence_head(checkpoint: Checkpoint) -> None:
+    """`next_sentence` continues a checkpoint's next-sentence head (and pooler); fine_tune creates neither."""
+    names = set()
+    for file in checkpoint.weight_files():
+        try:
+            with safe_open(str(file), framework="numpy") as tensors:  # the header only: no tensor is read
+                names.update(tensors.keys())
+        except Exception:  # a damaged file: loading it names the file and what is wrong
+            return
+    missing = [part for part in ("seq_relationship.weight", "pooler.dense.weight") if not any(n.endswith(part)
+               for n in names)]  # fmt: skip
+    if missing:
+        raise OptionError(
+            f"next_sentence (--next-sentence) trains BERT's pretraining heads, but {checkpoint.path} has no "
+            f"next-sentence head (no {' or '.join(missing)} tensor); start from a BERT pretraining checkpoint "
+            "(BertForPreTraining's weights, as bert-base-uncased has), or from scratch with config= (--config) and "
+            "tokenizer=, or drop next_sentence to train masked-LM alone"
+        )
 
 
 def read_config(config: str | Path | Mapping) -> Mapping:
