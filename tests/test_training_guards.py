@@ -27,7 +27,7 @@ from mlx_encoders.train.data import (
     sequence_classification_data,
 )
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import OptionError
+from mlx_encoders.train.trainer import OptionError, TrainingConfig, train
 
 fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
 ROWS = [{"text": t, "label": label} for t, label in [("a fine film", "pos"), ("dull", "neg"), ("ok", "pos")]]
@@ -75,6 +75,16 @@ def test_the_command_exits_2_on_an_ignored_option(checkpoint, tmp_path, capsys):
     args = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(tmp_path / "run")]
     assert main([*args, "--whole-word-mask"]) == 2
     assert "mlx-encoders train: error: whole_word_mask (--whole-word-mask) is for" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option, value", [("eval_every", 1), ("metric_for_best", "eval_loss")])
+def test_train_refuses_an_evaluation_option_without_evaluation_examples(tmp_path, tokenizer, option, value):
+    # train() itself, as fine_tune does: the run would never evaluate, so the option would vanish
+    examples = sequence_classification_data(ROWS, tokenizer)
+    config = TrainingConfig(tmp_path / "run", max_steps=1, **{option: value})
+    with pytest.raises(OptionError, match=rf"{option}={value!r} needs evaluation data \(eval_data / --eval-data\)"):
+        train(None, tokenizer, examples, None, config)
     assert not (tmp_path / "run").exists()
 
 

@@ -67,15 +67,20 @@ def check_task_options(task: str, options: Mapping) -> None:
                 f"{flag(name)} is for {words(tasks)}; {task} would ignore it, so drop it (or train the task "
                 "it belongs to)"
             )
-    for name, (needed, what) in NEEDS.items():
-        if given(options, name) and not given(options, needed):
-            raise OptionError(f"{name}={options[name]!r} needs {what}; without it the option would be ignored")
+    check_needs(options)
     for name, replacement in REPLACED_BY.items():
         if given(options, name) and given(options, replacement):
             warnings.warn(
                 f"{flag(name)} is ignored: {flag(replacement)} replaces it; give only one", UserWarning, stacklevel=3
             )
     check_metric_name(task, options.get("metric_for_best"), options.get("problem_type"))
+
+
+def check_needs(options: Mapping) -> None:
+    """Refuse an option given without the one it needs (`NEEDS`); `trainer.train` checks its config this way too."""
+    for name, (needed, what) in NEEDS.items():
+        if given(options, name) and not given(options, needed):
+            raise OptionError(f"{name}={options[name]!r} needs {what}; without it the option would be ignored")
 
 
 def check_metric_name(task: str, metric: str | None, problem_type: str | None) -> None:
