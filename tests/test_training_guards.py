@@ -70,6 +70,57 @@ def test_an_option_the_task_would_ignore_is_refused_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+PAIRS = [{"anchor": "tea", "positive": "hot tea"}]
+
+
+@pytest.mark.parametrize(
+    "task, option, value, message",
+    [
+        ("embed", "generator", "gen", r"generator \(--generator\) is for replaced-token-detection; sentence-embedding"),
+        ("rerank", "whole_word_mask", True, r"whole_word_mask .* rerank would ignore it"),
+        ("sparse", "label_column", "label", r"label_column .* sparse-embedding would ignore it"),
+        ("multivector", "text_column", "text", r"text_column .* multi-vector-embedding would ignore it"),
+        ("embed", "lora_alpha", 8.0, r"lora_alpha=8.0 needs lora_rank"),
+        ("embed", "config", {"hidden_size": 32}, r"config \(--config\) is for masked-lm, .*; sentence-embedding"),
+        ("mlm", "loss", "mnrl", r"loss \(--loss\) is for sentence-embedding, .* and rerank; masked-lm would ignore"),
+        ("mlm", "query_prompt", "query: ", r"query_prompt .* masked-lm would ignore it"),
+        ("rerank", "document_prompt", "doc: ", r"document_prompt .* rerank would ignore it"),
+        ("classify", "batch_sampler", "batch_sampler", r"batch_sampler .* sequence-classification would ignore it"),
+        ("clm", "generator_size", 0.5, r"generator_size .* causal-lm would ignore it"),
+        ("classify", "label2id", {"a": 0}, r"label2id \(--label2id\) means nothing with problem_type='regression'"),
+    ],
+)  # fmt: skip
+def test_every_task_refuses_an_option_it_would_ignore_before_anything_is_read(tmp_path, task, option, value, message):
+    missing = tmp_path / "missing"  # neither the model nor the data exists: the option fails first
+    extra = {"problem_type": "regression"} if option == "label2id" else {}
+    with pytest.raises(OptionError, match=message):
+        fine_tune(task, missing, tmp_path / "run", model=missing, **{option: value}, **extra)
+    assert not (tmp_path / "run").exists()
+
+
+def test_label2id_with_regression_targets_read_from_the_data_is_refused(tokenizer):
+    rows = [{"text": "a", "label": 0.5}, {"text": "b", "label": 1.5}]
+    with pytest.raises(DataError, match=r"item 1 of the data: the labels are regression targets .* label2id="):
+        sequence_classification_data(rows, tokenizer, label2id={"good": 0, "bad": 1})
+
+
+@pytest.mark.parametrize(
+    "kind, flags, message",
+    [
+        ("mlm", ["--query-prompt", "q: "], "query_prompt (--query-prompt) is for"),
+        ("classify", ["--matryoshka-dims", "8"], "--matryoshka-dims is an option of train embed, not of classify"),
+        ("embed", ["--document-regularizer-weight", "0.1"], "--document-regularizer-weight is an option of train "
+         "sparse"),
+        ("sparse", ["--loss", "mnrl"], "--loss names an embed or rerank loss; sparse trains with its own"),
+    ],
+)  # fmt: skip
+def test_the_command_exits_2_on_a_flag_the_task_ignores(tmp_path, capsys, kind, flags, message):
+    args = ["train", kind, "-m", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.jsonl")]
+    assert main([*args, "-o", str(tmp_path / "run"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_command_exits_2_on_an_ignored_option(checkpoint, tmp_path, capsys):
     data = jsonl(tmp_path / "train.jsonl", ROWS)
     args = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(tmp_path / "run")]

@@ -30,6 +30,7 @@ ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
 FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
 LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the number of distinct ids
+REGRESSION_LABELS = {"LABEL_0": 0}  # a regression head's one output, as transformers names it
 REGRESSION_LIMIT = 1e12  # regression targets beyond this would overflow the float32 squared error and its gradients
 
 
@@ -286,7 +287,12 @@ def classification_labels(
 ) -> tuple[list, dict[str, int]]:
     """Per row: an id (single-label), a multi-hot float list (multi-label) or a float (regression); and label2id."""
     if problem_type == "regression":
-        return [regression_target(row.get(column), row, column) for row in rows], {"LABEL_0": 0}
+        if label2id is not None and dict(label2id) != REGRESSION_LABELS:  # REGRESSION_LABELS: an earlier read's own
+            raise DataError(
+                f"{rows[0].where}: the labels are regression targets (numbers), so label2id= (names of classes) "
+                "would be ignored; drop it, or give class labels"
+            )
+        return [regression_target(row.get(column), row, column) for row in rows], dict(REGRESSION_LABELS)
     if problem_type == "single_label_classification":
         keys = [(label_key(row.get(column), row, column), row) for row in rows]
         mapping = build_label2id(keys, label2id)
