@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 import mlx_encoders.__main__
+from mlx_encoders.quantization import OptionError as QuantizationOptionError
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.data import DataError
 from mlx_encoders.train.fine_tune import TASK_NAMES
@@ -447,9 +448,10 @@ def test_convert_options_give_a_working_model_or_are_refused_before_writing(chec
                 mlx_encoders.convert(source, out, **options)
         except ValueError as e:
             assert not out.exists(), f"refused after writing {out}: {e}"
+            assert isinstance(e, QuantizationOptionError), f"not an option error (the command would exit 1): {e!r}"
             message = str(e).lower()
             assert any(name in message for name in [*options, "group size"]), f"names no option: {e}"
-            counts["refused (ValueError)"] += 1
+            counts["refused (OptionError)"] += 1
             return
         model = mlx_encoders.load_model(out)
         assert finite(model(ids).logits.astype(mx.float32))
@@ -457,4 +459,4 @@ def test_convert_options_give_a_working_model_or_are_refused_before_writing(chec
 
     run()
     summary(record_property, "convert options", counts)
-    assert counts["converted"] and counts["refused (ValueError)"]
+    assert counts["converted"] and counts["refused (OptionError)"]
