@@ -87,7 +87,7 @@ PAIRS = [{"anchor": "tea", "positive": "hot tea"}]
         ("rerank", "document_prompt", "doc: ", r"document_prompt .* rerank would ignore it"),
         ("classify", "batch_sampler", "batch_sampler", r"batch_sampler .* sequence-classification would ignore it"),
         ("clm", "generator_size", 0.5, r"generator_size .* causal-lm would ignore it"),
-        ("classify", "label2id", {"a": 0}, r"label2id \(--label2id\) means nothing with problem_type='regression'"),
+        ("classify", "label2id", {"a": 0}, r"label2id means nothing with problem_type='regression'"),
     ],
 )  # fmt: skip
 def test_every_task_refuses_an_option_it_would_ignore_before_anything_is_read(tmp_path, task, option, value, message):

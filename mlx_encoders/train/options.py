@@ -39,6 +39,7 @@ READ_BY = {
     "document_prompt": RETRIEVAL,
     "batch_sampler": RETRIEVAL,
 }
+API_ONLY = ("label2id",)  # options with no command-line flag
 # option -> (another option, its value with which the first means nothing, why)
 VOID_WITH = {"label2id": ("problem_type", "regression", "regression targets are numbers, not label names")}
 # option -> (the option it needs, said for a message): without that one it has no effect
@@ -68,7 +69,8 @@ def words(names: tuple[str, ...]) -> str:
 
 
 def flag(name: str) -> str:
-    return f"{name} (--{name.replace('_', '-')})"
+    """The option's name, with its command-line spelling where it has one."""
+    return name if name in API_ONLY else f"{name} (--{name.replace('_', '-')})"
 
 
 def check_task_options(task: str, options: Mapping) -> None:
