@@ -88,6 +88,8 @@ PAIRS = [{"anchor": "tea", "positive": "hot tea"}]
         ("classify", "batch_sampler", "batch_sampler", r"batch_sampler .* sequence-classification would ignore it"),
         ("clm", "generator_size", 0.5, r"generator_size .* causal-lm would ignore it"),
         ("classify", "label2id", {"a": 0}, r"label2id means nothing with problem_type='regression'"),
+        ("rtd", "lora_rank", 2, r"rtd trains every weight of the generator and the discriminator: drop lora_rank"),
+        ("multivector", "lora_rank", 2, r"trains the whole model and its projection; drop lora_rank"),
     ],
 )  # fmt: skip
 def test_every_task_refuses_an_option_it_would_ignore_before_anything_is_read(tmp_path, task, option, value, message):

@@ -240,7 +240,9 @@ def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha
 
 def check_rtd_options(lora_rank: int | None, generator_size: float, discriminator_weight: float) -> None:
     if lora_rank:
-        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
+        raise OptionError(
+            "rtd trains every weight of the generator and the discriminator: drop lora_rank (--lora-rank)"
+        )
     in_range("generator_size", generator_size, 0.0, 1.0, low_open=True)
     in_range("discriminator_weight", discriminator_weight, 0.0)
 
