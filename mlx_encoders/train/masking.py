@@ -37,9 +37,8 @@ class Masker:
     mask_fraction: float = 0.8
     random_fraction: float = 0.1
     whole_word: bool = False
-    special_token_ids: np.ndarray = field(
-        default_factory=lambda: np.zeros(0, np.int64)
-    )  # never selected, wherever found
+    # ids never selected wherever they stand, typed in the text or not: the special tokens (`from_tokenizer`'s)
+    special_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __post_init__(self):
         if not 0 <= self.probability <= 1 or self.mask_fraction + self.random_fraction > 1:
