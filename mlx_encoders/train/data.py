@@ -433,10 +433,10 @@ def warn_typed_special(encodings: list[Encoding], rows: list[Row], tokenizer: To
     that special id rather than the text's characters."""
     special = special_ids(tokenizer)
     # an unknown character becomes [UNK], which is no typed token; GPT-2's <|endoftext|> is its unk token too
-    others = {
+    named = {
         getattr(tokenizer, n) for n in ("cls_token", "sep_token", "pad_token", "mask_token", "bos_token", "eos_token")
     }
-    unknown = None if tokenizer.unk_token in others else tokenizer.token_id(tokenizer.unk_token)
+    unknown = None if tokenizer.unk_token in named else tokenizer.token_id(tokenizer.unk_token)
     typed: dict[tuple[str, int], tuple[Row, set[str]]] = {}  # by (source, line): a Row holds a dict, unhashable
     for e, row in zip(encodings, rows, strict=True):
         found = {t for t, i, s in zip(e.tokens, e.ids, e.special_tokens_mask, strict=True) if s == 0 and i in special
