@@ -1,8 +1,9 @@
 """`python -m convert [options] SOURCE` (or `mlx-encoders-convert`): turn a Hugging Face encoder checkpoint into an
 MLX checkpoint.
 
-A thin argparse layer over `mlx_encoders.conversion.convert`, which checks the options; it also accepts mlx-lm's
-spellings (`--hf-path`, `--q-bits`, `--q-group-size`), as in `mlx_lm.convert`.
+A thin argparse layer over `mlx_encoders.conversion.convert`, which checks the options (exit 2 on a refused option,
+as argparse's own errors; 1 when the conversion fails: a missing or unreadable checkpoint, a full disk); it also
+accepts mlx-lm's spellings (`--hf-path`, `--q-bits`, `--q-group-size`), as in `mlx_lm.convert`.
 """
 
 import argparse
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mlx_encoders.checkpoint import DTYPES
-from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
+from mlx_encoders.conversion import MAX_SHARD_BYTES, OptionError, convert
 from mlx_encoders.quantization import MODES
 from mlx_encoders.quantization.recipes import SMALL_GROUPS
 
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             shard_size=args.shard_size,
             calibration=False if args.no_calibration else args.calibration,
         )
+    except OptionError as e:  # an option refused: a usage error, as argparse reports one
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # a bad request, a missing or unreadable file, a full disk
         print(f"{p.prog}: error: {describe(e)}", file=sys.stderr)
         return 1

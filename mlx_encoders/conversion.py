@@ -44,6 +44,7 @@ from .checkpoint.write import copy_tokenizer_files
 from .models import task_of_model
 from .quantization import (
     CALIBRATION_TOKENS,
+    OptionError,
     applied_settings,
     calibration_texts,
     dequantize_model,
@@ -306,7 +307,7 @@ def is_quantized(config: dict) -> bool:
 
 def check_request(config: dict, quantize: bool, dequantize: bool, path: Path) -> None:
     if quantize and dequantize:
-        raise ValueError("quantize and dequantize exclude each other; pick one")
+        raise OptionError("quantize and dequantize exclude each other; pick one")
     if dequantize and not is_quantized(config):
         raise ValueError(f"{path} is not a quantized MLX checkpoint (no `quantization` in config.json)")
     if quantize and is_quantized(config):
@@ -318,11 +319,14 @@ def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dt
     """Every check that needs no model, so a bad request fails fast and writes nothing; returns the source."""
     if recipe is not None:  # a recipe implies quantizing, so `spec` is set
         recipe_rule(recipe, spec)
-    check_dtype(dtype)
+    try:
+        check_dtype(dtype)
+    except ValueError as e:
+        raise OptionError(f"dtype (--dtype): {e}") from None
     checkpoint = Checkpoint.open(source)
     check_request(checkpoint.config, spec is not None, dequantize, checkpoint.path)
     if target.resolve() == checkpoint.path.resolve():
-        raise ValueError(f"mlx_path {target} is the source folder; choose another output folder")
+        raise OptionError(f"mlx_path (--mlx-path) {target} is the source folder; choose another output folder")
     checkpoint.weight_files()  # refuses pickle-only checkpoints
     check_sentence_modules(checkpoint.path)
     return checkpoint
@@ -406,7 +410,7 @@ def convert(
     """
     start = time.perf_counter()
     if isinstance(recipe, str) and bits is not None:  # mixed_L_H sets every module's bits: `bits` would be ignored
-        raise ValueError(
+        raise OptionError(
             f"recipe {recipe!r} and bits={bits} (--bits) conflict: the recipe sets every module's bits; drop one"
         )
     quantize = quantize or bits is not None or recipe is not None or mode != "affine"
@@ -417,7 +421,7 @@ def convert(
     check_patterns(checkpoint, recipe)
     explicit = calibration is not None and calibration is not False
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
-        raise ValueError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
+        raise OptionError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
     request = dict(spec=spec, group_size=group_size, recipe=recipe, dtype=dtype, dequantize=dequantize,
                    calibration=calibration, shard_size=shard_size)  # fmt: skip
     record = conversion_record(checkpoint, request)

@@ -310,9 +310,9 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
         embedding_data([{"text": "a"}], tokenizer)
     with pytest.raises(ValueError, match="CoSENTLoss trains on rows of sentence1, sentence2, score"):
         fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, loss="cosent")
-    with pytest.raises(ValueError, match="text_column: not options of the embed task"):
+    with pytest.raises(ValueError, match=r"text_column \(--text-column\) is for .*; sentence-embedding would ignore"):
         fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, text_column="anchor")
-    with pytest.raises(ValueError, match="loss are options of the embed task, not of sequence-classification"):
+    with pytest.raises(ValueError, match=r"loss \(--loss\) is for .*; sequence-classification would ignore it"):
         fine_tune("classify", [{"text": "a", "label": 0}], tmp_path / "o", model=st_folder, loss="mnrl")
 
 

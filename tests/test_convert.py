@@ -330,7 +330,7 @@ def test_sharding_writes_an_index(tmp_path, bert):
 def test_a_group_size_that_fits_no_width_is_refused_naming_one_that_does(tmp_path, checkpoint, capsys):
     source = checkpoint("bert", hidden_size=32, intermediate_size=96)  # widths 32 and 96: 64 divides neither
     args = [str(source), "--mlx-path", str(tmp_path / "mlx"), "-q", "--bits", "8", "--group-size", "64"]
-    assert main([*args, "--no-calibration"]) == 1
+    assert main([*args, "--no-calibration"]) == 2  # an option refused, as argparse exits
     err = capsys.readouterr().err
     assert "group size 64 (group_size, --group-size) divides none of this model's input widths (32, 96)" in err
     assert "use group_size=32 (--group-size 32" in err and not (tmp_path / "mlx").exists()
@@ -617,22 +617,23 @@ def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
     [
         (["--calibration", "{tmp}/missing.txt"], "argument --calibration: cannot read {tmp}/missing.txt (No such", 2),
         (["--calibration", "{tmp}"], "argument --calibration: cannot read {tmp} (Is a directory)", 2),
-        (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16", 1),
-        (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8", 1),
-        (["--mode", "int3"], "Unknown quantization mode 'int3'; choose one of: affine, mxfp4", 1),
-        (["--dtype", "float64"], "Unsupported dtype 'float64'; choose one of: float32, float16, bfloat16", 1),
+        (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16", 2),
+        (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8", 2),
+        (["--mode", "int3"], "Unknown quantization mode 'int3'; choose one of: affine, mxfp4", 2),
+        (["--dtype", "float64"], "dtype (--dtype): Unsupported dtype 'float64'; choose one of: float32, float16", 2),
+        (["--mlx-path", "{bert}"], "mlx_path (--mlx-path) {bert} is the source folder", 2),
     ],
-    ids=["missing calibration", "calibration folder", "group size", "bits", "mode", "dtype"],
+    ids=["missing calibration", "calibration folder", "group size", "bits", "mode", "dtype", "source as target"],
 )
 def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args, message, status):
-    # argparse reads the files (status 2); the library checks the options (status 1), one line either way
-    args = [a.format(tmp=tmp_path) for a in args]
+    # argparse reads the files, the library checks the options: status 2 (a usage error) and one line either way
+    args = [a.format(tmp=tmp_path, bert=bert) for a in args]
     try:
         code = main(["-q", str(bert), "--mlx-path", str(tmp_path / "mlx"), *args])
     except SystemExit as stop:
         code = stop.code
     err = capsys.readouterr().err
-    assert code == status and f"python -m convert: error: {message.format(tmp=tmp_path)}" in err
+    assert code == status and f"python -m convert: error: {message.format(tmp=tmp_path, bert=bert)}" in err
     assert "Traceback" not in err and not (tmp_path / "mlx").exists()
 
 
@@ -734,5 +735,5 @@ def test_conflicting_options_are_refused_naming_both(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "model"), "--calibration", str(texts), "--no-calibration"])
     assert "--calibration and --no-calibration conflict" in capsys.readouterr().err
-    assert main([str(tmp_path / "model"), "--recipe", "mixed_4_8", "--bits", "8"]) == 1
+    assert main([str(tmp_path / "model"), "--recipe", "mixed_4_8", "--bits", "8"]) == 2
     assert "recipe 'mixed_4_8' and bits=8 (--bits) conflict" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """A property-based campaign (hypothesis, derandomized) over the options of training, generation and conversion:
 `fine_tune` with drawn options and data rows (labels non-finite, huge or of the wrong kind, empty and one-token
-documents, typed special tokens), `python -m mlx_encoders train` with drawn flags as typed, the text-generation
-pipeline with drawn sampling options, and `convert` with drawn bits, group sizes, modes, recipes and calibration.
+documents, typed special tokens), for embed and rerank too (with every option of `options.READ_BY` they ignore),
+`python -m mlx_encoders train` with drawn flags as typed, the text-generation pipeline with drawn sampling options,
+and `convert` with drawn bits, group sizes, modes, recipes and calibration.
 Every draw either runs and gives finite weights and valid outputs, or is refused before any work (nothing written)
 with a ValueError naming the option or the data's line (exit 2 on the command line); never another exception,
 never a NaN result. Each test records its case counts, printed at the end of the run."""
@@ -22,8 +23,11 @@ from mlx.utils import tree_flatten
 
 import mlx_encoders
 import mlx_encoders.__main__
+from mlx_encoders.quantization import OptionError as QuantizationOptionError
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.data import DataError
+from mlx_encoders.train.fine_tune import TASK_NAMES
+from mlx_encoders.train.options import READ_BY
 from mlx_encoders.train.trainer import OptionError
 
 NAN, INF = math.nan, math.inf
@@ -228,6 +232,81 @@ def test_training_options_and_rows_run_or_are_refused_before_any_work(sources, t
     assert counts["trained"] and len(counts) == 3  # each outcome was drawn
 
 
+RETRIEVAL_OPTIONS = {  # the options embed and rerank read, each in its range
+    "embed": {"loss": one_of(None, "mnrl", "symmetric-mnrl"), "query_prompt": one_of(None, "query: "),
+              "document_prompt": one_of(None, "passage: "), "batch_sampler": one_of(None, "no_duplicates",
+              "batch_sampler")},
+    "rerank": {"loss": one_of(None, "bce", "listnet", "lambda")},
+}  # fmt: skip
+SHARED = {name: VALID[name] for name in ("lr", "max_grad_norm", "batch_size", "max_steps", "seed", "max_length")}
+# a value for every option of the one table (options.READ_BY): each task it is not read by must refuse it
+TABLE_VALUES = {
+    "config": {"hidden_size": 32}, "text_column": "text", "text_pair_column": "pair", "label_column": "label",
+    "problem_type": "regression", "label2id": {"pos": 0}, "label_all_tokens": True, "whole_word_mask": True,
+    "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "loss": "mnrl",
+    "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler",
+}  # fmt: skip
+RETRIEVAL_TEXTS = one_of("how do cats sleep", "cats sleep curled up", "what is python", "", "[MASK] [SEP]")
+RERANK_LABELS = one_of(0, 1, 0.5, 1.0, NAN, INF, "x", None, 10**6)
+
+
+@st.composite
+def retrieval_draw(draw, task: str) -> tuple[dict, list[dict], str | None]:
+    """(options, rows, bad) for embed or rerank: as `training_draw`, with the table's options the task ignores."""
+    options = draw(st.fixed_dictionaries({}, optional={**SHARED, **RETRIEVAL_OPTIONS[task]}))
+    bad, kind = None, draw(one_of(None, None, "invalid", "ignored"))
+    if kind == "invalid":
+        bad = draw(one_of("lr", "batch_size", "max_length", "warmup_ratio", "keep_last", "metric_for_best"))
+        options[bad] = draw(INVALID[bad])
+    elif kind == "ignored":
+        ignored = [name for name, tasks in READ_BY.items() if TASK_NAMES[task] not in tasks] + ["lora_alpha"]
+        bad = draw(st.sampled_from(ignored))
+        options[bad] = TABLE_VALUES.get(bad, 4.0)
+    rows = []
+    for _ in range(draw(st.integers(2, 4))):
+        if task == "embed":
+            rows.append({"anchor": draw(RETRIEVAL_TEXTS), "positive": draw(RETRIEVAL_TEXTS)})
+        else:
+            rows.append(
+                {"query": draw(RETRIEVAL_TEXTS), "document": draw(RETRIEVAL_TEXTS), "label": draw(one_of(0, 1))}
+            )
+    if task == "rerank" and draw(st.integers(0, 2)) == 0:
+        rows[draw(st.integers(0, len(rows) - 1))]["label"] = draw(RERANK_LABELS)
+    return options, rows, bad
+
+
+def test_embed_and_rerank_options_run_or_are_refused_before_any_work(checkpoint, tmp_path, record_property):
+    assert set(TABLE_VALUES) == set(READ_BY), "give each option of the table a value to draw"
+    sources = {"embed": checkpoint("bert"), "rerank": checkpoint("bert", "sequence-classification", num_labels=1)}
+    counts, serial = Counter(), itertools.count()
+
+    @campaign(20)
+    @given(data=st.data(), task=one_of("embed", "rerank"), evaluate=st.booleans())
+    def run(data, task, evaluate):
+        options, rows, bad = data.draw(retrieval_draw(task))
+        options.setdefault("max_steps", 1)
+        options.setdefault("batch_size", 2)
+        out = tmp_path / f"retrieval{next(serial)}"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trained = fine_tune(task, rows, out, model=sources[task], eval_data=rows if evaluate else None,
+                                    **options)  # fmt: skip
+        except ValueError as e:
+            assert not out.exists(), f"refused after writing to {out}: {e}"
+            assert bad is None or isinstance(e, OptionError), f"{bad}={options[bad]!r} not refused first: {e}"
+            assert names_option_or_line(e, options, rows), f"names no option or line: {e}"
+            counts[f"refused ({type(e).__name__})"] += 1
+            return
+        assert bad is None, f"{bad}={options[bad]!r} was accepted for {task}"
+        check_trained(trained, out)
+        counts[f"trained ({task})"] += 1
+
+    run()
+    summary(record_property, "embed and rerank options and rows", counts)
+    assert counts["trained (embed)"] and counts["trained (rerank)"] and counts["refused (OptionError)"]
+
+
 FLAGS = {  # the command's flags as typed: numbers in and out of range, non-finite, not numbers at all
     "--lr": one_of("1e-3", "0", "-1e-3", "nan", "inf", "abc"),
     "--warmup-ratio": one_of("0.1", "1.5", "-0.5", "nan"),
@@ -369,9 +448,10 @@ def test_convert_options_give_a_working_model_or_are_refused_before_writing(chec
                 mlx_encoders.convert(source, out, **options)
         except ValueError as e:
             assert not out.exists(), f"refused after writing {out}: {e}"
+            assert isinstance(e, QuantizationOptionError), f"not an option error (the command would exit 1): {e!r}"
             message = str(e).lower()
             assert any(name in message for name in [*options, "group size"]), f"names no option: {e}"
-            counts["refused (ValueError)"] += 1
+            counts["refused (OptionError)"] += 1
             return
         model = mlx_encoders.load_model(out)
         assert finite(model(ids).logits.astype(mx.float32))
@@ -379,4 +459,4 @@ def test_convert_options_give_a_working_model_or_are_refused_before_writing(chec
 
     run()
     summary(record_property, "convert options", counts)
-    assert counts["converted"] and counts["refused (ValueError)"]
+    assert counts["converted"] and counts["refused (OptionError)"]

@@ -9,6 +9,7 @@ import json
 import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from checkpoints import MINILM
 
@@ -17,8 +18,16 @@ from mlx_encoders import conversion
 from mlx_encoders.__main__ import main
 from mlx_encoders.tokenizer import Tokenizer
 from mlx_encoders.train import fine_tune
-from mlx_encoders.train.data import DataError, masked_lm_data, pretraining_data, sequence_classification_data
-from mlx_encoders.train.trainer import OptionError
+from mlx_encoders.train.data import (
+    DataError,
+    causal_lm_data,
+    collate,
+    masked_lm_data,
+    pretraining_data,
+    sequence_classification_data,
+)
+from mlx_encoders.train.masking import Masker
+from mlx_encoders.train.trainer import OptionError, TrainingConfig, train
 
 fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
 ROWS = [{"text": t, "label": label} for t, label in [("a fine film", "pos"), ("dull", "neg"), ("ok", "pos")]]
@@ -61,11 +70,74 @@ def test_an_option_the_task_would_ignore_is_refused_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+PAIRS = [{"anchor": "tea", "positive": "hot tea"}]
+
+
+@pytest.mark.parametrize(
+    "task, option, value, message",
+    [
+        ("embed", "generator", "gen", r"generator \(--generator\) is for replaced-token-detection; sentence-embedding"),
+        ("rerank", "whole_word_mask", True, r"whole_word_mask .* rerank would ignore it"),
+        ("sparse", "label_column", "label", r"label_column .* sparse-embedding would ignore it"),
+        ("multivector", "text_column", "text", r"text_column .* multi-vector-embedding would ignore it"),
+        ("embed", "lora_alpha", 8.0, r"lora_alpha=8.0 needs lora_rank"),
+        ("embed", "config", {"hidden_size": 32}, r"config \(--config\) is for masked-lm, .*; sentence-embedding"),
+        ("mlm", "loss", "mnrl", r"loss \(--loss\) is for sentence-embedding, .* and rerank; masked-lm would ignore"),
+        ("mlm", "query_prompt", "query: ", r"query_prompt .* masked-lm would ignore it"),
+        ("rerank", "document_prompt", "doc: ", r"document_prompt .* rerank would ignore it"),
+        ("classify", "batch_sampler", "batch_sampler", r"batch_sampler .* sequence-classification would ignore it"),
+        ("clm", "generator_size", 0.5, r"generator_size .* causal-lm would ignore it"),
+        ("classify", "label2id", {"a": 0}, r"label2id means nothing with problem_type='regression'"),
+        ("rtd", "lora_rank", 2, r"rtd trains every weight of the generator and the discriminator: drop lora_rank"),
+        ("multivector", "lora_rank", 2, r"trains the whole model and its projection; drop lora_rank"),
+    ],
+)  # fmt: skip
+def test_every_task_refuses_an_option_it_would_ignore_before_anything_is_read(tmp_path, task, option, value, message):
+    missing = tmp_path / "missing"  # neither the model nor the data exists: the option fails first
+    extra = {"problem_type": "regression"} if option == "label2id" else {}
+    with pytest.raises(OptionError, match=message):
+        fine_tune(task, missing, tmp_path / "run", model=missing, **{option: value}, **extra)
+    assert not (tmp_path / "run").exists()
+
+
+def test_label2id_with_regression_targets_read_from_the_data_is_refused(tokenizer):
+    rows = [{"text": "a", "label": 0.5}, {"text": "b", "label": 1.5}]
+    with pytest.raises(DataError, match=r"item 1 of the data: the labels are regression targets .* label2id="):
+        sequence_classification_data(rows, tokenizer, label2id={"good": 0, "bad": 1})
+
+
+@pytest.mark.parametrize(
+    "kind, flags, message",
+    [
+        ("mlm", ["--query-prompt", "q: "], "query_prompt (--query-prompt) is for"),
+        ("classify", ["--matryoshka-dims", "8"], "--matryoshka-dims is an option of train embed, not of classify"),
+        ("embed", ["--document-regularizer-weight", "0.1"], "--document-regularizer-weight is an option of train "
+         "sparse"),
+        ("sparse", ["--loss", "mnrl"], "--loss names an embed or rerank loss; sparse trains with its own"),
+    ],
+)  # fmt: skip
+def test_the_command_exits_2_on_a_flag_the_task_ignores(tmp_path, capsys, kind, flags, message):
+    args = ["train", kind, "-m", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.jsonl")]
+    assert main([*args, "-o", str(tmp_path / "run"), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_command_exits_2_on_an_ignored_option(checkpoint, tmp_path, capsys):
     data = jsonl(tmp_path / "train.jsonl", ROWS)
     args = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "-o", str(tmp_path / "run")]
     assert main([*args, "--whole-word-mask"]) == 2
     assert "mlx-encoders train: error: whole_word_mask (--whole-word-mask) is for" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option, value", [("eval_every", 1), ("metric_for_best", "eval_loss")])
+def test_train_refuses_an_evaluation_option_without_evaluation_examples(tmp_path, tokenizer, option, value):
+    # train() itself, as fine_tune does: the run would never evaluate, so the option would vanish
+    examples = sequence_classification_data(ROWS, tokenizer)
+    config = TrainingConfig(tmp_path / "run", max_steps=1, **{option: value})
+    with pytest.raises(OptionError, match=rf"{option}={value!r} needs evaluation data \(eval_data / --eval-data\)"):
+        train(None, tokenizer, examples, None, config)
     assert not (tmp_path / "run").exists()
 
 
@@ -137,6 +209,48 @@ def test_special_tokens_typed_in_masked_lm_text_are_flagged_naming_the_lines(tmp
     # a text of typed special tokens only has nothing to mask, as transformers' collator sees it
     with pytest.raises(DataError, match=r"item 2 of the data: the document has no token to mask"):
         masked_lm_data([{"text": "tea"}, {"text": "[MASK] [SEP]"}], tokenizer)
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masking_never_selects_a_special_token_typed_in_the_text(tokenizer, whole_word):
+    from transformers import AutoTokenizer
+
+    texts = ["the [MASK] sat on [CLS] a mat", "[SEP] tea and [UNK] cake [PAD]", "plain words only"]
+    with pytest.warns(UserWarning, match=r"item 1 of the data: \[CLS\], \[MASK\] typed in the text \(and in 1 more"):
+        examples = masked_lm_data([{"text": t} for t in texts], tokenizer)
+    reference = AutoTokenizer.from_pretrained(MINILM)
+    masker = Masker.from_tokenizer(tokenizer, probability=1.0, mask_fraction=1.0, random_fraction=0.0,
+                                   whole_word=whole_word)  # fmt: skip
+    batch = collate(examples, range(len(texts)), tokenizer, masker, np.random.default_rng(0))
+    for row, text in enumerate(texts):
+        ids = reference(text)["input_ids"]  # the collator's mask, as it computes it without one given
+        special = np.array(reference.get_special_tokens_mask(ids, already_has_special_tokens=True), dtype=bool)
+        assert batch["input_ids"].shape[1] >= len(ids) and examples.encodings[row].ids == ids
+        # every token is selected (probability 1) except exactly those the collator's special mask excludes
+        np.testing.assert_array_equal(batch["labels"][row, : len(ids)] == -100, special)
+
+
+def test_special_tokens_typed_in_causal_lm_text_are_flagged_naming_the_lines(checkpoint, tmp_path):
+    tokenizer = Tokenizer.from_pretrained(checkpoint("gpt2", "causal-lm"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a plain line\n\nthe end<|endoftext|>and more\n")
+    with pytest.warns(UserWarning, match=r"corpus.txt, line 3: <\|endoftext\|> typed in the text becomes the special "
+                      r"token itself, which causal-LM training then learns to predict inside text"):  # fmt: skip
+        causal_lm_data(corpus, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        causal_lm_data([{"text": "tea \u2603 and cake"}], tokenizer)
+
+
+@pytest.mark.parametrize("head", ["encoder", "masked-lm"])
+def test_next_sentence_from_a_checkpoint_without_that_head_is_refused_before_the_data_is_read(
+    checkpoint, tmp_path, head
+):
+    missing = tmp_path / "missing.txt"  # the data is not read: the option fails first
+    with pytest.raises(OptionError, match=r"next_sentence \(--next-sentence\) trains BERT's pretraining heads, but .* "
+                       r"has no next-sentence head .*; start from a BERT pretraining checkpoint"):  # fmt: skip
+        fine_tune("mlm", missing, tmp_path / "run", model=checkpoint("bert", head), next_sentence=True)
+    assert not (tmp_path / "run").exists()
 
 
 def test_pretraining_pairs_are_checked_as_masked_lm_text(tmp_path, tokenizer):

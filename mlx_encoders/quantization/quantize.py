@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
 from ..models.layers import Embedding, Linear
-from .recipes import quantization_spec, recipe_default, recipe_rule, unmatched_patterns
+from .recipes import OptionError, quantization_spec, recipe_default, recipe_rule, unmatched_patterns
 from .rounding import apply_gptq
 
 
@@ -57,7 +57,7 @@ def quantize_model(
         if params != default:
             config[path] = dict(params)
     if modules and not settings:
-        raise ValueError(nothing_quantized(misfits))
+        raise OptionError(nothing_quantized(misfits))
     nn.quantize(model, class_predicate=lambda path, module: settings.get(path, False))
     set_scale_dtype(model)
     if hessians is not None:

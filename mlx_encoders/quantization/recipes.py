@@ -34,6 +34,11 @@ SMALL_GROUPS = {"affine": {2: 32, 3: 32, 4: 32}}
 PARAM_KEYS = ("bits", "group_size", "mode")
 
 
+class OptionError(ValueError):
+    """A quantization option (bits, group size, mode, recipe) outside what it accepts, or in conflict with another:
+    `python -m convert` exits with status 2 on it, as on a malformed option."""
+
+
 def default_group_size(bits: int, mode: str) -> int:
     return SMALL_GROUPS.get(mode, {}).get(bits, MODES[mode]["group_size"][0])
 
@@ -42,14 +47,14 @@ def quantization_spec(bits: int | None, group_size: int | None, mode: str) -> di
     """The checked {"group_size", "bits", "mode"} default, with the mode's defaults filled in (the group size by
     bit width: `default_group_size`)."""
     if mode not in MODES:
-        raise ValueError(f"Unknown quantization mode {mode!r}; choose one of: {', '.join(MODES)}")
+        raise OptionError(f"Unknown quantization mode {mode!r}; choose one of: {', '.join(MODES)}")
     allowed = MODES[mode]
     bits = allowed["bits"][0] if bits is None else bits
     group_size = default_group_size(bits, mode) if group_size is None else group_size
     if bits not in allowed["bits"]:
-        raise ValueError(f"{mode} quantization supports bits {sorted(allowed['bits'])}, not {bits}")
+        raise OptionError(f"{mode} quantization supports bits {sorted(allowed['bits'])}, not {bits}")
     if group_size not in allowed["group_size"]:
-        raise ValueError(f"{mode} quantization supports group sizes {sorted(allowed['group_size'])}, not {group_size}")
+        raise OptionError(f"{mode} quantization supports group sizes {sorted(allowed['group_size'])}, not {group_size}")
     return {"group_size": group_size, "bits": bits, "mode": mode}
 
 
@@ -74,11 +79,11 @@ def recipe_rule(recipe: str | dict | None, spec: dict, group_size: int | None = 
     if isinstance(recipe, str):
         match = re.fullmatch(r"mixed_(\d)_(\d)", recipe)
         if not match:
-            raise ValueError(f"Unknown recipe {recipe!r}; use 'mixed_L_H' (e.g. 'mixed_4_8') or a dict of patterns")
+            raise OptionError(f"Unknown recipe {recipe!r}; use 'mixed_L_H' (e.g. 'mixed_4_8') or a dict of patterns")
         try:
             low, high = (quantization_spec(int(b), group_size, spec["mode"]) for b in match.groups())
         except ValueError as e:  # the bits are the recipe's, not --bits: say so
-            raise ValueError(f"recipe {recipe!r}: {e}") from None
+            raise OptionError(f"recipe {recipe!r}: {e}") from None
         return lambda path: low if LAYER_PATTERN.search(path) else shared_table(path, high)
     rules = {}
     for pattern, value in recipe.items():
@@ -94,12 +99,12 @@ def recipe_entry(pattern: str, value, spec: dict, group_size: int | None) -> dic
         if isinstance(value, dict):
             if unknown := sorted(set(value) - set(PARAM_KEYS)):
                 keys = ", ".join(map(repr, unknown))
-                raise ValueError(f"unknown key(s) {keys}; a params dict may set only {', '.join(PARAM_KEYS)}")
+                raise OptionError(f"unknown key(s) {keys}; a params dict may set only {', '.join(PARAM_KEYS)}")
             return quantization_spec(value.get("bits"), value.get("group_size"), value.get("mode", spec["mode"]))
     except ValueError as e:
-        raise ValueError(f"Recipe entry {pattern!r}: {e}") from None
+        raise OptionError(f"Recipe entry {pattern!r}: {e}") from None
     if value is not False:
-        raise ValueError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
+        raise OptionError(f"Recipe entry {pattern!r}: expected bits, a params dict or false, got {value!r}")
     return False
 
 

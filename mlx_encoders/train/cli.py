@@ -105,6 +105,9 @@ CALL_OPTIONS = (
     "generator", "generator_size", "discriminator_weight",
 )  # fmt: skip
 
+FLAG_KINDS = {"mini_batch_size": "embed", "matryoshka_dims": "embed", "matryoshka_weights": "embed",
+              "document_regularizer_weight": "sparse", "query_regularizer_weight": "sparse"}  # fmt: skip
+
 
 def run(args: argparse.Namespace) -> int:
     from ..distributed import is_main
@@ -112,15 +115,19 @@ def run(args: argparse.Namespace) -> int:
     from .trainer import Diverged, OptionError
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
-    if args.kind == "embed":
-        options |= dict(loss=embed_loss(args), query_prompt=args.query_prompt, document_prompt=args.document_prompt)
-        options["batch_sampler"] = args.batch_sampler
-    elif args.kind == "rerank":
-        options["loss"] = args.loss
-    elif args.kind in ("sparse", "multivector"):
-        options |= dict(query_prompt=args.query_prompt, document_prompt=args.document_prompt)
-        options |= dict(batch_sampler=args.batch_sampler, loss=retrieval_loss(args))
+    # every task gets the embed options: fine_tune refuses those it would ignore (`options.READ_BY`)
+    options |= dict(query_prompt=args.query_prompt, document_prompt=args.document_prompt, loss=args.loss)
+    options["batch_sampler"] = args.batch_sampler
     try:
+        for name, kind in FLAG_KINDS.items():  # the flags that build a loss, which fine_tune never sees
+            if getattr(args, name) is not None and args.kind != kind:
+                raise OptionError(f"--{name.replace('_', '-')} is an option of train {kind}, not of {args.kind}")
+        if args.kind == "embed":
+            options["loss"] = embed_loss(args)
+        elif args.kind in ("sparse", "multivector"):
+            if args.loss is not None:
+                raise OptionError(f"--loss names an embed or rerank loss; {args.kind} trains with its own")
+            options["loss"] = retrieval_loss(args)
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
     except OptionError as e:  # an option out of range: a usage error, as argparse reports one
         print(f"mlx-encoders train: error: {e}", file=sys.stderr)

@@ -30,6 +30,7 @@ ITERABLE = "the data"
 INTEGER = re.compile(r"-?\d+")
 FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
 LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the number of distinct ids
+REGRESSION_LABELS = {"LABEL_0": 0}  # a regression head's one output, as transformers names it
 REGRESSION_LIMIT = 1e12  # regression targets beyond this would overflow the float32 squared error and its gradients
 
 
@@ -286,7 +287,12 @@ def classification_labels(
 ) -> tuple[list, dict[str, int]]:
     """Per row: an id (single-label), a multi-hot float list (multi-label) or a float (regression); and label2id."""
     if problem_type == "regression":
-        return [regression_target(row.get(column), row, column) for row in rows], {"LABEL_0": 0}
+        if label2id is not None and dict(label2id) != REGRESSION_LABELS:  # REGRESSION_LABELS: an earlier read's own
+            raise DataError(
+                f"{rows[0].where}: the labels are regression targets (numbers), so label2id= (names of classes) "
+                "would be ignored; drop it, or give class labels"
+            )
+        return [regression_target(row.get(column), row, column) for row in rows], dict(REGRESSION_LABELS)
     if problem_type == "single_label_classification":
         keys = [(label_key(row.get(column), row, column), row) for row in rows]
         mapping = build_label2id(keys, label2id)
@@ -413,29 +419,39 @@ def masked_lm_data(
 
 
 def check_maskable(encodings: list[Encoding], rows: list[Row], tokenizer: Tokenizer) -> None:
-    """Every masked-LM example has a token to mask (else the batch's loss is an empty mean); a special token typed
-    in the text ("[MASK]", "<s>") becomes that special id, which transformers never masks and we would: warn,
-    naming the lines."""
-    special, unknown = special_ids(tokenizer), tokenizer.token_id(tokenizer.unk_token)
+    """Every masked-LM example has a token to mask (else the batch's loss is an empty mean): special tokens, typed in
+    the text or not, are never masked (as transformers' collator); a typed one is warned about, naming the lines."""
+    special = special_ids(tokenizer)
+    for e, row in zip(encodings, rows, strict=True):
+        if all(s or i in special for i, s in zip(e.ids, e.special_tokens_mask, strict=True)):
+            raise DataError(f"{row.where}: the document has no token to mask, only special or unknown ones; remove it")
+    warn_typed_special(encodings, rows, tokenizer, "which masked-LM training never masks, so it is no word to learn")
+
+
+def warn_typed_special(encodings: list[Encoding], rows: list[Row], tokenizer: Tokenizer, effect: str) -> None:
+    """Warn, naming the file and lines, where a special token typed in the text ("[MASK]", "<|endoftext|>") became
+    that special id rather than the text's characters."""
+    special = special_ids(tokenizer)
+    # an unknown character becomes [UNK], which is no typed token; GPT-2's <|endoftext|> is its unk token too
+    named = {
+        getattr(tokenizer, n) for n in ("cls_token", "sep_token", "pad_token", "mask_token", "bos_token", "eos_token")
+    }
+    unknown = None if tokenizer.unk_token in named else tokenizer.token_id(tokenizer.unk_token)
     typed: dict[tuple[str, int], tuple[Row, set[str]]] = {}  # by (source, line): a Row holds a dict, unhashable
     for e, row in zip(encodings, rows, strict=True):
-        in_text = [s == 0 and i in special for i, s in zip(e.ids, e.special_tokens_mask, strict=True)]
-        if all(s or t for s, t in zip(e.special_tokens_mask, in_text, strict=True)):
-            raise DataError(f"{row.where}: the document has no token to mask, only special or unknown ones; remove it")
-        if any(in_text):
-            found = {token for token, i, t in zip(e.tokens, e.ids, in_text, strict=True) if t and i != unknown}
-            if found:
-                typed.setdefault((row.source, row.line), (row, set()))[1].update(found)
+        found = {t for t, i, s in zip(e.tokens, e.ids, e.special_tokens_mask, strict=True) if s == 0 and i in special
+                 and i != unknown}  # fmt: skip
+        if found:
+            typed.setdefault((row.source, row.line), (row, set()))[1].update(found)
     if typed:
         (first, tokens), *others = typed.values()
         lines = ", ".join(str(row.line) for row, _ in others[:5]) + (", ..." if len(others) > 5 else "")
         more = f" (and in {len(others)} more: {'items' if first.source == ITERABLE else 'lines'} {lines})"
         warnings.warn(
             f"{first.where}: {', '.join(sorted(tokens))} typed in the text{more if others else ''} becomes the "
-            "special token itself, which masked-LM training then masks and predicts as a word; remove it, or write "
-            "it otherwise if it is not meant as that token",
+            f"special token itself, {effect}; remove it, or write it otherwise if it is not meant as that token",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -470,6 +486,7 @@ def causal_lm_data(
         elif i == 0 or rows[i - 1] is not row:  # the document's first window: the whole document is one token
             raise DataError(f"{row.where}: the document has {len(e.ids)} token(s), so nothing to predict; remove it")
         # else a document's last window of one token: it has no next token to predict, so it is dropped
+    warn_typed_special(encodings, rows, tokenizer, "which causal-LM training then learns to predict inside text")
     return Examples("causal-lm", [e for e, _ in kept], [None] * len(kept), {}, [row for _, row in kept])
 
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from safetensors import safe_open
 
 from .. import distributed
 from ..checkpoint.build import initialize, load_model
@@ -38,8 +39,8 @@ from .masking import Masker
 from .options import check_task_options
 from .rerank import TASK as RERANK_TASK
 from .rerank import RerankObjective, choose_loss, load_reranker, rerank_data
+from .rtd import DISCRIMINATOR_WEIGHT, GENERATOR_SIZE, ReplacedTokenDetection, generator_args, rtd_masker
 from .rtd import TASK as RTD_TASK
-from .rtd import ReplacedTokenDetection, generator_args, rtd_masker
 from .trainer import (
     ADAPTERS_FOLDER,
     MODEL_FOLDER,
@@ -97,8 +98,8 @@ def fine_tune(
     whole_word_mask: bool = False,
     next_sentence: bool = False,
     generator: str | Path | None = None,
-    generator_size: float = 0.25,
-    discriminator_weight: float = 50.0,
+    generator_size: float = GENERATOR_SIZE,
+    discriminator_weight: float = DISCRIMINATOR_WEIGHT,
     max_length: int | None = None,
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
@@ -149,19 +150,19 @@ def fine_tune(
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
+    options = training_config(output_dir, training)
     embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler)
-    rtd_options = [("generator_size", generator_size, 0.25), ("discriminator_weight", discriminator_weight, 50.0)]
+    given = dict(
+        config=config, text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
+        problem_type=problem_type, label2id=label2id, label_all_tokens=label_all_tokens,
+        whole_word_mask=whole_word_mask, generator=generator, generator_size=generator_size,
+        discriminator_weight=discriminator_weight, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=lora_targets, eval_data=eval_data, **embedding,
+    )  # fmt: skip
+    check_task_options(task, given | training)  # before the model and data load
     if task in RETRIEVAL_TASKS:
         from .fine_tune_embed import fine_tune_embedding
         from .fine_tune_retrieval import fine_tune_multivector, fine_tune_sparse
-
-        others = dict(config=config, text_column=text_column, text_pair_column=text_pair_column, label2id=label2id,
-                      label_column=label_column, problem_type=problem_type, label_all_tokens=label_all_tokens,
-                      whole_word_mask=whole_word_mask, generator=generator)  # fmt: skip
-        given = [name for name, value in others.items() if value not in (None, False)]
-        given += [name for name, value, default in rtd_options if value != default]
-        if given:
-            raise ValueError(f"{', '.join(given)}: not options of the embed task, which reads its columns by name")
 
         run = {"sparse-embedding": fine_tune_sparse, "multi-vector-embedding": fine_tune_multivector}
         return run.get(task, fine_tune_embedding)(
@@ -169,23 +170,12 @@ def fine_tune(
             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
             **training,
         )  # fmt: skip
-    if task == RERANK_TASK:  # loss= names the reranking loss too
-        embedding.pop("loss")
-    if given := [name for name, value in embedding.items() if value is not None]:
-        raise ValueError(f"{', '.join(given)} are options of the embed task, not of {task}")
-    options = training_config(output_dir, training)
     check_call_options(max_length, lora_rank, lora_alpha)
-    given = dict(
-        text_pair_column=text_pair_column, label_column=label_column, problem_type=problem_type, label2id=label2id,
-        label_all_tokens=label_all_tokens, whole_word_mask=whole_word_mask, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, lora_targets=lora_targets, eval_data=eval_data,
-    )  # fmt: skip
-    check_task_options(task, given | training)  # before the model and data load
     if task == RTD_TASK:
         check_rtd_options(lora_rank, generator_size, discriminator_weight)
-    elif generator is not None:
-        raise ValueError(f"generator= is rtd's (ELECTRA's generator); {task} trains one model")
     checkpoint = check_source(task, model, config, tokenizer)
+    if task == "pretraining" and checkpoint is not None:
+        check_next_sentence_head(checkpoint)
     tok = load_tokenizer(checkpoint, config, tokenizer)
     pairs = text_pair_column is not None or task in ("pretraining", RERANK_TASK)
     check_max_length(max_length, task, tok, pairs=pairs)
@@ -250,7 +240,9 @@ def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha
 
 def check_rtd_options(lora_rank: int | None, generator_size: float, discriminator_weight: float) -> None:
     if lora_rank:
-        raise ValueError("rtd trains every weight of the generator and the discriminator: LoRA (lora_rank) is off")
+        raise OptionError(
+            "rtd trains every weight of the generator and the discriminator: drop lora_rank (--lora-rank)"
+        )
     in_range("generator_size", generator_size, 0.0, 1.0, low_open=True)
     in_range("discriminator_weight", discriminator_weight, 0.0)
 
@@ -275,13 +267,31 @@ def check_source(task: str, model, config, tokenizer) -> Checkpoint | None:
             "Give model= (a checkpoint folder or hub id to fine-tune) or config= (sizes, to train from scratch), "
             f"not {'both' if model is not None else 'neither'}"
         )
-    if config is not None:
-        if task not in ("masked-lm", "pretraining", "causal-lm", RTD_TASK):
-            raise ValueError(f"Training from scratch (config=) is for mlm, clm and rtd; {task} starts from a model=")
+    if config is not None:  # for mlm, clm and rtd alone (`options.READ_BY`)
         if tokenizer is None:
             raise ValueError("Training from scratch needs tokenizer=: the folder holding the tokenizer.json to use")
         return None
     return Checkpoint.open(model)
+
+
+def check_next_sentence_head(checkpoint: Checkpoint) -> None:
+    """`next_sentence` continues a checkpoint's next-sentence head (and pooler); fine_tune creates neither."""
+    names = set()
+    for file in checkpoint.weight_files():
+        try:
+            with safe_open(str(file), framework="numpy") as tensors:  # the header only: no tensor is read
+                names.update(tensors.keys())
+        except Exception:  # a damaged file: loading it names the file and what is wrong
+            return
+    missing = [part for part in ("seq_relationship.weight", "pooler.dense.weight") if not any(n.endswith(part)
+               for n in names)]  # fmt: skip
+    if missing:
+        raise OptionError(
+            f"next_sentence (--next-sentence) trains BERT's pretraining heads, but {checkpoint.path} has no "
+            f"next-sentence head (no {' or '.join(missing)} tensor); start from a BERT pretraining checkpoint "
+            "(BertForPreTraining's weights, as bert-base-uncased has), or from scratch with config= (--config) and "
+            "tokenizer=, or drop next_sentence to train masked-LM alone"
+        )
 
 
 def read_config(config: str | Path | Mapping) -> Mapping:

@@ -23,7 +23,7 @@ from .embedding import (
     read_setup,
     save_sentence_transformer,
 )
-from .fine_tune import Trained, check_call_options, training_config
+from .fine_tune import Trained, check_call_options, check_max_length, training_config
 from .lora import apply_lora, fuse, save_adapters
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, TrainingConfig, train
 
@@ -98,6 +98,7 @@ def text_examples(
     tokenizer of the checkpoint (lowercasing as `do_lower_case` says), the limit `max_length` or the folder's
     `max_seq_length` or the tokenizer's, within the model's positions; `query_max_length` for the first column."""
     tok = tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
+    check_max_length(max_length, "sentence-embedding", tok, pairs=False)  # a text of special tokens alone
     if sentence_config.get("do_lower_case"):
         lowercase(tok)
     limit = max_length or sentence_config.get("max_seq_length") or tok.model_max_length

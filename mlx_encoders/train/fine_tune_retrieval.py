@@ -35,7 +35,7 @@ from .fine_tune import Trained, check_call_options, training_config
 from .fine_tune_embed import text_examples, train_objective
 from .multi_vector_losses import MaxSimRankingLoss
 from .sparse_losses import SpladeLoss
-from .trainer import MODEL_FOLDER
+from .trainer import MODEL_FOLDER, OptionError
 
 ST = "sentence_transformers."
 TRANSFORMER = ST + "base.modules.transformer.Transformer"
@@ -330,7 +330,7 @@ def fine_tune_multivector(
     if model is None:
         raise ValueError("fine_tune('multivector') starts from model=: a MultiVectorEncoder folder or an encoder")
     if lora_rank:
-        raise ValueError("fine_tune('multivector') trains the whole model and its projection; drop lora_rank")
+        raise OptionError("fine_tune('multivector') trains the whole model and its projection; drop lora_rank")
     loss = MaxSimRankingLoss() if loss is None else loss
     if not isinstance(loss, MaxSimRankingLoss):
         raise TypeError(f"fine_tune('multivector') trains with loss=MaxSimRankingLoss(...), got {loss!r}")

@@ -1,8 +1,10 @@
 """Dynamic masking for masked-LM and next-sentence pairs for BERT pretraining.
 
 `Masker` follows transformers' `DataCollatorForLanguageModeling.torch_mask_tokens` (data/data_collator.py): each
-real token (never a special token or padding) is selected with probability 0.15; of those, 80% become the mask
-token, 10% a random token, 10% stay; labels are the original ids where selected and -100 elsewhere. One difference:
+real token (never padding nor a special id, even one typed in the text, as the collator's
+`get_special_tokens_mask(already_has_special_tokens=True)` marks them) is selected with probability 0.15; of those,
+80% become the mask token, 10% a random token, 10% stay; labels are the original ids where selected and -100
+elsewhere. One difference:
 random replacements are drawn from the vocabulary *without* its special tokens (transformers draws from the whole
 vocabulary, so it can put [CLS] or [PAD] mid-text). Another: a batch in which the draw selected no token gets one
 token (or word) selected, drawn uniformly, where transformers would return a NaN loss. Whole-word masking selects
@@ -14,7 +16,7 @@ All randomness comes from a `numpy.random.Generator` the caller passes in, so ru
 (`rng.bit_generator.state` can be saved and restored).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -35,6 +37,8 @@ class Masker:
     mask_fraction: float = 0.8
     random_fraction: float = 0.1
     whole_word: bool = False
+    # ids never selected wherever they stand, typed in the text or not: the special tokens (`from_tokenizer`'s)
+    special_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __post_init__(self):
         if not 0 <= self.probability <= 1 or self.mask_fraction + self.random_fraction > 1:
@@ -48,7 +52,8 @@ class Masker:
         """A masker with the tokenizer's mask token and non-special vocabulary; `options` are the fields above."""
         if tokenizer.mask_token_id is None:
             raise ValueError("The tokenizer has no mask token, so it cannot be used for masked-LM training")
-        return cls(tokenizer.mask_token_id, replacement_ids(tokenizer), **options)
+        special = np.array(sorted(special_ids(tokenizer)), dtype=np.int64)
+        return cls(tokenizer.mask_token_id, replacement_ids(tokenizer), special_token_ids=special, **options)
 
     def __call__(
         self,
@@ -58,8 +63,9 @@ class Masker:
         word_ids: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(masked input ids, labels) for (B, L) ids; `special_tokens_mask` is True on special tokens and padding,
-        `word_ids` (needed for whole-word masking) numbers the words of each row, -1 outside words."""
-        selectable = ~np.asarray(special_tokens_mask, dtype=bool)
+        `word_ids` (needed for whole-word masking) numbers the words of each row, -1 outside words. A special id is
+        never selected, even where the text typed it ("[MASK]") and `special_tokens_mask` says it is text."""
+        selectable = ~np.asarray(special_tokens_mask, dtype=bool) & ~np.isin(input_ids, self.special_token_ids)
         if self.whole_word:
             if word_ids is None:
                 raise ValueError("Whole-word masking needs word_ids: pass the batch's (B, L) word numbers")

@@ -31,6 +31,7 @@ from .masking import Masker
 
 TASK = "replaced-token-detection"
 DISCRIMINATOR_FOLDER, GENERATOR_FOLDER = "discriminator", "generator"
+GENERATOR_SIZE, DISCRIMINATOR_WEIGHT = 0.25, 50.0  # ELECTRA's defaults: a generator 1/4 as wide, lambda 50
 METRICS = (
     "eval_loss", "eval_generator_loss", "eval_discriminator_loss", "eval_generator_accuracy",
     "eval_discriminator_accuracy", "eval_precision", "eval_recall", "eval_replacement_rate",
@@ -80,7 +81,9 @@ class ReplacedTokenDetection(nn.Module):
 
     task = TASK  # what `trainer.train` names it in errors
 
-    def __init__(self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = 50.0):
+    def __init__(
+        self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = DISCRIMINATOR_WEIGHT
+    ):
         check_pair(discriminator, generator)
         super().__init__()
         self.discriminator, self.generator = discriminator, generator

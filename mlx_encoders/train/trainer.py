@@ -825,6 +825,9 @@ def train(
     `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
     """
     config = config or TrainingConfig("output")
+    from .options import check_needs  # options.py builds on this module: imported when called
+
+    check_needs(asdict(config) | {"eval_data": eval_examples})
     check_metric_for_best(config, eval_examples, model, objective)
     world = distributed.world()
     if problem := distributed.check_batch_size(config.batch_size, world):
