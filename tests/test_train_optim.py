@@ -262,13 +262,14 @@ def test_updates_are_spread_evenly_over_cpu_streams():
 
 
 def test_training_keeps_freed_buffers_and_leaves_mlx_as_it_was():
-    """Inside keep_freed_memory a freed 64 MB buffer stays in MLX's cache for the next step (it is above MLX's
-    default limit, so outside the block it goes back to the system); after the block MLX's cache limit is the
-    one the caller had, and the cache is empty. Nested blocks keep it until the outermost leaves."""
+    """Inside keep_freed_memory a freed 64 MB buffer stays in MLX's cache for the next step (above the caller's
+    limit, so outside the block it goes back to the system), but the cache never holds more than the largest
+    working set seen (steps of changing shapes cannot grow it without bound); after the block MLX's cache limit is
+    the one the caller had, and the cache is empty. Nested blocks keep it until the outermost leaves."""
     from mlx_encoders.engine import runtime
 
-    def cached_after_free() -> int:
-        x = mx.ones((16 << 20,))
+    def cached_after_free(elements: int = 16 << 20) -> int:
+        x = mx.ones((elements,))
         mx.eval(x)
         del x
         return mx.get_cache_memory()
@@ -280,8 +281,13 @@ def test_training_keeps_freed_buffers_and_leaves_mlx_as_it_was():
         assert cached_after_free() < 64 << 20
         with runtime.keep_freed_memory():
             with runtime.keep_freed_memory():
+                runtime.cache_working_set()
                 assert cached_after_free() >= 64 << 20
             assert mx.get_cache_memory() >= 64 << 20
+            for k in range(1, 40):  # buffers of ever new sizes: the cache stays within the peak working set
+                cached_after_free((16 << 20) + (k << 16))
+                runtime.cache_working_set()
+            assert mx.get_cache_memory() <= mx.get_peak_memory()
         assert mx.get_cache_memory() == 0
         assert mx.set_cache_limit(caller_limit) == caller_limit
     finally:

@@ -331,11 +331,11 @@ def warm_heap() -> None:
 
 @contextmanager
 def keep_freed_memory() -> Iterator[None]:
-    """Inside, MLX keeps the buffers it frees for reuse, up to its memory limit: training allocates the same large
-    buffers (activations, gradients, optimizer state) at every step, and a buffer given back to the system has its
-    pages faulted in again at the next step. On leaving, MLX's previous cache limit is set again and its cache
-    emptied, so nothing outlives the block. The outermost of nested or concurrent blocks does both; nothing with
-    tuning off."""
+    """Inside, MLX keeps the buffers it frees for reuse, up to the largest working set seen (`mx.get_peak_memory`,
+    raised by `cache_working_set` after each step): training allocates the same large buffers (activations,
+    gradients, optimizer state) at every step, and a buffer given back to the system has its pages faulted in
+    again at the next step. On leaving, MLX's previous cache limit is set again and its cache emptied, so nothing
+    outlives the block. The outermost of nested or concurrent blocks does both; nothing with tuning off."""
     if not tuning_enabled():
         yield
         return
@@ -343,18 +343,29 @@ def keep_freed_memory() -> Iterator[None]:
         yield
 
 
+def cache_working_set() -> None:
+    """Inside `keep_freed_memory`, let MLX's cache hold as much as the largest working set so far: a step's
+    buffers are reused at the next, and steps of varying shapes cannot grow the cache past that."""
+    keeping = _keeping()
+    with keeping.lock:
+        if keeping.open:
+            mx.set_cache_limit(max(keeping.previous[-1], mx.get_peak_memory()))
+
+
 @functools.cache
 def _keeping() -> Outermost:
-    previous = []
-
     def keep() -> None:
-        previous.append(mx.set_cache_limit(mx.get_memory_limit()))
+        previous = mx.set_cache_limit(mx.get_peak_memory())  # reads the caller's limit as it sets one
+        keeping.previous.append(previous)
+        mx.set_cache_limit(max(previous, mx.get_peak_memory()))
 
     def hand_back() -> None:
-        mx.set_cache_limit(previous.pop())
+        mx.set_cache_limit(keeping.previous.pop())
         mx.clear_cache()
 
-    return Outermost(keep, hand_back)
+    keeping = Outermost(keep, hand_back)
+    keeping.previous = []
+    return keeping
 
 
 BLAS: ctypes.CDLL | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at import, if any

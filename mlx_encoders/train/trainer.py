@@ -867,6 +867,7 @@ def train(
             if state.step >= total:
                 break
             record = loop.step(indices)
+            runtime.cache_working_set()
             state.epoch, state.position = epoch, position
             bar.update(1)
             bar.set_postfix(
