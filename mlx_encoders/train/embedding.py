@@ -38,6 +38,7 @@ from .evaluators import retrieval_metric_names, row_retrieval_metrics
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
+LENGTH_GROUP = 8  # rows of a training batch embedded together (`embed_by_length`): little padding, large products
 NEGATIVE = re.compile(r"negative_(\d+)")
 TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
 POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
@@ -238,6 +239,7 @@ class EmbeddingObjective:
     prompt_tokens: tuple[int, ...] = ()  # per column, the prompt's tokens pooling leaves out (include_prompt=False)
     similarity_fn_name: str = "cosine"  # the retrieval metrics' score function
     ranks_texts: ClassVar[bool] = True  # one vector per text: eval rows give retrieval metrics
+    groups_by_length: ClassVar[bool] = True  # a row's embedding is its own, whatever its padding (`embed_by_length`)
 
     def __post_init__(self):
         if self.batch_sampler not in SAMPLERS:
@@ -287,12 +289,27 @@ class EmbeddingObjective:
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
         return l2_normalize(x) if self.normalize else x
 
+    def embed_by_length(self, model: nn.Module, features: dict[str, np.ndarray], column: int) -> mx.array:
+        """`embed` of a padded numpy batch, its rows run longest first in groups of `LENGTH_GROUP`, each cut to its
+        own longest row, then put back in order: padding to the batch's longest (a few long documents) would spend
+        most of the pass on padding. A row's embedding does not depend on the other rows (nor on its padding)."""
+        if not self.groups_by_length:
+            return self.embed(model, {k: mx.array(v) for k, v in features.items()}, column)
+        lengths = features["attention_mask"].sum(axis=1)
+        order = np.argsort(-lengths, kind="stable")
+        parts = []
+        for start in range(0, len(order), LENGTH_GROUP):
+            rows = order[start : start + LENGTH_GROUP]
+            width = int(lengths[rows].max())
+            parts.append(self.embed(model, {k: mx.array(v[rows, :width]) for k, v in features.items()}, column))
+        return mx.concatenate(parts)[mx.array(np.argsort(order))]
+
     def batch_loss(self, model: nn.Module, batch: dict) -> mx.array:
         """The loss of a batch; of a rank's `part`, the global batch's loss over every rank's embeddings (in-batch
         negatives span the global batch), divided by the world size: this rank's share of the summed gradients."""
-        columns, labels = arrays(batch)
+        labels = None if batch["labels"] is None else mx.array(batch["labels"])
         order = batch.get("order")
-        embeddings = [gathered(self.embed(model, f, c), order) for c, f in enumerate(columns)]
+        embeddings = [gathered(self.embed_by_length(model, f, c), order) for c, f in enumerate(batch["columns"])]
         loss = self.loss(embeddings, labels)
         return loss if order is None else loss / distributed.world().size
 
