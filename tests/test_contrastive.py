@@ -27,7 +27,7 @@ from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main
 from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.checkpoint.tokenizer import tokenizer_for
-from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train import embedding, fine_tune, trainer
 from mlx_encoders.train.contrastive import (
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
@@ -151,6 +151,17 @@ def test_ranking_losses_and_gradients_equal_sentence_transformers(st_folder, cas
     ours, theirs = LOSS_CASES[case]
     value, grads = our_loss_and_grads(st_folder, ours(), TRIPLETS)
     expected, expected_grads = st_loss_and_grads(st_folder, theirs, TRIPLETS, TRIPLET_COLUMNS)
+    assert value == pytest.approx(expected, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], expected_grads[name])
+
+
+def test_rows_embedded_in_length_groups_give_sentence_transformers_loss_and_gradients(st_folder, monkeypatch):
+    # groups of 2 rows of different widths, run longest first: the batch's loss and gradients all the same
+    monkeypatch.setattr(embedding, "LENGTH_GROUP", 2)
+    make_ours, make_theirs = LOSS_CASES["mnrl-cosine"]
+    expected, expected_grads = st_loss_and_grads(st_folder, make_theirs, TRIPLETS, TRIPLET_COLUMNS)
+    value, grads = our_loss_and_grads(st_folder, make_ours(), TRIPLETS)
     assert value == pytest.approx(expected, rel=1e-5)
     for name in PARAMETERS:
         assert_close(grads[name], expected_grads[name])

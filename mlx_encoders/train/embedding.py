@@ -38,6 +38,7 @@ from .evaluators import retrieval_metric_names, row_retrieval_metrics
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
+LENGTH_GROUP = 8  # rows of a training batch embedded together (`length_groups`): little padding, large products
 NEGATIVE = re.compile(r"negative_(\d+)")
 TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
 POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
@@ -238,6 +239,7 @@ class EmbeddingObjective:
     prompt_tokens: tuple[int, ...] = ()  # per column, the prompt's tokens pooling leaves out (include_prompt=False)
     similarity_fn_name: str = "cosine"  # the retrieval metrics' score function
     ranks_texts: ClassVar[bool] = True  # one vector per text: eval rows give retrieval metrics
+    groups_by_length: ClassVar[bool] = True  # a row's embedding is its own, whatever its padding (`length_groups`)
 
     def __post_init__(self):
         if self.batch_sampler not in SAMPLERS:
@@ -287,14 +289,48 @@ class EmbeddingObjective:
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
         return l2_normalize(x) if self.normalize else x
 
+    def length_groups(self, features: dict[str, np.ndarray]) -> dict:
+        """A padded numpy batch as MLX arrays: its rows longest first in groups of `LENGTH_GROUP`, each cut to its
+        own longest row, and "restore", the order that puts their embeddings back. Padding to the batch's longest (a
+        few long documents) would spend most of the pass on padding; a row's embedding depends on neither."""
+        if not self.groups_by_length:
+            return {"groups": [{k: mx.array(v) for k, v in features.items()}]}
+        lengths = features["attention_mask"].sum(axis=1)
+        order = np.argsort(-lengths, kind="stable")
+        groups = []
+        for start in range(0, len(order), LENGTH_GROUP):
+            rows = order[start : start + LENGTH_GROUP]
+            width = int(lengths[rows].max())
+            groups.append({k: mx.array(v[rows, :width]) for k, v in features.items()})
+        return {"groups": groups, "restore": mx.array(np.argsort(order))}
+
+    def embed_groups(self, model: nn.Module, column: dict, c: int) -> mx.array:
+        """Column `c`'s embeddings, in its rows' order, from its `length_groups`."""
+        parts = [self.embed(model, features, c) for features in column["groups"]]
+        return mx.concatenate(parts)[column["restore"]] if "restore" in column else parts[0]
+
+    def inputs(self, batch: dict) -> dict:
+        """The MLX arrays of a collated batch that `inputs_loss` reads: each column's `length_groups` and the
+        scores when there are any (all a compiled step takes)."""
+        inputs = {"columns": [self.length_groups(f) for f in batch["columns"]]}
+        return inputs if batch["labels"] is None else inputs | {"labels": mx.array(batch["labels"])}
+
+    def inputs_loss(self, model: nn.Module, inputs: dict, order: np.ndarray | None = None) -> mx.array:
+        """The loss of a batch's `inputs`, in MLX operations only; with `order`, over every rank's embeddings."""
+        embeddings = [gathered(self.embed_groups(model, col, c), order) for c, col in enumerate(inputs["columns"])]
+        return self.loss(embeddings, inputs.get("labels"))
+
     def batch_loss(self, model: nn.Module, batch: dict) -> mx.array:
         """The loss of a batch; of a rank's `part`, the global batch's loss over every rank's embeddings (in-batch
         negatives span the global batch), divided by the world size: this rank's share of the summed gradients."""
-        columns, labels = arrays(batch)
         order = batch.get("order")
-        embeddings = [gathered(self.embed(model, f, c), order) for c, f in enumerate(columns)]
-        loss = self.loss(embeddings, labels)
+        loss = self.inputs_loss(model, self.inputs(batch), order)
         return loss if order is None else loss / distributed.world().size
+
+    @property
+    def compilable(self) -> bool:
+        """Whether the trainer may compile the step (`inputs_loss` of `inputs`); GradCache's passes stay eager."""
+        return not self.cached
 
     def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
         """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one

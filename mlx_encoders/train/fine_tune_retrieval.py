@@ -289,6 +289,7 @@ class MultiVectorObjective(EmbeddingObjective):
 
     encoder: MultiVectorEncoder | None = None
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
+    groups_by_length: ClassVar[bool] = False  # token matrices as wide as the batch's (queries expanded to a length)
 
     def collate(self, examples: TextExamples, indices) -> dict:
         columns = []

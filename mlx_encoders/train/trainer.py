@@ -649,7 +649,10 @@ class Loop:
         self.world = distributed.world()
         dtype = COMPUTE_DTYPES[self.config.dtype]
         self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing and self.objective is None
-        if self.objective is not None:
+        plain = dtype == mx.float32 and not self.config.gradient_checkpointing and self.world.size == 1
+        if self.objective is not None and plain and getattr(self.objective, "compilable", False):
+            self.loss_and_grad = retraced_value_and_grad(self.model, self.random, self.objective)
+        elif self.objective is not None:
             make = lambda loss: value_and_grad(self.model, dtype, loss)  # noqa: E731
             self.loss_and_grad = self.objective.value_and_grad(self.model, make, self.random)
         elif self.compiled:
@@ -765,6 +768,35 @@ def compiled_value_and_grad(model: nn.Module, random: list[mx.array]) -> Callabl
             model.train(training)
         with unchecked_inputs():
             return step(inputs, labels)
+
+    return run
+
+
+def retraced_value_and_grad(
+    model: nn.Module, random: list[mx.array], objective: EmbeddingObjective
+) -> Callable[[dict], tuple[mx.array, dict]]:
+    """An objective's float32 step (`objective.inputs_loss` of `objective.inputs(batch)`) under mx.compile, so that
+    the fused kernels of engine/ops.py fuse (see `compiled_value_and_grad`). Its batches' shapes (length groups)
+    seldom repeat, so only the last shape's trace is kept: tracing again costs less than a step's unfused kernels."""
+    state, traced = [model.state, random], {}
+
+    def run(batch: dict) -> tuple[mx.array, dict]:
+        inputs = objective.inputs(batch)
+        shapes = tuple(a.shape for _, a in tree_flatten(inputs))
+        if shapes not in traced:
+            traced.clear()  # the previous trace, and the graph it holds, go
+            loss = nn.value_and_grad(model, lambda x: objective.inputs_loss(model, x))
+            traced[shapes] = mx.compile(loss, inputs=state, outputs=state)
+        training = model.training
+        model.eval()
+        try:
+            for column in inputs["columns"]:  # the model's input checks, on the host (see compiled_value_and_grad)
+                for f in column["groups"]:
+                    model(f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
+        finally:
+            model.train(training)
+        with unchecked_inputs():
+            return traced[shapes](inputs)
 
     return run
 
