@@ -24,7 +24,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
-from mlx_encoders.index import CorpusError, Index, StoreError, build, read_corpus, search
+from mlx_encoders.index import CorpusError, Index, StoreError, build, documents, read_corpus, search
 from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
@@ -412,16 +412,21 @@ def test_bad_corpus_lines_are_named(tmp_path):
 
 
 def write_parquet(file: Path, columns: dict[str, list]) -> Path:
-    """Two rows per row group, so the reader streams several record batches."""
     pq.write_table(pa.table(columns), file, row_group_size=2)
     return file
+
+
+@pytest.fixture
+def small_batches(monkeypatch):
+    """Two rows per record batch, so the reader streams several and counts rows across them."""
+    monkeypatch.setattr(documents, "PARQUET_BATCH", 2)
 
 
 ROWS = [("rain", "Rain falls from the clouds."), ("sun", "The sun rises in the east."), ("fern", "Ferns grow.")]
 ROWS += [("moss", "Moss likes damp stones."), ("cactus", "Cacti store water.")]
 
 
-def test_parquet_corpus_equals_the_same_rows_as_jsonl(tmp_path, encoder):
+def test_parquet_corpus_equals_the_same_rows_as_jsonl(tmp_path, encoder, small_batches):
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in ROWS))
     table = write_parquet(tmp_path / "rows.parquet", {"id": [i for i, _ in ROWS], "text": [t for _, t in ROWS]})
@@ -440,7 +445,7 @@ def test_parquet_corpus_equals_the_same_rows_as_jsonl(tmp_path, encoder):
     assert read_corpus(table) == read_corpus(jsonl)
 
 
-def test_bad_parquet_rows_are_named(tmp_path, model, monkeypatch, capsys):
+def test_bad_parquet_rows_are_named(tmp_path, model, monkeypatch, capsys, small_batches):
     table = tmp_path / "t.parquet"
     write_parquet(table, {"id": ["a"], "body": ["x"]})
     with pytest.raises(CorpusError, match=rf"^{table}: no 'text' column in the columns \['id', 'body'\]"):

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 SUFFIXES = (".txt", ".md", ".jsonl", ".csv", ".parquet")
+PARQUET_BATCH = 8192  # rows per record batch read from a .parquet file
 
 
 class CorpusError(ValueError):
@@ -74,7 +75,7 @@ def parquet_documents(file: Path, name: str) -> list[tuple[str, str]]:
         names = table.schema_arrow.names
         if "text" not in names:
             raise CorpusError(f"{file}: no 'text' column in the columns {names}; name one column text")
-        for batch in table.iter_batches(columns=[c for c in ("id", "text") if c in names]):
+        for batch in table.iter_batches(PARQUET_BATCH, columns=[c for c in ("id", "text") if c in names]):
             ids = batch.column("id").to_pylist() if "id" in names else [None] * batch.num_rows
             for doc_id, text in zip(ids, batch.column("text").to_pylist(), strict=True):
                 row += 1
