@@ -14,6 +14,8 @@ from contextlib import closing
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from checkpoints import make_checkpoint
 from sentence_transformers import SentenceTransformer
@@ -22,7 +24,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
-from mlx_encoders.index import CorpusError, Index, StoreError, build, read_corpus, search
+from mlx_encoders.index import CorpusError, Index, StoreError, build, documents, read_corpus, search
 from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
@@ -407,6 +409,68 @@ def test_bad_corpus_lines_are_named(tmp_path):
     text.write_bytes(b"one\n\ntwo \xff\n")
     with pytest.raises(CorpusError, match=f"^{text}:3: not UTF-8"):
         read_corpus(text)
+
+
+def write_parquet(file: Path, columns: dict[str, list]) -> Path:
+    pq.write_table(pa.table(columns), file, row_group_size=2)
+    return file
+
+
+@pytest.fixture
+def small_batches(monkeypatch):
+    """Two rows per record batch, so the reader streams several and counts rows across them."""
+    monkeypatch.setattr(documents, "PARQUET_BATCH", 2)
+
+
+ROWS = [("rain", "Rain falls from the clouds."), ("sun", "The sun rises in the east."), ("fern", "Ferns grow.")]
+ROWS += [("moss", "Moss likes damp stones."), ("cactus", "Cacti store water.")]
+
+
+def test_parquet_corpus_equals_the_same_rows_as_jsonl(tmp_path, encoder, small_batches):
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in ROWS))
+    table = write_parquet(tmp_path / "rows.parquet", {"id": [i for i, _ in ROWS], "text": [t for _, t in ROWS]})
+    assert read_corpus(table) == read_corpus(jsonl)
+    build(table, tmp_path / "from-parquet", encoder, quiet=True)
+    build(jsonl, tmp_path / "from-jsonl", encoder, quiet=True)
+    assert_same_index(tmp_path / "from-parquet", tmp_path / "from-jsonl")
+
+    # without an id column a row is `name:row`; an integer id reads as the jsonl reader reads it, as its string
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_parquet(folder / "plain.parquet", {"text": [t for _, t in ROWS], "other": list(range(5))})
+    assert read_corpus(folder) == [(f"plain.parquet:{n}", t) for n, (_, t) in enumerate(ROWS, 1)]
+    write_parquet(table, {"id": [10, 20, 30], "text": ["a", "b", "c"]})
+    jsonl.write_text('{"id": 10, "text": "a"}\n{"id": 20, "text": "b"}\n{"id": 30, "text": "c"}\n')
+    assert read_corpus(table) == read_corpus(jsonl)
+
+
+def test_bad_parquet_rows_are_named(tmp_path, model, monkeypatch, capsys, small_batches):
+    table = tmp_path / "t.parquet"
+    write_parquet(table, {"id": ["a"], "body": ["x"]})
+    with pytest.raises(CorpusError, match=rf"^{table}: no 'text' column in the columns \['id', 'body'\]"):
+        read_corpus(table)
+    write_parquet(table, {"text": ["x", "y", None]})  # row 3 is in the second record batch
+    with pytest.raises(CorpusError, match=f"^{table}: row 3: the text is null, not a string"):
+        read_corpus(table)
+    write_parquet(table, {"text": [1, 2]})
+    with pytest.raises(CorpusError, match=f"^{table}: row 1: the text is int, not a string"):
+        read_corpus(table)
+    write_parquet(table, {"id": ["a", "b", "c", "a"], "text": ["w", "x", "y", "z"]})
+    with pytest.raises(CorpusError, match=rf"^{table}: row 4: the id 'a' appears twice \(first at row 1\)"):
+        read_corpus(table)
+    table.write_text("id,text\na,x\n")
+    with pytest.raises(CorpusError, match=f"^{table}: not a readable Parquet file"):
+        read_corpus(table)
+
+    write_parquet(table, {"text": ["x"]})
+    for module in ("pyarrow", "pyarrow.parquet"):  # as if the parquet extra were not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ImportError, match=f'^{table}: a .parquet file needs pyarrow: pip install "mlx-encoders'):
+        read_corpus(tmp_path)
+    assert cli(["index", "build", "--corpus", str(table), "--index", str(tmp_path / "i"), "--model", str(model)]) == 1
+    expected = f'mlx-encoders index: error: {table}: a .parquet file needs pyarrow: pip install "mlx-encoders[parquet]"'
+    assert expected in capsys.readouterr().err
 
 
 def write_vectors(index: Path, vectors: np.ndarray) -> None:

@@ -23,7 +23,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("index", help="build and search a vector index of a corpus (SQLite, HNSW)")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     make = actions.add_parser("build", help="embed a corpus into an index folder (only new or changed texts)")
-    make.add_argument("--corpus", required=True, help="a folder of .txt/.md/.jsonl/.csv files, or one such file")
+    corpus_help = "a folder of .txt/.md/.jsonl/.csv/.parquet files, or one such file (.parquet needs pyarrow)"
+    make.add_argument("--corpus", required=True, help=corpus_help)
     make.add_argument("--index", required=True, help="the index folder (created, or updated)")
     make.add_argument("--model", "-m", help="sentence-transformers model folder or hub id (dense vectors)")
     make.add_argument("--sparse-model", help="SparseEncoder (SPLADE) folder or hub id: an inverted index too")
@@ -51,7 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return build_or_search(args)
-    except (RuntimeError, ImportError) as e:  # another rank failed; usearch missing (ValueError: __main__ prints it)
+    except (RuntimeError, ImportError) as e:  # a rank failed; usearch/pyarrow missing (ValueError: __main__ prints it)
         print(f"mlx-encoders index: error: {e}", file=sys.stderr)
         return 1
 

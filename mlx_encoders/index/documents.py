@@ -1,14 +1,15 @@
 """A corpus on disk -> (id, text) documents: a folder of .txt/.md files (one document per paragraph, id
-`relative/path#n`), a .jsonl file of {"id", "text"} objects or plain strings, a .csv file with a `text` column
-(and an optional `id` column), or a folder holding any of these. A line that is not JSON or not UTF-8 is named by
-file and line."""
+`relative/path#n`), a .jsonl file of {"id", "text"} objects or plain strings, a .csv or .parquet file with a `text`
+column (and an optional `id` column), or a folder holding any of these. A line that is not JSON or not UTF-8 is
+named by file and line, a bad Parquet row by file and row."""
 
 import csv
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
-SUFFIXES = (".txt", ".md", ".jsonl", ".csv")
+SUFFIXES = (".txt", ".md", ".jsonl", ".csv", ".parquet")
+PARQUET_BATCH = 8192  # rows per record batch read from a .parquet file
 
 
 class CorpusError(ValueError):
@@ -61,7 +62,46 @@ def csv_documents(file: Path, name: str) -> list[tuple[str, str]]:
             raise CorpusError(f"{file}:{reader.line_num}: {e}") from None
 
 
-READERS = {".txt": text_documents, ".md": text_documents, ".jsonl": jsonl_documents, ".csv": csv_documents}
+def parquet_documents(file: Path, name: str) -> list[tuple[str, str]]:
+    """The `text` (and optional `id`) column, read a record batch at a time so Arrow never holds the table whole."""
+    try:  # lazily: pyarrow is an optional extra, needed only when a .parquet file is met
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f'{file}: a .parquet file needs pyarrow: pip install "mlx-encoders[parquet]"') from None
+    docs, first_row, row = [], {}, 0
+    try:
+        table = pq.ParquetFile(file)
+        names = table.schema_arrow.names
+        if "text" not in names:
+            raise CorpusError(f"{file}: no 'text' column in the columns {names}; name one column text")
+        for batch in table.iter_batches(PARQUET_BATCH, columns=[c for c in ("id", "text") if c in names]):
+            ids = batch.column("id").to_pylist() if "id" in names else [None] * batch.num_rows
+            for doc_id, text in zip(ids, batch.column("text").to_pylist(), strict=True):
+                row += 1
+                if not isinstance(text, str):
+                    kind = "null" if text is None else type(text).__name__
+                    raise CorpusError(f"{file}: row {row}: the text is {kind}, not a string; fix or remove that row")
+                doc_id = f"{name}:{row}" if doc_id is None or doc_id == "" else str(doc_id)
+                if doc_id in first_row:
+                    raise CorpusError(
+                        f"{file}: row {row}: the id {doc_id!r} appears twice (first at row {first_row[doc_id]}); "
+                        "ids must be unique"
+                    )
+                first_row[doc_id] = row
+                docs.append((doc_id, text))
+    except pa.ArrowException as e:  # not Parquet, truncated or damaged pages
+        raise CorpusError(f"{file}: not a readable Parquet file ({e}); rewrite it") from None
+    return docs
+
+
+READERS = {
+    ".txt": text_documents,
+    ".md": text_documents,
+    ".jsonl": jsonl_documents,
+    ".csv": csv_documents,
+    ".parquet": parquet_documents,
+}
 
 
 def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -81,7 +121,7 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
             raise CorpusError(f"the corpus must be a folder or a {', '.join(SUFFIXES)} file; got {corpus}")
         where = str(path)
     if not docs:
-        raise CorpusError(f"the corpus {where} holds no texts; add .txt/.md/.jsonl/.csv files with text")
+        raise CorpusError(f"the corpus {where} holds no texts; add .txt/.md/.jsonl/.csv/.parquet files with text")
     seen = set()
     for doc_id, text in docs:
         if not isinstance(text, str):
