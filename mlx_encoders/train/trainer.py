@@ -59,10 +59,12 @@ class TrainingConfig:
     """What `train` does; the names and defaults follow `TrainingArguments` (`lr` is its `learning_rate`,
     `grad_accum` its `gradient_accumulation_steps`). `max_steps`, when set, replaces `epochs` and is also the
     length of the learning-rate schedule; `eval_every`/`save_every` count optimizer steps (None: never, besides
-    each epoch end for evaluation and the end of training for both). `metric_for_best` names an eval metric (e.g.
-    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest. `warmup_steps`
-    > 0 replaces `warmup_ratio`; `max_grad_norm` None or <= 0 turns clipping off. Every option's range is checked
-    here (`check_options`).
+    each epoch end for evaluation and the end of training for both). An epoch is every batch its sampler builds:
+    `no_duplicates` may build more than ceil(examples / batch_size), and the run's steps (and the schedule) count
+    them all, so every example is trained on in every epoch and an epoch ends where its batches run out.
+    `metric_for_best` names an eval metric (e.g. "eval_loss", "eval_accuracy"); lower is better for losses and
+    perplexity, higher for the rest. `warmup_steps` > 0 replaces `warmup_ratio`; `max_grad_norm` None or <= 0 turns
+    clipping off. Every option's range is checked here (`check_options`).
     `group_by_length` batches examples of similar lengths together (transformers' `LengthGroupedSampler`), so
     less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
     weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
@@ -591,19 +593,28 @@ def steps_per_epoch(n: int, config: TrainingConfig) -> int:
     return math.ceil(math.ceil(n / config.batch_size) / config.grad_accum)
 
 
-def total_steps(n: int, config: TrainingConfig) -> int:
-    return config.max_steps or config.epochs * steps_per_epoch(n, config)
+def total_steps(
+    n: int, config: TrainingConfig, lengths: np.ndarray | None = None, batcher: Callable | None = None
+) -> int:
+    """`max_steps`, else the steps of every epoch as `epoch_steps` builds them: a `batcher` that defers examples to
+    extra batches (`embedding.no_duplicates`) adds steps, so that every example is trained on in every epoch."""
+    if config.max_steps:
+        return config.max_steps
+    if batcher is None:
+        return config.epochs * steps_per_epoch(n, config)
+    return sum(len(epoch_steps(n, config, epoch, lengths, batcher)) for epoch in range(config.epochs))
 
 
 def steps_from(
     lengths: np.ndarray, config: TrainingConfig, state: TrainerState, batcher: Callable | None = None
-) -> Iterator[tuple[int, int, list[np.ndarray]]]:
-    """(epoch, position after the step, micro-batches) from where `state` stands, epoch after epoch."""
+) -> Iterator[tuple[int, int, list[np.ndarray], bool]]:
+    """(epoch, position after the step, micro-batches, whether the step ends its epoch) from where `state` stands,
+    epoch after epoch; an epoch ends when its list of steps runs out, however many its batcher built."""
     epoch, position = state.epoch, state.position
     while True:
         steps = epoch_steps(len(lengths), config, epoch, lengths, batcher)
         for i in range(position, len(steps)):
-            yield epoch, i + 1, steps[i]
+            yield epoch, i + 1, steps[i], i + 1 == len(steps)
         epoch, position = epoch + 1, 0
 
 
@@ -837,8 +848,9 @@ def train(
         raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
-    n, total = len(train_examples), total_steps(len(train_examples), config)
     lengths = np.array([len(e.ids) for e in train_examples.encodings])
+    batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
+    total = total_steps(len(train_examples), config, lengths, batcher)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
@@ -852,7 +864,6 @@ def train(
     loop = Loop(
         model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total, objective
     )
-    batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
     record = {"step": state.step}
     model.train()
     if config.gradient_checkpointing:
@@ -863,7 +874,7 @@ def train(
     ):
         if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-        for epoch, position, indices in steps_from(lengths, config, state, batcher):
+        for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
             if state.step >= total:
                 break
             record = loop.step(indices)
@@ -872,7 +883,7 @@ def train(
             bar.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
-            loop.evaluate_and_save(end_of_epoch=position == steps_per_epoch(n, config))
+            loop.evaluate_and_save(end_of_epoch)
     if world.is_main:
         plot_metrics(config.output_dir)
     return state.metrics or record
