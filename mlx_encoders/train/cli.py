@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
+from .config import OptionError
 from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .embedding import SAMPLERS
 from .fine_tune import TASK_NAMES
 from .rerank import LOSSES as RERANK_LOSSES
-from .trainer import OptionError
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
