@@ -307,6 +307,34 @@ def test_resumed_embed_run_equals_an_uninterrupted_one(st_folder, tmp_path):
         np.testing.assert_array_equal(np.array(weight), np.array(resumed_weights[name]), err_msg=name)
 
 
+def test_deferred_rows_are_all_trained_on_and_each_epoch_ends_where_its_batches_do(st_folder, tmp_path, monkeypatch):
+    # one anchor in every row: a no_duplicates batch holds one row, so an epoch of 4 rows is 4 steps, not ceil(4 / 2)
+    rows = [dict(anchor="how do cats sleep", positive=r["positive"], negative=r["negative"]) for r in TRIPLETS[:4]]
+    taken, collate = [], EmbeddingObjective.collate
+
+    def recording(self, examples, indices):
+        if len(examples) == len(rows):  # the training rows, not the 2 evaluation rows
+            taken.append([int(i) for i in indices])
+        return collate(self, examples, indices)
+
+    monkeypatch.setattr(EmbeddingObjective, "collate", recording)
+    options = dict(model=st_folder, batch_size=2, epochs=2, lr=1e-4, eval_data=TRIPLETS[4:], save_every=5)
+    whole = fine_tune("embed", rows, tmp_path, **options)
+    assert sorted(taken[:4]) == sorted(taken[4:]) == [[0], [1], [2], [3]]  # every row, once in each epoch
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"]) for r in records if "eval_loss" in r] == [(4, 0), (8, 1)]
+    # transformers' linear schedule (no warmup) over the 8 steps that ran
+    lrs = [r["lr"] for r in records if "lr" in r]
+    np.testing.assert_allclose(lrs, [1e-4 * (8 - s) / 8 for s in range(8)], rtol=1e-6)
+    # resumed in the second epoch, the run takes that epoch's 3 remaining steps and ends with the same weights
+    first, taken[:] = taken[:], []
+    resumed = fine_tune("embed", rows, tmp_path, resume=tmp_path / "checkpoint-5", **options)
+    assert taken == first[5:]
+    resumed_weights = dict(tree_flatten(resumed.model.parameters()))
+    for name, weight in tree_flatten(whole.model.parameters()):
+        np.testing.assert_array_equal(np.array(weight), np.array(resumed_weights[name]), err_msg=name)
+
+
 def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
     tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
     data = tmp_path / "train.jsonl"

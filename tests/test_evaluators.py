@@ -2,6 +2,7 @@
 `CrossEncoderRerankingEvaluator` on the same embeddings, scores and models; the `evaluate retrieval` command."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,6 +220,28 @@ def test_evaluators_name_bad_input():
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {"q": {"d"}}, ndcg_at_k=[0])
     with pytest.raises(ValueError, match="sample 0 needs 'query', 'positive' and one of"):
         RerankingEvaluator([{"query": "q", "positive": "p"}])
+
+
+def test_empty_inputs_are_refused_naming_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="query 'q' has no relevant document in relevant_docs"):
+        evaluators.retrieval_metrics([np.array([0.5, 0.1])], ["q"], ["d0", "d1"], {"q": set()})
+    with pytest.raises(ValueError, match="no queries to score"):
+        evaluators.retrieval_metrics([], [], ["d0"], {})
+    with pytest.raises(ValueError, match="no documents to rank"):
+        evaluators.retrieval_metrics([np.zeros(0)], ["q"], [], {"q": {"d0"}})
+    with pytest.raises(ValueError, match="The corpus is empty"):
+        InformationRetrievalEvaluator({"q": "x"}, {}, {"q": {"d"}})
+    with pytest.raises(ValueError, match="RerankingEvaluator needs samples"):
+        RerankingEvaluator([])
+    with pytest.raises(ValueError, match="anchor-positive rows"):
+        evaluators.row_retrieval_metrics([], [])
+    files = {name: tmp_path / f"{name}.jsonl" for name in ("queries", "corpus", "qrels")}
+    files["queries"].write_text(json.dumps({"_id": "q0", "text": "where is the cat"}) + "\n")
+    files["corpus"].write_text(json.dumps({"_id": "c0", "text": "the cat is on the mat"}) + "\n")
+    files["qrels"].write_text(json.dumps({"query-id": "Q0", "corpus-id": "c0", "score": 1}) + "\n")
+    expected = f"{files['qrels']}: no query of {files['queries']} has a relevant document"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        evaluators.read_retrieval_files(*files.values())
 
 
 def test_embed_training_reports_retrieval_metrics_equal_sentence_transformers_on_the_trained_folder(

@@ -14,11 +14,12 @@ import pytest
 import torch
 import transformers
 from checkpoints import MINILM
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 import mlx_encoders
 from mlx_encoders.__main__ import main
 from mlx_encoders.models.electra import ElectraForMaskedLM, ElectraForPreTraining, ModelArgs
+from mlx_encoders.tokenizer import Tokenizer
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.rtd import ReplacedTokenDetection, generator_args
 from mlx_encoders.train.trainer import OptionError
@@ -206,6 +207,34 @@ def test_the_discriminator_fine_tunes_and_lora_is_refused(tmp_path):
                   metric_for_best="eval_perplexity")  # fmt: skip
     with pytest.raises(ValueError, match=r"generator \(--generator\) is for replaced-token-detection; masked-lm would"):
         fine_tune("mlm", data, tmp_path / "mlm", config=SIZES, tokenizer=MINILM, generator=trained.path)
+
+
+def test_a_failed_save_leaves_the_previous_pair_whole(tmp_path, monkeypatch):
+    args = ModelArgs.from_dict({**SIZES, **NO_DROPOUT})
+    pair = ReplacedTokenDetection(ElectraForPreTraining(args), ElectraForMaskedLM(generator_args(args, 0.25)))
+    tokenizer = Tokenizer.from_pretrained(MINILM)
+    folder = tmp_path / "model"
+    pair.save(folder, tokenizer)
+    files = lambda: {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    pair.update(tree_map(lambda p: p + 1 if mx.issubdtype(p.dtype, mx.floating) else p, pair.parameters()))
+    write = Tokenizer.save
+
+    def failing(self, target):  # the generator's files fail, after the discriminator's were written
+        if "generator" in Path(target).name:
+            raise OSError("the disk went away")
+        write(self, target)
+
+    monkeypatch.setattr(Tokenizer, "save", failing)
+    with pytest.raises(OSError, match="the disk went away"):
+        pair.save(folder, tokenizer, overwrite=True)
+    assert files() == before  # not a new discriminator beside the old generator
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # and nothing half-written beside it
+    monkeypatch.setattr(Tokenizer, "save", write)
+    assert pair.save(folder, tokenizer, overwrite=True) == folder / "discriminator"
+    saved = dict(tree_flatten(mlx_encoders.load_model(folder / "discriminator", task="pretraining").parameters()))
+    for name, value in tree_flatten(pair.discriminator.parameters()):
+        np.testing.assert_array_equal(np.array(saved[name]), np.array(value), err_msg=name)
 
 
 def test_a_generator_that_cannot_share_the_embeddings_is_refused():

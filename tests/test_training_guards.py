@@ -114,6 +114,12 @@ def test_label2id_with_regression_targets_read_from_the_data_is_refused(tokenize
         ("embed", ["--document-regularizer-weight", "0.1"], "--document-regularizer-weight is an option of train "
          "sparse"),
         ("sparse", ["--loss", "mnrl"], "--loss names an embed or rerank loss; sparse trains with its own"),
+        ("embed", ["--matryoshka-weights", "1", "0.5"], "--matryoshka-weights needs --matryoshka-dims"),
+        ("embed", ["--matryoshka-dims", "32", "16", "--matryoshka-weights", "1"], "gives 1 weight(s) for 2 "
+         "--matryoshka-dims"),
+        ("embed", ["--mini-batch-size", "4"], "--mini-batch-size is an option of --loss cached-mnrl"),
+        ("embed", ["--loss", "cached-mnrl", "--mini-batch-size", "0"], "mini_batch_size must be an integer >= 1"),
+        ("embed", ["--matryoshka-dims", "0"], "Matryoshka dims must be integers >= 1"),
     ],
 )  # fmt: skip
 def test_the_command_exits_2_on_a_flag_the_task_ignores(tmp_path, capsys, kind, flags, message):

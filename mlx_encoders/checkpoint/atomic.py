@@ -27,9 +27,20 @@ def is_checkpoint_file(name: str) -> bool:
     return name in ("config.json", INDEX, *TOKENIZER_FILES) or name.endswith((".safetensors", ".model"))
 
 
-def check_replaceable(target: Path, whole: bool) -> None:
+def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) -> None:
     """Replacing a folder deletes it: only a checkpoint folder (one with config.json) may be replaced, and
-    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone."""
+    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone. A folder of
+    `parts` (an ELECTRA pair's discriminator/ and generator/) holds those checkpoint folders alone, each checked."""
+    if parts:
+        if others := sorted(p.name + "/" * p.is_dir() for p in target.iterdir() if p.name not in parts):
+            raise FileExistsError(
+                f"{target} holds {', '.join(others)} besides {', '.join(parts)}; replacing the folder would delete "
+                "them. Save into another folder."
+            )
+        for name in parts:
+            if (target / name).exists():  # a missing part holds nothing to lose
+                check_replaceable(target / name, whole)
+        return
     if not (target / "config.json").is_file():
         raise FileExistsError(f"{target} is not a checkpoint folder (no config.json); refusing to replace it")
     entries = [] if whole else target.iterdir()
@@ -165,9 +176,10 @@ def put_in_place(tmp: Path, target: Path, replace: bool) -> None:
 
 
 @contextmanager
-def atomic_folder(target: Path, replace: bool, whole: bool = True) -> Iterator[Path]:
+def atomic_folder(target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = ()) -> Iterator[Path]:
     """A temporary folder beside `target`, renamed into place only if the block completes. An existing
-    `target` is replaced only when `replace` (see `check_replaceable`), once the new folder is complete; if
+    `target` is replaced only when `replace` (see `check_replaceable`, `parts` the checkpoint folders that a
+    folder of several holds), once the new folder is complete; if
     that fails, the old folder is put back. The temporary folder is removed on any error, Ctrl-C, SIGTERM or
     SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it (`remove_stale`)."""
     target = Path(target)
@@ -175,7 +187,7 @@ def atomic_folder(target: Path, replace: bool, whole: bool = True) -> Iterator[P
     if target.exists():
         if not replace:
             raise FileExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
-        check_replaceable(target, whole)
+        check_replaceable(target, whole, parts)
     target.parent.mkdir(parents=True, exist_ok=True)
     with exit_on_signals():
         tmp, lock = owned_folder(target, ".partial")

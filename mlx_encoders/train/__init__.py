@@ -14,6 +14,7 @@
 - `rerank`: cross-encoder (reranker) rows, BCE, ListNet, LambdaLoss and MNRL losses, reranking evaluation.
 - `evaluators`: retrieval and reranking metrics as sentence-transformers' evaluators; `hard_negatives`: mining.
 - `trainer`: seeded epochs, accumulation, evaluation and metrics.jsonl, atomic checkpoints, exact resume.
+- `config`: `TrainingConfig` and its checks, `OptionError` (a refused option), `Trained` (`fine_tune`'s result).
 - `metrics`: macro-F1, and entity precision/recall/F1 of BIO tags as seqeval counts them; `plot`: curves.png.
 """
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .config import OptionError
 from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .embedding import SAMPLERS
 from .fine_tune import TASK_NAMES
@@ -112,7 +113,7 @@ FLAG_KINDS = {"mini_batch_size": "embed", "matryoshka_dims": "embed", "matryoshk
 def run(args: argparse.Namespace) -> int:
     from ..distributed import is_main
     from .fine_tune import fine_tune
-    from .trainer import Diverged, OptionError
+    from .trainer import Diverged
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
     # every task gets the embed options: fine_tune refuses those it would ignore (`options.READ_BY`)
@@ -155,24 +156,32 @@ def run(args: argparse.Namespace) -> int:
 
 def embed_loss(args: argparse.Namespace):
     """The loss the embed options name: a name of `LOSSES`, built with --mini-batch-size and wrapped in
-    Matryoshka with --matryoshka-dims."""
+    Matryoshka with --matryoshka-dims; an option that would be ignored or does not fit is an `OptionError`."""
     loss = args.loss
-    if args.mini_batch_size is not None:
-        if loss != "cached-mnrl":
-            raise ValueError("--mini-batch-size is an option of --loss cached-mnrl")
-        loss = CachedMultipleNegativesRankingLoss(mini_batch_size=args.mini_batch_size)
-    if args.matryoshka_dims:
-        inner = LOSSES[loss or "mnrl"]() if loss is None or isinstance(loss, str) else loss
-        loss = MatryoshkaLoss(inner, args.matryoshka_dims, args.matryoshka_weights)
+    if args.mini_batch_size is not None and loss != "cached-mnrl":
+        raise OptionError("--mini-batch-size is an option of --loss cached-mnrl; add that loss or drop the option")
+    weights, dims = args.matryoshka_weights, args.matryoshka_dims
+    if weights is not None and dims is None:
+        raise OptionError("--matryoshka-weights needs --matryoshka-dims (one weight per dim); alone it is unused")
+    if weights is not None and len(weights) != len(dims):
+        raise OptionError(
+            f"--matryoshka-weights gives {len(weights)} weight(s) for {len(dims)} --matryoshka-dims; give one per dim"
+        )
+    try:  # the losses' own checks (a mini-batch size or a dim < 1)
+        if args.mini_batch_size is not None:
+            loss = CachedMultipleNegativesRankingLoss(mini_batch_size=args.mini_batch_size)
+        if dims is not None:
+            inner = LOSSES[loss or "mnrl"]() if loss is None or isinstance(loss, str) else loss
+            loss = MatryoshkaLoss(inner, dims, weights)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
     return loss
 
 
 def retrieval_loss(args: argparse.Namespace):
-    """SpladeLoss with the regularizer weights given (the others default), or None for the task's default."""
-    weights = (args.document_regularizer_weight, args.query_regularizer_weight)
-    if args.kind != "sparse" or weights == (None, None):
-        if weights != (None, None):
-            raise ValueError("--document/query-regularizer-weight are options of train sparse")
+    """SpladeLoss with the regularizer weights given (the others default), or None for the task's default (`run`
+    has refused the weights for any task but sparse)."""
+    if (args.document_regularizer_weight, args.query_regularizer_weight) == (None, None):
         return None
     from .sparse_losses import SpladeLoss
 

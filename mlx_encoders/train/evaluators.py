@@ -75,7 +75,17 @@ def retrieval_metrics(
 ) -> dict[str, float]:
     """sentence-transformers' `compute_metrics` from `scores`, each query's (C,) scores against the documents (rows
     of a (Q, C) array, or an iterator of them): {"accuracy@1": ..., "precision@1": ..., "recall@1": ...,
-    "mrr@10": ..., "ndcg@10": ..., "map@100": ...}."""
+    "mrr@10": ..., "ndcg@10": ..., "map@100": ...}. Every query needs a relevant document and the corpus one
+    document at least: a ValueError naming the query otherwise (their means would divide by zero)."""
+    if not query_ids:
+        raise ValueError("no queries to score: query_ids is empty")
+    if not corpus_ids:
+        raise ValueError("no documents to rank: corpus_ids is empty")
+    for qid in query_ids:
+        if not relevant_docs.get(qid):
+            raise ValueError(
+                f"query {qid!r} has no relevant document in relevant_docs: give it one, or leave the query out"
+            )
     id_ranks = np.empty(len(corpus_ids), dtype=np.int64)
     id_ranks[sorted(range(len(corpus_ids)), key=corpus_ids.__getitem__)] = np.arange(len(corpus_ids))
     depth = max(max(ks) for ks in at_k.values())
@@ -151,6 +161,8 @@ class InformationRetrievalEvaluator:
         self.query_ids = [qid for qid in queries if self.relevant_docs.get(qid)]
         if not self.query_ids:
             raise ValueError("No query has a relevant document: relevant_docs must map query ids to corpus ids")
+        if not corpus:
+            raise ValueError("The corpus is empty: give it the documents to rank (corpus ids to texts)")
         self.queries = [queries[qid] for qid in self.query_ids]
         self.corpus_ids = list(corpus)
         self.corpus = [corpus[cid] for cid in self.corpus_ids]
@@ -201,6 +213,8 @@ def row_retrieval_metrics(
     """The retrieval metrics of (anchor, positive, negatives...) rows and their (N, D) embeddings per column: each
     distinct anchor a query, each distinct positive or negative a document (ids in order of first appearance),
     an anchor's positives its relevant documents; named as `InformationRetrievalEvaluator.metrics`."""
+    if not texts or len(texts[0]) < 2:
+        raise ValueError("retrieval metrics need anchor-positive rows; the evaluation data has none")
     query_ids: dict[str, str] = {}
     doc_ids: dict[str, str] = {}
     relevant: dict[str, set[str]] = {}
@@ -277,6 +291,8 @@ class RerankingEvaluator:
     ):
         if isinstance(at_k, bool) or not isinstance(at_k, int) or at_k < 1:
             raise ValueError(f"at_k must be an integer >= 1, got {at_k!r}")
+        if not samples:
+            raise ValueError("RerankingEvaluator needs samples: none were given (the metrics are means over them)")
         self.at_k, self.name, self.batch_size = at_k, name, batch_size
         self.samples = [self.read(i, sample, always_rerank_positives) for i, sample in enumerate(samples)]
         self.primary_metric = prefixed({f"ndcg@{at_k}": 0}, name).popitem()[0]
@@ -372,6 +388,11 @@ def read_retrieval_files(
             raise ValueError(f"{qrels}: corpus id {r['corpus-id']!r} (query {r['query-id']!r}) is not in {corpus}")
         if float(r.get("score", 1)) > 0:
             relevant.setdefault(r["query-id"], set()).add(r["corpus-id"])
+    if not any(qid in query_texts for qid in relevant):
+        raise ValueError(
+            f"{qrels}: no query of {queries} has a relevant document (a qrels row with a score > 0); check that the "
+            "qrels' query ids are the queries' _id values"
+        )
     return query_texts, docs, relevant
 
 

@@ -8,7 +8,7 @@ the result to `output_dir/model` with `mlx_encoders.save`, so transformers and e
 """
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ from ..models import TASKS, model_class, model_module, preset_config, presets
 from ..models.base import BaseArgs
 from ..models.layers import drawing_from
 from ..tokenizer import Tokenizer
+from .config import OptionError, Trained, TrainingConfig, at_least, in_range
 from .data import (
     Examples,
     causal_lm_data,
@@ -41,16 +42,7 @@ from .rerank import TASK as RERANK_TASK
 from .rerank import RerankObjective, choose_loss, load_reranker, rerank_data
 from .rtd import DISCRIMINATOR_WEIGHT, GENERATOR_SIZE, ReplacedTokenDetection, generator_args, rtd_masker
 from .rtd import TASK as RTD_TASK
-from .trainer import (
-    ADAPTERS_FOLDER,
-    MODEL_FOLDER,
-    OptionError,
-    TrainingConfig,
-    at_least,
-    check_metric_for_best,
-    in_range,
-    train,
-)
+from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, check_metric_for_best, train
 
 # The command's short task names, and the head each trains.
 TASK_NAMES = {
@@ -67,17 +59,6 @@ TASK_NAMES = {
 RETRIEVAL_TASKS = ("sentence-embedding", "sparse-embedding", "multi-vector-embedding")  # text-column tasks
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
-
-
-@dataclass
-class Trained:
-    """What `fine_tune` returns: the trained model and its tokenizer (ready to use), the last evaluation's metrics
-    (or the last step's record), and `path`, the saved model folder (`output_dir/model`)."""
-
-    model: nn.Module
-    tokenizer: Tokenizer
-    metrics: dict
-    path: Path
 
 
 def fine_tune(

@@ -15,6 +15,7 @@ from ..checkpoint.tokenizer import tokenizer_for
 from ..models.layers import drawing_from
 from ..sentence import lowercase
 from ..tokenizer import Tokenizer
+from .config import Trained, TrainingConfig
 from .embedding import (
     EmbeddingObjective,
     TextExamples,
@@ -23,9 +24,9 @@ from .embedding import (
     read_setup,
     save_sentence_transformer,
 )
-from .fine_tune import Trained, check_call_options, check_max_length, training_config
+from .fine_tune import check_call_options, check_max_length, training_config
 from .lora import apply_lora, fuse, save_adapters
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, TrainingConfig, train
+from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
 
 
 def fine_tune_embedding(

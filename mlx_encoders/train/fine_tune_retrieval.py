@@ -30,12 +30,13 @@ from ..sentence import DENSE_ACTIVATIONS
 from ..sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
 from ..tokenizer import Tokenizer
 from ..vectors import normalize
+from .config import OptionError, Trained
 from .embedding import EmbeddingObjective, TextExamples, write_json
-from .fine_tune import Trained, check_call_options, training_config
+from .fine_tune import check_call_options, training_config
 from .fine_tune_embed import text_examples, train_objective
 from .multi_vector_losses import MaxSimRankingLoss
 from .sparse_losses import SpladeLoss
-from .trainer import MODEL_FOLDER, OptionError
+from .trainer import MODEL_FOLDER
 
 ST = "sentence_transformers."
 TRANSFORMER = ST + "base.modules.transformer.Transformer"

@@ -1,9 +1,13 @@
 """Evaluation scores: macro-F1 as scikit-learn computes it, and entity-level precision, recall and F1 of BIO
 (IOB2, IOBES) tag sequences as seqeval counts them (reference: seqeval 1.2.2 `metrics/sequence_labeling.py`, its
-default lenient mode: `get_entities`, `end_of_chunk`, `start_of_chunk`, micro-averaged `precision_score`...).
+default lenient mode: `get_entities`, `end_of_chunk`, `start_of_chunk`, micro-averaged `precision_score`...);
+the names of the metrics a task's evaluation reports (`eval_metric_names`).
 """
 
 import numpy as np
+
+from .data import Examples
+from .embedding import TASK as EMBEDDING_TASK
 
 CHUNK_PREFIXES = ("B-", "I-", "E-", "S-")
 
@@ -71,3 +75,20 @@ def entity_scores(true: list[list[str]], predicted: list[list[str]]) -> dict[str
     recall = n_correct / n_true if n_true else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"precision": precision, "recall": recall, "f1": f1}
+
+
+def eval_metric_names(examples: Examples) -> list[str]:
+    """The metrics `trainer.evaluate` reports for `examples`' task and labels, to check `metric_for_best` before
+    training."""
+    names = ["eval_loss"]
+    if examples.task == EMBEDDING_TASK:
+        return names
+    if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
+        names.append("eval_accuracy")  # the tasks whose labels are class ids
+    if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
+        names.append("eval_f1")
+    if examples.task == "token-classification" and is_chunk_scheme(list(examples.label2id)):
+        names += ["eval_precision", "eval_recall", "eval_f1"]
+    if examples.task in ("masked-lm", "causal-lm"):
+        names.append("eval_perplexity")
+    return names

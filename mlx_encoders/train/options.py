@@ -6,13 +6,14 @@ import warnings
 from collections.abc import Mapping
 
 from ..models.base import PROBLEM_TYPES
+from .config import OptionError, TrainingConfig
 from .data import Examples
+from .metrics import eval_metric_names
 from .rerank import METRIC_NAMES as RERANK_METRICS
 from .rerank import TASK as RERANK
 from .rtd import DISCRIMINATOR_WEIGHT, GENERATOR_SIZE
 from .rtd import METRICS as RTD_METRICS
 from .rtd import TASK as RTD
-from .trainer import OptionError, TrainingConfig, eval_metric_names
 
 CLASSIFY, TOKENS, MLM, PRETRAINING, CLM = (
     "sequence-classification", "token-classification", "masked-lm", "pretraining", "causal-lm",

@@ -19,8 +19,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
-from ..checkpoint.write import model_config, save, write_checkpoint
+from ..checkpoint.write import model_config, write_checkpoint
 from ..engine.ops import drawing_from, next_key
 from ..models.base import padding_mask
 from ..models.electra import ElectraForMaskedLM, ElectraForPreTraining, ModelArgs
@@ -232,11 +233,12 @@ class ReplacedTokenDetection(nn.Module):
             self.generator.update(loaded[GENERATOR_FOLDER])  # its embeddings equal the discriminator's: both saved
 
     def save(self, folder: str | Path, tokenizer: Tokenizer, overwrite: bool = False) -> Path:
-        """`mlx_encoders.save` of each part (atomic) to `folder/discriminator` and `folder/generator`, with the
-        tokenizer; returns the discriminator's folder."""
-        with self.parts() as models:
-            for name, model in zip((DISCRIMINATOR_FOLDER, GENERATOR_FOLDER), models, strict=True):
-                save(model, Path(folder) / name, tokenizer, overwrite=overwrite)
+        """`folder/discriminator` and `folder/generator`, each a checkpoint with the tokenizer, written atomically
+        as a pair (as `trainer.save_checkpoint` writes checkpoints): on any error the previous pair (if any) stays
+        whole, never a new discriminator beside an old generator. Returns the discriminator's folder."""
+        parts = (DISCRIMINATOR_FOLDER, GENERATOR_FOLDER)
+        with atomic_folder(Path(folder), overwrite, whole=False, parts=parts) as tmp:
+            self.write_checkpoint(tmp, tokenizer)
         return Path(folder) / DISCRIMINATOR_FOLDER
 
 

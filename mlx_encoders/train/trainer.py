@@ -35,15 +35,16 @@ from ..engine.ops import drawing_from
 from ..models import task_of_model
 from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
+from .config import COMPUTE_DTYPES, OptionError, TrainingConfig
 from .data import Examples, collate
-from .embedding import TASK as EMBEDDING_TASK
 from .embedding import EmbeddingObjective, batch_tokens
 from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
 from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
 from .masking import Masker
-from .metrics import entity_scores, is_chunk_scheme, macro_f1
-from .optim import SCHEDULES, Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
+from .metrics import entity_scores, eval_metric_names, is_chunk_scheme, macro_f1
+from .optim import Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
+from .options import check_needs
 from .plot import CURVES_FILE, plot_metrics
 from .rerank import RerankObjective
 
@@ -51,95 +52,10 @@ LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions
 STATE_FILE, OPTIMIZER_FILE, METRICS_FILE = "trainer_state.json", "optimizer.safetensors", "metrics.jsonl"
 MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"  # where `fine_tune` saves the trained model and LoRA adapters
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
-COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-
-
-@dataclass
-class TrainingConfig:
-    """What `train` does; the names and defaults follow `TrainingArguments` (`lr` is its `learning_rate`,
-    `grad_accum` its `gradient_accumulation_steps`). `max_steps`, when set, replaces `epochs` and is also the
-    length of the learning-rate schedule; `eval_every`/`save_every` count optimizer steps (None: never, besides
-    each epoch end for evaluation and the end of training for both). `metric_for_best` names an eval metric (e.g.
-    "eval_loss", "eval_accuracy"); lower is better for losses and perplexity, higher for the rest. `warmup_steps`
-    > 0 replaces `warmup_ratio`; `max_grad_norm` None or <= 0 turns clipping off. Every option's range is checked
-    here (`check_options`).
-    `group_by_length` batches examples of similar lengths together (transformers' `LengthGroupedSampler`), so
-    less compute goes to padding. `dtype="bfloat16"` runs forward and backward passes in bfloat16 over float32
-    weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
-    recomputes each layer's activations in the backward pass instead of keeping them: less memory (with QLoRA,
-    close to the quantized weights), about a third more compute, the same gradients. `overwrite` clears another
-    run's files from `output_dir` first (transformers' `overwrite_output_dir`); without it they are refused."""
-
-    output_dir: str | Path
-    epochs: int = 3
-    max_steps: int | None = None
-    batch_size: int = 8
-    lr: float = 5e-5
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_accum: int = 1
-    max_grad_norm: float | None = 1.0
-    schedule: str = "linear"
-    seed: int = 42
-    eval_every: int | None = None
-    save_every: int | None = None
-    keep_last: int | None = 2
-    metric_for_best: str | None = None
-    group_by_length: bool = False
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-    overwrite: bool = False
-
-    def __post_init__(self):
-        check_options(self)
-        self.output_dir = Path(self.output_dir)
 
 
 class Diverged(ArithmeticError):
     """A non-finite loss or gradient norm: training stopped before the step that would have spoiled the weights."""
-
-
-class OptionError(ValueError):
-    """A training option outside its range; the command exits with status 2 on it, as on a malformed option."""
-
-
-def at_least(name: str, value, low: int, optional: bool = False) -> None:
-    """`value` is an integer >= `low` (or None when `optional`)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        allowed = f"an integer >= {low}" + (" or None" if optional else "")
-        raise OptionError(f"{name} must be {allowed}, got {value!r}")
-
-
-def in_range(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    """`value` is a finite number in [low, high] ((low, high] when `low_open`); NaN and infinities are refused."""
-    number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
-        raise OptionError(f"{name} must be a finite number in {bounds}, got {value!r}")
-
-
-def check_options(config: TrainingConfig) -> None:
-    """Every option in its range, before any work. `max_grad_norm` <= 0 turns clipping off (as transformers' 0 and
-    None do): a negative norm would otherwise scale the gradients by a negative factor and step uphill."""
-    for name in ("epochs", "batch_size", "grad_accum"):
-        at_least(name, getattr(config, name), 1)
-    for name in ("max_steps", "eval_every", "save_every", "keep_last"):
-        at_least(name, getattr(config, name), 1, optional=True)
-    at_least("warmup_steps", config.warmup_steps, 0)
-    at_least("seed", config.seed, 0)  # numpy's generators refuse negative seeds
-    in_range("lr", config.lr, 0.0, low_open=True)
-    in_range("weight_decay", config.weight_decay, 0.0)
-    in_range("warmup_ratio", config.warmup_ratio, 0.0, 1.0)
-    norm = config.max_grad_norm
-    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)):
-        raise OptionError(f"max_grad_norm must be a finite number (<= 0 turns clipping off) or None, got {norm!r}")
-    if config.schedule not in SCHEDULES:
-        raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
-    if config.dtype not in COMPUTE_DTYPES:
-        raise OptionError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {config.dtype!r}")
 
 
 @dataclass
@@ -303,22 +219,6 @@ def evaluate(
     if task in ("masked-lm", "causal-lm"):
         metrics["eval_perplexity"] = math.exp(metrics["eval_loss"])
     return metrics
-
-
-def eval_metric_names(examples: Examples) -> list[str]:
-    """The metrics `evaluate` reports for `examples`' task and labels, to check `metric_for_best` before training."""
-    names = ["eval_loss"]
-    if examples.task == EMBEDDING_TASK:
-        return names
-    if examples.task != "sequence-classification" or examples.problem_type == "single_label_classification":
-        names.append("eval_accuracy")  # the tasks whose labels are class ids
-    if examples.task == "sequence-classification" and examples.problem_type == "single_label_classification":
-        names.append("eval_f1")
-    if examples.task == "token-classification" and is_chunk_scheme(list(examples.label2id)):
-        names += ["eval_precision", "eval_recall", "eval_f1"]
-    if examples.task in ("masked-lm", "causal-lm"):
-        names.append("eval_perplexity")
-    return names
 
 
 def check_metric_for_best(
@@ -591,19 +491,28 @@ def steps_per_epoch(n: int, config: TrainingConfig) -> int:
     return math.ceil(math.ceil(n / config.batch_size) / config.grad_accum)
 
 
-def total_steps(n: int, config: TrainingConfig) -> int:
-    return config.max_steps or config.epochs * steps_per_epoch(n, config)
+def total_steps(
+    n: int, config: TrainingConfig, lengths: np.ndarray | None = None, batcher: Callable | None = None
+) -> int:
+    """`max_steps`, else the steps of every epoch as `epoch_steps` builds them: a `batcher` that defers examples to
+    extra batches (`embedding.no_duplicates`) adds steps, so that every example is trained on in every epoch."""
+    if config.max_steps:
+        return config.max_steps
+    if batcher is None:
+        return config.epochs * steps_per_epoch(n, config)
+    return sum(len(epoch_steps(n, config, epoch, lengths, batcher)) for epoch in range(config.epochs))
 
 
 def steps_from(
     lengths: np.ndarray, config: TrainingConfig, state: TrainerState, batcher: Callable | None = None
-) -> Iterator[tuple[int, int, list[np.ndarray]]]:
-    """(epoch, position after the step, micro-batches) from where `state` stands, epoch after epoch."""
+) -> Iterator[tuple[int, int, list[np.ndarray], bool]]:
+    """(epoch, position after the step, micro-batches, whether the step ends its epoch) from where `state` stands,
+    epoch after epoch; an epoch ends when its list of steps runs out, however many its batcher built."""
     epoch, position = state.epoch, state.position
     while True:
         steps = epoch_steps(len(lengths), config, epoch, lengths, batcher)
         for i in range(position, len(steps)):
-            yield epoch, i + 1, steps[i]
+            yield epoch, i + 1, steps[i], i + 1 == len(steps)
         epoch, position = epoch + 1, 0
 
 
@@ -857,8 +766,6 @@ def train(
     `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
     """
     config = config or TrainingConfig("output")
-    from .options import check_needs  # options.py builds on this module: imported when called
-
     check_needs(asdict(config) | {"eval_data": eval_examples})
     check_metric_for_best(config, eval_examples, model, objective)
     world = distributed.world()
@@ -869,8 +776,9 @@ def train(
         raise OptionError(f"{kind} training runs in one process only: start it without mlx.launch")
     if masker is None and train_examples.task in ("masked-lm", "pretraining"):
         masker = Masker.from_tokenizer(tokenizer)
-    n, total = len(train_examples), total_steps(len(train_examples), config)
     lengths = np.array([len(e.ids) for e in train_examples.encodings])
+    batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
+    total = total_steps(len(train_examples), config, lengths, batcher)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
@@ -884,7 +792,6 @@ def train(
     loop = Loop(
         model, tokenizer, train_examples, eval_examples, config, masker, optimizer, schedule, state, total, objective
     )
-    batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
     record = {"step": state.step}
     model.train()
     if config.gradient_checkpointing:
@@ -895,7 +802,7 @@ def train(
     ):
         if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-        for epoch, position, indices in steps_from(lengths, config, state, batcher):
+        for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
             if state.step >= total:
                 break
             record = loop.step(indices)
@@ -905,7 +812,7 @@ def train(
             bar.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
-            loop.evaluate_and_save(end_of_epoch=position == steps_per_epoch(n, config))
+            loop.evaluate_and_save(end_of_epoch)
     if world.is_main:
         plot_metrics(config.output_dir)
     return state.metrics or record
