@@ -2,17 +2,20 @@
 re-scoring), its faults, and the `mlx-encoders index` command. Vectors are checked against sentence-transformers,
 rankings against numpy's exact search."""
 
+import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,7 +27,8 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
-from mlx_encoders.index import CorpusError, Index, StoreError, build, documents, read_corpus, search
+from mlx_encoders.distributed import World
+from mlx_encoders.index import CorpusError, Index, StaleIndex, StoreError, build, documents, read_corpus, search
 from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
@@ -532,3 +536,54 @@ def test_command_line_build_and_search(tmp_path, model, capsys):
     (corpus / "bad.jsonl").write_text("{oops\n")
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 1
     assert f"mlx-encoders index: error: {corpus / 'bad.jsonl'}:1: not a JSON value" in capsys.readouterr().err
+
+
+def rebuild(index: Path, texts: dict[str, np.ndarray]) -> None:
+    """A new build of a `write_vectors` index: documents `texts` (id = text -> vector)."""
+    with Store(index / "index.sqlite") as store:
+        store.stage(list(texts), list(texts), np.array(list(texts.values())))
+        store.commit_index([(key, key) for key in texts])
+
+
+def test_an_index_opened_before_a_rebuild_refuses_to_mix_the_two_builds(tmp_path):
+    """Dropping the text of the highest row, then adding one, reuses that row number in SQLite: an `Index` opened
+    before would map the dropped text's vector to the new text. Each search finds the rebuild and raises instead;
+    so does a folder deleted and built again (generation 1 again)."""
+    folder, vectors = tmp_path / "index", unit_vectors(7, 8, seed=0)
+    write_vectors(folder, vectors[:6])
+    opened = Index(folder)
+    assert opened.search(vectors[5], 1)[0].id == "5"
+    rebuild(folder, {str(i): vectors[i] for i in range(5)})
+    rebuild(folder, {**{str(i): vectors[i] for i in range(5)}, "new": vectors[6]})
+    with pytest.raises(StaleIndex, match=f"^The index {re.escape(str(folder))} was rebuilt .*open the index again"):
+        opened.search(vectors[5], 1)
+    shutil.rmtree(folder)
+    write_vectors(folder, vectors[1:])  # generation 1 again, as when `opened` was opened
+    with pytest.raises(StaleIndex):
+        opened.search(vectors[5], 1)
+    assert Index(folder).search(vectors[6], 1)[0].id == "5"
+
+
+def test_a_rank_that_cannot_read_the_store_tells_the_others(tmp_path, encoder, monkeypatch):
+    """Rank 1 of 2 on a host that does not see the index folder: its error goes through the exchange that tells
+    every rank (raised before it, it would leave the others waiting), and each exchange runs under
+    `distributed.collective`'s guard against a lost or stalled rank."""
+    module = importlib.import_module("mlx_encoders.index.build")  # `mlx_encoders.index.build` is the function
+    steps, flags = [], []
+
+    @contextmanager
+    def guarded(world, what, seconds=None):
+        steps.append(what)
+        yield
+
+    def all_sum(x, **_):  # what rank 0 would add: no failure of its own
+        flags.append(x.tolist())
+        return x
+
+    monkeypatch.setattr(module, "world", lambda: World(None, 2, 1))
+    monkeypatch.setattr(module, "collective", guarded)
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    with pytest.raises(StoreError, match="index.sqlite does not exist"):
+        build([("a", "A text.")], tmp_path / "unseen", encoder, quiet=True)
+    assert steps == ["index build: opening the index", "index build: reading the shards"]
+    assert flags == [[0.0, 0.0], [0.0, 1.0]]

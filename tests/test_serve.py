@@ -573,3 +573,112 @@ def test_batcher_splits_large_requests_in_order_and_a_failure_fails_only_its_req
     batcher.stop()
     with pytest.raises(RuntimeError, match="shutting down"):
         batcher.submit(large)
+
+
+def stand_in(compute, **options):
+    """A Batcher over a stand-in model, with a budget of 10 tokens a batch."""
+    from mlx_encoders.serve.batcher import Batcher
+
+    return Batcher("stand-in", compute, **{"max_batch_tokens": 10, "max_wait_ms": 1, "max_queue": 8, **options})
+
+
+def stops_in_time(batcher, seconds: float = 10.0) -> bool:
+    stopper = threading.Thread(target=batcher.stop, daemon=True)
+    stopper.start()
+    stopper.join(seconds)
+    return not stopper.is_alive()
+
+
+def summed(items) -> np.ndarray:
+    return np.array([[sum(item.ids)] for item in items], np.float32)
+
+
+def test_batcher_faults_after_the_model_fail_their_requests_and_the_worker_goes_on():
+    """A result one row short, rows of another shape than a request's first piece, a result that is no array, a
+    failing batch hook and a fault in the worker's own step each fail their request; later requests are answered
+    and stop() returns."""
+    from mlx_encoders.serve.models import TokenIds
+
+    def compute(items):
+        first = items[0].ids[0]
+        if first == 7:
+            return summed(items)[1:]
+        if first == 8:
+            return np.zeros((len(items), 2), np.float32)
+        return None if first == 9 else summed(items)
+
+    hook_fails = threading.Event()
+
+    def on_batch(inputs: int, tokens: int) -> None:
+        if hook_fails.is_set():
+            raise KeyError("metrics hook")
+
+    batcher = stand_in(compute, on_batch=on_batch)
+    one = [TokenIds([1], [0])]
+    cases = [
+        ([TokenIds([7], [0]), TokenIds([1], [0])], RuntimeError, "'stand-in' returned 1 rows for 2 inputs"),
+        ([TokenIds([1] * 6, [0] * 6), TokenIds([8] * 6, [0] * 6)], ValueError, "broadcast"),  # split over 2 batches
+        ([TokenIds([9], [0])], TypeError, "NoneType"),
+    ]
+    for items, error, message in cases:
+        with pytest.raises(error, match=message):
+            batcher.submit(items).result(timeout=5)
+        assert batcher.submit(one).result(timeout=5).tolist() == [[1.0]]
+    hook_fails.set()
+    with pytest.raises(KeyError, match="metrics hook"):
+        batcher.submit(one).result(timeout=5)
+    hook_fails.clear()
+
+    def broken(pieces):
+        raise SystemExit("a bug in the worker's step")
+
+    batcher.run = broken
+    with pytest.raises(SystemExit, match="a bug"):
+        batcher.submit(one).result(timeout=5)
+    del batcher.run
+    assert batcher.submit(one).result(timeout=5).tolist() == [[1.0]]
+    assert stops_in_time(batcher)
+
+
+def test_batcher_settles_an_empty_request_at_once_and_a_cancelled_one_takes_no_budget():
+    from mlx_encoders.serve.models import TokenIds
+
+    started, release, batches = threading.Event(), threading.Event(), []
+
+    def compute(items):
+        batches.append([len(item.ids) for item in items])
+        started.set()
+        release.wait(10)
+        return summed(items)
+
+    batcher = stand_in(compute, max_wait_ms=50)
+    assert batcher.submit([]).result(timeout=5).shape == (0,)
+    first = batcher.submit([TokenIds([1], [0])])
+    assert started.wait(10)  # the worker is busy: what follows waits in the queue
+    gone = batcher.submit([TokenIds([1] * 9, [0] * 9)])
+    assert gone.cancel()
+    pair = [batcher.submit([TokenIds([2] * 5, [0] * 5)]) for _ in range(2)]
+    release.set()
+    assert [f.result(timeout=5).tolist() for f in (first, *pair)] == [[[1.0]], [[10.0]], [[10.0]]]
+    assert batches == [[1], [5, 5]]  # the cancelled request's 9 tokens neither ran nor filled the second batch
+    assert stops_in_time(batcher)
+
+
+def test_model_names_end_at_the_first_equals_sign():
+    from mlx_encoders.serve.cli import model_specs
+
+    assert model_specs(["m=runs/lr=1e-4/model", "x=y"]) == {"m": "runs/lr=1e-4/model", "x": "y"}
+
+
+def test_metric_label_values_are_escaped():
+    """Label values as the Prometheus text format (0.0.4) writes them: backslash, quote and newline escaped."""
+    from mlx_encoders.serve.metrics import Metrics
+
+    metrics, name = Metrics(), 'm"1\\2\n3'
+    metrics.batch(name, 2, 5)
+    metrics.queue_depth[name] = lambda: 0
+    lines = metrics.render().splitlines()
+    assert 'mlx_encoders_inputs_total{model="m\\"1\\\\2\\n3"} 2' in lines
+    value = r'"(?:[^"\\\n]|\\[\\"n])*"'
+    sample = re.compile(rf"[a-zA-Z_:]\w*(\{{\w+={value}(,\w+={value})*\}})? \S+")
+    assert all(line.startswith("#") or sample.fullmatch(line) for line in lines), lines

@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_checkpoint
-from test_index import st_model, write_corpus
+from test_index import rebuild, st_model, unit_vectors, write_corpus, write_vectors
 from test_index_sparse import MAX_ACTIVE_DIMS, PROMPTS
 from test_multi_vector import save_colbert
 from test_serve import START_TIMEOUT_S, call, launch, stop
 from test_sparse import MAX_SEQ_LENGTH, save_splade
 
 from mlx_encoders import MultiVectorEncoder, SentenceEncoder, SparseEncoder
-from mlx_encoders.index import Index, build
+from mlx_encoders.index import Index, ann, build
+from mlx_encoders.index.search import PRECISIONS
 from mlx_encoders.serve.models import ServedModel, kind_of
-from mlx_encoders.serve.search import ServedIndex, open_index
+from mlx_encoders.serve.search import ServedIndex, open_at_start, open_index
 
 TEXTS = ["A cat sat on the mat.", "Sparse vectors explain their matches, token by token.", "x", "Ferns like shade."]
 LONG = "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank. " * 2
@@ -366,3 +367,45 @@ def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_anoth
     assert (free.model, free.sparse, free.modes) == (None, router, ("sparse",))  # the served Router, shared
     with pytest.raises(ValueError, match=r"--index free=.*: the index was built with the sparse model .*router"):
         ServedIndex("free", folders["index-free"], Index(folders["index-free"]), None, hybrid.sparse)
+
+
+def unwritable(folder, *args):
+    raise PermissionError(13, "Permission denied", str(folder))
+
+
+def test_a_served_index_builds_its_graph_at_start_up_only_and_searches_exactly_where_it_cannot(
+    tmp_path, monkeypatch, capsys
+):
+    """At start-up the graph is built where missing (else, on a folder that cannot be written, the index is searched
+    exactly); a precision first asked for in a request never builds one. Every answer equals exact search."""
+    folder, vectors = tmp_path / "index", unit_vectors(40, 8, seed=0)
+    write_vectors(folder, vectors)
+    monkeypatch.setitem(Index.__init__.__kwdefaults__, "ann_threshold", 1)  # a graph is wanted, as at 50,000
+    exact = [(h.id, h.score) for h in Index(folder, ann=False).search(vectors[7], 3)]
+    with monkeypatch.context() as patch:
+        patch.setattr(ann, "build", unwritable)
+        cannot = open_at_start(folder)
+    assert cannot.graph is None and "searching it exactly" in capsys.readouterr().err
+    served = ServedIndex("v", folder, open_at_start(folder), None)
+    assert served.opened["float32"].graph is not None and (folder / "ann-float32.usearch").exists()
+    monkeypatch.setattr(ann, "build", unwritable)  # from here on, a graph built would fail the request
+    for precision in PRECISIONS:
+        hits = served.search(precision, vectors[7], 3)
+        assert [h.id for h in hits] == [i for i, _ in exact]
+        np.testing.assert_allclose([h.score for h in hits], [s for _, s in exact], atol=1e-6)
+    assert sorted(p.name for p in folder.glob("ann-*")) == ["ann-float32.json", "ann-float32.usearch"]
+
+
+def test_a_served_index_rebuilt_meanwhile_is_opened_again(tmp_path):
+    """The first search after a rebuild opens the index again and answers from the new build alone, as a new
+    `Index` does (a rebuild that reuses a dropped text's row number would otherwise answer the new text)."""
+    folder, vectors = tmp_path / "index", unit_vectors(7, 8, seed=0)
+    write_vectors(folder, vectors[:6])
+    served = ServedIndex("v", folder, Index(folder), None)
+    before = served.opened["float32"]
+    assert served.search("float32", vectors[5], 1)[0].id == "5"
+    rebuild(folder, {str(i): vectors[i] for i in range(5)})
+    rebuild(folder, {**{str(i): vectors[i] for i in range(5)}, "new": vectors[6]})
+    expected = [(h.id, h.score) for h in Index(folder).search(vectors[5], 3)]
+    assert [(h.id, h.score) for h in served.search("float32", vectors[5], 3)] == expected
+    assert served.opened["float32"] is not before

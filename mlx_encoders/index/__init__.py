@@ -3,7 +3,7 @@
 
 from .build import build
 from .documents import CorpusError, read_corpus
-from .search import Hit, Index, search
+from .search import Hit, Index, StaleIndex, search
 from .store import StoreError
 
-__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError"]
+__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError", "StaleIndex"]

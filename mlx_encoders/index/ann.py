@@ -51,7 +51,10 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
         index.add(rows.astype(np.uint64), as_input(vectors, precision), threads=os.cpu_count() or 1)
     file, record = paths(folder, precision)
     temporary = file.with_name(file.name + ".tmp")
-    index.save(str(temporary))
+    try:
+        index.save(str(temporary))
+    except RuntimeError as e:  # usearch's report of a file it cannot write
+        raise OSError(f"could not write {temporary}: {e}") from e
     os.replace(temporary, file)
     info = {"generation": generation, "rows": len(rows), "bytes": file.stat().st_size, "crc32": crc(file)}
     temporary = record.with_name(record.name + ".tmp")
@@ -60,9 +63,9 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
     return index
 
 
-def load(folder: Path, precision: str, generation: str, count: int):
+def load(folder: Path, precision: str, generation: str, count: int, rebuild: bool = True):
     """The saved index when it matches the store (generation, row count) and its bytes; else None, with the reason
-    on stderr."""
+    on stderr (and whether the caller `rebuild`s it or searches without it)."""
     file, record = paths(folder, precision)
     if not file.exists() or not record.exists():
         return None
@@ -80,7 +83,8 @@ def load(folder: Path, precision: str, generation: str, count: int):
         reason = f"unreadable: {e}"
     if reason is None:
         return index
-    print(f"mlx-encoders index: rebuilding {file} ({reason})", file=sys.stderr)
+    then = "rebuilding" if rebuild else "searching exactly, without"
+    print(f"mlx-encoders index: {then} {file} ({reason})", file=sys.stderr)
     return None
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint import folder_digest
+from ..distributed import World, collective, timeout, world
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder
 from . import ann as ann_index
@@ -25,19 +26,20 @@ from .search import ANN_THRESHOLD
 from .store import Store, shard_keys, text_key
 
 CHUNK = 256  # texts per committed transaction: a kill loses at most this much work per rank
+# the other ranks wait this long (or the collective timeout, if longer) for rank 0's store check and its merge with
+# the HNSW graph of a large index: work of one rank that can outlast the stall timeout without anything hanging
+RANK0_TIMEOUT = 24 * 3600.0
 
 
-def world() -> mx.distributed.Group:
-    """The processes of this run: a group of one unless started by `mlx.launch`."""
-    return mx.distributed.init()
-
-
-def agree(group: mx.distributed.Group, error: BaseException | None, step: str) -> None:
+def agree(ranks: World, error: BaseException | None, step: str, seconds: float | None = None) -> None:
     """Every rank says whether `step` went well; each raises when any rank failed (its own error, else one naming
-    the ranks that failed), so no rank waits forever for a rank that stopped."""
-    if group.size() > 1:
-        flags = mx.array([float(error is not None and r == group.rank()) for r in range(group.size())])
-        flags = mx.distributed.all_sum(flags, group=group, stream=mx.cpu)
+    the ranks that failed), so no rank waits forever for a rank that stopped; a rank lost or stalled during the
+    exchange ends this one with an error naming it (`distributed.collective`)."""
+    if ranks.size > 1:
+        flags = mx.array([float(error is not None and r == ranks.rank) for r in range(ranks.size)])
+        flags = mx.distributed.all_sum(flags, group=ranks.group, stream=mx.cpu)
+        with collective(ranks, f"index build: {step}", seconds):
+            mx.eval(flags)
         failed = [r for r, flag in enumerate(flags.tolist()) if flag]
         if failed and error is None:
             raise RuntimeError(f"index build: {step} failed on rank(s) {failed}; see their messages")
@@ -107,8 +109,8 @@ def build(
     its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built
     too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
     that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped."""
-    group, folder = world(), Path(index)
-    rank, size = group.rank(), group.size()
+    ranks, folder = world(), Path(index)
+    rank, size = ranks.rank, ranks.size
     if model is None and sparse_model is None:
         raise ValueError("index build needs a model (--model), a sparse model (--sparse-model) or both")
     encoder, name = open_model(model, SentenceEncoder)
@@ -129,19 +131,18 @@ def build(
                     store.set_meta(meta)
     except Exception as e:
         error = e
-    agree(group, error, "opening the index")
+    agree(ranks, error, "opening the index", max(timeout(), RANK0_TIMEOUT))
 
     keys = [text_key(text) for _, text in docs]
-    with Store(store_file) as store:
-        known = store.keys()
-    shards = sorted(shard_folder.glob("rank-*.sqlite"))
     error = None
-    try:
-        for shard in shards:
+    try:  # a host that does not see the folder fails here, and the others learn of it
+        with Store(store_file) as store:
+            known = store.keys()
+        for shard in sorted(shard_folder.glob("rank-*.sqlite")):
             known |= shard_keys(shard, meta, name)
     except Exception as e:
         error = e
-    agree(group, error, "reading the shards")
+    agree(ranks, error, "reading the shards")
 
     texts = dict(zip(keys, (t for _, t in docs), strict=True))
     pending = sorted(key for key in texts if key not in known)
@@ -160,7 +161,7 @@ def build(
             embed_chunks(target, encoder, sparse, chunks[rank::size], batch_size, quiet or rank != 0)
     except Exception as e:
         error = e
-    agree(group, error, "embedding")
+    agree(ranks, error, "embedding")
 
     error, counts = None, {}
     try:
@@ -168,7 +169,7 @@ def build(
             counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
     except Exception as e:
         error = e
-    agree(group, error, "merging")
+    agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
     return counts
 
 

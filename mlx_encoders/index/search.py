@@ -9,6 +9,8 @@ fusion (`rrf`: the sum over the rankings of 1 / (rrf_k + rank), rank from 1) or 
 score + (1 - alpha) x the sparse score, each min-max normalised over its ranking; 0 where a text is absent).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,10 @@ PRECISIONS = ("float32", "int8", "binary")
 MODES = ("dense", "sparse", "hybrid")
 FUSIONS = ("rrf", "weighted")
 RRF_K = 60  # reciprocal-rank fusion's constant, as its authors (Cormack et al. 2009) and most engines use
+
+
+class StaleIndex(StoreError):
+    """The store was rebuilt after this `Index` read its vectors: open the index again."""
 
 
 @dataclass
@@ -78,7 +84,11 @@ class Index:
     """A built index opened for searching. `model` (a folder or hub id, or a SentenceEncoder) embeds text queries;
     by default the model the index was built with; so does `sparse_model` (a SparseEncoder or its folder) for an
     index built with one. `ann`: True/False forces the graph on or off, None uses it
-    from `ann_threshold` vectors. `rescore`: candidates re-scored exactly per query (at least 4 x k)."""
+    from `ann_threshold` vectors. `rescore`: candidates re-scored exactly per query (at least 4 x k). `write=False`
+    never writes into the folder: where the graph is missing or stale, search is exact instead of building it.
+
+    The vectors are read once, here; each search checks that the store is still the build they came from and
+    raises `StaleIndex` (a StoreError) once the index has been rebuilt: open it again."""
 
     def __init__(
         self,
@@ -90,14 +100,17 @@ class Index:
         ann_threshold: int = ANN_THRESHOLD,
         precision: str = "float32",
         rescore: int = 100,
+        write: bool = True,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.folder, self.precision, self.rescore = Path(folder), precision, rescore
         with Store(self.folder / "index.sqlite") as store:
-            if "generation" not in store.meta:
+            store.con.execute("BEGIN")  # the meta and the vectors of one build
+            self.meta = dict(store.con.execute("SELECT name, value FROM meta"))
+            if "generation" not in self.meta:
                 raise StoreError(f"{store.path} holds no finished build; run the build (again) to finish it")
-            self.meta = store.meta
+            self.generation = generation_of(self.meta)
             self.rows, self.vectors = store.vectors()
         self.model, self.encoder = model, model if isinstance(model, SentenceEncoder) else None
         self.sparse_model = sparse_model
@@ -105,13 +118,12 @@ class Index:
         self.dense = self.meta.get("model_fingerprint", "") != ""
         self.sparse = self.meta.get("sparse_model_fingerprint", "") != ""
         self.graph, self.checked = None, set()
-        graph = ann if ann is not None else len(self.rows) >= ann_threshold
-        if self.dense and graph:
+        if self.dense and (ann if ann is not None else len(self.rows) >= ann_threshold):
             generation = self.meta["generation"]
-            self.graph = ann_index.load(self.folder, precision, generation, len(self.rows))
-            if self.graph is None:
+            self.graph = ann_index.load(self.folder, precision, generation, len(self.rows), rebuild=write)
+            if self.graph is None and write:
                 self.graph = ann_index.build(self.folder, self.rows, self.vectors, precision, generation)
-        elif self.dense and precision != "float32":
+        if self.dense and self.graph is None and precision != "float32":
             self.codes = self.quantize(self.vectors)
 
     def quantize(self, vectors: np.ndarray) -> np.ndarray:
@@ -160,22 +172,36 @@ class Index:
         "weighted" with the dense share `alpha`)."""
         mode = self.check_mode(mode, k, fusion, rrf_k, alpha, depth)
         dense, sparse = query if isinstance(query, tuple) else (query, query)
-        if mode == "dense":
-            rows, scores = self.dense_nearest(dense, k)
-        elif mode == "sparse":
-            rows, scores = self.sparse_nearest(sparse, k)
-        else:
-            if not isinstance(query, (str, tuple)):
-                raise TypeError(
-                    f"a hybrid search takes a text or a (vector, sparse vector) pair, got {type(query).__name__}"
-                )
-            rankings = [self.dense_nearest(dense, max(depth, k)), self.sparse_nearest(sparse, max(depth, k))]
-            rows, scores = fuse(rankings, fusion, rrf_k, (alpha, 1 - alpha))
-            rows, scores = rows[:k], scores[:k]
-        with Store(self.folder / "index.sqlite") as store:
+        if mode == "hybrid" and not isinstance(query, (str, tuple)):
+            raise TypeError(
+                f"a hybrid search takes a text or a (vector, sparse vector) pair, got {type(query).__name__}"
+            )
+        with self.snapshot() as store:  # postings and documents of the build the vectors come from
+            if mode == "dense":
+                rows, scores = self.dense_nearest(dense, k)
+            elif mode == "sparse":
+                rows, scores = self.sparse_nearest(sparse, k, store)
+            else:
+                rankings = [self.dense_nearest(dense, max(depth, k)), self.sparse_nearest(sparse, max(depth, k), store)]
+                rows, scores = fuse(rankings, fusion, rrf_k, (alpha, 1 - alpha))
+                rows, scores = rows[:k], scores[:k]
             found = store.documents([int(r) for r in rows])
         hits = [Hit(i, float(s), t) for r, s in zip(rows, scores, strict=True) for i, t in found[int(r)]]
         return hits[:k]
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Store]:
+        """The store as of one moment (a read transaction), checked to be the build this index was opened at."""
+        with Store(self.folder / "index.sqlite") as store:
+            store.con.execute("BEGIN")  # every read below sees one build, even if another commits meanwhile
+            now = generation_of(dict(store.con.execute("SELECT name, value FROM meta")))
+            if now != self.generation:
+                raise StaleIndex(
+                    f"The index {self.folder} was rebuilt (generation {now[0]}) after it was opened (generation "
+                    f"{self.generation[0]}), and its vectors are the old build's: open the index again (a server "
+                    "reopens it by itself)."
+                )
+            yield store
 
     def check_mode(self, mode: str | None, k: int, fusion: str, rrf_k: float, alpha: float, depth: int) -> str:
         mode = mode or ("dense" if self.dense else "sparse")
@@ -199,12 +225,18 @@ class Index:
         positions, scores = self.nearest(vector, k)
         return self.rows[positions], scores
 
-    def sparse_nearest(self, query: str | SparseVectors, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, dot products) of the best `k` texts sharing a term with the query, best first (ties by row)."""
+    def sparse_nearest(
+        self, query: str | SparseVectors, k: int, store: Store | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, dot products) of the best `k` texts sharing a term with the query, best first (ties by row), read
+        from `store` (a `snapshot`; else one of its own)."""
         terms, weights = self.embed_sparse(query)
         order = np.argsort(terms)
         terms, weights = terms[order], weights[order].astype(np.float64)
-        with Store(self.folder / "index.sqlite") as store:
+        if store is None:
+            with self.snapshot() as store:
+                found, rows, values = store.postings(terms)
+        else:
             found, rows, values = store.postings(terms)
         rows, slots = np.unique(rows, return_inverse=True)  # ascending rows: ties go by row
         scores = np.bincount(slots, weights=values * weights[np.searchsorted(terms, found)], minlength=len(rows))
@@ -226,6 +258,12 @@ class Index:
         scores = self.vectors[pool] @ vector
         top = best(scores, k)
         return pool[top], scores[top]
+
+
+def generation_of(meta: dict[str, str]) -> tuple[str | None, str | None]:
+    """What tells builds of a store apart: its generation, and the id of the store (a folder deleted and built
+    again starts at generation 1 again)."""
+    return meta.get("generation"), meta.get("store_id")
 
 
 def search(

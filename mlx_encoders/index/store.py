@@ -1,15 +1,16 @@
 """The index's system of record: one SQLite file (WAL) of texts, their float32 vectors and document ids.
 
-Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation), `texts` (one
-row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense model), `documents`
-(id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text row, weight;
-clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished). A build
-commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings` in
+Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation, store id),
+`texts` (one row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense model),
+`documents` (id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text row,
+weight; clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished). A
+build commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings` in
 one transaction, so a reader sees the previous index or the new one.
 """
 
 import hashlib
 import sqlite3
+import uuid
 from collections.abc import Iterable
 from contextlib import closing
 from pathlib import Path
@@ -168,7 +169,7 @@ class Store:
     def commit_index(self, docs: list[tuple[str, str]]) -> None:
         """The new index in one transaction: `docs` (id, key) replace the documents, the staged texts join the
         texts and their postings the inverted index, texts no document uses go with their postings, and the
-        generation moves on."""
+        generation moves on (with the store's random id, set once, it tells every build apart)."""
         generation = str(int(self.meta.get("generation", "0")) + 1)
         self.transaction([
             ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
@@ -183,6 +184,7 @@ class Store:
              [()]),
             ("DELETE FROM texts WHERE key NOT IN (SELECT key FROM documents)", [()]),
             ("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("generation", generation)]),
+            ("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)", [(uuid.uuid4().hex,)]),
         ])  # fmt: skip
 
     def count(self) -> int:

@@ -434,7 +434,11 @@ async def search(request: Request, server: Server):
         width = served.sparse.sparse.get_embedding_dimension()
         sparse = SparseVectors(np.zeros(len(ids), np.int64), np.asarray(ids, np.int64), weights, (width,))
     options = {"mode": mode, "fusion": fusion, "rrf_k": rrf_k, "alpha": alpha, "depth": depth}
-    hits = await loop.run_in_executor(None, functools.partial(index.search, (vector, sparse), top_k, **options))
+    try:  # an index rebuilt since it was opened is opened again; a rebuild with other models cannot be
+        search = functools.partial(served.search, precision, (vector, sparse), top_k, **options)
+        hits = await loop.run_in_executor(None, search)
+    except ValueError as e:
+        raise ApiError(503, f"index {served.name!r}: {e}", None, "index_changed") from None
     tokens = sum(len(item.ids) for i in items for item in i)
     return {
         "object": "list",

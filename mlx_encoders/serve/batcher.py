@@ -77,6 +77,9 @@ class Batcher:
                 raise RuntimeError(f"model {self.name!r} is shutting down")
             if len(self.jobs) >= self.max_queue:
                 raise QueueFull(f"model {self.name!r} has {self.max_queue} requests waiting (--max-queue)")
+            if not items:  # nothing to compute, and take() drops a job that gives no piece: settled now
+                job.settle(result=np.empty((0,), np.float32))
+                return job.future
             self.jobs.append(job)
             self.queued_tokens += sum(len(item.ids) for item in items)
             self.condition.notify()
@@ -91,8 +94,11 @@ class Batcher:
 
     def work(self) -> None:
         while (pieces := self.take()) is not None:
-            if pieces:  # empty when every waiting request was cancelled
-                self.run(pieces)
+            try:
+                self.run(pieces)  # nothing when every waiting request was cancelled
+            except BaseException as error:  # noqa: BLE001  a fault here fails this batch's requests, never the worker
+                for job, _, _ in pieces:
+                    job.settle(error=error)
         self.drained.set()
         # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
         # ("terminate called without an active exception"); a daemon thread left waiting does not.
@@ -113,6 +119,10 @@ class Batcher:
             pieces, tokens = [], 0
             while self.jobs:
                 job = self.jobs[0]
+                if job.future.cancelled():  # its client is gone: its items neither run nor fill this batch's budget
+                    self.queued_tokens -= sum(len(item.ids) for item in job.items[job.taken :])
+                    self.jobs.popleft()
+                    continue
                 start = stop = job.taken
                 while stop < len(job.items):
                     size = len(job.items[stop].ids)
@@ -120,7 +130,7 @@ class Batcher:
                         break  # a single over-budget item still runs, alone
                     tokens += size
                     stop += 1
-                if stop > start and not job.future.cancelled():
+                if stop > start:
                     pieces.append((job, start, stop))
                 self.queued_tokens -= sum(len(item.ids) for item in job.items[start:stop])
                 job.taken = stop
@@ -130,9 +140,13 @@ class Batcher:
             return pieces if pieces or not self.stopping else None
 
     def run(self, pieces: list[tuple[Job, int, int]]) -> None:
+        if not pieces:
+            return
         items = [item for job, start, stop in pieces for item in job.items[start:stop]]
         try:
             out = self.compute(items)
+            if len(out) != len(items):  # settling would leave the rest of a request waiting forever
+                raise RuntimeError(f"model {self.name!r} returned {len(out)} rows for {len(items)} inputs")
         except Exception as error:  # noqa: BLE001  a failure fails its own requests only: retry them one by one
             if len(pieces) == 1:
                 pieces[0][0].settle(error=error)
@@ -140,9 +154,13 @@ class Batcher:
             for piece in pieces:
                 self.run([piece])
             return
-        if self.on_batch is not None:
-            self.on_batch(len(items), sum(len(item.ids) for item in items))
-        offset = 0
-        for job, start, stop in pieces:
-            job.finish(start, out[offset : offset + stop - start])
-            offset += stop - start
+        try:
+            if self.on_batch is not None:
+                self.on_batch(len(items), sum(len(item.ids) for item in items))
+            offset = 0
+            for job, start, stop in pieces:
+                job.finish(start, out[offset : offset + stop - start])
+                offset += stop - start
+        except Exception as error:  # noqa: BLE001  rows of another shape than a request's first ones, a hook
+            for job, _, _ in pieces:
+                job.settle(error=error)

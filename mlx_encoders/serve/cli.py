@@ -45,7 +45,8 @@ def model_specs(values: list[str]) -> dict[str, str]:
 
     specs = {}
     for value in values:
-        name, _, path = value.rpartition("=") if "=" in value and not os.path.exists(value) else ("", "", value)
+        # NAME=PATH splits at the first "=": a path may hold one (runs/lr=1e-4/model), a served name may not
+        name, _, path = value.partition("=") if "=" in value and not os.path.exists(value) else ("", "", value)
         name = name or default_name(path)
         if name in specs:
             raise ValueError(f"model name {name!r} is given twice; name each model: --model NAME=PATH")
