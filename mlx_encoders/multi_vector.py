@@ -17,7 +17,7 @@ import numpy as np
 from .checkpoint import Checkpoint, load_model, load_tokenizer, read_json_object, read_modules
 from .checkpoint import resolve as resolve_path
 from .engine.batching import run_batches
-from .sentence import DEFAULT_PROMPTS, DOCUMENT_PROMPTS, Dense, load_dense, lowercase, merge_prompts, resolve_prompt
+from .sentence import DEFAULT_PROMPTS, Dense, TaskEncoding, load_dense, lowercase, merge_prompts, resolve_prompt
 from .tokenizer import check_count, text_list
 from .vectors import normalize
 
@@ -67,7 +67,7 @@ def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
     return out / mx.maximum(q_mask.sum(axis=1, keepdims=True), 1) if length_normalize else out
 
 
-class MultiVectorEncoder:
+class MultiVectorEncoder(TaskEncoding):
     """Texts -> one (tokens, D) matrix each, like `sentence_transformers.MultiVectorEncoder(path).encode(texts)`.
 
     `path_or_repo`: a local folder or hub id of a sentence-transformers multi-vector model. `dtype` casts the
@@ -226,20 +226,6 @@ class MultiVectorEncoder:
             out = [np.array(normalize(mx.array(m))) for m in out]
         out = out if convert_to_numpy else [mx.array(m) for m in out]
         return out[0] if single else out
-
-    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
-        """`encode` with task "query" and the "query" prompt (the query marker) unless one is given."""
-        if prompt_name is None and prompt is None and "query" in self.prompts:
-            prompt_name = "query"
-        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
-
-    def encode_document(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
-    ):
-        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
-        if prompt_name is None and prompt is None:
-            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
-        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
 
     def tokenize(self, texts: list[str], task: str | None) -> list:
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_length(task))

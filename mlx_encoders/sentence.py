@@ -46,6 +46,34 @@ DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, e
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 
 
+def task_prompt_name(prompts: dict[str, str], task: str | None) -> str | None:
+    """The prompt `encode_query` (task "query": "query") or `encode_document` (the first of DOCUMENT_PROMPTS) picks
+    when none is given, if the model has it; None for plain `encode`."""
+    if task == "query":
+        return "query" if "query" in prompts else None
+    if task == "document":
+        return next((name for name in DOCUMENT_PROMPTS if name in prompts), None)
+    return None
+
+
+class TaskEncoding:
+    """`encode_query` / `encode_document` for encoders whose `encode` takes `task=` (sparse, multi-vector)."""
+
+    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
+        """`encode` with task "query" and the "query" prompt unless one is given."""
+        if prompt_name is None and prompt is None:
+            prompt_name = task_prompt_name(self.prompts, "query")
+        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
+
+    def encode_document(
+        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
+    ):
+        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
+        if prompt_name is None and prompt is None:
+            prompt_name = task_prompt_name(self.prompts, "document")
+        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
+
+
 @dataclass
 class Dense:
     """sentence-transformers' `Dense`: activation(x W^T + b), plus x (or x R^T) when `use_residual`."""
@@ -373,8 +401,8 @@ class SentenceEncoder:
     ):
         """`encode` with the "query" prompt unless one is given (sentence-transformers defines it, empty, for every
         model, so the default prompt never applies here)."""
-        if prompt_name is None and prompt is None and "query" in self.prompts:
-            prompt_name = "query"
+        if prompt_name is None and prompt is None:
+            prompt_name = task_prompt_name(self.prompts, "query")
         return self.encode(sentences, prompt_name, prompt, **kwargs)
 
     def encode_document(
@@ -382,7 +410,7 @@ class SentenceEncoder:
     ):
         """`encode` with the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
-            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
+            prompt_name = task_prompt_name(self.prompts, "document")
         return self.encode(sentences, prompt_name, prompt, **kwargs)
 
     def features(self, encoding: Encoding, tokens: np.ndarray, vector: np.ndarray, prompt_length: int | None) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 from .checkpoint import Checkpoint, inside, load_model, load_tokenizer, read_json_object, read_modules, read_safetensors
 from .checkpoint import resolve as resolve_path
 from .engine.batching import run_batches
-from .sentence import DEFAULT_PROMPTS, DOCUMENT_PROMPTS, lowercase, merge_prompts, resolve_prompt
+from .sentence import DEFAULT_PROMPTS, TaskEncoding, lowercase, merge_prompts, resolve_prompt
 from .tokenizer import Tokenizer, check_count, text_list
 from .vectors import SIMILARITIES, check_similarity_name
 
@@ -251,7 +251,7 @@ def read_router(folder: Path, dtype) -> tuple[dict, str | None, dict]:
     return routes, default, mappings
 
 
-class SparseEncoder:
+class SparseEncoder(TaskEncoding):
     """Texts -> sparse vocabulary-sized embeddings, like `sentence_transformers.SparseEncoder(path).encode(texts)`.
 
     `path_or_repo`: a local folder or hub id of a sentence-transformers sparse model. `dtype` casts the model's
@@ -345,20 +345,6 @@ class SparseEncoder:
         if single:
             vectors = SparseVectors(vectors.row, vectors.col, vectors.data, (route.dimension,))
         return vectors if convert_to_sparse_tensor else vectors.toarray()
-
-    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
-        """`encode` with task "query" and the "query" prompt unless one is given."""
-        if prompt_name is None and prompt is None and "query" in self.prompts:
-            prompt_name = "query"
-        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
-
-    def encode_document(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
-    ):
-        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
-        if prompt_name is None and prompt is None:
-            prompt_name = next((name for name in DOCUMENT_PROMPTS if name in self.prompts), None)
-        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
 
     def similarity(self, embeddings1, embeddings2) -> mx.array:
         """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2` (SparseVectors or

@@ -15,7 +15,7 @@ from ..cross_encoder import CrossEncoder
 from ..multi_vector import MultiVectorEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
-from ..sentence import DOCUMENT_PROMPTS, SentenceEncoder, resolve_prompt
+from ..sentence import SentenceEncoder, resolve_prompt, task_prompt_name
 from ..sparse import SparseEncoder
 from .errors import ApiError
 
@@ -150,11 +150,7 @@ class ServedModel:
     def prompt(self, task: str | None) -> str:
         """The prompt `encode` (task None), `encode_query` or `encode_document` prepends."""
         encoder = self.encoder or self.sparse or self.multi
-        name = None
-        if task == "query" and "query" in encoder.prompts:
-            name = "query"
-        elif task == "document":
-            name = next((n for n in DOCUMENT_PROMPTS if n in encoder.prompts), None)
+        name = task_prompt_name(encoder.prompts, task)
         return resolve_prompt(encoder.prompts, encoder.default_prompt_name, name, None, "serve")
 
     def named_prompt(self, name: str) -> str:
