@@ -55,7 +55,7 @@ def build_rate(args: argparse.Namespace, folder: Path, ranks: int) -> float:
     shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, __file__, "--rank-build", str(folder), "--texts", str(args.texts), "--model", args.model]
     if ranks > 1:
-        command = ["mlx.launch", "--backend", "ring", "-n", str(ranks), *command]
+        command = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n", str(ranks), *command]
     start = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     seconds = time.perf_counter() - start
@@ -169,8 +169,10 @@ def main() -> None:
         if args.retrieval:
             retrieval_quality(args, folder)
             return
-        rates = {ranks: round(build_rate(args, folder / f"build-{ranks}", ranks), 1) for ranks in (1, 2)}
-        print(json.dumps({"texts": args.texts, "texts/s by ranks": rates}))
+        for ranks in (1, 2):
+            rate = build_rate(args, folder / f"build-{ranks}", ranks)
+            print(json.dumps({"texts": args.texts, "ranks": ranks, "texts/s": round(rate, 1)}), flush=True)
+            shutil.rmtree(folder / f"build-{ranks}")
         for size in args.sizes:
             print(json.dumps(search_figures(size, args, folder / f"search-{size}")))
 

@@ -19,7 +19,8 @@ Engines, each in its own subprocess (so peak memory, `ru_maxrss`, is its own), o
 
 `--memory-batch N` measures memory instead: one optimizer step on a batch of N pairs, plain MNRL and
 CachedMultipleNegativesRankingLoss (`--mini-batch-size`) for ours and sentence-transformers, each process's
-peak resident memory.
+peak resident memory (and wall time, model loading included); then the largest plain-MNRL batch of ours (32,
+64, ...) whose step fits in the memory of our CachedMNRL step at N.
 
 Timings and memory are printed, never asserted; run it on an otherwise idle machine.
 """
@@ -220,18 +221,30 @@ def main() -> None:
 
 
 def memory(args: argparse.Namespace, train: list[dict]) -> None:
-    """One step on one batch of all of `train`, plain and cached, for each engine: peak resident memory."""
+    """One step on one batch of all of `train`, plain and cached, for each engine: peak resident memory; then the
+    largest plain-MNRL batch (a power of 2) of ours whose step fits in the peak of our CachedMNRL step."""
     print(f"one step, batch {len(train)}, max_length {args.max_length}, mini-batch {args.mini_batch_size}")
-    for engine in ("ours", "st"):
-        for cached in (False, True):
-            job = dict(
-                engine=engine, train=train, test=[], epochs=1, batch_size=len(train), lr=args.lr, threads=args.threads,
-                warmup_ratio=0.0, max_length=args.max_length, cached=cached, mini_batch_size=args.mini_batch_size,
-                seed=args.seeds[0], memory=True,
-            )  # fmt: skip
-            r = run(job)
-            name = "CachedMNRL" if cached else "MNRL"
-            print(f"{engine:>6} {name:>10}: peak {r['peak_mib']:.0f} MiB, {r['train_s']:.1f} s")
+
+    def step(engine: str, cached: bool, rows: list[dict]) -> dict:
+        job = dict(
+            engine=engine, train=rows, test=[], epochs=1, batch_size=len(rows), lr=args.lr, threads=args.threads,
+            warmup_ratio=0.0, max_length=args.max_length, cached=cached, mini_batch_size=args.mini_batch_size,
+            seed=args.seeds[0], memory=True,
+        )  # fmt: skip
+        r = run(job)
+        name = "CachedMNRL" if cached else "MNRL"
+        print(f"{engine:>6} {name:>10} batch {len(rows):>5}: peak {r['peak_mib']:.0f} MiB, {r['train_s']:.1f} s")
+        return r
+
+    peaks = {
+        (engine, cached): step(engine, cached, train)["peak_mib"]
+        for engine in ("ours", "st")
+        for cached in (True, False)
+    }
+    budget, batch, largest = peaks["ours", True], 32, None
+    while batch < len(train) and step("ours", False, train[:batch])["peak_mib"] <= budget:
+        largest, batch = batch, batch * 2
+    print(f"largest plain MNRL batch of ours within our CachedMNRL peak ({budget:.0f} MiB): {largest}")
 
 
 if __name__ == "__main__":

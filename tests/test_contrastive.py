@@ -27,6 +27,7 @@ from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main
 from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.checkpoint.tokenizer import tokenizer_for
+from mlx_encoders.engine.ops import drawing_from
 from mlx_encoders.train import embedding, fine_tune, trainer
 from mlx_encoders.train.contrastive import (
     CachedMultipleNegativesRankingLoss,
@@ -97,15 +98,24 @@ def st_loss_and_grads(folder: Path, make_loss, rows: list[dict], columns: list[s
     return value.item(), {name: params[name].grad.numpy() for name in PARAMETERS}
 
 
-def our_loss_and_grads(folder: Path, loss, rows: list[dict], normalize=False, pooling=("mean",)):
+def our_loss_and_grads(
+    folder: Path, loss, rows: list[dict], normalize=False, pooling=("mean",), compiled=False, training=False
+):
+    """Our loss and gradients of PARAMETERS through the trainer's path: eager, or with `compiled` the trainer's
+    `trace` (mx.compile over the model's state and the dropout key); dropout on with `training`."""
     model = load_model(folder, dtype="float32", task="encoder")
-    model.eval()
+    model.train(training)
     tokenizer = tokenizer_for(model.args, folder)
     examples = embedding_data(rows, tokenizer)
     objective = EmbeddingObjective(loss, tokenizer, pooling, normalize, "batch_sampler")
     batch = objective.collate(examples, range(len(rows)))
     make = lambda fn: trainer.value_and_grad(model, mx.float32, fn)  # noqa: E731
-    value, grads = objective.value_and_grad(model, make, [mx.random.key(0)])(batch)
+    random = [mx.random.key(0)]
+    trace = (
+        (lambda fn: mx.compile(fn, inputs=[model.state, random], outputs=[model.state, random])) if compiled else None
+    )
+    with drawing_from(random):  # as the trainer's steps draw dropout
+        value, grads = objective.value_and_grad(model, make, random, trace)(batch)
     grads = dict(tree_flatten(grads))
     return value.item(), {name: np.array(grads[name]) for name in PARAMETERS}
 
@@ -194,15 +204,30 @@ def test_normalize_and_concatenated_pooling_follow_the_folder(st_normalized):
         assert_close(grads[name], expected_grads[name])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("mini_batch_size", [1, 4])
-def test_cached_mnrl_gives_the_loss_and_gradients_of_mnrl(st_folder, mini_batch_size):
+def test_cached_mnrl_gives_the_loss_and_gradients_of_mnrl(st_folder, mini_batch_size, compiled):
     plain = MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 8])
     plain, plain_grads = our_loss_and_grads(st_folder, plain, TRIPLETS)
     cached = MatryoshkaLoss(CachedMultipleNegativesRankingLoss(mini_batch_size=mini_batch_size), [32, 8])
-    value, grads = our_loss_and_grads(st_folder, cached, TRIPLETS)
+    value, grads = our_loss_and_grads(st_folder, cached, TRIPLETS, compiled=compiled)
     assert value == pytest.approx(plain, rel=1e-6)
     for name in PARAMETERS:  # mini-batches are padded to their own longest row: float rounding differs
         assert_close(grads[name], plain_grads[name])
+
+
+def test_cached_mnrl_replays_dropout_the_same_compiled_or_eager(tmp_path):
+    """With dropout on, GradCache's second pass must redraw each mini-batch's masks: compiled passes (one trace per
+    mini-batch shape) give the eager passes' loss and gradients."""
+    folder = save_st(tmp_path / "st", make_checkpoint(tmp_path / "bert", "bert", num_hidden_layers=2), Pooling(32))
+    cached = CachedMultipleNegativesRankingLoss(mini_batch_size=2)
+    eager, eager_grads = our_loss_and_grads(folder, cached, TRIPLETS, training=True)
+    plain, _ = our_loss_and_grads(folder, cached, TRIPLETS)
+    value, grads = our_loss_and_grads(folder, cached, TRIPLETS, compiled=True, training=True)
+    assert eager != pytest.approx(plain, rel=1e-4)  # dropout changed something
+    assert value == pytest.approx(eager, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], eager_grads[name])
 
 
 def test_matryoshka_is_the_weighted_sum_over_truncated_normalized_embeddings():

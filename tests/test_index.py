@@ -32,6 +32,7 @@ from mlx_encoders.index import CorpusError, Index, StaleIndex, StoreError, build
 from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
+LAUNCH = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
 FILES = {
     "animals.md": "Cats purr when they are content.\n\nDogs bark at the mail carrier every morning.\n",
     "notes/code.txt": "Use argparse to read command line options.\n\nA zip file bundles many files in one.\n",
@@ -235,7 +236,7 @@ def launch_two_ranks(tmp_path: Path, corpus: Path, index: Path, model: Path, **e
     script = tmp_path / "rank_build.py"
     script.write_text(RANK_BUILD)
     launched = subprocess.run(
-        ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable,
+        [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable,
          str(script), str(corpus), str(index), str(model), str(tmp_path / "status")],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=180,
     )  # fmt: skip

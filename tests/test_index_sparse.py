@@ -25,6 +25,7 @@ from mlx_encoders.__main__ import main as cli
 from mlx_encoders.index import Index, StoreError, build, read_corpus, search
 
 ROOT = Path(__file__).parents[1]
+LAUNCH = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
 PROMPTS = {"query": "query: ", "document": "passage: "}  # so a wrong side (query vs document) shows
 MAX_ACTIVE_DIMS = 100  # as sparse as a trained SPLADE's vectors; a random one activates most of the vocabulary
 
@@ -201,7 +202,7 @@ def test_two_ranks_build_equals_one_process(tmp_path, models, dense, sparse):
     files = {**FILES, "long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(12))}
     corpus, index, single = write_corpus(tmp_path / "corpus", files), tmp_path / "index", tmp_path / "single"
     launched = subprocess.run(
-        ["mlx.launch", "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable, "-c",
+        [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(free_ports(2)), sys.executable, "-c",
          RANK_BUILD, str(corpus), str(index), str(models["dense"]), str(models["splade0"])],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180,
     )  # fmt: skip

@@ -9,6 +9,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -23,6 +24,7 @@ from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.files import read_json_object, read_modules
 from ..checkpoint.write import model_config, write_checkpoint
+from ..models.inputs import unchecked_inputs
 from ..pooling import pool, read_pooling_config
 from ..tokenizer import Tokenizer
 from .contrastive import (
@@ -38,6 +40,7 @@ from .evaluators import retrieval_metric_names, row_retrieval_metrics
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
+MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: compiled passes' traces repeat, stay few
 LENGTH_GROUP = 8  # rows of a training batch embedded together (`length_groups`): little padding, large products
 NEGATIVE = re.compile(r"negative_(\d+)")
 TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
@@ -289,18 +292,19 @@ class EmbeddingObjective:
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
         return l2_normalize(x) if self.normalize else x
 
-    def length_groups(self, features: dict[str, np.ndarray]) -> dict:
-        """A padded numpy batch as MLX arrays: its rows longest first in groups of `LENGTH_GROUP`, each cut to its
-        own longest row, and "restore", the order that puts their embeddings back. Padding to the batch's longest (a
-        few long documents) would spend most of the pass on padding; a row's embedding depends on neither."""
+    def length_groups(self, features: dict[str, np.ndarray], size: int = LENGTH_GROUP, multiple: int = 1) -> dict:
+        """A padded numpy batch as MLX arrays: its rows longest first in groups of `size`, each cut to its own
+        longest row (rounded up to a `multiple`, within the batch's width), and "restore", the order that puts their
+        embeddings back. Padding to the batch's longest (a few long documents) would spend most of the pass on
+        padding; a row's embedding depends on neither."""
         if not self.groups_by_length:
             return {"groups": [{k: mx.array(v) for k, v in features.items()}]}
         lengths = features["attention_mask"].sum(axis=1)
         order = np.argsort(-lengths, kind="stable")
         groups = []
-        for start in range(0, len(order), LENGTH_GROUP):
-            rows = order[start : start + LENGTH_GROUP]
-            width = int(lengths[rows].max())
+        for start in range(0, len(order), size):
+            rows = order[start : start + size]
+            width = min(-(-int(lengths[rows].max()) // multiple) * multiple, features["input_ids"].shape[1])
             groups.append({k: mx.array(v[rows, :width]) for k, v in features.items()})
         return {"groups": groups, "restore": mx.array(np.argsort(order))}
 
@@ -332,28 +336,49 @@ class EmbeddingObjective:
         """Whether the trainer may compile the step (`inputs_loss` of `inputs`); GradCache's passes stay eager."""
         return not self.cached
 
-    def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
+    def value_and_grad(
+        self, model: nn.Module, make: Callable, random: list[mx.array], trace: Callable | None = None
+    ) -> Callable:
         """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one
-        argument (it casts to the compute dtype); `random` the dropout key, replayed in GradCache's second pass."""
+        argument (it casts to the compute dtype); `random` the dropout key, replayed in GradCache's second pass;
+        `trace(fn)`, when the trainer gives it (float32 steps), compiles `fn` over the model's state and the key:
+        GradCache's mini-batch passes then run compiled, one trace per mini-batch shape."""
         if not self.cached:
             return make(lambda batch: self.batch_loss(model, batch))
-        surrogate = make(lambda part: (self.embed(model, part[0], part[1]) * part[2]).sum())
-        return lambda batch: self.cached_value_and_grad(model, surrogate, random, batch)
+        surrogate = lambda part: (self.embed(model, part[0], part[1]) * part[2]).sum()  # noqa: E731
+        if trace is None:
+            passes = (lambda part: self.embed(model, *part), make(surrogate))
+        else:
+            passes = (trace(lambda part: self.embed(model, *part)), trace(nn.value_and_grad(model, surrogate)))
+        return lambda batch: self.cached_value_and_grad(model, passes, random, batch, checked=trace is not None)
 
-    def cached_value_and_grad(self, model, surrogate, random: list[mx.array], batch: dict) -> tuple[mx.array, dict]:
+    def cached_value_and_grad(
+        self, model, passes: tuple[Callable, Callable], random: list[mx.array], batch: dict, checked: bool = False
+    ) -> tuple[mx.array, dict]:
         """GradCache: every mini-batch's embeddings without a graph (the dropout key saved before each), the loss
         and its gradient with respect to all embeddings, then each mini-batch's pass again under its saved key,
-        back-propagated from its rows of that gradient (the surrogate sum(embedding * gradient))."""
-        columns, labels = arrays(batch)
+        back-propagated from its rows of that gradient (the surrogate sum(embedding * gradient)). Mini-batches are
+        rows of similar length (`length_groups`), as little padding as the plain step has. `passes` are the
+        embedding pass and the surrogate's value and gradients; `checked`: they skip the model's input checks
+        (compiled), which then run here first on each column, in a graph built in eval mode and never evaluated."""
+        embed, surrogate = passes
         size = self.loss.mini_batch_size
-        parts = [(c, f, random[0]) for c, f in enumerate(columns) for f in mini_batches(f, size)]
+        columns = [self.length_groups(f, size, MINI_BATCH_WIDTHS) for f in batch["columns"]]
+        if not self.groups_by_length:
+            columns = [{"groups": mini_batches(column["groups"][0], size)} for column in columns]
+        if checked:
+            checked_inputs(model, [f for column in columns for f in column["groups"]])
+        labels = None if batch["labels"] is None else mx.array(batch["labels"])
+        parts = [(c, f) for c, column in enumerate(columns) for f in column["groups"]]
         keys, pieces = [], [[] for _ in columns]
-        for c, f, _ in parts:
+        for c, f in parts:
             keys.append(random[0])
-            pieces[c].append(self.embed(model, f, c))
+            with unchecked_inputs() if checked else nullcontext():
+                pieces[c].append(embed((f, c)))
             mx.eval(pieces[c][-1], random[0])
         after = random[0]
-        embeddings, order = [mx.concatenate(p) for p in pieces], batch.get("order")
+        embeddings = [unsorted(mx.concatenate(p), column) for p, column in zip(pieces, columns, strict=True)]
+        order = batch.get("order")
         if order is None:
             loss, d_embeddings = mx.value_and_grad(lambda e: self.loss(e, labels))(embeddings)
             mx.eval(loss, d_embeddings)
@@ -364,11 +389,13 @@ class EmbeddingObjective:
                 loss, d_all = mx.value_and_grad(lambda e: self.loss([x[mx.array(order)] for x in e], labels))(everyone)
                 mx.eval(loss, d_all)
             loss, d_embeddings = loss / world.size, [d[world.rank * rows : (world.rank + 1) * rows] for d in d_all]
+        d_embeddings = [sorted_rows(d, column) for d, column in zip(d_embeddings, columns, strict=True)]
         grads, offsets = None, [0] * len(columns)
-        for (c, f, _), key in zip(parts, keys, strict=True):
+        for (c, f), key in zip(parts, keys, strict=True):
             rows = f["input_ids"].shape[0]
             random[0] = key
-            _, g = surrogate((f, c, d_embeddings[c][offsets[c] : offsets[c] + rows]))
+            with unchecked_inputs() if checked else nullcontext():
+                _, g = surrogate((f, c, d_embeddings[c][offsets[c] : offsets[c] + rows]))
             offsets[c] += rows
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(grads)
@@ -407,6 +434,28 @@ class EmbeddingObjective:
             retrieval = row_retrieval_metrics(examples.texts, vectors, self.similarity_fn_name)
             metrics |= {f"eval_{name}": value for name, value in retrieval.items()}
         return metrics
+
+
+def checked_inputs(model: nn.Module, batches: list[dict[str, mx.array]]) -> None:
+    """The model's checks of its inputs (token ids in range...), which read values on the host: a forward graph of
+    each batch built in eval mode (no dropout draws) and never evaluated."""
+    training = model.training
+    model.eval()
+    try:
+        for f in batches:
+            model(f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
+    finally:
+        model.train(training)
+
+
+def unsorted(x: mx.array, column: dict) -> mx.array:
+    """Rows embedded in a column's `length_groups` order, back in the batch's order."""
+    return x[column["restore"]] if "restore" in column else x
+
+
+def sorted_rows(x: mx.array, column: dict) -> mx.array:
+    """Rows in the batch's order, in the column's `length_groups` order (the inverse of `unsorted`)."""
+    return x[mx.argsort(column["restore"])] if "restore" in column else x
 
 
 def retrieval_rows(examples: TextExamples) -> bool:

@@ -233,8 +233,11 @@ class RerankObjective:
         """Consecutive batches of the trainer's order (no sampler of its own)."""
         return None
 
-    def value_and_grad(self, model: nn.Module, make: Callable, random: list[mx.array]) -> Callable:
-        """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one batch."""
+    def value_and_grad(
+        self, model: nn.Module, make: Callable, random: list[mx.array], trace: Callable | None = None
+    ) -> Callable:
+        """`batch -> (loss, gradients)`; `make(loss_fn)` is the trainer's `value_and_grad` for a loss of one batch
+        (`trace`, the trainer's compiler, is not used: the pairs of a batch run in one eager pass)."""
         return make(lambda batch: self.loss(model, *self.split(batch)))
 
     def part(self, batch: dict[str, np.ndarray], world: distributed.World) -> dict[str, np.ndarray]:

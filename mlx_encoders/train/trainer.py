@@ -37,7 +37,7 @@ from ..models.inputs import unchecked_inputs
 from ..tokenizer import Tokenizer
 from .config import COMPUTE_DTYPES, OptionError, TrainingConfig
 from .data import Examples, collate
-from .embedding import EmbeddingObjective, batch_tokens
+from .embedding import EmbeddingObjective, batch_tokens, checked_inputs
 from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
 from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
@@ -563,7 +563,9 @@ class Loop:
             self.loss_and_grad = retraced_value_and_grad(self.model, self.random, self.objective)
         elif self.objective is not None:
             make = lambda loss: value_and_grad(self.model, dtype, loss)  # noqa: E731
-            self.loss_and_grad = self.objective.value_and_grad(self.model, make, self.random)
+            state = [self.model.state, self.random]  # what a compiled pass reads, and the dropout key it advances
+            trace = (lambda fn: mx.compile(fn, inputs=state, outputs=state)) if plain else None  # noqa: E731
+            self.loss_and_grad = self.objective.value_and_grad(self.model, make, self.random, trace)
         elif self.compiled:
             self.loss_and_grad = compiled_value_and_grad(self.model, self.random)
         else:
@@ -696,14 +698,7 @@ def retraced_value_and_grad(
             traced.clear()  # the previous trace, and the graph it holds, go
             loss = nn.value_and_grad(model, lambda x: objective.inputs_loss(model, x))
             traced[shapes] = mx.compile(loss, inputs=state, outputs=state)
-        training = model.training
-        model.eval()
-        try:
-            for column in inputs["columns"]:  # the model's input checks, on the host (see compiled_value_and_grad)
-                for f in column["groups"]:
-                    model(f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
-        finally:
-            model.train(training)
+        checked_inputs(model, [f for column in inputs["columns"] for f in column["groups"]])
         with unchecked_inputs():
             return traced[shapes](inputs)
 
