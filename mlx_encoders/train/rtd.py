@@ -58,6 +58,17 @@ def generator_args(discriminator: ModelArgs, size: float) -> ModelArgs:
     return ModelArgs.from_dict({**discriminator.to_config(), **sizes})
 
 
+def start_at_base_rate(discriminator: nn.Module, masker: Masker) -> None:
+    """A new discriminator's output bias at the log-odds of a real token being replaced at the start (the masked
+    share: an untrained generator's samples almost never equal the original), as RetinaNet starts its
+    classifier at the prior. From a zero bias the first steps learn that base rate through the hidden states,
+    pushing one shared direction into every token's; in short runs the top layer's tokens then end almost alike
+    (benchmarks/RESULTS.md, ELECTRA pretraining against masked-LM)."""
+    p = masker.probability
+    head = discriminator.discriminator_predictions.dense_prediction
+    head.bias = mx.full(head.bias.shape, math.log(p / (1 - p)))
+
+
 def check_pair(discriminator: nn.Module, generator: nn.Module) -> None:
     """The generator can read the discriminator's embeddings and predict its vocabulary."""
     if not (isinstance(discriminator, ElectraForPreTraining) and isinstance(generator, ElectraForMaskedLM)):
