@@ -11,7 +11,8 @@ each of `--queries` queries of the same kind answered by a matrix product over a
 HNSW graph with the top candidates re-scored (ann); recall@10 is the share of the exact top 10 the graph finds.
 Two kinds of vectors:
 - embedding-like (`--sizes`): drawn from a Gaussian with the mean and covariance of `--model`'s embeddings of the
-  distinct docstring paragraphs, then normalised: the spectrum of real sentence embeddings at any count;
+  distinct docstring paragraphs, then normalised: real embeddings' spread over directions (not their clusters)
+  at any count;
 - uniform (`--uniform-sizes`): uniform on the unit sphere, every direction equally likely: a worst case for any
   graph index (neighbours are barely nearer than everything else), not what embeddings look like.
 Embedding the query is not included (see benchmarks/embed.py).
@@ -65,7 +66,9 @@ def build_rate(args: argparse.Namespace, folder: Path, ranks: int) -> float:
     shutil.rmtree(folder, ignore_errors=True)
     command = [sys.executable, __file__, "--rank-build", str(folder), "--texts", str(args.texts), "--model", args.model]
     if ranks > 1:
-        command = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n", str(ranks), *command]
+        launch = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
+        launch = str(launch) if launch.exists() else shutil.which("mlx.launch") or "mlx.launch"
+        command = [launch, "--backend", "ring", "-n", str(ranks), *command]
     start = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     seconds = time.perf_counter() - start

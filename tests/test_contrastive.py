@@ -412,3 +412,16 @@ def test_other_architectures_train_into_folders_sentence_transformers_reads(
     texts = ["how do cats sleep", "a much longer text about python, the programming language"]
     expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
+
+
+def test_cached_mnrl_with_dropout_equals_mnrl_with_the_same_masks(tmp_path, monkeypatch):
+    """One mini-batch per column, as wide as the plain step's group: GradCache's first pass draws the plain step's
+    dropout masks, and its second pass must draw them again for the gradients to be the plain step's."""
+    monkeypatch.setattr(embedding, "MINI_BATCH_WIDTHS", 1)
+    folder = save_st(tmp_path / "st", make_checkpoint(tmp_path / "bert", "bert", num_hidden_layers=2), Pooling(32))
+    plain, plain_grads = our_loss_and_grads(folder, MultipleNegativesRankingLoss(), TRIPLETS, training=True)
+    cached = CachedMultipleNegativesRankingLoss(mini_batch_size=embedding.LENGTH_GROUP)
+    value, grads = our_loss_and_grads(folder, cached, TRIPLETS, training=True)
+    assert value == pytest.approx(plain, rel=1e-6)
+    for name in PARAMETERS:
+        assert_close(grads[name], plain_grads[name])

@@ -33,6 +33,7 @@ from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
+LAUNCH = LAUNCH if LAUNCH.exists() else shutil.which("mlx.launch") or "mlx.launch"
 FILES = {
     "animals.md": "Cats purr when they are content.\n\nDogs bark at the mail carrier every morning.\n",
     "notes/code.txt": "Use argparse to read command line options.\n\nA zip file bundles many files in one.\n",

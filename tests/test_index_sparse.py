@@ -5,6 +5,7 @@ written out here, and `mlx-encoders index build --sparse-model` / `index search 
 import functools
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -26,6 +27,7 @@ from mlx_encoders.index import Index, StoreError, build, read_corpus, search
 
 ROOT = Path(__file__).parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
+LAUNCH = LAUNCH if LAUNCH.exists() else shutil.which("mlx.launch") or "mlx.launch"
 PROMPTS = {"query": "query: ", "document": "passage: "}  # so a wrong side (query vs document) shows
 MAX_ACTIVE_DIMS = 100  # as sparse as a trained SPLADE's vectors; a random one activates most of the vocabulary
 

@@ -40,7 +40,7 @@ from .evaluators import retrieval_metric_names, row_retrieval_metrics
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
-MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: compiled passes' traces repeat, stay few
+MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
 LENGTH_GROUP = 8  # rows of a training batch embedded together (`length_groups`): little padding, large products
 NEGATIVE = re.compile(r"negative_(\d+)")
 TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
@@ -292,19 +292,24 @@ class EmbeddingObjective:
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
         return l2_normalize(x) if self.normalize else x
 
-    def length_groups(self, features: dict[str, np.ndarray], size: int = LENGTH_GROUP, multiple: int = 1) -> dict:
-        """A padded numpy batch as MLX arrays: its rows longest first in groups of `size`, each cut to its own
-        longest row (rounded up to a `multiple`, within the batch's width), and "restore", the order that puts their
-        embeddings back. Padding to the batch's longest (a few long documents) would spend most of the pass on
-        padding; a row's embedding depends on neither."""
+    def length_groups(self, features: dict[str, np.ndarray], size: int | None = None, multiple: int = 1) -> dict:
+        """A padded numpy batch as MLX arrays: its rows longest first in groups of `size` (`LENGTH_GROUP`), each cut
+        to its own longest row rounded up to a `multiple` (padded further where the batch is narrower), and
+        "restore", the order that puts their embeddings back. Padding to the batch's longest (a few long documents)
+        would spend most of the pass on padding; a row's embedding depends on neither."""
         if not self.groups_by_length:
             return {"groups": [{k: mx.array(v) for k, v in features.items()}]}
+        size = size or LENGTH_GROUP
         lengths = features["attention_mask"].sum(axis=1)
+        wider = -(-int(lengths.max()) // multiple) * multiple - features["input_ids"].shape[1]
+        if wider > 0:  # pad id where the model reads ids, 0 in the mask and token types
+            pads = {"input_ids": self.tokenizer.pad_token_id}
+            features = {k: np.pad(v, ((0, 0), (0, wider)), constant_values=pads.get(k, 0)) for k, v in features.items()}
         order = np.argsort(-lengths, kind="stable")
         groups = []
         for start in range(0, len(order), size):
             rows = order[start : start + size]
-            width = min(-(-int(lengths[rows].max()) // multiple) * multiple, features["input_ids"].shape[1])
+            width = -(-int(lengths[rows].max()) // multiple) * multiple
             groups.append({k: mx.array(v[rows, :width]) for k, v in features.items()})
         return {"groups": groups, "restore": mx.array(np.argsort(order))}
 
@@ -333,7 +338,8 @@ class EmbeddingObjective:
 
     @property
     def compilable(self) -> bool:
-        """Whether the trainer may compile the step (`inputs_loss` of `inputs`); GradCache's passes stay eager."""
+        """Whether the trainer may compile the step (`inputs_loss` of `inputs`); GradCache compiles its own passes
+        (`value_and_grad`'s `trace`)."""
         return not self.cached
 
     def value_and_grad(
@@ -367,7 +373,7 @@ class EmbeddingObjective:
         if not self.groups_by_length:
             columns = [{"groups": mini_batches(column["groups"][0], size)} for column in columns]
         if checked:
-            checked_inputs(model, [f for column in columns for f in column["groups"]])
+            checked_inputs(model, [{k: mx.array(v) for k, v in f.items()} for f in batch["columns"]])
         labels = None if batch["labels"] is None else mx.array(batch["labels"])
         parts = [(c, f) for c, column in enumerate(columns) for f in column["groups"]]
         keys, pieces = [], [[] for _ in columns]

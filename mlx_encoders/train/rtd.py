@@ -59,8 +59,8 @@ def generator_args(discriminator: ModelArgs, size: float) -> ModelArgs:
 
 
 def start_at_base_rate(discriminator: nn.Module, masker: Masker) -> None:
-    """A new discriminator's output bias at the log-odds of a real token being replaced at the start (the masked
-    share: an untrained generator's samples almost never equal the original), as RetinaNet starts its
+    """A new discriminator's output bias at the log-odds of a real token being replaced at the start (the masking
+    probability: an untrained generator's samples almost never equal the original), as RetinaNet starts its
     classifier at the prior. From a zero bias the first steps learn that base rate through the hidden states,
     pushing one shared direction into every token's; in short runs the top layer's tokens then end almost alike
     (benchmarks/RESULTS.md, ELECTRA pretraining against masked-LM)."""
