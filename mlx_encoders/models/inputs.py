@@ -111,3 +111,15 @@ def check_length(args: BaseArgs, input_ids: mx.array, max_length: int | None, pa
             f"input of {length} {what} is longer than the {max_length} positions of the model's position table "
             f"({table}); truncate it, e.g. tokenizer(..., truncation=True, max_length={max_length})"
         )
+
+
+def checked_inputs(model, batches: list[dict]) -> None:
+    """`model`'s checks of each batch's inputs (token ids in range...), which read values on the host, before a
+    compiled pass that cannot: a forward graph built in eval mode (no dropout draws) and never evaluated."""
+    training = model.training
+    model.eval()
+    try:
+        for f in batches:
+            model(f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
+    finally:
+        model.train(training)

@@ -9,7 +9,6 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -24,7 +23,7 @@ from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.files import read_json_object, read_modules
 from ..checkpoint.write import model_config, write_checkpoint
-from ..models.inputs import unchecked_inputs
+from ..models.inputs import checked_inputs, unchecked_inputs
 from ..pooling import pool, read_pooling_config
 from ..tokenizer import Tokenizer
 from .contrastive import (
@@ -356,6 +355,7 @@ class EmbeddingObjective:
             passes = (lambda part: self.embed(model, *part), make(surrogate))
         else:
             passes = (trace(lambda part: self.embed(model, *part)), trace(nn.value_and_grad(model, surrogate)))
+            passes = tuple(unchecked(fn) for fn in passes)
         return lambda batch: self.cached_value_and_grad(model, passes, random, batch, checked=trace is not None)
 
     def cached_value_and_grad(
@@ -366,7 +366,7 @@ class EmbeddingObjective:
         back-propagated from its rows of that gradient (the surrogate sum(embedding * gradient)). Mini-batches are
         rows of similar length (`length_groups`), as little padding as the plain step has. `passes` are the
         embedding pass and the surrogate's value and gradients; `checked`: they skip the model's input checks
-        (compiled), which then run here first on each column, in a graph built in eval mode and never evaluated."""
+        (compiled), which then run here first on each column (`checked_inputs`)."""
         embed, surrogate = passes
         size = self.loss.mini_batch_size
         columns = [self.length_groups(f, size, MINI_BATCH_WIDTHS) for f in batch["columns"]]
@@ -379,8 +379,7 @@ class EmbeddingObjective:
         keys, pieces = [], [[] for _ in columns]
         for c, f in parts:
             keys.append(random[0])
-            with unchecked_inputs() if checked else nullcontext():
-                pieces[c].append(embed((f, c)))
+            pieces[c].append(embed((f, c)))
             mx.eval(pieces[c][-1], random[0])
         after = random[0]
         embeddings = [unsorted(mx.concatenate(p), column) for p, column in zip(pieces, columns, strict=True)]
@@ -400,8 +399,7 @@ class EmbeddingObjective:
         for (c, f), key in zip(parts, keys, strict=True):
             rows = f["input_ids"].shape[0]
             random[0] = key
-            with unchecked_inputs() if checked else nullcontext():
-                _, g = surrogate((f, c, d_embeddings[c][offsets[c] : offsets[c] + rows]))
+            _, g = surrogate((f, c, d_embeddings[c][offsets[c] : offsets[c] + rows]))
             offsets[c] += rows
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(grads)
@@ -442,16 +440,14 @@ class EmbeddingObjective:
         return metrics
 
 
-def checked_inputs(model: nn.Module, batches: list[dict[str, mx.array]]) -> None:
-    """The model's checks of its inputs (token ids in range...), which read values on the host: a forward graph of
-    each batch built in eval mode (no dropout draws) and never evaluated."""
-    training = model.training
-    model.eval()
-    try:
-        for f in batches:
-            model(f["input_ids"], f["attention_mask"], f.get("token_type_ids"))
-    finally:
-        model.train(training)
+def unchecked(fn: Callable) -> Callable:
+    """`fn` (a compiled pass) run without the model's host-side input checks (`unchecked_inputs`)."""
+
+    def run(*args):
+        with unchecked_inputs():
+            return fn(*args)
+
+    return run
 
 
 def unsorted(x: mx.array, column: dict) -> mx.array:

@@ -33,11 +33,11 @@ from ..checkpoint.write import model_config, write_checkpoint
 from ..engine import runtime
 from ..engine.ops import drawing_from
 from ..models import task_of_model
-from ..models.inputs import unchecked_inputs
+from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
 from .config import COMPUTE_DTYPES, OptionError, TrainingConfig
 from .data import Examples, collate
-from .embedding import EmbeddingObjective, batch_tokens, checked_inputs
+from .embedding import EmbeddingObjective, batch_tokens
 from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
 from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .losses import IGNORE_INDEX, cross_entropy, task_loss
