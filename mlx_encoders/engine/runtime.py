@@ -1,18 +1,17 @@
-"""What MLX's CPU backend runs on, and every process-wide setting the engine makes, in one place.
+"""What MLX's CPU backend runs on, and every change the engine makes to the process, in one place
+(docs/performance.md). `MLX_ENCODERS_CPU_TUNING=0` turns every one of them off.
 
-- **BLAS.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
-  encoder's products. At import, when OpenBLAS is installed, `give_mlx_fast_blas` loads it with local symbol
-  scope and writes the addresses of its `cblas_*gemm` into libmlx's own table of imported functions (its GOT;
-  one-row float32 products go to its sgemv, `gemv.py`):
-  only MLX's calls reach it, whatever was imported first, and no other library in the process (torch, numpy)
-  binds to it. `MLX_ENCODERS_BLAS=/path/to/libopenblas.so` picks the library, `MLX_ENCODERS_BLAS=0` leaves MLX
-  as it is. One warning says when MLX's products run on the reference BLAS.
-- **Tuning while `encode`, `predict`, the pipelines or training run** (`MLX_ENCODERS_CPU_TUNING=0` turns it off):
-  MLX's OpenBLAS runs each product on its caller's thread (`one_blas_thread`), so passes on several streams each
-  keep one core; the previous thread count is restored after. Before the first inference pass, `warm_heap` frees
-  one large buffer, which raises glibc's mmap threshold to 32 MB through glibc's own adjustment (for the rest of
-  the process, as any program freeing a large buffer does). A training run raises MLX's own cache limit while it
-  runs (`keep_freed_memory`), then sets it back. Nothing else is changed, and nothing at import but MLX's own BLAS.
+- **BLAS, at import.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
+  encoder's products. `give_mlx_fast_blas` loads an OpenBLAS (`MLX_ENCODERS_BLAS`'s, else pip's scipy-openblas32,
+  else the system's) with local symbol scope and writes the addresses of its `cblas_*gemm` into libmlx's own table
+  of imported functions (its GOT), once the libmlx file read is verified to be the image mapped: only MLX's calls
+  reach it, and no other library in the process (torch, numpy) binds to it.
+- **One-row products, when decoding first needs them** (`one_row_products`): a small C helper (`gemv.py`) sends
+  them to the BLAS's sgemv.
+- **While `encode`, `predict`, the pipelines or training run**: MLX's OpenBLAS runs each product on its caller's
+  thread (`one_blas_thread`), restored after; `warm_heap` frees one large buffer before the first inference pass,
+  which raises glibc's mmap threshold through glibc's own adjustment; a training run lets MLX's cache follow its
+  peak memory (`keep_freed_memory`), then sets the limit back.
 """
 
 import ctypes
