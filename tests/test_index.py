@@ -589,3 +589,24 @@ def test_a_rank_that_cannot_read_the_store_tells_the_others(tmp_path, encoder, m
         build([("a", "A text.")], tmp_path / "unseen", encoder, quiet=True)
     assert steps == ["index build: opening the index", "index build: reading the shards"]
     assert flags == [[0.0, 0.0], [0.0, 1.0]]
+
+
+def test_search_options_are_bounded_and_lookups_batched(tmp_path, monkeypatch):
+    """k and depth are whole numbers up to MAX_K, rrf_k finite (the library, CLI and server share the check); a
+    k past the index's size answers every document, and lookups run in bounded batches with the same answer."""
+    from mlx_encoders.index import store as store_module
+    from mlx_encoders.index.search import MAX_K
+
+    vectors = unit_vectors(1_200, 16, seed=0)
+    write_vectors(tmp_path / "v", vectors)
+    index = Index(tmp_path / "v")
+    for k in (0, MAX_K + 1, 1e30, 2.0, True):
+        with pytest.raises(ValueError, match="k must be a whole number from 1 to 10000"):
+            index.search(vectors[0], k)
+    for rrf_k in (float("nan"), float("inf"), -1):
+        with pytest.raises(ValueError, match="rrf_k must be a finite number"):
+            index.check_mode("dense", 10, "rrf", rrf_k, 0.5, 100)
+    everything = index.search(vectors[0], MAX_K)
+    assert len(everything) == 1_200 and everything[0].id == "0"
+    monkeypatch.setattr(store_module, "LOOKUP_BATCH", 7)
+    assert index.search(vectors[0], MAX_K) == everything
