@@ -68,6 +68,10 @@ def compiler_identity(cc: str) -> str:
     return f"{shutil.which(cc)}\n{version}"
 
 
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def build() -> Path | None:
     """The compiled forwarding library (built on first use, written whole or not at all, kept per source, machine
     and compiler), or None without a compiler or a usable cache of the user's own."""
@@ -77,14 +81,17 @@ def build() -> Path | None:
     try:
         key = hashlib.sha256(f"{SOURCE}{platform.machine()}{compiler_identity(cc)}".encode()).hexdigest()[:16]
         target = cache_folder() / f"forwarding-sgemm-{key}.so"
-        if not target.exists():
+        digest = target.with_suffix(".sha256")  # a damaged library would crash the process that loads it
+        if not (digest.exists() and target.exists() and digest.read_text() == file_digest(target)):
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as work:
                 source, built = Path(work) / "forwarding.c", Path(work) / target.name
                 source.write_text(SOURCE)
                 command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)]
                 subprocess.run(command, check=True, capture_output=True, timeout=60)
+                (Path(work) / digest.name).write_text(file_digest(built))
                 os.replace(built, target)
+                os.replace(Path(work) / digest.name, digest)
         owner = target.stat()
         if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # loaded code: the user's own, written by no other
             return None

@@ -315,6 +315,27 @@ def warn_if_slow_blas() -> None:
     )
 
 
+class ForkedAfterMLX(RuntimeError):
+    """MLX ran in a parent process that forked this one: its CPU workers did not survive the fork."""
+
+
+_mlx_process: list[int] = []  # the process in which the package first ran MLX computations
+
+
+def claim_mlx() -> None:
+    """Called before the package's computations: in a child forked after MLX ran in its parent, MLX's first
+    computation would wait forever on workers the fork did not copy, so this raises a clear error instead."""
+    if not _mlx_process:
+        _mlx_process.append(os.getpid())
+    elif _mlx_process[0] != os.getpid():
+        raise ForkedAfterMLX(
+            f"this process (pid {os.getpid()}) was forked from one that had already run MLX (pid {_mlx_process[0]}), "
+            "whose CPU workers do not survive a fork, so MLX would wait forever. Start worker processes with the "
+            "'spawn' or 'forkserver' start method (multiprocessing.get_context('spawn')), or create them before "
+            "the parent first uses mlx_encoders."
+        )
+
+
 class Outermost:
     """A process-wide setting for nested or concurrent blocks (`with setting:`): the first block to open calls
     `enter`, the last to close calls `leave`, whatever the order the threads leave in."""

@@ -760,6 +760,7 @@ def train(
     reranker (`rerank.RerankObjective`). Returns the last evaluation's metrics, else the last step's record. Under
     `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
     """
+    runtime.claim_mlx()
     config = config or TrainingConfig("output")
     check_needs(asdict(config) | {"eval_data": eval_examples})
     check_metric_for_best(config, eval_examples, model, objective)
