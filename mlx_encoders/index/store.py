@@ -40,6 +40,11 @@ class StoreError(ValueError):
     """The store cannot be used as it is (damaged, another model); the message names the file and what to do."""
 
 
+class DamagedStore(StoreError):
+    """The store's file is not a readable index (cut short by a crash or a full disk, overwritten): an index kept
+    as a cache of its corpus can be deleted and built again."""
+
+
 def text_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -62,8 +67,8 @@ class Store:
             self.close()
             raise self.damaged(e) from None
 
-    def damaged(self, e: Exception) -> StoreError:
-        return StoreError(
+    def damaged(self, e: Exception) -> DamagedStore:
+        return DamagedStore(
             f"The index store {self.path} is damaged or not an index ({e}). It was left as it is: restore it from a "
             "copy, or delete its folder and build again."
         )

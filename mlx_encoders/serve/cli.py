@@ -78,11 +78,7 @@ def api_key(given: str | None) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from . import require_stack
 
-    try:
-        require_stack()
-    except ImportError as e:
-        print(f"mlx-encoders serve: error: {e}", file=sys.stderr)
-        return 1
+    require_stack()  # an ImportError naming what to install: the command prints it (errors.run_command)
     import uvicorn
 
     from . import load_models
