@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from checkpoints import MINILM
 
-from mlx_encoders.serve.app import Options
+from mlx_encoders.serve.server import Options
 
 TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "hello", "Serving embeddings on MLX."]
 DOCS = ["Paris is the capital of France.", "The mat was red.", "Foxes are quick.", "Nothing to see here at all."]

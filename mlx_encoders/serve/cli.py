@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from . import load_models
-    from .app import Options, Server, build
+    from .server import Options, Server, build
 
     for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
         check_count(f"--{name.replace('_', '-')}", getattr(args, name), 1)
