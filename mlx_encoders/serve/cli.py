@@ -1,6 +1,6 @@
 """`mlx-encoders serve --model [NAME=]PATH ... [--index NAME=DIR ...]`: load and warm the models, open the indexes,
 print one line per model and index and the URL, serve until SIGINT or SIGTERM, then finish the requests in flight
-and exit 0."""
+(those still arriving get --shutdown-timeout seconds) and exit 0."""
 
 import argparse
 import os
@@ -11,6 +11,14 @@ import sys
 from ..pipelines.base import check_count
 
 API_KEY_ENV = "MLX_ENCODERS_API_KEY"
+# --option: (default seconds, its environment variable, help)
+TIMEOUTS = {
+    "--read-timeout": (30.0, "MLX_ENCODERS_READ_TIMEOUT", "a request's headers must arrive within SECONDS of its "
+                       "first byte, its body within SECONDS of its headers, else 408"),
+    "--keep-alive-timeout": (5.0, "MLX_ENCODERS_KEEP_ALIVE_TIMEOUT", "close a connection idle for SECONDS"),
+    "--shutdown-timeout": (5.0, "MLX_ENCODERS_SHUTDOWN_TIMEOUT", "on SIGTERM, requests still arriving get SECONDS "
+                           "more, then their connections close; requests that arrived are answered"),
+}  # fmt: skip
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -37,6 +45,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} when set)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser requests from ORIGIN (repeatable; default: no CORS)")  # fmt: skip
+    for flag, (default, env, text) in TIMEOUTS.items():
+        p.add_argument(flag, type=float, metavar="SECONDS", help=f"{text} (default: ${env} when set, else {default:g})")
     p.set_defaults(run=run)
 
 
@@ -75,6 +85,22 @@ def api_key(given: str | None) -> str | None:
     return key
 
 
+def timeout(args: argparse.Namespace, flag: str) -> float:
+    """The option's seconds, else its environment variable's, else the default; a finite number above 0."""
+    from .server import check_seconds
+
+    default, env, _ = TIMEOUTS[flag]
+    given = getattr(args, flag[2:].replace("-", "_"))
+    if given is not None:
+        return check_seconds(flag, given)
+    if env not in os.environ:
+        return default
+    try:
+        return check_seconds(f"${env}", float(os.environ[env]))
+    except ValueError:
+        raise ValueError(f"${env} must be a number of seconds above 0, got {os.environ[env]!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from . import require_stack
 
@@ -82,17 +108,19 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from . import load_models
+    from .connections import protocol
     from .server import Options, Server, build
 
     for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
         check_count(f"--{name.replace('_', '-')}", getattr(args, name), 1)
     if args.max_wait_ms < 0:
         raise ValueError(f"--max-wait-ms must be 0 or more, got {args.max_wait_ms}")
+    read, idle, shutdown = (timeout(args, flag) for flag in TIMEOUTS)
     options = Options(
         max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_inputs=args.max_inputs, max_request_bytes=args.max_request_bytes, auto_truncate=args.auto_truncate,
         batch_size=args.batch_size, api_key=api_key(args.api_key),
-        cors_origins=tuple(args.cors_origin),
+        cors_origins=tuple(args.cors_origin), read_timeout=read,
     )  # fmt: skip
     if not args.model and not args.index:
         raise ValueError("mlx-encoders serve needs --model PATH or --index NAME=DIR (or both)")
@@ -112,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-encoders serve: index {index.describe()}")
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(build(server), log_level="warning", access_log=False, timeout_graceful_shutdown=None)
+    # no graceful-shutdown timeout: a request that arrived whole is finished; the protocol ends the others in time
+    config = uvicorn.Config(
+        build(server), http=protocol(read, shutdown), log_level="warning", access_log=False,
+        timeout_keep_alive=idle, timeout_graceful_shutdown=None,
+    )  # fmt: skip
     # uvicorn re-raises the stopping signal once it has shut down; these handlers take it, so the exit status is 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)

@@ -7,6 +7,7 @@ TYPES = {
     401: ("authentication_error", "Unauthorized"),
     404: ("not_found_error", "Validation"),
     405: ("invalid_request_error", "Validation"),
+    408: ("invalid_request_error", "Validation"),
     413: ("invalid_request_error", "Validation"),
     429: ("rate_limit_error", "Overloaded"),
     500: ("server_error", "Backend"),

@@ -1,7 +1,7 @@
 """The HTTP application (Starlette): OpenAI's /v1/embeddings and /v1/models, Cohere/Jina's /v1/rerank, /v1/classify,
 /v1/search, TEI's /embed, /embed_sparse, /rerank, /predict and /tokenize, /health and /metrics. Each model's
-requests go through its `Batcher`; handlers only parse, validate and tokenize (on the event loop's thread: the
-tokenizer is not thread-safe) and shape the answer."""
+requests go through its `Batcher`; handlers parse and validate the request, tokenize it on the model's tokenizer
+thread (off the event loop, one tokenization at a time: a tokenizer is not thread-safe) and shape the answer."""
 
 import asyncio
 import base64
@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,10 +49,23 @@ class Options:
     batch_size: int = 32
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
+    read_timeout: float = 30.0
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():  # an unset variable, not a wish to open the server
             raise ValueError("the API key is empty: give a key, or no key at all for a server without authentication")
+        check_seconds("read_timeout", self.read_timeout)
+
+
+def check_seconds(name: str, value) -> float:
+    """A timeout: a finite number of seconds above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+    return float(value)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request arrived whole: there is no one to answer."""
 
 
 class Server:
@@ -72,6 +86,9 @@ class Server:
                 max_queue=options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
             )  # fmt: skip
             self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
+        self.tokenizers = {
+            m.name: ThreadPoolExecutor(1, thread_name_prefix=f"mlx-encoders tokenize {m.name}") for m in models
+        }
         self.indexes = {i.name: i for i in indexes}
         self.ready = False
 
@@ -86,6 +103,14 @@ class Server:
         self.ready = False
         for batcher in self.batchers.values():
             batcher.stop()
+        for tokenizer in self.tokenizers.values():
+            tokenizer.shutdown()
+
+    async def tokenize(self, model: ServedModel, function: Callable, *args, **kwargs):
+        """`function(*args, **kwargs)`, a tokenization with `model`'s tokenizer, on that model's tokenizer thread:
+        a long one leaves the event loop free (/health answers), and its tokenizer serves one call at a time."""
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizers[model.name], call)
 
     def model(self, name, capability: str | tuple | None, route: str) -> ServedModel:
         """The model `name` (None: the only one able to serve `route`); 404 naming the served ones, 400 naming its
@@ -177,12 +202,26 @@ def finite_rows(out: np.ndarray) -> np.ndarray:
 
 
 async def read_json(request: Request, server: Server) -> dict:
-    limit = server.options.max_request_bytes
+    """The body as a JSON object: at most --max-request-bytes (413), whole within --read-timeout of the handler's
+    start (408, and the connection closes); `ClientGone` when the client leaves first."""
+    limit, timeout = server.options.max_request_bytes, server.options.read_timeout
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes, more than the server's --max-request-bytes {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():  # a chunked body declares no length: count it as it comes
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    chunks, size, more = [], 0, True
+    while more:  # a chunked body declares no length: count it as it comes
+        try:
+            message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within the server's --read-timeout of {timeout:g} s", None,
+                "read_timeout", {"Connection": "close"},
+            ) from None  # fmt: skip
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body of more than the server's --max-request-bytes {limit} bytes")
@@ -203,6 +242,21 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def text(value: str, where: str, param: str) -> str:
+    """One text of a request (an input, a pair's half, a query, a document): every route refuses "" alike."""
+    if not value:
+        raise ApiError(400, f"{where} is an empty string", param, "empty_input")
+    return value
+
+
+def required_text(body: dict, key: str) -> str:
+    """The request's `key`, a non-empty string."""
+    value = option(body, key, str)
+    if value is None:
+        raise ApiError(400, f'"{key}" is required: a non-empty string', key)
+    return text(value, f'"{key}"', key)
+
+
 def texts_or_ids(value, param: str = "input") -> tuple[list[str] | None, list[list[int]] | None]:
     """OpenAI's `input`: a string, a list of strings, a list of token ids, or a list of such lists."""
     expected = "a string, a list of strings, a list of token ids or a list of such lists"
@@ -213,10 +267,7 @@ def texts_or_ids(value, param: str = "input") -> tuple[list[str] | None, list[li
     if not value:
         raise ApiError(400, f'"{param}" is empty; send at least one input', param, "empty_input")
     if all(isinstance(v, str) for v in value):
-        empty = next((i for i, v in enumerate(value) if not v), None)
-        if empty is not None:
-            raise ApiError(400, f"{param}[{empty}] is an empty string", param, "empty_input")
-        return value, None
+        return [text(v, f"{param}[{i}]", param) for i, v in enumerate(value)], None
     if all(is_int(v) for v in value):
         return None, [value]
     if all(isinstance(v, list) and v and all(is_int(t) for t in v) for v in value):
@@ -264,7 +315,7 @@ def documents(value, param: str) -> list[str]:
         d = d.get("text") if isinstance(d, dict) else d
         if not isinstance(d, str):
             raise ApiError(400, f'{param}[{i}] must be a string or an object with a string "text"', param)
-        out.append(d)
+        out.append(text(d, f"{param}[{i}]", param))
     return out
 
 
@@ -289,7 +340,10 @@ async def embeddings(request: Request, server: Server):
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     if ids is not None and task is not None:
         raise ApiError(400, '"input_type" applies to texts (its prompt); token ids are the whole input', "input_type")
-    items = model.tokenize(found, truncate, task=task) if ids is None else model.token_ids(ids, truncate)
+    if ids is None:
+        items = await server.tokenize(model, model.tokenize, found, truncate, task=task)
+    else:
+        items = await server.tokenize(model, model.token_ids, ids, truncate)
     out = await server.run(model, items)
     vectors = out if model.multi is not None else model.embeddings(out, dimensions)
     tokens = sum(len(item.ids) for item in items)
@@ -332,14 +386,12 @@ def dimensions_of(body: dict, model: ServedModel) -> int | None:
 async def rerank(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), RERANK, "/v1/rerank")
-    query = option(body, "query", str)
-    if query is None:
-        raise ApiError(400, '"query" is required: a string', "query")
+    query = required_text(body, "query")
     docs = server.count(documents(body.get("documents"), "documents"), "documents")
     top_n = option(body, "top_n", int, None, 1)
     keep = option(body, "return_documents", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = model.tokenize([query] * len(docs), truncate, docs, "documents")
+    items = await server.tokenize(model, model.tokenize, [query] * len(docs), truncate, docs, "documents")
     scores = model.scores(await server.run(model, items))
     order = np.argsort(-scores, kind="stable")[:top_n]
     results = [
@@ -356,7 +408,7 @@ async def classify(request: Request, server: Server):
     found = server.count(texts(body.get("input"), "input"), "input")
     top_k = option(body, "top_k", int, None, 1)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = model.tokenize(found, truncate)
+    items = await server.tokenize(model, model.tokenize, found, truncate)
     labels = model.labels(await server.run(model, items), top_k)
     tokens = sum(len(item.ids) for item in items)
     return {
@@ -379,7 +431,7 @@ async def tei_embed(request: Request, server: Server):
     normalize = option(body, "normalize", bool, True)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     dimensions = dimensions_of(body, model)
-    items = model.tokenize(found, truncate, param="inputs")
+    items = await server.tokenize(model, model.tokenize, found, truncate, param="inputs")
     return model.embeddings(await server.run(model, items), dimensions, normalize).tolist()
 
 
@@ -394,7 +446,9 @@ async def tei_embed_sparse(request: Request, server: Server):
     task, prompt_name = option(body, "input_type", str), option(body, "prompt_name", str)
     if task is not None and task not in TASKS:
         raise ApiError(400, f'"input_type" must be "query" or "document", got {task!r}', "input_type")
-    items = model.tokenize(found, truncate, param="inputs", task=task, prompt_name=prompt_name)
+    items = await server.tokenize(
+        model, model.tokenize, found, truncate, param="inputs", task=task, prompt_name=prompt_name
+    )
     rows = await server.run(model, items)
     return [[{"index": int(i), "value": float(v)} for i, v in zip(*row, strict=True)] for row in rows]
 
@@ -405,9 +459,7 @@ async def search(request: Request, server: Server):
     `alpha` and `depth`. Each embedding the mode needs runs on its model's worker."""
     body = await read_json(request, server)
     served = server.index(body.get("index"))
-    query = option(body, "query", str)
-    if not query:
-        raise ApiError(400, '"query" is required: a non-empty string', "query")
+    query = required_text(body, "query")
     top_k = option(body, "top_k", int, 10, 1)
     precision = option(body, "precision", str, "float32")
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
@@ -431,7 +483,7 @@ async def search(request: Request, server: Server):
     except ValueError as e:
         raise ApiError(400, f"index {served.name!r}: {e}", "mode") from None
     used = [m for m, ok in ((served.model, mode != "sparse"), (served.sparse, mode != "dense")) if ok]
-    items = [m.tokenize([query], truncate, param="query", task="query") for m in used]
+    items = [await server.tokenize(m, m.tokenize, [query], truncate, param="query", task="query") for m in used]
     out = await asyncio.gather(*(server.run(m, i) for m, i in zip(used, items, strict=True)))
     vector = served.model.embeddings(out[0], None, normalize=True)[0] if mode != "sparse" else None
     sparse = None
@@ -460,14 +512,12 @@ async def search(request: Request, server: Server):
 async def tei_rerank(request: Request, server: Server):
     body = await read_json(request, server)
     model = server.model(body.get("model"), RERANK, "/rerank")
-    query = option(body, "query", str)
-    if query is None:
-        raise ApiError(400, '"query" is required: a string', "query")
+    query = required_text(body, "query")
     docs = server.count(documents(body.get("texts"), "texts"), "texts")
     raw = option(body, "raw_scores", bool, False)
     keep = option(body, "return_text", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = model.tokenize([query] * len(docs), truncate, docs, "texts")
+    items = await server.tokenize(model, model.tokenize, [query] * len(docs), truncate, docs, "texts")
     scores = model.scores(await server.run(model, items), raw)
     order = np.argsort(-scores, kind="stable")
     return [{"index": int(i), "score": float(scores[i]), **({"text": docs[i]} if keep else {})} for i in order]
@@ -489,9 +539,10 @@ async def tei_predict(request: Request, server: Server):
     raw = option(body, "raw_scores", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     if all(pairs):
-        encoded = model.tokenize([x[0] for x in items], truncate, [x[1] for x in items], "inputs")
+        firsts, seconds = ([text(x[j], f"inputs[{i}][{j}]", "inputs") for i, x in enumerate(items)] for j in (0, 1))
+        encoded = await server.tokenize(model, model.tokenize, firsts, truncate, seconds, "inputs")
     else:
-        encoded = model.tokenize(items, truncate, param="inputs")
+        encoded = await server.tokenize(model, model.tokenize, texts(items, "inputs"), truncate, param="inputs")
     labels = model.labels(await server.run(model, encoded), None, raw)
     return labels[0] if single else labels
 
@@ -501,14 +552,19 @@ async def tei_tokenize(request: Request, server: Server):
     model = server.model(body.get("model"), None, "/tokenize")
     found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     special = option(body, "add_special_tokens", bool, True)
+    return await server.tokenize(model, tokens, model, found, special)
+
+
+def tokens(model: ServedModel, found: list[str], special: bool) -> list[list[dict]]:
+    """/tokenize's answer: per text its tokens, with offsets into the text for those not special."""
     try:
         encodings = model.tokenizer.encode_batch(found, truncation=False, add_special_tokens=special)
     except (TypeError, ValueError) as e:
         raise ApiError(400, str(e), "inputs") from None
     out = []
-    for text, e in zip(found, encodings, strict=True):
+    for line, e in zip(found, encodings, strict=True):
         out.append([
-            {"id": i, "text": tok if s else text[a:b], "special": bool(s), "start": None if s else a,
+            {"id": i, "text": tok if s else line[a:b], "special": bool(s), "start": None if s else a,
              "stop": None if s else b}
             for i, tok, s, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets, strict=True)
         ])  # fmt: skip
@@ -545,6 +601,8 @@ def endpoint(path: str, handler: Callable[[Request, Server], Awaitable], server:
             result = await handler(request, server)
         except ApiError as e:
             return error_response(path, e)
+        except ClientGone:  # nothing reaches a closed connection; 499 tells the metrics why
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001  a bug answers its own request with 500; the server stays up
             log.exception("%s failed", path)
             return error_response(path, ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal"))

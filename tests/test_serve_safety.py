@@ -1,0 +1,398 @@
+"""`mlx-encoders serve` against clients that misbehave: a body that stalls or trickles, headers that never end,
+connections left idle, SIGTERM while they are open, random JSON bodies, empty texts, and a long tokenization
+beside /health. Servers bind 127.0.0.1 on a free port; every wait is bounded."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serve import TEXTS, call, launch, metric_values, stop, url_of
+
+READ_TIMEOUT_S = 3  # the module server's, from MLX_ENCODERS_READ_TIMEOUT
+KEEP_ALIVE_S = 1
+SHUTDOWN_S = 1.5
+SLACK_S = 8  # start-up of the process's exit, and a loaded machine
+FUZZ_CASES = 200
+FUZZ_BUDGET_S = 60
+
+
+@pytest.fixture(scope="module")
+def folders(checkpoint, tmp_path_factory):
+    """The tiny seeded models (an encoder, a one-label cross-encoder, a 3-label classifier) and an index of the
+    encoder."""
+    from mlx_encoders.index import build
+
+    tiny = checkpoint("bert", "encoder")
+    index = tmp_path_factory.mktemp("serve-safety") / "notes"
+    corpus = [("cats", "Cats purr when content."), ("rain", "Rain falls."), ("zip", "A zip file bundles files.")]
+    with pytest.warns(UserWarning, match="pooling"):
+        build(corpus, index, str(tiny), quiet=True)
+    return {
+        "tiny": tiny,
+        "rerank": checkpoint("bert", "sequence-classification", num_labels=1),
+        "classify": checkpoint("bert", "sequence-classification"),
+        "notes": index,
+    }
+
+
+def models(folders) -> list[str]:
+    return [arg for name in ("tiny", "rerank", "classify") for arg in ("--model", f"{name}={folders[name]}")]
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    """One server of the three models and the index, its read timeout from the environment, its idle timeout
+    from the command line."""
+    args = [*models(folders), "--index", f"notes={folders['notes']}", "--keep-alive-timeout", str(KEEP_ALIVE_S)]
+    args += ["--max-inputs", "64"]
+    process = launch(args, env={**os.environ, "MLX_ENCODERS_READ_TIMEOUT": str(READ_TIMEOUT_S)})
+    url = url_of(process)
+    yield url
+    assert stop(process) == 0
+
+
+def connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def answer(sock: socket.socket) -> tuple[int, dict, str]:
+    """(status, headers, body) of the next answer on `sock`."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
+
+
+def closed(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes `sock` within `within` seconds (EOF or reset)."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def stall(url: str, path: str, body: bytes) -> socket.socket:
+    """A connection that sent the headers and half of `body`, then nothing more."""
+    sock = connect(url)
+    sock.sendall(head(path, len(body)) + body[: len(body) // 2])
+    return sock
+
+
+def in_flight_at_least(url: str, count: int, seconds: float = 10) -> float:
+    deadline = time.monotonic() + seconds
+    while (found := metric_values(url)["mlx_encoders_requests_in_flight"]) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
+def test_a_stalled_body_gets_408_and_a_trickled_one_within_the_timeout_is_served(server):
+    body = json.dumps({"model": "tiny", "input": TEXTS}).encode()
+    fast = call(server, "/v1/embeddings", json.loads(body))
+    assert fast[0] == 200
+
+    def trickled() -> tuple[int, dict, str]:
+        sock = connect(server)
+        sock.sendall(head("/v1/embeddings", len(body)))
+        pieces = [body[i : i + 8] for i in range(0, len(body), 8)]
+        for piece in pieces:  # the whole body over about a third of the read timeout
+            sock.sendall(piece)
+            time.sleep(READ_TIMEOUT_S / 3 / len(pieces))
+        return answer(sock)
+
+    def stalled(path: str, body: dict) -> tuple[float, tuple, bool]:
+        start = time.monotonic()
+        sock = stall(server, path, json.dumps(body).encode())
+        got = answer(sock)
+        return time.monotonic() - start, got, closed(sock, 5)
+
+    with ThreadPoolExecutor(3) as pool:
+        slow = pool.submit(trickled)
+        openai = pool.submit(stalled, "/v1/embeddings", {"model": "tiny", "input": "a"})
+        tei = pool.submit(stalled, "/embed", {"model": "tiny", "inputs": "a"})
+        status, _, text = slow.result()
+        assert status == 200 and json.loads(text)["data"] == fast[1]["data"]
+        for future, shape in ((openai, "openai"), (tei, "tei")):
+            seconds, (status, headers, text), was_closed = future.result()
+            assert status == 408 and headers["connection"] == "close" and was_closed
+            assert READ_TIMEOUT_S - 0.5 < seconds < READ_TIMEOUT_S + SLACK_S
+            error = json.loads(text)
+            if shape == "openai":
+                assert error["error"]["code"] == "read_timeout" and "--read-timeout of 3 s" in error["error"]["message"]
+            else:
+                assert error["error_type"] == "Validation" and "--read-timeout" in error["error"]
+    assert call(server, "/health")[0] == 200
+
+
+def test_headers_that_never_end_get_408_and_a_silent_connection_is_closed_when_idle(server):
+    start = time.monotonic()
+    unfinished, silent = connect(server), connect(server)
+    unfinished.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+    assert closed(silent, KEEP_ALIVE_S + SLACK_S)  # uvicorn alone keeps a connection that never spoke forever
+    status, headers, text = answer(unfinished)
+    assert status == 408 and headers["connection"] == "close" and "--read-timeout" in text
+    assert READ_TIMEOUT_S - 0.5 < time.monotonic() - start < READ_TIMEOUT_S + SLACK_S
+    assert closed(unfinished, 5)
+    kept = connect(server)  # an answered keep-alive connection closes once idle too
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert answer(kept)[0] == 200 and closed(kept, KEEP_ALIVE_S + SLACK_S)
+
+
+def test_sigterm_with_a_client_stalled_mid_body_exits_by_the_deadline_and_answers_the_requests_in_flight(folders):
+    """The stalled client's connection is aborted `--shutdown-timeout` after SIGTERM; the four requests that
+    arrived whole (held in the worker's 1.5 s batch window) are answered."""
+    args = ["--model", f"tiny={folders['tiny']}", "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
+    process = launch([*args, "--shutdown-timeout", str(SHUTDOWN_S)])
+    url = url_of(process)
+    try:
+        stalled = stall(url, "/v1/embeddings", json.dumps({"model": "tiny", "input": TEXTS}).encode())
+        body = {"model": "tiny", "input": TEXTS}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(call, url, "/v1/embeddings", body) for _ in range(4)]
+            in_flight = in_flight_at_least(url, 1 + 4 + 1)  # the stalled one, the four, this scrape
+            start = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            answers = [f.result() for f in futures]
+        assert process.wait(timeout=SHUTDOWN_S + 1.5 + SLACK_S) == 0
+        assert time.monotonic() - start < SHUTDOWN_S + 1.5 + SLACK_S
+        assert in_flight >= 6
+        assert [status for status, _, _ in answers] == [200] * 4
+        assert all(len(a["data"]) == len(TEXTS) for _, a, _ in answers)
+        assert closed(stalled, 5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_with_200_idle_keep_alive_connections_exits_by_the_deadline(folders):
+    args = ["--model", f"tiny={folders['tiny']}", "--keep-alive-timeout", "600"]
+    process = launch([*args, "--shutdown-timeout", str(SHUTDOWN_S)])
+    url = url_of(process)
+    connections = []
+    try:
+        for _ in range(200):
+            sock = connect(url)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert answer(sock)[0] == 200
+            connections.append(sock)
+        assert call(url, "/health")[0] == 200  # a new client is served beside them
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=SHUTDOWN_S + SLACK_S) == 0
+        assert time.monotonic() - start < SHUTDOWN_S + SLACK_S
+        assert all(closed(sock, 5) for sock in connections)
+    finally:
+        for sock in connections:
+            sock.close()
+        if process.poll() is None:
+            process.kill()
+
+
+EMPTY = [
+    ("/v1/embeddings", {"model": "tiny", "input": ""}),
+    ("/v1/classify", {"model": "classify", "input": ["fine", ""]}),
+    ("/predict", {"model": "classify", "inputs": ""}),
+    ("/predict", {"model": "classify", "inputs": ["fine", ""]}),
+    ("/predict", {"model": "classify", "inputs": [["fine", "pair"], ["fine", ""]]}),
+    ("/embed", {"model": "tiny", "inputs": [""]}),
+    ("/tokenize", {"model": "tiny", "inputs": ""}),
+    ("/v1/rerank", {"model": "rerank", "query": "", "documents": ["d"]}),
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["d", {"text": ""}]}),
+    ("/rerank", {"model": "rerank", "query": "q", "texts": [""]}),
+    ("/v1/search", {"index": "notes", "query": ""}),
+]
+
+
+@pytest.mark.parametrize("path, body", EMPTY)
+def test_every_route_refuses_an_empty_text_alike(server, path, body):
+    status, got, _ = call(server, path, body)
+    assert status == 400, got
+    if path.startswith("/v1/"):
+        assert got["error"]["code"] == "empty_input" and "is an empty string" in got["error"]["message"]
+    else:
+        assert got["error_type"] == "Validation" and "is an empty string" in got["error"]
+
+
+# ---- random bodies
+
+ANY = st.text(st.characters(exclude_categories=()), max_size=30)  # surrogates and control characters included
+WORDS = st.text(st.sampled_from("ab cé🙂.,"), min_size=1, max_size=30)
+TEXT = WORDS | ANY | st.sampled_from(["", " ", "\ud800", "word " * 300])
+NUMBERS = st.integers(-3, 12) | st.integers(-(2**70), 2**70) | st.floats() | st.sampled_from([10**12, 2**63])
+JSON = st.recursive(
+    st.none() | st.booleans() | NUMBERS | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+SOME_TEXTS = st.lists(WORDS, min_size=1, max_size=4)
+IDS = st.lists(st.lists(st.integers(-2, 2000), max_size=6), max_size=3)
+FLAG = st.booleans()
+# per route: a valid body (its required fields) and its optional fields, each drawn within its documented range
+VALID = {
+    "/v1/embeddings": ({"model": st.just("tiny"), "input": SOME_TEXTS | WORDS | IDS}, {
+        "encoding_format": st.sampled_from(["float", "base64"]), "dimensions": st.integers(1, 40),
+        "input_type": st.sampled_from(["query", "document"]), "truncate": FLAG}),
+    "/v1/rerank": ({"model": st.just("rerank"), "query": WORDS, "documents": SOME_TEXTS}, {
+        "top_n": st.integers(1, 5), "return_documents": FLAG, "truncate": FLAG}),
+    "/v1/classify": ({"model": st.just("classify"), "input": SOME_TEXTS | WORDS}, {"top_k": st.integers(1, 4)}),
+    "/v1/search": ({"index": st.just("notes"), "query": WORDS}, {
+        "top_k": st.integers(1, 10**12), "mode": st.sampled_from(["dense", "sparse", "hybrid"]),
+        "fusion": st.sampled_from(["rrf", "weighted"]), "rrf_k": st.floats(0, 100), "alpha": st.floats(0, 1),
+        "depth": st.integers(1, 10**12), "precision": st.sampled_from(["float32", "int8", "binary"])}),
+    "/embed": ({"inputs": SOME_TEXTS | WORDS}, {"normalize": FLAG, "truncate": FLAG, "dimensions": st.integers(1, 40)}),
+    "/embed_sparse": ({"inputs": SOME_TEXTS}, {"input_type": st.sampled_from(["query", "document"])}),
+    "/rerank": ({"model": st.just("rerank"), "query": WORDS, "texts": SOME_TEXTS}, {
+        "raw_scores": FLAG, "return_text": FLAG}),
+    "/predict": ({"model": st.just("classify"), "inputs": SOME_TEXTS | WORDS | st.lists(st.lists(WORDS, min_size=2,
+        max_size=2), min_size=1, max_size=3)}, {"raw_scores": FLAG}),
+    "/tokenize": ({"model": st.just("tiny"), "inputs": SOME_TEXTS | WORDS}, {"add_special_tokens": FLAG}),
+}  # fmt: skip
+FIELDS = sorted({key for required, optional in VALID.values() for key in (*required, *optional)})
+
+
+def bodies(path: str) -> st.SearchStrategy[bytes]:
+    """`path`'s valid bodies, the same with one field (of any route) drawn from any JSON value, random JSON
+    objects of the routes' fields, and random bytes."""
+    required, optional = VALID[path]
+    valid = st.fixed_dictionaries(required, optional=optional)
+    changed = st.tuples(valid, st.sampled_from(FIELDS), JSON | NUMBERS).map(lambda v: {**v[0], v[1]: v[2]})
+    junk = st.fixed_dictionaries({}, optional=dict.fromkeys(FIELDS, JSON))
+    return (valid | changed | junk).map(json.dumps).map(str.encode) | st.binary(max_size=64)
+
+
+REQUESTS = st.one_of([st.tuples(st.just(path), bodies(path)) for path in VALID])
+
+
+def test_random_bodies_get_an_answer_below_500(server, record_property):
+    """Drawn bodies on every POST route (valid ones, valid ones with a field of any JSON value, NaN and huge
+    integers included, random objects and random bytes): each is answered 2xx or 4xx with a JSON body."""
+    statuses, start = {}, time.monotonic()
+
+    @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(REQUESTS)
+    def case(request):
+        if time.monotonic() - start > FUZZ_BUDGET_S:
+            return
+        path, body = request
+        status, got, _ = call(server, path, raw=body)
+        assert 200 <= status < 300 or 400 <= status < 500, (path, body, status, got)
+        assert isinstance(got, (dict, list)), (path, body, got)
+        statuses[status] = statuses.get(status, 0) + 1
+
+    case()
+    parts = ", ".join(f"{status}: {count}" for status, count in sorted(statuses.items()))
+    record_property("summary", f"serve random bodies: {sum(statuses.values())} cases ({parts})")
+    assert sum(statuses.values()) >= 100 and statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 20
+
+
+# ---- tokenization off the event loop
+
+
+@contextmanager
+def in_process(app):
+    """`app` under uvicorn on a thread, on 127.0.0.1 at a free port; its URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+def test_health_answers_while_a_large_request_is_tokenized(folders):
+    """The model's tokenization made to take 3 s (a stand-in for a request of many long texts): /health and a
+    request to another model answer meanwhile, as they could not if tokenization held the event loop."""
+    from mlx_encoders import serve
+
+    with pytest.warns(UserWarning, match="pooling"):
+        app = serve.app({"tiny": folders["tiny"], "classify": folders["classify"]}, read_timeout=10)
+    tiny = app.state.server.models["tiny"]
+    tokenize, started = tiny.tokenize, threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        time.sleep(3)
+        return tokenize(*args, **kwargs)
+
+    tiny.tokenize = slow
+    with in_process(app) as url, ThreadPoolExecutor(1) as pool:
+        large = pool.submit(call, url, "/v1/embeddings", {"model": "tiny", "input": TEXTS})
+        assert started.wait(10)
+        begin = time.monotonic()
+        assert call(url, "/health")[0] == 200
+        assert call(url, "/v1/classify", {"model": "classify", "input": TEXTS})[0] == 200
+        assert time.monotonic() - begin < 2 and not large.done()
+        status, got, _ = large.result()
+        assert status == 200 and len(got["data"]) == len(TEXTS)
+
+
+# ---- the options
+
+
+@pytest.mark.parametrize(
+    "flag, env, message",
+    [
+        ("0", None, "--read-timeout must be a number of seconds above 0, got 0.0"),
+        ("inf", None, "--read-timeout must be a number of seconds above 0, got inf"),
+        (None, "abc", "$MLX_ENCODERS_READ_TIMEOUT must be a number of seconds above 0, got 'abc'"),
+        (None, "-1", "$MLX_ENCODERS_READ_TIMEOUT must be a number of seconds above 0, got '-1'"),
+    ],
+)
+def test_a_timeout_must_be_seconds_above_0(monkeypatch, flag, env, message):
+    import argparse
+
+    from mlx_encoders.serve import cli
+    from mlx_encoders.serve.server import Options
+
+    if env is not None:
+        monkeypatch.setenv("MLX_ENCODERS_READ_TIMEOUT", env)
+    args = argparse.Namespace(read_timeout=None if flag is None else float(flag))
+    with pytest.raises(ValueError) as error:
+        cli.timeout(args, "--read-timeout")
+    assert str(error.value) == message
+    with pytest.raises(ValueError, match="read_timeout must be a number of seconds above 0"):
+        Options(read_timeout=0)
+
+
+def test_a_timeout_comes_from_its_flag_then_its_variable_then_the_default(monkeypatch):
+    import argparse
+
+    from mlx_encoders.serve import cli
+
+    monkeypatch.delenv("MLX_ENCODERS_SHUTDOWN_TIMEOUT", raising=False)
+    assert cli.timeout(argparse.Namespace(shutdown_timeout=None), "--shutdown-timeout") == 5.0
+    monkeypatch.setenv("MLX_ENCODERS_SHUTDOWN_TIMEOUT", "2.5")
+    assert cli.timeout(argparse.Namespace(shutdown_timeout=None), "--shutdown-timeout") == 2.5
+    assert cli.timeout(argparse.Namespace(shutdown_timeout=7.0), "--shutdown-timeout") == 7.0
