@@ -164,9 +164,9 @@ def test_sigterm_with_a_client_stalled_mid_body_exits_by_the_deadline_and_answer
     args = ["--model", f"tiny={folders['tiny']}", "--max-wait-ms", "1500", "--max-batch-tokens", "100000"]
     process = launch([*args, "--shutdown-timeout", str(SHUTDOWN_S)])
     url = url_of(process)
+    body = {"model": "tiny", "input": TEXTS}
+    stalled = stall(url, "/v1/embeddings", json.dumps(body).encode())
     try:
-        stalled = stall(url, "/v1/embeddings", json.dumps({"model": "tiny", "input": TEXTS}).encode())
-        body = {"model": "tiny", "input": TEXTS}
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(call, url, "/v1/embeddings", body) for _ in range(4)]
             in_flight = in_flight_at_least(url, 1 + 4 + 1)  # the stalled one, the four, this scrape
@@ -180,29 +180,40 @@ def test_sigterm_with_a_client_stalled_mid_body_exits_by_the_deadline_and_answer
         assert all(len(a["data"]) == len(TEXTS) for _, a, _ in answers)
         assert closed(stalled, 5)
     finally:
+        stalled.close()
         if process.poll() is None:
             process.kill()
 
 
-def test_sigterm_with_200_idle_keep_alive_connections_exits_by_the_deadline(folders):
-    args = ["--model", f"tiny={folders['tiny']}", "--keep-alive-timeout", "600"]
+def test_sigterm_with_200_idle_connections_and_an_unread_answer_exits_by_the_deadline(folders):
+    """200 keep-alive connections idle after an answer, and a client that never reads its large answer (which
+    holds its connection open until the deadline aborts it)."""
+    args = ["--model", f"tiny={folders['tiny']}", "--keep-alive-timeout", "600", "--max-inputs", "64"]
     process = launch([*args, "--shutdown-timeout", str(SHUTDOWN_S)])
     url = url_of(process)
-    connections = []
+    connections, opened = [], []
     try:
         for _ in range(200):
             sock = connect(url)
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert answer(sock)[0] == 200
             connections.append(sock)
-        assert call(url, "/health")[0] == 200  # a new client is served beside them
+        unread = connect(url)
+        opened.append(unread)
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"model": "tiny", "inputs": ["word " * 4000] * 64}).encode()  # answered in megabytes
+        unread.sendall(head("/tokenize", len(body)) + body)
+        sent = 'mlx_encoders_requests_total{route="/tokenize",status="200"}'
+        deadline = time.monotonic() + 60
+        while metric_values(url).get(sent, 0) < 1 and time.monotonic() < deadline:  # a new client is served
+            time.sleep(0.05)
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=SHUTDOWN_S + SLACK_S) == 0
         assert time.monotonic() - start < SHUTDOWN_S + SLACK_S
         assert all(closed(sock, 5) for sock in connections)
     finally:
-        for sock in connections:
+        for sock in connections + opened:
             sock.close()
         if process.poll() is None:
             process.kill()

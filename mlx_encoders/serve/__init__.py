@@ -41,7 +41,7 @@ def load_models(models, dtype: str | None = None, batch_size: int = 32, indexes:
 def app(models=None, *, indexes: dict | None = None, dtype: str | None = None, **options):
     """A Starlette (ASGI) app serving `models` and `indexes` (see `load_models`), loaded and warmed on return.
     `options` are `Options` fields: max_batch_tokens, max_wait_ms, max_queue, max_inputs, max_request_bytes,
-    auto_truncate, batch_size, api_key, cors_origins. Its lifespan shutdown stops the model workers."""
+    auto_truncate, batch_size, api_key, cors_origins, read_timeout. Its lifespan shutdown stops the model workers."""
     require_stack()
     from .server import Options, Server, build
 
