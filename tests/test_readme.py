@@ -116,3 +116,31 @@ def test_shell_blocks_run_in_order_and_print_what_the_page_shows(page, tmp_path)
             assert matches(expected, output), (
                 f"{code}\nprinted:\n{output}\nthe page shows:\n{expected}\n{stderr[-3000:]}"
             )
+
+
+def results_sections() -> list[str]:
+    """benchmarks/RESULTS.md cut at its ## and ### headings."""
+    return re.split(r"\n(?=#{2,3} )", (ROOT / "benchmarks" / "RESULTS.md").read_text())
+
+
+def headline_rows() -> list[tuple[str, str, str]]:
+    """README's "Headline figures" table: (what, figure, command) per row."""
+    table = README.read_text().split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip().strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    return [(what.strip(), figure.strip(), command.strip().strip("`")) for what, figure, command in rows[1:]]
+
+
+def test_headline_figures_are_rows_of_benchmark_results():
+    """Every number of a headline figure appears in a RESULTS.md section that gives the row's command (as it is, or
+    with more options), all of the row's numbers in the same section."""
+    rows = headline_rows()
+    assert len(rows) >= 5
+    for what, figure, command in rows:
+        numbers = re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?", figure)
+        assert numbers, f"headline row {what!r} states no figure"
+        runs = [s for s in results_sections() if re.search(rf"^{re.escape(command)}( .*)?$", s, re.M)]
+        assert runs, f"no section of benchmarks/RESULTS.md gives the command of {what!r}: {command}"
+        missing = [
+            [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", section)] for section in runs
+        ]
+        assert min(missing, key=len) == [], f"{what!r}: {min(missing, key=len)} not in RESULTS.md for {command}"
