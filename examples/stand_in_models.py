@@ -13,7 +13,7 @@ writes, under models/:
   word embedding with the token's state (an identity transform), less 4, which keeps the weights sparse;
 - reranker: a cross-encoder: MiniLM with a new one-label head (seeded), untrained.
 
-A folder that exists already is refused, never overwritten.
+A folder that exists already is left as it is (so the docs' pages can run one after the other in one folder).
 """
 
 import argparse
@@ -132,19 +132,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="where to write minilm/, colbert/, splade-doc/ and reranker/")
     args = parser.parse_args()
-    names = ["minilm", *STAND_INS]
-    taken = [str(args.folder / name) for name in names if (args.folder / name).exists()]
-    if taken:
-        print(f"stand_in_models.py: error: {', '.join(taken)} exist(s); remove them or pick another folder",
-              file=sys.stderr)  # fmt: skip
-        return 1
     args.folder.mkdir(parents=True, exist_ok=True)
-    (args.folder / "minilm").symlink_to(MINILM, target_is_directory=True)
-    print(f"{args.folder / 'minilm'}: dense, all-MiniLM-L6-v2")
+    minilm = args.folder / "minilm"
+    if not minilm.exists():
+        minilm.symlink_to(MINILM, target_is_directory=True)
+    print(f"{minilm}: dense, all-MiniLM-L6-v2")
     for name, (write, kind) in STAND_INS.items():
-        with tempfile.TemporaryDirectory(dir=args.folder) as tmp:  # the folder appears only when complete
-            write(Path(tmp) / name)
-            (Path(tmp) / name).rename(args.folder / name)
+        if not (args.folder / name).exists():
+            with tempfile.TemporaryDirectory(dir=args.folder) as tmp:  # the folder appears only when complete
+                write(Path(tmp) / name)
+                (Path(tmp) / name).rename(args.folder / name)
         print(f"{args.folder / name}: {kind} stand-in")
     return 0
 
