@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from mlx_encoders.checkpoint import DTYPES
-from mlx_encoders.conversion import MAX_SHARD_BYTES, OptionError, convert
+from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
+from mlx_encoders.errors import add_debug_option, run_command
 from mlx_encoders.quantization import MODES
 from mlx_encoders.quantization.recipes import SMALL_GROUPS
 
@@ -50,13 +51,6 @@ def per_mode(key: str) -> str:
     return "; ".join(parts)
 
 
-def describe(error: Exception) -> str:
-    """The error's message; an OSError's without the `[Errno N]` prefix when it names no file (disk full)."""
-    if isinstance(error, OSError) and error.strerror and not error.filename:
-        return error.strerror
-    return str(error)
-
-
 def program() -> str:
     """The name this command was run by, for its usage line and errors."""
     return SCRIPT if Path(sys.argv[0]).name == SCRIPT else "python -m convert"
@@ -84,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--upload-repo", help="publish the result to this hub repo (needs a write token)")
     p.add_argument("--force", action="store_true", help="replace an existing output checkpoint folder")
     p.add_argument("--shard-size", type=int, default=MAX_SHARD_BYTES, help=argparse.SUPPRESS)
+    add_debug_option(p)
     return p
 
 
@@ -95,29 +90,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give the checkpoint once: SOURCE or --hf-path")
     if args.no_calibration and args.calibration is not None:
         p.error("--calibration and --no-calibration conflict: give a text file to calibrate on, or neither")
-    try:
-        convert(
-            source,
-            args.mlx_path,
-            quantize=args.quantize,
-            bits=args.bits,
-            group_size=args.group_size,
-            mode=args.mode,
-            dtype=args.dtype,
-            recipe=args.recipe,
-            dequantize=args.dequantize,
-            upload_repo=args.upload_repo,
-            force=args.force,
-            shard_size=args.shard_size,
-            calibration=False if args.no_calibration else args.calibration,
-        )
-    except OptionError as e:  # an option refused: a usage error, as argparse reports one
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:  # a bad request, a missing or unreadable file, a full disk
-        print(f"{p.prog}: error: {describe(e)}", file=sys.stderr)
-        return 1
-    return 0
+    # a refused option exits 2 (an OptionError), as argparse's own errors do; a failed conversion 1
+    return run_command(p.prog, lambda: run(source, args), args.debug)
+
+
+def run(source: str, args: argparse.Namespace) -> None:
+    convert(
+        source,
+        args.mlx_path,
+        quantize=args.quantize,
+        bits=args.bits,
+        group_size=args.group_size,
+        mode=args.mode,
+        dtype=args.dtype,
+        recipe=args.recipe,
+        dequantize=args.dequantize,
+        upload_repo=args.upload_repo,
+        force=args.force,
+        shard_size=args.shard_size,
+        calibration=False if args.no_calibration else args.calibration,
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 
+from .errors import add_debug_option, run_command
 from .pipelines.token_classification import STRATEGIES
 from .train import cli as train_cli
 from .train import retrieval_cli
@@ -73,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
     from .serve import cli as serve_cli  # the HTTP server: mlx_encoders/serve/ (imports Starlette only when run)
 
     serve_cli.add_parser(tasks)
+    add_debug_option(p)
     return p
 
 
@@ -246,18 +248,14 @@ def print_results(args: argparse.Namespace, texts: list[str], results, show) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    return run_command(f"mlx-encoders {args.task}", lambda: run(args), args.debug)
+
+
+def run(args: argparse.Namespace) -> int:
     if hasattr(args, "run"):
-        try:
-            return args.run(args)
-        except (ValueError, TypeError, OSError) as e:
-            print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
-            return 1
-    try:
-        texts = read_texts(args)
-        results, show = TASKS[args.task](args, texts)
-    except (ValueError, TypeError, OSError) as e:  # bad input; a missing, unreadable or corrupt checkpoint
-        print(f"mlx-encoders {args.task}: error: {e}", file=sys.stderr)
-        return 1
+        return args.run(args)
+    texts = read_texts(args)
+    results, show = TASKS[args.task](args, texts)
     try:
         print_results(args, texts, results, show)
         sys.stdout.flush()

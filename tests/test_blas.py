@@ -4,6 +4,7 @@ library in the process binds to it: torch keeps its speed, numpy its threads; th
 import ctypes.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,9 @@ from mlx_encoders.engine import runtime
 from mlx_encoders.engine.runtime import one_blas_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's bundled BLAS is Linux-only")
-OPENBLAS = ctypes.util.find_library("openblas")
-needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="no system OpenBLAS to give MLX")
+OPENBLAS = ctypes.util.find_library("openblas")  # apt's, when installed
+PIP_OPENBLAS = runtime.pip_openblas()  # scipy-openblas32, a dependency on Linux
+needs_openblas = pytest.mark.skipif(not (OPENBLAS or PIP_OPENBLAS), reason="no OpenBLAS to give MLX")
 
 
 def run(code: str, **env) -> subprocess.CompletedProcess:
@@ -39,7 +41,8 @@ print(2 * 512**3 * 8 / (time.perf_counter() - start) / 1e9)
 
 
 def mlx_rate(imports: str, **env) -> float:
-    return float(run(imports + MLX_RATE, **env).stdout.split()[-1])
+    """One BLAS thread: a multithreaded BLAS on a busy machine waits on its threads, and the bound is about BLAS."""
+    return float(run(imports + MLX_RATE, OPENBLAS_NUM_THREADS="1", **env).stdout.split()[-1])
 
 
 @needs_openblas
@@ -47,7 +50,80 @@ def test_mlx_gets_openblas_in_either_import_order_and_not_when_turned_off():
     reference = mlx_rate("import mlx_encoders\n", MLX_ENCODERS_BLAS="0")
     assert mlx_rate("import mlx_encoders\n") > 4 * reference
     assert mlx_rate("import mlx.core, numpy, mlx_encoders\n") > 4 * reference  # MLX imported first: same
-    assert mlx_rate("import mlx_encoders\n", MLX_ENCODERS_BLAS=OPENBLAS) > 4 * reference
+    for library in filter(None, (OPENBLAS, PIP_OPENBLAS)):  # apt's and pip's, named
+        assert mlx_rate("import mlx_encoders\n", MLX_ENCODERS_BLAS=library) > 4 * reference
+    assert mlx_rate("import mlx_encoders\n", MLX_ENCODERS_CPU_TUNING="0") < 2 * reference  # the one switch
+
+
+def test_pip_openblas_is_installed_and_chosen_first():
+    """The package's own dependency gives MLX a fast BLAS with no system package; apt's serves when it is missing."""
+    assert PIP_OPENBLAS, "scipy-openblas32 is a dependency of the package on Linux"
+    code = "from mlx_encoders.engine import runtime; print(runtime.BLAS.path, runtime.BLAS.prefix or '-')"
+    assert run(code).stdout.split() == [PIP_OPENBLAS, "scipy_"]
+    if OPENBLAS:
+        assert run(code, MLX_ENCODERS_BLAS=OPENBLAS).stdout.split()[1] == "-"
+
+
+def test_tuning_off_leaves_the_process_as_it_was(tmp_path):
+    """MLX_ENCODERS_CPU_TUNING=0: no BLAS given, no helper compiled, no warning, BLAS threads untouched."""
+    code = """
+        import mlx_encoders
+        from mlx_encoders.engine import gemv, runtime
+        with runtime.one_blas_thread() as held: pass
+        print(runtime.BLAS, runtime.one_row_products(), held, gemv.FORWARDING)
+    """
+    result = run(code, MLX_ENCODERS_CPU_TUNING="0", XDG_CACHE_HOME=str(tmp_path))
+    assert result.stdout.split() == ["None", "False", "False", "[]"] and "Warning" not in result.stderr
+    assert not list(tmp_path.rglob("*"))
+
+
+def test_the_file_read_must_be_the_image_mapped():
+    """The slots are written only when the libmlx file on disk is the image in memory: its headers, build id and the
+    slots' current contents are checked, and any difference names itself."""
+    import mmap
+
+    library = runtime._mlx_library()
+    base = runtime._load_base(library)
+    data = Path(library).read_bytes()
+    slots = runtime.import_slots(data, runtime.GEMMS)
+    assert runtime.image_matches_file(library, base, data, slots) is None
+    spans = runtime.identity_spans(data)
+    note_offset, _, note_size = spans[-1]  # the last note segment: the build id, on this MLX
+    for at in (0x18, note_offset + note_size - 1):  # the entry point in the ELF header; the note's last byte
+        changed = bytearray(data)
+        changed[at] ^= 0xFF
+        assert "differ" in runtime.image_matches_file(library, base, changed, slots)
+    assert "replaced" in runtime.image_matches_file(library + " (deleted)", base, data, slots)
+    assert "load address" in runtime.image_matches_file(library, base + mmap.PAGESIZE, data, slots)
+    header = {"cblas_sgemm": [0]}  # a "slot" over the ELF header's magic: no code address
+    assert "code address" in runtime.image_matches_file(library, base, data, header)
+
+
+REPLACED = """
+import os, shutil, sys
+sys.path.insert(0, {copy!r})
+import mlx.core as mx  # the copy's libmlx, mapped
+library = os.path.join({copy!r}, "mlx", "lib", "libmlx.so")
+replacement = library + ".new"
+shutil.copy(library, replacement)
+os.replace(replacement, library)  # a reinstall while this process runs
+import mlx_encoders
+from mlx_encoders.engine import runtime
+a = mx.ones((4, 4))
+print(runtime.BLAS, float((a @ a).sum()))
+"""
+
+
+def test_a_libmlx_replaced_while_the_process_runs_is_left_alone(tmp_path):
+    import mlx.core
+
+    copy, installed = tmp_path / "site", Path(mlx.core.__file__).parent
+    shutil.copytree(installed, copy / "mlx")
+    for libs in installed.parent.glob("mlx_*.libs"):  # the backend's bundled libraries, found through its rpath
+        shutil.copytree(libs, copy / libs.name)
+    result = run(REPLACED.format(copy=str(copy)))
+    assert result.stdout.split() == ["None", "64.0"]
+    assert result.stderr.count("leaves MLX's BLAS as it is") == 1 and "replaced" in result.stderr
 
 
 @needs_openblas
@@ -215,6 +291,8 @@ def test_warm_heap_serves_megabyte_buffers_from_the_heap_without_a_setting():
 ONE_ROW = """
 import json, numpy as np, mlx.core as mx
 from mlx_encoders.engine import gemv, runtime
+built_at_import = bool(gemv.FORWARDING)
+runtime.one_row_products()  # what decoding calls first
 rng = np.random.default_rng(0)
 w = rng.standard_normal((96, 80)).astype(np.float32)
 x = rng.standard_normal((1, 80)).astype(np.float32)
@@ -226,18 +304,24 @@ cases = {  # every layout a one-row or one-column product reaches cblas_sgemm in
     "2 rows": (W[:2] @ W.T, w[:2] @ w.T),
 }
 errors = {k: float(np.abs(np.array(got, np.float64) - ref).max()) for k, (got, ref) in cases.items()}
-print(json.dumps(dict(forwarding=bool(gemv.FORWARDING), errors=errors)))
+print(json.dumps(dict(built_at_import=built_at_import, forwarding=bool(gemv.FORWARDING), errors=errors)))
 """
 
 
 @needs_openblas
 @pytest.mark.parametrize("compiler", ["default", "none"])
 def test_one_row_products_go_through_gemv_and_equal_numpy(compiler, tmp_path):
-    """With a C compiler, MLX's cblas_sgemm is the forwarding function (one-row and one-column products through
-    sgemv); without one, OpenBLAS's own sgemm. Every layout gives numpy's product either way."""
+    """Once decoding asks for it, with a C compiler, MLX's cblas_sgemm is the forwarding function (one-row and
+    one-column products through sgemv); without one, OpenBLAS's own sgemm. Every layout gives numpy's product either
+    way, and nothing is compiled at import."""
     env = {"XDG_CACHE_HOME": str(tmp_path)} | (
         {"CC": "/nonexistent/cc", "PATH": "/nonexistent"} if compiler == "none" else {}
     )
     result = json.loads(run(ONE_ROW, **env).stdout.strip().splitlines()[-1])
+    assert not result["built_at_import"]
     assert result["forwarding"] == (compiler == "default")
     assert all(error < 1e-4 for error in result["errors"].values()), result["errors"]
+    for library in tmp_path.rglob("forwarding-sgemm-*.so"):  # a cut library (a full disk) is built again
+        library.write_bytes(library.read_bytes()[:4096])
+        again = json.loads(run(ONE_ROW, **env).stdout.strip().splitlines()[-1])
+        assert again["forwarding"] and again["errors"] == result["errors"]

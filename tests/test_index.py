@@ -3,6 +3,7 @@ re-scoring), its faults, and the `mlx-encoders index` command. Vectors are check
 rankings against numpy's exact search."""
 
 import importlib
+import io
 import json
 import os
 import re
@@ -263,7 +264,7 @@ def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatc
     (corpus / "new.txt").write_text("\n\n".join(f"New sentence {i}." for i in range(10)))  # 4 chunks
     statuses = launch_two_ranks(tmp_path, corpus, index, model, FAIL_RANK="1")
     assert statuses[1] == {"rank": 1, "ok": False, "error": "ZeroDivisionError('division by zero')"}
-    failed = "RuntimeError('index build: embedding failed on rank(s) [1]; see their messages')"
+    failed = "RanksFailed('index build: embedding failed on rank(s) [1]; see their messages')"
     assert statuses[0] == {"rank": 0, "ok": False, "error": failed}
     assert_same_index(index, single, atol=1e-6)  # the previous index
     shard = index / "shards" / "rank-0.sqlite"
@@ -520,6 +521,26 @@ def test_ann_and_quantized_recall_against_exact_search(tmp_path):
     assert hit.id == "123" and abs(hit.score - 1) < 1e-6  # re-scored in float32
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_build_shows_one_progress_bar_of_texts_on_a_terminal(tmp_path, encoder, monkeypatch):
+    """One bar of texts over all the chunks (not the encoder's bar of batches, one a chunk at 8 batches), none
+    when quiet or when stderr is not a terminal."""
+    corpus = [(str(i), f"Sentence {i} of the corpus.") for i in range(20)]
+    for stderr, quiet, index in ((Terminal(), False, "a"), (Terminal(), True, "b"), (io.StringIO(), False, "c")):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        build(corpus, tmp_path / index, encoder, batch_size=1, chunk=8, quiet=quiet)
+        frames = stderr.getvalue().replace("\r", "\n").splitlines()
+        bars = [frame for frame in frames if "|" in frame]
+        if quiet or index == "c":
+            assert bars == [] and ("embedded 20 texts" in stderr.getvalue()) is not quiet
+        else:
+            assert bars and all(frame.startswith("embedding:") and "/20 [" in frame for frame in bars)
+
+
 def test_command_line_build_and_search(tmp_path, model, capsys):
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 0
@@ -530,10 +551,17 @@ def test_command_line_build_and_search(tmp_path, model, capsys):
     assert lines[:3] == ["> Cats purr when they are content.", " 1. 1.000  animals.md#1",
                          "    Cats purr when they are content."]  # fmt: skip
     assert len(lines) == 5
-    assert cli(["index", "search", "--index", str(index), "Rain falls from the clouds.", "-k", "1", "--json"]) == 0
-    [record] = json.loads(capsys.readouterr().out)
-    assert record["query"] == "Rain falls from the clouds." and record["hits"][0]["id"] == "rain"
-    assert abs(record["hits"][0]["score"] - 1) < 1e-5 and record["hits"][0]["text"] == "Rain falls from the clouds."
+    queries = ["Rain falls from the clouds.", "Cacti store water."]
+    assert cli(["index", "search", "--index", str(index), *queries, "-k", "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    rain, cacti = json.loads(out)
+    assert len(out.splitlines()) == 4  # "[", one line per query, "]": as every command's --json
+    assert rain["query"] == "Rain falls from the clouds." and rain["hits"][0]["id"] == "rain"
+    assert abs(rain["hits"][0]["score"] - 1) < 1e-5 and rain["hits"][0]["text"] == "Rain falls from the clouds."
+    assert cacti["hits"][0]["id"] == "more.jsonl:2"
+    assert cli(["index", "search", "--index", str(index), *queries, "-k", "1", "--json", "--indent", "2"]) == 0
+    indented = capsys.readouterr().out
+    assert json.loads(indented) == json.loads(out) and '\n  {\n    "query": "Rain' in indented
 
     (corpus / "bad.jsonl").write_text("{oops\n")
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 1
@@ -589,3 +617,36 @@ def test_a_rank_that_cannot_read_the_store_tells_the_others(tmp_path, encoder, m
         build([("a", "A text.")], tmp_path / "unseen", encoder, quiet=True)
     assert steps == ["index build: opening the index", "index build: reading the shards"]
     assert flags == [[0.0, 0.0], [0.0, 1.0]]
+
+
+def test_search_options_are_bounded_and_lookups_batched(tmp_path, monkeypatch):
+    """k and depth are whole numbers up to MAX_K, rrf_k finite (the library, CLI and server share the check); a
+    k past the index's size answers every document, and lookups run in bounded batches with the same answer."""
+    from mlx_encoders.index import store as store_module
+    from mlx_encoders.index.search import MAX_K
+
+    vectors = unit_vectors(1_200, 16, seed=0)
+    write_vectors(tmp_path / "v", vectors)
+    index = Index(tmp_path / "v")
+    for k in (0, MAX_K + 1, 1e30, 2.0, True):
+        with pytest.raises(ValueError, match="k must be a whole number from 1 to 10000"):
+            index.search(vectors[0], k)
+    for rrf_k in (float("nan"), float("inf"), -1):
+        with pytest.raises(ValueError, match="rrf_k must be finite"):
+            index.check_mode("dense", 10, "rrf", rrf_k, 0.5, 100)
+    everything = index.search(vectors[0], MAX_K)
+    assert len(everything) == 1_200 and everything[0].id == "0"
+    monkeypatch.setattr(store_module, "LOOKUP_BATCH", 7)
+    assert index.search(vectors[0], MAX_K) == everything
+
+
+def test_command_line_search_options_out_of_range_exit_2_without_a_traceback(tmp_path):
+    write_vectors(tmp_path / "v", unit_vectors(20, 16, seed=0))
+    for option in (["--rrf-k", "nan"], ["--rrf-k", "inf"], ["-k", "100000"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "mlx_encoders", "index", "search", "--index", str(tmp_path / "v"), "--json",
+             "--mode", "dense", *option, "query"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (option, result.stderr)
+        assert result.stdout == "" and "error:" in result.stderr

@@ -256,14 +256,21 @@ def test_command_line_sparse_and_hybrid(tmp_path, models, capsys):
     assert "8 documents, 8 texts (8 added, 0 dropped)" in capsys.readouterr().out
     opened = Index(index)
     query = "a question about files"
-    for mode, options in (("sparse", []), ("hybrid", []), ("hybrid", ["--fusion", "weighted", "--alpha", "0.7"])):
+    found = {}
+    for mode, options, keywords in (
+        ("sparse", [], {}),
+        ("hybrid", [], {}),
+        ("hybrid", ["--fusion", "weighted", "--alpha", "0.7"], {"fusion": "weighted", "alpha": 0.7}),
+        ("hybrid", ["--depth", "3"], {"depth": 3}),  # texts outside a mode's best 3 get nothing from it
+    ):
         assert (
             cli(["index", "search", "--index", str(index), query, "-k", "3", "--mode", mode, *options, "--json"]) == 0
         )
         got = json.loads(capsys.readouterr().out)[0]["hits"]
-        fusion = {"fusion": "weighted", "alpha": 0.7} if options else {}
-        expected = opened.search(query, k=3, mode=mode, **fusion)
+        expected = opened.search(query, k=3, mode=mode, **keywords)
+        found[" ".join([mode, *options])] = [(h["id"], h["score"]) for h in got]
         assert [(h["id"], h["score"]) for h in got] == [(h.id, h.score) for h in expected]
+    assert found["hybrid --depth 3"] != found["hybrid"]
 
     plain = tmp_path / "plain"
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(plain), "-m", str(models["dense"])]) == 0

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from checkpoints import MINILM
 
+from mlx_encoders.serve.server import Options
+
 TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "hello", "Serving embeddings on MLX."]
 DOCS = ["Paris is the capital of France.", "The mat was red.", "Foxes are quick.", "Nothing to see here at all."]
 PAIRS = list(zip(TEXTS, DOCS, strict=True))
@@ -297,6 +299,8 @@ def test_tei_embed_and_tokenize(server, sentence_transformer):
         ("/v1/rerank", {"model": "minilm", "query": "q", "documents": ["d"]}, 400, "model"),
         ("/v1/rerank", {"model": "rerank", "query": "q", "documents": [3]}, 400, "documents"),
         ("/v1/classify", {"model": "rerank", "input": "a", "top_k": 0}, 400, "top_k"),
+        ("/v1/embeddings", b"[" * 100_000 + b"]" * 100_000, 400, None),  # deeper than Python's parser goes
+        ("/v1/embeddings", b'{"model": "minilm", "input": ' + b"7" * 5001 + b"}", 400, None),  # past int conversion
     ],
 )
 def test_bad_requests_get_openai_shaped_errors(server, path, body, status, param):
@@ -495,6 +499,19 @@ def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small
     origin = {"Origin": "http://example.com", "Authorization": "Bearer secret"}
     assert call(small_queue, "/v1/models", headers=origin)[2]["access-control-allow-origin"] == "http://example.com"
     assert "access-control-allow-origin" not in call(server, "/v1/models", headers=origin)[2]
+
+
+@pytest.mark.parametrize("where", ["flag", "variable"])
+def test_an_empty_api_key_refuses_to_start(where):
+    """`--api-key "$UNSET"` is a mistake, never a wish for a server without authentication."""
+    flag, env = (["--api-key", ""], {}) if where == "flag" else ([], {"MLX_ENCODERS_API_KEY": " "})
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_encoders", "serve", "--model", "nowhere", *flag],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+    assert result.returncode != 0 and "is empty" in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match="API key is empty"):
+        Options(api_key="")
 
 
 def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders):

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..engine.runtime import on_cpu
+from ..engine.runtime import claim_mlx, on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
@@ -244,6 +244,7 @@ def all_finite(x: mx.array) -> bool:
 def warn_non_finite(model: nn.Module, source: Path) -> None:
     """Warn, naming the first few, about float tensors holding NaN or inf (a corrupt file, or a cast to float16
     that overflowed): the model's outputs would be NaN without any error."""
+    claim_mlx()
     mx.eval(model.parameters())
     bad = [k for k, v in tree_flatten(model.parameters()) if is_float(v) and not all_finite(v)]
     if bad:

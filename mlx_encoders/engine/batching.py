@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .quantized import least_group_tokens, shared_dequantized
-from .runtime import forward_lanes, on_cpu, warm_heap
+from .runtime import claim_mlx, forward_lanes, on_cpu, warm_heap
 
 PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
@@ -133,6 +133,7 @@ def run_batches(
     them once evaluated. `slice_bytes` (default CPU_SLICE_BYTES on the CPU, None elsewhere: whole batches) caps a
     slice's largest activation; `least_tokens` (default `least_group_tokens(model)` on the CPU) is the least
     tokens a group of passes holds. `show_progress` as sentence-transformers' show_progress_bar, counting batches."""
+    claim_mlx()
     if not len(lengths):
         return
     slice_bytes = (CPU_SLICE_BYTES if on_cpu() else None) if slice_bytes == -1 else slice_bytes

@@ -1,23 +1,23 @@
-"""What MLX's CPU backend runs on, and every process-wide setting the engine makes, in one place.
+"""What MLX's CPU backend runs on, and every change the engine makes to the process, in one place
+(docs/performance.md). `MLX_ENCODERS_CPU_TUNING=0` turns every one of them off.
 
-- **BLAS.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
-  encoder's products. At import, when OpenBLAS is installed, `give_mlx_fast_blas` loads it with local symbol
-  scope and writes the addresses of its `cblas_*gemm` into libmlx's own table of imported functions (its GOT;
-  one-row float32 products go to its sgemv, `gemv.py`):
-  only MLX's calls reach it, whatever was imported first, and no other library in the process (torch, numpy)
-  binds to it. `MLX_ENCODERS_BLAS=/path/to/libopenblas.so` picks the library, `MLX_ENCODERS_BLAS=0` leaves MLX
-  as it is. One warning says when MLX's products run on the reference BLAS.
-- **Tuning while `encode`, `predict`, the pipelines or training run** (`MLX_ENCODERS_CPU_TUNING=0` turns it off):
-  MLX's OpenBLAS runs each product on its caller's thread (`one_blas_thread`), so passes on several streams each
-  keep one core; the previous thread count is restored after. Before the first inference pass, `warm_heap` frees
-  one large buffer, which raises glibc's mmap threshold to 32 MB through glibc's own adjustment (for the rest of
-  the process, as any program freeing a large buffer does). A training run raises MLX's own cache limit while it
-  runs (`keep_freed_memory`), then sets it back. Nothing else is changed, and nothing at import but MLX's own BLAS.
+- **BLAS, at import.** MLX's Linux CPU wheel bundles the reference (netlib) BLAS, 10-50x slower than OpenBLAS for an
+  encoder's products. `give_mlx_fast_blas` loads an OpenBLAS (`MLX_ENCODERS_BLAS`'s, else pip's scipy-openblas32,
+  else the system's) with local symbol scope and writes the addresses of its `cblas_*gemm` into libmlx's own table
+  of imported functions (its GOT), once the libmlx file read is verified to be the image mapped: only MLX's calls
+  reach it, and no other library in the process (torch, numpy) binds to it.
+- **One-row products, when decoding first needs them** (`one_row_products`): a small C helper (`gemv.py`) sends
+  them to the BLAS's sgemv.
+- **While `encode`, `predict`, the pipelines or training run**: MLX's OpenBLAS runs each product on its caller's
+  thread (`one_blas_thread`), restored after; `warm_heap` frees one large buffer before the first inference pass,
+  which raises glibc's mmap threshold through glibc's own adjustment; a training run lets MLX's cache follow its
+  peak memory (`keep_freed_memory`), then sets the limit back.
 """
 
 import ctypes
 import ctypes.util
 import functools
+import importlib.util
 import mmap
 import os
 import struct
@@ -27,10 +27,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 
-from .gemv import forwarding_sgemm
+from . import gemv
 
 # The BLAS entry points MLX's matrix products call (cblas_sgemm for float32, the others for float64/complex).
 GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")
@@ -43,30 +44,39 @@ def on_cpu() -> bool:
 
 
 def tuning_enabled() -> bool:
-    """Whether the engine may make its documented process-wide settings while a call runs."""
+    """Whether the engine may change anything in the process: MLX's BLAS, the compiled one-row helper, BLAS threads,
+    the allocator. `MLX_ENCODERS_CPU_TUNING=0` leaves the process exactly as MLX and Python made it."""
     return os.environ.get("MLX_ENCODERS_CPU_TUNING", "1") != "0"
 
 
-def _mappings() -> list[tuple[int, int, str, int, str]]:
-    """(start, end, permissions, file offset, path) of each of this process's mappings (Linux), paths whole."""
+class Mapping(NamedTuple):
+    start: int
+    end: int
+    perms: str
+    offset: int
+    path: str
+
+
+def _mappings() -> list[Mapping]:
+    """This process's memory mappings (Linux), paths whole ("... (deleted)" when the file was replaced)."""
     maps = Path("/proc/self/maps")
     rows = []
     for line in maps.read_text().splitlines() if maps.exists() else []:
         fields = line.split(maxsplit=5)
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        rows.append((start, end, fields[1], int(fields[2], 16), fields[5] if len(fields) == 6 else ""))
+        rows.append(Mapping(start, end, fields[1], int(fields[2], 16), fields[5] if len(fields) == 6 else ""))
     return rows
 
 
-def _mlx_library() -> Path | None:
-    """The libmlx shared object mapped into this process (Linux), or None."""
-    return next((Path(m[4]) for m in _mappings() if Path(m[4]).name.startswith("libmlx.so")), None)
+def _mlx_library() -> str | None:
+    """The path of the libmlx shared object mapped into this process (Linux), as /proc/self/maps names it."""
+    return next((m.path for m in _mappings() if Path(m.path).name.startswith("libmlx.so")), None)
 
 
-def _load_base(library: Path) -> int | None:
+def _load_base(library: str) -> int | None:
     """The address libmlx is loaded at (its link map's l_addr, which ELF offsets are relative to)."""
     try:
-        handle = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD)._handle
+        handle = ctypes.CDLL(library, mode=os.RTLD_NOLOAD)._handle
         link_map = ctypes.c_void_p()
         dlinfo = ctypes.CDLL(None).dlinfo
         dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -87,6 +97,8 @@ def import_slots(data, names: Sequence[str]) -> dict[str, list[int]]:
         return {}
     shoff = struct.unpack_from("<Q", data, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    if shoff == 0 or shnum == 0 or shoff + shnum * shentsize > len(data):  # section headers stripped
+        return {}
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
 
     def string(table_offset: int, at: int) -> str:
@@ -112,6 +124,46 @@ def import_slots(data, names: Sequence[str]) -> dict[str, list[int]]:
     return slots
 
 
+def identity_spans(data) -> list[tuple[int, int, int]]:
+    """(file offset, virtual address, size) of what identifies an ELF64 image: its header with the program headers,
+    and every note segment (the GNU build id among them)."""
+    phoff = struct.unpack_from("<Q", data, 0x20)[0]
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    spans = [(0, 0, phoff + phentsize * phnum)]
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz, _, _ = struct.unpack_from("<IIQQQQQQ", data, phoff + i * phentsize)
+        if p_type == 4:  # PT_NOTE
+            spans.append((p_offset, p_vaddr, p_filesz))
+    return spans
+
+
+def image_matches_file(library: str, base: int, data, slots: dict[str, list[int]]) -> str | None:
+    """Why the file read is not the image mapped at `base`, or None when it is: the mapping's file was replaced
+    (a reinstall while this process runs), the mapped headers or build id differ from the file's, or a slot does
+    not hold a code address now."""
+    mappings = _mappings()
+    if library.endswith(" (deleted)"):
+        return "its file was replaced while this process runs"
+    own = [m for m in mappings if m.path == library and m.perms.endswith("p")]  # not this function's own mmap
+    if not any(m.offset == 0 and m.start == base for m in own):
+        return "its first mapping is not at its load address"
+    for offset, vaddr, size in identity_spans(data):
+        address = base + vaddr
+        if not any(m.start <= address and address + size <= m.end and "r" in m.perms for m in own):
+            return "its headers are not mapped"
+        if ctypes.string_at(address, size) != bytes(data[offset : offset + size]):
+            return "the file's headers or build id differ from the mapped image's"
+    for offsets in slots.values():
+        for offset in offsets:
+            slot = base + offset
+            if not any(m.start <= slot < m.end for m in own):
+                return "an import slot lies outside its mappings"
+            target = ctypes.c_void_p.from_address(slot).value or 0
+            if not any(m.start <= target < m.end and "x" in m.perms for m in mappings):
+                return "an import slot does not hold a code address"
+    return None
+
+
 def _write_slots(values: dict[int, int]) -> bool:
     """Write function addresses into their slots ({address: value}), making a read-only page (RELRO) writable for
     the write; False, and nothing written, when a page cannot be made writable."""
@@ -121,7 +173,7 @@ def _write_slots(values: dict[int, int]) -> bool:
     locked = {
         address & ~(mmap.PAGESIZE - 1)
         for address in values
-        if not any(start <= address < end and "w" in perms for start, end, perms, _, _ in mappings)
+        if not any(m.start <= address < m.end and "w" in m.perms for m in mappings)
     }
     opened = []
     for page in sorted(locked):
@@ -137,42 +189,110 @@ def _write_slots(values: dict[int, int]) -> bool:
     return True
 
 
+class Blas:
+    """A BLAS loaded with local symbol scope, and the prefix its symbols carry (scipy-openblas32's are `scipy_`):
+    `blas.cblas_sgemm`, `blas.openblas_set_num_threads` name the library's own, whatever its prefix."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.library = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        self.prefix = next((p for p in ("", "scipy_") if hasattr(self.library, p + "cblas_sgemm")), None)
+        if self.prefix is None:
+            raise OSError(f"{path} has no cblas_sgemm: not a BLAS")
+
+    def __getattr__(self, name: str):
+        return getattr(self.library, self.prefix + name)
+
+    def address(self, name: str) -> int | None:
+        return ctypes.cast(getattr(self, name), ctypes.c_void_p).value if hasattr(self, name) else None
+
+    def __repr__(self) -> str:
+        return f"Blas({self.path!r})"
+
+
+def pip_openblas() -> str | None:
+    """The OpenBLAS of the scipy-openblas32 wheel (a dependency on Linux), found without importing numpy or it."""
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations)), "lib").glob("libscipy_openblas*.so*"))
+    return str(found[0]) if found else None
+
+
 def _candidates() -> list[str]:
+    """MLX_ENCODERS_BLAS's library ("0": none), else pip's OpenBLAS, else the system's (apt's libopenblas)."""
     chosen = os.environ.get("MLX_ENCODERS_BLAS")
     if chosen:
         return [] if chosen == "0" else [chosen]
-    found = ctypes.util.find_library("openblas")
-    return [found] if found else []
+    return [path for path in (pip_openblas(), ctypes.util.find_library("openblas")) if path]
 
 
-def give_mlx_fast_blas() -> ctypes.CDLL | None:
-    """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; returns that library, or None (not Linux,
-    turned off, none installed, or an MLX build this cannot read: MLX then keeps its own, and the import goes on)."""
-    library_path = _mlx_library() if sys.platform.startswith("linux") else None
-    if library_path is None:
+class Binding(NamedTuple):
+    """The fast BLAS MLX's products were given, and where in libmlx its functions' addresses were written."""
+
+    blas: Blas
+    slots: dict[str, list[int]]  # name -> absolute slot addresses
+
+
+def give_mlx_fast_blas() -> Binding | None:
+    """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; the binding, or None (not Linux, tuning
+    off, none installed, or an MLX image this cannot verify: MLX then keeps its own, with one warning, and the import
+    goes on)."""
+    library = _mlx_library() if sys.platform.startswith("linux") and tuning_enabled() else None
+    if library is None:
         return None
-    for name in _candidates():
+    for path in _candidates():
         try:
-            blas = ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
+            blas = Blas(path)
         except OSError:
             continue
         try:
-            return blas if _point_mlx_at(library_path, blas) else None
+            return _point_mlx_at(library, blas)
         except Exception as e:  # an ELF or a process this cannot read must not stop the import
-            warnings.warn(f"mlx_encoders could not give MLX {name} ({e!r}); MLX keeps its own BLAS", stacklevel=3)
+            warnings.warn(f"mlx_encoders could not give MLX {path} ({e!r}); MLX keeps its own BLAS", stacklevel=3)
             return None
     return None
 
 
-def _point_mlx_at(library_path: Path, blas: ctypes.CDLL) -> bool:
-    with open(library_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+def _point_mlx_at(library: str, blas: Blas) -> Binding | None:
+    base = None if library.endswith(" (deleted)") else _load_base(library)
+    if base is None:
+        return _decline(library, "its file was replaced while this process runs, or its load address is unknown")
+    with open(library, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         slots = {n: s for n, s in import_slots(data, GEMMS).items() if hasattr(blas, n)}
-    base = _load_base(library_path)
-    if "cblas_sgemm" not in slots or base is None:
+        why = "its BLAS imports are not listed (a stripped build)" if "cblas_sgemm" not in slots else None
+        why = why or image_matches_file(library, base, data, slots)
+    if why:
+        return _decline(library, why)
+    absolute = {n: [base + offset for offset in offsets] for n, offsets in slots.items()}
+    if not _write_slots({slot: blas.address(n) for n, addresses in absolute.items() for slot in addresses}):
+        return None
+    return Binding(blas, absolute)
+
+
+def _decline(library: str, why: str) -> None:
+    DECLINED.append(why)
+    warnings.warn(f"mlx_encoders leaves MLX's BLAS as it is: {library}: {why}", UserWarning, stacklevel=5)
+
+
+DECLINED: list[str] = []  # why MLX was left with its own BLAS, when the image could not be verified
+
+
+def one_row_products() -> bool:
+    """Send MLX's one-row (and one-column) float32 products to the BLAS's sgemv, which streams a weight once where
+    sgemm packs it first: a decoding step's products. Builds the small C helper (`gemv.py`) on first need; without a
+    compiler, or with tuning off, MLX keeps the BLAS's sgemm. Returns whether the products go through sgemv."""
+    if BINDING is None or not tuning_enabled():
         return False
-    addresses = {n: ctypes.cast(getattr(blas, n), ctypes.c_void_p).value for n in slots}
-    addresses["cblas_sgemm"] = forwarding_sgemm(blas) or addresses["cblas_sgemm"]  # one-row products: gemv
-    return _write_slots({base + offset: addresses[n] for n, offsets in slots.items() for offset in offsets})
+    with _forwarding_lock:
+        if not gemv.FORWARDING:
+            address = gemv.forwarding_sgemm(BINDING.blas)
+            if address is None or not _write_slots({slot: address for slot in BINDING.slots["cblas_sgemm"]}):
+                return False
+    return True
+
+
+_forwarding_lock = threading.Lock()
 
 
 def global_blas() -> bool:
@@ -184,15 +304,36 @@ def global_blas() -> bool:
 def warn_if_slow_blas() -> None:
     if not sys.platform.startswith("linux") or not on_cpu() or BLAS is not None or global_blas():
         return
-    if os.environ.get("MLX_ENCODERS_BLAS") == "0":
+    if os.environ.get("MLX_ENCODERS_BLAS") == "0" or not tuning_enabled() or DECLINED:  # said already
         return
     warnings.warn(
         "MLX's matrix products run on the reference BLAS bundled with its Linux wheel, 10-50x slower on the CPU. "
-        "Install OpenBLAS (apt-get install libopenblas0-pthread) or point MLX_ENCODERS_BLAS at a libopenblas.so; "
-        "MLX_ENCODERS_BLAS=0 silences this warning.",
+        "Reinstall the package (`pip install -e .` brings scipy-openblas32) or point MLX_ENCODERS_BLAS at a "
+        "libopenblas.so; MLX_ENCODERS_BLAS=0 silences this warning.",
         UserWarning,
         stacklevel=3,
     )
+
+
+class ForkedAfterMLX(RuntimeError):
+    """MLX ran in a parent process that forked this one: its CPU workers did not survive the fork."""
+
+
+_mlx_process: list[int] = []  # the process in which the package first ran MLX computations
+
+
+def claim_mlx() -> None:
+    """Called before the package's computations: in a child forked after MLX ran in its parent, MLX's first
+    computation would wait forever on workers the fork did not copy, so this raises a clear error instead."""
+    if not _mlx_process:
+        _mlx_process.append(os.getpid())
+    elif _mlx_process[0] != os.getpid():
+        raise ForkedAfterMLX(
+            f"this process (pid {os.getpid()}) was forked from one that had already run MLX (pid {_mlx_process[0]}), "
+            "whose CPU workers do not survive a fork, so MLX would wait forever. Start worker processes with the "
+            "'spawn' or 'forkserver' start method (multiprocessing.get_context('spawn')), or create them before "
+            "the parent first uses mlx_encoders."
+        )
 
 
 class Outermost:
@@ -236,7 +377,7 @@ def one_blas_thread() -> Iterator[bool]:
 
 
 @functools.cache
-def _one_openblas_thread(library: ctypes.CDLL) -> Outermost:
+def _one_openblas_thread(library: Blas) -> Outermost:
     threads = []
 
     def enter() -> None:
@@ -368,4 +509,5 @@ def _keeping() -> Outermost:
     return keeping
 
 
-BLAS: ctypes.CDLL | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at import, if any
+BINDING: Binding | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at import, if any
+BLAS: Blas | None = BINDING.blas if BINDING else None

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..engine.runtime import claim_mlx, one_row_products
 from ..tokenizer import Tokenizer, text_list
 from . import steps as compiled
 from .config import PRESETS, GenerationConfig
@@ -124,6 +125,8 @@ def decode(
     model, tokens: np.ndarray, mask, config: GenerationConfig, eos, pad, new_tokens: int
 ) -> Iterator[np.ndarray]:
     """generate_steps' loop, a generator of its own so that generate_steps' checks run when it is called."""
+    claim_mlx()
+    one_row_products()  # each step's products have one row per sequence
     B, L = tokens.shape
     positions = None if mask is None else np.where(mask == 1, np.cumsum(mask, axis=1) - 1, 0)
     prompt_start = None if mask is None else mx.array(mask.argmax(axis=1))  # transformers' prompt_ignore_length

@@ -4,6 +4,6 @@
 from .build import build
 from .documents import CorpusError, read_corpus
 from .search import Hit, Index, StaleIndex, search
-from .store import StoreError
+from .store import DamagedStore, StoreError
 
-__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError", "StaleIndex"]
+__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError", "DamagedStore", "StaleIndex"]

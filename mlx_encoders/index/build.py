@@ -15,9 +15,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..checkpoint import folder_digest
 from ..distributed import World, collective, timeout, world
+from ..errors import CommandError
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder
 from . import ann as ann_index
@@ -31,6 +33,10 @@ CHUNK = 256  # texts per committed transaction: a kill loses at most this much w
 RANK0_TIMEOUT = 24 * 3600.0
 
 
+class RanksFailed(RuntimeError, CommandError):
+    """Another rank failed a step of the build (its own message names why); this one stopped with it."""
+
+
 def agree(ranks: World, error: BaseException | None, step: str, seconds: float | None = None) -> None:
     """Every rank says whether `step` went well; each raises when any rank failed (its own error, else one naming
     the ranks that failed), so no rank waits forever for a rank that stopped; a rank lost or stalled during the
@@ -42,7 +48,7 @@ def agree(ranks: World, error: BaseException | None, step: str, seconds: float |
             mx.eval(flags)
         failed = [r for r, flag in enumerate(flags.tolist()) if flag]
         if failed and error is None:
-            raise RuntimeError(f"index build: {step} failed on rank(s) {failed}; see their messages")
+            raise RanksFailed(f"index build: {step} failed on rank(s) {failed}; see their messages")
     if error is not None:
         raise error
 
@@ -76,16 +82,26 @@ def log(message: str, quiet: bool) -> None:
 
 def embed_chunks(target: Store, encoder: SentenceEncoder | None, sparse: SparseEncoder | None,
                  chunks: list[list[tuple[str, str]]], batch_size: int, quiet: bool) -> None:  # fmt: skip
+    """Embed and stage each chunk, behind one bar of texts embedded (the encoders' own bars would draw one per
+    chunk); no bar when `quiet` or when stderr is not a terminal, as for `SentenceEncoder.encode`."""
     start, done = time.perf_counter(), 0
-    for chunk in chunks:
-        keys, texts = [k for k, _ in chunk], [t for _, t in chunk]
-        if encoder is not None:
-            vectors = encoder.encode_document(texts, batch_size=batch_size, normalize_embeddings=True)
-        else:
-            vectors = np.zeros((len(texts), 0), np.float32)
-        terms = sparse.encode_document(texts, batch_size=batch_size).rows() if sparse is not None else None
-        target.stage(keys, texts, vectors, terms)
-        done += len(chunk)
+    total = sum(len(chunk) for chunk in chunks)
+    with tqdm(total=total, desc="embedding", unit="text", leave=False, disable=quiet or not sys.stderr.isatty()) as bar:
+        for chunk in chunks:
+            keys, texts = [k for k, _ in chunk], [t for _, t in chunk]
+            if encoder is not None:
+                vectors = encoder.encode_document(
+                    texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
+                )
+            else:
+                vectors = np.zeros((len(texts), 0), np.float32)
+            if sparse is not None:
+                terms = sparse.encode_document(texts, batch_size=batch_size, show_progress_bar=False).rows()
+            else:
+                terms = None
+            target.stage(keys, texts, vectors, terms)
+            done += len(chunk)
+            bar.update(len(chunk))
     if done:
         seconds = time.perf_counter() - start
         log(f"embedded {done} texts in {seconds:.1f} s ({done / seconds:.1f} texts/s)", quiet)

@@ -2,8 +2,6 @@
 `mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]`."""
 
 import argparse
-import json
-import sys
 
 from .build import CHUNK, build
 from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
@@ -40,8 +38,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     find.add_argument("--fusion", choices=FUSIONS, default="rrf", help="how hybrid fuses the rankings (default rrf)")
     find.add_argument("--rrf-k", type=float, default=RRF_K, help=f"reciprocal-rank fusion's k (default {RRF_K})")
     find.add_argument("--alpha", type=float, default=0.5, help="dense share of a weighted fusion (default 0.5)")
+    find.add_argument("--depth", type=positive, default=100, help="hybrid: fuse each mode's best N (default 100)")
     find.add_argument("-k", "--top-k", type=positive, default=10, help="results per query (default 10)")
-    find.add_argument("--json", action="store_true", help="print one JSON list of {query, hits} objects")
+    find.add_argument("--json", action="store_true", help="print a JSON list of {query, hits}, one query per line")
+    find.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
     find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
     graph = find.add_mutually_exclusive_group()
     graph.add_argument("--ann", action="store_true", default=None, help="use the HNSW graph at any size")
@@ -50,14 +50,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return build_or_search(args)
-    except (RuntimeError, ImportError) as e:  # a rank failed; usearch/pyarrow missing (ValueError: __main__ prints it)
-        print(f"mlx-encoders index: error: {e}", file=sys.stderr)
-        return 1
-
-
-def build_or_search(args: argparse.Namespace) -> int:
     if args.action == "build":
         counts = build(
             args.corpus,
@@ -75,11 +67,12 @@ def build_or_search(args: argparse.Namespace) -> int:
             )
         return 0
     index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision)
-    options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha}
+    options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha, "depth": args.depth}
     results = [(query, index.search(query, args.top_k, **options)) for query in args.queries]
     if args.json:
-        records = [{"query": q, "hits": [vars(h) for h in hits]} for q, hits in results]
-        print(json.dumps(records, ensure_ascii=False, indent=1))
+        from ..__main__ import to_json  # the JSON layout of every command
+
+        print(to_json([{"query": q, "hits": [vars(h) for h in hits]} for q, hits in results], args.indent))
         return 0
     for query, hits in results:
         print(f"> {query}")

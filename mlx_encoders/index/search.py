@@ -9,6 +9,7 @@ fusion (`rrf`: the sum over the rankings of 1 / (rrf_k + rank), rank from 1) or 
 score + (1 - alpha) x the sparse score, each min-max normalised over its ranking; 0 where a text is absent).
 """
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import folder_digest
+from ..errors import OptionError
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder, SparseVectors
 from ..vectors import quantize_embeddings
@@ -28,6 +30,7 @@ PRECISIONS = ("float32", "int8", "binary")
 MODES = ("dense", "sparse", "hybrid")
 FUSIONS = ("rrf", "weighted")
 RRF_K = 60  # reciprocal-rank fusion's constant, as its authors (Cormack et al. 2009) and most engines use
+MAX_K = 10_000  # the most results (and hybrid depth) one search returns: bounds the work a request can ask for
 
 
 class StaleIndex(StoreError):
@@ -205,12 +208,13 @@ class Index:
 
     def check_mode(self, mode: str | None, k: int, fusion: str, rrf_k: float, alpha: float, depth: int) -> str:
         mode = mode or ("dense" if self.dense else "sparse")
-        if k < 1 or depth < 1:
-            raise ValueError(f"k and depth must be 1 or more, got k={k}, depth={depth}")
+        for name, value in (("k", k), ("depth", depth)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_K:
+                raise OptionError(f"{name} must be a whole number from 1 to {MAX_K}, got {value!r}")
         if mode not in MODES or fusion not in FUSIONS:
-            raise ValueError(f"mode must be one of {MODES} and fusion one of {FUSIONS}; got {mode!r}, {fusion!r}")
-        if rrf_k < 0 or not 0 <= alpha <= 1:
-            raise ValueError(f"rrf_k must be 0 or more and alpha within [0, 1]; got {rrf_k}, {alpha}")
+            raise OptionError(f"mode must be one of {MODES} and fusion one of {FUSIONS}; got {mode!r}, {fusion!r}")
+        if not (math.isfinite(rrf_k) and rrf_k >= 0) or not 0 <= alpha <= 1:  # NaN fails every comparison
+            raise OptionError(f"rrf_k must be finite, 0 or more, and alpha within [0, 1]; got {rrf_k}, {alpha}")
         for kind, present, option in (("dense", self.dense, "--model"), ("sparse", self.sparse, "--sparse-model")):
             if mode in (kind, "hybrid") and not present:
                 raise ValueError(

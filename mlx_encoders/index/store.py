@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index can be copied between them
+LOOKUP_BATCH = 500  # rows per lookup statement
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
@@ -37,6 +38,11 @@ IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_
 
 class StoreError(ValueError):
     """The store cannot be used as it is (damaged, another model); the message names the file and what to do."""
+
+
+class DamagedStore(StoreError):
+    """The store's file is not a readable index (cut short by a crash or a full disk, overwritten): an index kept
+    as a cache of its corpus can be deleted and built again."""
 
 
 def text_key(text: str) -> str:
@@ -61,8 +67,8 @@ class Store:
             self.close()
             raise self.damaged(e) from None
 
-    def damaged(self, e: Exception) -> StoreError:
-        return StoreError(
+    def damaged(self, e: Exception) -> DamagedStore:
+        return DamagedStore(
             f"The index store {self.path} is damaged or not an index ({e}). It was left as it is: restore it from a "
             "copy, or delete its folder and build again."
         )
@@ -216,15 +222,21 @@ class Store:
         return columns[:, 0].astype(np.int64), columns[:, 1].astype(np.int64), columns[:, 2]
 
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
-        """For each text row its (document id, text) pairs, in corpus order (a shared text has several)."""
+        """For each text row its (document id, text) pairs, in corpus order (a shared text has several); read in
+        batches of LOOKUP_BATCH rows, so that no statement grows with the request."""
         out: dict[int, list[tuple[str, str]]] = {row: [] for row in rows}
-        marks = ",".join("?" * len(rows))
-        found = self.con.execute(
-            f"SELECT t.row, d.id, t.text FROM texts t JOIN documents d ON d.key = t.key WHERE t.row IN ({marks}) "
-            "ORDER BY d.position",
-            [int(r) for r in rows],
-        )
-        for row, doc_id, text in found:
+        found = []
+        try:
+            for start in range(0, len(rows), LOOKUP_BATCH):
+                batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
+                found += self.con.execute(
+                    f"SELECT t.row, d.id, t.text, d.position FROM texts t JOIN documents d ON d.key = t.key "
+                    f"WHERE t.row IN ({','.join('?' * len(batch))})",
+                    batch,
+                ).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise self.damaged(e) from None
+        for row, doc_id, text, _ in sorted(found, key=lambda f: f[3]):
             out[row].append((doc_id, text))
         return out
 

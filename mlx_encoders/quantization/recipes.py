@@ -10,6 +10,8 @@ import fnmatch
 import re
 from collections.abc import Callable
 
+from ..errors import OptionError
+
 # Supported (bits, group sizes) per quantization mode, from `mx.quantize`'s table; the first is the default.
 MODES = {
     "affine": {"bits": (8, 2, 3, 4, 5, 6), "group_size": (64, 32, 128)},
@@ -32,11 +34,6 @@ SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe", "*rel
 SMALL_GROUPS = {"affine": {2: 32, 3: 32, 4: 32}}
 # What a recipe's params dict may set; anything else (a typo such as "bit") would be silently ignored.
 PARAM_KEYS = ("bits", "group_size", "mode")
-
-
-class OptionError(ValueError):
-    """A quantization option (bits, group size, mode, recipe) outside what it accepts, or in conflict with another:
-    `python -m convert` exits with status 2 on it, as on a malformed option."""
 
 
 def default_group_size(bits: int, mode: str) -> int:

@@ -43,7 +43,7 @@ def app(models=None, *, indexes: dict | None = None, dtype: str | None = None, *
     `options` are `Options` fields: max_batch_tokens, max_wait_ms, max_queue, max_inputs, max_request_bytes,
     auto_truncate, batch_size, api_key, cors_origins. Its lifespan shutdown stops the model workers."""
     require_stack()
-    from .app import Options, Server, build
+    from .server import Options, Server, build
 
     settings = Options(**options)
     served, indexed = load_models(models, dtype, settings.batch_size, indexes)

@@ -66,18 +66,23 @@ def index_specs(values: list[str]) -> dict[str, str]:
     return specs
 
 
+def api_key(given: str | None) -> str | None:
+    """--api-key, else the variable when set; given but empty (`--api-key "$UNSET"`) is refused, never open."""
+    key = given if given is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = "--api-key" if given is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{source} is empty: give a key, or leave it out to serve without authentication")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     from . import require_stack
 
-    try:
-        require_stack()
-    except ImportError as e:
-        print(f"mlx-encoders serve: error: {e}", file=sys.stderr)
-        return 1
+    require_stack()  # an ImportError naming what to install: the command prints it (errors.run_command)
     import uvicorn
 
     from . import load_models
-    from .app import Options, Server, build
+    from .server import Options, Server, build
 
     for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
         check_count(f"--{name.replace('_', '-')}", getattr(args, name), 1)
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     options = Options(
         max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_inputs=args.max_inputs, max_request_bytes=args.max_request_bytes, auto_truncate=args.auto_truncate,
-        batch_size=args.batch_size, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        batch_size=args.batch_size, api_key=api_key(args.api_key),
         cors_origins=tuple(args.cors_origin),
     )  # fmt: skip
     if not args.model and not args.index:

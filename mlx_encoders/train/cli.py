@@ -10,18 +10,56 @@ from .config import OptionError
 from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .embedding import SAMPLERS
 from .fine_tune import TASK_NAMES
+from .options import PRETRAINING, READ_BY
 from .rerank import LOSSES as RERANK_LOSSES
+
+TASK_HELP = {
+    "mlm": "masked language modelling (BERT's pretraining with --next-sentence)",
+    "classify": "text or text-pair classification, multi-label classification, regression",
+    "tokens": "token classification: named entities, tags",
+    "clm": "causal language modelling (GPT-2)",
+    "rtd": "ELECTRA's replaced-token detection: a generator and a discriminator",
+    "embed": "sentence embeddings with a contrastive loss (a sentence-transformers model)",
+    "rerank": "a cross-encoder that scores (query, document) pairs",
+    "sparse": "sparse (SPLADE) embeddings",
+    "multivector": "multi-vector (ColBERT) embeddings",
+}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
+    train = commands.add_parser(
         "train",
-        help="train or fine-tune: masked-LM, classification, token classification, causal LM, ELECTRA",
-        description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model.",
+        help=f"train or fine-tune: {', '.join(TASK_NAMES)}",
+        description="Train a model on a JSONL, CSV/TSV or text file; the trained model is saved to OUTPUT/model. "
+        "`train TASK --help` lists the options of TASK.",
     )
-    p.add_argument(
-        "kind", choices=list(TASK_NAMES), help="mlm, classify, tokens, clm, rtd, embed, rerank, sparse, multivector"
-    )
+    kinds = train.add_subparsers(dest="kind", required=True, metavar="TASK")
+    for kind in TASK_NAMES:
+        description = f"Train {kind}: {TASK_HELP[kind]}. The trained model is saved to OUTPUT/model."
+        p = kinds.add_parser(kind, help=TASK_HELP[kind], description=description)
+        add_options(p)
+        hide_unread(p, kind)
+
+
+def hide_unread(p: argparse.ArgumentParser, kind: str) -> None:
+    """Leave out of `train KIND --help` the options KIND does not read; they still parse, so that `run` refuses
+    them with the reason rather than argparse with 'unrecognized arguments'."""
+    task = TASK_NAMES[kind]
+    for action in p._actions:
+        if action.dest in FLAG_KINDS:
+            read = FLAG_KINDS[action.dest] == kind
+        elif action.dest == "loss":  # sparse and multivector train with their own loss (`run`)
+            read = kind in ("embed", "rerank")
+        elif action.dest == "next_sentence":  # it picks mlm's pretraining head (`fine_tune.task_name`)
+            read = kind == "mlm"
+        else:
+            tasks = READ_BY.get(action.dest, (task,))
+            read = task in tasks or (kind == "mlm" and PRETRAINING in tasks)
+        if not read:
+            action.help = argparse.SUPPRESS
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
     source = p.add_argument_group("model")
     source.add_argument("--model", "-m", help="checkpoint folder or hub id to start from")
     source.add_argument(
@@ -113,7 +151,6 @@ FLAG_KINDS = {"mini_batch_size": "embed", "matryoshka_dims": "embed", "matryoshk
 def run(args: argparse.Namespace) -> int:
     from ..distributed import is_main
     from .fine_tune import fine_tune
-    from .trainer import Diverged
 
     options = {name: getattr(args, name) for name in TRAINING_OPTIONS + CALL_OPTIONS}
     # every task gets the embed options: fine_tune refuses those it would ignore (`options.READ_BY`)
@@ -130,12 +167,6 @@ def run(args: argparse.Namespace) -> int:
                 raise OptionError(f"--loss names an embed or rerank loss; {args.kind} trains with its own")
             options["loss"] = retrieval_loss(args)
         trained = fine_tune(args.kind, args.data, args.output, eval_data=args.eval_data, resume=args.resume, **options)
-    except OptionError as e:  # an option out of range: a usage error, as argparse reports one
-        print(f"mlx-encoders train: error: {e}", file=sys.stderr)
-        return 2
-    except Diverged as e:
-        print(f"mlx-encoders train: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(
             f"\nmlx-encoders train: interrupted; continue with --resume {args.output}/checkpoint-STEP (the last "

@@ -1,6 +1,7 @@
 """What a training run is given and what it returns, checked before any work: `TrainingConfig` (the loop's options,
-after transformers' `TrainingArguments`), `OptionError` (an option out of range: exit 2 on the command line) and
-`Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`) build on it.
+after transformers' `TrainingArguments`), `OptionError` (an option out of range, from errors.py: exit 2 on the
+command line) and `Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`)
+build on it.
 """
 
 import math
@@ -11,14 +12,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..errors import OptionError
 from ..tokenizer import Tokenizer
 from .optim import SCHEDULES
 
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-
-
-class OptionError(ValueError):
-    """A training option outside its range; the command exits with status 2 on it, as on a malformed option."""
 
 
 def at_least(name: str, value, low: int, optional: bool = False) -> None:

@@ -32,6 +32,7 @@ from ..checkpoint.files import Checkpoint
 from ..checkpoint.write import model_config, write_checkpoint
 from ..engine import runtime
 from ..engine.ops import drawing_from
+from ..errors import CommandError
 from ..models import task_of_model
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
@@ -54,7 +55,7 @@ MODEL_FOLDER, ADAPTERS_FOLDER = "model", "adapters"  # where `fine_tune` saves t
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
-class Diverged(ArithmeticError):
+class Diverged(ArithmeticError, CommandError):
     """A non-finite loss or gradient norm: training stopped before the step that would have spoiled the weights."""
 
 
@@ -760,6 +761,7 @@ def train(
     reranker (`rerank.RerankObjective`). Returns the last evaluation's metrics, else the last step's record. Under
     `mlx.launch`, each rank trains on its rows of every (global) batch and rank 0 alone writes (docs/scaling-out.md).
     """
+    runtime.claim_mlx()
     config = config or TrainingConfig("output")
     check_needs(asdict(config) | {"eval_data": eval_examples})
     check_metric_for_best(config, eval_examples, model, objective)

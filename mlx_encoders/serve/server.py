@@ -49,6 +49,10 @@ class Options:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():  # an unset variable, not a wish to open the server
+            raise ValueError("the API key is empty: give a key, or no key at all for a server without authentication")
+
 
 class Server:
     """The served models, one batcher each, the served indexes, the metrics, and the options."""
@@ -186,8 +190,10 @@ async def read_json(request: Request, server: Server) -> dict:
     body = b"".join(chunks)
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers longer than Python converts
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     return data

@@ -1,0 +1,64 @@
+"""How every command (`mlx-encoders ...`, `python -m convert`, examples/search.py) ends on an error.
+
+An error whose message is for the user (a ValueError such as our OptionError, StoreError or CorpusError, an OSError,
+an ImportError naming what to install, a `CommandError`) prints `PROGRAM: error: MESSAGE` on stderr and exits with
+2 for an `OptionError` (as argparse does on a malformed option), else 1. Any other exception is a bug and keeps its
+traceback; `--debug` or MLX_ENCODERS_DEBUG=1 shows the traceback of every error.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+DEBUG_ENV = "MLX_ENCODERS_DEBUG"
+
+
+class OptionError(ValueError):
+    """An option outside what it accepts, or in conflict with another (training, quantization): a command exits with
+    status 2 on it, as on a malformed option."""
+
+
+class CommandError(Exception):
+    """Base of our errors that are neither ValueErrors nor OSErrors but whose message is for the user (a training run
+    that diverged, a rank that failed): a command prints it as it prints those."""
+
+
+KNOWN = (ValueError, OSError, ImportError, CommandError)
+
+
+def add_debug_option(parser: argparse.ArgumentParser) -> None:
+    """`--debug` on `parser`, or on each command at the ends of its subcommand tree."""
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not commands:
+        parser.add_argument("--debug", action="store_true", help=f"show the traceback of an error (or {DEBUG_ENV}=1)")
+    for action in commands:
+        for sub in dict.fromkeys(action.choices.values()):  # an alias maps to the same parser
+            add_debug_option(sub)
+
+
+def describe(error: BaseException) -> str:
+    """The error's message; an OSError's without the `[Errno N]` prefix when it names no file (a full disk)."""
+    if isinstance(error, OSError) and error.strerror and not error.filename:
+        return error.strerror
+    return str(error)
+
+
+def run_command(program: str, command: Callable[[], int | None], debug: bool = False) -> int:
+    """`command()`'s exit status (None: 0). A known error prints one line, `PROGRAM: error: MESSAGE`, and gives 2 for
+    an OptionError, else 1; with `debug` (or MLX_ENCODERS_DEBUG=1) it propagates, traceback and all. Ctrl-C ends
+    with 130, as the shell reports a command SIGINT stopped."""
+    debug = debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        status = command()
+    except KNOWN as e:
+        if debug:
+            raise
+        print(f"{program}: error: {describe(e)}", file=sys.stderr)
+        return 2 if isinstance(e, OptionError) else 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"\n{program}: interrupted", file=sys.stderr)
+        return 130
+    return 0 if status is None else status
