@@ -19,7 +19,7 @@ another library exporting `cblas_sgemm` into the global scope instead (with MLX_
 4-bit engines are the float model quantized in memory with
 convert's layout (weights stay quantized; on the CPU each is dequantized just before its matmul), the float16
 engine a copy of the model stored in float16 and loaded with the default dtype (float32 compute on the CPU).
-`onnxruntime` runs the model exported with `torch.onnx` (benchmark-only: `pip install onnxruntime onnx`).
+`onnxruntime` runs the model exported with `torch.onnx` (benchmark-only: `pip install onnxruntime onnx onnxscript`).
 `--baseline DIR` adds the float model as the package in DIR (a checkout of another revision) computes it,
 imported under another name, as the engine `baseline` (and `baseline-8bit`, `baseline-4bit` beside the quantized
 engines asked for): a change's speed before and after in one run.
@@ -149,7 +149,8 @@ def float16_folder(path: Path, workdir: Path) -> Path:
 def onnxruntime_engine(path: Path, batch_size: int, threads: int, workdir: Path) -> Callable:
     """The transformer exported with `torch.onnx` (dynamic batch and length), run by onnxruntime with all its
     graph optimisations; tokenizing, mean pooling and normalising as sentence-transformers does, batches sorted by
-    length. onnx and onnxruntime are benchmark-only dependencies (`pip install onnxruntime onnx`)."""
+    length. onnx, onnxscript and onnxruntime are benchmark-only dependencies
+    (`pip install onnxruntime onnx onnxscript`)."""
     import numpy as np
     import onnxruntime
     import torch

@@ -632,9 +632,21 @@ def test_search_options_are_bounded_and_lookups_batched(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="k must be a whole number from 1 to 10000"):
             index.search(vectors[0], k)
     for rrf_k in (float("nan"), float("inf"), -1):
-        with pytest.raises(ValueError, match="rrf_k must be a finite number"):
+        with pytest.raises(ValueError, match="rrf_k must be finite"):
             index.check_mode("dense", 10, "rrf", rrf_k, 0.5, 100)
     everything = index.search(vectors[0], MAX_K)
     assert len(everything) == 1_200 and everything[0].id == "0"
     monkeypatch.setattr(store_module, "LOOKUP_BATCH", 7)
     assert index.search(vectors[0], MAX_K) == everything
+
+
+def test_command_line_search_options_out_of_range_exit_2_without_a_traceback(tmp_path):
+    write_vectors(tmp_path / "v", unit_vectors(20, 16, seed=0))
+    for option in (["--rrf-k", "nan"], ["--rrf-k", "inf"], ["-k", "100000"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "mlx_encoders", "index", "search", "--index", str(tmp_path / "v"), "--json",
+             "--mode", "dense", *option, "query"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (option, result.stderr)
+        assert result.stdout == "" and "error:" in result.stderr

@@ -5,8 +5,12 @@ against sentence-transformers or the in-process `SparseEncoder.encode`, `MultiVe
 `Index.search` of the same folders (themselves checked against sentence-transformers in test_sparse,
 test_multi_vector, test_index, test_index_sparse)."""
 
+import json
 import re
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,6 +152,45 @@ def test_each_folder_is_served_as_its_kind(folders, server, checkpoint):
     assert "notes:" in indexes[0] and "by model dense (dense)" in indexes[0] and "by model st" in indexes[1]
     assert "by model dense and sparse model splade-k (dense, sparse, hybrid)" in indexes[2]
     assert "by sparse model router (sparse)" in indexes[3]
+
+
+def token_vector_folder(folder: Path, encoder: Path, transformer_config: dict | None = None) -> Path:
+    """A Transformer -> Normalize folder, no Pooling: one vector per token, as a hand-made ColBERT folder is."""
+    shutil.copytree(encoder, folder)
+    entries = [("", "Transformer"), ("1_Normalize", "Normalize")]
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.base.modules.{kind.lower()}.{kind}"}
+        for i, (path, kind) in enumerate(entries)
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    if transformer_config is not None:
+        (folder / "sentence_bert_config.json").write_text(json.dumps(transformer_config))
+    return folder
+
+
+def test_a_folder_of_token_vectors_is_served_multi_vector_when_it_says_so_and_refused_otherwise(tmp_path, checkpoint):
+    """No Pooling module: with ColBERT's query expansion in its Transformer config the folder is a multi-vector model;
+    with no sign of its kind it is refused at start-up, naming modules.json and what to add, never served as a
+    mean-pooled dense model."""
+    encoder = checkpoint("bert")
+    expansion = {"query_expansion": {"strategy": "fixed", "length": 12}}
+    colbert = token_vector_folder(tmp_path / "expansion", encoder, expansion)
+    assert kind_of(colbert) == "multi-vector"
+    served = ServedModel("colbert", colbert)
+    assert served.kind == "multi-vector" and isinstance(served.multi, MultiVectorEncoder)
+
+    bare = token_vector_folder(tmp_path / "bare", encoder)
+    message = f"{bare / 'modules.json'} lists a Transformer and no Pooling module"
+    for refuse in (kind_of, lambda path: ServedModel("bare", path)):
+        with pytest.raises(ValueError, match=re.escape(message)) as refused:
+            refuse(bare)
+        assert "add a MultiVectorMask module" in str(refused.value) and "add a Pooling module" in str(refused.value)
+    started = subprocess.run(
+        [sys.executable, "-m", "mlx_encoders", "serve", "--model", str(bare), "--port", "0"],
+        capture_output=True, text=True, timeout=START_TIMEOUT_S,
+    )  # fmt: skip
+    assert started.returncode == 1 and "listening" not in started.stdout
+    assert started.stderr.startswith("mlx-encoders serve: error: ") and message in started.stderr
 
 
 def test_embed_sparse_equals_sparse_encoder(folders, server):

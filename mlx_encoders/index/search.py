@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import folder_digest
+from ..errors import OptionError
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder, SparseVectors
 from ..vectors import quantize_embeddings
@@ -209,11 +210,11 @@ class Index:
         mode = mode or ("dense" if self.dense else "sparse")
         for name, value in (("k", k), ("depth", depth)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_K:
-                raise ValueError(f"{name} must be a whole number from 1 to {MAX_K}, got {value!r}")
+                raise OptionError(f"{name} must be a whole number from 1 to {MAX_K}, got {value!r}")
         if mode not in MODES or fusion not in FUSIONS:
-            raise ValueError(f"mode must be one of {MODES} and fusion one of {FUSIONS}; got {mode!r}, {fusion!r}")
+            raise OptionError(f"mode must be one of {MODES} and fusion one of {FUSIONS}; got {mode!r}, {fusion!r}")
         if not (math.isfinite(rrf_k) and rrf_k >= 0) or not 0 <= alpha <= 1:  # NaN fails every comparison
-            raise ValueError(f"rrf_k must be a finite number, 0 or more, and alpha within [0, 1]; got {rrf_k}, {alpha}")
+            raise OptionError(f"rrf_k must be finite, 0 or more, and alpha within [0, 1]; got {rrf_k}, {alpha}")
         for kind, present, option in (("dense", self.dense, "--model"), ("sparse", self.sparse, "--sparse-model")):
             if mode in (kind, "hybrid") and not present:
                 raise ValueError(

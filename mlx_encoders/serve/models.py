@@ -60,7 +60,9 @@ class Tagged:
 
 def kind_of(path: Path) -> str:
     """The folder's kind: "cross-encoder" (a sequence-classification checkpoint), "sparse" or "multi-vector" (as
-    sentence-transformers' modules.json and config_sentence_transformers.json say), else "dense"."""
+    sentence-transformers' modules.json, config_sentence_transformers.json or the Transformer's query expansion
+    say), else "dense". A Transformer without a Pooling module gives token vectors, not a text's vector: unless the
+    folder says it is multi-vector, it is refused rather than served as a mean-pooled dense model."""
     modules = read_modules(path)
     if not modules:
         return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
@@ -72,8 +74,21 @@ def kind_of(path: Path) -> str:
     model_type = read_json_object(path / "config_sentence_transformers.json").get("model_type")
     if names & SPARSE_MODULES or model_type == "SparseEncoder":
         return "sparse"
-    if "MultiVectorMask" in names or model_type == "MultiVectorEncoder":
+    # sentence-transformers sets query_expansion only on a multi-vector model's Transformer
+    expansion = any(
+        read_json_object(folder / "sentence_bert_config.json").get("query_expansion")
+        for kind, folder in modules
+        if kind.endswith(".Transformer")
+    )
+    if "MultiVectorMask" in names or model_type == "MultiVectorEncoder" or expansion:
         return "multi-vector"
+    if "Transformer" in names and "Pooling" not in names:
+        raise ValueError(
+            f"{path / 'modules.json'} lists a Transformer and no Pooling module, so the model gives one vector per "
+            "token, not one per text. To serve it as a multi-vector (ColBERT) model, add a MultiVectorMask module "
+            'after the Transformer (or "model_type": "MultiVectorEncoder" to config_sentence_transformers.json); '
+            "to serve it as a dense model, add a Pooling module (a folder with its config.json, e.g. 1_Pooling)"
+        )
     return "dense"
 
 
