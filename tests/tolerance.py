@@ -1,7 +1,6 @@
 """How far two float32 results of the same function may differ when only the order of their sums changes: another
 batch shape or slicing, another BLAS build or thread count, another library (torch, sentence-transformers)."""
 
-import json
 import math
 from pathlib import Path
 
@@ -28,11 +27,12 @@ def assert_float32_close(actual, desired, terms: int, err_msg: str = "") -> None
 
 
 def encoder_terms(folder: Path, texts: list) -> int:
-    """The terms summed along one path through the encoder saved in `folder` (its config.json and tokenizer) over
-    the longest of `texts` (strings or pairs): per layer, sums over the hidden size, intermediate size and tokens."""
-    from transformers import AutoTokenizer
+    """The terms summed along one path through the encoder saved in `folder` (its config and tokenizer) over the
+    longest of `texts` (strings or pairs): per layer, sums over the hidden size, intermediate size and tokens."""
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokens = max(len(tokenizer(*([t] if isinstance(t, str) else t))["input_ids"]) for t in texts)
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return config["num_hidden_layers"] * (config["hidden_size"] + config["intermediate_size"] + tokens)
+    config = AutoConfig.from_pretrained(folder)
+    inner = config.hidden_dim if config.model_type == "distilbert" else config.intermediate_size
+    return config.num_hidden_layers * (config.hidden_size + inner + tokens)
