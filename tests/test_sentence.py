@@ -252,7 +252,7 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
 
     monkeypatch.setattr(batching, "forward_lanes", one_lane)
     lanes_seen.clear()
-    terms = encoder_terms(st, TEXTS)  # one lane: the BLAS on all its threads, blocking its sums otherwise
+    terms = encoder_terms(st, TEXTS)  # one lane runs the BLAS on all its threads, which block the sums otherwise
     assert_float32_close(got, encoder.encode(TEXTS, batch_size=4), terms)
     for a, b in zip(tokens, encoder.encode(TEXTS, batch_size=4, output_value="token_embeddings"), strict=True):
         assert_float32_close(a, b, terms)
