@@ -25,6 +25,7 @@ from checkpoints import make_checkpoint
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
+from tolerance import assert_float32_close, encoder_terms, float32_tolerance
 
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
@@ -78,11 +79,13 @@ def stored(index: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
         return docs.fetchall(), vectors
 
 
-def assert_same_index(a: Path, b: Path, atol: float = 1e-6) -> None:
+def assert_same_index(a: Path, b: Path, model: Path) -> None:
+    """The same documents and texts, and each text's vector up to float32 rounding of `model`'s sums."""
     (docs_a, vectors_a), (docs_b, vectors_b) = stored(a), stored(b)
     assert docs_a == docs_b and vectors_a.keys() == vectors_b.keys()
+    terms = encoder_terms(model, list(vectors_a))
     for text, vector in vectors_a.items():  # chunks of other texts pad batches differently: rounding only
-        np.testing.assert_allclose(np.frombuffer(vector, "<f4"), np.frombuffer(vectors_b[text], "<f4"), atol=atol)
+        assert_float32_close(np.frombuffer(vector, "<f4"), np.frombuffer(vectors_b[text], "<f4"), terms)
 
 
 def unit_vectors(count: int, dimension: int, seed: int) -> np.ndarray:
@@ -137,7 +140,7 @@ def test_incremental_rebuild_embeds_only_changes(tmp_path, encoder, monkeypatch)
     assert build(corpus, index, encoder, quiet=True)["added"] == 0 and encoded == []
 
     build(corpus, clean, encoder, quiet=True)
-    assert_same_index(index, clean)
+    assert_same_index(index, clean, encoder.path)
     assert [h.id for h in search(index, "Cacti store water.", k=2, model=encoder)] == ["more.jsonl:2", "plants.txt#1"]
 
 
@@ -190,7 +193,7 @@ def test_killed_build_resumes_without_repeating_or_losing_texts(tmp_path, model,
     assert not set(first) & set(resumed) and sorted(first + resumed) == sorted(texts)
     monkeypatch.undo()
     build(corpus, clean, encoder, quiet=True)
-    assert_same_index(index, clean)
+    assert_same_index(index, clean, encoder.path)
 
 
 def free_ports(count: int) -> int:
@@ -259,14 +262,14 @@ def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatc
     assert not list((index / "shards").glob("*.sqlite"))  # merged and removed
 
     build(corpus, single, encoder, chunk=3, quiet=True)
-    assert_same_index(index, single, atol=1e-6)
+    assert_same_index(index, single, model)
 
     (corpus / "new.txt").write_text("\n\n".join(f"New sentence {i}." for i in range(10)))  # 4 chunks
     statuses = launch_two_ranks(tmp_path, corpus, index, model, FAIL_RANK="1")
     assert statuses[1] == {"rank": 1, "ok": False, "error": "ZeroDivisionError('division by zero')"}
     failed = "RanksFailed('index build: embedding failed on rank(s) [1]; see their messages')"
     assert statuses[0] == {"rank": 0, "ok": False, "error": failed}
-    assert_same_index(index, single, atol=1e-6)  # the previous index
+    assert_same_index(index, single, model)  # the previous index
     shard = index / "shards" / "rank-0.sqlite"
     with closing(sqlite3.connect(shard)) as con:  # rank 0 committed its 2 chunks before rank 1 failed
         done = {text for (text,) in con.execute("SELECT text FROM staged")}
@@ -281,7 +284,7 @@ def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatc
     assert len(encoded) == 4 and not done & set(encoded) and not shard.exists()
     monkeypatch.undo()
     build(corpus, single, encoder, chunk=3, quiet=True)
-    assert_same_index(index, single, atol=1e-6)
+    assert_same_index(index, single, model)
 
 
 def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, encoder, monkeypatch):
@@ -307,7 +310,7 @@ def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, enco
     assert not done & set(encoded) and len(done) + len(encoded) == 24
     monkeypatch.undo()
     build(corpus, clean, encoder, chunk=3, quiet=True)
-    assert_same_index(index, clean, atol=1e-6)
+    assert_same_index(index, clean, model)
 
 
 def test_corrupted_ann_file_is_rebuilt_and_stale_one_replaced(tmp_path, encoder, capsys):
@@ -440,7 +443,7 @@ def test_parquet_corpus_equals_the_same_rows_as_jsonl(tmp_path, encoder, small_b
     assert read_corpus(table) == read_corpus(jsonl)
     build(table, tmp_path / "from-parquet", encoder, quiet=True)
     build(jsonl, tmp_path / "from-jsonl", encoder, quiet=True)
-    assert_same_index(tmp_path / "from-parquet", tmp_path / "from-jsonl")
+    assert_same_index(tmp_path / "from-parquet", tmp_path / "from-jsonl", encoder.path)
 
     # without an id column a row is `name:row`; an integer id reads as the jsonl reader reads it, as its string
     folder = tmp_path / "folder"
@@ -518,7 +521,7 @@ def test_ann_and_quantized_recall_against_exact_search(tmp_path):
     assert recalls["hnsw float32 10k x 32"] >= 0.95 and recalls["exact int8 10k x 128"] >= 0.95
     assert recalls["hnsw int8 2k x 32"] >= 0.95 and recalls["exact binary 10k x 128, 1000 re-scored"] >= 0.6
     hit = Index(tmp_path / "2000-32", precision="binary").search(unit_vectors(2_000, 32, seed=0)[123], 1)[0]
-    assert hit.id == "123" and abs(hit.score - 1) < 1e-6  # re-scored in float32
+    assert hit.id == "123" and abs(hit.score - 1) <= float32_tolerance(32, 1.0)  # re-scored: a float32 sum of 32
 
 
 class Terminal(io.StringIO):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import MINILM
+from tolerance import assert_float32_close, encoder_terms
 
 from mlx_encoders.serve.server import Options
 
@@ -176,7 +177,7 @@ def test_openai_sdk_base64_and_float_equal_sentence_transformers_and_encode(sent
     assert [d.index for d in default.data] == list(range(len(TEXTS)))
     np.testing.assert_array_equal(got, np.array([d.embedding for d in floats.data], np.float32))
     assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
-    np.testing.assert_allclose(got, SentenceEncoder(MINILM).encode(TEXTS), atol=1e-6, rtol=0)
+    assert_float32_close(got, SentenceEncoder(MINILM).encode(TEXTS), encoder_terms(MINILM, TEXTS))
     tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(MINILM)(TEXTS)["input_ids"])
     assert default.usage.prompt_tokens == default.usage.total_tokens == tokens
     assert default.model == "minilm"
@@ -195,7 +196,7 @@ def test_openai_sdk_token_ids_dimensions_and_two_models(server, sentence_transfo
     expected = sentence_transformer.encode(TEXTS)
     got = np.array([d.embedding for d in by_ids.data])
     assert cosine(got, expected).min() >= 0.99999
-    np.testing.assert_allclose(by_one_list.data[0].embedding, got[0], atol=1e-6)
+    assert_float32_close(by_one_list.data[0].embedding, got[0], encoder_terms(MINILM, TEXTS))  # a batch of one
     assert by_ids.usage.prompt_tokens == sum(map(len, ids))
 
     short = client.embeddings.create(model="minilm", input=TEXTS, dimensions=64)
@@ -208,7 +209,7 @@ def test_openai_sdk_token_ids_dimensions_and_two_models(server, sentence_transfo
     tiny = client.embeddings.create(model="tiny", input=TEXTS)
     with pytest.warns(UserWarning, match="pooling"):
         encoder = SentenceEncoder(folders["tiny"])
-    np.testing.assert_allclose([d.embedding for d in tiny.data], encoder.encode(TEXTS), atol=1e-6, rtol=0)
+    assert_float32_close([d.embedding for d in tiny.data], encoder.encode(TEXTS), encoder_terms(folders["tiny"], TEXTS))
     assert {m.id for m in client.models.list()} == {"minilm", "tiny", "rerank", "classify", "nan"}
 
 
@@ -227,7 +228,8 @@ def test_rerank_equals_sentence_transformers_cross_encoder(server, folders, one_
     assert status == 200, answer
     best = np.argsort(-oracle, kind="stable")[:3]
     assert [r["index"] for r in answer["results"]] == best.tolist()
-    np.testing.assert_allclose([r["relevance_score"] for r in answer["results"]], oracle[best], atol=1e-6)
+    terms = encoder_terms(folders["rerank"], [(query, d) for d in DOCS])
+    assert_float32_close([r["relevance_score"] for r in answer["results"]], oracle[best], terms)
     assert [r["document"]["text"] for r in answer["results"]] == [DOCS[i] for i in best]
     assert answer["usage"]["total_tokens"] > 0
 
@@ -251,9 +253,10 @@ def test_classify_and_predict_equal_the_transformers_pipeline(server, folders, o
     assert status == 200, answer
     status, tei, _ = call(server, "/predict", {"model": "classify", "inputs": TEXTS})
     assert status == 200, tei
+    terms = encoder_terms(folders["classify"], TEXTS + PAIRS)
     for expected, got, predicted in zip(oracle, answer["data"], tei, strict=True):
         assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected] == [x["label"] for x in predicted]
-        np.testing.assert_allclose([x["score"] for x in got["labels"]], [x["score"] for x in expected], atol=1e-6)
+        assert_float32_close([x["score"] for x in got["labels"]], [x["score"] for x in expected], terms)
         assert got["label"] == expected[0]["label"]
     pairs = pipeline("text-classification", model=str(folders["classify"]), top_k=None, device="cpu")(
         [{"text": t, "text_pair": d} for t, d in PAIRS]
@@ -262,10 +265,10 @@ def test_classify_and_predict_equal_the_transformers_pipeline(server, folders, o
     assert status == 200, tei
     for expected, predicted in zip(pairs, tei, strict=True):
         assert [x["label"] for x in predicted] == [x["label"] for x in expected]
-        np.testing.assert_allclose([x["score"] for x in predicted], [x["score"] for x in expected], atol=1e-6)
+        assert_float32_close([x["score"] for x in predicted], [x["score"] for x in expected], terms)
     status, one, _ = call(server, "/v1/classify", {"model": "classify", "input": TEXTS[0], "top_k": 1})
     assert status == 200 and [x["label"] for x in one["data"][0]["labels"]] == [oracle[0][0]["label"]]
-    np.testing.assert_allclose(one["data"][0]["labels"][0]["score"], oracle[0][0]["score"], atol=1e-6)
+    assert_float32_close(one["data"][0]["labels"][0]["score"], oracle[0][0]["score"], terms)
 
 
 def test_tei_embed_and_tokenize(server, sentence_transformer):
@@ -328,7 +331,7 @@ def test_over_long_input_is_an_error_unless_truncation_is_asked(server):
     got = embeddings(server, model="minilm", input=["short", long], truncate=True)
     with pytest.warns(UserWarning, match="truncated"):
         expected = SentenceEncoder(MINILM).encode(["short", long])
-    np.testing.assert_allclose(np.stack(got), expected, atol=1e-6, rtol=0)
+    assert_float32_close(np.stack(got), expected, encoder_terms(MINILM, ["short", long]))
 
 
 def test_over_long_pairs_are_an_error_unless_truncation_is_asked(server):
@@ -351,7 +354,7 @@ def test_non_finite_output_is_a_500_that_fails_alone(server, folders):
         assert status == 500 and answer["error"]["code"] == "non_finite_output", answer
     for status, answer, _ in answers[4:]:
         assert status == 200, answer
-        np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
+        assert_float32_close([d["embedding"] for d in answer["data"]], expected, encoder_terms(folders["nan"], TEXTS))
 
 
 def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
@@ -365,7 +368,7 @@ def metric_values(url: str, headers: dict | None = None) -> dict[str, float]:
     return values
 
 
-def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(server):
+def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(server, folders):
     kinds = [
         ("/v1/embeddings", lambda i: {"model": "tiny", "input": TEXTS[: 1 + i % 4]}),
         (
@@ -377,6 +380,11 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
         ("/v1/embeddings", lambda i: {"model": "tiny", "input": [[1, 2, 10**9]]}),  # a bad one: 400, alone
     ]
     requests = [(path, body(i)) for i in range(8) for path, body in kinds]
+    terms = {  # batched with other requests: another batch shape
+        "tiny": encoder_terms(folders["tiny"], TEXTS),
+        "minilm": encoder_terms(MINILM, TEXTS + DOCS),
+        "rerank": encoder_terms(folders["rerank"], [(t, d) for t in TEXTS for d in DOCS]),
+    }
     sequential = {json.dumps(r): call(server, *r)[:2] for r in requests}
     before = metric_values(server)
     jobs = requests * 2  # 80 requests from 64 clients at once
@@ -390,21 +398,18 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
         if status != 200:
             assert answer == want
             continue
+        model = request[1]["model"]
         if request[0] == "/v1/embeddings":
-            np.testing.assert_allclose(
-                [d["embedding"] for d in answer["data"]], [d["embedding"] for d in want["data"]], atol=1e-6, rtol=0
-            )
+            got, expected = ([d["embedding"] for d in a["data"]] for a in (answer, want))
+            assert_float32_close(got, expected, terms[model])
         elif request[0] == "/v1/rerank":
             assert [r["index"] for r in answer["results"]] == [r["index"] for r in want["results"]]
-            np.testing.assert_allclose(
-                [r["relevance_score"] for r in answer["results"]], [r["relevance_score"] for r in want["results"]],
-                atol=1e-6,
-            )  # fmt: skip
+            got, expected = ([r["relevance_score"] for r in a["results"]] for a in (answer, want))
+            assert_float32_close(got, expected, terms[model])
         else:
             for got, expected in zip(answer["data"], want["data"], strict=True):
                 assert [x["label"] for x in got["labels"]] == [x["label"] for x in expected["labels"]]
         assert answer["usage"] == want["usage"]
-        model = request[1]["model"]
         tokens[model] = tokens.get(model, 0) + answer["usage"]["total_tokens"]
         inputs[model] = inputs.get(model, 0) + len(answer["data"] if "data" in answer else answer["results"])
         sent_to[model] = sent_to.get(model, 0) + 1
@@ -454,7 +459,7 @@ def small_queue(folders):
     assert not thread.is_alive()
 
 
-def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue):
+def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue, folders):
     key = {"Authorization": "Bearer secret"}
     body = {"model": "tiny", "input": ["hello"]}  # under the 32-token budget: the first waits 300 ms in the queue
     with ThreadPoolExecutor(16) as pool:
@@ -466,8 +471,9 @@ def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue)
     accepted = [np.array([d["embedding"] for d in a[1]["data"]]) for a in answers if a[0] == 200]
     status, again, _ = call(small_queue, "/v1/embeddings", body, key)
     assert status == 200
-    for vectors in accepted:
-        np.testing.assert_allclose(vectors, [d["embedding"] for d in again["data"]], atol=1e-6, rtol=0)
+    terms = encoder_terms(folders["tiny"], ["hello"])
+    for vectors in accepted:  # batched with other requests, or alone
+        assert_float32_close(vectors, [d["embedding"] for d in again["data"]], terms)
 
 
 def test_a_request_over_the_token_budget_is_split_and_put_back_in_order(small_queue, folders):
@@ -484,7 +490,7 @@ def test_a_request_over_the_token_budget_is_split_and_put_back_in_order(small_qu
     assert [d["index"] for d in answer["data"]] == list(range(12))
     with pytest.warns(UserWarning, match="pooling"):
         expected = SentenceEncoder(folders["tiny"]).encode(texts)
-    np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6, rtol=0)
+    assert_float32_close([d["embedding"] for d in answer["data"]], expected, encoder_terms(folders["tiny"], texts))
     status, answer, _ = call(small_queue, "/v1/embeddings", {"model": "tiny", "input": ["x" * 5000]}, key)
     assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
 

@@ -24,6 +24,7 @@ from test_index_sparse import MAX_ACTIVE_DIMS, PROMPTS
 from test_multi_vector import save_colbert
 from test_serve import START_TIMEOUT_S, call, launch, stop
 from test_sparse import MAX_SEQ_LENGTH, save_splade
+from tolerance import assert_float32_close, encoder_terms
 
 from mlx_encoders import MultiVectorEncoder, SentenceEncoder, SparseEncoder
 from mlx_encoders.index import Index, ann, build
@@ -132,11 +133,11 @@ def matrices(answer: dict) -> list[np.ndarray]:
     return [np.array(d["embedding"], np.float32) for d in answer["data"]]
 
 
-def assert_matrices_equal(got: list, expected: list) -> None:
+def assert_matrices_equal(got: list, expected: list, terms: int) -> None:
     assert len(got) == len(expected)
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.ndim == 2 and mine.shape == theirs.shape
-        np.testing.assert_allclose(mine, theirs, atol=1e-6)
+        assert_float32_close(mine, theirs, terms)
 
 
 def test_each_folder_is_served_as_its_kind(folders, server, checkpoint):
@@ -240,20 +241,21 @@ def test_multi_vector_embeddings_equal_multi_vector_encoder(folders, server):
     url, _ = server
     encoder = MultiVectorEncoder(folders["colbert"])
     texts = [*TEXTS, LONG]
+    terms = encoder_terms(folders["colbert"], texts)
     body = {"model": "colbert", "input": texts, "truncate": True}
     expected = encoder.encode(texts, convert_to_numpy=True)  # no task: up to max_seq_length, 128
     answer = post(url, "/v1/embeddings", body)
-    assert_matrices_equal(matrices(answer), expected)
+    assert_matrices_equal(matrices(answer), expected, terms)
     assert answer["usage"]["prompt_tokens"] > 0
     status, answer, _ = call(url, "/v1/embeddings", {**body, "input_type": "query", "truncate": False})
     assert status == 400 and "input[0] is longer than the 12 tokens" in answer["error"]["message"]  # fixed expansion
     queries = post(url, "/v1/embeddings", {**body, "input_type": "query"})
     with pytest.warns(UserWarning, match="fill the query_expansion length of 12"):
         expected = encoder.encode_query(texts, convert_to_numpy=True)
-    assert_matrices_equal(matrices(queries), expected)
+    assert_matrices_equal(matrices(queries), expected, terms)
     with pytest.warns(UserWarning):
         expected = encoder.encode_document(texts, convert_to_numpy=True)
-    assert_matrices_equal(matrices(post(url, "/v1/embeddings", {**body, "input_type": "document"})), expected)
+    assert_matrices_equal(matrices(post(url, "/v1/embeddings", {**body, "input_type": "document"})), expected, terms)
 
 
 def test_dense_input_types_equal_encode_query_and_encode_document(folders, server):
@@ -261,7 +263,7 @@ def test_dense_input_types_equal_encode_query_and_encode_document(folders, serve
     encoder = SentenceEncoder(folders["dense"])
     for kind, expected in (("query", encoder.encode_query(TEXTS)), ("document", encoder.encode_document(TEXTS))):
         answer = post(url, "/v1/embeddings", {"model": "dense", "input": TEXTS, "input_type": kind})
-        np.testing.assert_allclose([d["embedding"] for d in answer["data"]], expected, atol=1e-6)
+        assert_float32_close([d["embedding"] for d in answer["data"]], expected, encoder_terms(folders["dense"], TEXTS))
 
 
 def test_the_openai_sdk_reads_multi_vectors_as_floats_and_is_refused_base64(folders, server):
@@ -271,7 +273,8 @@ def test_the_openai_sdk_reads_multi_vectors_as_floats_and_is_refused_base64(fold
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     answer = client.embeddings.create(model="colbert", input=TEXTS[:2], encoding_format="float")
     expected = MultiVectorEncoder(folders["colbert"]).encode(TEXTS[:2], convert_to_numpy=True)
-    assert_matrices_equal([np.array(d.embedding, np.float32) for d in answer.data], expected)
+    got = [np.array(d.embedding, np.float32) for d in answer.data]
+    assert_matrices_equal(got, expected, encoder_terms(folders["colbert"], TEXTS[:2]))
     with pytest.raises(openai.BadRequestError, match='each embedding is a list of token vectors.*"float"'):
         client.embeddings.create(model="colbert", input=TEXTS[:2])  # the SDK asks for base64 unless told
 
@@ -320,7 +323,7 @@ def test_every_search_mode_equals_index_search_in_process(folders, server):
                 assert answer["usage"]["prompt_tokens"] > 0
 
 
-def test_concurrent_mixed_requests_equal_the_sequential_answers(server):
+def test_concurrent_mixed_requests_equal_the_sequential_answers(server, folders):
     url, _ = server
     requests = [
         ("/embed_sparse", {"model": "splade", "inputs": TEXTS[i:]}) for i in range(4)
@@ -335,13 +338,14 @@ def test_concurrent_mixed_requests_equal_the_sequential_answers(server):
     sequential = [post(url, path, body) for path, body in requests]
     with ThreadPoolExecutor(8) as pool:
         concurrent = list(pool.map(lambda r: post(url, *r), requests * 2))
+    terms = encoder_terms(folders["colbert"], ["[unused0] " + text for text in TEXTS])  # with a side's prompt
     for got, expected in zip(concurrent, sequential * 2, strict=True):
         if isinstance(expected, list):
             assert_sparse_equal(got, sparse_dense(expected))
         elif "hits" in expected:
             assert [h["id"] for h in got["hits"]] == [h["id"] for h in expected["hits"]]
         else:
-            assert_matrices_equal(matrices(got), matrices(expected))
+            assert_matrices_equal(matrices(got), matrices(expected), terms)
 
 
 @pytest.mark.parametrize(
