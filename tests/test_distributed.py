@@ -167,10 +167,14 @@ def weights(folder: Path) -> dict[str, np.ndarray]:
 
 
 def assert_same_weights(found: Path, expected: Path) -> None:
+    """Nearly every weight within 1e-5 of one process's; a few within 1e-4. A gradient summed in another order (the
+    ranks' halves, another BLAS blocking) differs in its last bits, and where its terms cancel, Adam's m / sqrt(v)
+    turns that into a visible share of an lr-sized step; a wrong exchange moves most weights by whole steps."""
     found, expected = weights(found), weights(expected)
     assert found.keys() == expected.keys()
     for name in expected:
-        np.testing.assert_allclose(found[name], expected[name], atol=1e-5, rtol=0, err_msg=name)
+        difference = np.abs(found[name].astype(np.float64) - expected[name])
+        assert (difference <= 1e-5).mean() >= 0.999 and difference.max() <= 1e-4, (name, difference.max())
 
 
 @pytest.fixture(scope="module")
