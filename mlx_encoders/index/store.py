@@ -110,18 +110,15 @@ class Store:
         if not create and not self.path.exists():
             raise StoreError(f"{self.path} does not exist; build the index first (mlx-encoders index build)")
         try:
-            self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
-            self.con.create_function("crc32", 2, zlib.crc32, deterministic=True)
-            self.con.execute("PRAGMA journal_mode = WAL")
-            self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
-            self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
-            fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
-            if create:
-                self.con.executescript(SCHEMA)
-        except sqlite3.DatabaseError as e:
-            self.close()
-            raise self.damaged(e) from None
-        try:
+            with self.reading():  # a file that is not a store fails here (its header, its schema)
+                self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+                self.con.create_function("crc32", 2, zlib.crc32, deterministic=True)
+                self.con.execute("PRAGMA journal_mode = WAL")
+                self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
+                self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
+                fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+                if create:
+                    self.con.executescript(SCHEMA)
             self.meta = self.read_meta()
             if fresh:
                 self.set_meta({"format": FORMAT})
@@ -400,7 +397,7 @@ class Store:
                     bad = next((n for n, f, s in zip(numbers, found, stored, strict=True) if f != s), numbers[-1])
                     raise self.damaged(f"the vector of text row {bad} does not match its checksum")
                 rows[read : read + len(batch)] = numbers
-                vectors[read : read + len(batch)] = np.frombuffer(b"".join(blobs), DTYPE).reshape(-1, dimension)
+                vectors[read : read + len(batch)] = np.frombuffer(b"".join(blobs), DTYPE).reshape(len(batch), dimension)
                 read += len(batch)
             documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
         if read != count or np.any(np.diff(rows) <= 0):
