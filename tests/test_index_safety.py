@@ -2,6 +2,8 @@
 left by a killed build is taken over), commits that refuse documents without vectors, and checksums that turn any
 damaged byte into the `DamagedStore` error, never a wrong score, id or text (a property-based campaign)."""
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -28,7 +30,7 @@ from mlx_encoders.__main__ import main as cli
 from mlx_encoders.distributed import World
 from mlx_encoders.index import DamagedStore, Index, StoreError, build
 from mlx_encoders.index.lock import LOCK_NAME, BuildLock, IndexBusy
-from mlx_encoders.index.store import Store, text_key
+from mlx_encoders.index.store import CHECKSUMS, Store, text_key
 from mlx_encoders.sparse import SparseVectors
 
 CAMPAIGN_CASES = 300  # damaged copies of one index, each searched four ways
@@ -97,7 +99,7 @@ def test_a_second_build_is_refused_while_one_runs_and_nothing_is_lost(tmp_path, 
     assert running.returncode == 0, err
     build(corpus, tmp_path / "clean", encoder, chunk=2, quiet=True)
     assert_same_index(index, tmp_path / "clean")  # the refused builds changed nothing
-    assert (index / LOCK_NAME).read_bytes() == b""  # released: no holder recorded
+    assert not (index / LOCK_NAME).exists()  # released
 
 
 # Takes the lock of the folder, then SIGKILLs itself: the OS releases the lock, its record stays.
@@ -123,7 +125,7 @@ def test_the_lock_of_a_killed_build_is_taken_over(tmp_path, encoder, capsys):
     )
     build(corpus, tmp_path / "clean", encoder, quiet=True)
     assert_same_index(index, tmp_path / "clean")
-    assert (index / LOCK_NAME).read_bytes() == b""
+    assert not (index / LOCK_NAME).exists()
     build(corpus, index, encoder)  # a clean release leaves nothing to take over
     assert "taking over" not in capsys.readouterr().err
 
@@ -320,12 +322,37 @@ def test_a_flipped_byte_in_a_vector_a_text_an_id_or_a_weight_is_the_damaged_erro
             opened.check()
 
 
+def test_rows_a_lookup_misses_are_the_damaged_error(clean, tmp_path):
+    """A damaged interior page of a b-tree can send a lookup astray: it finds fewer rows, without any error. Rows
+    removed with SQL after the index was opened stand for it here: a posting of a query term, and one of the two
+    documents of a shared text (doc-5 and doc-305)."""
+    folder, vectors, sparse = clean
+    term = int(sparse[42][0][2])
+    cases = [
+        ("posting", f"DELETE FROM postings WHERE term = {term} AND row = 43",
+         lambda index: index.search(sparse_query(*sparse[42]), 3, mode="sparse"),
+         "the postings found are not as many as the last build counted for their terms"),
+        ("document", "DELETE FROM documents WHERE id = 'doc-305'", lambda index: index.search(vectors[5], 1),
+         "text row 6 has not the documents the last build wrote for it"),
+    ]  # fmt: skip
+    for name, sql, search, message in cases:
+        shutil.copytree(folder, tmp_path / name)
+        index = Index(tmp_path / name)
+        with closing(sqlite3.connect(tmp_path / name / "index.sqlite", isolation_level=None)) as con:
+            con.execute(sql)
+        with pytest.raises(DamagedStore, match=message):
+            search(index)
+        with Store(tmp_path / name / "index.sqlite") as store, pytest.raises(DamagedStore):
+            store.check()
+
+
 def downgrade(store: Path) -> None:
     """The store as the previous version wrote it: no checksum columns, no format, checksum or counts in meta."""
     with closing(sqlite3.connect(store, isolation_level=None)) as con:
-        for table, column in (("texts", "text_crc"), ("texts", "vector_crc"), ("staged", "text_crc"),
-                              ("staged", "vector_crc"), ("documents", "crc"), ("postings", "crc")):  # fmt: skip
-            con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        for table, columns in CHECKSUMS.items():
+            for column in columns:
+                con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        con.execute("DROP TABLE terms")
         con.execute("DELETE FROM meta WHERE name IN ('format', 'checksum', 'texts', 'documents', 'postings')")
 
 
@@ -353,3 +380,20 @@ def test_an_index_without_checksums_is_refused_until_its_next_build_adds_them(tm
     assert_same_index(index, clean)
     query = Index(clean).vectors[3]
     assert Index(index).search(query, 8) == Index(clean).search(query, 8)
+
+
+def test_a_lock_file_removed_as_it_is_locked_is_locked_again(tmp_path, monkeypatch):
+    """A build that ends removes the lock file while it holds it: a build that opened the file just before locks
+    a file no longer in the folder, so it locks the one there now (else two builds could each hold "the" lock)."""
+    flock, locked = fcntl.flock, []
+
+    def racing(fd, operation):
+        flock(fd, operation)
+        if not locked:  # the holder ended between this build's open and its lock
+            (tmp_path / LOCK_NAME).unlink()
+        locked.append(fd)
+
+    monkeypatch.setattr(fcntl, "flock", racing)
+    with BuildLock(tmp_path):
+        assert len(locked) == 2 and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / LOCK_NAME).exists()

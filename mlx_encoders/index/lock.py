@@ -3,8 +3,8 @@ is opened and held to the end of the build (by rank 0 alone under `mlx.launch`).
 
 Two builds into one folder would each commit the other's staged vectors and then drop the texts its own documents
 do not use, leaving documents without vectors. The OS releases the lock when its holder exits, killed or not. The
-file records the holder (pid, host, start time, command) for the message a refused build prints, and is emptied
-when the build ends: a record found by the next holder is that of a build that stopped without releasing it.
+file records the holder (pid, host, start time, command) for the message a refused build prints, and is removed
+when the build ends: a file found by the next holder was left by a build that stopped without releasing it.
 """
 
 import fcntl
@@ -41,23 +41,10 @@ class BuildLock:
         self.path, self.quiet, self.fd = Path(folder) / LOCK_NAME, quiet, None
 
     def __enter__(self) -> "BuildLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            record = os.pread(fd, 4096, 0)
+        fd = self.lock()
+        while not same_file(fd, self.path):  # locked just as its holder removed it: lock the file there now
             os.close(fd)
-            raise IndexBusy(
-                f"Another build is writing the index {self.path.parent}: {holder(record)} holds {self.path}. "
-                "Two builds into one index would lose documents: wait for that build to end (or stop it), then run "
-                "this one again, or build into another --index folder."
-            ) from None
-        except OSError as e:
-            os.close(fd)
-            raise StoreError(
-                f"Could not lock {self.path} ({e}): a build needs a filesystem with file locks (flock), so that no "
-                "other build writes the index meanwhile. Build on a local disk and copy the folder."
-            ) from None
+            fd = self.lock()
         if (record := os.pread(fd, 4096, 0)) and not self.quiet:
             print(
                 f"mlx-encoders index: taking over the lock of {self.path.parent}, left by a build that stopped "
@@ -76,7 +63,35 @@ class BuildLock:
         self.fd = fd
         return self
 
+    def lock(self) -> int:
+        """A descriptor of the lock file, locked; `IndexBusy` naming the holder when another process has it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = os.pread(fd, 4096, 0)
+            os.close(fd)
+            raise IndexBusy(
+                f"Another build is writing the index {self.path.parent}: {holder(record)} holds {self.path}. "
+                "Two builds into one index would lose documents: wait for that build to end (or stop it), then run "
+                "this one again, or build into another --index folder."
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            raise StoreError(
+                f"Could not lock {self.path} ({e}): a build needs a filesystem with file locks (flock), so that no "
+                "other build writes the index meanwhile. Build on a local disk and copy the folder."
+            ) from None
+        return fd
+
     def __exit__(self, *exc) -> None:
-        os.ftruncate(self.fd, 0)  # a clean end: the next holder finds no record
+        self.path.unlink()  # while locked: a clean end leaves no file, so the next holder finds no record
         os.close(self.fd)  # and releases the lock
         self.fd = None
+
+
+def same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), path.stat())
+    except FileNotFoundError:
+        return False

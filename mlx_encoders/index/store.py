@@ -8,9 +8,9 @@ A build commits its vectors into the staging tables a chunk at a time, then swap
 in one transaction, so a reader sees the previous index or the new one.
 
 Every row carries a checksum of its values, seeded with its row number where it has one (a text's key and text, and
-its vector; a document's id and key; a posting's term, row and weight), and `meta` one of its entries. Every read
-checks them, so a damaged byte that SQLite's own page checks miss is a `DamagedStore` error, never a wrong score,
-id or text.
+its vector; a document's id, key and the number of documents of its text; a posting's term, row and weight), `terms`
+the number of postings of each term, and `meta` a checksum of its entries. Every read checks them, so a damaged
+byte that SQLite's own page checks miss is a `DamagedStore` error, never a wrong score, id or text.
 """
 
 import hashlib
@@ -26,32 +26,41 @@ import numpy as np
 DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index can be copied between them
 LOOKUP_BATCH = 500  # rows per lookup statement
 VECTORS_BATCH = 4096  # rows per batch read into the vectors array
-POSTINGS_BATCH = 100_000  # postings per batch moved into the inverted index, or checked
+POSTINGS_BATCH = 100_000  # postings per batch checked
 FORMAT = "2"  # rows with checksums; stores without a format (earlier versions) get them at their next build
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
                                   vector BLOB NOT NULL, text_crc INTEGER, vector_crc INTEGER);
 CREATE TABLE IF NOT EXISTS documents (position INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, key TEXT NOT NULL,
-                                      crc INTEGER);
+                                      shared INTEGER, crc INTEGER);
 CREATE INDEX IF NOT EXISTS documents_key ON documents (key);
 CREATE TABLE IF NOT EXISTS staged (key TEXT PRIMARY KEY, text TEXT NOT NULL, vector BLOB NOT NULL, text_crc INTEGER,
                                    vector_crc INTEGER);
 CREATE TABLE IF NOT EXISTS postings (term INTEGER NOT NULL, row INTEGER NOT NULL, weight REAL NOT NULL, crc INTEGER,
                                      PRIMARY KEY (term, row)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS postings_row ON postings (row);
+CREATE TABLE IF NOT EXISTS terms (term INTEGER PRIMARY KEY, postings INTEGER NOT NULL, crc INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS staged_postings (key TEXT NOT NULL, term INTEGER NOT NULL, weight REAL NOT NULL,
-                                            PRIMARY KEY (key, term)) WITHOUT ROWID;
+                                            crc INTEGER, PRIMARY KEY (key, term)) WITHOUT ROWID;
 """
 # the checksum columns each table gained with FORMAT 2
-CHECKSUMS = {"texts": ("text_crc", "vector_crc"), "staged": ("text_crc", "vector_crc"), "documents": ("crc",),
-             "postings": ("crc",)}  # fmt: skip
+CHECKSUMS = {"texts": ("text_crc", "vector_crc"), "staged": ("text_crc", "vector_crc"),
+             "documents": ("shared", "crc"), "postings": ("crc",), "staged_postings": ("crc",)}  # fmt: skip
 # the checksums as SQL over the `crc32(bytes, seed)` function each connection defines (zlib's); `Store.documents`
 # and `Store.vectors` compute the same in Python
 SEED = "crc32(CAST(key AS BLOB), {} & 4294967295)"
 TEXT_CRC, VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format('row')})", "crc32(vector, row & 4294967295)"
 STAGED_TEXT_CRC, STAGED_VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format(0)})", f"crc32(vector, {SEED.format(0)})"
-DOCUMENT_CRC = f"crc32(CAST(id AS BLOB), {SEED.format('position')})"
+DOCUMENT_CRC = "crc32(CAST(id AS BLOB), crc32(CAST(key AS BLOB), crc32(CAST(shared AS BLOB), position & 4294967295)))"
+# a lookup that a damaged interior page of a b-tree sends astray finds fewer rows, without an error: each document
+# says how many documents share its text, each term of the inverted index how many postings it has
+SHARED = "UPDATE documents SET shared = (SELECT count(*) FROM documents d WHERE d.key = documents.key)"
+TERMS = ("INSERT INTO terms SELECT term, count(*), crc32(CAST(count(*) AS BLOB), term & 4294967295) FROM postings "
+         "GROUP BY term")  # fmt: skip
+ROW_MIX = 2654435761  # odd: rows below 2**31 times it are distinct, and below 2**63 (SQLite's integers)
+MIX = f"((t.row & 2147483647) * {ROW_MIX})"
+POSTING_CRC = f"((s.crc | {MIX}) & ~(s.crc & {MIX}))"  # a staged posting's checksum xor-ed with its row's mix
 # what must match for vectors to be comparable; "" where the index has no dense or no sparse model
 IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_fingerprint")
 CORRUPT = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file, not the disk or the statement, is at fault
@@ -75,22 +84,22 @@ def seeded(key: bytes, number: int) -> int:
     return zlib.crc32(key, number & 0xFFFFFFFF)
 
 
-def posting_crc(terms: np.ndarray, rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """One 64-bit checksum per posting, vectorised: its term, row and weight bits, each through an odd multiplier
-    (a change of any one always changes the sum), mixed by xor-shifts (uint64 arithmetic wraps)."""
-    h = terms.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    h ^= rows.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
-    h ^= weights.astype(np.float64).view(np.uint64) * np.uint64(0x165667B19E3779F9)
+def posting_crc(terms: np.ndarray, weights: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """One 64-bit checksum per posting, vectorised: its term and weight bits, each through an odd multiplier (a
+    change of either always changes the sum), mixed by xor-shifts (uint64 arithmetic wraps); once the posting has
+    a text row (`rows`), xor-ed with the row times ROW_MIX, as the SQL `POSTING_CRC` does at commit."""
+    h = np.asarray(terms).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    h ^= np.asarray(weights, np.float64).view(np.uint64) * np.uint64(0x165667B19E3779F9)
     h ^= h >> np.uint64(31)
     h *= np.uint64(0xBF58476D1CE4E5B9)
     h ^= h >> np.uint64(29)
-    return h.view(np.int64)
+    return h.view(np.int64) if rows is None else h.view(np.int64) ^ ((rows & 0x7FFFFFFF) * ROW_MIX)
 
 
-def posting_columns(found: list[tuple], width: int = 3) -> tuple[np.ndarray, ...]:
-    """(terms, rows, weights[, checksums]) of postings read from SQLite as (term, row, weight[, checksum])."""
-    kinds = (np.int64, np.int64, np.float64, np.int64)[:width]
-    columns = list(zip(*found, strict=True)) or [()] * width
+def posting_columns(found: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(terms, rows, weights, checksums) of postings read from SQLite as (term, row, weight, checksum) rows."""
+    columns = list(zip(*found, strict=True)) or [()] * 4
+    kinds = (np.int64, np.int64, np.float64, np.int64)
     return tuple(np.array(column, kind) for column, kind in zip(columns, kinds, strict=True))
 
 
@@ -117,7 +126,7 @@ class Store:
                 self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
                 self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
                 fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
-                if create:
+                if fresh:  # a store of an earlier version is changed by `upgrade` alone, once it is checked
                     self.con.executescript(SCHEMA)
             self.meta = self.read_meta()
             if fresh:
@@ -193,18 +202,37 @@ class Store:
                              f"{VECTOR_CRC} OR length(vector) != {size}"),
                 ("staged text", f"SELECT key FROM staged WHERE text_crc IS NOT {STAGED_TEXT_CRC} OR vector_crc IS NOT "
                                 f"{STAGED_VECTOR_CRC} OR length(vector) != {size}"),
-                ("document at position", f"SELECT position FROM documents WHERE crc IS NOT {DOCUMENT_CRC}"),
+                ("document at position", f"SELECT position FROM documents WHERE crc IS NOT {DOCUMENT_CRC} OR shared "
+                                         "!= (SELECT count(*) FROM documents d WHERE d.key = documents.key)"),
             ):  # fmt: skip
                 if bad := self.con.execute(f"{sql} LIMIT 1").fetchone():
                     raise self.damaged(f"the {what} {bad[0]} does not match its checksum")
-            postings, cursor = 0, self.con.execute("SELECT term, row, weight, crc FROM postings")
-            while batch := cursor.fetchmany(POSTINGS_BATCH):
-                terms, rows, weights, sums = posting_columns(batch, 4)
-                if np.any(posting_crc(terms, rows, weights) != sums):
-                    raise self.damaged("a posting of the inverted index does not match its checksum")
-                postings += len(batch)
+            postings = self.check_postings("SELECT term, row, weight, crc FROM postings", rows=True)
+            self.check_postings("SELECT term, 0, weight, crc FROM staged_postings", rows=False)
+            counted = dict(self.con.execute("SELECT term, count(*) FROM postings GROUP BY term"))
+            if self.term_counts(self.con.execute("SELECT term, postings, crc FROM terms")) != counted:
+                raise self.damaged("the postings per term are not those the last build counted")
             documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
         self.check_counts(texts=self.count(), documents=documents, postings=postings)
+
+    def check_postings(self, sql: str, rows: bool) -> int:
+        """How many (term, row, weight, checksum) postings `sql` reads, each checked in batches."""
+        count, cursor = 0, self.con.execute(sql)
+        while batch := cursor.fetchmany(POSTINGS_BATCH):
+            terms, numbers, weights, sums = posting_columns(batch)
+            if np.any(posting_crc(terms, weights, numbers if rows else None) != sums):
+                raise self.damaged("a posting of the inverted index does not match its checksum")
+            count += len(batch)
+        return count
+
+    def term_counts(self, rows: Iterable[tuple[int, int, int]]) -> dict[int, int]:
+        """Term -> its number of postings, of (term, postings, checksum) rows of `terms`, each checked."""
+        counts = {}
+        for term, postings, stored in rows:
+            if stored != zlib.crc32(str(postings).encode(), term & 0xFFFFFFFF):
+                raise self.damaged(f"the count of postings of term {term} does not match its checksum")
+            counts[term] = postings
+        return counts
 
     def check_counts(self, **found: int) -> None:
         """Rows lost to a damaged page that SQLite read without complaint show as counts below the build's."""
@@ -227,17 +255,20 @@ class Store:
                     text.decode()
                     if len(vector) != dimension * DTYPE.itemsize or not np.isfinite(np.frombuffer(vector, DTYPE)).all():
                         raise self.damaged(f"the vector of {key!r} in {table} is not {dimension} finite float32s")
-            postings = posting_columns(self.con.execute("SELECT term, row, weight FROM postings").fetchall())
+            terms, rows, weights, _ = posting_columns(self.con.execute("SELECT term, row, weight, 0 FROM postings"))
+            postings = zip(posting_crc(terms, weights, rows).tolist(), terms.tolist(), rows.tolist(), strict=True)
+            staged = self.con.execute("SELECT key, term, weight FROM staged_postings").fetchall()
+            staged = [(int(posting_crc([t], [w])[0]), key, t) for key, t, w in staged]
             present = {table: {c[1] for c in self.con.execute(f"PRAGMA table_info({table})")} for table in CHECKSUMS}
         self.transaction([
+            *((statement, [()]) for statement in SCHEMA.split(";") if statement.strip()),  # the tables it lacks
             *((f"ALTER TABLE {table} ADD COLUMN {column} INTEGER", [()])
               for table, columns in CHECKSUMS.items() for column in columns if column not in present[table]),
             SEAL_TEXTS,
             (f"UPDATE staged SET text_crc = {STAGED_TEXT_CRC}, vector_crc = {STAGED_VECTOR_CRC}", [()]),
-            (f"UPDATE documents SET crc = {DOCUMENT_CRC}", [()]),
-            ("UPDATE postings SET crc = ? WHERE term = ? AND row = ?",
-             zip(posting_crc(*postings).tolist(), postings[0].tolist(), postings[1].tolist(), strict=True)),
-            *COUNTS,
+            ("UPDATE postings SET crc = ? WHERE term = ? AND row = ?", postings),
+            ("UPDATE staged_postings SET crc = ? WHERE key = ? AND term = ?", staged),
+            *SUMMARIES,
             ("INSERT OR REPLACE INTO meta VALUES ('format', ?)", [(FORMAT,)]),
         ])  # fmt: skip
 
@@ -302,13 +333,14 @@ class Store:
             seed, vector = seeded(key.encode(), 0), vector.astype(DTYPE).tobytes()
             rows.append((key, text, vector, zlib.crc32(text.encode(), seed), zlib.crc32(vector, seed)))
         postings = [
-            (key, int(term), float(weight))
+            (key, term, weight, crc)
             for key, (terms, weights) in zip(keys, sparse or [], strict=sparse is not None)
-            for term, weight in zip(terms, weights, strict=True)
-        ]
+            for term, weight, crc in zip(np.asarray(terms, np.int64).tolist(), np.asarray(weights, np.float64).tolist(),
+                                         posting_crc(terms, weights).tolist(), strict=True)
+        ]  # fmt: skip
         self.transaction([
             ("INSERT OR IGNORE INTO staged VALUES (?, ?, ?, ?, ?)", rows),
-            ("INSERT OR IGNORE INTO staged_postings VALUES (?, ?, ?)", postings),
+            ("INSERT OR IGNORE INTO staged_postings VALUES (?, ?, ?, ?)", postings),
         ])  # fmt: skip
 
     def keys(self, staged: bool = True) -> set[str]:
@@ -327,7 +359,8 @@ class Store:
         try:
             self.transaction([
                 (f"INSERT OR IGNORE INTO staged ({columns}) SELECT {columns} FROM shard.staged", [()]),
-                ("INSERT OR IGNORE INTO staged_postings SELECT key, term, weight FROM shard.staged_postings", [()]),
+                ("INSERT OR IGNORE INTO staged_postings SELECT key, term, weight, crc FROM shard.staged_postings",
+                 [()]),
             ])  # fmt: skip
         finally:
             self.con.execute("DETACH DATABASE shard")
@@ -343,30 +376,19 @@ class Store:
             ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
             ("INSERT OR IGNORE INTO texts (key, text, vector) SELECT key, text, vector FROM staged", [()]),
             SEAL_TEXTS,
-            self.insert_postings,
+            (f"INSERT INTO postings SELECT s.term, t.row, s.weight, {POSTING_CRC} FROM staged_postings s JOIN texts t "
+             "USING (key)", [()]),
             ("DELETE FROM staged", [()]),
             ("DELETE FROM staged_postings", [()]),
             ("DELETE FROM documents", [()]),
             ("INSERT INTO documents (position, id, key) VALUES (?, ?, ?)", documents),
-            (f"UPDATE documents SET crc = {DOCUMENT_CRC}", [()]),
             ("DELETE FROM postings WHERE row IN (SELECT row FROM texts WHERE key NOT IN (SELECT key FROM documents))",
              [()]),
             ("DELETE FROM texts WHERE key NOT IN (SELECT key FROM documents)", [()]),
-            *COUNTS,
+            *SUMMARIES,
             ("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("generation", generation)]),
             ("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)", [(uuid.uuid4().hex,)]),
         ], check=self.every_document_has_its_vector)  # fmt: skip
-
-    def insert_postings(self) -> None:
-        """The staged postings into the inverted index with their text rows and checksums, a batch at a time."""
-        cursor = self.con.execute("SELECT s.term, t.row, s.weight FROM staged_postings s JOIN texts t USING (key)")
-        while batch := cursor.fetchmany(POSTINGS_BATCH):
-            terms, rows, weights = posting_columns(batch)
-            self.con.executemany(
-                "INSERT INTO postings VALUES (?, ?, ?, ?)",
-                zip(terms.tolist(), rows.tolist(), weights.tolist(), posting_crc(terms, rows, weights).tolist(),
-                    strict=True),
-            )  # fmt: skip
 
     def every_document_has_its_vector(self) -> None:
         missing = self.con.execute(
@@ -408,50 +430,58 @@ class Store:
     def postings(self, terms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(terms, rows, weights) of every posting of the given term ids, read through the term index and checked
         against their checksums."""
-        marks = ",".join("?" * len(terms))
+        marks, asked = ",".join("?" * len(terms)), [int(t) for t in terms]
         with self.reading():
-            found = self.con.execute(
-                f"SELECT term, row, weight, crc FROM postings WHERE term IN ({marks})", [int(t) for t in terms]
-            ).fetchall()
-            terms, rows, weights, sums = posting_columns(found, 4)
-        if np.any(posting_crc(terms, rows, weights) != sums):
+            found = self.con.execute(f"SELECT term, row, weight, crc FROM postings WHERE term IN ({marks})", asked)
+            terms, rows, weights, sums = posting_columns(found.fetchall())
+            counted = self.con.execute(f"SELECT term, postings, crc FROM terms WHERE term IN ({marks})", asked)
+            counts = self.term_counts(counted)
+        if np.any(posting_crc(terms, weights, rows) != sums):
             raise self.damaged("a posting of the inverted index does not match its checksum")
+        if dict(zip(*np.unique(terms, return_counts=True), strict=True)) != counts:
+            raise self.damaged("the postings found are not as many as the last build counted for their terms")
         return terms, rows, weights
 
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
         """For each text row its (document id, text) pairs, in corpus order (a shared text has several); read in
         batches of LOOKUP_BATCH rows, so that no statement grows with the request. Each text and document is
-        checked against its checksum (seeded with its row, so a row found is the row asked for); a row without a
-        document is the `damaged` error."""
+        checked against its checksum (seeded with its row, so a row found is the row asked for); a row with fewer
+        documents than the build wrote for it is the `damaged` error."""
         out: dict[int, list[tuple[str, str]]] = {row: [] for row in rows}
         found = []
         with self.reading():
             for start in range(0, len(rows), LOOKUP_BATCH):
                 batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
-                for row, key, text, text_sum, position, doc_id, doc_key, doc_sum in self.con.execute(
+                for row, key, text, text_sum, position, doc_id, doc_key, shared, doc_sum in self.con.execute(
                     "SELECT t.row, CAST(t.key AS BLOB), CAST(t.text AS BLOB), t.text_crc, d.position, "
-                    "CAST(d.id AS BLOB), CAST(d.key AS BLOB), d.crc FROM texts t JOIN documents d ON d.key = t.key "
-                    f"WHERE t.row IN ({','.join('?' * len(batch))})",
+                    "CAST(d.id AS BLOB), CAST(d.key AS BLOB), d.shared, d.crc FROM texts t JOIN documents d "
+                    f"ON d.key = t.key WHERE t.row IN ({','.join('?' * len(batch))})",
                     batch,
                 ):
+                    seed = zlib.crc32(str(shared).encode(), position & 0xFFFFFFFF)
                     if (
                         text_sum != zlib.crc32(text, seeded(key, row))
-                        or doc_sum != zlib.crc32(doc_id, seeded(doc_key, position))
+                        or doc_sum != zlib.crc32(doc_id, zlib.crc32(doc_key, seed))
                         or doc_key != key
                     ):
                         raise self.damaged(f"text row {row} or its document {position} does not match its checksum")
-                    found.append((position, row, doc_id.decode(), text.decode()))
-        for _, row, doc_id, text in sorted(found):
+                    found.append((position, row, doc_id.decode(), text.decode(), shared))
+        for _, row, doc_id, text, _ in sorted(found):
             out[row].append((doc_id, text))
-        if empty := [row for row, pairs in out.items() if not pairs]:
-            raise self.damaged(f"text row {empty[0]} has no document")
+        shared = {row: count for _, row, _, _, count in found}
+        if short := [row for row, pairs in out.items() if len(pairs) != shared.get(row)]:
+            raise self.damaged(f"text row {short[0]} has not the documents the last build wrote for it")
         return out
 
 
 # what a build writes with each commit: the checksums of the texts it adds (seeded with their rows, known only once
-# inserted), and the row counts a reader checks
+# inserted), of the documents, the counts of documents per text and postings per term, and the row counts
 SEAL_TEXTS = (f"UPDATE texts SET text_crc = {TEXT_CRC}, vector_crc = {VECTOR_CRC} WHERE vector_crc IS NULL", [()])
-COUNTS = [
+SUMMARIES = [
+    (SHARED, [()]),
+    (f"UPDATE documents SET crc = {DOCUMENT_CRC}", [()]),
+    ("DELETE FROM terms", [()]),
+    (TERMS, [()]),
     ("INSERT OR REPLACE INTO meta VALUES ('texts', (SELECT count(*) FROM texts))", [()]),
     ("INSERT OR REPLACE INTO meta VALUES ('documents', (SELECT count(*) FROM documents))", [()]),
     ("INSERT OR REPLACE INTO meta VALUES ('postings', (SELECT count(*) FROM postings))", [()]),
