@@ -5,12 +5,15 @@ Under `mlx.launch` (an `mx.distributed` world of more than one process) every ra
 every world-size-th chunk of the texts to embed, and commits them into its own shard (`shards/rank-<r>.sqlite`);
 rank 0 then merges the shards into the store. Chunks are cut the same way for any world size, so the vectors
 equal a one-process build's. A killed run resumes: texts already in the store or in any shard are not embedded
-again, and shards left by a run of another world size are merged too. A sparse model (`sparse_model`, a
-`SparseEncoder` folder) is embedded in the same chunks and committed with the dense vectors, into postings.
+again, and shards left by a run of another world size are merged too. Rank 0 holds the folder's build lock
+(`lock.py`) from start to end, so a second build into the same folder is refused at once. A sparse model
+(`sparse_model`, a `SparseEncoder` folder) is embedded in the same chunks and committed with the dense vectors, into
+postings.
 """
 
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,6 +27,7 @@ from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder
 from . import ann as ann_index
 from .documents import read_corpus
+from .lock import BuildLock
 from .search import ANN_THRESHOLD
 from .store import Store, shard_keys, text_key
 
@@ -136,57 +140,63 @@ def build(
     name = " and ".join(n for n in (name, sparse_name) if n)
     store_file, shard_folder = folder / "index.sqlite", folder / "shards"
 
-    error = None
-    try:  # rank 0 creates the store and checks it before any rank reads it
+    with ExitStack() as held:  # rank 0's build lock, released when the build ends, whichever way
+        error = None
+        try:  # rank 0 locks the folder, creates the store and checks it before any rank reads it
+            if rank == 0:
+                folder.mkdir(parents=True, exist_ok=True)
+                held.enter_context(BuildLock(folder, quiet))
+                with Store(store_file, create=True) as store:
+                    store.upgrade()
+                    store.check()
+                    store.check_identity(meta, name)
+                    if "model_fingerprint" not in store.meta:
+                        store.set_meta(meta)
+        except Exception as e:
+            error = e
+        agree(ranks, error, "opening the index", max(timeout(), RANK0_TIMEOUT))
+
+        keys = [text_key(text) for _, text in docs]
+        error = None
+        try:  # a host that does not see the folder fails here, and the others learn of it
+            with Store(store_file) as store:
+                known = store.keys()
+            for shard in sorted(shard_folder.glob("rank-*.sqlite")):
+                known |= shard_keys(shard, meta, name)
+        except Exception as e:
+            error = e
+        agree(ranks, error, "reading the shards")
+
+        texts = dict(zip(keys, (t for _, t in docs), strict=True))
+        pending = sorted(key for key in texts if key not in known)
+        chunks = [[(k, texts[k]) for k in pending[i : i + chunk]] for i in range(0, len(pending), chunk)]
         if rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            with Store(store_file, create=True) as store:
-                store.check()
-                store.check_identity(meta, name)
-                if "model_fingerprint" not in store.meta:
-                    store.set_meta(meta)
-    except Exception as e:
-        error = e
-    agree(ranks, error, "opening the index", max(timeout(), RANK0_TIMEOUT))
+            log(
+                f"{len(docs)} documents, {len(texts)} distinct texts: {len(pending)} to embed over {size} rank(s)",
+                quiet,
+            )
+        error = None
+        try:
+            if size > 1:
+                shard_folder.mkdir(exist_ok=True)
+                target = Store(shard_folder / f"rank-{rank}.sqlite", create=True)
+                target.set_meta(meta)
+            else:
+                target = Store(store_file)
+            with target:
+                embed_chunks(target, encoder, sparse, chunks[rank::size], batch_size, quiet or rank != 0)
+        except Exception as e:
+            error = e
+        agree(ranks, error, "embedding")
 
-    keys = [text_key(text) for _, text in docs]
-    error = None
-    try:  # a host that does not see the folder fails here, and the others learn of it
-        with Store(store_file) as store:
-            known = store.keys()
-        for shard in sorted(shard_folder.glob("rank-*.sqlite")):
-            known |= shard_keys(shard, meta, name)
-    except Exception as e:
-        error = e
-    agree(ranks, error, "reading the shards")
-
-    texts = dict(zip(keys, (t for _, t in docs), strict=True))
-    pending = sorted(key for key in texts if key not in known)
-    chunks = [[(k, texts[k]) for k in pending[i : i + chunk]] for i in range(0, len(pending), chunk)]
-    if rank == 0:
-        log(f"{len(docs)} documents, {len(texts)} distinct texts: {len(pending)} to embed over {size} rank(s)", quiet)
-    error = None
-    try:
-        if size > 1:
-            shard_folder.mkdir(exist_ok=True)
-            target = Store(shard_folder / f"rank-{rank}.sqlite", create=True)
-            target.set_meta(meta)
-        else:
-            target = Store(store_file)
-        with target:
-            embed_chunks(target, encoder, sparse, chunks[rank::size], batch_size, quiet or rank != 0)
-    except Exception as e:
-        error = e
-    agree(ranks, error, "embedding")
-
-    error, counts = None, {}
-    try:
-        if rank == 0:
-            counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
-    except Exception as e:
-        error = e
-    agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
-    return counts
+        error, counts = None, {}
+        try:
+            if rank == 0:
+                counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
+        except Exception as e:
+            error = e
+        agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
+        return counts
 
 
 def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, ann: bool | None,
@@ -199,7 +209,7 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
     with Store(folder / "index.sqlite") as store:
         for shard in shards:
             store.merge(shard)
-        indexed, wanted = {key for (key,) in store.con.execute("SELECT key FROM texts")}, set(keys)
+        indexed, wanted = store.keys(staged=False), set(keys)
         store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
         count, generation = store.count(), store.meta["generation"]
         graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)

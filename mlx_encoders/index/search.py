@@ -109,10 +109,10 @@ class Index:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.folder, self.precision, self.rescore = Path(folder), precision, rescore
         with Store(self.folder / "index.sqlite") as store:
-            store.con.execute("BEGIN")  # the meta and the vectors of one build
-            self.meta = dict(store.con.execute("SELECT name, value FROM meta"))
+            self.meta = store.begin_read()  # the meta and the vectors of one build
             if "generation" not in self.meta:
                 raise StoreError(f"{store.path} holds no finished build; run the build (again) to finish it")
+            store.require_checksums()
             self.generation = generation_of(self.meta)
             self.rows, self.vectors = store.vectors()
         self.model, self.encoder = model, model if isinstance(model, SentenceEncoder) else None
@@ -196,8 +196,7 @@ class Index:
     def snapshot(self) -> Iterator[Store]:
         """The store as of one moment (a read transaction), checked to be the build this index was opened at."""
         with Store(self.folder / "index.sqlite") as store:
-            store.con.execute("BEGIN")  # every read below sees one build, even if another commits meanwhile
-            now = generation_of(dict(store.con.execute("SELECT name, value FROM meta")))
+            now = generation_of(store.begin_read())  # every read below sees one build, even if another commits
             if now != self.generation:
                 raise StaleIndex(
                     f"The index {self.folder} was rebuilt (generation {now[0]}) after it was opened (generation "

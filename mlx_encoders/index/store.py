@@ -1,39 +1,69 @@
 """The index's system of record: one SQLite file (WAL) of texts, their float32 vectors and document ids.
 
-Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation, store id),
-`texts` (one row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense model),
-`documents` (id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text row,
-weight; clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished). A
-build commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings` in
-one transaction, so a reader sees the previous index or the new one.
+Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation, store id, format,
+row counts), `texts` (one row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense
+model), `documents` (id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text
+row, weight; clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished).
+A build commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings`
+in one transaction, so a reader sees the previous index or the new one.
+
+Every row carries a checksum of its values, seeded with its row number where it has one (a text's key and text, and
+its vector; a document's id, key and the number of documents of its text; a posting's term, row and weight), `terms`
+the number of postings of each term, and `meta` a checksum of its entries. Every read checks them, so a damaged
+byte that SQLite's own page checks miss is a `DamagedStore` error, never a wrong score, id or text.
 """
 
 import hashlib
 import sqlite3
 import uuid
-from collections.abc import Iterable
-from contextlib import closing
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import numpy as np
 
 DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index can be copied between them
 LOOKUP_BATCH = 500  # rows per lookup statement
+VECTORS_BATCH = 4096  # rows per batch read into the vectors array
+POSTINGS_BATCH = 100_000  # postings per batch checked
+FORMAT = "2"  # rows with checksums; stores without a format (earlier versions) get them at their next build
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
-                                  vector BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS documents (position INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, key TEXT NOT NULL);
+                                  vector BLOB NOT NULL, text_crc INTEGER, vector_crc INTEGER);
+CREATE TABLE IF NOT EXISTS documents (position INTEGER PRIMARY KEY, id TEXT UNIQUE NOT NULL, key TEXT NOT NULL,
+                                      shared INTEGER, crc INTEGER);
 CREATE INDEX IF NOT EXISTS documents_key ON documents (key);
-CREATE TABLE IF NOT EXISTS staged (key TEXT PRIMARY KEY, text TEXT NOT NULL, vector BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS postings (term INTEGER NOT NULL, row INTEGER NOT NULL, weight REAL NOT NULL,
+CREATE TABLE IF NOT EXISTS staged (key TEXT PRIMARY KEY, text TEXT NOT NULL, vector BLOB NOT NULL, text_crc INTEGER,
+                                   vector_crc INTEGER);
+CREATE TABLE IF NOT EXISTS postings (term INTEGER NOT NULL, row INTEGER NOT NULL, weight REAL NOT NULL, crc INTEGER,
                                      PRIMARY KEY (term, row)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS postings_row ON postings (row);
+CREATE TABLE IF NOT EXISTS terms (term INTEGER PRIMARY KEY, postings INTEGER NOT NULL, crc INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS staged_postings (key TEXT NOT NULL, term INTEGER NOT NULL, weight REAL NOT NULL,
-                                            PRIMARY KEY (key, term)) WITHOUT ROWID;
+                                            crc INTEGER, PRIMARY KEY (key, term)) WITHOUT ROWID;
 """
+# the checksum columns each table gained with FORMAT 2
+CHECKSUMS = {"texts": ("text_crc", "vector_crc"), "staged": ("text_crc", "vector_crc"),
+             "documents": ("shared", "crc"), "postings": ("crc",), "staged_postings": ("crc",)}  # fmt: skip
+# the checksums as SQL over the `crc32(bytes, seed)` function each connection defines (zlib's); `Store.documents`
+# and `Store.vectors` compute the same in Python
+SEED = "crc32(CAST(key AS BLOB), {} & 4294967295)"
+TEXT_CRC, VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format('row')})", "crc32(vector, row & 4294967295)"
+STAGED_TEXT_CRC, STAGED_VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format(0)})", f"crc32(vector, {SEED.format(0)})"
+DOCUMENT_CRC = "crc32(CAST(id AS BLOB), crc32(CAST(key AS BLOB), crc32(CAST(shared AS BLOB), position & 4294967295)))"
+# a lookup that a damaged interior page of a b-tree sends astray finds fewer rows, without an error: each document
+# says how many documents share its text, each term of the inverted index how many postings it has
+SHARED = "UPDATE documents SET shared = (SELECT count(*) FROM documents d WHERE d.key = documents.key)"
+TERMS = ("INSERT INTO terms SELECT term, count(*), crc32(CAST(count(*) AS BLOB), term & 4294967295) FROM postings "
+         "GROUP BY term")  # fmt: skip
+ROW_MIX = 2654435761  # odd: rows below 2**31 times it are distinct, and below 2**63 (SQLite's integers)
+MIX = f"((t.row & 2147483647) * {ROW_MIX})"
+POSTING_CRC = f"((s.crc | {MIX}) & ~(s.crc & {MIX}))"  # a staged posting's checksum xor-ed with its row's mix
 # what must match for vectors to be comparable; "" where the index has no dense or no sparse model
 IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_fingerprint")
+CORRUPT = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file, not the disk or the statement, is at fault
 
 
 class StoreError(ValueError):
@@ -49,29 +79,78 @@ def text_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def seeded(key: bytes, number: int) -> int:
+    """The seed of a row's checksums: its key's CRC-32 started from its row number (the SQL `SEED`)."""
+    return zlib.crc32(key, number & 0xFFFFFFFF)
+
+
+def posting_crc(terms: np.ndarray, weights: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """One 64-bit checksum per posting, vectorised: its term and weight bits, each through an odd multiplier (a
+    change of either always changes the sum), mixed by xor-shifts (uint64 arithmetic wraps); once the posting has
+    a text row (`rows`), xor-ed with the row times ROW_MIX, as the SQL `POSTING_CRC` does at commit."""
+    h = np.asarray(terms).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    h ^= np.asarray(weights, np.float64).view(np.uint64) * np.uint64(0x165667B19E3779F9)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(29)
+    return h.view(np.int64) if rows is None else h.view(np.int64) ^ ((rows & 0x7FFFFFFF) * ROW_MIX)
+
+
+def posting_columns(found: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(terms, rows, weights, checksums) of postings read from SQLite as (term, row, weight, checksum) rows."""
+    columns = list(zip(*found, strict=True)) or [()] * 4
+    kinds = (np.int64, np.int64, np.float64, np.int64)
+    return tuple(np.array(column, kind) for column, kind in zip(columns, kinds, strict=True))
+
+
+def meta_crc(items: Iterable[tuple[bytes, bytes]]) -> int:
+    value = 0
+    for name, entry in sorted(items):
+        value = zlib.crc32(name + b"\0" + entry + b"\0", value)
+    return value
+
+
 class Store:
-    """One SQLite file. `Store(path)` opens (creating the file when `create`); every write is a transaction."""
+    """One SQLite file. `Store(path)` opens (creating the file when `create`); every write is a transaction, every
+    read checked (`reading`)."""
 
     def __init__(self, path: Path, create: bool = False):
         self.path = Path(path)
         if not create and not self.path.exists():
             raise StoreError(f"{self.path} does not exist; build the index first (mlx-encoders index build)")
         try:
-            self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
-            self.con.execute("PRAGMA journal_mode = WAL")
-            self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
-            if create:
-                self.con.executescript(SCHEMA)
-            self.meta = dict(self.con.execute("SELECT name, value FROM meta"))
-        except sqlite3.DatabaseError as e:
+            with self.reading():  # a file that is not a store fails here (its header, its schema)
+                self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+                self.con.create_function("crc32", 2, zlib.crc32, deterministic=True)
+                self.con.execute("PRAGMA journal_mode = WAL")
+                self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
+                self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
+                fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+                if fresh:  # a store of an earlier version is changed by `upgrade` alone, once it is checked
+                    self.con.executescript(SCHEMA)
+            self.meta = self.read_meta()
+            if fresh:
+                self.set_meta({"format": FORMAT})
+        except BaseException:
             self.close()
-            raise self.damaged(e) from None
+            raise
 
-    def damaged(self, e: Exception) -> DamagedStore:
+    def damaged(self, e: object) -> DamagedStore:
         return DamagedStore(
             f"The index store {self.path} is damaged or not an index ({e}). It was left as it is: restore it from a "
             "copy, or delete its folder and build again."
         )
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Any failure to read the file as an index is the `damaged` error: SQLite's own (a malformed page), bytes
+        that are not UTF-8, a value of another type or size where a damaged cell was read."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except (sqlite3.DatabaseError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+            raise self.damaged(e) from None
 
     def close(self) -> None:
         if getattr(self, "con", None) is not None:
@@ -84,23 +163,114 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def read_meta(self) -> dict[str, str]:
+        """The meta entries, checked against their checksum (stores of earlier versions have none)."""
+        with self.reading():
+            entries = dict(self.con.execute("SELECT CAST(name AS BLOB), CAST(value AS BLOB) FROM meta"))
+            if b"checksum" in entries:
+                if entries.pop(b"checksum") != str(meta_crc(entries.items())).encode():
+                    raise self.damaged("its meta entries do not match their checksum")
+            return {name.decode(): value.decode() for name, value in entries.items()}
+
+    def begin_read(self) -> dict[str, str]:
+        """Start a read transaction (every read until it ends sees one build) and return that build's meta."""
+        with self.reading():
+            self.con.execute("BEGIN")
+        self.meta = self.read_meta()
+        return self.meta
+
+    def require_checksums(self) -> None:
+        """A store of an earlier version (rows without checksums) is an error saying how to add them."""
+        if self.meta.get("format") != FORMAT:
+            raise StoreError(
+                f"{self.path} was written by an earlier version of mlx-encoders, without checksums of its rows "
+                f"(format {self.meta.get('format', '1')}; this version reads {FORMAT}): run the same `mlx-encoders "
+                "index build` (corpus and model) on it once to add them (nothing is embedded again), or delete the "
+                "folder and build again."
+            )
+
     def check(self) -> None:
-        """Full integrity check of the file (O(size)): raises StoreError naming the file when damaged."""
-        try:
+        """Full integrity check of the file (O(size)): SQLite's pages, then every row against its checksum and the
+        row counts; raises `DamagedStore` naming the file and the first bad row."""
+        size = int(self.meta.get("dimension", 0)) * DTYPE.itemsize
+        with self.reading():
             result = self.con.execute("PRAGMA quick_check").fetchone()[0]
+            if result != "ok":
+                raise self.damaged(result)
+            for what, sql in (
+                ("text row", f"SELECT row FROM texts WHERE text_crc IS NOT {TEXT_CRC} OR vector_crc IS NOT "
+                             f"{VECTOR_CRC} OR length(vector) != {size}"),
+                ("staged text", f"SELECT key FROM staged WHERE text_crc IS NOT {STAGED_TEXT_CRC} OR vector_crc IS NOT "
+                                f"{STAGED_VECTOR_CRC} OR length(vector) != {size}"),
+                ("document at position", f"SELECT position FROM documents WHERE crc IS NOT {DOCUMENT_CRC} OR shared "
+                                         "!= (SELECT count(*) FROM documents d WHERE d.key = documents.key)"),
+            ):  # fmt: skip
+                if bad := self.con.execute(f"{sql} LIMIT 1").fetchone():
+                    raise self.damaged(f"the {what} {bad[0]} does not match its checksum")
+            postings = self.check_postings("SELECT term, row, weight, crc FROM postings", rows=True)
+            self.check_postings("SELECT term, 0, weight, crc FROM staged_postings", rows=False)
+            counted = dict(self.con.execute("SELECT term, count(*) FROM postings GROUP BY term"))
+            if self.term_counts(self.con.execute("SELECT term, postings, crc FROM terms")) != counted:
+                raise self.damaged("the postings per term are not those the last build counted")
+            documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
+        self.check_counts(texts=self.count(), documents=documents, postings=postings)
+
+    def check_postings(self, sql: str, rows: bool) -> int:
+        """How many (term, row, weight, checksum) postings `sql` reads, each checked in batches."""
+        count, cursor = 0, self.con.execute(sql)
+        while batch := cursor.fetchmany(POSTINGS_BATCH):
+            terms, numbers, weights, sums = posting_columns(batch)
+            if np.any(posting_crc(terms, weights, numbers if rows else None) != sums):
+                raise self.damaged("a posting of the inverted index does not match its checksum")
+            count += len(batch)
+        return count
+
+    def term_counts(self, rows: Iterable[tuple[int, int, int]]) -> dict[int, int]:
+        """Term -> its number of postings, of (term, postings, checksum) rows of `terms`, each checked."""
+        counts = {}
+        for term, postings, stored in rows:
+            if stored != zlib.crc32(str(postings).encode(), term & 0xFFFFFFFF):
+                raise self.damaged(f"the count of postings of term {term} does not match its checksum")
+            counts[term] = postings
+        return counts
+
+    def check_counts(self, **found: int) -> None:
+        """Rows lost to a damaged page that SQLite read without complaint show as counts below the build's."""
+        for name, count in found.items():
+            if name in self.meta and int(self.meta[name]) != count:
+                raise self.damaged(f"{count} rows of {name} where the last build wrote {self.meta[name]}")
+
+    def upgrade(self) -> None:
+        """Give a store of an earlier version its checksums, after SQLite's page check and a check of every text
+        (UTF-8) and vector (size, finite values): a damaged store is the `damaged` error and stays as it was."""
+        if self.meta.get("format") == FORMAT:
+            return
+        with self.reading():
+            result = self.con.execute("PRAGMA quick_check").fetchone()[0]
+            if result != "ok":
+                raise self.damaged(result)
             dimension = int(self.meta.get("dimension", 0))
-            size = (dimension * 4,) * 2
-            bad = self.con.execute(
-                "SELECT (SELECT count(*) FROM texts WHERE length(vector) != ?) "
-                "+ (SELECT count(*) FROM staged WHERE length(vector) != ?)",
-                size,
-            ).fetchone()
-        except (sqlite3.DatabaseError, ValueError) as e:
-            raise self.damaged(e) from None
-        if result != "ok":
-            raise self.damaged(result)
-        if bad[0]:
-            raise self.damaged(f"{bad[0]} vectors are not {dimension} float32 values")
+            for table in ("texts", "staged"):
+                for key, text, vector in self.con.execute(f"SELECT key, CAST(text AS BLOB), vector FROM {table}"):
+                    text.decode()
+                    if len(vector) != dimension * DTYPE.itemsize or not np.isfinite(np.frombuffer(vector, DTYPE)).all():
+                        raise self.damaged(f"the vector of {key!r} in {table} is not {dimension} finite float32s")
+            terms, rows, weights, _ = posting_columns(self.con.execute("SELECT term, row, weight, 0 FROM postings"))
+            postings = zip(posting_crc(terms, weights, rows).tolist(), terms.tolist(), rows.tolist(), strict=True)
+            staged = self.con.execute("SELECT key, term, weight FROM staged_postings").fetchall()
+            staged = [(int(posting_crc([t], [w])[0]), key, t) for key, t, w in staged]
+            present = {table: {c[1] for c in self.con.execute(f"PRAGMA table_info({table})")} for table in CHECKSUMS}
+        self.transaction([
+            *((statement, [()]) for statement in SCHEMA.split(";") if statement.strip()),  # the tables it lacks
+            *((f"ALTER TABLE {table} ADD COLUMN {column} INTEGER", [()])
+              for table, columns in CHECKSUMS.items() for column in columns if column not in present[table]),
+            SEAL_TEXTS,
+            (f"UPDATE staged SET text_crc = {STAGED_TEXT_CRC}, vector_crc = {STAGED_VECTOR_CRC}", [()]),
+            ("UPDATE postings SET crc = ? WHERE term = ? AND row = ?", postings),
+            ("UPDATE staged_postings SET crc = ? WHERE key = ? AND term = ?", staged),
+            *SUMMARIES,
+            ("INSERT OR REPLACE INTO meta VALUES ('format', ?)", [(FORMAT,)]),
+        ])  # fmt: skip
 
     def check_identity(self, identity: dict[str, str], model: str) -> None:
         """A store of another model (or pooling, dimension) is an error naming both."""
@@ -118,23 +288,39 @@ class Store:
                     "or build into a new --index folder."
                 )
 
-    def transaction(self, statements: Iterable[tuple[str, Iterable]]) -> None:
-        """Run (sql, rows) pairs with executemany in one transaction: all of them or none."""
+    def transaction(self, statements: Iterable, check: Callable[[], None] | None = None) -> None:
+        """Run (sql, rows) pairs with executemany (and functions, called) in one transaction, then `check` (which
+        raises to roll it back) and the meta's checksum: all of them or none."""
         try:
             self.con.execute("BEGIN IMMEDIATE")
             try:
-                for sql, rows in statements:
-                    self.con.executemany(sql, rows)
+                for statement in statements:
+                    if callable(statement):
+                        statement()
+                    else:
+                        self.con.executemany(*statement)
+                if check is not None:
+                    check()
+                entries = self.con.execute("SELECT CAST(name AS BLOB), CAST(value AS BLOB) FROM meta WHERE name != ?",
+                                           ("checksum",))  # fmt: skip
+                self.con.execute("INSERT OR REPLACE INTO meta VALUES ('checksum', ?)", (str(meta_crc(entries)),))
                 self.con.execute("COMMIT")
             except BaseException:
                 self.con.execute("ROLLBACK")
                 raise
+        except sqlite3.DatabaseError as e:
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF in CORRUPT:
+                raise self.damaged(e) from None
+            raise self.unwritable(e) from None
         except (sqlite3.Error, OSError) as e:
-            raise StoreError(
-                f"Could not write to the index store {self.path}: {e}. This step was rolled back: the index is as "
-                "it was. Free disk space if it is full and run again."
-            ) from None
-        self.meta = dict(self.con.execute("SELECT name, value FROM meta"))
+            raise self.unwritable(e) from None
+        self.meta = self.read_meta()
+
+    def unwritable(self, e: Exception) -> StoreError:
+        return StoreError(
+            f"Could not write to the index store {self.path}: {e}. This step was rolled back: the index is as "
+            "it was. Free disk space if it is full and run again."
+        )
 
     def set_meta(self, meta: dict[str, str]) -> None:
         self.transaction([("INSERT OR REPLACE INTO meta VALUES (?, ?)", list(meta.items()))])
@@ -142,21 +328,26 @@ class Store:
     def stage(self, keys: list[str], texts: list[str], vectors: np.ndarray, sparse: list | None = None) -> None:
         """Stage texts with their dense vectors ((N, 0) without a dense model) and sparse (term ids, weights), in
         one transaction: a text is staged with all its vectors or not at all."""
-        rows = [(k, t, v.astype(DTYPE).tobytes()) for k, t, v in zip(keys, texts, vectors, strict=True)]
+        rows = []
+        for key, text, vector in zip(keys, texts, vectors, strict=True):
+            seed, vector = seeded(key.encode(), 0), vector.astype(DTYPE).tobytes()
+            rows.append((key, text, vector, zlib.crc32(text.encode(), seed), zlib.crc32(vector, seed)))
         postings = [
-            (key, int(term), float(weight))
+            (key, term, weight, crc)
             for key, (terms, weights) in zip(keys, sparse or [], strict=sparse is not None)
-            for term, weight in zip(terms, weights, strict=True)
-        ]
+            for term, weight, crc in zip(np.asarray(terms, np.int64).tolist(), np.asarray(weights, np.float64).tolist(),
+                                         posting_crc(terms, weights).tolist(), strict=True)
+        ]  # fmt: skip
         self.transaction([
-            ("INSERT OR IGNORE INTO staged VALUES (?, ?, ?)", rows),
-            ("INSERT OR IGNORE INTO staged_postings VALUES (?, ?, ?)", postings),
+            ("INSERT OR IGNORE INTO staged VALUES (?, ?, ?, ?, ?)", rows),
+            ("INSERT OR IGNORE INTO staged_postings VALUES (?, ?, ?, ?)", postings),
         ])  # fmt: skip
 
-    def keys(self) -> set[str]:
-        """Keys of every text this store holds a vector for, indexed or staged."""
-        rows = self.con.execute("SELECT key FROM texts UNION SELECT key FROM staged")
-        return {key for (key,) in rows}
+    def keys(self, staged: bool = True) -> set[str]:
+        """Keys of every text this store holds a vector for: indexed, and staged unless `staged` is False."""
+        sql = "SELECT key FROM texts UNION SELECT key FROM staged" if staged else "SELECT key FROM texts"
+        with self.reading():
+            return {key for (key,) in self.con.execute(sql)}
 
     def merge(self, shard: Path) -> None:
         """Stage the vectors of a shard written by another rank (one transaction; merging twice is harmless)."""
@@ -164,10 +355,12 @@ class Store:
             self.con.execute("ATTACH DATABASE ? AS shard", (str(shard),))
         except sqlite3.Error as e:
             raise StoreError(f"Could not read the shard {shard}: {e}; delete it to re-embed its texts") from None
+        columns = "key, text, vector, text_crc, vector_crc"
         try:
             self.transaction([
-                ("INSERT OR IGNORE INTO staged SELECT key, text, vector FROM shard.staged", [()]),
-                ("INSERT OR IGNORE INTO staged_postings SELECT key, term, weight FROM shard.staged_postings", [()]),
+                (f"INSERT OR IGNORE INTO staged ({columns}) SELECT {columns} FROM shard.staged", [()]),
+                ("INSERT OR IGNORE INTO staged_postings SELECT key, term, weight, crc FROM shard.staged_postings",
+                 [()]),
             ])  # fmt: skip
         finally:
             self.con.execute("DETACH DATABASE shard")
@@ -175,77 +368,132 @@ class Store:
     def commit_index(self, docs: list[tuple[str, str]]) -> None:
         """The new index in one transaction: `docs` (id, key) replace the documents, the staged texts join the
         texts and their postings the inverted index, texts no document uses go with their postings, and the
-        generation moves on (with the store's random id, set once, it tells every build apart)."""
+        generation moves on (with the store's random id, set once, it tells every build apart). Rolled back,
+        with an error, when a document's text has no vector: another process changed the staging tables."""
         generation = str(int(self.meta.get("generation", "0")) + 1)
+        documents = [(position, doc_id, key) for position, (doc_id, key) in enumerate(docs, 1)]
         self.transaction([
             ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
             ("INSERT OR IGNORE INTO texts (key, text, vector) SELECT key, text, vector FROM staged", [()]),
-            ("INSERT INTO postings SELECT s.term, t.row, s.weight FROM staged_postings s JOIN texts t USING (key)",
-             [()]),
+            SEAL_TEXTS,
+            (f"INSERT INTO postings SELECT s.term, t.row, s.weight, {POSTING_CRC} FROM staged_postings s JOIN texts t "
+             "USING (key)", [()]),
             ("DELETE FROM staged", [()]),
             ("DELETE FROM staged_postings", [()]),
             ("DELETE FROM documents", [()]),
-            ("INSERT INTO documents (id, key) VALUES (?, ?)", docs),
+            ("INSERT INTO documents (position, id, key) VALUES (?, ?, ?)", documents),
             ("DELETE FROM postings WHERE row IN (SELECT row FROM texts WHERE key NOT IN (SELECT key FROM documents))",
              [()]),
             ("DELETE FROM texts WHERE key NOT IN (SELECT key FROM documents)", [()]),
+            *SUMMARIES,
             ("INSERT OR REPLACE INTO meta VALUES (?, ?)", [("generation", generation)]),
             ("INSERT OR IGNORE INTO meta VALUES ('store_id', ?)", [(uuid.uuid4().hex,)]),
-        ])  # fmt: skip
+        ], check=self.every_document_has_its_vector)  # fmt: skip
+
+    def every_document_has_its_vector(self) -> None:
+        missing = self.con.execute(
+            "SELECT count(*), min(d.id) FROM documents d LEFT JOIN texts t ON t.key = d.key WHERE t.row IS NULL"
+        ).fetchone()
+        if missing[0]:
+            raise StoreError(
+                f"{missing[0]} documents of this build (such as {missing[1]!r}) have no vector in {self.path}: "
+                "another process changed the store during the build. Nothing was committed (the index is as it "
+                "was): run the build again, one build at a time."
+            )
 
     def count(self) -> int:
-        return self.con.execute("SELECT count(*) FROM texts").fetchone()[0]
+        with self.reading():
+            return self.con.execute("SELECT count(*) FROM texts").fetchone()[0]
 
     def vectors(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows (N,) int64, vectors (N, D) float32) of the indexed texts, in row order."""
-        dimension, count = int(self.meta["dimension"]), self.count()
-        rows, vectors = np.empty(count, np.int64), np.empty((count, dimension), DTYPE)
-        try:  # row by row into one array: no second copy of every vector
-            for i, (row, vector) in enumerate(self.con.execute("SELECT row, vector FROM texts ORDER BY row")):
-                if len(vector) != dimension * DTYPE.itemsize:
-                    raise self.damaged(f"the vector of text row {row} is not {dimension} float32 values")
-                rows[i], vectors[i] = row, np.frombuffer(vector, DTYPE)
-        except sqlite3.DatabaseError as e:
-            raise self.damaged(e) from None
+        """(rows (N,) int64, vectors (N, D) float32) of the indexed texts, in row order, each vector checked
+        against its checksum, and the row counts against the build's."""
+        with self.reading():
+            dimension, count = int(self.meta["dimension"]), self.count()
+            rows, vectors, read = np.empty(count, np.int64), np.empty((count, dimension), DTYPE), 0
+            texts = self.con.execute("SELECT row, vector, vector_crc FROM texts ORDER BY row")
+            while batch := texts.fetchmany(VECTORS_BATCH):  # a batch at a time: never a second copy of them all
+                numbers, blobs, stored = zip(*batch, strict=True)
+                found = [zlib.crc32(blob, row & 0xFFFFFFFF) for row, blob in zip(numbers, blobs, strict=True)]
+                if read + len(batch) > count or found != list(stored):
+                    bad = next((n for n, f, s in zip(numbers, found, stored, strict=True) if f != s), numbers[-1])
+                    raise self.damaged(f"the vector of text row {bad} does not match its checksum")
+                rows[read : read + len(batch)] = numbers
+                vectors[read : read + len(batch)] = np.frombuffer(b"".join(blobs), DTYPE).reshape(len(batch), dimension)
+                read += len(batch)
+            documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
+        if read != count or np.any(np.diff(rows) <= 0):
+            raise self.damaged(f"the text rows read are not the {count} rows counted, in order")
+        self.check_counts(texts=count, documents=documents)
         return rows, vectors
 
     def postings(self, terms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(terms, rows, weights) of every posting of the given term ids, read through the term index."""
-        marks = ",".join("?" * len(terms))
-        try:
-            found = self.con.execute(
-                f"SELECT term, row, weight FROM postings WHERE term IN ({marks})", [int(t) for t in terms]
-            ).fetchall()
-        except sqlite3.DatabaseError as e:
-            raise self.damaged(e) from None
-        columns = np.array(found, np.float64).reshape(-1, 3)
-        return columns[:, 0].astype(np.int64), columns[:, 1].astype(np.int64), columns[:, 2]
+        """(terms, rows, weights) of every posting of the given term ids, read through the term index and checked
+        against their checksums."""
+        marks, asked = ",".join("?" * len(terms)), [int(t) for t in terms]
+        with self.reading():
+            found = self.con.execute(f"SELECT term, row, weight, crc FROM postings WHERE term IN ({marks})", asked)
+            terms, rows, weights, sums = posting_columns(found.fetchall())
+            counted = self.con.execute(f"SELECT term, postings, crc FROM terms WHERE term IN ({marks})", asked)
+            counts = self.term_counts(counted)
+        if np.any(posting_crc(terms, weights, rows) != sums):
+            raise self.damaged("a posting of the inverted index does not match its checksum")
+        if dict(zip(*np.unique(terms, return_counts=True), strict=True)) != counts:
+            raise self.damaged("the postings found are not as many as the last build counted for their terms")
+        return terms, rows, weights
 
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
         """For each text row its (document id, text) pairs, in corpus order (a shared text has several); read in
-        batches of LOOKUP_BATCH rows, so that no statement grows with the request."""
+        batches of LOOKUP_BATCH rows, so that no statement grows with the request. Each text and document is
+        checked against its checksum (seeded with its row, so a row found is the row asked for); a row with fewer
+        documents than the build wrote for it is the `damaged` error."""
         out: dict[int, list[tuple[str, str]]] = {row: [] for row in rows}
         found = []
-        try:
+        with self.reading():
             for start in range(0, len(rows), LOOKUP_BATCH):
                 batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
-                found += self.con.execute(
-                    f"SELECT t.row, d.id, t.text, d.position FROM texts t JOIN documents d ON d.key = t.key "
-                    f"WHERE t.row IN ({','.join('?' * len(batch))})",
+                for row, key, text, text_sum, position, doc_id, doc_key, shared, doc_sum in self.con.execute(
+                    "SELECT t.row, CAST(t.key AS BLOB), CAST(t.text AS BLOB), t.text_crc, d.position, "
+                    "CAST(d.id AS BLOB), CAST(d.key AS BLOB), d.shared, d.crc FROM texts t JOIN documents d "
+                    f"ON d.key = t.key WHERE t.row IN ({','.join('?' * len(batch))})",
                     batch,
-                ).fetchall()
-        except sqlite3.DatabaseError as e:
-            raise self.damaged(e) from None
-        for row, doc_id, text, _ in sorted(found, key=lambda f: f[3]):
+                ):
+                    seed = zlib.crc32(str(shared).encode(), position & 0xFFFFFFFF)
+                    if (
+                        text_sum != zlib.crc32(text, seeded(key, row))
+                        or doc_sum != zlib.crc32(doc_id, zlib.crc32(doc_key, seed))
+                        or doc_key != key
+                    ):
+                        raise self.damaged(f"text row {row} or its document {position} does not match its checksum")
+                    found.append((position, row, doc_id.decode(), text.decode(), shared))
+        for _, row, doc_id, text, _ in sorted(found):
             out[row].append((doc_id, text))
+        shared = {row: count for _, row, _, _, count in found}
+        if short := [row for row, pairs in out.items() if len(pairs) != shared.get(row)]:
+            raise self.damaged(f"text row {short[0]} has not the documents the last build wrote for it")
         return out
 
 
+# what a build writes with each commit: the checksums of the texts it adds (seeded with their rows, known only once
+# inserted), of the documents, the counts of documents per text and postings per term, and the row counts
+SEAL_TEXTS = (f"UPDATE texts SET text_crc = {TEXT_CRC}, vector_crc = {VECTOR_CRC} WHERE vector_crc IS NULL", [()])
+SUMMARIES = [
+    (SHARED, [()]),
+    (f"UPDATE documents SET crc = {DOCUMENT_CRC}", [()]),
+    ("DELETE FROM terms", [()]),
+    (TERMS, [()]),
+    ("INSERT OR REPLACE INTO meta VALUES ('texts', (SELECT count(*) FROM texts))", [()]),
+    ("INSERT OR REPLACE INTO meta VALUES ('documents', (SELECT count(*) FROM documents))", [()]),
+    ("INSERT OR REPLACE INTO meta VALUES ('postings', (SELECT count(*) FROM postings))", [()]),
+]
+
+
 def shard_keys(path: Path, identity: dict[str, str], model: str) -> set[str]:
-    """The keys a shard written by one rank holds, checked first: a damaged shard, or one of another model, is an
-    error naming the file."""
+    """The keys a shard written by one rank holds, checked first: a damaged shard, one of another model or of an
+    earlier version, is an error naming the file."""
     try:
         with closing(Store(path)) as shard:
+            shard.require_checksums()
             shard.check()
             shard.check_identity(identity, model)
             return shard.keys()
