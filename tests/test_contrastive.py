@@ -393,6 +393,25 @@ def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_pa
     np.testing.assert_allclose(SentenceEncoder(out / "model").encode(texts), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "dims, weights, message",
+    [
+        (["32", "16"], ["nan", "1"], "weights must be finite"),
+        (["32", "16"], ["-1", "0"], "weights must be finite, 0 or more"),
+        (["32", "16"], ["0", "0"], "not all 0"),
+        (["16", "16"], None, "dims must differ"),
+    ],
+)
+def test_cli_matryoshka_options_out_of_range_are_option_errors(st_folder, tmp_path, capsys, dims, weights, message):
+    """Exit 2 before training starts (never a run that diverges on NaN weights, or one dim trained twice)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TRIPLETS))
+    argv = ["train", "embed", "-m", str(st_folder), "--data", str(data), "-o", str(tmp_path / "out")]
+    argv += ["--matryoshka-dims", *dims] + (["--matryoshka-weights", *weights] if weights else [])
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_bfloat16_accumulation_and_checkpointing_train_from_a_dataset(st_folder, tmp_path):
     datasets = pytest.importorskip("datasets")
     trained = fine_tune(

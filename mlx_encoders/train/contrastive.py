@@ -8,6 +8,8 @@ model pass that makes the embeddings lives in `train/embedding.py`, so a loss is
 (`CachedMultipleNegativesRankingLoss`) can differentiate with respect to the embeddings alone.
 """
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -114,6 +116,10 @@ class MatryoshkaLoss:
             raise ValueError(f"MatryoshkaLoss needs one weight per dimension; got dims {dims} and weights {weights}")
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"Matryoshka dims must be integers >= 1, got {list(dims)}")
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"Matryoshka dims must differ from each other, got {list(dims)}")
+        if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+            raise ValueError(f"Matryoshka weights must be finite, 0 or more, and not all 0; got {weights}")
         pairs = sorted(zip(dims, weights, strict=True), key=lambda p: p[0], reverse=True)
         self.loss, self.dims, self.weights = loss, [d for d, _ in pairs], [w for _, w in pairs]
 
