@@ -218,17 +218,16 @@ def peak(folder: Path, device: str) -> None:
     import torch
 
     n, repeats = (256, 3) if device == "cpu" else (8192, 10)
-    spec = SPEC_TFLOPS.get(gpu_name(device), {})
+    spec, rates = SPEC_TFLOPS.get(gpu_name(device), {}), []
     for dtype in ("float32", "bfloat16"):
         a, b = (mx.random.normal((n, n), key=mx.random.key(k)).astype(getattr(mx, dtype)) for k in (1, 2))
         x, y = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
         products = {"mlx": lambda a=a, b=b: mx.eval(a @ b), "torch": lambda x=x, y=y: torch.mm(x, y)}
         for engine, run in products.items():
-            seconds = timed(run, device, repeats)
-            tflops = 2 * n**3 / seconds / 1e12
-            record = dict(phase="peak", engine=engine, dtype=dtype, n=n, tflops=tflops, spec=spec.get(dtype))
-            print(json.dumps(record))
-            append(folder, record)
+            tflops = 2 * n**3 / timed(run, device, repeats) / 1e12
+            append(folder, dict(phase="peak", engine=engine, dtype=dtype, n=n, tflops=tflops, spec=spec.get(dtype)))
+            rates.append(f"{engine} {dtype} {tflops:.3g}")
+    print(f"matmul {n}^3, TFLOP/s: " + ", ".join(rates))
 
 
 def matmul_rates(folder: Path) -> dict[str, float]:
@@ -344,8 +343,10 @@ COMPUTE_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}  # else float32 (the qua
 
 def encode(args) -> None:
     """Ours against sentence-transformers, each model and batch size: texts/s, TFLOP/s and their share of the
-    measured matmul rate and of the datasheet's, peak memory, and cosines with sentence-transformers' float32."""
+    measured matmul rate and of the datasheet's, peak memory, and cosines with sentence-transformers' float32.
+    Each engine's figures are written as soon as it has run."""
     import tempfile
+    import warnings
 
     import numpy as np
     from isolated import Isolated
@@ -353,10 +354,11 @@ def encode(args) -> None:
     from mlx_encoders.corpus import stdlib_docstrings
 
     device = set_device(args.dry_run)
-    texts = stdlib_docstrings(64 if args.dry_run else args.texts)
-    batches, repeats = ((8, 32), 2) if args.dry_run else ((32, 256), args.repeats)
+    texts = stdlib_docstrings(16, max_chars=300) if args.dry_run else stdlib_docstrings(args.texts)
+    batches, repeats = ((8,), 1) if args.dry_run else ((32, 256), args.repeats)
     models = {"all-MiniLM-L6-v2": None, "bert-base": TINY_BERT if args.dry_run else BERT_BASE}
     rates, spec = matmul_rates(args.dir), SPEC_TFLOPS.get(gpu_name(device), {})
+    warnings.filterwarnings("ignore", message=".*longer than max_seq_length")  # truncated, as theirs
     peer = Isolated(sentence_transformers_peer, device)
     print(f"{len(texts)} stdlib docstrings; batches {batches}; median of {repeats} passes after one; {device}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -365,10 +367,13 @@ def encode(args) -> None:
             max_length = json.loads((folder / "sentence_bert_config.json").read_text())["max_seq_length"]
             tflop, tokens = matmul_tflop(folder, texts, max_length)
             for batch in batches:
-                results = {e: peer(str(folder), half, texts, batch, repeats) for e, half in ST_ENGINES.items()}
-                results |= {e: mlx_run(folder, e, texts, batch, repeats) for e in MLX_ENGINES}
-                reference = results["sentence-transformers-fp32"]["out"]
-                for engine, r in results.items():
+                reference = None
+                for engine in (*ST_ENGINES, *MLX_ENGINES):
+                    if engine in ST_ENGINES:
+                        r = peer(str(folder), ST_ENGINES[engine], texts, batch, repeats)
+                    else:
+                        r = mlx_run(folder, engine, texts, batch, repeats)
+                    reference = r["out"] if reference is None else reference  # sentence-transformers' float32
                     seconds = statistics.median(r["times"])
                     dtype = COMPUTE_DTYPE.get(engine.rsplit("-", 1)[1], "float32")
                     a, b = r["out"], reference
@@ -378,8 +383,10 @@ def encode(args) -> None:
                                   tflops=tflop / seconds, matmul_tflops=rates.get(dtype), spec=spec.get(dtype),
                                   peak_mib=r["peak_mib"], cos_mean=float(cos.mean()), cos_min=float(cos.min()),
                                   texts=len(texts), seconds=r["times"])  # fmt: skip
-                    print(json.dumps(record), flush=True)
                     append(args.dir, record)
+                    print(f"{model}, batch {batch}, {engine}: {record['texts_per_s']:.1f} texts/s, "
+                          f"{record['tflops']:.3g} TFLOP/s, cosine {record['cos_mean']:.6f}", flush=True)  # fmt: skip
+    print(f"encode: {len(models) * len(batches) * (len(ST_ENGINES) + len(MLX_ENGINES))} engine runs measured")
 
 
 # ----- the table -----
@@ -409,7 +416,7 @@ def table(args) -> None:
     if rows:
         lines += ["\n## Matmul (n x n x n, random data): the reference rates", "",
                   "| engine | dtype | n | TFLOP/s | of datasheet |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
-        lines += [f"| {r['engine']} | {r['dtype']} | {r['n']} | {r['tflops']:.1f} | {percent(r['tflops'], r['spec'])} |"
+        lines += [f"| {r['engine']} | {r['dtype']} | {r['n']} | {r['tflops']:.3g} | {percent(r['tflops'], r['spec'])} |"
                   for r in rows]  # fmt: skip
     rows = [r for r in records if r["phase"] == "encode"]
     if rows:
@@ -420,7 +427,7 @@ def table(args) -> None:
                   "| cos mean | cos min |", "|" + " --- |" * 11]  # fmt: skip
         for r in rows:
             cells = [r["model"], r["batch"], r["engine"], number(r["texts_per_s"]), number(r["tokens_per_s"]),
-                     f"{r['tflops']:.2f}", percent(r["tflops"], r["matmul_tflops"]), percent(r["tflops"], r["spec"]),
+                     f"{r['tflops']:.3g}", percent(r["tflops"], r["matmul_tflops"]), percent(r["tflops"], r["spec"]),
                      number(r["peak_mib"]), f"{r['cos_mean']:.6f}", f"{r['cos_min']:.6f}"]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     for name, title in (("tests", "Test suite (pytest's summary)"), ("train", "Fine-tuning (benchmarks/train.py)"),
