@@ -35,7 +35,7 @@ ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transf
             "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")  # fmt: skip
 # What mlx-cuda-13 links against and the suite and benchmarks import, all expected on the GPU image.
 NEEDED = ("torch", "transformers", "sentence-transformers", "tokenizers", "safetensors", "huggingface-hub", "numpy",
-          "scipy", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "anyio", "click", "h11", "protobuf",
+          "scipy", "pytest", "pytest-timeout", "hypothesis", "anyio", "click", "h11", "protobuf",
           "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft", "nvidia-cuda-nvrtc",
           "nvidia-cuda-runtime", "nvidia-cusolver")  # fmt: skip
 
@@ -80,6 +80,8 @@ def check(args) -> None:
     """Call 1: the GPU, Python and pip, the packages MLX and the suite need, and the first half of the bundle."""
     print(shell("nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv"))
     print(f"python {sys.version.split()[0]} at {sys.executable}; {shell(f'{sys.executable} -m pip --version')}")
+    headers = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include", "cuda_runtime.h")  # MLX's JIT needs them
+    print(f"{headers}: {'present' if headers.exists() else 'MISSING'}; {shell('nvcc --version | tail -n 1')}")
     missing = []
     for name in NEEDED:
         try:
@@ -184,7 +186,7 @@ def info(args) -> None:
     record = dict(phase="info", gpu=gpu_name(device), mlx=mx.__version__, mlx_device=str(mx.default_device()),
                   torch=torch.__version__, torch_device=device, tf32=os.environ.get("MLX_ENABLE_TF32", "unset"),
                   dry_run=args.dry_run, date=time.strftime("%Y-%m-%d %H:%M %Z"))  # fmt: skip
-    if device == "cuda":
+    if device == "cuda" and hasattr(mx, "device_info"):
         record["mlx_device_info"] = {k: str(v) for k, v in mx.device_info().items()}
     print(json.dumps(record, indent=1))
     append(args.dir, record)

@@ -39,6 +39,12 @@ export TQDM_DISABLE=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "$BUNDLE" ]; then
     "$PY" benchmarks/gpu.py install "$BUNDLE" "$SITE" 2>&1 | tee "$DIR/info.log" || exit 1
     export PYTHONPATH=$PYTHONPATH:$SITE
+    check="import mlx.core as mx; mx.eval(mx.ones(4) + 1); print('MLX', mx.__version__, mx.default_device())
+assert mx.default_device() == mx.gpu, 'MLX did not find the GPU'"
+    if ! "$PY" -c "$check" 2>&1 | tee -a "$DIR/info.log"; then
+        ldd "$SITE/mlx/lib/libmlx.so" | grep "not found" | tee -a "$DIR/info.log"  # what libmlx could not load
+        exit 1
+    fi
 fi
 
 # The suite on the GPU: parity, gradients, quantized, half precision, training, generation, serving, embeddings,
@@ -61,10 +67,12 @@ else
     TRAIN=(--models bert-base,minilm --batch-size 32 --max-length 128 --warmup 3 --steps 10 --train-examples 1000)
     GENERATE=(--models small --batches 1,8 --prompt-tokens 128 --new-tokens 128 --repeats 2)
     SERVE=(--clients 64 --seconds 8 --servers serve,baseline)
-    CAPS=(info=40 tests=200 encode=110 train=70 generate=60 serve=50)
+    CAPS=(info=40 tests=230 encode=100 train=60 generate=55 serve=45)
 fi
-TIMEOUT=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout 120)
+TEST_OPTIONS=() TEST_ENV=(PYTHONPATH=$PYTHONPATH:$REPO/benchmarks)  # benchmarks/: the gpu_pytest plugin
+"$PY" -c "import pytest_timeout" 2>/dev/null && TEST_OPTIONS+=(--timeout 120)
+# four workers when pytest-xdist is there (the GPU image has it), each with torch on four threads
+"$PY" -c "import xdist" 2>/dev/null && TEST_OPTIONS+=(-n 4 -p gpu_pytest) && TEST_ENV+=(OMP_NUM_THREADS=4)
 
 START=$(date +%s)
 RESERVE=10  # seconds kept for the last table
@@ -93,8 +101,8 @@ phase() {
 }
 
 phase info "$PY" benchmarks/gpu.py info "$DIR" $FLAG
-phase tests "$PY" -m pytest -q -ra -p no:cacheprovider -m "not slow" --maxfail=25 "${TIMEOUT[@]}" "${TESTS[@]}" \
-    -k "$TEST_FILTER"
+phase tests env "${TEST_ENV[@]}" "$PY" -m pytest -q -ra -p no:cacheprovider -m "not slow" --maxfail=25 \
+    "${TEST_OPTIONS[@]}" "${TESTS[@]}" -k "$TEST_FILTER"
 phase encode "$PY" benchmarks/gpu.py encode "$DIR" $FLAG
 phase train "$PY" benchmarks/train.py --device $DEVICE --parts throughput "${TRAIN[@]}"
 phase generate "$PY" benchmarks/generate.py --device $DEVICE "${GENERATE[@]}"
