@@ -177,6 +177,9 @@ def gpu_name(device: str) -> str:
 
 
 def info(args) -> None:
+    import mlx_encoders  # noqa: F401  (as the package runs: on the CPU, it gives MLX's products OpenBLAS)
+
+    # isort: split
     import mlx.core as mx
     import torch
 
