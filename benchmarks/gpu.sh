@@ -65,9 +65,9 @@ if [ $DRY = 1 ]; then
 else
     DEVICE=cuda FLAG="" BUDGET=${BUDGET:-540}
     TRAIN=(--models bert-base,minilm --batch-size 32 --max-length 128 --warmup 3 --steps 10 --train-examples 1000)
-    GENERATE=(--models small --batches 1,8 --prompt-tokens 128 --new-tokens 128 --repeats 2)
-    SERVE=(--clients 64 --seconds 8 --servers serve,baseline)
-    CAPS=(info=40 tests=230 encode=100 train=60 generate=55 serve=45)
+    GENERATE=(--models small --batches 1,8 --prompt-tokens 128 --new-tokens 64 --repeats 2)
+    SERVE=(--clients 64 --seconds 6 --servers serve,baseline)
+    CAPS=(info=40 tests=225 encode=100 train=60 generate=55 serve=50)
 fi
 TEST_OPTIONS=() TEST_ENV=(PYTHONPATH=$PYTHONPATH:$REPO/benchmarks)  # benchmarks/: the gpu_pytest plugin
 "$PY" -c "import pytest_timeout" 2>/dev/null && TEST_OPTIONS+=(--timeout 120)
