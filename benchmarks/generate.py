@@ -15,6 +15,7 @@ of the rate that bandwidth allows (bytes of the weights a step reads / bandwidth
 
     python benchmarks/generate.py                                    # every model, engine and batch size
     python benchmarks/generate.py --models tiny --new-tokens 32 --repeats 1
+    python benchmarks/generate.py --device cuda --models small      # on a GPU: MLX's CUDA backend, torch's CUDA
 
 mlx-lm is for this benchmark only (`pip install mlx-lm --no-deps`); it is skipped when absent. It runs its own
 `generate_step` at batch 1 and, having no batched greedy loop of that shape, its model and cache in a plain
@@ -47,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=64, help="8-bit group size, both MLX engines")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: " + ", ".join(ENGINES))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every engine runs")
     return p.parse_args()
 
 
@@ -62,18 +64,25 @@ def make_checkpoint(shape: str, folder: Path) -> tuple[Path, int]:
     return folder / shape, sum(p.numel() for p in model.parameters())
 
 
-def stream_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
-    """Bytes per second a float32 matrix-vector product reads, on a matrix of `megabytes` (past any cache)."""
+def stream_bandwidth(device: str, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second a float32 matrix-vector product reads, on a matrix of `megabytes` (past any cache): numpy's
+    on the CPU, torch's on a GPU."""
     import numpy as np
+    import torch
 
-    matrix = np.ones((megabytes * 2**20 // 4 // 4096, 4096), np.float32)
-    vector = np.ones(4096, np.float32)
+    shape = (megabytes * 2**20 // 4 // 4096, 4096)
+    if device == "cuda":
+        matrix, vector = torch.randn(shape, device=device), torch.randn(shape[1], device=device)
+    else:
+        matrix, vector = np.ones(shape, np.float32), np.ones(shape[1], np.float32)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats if device == "cpu" else 4 * repeats):
         start = time.perf_counter()
         matrix @ vector
+        if device == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
-    return matrix.nbytes / best
+    return 4 * shape[0] * shape[1] / best
 
 
 def stepwise(steps) -> tuple[float, float]:
@@ -103,35 +112,37 @@ def mlx_encoders_engine(path: Path, bits: int | None, group_size: int, folder: P
     return run
 
 
-def transformers_model(path: Path, threads: int) -> Callable:
+def transformers_model(path: Path, threads: int, device: str) -> Callable:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval().to(device)
 
     def generate(ids, new_tokens: int) -> float:
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                            pad_token_id=0, eos_token_id=None)  # fmt: skip
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def run(prompts, new_tokens: int) -> tuple[float, float]:
         """generate's own loop; the decoding time is the whole call's less a one-token call's."""
-        ids = torch.tensor(prompts).long()
+        ids = torch.tensor(prompts).long().to(device)
         first = generate(ids, 1)
         return first, generate(ids, new_tokens) - first
 
     return run
 
 
-def transformers_engine(path: Path, threads: int) -> Callable:
+def transformers_engine(path: Path, threads: int, device: str) -> Callable:
     """transformers in a process of its own (`isolated.Isolated`), torch on its own BLAS: in this process the
     OpenBLAS that mlx_encoders loads for MLX would take torch's products too (1.8x slower for one row)."""
     from isolated import Isolated
 
-    return Isolated(transformers_model, path, threads)
+    return Isolated(transformers_model, path, threads, device)
 
 
 def mlx_lm_engine(path: Path, bits: int | None, group_size: int) -> Callable:
@@ -168,11 +179,11 @@ def mlx_lm_engine(path: Path, bits: int | None, group_size: int) -> Callable:
     return lambda prompts, new_tokens: stepwise(steps(prompts, new_tokens))
 
 
-def build(engine: str, path: Path, group_size: int, folder: Path, threads: int) -> Callable:
+def build(engine: str, path: Path, group_size: int, folder: Path, threads: int, device: str) -> Callable:
     if engine.startswith("mlx_encoders"):
         return mlx_encoders_engine(path, 8 if engine.endswith("8bit") else None, group_size, folder)
     if engine == "transformers":
-        return transformers_engine(path, threads)
+        return transformers_engine(path, threads, device)
     return mlx_lm_engine(path, 8 if engine.endswith("8bit") else None, group_size)
 
 
@@ -185,6 +196,12 @@ def main() -> None:
 
     import mlx_encoders  # noqa: F401  (first: it gives MLX a fast BLAS on Linux)
 
+    # isort: split
+    import mlx.core as mx
+
+    if args.device == "cpu":
+        mx.set_default_device(mx.cpu)  # MLX's default is the GPU where there is one
+
     engines = [e for e in args.engines.split(",") if e]
     try:
         import mlx_lm  # noqa: F401
@@ -192,14 +209,14 @@ def main() -> None:
         print("mlx-lm is not installed (pip install mlx-lm --no-deps): skipping it")
         engines = [e for e in engines if not e.startswith("mlx-lm")]
     rng = np.random.default_rng(0)
-    bandwidth = stream_bandwidth()
-    print(f"memory bandwidth (float32 matrix-vector product, 1 GiB matrix): {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = stream_bandwidth(args.device)
+    print(f"memory bandwidth (float32 matrix-vector product, 1 GiB matrix, {args.device}): {bandwidth / 1e9:.1f} GB/s")
     print(f"{args.prompt_tokens} prompt tokens, {args.new_tokens} new tokens, greedy; best of {args.repeats}; "
           f"{os.cpu_count()} cores, torch threads {args.threads}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.models.split(","):
             path, parameters = make_checkpoint(shape, Path(tmp))
-            runs = {engine: build(engine, path, args.group_size, Path(tmp), args.threads) for engine in engines}
+            runs = {e: build(e, path, args.group_size, Path(tmp), args.threads, args.device) for e in engines}
             for batch in (int(b) for b in args.batches.split(",")):
                 prompts = rng.integers(1, SHAPES[shape]["vocab_size"], (batch, args.prompt_tokens)).tolist()
                 best = {engine: [float("inf")] * 2 for engine in engines}

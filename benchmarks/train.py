@@ -25,12 +25,15 @@ the other, never at once), on the docstrings of the installed Python standard li
     python benchmarks/train.py --parts throughput --steps 8 --warmup 2 --rounds 3
     python benchmarks/train.py --parts task --train-examples 2000 --test-examples 500 --max-length 128 --epochs 3
     python benchmarks/train.py --parts mlm --mlm-docs 3000 --mlm-eval-docs 300 --mlm-epochs 5 --mlm-batch-size 32
+    python benchmarks/train.py --device cuda --parts throughput --batch-size 32 --max-length 128   # on a GPU
 
 `--blas` loads that library (any BLAS exporting `cblas_sgemm`) before MLX in every process, so MLX's float
 matmuls use it rather than the reference BLAS its Linux wheel links (`mlx_encoders` loads OpenBLAS itself only
 when `ctypes.util.find_library("openblas")` finds it, or `MLX_ENCODERS_BLAS` names it). Timings are printed,
 never asserted; run it on an otherwise idle machine. The defaults are small (a few minutes on 2 cores), the
 scaled-up commands above take the task and masked-LM parts to sizes where the accuracies and perplexities settle.
+`--device cuda` runs the throughput part on the GPU (MLX's CUDA backend, torch's CUDA), its peak memory the GPU
+allocators' and its reference rate a float32 product on the GPU.
 """
 
 import argparse
@@ -63,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     p.add_argument("--max-length", type=int, default=64, help="tokens per example, all parts (default 64)")
     p.add_argument("--classes", default=CLASSES, help=f"top-level stdlib packages to classify (default {CLASSES})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="throughput part: where both run")
     g = p.add_argument_group("throughput")
     g.add_argument("--models", default="bert-base,minilm", help="comma-separated subset of bert-base,minilm")
     g.add_argument("--batch-size", type=int, default=8, help="examples per optimizer step (default 8)")
@@ -100,7 +104,13 @@ def set_threads(threads: int, blas: str | None) -> None:
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
 
 
-def peak_mib() -> float:
+def peak_mib(device: str = "cpu") -> float:
+    """The process's peak resident memory, or on a GPU its allocator's peak (MLX's and torch's: one is unused)."""
+    if device == "cuda":
+        import mlx.core as mx
+        import torch
+
+        return max(mx.get_peak_memory(), torch.cuda.max_memory_allocated()) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -240,7 +250,7 @@ def torch_throughput(job: dict) -> dict:
     from transformers import AutoTokenizer
 
     rows, label2id = read_jsonl(job["train"]), job["label2id"]
-    model = classifier(job["model"], label2id, job["seed"])
+    model = classifier(job["model"], label2id, job["seed"]).to(job["device"])
     model.train()
     total = job["warmup"] + job["steps"]
     optimizer, schedule = torch_optimizer(model, job["lr"], job["weight_decay"], job["warmup_ratio"], total)
@@ -248,7 +258,7 @@ def torch_throughput(job: dict) -> dict:
     times, tokens = [], []
     for _ in range(total):
         started = time.perf_counter()
-        batch = next(batches)
+        batch = next(batches).to(job["device"])
         torch_step(model, optimizer, schedule, batch)
         times.append(time.perf_counter() - started)
         tokens.append(int(batch["attention_mask"].sum()))
@@ -439,7 +449,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     job = json.loads(args.worker)
     result = WORKERS[job["part"], job["engine"]](job)
-    print("RESULT " + json.dumps(result | {"peak_mib": peak_mib()}))
+    print("RESULT " + json.dumps(result | {"peak_mib": peak_mib(job.get("device", "cpu"))}))
 
 
 def run(job: dict, args: argparse.Namespace) -> dict:
@@ -457,16 +467,23 @@ def run(job: dict, args: argparse.Namespace) -> dict:
 # ----- the parts -----
 
 
-def sgemm_gflops() -> dict[str, float]:
-    """Float32 GFLOP/s of a 2048 x 2048 x 2048 matmul (best of 5) in torch and in MLX (through the BLAS it has)."""
+def sgemm_gflops(device: str) -> dict[str, float]:
+    """Float32 GFLOP/s of an n x n x n matmul (best of 5) in torch and in MLX (through the BLAS it has on the CPU):
+    n = 2048 on the CPU, 8192 on a GPU."""
     import mlx.core as mx
     import numpy as np
     import torch
 
-    n = 2048
+    n = 8192 if device == "cuda" else 2048
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    rates, t, m = {}, torch.from_numpy(a), mx.array(a)
-    for name, matmul in (("torch", lambda: torch.mm(t, t)), ("mlx", lambda: mx.eval(m @ m))):
+    rates, t, m = {}, torch.from_numpy(a).to(device), mx.array(a)
+
+    def torch_mm():
+        torch.mm(t, t)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for name, matmul in (("torch", torch_mm), ("mlx", lambda: mx.eval(m @ m))):
         matmul()
         best = math.inf
         for _ in range(5):
@@ -496,6 +513,7 @@ def throughput(args, data, workdir: Path, sgemm: float) -> None:
         else:
             folder = model_folder()
         job = dict(part="throughput", model=str(folder), train=str(data["train"]), label2id=data["label2id"],
+                   device=args.device,
                    batch_size=args.batch_size, max_length=args.max_length, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, seed=0)  # fmt: skip
         rounds = defaultdict(list)  # engine -> one result per round; the engines take turns
@@ -626,6 +644,10 @@ def main() -> None:
     set_threads(args.threads, args.blas)
     import mlx_encoders  # noqa: F401  (gives MLX the system OpenBLAS, unless --blas chose one)
 
+    if (json.loads(args.worker).get("device", "cpu") if args.worker else args.device) == "cpu":
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)  # MLX's default is the GPU where there is one
     if args.worker:
         worker(args)
         return
@@ -641,9 +663,9 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     print(f"{args.threads} threads, {os.cpu_count()} cores; mlx {mx.__version__} on {mx.default_device()}, torch "
           f"{torch.__version__}, transformers {transformers.__version__}; BLAS mapped: {mlx_blas()}")  # fmt: skip
-    rates = sgemm_gflops()
+    rates = sgemm_gflops(args.device)
     sgemm = max(rates.values())
-    print("float32 sgemm 2048^3: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in rates.items())
+    print(f"float32 sgemm on {args.device}: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in rates.items())
           + f"; the limit below is {sgemm:.1f} GFLOP/s")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

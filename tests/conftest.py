@@ -64,6 +64,19 @@ def hub_cache(tmp_path, monkeypatch):
     return place
 
 
+def pytest_collection_modifyitems(items):
+    """`@pytest.mark.cpu_only(reason)` tests check what the engine does on MLX's CPU backend alone (its BLAS, its
+    streams, half precision widened to float32): skipped, with their reason, when MLX's default device is another."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only ({mx.default_device()} here): {marker.args[0]}"))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print what tests recorded as `record_property("summary", line)` (the property campaigns' case counts), so
     the counts show at the end of every run, `-q` included."""

@@ -17,7 +17,10 @@ from test_sentence import Pooling, bert, save_st  # noqa: F401  (bert: a fixture
 from mlx_encoders.engine import runtime
 from mlx_encoders.engine.runtime import one_blas_thread
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's bundled BLAS is Linux-only")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MLX's bundled BLAS is Linux-only"),
+    pytest.mark.cpu_only("the BLAS that MLX's CPU products use"),
+]
 OPENBLAS = ctypes.util.find_library("openblas")  # apt's, when installed
 PIP_OPENBLAS = runtime.pip_openblas()  # scipy-openblas32, a dependency on Linux
 needs_openblas = pytest.mark.skipif(not (OPENBLAS or PIP_OPENBLAS), reason="no OpenBLAS to give MLX")

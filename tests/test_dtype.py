@@ -27,6 +27,7 @@ def half(request, checkpoint, tmp_path_factory):
     return save(model, tmp_path_factory.mktemp(request.param) / "model"), dtype
 
 
+@pytest.mark.cpu_only("a GPU keeps the stored dtype (test_a_gpu_keeps_the_stored_dtype)")
 def test_half_precision_computes_in_float32_on_the_cpu(half, checkpoint):
     folder, _ = half
     model = load_model(folder)
@@ -47,6 +48,7 @@ def test_a_gpu_keeps_the_stored_dtype(half, monkeypatch):
     assert dtypes(load_model(folder))["weights"] == {dtype}
 
 
+@pytest.mark.cpu_only("the float weights widen to float32 on the CPU alone")
 def test_quantized_scales_stay_half_precision(checkpoint, tmp_path):
     model = load_model(checkpoint("bert", hidden_size=64, intermediate_size=128, num_attention_heads=4))
     model.set_dtype(mx.float16)

@@ -143,6 +143,7 @@ def test_gradients_flow_to_inputs_and_adapters_not_weights():
         assert mx.allclose(e, f, rtol=1e-4, atol=1e-4), name
 
 
+@pytest.mark.cpu_only("the CPU path's own vjp")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cpu_path_gradients_of_scales_and_biases_equal_the_float_reconstructions(bits):
     """The CPU path's vjp recomputes the dequantized weight; its scale and bias gradients must equal those of
@@ -167,6 +168,7 @@ def test_cpu_path_gradients_of_scales_and_biases_equal_the_float_reconstructions
     np.testing.assert_allclose(np.array(fast(scales, biases)), np.array(reference(scales, biases)), rtol=1e-5)
 
 
+@pytest.mark.cpu_only("a GPU takes MLX's kernel for every row count")
 @pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 32)])
 def test_few_rows_take_mlx_kernel_and_agree_with_the_blas_path(bits, group_size, monkeypatch):
     """Decoding one token per sequence: up to KERNEL_ROWS rows go through MLX's kernel (float32 scales), more
@@ -183,6 +185,7 @@ def test_few_rows_take_mlx_kernel_and_agree_with_the_blas_path(bits, group_size,
     assert calls == [(1, 1, 256), (quantized.KERNEL_ROWS, 1, 256)]
 
 
+@pytest.mark.cpu_only("the shared float copies serve the CPU's lanes")
 @pytest.mark.parametrize("model_type", ["bert", "gpt2"])
 def test_shared_dequantized_passes_equal_their_own_and_dequantize_each_weight_once_a_group(model_type, monkeypatch):
     """Inside shared_dequantized, the passes of a group (SentenceEncoder's lanes) share each weight's float copy:

@@ -217,6 +217,7 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
     assert_float32_close(got, reference(encoder.path, TEXTS), terms)
 
 
+@pytest.mark.cpu_only("the lanes are CPU streams")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert, monkeypatch, bits):
     """On the CPU, the slices run in groups, two per core, each on its core's stream with the BLAS on one thread a

@@ -246,6 +246,7 @@ def test_global_norm_reads_every_layout():
     assert global_norm(grads).item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.cpu_only("the updates spread over CPU streams")
 def test_updates_are_spread_evenly_over_cpu_streams():
     from mlx_encoders.engine import runtime
 
