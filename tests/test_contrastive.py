@@ -366,7 +366,7 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
     tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
     data = tmp_path / "train.jsonl"
     data.write_text('{"anchor": "a", "positive": "b"}\n\n{"anchor": "c"}\n')
-    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .*'positive'"):
+    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .* this row has 'anchor' \(fewer than two text"):
         embedding_data(data, tokenizer)
     data = tmp_path / "pairs.csv"
     data.write_text("sentence1,sentence2,score\na,b,0.5\nc,d,high\n")
@@ -496,6 +496,6 @@ def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, caps
     capsys.readouterr()
     labeled = tmp_path / "labeled.jsonl"
     labeled.write_text('{"query_id": "q1", "text": "cats sleep a lot", "label": 1}\n')
-    assert main([*train[:4], str(labeled), "-o", str(tmp_path / "three")]) == 1
+    assert main([*train[:5], str(labeled), *train[6:], "-o", str(tmp_path / "three")]) == 1
     error = capsys.readouterr().err
     assert f"{labeled}, line 1:" in error and "'query_id', 'text', 'label'" in error and "--columns" in error
