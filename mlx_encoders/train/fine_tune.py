@@ -141,7 +141,7 @@ def fine_tune(
       model (a MultiVectorEncoder folder or an encoder) with `multi_vector_losses.MaxSimRankingLoss`. Both read
       the embed task's columns (the first the queries) and options.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
-      weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
+      weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last, final_checkpoint,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
