@@ -92,6 +92,14 @@ def assert_prints(printed: str, shown: str, where: str) -> None:
             assert math.isclose(float(found), float(number), rel_tol=1e-2, abs_tol=5e-3), f"{where}: {line!r}"
 
 
+def test_printed_output_is_compared_word_for_word_with_numbers_within_rounding():
+    assert_prints("   1  0.5847      0  Paris\n", "   1  0.5850  0  Paris", "example")
+    assert_prints("tokens_s  12.0", "tokens_s  91.3774", "example")  # the machine's speed
+    for printed in ("1 0.6200 0 Paris", "1 0.5847 0 Berlin", "2 0.5847 0 Paris", "1 0.5847 0 Paris\nmore"):
+        with pytest.raises(AssertionError):
+            assert_prints(printed, "1 0.5850 0 Paris", "example")
+
+
 @pytest.mark.parametrize("page, blocks", SHELL_PAGES, ids=[str(p.relative_to(ROOT)) for p, _ in SHELL_PAGES])
 def test_shell_blocks_run_and_print_what_the_page_shows(page, blocks, tmp_path):
     tools = tmp_path / "bin"
