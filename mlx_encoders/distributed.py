@@ -13,6 +13,7 @@ size. A collective that fails (a rank died: the ring backend reports a lost conn
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,18 @@ def world() -> World:
 
 def is_main() -> bool:
     return world().is_main
+
+
+@contextmanager
+def warnings_on_main_rank() -> Iterator[None]:
+    """Inside, Python's warnings are shown by rank 0 alone: every rank runs the same call on the same data and
+    options, so each would print the same warnings, and `mlx.launch` forwards every rank's output."""
+    if is_main():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def rows(batch: dict[str, np.ndarray], world: World) -> dict[str, np.ndarray]:

@@ -5,7 +5,8 @@
 `.ci/run` runs it after the suite. Lines differ only where the machine must: the `time` line is not compared, numbers
 may differ by two units in their last printed digit or a thousandth (BLAS builds round differently), the index
 folder's digest (of the checkout's path), the Python version in paths is
-free, and progress bars are left out, as README says. `--fresh` removes the quick start's venv (/tmp/qs) first."""
+free, and progress bars are left out, as README says. `--fresh` removes the quick start's venv (/tmp/qs) and
+conversion first."""
 
 import argparse
 import os
@@ -54,12 +55,13 @@ def differences(expected: str, got: list[str]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fresh", action="store_true", help="remove /tmp/qs (the quick start's venv) first")
+    parser.add_argument("--fresh", action="store_true", help="remove /tmp/qs and minilm-8bit first (a fresh clone)")
     parser.add_argument("--blas", help="MLX_ENCODERS_BLAS for the run (default: the package's choice)")
     args = parser.parse_args()
     command, expected = quick_start(README.read_text())
-    if args.fresh:
+    if args.fresh:  # as on a fresh clone: no venv, no conversion
         shutil.rmtree("/tmp/qs", ignore_errors=True)
+        shutil.rmtree(README.parent / "minilm-8bit", ignore_errors=True)
     with tempfile.TemporaryDirectory() as work:
         home = Path(work, "home")
         home.mkdir()

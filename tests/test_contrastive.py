@@ -19,7 +19,9 @@ from mlx.utils import tree_flatten
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+from sentence_transformers.base.trainer import BaseTrainer
 from sentence_transformers.sentence_transformer import losses as st_losses
+from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import dot_score
 
@@ -364,13 +366,13 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
     tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
     data = tmp_path / "train.jsonl"
     data.write_text('{"anchor": "a", "positive": "b"}\n\n{"anchor": "c"}\n')
-    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .*'positive'"):
+    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .* this row has 'anchor' \(fewer than two text"):
         embedding_data(data, tokenizer)
     data = tmp_path / "pairs.csv"
     data.write_text("sentence1,sentence2,score\na,b,0.5\nc,d,high\n")
     with pytest.raises(DataError, match=r"pairs\.csv, line 3: column 'score' must hold a number"):
         embedding_data(data, tokenizer)
-    with pytest.raises(DataError, match="item 1 of the data: embedding data needs the columns anchor"):
+    with pytest.raises(DataError, match=r"item 1 of the data: .* this row has 'text' \(fewer than two text"):
         embedding_data([{"text": "a"}], tokenizer)
     with pytest.raises(ValueError, match="CoSENTLoss trains on rows of sentence1, sentence2, score"):
         fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, loss="cosent")
@@ -444,3 +446,75 @@ def test_cached_mnrl_with_dropout_equals_mnrl_with_the_same_masks(tmp_path, monk
     assert value == pytest.approx(plain, rel=1e-6)
     for name in PARAMETERS:
         assert_close(grads[name], plain_grads[name])
+
+
+MINED = [  # `mlx-encoders mine --format n-tuple` rows: the pairs' own column names, then negative_1..n
+    {"query": r["anchor"], "answer": r["positive"], "negative_1": r["negative"], "negative_2": o["positive"]}
+    for r, o in zip(TRIPLETS, TRIPLETS[1:] + TRIPLETS[:1], strict=True)
+]
+
+
+def st_collated_loss_and_grads(folder: Path, make_loss, rows: list[dict]):
+    """sentence-transformers' loss on `rows` through its own data collator and trainer's feature split, which take
+    the columns by position (a "label"/"score" column as the labels)."""
+    model = SentenceTransformer(str(folder), device="cpu").eval()
+    features, labels = BaseTrainer.collect_features(None, SentenceTransformerDataCollator(model.preprocess)(rows))
+    value = make_loss(model)(features, labels)
+    value.backward()
+    params = dict(model[0].auto_model.named_parameters())
+    return value.item(), {name: params[name].grad.numpy() for name in PARAMETERS}
+
+
+@pytest.mark.parametrize(
+    "rows, ours, theirs",
+    [
+        (MINED, MultipleNegativesRankingLoss, st_losses.MultipleNegativesRankingLoss),
+        ([{"text_a": r["sentence1"], "text_b": r["sentence2"], "label": r["score"]} for r in PAIRS], CoSENTLoss,
+         st_losses.CoSENTLoss),
+    ],
+    ids=["mined-n-tuple", "scored-pairs"],
+)  # fmt: skip
+def test_rows_of_other_column_names_are_read_by_position_as_sentence_transformers_reads_them(
+    st_folder, rows, ours, theirs
+):
+    value, grads = our_loss_and_grads(st_folder, ours(), rows)
+    expected, expected_grads = st_collated_loss_and_grads(st_folder, theirs, rows)
+    assert value == pytest.approx(expected, rel=1e-5)
+    for name in PARAMETERS:
+        assert_close(grads[name], expected_grads[name])
+
+
+def test_columns_pick_and_rename_the_data_columns(st_folder, tmp_path):
+    tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
+    renamed = embedding_data(MINED, tokenizer, columns={"anchor": "query", "positive": "answer"})
+    kept = embedding_data(MINED, tokenizer, columns=["query", "negative_2", "answer"])
+    assert renamed.column_names == ["anchor", "positive"]
+    assert renamed.texts == [(r["query"], r["answer"]) for r in MINED]
+    assert kept.texts == [(r["query"], r["negative_2"], r["answer"]) for r in MINED]
+    data = tmp_path / "mined.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in MINED))
+    with pytest.raises(DataError, match=r"mined\.jsonl, line 1: no column 'question', which columns= .*'query'"):
+        embedding_data(data, tokenizer, columns={"anchor": "question"})
+    with pytest.raises(ValueError, match="columns must name each column once"):
+        embedding_data(data, tokenizer, columns=["query", "query=answer"])
+    one = embedding_data(data, tokenizer, columns=["query", "anchor=answer"])  # no positive: by position
+    assert one.column_names == ["query", "anchor"]
+
+
+def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, capsys):
+    pairs, mined, out = tmp_path / "pairs.jsonl", tmp_path / "mined.jsonl", tmp_path / "out"
+    pairs.write_text("".join(json.dumps({"query": r["anchor"], "answer": r["positive"]}) + "\n" for r in TRIPLETS))
+    mine = ["mine", "-m", str(st_folder), "--data", str(pairs), "-o", str(mined), "--num-negatives", "2"]
+    assert main([*mine, "--format", "n-tuple"]) == 0
+    assert list(json.loads(mined.read_text().splitlines()[0])) == ["query", "answer", "negative_1", "negative_2"]
+    train = ["train", "embed", "-m", str(st_folder), "--data", str(mined), "--max-steps", "1", "--json"]
+    assert main([*train, "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(out / "model")
+    SentenceTransformer(str(out / "model"), device="cpu")  # a complete folder
+    assert main([*train, "-o", str(tmp_path / "two"), "--columns", "anchor=query", "positive=answer"]) == 0
+    capsys.readouterr()
+    labeled = tmp_path / "labeled.jsonl"
+    labeled.write_text('{"query_id": "q1", "text": "cats sleep a lot", "label": 1}\n')
+    assert main([*train[:5], str(labeled), *train[6:], "-o", str(tmp_path / "three")]) == 1
+    error = capsys.readouterr().err
+    assert f"{labeled}, line 1:" in error and "'query_id', 'text', 'label'" in error and "--columns" in error

@@ -365,8 +365,9 @@ def test_a_killed_rank_stops_the_other_with_an_error_naming_it(runs, tmp_path):
     cli = ["train", "classify", "--model", str(root / "encoder"), "--data", str(root / "train.jsonl"), "--output",
            str(out), "--max-steps", "40", "--batch-size", "4", "--save-every", "2", "--seed", "1"]  # fmt: skip
     spec = {"cli": cli, "kill_rank": 1, "kill_at_step": 5}
-    (code_0, log_0), (code_1, _) = start_ranks(tmp_path / "run", spec, env={distributed.TIMEOUT_ENV: "15"})[0]
+    (code_0, log_0), (code_1, log_1) = start_ranks(tmp_path / "run", spec, env={distributed.TIMEOUT_ENV: "15"})[0]
     assert code_1 == -9 and code_0 == 1, log_0[-2000:]
+    assert "newly initialized" in log_0 and "Warning" not in log_1, log_1[-2000:]  # the new head's: rank 0 alone
     lost = "mlx-encoders train: error: rank 0: lost rank 1 during step 5"
     assert lost in log_0 or "rank 0: no answer from rank 1 for 15 s during step 5" in log_0, log_0[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]

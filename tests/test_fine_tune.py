@@ -449,6 +449,21 @@ def test_rotation_keeps_the_checkpoint_just_saved_when_resuming_before_later_one
     assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-3"]
 
 
+def test_no_final_checkpoint_leaves_the_model_and_the_earlier_checkpoints(checkpoint, tmp_path, capsys):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    args = ["train", "classify", "-m", str(checkpoint("bert")), "--data", str(data), "--batch-size", "4",
+            "--max-steps", "3", "--no-final-checkpoint"]  # fmt: skip
+    assert main([*args, "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "metrics.jsonl", "model"]
+    assert main([*args, "-o", str(tmp_path / "saved"), "--save-every", "2"]) == 0
+    assert [p.name for p in trainer.checkpoints(tmp_path / "saved")] == ["checkpoint-2"]
+    np.testing.assert_array_equal(weights_of(out / "model"), weights_of(tmp_path / "saved" / "model"))
+
+
+def weights_of(folder) -> np.ndarray:
+    return np.concatenate([np.array(v).ravel() for _, v in sorted(mx.load(str(folder / "model.safetensors")).items())])
+
+
 def test_resume_refuses_a_checkpoint_of_another_size_or_label_count(checkpoint, tmp_path):
     data = classification_file(tmp_path)  # 3 labels
     options = dict(max_steps=1, batch_size=4, lr=1e-3)

@@ -235,8 +235,9 @@ def test_training_options_and_rows_run_or_are_refused_before_any_work(sources, t
 RETRIEVAL_OPTIONS = {  # the options embed and rerank read, each in its range
     "embed": {"loss": one_of(None, "mnrl", "symmetric-mnrl"), "query_prompt": one_of(None, "query: "),
               "document_prompt": one_of(None, "passage: "), "batch_sampler": one_of(None, "no_duplicates",
-              "batch_sampler")},
-    "rerank": {"loss": one_of(None, "bce", "listnet", "lambda")},
+              "batch_sampler"), "columns": one_of(None, ["anchor", "positive"], {"anchor": "positive", "a": "anchor"})},
+    "rerank": {"loss": one_of(None, "bce", "listnet", "lambda"),
+               "columns": one_of(None, ["query", "document", "label"])},
 }  # fmt: skip
 SHARED = {name: VALID[name] for name in ("lr", "max_grad_norm", "batch_size", "max_steps", "seed", "max_length")}
 # a value for every option of the one table (options.READ_BY): each task it is not read by must refuse it
@@ -244,7 +245,7 @@ TABLE_VALUES = {
     "config": {"hidden_size": 32}, "text_column": "text", "text_pair_column": "pair", "label_column": "label",
     "problem_type": "regression", "label2id": {"pos": 0}, "label_all_tokens": True, "whole_word_mask": True,
     "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "loss": "mnrl",
-    "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler",
+    "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler", "columns": ["text"],
 }  # fmt: skip
 RETRIEVAL_TEXTS = one_of("how do cats sleep", "cats sleep curled up", "what is python", "", "[MASK] [SEP]")
 RERANK_LABELS = one_of(0, 1, 0.5, 1.0, NAN, INF, "x", None, 10**6)

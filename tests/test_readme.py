@@ -8,9 +8,15 @@ Marked ```bash blocks of a page run as a reader runs them: in order, in one shel
 jobs carry over), in a fresh folder that holds a link to the checkout's examples/, with this interpreter's `python`
 and `mlx-encoders` first on PATH and a free port in place of 8080. A ```text block right after a command block
 states its standard output; `...` there stands for any text (floats that depend on the BLAS, long vectors).
+
+Shell blocks marked `<!-- readme-test: commands -->` run too: a page's blocks one after another in one bash, in
+an empty folder, as a reader types them into one terminal (`python` and `mlx-encoders` are this checkout's). A
+block marked `<!-- readme-test: output -->` after one is what it prints to stdout: the same words, numbers with
+a decimal point within a rounding tolerance (another machine's arithmetic), a line of `VOLATILE` not compared.
 """
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -28,6 +34,10 @@ MARKED = re.compile(r"<!-- readme-test -->\n```python\n(.*?)```", re.S)
 SHELL = re.compile(r"<!-- readme-test -->\n```bash\n(.*?)```\n(?:\n?```text\n(.*?)```\n)?", re.S)
 SEPARATOR = "@@ readme-test: next block @@"
 SHELL_TIMEOUT_S = 300
+COMMANDS = re.compile(r"<!-- readme-test: (commands|output) -->\n```\w*\n(.*?)```", re.S)
+VOLATILE = ("tokens_s",)  # the machine's speed
+NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
+BLOCK_END = "readme-test: end of block"
 
 
 def pages_in_reading_order() -> list[Path]:
@@ -144,3 +154,60 @@ def test_headline_figures_are_rows_of_benchmark_results():
             [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", section)] for section in runs
         ]
         assert min(missing, key=len) == [], f"{what!r}: {min(missing, key=len)} not in RESULTS.md for {command}"
+
+
+COMMAND_PAGES = [(page, COMMANDS.findall(page.read_text())) for page in PAGES]
+COMMAND_PAGES = [(page, blocks) for page, blocks in COMMAND_PAGES if blocks]
+
+
+def test_shell_blocks_alternate_commands_and_their_output():
+    for page, blocks in COMMAND_PAGES:
+        kinds = [kind for kind, _ in blocks]
+        follows = [
+            previous == "commands"
+            for previous, kind in zip(["output", *kinds[:-1]], kinds, strict=True)
+            if kind == "output"
+        ]
+        assert all(follows), f"{page.relative_to(ROOT)}: an output block follows no commands block"
+
+
+def assert_prints(printed: str, shown: str, where: str) -> None:
+    got, want = printed.strip().splitlines(), shown.strip().splitlines()
+    assert len(got) == len(want), f"{where} printed:\n{printed}"
+    for line, expected in zip(got, want, strict=True):
+        if expected.split()[:1] and expected.split()[0] in VOLATILE:
+            continue
+        assert NUMBER.sub("#", line).split() == NUMBER.sub("#", expected).split(), f"{where}: {line!r}"
+        for found, number in zip(NUMBER.findall(line), NUMBER.findall(expected), strict=True):
+            assert math.isclose(float(found), float(number), rel_tol=1e-2, abs_tol=5e-3), f"{where}: {line!r}"
+
+
+def test_printed_output_is_compared_word_for_word_with_numbers_within_rounding():
+    assert_prints("   1  0.5847      0  Paris\n", "   1  0.5850  0  Paris", "example")
+    assert_prints("tokens_s  12.0", "tokens_s  91.3774", "example")  # the machine's speed
+    for printed in ("1 0.6200 0 Paris", "1 0.5847 0 Berlin", "2 0.5847 0 Paris", "1 0.5847 0 Paris\nmore"):
+        with pytest.raises(AssertionError):
+            assert_prints(printed, "1 0.5850 0 Paris", "example")
+
+
+@pytest.mark.parametrize("page, blocks", COMMAND_PAGES, ids=[str(p.relative_to(ROOT)) for p, _ in COMMAND_PAGES])
+def test_shell_blocks_run_and_print_what_the_page_shows(page, blocks, tmp_path):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, command in (("python", f'"{sys.executable}"'), ("mlx-encoders", f'"{sys.executable}" -m mlx_encoders')):
+        (tools / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+        (tools / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    commands = [text for kind, text in blocks if kind == "commands"]
+    script = "set -eo pipefail\n" + "".join(f"{text}\necho '{BLOCK_END}'\n" for text in commands)
+    (tmp_path / "work").mkdir()
+    result = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path / "work", env=env
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    printed = iter(result.stdout.split(f"{BLOCK_END}\n"))
+    for i, (kind, text) in enumerate(blocks):
+        if kind == "commands":
+            output = next(printed)
+        else:
+            assert_prints(output, text, f"{page.relative_to(ROOT)}, block {i}")

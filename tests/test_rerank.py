@@ -11,6 +11,7 @@ import torch
 from checkpoints import make_checkpoint
 from mlx.utils import tree_flatten
 from sentence_transformers import CrossEncoder as TorchCrossEncoder
+from sentence_transformers.cross_encoder.data_collator import CrossEncoderDataCollator
 from sentence_transformers.cross_encoder.losses import (
     BinaryCrossEntropyLoss,
     LambdaLoss,
@@ -97,6 +98,52 @@ def test_losses_and_gradients_equal_sentence_transformers(reranker_folder, loss,
         np.testing.assert_allclose(g, expected_grads[name], rtol=1e-5, atol=1e-5 * scale, err_msg=name)
 
 
+def their_collated_loss_and_grads(folder, rows, loss_class, **options):
+    """sentence-transformers' loss on `rows` through its cross-encoder data collator and trainer, which take the
+    columns by position (a "label"/"labels" column as the labels)."""
+    model = TorchCrossEncoder(str(folder), device="cpu")
+    model.model.eval()
+    inputs = CrossEncoderDataCollator(preprocess_fn=None)(rows)
+    labels = inputs.pop("label", None)
+    value = loss_class(model, **options)(list(inputs.values()), labels)
+    value.backward()
+    return value.item(), {n: p.grad.numpy() for n, p in model.model.named_parameters() if p.grad is not None}
+
+
+RENAMED = {  # rows whose columns are named otherwise, read by position as sentence-transformers reads them
+    "bce": ([{"question": r["query"], "passage": r["document"], "label": r["label"]} for r in POINTWISE],
+            BinaryCrossEntropyLoss, {}),
+    "listnet": ([{"question": r["query"], "docs": r["documents"], "labels": r["labels"]} for r in LISTWISE[2:]],
+                ListNetLoss, {}),
+    "mnrl": ([{"q": r["query"], "a": r["positive"], "n1": r["negative_1"], "n2": r["negative_2"]} for r in TRIPLETS],
+             MultipleNegativesRankingLoss, {"num_negatives": None}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss", list(RENAMED))
+def test_rows_of_other_column_names_are_read_by_position_as_sentence_transformers_reads_them(reranker_folder, loss):
+    rows, loss_class, options = RENAMED[loss]
+    value, grads = our_loss_and_grads(reranker_folder, rows, loss)
+    expected, expected_grads = their_collated_loss_and_grads(reranker_folder, rows, loss_class, **options)
+    assert value == pytest.approx(expected, rel=1e-5)
+    assert set(grads) == set(expected_grads)
+    scale = max(float(np.abs(g).max()) for g in expected_grads.values())
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, expected_grads[name], rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_columns_pick_and_rename_reranking_columns(reranker_folder):
+    tokenizer = tokenizer_for(Checkpoint.open(reranker_folder).args, Checkpoint.open(reranker_folder))
+    rows = [{"id": str(i), **r} for i, r in enumerate(TRIPLETS)]
+    with pytest.raises(DataError, match=r"item 1 of the data: .*\('id' looks like ids, not texts\)\. .*--columns"):
+        rerank_data([{"id": "1", "q": "a", "d": "b"}], tokenizer)
+    examples = rerank_data(
+        rows, tokenizer, columns={"query": "query", "positive": "positive", "negative": "negative_2"}
+    )
+    assert examples.documents == [[r["positive"], r["negative_2"]] for r in TRIPLETS]
+    assert examples.labels == [[1.0, 0.0]] * len(TRIPLETS)
+
+
 @pytest.mark.parametrize("loss", ["bce", "lambda", "mnrl"])  # listnet: test_rerank_with_lora_resumes_exactly
 def test_fine_tune_rerank_saves_a_folder_sentence_transformers_reads(tmp_path, reranker_folder, loss):
     rows = TRIPLETS + LISTWISE[:1] if loss == "mnrl" else LISTWISE
@@ -132,8 +179,8 @@ def test_bad_rows_and_heads_are_named(tmp_path, reranker_folder, checkpoint):
     tokenizer = tokenizer_for(Checkpoint.open(reranker_folder).args, Checkpoint.open(reranker_folder))
     with pytest.raises(DataError, match="item 1 of the data: labels must be numbers in"):
         rerank_data([{"query": "q", "document": "d", "label": 3}], tokenizer)
-    with pytest.raises(DataError, match="a reranking row needs"):
-        rerank_data([{"query": "q", "text": "d"}], tokenizer)
+    with pytest.raises(DataError, match=r"item 1 of the data: a reranking row has .* this row has 'query' \(fewer"):
+        rerank_data([{"query": "q"}], tokenizer)
     with pytest.raises(ValueError, match="classification head of 3 labels"):
         fine_tune("rerank", POINTWISE, tmp_path, model=checkpoint("bert", "sequence-classification"))
     with pytest.raises(DataError, match="loss 'mnrl' takes"):

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..checkpoint import folder_digest
-from ..distributed import World, collective, timeout, world
+from ..distributed import World, collective, timeout, warnings_on_main_rank, world
 from ..errors import CommandError
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder
@@ -111,6 +111,7 @@ def embed_chunks(target: Store, encoder: SentenceEncoder | None, sparse: SparseE
         log(f"embedded {done} texts in {seconds:.1f} s ({done / seconds:.1f} texts/s)", quiet)
 
 
+@warnings_on_main_rank()  # under mlx.launch every rank would print the same warnings
 def build(
     corpus,
     index: str | Path,

@@ -78,6 +78,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     data.add_argument("--text-pair-column", help="second text column, for classify on text pairs")
     data.add_argument("--label-column", help='label column (default "label"; "ner_tags" for tokens)')
     data.add_argument(
+        "--columns",
+        nargs="+",
+        metavar="NAME=COLUMN",
+        help="embed, rerank, sparse, multivector: the columns to read, in order, each COLUMN or NAME=COLUMN (read as "
+        "NAME), e.g. anchor=question positive=answer (default: anchor/positive/negative... by name, else by position)",
+    )
+    data.add_argument(
         "--problem-type",
         choices=("single_label_classification", "multi_label_classification", "regression"),
         help="classify: default from the first label (a list: multi-label; a fraction: regression)",
@@ -109,7 +116,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     loop = p.add_argument_group("training")
     loop.add_argument("--epochs", type=int, default=3, help="default 3")
     loop.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
-    loop.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch (default 8)")
+    loop.add_argument("--batch-size", type=int, default=8, help="examples per micro-batch, over all ranks (default 8)")
     loop.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
     loop.add_argument("--schedule", choices=("linear", "cosine", "constant"), default="linear", help="after warmup")
     loop.add_argument("--warmup-ratio", type=float, default=0.0, help="share of steps warming up (default 0)")
@@ -119,8 +126,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     loop.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm; <= 0: off (default 1)")
     loop.add_argument("--seed", type=int, default=42, help="default 42")
     loop.add_argument("--eval-every", type=int, help="evaluate every N steps (always at each epoch end)")
-    loop.add_argument("--save-every", type=int, help="checkpoint every N steps (always at the end)")
+    loop.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     loop.add_argument("--keep-last", type=int, default=2, help="checkpoints kept, besides the best (default 2)")
+    loop.add_argument(
+        "--no-final-checkpoint", dest="final_checkpoint", action="store_false",
+        help="no checkpoint at the end (model/ holds the weights; a checkpoint adds 2x their size of optimizer state)",
+    )  # fmt: skip
     loop.add_argument("--metric-for-best", help="eval metric choosing the best checkpoint, e.g. eval_loss")
     loop.add_argument("--group-by-length", action="store_true", help="batch examples of similar lengths together")
     loop.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
@@ -135,13 +146,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 TRAINING_OPTIONS = (
     "epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_ratio", "warmup_steps", "weight_decay", "grad_accum",
-    "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "metric_for_best", "group_by_length", "dtype",
-    "gradient_checkpointing", "overwrite",
+    "max_grad_norm", "seed", "eval_every", "save_every", "keep_last", "final_checkpoint", "metric_for_best",
+    "group_by_length", "dtype", "gradient_checkpointing", "overwrite",
 )  # fmt: skip
 CALL_OPTIONS = (
     "model", "config", "tokenizer", "lora_rank", "lora_alpha", "lora_targets", "text_column", "text_pair_column",
     "label_column", "problem_type", "max_length", "label_all_tokens", "whole_word_mask", "next_sentence",
-    "generator", "generator_size", "discriminator_weight",
+    "generator", "generator_size", "discriminator_weight", "columns",
 )  # fmt: skip
 
 FLAG_KINDS = {"mini_batch_size": "embed", "matryoshka_dims": "embed", "matryoshka_weights": "embed",

@@ -52,7 +52,9 @@ class TrainingConfig:
     weights and optimizer state (transformers' `bf16=True`); evaluation runs in float32. `gradient_checkpointing`
     recomputes each layer's activations in the backward pass instead of keeping them: less memory (with QLoRA,
     close to the quantized weights), about a third more compute, the same gradients. `overwrite` clears another
-    run's files from `output_dir` first (transformers' `overwrite_output_dir`); without it they are refused."""
+    run's files from `output_dir` first (transformers' `overwrite_output_dir`); without it they are refused.
+    `final_checkpoint=False` writes no checkpoint at the last step (the saved model holds those weights, and a
+    checkpoint adds the optimizer state, twice the weights' size), only the `save_every` ones before it."""
 
     output_dir: str | Path
     epochs: int = 3
@@ -69,6 +71,7 @@ class TrainingConfig:
     eval_every: int | None = None
     save_every: int | None = None
     keep_last: int | None = 2
+    final_checkpoint: bool = True
     metric_for_best: str | None = None
     group_by_length: bool = False
     dtype: str = "float32"

@@ -22,6 +22,7 @@ from tokenizers import Encoding
 
 from ..models.base import PROBLEM_TYPES
 from ..tokenizer import USIZE_MAX, Tokenizer
+from .config import OptionError
 from .losses import IGNORE_INDEX
 from .masking import Masker, next_sentence_pairs, special_ids
 
@@ -32,6 +33,8 @@ FRACTION = re.compile(r"-?\d*\.\d+(e-?\d+)?", re.IGNORECASE)
 LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the number of distinct ids
 REGRESSION_LABELS = {"LABEL_0": 0}  # a regression head's one output, as transformers names it
 REGRESSION_LIMIT = 1e12  # regression targets beyond this would overflow the float32 squared error and its gradients
+LABEL_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' DEFAULT_LABEL_COLUMNS
+COLUMNS_FLAG = "columns= (--columns NAME=COLUMN ...)"
 
 
 class DataError(ValueError):
@@ -108,6 +111,61 @@ def read_rows(data: str | Path | Iterable[Mapping], text_column: str = "text") -
         source = data if isinstance(data, (str, Path)) else ITERABLE
         raise DataError(f"{source} holds no rows of training data; check the path or the filter that built it")
     return rows
+
+
+def column_map(columns: Mapping[str, str] | Sequence[str]) -> dict[str, str]:
+    """`columns` as {name to read it as: column of the data}, in order: a mapping as given, or a list of "COLUMN"
+    (kept as it is named) and "NAME=COLUMN" items, as `--columns` takes them."""
+    if isinstance(columns, Mapping):
+        pairs = list(columns.items())
+    elif isinstance(columns, Sequence) and not isinstance(columns, str):
+        pairs = [tuple(c.split("=", 1)) if isinstance(c, str) and "=" in c else (c, c) for c in columns]
+    else:
+        raise OptionError(f"columns must be a dict {{name: column}} or a list of columns, got {columns!r}")
+    names = [name for name, _ in pairs]
+    bad = [p for p in pairs if not all(isinstance(x, str) and x.strip() for x in p)]
+    if not pairs or bad or len(set(names)) != len(names):
+        raise OptionError(
+            f"columns must name each column once, as NAME=COLUMN (read COLUMN as NAME) or COLUMN, e.g. anchor=query "
+            f"positive negative_1; got {columns!r}"
+        )
+    return dict(pairs)
+
+
+def select_columns(rows: list[Row], columns: Mapping[str, str] | Sequence[str] | None) -> list[Row]:
+    """`rows` holding only `columns` (`column_map`), renamed and in that order; all of them when None."""
+    if columns is None:
+        return rows
+    wanted = column_map(columns)
+    selected = []
+    for row in rows:
+        missing = [column for column in wanted.values() if column not in row.values]
+        if missing:
+            found = ", ".join(repr(c) for c in row.values) or "none"
+            raise DataError(
+                f"{row.where}: no column {missing[0]!r}, which columns= (--columns) names; the row has {found}"
+            )
+        selected.append(Row({name: row.values[column] for name, column in wanted.items()}, row.source, row.line))
+    return selected
+
+
+def by_position(row: Row, layout: str, names: str) -> tuple[list[str], str | None]:
+    """(text columns, label column or None) of a row whose columns carry none of the names a task reads: every
+    column but a label one, in the row's order, as sentence-transformers' data collator takes them (its losses
+    read the first as the anchor or query and the next as the positive). `layout` says what the names would be,
+    `names` an example of `--columns` for this task, for the error."""
+    label = next((c for c in LABEL_COLUMNS if c in row.values), None)
+    texts = [c for c in row.values if c not in LABEL_COLUMNS]
+    ids = [c for c in texts if c == "id" or c.endswith(("_id", "_ids", "_idx"))]
+    if len(texts) < 2 or ids:
+        found = ", ".join(repr(c) for c in row.values) or "none"
+        look = "looks" if len(ids) == 1 else "look"
+        why = f"{', '.join(map(repr, ids))} {look} like ids, not texts" if ids else "fewer than two text columns"
+        raise DataError(
+            f"{row.where}: {layout}, or any columns read by position (first the query, then the documents); this "
+            f"row has {found} ({why}). Name the columns to read with {COLUMNS_FLAG}, e.g. --columns {names}"
+        )
+    return texts, label
 
 
 def read_lines(path: Path) -> list[str]:

@@ -8,7 +8,7 @@ in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -33,7 +33,7 @@ from .contrastive import (
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
-from .data import DataError, Examples, read_rows, regression_target
+from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
 from .evaluators import retrieval_metric_names, row_retrieval_metrics
 
 TASK = "sentence-embedding"
@@ -141,9 +141,11 @@ class TextExamples(Examples):
 
 def text_columns(row) -> tuple[list[str], str | None]:
     """(text columns, score column) of a row: anchor, positive, then negative and negative_1..n in order; or
-    sentence1, sentence2 and score (or label)."""
+    sentence1, sentence2 and score (or label); else (other names, or an anchor without a positive) every column but
+    a label one, by position, as sentence-transformers reads them (`data.by_position`), the label a score when
+    there are two texts."""
     values = row.values
-    if "anchor" in values:
+    if "anchor" in values and "positive" in values:
         numbered = sorted((int(m[1]), name) for name in values if (m := NEGATIVE.fullmatch(name)))
         negatives = ["negative"] * ("negative" in values) + [name for _, name in numbered]
         return ["anchor", "positive", *negatives], None
@@ -152,11 +154,12 @@ def text_columns(row) -> tuple[list[str], str | None]:
         if score is None:
             raise DataError(f"{row.where}: sentence1/sentence2 rows need a 'score' column (a number per pair)")
         return ["sentence1", "sentence2"], score
-    found = ", ".join(repr(c) for c in values) or "none"
-    raise DataError(
-        f"{row.where}: embedding data needs the columns anchor, positive (and optionally negative or negative_1.."
-        f"negative_n), or sentence1, sentence2 and score; found {found}"
+    layout = (
+        "embedding data has the columns anchor, positive (and optionally negative or negative_1..negative_n), or "
+        "sentence1, sentence2 and score"
     )
+    texts, label = by_position(row, layout, "anchor=query positive=answer")
+    return texts, label if len(texts) == 2 else None
 
 
 def embedding_data(
@@ -167,11 +170,13 @@ def embedding_data(
     document_prompt: str = "",
     max_length: int | None = None,
     query_max_length: int | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
 ) -> TextExamples:
     """The rows of `data` as text columns, each tokenized with its prompt in front (`query_prompt` before the
     first column, `document_prompt` before the others), as sentence-transformers' data collator prepends them;
-    the first column cut at `query_max_length` when given, the others (and it, by default) at `max_length`."""
-    rows = read_rows(data, "anchor")
+    the first column cut at `query_max_length` when given, the others (and it, by default) at `max_length`.
+    `columns` picks and renames the data's columns first (`data.select_columns`)."""
+    rows = select_columns(read_rows(data, "anchor"), columns)
     names, score = text_columns(rows[0])
     for row in rows[1:]:
         found, _ = text_columns(row)

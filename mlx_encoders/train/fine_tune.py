@@ -7,7 +7,7 @@ transformers does, when the checkpoint lacks it), optionally adds LoRA adapters,
 the result to `output_dir/model` with `mlx_encoders.save`, so transformers and every mlx_encoders front end read it.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -68,6 +68,7 @@ RETRIEVAL_TASKS = ("sentence-embedding", "sparse-embedding", "multi-vector-embed
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
 
 
+@distributed.warnings_on_main_rank()  # under mlx.launch every rank would print the same warnings
 def fine_tune(
     task: str,
     data: str | Path | Iterable[Mapping],
@@ -97,6 +98,7 @@ def fine_tune(
     query_prompt: str | None = None,
     document_prompt: str | None = None,
     batch_sampler: str | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
     **training,
 ) -> Trained:
     """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", "rtd", or the
@@ -129,17 +131,23 @@ def fine_tune(
     - "rerank" trains a cross-encoder (`train/rerank.py`: rows of query, document, label or query, positive,
       negatives) with `loss` "bce", "listnet", "lambda" or "mnrl" (default: listnet when rows hold several
       documents); its eval metrics add eval_map, eval_mrr@10 and eval_ndcg@10.
+    - `columns` (embed, rerank, sparse, multivector) reads the data's columns under other names, for the data and
+      the eval data: {"anchor": "question", "positive": "answer"} (or ["question", "answer"] to keep their names);
+      the columns left out are dropped. Without it, rows whose columns have none of the task's names are read by
+      position, as sentence-transformers reads them (first the anchor or query, then the positive, then negatives;
+      a "label"/"score" column is the label).
     - "sparse" trains a SPLADE model (`fine_tune_retrieval`; a SparseEncoder folder or a masked-LM checkpoint) with
       `loss` a `sparse_losses.SpladeLoss` (default weights documents 3e-5, queries 5e-5); "multivector" a ColBERT
       model (a MultiVectorEncoder folder or an encoder) with `multi_vector_losses.MaxSimRankingLoss`. Both read
       the embed task's columns (the first the queries) and options.
     - `training`: the fields of `TrainingConfig` (epochs, max_steps, batch_size, lr, warmup_ratio, warmup_steps,
-      weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last,
+      weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last, final_checkpoint,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
     task = task_name(task, next_sentence)
     options = training_config(output_dir, training)
-    embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler)
+    embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler,
+                     columns=columns)  # fmt: skip
     given = dict(
         config=config, text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
         problem_type=problem_type, label2id=label2id, label_all_tokens=label_all_tokens,
@@ -167,7 +175,8 @@ def fine_tune(
     tok = load_tokenizer(checkpoint, config, tokenizer)
     pairs = text_pair_column is not None or task in ("pretraining", RERANK_TASK)
     check_max_length(max_length, task, tok, pairs=pairs)
-    read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length)
+    read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length,
+                  columns)  # fmt: skip
     examples = read(data, label2id, options.seed)
     evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
     if task not in (RTD_TASK, RERANK_TASK):  # their metrics are their model's or objective's: train() checks them
@@ -299,14 +308,16 @@ def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path 
     return tokenizer_for(scratch_args(settings), tokenizer, check_vocab="vocab_size" in settings)
 
 
-def reader(task, tokenizer, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length):
+def reader(
+    task, tokenizer, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length, columns
+):
     """`read(data, label2id, seed) -> Examples` for `task`, with the columns and options given."""
     default_text, default_label = COLUMNS.get(task, ("text", "label"))
     text, label = text_column or default_text, label_column or default_label
 
     def read(data, label2id, seed) -> Examples:
         if task == RERANK_TASK:
-            return rerank_data(data, tokenizer, max_length)
+            return rerank_data(data, tokenizer, max_length, columns)
         if task == "sequence-classification":
             return sequence_classification_data(
                 data, tokenizer, text_column=text, text_pair_column=text_pair_column, label_column=label,

@@ -2,7 +2,7 @@
 `SentenceTransformer` gives it) trained with an embedding loss through `trainer.train`, saved as a complete
 sentence-transformers folder that `SentenceTransformer(folder)` and `SentenceEncoder(folder)` load."""
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,6 +45,7 @@ def fine_tune_embedding(
     query_prompt: str | None = None,
     document_prompt: str | None = None,
     batch_sampler: str | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
     **training,
 ) -> Trained:
     """See `fine_tune`: the embed task's part."""
@@ -65,7 +66,7 @@ def fine_tune_embedding(
         )
     setup.prompts = {**setup.prompts, "query": query, "document": document}
     tok, limit, examples, evaluation = text_examples(
-        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document
+        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document, columns=columns
     )
     loss = make_loss(loss, scored=examples.labels[0] is not None)
     in_batch = getattr(loss, "in_batch_negatives", False)
@@ -94,10 +95,12 @@ def text_examples(
     query_prompt: str,
     document_prompt: str,
     query_max_length: int | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
 ) -> tuple[Tokenizer, int, TextExamples, TextExamples | None]:
     """(tokenizer, token limit, training examples, evaluation examples or None) of a retrieval-style task: the
     tokenizer of the checkpoint (lowercasing as `do_lower_case` says), the limit `max_length` or the folder's
-    `max_seq_length` or the tokenizer's, within the model's positions; `query_max_length` for the first column."""
+    `max_seq_length` or the tokenizer's, within the model's positions; `query_max_length` for the first column;
+    `columns` the data's columns to read (`data.select_columns`)."""
     tok = tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
     check_max_length(max_length, "sentence-embedding", tok, pairs=False)  # a text of special tokens alone
     if sentence_config.get("do_lower_case"):
@@ -105,7 +108,7 @@ def text_examples(
     limit = max_length or sentence_config.get("max_seq_length") or tok.model_max_length
     limit = min(limit, checkpoint.args.max_tokens or limit)
     read = dict(query_prompt=query_prompt, document_prompt=document_prompt, max_length=limit,
-                query_max_length=query_max_length)  # fmt: skip
+                query_max_length=query_max_length, columns=columns)  # fmt: skip
     examples = embedding_data(data, tok, **read)
     evaluation = embedding_data(eval_data, tok, **read) if eval_data is not None else None
     return tok, limit, examples, evaluation

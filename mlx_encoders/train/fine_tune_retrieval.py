@@ -10,7 +10,7 @@ load. The first data column is the query side, the others the documents (positiv
 """
 
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -168,6 +168,7 @@ def fine_tune_sparse(
     query_prompt: str | None = None,
     document_prompt: str | None = None,
     batch_sampler: str | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
     **training,
 ) -> Trained:
     """See `fine_tune`: the sparse task's part. `loss` a `sparse_losses.SpladeLoss` (its weights), default
@@ -202,7 +203,7 @@ def fine_tune_sparse(
         )
     query, document = prompts_of(setup, query_prompt, document_prompt)
     tok, limit, examples, evaluation = text_examples(
-        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document
+        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document, columns=columns
     )
     sampler = batch_sampler or "no_duplicates"
     strategy, activation = pooling["pooling_strategy"], pooling["activation_function"]
@@ -323,6 +324,7 @@ def fine_tune_multivector(
     query_prompt: str | None = None,
     document_prompt: str | None = None,
     batch_sampler: str | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
     **training,
 ) -> Trained:
     """See `fine_tune`: the multivector task's part. `loss` a `multi_vector_losses.MaxSimRankingLoss` (its
@@ -373,7 +375,7 @@ def fine_tune_multivector(
     query, document = prompts_of(setup, query_prompt, document_prompt)
     tok, _, examples, evaluation = text_examples(
         Checkpoint.open(setup.transformer), tokenizer, setup.sentence_config, encoder.max_length("document"), data,
-        eval_data, query, document, query_max_length=encoder.max_length("query"),
+        eval_data, query, document, query_max_length=encoder.max_length("query"), columns=columns,
     )  # fmt: skip
     encoder.tokenizer = tok  # padding, expansion and skiplist ids from the tokenizer the texts were cut with
     encoder.skip_ids = encoder.resolve_skiplist()

@@ -39,6 +39,7 @@ READ_BY = {
     "query_prompt": RETRIEVAL,
     "document_prompt": RETRIEVAL,
     "batch_sampler": RETRIEVAL,
+    "columns": (*RETRIEVAL, RERANK),
 }
 API_ONLY = ("label2id",)  # options with no command-line flag
 # option -> (another option, its value with which the first means nothing, why)

@@ -13,7 +13,7 @@ cross-encoder `MultipleNegativesRankingLoss` with every in-batch document as a n
 """
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
-from .data import DataError, Row, read_rows
+from .data import DataError, Row, by_position, read_rows, select_columns
 from .evaluators import reranking_metrics
 
 LOSSES = ("bce", "listnet", "lambda", "mnrl")
@@ -77,14 +77,8 @@ def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
     elif "positive" in row.values:
         documents = [row.text("positive"), *negatives(row)]
         labels = [1.0] + [0.0] * (len(documents) - 1)
-    elif "document" in row.values:
+    else:  # `named` gave it one of the three
         documents, labels = [row.text("document")], [row.get("label")]
-    else:
-        found = ", ".join(repr(c) for c in row.values)
-        raise DataError(
-            f"{row.where}: a reranking row needs 'query' and 'document' + 'label', or 'positive' (+ 'negative' or "
-            f"'negative_1' ...), or 'documents' + 'labels'; found {found}"
-        )
     return documents, [relevance(label, row) for label in labels]
 
 
@@ -101,12 +95,40 @@ def relevance(label, row: Row) -> float:
     return float(number)
 
 
+def named(row: Row) -> Row:
+    """`row` with the column names `documents_and_labels` reads: its own when it has 'query' and a document
+    column, else its columns by position (`data.by_position`), as sentence-transformers' cross-encoder losses read
+    them: the query, then a list of documents (with a list of labels), a document with a label, or a positive and
+    its negatives."""
+    if "query" in row.values and any(c in row.values for c in ("documents", "positive", "document")):
+        return row
+    layout = (
+        "a reranking row has 'query' and 'document' + 'label', or 'positive' (+ 'negative' or 'negative_1' ...), "
+        "or 'documents' + 'labels'"
+    )
+    texts, label = by_position(row, layout, "query=question positive=answer")
+    values = {"query": row.values[texts[0]]}
+    second = row.values[texts[1]]
+    if isinstance(second, list) and len(texts) == 2:
+        values |= {"documents": second, "labels": row.values.get(label)}
+    elif label is not None and len(texts) == 2:
+        values |= {"document": second, "label": row.values[label]}
+    else:
+        values |= {"positive": second} | {f"negative_{i}": row.values[c] for i, c in enumerate(texts[2:], 1)}
+    return Row(values, row.source, row.line)
+
+
 def rerank_data(
-    data: str | Path | Iterable[Mapping], tokenizer: Tokenizer, max_length: int | None = None
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    max_length: int | None = None,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
 ) -> RerankExamples:
     """The rows of `data` as (query, document) pairs, tokenized as sentence-transformers' CrossEncoder does (one
-    input per pair, longest-first truncation to `max_length`)."""
-    queries, groups, labels, texts, rows = [], [], [], [], read_rows(data)
+    input per pair, longest-first truncation to `max_length`); `columns` picks and renames the data's columns
+    first (`data.select_columns`)."""
+    queries, groups, labels, texts = [], [], [], []
+    rows = [named(row) for row in select_columns(read_rows(data), columns)]
     for row in rows:
         query = row.text("query")
         documents, row_labels = documents_and_labels(row)

@@ -640,7 +640,7 @@ class Loop:
 
     def evaluate_and_save(self, end_of_epoch: bool) -> None:
         """Evaluate every `eval_every` steps, at each epoch end and at the end; save every `save_every` steps and
-        at the end, keeping the last `keep_last` checkpoints and the best."""
+        at the end (unless `final_checkpoint` is off), keeping the last `keep_last` checkpoints and the best."""
         config, state, last = self.config, self.state, self.state.step == self.total
         if self.eval_examples is not None and (end_of_epoch or last or due(state.step, config.eval_every)):
             metrics = self.evaluate()
@@ -648,7 +648,7 @@ class Loop:
             state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
             if self.world.is_main:
                 log_metrics(config.output_dir, state.metrics)
-        if last or due(state.step, config.save_every):
+        if (last and config.final_checkpoint) or (not last and due(state.step, config.save_every)):
             state.mlx_key = np.array(self.random[0]).tolist()
             name = f"checkpoint-{state.step}"
             update_best(state, config.metric_for_best, name)
