@@ -32,7 +32,8 @@ def quick_start(readme: str) -> tuple[str, str]:
 
 def shown(output: str) -> list[str]:
     """The lines a reader compares: progress bars (carriage returns, tqdm's `it/s`) and pip's notices left out."""
-    lines = [line for line in output.splitlines() if "\r" not in line]
+    lines = [line for line in output.split("\n") if "\r" not in line]  # a bar redraws itself after a \r
+    lines = lines[:-1] if lines and not lines[-1] else lines
     return [line for line in lines if not re.search(r"it/s]|s/it]|%\|", line) and "[notice]" not in line]
 
 
