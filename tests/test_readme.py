@@ -9,7 +9,7 @@ background jobs carry over; jobs left running are stopped at the end), in an emp
 checkout's examples/, with this checkout's `python` and `mlx-encoders` first on PATH and a free port for 8080. A
 ```text block marked `<!-- readme-test: output -->` after one (prose may stand between) is what it prints to
 stdout: the same words and lines, numbers with a decimal point within a rounding tolerance (another machine's
-arithmetic), `...` for any text (long vectors), and a line whose first word is `VOLATILE` (a speed) not compared.
+arithmetic), `...` for any text (long vectors), and a line whose first word is in `VOLATILE` (a speed) not compared.
 """
 
 import contextlib
@@ -120,7 +120,7 @@ def matches(shown: str, printed: str) -> bool:
             continue
         parts = []
         for part in line.split("..."):
-            pieces = NUMBER.split(part)  # text, number, text, ...
+            pieces = NUMBER.split(part)  # the text between its numbers
             numbers += NUMBER.findall(part)
             parts.append(f"({NUMBER.pattern})".join(re.escape(piece) for piece in pieces))
         pattern.append("(?s:.*?)".join(parts))
