@@ -1,18 +1,15 @@
 """Code blocks marked `<!-- readme-test -->` in README.md and docs/*.md run word for word, in reading order.
 
 Reading order: README.md, then the docs pages in the order of README's "Documentation" list (the table of
-contents), then any page linked elsewhere or not at all. Each block runs in a fresh interpreter; a trailing
-`# (...)` comment on the last line states what the block prints.
+contents), then any page linked elsewhere or not at all. Each ```python block runs in a fresh interpreter; a
+trailing `# (...)` comment on the last line states what the block prints.
 
-Marked ```bash blocks of a page run as a reader runs them: in order, in one shell (its variables and background
-jobs carry over), in a fresh folder that holds a link to the checkout's examples/, with this interpreter's `python`
-and `mlx-encoders` first on PATH and a free port in place of 8080. A ```text block right after a command block
-states its standard output; `...` there stands for any text (floats that depend on the BLAS, long vectors).
-
-Shell blocks marked `<!-- readme-test: commands -->` run too: a page's blocks one after another in one bash, in
-an empty folder, as a reader types them into one terminal (`python` and `mlx-encoders` are this checkout's). A
-block marked `<!-- readme-test: output -->` after one is what it prints to stdout: the same words, numbers with
-a decimal point within a rounding tolerance (another machine's arithmetic), a line of `VOLATILE` not compared.
+A page's ```bash blocks run as a reader types them into one terminal: in order, in one bash (variables and
+background jobs carry over; jobs left running are stopped at the end), in an empty folder that holds a link to the
+checkout's examples/, with this checkout's `python` and `mlx-encoders` first on PATH and a free port for 8080. A
+```text block marked `<!-- readme-test: output -->` after one (prose may stand between) is what it prints to
+stdout: the same words and lines, numbers with a decimal point within a rounding tolerance (another machine's
+arithmetic), `...` for any text (long vectors), and a line whose first word is in `VOLATILE` (a speed) not compared.
 """
 
 import contextlib
@@ -31,13 +28,13 @@ ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 MARKED = re.compile(r"<!-- readme-test -->\n```python\n(.*?)```", re.S)
-SHELL = re.compile(r"<!-- readme-test -->\n```bash\n(.*?)```\n(?:\n?```text\n(.*?)```\n)?", re.S)
+MARKER = re.compile(r"^<!-- readme-test.*$", re.M)
+FENCE = re.compile(r"```(\w*)\n(.*?)^```\n", re.S | re.M)
+OUTPUT_MARKER = "<!-- readme-test: output -->"
 SEPARATOR = "@@ readme-test: next block @@"
-SHELL_TIMEOUT_S = 300
-COMMANDS = re.compile(r"<!-- readme-test: (commands|output) -->\n```\w*\n(.*?)```", re.S)
+SHELL_TIMEOUT_S = 600
 VOLATILE = ("tokens_s",)  # the machine's speed
 NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
-BLOCK_END = "readme-test: end of block"
 
 
 def pages_in_reading_order() -> list[Path]:
@@ -51,7 +48,7 @@ def pages_in_reading_order() -> list[Path]:
 PAGES = pages_in_reading_order()
 BLOCKS = [(page, code) for page in PAGES for code in MARKED.findall(page.read_text())]
 IDS = [f"{page.relative_to(ROOT)}:block{i}" for i, (page, _) in enumerate(BLOCKS)]
-SHELL_PAGES = [page for page in PAGES if SHELL.search(page.read_text())]
+SHELL_PAGES = [page for page in PAGES if "<!-- readme-test -->\n```bash\n" in page.read_text()]
 
 
 def test_readme_has_tested_blocks():
@@ -78,21 +75,103 @@ def test_readme_block_runs(page, code):
         assert result.stdout.strip() == expected[0].strip()
 
 
+def shell_steps(page: Path) -> list[tuple[str, str]]:
+    """(commands, the output the page shows or "") of each marked ```bash block of `page`, in reading order."""
+    text, steps, awaits_output = page.read_text(), [], False
+    for marker in MARKER.finditer(text):
+        block = FENCE.match(text, marker.end() + 1)
+        kind = (marker.group(), block and block[1])
+        line = text.count("\n", 0, marker.start()) + 1
+        where = f"{page.relative_to(ROOT)}, line {line}"
+        if kind == (OUTPUT_MARKER, "text") and awaits_output:
+            steps[-1], awaits_output = (steps[-1][0], block[2]), False
+        elif kind == ("<!-- readme-test -->", "bash"):
+            steps.append((block[2], ""))
+            awaits_output = True
+            # an output block left unmarked would be shown to readers but never compared
+            assert not re.match(r"\s*```", text[block.end() :]), f"{where}: mark the next block {OUTPUT_MARKER}"
+        elif kind == ("<!-- readme-test -->", "python"):
+            awaits_output = False
+        else:
+            raise AssertionError(
+                f"{where}: {marker.group()} is not on a ```python or ```bash block, nor on a ```text"
+                f" block after a marked ```bash block ({OUTPUT_MARKER})"
+            )
+    return steps
+
+
+def test_markers_are_on_blocks_the_tests_run():
+    for page in PAGES:
+        shell_steps(page)
+
+
+def normalized(text: str) -> str:
+    return "\n".join(" ".join(line.split()) for line in text.strip().splitlines())
+
+
+def matches(shown: str, printed: str) -> bool:
+    """`printed` says what `shown` says: the same words and lines (spacing aside), every number with a decimal point
+    within a rounding tolerance, `...` standing for any text, a line that starts with a VOLATILE word for any such
+    line."""
+    pattern, numbers = [], []
+    for line in normalized(shown).splitlines():
+        if line.split(" ", 1)[0] in VOLATILE:
+            pattern.append(re.escape(line.split(" ", 1)[0]) + r"(?: .*)?")
+            continue
+        parts = []
+        for part in line.split("..."):
+            pieces = NUMBER.split(part)  # the text between its numbers
+            numbers += NUMBER.findall(part)
+            parts.append(f"({NUMBER.pattern})".join(re.escape(piece) for piece in pieces))
+        pattern.append("(?s:.*?)".join(parts))
+    found = re.fullmatch("\n".join(pattern), normalized(printed))
+    return found is not None and all(
+        math.isclose(float(a), float(b), rel_tol=1e-2, abs_tol=5e-3)
+        for a, b in zip(found.groups(), numbers, strict=True)
+    )
+
+
+def test_printed_output_is_compared_word_for_word_with_numbers_within_rounding():
+    shown = """
+rank   score  text
+   1  0.5850  Paris
+          tokens_s  91.3774
+{"embedding": [...], "score": 0.88...}"""
+    printed = """rank score text
+   1  0.5847      Paris
+          tokens_s  12.0
+{"embedding": [0.1, -0.25], "score": 0.8841}
+"""
+    assert matches(shown, printed)
+    wrong = {
+        "word": printed.replace("Paris", "Berlin"),
+        "number": printed.replace("0.5847", "0.6200"),
+        "integer": printed.replace("1  0.5847", "2  0.5847"),
+        "missing line": printed.replace("rank score text\n", ""),
+        "extra line": printed + "more\n",
+        "line break": printed.replace("\n   1", " 1"),
+    }
+    assert [name for name, text in wrong.items() if matches(shown, text)] == []
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def matches(expected: str, output: str) -> bool:
-    """`output` equals `expected`, each `...` of which stands for any text."""
-    pattern = ".*?".join(re.escape(part) for part in expected.strip().split("..."))
-    return re.fullmatch(pattern, output.strip(), re.S) is not None
-
-
-def run_shell(script: str, folder: Path) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `script` in bash; whatever it leaves running is stopped with it."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+def run_shell(script: str, tmp_path: Path) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `script` in bash, run as a reader runs it (see the module's docstring);
+    whatever it leaves running is stopped with it."""
+    tools, folder = tmp_path / "bin", tmp_path / "reader"
+    tools.mkdir()
+    for name, command in (("python", f'"{sys.executable}"'), ("mlx-encoders", f'"{sys.executable}" -m mlx_encoders')):
+        (tools / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+        (tools / name).chmod(0o755)
+    folder.mkdir()
+    (folder / "examples").symlink_to(ROOT / "examples")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=path)
     shell = subprocess.Popen(
         ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder, env=env,
         start_new_session=True,
@@ -111,21 +190,18 @@ def run_shell(script: str, folder: Path) -> tuple[int, str, str]:
 @pytest.mark.parametrize("page", SHELL_PAGES, ids=[str(page.relative_to(ROOT)) for page in SHELL_PAGES])
 def test_shell_blocks_run_in_order_and_print_what_the_page_shows(page, tmp_path):
     port = str(free_port())
-    blocks = [(code.replace("8080", port), out.replace("8080", port)) for code, out in SHELL.findall(page.read_text())]
+    steps = [(code.replace("8080", port), shown.replace("8080", port)) for code, shown in shell_steps(page)]
     # a failed step ends the shell, and with it the jobs it started (a server), which hold its output open
     script = ["set -euo pipefail", "trap 'kill $(jobs -p) 2> /dev/null || true' EXIT"]
-    for code, _ in blocks:
+    for code, _ in steps:
         script += [f"printf '\\n{SEPARATOR}\\n'", code]
-    (tmp_path / "examples").symlink_to(ROOT / "examples")
     status, stdout, stderr = run_shell("\n".join(script), tmp_path)
     outputs = stdout.split(f"\n{SEPARATOR}\n")[1:]
-    assert status == 0, f"this block failed:\n{blocks[len(outputs) - 1][0]}\n{stderr[-3000:]}"
-    assert len(outputs) == len(blocks)
-    for (code, expected), output in zip(blocks, outputs, strict=True):
-        if expected:
-            assert matches(expected, output), (
-                f"{code}\nprinted:\n{output}\nthe page shows:\n{expected}\n{stderr[-3000:]}"
-            )
+    assert status == 0, f"this block failed:\n{steps[len(outputs) - 1][0]}\n{stderr[-3000:]}"
+    assert len(outputs) == len(steps)
+    for (code, shown), output in zip(steps, outputs, strict=True):
+        if shown:
+            assert matches(shown, output), f"{code}\nprinted:\n{output}\nthe page shows:\n{shown}\n{stderr[-3000:]}"
 
 
 def results_sections() -> list[str]:
@@ -154,60 +230,3 @@ def test_headline_figures_are_rows_of_benchmark_results():
             [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", section)] for section in runs
         ]
         assert min(missing, key=len) == [], f"{what!r}: {min(missing, key=len)} not in RESULTS.md for {command}"
-
-
-COMMAND_PAGES = [(page, COMMANDS.findall(page.read_text())) for page in PAGES]
-COMMAND_PAGES = [(page, blocks) for page, blocks in COMMAND_PAGES if blocks]
-
-
-def test_shell_blocks_alternate_commands_and_their_output():
-    for page, blocks in COMMAND_PAGES:
-        kinds = [kind for kind, _ in blocks]
-        follows = [
-            previous == "commands"
-            for previous, kind in zip(["output", *kinds[:-1]], kinds, strict=True)
-            if kind == "output"
-        ]
-        assert all(follows), f"{page.relative_to(ROOT)}: an output block follows no commands block"
-
-
-def assert_prints(printed: str, shown: str, where: str) -> None:
-    got, want = printed.strip().splitlines(), shown.strip().splitlines()
-    assert len(got) == len(want), f"{where} printed:\n{printed}"
-    for line, expected in zip(got, want, strict=True):
-        if expected.split()[:1] and expected.split()[0] in VOLATILE:
-            continue
-        assert NUMBER.sub("#", line).split() == NUMBER.sub("#", expected).split(), f"{where}: {line!r}"
-        for found, number in zip(NUMBER.findall(line), NUMBER.findall(expected), strict=True):
-            assert math.isclose(float(found), float(number), rel_tol=1e-2, abs_tol=5e-3), f"{where}: {line!r}"
-
-
-def test_printed_output_is_compared_word_for_word_with_numbers_within_rounding():
-    assert_prints("   1  0.5847      0  Paris\n", "   1  0.5850  0  Paris", "example")
-    assert_prints("tokens_s  12.0", "tokens_s  91.3774", "example")  # the machine's speed
-    for printed in ("1 0.6200 0 Paris", "1 0.5847 0 Berlin", "2 0.5847 0 Paris", "1 0.5847 0 Paris\nmore"):
-        with pytest.raises(AssertionError):
-            assert_prints(printed, "1 0.5850 0 Paris", "example")
-
-
-@pytest.mark.parametrize("page, blocks", COMMAND_PAGES, ids=[str(p.relative_to(ROOT)) for p, _ in COMMAND_PAGES])
-def test_shell_blocks_run_and_print_what_the_page_shows(page, blocks, tmp_path):
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for name, command in (("python", f'"{sys.executable}"'), ("mlx-encoders", f'"{sys.executable}" -m mlx_encoders')):
-        (tools / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')
-        (tools / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
-    commands = [text for kind, text in blocks if kind == "commands"]
-    script = "set -eo pipefail\n" + "".join(f"{text}\necho '{BLOCK_END}'\n" for text in commands)
-    (tmp_path / "work").mkdir()
-    result = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path / "work", env=env
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    printed = iter(result.stdout.split(f"{BLOCK_END}\n"))
-    for i, (kind, text) in enumerate(blocks):
-        if kind == "commands":
-            output = next(printed)
-        else:
-            assert_prints(output, text, f"{page.relative_to(ROOT)}, block {i}")
