@@ -32,8 +32,10 @@ def quick_start(readme: str) -> tuple[str, str]:
 
 def shown(output: str) -> list[str]:
     """The lines a reader compares: progress bars (carriage returns, tqdm's `it/s`) and pip's notices left out."""
-    lines = [line for line in output.split("\n") if "\r" not in line]  # a bar redraws itself after a \r
+    lines = output.split("\n")
     lines = lines[:-1] if lines and not lines[-1] else lines
+    # what a terminal shows of a line a bar redrew: the text after its last carriage return, unless blank
+    lines = [line.rsplit("\r", 1)[-1] for line in lines if "\r" not in line or line.rsplit("\r", 1)[-1].strip()]
     return [line for line in lines if not re.search(r"it/s]|s/it]|%\|", line) and "[notice]" not in line]
 
 
@@ -70,9 +72,9 @@ def main() -> int:
         env["HOME"] = str(home)
         env.update({"MLX_ENCODERS_BLAS": args.blas} if args.blas else {})
         start = time.perf_counter()
-        run = subprocess.run(
-            ["bash", "-c", command], cwd=README.parent, env=env, capture_output=True, text=True, timeout=1800
-        )
+        run = subprocess.run(["bash", "-c", command], cwd=README.parent, env=env, capture_output=True, timeout=1800)
+        # bytes, decoded here: text mode would turn a progress bar's carriage returns into new lines
+        run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
         seconds = time.perf_counter() - start
     output = run.stdout + run.stderr
     if run.returncode != 0:
