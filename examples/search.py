@@ -37,6 +37,12 @@ def stdlib_sample(count: int = 300) -> list[tuple[str, str]]:
     return sorted(random.Random(0).sample(docs, min(count, len(docs))))
 
 
+def shown(folder: Path) -> str:
+    """`folder` as a reader writes it: under ~ when it is in the home folder."""
+    home = Path.home()
+    return f"~/{folder.relative_to(home)}" if folder.is_relative_to(home) else str(folder)
+
+
 def open_index(corpus, folder: Path, encoder: SentenceEncoder, cache: bool) -> Index:
     """The index of `corpus` in `folder`, built or updated first; a damaged `cache` folder is deleted and built anew
     (a folder the user named is theirs: its error stands)."""
@@ -45,10 +51,10 @@ def open_index(corpus, folder: Path, encoder: SentenceEncoder, cache: bool) -> I
     except DamagedStore:
         if not cache:
             raise
-        print(f"{folder}: the cached index was damaged; building it again", file=sys.stderr)
+        print(f"{shown(folder)}: the cached index was damaged; building it again", file=sys.stderr)
         shutil.rmtree(folder)
         counts = build(corpus, folder, encoder, quiet=True)
-    print(f"{folder}: {counts['documents']} documents, {counts['added']} texts embedded", file=sys.stderr)
+    print(f"{shown(folder)}: {counts['documents']} documents, {counts['added']} texts embedded", file=sys.stderr)
     return Index(folder, encoder)
 
 
