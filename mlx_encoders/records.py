@@ -69,10 +69,10 @@ def read_text(file: str | Path) -> str:
         before = raw[: e.start]
         line = before.count(b"\n") + before.count(b"\r") - before.count(b"\r\n") + 1
         byte = e.start - max(before.rfind(b"\n"), before.rfind(b"\r"))
-        utf16 = " (it starts as UTF-16 does)" if raw.startswith((b"\xff\xfe", b"\xfe\xff")) else ""
-        raise RecordError(
-            f"{file}:{line}: not UTF-8{utf16} ({e.reason} at byte {byte} of the line); re-save the file as UTF-8"
-        ) from None
+        found = f"{line}: not UTF-8 ({e.reason} at byte {byte} of the line)"
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            found = "1: not UTF-8 but UTF-16 (it starts with UTF-16's byte-order mark)"
+        raise RecordError(f"{file}:{found}; re-save the file as UTF-8") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

@@ -52,6 +52,10 @@ def test_a_byte_order_mark_is_dropped_in_every_format(tmp_path):
         assert read_corpus(path) == [(expected[name], "Rain falls.")]
         values = read_rows(path)[0].values
         assert values["text"] == "Rain falls." and "\ufeffid" not in values and "\ufefftext" not in values
+    utf16 = tmp_path / "wide.txt"  # UTF-16's byte-order mark is named, not dropped
+    utf16.write_text("Rain falls.\n", encoding="utf-16")
+    with pytest.raises(CorpusError, match=f"^{utf16}:1: not UTF-8 but UTF-16"):
+        read_corpus(utf16)
 
 
 def test_null_and_empty_values_are_missing_alike(tmp_path):

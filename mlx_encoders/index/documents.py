@@ -30,8 +30,8 @@ def document_text(value, record: Record) -> str:
     """A document's text: a non-empty string."""
     if isinstance(value, str) and value:
         return value
-    kind = "empty" if value == "" else "null" if value is None else type(value).__name__
-    raise CorpusError(f"{record.where}: the text is {kind}, not a string; write its text or remove that {record.unit}")
+    kind = "empty" if value == "" else f"{'null' if value is None else type(value).__name__}, not a string"
+    raise CorpusError(f"{record.where}: the text is {kind}; write its text or remove that {record.unit}")
 
 
 def text_documents(file: Path, name: str) -> list[Document]:
