@@ -366,11 +366,11 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
     tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
     data = tmp_path / "train.jsonl"
     data.write_text('{"anchor": "a", "positive": "b"}\n\n{"anchor": "c"}\n')
-    with pytest.raises(DataError, match=r"train\.jsonl, line 3: .* this row has 'anchor' \(fewer than two text"):
+    with pytest.raises(DataError, match=r"train\.jsonl:3: .* this row has 'anchor' \(fewer than two text"):
         embedding_data(data, tokenizer)
     data = tmp_path / "pairs.csv"
     data.write_text("sentence1,sentence2,score\na,b,0.5\nc,d,high\n")
-    with pytest.raises(DataError, match=r"pairs\.csv, line 3: column 'score' must hold a number"):
+    with pytest.raises(DataError, match=r"pairs\.csv:3: column 'score' must hold a number"):
         embedding_data(data, tokenizer)
     with pytest.raises(DataError, match=r"item 1 of the data: .* this row has 'text' \(fewer than two text"):
         embedding_data([{"text": "a"}], tokenizer)
@@ -493,7 +493,7 @@ def test_columns_pick_and_rename_the_data_columns(st_folder, tmp_path):
     assert kept.texts == [(r["query"], r["negative_2"], r["answer"]) for r in MINED]
     data = tmp_path / "mined.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in MINED))
-    with pytest.raises(DataError, match=r"mined\.jsonl, line 1: no column 'question', which columns= .*'query'"):
+    with pytest.raises(DataError, match=r"mined\.jsonl:1: no column 'question', which columns= .*'query'"):
         embedding_data(data, tokenizer, columns={"anchor": "question"})
     with pytest.raises(ValueError, match="columns must name each column once"):
         embedding_data(data, tokenizer, columns=["query", "query=answer"])
@@ -517,4 +517,4 @@ def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, caps
     labeled.write_text('{"query_id": "q1", "text": "cats sleep a lot", "label": 1}\n')
     assert main([*train[:5], str(labeled), *train[6:], "-o", str(tmp_path / "three")]) == 1
     error = capsys.readouterr().err
-    assert f"{labeled}, line 1:" in error and "'query_id', 'text', 'label'" in error and "--columns" in error
+    assert f"{labeled}:1:" in error and "'query_id', 'text', 'label'" in error and "--columns" in error

@@ -203,7 +203,7 @@ def test_errors_name_the_problem(checkpoint, tmp_path, capsys):
     bad_eval = classification_file(
         tmp_path, "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "??"}]
     )
-    with pytest.raises(DataError, match=r"eval.jsonl, line 2: unknown label '\?\?'"):
+    with pytest.raises(DataError, match=r"eval.jsonl:2: unknown label '\?\?'"):
         fine_tune("classify", data, tmp_path / "a", model=checkpoint("bert"), eval_data=bad_eval)
     with pytest.raises(ValueError, match="not both"):
         fine_tune("mlm", data, tmp_path / "b", model=checkpoint("bert"), config=SIZES, tokenizer=MINILM)

@@ -27,10 +27,10 @@ from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from tolerance import assert_float32_close, encoder_terms, float32_tolerance
 
-from mlx_encoders import SentenceEncoder
+from mlx_encoders import SentenceEncoder, records
 from mlx_encoders.__main__ import main as cli
 from mlx_encoders.distributed import World
-from mlx_encoders.index import CorpusError, Index, StaleIndex, StoreError, build, documents, read_corpus, search
+from mlx_encoders.index import CorpusError, Index, StaleIndex, StoreError, build, read_corpus, search
 from mlx_encoders.index.store import Store
 
 ROOT = Path(__file__).parents[1]
@@ -429,7 +429,7 @@ def write_parquet(file: Path, columns: dict[str, list]) -> Path:
 @pytest.fixture
 def small_batches(monkeypatch):
     """Two rows per record batch, so the reader streams several and counts rows across them."""
-    monkeypatch.setattr(documents, "PARQUET_BATCH", 2)
+    monkeypatch.setattr(records, "PARQUET_BATCH", 2)
 
 
 ROWS = [("rain", "Rain falls from the clouds."), ("sun", "The sun rises in the east."), ("fern", "Ferns grow.")]

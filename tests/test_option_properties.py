@@ -179,7 +179,7 @@ def write_text(path, rows: list[dict]):
 def names_option_or_line(error: Exception, options: dict, data) -> bool:
     message = str(error)
     if isinstance(error, DataError):
-        return bool(re.search(r"(item|line) \d+", message)) or str(data) in message
+        return bool(re.search(r"item \d+|:\d+:", message)) or str(data) in message
     return any(re.search(rf"\b{name}\b", message) for name in options)
 
 

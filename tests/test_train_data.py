@@ -93,9 +93,9 @@ def test_iterable_of_dicts_such_as_a_datasets_dataset():
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("bad.jsonl", '{"text": "a"}\n{"text": oops}\n', "bad.jsonl, line 2: invalid JSON"),
-        ("list.jsonl", '{"text": "a"}\n["a", 1]\n', "list.jsonl, line 2: a JSON list, not an object"),
-        ("short.csv", "text,label\na,pos\nb\n", "short.csv, line 3: 1 fields where the header (line 1) has 2"),
+        ("bad.jsonl", '{"text": "a"}\n{"text": oops}\n', "bad.jsonl:2: not a JSON value"),
+        ("list.jsonl", '{"text": "a"}\n["a", 1]\n', "list.jsonl:2: a JSON list, not an object"),
+        ("short.csv", "text,label\na,pos\nb\n", "short.csv:3: 1 fields where the header (line 1) has 2"),
         ("empty.jsonl", "\n\n", "empty.jsonl holds no rows"),
         ("header.csv", "text,label\n", "header.csv holds no rows"),
         ("data.parquet", "x", "unknown file type '.parquet'"),
@@ -109,7 +109,7 @@ def test_malformed_files_name_file_and_line(tmp_path, name, text, message):
 def test_undecodable_and_missing_files(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes(b"fine\ncaf\xe9\n")
-    with pytest.raises(DataError, match=r"latin1.txt, line 2: not UTF-8"):
+    with pytest.raises(DataError, match=r"latin1.txt:2: not UTF-8"):
         read_rows(path)
     with pytest.raises(DataError, match="no such file"):
         read_rows(tmp_path / "missing.jsonl")
@@ -142,7 +142,7 @@ def test_bad_rows_and_labels_are_named(tokenizer, rows, options, message):
 
 def test_bad_row_in_a_file_names_the_file_line(tmp_path, tokenizer):
     path = write(tmp_path, "train.jsonl", '{"text": "a", "label": "pos"}\n\n{"text": "b", "label": "bad"}\n')
-    with pytest.raises(DataError, match=r"train.jsonl, line 3: unknown label 'bad'"):
+    with pytest.raises(DataError, match=r"train.jsonl:3: unknown label 'bad'"):
         sequence_classification_data(path, tokenizer, label2id={"neg": 0, "pos": 1})
 
 
@@ -165,7 +165,7 @@ def test_labels_by_id_and_given_label2id(tmp_path, tokenizer):
     assert sequence_classification_data(csv_path, tokenizer).labels == [10, 2]
     # an id far beyond the data's classes is a typo that would build a million-way head: < 10x the distinct ids
     typo = write(tmp_path, "typo.csv", "text,label\na,0\nb,1000000\nc,1\n")
-    with pytest.raises(DataError, match=r"typo.csv, line 3: label id 1000000 is far beyond the 3 distinct ids"):
+    with pytest.raises(DataError, match=r"typo.csv:3: label id 1000000 is far beyond the 3 distinct ids"):
         sequence_classification_data(typo, tokenizer)
     given = {f"LABEL_{i}": i for i in range(1000001)}  # with label2id, the classes are known
     assert sequence_classification_data(typo, tokenizer, label2id=given).labels == [0, 1000000, 1]
@@ -234,7 +234,7 @@ def test_token_label_ids_csv_and_errors(tmp_path, tokenizer):
     by_id = token_classification_data([{"tokens": ["a", "b"], "ner_tags": [1, 0]}], tokenizer)
     assert by_id.labels[0] == [-100, 1, 0, -100]
     path = write(tmp_path, "ner.csv", 'tokens,ner_tags\n"[""Paris""]","[""B-LOC""]"\n"[""a"", ""b""]","[""O""]"\n')
-    with pytest.raises(DataError, match=r"ner.csv, line 3: 2 words but 1 tags"):
+    with pytest.raises(DataError, match=r"ner.csv:3: 2 words but 1 tags"):
         token_classification_data(path, tokenizer)
     with pytest.raises(DataError, match=r"item 1 .*'tokens' must hold a list"):
         token_classification_data([{"tokens": "a b", "ner_tags": ["O", "O"]}], tokenizer)
@@ -329,11 +329,11 @@ def test_masked_lm_documents_become_windows(tmp_path, tokenizer):
 def test_documents_that_give_no_loss_are_refused_naming_the_line(tmp_path, tokenizer, checkpoint):
     # these would crash mid-run with an empty loss ("[logsumexp] Received empty array"), not where the data is
     only_special = write(tmp_path, "corpus.jsonl", '{"text": "a fine film"}\n{"text": " "}\n')
-    with pytest.raises(DataError, match=r"corpus.jsonl, line 2: the document has no token to mask"):
+    with pytest.raises(DataError, match=r"corpus.jsonl:2: the document has no token to mask"):
         masked_lm_data(only_special, tokenizer)
     gpt2 = mlx_encoders.load(checkpoint("gpt2", "causal-lm"))[1]
     one_token = write(tmp_path, "story.jsonl", '{"text": "a fine film"}\n{"text": "a"}\n')
-    with pytest.raises(DataError, match=r"story.jsonl, line 2: the document has 1 token\(s\), so nothing to predict"):
+    with pytest.raises(DataError, match=r"story.jsonl:2: the document has 1 token\(s\), so nothing to predict"):
         causal_lm_data(one_token, gpt2)
     # a long document's last window of one token only loses a token that had nothing to predict it from
     windows = causal_lm_data([{"text": " ".join(["a"] * 9)}], gpt2, max_length=4)

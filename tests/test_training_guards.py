@@ -206,7 +206,7 @@ def test_resume_refuses_an_optimizer_state_of_another_run(checkpoint, tmp_path):
 def test_special_tokens_typed_in_masked_lm_text_are_flagged_naming_the_lines(tmp_path, tokenizer):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a plain line\n\nthe [MASK] sat\n\nplain again\n\n[CLS] tea and [SEP] cake\n")
-    with pytest.warns(UserWarning, match=r"corpus.txt, line 3: \[MASK\] typed in the text \(and in 1 more: lines 7\) "
+    with pytest.warns(UserWarning, match=r"corpus.txt:3: \[MASK\] typed in the text \(and in 1 more: lines 7\) "
                       r"becomes the special token itself"):  # fmt: skip
         masked_lm_data(corpus, tokenizer)
     with warnings.catch_warnings():
@@ -240,7 +240,7 @@ def test_special_tokens_typed_in_causal_lm_text_are_flagged_naming_the_lines(che
     tokenizer = Tokenizer.from_pretrained(checkpoint("gpt2", "causal-lm"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a plain line\n\nthe end<|endoftext|>and more\n")
-    with pytest.warns(UserWarning, match=r"corpus.txt, line 3: <\|endoftext\|> typed in the text becomes the special "
+    with pytest.warns(UserWarning, match=r"corpus.txt:3: <\|endoftext\|> typed in the text becomes the special "
                       r"token itself, which causal-LM training then learns to predict inside text"):  # fmt: skip
         causal_lm_data(corpus, tokenizer)
     with warnings.catch_warnings():
@@ -263,11 +263,11 @@ def test_pretraining_pairs_are_checked_as_masked_lm_text(tmp_path, tokenizer):
     rng = __import__("numpy").random.default_rng(0)
     nothing = tmp_path / "nothing.txt"
     nothing.write_text("[SEP]\n[CLS]\n\n[MASK]\n[SEP]\n")
-    with pytest.raises(DataError, match=r"nothing.txt, line 1: the document has no token to mask"):
+    with pytest.raises(DataError, match=r"nothing.txt:1: the document has no token to mask"):
         pretraining_data(nothing, tokenizer, rng)
     typed = tmp_path / "typed.txt"
     typed.write_text("tea and [MASK]\ncake\n\nmore tea\nand cake\n")
-    with pytest.warns(UserWarning, match=r"typed.txt, line 1: \[MASK\] typed in the text"):
+    with pytest.warns(UserWarning, match=r"typed.txt:1: \[MASK\] typed in the text"):
         pretraining_data(typed, tokenizer, rng)
     one = tmp_path / "one.txt"
     one.write_text("tea\ncake\n")

@@ -8,7 +8,6 @@ file and its 1-based line (or the 1-based item of an iterable) and says what is 
 Longer than most modules: one reader and collate per task, sharing their checks.
 """
 
-import csv
 import json
 import math
 import re
@@ -21,6 +20,7 @@ import numpy as np
 from tokenizers import Encoding
 
 from ..models.base import PROBLEM_TYPES
+from ..records import RecordError, csv_records, jsonl_records, missing, paragraphs, text_lines
 from ..tokenizer import USIZE_MAX, Tokenizer
 from .config import OptionError
 from .losses import IGNORE_INDEX
@@ -43,7 +43,8 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Row:
-    """One row of training data and where it came from: `line` is 1-based (the item number for an iterable)."""
+    """One row of training data and where it came from: `line` is 1-based (the item number for an iterable); `where`
+    reads `file:line`, as every error of `records` does."""
 
     values: dict
     source: str
@@ -51,12 +52,13 @@ class Row:
 
     @property
     def where(self) -> str:
-        return f"item {self.line} of the data" if self.source == ITERABLE else f"{self.source}, line {self.line}"
+        return f"item {self.line} of the data" if self.source == ITERABLE else f"{self.source}:{self.line}"
 
     def get(self, column: str):
-        """The value in `column`; a DataError naming the row when the row has no such column (or an empty cell)."""
+        """The value in `column`; a DataError naming the row when the row has no such column or the value is missing
+        (null or empty, `records.missing`)."""
         value = self.values.get(column)
-        if value is None:
+        if missing(value):
             found = ", ".join(repr(c) for c in self.values) or "none"
             raise DataError(
                 f"{self.where}: no value in column {column!r} (columns: {found}); fill it, or name the right "
@@ -94,22 +96,37 @@ class Examples:
 
 def read_rows(data: str | Path | Iterable[Mapping], text_column: str = "text") -> list[Row]:
     """The rows of a .jsonl/.ndjson, .csv, .tsv or .txt file (a .txt line is a row `{text_column: line}`; blank lines
-    are skipped), or of an iterable of dicts such as a `datasets.Dataset`. Fails on an empty source."""
+    are skipped), read by `records`' rules, or of an iterable of dicts such as a `datasets.Dataset`. Fails on an
+    empty source."""
     if isinstance(data, (str, Path)):
         path = Path(data)
         kind = SUFFIXES.get(path.suffix.lower())
         if kind is None:
             raise DataError(f"{path}: unknown file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
-        lines = read_lines(path)
-        if kind == "text":
-            rows = text_rows(lines, path, text_column)
-        else:
-            rows = jsonl_rows(lines, path) if kind == "jsonl" else csv_rows(lines, path)
+        try:
+            rows = file_rows(path, kind, text_column)
+        except RecordError as e:
+            raise DataError(str(e)) from None
     else:
         rows = iterable_rows(data)
     if not rows:
         source = data if isinstance(data, (str, Path)) else ITERABLE
         raise DataError(f"{source} holds no rows of training data; check the path or the filter that built it")
+    return rows
+
+
+def file_rows(path: Path, kind: str, text_column: str) -> list[Row]:
+    if kind == "text":
+        return [Row({text_column: r.value}, r.file, r.line) for r in text_lines(path)]
+    if kind != "jsonl":
+        return [Row(r.value, r.file, r.line) for r in csv_records(path, "\t" if kind == "tsv" else ",")]
+    rows = []
+    for record in jsonl_records(path):
+        row = Row(record.value, record.file, record.line)
+        if not isinstance(record.value, dict):
+            kind = "null" if record.value is None else type(record.value).__name__
+            raise DataError(f"{row.where}: a JSON {kind}, not an object; write one object a line")
+        rows.append(row)
     return rows
 
 
@@ -168,65 +185,6 @@ def by_position(row: Row, layout: str, names: str) -> tuple[list[str], str | Non
     return texts, label
 
 
-def read_lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 file with their line ends (a leading byte-order mark dropped)."""
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines(keepends=True)
-    for number, raw in enumerate(lines, 1):
-        try:
-            lines[number - 1] = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{path}, line {number}: not UTF-8 ({e.reason} at byte {e.start}); re-save as UTF-8"
-            ) from None
-    return lines
-
-
-def jsonl_rows(lines: list[str], path: Path) -> list[Row]:
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            values = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}, line {number}: invalid JSON ({e.msg} at column {e.colno}); fix or remove it"
-            ) from None
-        if not isinstance(values, dict):
-            raise DataError(
-                f"{path}, line {number}: a JSON {type(values).__name__}, not an object; write one object a line"
-            )
-        rows.append(Row(values, str(path), number))
-    return rows
-
-
-def csv_rows(lines: list[str], path: Path) -> list[Row]:
-    """Rows of a CSV (or, by suffix, TSV) file with a header line; the line of a row is where its record starts."""
-    reader = csv.reader(lines, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-    header = next(reader, None)
-    rows, start = [], reader.line_num + 1
-    for record in reader:
-        if any(cell.strip() for cell in record):
-            if len(record) != len(header):
-                raise DataError(
-                    f"{path}, line {start}: {len(record)} fields where the header (line 1) has {len(header)}; quote "
-                    "fields that hold the delimiter"
-                )
-            rows.append(Row(dict(zip(header, record, strict=True)), str(path), start))
-        start = reader.line_num + 1
-    return rows
-
-
-def text_rows(lines: list[str], path: Path, text_column: str) -> list[Row]:
-    return [
-        Row({text_column: line.rstrip("\r\n")}, str(path), number)
-        for number, line in enumerate(lines, 1)
-        if line.strip()
-    ]
-
-
 def iterable_rows(data: Iterable[Mapping]) -> list[Row]:
     if isinstance(data, (Mapping, bytes)) or not isinstance(data, Iterable):
         raise TypeError(f"Training data must be a file path or an iterable of dicts, got {type(data).__name__}")
@@ -244,17 +202,13 @@ def read_documents(data: str | Path | Iterable[Mapping], text_column: str = "tex
     if not (isinstance(data, (str, Path)) and Path(data).suffix.lower() == ".txt"):
         return [[row] for row in read_rows(data, text_column)]
     path = Path(data)
-    documents, current = [], []
-    for number, line in enumerate(read_lines(path), 1):
-        if line.strip():
-            current.append(Row({text_column: line.rstrip("\r\n")}, str(path), number))
-        elif current:
-            documents.append(current)
-            current = []
-    documents += [current] if current else []
-    if not documents:
+    try:
+        runs = paragraphs(text_lines(path))
+    except RecordError as e:
+        raise DataError(str(e)) from None
+    if not runs:
         raise DataError(f"{path} holds no text; check the path")
-    return documents
+    return [[Row({text_column: r.value}, r.file, r.line) for r in run] for run in runs]
 
 
 # ----- labels -----

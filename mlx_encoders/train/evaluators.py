@@ -9,13 +9,13 @@ query's positives and negatives and reports MAP, MRR@k and NDCG@k ("ndcg@10"). B
 (`SentenceEncoder`/`CrossEncoder` wrap it), and both compute from given scores alone (`metrics`).
 """
 
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from ..records import jsonl_records, read_text
 from ..vectors import SIMILARITIES, check_similarity_name
 
 SCORE_BLOCK = 1 << 24  # scores held at once (64 MiB of float32) while ranking a corpus
@@ -353,20 +353,13 @@ class RerankingEvaluator:
 
 
 def read_jsonl(path: str | Path, keys: Sequence[str]) -> list[dict]:
-    """The objects of a JSONL file, each checked to hold `keys` (a ValueError naming the file and line)."""
-    path = Path(path)
+    """The objects of a JSONL file (read by `records`' rules), each checked to hold `keys` (a ValueError naming the
+    file and line)."""
     rows = []
-    with open(path, encoding="utf-8-sig") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {number}: not a JSON object ({e.msg})") from None
-            if not isinstance(row, dict) or any(key not in row for key in keys):
-                raise ValueError(f"{path}, line {number}: each line must be an object with {', '.join(keys)}")
-            rows.append(row)
+    for record in jsonl_records(path):
+        if not isinstance(record.value, dict) or any(key not in record.value for key in keys):
+            raise ValueError(f"{record.where}: each line must be an object with {', '.join(keys)}")
+        rows.append(record.value)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     return rows
@@ -400,14 +393,15 @@ def read_qrels(path: Path) -> list[dict]:
     if path.suffix.lower() != ".tsv":
         rows = read_jsonl(path, ("query-id", "corpus-id"))
         return [{**r, "query-id": str(r["query-id"]), "corpus-id": str(r["corpus-id"])} for r in rows]
-    lines = path.read_text(encoding="utf-8-sig").splitlines()
-    header = lines[0].split("\t") if lines else []
-    if header[:2] != ["query-id", "corpus-id"]:
+    lines = read_text(path).split("\n")
+    if lines[0].split("\t")[:2] != ["query-id", "corpus-id"]:
         raise ValueError(f"{path}: a qrels TSV starts with the header query-id<TAB>corpus-id<TAB>score")
     rows = []
     for number, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
         fields = line.split("\t")
         if len(fields) < 2:
-            raise ValueError(f"{path}, line {number}: expected query-id<TAB>corpus-id<TAB>score")
+            raise ValueError(f"{path}:{number}: expected query-id<TAB>corpus-id<TAB>score")
         rows.append({"query-id": fields[0], "corpus-id": fields[1], "score": fields[2] if len(fields) > 2 else 1})
     return rows

@@ -112,12 +112,13 @@ def mine_hard_negatives(
     (anchor, [positive, negatives...], labels). `output_scores` adds the scores. `range_max` defaults as theirs:
     range_min + num_negatives (x 10 with a margin or max_score) + the most positives of an anchor. "random"
     sampling draws with `random.Random(seed)` (Python's global generator when `seed` is None, as theirs)."""
-    rows = [dict(row.values) for row in read_rows(data)]
+    read = read_rows(data)
+    rows = [dict(row.values) for row in read]
     anchor_column, positive_column = column_names(rows, anchor_column, positive_column)
     if include_positives:
         output_format = "n-tuple"  # theirs: keeps the ranking order, positives included
-    all_queries = [row[anchor_column] for row in rows]
-    positives = [row[positive_column] for row in rows]
+    all_queries = [row.text(anchor_column) for row in read]
+    positives = [row.text(positive_column) for row in read]
     max_positives = max(Counter(all_queries).values())
     if range_max is None:
         filtered = absolute_margin is not None or relative_margin is not None or max_score is not None

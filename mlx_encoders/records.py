@@ -1,0 +1,179 @@
+"""Rows of a corpus or training-data file, each with where it came from: the one reader under the index
+(`index/documents.py`) and training (`train/data.py`), so both read a file by the same rules:
+
+- Text is UTF-8. A leading byte-order mark is dropped and CRLF and CR line ends read as LF, in every format;
+  bytes that are not UTF-8 (latin-1, a surrogate written as bytes) and a lone surrogate escape in JSON
+  (`"\\ud800"`) are errors naming the file and line.
+- .txt/.md: each line that is not blank is a row (`text_lines`); a run of them between blank lines is a
+  paragraph (`paragraphs`). .jsonl: one JSON value a line, blank lines skipped. .csv/.tsv: a header line, then one
+  record a row, quoted fields spanning lines allowed (a row's line is where it starts); a record of blank cells
+  is skipped, one with another number of fields than the header is an error. .parquet: the row number.
+- A null and an empty string are the same missing value (`missing`); ids are strings or integers (`record_id`).
+"""
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+BOM = b"\xef\xbb\xbf"
+PARQUET_BATCH = 8192  # rows per record batch read from a .parquet file
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class RecordError(ValueError):
+    """A file that cannot be read as it is; the message names the file and line (or row) and what to fix."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One row of a file: its value (a line's text, a JSON value, a dict of cells) and its 1-based line, or its
+    1-based row in a Parquet file (`unit` "row")."""
+
+    value: object
+    file: str
+    line: int
+    unit: str = "line"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}: row {self.line}"
+
+
+def missing(value) -> bool:
+    """True for a null and for an empty string (a CSV cannot tell them apart, so no format does)."""
+    return value is None or (isinstance(value, str) and not value)
+
+
+def record_id(value, where: str, default: str) -> str:
+    """A row's id as a string: `default` when it is missing; a string or an integer as written; else an error."""
+    if missing(value):
+        return default
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return str(value)
+    raise RecordError(f"{where}: the id is {type(value).__name__} {value!r:.40}; write ids as strings or integers")
+
+
+def read_text(file: str | Path) -> str:
+    """The text of a UTF-8 file with LF line ends, its byte-order mark dropped."""
+    file = Path(file)
+    if not file.is_file():
+        raise RecordError(f"{file}: no such file; check the path")
+    raw = file.read_bytes().removeprefix(BOM)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = raw[: e.start]
+        line = before.count(b"\n") + before.count(b"\r") - before.count(b"\r\n") + 1
+        byte = e.start - max(before.rfind(b"\n"), before.rfind(b"\r"))
+        found = f"{line}: not UTF-8 ({e.reason} at byte {byte} of the line)"
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            found = "1: not UTF-8 but UTF-16 (it starts with UTF-16's byte-order mark)"
+        raise RecordError(f"{file}:{found}; re-save the file as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def text_lines(file: str | Path) -> list[Record]:
+    """The lines of a text file that are not blank, each its text without the line end."""
+    file = Path(file)
+    lines = read_text(file).split("\n")
+    return [Record(line, str(file), number) for number, line in enumerate(lines, 1) if line.strip()]
+
+
+def paragraphs(lines: list[Record]) -> list[list[Record]]:
+    """`text_lines` grouped into runs between blank lines (a gap in the line numbers)."""
+    runs: list[list[Record]] = []
+    for record in lines:
+        if runs and runs[-1][-1].line == record.line - 1:
+            runs[-1].append(record)
+        else:
+            runs.append([record])
+    return runs
+
+
+def jsonl_records(file: str | Path) -> list[Record]:
+    """One JSON value a line (any type: the caller checks it); blank lines are skipped."""
+    file, records = Path(file), []
+    for number, line in enumerate(read_text(file).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{number}"
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError) as e:  # ValueError: bad JSON, or an integer beyond Python's digit limit
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)[:80]
+            raise RecordError(f"{where}: not a JSON value ({detail}); fix or remove that line") from None
+        if "\\u" in line and has_surrogate(value):  # only an escape makes one: the text is UTF-8
+            raise RecordError(
+                f"{where}: a lone surrogate escape such as \\ud800 (half of a UTF-16 pair) is no character; write "
+                "the character itself or both escapes of its pair, or remove that line"
+            )
+        records.append(Record(value, str(file), number))
+    return records
+
+
+def has_surrogate(value) -> bool:
+    if isinstance(value, str):
+        return SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(has_surrogate(k) or has_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(has_surrogate(v) for v in value)
+
+
+def csv_records(file: str | Path, delimiter: str = ",", required: Sequence[str] = ()) -> list[Record]:
+    """The records of a CSV (delimiter ",") or TSV ("\\t") file as dicts {header cell: cell}; the header must hold
+    the `required` columns."""
+    file = Path(file)
+    reader = csv.reader(io.StringIO(read_text(file), newline=""), delimiter=delimiter, strict=True)
+    records, start = [], 1
+    try:
+        header = next(reader, [])
+        for column in required:
+            if column not in header:
+                raise RecordError(f"{file}: no {column!r} column in the header {header}; name one column {column}")
+        repeated = sorted({c for c in header if header.count(c) > 1})
+        if repeated:
+            raise RecordError(f"{file}:1: the header names {repeated[0]!r} twice; give each column its own name")
+        start = reader.line_num + 1
+        for cells in reader:
+            if any(cell.strip() for cell in cells):
+                if len(cells) != len(header):
+                    raise RecordError(
+                        f"{file}:{start}: {len(cells)} fields where the header (line 1) has {len(header)}; quote "
+                        "fields that hold the delimiter"
+                    )
+                records.append(Record(dict(zip(header, cells, strict=True)), str(file), start))
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise RecordError(
+            f"{file}:{start}: not valid CSV ({e}); check the quotes of the record that starts there, or write the "
+            "data as .jsonl"
+        ) from None
+    return records
+
+
+def parquet_records(file: str | Path, columns: Sequence[str], required: Sequence[str] = ()) -> Iterator[Record]:
+    """The rows of a Parquet file as dicts of those of `columns` it has (it must have the `required` ones), read a
+    record batch at a time so Arrow never holds the table whole. Nulls read as None."""
+    try:  # lazily: pyarrow is an optional extra, needed only when a .parquet file is met
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f'{file}: a .parquet file needs pyarrow: pip install "mlx-encoders[parquet]"') from None
+    file = Path(file)
+    try:
+        table = pq.ParquetFile(file)
+        names = table.schema_arrow.names
+        for column in required:
+            if column not in names:
+                raise RecordError(f"{file}: no {column!r} column in the columns {names}; name one column {column}")
+        row = 0
+        for batch in table.iter_batches(PARQUET_BATCH, columns=[c for c in columns if c in names]):
+            for values in batch.to_pylist():
+                row += 1
+                yield Record(values, str(file), row, "row")
+    except pa.ArrowException as e:  # not Parquet, truncated or damaged pages
+        raise RecordError(f"{file}: not a readable Parquet file ({e}); rewrite it") from None
