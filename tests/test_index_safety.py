@@ -179,9 +179,9 @@ def test_a_commit_whose_documents_lack_vectors_is_rolled_back(tmp_path):
     assert Index(tmp_path).search(vectors[3], 5)[0].id == "b-1"
 
 
-def write_index(folder: Path, texts: list[str], vectors: np.ndarray, sparse: list, shared: int = 0) -> list[str]:
+def write_index(folder: Path, texts: list[str], vectors: np.ndarray, sparse: list, shared: int = 0) -> None:
     """An index of `texts` (keyed as a build keys them) with dense and sparse vectors and no model: documents
-    "doc-0", ...; the last `shared` documents repeat the first texts. Returns the document ids."""
+    "doc-0", ...; the last `shared` documents repeat the first texts."""
     folder.mkdir()
     ids = [f"doc-{i}" for i in range(len(texts) + shared)]
     keys = [text_key(text) for text in texts]
@@ -190,7 +190,6 @@ def write_index(folder: Path, texts: list[str], vectors: np.ndarray, sparse: lis
                         "sparse_model": "random", "sparse_model_fingerprint": "-"})  # fmt: skip
         store.stage(keys, texts, vectors, sparse)
         store.commit_index(list(zip(ids, keys + keys[:shared], strict=True)))
-    return ids
 
 
 def sparse_rows(count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -234,7 +233,7 @@ def test_damage_at_random_offsets_gives_the_right_answer_or_the_damaged_error(cl
     original = (folder / "index.sqlite").read_bytes()
     expected = answers(Index(folder), vectors, sparse)
     assert len(expected[1]) == 310 and len(expected[2]) > 10
-    page = 4096
+    page = struct.unpack(">H", original[16:18])[0]  # the page size, in the file's header
     damaged, outcomes = tmp_path / "damaged", Counter()
     damaged.mkdir()
 

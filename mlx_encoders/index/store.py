@@ -3,14 +3,15 @@
 Tables: `meta` (model, model fingerprint, dimension, dtype, pooling, the sparse model, generation, store id, format,
 row counts), `texts` (one row per distinct text: integer row, SHA-256 key, text, dense vector; empty without a dense
 model), `documents` (id -> text key, in corpus order), `postings` (the sparse model's inverted index: term id, text
-row, weight; clustered by term) and `staged` / `staged_postings` (vectors embedded by a build that has not finished).
+row, weight; clustered by term), `terms` (postings per term) and `staged` / `staged_postings` (vectors embedded by a
+build that has not finished).
 A build commits its vectors into the staging tables a chunk at a time, then swaps `documents`, `texts` and `postings`
 in one transaction, so a reader sees the previous index or the new one.
 
 Every row carries a checksum of its values, seeded with its row number where it has one (a text's key and text, and
-its vector; a document's id, key and the number of documents of its text; a posting's term, row and weight), `terms`
-the number of postings of each term, and `meta` a checksum of its entries. Every read checks them, so a damaged
-byte that SQLite's own page checks miss is a `DamagedStore` error, never a wrong score, id or text.
+its vector; a document's id, key and the number of documents of its text; a posting's term, row and weight; a
+term's number of postings), and `meta` a checksum of its entries. Every read checks them, and the counts, so a
+damaged byte that SQLite's own page checks miss is a `DamagedStore` error, never a wrong score, id or text.
 """
 
 import hashlib
@@ -144,12 +145,12 @@ class Store:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Any failure to read the file as an index is the `damaged` error: SQLite's own (a malformed page), bytes
-        that are not UTF-8, a value of another type or size where a damaged cell was read."""
+        that are not UTF-8, a value of another type, size or range where a damaged cell was read."""
         try:
             yield
         except StoreError:
             raise
-        except (sqlite3.DatabaseError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError, ValueError, TypeError, KeyError, OverflowError) as e:
             raise self.damaged(e) from None
 
     def close(self) -> None:
@@ -167,9 +168,11 @@ class Store:
         """The meta entries, checked against their checksum (stores of earlier versions have none)."""
         with self.reading():
             entries = dict(self.con.execute("SELECT CAST(name AS BLOB), CAST(value AS BLOB) FROM meta"))
-            if b"checksum" in entries:
-                if entries.pop(b"checksum") != str(meta_crc(entries.items())).encode():
-                    raise self.damaged("its meta entries do not match their checksum")
+            stored = entries.pop(b"checksum", None)
+            if None in entries or None in entries.values():
+                raise self.damaged("a meta entry is empty")
+            if (stored is not None or b"format" in entries) and stored != str(meta_crc(entries.items())).encode():
+                raise self.damaged("its meta entries do not match their checksum")
             return {name.decode(): value.decode() for name, value in entries.items()}
 
     def begin_read(self) -> dict[str, str]:
@@ -192,8 +195,8 @@ class Store:
     def check(self) -> None:
         """Full integrity check of the file (O(size)): SQLite's pages, then every row against its checksum and the
         row counts; raises `DamagedStore` naming the file and the first bad row."""
-        size = int(self.meta.get("dimension", 0)) * DTYPE.itemsize
         with self.reading():
+            size = int(self.meta.get("dimension", 0)) * DTYPE.itemsize
             result = self.con.execute("PRAGMA quick_check").fetchone()[0]
             if result != "ok":
                 raise self.damaged(result)
@@ -288,17 +291,14 @@ class Store:
                     "or build into a new --index folder."
                 )
 
-    def transaction(self, statements: Iterable, check: Callable[[], None] | None = None) -> None:
-        """Run (sql, rows) pairs with executemany (and functions, called) in one transaction, then `check` (which
-        raises to roll it back) and the meta's checksum: all of them or none."""
+    def transaction(self, statements: Iterable[tuple[str, Iterable]], check: Callable[[], None] | None = None) -> None:
+        """Run (sql, rows) pairs with executemany in one transaction, then `check` (which raises to roll it back)
+        and the meta's checksum: all of them or none."""
         try:
             self.con.execute("BEGIN IMMEDIATE")
             try:
-                for statement in statements:
-                    if callable(statement):
-                        statement()
-                    else:
-                        self.con.executemany(*statement)
+                for sql, rows in statements:
+                    self.con.executemany(sql, rows)
                 if check is not None:
                     check()
                 entries = self.con.execute("SELECT CAST(name AS BLOB), CAST(value AS BLOB) FROM meta WHERE name != ?",
