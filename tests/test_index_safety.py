@@ -98,7 +98,7 @@ def test_a_second_build_is_refused_while_one_runs_and_nothing_is_lost(tmp_path, 
         out, err = running.communicate(timeout=120)
     assert running.returncode == 0, err
     build(corpus, tmp_path / "clean", encoder, chunk=2, quiet=True)
-    assert_same_index(index, tmp_path / "clean")  # the refused builds changed nothing
+    assert_same_index(index, tmp_path / "clean", encoder.path)  # the refused builds changed nothing
     assert not (index / LOCK_NAME).exists()  # released
 
 
@@ -124,7 +124,7 @@ def test_the_lock_of_a_killed_build_is_taken_over(tmp_path, encoder, capsys):
         f"taking over the lock of {index}, left by a build that stopped without releasing it (pid {killed.pid}" in err
     )
     build(corpus, tmp_path / "clean", encoder, quiet=True)
-    assert_same_index(index, tmp_path / "clean")
+    assert_same_index(index, tmp_path / "clean", encoder.path)
     assert not (index / LOCK_NAME).exists()
     build(corpus, index, encoder)  # a clean release leaves nothing to take over
     assert "taking over" not in capsys.readouterr().err
@@ -376,7 +376,7 @@ def test_an_index_without_checksums_is_refused_until_its_next_build_adds_them(tm
     monkeypatch.setattr(SentenceEncoder, "encode", lambda *args, **kwargs: pytest.fail("nothing is embedded again"))
     assert build(corpus, index, encoder, quiet=True)["added"] == 0
     monkeypatch.undo()
-    assert_same_index(index, clean)
+    assert_same_index(index, clean, encoder.path)
     query = Index(clean).vectors[3]
     assert Index(index).search(query, 8) == Index(clean).search(query, 8)
 
