@@ -38,6 +38,31 @@ def check_similarity(name: str) -> str:
     return name
 
 
+Texts = list[list[tuple[int, ...]]]  # a batch's token ids, per column: what `no_signal` compares
+IN_BATCH_ADVICE = (
+    "give it batches of two rows or more with different positives (more rows of data, batch_size (--batch-size) "
+    ">= 2; the no_duplicates batch_sampler puts rows that share a text in different batches), add hard negatives "
+    "(a negative column), or train scored pairs (sentence1, sentence2, score) with loss cosent or cosine"
+)
+
+
+def in_batch_no_signal(columns: Texts, directions: Sequence[str] = ("query_to_doc",)) -> str | None:
+    """Why a batch gives an in-batch-negatives loss no gradient, or None: when its documents are all one text (one
+    row without hard negatives, or rows of the same positive) every candidate scores as the positive does, so the
+    loss is a constant, unless a direction also compares different queries with each other or with the document."""
+    queries, documents = columns[0], {text for column in columns[1:] for text in column}
+    if len(columns) < 2 or len(documents) > 1:
+        return None  # (too few columns: the loss itself says so)
+    compares_queries = not set(directions) <= {"query_to_doc", "doc_to_query"} or len(set(queries)) > 1
+    if len(queries) > 1 and compares_queries and set(directions) != {"query_to_doc"}:
+        return None
+    if len(queries) == 1 and len(columns) == 2:
+        why = "each batch holds one row, whose positive is its anchor's only candidate"
+    else:
+        why = "the documents of each batch are all the same text, so no candidate ranks below the positive"
+    return f"{why}; {IN_BATCH_ADVICE}"
+
+
 class MultipleNegativesRankingLoss:
     """InfoNCE with in-batch negatives: for each anchor, its positive against every positive and hard negative
     of the batch (the full B x B(1 + n) matrix), scores times `scale`. `directions` and `partition_mode` as
@@ -91,6 +116,10 @@ class MultipleNegativesRankingLoss:
         else:
             log_z = sum(mx.logsumexp(s, axis=1) for s in sims.values()) / len(sims)
         return -(positive - log_z).mean()
+
+    def no_signal(self, columns: Texts, labels: list | None = None) -> str | None:
+        """Why a batch of these texts gives this loss no gradient (`in_batch_no_signal`), or None."""
+        return in_batch_no_signal(columns, self.directions)
 
 
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
@@ -158,6 +187,22 @@ class CoSENTLoss:
         higher = labels[:, None] > labels[None, :]  # (i, j): pair i should score above pair j
         diffs = mx.where(higher, scores[None, :] - scores[:, None], -mx.inf).reshape(-1)
         return mx.logsumexp(mx.concatenate([mx.zeros(1), diffs]))
+
+    def no_signal(self, columns: Texts, labels: list) -> str | None:
+        """Why a batch gives CoSENT no gradient, or None: it compares pairs of different scores, so a batch needs two
+        scores and two different pairs of texts (then some differently scored pairs differ in their texts too)."""
+        if len(set(labels)) > 1 and len(set(zip(columns[0], columns[1], strict=True))) > 1:
+            return None
+        if len(labels) == 1:
+            why = "each batch holds one pair, which CoSENT has no other pair to rank against"
+        elif len(set(labels)) == 1:
+            why = "the pairs of each batch all have the same score, and CoSENT learns from pairs scored differently"
+        else:
+            why = "the pairs of each batch are all the same two texts, whose similarities cannot differ"
+        return (
+            f"{why}; give it batches of two pairs or more with different scores (more rows of data, batch_size "
+            "(--batch-size) >= 2), or train with loss cosine, which fits each pair's score alone"
+        )
 
 
 class CosineSimilarityLoss:

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..multi_vector import maxsim_scores
+from .contrastive import Texts, in_batch_no_signal
 
 
 def multi_vector_ranking(
@@ -33,3 +34,7 @@ class MaxSimRankingLoss:
 
     def __call__(self, columns: list[tuple[mx.array, mx.array]], labels=None) -> mx.array:
         return multi_vector_ranking(columns[0], columns[1:], self.scale)
+
+    def no_signal(self, columns: Texts, labels=None) -> str | None:
+        """Why a batch gives this loss no gradient (`contrastive.in_batch_no_signal`), or None."""
+        return in_batch_no_signal(columns)

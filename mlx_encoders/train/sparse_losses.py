@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .contrastive import Texts, in_batch_no_signal
+
 
 def multiple_negatives_ranking(embeddings: list[mx.array], scale: float = 1.0) -> mx.array:
     """Cross-entropy of each query's scaled dot scores against every document of the batch, its own positive
@@ -73,3 +75,8 @@ class SpladeLoss:
             use_document_regularizer_only=self.use_document_regularizer_only,
         )  # fmt: skip
         return sum(parts.values())
+
+    def no_signal(self, columns: Texts, labels=None) -> str | None:
+        """Why a batch gives the ranking part no gradient (`contrastive.in_batch_no_signal`), or None: the FLOPS
+        regularizers alone would only push every weight of the vocabulary down."""
+        return in_batch_no_signal(columns)
