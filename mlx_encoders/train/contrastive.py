@@ -8,11 +8,11 @@ model pass that makes the embeddings lives in `train/embedding.py`, so a loss is
 (`CachedMultipleNegativesRankingLoss`) can differentiate with respect to the embeddings alone.
 """
 
-import math
-import numbers
 from collections.abc import Sequence
 
 import mlx.core as mx
+
+from .config import check_option
 
 SIMILARITIES = ("cosine", "dot")
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -82,10 +82,11 @@ class MultipleNegativesRankingLoss:
     ):
         if symmetric:
             directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale!r}")
+        check_option("scale", scale, type(self).__name__)
         if "query_to_doc" not in directions or not set(directions) <= set(DIRECTIONS):
             raise ValueError(f"directions must include 'query_to_doc' and be among {', '.join(DIRECTIONS)}")
+        if len(set(directions)) != len(directions):
+            raise ValueError(f"directions must each be given once, got {list(directions)}")
         if partition_mode not in PARTITION_MODES:
             raise ValueError(f"partition_mode must be one of {', '.join(PARTITION_MODES)}, got {partition_mode!r}")
         if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
@@ -130,8 +131,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
 
     def __init__(self, scale: float = 20.0, similarity: str = "cosine", mini_batch_size: int = 32, **options):
         super().__init__(scale, similarity, **options)
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be an integer >= 1, got {mini_batch_size!r}")
+        check_option("mini_batch_size", mini_batch_size, type(self).__name__)
         self.mini_batch_size = mini_batch_size
 
 
@@ -140,15 +140,11 @@ class MatryoshkaLoss:
     sentence-transformers' `shrink` does; the sum weighted by `weights` (default all 1)."""
 
     def __init__(self, loss, dims: Sequence[int], weights: Sequence[float] | None = None):
-        weights = [1.0] * len(dims) if weights is None else list(weights)
-        if not dims or len(weights) != len(dims):
+        check_option("matryoshka_dims", dims, "MatryoshkaLoss")
+        weights = [1.0] * len(dims) if weights is None else weights
+        check_option("matryoshka_weights", weights, "MatryoshkaLoss")
+        if len(weights) != len(dims):
             raise ValueError(f"MatryoshkaLoss needs one weight per dimension; got dims {dims} and weights {weights}")
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-            raise ValueError(f"Matryoshka dims must be integers >= 1, got {list(dims)}")
-        if len(set(dims)) != len(dims):
-            raise ValueError(f"Matryoshka dims must differ from each other, got {list(dims)}")
-        if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-            raise ValueError(f"Matryoshka weights must be finite, 0 or more, and not all 0; got {weights}")
         pairs = sorted(zip(dims, weights, strict=True), key=lambda p: p[0], reverse=True)
         self.loss, self.dims, self.weights = loss, [d for d, _ in pairs], [w for _, w in pairs]
 
@@ -176,6 +172,7 @@ class CoSENTLoss:
     in_batch_negatives = False
 
     def __init__(self, scale: float = 20.0, similarity: str = "cosine"):
+        check_option("scale", scale, type(self).__name__)
         self.scale, self.similarity = scale, check_similarity(similarity)
 
     def __call__(self, embeddings: list[mx.array], labels: mx.array) -> mx.array:

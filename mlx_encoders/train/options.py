@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Mapping
 
 from ..models.base import PROBLEM_TYPES
-from .config import OptionError, TrainingConfig
+from .config import OptionError, TrainingConfig, check_options_in
 from .data import Examples
 from .metrics import eval_metric_names
 from .rerank import METRIC_NAMES as RERANK_METRICS
@@ -76,9 +76,9 @@ def flag(name: str) -> str:
 
 
 def check_task_options(task: str, options: Mapping) -> None:
-    """Refuse an option `task` would ignore, or one whose companion option is missing; warn when an option is
-    replaced by another given with it; check `metric_for_best` and `problem_type`. `options` holds fine_tune's
-    arguments (eval_data included) by name."""
+    """Refuse an option `task` would ignore, one whose companion option is missing, or one out of its range
+    (`config.RANGES`); warn when an option is replaced by another given with it; check `metric_for_best` and
+    `problem_type`. `options` holds fine_tune's arguments (eval_data included) by name."""
     if options.get("problem_type") not in (None, *PROBLEM_TYPES):
         raise OptionError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {options['problem_type']!r}")
     for name, tasks in READ_BY.items():
@@ -91,6 +91,7 @@ def check_task_options(task: str, options: Mapping) -> None:
         if given(options, name) and options.get(other) == value:
             raise OptionError(f"{flag(name)} means nothing with {other}={value!r} ({why}); drop it")
     check_needs(options)
+    check_options_in(options)
     for name, replacement in REPLACED_BY.items():
         if given(options, name) and given(options, replacement):
             warnings.warn(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .config import check_option
 from .contrastive import Texts, in_batch_no_signal
 
 
@@ -66,6 +67,11 @@ class SpladeLoss:
     query_regularizer_threshold: int | None = None
     use_document_regularizer_only: bool = False
     in_batch_negatives = True  # the no_duplicates sampler by default
+
+    def __post_init__(self):
+        for name in ("document_regularizer_weight", "query_regularizer_weight", "scale",
+                     "document_regularizer_threshold", "query_regularizer_threshold"):  # fmt: skip
+            check_option(name, getattr(self, name), "SpladeLoss")
 
     def __call__(self, embeddings: list[mx.array], labels=None) -> mx.array:
         parts = splade_loss(
