@@ -5,19 +5,26 @@ work (exit 2); a step with exactly zero gradients on a batch that should teach t
 moved the weights, stops the run (exit 1). Batches that cannot teach anything within a run that learns (a one-row
 tail, a batch of equal scores) are taken as zero steps, as sentence-transformers takes them."""
 
+import itertools
 import json
+import re
+import warnings
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from mlx_encoders.__main__ import main
 from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.train import cli, fine_tune, trainer
-from mlx_encoders.train.contrastive import MatryoshkaLoss, MultipleNegativesRankingLoss
+from mlx_encoders.train.contrastive import CoSENTLoss, MatryoshkaLoss, MultipleNegativesRankingLoss
+from mlx_encoders.train.data import DataError
 from mlx_encoders.train.sparse_losses import SpladeLoss
-from mlx_encoders.train.trainer import NoSignal, TrainingConfig, ZeroGradient
+from mlx_encoders.train.trainer import NoSignal, OptionError, TrainingConfig, ZeroGradient
 
 ONE_ROW = [{"anchor": "how do cats sleep", "positive": "curled up in warm places"}]
 SHARED_ANCHOR = [{"anchor": "tea", "positive": f"a cup of hot tea number {i}"} for i in range(16)]
@@ -147,3 +154,91 @@ def test_a_first_batch_of_equal_scores_is_a_zero_step_not_an_error(sources, tmp_
     assert [r["grad_norm"] for r in records][0] == 0.0 and records[1]["grad_norm"] > 0
     assert changed(trained, sources["embed"])
     assert np.isfinite(records[1]["loss"])
+
+
+# ----- a property-based campaign over degenerate training sets -----
+
+ANCHORS = st.sampled_from(["tea", "tea", "coffee"])  # duplicated anchors are likely
+DOCUMENTS = st.sampled_from(["hot tea", "a cup of tea", "black coffee", "hot tea"])
+SCORES = st.sampled_from([0.0, 0.5, 0.5, 1.0])  # equal scores are likely
+EMBED_LOSSES = {
+    "pairs": st.sampled_from([None, "mnrl", "cached-mnrl", "symmetric-mnrl", "matryoshka", constant_loss]),
+    "triplets": st.sampled_from([None, "mnrl", "cached-mnrl"]),
+    "scored": st.sampled_from([None, "cosent", "cosine", "matryoshka"]),
+}
+
+
+@st.composite
+def embed_draw(draw) -> tuple[list[dict], dict]:
+    """1-4 rows of anchor-positive pairs, triplets or scored pairs, with a loss for them and batching options."""
+    layout, n = draw(st.sampled_from(sorted(EMBED_LOSSES))), draw(st.integers(1, 4))
+    rows = []
+    for _ in range(n):
+        if layout == "scored":
+            rows.append({"sentence1": draw(ANCHORS), "sentence2": draw(DOCUMENTS), "score": draw(SCORES)})
+        else:
+            rows.append({"anchor": draw(ANCHORS), "positive": draw(DOCUMENTS)})
+            rows[-1] |= {"negative": draw(DOCUMENTS)} if layout == "triplets" else {}
+    loss = draw(EMBED_LOSSES[layout])
+    if loss == "matryoshka":
+        inner = CoSENTLoss() if layout == "scored" else MultipleNegativesRankingLoss()
+        loss = MatryoshkaLoss(inner, [32, 16])
+    options = {"loss": loss, "batch_sampler": draw(st.sampled_from([None, "batch_sampler", "no_duplicates"]))}
+    return rows, options
+
+
+@st.composite
+def rerank_draw(draw) -> tuple[list[dict], dict]:
+    """1-4 rows of one query with a document and a label, a list of documents (empty ones too) with labels, or a
+    positive with negatives; one of the reranking losses."""
+    layout, n = draw(st.sampled_from(["pointwise", "listwise", "negatives"])), draw(st.integers(1, 4))
+    negatives = draw(st.integers(0, 2))  # one count for all rows, as mnrl wants
+    rows = []
+    for _ in range(n):
+        query = draw(ANCHORS)
+        if layout == "pointwise":
+            rows.append({"query": query, "document": draw(DOCUMENTS), "label": draw(SCORES)})
+        elif layout == "listwise":
+            documents = draw(st.lists(DOCUMENTS, max_size=3))
+            labels = [draw(SCORES) for _ in documents]
+            rows.append({"query": query, "documents": documents, "labels": labels})
+        else:
+            rows.append({"query": query, "positive": draw(DOCUMENTS)})
+            rows[-1] |= {f"negative_{i}": draw(DOCUMENTS) for i in range(1, negatives + 1)}
+    return rows, {"loss": draw(st.sampled_from([None, "bce", "listnet", "lambda", "mnrl"]))}
+
+
+def test_degenerate_training_sets_train_or_are_refused_never_a_silent_no_op(sources, tmp_path, record_property):
+    """Every draw trains (its weights change) or is refused with a clear error (`NoSignal` or another option
+    error, a data error naming the row, before anything is written; `ZeroGradient`, with no model saved): never a
+    run that ends with the weights it started from, never another exception."""
+    counts, serial = Counter(), itertools.count()
+    tasks = {"embed": "encoder", "rerank": "sequence-classification"}
+
+    @settings(max_examples=50, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(data=st.data(), task=st.sampled_from(sorted(tasks)))
+    def run(data, task):
+        rows, options = data.draw(embed_draw() if task == "embed" else rerank_draw())
+        options |= {"batch_size": data.draw(st.integers(1, 4)), "max_steps": data.draw(st.integers(1, 2))}
+        out = tmp_path / f"run{next(serial)}"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trained = fine_tune(task, rows, out, model=sources[task], lr=1e-3, **options)
+        except (OptionError, DataError) as e:
+            assert not out.exists(), f"refused after writing to {out}: {e}"
+            assert isinstance(e, OptionError) or re.search(r"item \d+ of the data", str(e)), e
+            counts[f"{task}: refused ({type(e).__name__})"] += 1
+            return
+        except ZeroGradient:
+            assert not (out / "model").exists()
+            counts[f"{task}: stopped (ZeroGradient)"] += 1
+            return
+        assert changed(trained, sources[task], tasks[task]), f"exit 0 with unchanged weights: {rows} {options}"
+        counts[f"{task}: trained"] += 1
+
+    run()
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    record_property("summary", f"degenerate training sets: {sum(counts.values())} cases ({parts})")
+    assert all(counts[f"{task}: {outcome}"] for task in tasks for outcome in ("trained", "refused (NoSignal)"))

@@ -1,7 +1,8 @@
-"""What a training run is given and what it returns, checked before any work: `TrainingConfig` (the loop's options,
-after transformers' `TrainingArguments`), `OptionError` (an option out of range, from errors.py: exit 2 on the
-command line) and `Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`)
-build on it.
+"""What a training run is given and what it returns, checked before any work: `RANGES` (what every numeric and list
+option accepts, for the loop, `fine_tune`, the losses and mining), `TrainingConfig` (the loop's options, after
+transformers' `TrainingArguments`), `OptionError` (an option out of range, from errors.py: exit 2 on the command
+line) and `Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`) build
+on it.
 """
 
 import math
@@ -46,7 +47,7 @@ class Number:
     @property
     def wanted(self) -> str:
         if self.integer:
-            wanted = f"an integer >= {self.low:g}" + (f" and <= {self.high:g}" if math.isfinite(self.high) else "")
+            wanted = f"an integer >= {self.low:g}"
         elif math.isfinite(self.low) or math.isfinite(self.high):
             low, high = (
                 f"{'(' if self.low_open else '['}{self.low:g}",
@@ -71,11 +72,8 @@ class Numbers:
     each: Number
     distinct: bool = False
     some: bool = False
-    optional: bool = False
 
     def problem(self, value) -> str | None:
-        if value is None and self.optional:
-            return None
         if isinstance(value, str | bytes) or not isinstance(value, list | tuple) or not value:
             return f"must be a list of one or more numbers, each {self.each.wanted}, got {value!r}"
         if not all(self.each.accepts(v) for v in value):
@@ -107,9 +105,7 @@ class Names:
 
 @dataclass(frozen=True)
 class LabelIds:
-    """label2id: class names, each mapped to its own id, the ids 0..n-1 (the head's outputs)."""
-
-    optional: bool = True
+    """label2id (None, or class names each mapped to its own id, the ids 0..n-1: the head's outputs)."""
 
     def problem(self, value) -> str | None:
         if value is None:

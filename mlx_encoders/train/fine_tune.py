@@ -121,8 +121,8 @@ def fine_tune(
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
-    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it), and an
-      option the task would ignore is refused (`options.READ_BY`).
+    - Every numeric option is checked against its range first (`config.RANGES`; `OptionError`, a ValueError
+      naming it), and an option the task would ignore is refused (`options.READ_BY`).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
     - "embed" ("sentence-embedding") trains a sentence-embedding model (`fine_tune_embed`): rows of anchor, positive
       (negative or negative_1..n) or sentence1, sentence2, score; `loss` a name ("mnrl", "symmetric-mnrl",

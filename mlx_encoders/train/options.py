@@ -1,6 +1,7 @@
 """Which options each training task reads, in one table: an option given to a task that would ignore it is refused
 before any work (`OptionError`, exit 2 on the command line), and one that another option replaces is warned about,
-so that nothing the user asked for vanishes. `metric_for_best` is checked here too, before the data is read."""
+so that nothing the user asked for vanishes. `metric_for_best` is checked here too, before the data is read, and
+every option's range (`config.RANGES`, the table the losses, `TrainingConfig` and mining check too)."""
 
 import warnings
 from collections.abc import Mapping
