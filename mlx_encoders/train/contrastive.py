@@ -50,9 +50,11 @@ def in_batch_no_signal(columns: Texts, directions: Sequence[str] = ("query_to_do
     """Why a batch gives an in-batch-negatives loss no gradient, or None: when its documents are all one text (one
     row without hard negatives, or rows of the same positive) every candidate scores as the positive does, so the
     loss is a constant, unless a direction also compares different queries with each other or with the document."""
+    if len(columns) < 2:  # the loss itself says what is missing
+        return None
     queries, documents = columns[0], {text for column in columns[1:] for text in column}
-    if len(columns) < 2 or len(documents) > 1:
-        return None  # (too few columns: the loss itself says so)
+    if len(documents) > 1:
+        return None
     compares_queries = not set(directions) <= {"query_to_doc", "doc_to_query"} or len(set(queries)) > 1
     if len(queries) > 1 and compares_queries and set(directions) != {"query_to_doc"}:
         return None
