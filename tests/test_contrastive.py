@@ -398,10 +398,10 @@ def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_pa
 @pytest.mark.parametrize(
     "dims, weights, message",
     [
-        (["32", "16"], ["nan", "1"], "weights must be finite"),
-        (["32", "16"], ["-1", "0"], "weights must be finite, 0 or more"),
-        (["32", "16"], ["0", "0"], "not all 0"),
-        (["16", "16"], None, "dims must differ"),
+        (["32", "16"], ["nan", "1"], "matryoshka_weights must each be a finite number in [0, inf)"),
+        (["32", "16"], ["-1", "0"], "matryoshka_weights must each be a finite number in [0, inf)"),
+        (["32", "16"], ["0", "0"], "matryoshka_weights must not all be 0"),
+        (["16", "16"], None, "matryoshka_dims must differ from each other"),
     ],
 )
 def test_cli_matryoshka_options_out_of_range_are_option_errors(st_folder, tmp_path, capsys, dims, weights, message):

@@ -6,6 +6,7 @@ recipe)."""
 
 import importlib
 import json
+import math
 import warnings
 
 import mlx.core as mx
@@ -17,7 +18,15 @@ import mlx_encoders
 from mlx_encoders import conversion
 from mlx_encoders.__main__ import main
 from mlx_encoders.tokenizer import Tokenizer
+from mlx_encoders.train import cli as train_cli
 from mlx_encoders.train import fine_tune
+from mlx_encoders.train.config import RANGES, LabelIds, Names, Number, Numbers
+from mlx_encoders.train.contrastive import (
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
+)
 from mlx_encoders.train.data import (
     DataError,
     causal_lm_data,
@@ -26,7 +35,10 @@ from mlx_encoders.train.data import (
     pretraining_data,
     sequence_classification_data,
 )
+from mlx_encoders.train.hard_negatives import mine_hard_negatives
 from mlx_encoders.train.masking import Masker
+from mlx_encoders.train.multi_vector_losses import MaxSimRankingLoss
+from mlx_encoders.train.sparse_losses import SpladeLoss
 from mlx_encoders.train.trainer import OptionError, TrainingConfig, train
 
 fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
@@ -119,7 +131,7 @@ def test_label2id_with_regression_targets_read_from_the_data_is_refused(tokenize
          "--matryoshka-dims"),
         ("embed", ["--mini-batch-size", "4"], "--mini-batch-size is an option of --loss cached-mnrl"),
         ("embed", ["--loss", "cached-mnrl", "--mini-batch-size", "0"], "mini_batch_size must be an integer >= 1"),
-        ("embed", ["--matryoshka-dims", "0"], "Matryoshka dims must be integers >= 1"),
+        ("embed", ["--matryoshka-dims", "0"], "matryoshka_dims must each be an integer >= 1"),
     ],
 )  # fmt: skip
 def test_the_command_exits_2_on_a_flag_the_task_ignores(tmp_path, capsys, kind, flags, message):
@@ -307,3 +319,121 @@ def test_a_recipe_setting_the_mode_refuses_names_the_recipe(checkpoint, tmp_path
     with pytest.raises(ValueError, match=message):
         mlx_encoders.convert(checkpoint("bert"), tmp_path / "mlx", mode="mxfp4", recipe=recipe)
     assert not (tmp_path / "mlx").exists()
+
+
+# ----- every numeric and list option's range, in the one table (config.RANGES) -----
+
+
+def refused_values(spec) -> list:
+    """Values `spec` (an entry of config.RANGES) must refuse: NaN, infinities, below or above its bounds (negative
+    where it starts at 0), a fraction or a bool for an integer, a text; for lists also empty ones, a value twice,
+    all zeros."""
+    if isinstance(spec, Number):
+        values = [math.nan, math.inf, -math.inf, "1"]
+        values += [spec.low - 1] if math.isfinite(spec.low) else []
+        values += [spec.low] if spec.low_open else []
+        values += [spec.high + 0.5] if math.isfinite(spec.high) else []
+        values += [max(spec.low, 0) + 1.5, True] if spec.integer else []
+        return values + ([] if spec.optional else [None])
+    if isinstance(spec, Numbers):
+        good = max(spec.each.low, 0) + 1
+        values = [[], [math.nan], [good, math.inf], "1", [good, *refused_values(spec.each)[4:5]]]
+        values += [[good, good]] if spec.distinct else []
+        return values + ([[0, 0]] if spec.some else [])
+    if isinstance(spec, Names):
+        return [[], "query", ["query", "query"], [""], [1]]
+    assert isinstance(spec, LabelIds), spec
+    return [{}, {"a": 0, "b": 0}, {"a": 1}, {"a": 0, "b": 2}, {"a": -1}, {"a": "0"}, {"a": True}]
+
+
+def through_fine_tune(task: str, **extra):
+    def call(tmp_path, name, value):  # neither the model nor the data exists: the option fails first
+        missing = tmp_path / "missing"
+        fine_tune(task, missing, tmp_path / "run", model=missing, **{**extra, name: value})
+
+    return call
+
+
+def through_loss(make):
+    return lambda tmp_path, name, value: make(name, value)
+
+
+def through_mining(tmp_path, name, value):
+    mine_hard_negatives(tmp_path / "missing.jsonl", None, **{name: value})
+
+
+LOSSES_WITH_SCALE = [MultipleNegativesRankingLoss, CachedMultipleNegativesRankingLoss, CoSENTLoss, SpladeLoss,
+                     MaxSimRankingLoss]  # fmt: skip
+TRAINING_FIELDS = [name for name in TrainingConfig.__dataclass_fields__ if name in RANGES]
+# each option of the table: the library calls that take it
+LIBRARY = {name: [through_fine_tune("classify")] for name in TRAINING_FIELDS} | {
+    "batch_size": [through_fine_tune("embed"), through_mining],
+    "max_length": [through_fine_tune("classify"), through_fine_tune("rerank")],
+    "lora_rank": [through_fine_tune("embed")],
+    "lora_alpha": [through_fine_tune("classify", lora_rank=2)],
+    "lora_targets": [through_fine_tune("classify", lora_rank=2)],
+    "label2id": [through_fine_tune("tokens")],
+    "generator_size": [through_fine_tune("rtd")],
+    "discriminator_weight": [through_fine_tune("rtd")],
+    "scale": [through_loss(lambda name, v, loss=loss: loss(scale=v)) for loss in LOSSES_WITH_SCALE],
+    "mini_batch_size": [through_loss(lambda name, v: CachedMultipleNegativesRankingLoss(mini_batch_size=v))],
+    "matryoshka_dims": [through_loss(lambda name, v: MatryoshkaLoss(MultipleNegativesRankingLoss(), v))],
+    "matryoshka_weights": [through_loss(lambda name, v: MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 16], v))],
+} | {name: [through_loss(lambda name, v: SpladeLoss(**{name: v}))] for name in RANGES if "regularizer" in name} | {
+    name: [through_mining]
+    for name in ("num_negatives", "range_min", "range_max", "absolute_margin", "relative_margin", "max_score",
+                 "min_score")
+}  # fmt: skip
+# the command's flags for them: `train TASK` or `mine`, with the arguments that make the flag read
+COMMAND = {name: ("classify", []) for name in TRAINING_FIELDS + ["max_length", "lora_rank"]} | {
+    "lora_alpha": ("classify", ["--lora-rank", "2"]),
+    "generator_size": ("rtd", []),
+    "discriminator_weight": ("rtd", []),
+    "mini_batch_size": ("embed", ["--loss", "cached-mnrl"]),
+    "document_regularizer_weight": ("sparse", []),
+    "query_regularizer_weight": ("sparse", []),
+} | {name: ("mine", []) for name in LIBRARY if through_mining in LIBRARY[name]}  # fmt: skip
+
+
+def test_the_range_table_covers_every_option_the_library_and_the_command_take():
+    assert set(LIBRARY) == set(RANGES), "give each option of config.RANGES the calls that take it"
+    flags = {a.dest for p in (train_cli.add_options,) for a in parser_actions(p)}
+    assert set(RANGES) & flags - {"lora_targets", "matryoshka_dims", "matryoshka_weights"} <= set(COMMAND)
+
+
+def parser_actions(add) -> list:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser._actions
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_an_option_out_of_its_range_is_refused_by_the_library_naming_it(tmp_path, name):
+    for call in LIBRARY[name]:
+        for value in refused_values(RANGES[name]):
+            with pytest.raises(OptionError, match=rf"\b{name}\b") as refused:
+                call(tmp_path, name, value)
+            assert not (tmp_path / "run").exists(), f"{name}={value!r}: refused after writing"
+            assert "missing" not in str(refused.value), f"{name}={value!r}: the data or model was read first"
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND))
+def test_an_option_out_of_its_range_exits_2_on_the_command_line_naming_it(tmp_path, capsys, name):
+    kind, extra = COMMAND[name]
+    flag, missing = f"--{name.replace('_', '-')}", str(tmp_path / "missing")
+    argv = ["mine", "-m", missing, "--data", missing] if kind == "mine" else ["train", kind, "-m", missing]
+    argv += ["-o", str(tmp_path / "run")] + ([] if kind == "mine" else ["--data", missing]) + extra
+    typed = [v for v in refused_values(RANGES[name]) if isinstance(v, float | int) and not isinstance(v, bool)]
+    for value in typed:
+        capsys.readouterr()
+        try:
+            status = main([*argv, flag, str(value)])
+        except SystemExit as stop:  # argparse: not an integer
+            status = stop.code
+        err = capsys.readouterr().err
+        assert status == 2, f"{flag} {value}: exit {status}: {err[-400:]}"
+        line = next(x for x in err.splitlines() if "error:" in x)
+        assert flag in line or name in line, line
+        assert not (tmp_path / "run").exists()

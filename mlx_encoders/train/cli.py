@@ -227,9 +227,9 @@ def retrieval_loss(args: argparse.Namespace):
         return None
     from .sparse_losses import SpladeLoss
 
-    loss = SpladeLoss()
+    weights = {}
     if args.document_regularizer_weight is not None:
-        loss.document_regularizer_weight = args.document_regularizer_weight
+        weights["document_regularizer_weight"] = args.document_regularizer_weight
     if args.query_regularizer_weight is not None:
-        loss.query_regularizer_weight = args.query_regularizer_weight or None
-    return loss
+        weights["query_regularizer_weight"] = args.query_regularizer_weight or None
+    return SpladeLoss(**weights)  # it checks them (`config.RANGES`)

@@ -1,10 +1,12 @@
-"""What a training run is given and what it returns, checked before any work: `TrainingConfig` (the loop's options,
-after transformers' `TrainingArguments`), `OptionError` (an option out of range, from errors.py: exit 2 on the
-command line) and `Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`)
-build on it.
+"""What a training run is given and what it returns, checked before any work: `RANGES` (what every numeric and list
+option accepts, for the loop, `fine_tune`, the losses and mining), `TrainingConfig` (the loop's options, after
+transformers' `TrainingArguments`), `OptionError` (an option out of range, from errors.py: exit 2 on the command
+line) and `Trained` (what `fine_tune` returns). Both the loop (`trainer`) and the option table (`options`) build
+on it.
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,21 +21,142 @@ from .optim import SCHEDULES
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
-def at_least(name: str, value, low: int, optional: bool = False) -> None:
-    """`value` is an integer >= `low` (or None when `optional`)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        allowed = f"an integer >= {low}" + (" or None" if optional else "")
-        raise OptionError(f"{name} must be {allowed}, got {value!r}")
+def is_number(value) -> bool:
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
 
 
-def in_range(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    """`value` is a finite number in [low, high] ((low, high] when `low_open`); NaN and infinities are refused."""
-    number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
-        raise OptionError(f"{name} must be a finite number in {bounds}, got {value!r}")
+@dataclass(frozen=True)
+class Number:
+    """What a numeric option accepts: a finite number in [low, high] ((low, high] when `low_open`), an integer when
+    `integer`; None too when `optional`. `note` says what a value means where the range alone would not."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    integer: bool = False
+    optional: bool = False
+    note: str = ""
+
+    def accepts(self, value) -> bool:
+        if self.integer and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
+            return False
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        return self.low <= value <= self.high and not (self.low_open and value == self.low)
+
+    @property
+    def wanted(self) -> str:
+        if self.integer:
+            wanted = f"an integer >= {self.low:g}"
+        elif math.isfinite(self.low) or math.isfinite(self.high):
+            low, high = (
+                f"{'(' if self.low_open else '['}{self.low:g}",
+                f"{self.high:g}{']' if math.isfinite(self.high) else ')'}",
+            )
+            wanted = f"a finite number in {low}, {high}"
+        else:
+            wanted = "a finite number"
+        return wanted + (f" ({self.note})" if self.note else "") + (" or None" if self.optional else "")
+
+    def problem(self, value) -> str | None:
+        """What is wrong with `value`, after the option's name ("must be ..."), or None."""
+        if value is None and self.optional:
+            return None
+        return None if self.accepts(value) else f"must be {self.wanted}, got {value!r}"
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """What a list option accepts: one `each` or more, each value once when `distinct`, not all 0 when `some`."""
+
+    each: Number
+    distinct: bool = False
+    some: bool = False
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple) or not value:
+            return f"must be a list of one or more numbers, each {self.each.wanted}, got {value!r}"
+        if not all(self.each.accepts(v) for v in value):
+            return f"must each be {self.each.wanted}, got {list(value)}"
+        if self.distinct and len(set(value)) != len(value):
+            return f"must differ from each other, got {list(value)}"
+        if self.some and not any(value):
+            return f"must not all be 0, got {list(value)}"
+        return None
+
+
+@dataclass(frozen=True)
+class Names:
+    """A list option of names: one or more non-empty strings, each once."""
+
+    optional: bool = False
+
+    def problem(self, value) -> str | None:
+        if value is None and self.optional:
+            return None
+        if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+            return f"must be a list of one or more names, got {value!r}"
+        if not all(isinstance(v, str) and v.strip() for v in value):
+            return f"must be non-empty names, got {list(value)}"
+        if len(set(value)) != len(value):
+            return f"must each be given once, got {list(value)}"
+        return None
+
+
+@dataclass(frozen=True)
+class LabelIds:
+    """label2id (None, or class names each mapped to its own id, the ids 0..n-1: the head's outputs)."""
+
+    def problem(self, value) -> str | None:
+        if value is None:
+            return None
+        ids = list(value.values()) if isinstance(value, Mapping) else None
+        if not ids or not all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+            return f"must map each label name to an integer id, got {value!r}"
+        if sorted(ids) != list(range(len(ids))):
+            return f"must give the labels the ids 0..{len(ids) - 1}, each once, got {dict(value)!r}"
+        return None
+
+
+POSITIVE, AT_LEAST_0 = Number(0.0, low_open=True), Number(0.0)
+COUNT, SOME = Number(1, integer=True), Number(1, integer=True, optional=True)
+# Every numeric and list option of training, of the embedding losses and of mining, with what it accepts: checked
+# here (`check_option`) by `TrainingConfig`, `fine_tune` (`options.check_task_options`), the losses and `mine`,
+# before any work, for the library and the command alike.
+RANGES = {
+    "epochs": COUNT, "max_steps": SOME, "batch_size": COUNT, "grad_accum": COUNT, "eval_every": SOME,
+    "save_every": SOME, "keep_last": SOME, "warmup_steps": Number(0, integer=True),
+    "seed": Number(0, integer=True),  # numpy's generators refuse negative seeds
+    "lr": POSITIVE, "weight_decay": AT_LEAST_0, "warmup_ratio": Number(0.0, 1.0),
+    # a negative norm would scale the gradients by a negative factor and step uphill: <= 0 turns clipping off
+    "max_grad_norm": Number(optional=True, note="<= 0 turns clipping off"),
+    "max_length": SOME, "lora_rank": SOME, "lora_alpha": Number(0.0, low_open=True, optional=True),
+    "lora_targets": Names(optional=True), "label2id": LabelIds(),
+    "generator_size": Number(0.0, 1.0, low_open=True), "discriminator_weight": AT_LEAST_0,
+    "scale": POSITIVE, "mini_batch_size": COUNT,
+    "matryoshka_dims": Numbers(COUNT, distinct=True), "matryoshka_weights": Numbers(AT_LEAST_0, some=True),
+    "document_regularizer_weight": AT_LEAST_0, "query_regularizer_weight": Number(0.0, optional=True),
+    "document_regularizer_threshold": Number(0, integer=True, optional=True),
+    "query_regularizer_threshold": Number(0, integer=True, optional=True),
+    "num_negatives": COUNT, "range_min": Number(0, integer=True), "range_max": SOME,
+    "absolute_margin": Number(optional=True), "relative_margin": Number(optional=True),
+    "max_score": Number(optional=True), "min_score": Number(optional=True),
+}  # fmt: skip
+
+
+def check_option(name: str, value, owner: str = "") -> None:
+    """Refuse `value` outside what option `name` accepts (`RANGES`) with an `OptionError` naming it (and `owner`,
+    the loss it belongs to)."""
+    problem = RANGES[name].problem(value)
+    if problem is not None:
+        raise OptionError(f"{owner + ' ' if owner else ''}{name} {problem}")
+
+
+def check_options_in(options: Mapping) -> None:
+    """`check_option` for each option of `options` that `RANGES` has."""
+    for name, value in options.items():
+        if name in RANGES:
+            check_option(name, value)
 
 
 @dataclass
@@ -84,20 +207,8 @@ class TrainingConfig:
 
 
 def check_options(config: TrainingConfig) -> None:
-    """Every option in its range, before any work. `max_grad_norm` <= 0 turns clipping off (as transformers' 0 and
-    None do): a negative norm would otherwise scale the gradients by a negative factor and step uphill."""
-    for name in ("epochs", "batch_size", "grad_accum"):
-        at_least(name, getattr(config, name), 1)
-    for name in ("max_steps", "eval_every", "save_every", "keep_last"):
-        at_least(name, getattr(config, name), 1, optional=True)
-    at_least("warmup_steps", config.warmup_steps, 0)
-    at_least("seed", config.seed, 0)  # numpy's generators refuse negative seeds
-    in_range("lr", config.lr, 0.0, low_open=True)
-    in_range("weight_decay", config.weight_decay, 0.0)
-    in_range("warmup_ratio", config.warmup_ratio, 0.0, 1.0)
-    norm = config.max_grad_norm
-    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not math.isfinite(norm)):
-        raise OptionError(f"max_grad_norm must be a finite number (<= 0 turns clipping off) or None, got {norm!r}")
+    """Every option in its range (`RANGES`), before any work."""
+    check_options_in({name: getattr(config, name) for name in TrainingConfig.__dataclass_fields__})
     if config.schedule not in SCHEDULES:
         raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
     if config.dtype not in COMPUTE_DTYPES:

@@ -8,11 +8,11 @@ model pass that makes the embeddings lives in `train/embedding.py`, so a loss is
 (`CachedMultipleNegativesRankingLoss`) can differentiate with respect to the embeddings alone.
 """
 
-import math
-import numbers
 from collections.abc import Sequence
 
 import mlx.core as mx
+
+from .config import check_option
 
 SIMILARITIES = ("cosine", "dot")
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -38,6 +38,33 @@ def check_similarity(name: str) -> str:
     return name
 
 
+Texts = list[list[tuple[int, ...]]]  # a batch's token ids, per column: what `no_signal` compares
+IN_BATCH_ADVICE = (
+    "give it batches of two rows or more with different positives (more rows of data, batch_size (--batch-size) "
+    ">= 2; the no_duplicates batch_sampler puts rows that share a text in different batches), add hard negatives "
+    "(a negative column), or train scored pairs (sentence1, sentence2, score) with loss cosent or cosine"
+)
+
+
+def in_batch_no_signal(columns: Texts, directions: Sequence[str] = ("query_to_doc",)) -> str | None:
+    """Why a batch gives an in-batch-negatives loss no gradient, or None: when its documents are all one text (one
+    row without hard negatives, or rows of the same positive) every candidate scores as the positive does, so the
+    loss is a constant, unless a direction also compares different queries with each other or with the document."""
+    if len(columns) < 2:  # the loss itself says what is missing
+        return None
+    queries, documents = columns[0], {text for column in columns[1:] for text in column}
+    if len(documents) > 1:
+        return None
+    compares_queries = not set(directions) <= {"query_to_doc", "doc_to_query"} or len(set(queries)) > 1
+    if len(queries) > 1 and compares_queries and set(directions) != {"query_to_doc"}:
+        return None
+    if len(queries) == 1 and len(columns) == 2:
+        why = "each batch holds one row, whose positive is its anchor's only candidate"
+    else:
+        why = "the documents of each batch are all the same text, so no candidate ranks below the positive"
+    return f"{why}; {IN_BATCH_ADVICE}"
+
+
 class MultipleNegativesRankingLoss:
     """InfoNCE with in-batch negatives: for each anchor, its positive against every positive and hard negative
     of the batch (the full B x B(1 + n) matrix), scores times `scale`. `directions` and `partition_mode` as
@@ -57,10 +84,11 @@ class MultipleNegativesRankingLoss:
     ):
         if symmetric:
             directions, partition_mode = ("query_to_doc", "doc_to_query"), "per_direction"
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale!r}")
+        check_option("scale", scale, type(self).__name__)
         if "query_to_doc" not in directions or not set(directions) <= set(DIRECTIONS):
             raise ValueError(f"directions must include 'query_to_doc' and be among {', '.join(DIRECTIONS)}")
+        if len(set(directions)) != len(directions):
+            raise ValueError(f"directions must each be given once, got {list(directions)}")
         if partition_mode not in PARTITION_MODES:
             raise ValueError(f"partition_mode must be one of {', '.join(PARTITION_MODES)}, got {partition_mode!r}")
         if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
@@ -92,6 +120,10 @@ class MultipleNegativesRankingLoss:
             log_z = sum(mx.logsumexp(s, axis=1) for s in sims.values()) / len(sims)
         return -(positive - log_z).mean()
 
+    def no_signal(self, columns: Texts, labels: list | None = None) -> str | None:
+        """Why a batch of these texts gives this loss no gradient (`in_batch_no_signal`), or None."""
+        return in_batch_no_signal(columns, self.directions)
+
 
 class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     """`MultipleNegativesRankingLoss` computed by GradCache: the embeddings of the whole batch are computed in
@@ -101,8 +133,7 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
 
     def __init__(self, scale: float = 20.0, similarity: str = "cosine", mini_batch_size: int = 32, **options):
         super().__init__(scale, similarity, **options)
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be an integer >= 1, got {mini_batch_size!r}")
+        check_option("mini_batch_size", mini_batch_size, type(self).__name__)
         self.mini_batch_size = mini_batch_size
 
 
@@ -111,15 +142,11 @@ class MatryoshkaLoss:
     sentence-transformers' `shrink` does; the sum weighted by `weights` (default all 1)."""
 
     def __init__(self, loss, dims: Sequence[int], weights: Sequence[float] | None = None):
-        weights = [1.0] * len(dims) if weights is None else list(weights)
-        if not dims or len(weights) != len(dims):
+        check_option("matryoshka_dims", dims, "MatryoshkaLoss")
+        weights = [1.0] * len(dims) if weights is None else weights
+        check_option("matryoshka_weights", weights, "MatryoshkaLoss")
+        if len(weights) != len(dims):
             raise ValueError(f"MatryoshkaLoss needs one weight per dimension; got dims {dims} and weights {weights}")
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-            raise ValueError(f"Matryoshka dims must be integers >= 1, got {list(dims)}")
-        if len(set(dims)) != len(dims):
-            raise ValueError(f"Matryoshka dims must differ from each other, got {list(dims)}")
-        if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-            raise ValueError(f"Matryoshka weights must be finite, 0 or more, and not all 0; got {weights}")
         pairs = sorted(zip(dims, weights, strict=True), key=lambda p: p[0], reverse=True)
         self.loss, self.dims, self.weights = loss, [d for d, _ in pairs], [w for _, w in pairs]
 
@@ -147,6 +174,7 @@ class CoSENTLoss:
     in_batch_negatives = False
 
     def __init__(self, scale: float = 20.0, similarity: str = "cosine"):
+        check_option("scale", scale, type(self).__name__)
         self.scale, self.similarity = scale, check_similarity(similarity)
 
     def __call__(self, embeddings: list[mx.array], labels: mx.array) -> mx.array:
@@ -158,6 +186,22 @@ class CoSENTLoss:
         higher = labels[:, None] > labels[None, :]  # (i, j): pair i should score above pair j
         diffs = mx.where(higher, scores[None, :] - scores[:, None], -mx.inf).reshape(-1)
         return mx.logsumexp(mx.concatenate([mx.zeros(1), diffs]))
+
+    def no_signal(self, columns: Texts, labels: list) -> str | None:
+        """Why a batch gives CoSENT no gradient, or None: it compares pairs of different scores, so a batch needs two
+        scores and two different pairs of texts (then some differently scored pairs differ in their texts too)."""
+        if len(set(labels)) > 1 and len(set(zip(columns[0], columns[1], strict=True))) > 1:
+            return None
+        if len(labels) == 1:
+            why = "each batch holds one pair, which CoSENT has no other pair to rank against"
+        elif len(set(labels)) == 1:
+            why = "the pairs of each batch all have the same score, and CoSENT learns from pairs scored differently"
+        else:
+            why = "the pairs of each batch are all the same two texts, whose similarities cannot differ"
+        return (
+            f"{why}; give it batches of two pairs or more with different scores (more rows of data, batch_size "
+            "(--batch-size) >= 2), or train with loss cosine, which fits each pair's score alone"
+        )
 
 
 class CosineSimilarityLoss:

@@ -267,6 +267,15 @@ class EmbeddingObjective:
                 "(cosent or cosine for scored pairs)"
             )
 
+    def no_signal(self, examples: TextExamples, indices) -> str | None:
+        """Why the batch of `indices` gives the loss no gradient, from the loss's `no_signal` (the batch's token
+        ids: texts cut to the same tokens are the same text); None when it can learn, or the loss does not say."""
+        check = getattr(self.loss, "no_signal", None)  # a loss of the user's may not say
+        if check is None:
+            return None
+        columns = [[tuple(column[i].ids) for i in indices] for column in examples.columns]
+        return check(columns, [examples.labels[i] for i in indices])
+
     def batcher(self, examples: TextExamples, batch_size: int) -> Callable[[np.ndarray], list[np.ndarray]] | None:
         if self.batch_sampler != "no_duplicates":
             return None

@@ -26,7 +26,7 @@ from ..models import TASKS, model_class, model_module, preset_config, presets
 from ..models.base import BaseArgs
 from ..models.layers import drawing_from
 from ..tokenizer import Tokenizer
-from .config import OptionError, Trained, TrainingConfig, at_least, in_range
+from .config import OptionError, Trained, TrainingConfig
 from .data import (
     Examples,
     causal_lm_data,
@@ -121,8 +121,8 @@ def fine_tune(
     - `lora_rank` trains LoRA adapters (alpha default 2 x rank; targets default the attention projections) over
       the frozen base, quantized or not (QLoRA); they are saved alone to `output_dir/adapters` and fused into
       the saved model.
-    - Every numeric option is checked against its range first (`OptionError`, a ValueError naming it), and an
-      option the task would ignore is refused (`options.READ_BY`).
+    - Every numeric option is checked against its range first (`config.RANGES`; `OptionError`, a ValueError
+      naming it), and an option the task would ignore is refused (`options.READ_BY`).
     - `resume`: a checkpoint-STEP folder of an earlier run of the same call, continued exactly.
     - "embed" ("sentence-embedding") trains a sentence-embedding model (`fine_tune_embed`): rows of anchor, positive
       (negative or negative_1..n) or sentence1, sentence2, score; `loss` a name ("mnrl", "symmetric-mnrl",
@@ -155,7 +155,7 @@ def fine_tune(
         discriminator_weight=discriminator_weight, lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=lora_targets, eval_data=eval_data, **embedding,
     )  # fmt: skip
-    check_task_options(task, given | training)  # before the model and data load
+    check_task_options(task, given | training | {"max_length": max_length})  # before the model and data load
     if task in RETRIEVAL_TASKS:
         from .fine_tune_embed import fine_tune_embedding
         from .fine_tune_retrieval import fine_tune_multivector, fine_tune_sparse
@@ -166,9 +166,10 @@ def fine_tune(
             lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
             **training,
         )  # fmt: skip
-    check_call_options(max_length, lora_rank, lora_alpha)
-    if task == RTD_TASK:
-        check_rtd_options(lora_rank, generator_size, discriminator_weight)
+    if task == RTD_TASK and lora_rank:
+        raise OptionError(
+            "rtd trains every weight of the generator and the discriminator: drop lora_rank (--lora-rank)"
+        )
     checkpoint = check_source(task, model, config, tokenizer)
     if task == "pretraining" and checkpoint is not None:
         check_next_sentence_head(checkpoint)
@@ -225,23 +226,6 @@ def training_config(output_dir: str | Path, training: dict) -> TrainingConfig:
         raise TypeError(f"fine_tune() got unknown options {', '.join(unknown)}; the training options are: "
                         f"{', '.join(sorted(known))}")  # fmt: skip
     return TrainingConfig(output_dir, **training)
-
-
-def check_call_options(max_length: int | None, lora_rank: int | None, lora_alpha: float | None) -> None:
-    """`fine_tune`'s own numeric options in their ranges (the training ones are `TrainingConfig`'s)."""
-    at_least("max_length", max_length, 1, optional=True)
-    at_least("lora_rank", lora_rank, 1, optional=True)
-    if lora_alpha is not None:
-        in_range("lora_alpha", lora_alpha, 0.0, low_open=True)
-
-
-def check_rtd_options(lora_rank: int | None, generator_size: float, discriminator_weight: float) -> None:
-    if lora_rank:
-        raise OptionError(
-            "rtd trains every weight of the generator and the discriminator: drop lora_rank (--lora-rank)"
-        )
-    in_range("generator_size", generator_size, 0.0, 1.0, low_open=True)
-    in_range("discriminator_weight", discriminator_weight, 0.0)
 
 
 def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pairs: bool) -> None:

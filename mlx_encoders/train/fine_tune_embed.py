@@ -24,7 +24,7 @@ from .embedding import (
     read_setup,
     save_sentence_transformer,
 )
-from .fine_tune import check_call_options, check_max_length, training_config
+from .fine_tune import check_max_length, training_config
 from .lora import apply_lora, fuse, save_adapters
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
 
@@ -50,7 +50,6 @@ def fine_tune_embedding(
 ) -> Trained:
     """See `fine_tune`: the embed task's part."""
     options = training_config(output_dir, training)
-    check_call_options(max_length, lora_rank, lora_alpha)
     if model is None:
         raise ValueError(
             "fine_tune('embed') starts from model=: a sentence-transformers folder or an encoder checkpoint"

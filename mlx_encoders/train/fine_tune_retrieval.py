@@ -32,7 +32,7 @@ from ..tokenizer import Tokenizer
 from ..vectors import normalize
 from .config import OptionError, Trained
 from .embedding import EmbeddingObjective, TextExamples, write_json
-from .fine_tune import check_call_options, training_config
+from .fine_tune import training_config
 from .fine_tune_embed import text_examples, train_objective
 from .multi_vector_losses import MaxSimRankingLoss
 from .sparse_losses import SpladeLoss
@@ -174,7 +174,6 @@ def fine_tune_sparse(
     """See `fine_tune`: the sparse task's part. `loss` a `sparse_losses.SpladeLoss` (its weights), default
     `SpladeLoss()`."""
     options = training_config(output_dir, training)
-    check_call_options(max_length, lora_rank, lora_alpha)
     if model is None:
         raise ValueError("fine_tune('sparse') starts from model=: a SparseEncoder folder or a masked-LM checkpoint")
     loss = SpladeLoss() if loss is None else loss
@@ -330,7 +329,6 @@ def fine_tune_multivector(
     """See `fine_tune`: the multivector task's part. `loss` a `multi_vector_losses.MaxSimRankingLoss` (its
     scale), default scale 1 as sentence-transformers'."""
     options = training_config(output_dir, training)
-    check_call_options(max_length, lora_rank, lora_alpha)
     if model is None:
         raise ValueError("fine_tune('multivector') starts from model=: a MultiVectorEncoder folder or an encoder")
     if lora_rank:

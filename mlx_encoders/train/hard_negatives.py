@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import check_options_in
 from .data import read_rows
 
 FORMATS = ("triplet", "n-tuple", "labeled-pair", "labeled-list")
@@ -39,10 +40,6 @@ def check_options(range_min: int, range_max: int, num_negatives: int, sampling_s
         raise ValueError(f"output_format must be one of {', '.join(FORMATS)}, got {output_format!r}")
     if sampling_strategy not in STRATEGIES:
         raise ValueError(f"sampling_strategy must be one of {', '.join(STRATEGIES)}, got {sampling_strategy!r}")
-    if num_negatives < 1:
-        raise ValueError(f"num_negatives must be at least 1, got num_negatives={num_negatives}")
-    if range_min < 0:
-        raise ValueError(f"range_min must be non-negative, got range_min={range_min}")
     if range_min >= range_max:
         raise ValueError(f"range_min must be smaller than range_max, got range_min={range_min}, range_max={range_max}")
     if num_negatives > range_max - range_min:
@@ -112,6 +109,10 @@ def mine_hard_negatives(
     (anchor, [positive, negatives...], labels). `output_scores` adds the scores. `range_max` defaults as theirs:
     range_min + num_negatives (x 10 with a margin or max_score) + the most positives of an anchor. "random"
     sampling draws with `random.Random(seed)` (Python's global generator when `seed` is None, as theirs)."""
+    numbers = dict(range_min=range_min, range_max=range_max, max_score=max_score, min_score=min_score,
+                   absolute_margin=absolute_margin, relative_margin=relative_margin, num_negatives=num_negatives,
+                   batch_size=batch_size)  # fmt: skip
+    check_options_in(numbers)  # before the data is read (`config.RANGES`)
     read = read_rows(data)
     rows = [dict(row.values) for row in read]
     anchor_column, positive_column = column_names(rows, anchor_column, positive_column)

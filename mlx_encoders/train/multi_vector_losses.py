@@ -9,6 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..multi_vector import maxsim_scores
+from .config import check_option
+from .contrastive import Texts, in_batch_no_signal
 
 
 def multi_vector_ranking(
@@ -31,5 +33,12 @@ class MaxSimRankingLoss:
     scale: float = 1.0
     in_batch_negatives = True  # the no_duplicates sampler by default
 
+    def __post_init__(self):
+        check_option("scale", self.scale, "MaxSimRankingLoss")
+
     def __call__(self, columns: list[tuple[mx.array, mx.array]], labels=None) -> mx.array:
         return multi_vector_ranking(columns[0], columns[1:], self.scale)
+
+    def no_signal(self, columns: Texts, labels=None) -> str | None:
+        """Why a batch gives this loss no gradient (`contrastive.in_batch_no_signal`), or None."""
+        return in_batch_no_signal(columns)

@@ -1,12 +1,13 @@
 """Which options each training task reads, in one table: an option given to a task that would ignore it is refused
 before any work (`OptionError`, exit 2 on the command line), and one that another option replaces is warned about,
-so that nothing the user asked for vanishes. `metric_for_best` is checked here too, before the data is read."""
+so that nothing the user asked for vanishes. `metric_for_best` is checked here too, before the data is read, and
+every option's range (`config.RANGES`, the table the losses, `TrainingConfig` and mining check too)."""
 
 import warnings
 from collections.abc import Mapping
 
 from ..models.base import PROBLEM_TYPES
-from .config import OptionError, TrainingConfig
+from .config import OptionError, TrainingConfig, check_options_in
 from .data import Examples
 from .metrics import eval_metric_names
 from .rerank import METRIC_NAMES as RERANK_METRICS
@@ -76,9 +77,9 @@ def flag(name: str) -> str:
 
 
 def check_task_options(task: str, options: Mapping) -> None:
-    """Refuse an option `task` would ignore, or one whose companion option is missing; warn when an option is
-    replaced by another given with it; check `metric_for_best` and `problem_type`. `options` holds fine_tune's
-    arguments (eval_data included) by name."""
+    """Refuse an option `task` would ignore, one whose companion option is missing, or one out of its range
+    (`config.RANGES`); warn when an option is replaced by another given with it; check `metric_for_best` and
+    `problem_type`. `options` holds fine_tune's arguments (eval_data included) by name."""
     if options.get("problem_type") not in (None, *PROBLEM_TYPES):
         raise OptionError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {options['problem_type']!r}")
     for name, tasks in READ_BY.items():
@@ -91,6 +92,7 @@ def check_task_options(task: str, options: Mapping) -> None:
         if given(options, name) and options.get(other) == value:
             raise OptionError(f"{flag(name)} means nothing with {other}={value!r} ({why}); drop it")
     check_needs(options)
+    check_options_in(options)
     for name, replacement in REPLACED_BY.items():
         if given(options, name) and given(options, replacement):
             warnings.warn(

@@ -251,6 +251,34 @@ class RerankObjective:
             start += len(group)
         return batch
 
+    def no_signal(self, examples: RerankExamples, indices) -> str | None:
+        """Why the batch of `indices` gives the loss no gradient, or None. BCE learns from each pair's label; ListNet
+        from a query's documents of different texts; LambdaLoss from two of different labels and texts (a query with
+        two labels and two texts has such a pair); MNRL from each query against two documents of different texts."""
+        groups = [examples.groups[i] for i in indices]
+        texts = [{tuple(e.ids) for e in group} for group in groups]
+        if self.loss_name == "bce":
+            return None
+        if self.loss_name == "listnet" and any(len(t) > 1 for t in texts):
+            return None
+        labels = [set(examples.labels[i]) for i in indices]
+        if self.loss_name == "lambda" and any(len(t) > 1 and len(l) > 1 for t, l in zip(texts, labels, strict=True)):
+            return None
+        if self.loss_name == "mnrl" and len({d for i in indices for d in examples.documents[i]}) > 1:
+            return None
+        several = (
+            "rows of several documents with different labels (query, positive, negative_1...; or documents, labels)"
+        )
+        why = {
+            "listnet": "ListNet compares each query's documents with each other, but every query of a batch has one "
+            f"document (or documents of one text); give it {several}",
+            "lambda": "LambdaLoss learns from pairs of a query's documents with different labels, but no query of a "
+            f"batch has two (one document, equal labels, or documents of one text); give it {several}",
+            "mnrl": "MNRL ranks each query's positive above the batch's other documents, but each batch holds one "
+            "document text; give it rows with negatives, or batch_size (--batch-size) >= 2",
+        }[self.loss_name]
+        return f"{why}, or use loss bce, which learns from each pair's label alone"
+
     def batcher(self, examples: RerankExamples, batch_size: int) -> None:
         """Consecutive batches of the trainer's order (no sampler of its own)."""
         return None

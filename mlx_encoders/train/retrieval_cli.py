@@ -104,8 +104,12 @@ def add_mine_parser(commands: argparse._SubParsersAction) -> None:
 def run_mine(args: argparse.Namespace) -> int:
     from ..cross_encoder import CrossEncoder
     from ..sentence import SentenceEncoder
+    from .config import check_options_in
     from .hard_negatives import mine_hard_negatives
 
+    numbers = ("range_min", "range_max", "max_score", "min_score", "absolute_margin", "relative_margin",
+               "num_negatives", "batch_size")  # fmt: skip
+    check_options_in({name: getattr(args, name) for name in numbers})  # before the models load
     corpus = None
     if args.corpus:
         with open(args.corpus, encoding="utf-8-sig") as f:

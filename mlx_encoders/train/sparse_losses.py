@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .config import check_option
+from .contrastive import Texts, in_batch_no_signal
+
 
 def multiple_negatives_ranking(embeddings: list[mx.array], scale: float = 1.0) -> mx.array:
     """Cross-entropy of each query's scaled dot scores against every document of the batch, its own positive
@@ -65,6 +68,11 @@ class SpladeLoss:
     use_document_regularizer_only: bool = False
     in_batch_negatives = True  # the no_duplicates sampler by default
 
+    def __post_init__(self):
+        for name in ("document_regularizer_weight", "query_regularizer_weight", "scale",
+                     "document_regularizer_threshold", "query_regularizer_threshold"):  # fmt: skip
+            check_option(name, getattr(self, name), "SpladeLoss")
+
     def __call__(self, embeddings: list[mx.array], labels=None) -> mx.array:
         parts = splade_loss(
             embeddings, self.document_regularizer_weight, self.query_regularizer_weight, scale=self.scale,
@@ -73,3 +81,8 @@ class SpladeLoss:
             use_document_regularizer_only=self.use_document_regularizer_only,
         )  # fmt: skip
         return sum(parts.values())
+
+    def no_signal(self, columns: Texts, labels=None) -> str | None:
+        """Why a batch gives the ranking part no gradient (`contrastive.in_batch_no_signal`), or None: the FLOPS
+        regularizers alone would only push every weight of the vocabulary down."""
+        return in_batch_no_signal(columns)

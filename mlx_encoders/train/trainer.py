@@ -59,6 +59,16 @@ class Diverged(ArithmeticError, CommandError):
     """A non-finite loss or gradient norm: training stopped before the step that would have spoiled the weights."""
 
 
+class NoSignal(OptionError):
+    """No batch of the run gives the loss a gradient (one row for in-batch negatives, equal scores for CoSENT, one
+    document for a listwise reranking loss): refused before any work, as training would not change the weights."""
+
+
+class ZeroGradient(CommandError):
+    """A step whose batch should teach the loss something gave exactly zero gradients, before any step had moved the
+    weights: the loss does not reach the weights being trained. Stopped before saving a model that never trained."""
+
+
 @dataclass
 class TrainerState:
     """Where training stands: saved as `trainer_state.json` in each checkpoint and read back on resume."""
@@ -504,6 +514,34 @@ def total_steps(
     return sum(len(epoch_steps(n, config, epoch, lengths, batcher)) for epoch in range(config.epochs))
 
 
+def check_signal(
+    objective: EmbeddingObjective | RerankObjective,
+    examples,
+    config: TrainingConfig,
+    lengths: np.ndarray,
+    batcher: Callable | None,
+    total: int,
+) -> None:
+    """Refuse a run none of whose micro-batches gives the objective's loss a gradient (`objective.no_signal`),
+    looking at the run's batches in order until one can teach the loss something."""
+    reason = None
+    for _, (_, _, indices, _) in zip(range(total), steps_from(lengths, config, TrainerState(), batcher), strict=False):
+        for batch in indices:
+            found = objective.no_signal(examples, batch)
+            if found is None:
+                return
+            reason = reason or found
+    if reason is None:  # no step at all
+        return
+    rows = f"{len(examples)} row{'s' * (len(examples) != 1)}"
+    no_duplicates = getattr(objective, "batch_sampler", None) == "no_duplicates"  # it may split the batches
+    batching = f"batch_size={config.batch_size}" + (", batch_sampler=no_duplicates" if no_duplicates else "")
+    raise NoSignal(
+        f"Training would leave the weights as they are: no batch of this run ({rows}, {batching}, {total} "
+        f"step{'s' * (total != 1)}) gives the loss a gradient: {reason}"
+    )
+
+
 def steps_from(
     lengths: np.ndarray, config: TrainingConfig, state: TrainerState, batcher: Callable | None = None
 ) -> Iterator[tuple[int, int, list[np.ndarray], bool]]:
@@ -557,6 +595,7 @@ class Loop:
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
         self.world = distributed.world()
+        self.learned = self.state.step > 0  # whether a step has moved the weights (a resumed run's have)
         dtype = COMPUTE_DTYPES[self.config.dtype]
         self.compiled = dtype == mx.float32 and not self.config.gradient_checkpointing and self.objective is None
         plain = dtype == mx.float32 and not self.config.gradient_checkpointing and self.world.size == 1
@@ -582,6 +621,7 @@ class Loop:
             loss, grads = self.gradients(batches)
         norm = global_norm(grads)
         self.check_finite(loss.item(), norm.item())
+        self.check_learning(loss.item(), norm.item(), indices, grads)
         norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
         self.state.step += 1
         record = {
@@ -636,6 +676,24 @@ class Loop:
             f"Training diverged at step {self.state.step + 1}: loss {loss}, gradient norm {norm}; the weights were "
             f"not updated and no model was saved ({last}). Lower lr (now {self.config.lr:g}), add warmup or "
             "clipping (max_grad_norm), or check the data, then start again or resume from a checkpoint"
+        )
+
+    def check_learning(self, loss: float, norm: float, indices: list[np.ndarray], grads: dict) -> None:
+        """Stop at a step whose gradients are all exactly zero, on batches the loss should learn from, before any step
+        has moved the weights: the loss does not reach the weights being trained."""
+        # Only before the first step that moved the weights: later, an exactly zero step may be a batch the loss has
+        # already fitted; a batch the loss cannot learn from (`no_signal`: a one-row tail) is a zero step, as in torch.
+        if norm > 0 or self.learned:
+            self.learned = True
+            return
+        if self.objective is not None and all(self.objective.no_signal(self.examples, b) for b in indices):
+            return
+        raise ZeroGradient(
+            f"Training is not learning: at step {self.state.step + 1} the gradients of all {len(tree_flatten(grads))} "
+            f"trainable parameters are exactly zero (loss {loss:g}) and no step before it moved the weights; stopped, "
+            "and no model was saved. The loss does not depend on the weights being trained: check that a loss of "
+            "your own uses the model's outputs, that LoRA targets or frozen layers leave weights the loss reaches, "
+            "and that the data's texts differ (max_length may cut them to the same tokens)"
         )
 
     def evaluate_and_save(self, end_of_epoch: bool) -> None:
@@ -776,6 +834,8 @@ def train(
     lengths = np.array([len(e.ids) for e in train_examples.encodings])
     batcher = objective.batcher(train_examples, config.batch_size) if objective is not None else None
     total = total_steps(len(train_examples), config, lengths, batcher)
+    if objective is not None:
+        check_signal(objective, train_examples, config, lengths, batcher, total)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
