@@ -247,7 +247,10 @@ TABLE_VALUES = {
     "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "loss": "mnrl",
     "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler", "columns": ["text"],
 }  # fmt: skip
-RETRIEVAL_TEXTS = one_of("how do cats sleep", "cats sleep curled up", "what is python", "", "[MASK] [SEP]")
+RETRIEVAL_TEXTS = one_of(  # mostly distinct texts, so that some drawn batches can learn; an empty and a special one
+    "how do cats sleep", "cats sleep curled up", "what is python", "a language for scripts", "why dogs bark",
+    "sorting a list in place", "", "[MASK] [SEP]",
+)  # fmt: skip
 RERANK_LABELS = one_of(0, 1, 0.5, 1.0, NAN, INF, "x", None, 10**6)
 
 
@@ -281,7 +284,7 @@ def test_embed_and_rerank_options_run_or_are_refused_before_any_work(checkpoint,
     sources = {"embed": checkpoint("bert"), "rerank": checkpoint("bert", "sequence-classification", num_labels=1)}
     counts, serial = Counter(), itertools.count()
 
-    @campaign(20)
+    @campaign(40)
     @given(data=st.data(), task=one_of("embed", "rerank"), evaluate=st.booleans())
     def run(data, task, evaluate):
         options, rows, bad = data.draw(retrieval_draw(task))
