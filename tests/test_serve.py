@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -431,19 +432,11 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
     assert delta('mlx_encoders_queue_depth{model="tiny"}') == 0
 
 
-@pytest.fixture(scope="module")
-def small_queue(folders):
-    """An in-process server (uvicorn on a thread) whose tiny model holds one waiting request, waits 300 ms for a
-    batch to fill and runs batches of 32 tokens at most, behind an API key and with CORS for one origin."""
+@contextmanager
+def in_process(app):
+    """`app` under uvicorn on a thread, on 127.0.0.1 at a free port; its URL."""
     import uvicorn
 
-    from mlx_encoders import serve
-
-    with pytest.warns(UserWarning, match="pooling"):
-        app = serve.app(
-            {"tiny": folders["tiny"]}, max_queue=1, max_wait_ms=300, api_key="secret",
-            cors_origins=("http://example.com",), max_batch_tokens=32, max_request_bytes=4000,
-        )  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
@@ -453,10 +446,28 @@ def small_queue(folders):
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def small_queue(folders):
+    """An in-process server (uvicorn on a thread) whose tiny model holds one waiting request, waits 300 ms for a
+    batch to fill and runs batches of 32 tokens at most, behind an API key and with CORS for one origin."""
+
+    from mlx_encoders import serve
+
+    with pytest.warns(UserWarning, match="pooling"):
+        app = serve.app(
+            {"tiny": folders["tiny"]}, max_queue=1, max_wait_ms=300, api_key="secret",
+            cors_origins=("http://example.com",), max_batch_tokens=32, max_request_bytes=4000,
+        )  # fmt: skip
+    with in_process(app) as url:
+        yield url
 
 
 def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue, folders):

@@ -10,13 +10,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve import TEXTS, call, launch, metric_values, stop, url_of
+from test_serve import TEXTS, call, in_process, launch, metric_values, stop, url_of
 
 READ_TIMEOUT_S = 3  # the module server's, from MLX_ENCODERS_READ_TIMEOUT
 KEEP_ALIVE_S = 1
@@ -318,28 +317,6 @@ def test_random_bodies_get_an_answer_below_500(server, record_property):
 
 
 # ---- tokenization off the event loop
-
-
-@contextmanager
-def in_process(app):
-    """`app` under uvicorn on a thread, on 127.0.0.1 at a free port; its URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive()
 
 
 def test_health_answers_while_a_large_request_is_tokenized(folders):
