@@ -294,7 +294,7 @@ def test_a_flipped_byte_in_a_vector_a_text_an_id_or_a_weight_is_the_damaged_erro
     row, document = "text row 43 or its document 43 does not match", "the document at position 43 does not match"
     cases = [  # (what, the bytes it is found by, which byte, its new value, the message of a search, of `check`)
         ("vector", vectors[42].astype("<f4").tobytes(), 5, None, "the vector of text row 43 does not match",
-         "the text row 43 does not match"),
+         "the vector of text row 43 does not match"),
         ("text, another letter", text.encode(), 0, None, row, "the text row 43 does not match"),
         ("text, not UTF-8", text.encode(), 3, 0xFF, row, "the text row 43 does not match"),
         ("document id", b"doc-42" + text_key(text)[:8].encode(), 4, None, row, document),  # the row, not its index
