@@ -56,7 +56,7 @@ class BuildLock:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": " ".join(sys.argv)[:200],
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200],
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)
