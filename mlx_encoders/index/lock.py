@@ -85,7 +85,7 @@ class BuildLock:
         return fd
 
     def __exit__(self, *exc) -> None:
-        self.path.unlink()  # while locked: a clean end leaves no file, so the next holder finds no record
+        self.path.unlink(missing_ok=True)  # while locked: after a clean end the next holder finds no record
         os.close(self.fd)  # and releases the lock
         self.fd = None
 
