@@ -360,8 +360,9 @@ def test_an_index_without_checksums_is_refused_until_its_next_build_adds_them(tm
     build(corpus, index, encoder, quiet=True)
     build(corpus, clean, encoder, quiet=True)
     downgrade(index / "index.sqlite")
-    with pytest.raises(StoreError, match=r"written by an earlier version of mlx-encoders, without checksums .*run the "
-                                         r"same `mlx-encoders index build` .* once to add them"):  # fmt: skip
+    with pytest.raises(StoreError, match=r"written by an earlier version of mlx-encoders \(store format 1; .*\), "
+                                         r"without this version's checksums of its rows: run the same `mlx-encoders "
+                                         r"index build` .* once to add them"):  # fmt: skip
         Index(index)
 
     broken = tmp_path / "broken"

@@ -28,7 +28,7 @@ DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index c
 LOOKUP_BATCH = 500  # rows per lookup statement
 VECTORS_BATCH = 4096  # rows per batch read into the vectors array
 POSTINGS_BATCH = 100_000  # postings per batch checked
-FORMAT = "2"  # rows with checksums; stores without a format (earlier versions) get them at their next build
+FORMAT = "3"  # rows with these checksums; a store of an earlier version gets them at its next build
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS terms (term INTEGER PRIMARY KEY, postings INTEGER NOT
 CREATE TABLE IF NOT EXISTS staged_postings (key TEXT NOT NULL, term INTEGER NOT NULL, weight REAL NOT NULL,
                                             crc INTEGER, PRIMARY KEY (key, term)) WITHOUT ROWID;
 """
-# the checksum columns each table gained with FORMAT 2
+# the checksum columns, which stores of earlier versions lack
 CHECKSUMS = {"texts": ("text_crc", "vector_crc"), "staged": ("text_crc", "vector_crc"),
              "documents": ("shared", "crc"), "postings": ("crc",), "staged_postings": ("crc",)}  # fmt: skip
 # the checksums of texts and documents as SQL over the `crc32(bytes, seed)` function each connection defines (zlib's;
@@ -205,10 +205,10 @@ class Store:
         """A store of an earlier version (rows without checksums) is an error saying how to add them."""
         if self.meta.get("format") != FORMAT:
             raise StoreError(
-                f"{self.path} was written by an earlier version of mlx-encoders, without checksums of its rows "
-                f"(format {self.meta.get('format', '1')}; this version reads {FORMAT}): run the same `mlx-encoders "
-                "index build` (corpus and model) on it once to add them (nothing is embedded again), or delete the "
-                "folder and build again."
+                f"{self.path} was written by an earlier version of mlx-encoders (store format "
+                f"{self.meta.get('format', '1')}; this version reads {FORMAT}), without this version's checksums of "
+                "its rows: run the same `mlx-encoders index build` (corpus and model) on it once to add them "
+                "(nothing is embedded again), or delete the folder and build again."
             )
 
     def check(self) -> None:
