@@ -294,7 +294,7 @@ def test_a_flipped_byte_in_a_vector_a_text_an_id_or_a_weight_is_the_damaged_erro
     row, document = "text row 43 or its document 43 does not match", "the document at position 43 does not match"
     cases = [  # (what, the bytes it is found by, which byte, its new value, the message of a search, of `check`)
         ("vector", vectors[42].astype("<f4").tobytes(), 5, None, "the vector of text row 43 does not match",
-         "the text row 43 does not match"),
+         "the vector of text row 43 does not match"),
         ("text, another letter", text.encode(), 0, None, row, "the text row 43 does not match"),
         ("text, not UTF-8", text.encode(), 3, 0xFF, row, "the text row 43 does not match"),
         ("document id", b"doc-42" + text_key(text)[:8].encode(), 4, None, row, document),  # the row, not its index
@@ -360,8 +360,9 @@ def test_an_index_without_checksums_is_refused_until_its_next_build_adds_them(tm
     build(corpus, index, encoder, quiet=True)
     build(corpus, clean, encoder, quiet=True)
     downgrade(index / "index.sqlite")
-    with pytest.raises(StoreError, match=r"written by an earlier version of mlx-encoders, without checksums .*run the "
-                                         r"same `mlx-encoders index build` .* once to add them"):  # fmt: skip
+    with pytest.raises(StoreError, match=r"written by an earlier version of mlx-encoders \(store format 1; .*\), "
+                                         r"without this version's checksums of its rows: run the same `mlx-encoders "
+                                         r"index build` .* once to add them"):  # fmt: skip
         Index(index)
 
     broken = tmp_path / "broken"

@@ -3,7 +3,11 @@
 
 from .build import build
 from .documents import CorpusError, read_corpus
+from .lock import IndexBusy
 from .search import Hit, Index, StaleIndex, search
 from .store import DamagedStore, StoreError
 
-__all__ = ["build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError", "DamagedStore", "StaleIndex"]
+__all__ = [
+    "build", "search", "Index", "Hit", "read_corpus", "CorpusError", "StoreError", "DamagedStore", "StaleIndex",
+    "IndexBusy",
+]  # fmt: skip

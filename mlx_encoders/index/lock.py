@@ -56,7 +56,7 @@ class BuildLock:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": " ".join(sys.argv)[:200],
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200],
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)
@@ -85,7 +85,7 @@ class BuildLock:
         return fd
 
     def __exit__(self, *exc) -> None:
-        self.path.unlink()  # while locked: a clean end leaves no file, so the next holder finds no record
+        self.path.unlink(missing_ok=True)  # while locked: after a clean end the next holder finds no record
         os.close(self.fd)  # and releases the lock
         self.fd = None
 

@@ -28,7 +28,7 @@ DTYPE = np.dtype("<f4")  # little-endian float32 on every machine, so an index c
 LOOKUP_BATCH = 500  # rows per lookup statement
 VECTORS_BATCH = 4096  # rows per batch read into the vectors array
 POSTINGS_BATCH = 100_000  # postings per batch checked
-FORMAT = "2"  # rows with checksums; stores without a format (earlier versions) get them at their next build
+FORMAT = "3"  # rows with these checksums; a store of an earlier version gets them at its next build
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS texts (row INTEGER PRIMARY KEY, key TEXT UNIQUE NOT NULL, text TEXT NOT NULL,
@@ -45,14 +45,14 @@ CREATE TABLE IF NOT EXISTS terms (term INTEGER PRIMARY KEY, postings INTEGER NOT
 CREATE TABLE IF NOT EXISTS staged_postings (key TEXT NOT NULL, term INTEGER NOT NULL, weight REAL NOT NULL,
                                             crc INTEGER, PRIMARY KEY (key, term)) WITHOUT ROWID;
 """
-# the checksum columns each table gained with FORMAT 2
+# the checksum columns, which stores of earlier versions lack
 CHECKSUMS = {"texts": ("text_crc", "vector_crc"), "staged": ("text_crc", "vector_crc"),
              "documents": ("shared", "crc"), "postings": ("crc",), "staged_postings": ("crc",)}  # fmt: skip
-# the checksums as SQL over the `crc32(bytes, seed)` function each connection defines (zlib's); `Store.documents`
-# and `Store.vectors` compute the same in Python
+# the checksums of texts and documents as SQL over the `crc32(bytes, seed)` function each connection defines (zlib's;
+# `Store.documents` computes the same in Python)
 SEED = "crc32(CAST(key AS BLOB), {} & 4294967295)"
-TEXT_CRC, VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format('row')})", "crc32(vector, row & 4294967295)"
-STAGED_TEXT_CRC, STAGED_VECTOR_CRC = f"crc32(CAST(text AS BLOB), {SEED.format(0)})", f"crc32(vector, {SEED.format(0)})"
+TEXT_CRC = f"crc32(CAST(text AS BLOB), {SEED.format('row')})"
+STAGED_TEXT_CRC = f"crc32(CAST(text AS BLOB), {SEED.format(0)})"
 DOCUMENT_CRC = "crc32(CAST(id AS BLOB), crc32(CAST(key AS BLOB), crc32(CAST(shared AS BLOB), position & 4294967295)))"
 # a lookup that a damaged interior page of a b-tree sends astray finds fewer rows, without an error: each document
 # says how many documents share its text, each term of the inverted index how many postings it has
@@ -60,8 +60,6 @@ SHARED = "UPDATE documents SET shared = (SELECT count(*) FROM documents d WHERE 
 TERMS = ("INSERT INTO terms SELECT term, count(*), crc32(CAST(count(*) AS BLOB), term & 4294967295) FROM postings "
          "GROUP BY term")  # fmt: skip
 ROW_MIX = 2654435761  # odd: rows below 2**31 times it are distinct, and below 2**63 (SQLite's integers)
-MIX = f"((t.row & 2147483647) * {ROW_MIX})"
-POSTING_CRC = f"((s.crc | {MIX}) & ~(s.crc & {MIX}))"  # a staged posting's checksum xor-ed with its row's mix
 # what must match for vectors to be comparable; "" where the index has no dense or no sparse model
 IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_fingerprint")
 CORRUPT = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file, not the disk or the statement, is at fault
@@ -85,16 +83,37 @@ def seeded(key: bytes, number: int) -> int:
     return zlib.crc32(key, number & 0xFFFFFFFF)
 
 
+def xor_row(value: str, row: str) -> str:
+    """SQL of `value` xor-ed with `row` times ROW_MIX: how a staged vector's or posting's checksum takes the row
+    its text gets at commit (SQLite has no xor: (a | b) & ~(a & b))."""
+    mix = f"(({row} & 2147483647) * {ROW_MIX})"
+    return f"(({value} | {mix}) & ~({value} & {mix}))"
+
+
+def row_mix(rows: np.ndarray) -> np.ndarray:
+    return (np.asarray(rows, np.int64) & 0x7FFFFFFF) * ROW_MIX
+
+
 def posting_crc(terms: np.ndarray, weights: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """One 64-bit checksum per posting, vectorised: its term and weight bits, each through an odd multiplier (a
     change of either always changes the sum), mixed by xor-shifts (uint64 arithmetic wraps); once the posting has
-    a text row (`rows`), xor-ed with the row times ROW_MIX, as the SQL `POSTING_CRC` does at commit."""
+    a text row (`rows`), xor-ed with the row times ROW_MIX, as `xor_row` does at commit."""
     h = np.asarray(terms).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     h ^= np.asarray(weights, np.float64).view(np.uint64) * np.uint64(0x165667B19E3779F9)
     h ^= h >> np.uint64(31)
     h *= np.uint64(0xBF58476D1CE4E5B9)
     h ^= h >> np.uint64(29)
-    return h.view(np.int64) if rows is None else h.view(np.int64) ^ ((rows & 0x7FFFFFFF) * ROW_MIX)
+    return h.view(np.int64) if rows is None else h.view(np.int64) ^ row_mix(rows)
+
+
+def vector_sum(vectors: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """One 64-bit checksum per (N, D) float32 vector, vectorised: the sum of its 32-bit words, each times an odd
+    weight of its position modulo 2**32 (a change of any one word always changes the sum); once the vector has a
+    text row (`rows`), xor-ed with the row times ROW_MIX, as `xor_row` does at commit."""
+    words = np.ascontiguousarray(vectors, DTYPE).view(np.uint32)
+    weights = (np.arange(1, words.shape[1] + 1, dtype=np.uint32) * np.uint32(0x9E3779B9)) | np.uint32(1)
+    sums = (words * weights).sum(axis=1, dtype=np.uint64).view(np.int64)
+    return sums if rows is None else sums ^ row_mix(rows)
 
 
 def posting_columns(found: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -186,10 +205,10 @@ class Store:
         """A store of an earlier version (rows without checksums) is an error saying how to add them."""
         if self.meta.get("format") != FORMAT:
             raise StoreError(
-                f"{self.path} was written by an earlier version of mlx-encoders, without checksums of its rows "
-                f"(format {self.meta.get('format', '1')}; this version reads {FORMAT}): run the same `mlx-encoders "
-                "index build` (corpus and model) on it once to add them (nothing is embedded again), or delete the "
-                "folder and build again."
+                f"{self.path} was written by an earlier version of mlx-encoders (store format "
+                f"{self.meta.get('format', '1')}; this version reads {FORMAT}), without this version's checksums of "
+                "its rows: run the same `mlx-encoders index build` (corpus and model) on it once to add them "
+                "(nothing is embedded again), or delete the folder and build again."
             )
 
     def check(self) -> None:
@@ -201,15 +220,17 @@ class Store:
             if result != "ok":
                 raise self.damaged(result)
             for what, sql in (
-                ("text row", f"SELECT row FROM texts WHERE text_crc IS NOT {TEXT_CRC} OR vector_crc IS NOT "
-                             f"{VECTOR_CRC} OR length(vector) != {size}"),
-                ("staged text", f"SELECT key FROM staged WHERE text_crc IS NOT {STAGED_TEXT_CRC} OR vector_crc IS NOT "
-                                f"{STAGED_VECTOR_CRC} OR length(vector) != {size}"),
+                ("text row", f"SELECT row FROM texts WHERE text_crc IS NOT {TEXT_CRC} OR length(vector) != {size}"),
+                ("staged text", f"SELECT key FROM staged WHERE text_crc IS NOT {STAGED_TEXT_CRC} OR length(vector) "
+                                f"!= {size}"),
                 ("document at position", f"SELECT position FROM documents WHERE crc IS NOT {DOCUMENT_CRC} OR shared "
                                          "!= (SELECT count(*) FROM documents d WHERE d.key = documents.key)"),
             ):  # fmt: skip
                 if bad := self.con.execute(f"{sql} LIMIT 1").fetchone():
                     raise self.damaged(f"the {what} {bad[0]} does not match its checksum")
+            for sql, rows in (("SELECT row, vector, vector_crc FROM texts", True),
+                              ("SELECT 0, vector, vector_crc FROM staged", False)):  # fmt: skip
+                self.check_vectors(self.con.execute(sql), int(self.meta.get("dimension", 0)), rows)
             postings = self.check_postings("SELECT term, row, weight, crc FROM postings", rows=True)
             self.check_postings("SELECT term, 0, weight, crc FROM staged_postings", rows=False)
             counted = dict(self.con.execute("SELECT term, count(*) FROM postings GROUP BY term"))
@@ -217,6 +238,23 @@ class Store:
                 raise self.damaged("the postings per term are not those the last build counted")
             documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
         self.check_counts(texts=self.count(), documents=documents, postings=postings)
+
+    def check_vectors(self, found: sqlite3.Cursor, dimension: int, rows: bool, into=None) -> int:
+        """How many (row, vector, checksum) rows `found` holds, read and checked a batch at a time; with `into`,
+        (rows (N,), vectors (N, D)) arrays, copied into them in order (never a second copy of every vector)."""
+        read = 0
+        while batch := found.fetchmany(VECTORS_BATCH):
+            numbers, blobs, stored = zip(*batch, strict=True)
+            if into is not None and read + len(batch) > len(into[0]):
+                raise self.damaged(f"more text rows than the {len(into[0])} counted")
+            vectors = np.frombuffer(b"".join(blobs), DTYPE).reshape(len(batch), dimension)
+            bad = vector_sum(vectors, numbers if rows else None) != np.array(stored, np.int64)
+            if bad.any():
+                raise self.damaged(f"the vector of text row {numbers[int(bad.argmax())]} does not match its checksum")
+            if into is not None:
+                into[0][read : read + len(batch)], into[1][read : read + len(batch)] = numbers, vectors
+            read += len(batch)
+        return read
 
     def check_postings(self, sql: str, rows: bool) -> int:
         """How many (term, row, weight, checksum) postings `sql` reads, each checked in batches."""
@@ -252,12 +290,18 @@ class Store:
             result = self.con.execute("PRAGMA quick_check").fetchone()[0]
             if result != "ok":
                 raise self.damaged(result)
-            dimension = int(self.meta.get("dimension", 0))
-            for table in ("texts", "staged"):
-                for key, text, vector in self.con.execute(f"SELECT key, CAST(text AS BLOB), vector FROM {table}"):
+            dimension, sums = int(self.meta.get("dimension", 0)), {}
+            for table, handle in (("texts", "row"), ("staged", "key")):
+                sums[table] = []
+                for number, key, text, vector in self.con.execute(
+                    f"SELECT {handle}, key, CAST(text AS BLOB), vector FROM {table}"
+                ):
                     text.decode()
-                    if len(vector) != dimension * DTYPE.itemsize or not np.isfinite(np.frombuffer(vector, DTYPE)).all():
+                    values = np.frombuffer(vector, DTYPE) if len(vector) == dimension * DTYPE.itemsize else None
+                    if values is None or not np.isfinite(values).all():
                         raise self.damaged(f"the vector of {key!r} in {table} is not {dimension} finite float32s")
+                    rows = np.array([number]) if table == "texts" else None
+                    sums[table].append((int(vector_sum(values[None], rows)[0]), number))
             terms, rows, weights, _ = posting_columns(self.con.execute("SELECT term, row, weight, 0 FROM postings"))
             postings = zip(posting_crc(terms, weights, rows).tolist(), terms.tolist(), rows.tolist(), strict=True)
             staged = self.con.execute("SELECT key, term, weight FROM staged_postings").fetchall()
@@ -267,8 +311,10 @@ class Store:
             *((statement, [()]) for statement in SCHEMA.split(";") if statement.strip()),  # the tables it lacks
             *((f"ALTER TABLE {table} ADD COLUMN {column} INTEGER", [()])
               for table, columns in CHECKSUMS.items() for column in columns if column not in present[table]),
-            SEAL_TEXTS,
-            (f"UPDATE staged SET text_crc = {STAGED_TEXT_CRC}, vector_crc = {STAGED_VECTOR_CRC}", [()]),
+            ("UPDATE texts SET vector_crc = ? WHERE row = ?", sums["texts"]),
+            ("UPDATE staged SET vector_crc = ? WHERE key = ?", sums["staged"]),
+            (f"UPDATE texts SET text_crc = {TEXT_CRC}", [()]),
+            (f"UPDATE staged SET text_crc = {STAGED_TEXT_CRC}", [()]),
             ("UPDATE postings SET crc = ? WHERE term = ? AND row = ?", postings),
             ("UPDATE staged_postings SET crc = ? WHERE key = ? AND term = ?", staged),
             *SUMMARIES,
@@ -328,10 +374,11 @@ class Store:
     def stage(self, keys: list[str], texts: list[str], vectors: np.ndarray, sparse: list | None = None) -> None:
         """Stage texts with their dense vectors ((N, 0) without a dense model) and sparse (term ids, weights), in
         one transaction: a text is staged with all its vectors or not at all."""
-        rows = []
-        for key, text, vector in zip(keys, texts, vectors, strict=True):
-            seed, vector = seeded(key.encode(), 0), vector.astype(DTYPE).tobytes()
-            rows.append((key, text, vector, zlib.crc32(text.encode(), seed), zlib.crc32(vector, seed)))
+        vectors = np.ascontiguousarray(vectors, DTYPE)
+        rows = [
+            (key, text, vector.tobytes(), zlib.crc32(text.encode(), seeded(key.encode(), 0)), vector_sum)
+            for key, text, vector, vector_sum in zip(keys, texts, vectors, vector_sum(vectors).tolist(), strict=True)
+        ]
         postings = [
             (key, term, weight, crc)
             for key, (terms, weights) in zip(keys, sparse or [], strict=sparse is not None)
@@ -374,10 +421,12 @@ class Store:
         documents = [(position, doc_id, key) for position, (doc_id, key) in enumerate(docs, 1)]
         self.transaction([
             ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
-            ("INSERT OR IGNORE INTO texts (key, text, vector) SELECT key, text, vector FROM staged", [()]),
-            SEAL_TEXTS,
-            (f"INSERT INTO postings SELECT s.term, t.row, s.weight, {POSTING_CRC} FROM staged_postings s JOIN texts t "
-             "USING (key)", [()]),
+            ("INSERT OR IGNORE INTO texts (key, text, vector, vector_crc) SELECT key, text, vector, vector_crc FROM "
+             "staged", [()]),
+            (f"UPDATE texts SET text_crc = {TEXT_CRC}, vector_crc = {xor_row('vector_crc', 'row')} WHERE text_crc IS "
+             "NULL", [()]),  # the texts just added: their checksums take their rows
+            (f"INSERT INTO postings SELECT s.term, t.row, s.weight, {xor_row('s.crc', 't.row')} FROM staged_postings s "
+             "JOIN texts t USING (key)", [()]),
             ("DELETE FROM staged", [()]),
             ("DELETE FROM staged_postings", [()]),
             ("DELETE FROM documents", [()]),
@@ -410,17 +459,9 @@ class Store:
         against its checksum, and the row counts against the build's."""
         with self.reading():
             dimension, count = int(self.meta["dimension"]), self.count()
-            rows, vectors, read = np.empty(count, np.int64), np.empty((count, dimension), DTYPE), 0
+            rows, vectors = np.empty(count, np.int64), np.empty((count, dimension), DTYPE)
             texts = self.con.execute("SELECT row, vector, vector_crc FROM texts ORDER BY row")
-            while batch := texts.fetchmany(VECTORS_BATCH):  # a batch at a time: never a second copy of them all
-                numbers, blobs, stored = zip(*batch, strict=True)
-                found = [zlib.crc32(blob, row & 0xFFFFFFFF) for row, blob in zip(numbers, blobs, strict=True)]
-                if read + len(batch) > count or found != list(stored):
-                    bad = next((n for n, f, s in zip(numbers, found, stored, strict=True) if f != s), numbers[-1])
-                    raise self.damaged(f"the vector of text row {bad} does not match its checksum")
-                rows[read : read + len(batch)] = numbers
-                vectors[read : read + len(batch)] = np.frombuffer(b"".join(blobs), DTYPE).reshape(len(batch), dimension)
-                read += len(batch)
+            read = self.check_vectors(texts, dimension, rows=True, into=(rows, vectors))
             documents = self.con.execute("SELECT count(*) FROM documents").fetchone()[0]
         if read != count or np.any(np.diff(rows) <= 0):
             raise self.damaged(f"the text rows read are not the {count} rows counted, in order")
@@ -474,9 +515,8 @@ class Store:
         return out
 
 
-# what a build writes with each commit: the checksums of the texts it adds (seeded with their rows, known only once
-# inserted), of the documents, the counts of documents per text and postings per term, and the row counts
-SEAL_TEXTS = (f"UPDATE texts SET text_crc = {TEXT_CRC}, vector_crc = {VECTOR_CRC} WHERE vector_crc IS NULL", [()])
+# what a build writes with each commit, after the texts and postings: the checksums of the documents, the counts of
+# documents per text and postings per term, and the row counts
 SUMMARIES = [
     (SHARED, [()]),
     (f"UPDATE documents SET crc = {DOCUMENT_CRC}", [()]),
