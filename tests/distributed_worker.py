@@ -89,5 +89,7 @@ def run(spec_path: Path) -> dict:
 if __name__ == "__main__":
     spec_path = Path(sys.argv[1])
     status = run(spec_path)
-    (spec_path.parent / f"status-{status['rank']}.json").write_text(json.dumps(status))
+    part = spec_path.parent / f"status-{status['rank']}.part"
+    part.write_text(json.dumps(status))
+    part.replace(part.with_suffix(".json"))  # whole or absent: mlx.launch may kill this rank meanwhile
     sys.exit(status.get("cli", 0))

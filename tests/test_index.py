@@ -31,7 +31,8 @@ from mlx_encoders import SentenceEncoder, records
 from mlx_encoders.__main__ import main as cli
 from mlx_encoders.distributed import World
 from mlx_encoders.index import CorpusError, Index, StaleIndex, StoreError, build, read_corpus, search
-from mlx_encoders.index.store import Store
+from mlx_encoders.index.build import open_shard
+from mlx_encoders.index.store import FORMAT, Store
 
 ROOT = Path(__file__).parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")  # the venv's, whether or not it is on PATH
@@ -150,7 +151,8 @@ KILLED_BUILD = """
 import os, signal, sys
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.index import build
-from mlx_encoders.index.store import Store
+from mlx_encoders.index.build import open_shard
+from mlx_encoders.index.store import FORMAT, Store
 corpus, index, model, log = sys.argv[1:]
 encode, stage, commits = SentenceEncoder.encode, Store.stage, []
 def logged_encode(self, texts, *args, **kwargs):
@@ -232,7 +234,8 @@ try:
     result = {"rank": rank, "size": mx.distributed.init().size(), "ok": True, "counts": counts}
 except Exception as e:
     result = {"rank": rank, "ok": False, "error": repr(e)}
-open(f"{status}.{rank}", "w").write(json.dumps(result))
+open(f"{status}.{rank}.part", "w").write(json.dumps(result))
+os.replace(f"{status}.{rank}.part", f"{status}.{rank}")  # whole or absent: mlx.launch may kill this rank meanwhile
 """
 
 
@@ -311,6 +314,22 @@ def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, enco
     monkeypatch.undo()
     build(corpus, clean, encoder, chunk=3, quiet=True)
     assert_same_index(index, clean, model)
+
+
+def test_a_shard_is_created_whole(tmp_path, encoder):
+    """A rank killed while creating its shard leaves only `rank-<r>.sqlite.new`: never read, removed by the next build."""
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    (index / "shards").mkdir(parents=True)
+    (index / "shards" / "rank-1.sqlite.new").write_bytes(b"SQLite format 3\x00 cut short")
+    (index / "shards" / "rank-1.sqlite.new-wal").write_bytes(b"")
+    build(corpus, index, encoder, chunk=3, quiet=True)
+    assert not list((index / "shards").iterdir())
+
+    meta = {"model_fingerprint": "f", "model": "m"}
+    (index / "shards" / "rank-0.sqlite.new").write_bytes(b"not a database")
+    with open_shard(index / "shards" / "rank-0.sqlite", meta) as shard:
+        assert shard.meta["format"] == FORMAT and shard.meta["model_fingerprint"] == "f" and not shard.keys()
+    assert sorted(p.name for p in (index / "shards").iterdir()) == ["rank-0.sqlite"]
 
 
 def test_corrupted_ann_file_is_rebuilt_and_stale_one_replaced(tmp_path, encoder, capsys):

@@ -11,6 +11,7 @@ again, and shards left by a run of another world size are merged too. Rank 0 hol
 postings.
 """
 
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -179,9 +180,7 @@ def build(
         error = None
         try:
             if size > 1:
-                shard_folder.mkdir(exist_ok=True)
-                target = Store(shard_folder / f"rank-{rank}.sqlite", create=True)
-                target.set_meta(meta)
+                target = open_shard(shard_folder / f"rank-{rank}.sqlite", meta)
             else:
                 target = Store(store_file)
             with target:
@@ -198,6 +197,20 @@ def build(
             error = e
         agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
         return counts
+
+
+def open_shard(path: Path, meta: dict[str, str]) -> Store:
+    """A rank's shard, created whole under another name and then renamed: a rank killed while creating it leaves no
+    shard without its schema or identity, which the next run would have to refuse."""
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        fresh = path.with_name(path.name + ".new")
+        for leftover in (fresh, fresh.with_name(fresh.name + "-wal"), fresh.with_name(fresh.name + "-shm")):
+            leftover.unlink(missing_ok=True)
+        with Store(fresh, create=True) as shard:
+            shard.set_meta(meta)
+        os.replace(fresh, path)  # the last connection closed has checkpointed its write-ahead log into the file
+    return Store(path)
 
 
 def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, ann: bool | None,
@@ -219,6 +232,8 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
     for shard in shards:  # merged: its rows are in the store now
         for path in (shard, shard.with_name(shard.name + "-wal"), shard.with_name(shard.name + "-shm")):
             path.unlink(missing_ok=True)
+    for unfinished in (folder / "shards").glob("rank-*.sqlite.new*"):  # a rank killed while creating its shard
+        unfinished.unlink(missing_ok=True)
     if graph:
         ann_index.build(folder, rows, vectors, precision, generation)
     log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
