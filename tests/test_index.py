@@ -317,7 +317,7 @@ def test_a_killed_rank_stops_the_run_and_the_build_resumes(tmp_path, model, enco
 
 
 def test_a_shard_is_created_whole(tmp_path, encoder):
-    """A rank killed while creating its shard leaves only `rank-<r>.sqlite.new`: never read, removed by the next build."""
+    """A rank killed while creating its shard leaves only `rank-<r>.sqlite.new`: never read, removed next build."""
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     (index / "shards").mkdir(parents=True)
     (index / "shards" / "rank-1.sqlite.new").write_bytes(b"SQLite format 3\x00 cut short")
