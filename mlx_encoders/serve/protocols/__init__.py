@@ -1,0 +1,27 @@
+"""One module per protocol: its routes (`ROUTES`: path -> (handler, methods)) and its error body (`error`). A
+handler takes (request, server) and returns a JSON-able value or a Response; it refuses with `ApiError`."""
+
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+from ..errors import ApiError
+from . import cohere, openai, operations, search, tei
+
+PROTOCOLS = (openai, cohere, tei, search, operations)
+
+
+class Endpoint(NamedTuple):
+    handler: Callable[..., Awaitable]
+    methods: list[str]
+    error: Callable[[ApiError], dict]
+
+
+def routes() -> dict[str, Endpoint]:
+    """Every protocol's routes; a path claimed twice is a bug named at start-up."""
+    table: dict[str, Endpoint] = {}
+    for protocol in PROTOCOLS:
+        for path, (handler, methods) in protocol.ROUTES.items():
+            if path in table:
+                raise RuntimeError(f"route {path} is declared by two protocols (one is {protocol.__name__})")
+            table[path] = Endpoint(handler, methods, protocol.error)
+    return table
