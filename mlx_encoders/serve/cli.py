@@ -3,51 +3,154 @@ print one line per model and index and the URL, serve until SIGINT or SIGTERM, t
 (those still arriving get --shutdown-timeout seconds) and exit 0."""
 
 import argparse
+import logging
+import math
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from ..pipelines.base import check_count
+from ..errors import DEBUG_ENV
 
-API_KEY_ENV = "MLX_ENCODERS_API_KEY"
-# --option: (default seconds, its environment variable, help)
-TIMEOUTS = {
-    "--read-timeout": (30.0, "MLX_ENCODERS_READ_TIMEOUT", "a request's headers must arrive within SECONDS of its "
-                       "first byte, its body within SECONDS of its headers, else 408"),
-    "--keep-alive-timeout": (5.0, "MLX_ENCODERS_KEEP_ALIVE_TIMEOUT", "close a connection idle for SECONDS"),
-    "--shutdown-timeout": (5.0, "MLX_ENCODERS_SHUTDOWN_TIMEOUT", "on SIGTERM, requests still arriving get SECONDS "
-                           "more, then their connections close; requests that arrived are answered"),
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def switch(text: str) -> bool:
+    """A yes/no value as a flag's argument or a variable's: true/false, 1/0, yes/no, on/off."""
+    value = text.strip().lower()
+    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ValueError("must be true or false")
+    return value in ("true", "1", "yes", "on")
+
+
+def number(text: str, convert: Callable, ok: Callable, what: str):
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"must be {what}")
+    return value
+
+
+def count(text: str) -> int:
+    return number(text, int, lambda v: v >= 1, "an int >= 1")
+
+
+def port(text: str) -> int:
+    return number(text, int, lambda v: 0 <= v < 65536, "a port, 0 to 65535")
+
+
+def milliseconds(text: str) -> float:
+    return number(text, float, lambda v: 0 <= v < math.inf, "a number of milliseconds, 0 or more")
+
+
+def seconds(text: str) -> float:
+    return number(text, float, lambda v: 0 < v < math.inf, "a number of seconds above 0")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of `serve`: its default, its help, how its text is read (`kind`, a ValueError saying what it
+    must be), and whether it repeats (its variable then holds the values separated by commas)."""
+
+    default: object
+    help: str
+    kind: Callable = str
+    metavar: str | None = None
+    choices: tuple | None = None
+    repeat: bool = False
+    short: str | None = None
+
+
+# Every option of `serve`, each also read from its variable (`variable(flag)`) when the command line lacks it
+FLAGS = {
+    "--model": Flag([], "folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable",
+                    metavar="[NAME=]PATH", repeat=True, short="-m"),
+    "--index": Flag([], "index folder (mlx-encoders index build) to search on /v1/search; repeatable",
+                    metavar="NAME=DIR", repeat=True),
+    "--host": Flag("127.0.0.1", "address to bind (127.0.0.1: this machine only)"),
+    "--port": Flag(8080, "port (0: any free port, printed)", port),
+    "--dtype": Flag(None, "cast the weights (default: as stored)", choices=("float16", "bfloat16", "float32")),
+    "--max-batch-tokens": Flag(8192, "tokens per batch a model runs", count),
+    "--max-wait-ms": Flag(2.0, "wait for a batch to fill, in ms", milliseconds),
+    "--max-queue": Flag(256, "requests waiting per model before 429", count),
+    "--batch-size": Flag(32, "inputs per forward pass within a batch", count),
+    "--max-inputs": Flag(2048, "inputs per request", count),
+    "--max-request-bytes": Flag(4 * 2**20, "request body size in bytes", count),
+    "--auto-truncate": Flag(True, "cut over-long inputs to the model's length (false: answer 400, or TEI's 422); "
+                            "a request's own \"truncate\" wins", switch, metavar="true|false"),
+    "--api-key": Flag(None, "require Authorization: Bearer KEY on every route but the health checks"),
+    "--cors-origin": Flag([], "allow browser requests from ORIGIN (repeatable; default: no CORS)", metavar="ORIGIN",
+                          repeat=True),
+    "--read-timeout": Flag(30.0, "a request's headers must arrive within SECONDS of its first byte, its body within "
+                           "SECONDS of its headers, else 408", seconds, "SECONDS"),
+    "--keep-alive-timeout": Flag(5.0, "close a connection idle for SECONDS", seconds, "SECONDS"),
+    "--shutdown-timeout": Flag(5.0, "on SIGTERM, requests still arriving get SECONDS more, then their connections "
+                               "close; requests that arrived are answered", seconds, "SECONDS"),
+    "--log-level": Flag("warning", "the server's log: errors and warnings, or also each request (info)",
+                        choices=LOG_LEVELS),
 }  # fmt: skip
+
+
+def variable(flag: str) -> str:
+    """The environment variable of a flag: --max-queue -> MLX_ENCODERS_MAX_QUEUE (--debug: MLX_ENCODERS_DEBUG)."""
+    return DEBUG_ENV if flag == "--debug" else "MLX_ENCODERS_" + flag[2:].upper().replace("-", "_")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's routes)",
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search, and TEI's API",
         description="Serve embeddings (/v1/embeddings, /embed, /embed_sparse), reranking (/v1/rerank, /rerank), "
         "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
-        "requests. Needs: pip install \"mlx-encoders[serve]\"",
+        "requests; the schema at /openapi.json. Each option may come from its environment variable instead, "
+        "MLX_ENCODERS_ and the option's name (--max-queue: MLX_ENCODERS_MAX_QUEUE). "
+        "Needs: pip install \"mlx-encoders[serve]\"",
     )  # fmt: skip
-    p.add_argument("--model", "-m", action="append", default=[], metavar="[NAME=]PATH",
-                   help="folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable")  # fmt: skip
-    p.add_argument("--index", action="append", default=[], metavar="NAME=DIR",
-                   help="index folder (mlx-encoders index build) to search on /v1/search; repeatable")  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port, printed)")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="cast the weights (default: as stored)")
-    p.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per batch a model runs (default 8192)")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for a batch to fill, in ms (default 2)")
-    p.add_argument("--max-queue", type=int, default=256, help="requests waiting per model before 429 (default 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="inputs per forward pass within a batch (default 32)")
-    p.add_argument("--max-inputs", type=int, default=2048, help="inputs per request (default 2048)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="request body size (default 4 MiB)")
-    p.add_argument("--auto-truncate", action="store_true", help="cut over-long inputs instead of answering 400")
-    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV} when set)")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                   help="allow browser requests from ORIGIN (repeatable; default: no CORS)")  # fmt: skip
-    for flag, (default, env, text) in TIMEOUTS.items():
-        p.add_argument(flag, type=float, metavar="SECONDS", help=f"{text} (default: ${env} when set, else {default:g})")
+    for flag, spec in FLAGS.items():
+        names = [spec.short, flag] if spec.short else [flag]
+        shown = "none" if spec.default in (None, []) else str(spec.default).lower()
+        help = f"{spec.help} (default: ${variable(flag)} when set, else {shown})"
+        options = {"metavar": spec.metavar, "choices": spec.choices, "help": help}
+        if spec.kind is switch:  # --auto-truncate alone means true, as TEI's
+            options.update(nargs="?", const=True)
+        p.add_argument(*names, action="append" if spec.repeat else "store", type=typed(flag, spec.kind), **options)
     p.set_defaults(run=run)
+
+
+def typed(flag: str, kind: Callable) -> Callable:
+    """`kind` for argparse: its ValueError becomes argparse's message naming the flag."""
+
+    def read(text: str):
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}, got {text!r}") from None
+
+    return read
+
+
+def setting(args: argparse.Namespace, flag: str):
+    """A flag's value: from the command line, else from its variable, else its default; a variable that does not
+    read as the flag's kind is a ValueError naming it."""
+    spec = FLAGS[flag]
+    given = getattr(args, flag[2:].replace("-", "_"), None)
+    if given is not None:
+        return given
+    name = variable(flag)
+    if name not in os.environ:
+        return spec.default
+    text = os.environ[name]
+    values = [v.strip() for v in text.split(",") if v.strip()] if spec.repeat else [text]
+    try:
+        read = [spec.kind(v) for v in values]
+    except ValueError as e:
+        raise ValueError(f"${name} {e}, got {text!r}") from None
+    if spec.choices and read[0] not in spec.choices:
+        raise ValueError(f"${name} must be one of {', '.join(spec.choices)}, got {text!r}")
+    return read if spec.repeat else read[0]
 
 
 def model_specs(values: list[str]) -> dict[str, str]:
@@ -76,29 +179,13 @@ def index_specs(values: list[str]) -> dict[str, str]:
     return specs
 
 
-def api_key(given: str | None) -> str | None:
-    """--api-key, else the variable when set; given but empty (`--api-key "$UNSET"`) is refused, never open."""
-    key = given if given is not None else os.environ.get(API_KEY_ENV)
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else its variable when set; given but empty (`--api-key "$UNSET"`) is refused, never open."""
+    key = setting(args, "--api-key")
     if key is not None and not key.strip():
-        source = "--api-key" if given is not None else f"${API_KEY_ENV}"
+        source = "--api-key" if args.api_key is not None else f"${variable('--api-key')}"
         raise ValueError(f"{source} is empty: give a key, or leave it out to serve without authentication")
     return key
-
-
-def timeout(args: argparse.Namespace, flag: str) -> float:
-    """The option's seconds, else its environment variable's, else the default; a finite number above 0."""
-    from .server import check_seconds
-
-    default, env, _ = TIMEOUTS[flag]
-    given = getattr(args, flag[2:].replace("-", "_"))
-    if given is not None:
-        return check_seconds(flag, given)
-    if env not in os.environ:
-        return default
-    try:
-        return check_seconds(f"${env}", float(os.environ[env]))
-    except ValueError:
-        raise ValueError(f"${env} must be a number of seconds above 0, got {os.environ[env]!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,39 +198,41 @@ def run(args: argparse.Namespace) -> int:
     from .connections import protocol
     from .server import Options, Server, build
 
-    for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
-        check_count(f"--{name.replace('_', '-')}", getattr(args, name), 1)
-    if args.max_wait_ms < 0:
-        raise ValueError(f"--max-wait-ms must be 0 or more, got {args.max_wait_ms}")
-    read, idle, shutdown = (timeout(args, flag) for flag in TIMEOUTS)
+    given = {flag[2:].replace("-", "_"): setting(args, flag) for flag in FLAGS}
+    level = given["log_level"]
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("mlx-encoders serve: %(levelname)s: %(message)s"))
+    logging.getLogger("mlx_encoders").addHandler(handler)
+    logging.getLogger("mlx_encoders").setLevel(level.upper())
     options = Options(
-        max_batch_tokens=args.max_batch_tokens, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-        max_inputs=args.max_inputs, max_request_bytes=args.max_request_bytes, auto_truncate=args.auto_truncate,
-        batch_size=args.batch_size, api_key=api_key(args.api_key),
-        cors_origins=tuple(args.cors_origin), read_timeout=read,
+        **{name: given[name] for name in ("max_batch_tokens", "max_wait_ms", "max_queue", "max_inputs",
+                                          "max_request_bytes", "auto_truncate", "batch_size", "read_timeout")},
+        api_key=api_key(args), cors_origins=tuple(given["cors_origin"]),
     )  # fmt: skip
-    if not args.model and not args.index:
+    if not given["model"] and not given["index"]:
         raise ValueError("mlx-encoders serve needs --model PATH or --index NAME=DIR (or both)")
-    models, indexes = load_models(model_specs(args.model), args.dtype, args.batch_size, index_specs(args.index))
+    models, indexes = load_models(
+        model_specs(given["model"]), given["dtype"], given["batch_size"], index_specs(given["index"])
+    )
     server = Server(models, options, indexes)
     server.warm()
+    host = given["host"]
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
-    sock = socket.socket(
-        socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
-    )
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock.bind((host, given["port"]))
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     for model in server.models.values():
         print(f"mlx-encoders serve: model {model.describe()}")
     for index in server.indexes.values():
         print(f"mlx-encoders serve: index {index.describe()}")
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"mlx-encoders serve: listening on http://{shown}:{sock.getsockname()[1]}", flush=True)
     # no graceful-shutdown timeout: a request that arrived whole is finished; the protocol ends the others in time
     config = uvicorn.Config(
-        build(server), http=protocol(read, shutdown), log_level="warning", access_log=False,
-        timeout_keep_alive=idle, timeout_graceful_shutdown=None,
+        build(server), http=protocol(given["read_timeout"], given["shutdown_timeout"]), log_level=level,
+        access_log=level in ("info", "debug"), timeout_keep_alive=given["keep_alive_timeout"],
+        timeout_graceful_shutdown=None,
     )  # fmt: skip
     # uvicorn re-raises the stopping signal once it has shut down; these handlers take it, so the exit status is 0
     for sig in (signal.SIGINT, signal.SIGTERM):

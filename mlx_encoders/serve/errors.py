@@ -9,6 +9,8 @@ TYPES = {
     405: ("invalid_request_error", "Validation"),
     408: ("invalid_request_error", "Validation"),
     413: ("invalid_request_error", "Validation"),
+    422: ("invalid_request_error", "Validation"),
+    424: ("server_error", "Backend"),
     429: ("rate_limit_error", "Overloaded"),
     500: ("server_error", "Backend"),
     503: ("server_error", "Unhealthy"),

@@ -48,6 +48,7 @@ class Tagged:
 
     item: Encoding | TokenIds
     tag: object
+    tokens: np.ndarray | None = None  # a `TokenVectors` item's (L, H) token vectors, set by the worker
 
     @property
     def ids(self) -> list[int]:
@@ -56,6 +57,13 @@ class Tagged:
     @property
     def type_ids(self) -> list[int]:
         return self.item.type_ids
+
+
+@dataclass(frozen=True)
+class TokenVectors:
+    """The tag of a dense text whose token vectors are wanted too (TEI's /embed_all); pooling skips `skipped`."""
+
+    skipped: int
 
 
 def kind_of(path: Path) -> str:
@@ -209,8 +217,11 @@ class ServedModel:
         or its (n, D) token matrix (multi-vector), as an object array; or (N, 2 x labels) logits then activated
         scores (the activation is an MLX function, so it runs here too)."""
         if self.encoder is not None:
-            run = self.encoder.run_encodings
-            return np.stack(by_tag(items, self.skipped, lambda x, skip: run(x, self.batch_size, False, skip)[0]))
+            rows = by_tag(items, self.skipped, self.dense_rows)
+            for item, row in zip(items, rows, strict=True):
+                if isinstance(row, tuple):  # its batch's rows stay one (N, D) array whoever else shares it
+                    item.tokens = row[1]
+            return np.stack([row[0] if isinstance(row, tuple) else row for row in rows])
         if self.sparse is not None:
             limit = self.sparse.max_active_dims
             return objects(
@@ -223,27 +234,44 @@ class ServedModel:
         scores = np.array(self.cross.activation_fn(mx.array(logits)).astype(mx.float32))
         return np.concatenate([logits, scores], axis=1)
 
+    def dense_rows(self, encodings: list, tag) -> list:
+        """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) for a
+        `TokenVectors` tag."""
+        if isinstance(tag, TokenVectors):
+            vectors, tokens = self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped, True)
+            return list(zip(vectors, tokens, strict=True))
+        return self.encoder.run_encodings(encodings, self.batch_size, False, tag)[0]
+
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
-        task: str | None = None, prompt_name: str | None = None,
+        task: str | None = None, prompt_name: str | None = None, direction: str = "right",
+        token_vectors: bool = False,
     ) -> list:  # fmt: skip
         """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
         "document": as `encode_query` / `encode_document`, a sparse Router's route for the task included;
         `prompt_name`: that prompt instead, as their `prompt_name=`); an input longer than that is an error unless
-        `truncate`."""
+        `truncate`, cut at its end or, `direction` "left", at its start (dense and cross-encoder models). A dense
+        model's items with `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
             prefix = self.named_prompt(prompt_name)
         texts = [prefix + t for t in texts]
         limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
         route = self.sparse_route(task) if self.sparse is not None else None
+        if direction != "right" and (route is not None or self.multi is not None):
+            raise ApiError(
+                400, f"model {self.name!r} is a {self.kind} model: it truncates at the end of a text only; send "
+                '"truncation_direction": "right", or shorter texts', "truncation_direction",
+            )  # fmt: skip
         try:
             if route is not None:
                 encodings, limit = route.tokenize(texts), route.max_seq_length
             elif self.multi is not None:
                 encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
             else:
-                encodings = self.tokenizer.encode_batch(texts, pairs, truncation=True, max_length=limit)
+                encodings = self.tokenizer.encode_batch(
+                    texts, pairs, truncation=True, max_length=limit, direction=direction
+                )
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param) from None
         if not truncate and limit is not None:
@@ -259,8 +287,12 @@ class ServedModel:
             return [Tagged(e, task) for e in encodings]
         if route is not None and route is not self.route:
             return [Tagged(e, route) for e in encodings]
-        if self.encoder is not None and task is not None and self.prompt_tokens(prefix) != self.skipped:
-            return [Tagged(e, self.prompt_tokens(prefix)) for e in encodings]
+        if self.encoder is not None and (token_vectors or task is not None or prompt_name is not None):
+            skipped = self.prompt_tokens(prefix)
+            if token_vectors:
+                return [Tagged(e, TokenVectors(skipped)) for e in encodings]
+            if skipped != self.skipped:
+                return [Tagged(e, skipped) for e in encodings]
         return encodings
 
     def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:
@@ -299,9 +331,12 @@ class ServedModel:
         labels = self.cross.num_labels
         return out[:, 0] if raw else out[:, labels]
 
-    def labels(self, out: np.ndarray, top_k: int | None, raw: bool = False) -> list[list[dict]]:
-        """Per input, {"label", "score"} best first as the text-classification pipeline gives them (its default
-        function of the logits; the logits themselves with `raw`)."""
+    def labels(
+        self, out: np.ndarray, top_k: int | None, raw: bool = False, function: str | None = None
+    ) -> list[list[dict]]:
+        """Per input, {"label", "score"} best first as the text-classification pipeline gives them (`function`
+        of the logits, its `function_to_apply`, else its default; the logits themselves with `raw`)."""
         logits = out[:, : self.cross.num_labels]
-        scores = logits if raw else FUNCTIONS[self.classifier.default_function()](logits)
+        function = "none" if raw else function or self.classifier.default_function()
+        scores = FUNCTIONS[function](logits)
         return [self.classifier.labels(row, top_k, legacy=False) for row in scores]

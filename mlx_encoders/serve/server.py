@@ -43,7 +43,7 @@ class Options:
     max_queue: int = 256
     max_inputs: int = 2048
     max_request_bytes: int = 4 * 2**20
-    auto_truncate: bool = False
+    auto_truncate: bool = True  # as TEI: an over-long input is cut, unless a request or --auto-truncate false says
     batch_size: int = 32
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
@@ -214,8 +214,12 @@ def endpoint(path: str, route: Endpoint, server: Server):
     return call
 
 
+PUBLIC = {("GET", "/health"), ("GET", "/ping"), ("GET", "/")}  # health checks (TEI's three)
+
+
 class Guard:
-    """ASGI middleware: the API key (every route but /health, compared in constant time) and the request metrics."""
+    """ASGI middleware: the API key (every route but the health checks, compared in constant time) and the request
+    metrics."""
 
     def __init__(self, app, server: Server):
         self.app = app
@@ -238,7 +242,8 @@ class Guard:
             await send(message)
 
         try:
-            if self.expected is not None and path != "/health" and not self.authorized(scope):
+            public = (scope["method"], path) in PUBLIC
+            if self.expected is not None and not public and not self.authorized(scope):
                 error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer KEY", None,
                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
                 return await error_response(path, error)(scope, receive, record)
