@@ -27,6 +27,7 @@ class Job:
         self.out: np.ndarray | None = None  # allocated from the first rows computed: their dtype and shape
         self.taken = 0  # items handed to batches
         self.done = 0  # items computed
+        self.submitted = time.monotonic()
 
     def finish(self, start: int, rows: np.ndarray) -> None:
         if self.future.done():  # an earlier piece failed, or the handler was cancelled
@@ -52,6 +53,7 @@ class Batcher:
     def __init__(
         self, name: str, compute: Callable[[list], np.ndarray], *, max_batch_tokens: int, max_wait_ms: float,
         max_queue: int, on_batch: Callable[[int, int], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ):  # fmt: skip
         self.name = name
         self.compute = compute
@@ -59,6 +61,7 @@ class Batcher:
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
         self.on_batch = on_batch
+        self.on_wait = on_wait  # given the seconds each request waited for its first batch
         self.jobs: deque[Job] = deque()
         self.queued_tokens = 0
         self.stopping = False
@@ -95,6 +98,11 @@ class Batcher:
     def work(self) -> None:
         while (pieces := self.take()) is not None:
             try:
+                if self.on_wait is not None:
+                    now = time.monotonic()
+                    for job, start, _ in pieces:
+                        if start == 0:  # the request's first batch
+                            self.on_wait(now - job.submitted)
                 self.run(pieces)  # nothing when every waiting request was cancelled
             except BaseException as error:  # noqa: BLE001  a fault here fails this batch's requests, never the worker
                 for job, _, _ in pieces:

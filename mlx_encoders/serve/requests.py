@@ -10,6 +10,8 @@ from starlette.requests import Request
 from .errors import ApiError
 from .models import ServedModel
 
+OFF_LOOP_BYTES = 64 * 1024
+
 
 class ClientGone(Exception):
     """The client closed its connection before its request arrived whole: there is no one to answer."""
@@ -41,8 +43,8 @@ async def read_json(request: Request, server) -> dict:
             raise ApiError(413, f"request body of more than the server's --max-request-bytes {limit} bytes")
         chunks.append(chunk)
     body = b"".join(chunks)
-    try:
-        data = json.loads(body)
+    try:  # a large body is parsed on a thread: the event loop stays free
+        data = json.loads(body) if size < OFF_LOOP_BYTES else await loop.run_in_executor(None, json.loads, body)
     except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers longer than Python converts
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:

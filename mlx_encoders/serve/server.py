@@ -6,6 +6,7 @@ time: a tokenizer is not thread-safe) and shape the answer."""
 import asyncio
 import functools
 import hmac
+import json
 import logging
 import math
 import time
@@ -31,6 +32,7 @@ from .search import ServedIndex
 
 log = logging.getLogger("mlx_encoders.serve")
 RETRY_AFTER_S = 1
+OFF_LOOP_VALUES = 4096  # an answer of more values is written as JSON on a thread: the event loop stays free
 ROUTES = routes()
 
 
@@ -78,6 +80,7 @@ class Server:
             self.batchers[m.name] = Batcher(
                 m.name, m.compute, max_batch_tokens=options.max_batch_tokens, max_wait_ms=options.max_wait_ms,
                 max_queue=options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
+                on_wait=lambda seconds, name=m.name: self.metrics.waited(name, seconds),
             )  # fmt: skip
             self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
         self.tokenizers = {
@@ -157,6 +160,7 @@ class Server:
         except Exception as e:  # noqa: BLE001  the model failed on this request's inputs: its 500 alone
             log.exception("model %s failed", model.name)
             raise ApiError(500, f"model {model.name!r} failed on this request: {e}", None, "model_error") from None
+        self.metrics.ran(model.name, sum(len(item.ids) for item in items))
         bad = np.flatnonzero(~finite_rows(out))
         if len(bad):
             raise ApiError(
@@ -209,9 +213,51 @@ def endpoint(path: str, route: Endpoint, server: Server):
         except Exception as e:  # noqa: BLE001  a bug answers its own request with 500; the server stays up
             log.exception("%s failed", path)
             return error_response(path, ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal"))
-        return result if isinstance(result, Response) else JSONResponse(result)
+        return await respond(result)
 
     return call
+
+
+def values(x) -> int:
+    """About how many values an answer holds (lists counted by their first item): cheap on any size."""
+    if isinstance(x, np.ndarray):
+        return x.size
+    if isinstance(x, list):
+        return len(x) * values(x[0]) if x else 1
+    if isinstance(x, dict):
+        return sum(values(v) for v in x.values())
+    return 1
+
+
+def render(x) -> bytes:
+    """`x` (JSON values, numpy arrays among them) as JSON, as JSONResponse writes it, a piece at a time: one
+    `json.dumps` of a large answer would hold the interpreter's lock (and so the event loop) until it ends."""
+    if isinstance(x, np.ndarray) and x.ndim > 1 and x.size >= OFF_LOOP_VALUES:
+        x = list(x)
+    if values(x) < OFF_LOOP_VALUES or not isinstance(x, (list, dict)):
+        return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist).encode()
+    if isinstance(x, list):
+        return b"[" + b",".join(render(item) for item in x) + b"]"
+    return b"{" + b",".join(render(str(k)) + b":" + render(v) for k, v in x.items()) + b"}"
+
+
+def tolist(x):
+    """What json.dumps cannot write itself: a numpy array or number (a handler leaves a large conversion to it)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+async def respond(result) -> Response:
+    """A handler's result (JSON values and numpy arrays) as a response; a large one is converted and written on a
+    thread, so the event loop stays free."""
+    if isinstance(result, Response):
+        return result
+    if values(result) < OFF_LOOP_VALUES:
+        body = render(result)
+    else:
+        body = await asyncio.get_running_loop().run_in_executor(None, render, result)
+    return Response(body, media_type="application/json")
 
 
 PUBLIC = {("GET", "/health"), ("GET", "/ping"), ("GET", "/")}  # health checks (TEI's three)

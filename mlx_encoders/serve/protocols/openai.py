@@ -43,7 +43,8 @@ async def embeddings(request: Request, server: Server):
     tokens = sum(len(item.ids) for item in items)
 
     def encoded(v: np.ndarray):
-        return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+        # floats stay an array: the response writes them off the event loop
+        return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v
 
     return {
         "object": "list",

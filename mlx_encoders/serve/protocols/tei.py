@@ -199,7 +199,7 @@ async def embed_answer(request: Request, server: "Server", body: dict, model: Se
         if direction != "right":
             raise ApiError(400, '"truncation_direction" applies to texts; send "right" with token ids', "inputs")
         items = await server.tokenize(model, model.token_ids, ids, truncate)
-    return model.embeddings(await server.run(model, items), dimensions, normalize).tolist()
+    return model.embeddings(await server.run(model, items), dimensions, normalize)  # written off the event loop
 
 
 @tei_errors
@@ -219,7 +219,7 @@ async def embed_all(request: Request, server: "Server"):
     found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     items = await tokenized(server, model, body, found, token_vectors=True)
     await server.run(model, items)
-    return [item.tokens.tolist() for item in items]
+    return [item.tokens for item in items]
 
 
 async def embed_sparse_answer(request: Request, server: "Server", body: dict, model: ServedModel) -> list:
@@ -338,7 +338,7 @@ async def similarity_answer(request: Request, server: "Server", body: dict, mode
     parameters = fields(option(body, "parameters", dict, {}), SimilarityParameters)
     items = await tokenized(server, model, parameters, [source, *sentences])
     vectors = model.embeddings(await server.run(model, items), None, normalize=True)
-    return (vectors[1:] @ vectors[0]).tolist()
+    return vectors[1:] @ vectors[0]
 
 
 @tei_errors
