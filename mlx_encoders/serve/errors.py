@@ -3,7 +3,7 @@ Hugging Face text-embeddings-inference (TEI), as TEI's (`{"error", "error_type"}
 
 # HTTP status -> OpenAI error type, TEI error_type
 TYPES = {
-    400: ("invalid_request_error", "Validation"),
+    400: ("invalid_request_error", "Empty"),  # on TEI's routes a 400 is an empty input; the rest is 422
     401: ("authentication_error", "Unauthorized"),
     404: ("not_found_error", "Validation"),
     405: ("invalid_request_error", "Validation"),
