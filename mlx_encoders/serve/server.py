@@ -231,14 +231,21 @@ def values(x) -> int:
 
 def render(x) -> bytes:
     """`x` (JSON values, numpy arrays among them) as JSON, as JSONResponse writes it, a piece at a time: one
-    `json.dumps` of a large answer would hold the interpreter's lock (and so the event loop) until it ends."""
+    `json.dumps` of a large answer would hold the interpreter's lock, and so the event loop, until it ends."""
     if isinstance(x, np.ndarray) and x.ndim > 1 and x.size >= OFF_LOOP_VALUES:
         x = list(x)
     if values(x) < OFF_LOOP_VALUES or not isinstance(x, (list, dict)):
         return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist).encode()
     if isinstance(x, list):
-        return b"[" + b",".join(render(item) for item in x) + b"]"
-    return b"{" + b",".join(render(str(k)) + b":" + render(v) for k, v in x.items()) + b"}"
+        return b"[" + b",".join(pause(render(item)) for item in x) + b"]"
+    return b"{" + b",".join(render(str(k)) + b":" + pause(render(v)) for k, v in x.items()) + b"}"
+
+
+def pause(piece: bytes) -> bytes:
+    """`piece`, after letting the event loop's thread take the interpreter's lock (render runs on a thread: without
+    this the loop waits a switch interval for each of its steps)."""
+    time.sleep(0)
+    return piece
 
 
 def tolist(x):
