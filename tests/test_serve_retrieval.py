@@ -204,11 +204,12 @@ def test_embed_sparse_equals_sparse_encoder(folders, server):
         post(url, "/embed_sparse", {"model": "splade", "inputs": TEXTS[0]}), encoder.encode(TEXTS[:1]).toarray()
     )
 
-    status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": [TEXTS[0], LONG]})
-    assert status == 400 and f"inputs[1] is longer than the {MAX_SEQ_LENGTH} tokens" in answer["error"]
+    body = {"model": "splade", "inputs": [TEXTS[0], LONG]}
+    status, answer, _ = call(url, "/embed_sparse", {**body, "truncate": False})
+    assert status == 422 and f"inputs[1] is longer than the {MAX_SEQ_LENGTH} tokens" in answer["error"]
     with pytest.warns(UserWarning, match="truncated"):
         expected = encoder.encode([TEXTS[0], LONG])
-    answer = post(url, "/embed_sparse", {"model": "splade", "inputs": [TEXTS[0], LONG], "truncate": True})
+    answer = post(url, "/embed_sparse", body)  # cut by default, as TEI's --auto-truncate
     assert_sparse_equal(answer, expected.toarray())
 
 
@@ -232,9 +233,9 @@ def test_embed_sparse_input_type_and_prompt_name_equal_sentence_transformers(fol
             answer = post(url, "/embed_sparse", {"model": name, "inputs": TEXTS, **fields})
             assert_sparse_equal(answer, expected.to_dense().numpy())
     status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": "a", "input_type": "passage"})
-    assert status == 400 and '"input_type" must be "query" or "document"' in answer["error"]
+    assert status == 422 and '"input_type" must be "query" or "document"' in answer["error"]
     status, answer, _ = call(url, "/embed_sparse", {"model": "splade", "inputs": "a", "prompt_name": "nope"})
-    assert status == 400 and "has no prompt 'nope'; its prompts: 'query', 'document'" in answer["error"]
+    assert status == 422 and "has no prompt 'nope'; its prompts: 'query', 'document'" in answer["error"]
 
 
 def test_multi_vector_embeddings_equal_multi_vector_encoder(folders, server):
@@ -390,10 +391,10 @@ def test_requests_a_model_or_index_cannot_serve_get_openai_shaped_errors(server,
 def test_tei_routes_name_the_kind_of_a_model_that_cannot_serve_them(server):
     url, _ = server
     status, answer, _ = call(url, "/embed_sparse", {"model": "dense", "inputs": "a"})
-    assert status == 400 and "'dense' is a dense model" in answer["error"]
+    assert status == 424 and "'dense' is a dense model" in answer["error"]  # TEI's status: the model cannot
     assert "models that do: splade" in answer["error"]
     status, answer, _ = call(url, "/embed", {"model": "splade", "inputs": "a"})
-    assert status == 400 and "'splade' is a sparse model" in answer["error"] and answer["error_type"] == "Validation"
+    assert status == 424 and "'splade' is a sparse model" in answer["error"] and answer["error_type"] == "Backend"
 
 
 def test_an_index_shares_the_model_of_its_folder_loads_it_else_and_refuses_another(folders):

@@ -239,8 +239,8 @@ def test_every_route_refuses_an_empty_text_alike(server, path, body):
     assert status == 400, got
     if path.startswith("/v1/"):
         assert got["error"]["code"] == "empty_input" and "is an empty string" in got["error"]["message"]
-    else:
-        assert got["error_type"] == "Validation" and "is an empty string" in got["error"]
+    else:  # TEI's 400 is an empty input
+        assert got["error_type"] == "Empty" and "is an empty string" in got["error"]
 
 
 # ---- random bodies
@@ -352,35 +352,37 @@ def test_health_answers_while_a_large_request_is_tokenized(folders):
 @pytest.mark.parametrize(
     "flag, env, message",
     [
-        ("0", None, "--read-timeout must be a number of seconds above 0, got 0.0"),
-        ("inf", None, "--read-timeout must be a number of seconds above 0, got inf"),
+        ("0", None, "argument --read-timeout: must be a number of seconds above 0, got '0'"),
+        ("inf", None, "argument --read-timeout: must be a number of seconds above 0, got 'inf'"),
         (None, "abc", "$MLX_ENCODERS_READ_TIMEOUT must be a number of seconds above 0, got 'abc'"),
         (None, "-1", "$MLX_ENCODERS_READ_TIMEOUT must be a number of seconds above 0, got '-1'"),
     ],
 )
-def test_a_timeout_must_be_seconds_above_0(monkeypatch, flag, env, message):
-    import argparse
-
+def test_a_timeout_must_be_seconds_above_0(monkeypatch, capsys, flag, env, message):
+    from mlx_encoders.__main__ import parser
     from mlx_encoders.serve import cli
     from mlx_encoders.serve.server import Options
 
+    monkeypatch.delenv("MLX_ENCODERS_READ_TIMEOUT", raising=False)
     if env is not None:
         monkeypatch.setenv("MLX_ENCODERS_READ_TIMEOUT", env)
-    args = argparse.Namespace(read_timeout=None if flag is None else float(flag))
-    with pytest.raises(ValueError) as error:
-        cli.timeout(args, "--read-timeout")
-    assert str(error.value) == message
+        with pytest.raises(ValueError) as error:
+            cli.setting(parser().parse_args(["serve"]), "--read-timeout")
+        assert str(error.value) == message
+    else:
+        with pytest.raises(SystemExit):
+            parser().parse_args(["serve", "--read-timeout", flag])
+        assert capsys.readouterr().err.strip().endswith(message)
     with pytest.raises(ValueError, match="read_timeout must be a number of seconds above 0"):
         Options(read_timeout=0)
 
 
 def test_a_timeout_comes_from_its_flag_then_its_variable_then_the_default(monkeypatch):
-    import argparse
-
+    from mlx_encoders.__main__ import parser
     from mlx_encoders.serve import cli
 
     monkeypatch.delenv("MLX_ENCODERS_SHUTDOWN_TIMEOUT", raising=False)
-    assert cli.timeout(argparse.Namespace(shutdown_timeout=None), "--shutdown-timeout") == 5.0
+    assert cli.setting(parser().parse_args(["serve"]), "--shutdown-timeout") == 5.0
     monkeypatch.setenv("MLX_ENCODERS_SHUTDOWN_TIMEOUT", "2.5")
-    assert cli.timeout(argparse.Namespace(shutdown_timeout=None), "--shutdown-timeout") == 2.5
-    assert cli.timeout(argparse.Namespace(shutdown_timeout=7.0), "--shutdown-timeout") == 7.0
+    assert cli.setting(parser().parse_args(["serve"]), "--shutdown-timeout") == 2.5
+    assert cli.setting(parser().parse_args(["serve", "--shutdown-timeout", "7"]), "--shutdown-timeout") == 7.0

@@ -247,7 +247,7 @@ def predict_inputs(value) -> tuple[list[list[str]], bool]:
     it was one input."""
     expected = "a string, a [text, text_pair] pair, or a list of [text] and [text, text_pair] lists"
     if isinstance(value, str):
-        return [[value]], True
+        return [[text(value, '"inputs"', "inputs")]], True
     if not isinstance(value, list):
         raise ApiError(400, f'"inputs" must be {expected}, got {type(value).__name__}', "inputs")
     if not value:
