@@ -1,6 +1,7 @@
 """`mlx-encoders serve`: an HTTP server of embeddings (OpenAI's /v1/embeddings, TEI's /embed and /embed_sparse),
 reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /predict) and index search
-(/v1/search), batching concurrent requests per model. Needs the `serve` extra (Starlette, uvicorn):
+(/v1/search), and the whole API of Hugging Face text-embeddings-inference, batching concurrent requests per model.
+Needs the `serve` extra (Starlette, uvicorn, prometheus_client):
 `pip install "mlx-encoders[serve]"`.
 
     app = mlx_encoders.serve.app({"minilm": "path/to/all-MiniLM-L6-v2"})   # an ASGI app, models loaded and warm
@@ -9,14 +10,14 @@ reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /pred
 
 from pathlib import Path
 
-MISSING = 'mlx-encoders serve needs Starlette and uvicorn: pip install "mlx-encoders[serve]"'
+MISSING = 'mlx-encoders serve needs Starlette, uvicorn and prometheus_client: pip install "mlx-encoders[serve]"'
 
 
 def require_stack() -> None:
-    """An ImportError naming the extra to install when Starlette or uvicorn is missing."""
+    """An ImportError naming the extra to install when Starlette, uvicorn or prometheus_client is missing."""
     import importlib.util
 
-    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"{MISSING} ({' and '.join(missing)} not installed)")
 
