@@ -1,10 +1,8 @@
 """/v1/search: a served index searched as `Index.search` does it."""
 
-from __future__ import annotations
-
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 
 import numpy as np
 from starlette.requests import Request
@@ -13,16 +11,31 @@ from ...index.search import FUSIONS, RRF_K
 from ...sparse import SparseVectors
 from ..errors import ApiError
 from ..requests import number, option, read_json, required_text
+from ..schema import accepts, fields
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
 
 
-async def search(request: Request, server: Server):
+class SearchRequest(TypedDict, total=False):
+    query: Required[str]
+    index: Annotated[str, "the served index (default: the only one)"]
+    top_k: Annotated[int, "the best documents to answer (default 10)"]
+    precision: Annotated[Literal["float32", "int8", "binary"], "the vectors ranked (default float32)"]
+    truncate: Annotated[bool, "cut an over-long query to the model's length (default: --auto-truncate)"]
+    mode: Annotated[Literal["dense", "sparse", "hybrid"], "default: dense when the index has a dense model"]
+    fusion: Annotated[Literal["rrf", "weighted"], "how a hybrid search fuses its two rankings (default rrf)"]
+    rrf_k: Annotated[float, "reciprocal rank fusion's k (default 60)"]
+    alpha: Annotated[float, "the dense share of a weighted fusion, in [0, 1] (default 0.5)"]
+    depth: Annotated[int, "each mode's best documents fused (default 100)"]
+
+
+@accepts(SearchRequest)
+async def search(request: Request, server: "Server"):
     """A served index's `top_k` best documents for `query`, as `Index.search` gives them (id, score, text), in the
     request's `mode` ("dense", "sparse" or "hybrid"; default: as `Index.search` picks) with its `fusion`, `rrf_k`,
     `alpha` and `depth`. Each embedding the mode needs runs on its model's worker."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), SearchRequest)
     served = server.index(body.get("index"))
     query = required_text(body, "query")
     top_k = option(body, "top_k", int, 10, 1)
