@@ -507,13 +507,15 @@ def test_a_request_over_the_token_budget_is_split_and_put_back_in_order(small_qu
     assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
 
 
-def test_api_key_guards_every_route_but_health_and_cors_follows_the_option(small_queue, server):
+def test_api_key_guards_every_route_but_health_checks_and_schema_and_cors_follows_the_option(small_queue, server):
     assert call(small_queue, "/v1/models")[0] == 401
     status, answer, headers = call(small_queue, "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert status == 401 and answer["error"]["type"] == "authentication_error"
     assert call(small_queue, "/embed", {"inputs": "a"})[1]["error_type"] == "Unauthorized"
     assert call(small_queue, "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
-    assert call(small_queue, "/health")[0] == 200
+    for public in ("/health", "/ping", "/", "/openapi.json", "/docs"):  # health checks and the schema
+        assert call(small_queue, public)[0] == 200, public
+    assert call(small_queue, "/", {"inputs": "a"})[0] == 401  # TEI's / answers GET openly, POST with the key
     origin = {"Origin": "http://example.com", "Authorization": "Bearer secret"}
     assert call(small_queue, "/v1/models", headers=origin)[2]["access-control-allow-origin"] == "http://example.com"
     assert "access-control-allow-origin" not in call(server, "/v1/models", headers=origin)[2]

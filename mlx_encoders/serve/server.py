@@ -267,12 +267,12 @@ async def respond(result) -> Response:
     return Response(body, media_type="application/json")
 
 
-PUBLIC = {("GET", "/health"), ("GET", "/ping"), ("GET", "/")}  # health checks (TEI's three)
+# the health checks (TEI's three) and the schema with its page (a browser sends no key), as TEI serves them
+PUBLIC = {("GET", "/health"), ("GET", "/ping"), ("GET", "/"), ("GET", "/openapi.json"), ("GET", "/docs")}
 
 
 class Guard:
-    """ASGI middleware: the API key (every route but the health checks, compared in constant time) and the request
-    metrics."""
+    """ASGI middleware: the API key (every route but `PUBLIC`, compared in constant time) and the request metrics."""
 
     def __init__(self, app, server: Server):
         self.app = app
