@@ -207,6 +207,8 @@ def test_tokenize_decode_and_info(server, folders):
     ids = [[t["id"] for t in row] for row in tokens]
     assert ids == tokenizer(TEXTS[:2])["input_ids"]
     assert post(server, "/decode", {"model": "minilm", "ids": ids}) == tokenizer.batch_decode(ids, True)
+    by_ids, by_texts = (post(server, "/embed", {"model": "minilm", "inputs": x}) for x in (ids, TEXTS[:2]))
+    assert_float32_close(by_ids, by_texts, encoder_terms(MINILM, TEXTS))  # TEI's inputs may be token ids
     assert post(server, "/decode", {"model": "minilm", "ids": ids[0], "skip_special_tokens": False}) == [
         tokenizer.decode(ids[0])
     ]
