@@ -16,7 +16,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as FastTokenizer
 
 from . import spm
-from .checkpoint.files import read_json_object
+from .jsonfile import read_json_object
 
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
