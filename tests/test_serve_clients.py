@@ -1,0 +1,216 @@
+"""`mlx-encoders serve` called by the clients of other servers, each configured as its docs say for a self-hosted
+server: the `cohere` SDK (v1 `Client` and v2 `ClientV2`), the `ollama` client, Infinity's unprefixed routes,
+LangChain's `OpenAIEmbeddings` and LlamaIndex's `OpenAIEmbedding`. Vectors are checked against
+sentence-transformers (real all-MiniLM-L6-v2) and typed ones against its `quantize_embeddings`, rerank scores
+against sentence-transformers' CrossEncoder or transformers' model, labels against transformers' pipeline."""
+
+import base64
+
+import numpy as np
+import pytest
+from checkpoints import MINILM
+from test_serve import DOCS, TEXTS, call, cosine, in_process
+from tolerance import assert_float32_close, encoder_terms
+
+LONG = " ".join(["word"] * 300)  # longer than MiniLM's 256 tokens
+
+
+@pytest.fixture(scope="module")
+def folders(checkpoint):
+    return {
+        "rerank": checkpoint("bert", "sequence-classification", num_labels=1),
+        "classify": checkpoint("bert", "sequence-classification"),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    """An in-process server of MiniLM, a one-label cross-encoder and a 3-label classifier."""
+    from mlx_encoders import serve
+
+    app = serve.app({"minilm": MINILM, "rerank": folders["rerank"], "classify": folders["classify"]})
+    with in_process(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer(one_torch_thread):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(MINILM), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(folders, one_torch_thread):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(folders["rerank"]), device="cpu")
+
+
+def terms(texts) -> int:
+    return encoder_terms(MINILM, texts)
+
+
+def assert_quantized_equal(got, vectors: np.ndarray, precision: str) -> None:
+    """`got` equals sentence-transformers' `quantize_embeddings(vectors, precision)` but where float rounding may
+    move a value across a bucket's edge (int8, uint8: one bucket) or across 0 (binary: a sign bit)."""
+    from sentence_transformers.quantization import quantize_embeddings
+
+    expected = quantize_embeddings(vectors, precision)
+    got = np.array(got)
+    assert got.shape == expected.shape and got.min() >= np.iinfo(expected.dtype).min
+    assert got.max() <= np.iinfo(expected.dtype).max
+    if precision.endswith("int8"):
+        low, high = vectors.min(axis=0), vectors.max(axis=0)
+        position = (vectors - low) / ((high - low) / 255)
+        clear = np.abs(position - np.round(position)) > 1e-3  # away from a bucket's edge
+        np.testing.assert_array_equal(got[clear], expected[clear])
+        assert np.abs(got - expected.astype(np.int64)).max() <= 1
+        return
+    shift = 128 if precision == "binary" else 0
+    bits = np.unpackbits((got + shift).astype(np.uint8), axis=1)[:, : vectors.shape[1]]
+    clear = np.abs(vectors) > 1e-5  # a sign that rounding cannot flip
+    np.testing.assert_array_equal(bits[clear], (vectors > 0)[clear])
+
+
+# ---- Cohere
+
+
+def test_cohere_v2_embed_gives_every_embedding_type_as_sentence_transformers(server, sentence_transformer):
+    import cohere
+
+    client = cohere.ClientV2(base_url=server, api_key="unused")
+    kinds = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+    answer = client.embed(model="minilm", texts=TEXTS, input_type="search_document", embedding_types=kinds)
+    expected = sentence_transformer.encode(TEXTS)
+    got = np.array(answer.embeddings.float_, np.float32)
+    assert cosine(got, expected).min() >= 0.99999
+    assert_float32_close(got, expected, terms(TEXTS))
+    for precision in ("int8", "uint8", "binary", "ubinary"):
+        assert_quantized_equal(getattr(answer.embeddings, precision), expected, precision)
+    decoded = [np.frombuffer(base64.b64decode(b), "<f4") for b in answer.embeddings.base64]
+    np.testing.assert_array_equal(decoded, got)
+    assert answer.texts == TEXTS and answer.id
+    tokens = sum(len(ids) for ids in sentence_transformer.tokenizer(TEXTS)["input_ids"])
+    assert answer.meta.billed_units.input_tokens == tokens and answer.meta.api_version.version == "2"
+
+
+def test_cohere_v2_embed_truncates_as_asked_and_cuts_dimensions(server, sentence_transformer):
+    import cohere
+
+    client = cohere.ClientV2(base_url=server, api_key="unused")
+    texts = ["a first text of several words", LONG]
+    default = client.embed(model="minilm", texts=texts, input_type="search_query", embedding_types=["float"])
+    expected = sentence_transformer.encode(texts)  # cuts the end, as Cohere's default END
+    assert cosine(np.array(default.embeddings.float_), expected).min() >= 0.99999
+
+    sentence_transformer.max_seq_length = 5
+    try:
+        end = sentence_transformer.encode(texts)
+        sentence_transformer.tokenizer.truncation_side = "left"
+        start = sentence_transformer.encode(texts)
+    finally:
+        sentence_transformer.max_seq_length = 256
+        sentence_transformer.tokenizer.truncation_side = "right"
+    for truncate, oracle in (("END", end), ("START", start)):
+        answer = client.embed(
+            model="minilm", texts=texts, input_type="classification", embedding_types=["float"], truncate=truncate,
+            max_tokens=5,
+        )  # fmt: skip
+        assert cosine(np.array(answer.embeddings.float_), oracle).min() >= 0.99999, truncate
+    assert cosine(start, end).min() < 0.99  # the two ends differ: the test tells them apart
+
+    short = client.embed(model="minilm", texts=TEXTS, input_type="clustering", embedding_types=["float"],
+                         output_dimension=64)  # fmt: skip
+    oracle = sentence_transformer.encode(TEXTS, truncate_dim=64, normalize_embeddings=True)
+    assert cosine(np.array(short.embeddings.float_), oracle).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(short.embeddings.float_, axis=1), 1, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"model": "minilm", "texts": [LONG], "input_type": "search_query", "truncate": "NONE"}, 400, "256 tokens"),
+        ({"model": "minilm", "texts": ["a"]}, 400, '"input_type" is required'),
+        ({"texts": ["a"], "input_type": "search_query"}, 400, '"model" is required'),
+        ({"model": "embed-v4.0", "texts": ["a"], "input_type": "search_query"}, 404, "served models: minilm"),
+        ({"model": "minilm", "texts": ["a"], "input_type": "image"}, 400, '"input_type" must be one of'),
+        ({"model": "minilm", "images": ["data:,"], "input_type": "image"}, 400, '"images" is not served'),
+        ({"model": "minilm", "texts": ["a"], "input_type": "search_query", "embedding_types": ["int4"]}, 400,
+         '"embedding_types" must be'),
+        ({"model": "minilm", "texts": ["one"], "input_type": "search_query", "embedding_types": ["int8"]}, 400,
+         "send 2 inputs or more"),
+        ({"model": "minilm", "texts": ["a"], "input_type": "search_query", "output_dimension": 1000}, 400, "384"),
+        ({"model": "rerank", "texts": ["a"], "input_type": "search_query"}, 400, "cross-encoder model"),
+    ],
+)  # fmt: skip
+def test_cohere_v2_embed_errors_are_cohere_shaped(server, body, status, message):
+    import cohere
+
+    got, answer, _ = call(server, "/v2/embed", body)
+    assert got == status and set(answer) == {"id", "message"} and message in answer["message"], answer
+    if status == 400 and {"model", "input_type"} <= set(body):  # the SDK raises its error with the body
+        with pytest.raises(cohere.BadRequestError) as error:
+            cohere.ClientV2(base_url=server, api_key="unused").embed(**body)
+        assert message in error.value.body["message"]
+
+
+def test_cohere_v1_client_embeds_and_reranks(server, sentence_transformer, cross_encoder):
+    import cohere
+
+    client = cohere.Client(base_url=server, api_key="unused")
+    floats = client.embed(model="minilm", texts=TEXTS)
+    assert floats.response_type == "embeddings_floats" and floats.texts == TEXTS
+    assert cosine(np.array(floats.embeddings), sentence_transformer.encode(TEXTS)).min() >= 0.99999
+    typed = client.embed(model="minilm", texts=TEXTS, input_type="search_query", embedding_types=["ubinary"])
+    assert typed.response_type == "embeddings_by_type"
+    assert_quantized_equal(typed.embeddings.ubinary, sentence_transformer.encode(TEXTS), "ubinary")
+
+    query = "Where is Paris?"
+    oracle = cross_encoder.predict([(query, d) for d in DOCS])
+    best = np.argsort(-oracle, kind="stable")[:2]
+    ranked = client.rerank(model="rerank", query=query, documents=DOCS, top_n=2, return_documents=True)
+    assert [r.index for r in ranked.results] == best.tolist() and ranked.id
+    assert [r.document.text for r in ranked.results] == [DOCS[i] for i in best]
+    pairs = [(query, d) for d in DOCS]
+    assert_float32_close([r.relevance_score for r in ranked.results], oracle[best], encoder_terms(MINILM, pairs))
+    with pytest.raises(cohere.BadRequestError) as error:
+        client.rerank(model="rerank", query=query, documents=DOCS, max_chunks_per_doc=2)
+    assert '"max_chunks_per_doc" is not served' in error.value.body["message"]
+
+
+def test_cohere_v2_rerank_equals_the_cross_encoder_and_cuts_documents(server, folders, cross_encoder):
+    import cohere
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    client = cohere.ClientV2(base_url=server, api_key="unused")
+    query = "Where is Paris?"
+    pairs = [(query, d) for d in DOCS]
+    oracle = cross_encoder.predict(pairs)
+    answer = client.rerank(model="rerank", query=query, documents=DOCS, top_n=3)
+    best = np.argsort(-oracle, kind="stable")[:3]
+    assert [r.index for r in answer.results] == best.tolist() and answer.id
+    assert_float32_close([r.relevance_score for r in answer.results], oracle[best], encoder_terms(MINILM, pairs))
+    assert answer.meta.api_version.version == "2"
+
+    # max_tokens_per_doc: each document's first 2 tokens, paired with the query, through transformers' model
+    tokenizer = AutoTokenizer.from_pretrained(folders["rerank"])
+    model = AutoModelForSequenceClassification.from_pretrained(folders["rerank"]).eval()
+    first = tokenizer([query])["input_ids"][0]
+    rows = [first + tokenizer(d, add_special_tokens=False)["input_ids"][:2] + [tokenizer.sep_token_id] for d in DOCS]
+    with torch.no_grad():
+        ids = torch.tensor(rows)
+        types = torch.tensor([[0] * len(first) + [1] * (len(r) - len(first)) for r in rows])
+        cut = torch.sigmoid(model(input_ids=ids, token_type_ids=types).logits[:, 0]).numpy()
+    answer = client.rerank(model="rerank", query=query, documents=DOCS, max_tokens_per_doc=2)
+    got = np.empty(len(DOCS))
+    got[[r.index for r in answer.results]] = [r.relevance_score for r in answer.results]
+    np.testing.assert_allclose(got, cut, atol=1e-5)
+    assert np.abs(cut - oracle).max() > 1e-3  # cutting changed the scores: the test tells them apart
+
+    for body, message in (({"query": "q", "documents": ["d"]}, '"model" is required'),
+                          ({"model": "rerank", "query": "q", "documents": ["d"], "relevant_spans": {"enabled": True}},
+                           '"relevant_spans" is not served')):  # fmt: skip
+        status, error, _ = call(server, "/v2/rerank", body)
+        assert status == 400 and set(error) == {"id", "message"} and message in error["message"], error
