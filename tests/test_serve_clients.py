@@ -214,3 +214,67 @@ def test_cohere_v2_rerank_equals_the_cross_encoder_and_cuts_documents(server, fo
                            '"relevant_spans" is not served')):  # fmt: skip
         status, error, _ = call(server, "/v2/rerank", body)
         assert status == 400 and set(error) == {"id", "message"} and message in error["message"], error
+
+
+# ---- Ollama
+
+
+def test_ollama_client_embeds_as_sentence_transformers(server, sentence_transformer):
+    import ollama
+
+    client = ollama.Client(host=server)
+    answer = client.embed(model="minilm:latest", input=TEXTS)  # Ollama's tag, or the name alone
+    expected = sentence_transformer.encode(TEXTS, normalize_embeddings=True)
+    assert answer.model == "minilm:latest" and cosine(np.array(answer.embeddings), expected).min() >= 0.99999
+    assert_float32_close(answer.embeddings, expected, terms(TEXTS))
+    assert answer.prompt_eval_count == sum(len(ids) for ids in sentence_transformer.tokenizer(TEXTS)["input_ids"])
+    one = client.embed(model="minilm", input=TEXTS[0], dimensions=64, keep_alive="5m", options={"temperature": 0})
+    oracle = sentence_transformer.encode(TEXTS[:1], truncate_dim=64, normalize_embeddings=True)
+    assert cosine(np.array(one.embeddings), oracle).min() >= 0.99999
+    np.testing.assert_allclose(np.linalg.norm(one.embeddings, axis=1), 1, atol=1e-6)
+    assert client.embed(model="minilm", input=[]).embeddings == []  # how Ollama's clients load a model
+
+    legacy = client.embeddings(model="minilm", prompt=TEXTS[1])
+    assert cosine(np.array([legacy.embedding]), sentence_transformer.encode(TEXTS[1:2])).min() >= 0.99999
+
+    # Ollama cuts over-long inputs unless told not to; num_ctx is the tokens an input may have
+    long = client.embed(model="minilm", input=[LONG]).embeddings
+    assert cosine(np.array(long), sentence_transformer.encode([LONG])).min() >= 0.99999
+    short = client.embed(model="minilm", input=[LONG, TEXTS[1]], options={"num_ctx": 5}).embeddings
+    sentence_transformer.max_seq_length = 5
+    try:
+        oracle = sentence_transformer.encode([LONG, TEXTS[1]])
+    finally:
+        sentence_transformer.max_seq_length = 256
+    assert cosine(np.array(short), oracle).min() >= 0.99999
+
+    for kwargs, message in (
+        ({"input": [LONG], "truncate": False}, "longer than the 256 tokens"),
+        ({"input": ["a"], "options": {"num_ctx": 5, "bogus": 1}}, "'bogus' not known"),
+        ({"input": ["a"], "keep_alive": "5 minutes"}, '"keep_alive" must be'),
+        ({"input": ["a"], "dimensions": 1000}, "384"),
+    ):
+        with pytest.raises(ollama.ResponseError) as error:
+            client.embed(model="minilm", **kwargs)
+        assert error.value.status_code == 400 and message in error.value.error, error.value.error
+    with pytest.raises(ollama.ResponseError) as error:
+        client.embed(model="nomic-embed-text", input="a")
+    assert error.value.status_code == 404 and "served models: minilm" in error.value.error
+
+
+def test_ollama_client_lists_shows_and_reports_the_served_models(server):
+    import ollama
+
+    client = ollama.Client(host=server)
+    listed = {m.model: m for m in client.list().models}
+    assert set(listed) == {"minilm:latest", "rerank:latest", "classify:latest"}
+    assert listed["minilm:latest"].details.family == "bert" and listed["minilm:latest"].size > 0
+    shown = client.show("minilm:latest")
+    assert shown.capabilities == ["embedding"] and shown.modelinfo["bert.embedding_length"] == 384
+    assert shown.modelinfo["bert.context_length"] == 256
+    assert client.show("rerank").capabilities == []
+    assert {m.model for m in client.ps().models} == set(listed)
+    status, answer, _ = call(server, "/api/version")
+    assert status == 200 and answer["version"]
+    status, answer, _ = call(server, "/api/show", {"model": "llama3"})
+    assert status == 404 and set(answer) == {"error"}

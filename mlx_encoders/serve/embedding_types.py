@@ -31,4 +31,5 @@ def typed(vectors: np.ndarray, kind: str, param: str) -> np.ndarray:
 
 def base64_of(vector: np.ndarray) -> str:
     """The vector's little-endian bytes (float32, or the int8 / uint8 codes), base64-encoded."""
-    return base64.b64encode(vector.astype(vector.dtype.newbyteorder("<")).tobytes()).decode()
+    kind = "<f4" if vector.dtype.kind == "f" else vector.dtype
+    return base64.b64encode(vector.astype(kind).tobytes()).decode()

@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from ..errors import ApiError
-from . import cohere, openai, operations, search, tei
+from . import cohere, ollama, openai, operations, search, tei
 
-PROTOCOLS = (openai, cohere, tei, search, operations)
+PROTOCOLS = (openai, cohere, tei, ollama, search, operations)
 
 
 class Endpoint(NamedTuple):
