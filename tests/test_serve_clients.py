@@ -278,3 +278,119 @@ def test_ollama_client_lists_shows_and_reports_the_served_models(server):
     assert status == 200 and answer["version"]
     status, answer, _ = call(server, "/api/show", {"model": "llama3"})
     assert status == 404 and set(answer) == {"error"}
+
+
+# ---- Infinity
+
+
+def test_infinity_routes_answer_in_infinity_shapes(server, folders, sentence_transformer, cross_encoder):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    status, answer, _ = call(server, "/embeddings", {"model": "minilm", "input": TEXTS})
+    assert status == 200, answer
+    got = np.array([d["embedding"] for d in answer["data"]])
+    assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+
+    query = "Where is Paris?"
+    pairs = [(query, d) for d in DOCS]
+    oracle = cross_encoder.predict(pairs)
+    body = {"model": "rerank", "query": query, "documents": DOCS, "return_documents": True, "top_n": 3}
+    status, answer, _ = call(server, "/rerank", body)  # Infinity's body on TEI's path: told apart by "documents"
+    assert status == 200 and answer["object"] == "rerank", answer
+    best = np.argsort(-oracle, kind="stable")[:3]
+    assert [r["index"] for r in answer["results"]] == best.tolist()
+    assert [r["document"] for r in answer["results"]] == [DOCS[i] for i in best]
+    assert_float32_close([r["relevance_score"] for r in answer["results"]], oracle[best], encoder_terms(MINILM, pairs))
+    tokenizer = AutoTokenizer.from_pretrained(folders["rerank"])
+    model = AutoModelForSequenceClassification.from_pretrained(folders["rerank"]).eval()
+    with torch.no_grad():
+        logits = model(**tokenizer([query] * len(DOCS), DOCS, padding=True, return_tensors="pt")).logits[:, 0].numpy()
+    status, raw, _ = call(server, "/rerank", {"model": "rerank", "query": query, "documents": DOCS, "raw_scores": True})
+    assert status == 200, raw
+    order = np.argsort(-logits, kind="stable")
+    assert [r["index"] for r in raw["results"]] == order.tolist() and raw["results"][0]["document"] is None
+    np.testing.assert_allclose([r["relevance_score"] for r in raw["results"]], logits[order], atol=1e-5)
+    status, tei, _ = call(server, "/rerank", {"model": "rerank", "query": query, "texts": DOCS})  # TEI's still
+    assert status == 200 and [r["index"] for r in tei] == np.argsort(-oracle, kind="stable").tolist()
+
+    classes = pipeline("text-classification", model=str(folders["classify"]), top_k=None, device="cpu")
+    status, answer, _ = call(server, "/classify", {"model": "classify", "input": TEXTS})
+    assert status == 200 and answer["object"] == "classify", answer
+    sums = encoder_terms(folders["classify"], TEXTS)
+    for expected, got in zip(classes(TEXTS), answer["data"], strict=True):
+        assert [x["label"] for x in got] == [x["label"] for x in expected]
+        assert_float32_close([x["score"] for x in got], [x["score"] for x in expected], sums)
+    status, raw, _ = call(server, "/classify", {"model": "classify", "input": TEXTS[:1], "raw_scores": True})
+    labels = AutoModelForSequenceClassification.from_pretrained(folders["classify"]).eval()
+    with torch.no_grad():
+        row = labels(**AutoTokenizer.from_pretrained(folders["classify"])(TEXTS[:1], return_tensors="pt")).logits[0]
+    names = labels.config.id2label
+    np.testing.assert_allclose([x["score"] for x in raw["data"][0]], np.sort(row.numpy())[::-1], atol=1e-5)
+    assert [x["label"] for x in raw["data"][0]] == [names[int(i)] for i in np.argsort(-row.numpy(), kind="stable")]
+
+    status, listed, _ = call(server, "/models")
+    assert status == 200 and {m["id"]: m["capabilities"] for m in listed["data"]} == {
+        "minilm": ["embed"], "rerank": ["classify", "rerank"], "classify": ["classify"]}  # fmt: skip
+    status, error, _ = call(server, "/classify", {"model": "minilm", "input": ["a"]})
+    assert status == 400 and "'minilm' is a dense model" in error["error"]["message"], error
+
+
+# ---- OpenAI clients: typed embeddings, token ids, LangChain, LlamaIndex
+
+
+def test_openai_output_dtype_gives_typed_embeddings(server, sentence_transformer):
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    expected = sentence_transformer.encode(TEXTS)
+    for precision in ("int8", "uint8", "binary", "ubinary"):
+        answer = client.embeddings.create(
+            model="minilm", input=TEXTS, encoding_format="float", extra_body={"output_dtype": precision}
+        )
+        assert_quantized_equal([d.embedding for d in answer.data], expected, precision)
+    with pytest.raises(BadRequestError, match='send "encoding_format": "float"'):
+        client.embeddings.create(model="minilm", input=TEXTS, extra_body={"output_dtype": "int8"})  # base64
+    with pytest.raises(BadRequestError, match='"output_dtype" must be one of'):
+        client.embeddings.create(model="minilm", input=TEXTS, extra_body={"output_dtype": "int4"})
+
+
+def test_token_ids_that_are_not_the_models_own_get_a_400(server, sentence_transformer):
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    # tiktoken's ids of "hello world", what LangChain's OpenAIEmbeddings sends unless told otherwise
+    with pytest.raises(BadRequestError, match="check_embedding_ctx_length=False") as error:
+        client.embeddings.create(model="minilm", input=[[15339, 1917]])
+    assert error.value.body["code"] == "invalid_token_ids" and "[CLS]" in error.value.body["message"]
+    with pytest.raises(BadRequestError, match="outside model 'minilm'"):
+        client.embeddings.create(model="minilm", input=[[101, 30522, 102]])
+    ids = sentence_transformer.tokenizer(TEXTS[:1])["input_ids"]
+    assert len(client.embeddings.create(model="minilm", input=ids).data) == 1
+    long = sentence_transformer.tokenizer([LONG], truncation=False)["input_ids"]  # 302 ids: cut, [SEP] kept
+    cut = client.embeddings.create(model="minilm", input=long, extra_body={"truncate": True}, encoding_format="float")
+    assert cosine(np.array([cut.data[0].embedding]), sentence_transformer.encode([LONG])).min() >= 0.99999
+
+
+def test_langchain_openai_embeddings_as_its_docs_configure_a_self_hosted_server(server, sentence_transformer):
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(model="minilm", base_url=server + "/v1", api_key="unused",
+                                  check_embedding_ctx_length=False)  # fmt: skip
+    documents = embeddings.embed_documents(TEXTS)
+    query = embeddings.embed_query(TEXTS[0])
+    expected = sentence_transformer.encode(TEXTS)
+    assert cosine(np.array(documents), expected).min() >= 0.99999
+    assert_float32_close(documents, expected, terms(TEXTS))
+    assert_float32_close(query, expected[0], terms(TEXTS))
+
+
+def test_llama_index_openai_embedding_as_its_docs_configure_a_self_hosted_server(server, sentence_transformer):
+    from llama_index.embeddings.openai import OpenAIEmbedding
+
+    embedding = OpenAIEmbedding(model_name="minilm", api_base=server + "/v1", api_key="unused")
+    documents = embedding.get_text_embedding_batch(TEXTS)
+    query = embedding.get_query_embedding(TEXTS[1])
+    expected = sentence_transformer.encode(TEXTS)
+    assert_float32_close(documents, expected, terms(TEXTS))
+    assert_float32_close(query, expected[1], terms(TEXTS))

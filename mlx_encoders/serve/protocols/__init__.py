@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from ..errors import ApiError
-from . import cohere, ollama, openai, operations, search, tei
+from . import cohere, infinity, ollama, openai, operations, search, tei
 
-PROTOCOLS = (openai, cohere, tei, ollama, search, operations)
+PROTOCOLS = (openai, cohere, tei, ollama, infinity, search, operations)
 
 
 class Endpoint(NamedTuple):
