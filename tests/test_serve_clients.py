@@ -5,6 +5,7 @@ sentence-transformers (real all-MiniLM-L6-v2) and typed ones against its `quanti
 against sentence-transformers' CrossEncoder or transformers' model, labels against transformers' pipeline."""
 
 import base64
+import time
 
 import numpy as np
 import pytest
@@ -394,3 +395,52 @@ def test_llama_index_openai_embedding_as_its_docs_configure_a_self_hosted_server
     expected = sentence_transformer.encode(TEXTS)
     assert_float32_close(documents, expected, terms(TEXTS))
     assert_float32_close(query, expected[1], terms(TEXTS))
+
+
+# ---- models loaded on request (--models-dir)
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path, folders, sentence_transformer):
+    import ollama
+
+    from mlx_encoders import serve
+
+    (tmp_path / "minilm").symlink_to(MINILM)
+    (tmp_path / "broken").mkdir()  # no model in it: its requests fail, the others' do not
+    app = serve.app({"rerank": folders["rerank"]}, models_dir=tmp_path, model_keep_alive=-1)
+    served = app.state.server.models
+    with in_process(app) as url:
+        client = ollama.Client(host=url)
+        assert {m.model for m in client.list().models} == {"rerank:latest", "minilm:latest", "broken:latest"}
+        assert set(served) == {"rerank"} and {m.model for m in client.ps().models} == {"rerank:latest"}
+
+        answer = client.embed(model="minilm:latest", input=TEXTS, keep_alive="1s")  # loaded for this request
+        assert cosine(np.array(answer.embeddings), sentence_transformer.encode(TEXTS)).min() >= 0.99999
+        assert set(served) == {"rerank", "minilm"}
+        assert wait_until(lambda: "minilm" not in served)  # idle for its keep_alive: unloaded
+        assert {m.model for m in client.ps().models} == {"rerank:latest"}
+
+        status, answer, _ = call(url, "/v1/embeddings", {"model": "minilm", "input": TEXTS})  # any route loads it
+        assert status == 200 and cosine(np.array([d["embedding"] for d in answer["data"]]),
+                                        sentence_transformer.encode(TEXTS)).min() >= 0.99999  # fmt: skip
+        time.sleep(1.0)
+        assert "minilm" in served  # --model-keep-alive -1: kept
+        client.embed(model="minilm", input=[], keep_alive=0)  # Ollama's way to unload a model
+        assert wait_until(lambda: "minilm" not in served)
+        status, answer, _ = call(url, "/v1/rerank", {"model": "rerank", "query": "q", "documents": ["d"]})
+        time.sleep(0.5)
+        assert status == 200 and "rerank" in served  # a --model model is never unloaded
+
+        with pytest.raises(ollama.ResponseError) as error:
+            client.embed(model="broken", input=["a"])
+        assert error.value.status_code == 500 and "failed to load" in error.value.error
+        with pytest.raises(ollama.ResponseError) as error:
+            client.embed(model="absent", input=["a"])
+        assert error.value.status_code == 404

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import math
 import re
 import time
 from pathlib import Path
@@ -47,8 +48,7 @@ def served(server: Server, body: dict, capability: str | None, route: str) -> Se
 
 
 def keep_alive(body: dict) -> float | None:
-    """Ollama's `keep_alive` in seconds (a number, or a duration such as "5m" or "1h30m"; negative: forever). Every
-    served model stays loaded, so it is checked, not used."""
+    """Ollama's `keep_alive` in seconds (a number, or a duration such as "5m" or "1h30m"; negative: forever)."""
     value = body.get("keep_alive")
     if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
@@ -75,9 +75,15 @@ def context(body: dict) -> int | None:
     return option(options, "num_ctx", int, None, 1)
 
 
+def kept(server: Server, model: ServedModel, body: dict) -> None:
+    """The request's `keep_alive`, for a model of --models-dir: how long it stays loaded once idle."""
+    seconds = keep_alive(body)
+    if seconds is not None and server.lazy is not None:
+        server.lazy.set_keep_alive(model.name, seconds)
+
+
 async def embeddings_of(server: Server, model: ServedModel, found: list[str], body: dict, normalize: bool):
     """(vectors, tokens) of `found`, cut to the model's length (or num_ctx) unless `truncate` is false."""
-    keep_alive(body)
     truncate = option(body, "truncate", bool, True)
     limit = context(body)
     dimensions = dimensions_of(body, model)
@@ -92,6 +98,7 @@ async def embed(request: Request, server: Server):
     start = time.perf_counter_ns()
     body = await read_json(request, server)
     model = served(server, body, EMBED, "/api/embed")
+    kept(server, model, body)
     value = body.get("input")
     found = [] if value in (None, "", []) else server.count(texts(value, "input"), "input")
     vectors, tokens = await embeddings_of(server, model, found, body, True) if found else ([], 0)
@@ -108,6 +115,7 @@ async def embeddings(request: Request, server: Server):
     """/api/embeddings (legacy): `prompt` -> `embedding`, not normalised (as Ollama's); no prompt: empty."""
     body = await read_json(request, server)
     model = served(server, body, EMBED, "/api/embeddings")
+    kept(server, model, body)
     prompt = option(body, "prompt", str, "")
     if not prompt:
         return {"embedding": []}
@@ -146,12 +154,29 @@ def tagged(name: str) -> str:
 
 
 async def tags(request: Request, server: Server):
+    """The served models and, unloaded, the other models of --models-dir (as Ollama lists what it has pulled)."""
     models = []
     for model in server.models.values():
         f = facts(model)
         models.append({"name": tagged(model.name), "model": tagged(model.name), "modified_at": f["modified_at"],
                        "size": f["size"], "digest": f["digest"], "details": details(model)})  # fmt: skip
+    for name in server.lazy.names() if server.lazy is not None else []:
+        if name not in server.models:
+            models.append(folder_entry(name, server.lazy.folder / name))
     return {"models": models}
+
+
+def folder_entry(name: str, folder: Path) -> dict:
+    """/api/tags' entry of a model not loaded: what its folder says (its weight files' size, its model_type)."""
+    from ...checkpoint import read_json_object
+
+    family = read_json_object(folder / "config.json").get("model_type", "")
+    size = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+    modified = datetime.datetime.fromtimestamp(folder.stat().st_mtime, datetime.timezone.utc).isoformat()
+    digest = hashlib.sha256(f"{name}\0{folder}".encode()).hexdigest()
+    return {"name": tagged(name), "model": tagged(name), "modified_at": modified, "size": size, "digest": digest,
+            "details": {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+                        "parameter_size": "", "quantization_level": ""}}  # fmt: skip
 
 
 async def show(request: Request, server: Server):
@@ -175,9 +200,18 @@ async def ps(request: Request, server: Server):
         f = facts(model)
         models.append({
             "name": tagged(model.name), "model": tagged(model.name), "size": f["size"], "digest": f["digest"],
-            "details": details(model), "expires_at": FOREVER, "size_vram": 0, "context_length": model.max_length,
+            "details": details(model), "expires_at": expires_at(server, model.name), "size_vram": 0,
+            "context_length": model.max_length,
         })  # fmt: skip
     return {"models": models}
+
+
+def expires_at(server: Server, name: str) -> str:
+    """When the model unloads: a --models-dir model's expiry, or Ollama's far date for one kept loaded."""
+    expiry = server.lazy.expiry(name) if server.lazy is not None else None
+    if expiry is None or expiry == math.inf:
+        return FOREVER
+    return datetime.datetime.fromtimestamp(expiry, datetime.timezone.utc).isoformat()
 
 
 async def version(request: Request, server: Server):
