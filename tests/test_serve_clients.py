@@ -5,6 +5,7 @@ sentence-transformers (real all-MiniLM-L6-v2) and typed ones against its `quanti
 against sentence-transformers' CrossEncoder or transformers' model, labels against transformers' pipeline."""
 
 import base64
+import json
 import time
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 from checkpoints import MINILM
 from test_serve import DOCS, TEXTS, call, cosine, in_process
 from tolerance import assert_float32_close, encoder_terms
+
+from mlx_encoders.serve.protocols.cohere import INPUT_TYPES
 
 LONG = " ".join(["word"] * 300)  # longer than MiniLM's 256 tokens
 
@@ -444,3 +447,69 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
         with pytest.raises(ollama.ResponseError) as error:
             client.embed(model="absent", input=["a"])
         assert error.value.status_code == 404
+
+
+# ---- random bodies on these routes
+
+KINDS = ["float", "int8", "uint8", "binary", "ubinary"]
+
+
+def client_bodies():
+    """Per route of this module: valid bodies, the same with one field of any JSON value, random objects of the
+    routes' fields, and random bytes (as test_serve_safety draws them for the other routes)."""
+    from hypothesis import strategies as st
+    from test_serve_safety import FLAG, JSON, NUMBERS, SOME_TEXTS, WORDS
+
+    cohere_types = st.sampled_from(list(INPUT_TYPES))
+    valid = {
+        "/v2/embed": ({"model": st.just("minilm"), "texts": SOME_TEXTS, "input_type": cohere_types}, {
+            "embedding_types": st.lists(st.sampled_from([*KINDS, "base64"]), min_size=1, max_size=3),
+            "truncate": st.sampled_from(["NONE", "START", "END"]), "max_tokens": st.integers(1, 300),
+            "output_dimension": st.integers(1, 384)}),
+        "/v1/embed": ({"texts": SOME_TEXTS}, {"model": st.just("minilm"), "input_type": cohere_types}),
+        "/v2/rerank": ({"model": st.just("rerank"), "query": WORDS, "documents": SOME_TEXTS}, {
+            "top_n": st.integers(1, 5), "max_tokens_per_doc": st.integers(1, 5000)}),
+        "/api/embed": ({"model": st.sampled_from(["minilm", "minilm:latest"]), "input": SOME_TEXTS | WORDS}, {
+            "truncate": FLAG, "dimensions": st.integers(1, 384), "keep_alive": st.sampled_from(["5m", 0, -1, "1h2s"]),
+            "options": st.fixed_dictionaries({}, optional={"num_ctx": st.integers(1, 600), "seed": NUMBERS})}),
+        "/api/embeddings": ({"model": st.just("minilm"), "prompt": WORDS}, {}),
+        "/api/show": ({"model": st.sampled_from(["minilm", "rerank:latest"])}, {}),
+        "/rerank": ({"model": st.just("rerank"), "query": WORDS, "documents": SOME_TEXTS}, {
+            "raw_scores": FLAG, "top_n": st.integers(1, 5), "return_documents": FLAG}),
+        "/classify": ({"model": st.just("classify"), "input": SOME_TEXTS}, {"raw_scores": FLAG}),
+        "/embeddings": ({"model": st.just("minilm"), "input": SOME_TEXTS}, {
+            "output_dtype": st.sampled_from(KINDS), "encoding_format": st.sampled_from(["float", "base64"])}),
+    }  # fmt: skip
+    fields = sorted({key for required, optional in valid.values() for key in (*required, *optional)})
+
+    def bodies(path):
+        required, optional = valid[path]
+        good = st.fixed_dictionaries(required, optional=optional)
+        changed = st.tuples(good, st.sampled_from(fields), JSON | NUMBERS).map(lambda v: {**v[0], v[1]: v[2]})
+        junk = st.fixed_dictionaries({}, optional=dict.fromkeys(fields, JSON))
+        return (good | changed | junk).map(json.dumps).map(str.encode) | st.binary(max_size=64)
+
+    return st.one_of([st.tuples(st.just(path), bodies(path)) for path in valid])
+
+
+def test_random_bodies_on_these_routes_get_an_answer_below_500(server, record_property):
+    from hypothesis import HealthCheck, given, settings
+
+    statuses, start = {}, time.monotonic()
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(client_bodies())
+    def case(request):
+        if time.monotonic() - start > 60:
+            return
+        path, body = request
+        status, got, _ = call(server, path, raw=body)
+        assert 200 <= status < 300 or 400 <= status < 500, (path, body, status, got)
+        assert isinstance(got, (dict, list)), (path, body, got)
+        statuses[status] = statuses.get(status, 0) + 1
+
+    case()
+    parts = ", ".join(f"{status}: {count}" for status, count in sorted(statuses.items()))
+    record_property("summary", f"serve clients' random bodies: {sum(statuses.values())} cases ({parts})")
+    assert sum(statuses.values()) >= 100 and statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 20

@@ -1,6 +1,7 @@
 """`mlx-encoders serve`: an HTTP server of embeddings (OpenAI's /v1/embeddings, TEI's /embed and /embed_sparse),
 reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /predict) and index search
-(/v1/search), batching concurrent requests per model. Needs the `serve` extra (Starlette, uvicorn):
+(/v1/search), batching concurrent requests per model; Cohere's, Ollama's and Infinity's routes too (protocols/).
+Needs the `serve` extra (Starlette, uvicorn):
 `pip install "mlx-encoders[serve]"`.
 
     app = mlx_encoders.serve.app({"minilm": "path/to/all-MiniLM-L6-v2"})   # an ASGI app, models loaded and warm

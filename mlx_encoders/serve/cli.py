@@ -23,10 +23,12 @@ TIMEOUTS = {
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's routes)",
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's, Cohere's, Ollama's and "
+        "Infinity's routes)",
         description="Serve embeddings (/v1/embeddings, /embed, /embed_sparse), reranking (/v1/rerank, /rerank), "
         "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
-        "requests. Needs: pip install \"mlx-encoders[serve]\"",
+        "requests; also Cohere's (/v2/embed, /v2/rerank), Ollama's (/api/embed) and Infinity's routes. Needs: pip "
+        "install \"mlx-encoders[serve]\"",
     )  # fmt: skip
     p.add_argument("--model", "-m", action="append", default=[], metavar="[NAME=]PATH",
                    help="folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable")  # fmt: skip
