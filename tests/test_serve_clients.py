@@ -5,8 +5,10 @@ sentence-transformers (real all-MiniLM-L6-v2) and typed ones against its `quanti
 against sentence-transformers' CrossEncoder or transformers' model, labels against transformers' pipeline."""
 
 import base64
+import gc
 import json
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -427,7 +429,10 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
         answer = client.embed(model="minilm:latest", input=TEXTS, keep_alive="1s")  # loaded for this request
         assert cosine(np.array(answer.embeddings), sentence_transformer.encode(TEXTS)).min() >= 0.99999
         assert set(served) == {"rerank", "minilm"}
+        loaded = weakref.ref(served["minilm"])
         assert wait_until(lambda: "minilm" not in served)  # idle for its keep_alive: unloaded
+        gc.collect()
+        assert loaded() is None  # nothing holds it (or its weights) any more
         assert {m.model for m in client.ps().models} == {"rerank:latest"}
 
         status, answer, _ = call(url, "/v1/embeddings", {"model": "minilm", "input": TEXTS})  # any route loads it

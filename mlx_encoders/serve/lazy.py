@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import math
 import queue
 import threading
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 # the names of the lazy models the current request has taken, released when it is answered
 TAKEN: contextvars.ContextVar[list | None] = contextvars.ContextVar("mlx_encoders_serve_taken", default=None)
 SWEEP_S = 0.25
+log = logging.getLogger("mlx_encoders.serve")
 
 
 class NotLoaded(Exception):
@@ -55,6 +57,7 @@ class Loader:
                 future.set_result(function(*args))
             except BaseException as error:  # noqa: BLE001  the request that asked for the model gets the failure
                 future.set_exception(error)
+            del function, args, future  # held while waiting, they would keep the last model built alive
 
 
 class ModelsDir:
@@ -137,7 +140,10 @@ class ModelsDir:
                 if idle and self.expires[name] <= now and not self.locks[name].locked():
                     self.loaded.discard(name)
                     self.keep.pop(name, None)
-                    await asyncio.get_running_loop().run_in_executor(None, server.remove, name)
+                    try:
+                        await asyncio.get_running_loop().run_in_executor(None, server.remove(name))
+                    except Exception:  # noqa: BLE001  its threads failed to stop: the sweep goes on for the others
+                        log.exception("unloading model %s failed", name)
 
 
 def built(name: str, path: Path, dtype: str | None, batch_size: int) -> tuple[ServedModel, list]:

@@ -94,12 +94,18 @@ class Server:
         self.tokenizers[m.name] = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-encoders tokenize {m.name}")
         self.models[m.name] = m
 
-    def remove(self, name: str) -> None:
-        """Stop serving model `name` (an idle one of --models-dir): new requests load it again."""
+    def remove(self, name: str) -> Callable[[], None]:
+        """Stop serving model `name` (an idle one of --models-dir; new requests load it again). On the event loop;
+        the function returned stops its threads, which blocks: run it off the loop."""
         self.models.pop(name)
         self.metrics.queue_depth.pop(name, None)
-        self.tokenizers.pop(name).shutdown()
-        self.batchers.pop(name).stop()
+        tokenizer, batcher = self.tokenizers.pop(name), self.batchers.pop(name)
+
+        def stop() -> None:
+            tokenizer.shutdown()
+            batcher.stop()
+
+        return stop
 
     def warm(self) -> None:
         """One input through each model's worker, so the first request pays no start-up cost."""

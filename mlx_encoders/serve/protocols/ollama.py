@@ -5,11 +5,11 @@ named as served or with Ollama's tag, `NAME:latest`."""
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import math
 import re
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ NO_EFFECT = {
 }  # fmt: skip
 DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 WEIGHT_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # Ollama's quantization_level names
 FOREVER = "2262-04-11T23:47:16Z"  # what Ollama shows for a model kept loaded (keep_alive -1)
 
@@ -123,9 +124,15 @@ async def embeddings(request: Request, server: Server):
     return {"embedding": vectors[0].tolist()}
 
 
-@functools.cache
 def facts(model: ServedModel) -> dict:
-    """What Ollama's model lists say of a model: its size in bytes, parameters, family, weight type, digest."""
+    """What Ollama's model lists say of a model: its size in bytes, parameters, family, weight type, digest
+    (worked out once per loaded model; an unloaded one's go with it)."""
+    if model not in FACTS:
+        FACTS[model] = facts_of(model)
+    return FACTS[model]
+
+
+def facts_of(model: ServedModel) -> dict:
     from mlx.utils import tree_flatten
 
     weights = [v for _, v in tree_flatten(model.model.parameters())] if model.model is not None else []
