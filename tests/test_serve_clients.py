@@ -451,7 +451,7 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
         assert error.value.status_code == 500 and "failed to load" in error.value.error
         with pytest.raises(ollama.ResponseError) as error:
             client.embed(model="absent", input=["a"])
-        assert error.value.status_code == 404
+        assert error.value.status_code == 404 and "loaded on request: broken, minilm" in error.value.error
 
 
 # ---- random bodies on these routes

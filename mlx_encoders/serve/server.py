@@ -144,8 +144,9 @@ class Server:
         if name not in self.models and self.lazy is not None and self.lazy.path(name) is not None:
             raise NotLoaded(name)
         if name not in self.models:
+            more = f"; loaded on request: {', '.join(self.lazy.names()) or 'none'}" if self.lazy is not None else ""
             raise ApiError(
-                404, f"model {name!r} is not served; served models: {', '.join(self.models)}", "model",
+                404, f"model {name!r} is not served; served models: {', '.join(self.models)}{more}", "model",
                 "model_not_found",
             )  # fmt: skip
         model = self.models[name]
