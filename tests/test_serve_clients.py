@@ -106,7 +106,7 @@ def test_cohere_v2_embed_truncates_as_asked_and_cuts_dimensions(server, sentence
 
     client = cohere.ClientV2(base_url=server, api_key="unused")
     texts = ["a first text of several words", LONG]
-    default = client.embed(model="minilm", texts=texts, input_type="search_query", embedding_types=["float"])
+    default = client.embed(model="minilm", texts=texts, input_type="search_query")  # floats by type, as Cohere
     expected = sentence_transformer.encode(texts)  # cuts the end, as Cohere's default END
     assert cosine(np.array(default.embeddings.float_), expected).min() >= 0.99999
 

@@ -49,7 +49,7 @@ async def embed(request: Request, server: Server, version: str):
         raise ApiError(400, f'"input_type" is required: one of {", ".join(INPUT_TYPES)}', "input_type")
     if input_type is not None and input_type not in INPUT_TYPES:
         raise ApiError(400, f'"input_type" must be one of {", ".join(INPUT_TYPES)}, got {input_type!r}', "input_type")
-    types = embedding_types(body)
+    types = embedding_types(body) or (["float"] if version == "v2" else None)  # v2's default: floats, by type
     truncate = option(body, "truncate", str, "END").upper()
     if truncate not in TRUNCATE:
         raise ApiError(400, f'"truncate" must be one of {", ".join(TRUNCATE)}, got {truncate!r}', "truncate")
