@@ -51,7 +51,7 @@ def served(server: Server, body: dict, capability: str | None, route: str) -> Se
 def keep_alive(body: dict) -> float | None:
     """Ollama's `keep_alive` in seconds (a number, or a duration such as "5m" or "1h30m"; negative: forever)."""
     value = body.get("keep_alive")
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
         return value
     if isinstance(value, str):
         sign, rest = (-1, value[1:]) if value.startswith("-") else (1, value)
