@@ -165,7 +165,8 @@ class Tokenizer:
     ) -> list[Encoding]:  # fmt: skip
         """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs (or, with
         `is_split_into_words`, of lists of words). `truncation`: True (longest first), False, or a strategy
-        ("longest_first", "only_first", "only_second"); `direction` "left" cuts the start of a text instead."""
+        ("longest_first", "only_first", "only_second"); `direction` "left" cuts a text's start instead of its end
+        (transformers' `truncation_side`)."""
         texts = text_list(text, "The tokenizer")
         if text_pair is not None:
             pairs = text_list(text_pair, "The tokenizer's text_pair")

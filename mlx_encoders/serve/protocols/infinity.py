@@ -1,6 +1,6 @@
-"""Infinity's (infinity-emb) unprefixed routes: /embeddings (OpenAI's, as /v1/embeddings), /classify and /models in
-Infinity's shapes, and its /rerank body, which tei.py's /rerank hands here (TEI sends "texts", Infinity
-"documents"). `raw_scores` gives the logits. Errors in OpenAI's shape, as Infinity's."""
+"""Infinity's (infinity-emb) unprefixed routes: /classify and /models in Infinity's shapes, and its /rerank body,
+which tei.py's /rerank hands here (TEI sends "texts", Infinity "documents"); its /embeddings is openai.py's alias.
+`raw_scores` gives the logits. Errors in OpenAI's shape, as Infinity's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from starlette.requests import Request
 from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, MULTI_VECTOR, RERANK, SPARSE
 from ..requests import documents, option, read_json, required_text, texts
-from . import openai
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
@@ -73,7 +72,6 @@ async def models(request: Request, server: Server):
 
 
 ROUTES = {
-    "/embeddings": (openai.embeddings, ["POST"]),
     "/classify": (classify, ["POST"]),
     "/models": (models, ["GET"]),
 }

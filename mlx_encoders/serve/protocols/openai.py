@@ -111,6 +111,7 @@ async def models(request: Request, server: Server):
 
 ROUTES = {
     "/v1/embeddings": (embeddings, ["POST"]),
+    "/embeddings": (embeddings, ["POST"]),  # TEI's (and Infinity's) unprefixed alias
     "/v1/classify": (classify, ["POST"]),
     "/v1/models": (models, ["GET"]),
 }
