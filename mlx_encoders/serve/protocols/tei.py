@@ -1,5 +1,5 @@
 """Hugging Face text-embeddings-inference (TEI): /embed, /embed_sparse, /rerank, /predict, /tokenize, in TEI's
-shapes and with TEI's error body."""
+shapes and with TEI's error body (on /rerank too when the body is Infinity's, which infinity.py answers)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, RERANK, SPARSE, TASKS, ServedModel
 from ..requests import dimensions_of, documents, option, read_json, required_text, text, texts
+from . import infinity
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
@@ -57,6 +58,14 @@ async def tei_rerank(request: Request, server: Server):
     scores = model.scores(await server.run(model, items), raw)
     order = np.argsort(-scores, kind="stable")
     return [{"index": int(i), "score": float(scores[i]), **({"text": docs[i]} if keep else {})} for i in order]
+
+
+async def rerank(request: Request, server: Server):
+    """/rerank: TEI's body ("texts"), or Infinity's on the same path ("documents" and no "texts")."""
+    body = await read_json(request, server)
+    if "documents" in body and "texts" not in body:
+        return await infinity.rerank(request, server)
+    return await tei_rerank(request, server)
 
 
 async def tei_predict(request: Request, server: Server):
@@ -110,7 +119,7 @@ def tokens(model: ServedModel, found: list[str], special: bool) -> list[list[dic
 ROUTES = {
     "/embed": (tei_embed, ["POST"]),
     "/embed_sparse": (tei_embed_sparse, ["POST"]),
-    "/rerank": (tei_rerank, ["POST"]),
+    "/rerank": (rerank, ["POST"]),
     "/predict": (tei_predict, ["POST"]),
     "/tokenize": (tei_tokenize, ["POST"]),
 }
