@@ -1,9 +1,11 @@
-"""`mlx-encoders index build --corpus PATH --index DIR --model M [--sparse-model S]` and
-`mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]`."""
+"""`mlx-encoders index build --corpus PATH --index DIR --model M [--sparse-model S]`,
+`mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]` and
+`mlx-encoders index export --index DIR --output FILE.parquet [--precision float32|int8|binary]`."""
 
 import argparse
 
 from .build import CHUNK, build
+from .export import export
 from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
 
 
@@ -46,6 +48,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     graph = find.add_mutually_exclusive_group()
     graph.add_argument("--ann", action="store_true", default=None, help="use the HNSW graph at any size")
     graph.add_argument("--exact", dest="ann", action="store_false", help=f"never (default: from {ANN_THRESHOLD})")
+    out = actions.add_parser("export", help="write the index as one Parquet file, for another vector engine")
+    out.add_argument("--index", required=True, help="the index folder")
+    out.add_argument("--output", "-o", required=True, help="the .parquet file (written whole or not at all)")
+    out.add_argument("--precision", choices=PRECISIONS, default="float32",
+                     help="dense vectors as float32 (default), int8 codes or packed sign bits (binary)")  # fmt: skip
+    out.add_argument("--quiet", action="store_true", help="print nothing on stderr")
     p.set_defaults(run=run)
 
 
@@ -65,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.index}: {counts['documents']} documents, {counts['texts']} texts "
                 f"({counts['added']} added, {counts['dropped']} dropped)"
             )
+        return 0
+    if args.action == "export":
+        counts = export(args.index, args.output, precision=args.precision, quiet=args.quiet)
+        print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
         return 0
     index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision)
     options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha, "depth": args.depth}
