@@ -19,6 +19,17 @@ def positive(text: str) -> int:
     return value
 
 
+def part(text: str) -> tuple[int, int]:
+    """`i/n`: part i of n, from 1."""
+    try:
+        shard = tuple(int(n) for n in text.split("/"))
+    except ValueError:
+        shard = ()
+    if len(shard) != 2 or not 1 <= shard[0] <= shard[1]:
+        raise argparse.ArgumentTypeError(f"must be a part i/n of the corpus with 1 <= i <= n (as 1/4), got {text!r}")
+    return shard
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("index", help="build and search a vector index of a corpus (SQLite, HNSW)")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -30,6 +41,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make.add_argument("--sparse-model", help="SparseEncoder (SPLADE) folder or hub id: an inverted index too")
     make.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
+    make.add_argument("--shard", type=part, metavar="I/N",
+                      help="embed only part I of N into shards/part-I-of-N.sqlite (no mlx.launch); a build of the "
+                      "folder holding every part's file in shards/ merges them")  # fmt: skip
     make.add_argument("--quiet", action="store_true", help="print nothing on stderr")
     find = actions.add_parser("search", help="the top-k documents for each query")
     find.add_argument("queries", nargs="+", metavar="QUERY")
@@ -66,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
             sparse_model=args.sparse_model,
             batch_size=args.batch_size,
             chunk=args.chunk,
+            shard=args.shard,
             quiet=args.quiet,
         )
-        if counts and not args.quiet:
+        if args.shard and not args.quiet:
+            print(f"{counts['path']}: part {counts['part']}, {counts['texts']} texts ({counts['added']} added)")
+        elif counts and not args.quiet:
             print(
                 f"{args.index}: {counts['documents']} documents, {counts['texts']} texts "
                 f"({counts['added']} added, {counts['dropped']} dropped)"
