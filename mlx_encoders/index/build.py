@@ -128,14 +128,15 @@ def build(
     ann: bool | None = None,
     ann_threshold: int = ANN_THRESHOLD,
     precision: str = "float32",
+    recall: float = ann_index.RECALL,
     shard: tuple[int, int] | None = None,
     quiet: bool = False,
 ) -> dict[str, int]:
     """Build or update the index in folder `index` from `corpus` (a path, or (id, text) pairs) with `model` (a
     folder, hub id or SentenceEncoder) and/or `sparse_model` (a SparseEncoder or its folder: an inverted index of
-    its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built
-    too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
-    that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped.
+    its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built (for `recall`, and
+    calibrated: `ann.py`) too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else
+    at the first search that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped.
     `shard=(i, n)` embeds part i of n into a shard file only (see the module's docstring) and returns its counts:
     part, texts, added, path."""
     ranks, folder = world(), Path(index)
@@ -201,7 +202,8 @@ def build(
         error, counts = None, {}
         try:
             if rank == 0:
-                counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
+                graph = (ann, ann_threshold, precision, recall)
+                counts = finish(folder, docs, keys, meta, name, graph, quiet)
         except Exception as e:
             error = e
         agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
@@ -294,10 +296,11 @@ def open_shard(path: Path, meta: dict[str, str]) -> Store:
     return Store(path)
 
 
-def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, ann: bool | None,
-           ann_threshold: int, precision: str, quiet: bool) -> dict[str, int]:  # fmt: skip
+def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, graph: tuple,
+           quiet: bool) -> dict[str, int]:  # fmt: skip
     """Rank 0: merge the shards and swap in the new documents in one transaction, then remove the merged shards
-    and refresh the approximate index."""
+    and refresh the approximate index (`graph`: ann, ann_threshold, precision, recall as `build` takes them)."""
+    ann, ann_threshold, precision, recall = graph
     shards = sorted((folder / "shards").glob("*.sqlite"))
     for shard in shards:  # checked again: a rank of this run may have written it
         shard_keys(shard, meta, name)
@@ -307,15 +310,15 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
         indexed, wanted = store.keys(staged=False), set(keys)
         store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
         count, generation = store.count(), store.meta["generation"]
-        graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
-        if graph:
+        wanted_graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
+        if wanted_graph:
             rows, vectors = store.vectors()
     for shard in shards:  # merged: its rows are in the store now
         for path in (shard, shard.with_name(shard.name + "-wal"), shard.with_name(shard.name + "-shm")):
             path.unlink(missing_ok=True)
     for unfinished in (folder / "shards").glob("*.sqlite.new*"):  # a run killed while creating its shard
         unfinished.unlink(missing_ok=True)
-    if graph:
-        ann_index.build(folder, rows, vectors, precision, generation)
+    if wanted_graph:
+        ann_index.build(folder, rows, vectors, precision, generation, recall)
     log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
     return {"documents": len(docs), "texts": count, "added": len(wanted - indexed), "dropped": len(indexed - wanted)}

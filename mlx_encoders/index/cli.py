@@ -3,7 +3,9 @@
 `mlx-encoders index export --index DIR --output FILE.parquet [--precision float32|int8|binary]`."""
 
 import argparse
+import sys
 
+from .ann import RECALL
 from .build import CHUNK, build
 from .export import export
 from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
@@ -16,6 +18,16 @@ def positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a recall in (0, 1], as 0.95; got {text!r}")
     return value
 
 
@@ -41,6 +53,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make.add_argument("--sparse-model", help="SparseEncoder (SPLADE) folder or hub id: an inverted index too")
     make.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
+    make.add_argument("--recall", type=fraction, default=RECALL,
+                      help=f"the recall@10 the HNSW graph is built for, if one is (default {RECALL})")  # fmt: skip
     make.add_argument("--shard", type=part, metavar="I/N",
                       help="embed only part I of N into shards/part-I-of-N.sqlite (no mlx.launch); a build of the "
                       "folder holding every part's file in shards/ merges them")  # fmt: skip
@@ -59,6 +73,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     find.add_argument("--json", action="store_true", help="print a JSON list of {query, hits}, one query per line")
     find.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
     find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
+    find.add_argument("--recall", type=fraction, default=RECALL,
+                      help=f"recall@10 to reach: sets the graph's search expansion (default {RECALL})")  # fmt: skip
     graph = find.add_mutually_exclusive_group()
     graph.add_argument("--ann", action="store_true", default=None, help="use the HNSW graph at any size")
     graph.add_argument("--exact", dest="ann", action="store_false", help=f"never (default: from {ANN_THRESHOLD})")
@@ -80,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             sparse_model=args.sparse_model,
             batch_size=args.batch_size,
             chunk=args.chunk,
+            recall=args.recall,
             shard=args.shard,
             quiet=args.quiet,
         )
@@ -95,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         counts = export(args.index, args.output, precision=args.precision, quiet=args.quiet)
         print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
         return 0
-    index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision)
+    index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision,
+                  recall=args.recall)  # fmt: skip
+    if (args.mode or ("dense" if index.dense else "sparse")) != "sparse":
+        print(f"mlx-encoders index: {index.describe()}", file=sys.stderr)
     options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha, "depth": args.depth}
     results = [(query, index.search(query, args.top_k, **options)) for query in args.queries]
     if args.json:
