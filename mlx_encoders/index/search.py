@@ -1,5 +1,6 @@
 """Top-k search over a built index: exact (one matrix product over every vector) below `ann_threshold` vectors,
-else through the HNSW graph of `ann.py`, whose candidates are re-scored exactly. `precision` "int8" or "binary"
+else through the HNSW graph of `ann.py` where it reaches the recall asked for faster, its candidates re-scored
+exactly. `precision` "int8" or "binary"
 ranks candidates on quantized vectors (`vectors.quantize_embeddings`, as `SentenceEncoder.encode(precision=)`)
 and re-scores the best of them with the stored float32 vectors. Scores are cosine similarities.
 
@@ -86,9 +87,12 @@ def fuse(
 class Index:
     """A built index opened for searching. `model` (a folder or hub id, or a SentenceEncoder) embeds text queries;
     by default the model the index was built with; so does `sparse_model` (a SparseEncoder or its folder) for an
-    index built with one. `ann`: True/False forces the graph on or off, None uses it
-    from `ann_threshold` vectors. `rescore`: candidates re-scored exactly per query (at least 4 x k). `write=False`
-    never writes into the folder: where the graph is missing or stale, search is exact instead of building it.
+    index built with one. `ann`: True/False forces the graph on or off, None may use it from `ann_threshold`
+    vectors: with the least search expansion its calibration says reaches `recall` (recall@10), or exactly where
+    it cannot or is no faster (`ann.plan`); `ef_search` sets the expansion by hand. `rescore`: candidates
+    re-scored exactly per query (at least 4 x k). `way` (and `describe()`, in words) says which way searches
+    answer. `write=False` never writes into the folder: where the graph is missing or stale, search is exact
+    instead of building it.
 
     The vectors are read once, here; each search checks that the store is still the build they came from and
     raises `StaleIndex` (a StoreError) once the index has been rebuilt: open it again."""
