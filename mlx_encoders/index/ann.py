@@ -61,7 +61,8 @@ def paths(folder: Path, precision: str) -> tuple[Path, Path]:
 def parameters(count: int, recall: float) -> dict[str, int]:
     """The graph's connectivity (links per node) and expansion at build for `count` vectors and the recall asked
     for: denser links and a wider search at insertion make a graph whose walk reaches high recall in fewer steps,
-    at a cost in build time and memory that grows with both."""
+    at a cost in build time and memory that grows with both; a larger graph needs them sooner, as its walk from
+    the entry point is longer."""
     if recall <= 0.9:
         return {"connectivity": 16, "expansion_add": 64}
     if recall <= 0.95 and count <= 200_000:
