@@ -82,7 +82,9 @@ class ModelArgs(BaseArgs):
         # transformers 5 reads `classifier_pooling` only; the authors' remote code (older hub configs) `clf_pooling`.
         self.pooling = self.classifier_pooling or self.clf_pooling or "late"
         if self.pooling not in POOLINGS:
-            raise ValueError(f"config key 'classifier_pooling' must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+            raise ValueError(
+                f"config key 'classifier_pooling' must be one of {', '.join(POOLINGS)}, got {self.pooling!r}"
+            )
         rope = self.rope_parameters or self.rope_scaling or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
