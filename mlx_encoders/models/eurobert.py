@@ -185,7 +185,10 @@ class EuroBertForMaskedLM(EuroBertHead):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, args.mlp_bias)
+        if args.tie_word_embeddings:  # the embedding matrix, and a bias of its own when mlp_bias
+            self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, True, args.mlp_bias)
+        else:  # a Linear, which quantizes
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=args.mlp_bias)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
@@ -194,7 +197,9 @@ class EuroBertForMaskedLM(EuroBertHead):
 
     def predict_tokens(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.lm_head(hidden, self.model.embed_tokens)
+        if isinstance(self.lm_head, TiedDecoder):
+            return self.lm_head(hidden, self.model.embed_tokens)
+        return self.lm_head(hidden)
 
 
 class EuroBertForSequenceClassification(EuroBertHead):
