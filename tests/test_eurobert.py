@@ -197,7 +197,8 @@ def test_gptq_conversion_loads_and_runs(tmp_path, bits):
 
     source = make_checkpoint(tmp_path / "hf", FAMILY, "masked-lm", hidden_size=64, intermediate_size=128,
                              initializer_range=0.05)  # fmt: skip
-    out = mlx_encoders.convert(source, tmp_path / "mlx", bits=bits, group_size=32)  # GPTQ on built-in texts
+    calibration = QUERIES + DOCUMENTS + TEXTS  # GPTQ's Hessians from these texts' inputs to each Linear
+    out = mlx_encoders.convert(source, tmp_path / "mlx", bits=bits, group_size=32, calibration=calibration)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == bits and "GPTQ" in (out / "README.md").read_text()
     model = mlx_encoders.load_model(out)
