@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import test_contrastive
-from checkpoints import AUTO_CLASSES
+from checkpoints import AUTO_CLASSES, CONFIG_CLASSES, CONFIGS
+from mlx.utils import tree_flatten
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
@@ -28,6 +29,7 @@ from mlx_encoders.__main__ import main as cli
 from mlx_encoders.engine import attention
 from mlx_encoders.models.eurobert import POOLINGS
 from mlx_encoders.train import fine_tune
+from mlx_encoders.train.fine_tune import from_config
 
 FAMILY = "eurobert"
 CLASSIFY = "sequence-classification"
@@ -260,3 +262,22 @@ def test_lora_embedding_training_with_mnrl(embedding_folder, tmp_path):
     assert_same_embeddings(SentenceEncoder(trained.path).encode(texts), expected)
     before = SentenceTransformer(str(embedding_folder), device="cpu").encode(texts)
     assert not np.allclose(before, expected, atol=1e-4)  # the fused adapters moved the embeddings
+
+
+def test_a_new_model_is_initialised_as_transformers_initialises_it(checkpoint):
+    """Training from scratch: RMSNorm weights 1, the padding row 0, the rest normal(0, initializer_range)."""
+    tokenizer = mlx_encoders.load_tokenizer(mlx_encoders.load_model(checkpoint(FAMILY)), checkpoint(FAMILY))
+    sizes = {**CONFIGS[FAMILY], "model_type": FAMILY, "vocab_size": tokenizer.max_id + 1, "hidden_size": 256}
+    ours_ = dict(tree_flatten(from_config(dict(sizes), "masked-lm", tokenizer).parameters()))
+    del sizes["model_type"]
+    theirs = dict(AUTO_CLASSES["masked-lm"].from_config(CONFIG_CLASSES[FAMILY](**sizes)).named_parameters())
+    assert ours_.keys() == theirs.keys()
+    pad = sizes["pad_token_id"]
+    for name, value in ours_.items():
+        a, b = np.array(value), theirs[name].detach().numpy()
+        if name.endswith("norm.weight") or name.endswith("bias"):
+            np.testing.assert_array_equal(a, b, err_msg=name)  # ones, zeros
+        else:
+            assert abs(a.std() / b.std() - 1) < 0.1, (name, a.std(), b.std())
+    assert not np.array(ours_["model.embed_tokens.weight"])[pad].any()
+    assert not theirs["model.embed_tokens.weight"][pad].any()
