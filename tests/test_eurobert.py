@@ -281,3 +281,15 @@ def test_a_new_model_is_initialised_as_transformers_initialises_it(checkpoint):
             assert abs(a.std() / b.std() - 1) < 0.1, (name, a.std(), b.std())
     assert not np.array(ours_["model.embed_tokens.weight"])[pad].any()
     assert not theirs["model.embed_tokens.weight"][pad].any()
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_cross_encoder_equals_sentence_transformers(checkpoint, num_labels):
+    """Pairs through the classifier ("late" pooling): sentence-transformers' CrossEncoder scores, sigmoid or not."""
+    from sentence_transformers import CrossEncoder as TorchCrossEncoder
+
+    folder = checkpoint(FAMILY, CLASSIFY, num_labels=num_labels)
+    pairs = list(zip(QUERIES, DOCUMENTS, strict=True))
+    expected = TorchCrossEncoder(str(folder), device="cpu").predict(pairs)
+    got = mlx_encoders.CrossEncoder(folder).predict(pairs)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
