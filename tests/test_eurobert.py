@@ -78,11 +78,13 @@ def test_remote_code_clf_pooling_is_read_when_classifier_pooling_is_absent(check
 @pytest.mark.parametrize("task", ["encoder", "masked-lm"])
 def test_hub_config_spelling_matches_transformers(checkpoint, tmp_path, task):
     """The published config.json: `rope_theta` and `rope_scaling: null` rather than transformers 5's
-    `rope_parameters`."""
+    `rope_parameters`, the remote code's keys, and `torch_dtype`."""
 
     def hub(config):
-        del config["rope_parameters"]
-        config.update(rope_theta=500.0, rope_scaling=None)
+        for key in ("rope_parameters", "classifier_pooling", "dtype"):
+            del config[key]
+        config.update(rope_theta=500.0, rope_scaling=None, clf_pooling="late", hidden_dropout=0.0, use_cache=False)
+        config.update(bos_token="<|begin_of_text|>", mask_token="<|mask|>", torch_dtype="float32")
 
     folder = rewrite_config(checkpoint(FAMILY, task), tmp_path, hub)
     check_parity(folder, task)
@@ -144,16 +146,17 @@ def test_long_inputs_attend_by_query_blocks_as_transformers(checkpoint, monkeypa
 
 
 @pytest.mark.parametrize(
-    "key, value, message",
+    "edit, message",
     [
-        ("num_key_value_heads", 3, "'num_key_value_heads' \\(3\\) must divide num_attention_heads \\(4\\)"),
-        ("classifier_pooling", "cls", "'classifier_pooling' must be one of bos, mean, late, got 'cls'"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10.0}, "rope_type 'yarn' is not supported"),
-        ("head_dim", 0, "'head_dim' must be a positive integer"),
+        (dict(num_key_value_heads=3), "'num_key_value_heads' \\(3\\) must divide num_attention_heads \\(4\\)"),
+        (dict(classifier_pooling="cls"), "'classifier_pooling' must be one of bos, mean, late, got 'cls'"),
+        (dict(classifier_pooling=None, clf_pooling="cls"), "'clf_pooling' must be one of bos, mean, late, got 'cls'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10.0}), "rope_type 'yarn' is not supported"),
+        (dict(head_dim=0), "'head_dim' must be a positive integer"),
     ],
 )
-def test_config_values_that_cannot_work_fail_at_load_naming_the_key(checkpoint, tmp_path, key, value, message):
-    folder = rewrite_config(checkpoint(FAMILY), tmp_path, lambda config: config.update({key: value}))
+def test_config_values_that_cannot_work_fail_at_load_naming_the_key(checkpoint, tmp_path, edit, message):
+    folder = rewrite_config(checkpoint(FAMILY), tmp_path, lambda config: config.update(edit))  # None: null
     with pytest.raises(ValueError, match=f"config.json: .*{message}"):
         mlx_encoders.load(folder)
 

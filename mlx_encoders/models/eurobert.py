@@ -80,20 +80,15 @@ class ModelArgs(BaseArgs):
                 f"({self.num_attention_heads}): each key/value head serves a whole group of query heads"
             )
         # transformers 5 reads `classifier_pooling` only; the authors' remote code (older hub configs) `clf_pooling`.
-        self.pooling = self.classifier_pooling or self.clf_pooling or "late"
+        key = "classifier_pooling" if self.classifier_pooling or not self.clf_pooling else "clf_pooling"
+        self.pooling = getattr(self, key) or "late"
         if self.pooling not in POOLINGS:
-            raise ValueError(
-                f"config key 'classifier_pooling' must be one of {', '.join(POOLINGS)}, got {self.pooling!r}"
-            )
+            raise ValueError(f"config key {key!r} must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         rope = self.rope_parameters or self.rope_scaling or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise ValueError(f"EuroBERT rope_type {kind!r} is not supported (only 'default', plain RoPE)")
         self.theta = float(rope.get("rope_theta") or self.rope_theta or 10000.0)
-
-    @property
-    def attention_heads(self) -> int:
-        return self.num_attention_heads
 
     def check(self) -> None:
         super().check()
