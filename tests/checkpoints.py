@@ -70,6 +70,12 @@ CONFIGS = {
         max_position_embeddings=128, relative_attention=True, max_relative_positions=16, pos_att_type="c2p|p2c",
         position_biased_input=True, hidden_act="gelu_new", pad_token_id=0,
     ),
+    # Rotary with a small base, so positions far apart differ; no position table (max_position_embeddings only
+    # bounds the tokenizer here).
+    "nomic_bert": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -87,6 +93,7 @@ CONFIG_CLASSES = {
     "electra": transformers.ElectraConfig,
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
+    "nomic_bert": transformers.NomicBertConfig,
     "gpt2": transformers.GPT2Config,
 }
 
@@ -168,7 +175,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type in ("bert", "distilbert", "electra"):
+    if model_type in ("bert", "distilbert", "electra", "nomic_bert"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
         return 30522

@@ -20,6 +20,7 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     " ".join(["A much longer text, repeated until truncation cuts it at the position limit."] * 30),
 ]
+NO_QUESTION_ANSWERING = {"nomic_bert", "gte"}
 # Outputs with one row per token; the rest have one row per text.
 TOKEN_LEVEL = {"last_hidden_state", "logits", "start_logits", "end_logits", "prediction_logits"}
 
@@ -72,7 +73,9 @@ def test_matches_transformers(checkpoint, model_type, task):
 def test_every_architecture_has_every_head():
     heads = {"encoder", "masked-lm", "sequence-classification", "token-classification", "question-answering"}
     for model_type in MODEL_TYPES:
-        assert heads <= set(model_module(model_type).MODELS), model_type
+        # transformers has no question-answering head for these: nothing to match
+        expected = heads - {"question-answering"} if model_type in NO_QUESTION_ANSWERING else heads
+        assert expected <= set(model_module(model_type).MODELS), model_type
     assert "pretraining" in model_module("bert").MODELS
 
 
