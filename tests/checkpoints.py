@@ -76,6 +76,13 @@ CONFIGS = {
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
         max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
     ),
+    # gte-multilingual-base's layout (one token type, pad 1, XLM-R vocabulary); hidden_act unlike the masked-LM
+    # head's exact gelu, so mixing the two shows.
+    "gte": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        hidden_act="gelu_new", rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -94,6 +101,7 @@ CONFIG_CLASSES = {
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
     "nomic_bert": transformers.NomicBertConfig,
+    "gte": transformers.GteConfig,
     "gpt2": transformers.GPT2Config,
 }
 
@@ -207,7 +215,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         vocab = {names.get(w, w): i for w, i in model["vocab"].items()}
         tok = transformers.DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=128)
-    elif model_type == "xlm-roberta":
+    elif model_type in ("xlm-roberta", "gte"):
         vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
         tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)
     else:

@@ -163,7 +163,7 @@ def test_roberta_counts_positions_of_real_tokens_only(encoders):
         model(mx.concatenate([padded[:, :-1], mx.full((1, 1), 5)], axis=1))
 
 
-@pytest.mark.parametrize("model_type", ["modernbert", "nomic_bert"])
+@pytest.mark.parametrize("model_type", ["modernbert", "nomic_bert", "gte"])
 def test_rotary_models_have_no_position_limit(encoders, model_type):
     model = encoders[model_type]
     ids = mx.full((1, model.args.max_position_embeddings + 8), 5)

@@ -25,6 +25,7 @@ MODEL_TYPES = {
     "deberta-v2": "deberta_v2",
     "deberta": "deberta",
     "nomic_bert": "nomic_bert",
+    "gte": "gte",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -43,6 +44,7 @@ ARCHITECTURE_PREFIXES = {
     "deberta-v2": "DebertaV2",
     "deberta": "Deberta",
     "nomic_bert": "NomicBert",
+    "gte": "Gte",
     "gpt2": "GPT2",
 }
 ARCHITECTURE_SUFFIXES = {

@@ -59,13 +59,13 @@ def original_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in config.items() if k not in dropped}, **native}
 
 
-def rope_base(rope_parameters: dict | None, rope_theta: float | None, default: float) -> float:
+def rope_base(rope: dict | None, rope_theta: float | None, default: float, key: str = "rope_parameters") -> float:
     """The rotary base of transformers' `rope_parameters` (or a legacy top-level `rope_theta`); only the default
-    rope type, the one these checkpoints use, is computed."""
-    rope = rope_parameters or {}
+    rope type is computed."""
+    rope = rope or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"config key 'rope_parameters': rope_type {kind!r} is not supported (only 'default')")
+        raise ValueError(f"config key {key!r}: rope type {kind!r} is not supported (only 'default')")
     return float(rope.get("rope_theta", rope_theta if rope_theta is not None else default))
 
 
@@ -288,14 +288,20 @@ RENAMES = (
 )  # fmt: skip
 
 
+def renamed(key: str, prefixes: tuple[str, str], renames: tuple[tuple[str, str], ...]) -> str:
+    """`key` with its base-model prefix `prefixes[0]` read as `prefixes[1]` and each (old, new) part replaced."""
+    old_prefix, new_prefix = prefixes
+    key = "." + (new_prefix + key[len(old_prefix) :] if key.startswith(old_prefix) else key)
+    for old, new in renames:
+        key = key.replace(old, new)
+    return key[1:]
+
+
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """transformers' keys from nomic-ai's: renamed, and `attn.Wqkv` cut into q, k and v (3 equal row blocks)."""
     out = {}
     for key, value in weights.items():
-        key = "." + key.replace("bert.", "nomic_bert.", 1) if key.startswith("bert.") else "." + key
-        for old, new in RENAMES:
-            key = key.replace(old, new)
-        key = key[1:]
+        key = renamed(key, ("bert.", "nomic_bert."), RENAMES)
         if key.endswith(".attn.Wqkv.weight"):
             stem = key[: -len("attn.Wqkv.weight")]
             for name, part in zip("qkv", mx.split(value, 3, axis=0), strict=True):

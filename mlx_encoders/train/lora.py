@@ -33,6 +33,7 @@ DEFAULT_TARGETS = {
     "deberta-v2": ["query_proj", "key_proj", "value_proj"],
     "deberta": ["in_proj"],
     "nomic_bert": ["q_proj", "k_proj", "v_proj"],
+    "gte": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
