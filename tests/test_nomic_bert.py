@@ -30,7 +30,7 @@ TEXTS = [
     "",
     "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank.",
     "x",
-    "Rotary positions make the same word differ by where it stands " * 3,
+    "Rotary positions make the same word differ by where it stands " * 2,
 ]
 # nomic-embed-text-v1.5's config_sentence_transformers.json prompts
 NOMIC_PROMPTS = {
