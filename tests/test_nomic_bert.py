@@ -91,15 +91,17 @@ def check_batch_equals_one_by_one(folder: Path) -> None:
             assert_float32_close(batched, value[0], terms, err_msg=f"{name} of text {i}")
 
 
-def check_conversion(folder: Path, bits: int, min_cosine: float) -> None:
-    """The folder converted to `bits` (GPTQ-calibrated, the default) loads and embeds close to the float model."""
+def check_conversion(folder: Path, bits: int, min_cosine: float, mean_cosine: float) -> None:
+    """The folder converted to `bits` (GPTQ, the default) loads and embeds close to the float model. At 4 bits the
+    tiny random models lose much more than real ones (whose figures are the benchmarks'): the mean is held
+    tighter than the worst text."""
     out = mlx_encoders.convert(folder, folder.parent / f"{bits}bit", bits=bits, group_size=32)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == bits
     quantized = SentenceEncoder(out).encode(TEXTS)
     expected = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
     cosines = (quantized * expected).sum(-1) / (np.linalg.norm(quantized, axis=-1) * np.linalg.norm(expected, axis=-1))
-    assert cosines.min() >= min_cosine, cosines
+    assert cosines.min() >= min_cosine and cosines.mean() >= mean_cosine, cosines
 
 
 def check_serve_and_index(folder: Path, tmp_path: Path) -> None:
@@ -157,15 +159,18 @@ ORIGINAL_CONFIG = {
 }  # fmt: skip
 
 
-def with_original_config(folder: Path, target: Path) -> Path:
-    """A copy of a transformers NomicBert folder whose config.json uses the names of nomic-ai's published ones."""
+def with_original_config(folder: Path, target: Path, rope: bool = True) -> Path:
+    """A copy of a transformers NomicBert folder whose config.json uses the names of nomic-ai's published ones
+    (`rope`: its rope_parameters as rotary_emb_base; else dropped)."""
     shutil.copytree(folder, target)
     config = json.loads((target / "config.json").read_text())
     for new, old in ORIGINAL_CONFIG.items():
         config[old] = config.pop(new)
-    config["rotary_emb_base"] = config.pop("rope_parameters")["rope_theta"]
+    theta = config.pop("rope_parameters")["rope_theta"]
+    if rope:
+        config["rotary_emb_base"] = theta
     config.update(activation_function="swiglu", prenorm=False, rotary_emb_fraction=1.0, qkv_proj_bias=False)
-    config.update(mlp_fc1_bias=False, mlp_fc2_bias=False, rotary_emb_interleaved=False, rotary_scaling_factor=None)
+    config.update(mlp_fc1_bias=False, mlp_fc2_bias=False, rotary_emb_interleaved=False)
     del config["hidden_act"], config["head_dim"]
     (target / "config.json").write_text(json.dumps(config))
     return target
@@ -194,6 +199,7 @@ def test_nomic_ai_layout_matches_transformers_and_saves_in_transformers_names(ch
         (dict(rotary_emb_fraction=0.5), "'rotary_emb_fraction' is 0.5"),
         (dict(moe_every_n_layers=2), "mixture-of-experts"),
         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not supported"),
+        (dict(rope_parameters={"rope_type": "dynamic"}), "the dynamic rope type needs a 'factor' >= 1, got None"),
     ],
 )
 def test_layouts_transformers_cannot_compute_fail_naming_the_key(checkpoint, tmp_path, edit, message):
@@ -202,6 +208,40 @@ def test_layouts_transformers_cannot_compute_fail_naming_the_key(checkpoint, tmp
     (folder / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(ValueError, match=message):
         mlx_encoders.load_model(folder)
+
+
+def check_dynamic_rope(folder: Path, task: str) -> None:
+    """Inputs within and past max_position_embeddings (where the dynamic rope's base grows with the length) equal
+    a freshly loaded transformers model's (its dynamic rope keeps the longest length seen: one model per input)."""
+    model = mlx_encoders.load_model(folder)
+    trained = model.args.max_position_embeddings
+    assert model.args.max_tokens is None
+    rng = np.random.default_rng(0)
+    for length in (trained // 2, trained, 3 * trained):
+        batch = {"input_ids": mx.array(rng.integers(5, 300, (2, length))), "attention_mask": mx.ones((2, length))}
+        batch["attention_mask"][1, length // 2 :] = 0
+        real = np.array(batch["attention_mask"]).astype(bool)
+        assert_close(our_outputs(model(**batch)), reference_outputs(folder, task, batch), real, task)
+
+
+DYNAMIC = dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 50.0})
+
+
+@pytest.mark.parametrize("task", ["encoder", "masked-lm"])
+def test_dynamic_rope_matches_transformers_within_and_past_the_trained_length(checkpoint, task):
+    check_dynamic_rope(checkpoint("nomic_bert", task, **DYNAMIC), task)
+
+
+def test_nomic_ai_rotary_scaling_factor_is_the_dynamic_rope(checkpoint, tmp_path):
+    """nomic-ai's `rotary_scaling_factor` scales from `max_trained_positions` (its `n_positions` is the token limit)."""
+    folder = checkpoint("nomic_bert", **DYNAMIC)
+    original = with_original_config(folder, tmp_path / "original", rope=False)
+    config = json.loads((original / "config.json").read_text())
+    config.update(rotary_scaling_factor=2.0, max_trained_positions=16, n_positions=128, rotary_emb_base=50.0)
+    (original / "config.json").write_text(json.dumps(config))
+    model = mlx_encoders.load_model(original)
+    assert model.args.rope == mlx_encoders.load_model(folder).args.rope
+    assert model.args.max_position_embeddings == 16 and model.args.max_tokens is None
 
 
 @pytest.mark.parametrize("task", ["encoder", "masked-lm"])
@@ -232,9 +272,9 @@ def test_sentence_transformers_folder_with_prompts_and_truncate_dim(nomic_folder
     check_sentence_transformers(nomic_folder, truncate_dim=16)
 
 
-@pytest.mark.parametrize("bits, min_cosine", [(8, 0.999), (4, 0.95)])
-def test_converted_folder_embeds_close_to_float(nomic_folder, bits, min_cosine):
-    check_conversion(nomic_folder, bits, min_cosine)
+@pytest.mark.parametrize("bits, min_cosine, mean_cosine", [(8, 0.999, 0.9995), (4, 0.85, 0.95)])
+def test_converted_folder_embeds_close_to_float(nomic_folder, bits, min_cosine, mean_cosine):
+    check_conversion(nomic_folder, bits, min_cosine, mean_cosine)
 
 
 def test_serve_and_index(nomic_folder, tmp_path):

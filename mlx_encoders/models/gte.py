@@ -16,11 +16,19 @@ import mlx.nn as nn
 
 from .base import BaseArgs, HeadModel, ModelOutput, PooledClassification, TiedDecoder, TokenClassification
 from .layers import LayerNorm, Linear, gelu
-from .nomic_bert import NomicBertAttention, NomicBertLayer, NomicBertMLP, NomicBertModel, renamed, rope_base
+from .nomic_bert import (
+    NomicBertAttention,
+    NomicBertLayer,
+    NomicBertMLP,
+    NomicBertModel,
+    RotaryArgs,
+    renamed,
+    rope_settings,
+)
 
 
 @dataclass
-class ModelArgs(BaseArgs):
+class ModelArgs(RotaryArgs, BaseArgs):
     model_type: str = "gte"
     vocab_size: int = 250048
     hidden_size: int = 768
@@ -53,19 +61,8 @@ class ModelArgs(BaseArgs):
         super().__post_init__()
         self.head_size = self.hidden_size // self.num_attention_heads
         key = "rope_parameters" if self.rope_parameters else "rope_scaling"
-        self.rope_base = rope_base(self.rope_parameters or self.rope_scaling, self.rope_theta, self.default_theta, key)
-
-    @property
-    def sequence_classifier_dropout(self) -> float:
-        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
-
-    @property
-    def token_classifier_dropout(self) -> float:
-        return self.sequence_classifier_dropout
-
-    @property
-    def ffn_width(self) -> int:
-        return 2 * self.intermediate_size  # the gate and the up projection, both held at once
+        rope = self.rope_parameters or self.rope_scaling
+        self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)
 
 
 class GteAttention(NomicBertAttention):

@@ -7,7 +7,7 @@ checkpoint keys; `sanitize` renames the keys of the checkpoints nomic-ai publish
 """
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +39,7 @@ ORIGINAL_NAMES = {
 ORIGINAL_LAYOUT = {
     "activation_function": ("swiglu",), "prenorm": (False,), "rotary_emb_fraction": (1.0,),
     "rotary_emb_interleaved": (False,), "qkv_proj_bias": (False,), "mlp_fc1_bias": (False,), "mlp_fc2_bias": (False,),
-    "use_rms_norm": (False,), "rotary_scaling_factor": (None,), "parallel_block": (False,), "causal": (False,),
+    "use_rms_norm": (False,), "parallel_block": (False,), "causal": (False,),
 }  # fmt: skip
 
 
@@ -55,22 +55,67 @@ def original_config(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("moe_every_n_layers"):
         raise ValueError("config key 'moe_every_n_layers': mixture-of-experts Nomic BERT layers are not supported")
     native = {new: config[old] for old, new in ORIGINAL_NAMES.items() if old in config and new not in config}
-    dropped = set(ORIGINAL_NAMES) | set(ORIGINAL_LAYOUT)
+    if config.get("rotary_scaling_factor") is not None:  # nomic-ai's dynamic NTK rope, from max_trained_positions
+        native["rope_parameters"] = {"rope_type": "dynamic", "factor": config["rotary_scaling_factor"]}
+        native["max_position_embeddings"] = config.get("max_trained_positions", 2048)
+    dropped = {*ORIGINAL_NAMES, *ORIGINAL_LAYOUT, "rotary_scaling_factor", "max_trained_positions"}
     return {**{k: v for k, v in config.items() if k not in dropped}, **native}
 
 
-def rope_base(rope: dict | None, rope_theta: float | None, default: float, key: str = "rope_parameters") -> float:
-    """The rotary base of transformers' `rope_parameters` (or a legacy top-level `rope_theta`); only the default
-    rope type is computed."""
+class Rope(NamedTuple):
+    """Rotary settings: the base, and for transformers' "dynamic" (NTK) rope type its `factor` and the length
+    trained at, past which the base grows with the input's length (as for a freshly loaded transformers model)."""
+
+    base: float
+    factor: float | None = None
+    trained: int = 0
+
+    def base_for(self, length: int, dim: int) -> float:
+        if self.factor is None or length <= self.trained:
+            return self.base
+        return self.base * (self.factor * length / self.trained - (self.factor - 1)) ** (dim / (dim - 2))
+
+
+def rope_settings(rope: dict | None, theta: float | None, default: float, trained: int, key: str) -> Rope:
+    """The `Rope` of transformers' `rope_parameters` (or a legacy top-level `rope_theta`): the default rope type,
+    or "dynamic" with its `factor`."""
     rope = rope or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"config key {key!r}: rope type {kind!r} is not supported (only 'default')")
-    return float(rope.get("rope_theta", rope_theta if rope_theta is not None else default))
+    if kind not in ("default", "dynamic"):
+        raise ValueError(f"config key {key!r}: rope type {kind!r} is not supported (only 'default' and 'dynamic')")
+    base = float(rope.get("rope_theta", theta if theta is not None else default))
+    if kind == "default":
+        return Rope(base)
+    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] < 1:
+        raise ValueError(f"config key {key!r}: the dynamic rope type needs a 'factor' >= 1, got {rope.get('factor')!r}")
+    return Rope(base, float(rope["factor"]), trained)
+
+
+class RotaryArgs:
+    """What Nomic BERT's and GTE's args derive alike from their config keys."""
+
+    @property
+    def sequence_classifier_dropout(self) -> float:
+        """transformers' classifier heads fall back to hidden_dropout_prob when classifier_dropout is None."""
+        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
+
+    @property
+    def token_classifier_dropout(self) -> float:
+        return self.sequence_classifier_dropout
+
+    @property
+    def ffn_width(self) -> int:
+        return 2 * self.intermediate_size  # the gate and the up projection, both held at once
+
+    @property
+    def max_tokens(self) -> int | None:
+        """No position table: max_position_embeddings is the trained length, a limit unless the dynamic rope
+        type is there to run past it."""
+        return None if self.rope.factor is not None else self.max_position_embeddings
 
 
 @dataclass
-class ModelArgs(BaseArgs):
+class ModelArgs(RotaryArgs, BaseArgs):
     model_type: str = "nomic_bert"
     vocab_size: int = 30528
     hidden_size: int = 768
@@ -99,19 +144,9 @@ class ModelArgs(BaseArgs):
     def __post_init__(self):
         super().__post_init__()
         self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
-        self.rope_base = rope_base(self.rope_parameters, self.rope_theta, self.default_theta)
-
-    @property
-    def sequence_classifier_dropout(self) -> float:
-        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
-
-    @property
-    def token_classifier_dropout(self) -> float:
-        return self.sequence_classifier_dropout
-
-    @property
-    def ffn_width(self) -> int:
-        return 2 * self.intermediate_size  # the gate and the up projection, both held at once
+        self.rope = rope_settings(
+            self.rope_parameters, self.rope_theta, self.default_theta, self.max_position_embeddings, "rope_parameters"
+        )
 
 
 class NomicBertEmbeddings(nn.Module):
@@ -141,7 +176,7 @@ class NomicBertAttention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.num_heads, self.head_dim, self.base = args.num_attention_heads, args.head_size, args.rope_base
+        self.num_heads, self.head_dim, self.rope = args.num_attention_heads, args.head_size, args.rope
         width = args.num_attention_heads * args.head_size
         self.q_proj = Linear(args.hidden_size, width, bias=self.bias)
         self.k_proj = Linear(args.hidden_size, width, bias=self.bias)
@@ -151,7 +186,8 @@ class NomicBertAttention(nn.Module):
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.base, scale=1.0, offset=0) for t in (q, k))
+        base = self.rope.base_for(x.shape[1], self.head_dim)
+        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=base, scale=1.0, offset=0) for t in (q, k))
         return self.o_proj(merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))  # O(L) memory when long
 
 
