@@ -24,6 +24,7 @@ from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
+from mlx_encoders.corpus import stdlib_docstrings
 
 TEXTS = [
     "A cat sat on the mat.",
@@ -92,10 +93,11 @@ def check_batch_equals_one_by_one(folder: Path) -> None:
 
 
 def check_conversion(folder: Path, bits: int, min_cosine: float, mean_cosine: float) -> None:
-    """The folder converted to `bits` (GPTQ, the default) loads and embeds close to the float model. At 4 bits the
+    """The folder converted to `bits` (GPTQ on 32 docstrings) loads and embeds close to the float model. At 4 bits the
     tiny random models lose much more than real ones (whose figures are the benchmarks'): the mean is held
     tighter than the worst text."""
-    out = mlx_encoders.convert(folder, folder.parent / f"{bits}bit", bits=bits, group_size=32)
+    calibration = stdlib_docstrings(32)
+    out = mlx_encoders.convert(folder, folder.parent / f"{bits}bit", bits=bits, group_size=32, calibration=calibration)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization"]["bits"] == bits
     quantized = SentenceEncoder(out).encode(TEXTS)
