@@ -2,8 +2,8 @@
 head, dropout, save -> transformers, quantized kernels, LoRA targets): Alibaba's own key layout and config
 spelling, gte-base-en-v1.5's layout without token types, mixed-length batches against one-by-one runs, the
 sentence-transformers folder as snowflake-arctic-embed-m-v2.0 lays it out (CLS pooling, Normalize, a `query: `
-prompt, Matryoshka `truncate_dim`), 8- and 4-bit conversion, the server, the index and embedding training with
-LoRA. The checks are test_nomic_bert.py's.
+prompt, Matryoshka `truncate_dim`), 8- and 4-bit conversion, the server, the index, embedding training with
+LoRA (the checks are test_nomic_bert.py's), and gte-multilingual-reranker-base's layout as a CrossEncoder.
 """
 
 import json
@@ -115,3 +115,16 @@ def test_serve_and_index(arctic_folder, tmp_path):
 
 def test_lora_embedding_training(arctic_folder, tmp_path):
     check_lora_embedding_training(arctic_folder, tmp_path, {"q_proj", "k_proj", "v_proj"})
+
+
+def test_reranker_equals_sentence_transformers_cross_encoder(checkpoint, one_torch_thread):
+    """gte-multilingual-reranker-base's layout: the classification head with one label, read as a CrossEncoder."""
+    from sentence_transformers import CrossEncoder as TorchCrossEncoder
+
+    from mlx_encoders import CrossEncoder
+
+    folder = checkpoint("gte", "sequence-classification", num_labels=1)
+    pairs = [("where do cats sleep", "Cats sleep on warm windowsills."), ("capital of France", "Berlin, Germany.")]
+    pairs += [("a query", ""), ("tea", "Pour hot water over the leaves and wait a few minutes before drinking.")]
+    expected = TorchCrossEncoder(str(folder), device="cpu").predict(pairs, convert_to_numpy=True)
+    np.testing.assert_allclose(CrossEncoder(folder).predict(pairs), expected, atol=1e-5)
