@@ -3,9 +3,9 @@
 
 Nomic BERT's encoder (post-LN, rotary, gated feed-forward; models/nomic_bert.py) with biases on the attention
 projections and on `down_proj`, dropout on the gated product, and token types only when type_vocab_size > 0
-(gte-base-en-v1.5 has none). The masked-LM head is RoBERTa's (`lm_head`, exact gelu). `sanitize` reads the keys of
-the checkpoints Alibaba publishes with their own code (`new.encoder.layer.{i}.attention.qkv_proj`,
-`mlp.up_gate_proj`, ...); their config.json must say model_type "gte" (theirs says "new").
+(gte-base-en-v1.5 has none). The masked-LM head is RoBERTa's (`lm_head`, exact gelu). `sanitize` reads the keys
+Alibaba's checkpoints hold, which transformers writes too (`encoder.layer.{i}.attention.qkv_proj`,
+`mlp.up_gate_proj`, ...; Alibaba's under `new.`); their config.json must say model_type "gte" (theirs says "new").
 """
 
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
     pad_token_id: int = 1
     classifier_dropout: float | None = None
     rope_parameters: dict | None = None
-    # Alibaba's own spelling, read by transformers too: `rope_theta` and `rope_scaling` (which fails unless default).
+    # Alibaba's own spelling, read by transformers too: `rope_theta`, and `rope_scaling` (whose "ntk" type fails).
     rope_theta: float | None = None
     rope_scaling: dict | None = None
     default_theta: ClassVar[float] = 160000.0

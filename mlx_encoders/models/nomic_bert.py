@@ -2,8 +2,10 @@
 
 A post-LN BERT without a position table: rotary positions (`mx.fast.rope`, rotate-half form) on queries and keys,
 bias-free projections and a SwiGLU feed-forward `down(act(gate(x)) * up(x))`. Attribute names are transformers'
-checkpoint keys; `sanitize` renames the keys of the checkpoints nomic-ai publishes (`encoder.layers.{i}.attn.Wqkv`,
-`mlp.fc11`, ...) and `ModelArgs.from_dict` reads their config names (`n_embd`, `rotary_emb_base`, ...).
+module names; `sanitize` renames the keys nomic-ai's checkpoints hold, which transformers writes too
+(`encoder.layers.{i}.attn.Wqkv`, `mlp.fc11`, ...), and `ModelArgs.from_dict` reads nomic-ai's config names
+(`n_embd`, `rotary_emb_base`, ...). The rotary base is fixed, or grows past the trained length with transformers'
+"dynamic" rope type (nomic-ai's `rotary_scaling_factor`).
 """
 
 from dataclasses import dataclass
