@@ -70,6 +70,19 @@ CONFIGS = {
         max_position_embeddings=128, relative_attention=True, max_relative_positions=16, pos_att_type="c2p|p2c",
         position_biased_input=True, hidden_act="gelu_new", pad_token_id=0,
     ),
+    # Rotary with a small base, so positions far apart differ; no position table (max_position_embeddings only
+    # bounds the tokenizer here).
+    "nomic_bert": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
+    # gte-multilingual-base's layout (one token type, pad 1, XLM-R vocabulary); hidden_act unlike the masked-LM
+    # head's exact gelu, so mixing the two shows.
+    "gte": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        hidden_act="gelu_new", rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
     # Grouped-query attention (2 query heads per key/value head), biases on, a RoPE base of its own.
     "eurobert": dict(
         hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
@@ -93,6 +106,8 @@ CONFIG_CLASSES = {
     "electra": transformers.ElectraConfig,
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
+    "nomic_bert": transformers.NomicBertConfig,
+    "gte": transformers.GteConfig,
     "eurobert": transformers.EuroBertConfig,
     "gpt2": transformers.GPT2Config,
 }
@@ -200,7 +215,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type in ("bert", "distilbert", "electra"):
+    if model_type in ("bert", "distilbert", "electra", "nomic_bert"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
         return 30522
@@ -232,7 +247,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         vocab = {names.get(w, w): i for w, i in model["vocab"].items()}
         tok = transformers.DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=128)
-    elif model_type == "xlm-roberta":
+    elif model_type in ("xlm-roberta", "gte"):
         vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
         tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)
     else:
