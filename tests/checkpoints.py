@@ -260,5 +260,12 @@ def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: 
     return folder
 
 
+def language_model_task(model_type: str) -> str:
+    """The head that predicts tokens: masked-LM for an encoder, the causal LM head of a decoder used as one."""
+    from mlx_encoders.models import model_module
+
+    return "masked-lm" if "masked-lm" in model_module(model_type).MODELS else "causal-lm"
+
+
 def load_reference(folder: Path, task: str):
     return AUTO_CLASSES[task].from_pretrained(folder, attn_implementation="eager").eval()

@@ -63,7 +63,7 @@ class ModelArgs(BaseArgs):
     # Qwen3-Embedding-{0.6B,4B,8B} (and the rerankers of the same sizes); the other keys' defaults are theirs.
     presets: ClassVar[dict] = {
         name: dict(
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            vocab_size=151669, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=8, tie_word_embeddings=tied,
         )
