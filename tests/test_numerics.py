@@ -7,8 +7,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from mlx.utils import tree_flatten
 from checkpoints import language_model_task
+from mlx.utils import tree_flatten
 from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
