@@ -1,0 +1,198 @@
+"""Qwen3 as its authors publish it: Qwen3-Embedding (a decoder used as an encoder: last-token pooling over left-padded
+batches, an `<|endoftext|>` the tokenizer appends, the `Instruct: ...\\nQuery:` prompt, Matryoshka truncate_dim)
+against sentence-transformers, and Qwen3-Reranker (the yes/no logits of the causal-LM head) against its
+`CrossEncoder` with `LogitScore`. Every head's parity with transformers is in the registry-wide tests
+(test_parity, test_gradients, test_numerics); the config spellings and save -> transformers are here."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from test_parity import as_torch, assert_close, check_parity
+from tolerance import assert_float32_close, encoder_terms
+
+import mlx_encoders
+from mlx_encoders import SentenceEncoder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+# Lengths from the end-of-text token alone to past max_seq_length, so batches mix padding and one text is cut.
+TEXTS = [
+    "A cat sat on the mat.",
+    "",
+    "Short.",
+    "The quick brown fox jumps over the lazy dog, then runs far away into the forest near the river bank.",
+    "x",
+    "Pooling turns token vectors into one sentence vector " * 8,
+    "MLX runs on Apple silicon and, through its CPU backend, on Linux too.",
+]
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def published_embedding_folder(folder: Path, checkpoint: Path) -> Path:
+    """Qwen3-Embedding's layout: saved by sentence-transformers, then written as the published folders are (the
+    module types of sentence-transformers 3, the pooling as booleans, a max_seq_length, the causal-LM architecture
+    name over the bare model's weights)."""
+    transformer = Transformer(str(checkpoint))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), "lasttoken"), Normalize()]
+    prompts = {"query": QUERY_PROMPT, "document": ""}
+    SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(folder))
+    names = ["Transformer", "Pooling", "Normalize"]
+    listed = json.loads((folder / "modules.json").read_text())
+    for module, name in zip(listed, names, strict=True):
+        module["type"] = f"sentence_transformers.models.{name}"
+    (folder / "modules.json").write_text(json.dumps(listed, indent=2))
+    pooling = {"word_embedding_dimension": transformer.get_embedding_dimension(), "pooling_mode_lasttoken": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({**pooling, "include_prompt": True}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def embedding_folder(checkpoint, tmp_path_factory) -> Path:
+    return published_embedding_folder(tmp_path_factory.mktemp("qwen3-embedding"), checkpoint("qwen3"))
+
+
+@pytest.mark.parametrize(
+    "call, kwargs",
+    [
+        ("encode", {}),
+        ("encode_query", {}),
+        ("encode_document", {}),
+        ("encode_query", dict(truncate_dim=16)),
+        ("encode", dict(prompt="Instruct: Find code\nQuery:", normalize_embeddings=True)),
+    ],
+)
+def test_sentence_encoder_matches_sentence_transformers(embedding_folder, call, kwargs):
+    reference = SentenceTransformer(str(embedding_folder), device="cpu")
+    assert reference.tokenizer.padding_side == "left"
+    theirs = getattr(reference, call)(TEXTS, batch_size=3, convert_to_numpy=True, **kwargs)
+    encoder = SentenceEncoder(embedding_folder)
+    assert encoder.pooling == ("lasttoken",) and encoder.tokenizer.padding_side == "left"
+    ours = getattr(encoder, call)(TEXTS, batch_size=3, **kwargs)
+    assert ours.shape == theirs.shape == (len(TEXTS), kwargs.get("truncate_dim", 48))
+    assert cosines(ours, theirs).min() >= 0.99999
+    assert_float32_close(ours, theirs, encoder_terms(embedding_folder, TEXTS))
+
+
+def test_prompt_and_end_of_text_reach_the_model(embedding_folder):
+    """The query prompt changes the embedding, and every text ends with `<|endoftext|>` (the token pooled)."""
+    encoder = SentenceEncoder(embedding_folder)
+    assert all(e.ids[-1] == 0 for e in encoder.tokenize(TEXTS))  # truncation keeps the appended token
+    queries, plain = encoder.encode_query(TEXTS[:2]), encoder.encode(TEXTS[:2])
+    assert cosines(queries, plain).max() < 0.999
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_equal_one_by_one(embedding_folder, side):
+    """Last-token embeddings of a mixed-length batch, on either padding side, equal each text alone."""
+    encoder = SentenceEncoder(embedding_folder)
+    encoder.tokenizer.padding_side = side
+    batch = encoder.tokenizer.pad(encoder.tokenize(TEXTS[:3]))
+    mask = np.array(batch["attention_mask"])
+    assert (mask[:, 0 if side == "left" else -1] == 0).any()  # padded on that side
+    together = encoder.encode(TEXTS, batch_size=len(TEXTS))
+    alone = np.stack([encoder.encode([t], batch_size=1)[0] for t in TEXTS])
+    assert_float32_close(together, alone, encoder_terms(embedding_folder, TEXTS))
+
+
+def test_token_embeddings_are_each_text_s_own_tokens(embedding_folder):
+    encoder = SentenceEncoder(embedding_folder)
+    tokens = encoder.encode(TEXTS[:3], output_value="token_embeddings", batch_size=3)
+    alone = [encoder.encode([t], output_value="token_embeddings")[0] for t in TEXTS[:3]]
+    for ours, single in zip(tokens, alone, strict=True):
+        assert ours.shape == single.shape
+        assert_float32_close(np.array(ours), np.array(single), encoder_terms(embedding_folder, TEXTS))
+
+
+def rewrite_config(folder: Path, tmp_path: Path, edit) -> Path:
+    target = shutil.copytree(folder, tmp_path / "ckpt")
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_transformers_4_rope_spelling(checkpoint, tmp_path):
+    """Published config.json files predate transformers 5: `rope_theta` and `rope_scaling`, no `layer_types`."""
+
+    def legacy(config):
+        theta = config.pop("rope_parameters")["rope_theta"]
+        del config["layer_types"]
+        config.update(rope_theta=theta, rope_scaling=None)
+
+    check_parity(rewrite_config(checkpoint("qwen3", "causal-lm"), tmp_path, legacy), "causal-lm")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(tie_word_embeddings=True),  # Qwen3-Embedding/Reranker-0.6B and 4B
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+        dict(num_key_value_heads=4, attention_bias=False, hidden_act="gelu"),
+    ],
+    ids=["tied", "sliding-window", "no-grouping"],
+)
+def test_config_variants_match_transformers(checkpoint, overrides):
+    check_parity(checkpoint("qwen3", "causal-lm", **overrides), "causal-lm")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(num_key_value_heads=3), "'num_key_value_heads' \\(3\\) must divide num_attention_heads \\(4\\)"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
+        (dict(layer_types=["full_attention"]), "must list one of full_attention, sliding_attention for each of the 3"),
+    ],
+)
+def test_configs_that_cannot_work_are_refused(checkpoint, tmp_path, edit, message):
+    folder = rewrite_config(checkpoint("qwen3", "causal-lm"), tmp_path, lambda config: config.update(edit))
+    with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+        mlx_encoders.load_model(folder)
+
+
+def test_sequence_classifier_without_pad_token_takes_one_text(checkpoint, tmp_path):
+    folder = rewrite_config(
+        checkpoint("qwen3", "sequence-classification"), tmp_path, lambda config: config.update(pad_token_id=None)
+    )
+    model, tokenizer = mlx_encoders.load(folder)
+    assert model(**tokenizer(["one text"])).logits.shape == (1, 3)
+    with pytest.raises(ValueError, match="no pad_token_id: classify one text at a time"):
+        model(**tokenizer(["one text", "and another"], padding=True))
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_save_reloads_in_transformers(checkpoint, tmp_path, task):
+    """transformers reads the saved folder back to the very logits of the original checkpoint."""
+    source = checkpoint("qwen3", task, tie_word_embeddings=task == "causal-lm")
+    model, tokenizer = mlx_encoders.load(source)
+    folder = mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    batch = tokenizer(TEXTS[:4], padding=True)
+    with torch.no_grad():
+        original, saved = (load_reference(f, task)(**as_torch(batch)).logits.numpy() for f in (source, folder))
+    np.testing.assert_array_equal(saved, original)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close({"logits": np.array(model(**batch).logits)}, {"logits": saved}, real, task)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == [
+        {"causal-lm": "Qwen3ForCausalLM", "sequence-classification": "Qwen3ForSequenceClassification"}[task]
+    ]
+
+
+def test_presets_are_the_published_shapes():
+    args = mlx_encoders.models.model_module("qwen3").ModelArgs.preset("0.6b")
+    assert (args.hidden_size, args.num_hidden_layers, args.kv_heads, args.head_dim, args.theta) == (
+        1024, 28, 8, 128, 1e6,
+    )  # fmt: skip
