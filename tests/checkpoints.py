@@ -163,7 +163,9 @@ def byte_level_bpe() -> str:
     return tok.to_str()
 
 
-def qwen3_tokenizer(folder: Path, embedding: bool = True) -> int:
+def qwen3_tokenizer(
+    folder: Path, embedding: bool = True, max_length: int = CONFIGS["qwen3"]["max_position_embeddings"]
+) -> int:
     """Qwen's layout over the byte-level BPE: `<|endoftext|>` (id 0) pads, the chat specials, "yes" and "no" (the
     reranker's answers); Qwen3-Embedding's appends `<|endoftext|>` to every text and pads on the left."""
     from tokenizers import Tokenizer, processors
@@ -179,7 +181,7 @@ def qwen3_tokenizer(folder: Path, embedding: bool = True) -> int:
     special = "<|endoftext|>"
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>" if not embedding else special, pad_token=special,
-        model_max_length=CONFIGS["qwen3"]["max_position_embeddings"], padding_side="left" if embedding else "right",
+        model_max_length=max_length, padding_side="left" if embedding else "right",
     )  # fmt: skip
     tok.save_pretrained(folder)
     return len(tok)

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentence_transformers as st
 import torch
-from checkpoints import load_reference
-from sentence_transformers import SentenceTransformer
+from checkpoints import load_reference, qwen3_tokenizer
+from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.cross_encoder.modules import LogitScore
 from sentence_transformers.sentence_transformer.modules import Pooling
 from test_parity import as_torch, assert_close, check_parity
 from tolerance import assert_float32_close, encoder_terms
@@ -196,3 +198,92 @@ def test_presets_are_the_published_shapes():
     assert (args.hidden_size, args.num_hidden_layers, args.kv_heads, args.head_dim, args.theta) == (
         1024, 28, 8, 128, 1e6,
     )  # fmt: skip
+
+
+# Qwen3-Reranker's input: its judging system turn, the instruction (a prompt, as a system message, or the default),
+# the query and the document, then the assistant's empty thinking block; the answer token comes next.
+RERANKER_TEMPLATE = """\
+{%- set instruct = namespace(text="Given a web search query, retrieve relevant passages that answer the query") -%}
+{%- for message in messages if message.role == "system" -%}
+{%- set instruct.text = message.content -%}
+{%- endfor -%}
+<|im_start|>system
+Judge whether the Document meets the requirements based on the Query and the Instruct provided. \
+Note that the answer can only be "yes" or "no".<|im_end|>
+<|im_start|>user
+<Instruct>: {{ instruct.text }}
+{% for message in messages if message.role == "query" %}<Query>: {{ message.content }}
+{% endfor %}{% for message in messages if message.role == "document" %}<Document>: {{ message.content }}\
+{% endfor %}<|im_end|>
+<|im_start|>assistant
+<think>
+
+</think>
+
+"""
+PAIRS = [
+    ("What is a cat?", "A cat is a small domesticated carnivorous mammal."),
+    ("What is a cat?", "The stock market fell today."),
+    ("", "An empty query."),
+    ("Which planet is red?", "Mars, known for its reddish appearance, is often referred to as the Red Planet. " * 6),
+]
+
+
+@pytest.fixture(scope="module")
+def reranker_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """Qwen3-Reranker's transformers folder: a causal LM with tied embeddings, its tokenizer and chat template."""
+    folder = shutil.copytree(
+        checkpoint("qwen3", "causal-lm", tie_word_embeddings=True, max_position_embeddings=512),
+        tmp_path_factory.mktemp("qwen3-reranker") / "hf",
+    )
+    qwen3_tokenizer(folder, embedding=False, max_length=512)
+    (folder / "chat_template.jinja").write_text(RERANKER_TEMPLATE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reranker_folder(reranker_checkpoint, tmp_path_factory) -> Path:
+    """The sentence-transformers folder: the Transformer (text generation, chat messages) and its LogitScore."""
+    transformer = Transformer(str(reranker_checkpoint), transformer_task="text-generation")
+    yes, no = transformer.tokenizer.convert_tokens_to_ids(["yes", "no"])
+    prompts = {"web_search": "Given a web search query, retrieve relevant passages that answer the query",
+               "code": "Given a question, find the code that answers it"}  # fmt: skip
+    folder = tmp_path_factory.mktemp("qwen3-reranker") / "st"
+    CrossEncoder(modules=[transformer, LogitScore(yes, no)], prompts=prompts, device="cpu").save(str(folder))
+    return folder
+
+
+def check_reranker(folder: Path, **kwargs):
+    reference = st.CrossEncoder(str(folder), device="cpu", **kwargs)
+    ours = mlx_encoders.CrossEncoder(folder, max_length=kwargs.get("max_length"))
+    assert ours.num_labels == reference.num_labels == 1
+    for options in ({}, dict(prompt_name="code"), dict(prompt="Find recipes"), dict(activation_fn=lambda x: x)):
+        if "prompt_name" in options and "code" not in ours.prompts:
+            continue
+        theirs_options = {**options, "activation_fn": torch.nn.Identity()} if "activation_fn" in options else options
+        theirs = reference.predict(PAIRS, batch_size=3, **theirs_options)
+        mine = ours.predict(PAIRS, batch_size=3, **options)
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5 * np.abs(theirs).max(), err_msg=str(options))
+    ranked = ours.rank(PAIRS[0][0], [d for _, d in PAIRS], return_documents=True)
+    assert ranked == sorted(ranked, key=lambda r: -r["score"]) and len(ranked) == len(PAIRS)
+
+
+def test_reranker_matches_sentence_transformers(reranker_folder):
+    ours = mlx_encoders.CrossEncoder(reranker_folder)
+    assert ours.chat_template is not None and ours.logit_score.false_token_id is not None
+    check_reranker(reranker_folder)
+
+
+def test_reranker_without_modules_json_scores_yes_against_no(reranker_checkpoint):
+    """A bare Qwen3ForCausalLM folder: sentence-transformers scores it with the logits of "yes" and "no"."""
+    check_reranker(reranker_checkpoint)
+
+
+def test_truncated_pair_keeps_the_template_s_tail(reranker_folder):
+    """Cut at max_length, a pair still ends with the assistant prefix the answer follows (sentence-transformers')."""
+    ours = mlx_encoders.CrossEncoder(reranker_folder, max_length=200)
+    tokens = ours.tokenize([PAIRS[-1]])[0]
+    assert len(tokens.ids) == 200 and tokens.overflowing
+    tail = ours.tokenizer.decode(tokens.ids[-30:], skip_special_tokens=False)
+    assert tail.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"), tail
+    check_reranker(reranker_folder, max_length=200)
