@@ -72,8 +72,8 @@ CONFIGS = {
     ),
     # Grouped-query attention (4 query heads share 2 key/value heads) and a head_dim that is not hidden / heads.
     "qwen3": dict(
-        hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=40, rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=True,
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=0,
     ),
     "gpt2": dict(

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.nn as nn
 import numpy as np
 import pytest
 import sentence_transformers as st
@@ -22,6 +23,10 @@ from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
+from mlx_encoders.conversion import convert
+from mlx_encoders.index import Index, build
+from mlx_encoders.serve.models import ServedModel
+from mlx_encoders.train import fine_tune
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,7 +90,7 @@ def test_sentence_encoder_matches_sentence_transformers(embedding_folder, call, 
     encoder = SentenceEncoder(embedding_folder)
     assert encoder.pooling == ("lasttoken",) and encoder.tokenizer.padding_side == "left"
     ours = getattr(encoder, call)(TEXTS, batch_size=3, **kwargs)
-    assert ours.shape == theirs.shape == (len(TEXTS), kwargs.get("truncate_dim", 48))
+    assert ours.shape == theirs.shape == (len(TEXTS), kwargs.get("truncate_dim", 64))
     assert cosines(ours, theirs).min() >= 0.99999
     assert_float32_close(ours, theirs, encoder_terms(embedding_folder, TEXTS))
 
@@ -287,3 +292,63 @@ def test_truncated_pair_keeps_the_template_s_tail(reranker_folder):
     tail = ours.tokenizer.decode(tokens.ids[-30:], skip_special_tokens=False)
     assert tail.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n"), tail
     check_reranker(reranker_folder, max_length=200)
+
+
+def test_served_models_embed_and_rerank_as_sentence_transformers(embedding_folder, reranker_folder):
+    """What `mlx-encoders serve` runs for /v1/embeddings and /v1/rerank: the served model's tokenization and batch."""
+    embedder = ServedModel("qwen3-embedding", embedding_folder)
+    assert embedder.kind == "dense" and embedder.prefix == ""
+    vectors = embedder.embeddings(embedder.compute(embedder.tokenize(TEXTS, True)), dimensions=16)
+    theirs = SentenceTransformer(str(embedding_folder), device="cpu").encode(
+        TEXTS, truncate_dim=16, normalize_embeddings=True
+    )
+    assert cosines(vectors, theirs).min() >= 0.99999
+
+    reranker = ServedModel("qwen3-reranker", reranker_folder)
+    assert reranker.kind == "cross-encoder" and reranker.capabilities == ("rerank",)
+    queries, documents = zip(*PAIRS, strict=True)
+    scores = reranker.scores(reranker.compute(reranker.tokenize(list(queries), True, list(documents))))
+    expected = st.CrossEncoder(str(reranker_folder), device="cpu").predict(PAIRS)
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_index_ranks_as_sentence_transformers_with_the_query_prompt(embedding_folder, tmp_path):
+    corpus = [(f"doc{i}", text) for i, text in enumerate(TEXTS) if text]
+    counts = build(corpus, tmp_path / "index", SentenceEncoder(embedding_folder), quiet=True)
+    assert counts["documents"] == len(corpus)
+    reference = SentenceTransformer(str(embedding_folder), device="cpu")
+    query = "Which animal sat on the mat?"
+    scores = reference.encode_document([t for _, t in corpus]) @ reference.encode_query(query)
+    hits = Index(tmp_path / "index").search(query, k=len(corpus))
+    assert [h.id for h in hits] == [corpus[i][0] for i in np.argsort(-scores, kind="stable")]
+    np.testing.assert_allclose([h.score for h in hits], np.sort(scores)[::-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("bits, least", [(8, 0.999), (4, 0.9)])  # tiny random weights of std 0.2
+def test_converted_embedder_loads_and_embeds(embedding_folder, tmp_path, bits, least):
+    """convert's 8- and 4-bit folders keep the sentence-transformers modules and embed close to the float model."""
+    out = convert(embedding_folder, tmp_path / f"q{bits}", bits=bits, group_size=32, calibration=False)
+    quantized = SentenceEncoder(out)
+    assert quantized.pooling == ("lasttoken",) and quantized.tokenizer.padding_side == "left"
+    assert isinstance(quantized.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    theirs = SentenceTransformer(str(embedding_folder), device="cpu").encode(TEXTS)
+    assert cosines(quantized.encode(TEXTS), theirs).min() >= least
+
+
+def test_lora_fine_tune_with_mnrl_writes_a_folder_sentence_transformers_reads(embedding_folder, tmp_path):
+    triplets = [
+        {"anchor": "how do cats sleep", "positive": "Cats sleep curled up.", "negative": "Stocks fell today."},
+        {"anchor": "python lists", "positive": "A list holds items in order.", "negative": "Snakes shed skin."},
+        {"anchor": "red planet", "positive": "Mars looks red.", "negative": "The mat was blue."},
+    ]
+    trained = fine_tune("embed", triplets, tmp_path, model=embedding_folder, loss="mnrl", max_steps=1, batch_size=3,
+                        lora_rank=2, lr=1e-2)  # fmt: skip
+    assert (tmp_path / "adapters").is_dir()
+    texts = ["how do cats sleep", "a much longer text about python, the programming language"]
+    reference = SentenceTransformer(str(trained.path), device="cpu")
+    assert reference.tokenizer.padding_side == "left"
+    for kind in ("query", "document"):
+        expected = getattr(reference, f"encode_{kind}")(texts)
+        np.testing.assert_allclose(getattr(SentenceEncoder(trained.path), f"encode_{kind}")(texts), expected, atol=1e-5)
+    start = SentenceTransformer(str(embedding_folder), device="cpu").encode(texts)
+    assert not np.allclose(start, reference.encode(texts), atol=1e-4)

@@ -219,6 +219,14 @@ def build_model(module: ModuleType, config: dict, task: str, weights: dict[str, 
     return cls(args)
 
 
+def bare(weights: dict[str, mx.array], model_type: str, task: str) -> bool:
+    """Whether the tensors are a bare encoder's though config.json names a head: none carries the head model's
+    base prefix (a sentence-transformers Transformer saves its bare model so; Qwen3-Embedding's config names the
+    causal LM)."""
+    prefix = model_class(model_type, task).prefix + "."
+    return prefix != "." and not any(k.startswith(prefix) for k in weights)
+
+
 def check_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
     if dtype is None or dtype in DTYPES.values():
         return dtype
@@ -308,13 +316,15 @@ def load_model(
         if task is None:
             raise
         stored_task = None  # an architecture we do not implement: only its encoder (or `task`) is wanted
+    weights = normalize_keys(checkpoint.read_weights())
+    if hasattr(checkpoint.module, "sanitize"):
+        weights = checkpoint.module.sanitize(weights)
+    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint.model_type, stored_task):
+        task = "encoder"
     task = task or stored_task
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     config = with_labels(checkpoint.config, labels) if new_head else checkpoint.config
-    weights = normalize_keys(checkpoint.read_weights())
-    if hasattr(checkpoint.module, "sanitize"):
-        weights = checkpoint.module.sanitize(weights)
     try:
         model = build_model(checkpoint.module, config, task, weights)
     except ValueError as e:
