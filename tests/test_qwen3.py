@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
@@ -18,13 +19,18 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.cross_encoder.modules import LogitScore
 from sentence_transformers.sentence_transformer.modules import Pooling
+from test_gradients import check_gradients
+from test_numerics import force_branch
 from test_parity import as_torch, assert_close, check_parity
 from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.conversion import convert
+from mlx_encoders.engine import attention as kernels
 from mlx_encoders.index import Index, build
+from mlx_encoders.models import qwen3
+from mlx_encoders.models.base import padding_mask
 from mlx_encoders.serve.models import ServedModel
 from mlx_encoders.train import fine_tune
 
@@ -352,3 +358,72 @@ def test_lora_fine_tune_with_mnrl_writes_a_folder_sentence_transformers_reads(em
         np.testing.assert_allclose(getattr(SentenceEncoder(trained.path), f"encode_{kind}")(texts), expected, atol=1e-5)
     start = SentenceTransformer(str(embedding_folder), device="cpu").encode(texts)
     assert not np.allclose(start, reference.encode(texts), atol=1e-4)
+
+
+def test_causal_attention_by_blocks_matches_torch_with_padding_on_either_side():
+    """17 queries in blocks of 5 (the last one partial), each block over the keys up to its end: outputs and the
+    gradients of q, k, v and the key mask equal torch's causal attention, left- and right-padded rows alike. The
+    left-padded row's first queries see padding alone: any mean of values is right for them (transformers' and
+    a block's differ), so they are compared by taking no gradient from them."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, 2, 17, 8)).astype(np.float32) * 3 for _ in range(3))
+    keep = np.ones((3, 17), np.int32)
+    keep[1, :6] = 0  # left padding: its first queries see no real key
+    keep[2, 9:] = 0
+    mask = np.array(padding_mask(mx.array(keep), mx.float32))
+    future = np.array(kernels.future_keys(0, 17, mx.float32))
+    cotangent = rng.standard_normal(q.shape).astype(np.float32)
+    cotangent[1, :, :6] = 0  # queries that see no real key
+    tensors = [torch.from_numpy(t).double().requires_grad_(True) for t in (q, k, v, mask)]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *tensors[:3], attn_mask=tensors[3] + torch.from_numpy(future).double()
+    )
+    (expected * torch.from_numpy(cotangent).double()).sum().backward()
+
+    def loss(*arrays):
+        out = kernels.attention_by_blocks(*arrays, scale=8**-0.5, block=5, causal=True)
+        return (out * mx.array(cotangent)).sum(), out
+
+    (_, got), grads = mx.value_and_grad(loss, argnums=(0, 1, 2, 3))(*(mx.array(t) for t in (q, k, v, mask)))
+    seen = cotangent != 0
+    np.testing.assert_allclose(np.array(got)[seen], expected.detach().numpy()[seen], atol=1e-5, rtol=0)
+    for name, grad, tensor in zip(("q", "k", "v", "mask"), grads, tensors, strict=True):
+        exact = tensor.grad.numpy()
+        np.testing.assert_allclose(np.array(grad), exact, atol=1e-5 * np.abs(exact).max(), rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("task", ["encoder", "sequence-classification"])
+def test_long_inputs_by_blocks_match_transformers_forward_and_gradients(checkpoint, monkeypatch, task):
+    """From 4 queries on, in blocks of 3: every layer by blocks, on left-padded batches."""
+    force_branch(monkeypatch, "cpu")
+    monkeypatch.setattr(kernels, "BLOCKWISE_FROM", 4)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 3)
+    calls = []
+    blocks = kernels.attention_by_blocks
+    monkeypatch.setattr(kernels, "attention_by_blocks", lambda *a, **kw: calls.append(kw["causal"]) or blocks(*a, **kw))
+    check_parity(checkpoint("qwen3", task), task)
+    check_gradients(checkpoint("qwen3", task), task)
+    assert calls and all(calls)
+
+
+def test_memory_grows_linearly_with_length(monkeypatch):
+    """A causal layer by blocks holds one block's scores at a time, in its forward pass and in its gradients:
+    doubling L doubles the peak memory (all (L, L) scores, or the (L, L) causal mask, would quadruple it)."""
+    monkeypatch.setattr(kernels, "BLOCKWISE_FROM", 512)
+    monkeypatch.setattr(kernels, "QUERY_BLOCK", 128)
+    args = qwen3.ModelArgs(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    model = qwen3.Qwen3Model(args)
+    mx.eval(model.parameters())
+    gradients = nn.value_and_grad(model, lambda ids: model(ids, attention_mask=ids).last_hidden_state.sum())
+    for run in (lambda ids: model(ids, attention_mask=ids).last_hidden_state, gradients):
+        peaks = []
+        for length in (1024, 2048):
+            ids = mx.ones((1, length), mx.int32)  # all ones: also the attention mask
+            mx.reset_peak_memory()
+            before = mx.get_active_memory()
+            mx.eval(run(ids))
+            peaks.append(mx.get_peak_memory() - before)
+        assert peaks[1] < 2.3 * peaks[0], peaks

@@ -23,12 +23,13 @@ from .base import (
     causal_mask,
     embed,
     merge_heads,
+    padding_mask,
     run_layer,
     span_logits,
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, Linear, attention
+from .layers import Dropout, Embedding, Linear, attention, blockwise_attention
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -121,14 +122,18 @@ class Qwen3Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
         self.dropout = Dropout(args.attention_dropout)
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, mask: mx.array | None, sliding: bool) -> mx.array:
+        """`mask`: the (B, 1, 1, L) padding mask, to which full-attention layers add causality themselves (by
+        blocks of queries on long inputs: O(L) memory); a sliding layer's whole (B, 1, L, L) mask."""
         q = self.q_norm(split_heads(self.q_proj(x), self.heads))  # (B, nh, L, hd)
         k = self.k_norm(split_heads(self.k_proj(x), self.kv_heads))  # (B, nkv, L, hd)
         v = split_heads(self.v_proj(x), self.kv_heads)
         q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
         if self.kv_heads != self.heads:  # each key/value head serves heads // kv_heads query heads, in order
             k, v = (mx.repeat(t, self.heads // self.kv_heads, axis=1) for t in (k, v))
-        return self.o_proj(merge_heads(attention(q, k, v, mask, self.dropout)))
+        if sliding:
+            return self.o_proj(merge_heads(attention(q, k, v, mask, self.dropout)))
+        return self.o_proj(merge_heads(blockwise_attention(q, k, v, mask, self.dropout, causal=True)))
 
 
 class Qwen3MLP(nn.Module):
@@ -146,14 +151,15 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        self.sliding = args.attention_types[index] == "sliding_attention"
+        # without use_sliding_window, transformers gives "sliding_attention" layers the causal mask alone
+        self.sliding = args.attention_types[index] == "sliding_attention" and args.window is not None
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = Qwen3Attention(args)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = Qwen3MLP(args)
 
     def __call__(self, x: mx.array, masks: tuple[mx.array, mx.array]) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), masks[self.sliding])
+        x = x + self.self_attn(self.input_layernorm(x), masks[self.sliding], self.sliding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -175,9 +181,11 @@ class Qwen3Model(Model, nn.Module):
             else embed(self.embed_tokens, input_ids, self.args.pad_token_id)
         )
         x = x.astype(self.norm.weight.dtype)  # quantized tables return their scales' dtype
-        L = x.shape[1]
-        full = causal_mask(attention_mask, L, 0, x.dtype)
-        masks = (full, causal_mask(attention_mask, L, 0, x.dtype, self.args.window) if self.args.window else full)
+        window = self.args.window
+        masks = (
+            padding_mask(attention_mask, x.dtype),
+            causal_mask(attention_mask, x.shape[1], 0, x.dtype, window) if window else None,
+        )
         for layer in self.layers:
             x = run_layer(layer, x, masks, checkpoint=self.gradient_checkpointing)
         return ModelOutput(last_hidden_state=self.norm(x))
