@@ -220,6 +220,8 @@ class CrossEncoder:
         """Each pair as the model reads it, cut to `max_seq_length` (`overflowing` non-empty where cut): through the
         chat template as a [system prompt,] query, document conversation, else as a text pair, the prompt
         before the query."""
+        if not pairs:
+            return []
         if self.chat_template is None:
             firsts, seconds = zip(*pairs, strict=True)
             firsts = [prompt + a for a in firsts]

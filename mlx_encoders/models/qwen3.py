@@ -89,10 +89,9 @@ class ModelArgs(BaseArgs):
                 "the published Qwen3-Embedding and Qwen3-Reranker checkpoints use 'default'"
             )
         self.theta = float(rope.get("rope_theta", self.rope_theta or 10000.0))
-        window = self.sliding_window if self.use_sliding_window else None
-        self.window = window
+        self.window = self.sliding_window if self.use_sliding_window else None  # transformers ignores it otherwise
         self.attention_types = self.layer_types or [
-            "sliding_attention" if window is not None and i >= self.max_window_layers else "full_attention"
+            "sliding_attention" if self.window is not None and i >= self.max_window_layers else "full_attention"
             for i in range(self.num_hidden_layers)
         ]
         if len(self.attention_types) != self.num_hidden_layers or not set(self.attention_types) <= set(LAYER_TYPES):
@@ -175,11 +174,8 @@ class Qwen3Model(Model, nn.Module):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         check_inputs(self.args, input_ids, attention_mask, token_type_ids)  # RoPE: no position table to outgrow
-        x = (
-            self.embed_tokens(input_ids)
-            if self.args.pad_token_id is None
-            else embed(self.embed_tokens, input_ids, self.args.pad_token_id)
-        )
+        pad = self.args.pad_token_id  # transformers' nn.Embedding(padding_idx=pad): no gradient to that row
+        x = self.embed_tokens(input_ids) if pad is None else embed(self.embed_tokens, input_ids, pad)
         x = x.astype(self.norm.weight.dtype)  # quantized tables return their scales' dtype
         window = self.args.window
         masks = (
