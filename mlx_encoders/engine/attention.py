@@ -108,16 +108,16 @@ def blockwise_attention(
     active_dropout = dropout is not None and dropout.training and dropout._p_1 < 1
     keys_only = mask is None or mask.shape[1:3] == (1, 1)
     if not on_cpu() or active_dropout or not keys_only or q.shape[-2] <= BLOCKWISE_FROM:
-        if causal:
+        if causal:  # one masked value for padding and future keys alike, as transformers' boolean masks give
             future = future_keys(0, q.shape[-2], q.dtype)
-            mask = future if mask is None else mask + future
+            mask = future if mask is None else mx.minimum(mask, future)
         return attention(q, k, v, mask, dropout)
     return attention_by_blocks(q, k, v, mask, scale=q.shape[-1] ** -0.5, block=QUERY_BLOCK, causal=causal)
 
 
 def future_keys(start: int, end: int, dtype: mx.Dtype) -> mx.array:
-    """Additive (1, 1, end - start, end) mask of queries start..end-1 over keys 0..end-1: a large finite negative
-    on the keys after each query (half the dtype's lowest, so that a padding mask added to it stays finite)."""
+    """Additive (1, 1, end - start, end) mask of queries start..end-1 over keys 0..end-1: on the keys after each
+    query, half the dtype's lowest value, padding_mask's (their minimum masks a key that either one masks)."""
     queries, keys = mx.arange(start, end)[:, None], mx.arange(end)[None]
     lowest = mx.array(float(mx.finfo(dtype).min) / 2, dtype)
     return mx.where(keys <= queries, mx.array(0, dtype), lowest)[None, None]
@@ -125,12 +125,13 @@ def future_keys(start: int, end: int, dtype: mx.Dtype) -> mx.array:
 
 def block_keys(mask: mx.array | None, b: int, rows: slice, length: int, causal: bool, dtype) -> tuple[int, mx.array]:
     """(how many keys, their mask) for batch row b's queries `rows`: all L keys, or with `causal` those up to the
-    block's last query, the later ones within the block masked."""
+    block's last query, the later ones within the block masked. A query whose keys are all masked (left padding)
+    weighs its block's keys alike, where transformers weighs all L alike: only padding positions differ."""
     if not causal:
         return length, key_mask(mask, b)
     end = min(rows.stop, length)
     future = future_keys(rows.start, end, dtype)
-    return end, future if mask is None else key_mask(mask, b)[..., :end] + future
+    return end, future if mask is None else mx.minimum(key_mask(mask, b)[..., :end], future)
 
 
 def query_blocks(shape: tuple[int, ...], block: int) -> Iterator[tuple[int, int, slice]]:
