@@ -32,7 +32,8 @@ from mlx_encoders.index import Index, build
 from mlx_encoders.models import qwen3
 from mlx_encoders.models.base import padding_mask
 from mlx_encoders.serve.models import ServedModel
-from mlx_encoders.train import fine_tune
+from mlx_encoders.train import fine_tune, task_loss
+from mlx_encoders.train.data import collate, token_classification_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -427,3 +428,27 @@ def test_memory_grows_linearly_with_length(monkeypatch):
             mx.eval(run(ids))
             peaks.append(mx.get_peak_memory() - before)
         assert peaks[1] < 2.3 * peaks[0], peaks
+
+
+def test_token_labels_sit_on_their_tokens_in_left_padded_batches(checkpoint):
+    """Token-classification training batches: each row's labels end where its tokens do, and the loss is
+    transformers' on the same batch."""
+    folder = checkpoint("qwen3", "token-classification")
+    model, tokenizer = mlx_encoders.load(folder)
+    words = [
+        {"tokens": ["Hugging", "Face", "is", "in", "Brooklyn"], "ner_tags": ["B-ORG", "I-ORG", "O", "O", "B-LOC"]},
+        {"tokens": ["Obama", "."], "ner_tags": ["B-PER", "O"]},
+    ]
+    examples = token_classification_data(words, tokenizer)  # five labels, as the checkpoint's head
+    batch = collate(examples, [0, 1], tokenizer)
+    short = examples.labels[1]
+    assert batch["attention_mask"][1, 0] == 0 and batch["labels"][1, -len(short) :].tolist() == short
+    assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+    labels = batch.pop("labels")
+    inputs = {k: mx.array(v) for k, v in batch.items()}
+    loss = task_loss(model, model(**inputs), mx.array(labels)).item()
+    with torch.no_grad():
+        expected = load_reference(folder, "token-classification")(
+            **as_torch(batch), labels=torch.tensor(labels).long()
+        ).loss
+    assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
