@@ -5,8 +5,8 @@ Reads a sentence-transformers folder the way `sentence_transformers.SentenceTran
 `config_sentence_transformers.json` (prompts, default_prompt_name, similarity_fn_name, truncate_dim),
 `1_Pooling/config.json` and `2_Dense/`. A plain transformers checkpoint, or a folder whose modules.json lists a
 Pooling folder that is not there (as mlx-embeddings' converter leaves them), gets the architecture's natural
-pooling (ModernBERT's `classifier_pooling`, mean for the others). Texts are sorted by token length into
-batches, so padding is minimal, and returned in input order.
+pooling (a decoder's last token, ModernBERT's `classifier_pooling`, mean for the others). Texts are sorted by
+token length into batches, so padding is minimal, and returned in input order.
 
 `encode` and its keywords follow `SentenceTransformer.encode` of sentence-transformers 6
 (sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
