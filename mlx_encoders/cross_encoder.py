@@ -104,13 +104,15 @@ def logit_score(config: dict, tokenizer: Tokenizer, source: Path) -> LogitScore:
     return LogitScore(true, false)
 
 
-def takes_messages(path: Path, logit_score: LogitScore | None) -> bool:
-    """Whether pairs go through the chat template: sentence_bert_config.json's `modality_config` lists "message",
-    or, with none saved, a causal-LM reranker whose tokenizer has a template (sentence-transformers infers it)."""
-    modalities = read_json_object(path / "sentence_bert_config.json").get("modality_config")
-    if isinstance(modalities, dict):
-        return "message" in modalities
-    return logit_score is not None and read_chat_template(path) is not None
+def takes_messages(path: Path) -> bool:
+    """Whether pairs go through the chat template, as sentence-transformers decides: a saved Transformer takes
+    messages when its sentence_bert_config.json `modality_config` lists "message" (one saved before there was a
+    modality_config takes text); a plain checkpoint does when its tokenizer has a chat template."""
+    modules = read_modules(path)
+    if not modules:
+        return read_chat_template(path) is not None
+    folder = next((f for kind, f in modules if kind.rsplit(".", 1)[-1] == "Transformer"), path)
+    return "message" in (read_json_object(folder / "sentence_bert_config.json").get("modality_config") or {})
 
 
 class CrossEncoder:
@@ -148,7 +150,7 @@ class CrossEncoder:
         )
         self.tokenizer = load_tokenizer(self.model, checkpoint)
         self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
-        template = read_chat_template(self.path) if takes_messages(self.path, self.logit_score) else None
+        template = read_chat_template(self.path) if takes_messages(self.path) else None
         self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
         file = self.path / "config_sentence_transformers.json"
         config = read_json_object(file)

@@ -131,7 +131,9 @@ def module_kind(module_type: str, file: Path) -> str:
 
 
 def natural_pooling(args) -> tuple[str, ...]:
-    if getattr(args, "causal", False):  # a decoder's last token is the only one that has seen the whole text
+    architecture = (args.extra.get("architectures") or [""])[0]
+    # sentence-transformers' rule: a causal LM's last token is the only one that has seen the whole text
+    if getattr(args, "causal", False) and str(architecture).endswith("ForCausalLM"):
         return ("lasttoken",)
     if args.model_type == "modernbert":
         return parse_modes(args.classifier_pooling)

@@ -452,3 +452,13 @@ def test_token_labels_sit_on_their_tokens_in_left_padded_batches(checkpoint):
             **as_torch(batch), labels=torch.tensor(labels).long()
         ).loss
     assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
+
+
+@pytest.mark.parametrize("task, pooling", [("causal-lm", "lasttoken"), ("encoder", "mean")])
+def test_plain_checkpoint_pools_as_sentence_transformers_chooses(checkpoint, task, pooling):
+    """No modules.json: the last token of a `...ForCausalLM` checkpoint, the mean of a bare `Qwen3Model`'s."""
+    folder = checkpoint("qwen3", task)
+    with pytest.warns(UserWarning, match=f"using {pooling} pooling"):
+        encoder = SentenceEncoder(folder)
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, batch_size=3)
+    assert cosines(encoder.encode(TEXTS, batch_size=3), theirs).min() >= 0.99999
