@@ -89,6 +89,12 @@ CONFIGS = {
         rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         attention_bias=True, mlp_bias=True, bos_token_id=512, eos_token_id=513, pad_token_id=513, mask_token_id=514,
     ),
+    # Grouped-query attention (4 query heads share 2 key/value heads) and a head_dim that is not hidden / heads.
+    "qwen3": dict(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=0,
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -110,6 +116,7 @@ CONFIG_CLASSES = {
     "gte": transformers.GteConfig,
     "eurobert": transformers.EuroBertConfig,
     "gpt2": transformers.GPT2Config,
+    "qwen3": transformers.Qwen3Config,
 }
 
 AUTO_CLASSES = {
@@ -199,12 +206,38 @@ def eurobert_tokenizer() -> "transformers.PreTrainedTokenizerFast":
     )  # fmt: skip
 
 
+def qwen3_tokenizer(
+    folder: Path, embedding: bool = True, max_length: int = CONFIGS["qwen3"]["max_position_embeddings"]
+) -> int:
+    """Qwen's layout over the byte-level BPE: `<|endoftext|>` (id 0) pads, the chat specials, "yes" and "no" (the
+    reranker's answers); Qwen3-Embedding's appends `<|endoftext|>` to every text and pads on the left."""
+    from tokenizers import Tokenizer, processors
+
+    backend = Tokenizer.from_str(byte_level_bpe())
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    backend.add_tokens(["yes", "no"])
+    if embedding:
+        backend.post_processor = processors.TemplateProcessing(
+            single="$A:0 <|endoftext|>:0", pair="$A:0 <|endoftext|>:0 $B:1 <|endoftext|>:1",
+            special_tokens=[("<|endoftext|>", 0)],
+        )  # fmt: skip
+    special = "<|endoftext|>"
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>" if not embedding else special, pad_token=special,
+        model_max_length=max_length, padding_side="left" if embedding else "right",
+    )  # fmt: skip
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
 def save_tokenizer(folder: Path, model_type: str) -> int:
     """Write a real tokenizer of the architecture's family into `folder`; returns its vocabulary size."""
     if model_type == "eurobert":
         tok = eurobert_tokenizer()
         tok.save_pretrained(folder)
         return len(tok)
+    if model_type == "qwen3":
+        return qwen3_tokenizer(folder)
     if model_type == "gpt2":
         from tokenizers import Tokenizer
 
@@ -274,6 +307,13 @@ def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: 
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+def language_model_task(model_type: str) -> str:
+    """The head that predicts tokens: masked-LM for an encoder, the causal LM head of a decoder used as one."""
+    from mlx_encoders.models import model_module
+
+    return "masked-lm" if "masked-lm" in model_module(model_type).MODELS else "causal-lm"
 
 
 def load_reference(folder: Path, task: str):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference
+from checkpoints import language_model_task, load_reference
 from transformers.pipelines.document_question_answering import select_starts_ends
 
 import mlx_encoders
@@ -65,7 +65,7 @@ def pipes(checkpoint):
         key = (task, model_type, repr(sorted(overrides.items())))
         if key not in built:
             head = PIPELINES[task].head
-            stored = "masked-lm" if head == "encoder" else head
+            stored = language_model_task(model_type) if head == "encoder" else head
             folder = checkpoint(
                 model_type, stored, **{**INIT.get(model_type, DEFAULT_INIT), **OVERRIDES.get(stored, {}), **overrides}
             )

@@ -1,6 +1,7 @@
 """Registry: config.json `model_type` -> model module, and task names -> head classes.
 
-`MODEL_TYPES` are the encoders, `DECODER_TYPES` the causal language models (GPT-2, task "causal-lm"); "encoder"
+`MODEL_TYPES` are the encoders, decoders used as encoders among them (Qwen3: causal attention, no generation);
+`DECODER_TYPES` the generative causal language models (GPT-2, task "causal-lm", with a key/value cache). "encoder"
 is the task name of every bare model, encoder or decoder.
 
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
@@ -27,6 +28,7 @@ MODEL_TYPES = {
     "nomic_bert": "nomic_bert",
     "gte": "gte",
     "eurobert": "eurobert",
+    "qwen3": "qwen3",  # a decoder used as an encoder (Qwen3-Embedding); its causal-LM head scores Qwen3-Reranker
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -48,6 +50,7 @@ ARCHITECTURE_PREFIXES = {
     "gte": "Gte",
     "eurobert": "EuroBert",
     "gpt2": "GPT2",
+    "qwen3": "Qwen3",
 }
 ARCHITECTURE_SUFFIXES = {
     "Model": "encoder",
@@ -56,9 +59,12 @@ ARCHITECTURE_SUFFIXES = {
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
     "ForPreTraining": "pretraining",
+    "ForCausalLM": "causal-lm",
     "LMHeadModel": "causal-lm",
 }
-TASKS = tuple(ARCHITECTURE_SUFFIXES.values())
+# Heads whose transformers name is not the first suffix of their task.
+OLD_SUFFIXES = {("gpt2", "causal-lm"): "LMHeadModel"}
+TASKS = tuple(dict.fromkeys(ARCHITECTURE_SUFFIXES.values()))
 
 
 def model_module(model_type: str) -> ModuleType:
@@ -85,7 +91,7 @@ def task_of_architecture(architecture: str) -> str:
 
 def architecture_name(model_type: str, task: str) -> str:
     """The transformers class name of a head: ('xlm-roberta', 'masked-lm') -> 'XLMRobertaForMaskedLM'."""
-    suffix = next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
+    suffix = OLD_SUFFIXES.get((model_type, task)) or next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
     return ARCHITECTURE_PREFIXES[model_type] + suffix
 
 

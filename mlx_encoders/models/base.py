@@ -277,6 +277,23 @@ def padding_mask(attention_mask: mx.array | None, dtype: mx.Dtype) -> mx.array |
     return mx.where(keep, mx.array(0, dtype), mx.array(mask_value(dtype), dtype))
 
 
+def causal_mask(
+    attention_mask: mx.array | None, length: int, offset: int, dtype: mx.Dtype, window: int | None = None
+) -> mx.array | None:
+    """Additive (B or 1, 1, L, offset + L) mask: query i sees key j <= offset + i whose attention_mask is 1 (and, with
+    a sliding `window`, only the keys with offset + i - j < window). Either padding side: keys are masked by value."""
+    if length == 1 and window is None:  # a single new query sees every cached key: only padding is masked
+        return padding_mask(attention_mask, dtype)
+    queries, keys = mx.arange(offset, offset + length)[:, None], mx.arange(offset + length)[None]
+    keep = keys <= queries  # (L, T)
+    if window is not None:
+        keep = keep & (queries - keys < window)
+    keep = keep[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.astype(mx.bool_)[:, None, None, :]
+    return mx.where(keep, mx.array(0, dtype), mx.array(mask_value(dtype), dtype))
+
+
 def split_heads(x: mx.array, num_heads: int) -> mx.array:
     B, L, _ = x.shape
     return x.reshape(B, L, num_heads, -1).transpose(0, 2, 1, 3)  # (B, nh, L, hd)

@@ -36,6 +36,7 @@ DEFAULT_TARGETS = {
     "gte": ["q_proj", "k_proj", "v_proj"],
     "eurobert": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
+    "qwen3": ["q_proj", "k_proj", "v_proj"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
