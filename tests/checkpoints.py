@@ -74,6 +74,19 @@ CONFIGS = {
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
     ),
+    # EmbeddingGemma's layout (bidirectional, grouped-query, a head_dim apart from hidden / heads), with a query
+    # scale other than head_dim, its own rope base per layer kind, and a window of 8 (|i - j| <= 4) that 128-token
+    # texts span many times over.
+    "gemma3_text": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=24, rms_norm_eps=1e-5, max_position_embeddings=128, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], use_bidirectional_attention=True,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ),
 }  # fmt: skip
 
 CONFIG_CLASSES = {
@@ -88,6 +101,7 @@ CONFIG_CLASSES = {
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
     "gpt2": transformers.GPT2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
 }
 
 AUTO_CLASSES = {
@@ -117,9 +131,17 @@ def corpus() -> list[str]:
 
 @functools.cache
 def _trained(kind: str) -> dict:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    if kind == "bpe":
+    if kind == "gemma":  # Gemma's normalizer and pre-tokenizer: spaces become "▁", split after each
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(" "), behavior="merged_with_previous")
+        bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(
+            vocab_size=700, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *bytes_]
+        )
+    elif kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         trainer = trainers.BpeTrainer(
@@ -166,6 +188,14 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
             tokenizer_object=Tokenizer.from_str(byte_level_bpe()), bos_token=special, eos_token=special,
             unk_token=special, model_max_length=CONFIGS["gpt2"]["n_positions"],
         )  # fmt: skip
+        tok.save_pretrained(folder)
+        return len(tok)
+    if model_type == "gemma3_text":  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
+        model = _trained("gemma")
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        tok = transformers.GemmaTokenizer(
+            vocab=model["vocab"], merges=merges, add_bos_token=True, add_eos_token=True, model_max_length=128
+        )
         tok.save_pretrained(folder)
         return len(tok)
     if model_type in ("bert", "distilbert", "electra"):
