@@ -33,6 +33,7 @@ DEFAULT_TARGETS = {
     "deberta-v2": ["query_proj", "key_proj", "value_proj"],
     "deberta": ["in_proj"],
     "gpt2": ["c_attn"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
