@@ -87,6 +87,19 @@ CONFIGS = {
         },
         pad_token_id=0, eos_token_id=1, bos_token_id=2,
     ),
+    # EmbeddingGemma 2's text model: global layers with their own head size and key/value heads, per-layer inputs
+    # 8 wide, an output projection past the hidden size, and a window of radius 4.
+    "embedding_gemma2_text": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=24, num_global_key_value_heads=1, hidden_size_per_layer_input=8,
+        embedding_dim=40, rms_norm_eps=1e-5, max_position_embeddings=128, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ),
 }  # fmt: skip
 
 CONFIG_CLASSES = {
@@ -102,7 +115,13 @@ CONFIG_CLASSES = {
     "deberta": transformers.DebertaConfig,
     "gpt2": transformers.GPT2Config,
     "gemma3_text": transformers.Gemma3TextConfig,
+    "embedding_gemma2_text": transformers.EmbeddingGemma2TextConfig,
+    # the multimodal model, text only: the text model's config under `text_config`
+    "embedding_gemma2": lambda initializer_range, **text: transformers.EmbeddingGemma2Config(
+        text_config={**text, "initializer_range": initializer_range}, initializer_range=initializer_range
+    ),
 }
+CONFIGS["embedding_gemma2"] = CONFIGS["embedding_gemma2_text"]
 
 AUTO_CLASSES = {
     "encoder": transformers.AutoModel,
@@ -190,7 +209,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type == "gemma3_text":  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
+    if model_type in ("gemma3_text", "embedding_gemma2", "embedding_gemma2_text"):  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
         model = _trained("gemma")
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         tok = transformers.GemmaTokenizer(
@@ -255,6 +274,9 @@ def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: 
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name.lower() or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # EmbeddingGemma 2's stored per-layer scale
+            if name.endswith("layer_scalar"):
+                b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(folder)
     return folder
 

@@ -1,7 +1,8 @@
 """Registry: config.json `model_type` -> model module, and task names -> head classes.
 
 `MODEL_TYPES` are the encoders, `DECODER_TYPES` the causal language models (GPT-2, task "causal-lm"),
-`EMBEDDER_TYPES` the decoder-shaped text embedders (Gemma 3); "encoder" is the task name of every bare model.
+`EMBEDDER_TYPES` the decoder-shaped text embedders (Gemma 3, EmbeddingGemma 2); "encoder" is the task name of every
+bare model.
 
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
 `TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
@@ -30,7 +31,11 @@ MODEL_TYPES = {
 DECODER_TYPES = {"gpt2": "gpt2"}
 # Decoder-shaped embedders (RoPE, RMSNorm, grouped-query attention), whose transformers heads are not BERT's set:
 # kept apart for the same reason; tests/test_<model_type>.py is each one's parity test.
-EMBEDDER_TYPES = {"gemma3_text": "gemma3_text"}
+EMBEDDER_TYPES = {
+    "gemma3_text": "gemma3_text",
+    "embedding_gemma2": "embedding_gemma2",
+    "embedding_gemma2_text": "embedding_gemma2_text",
+}
 ALL_TYPES = {**MODEL_TYPES, **DECODER_TYPES, **EMBEDDER_TYPES}
 
 # transformers class names are <prefix><suffix>: the prefix names the architecture, the suffix the head.
@@ -47,6 +52,8 @@ ARCHITECTURE_PREFIXES = {
     "deberta": "Deberta",
     "gpt2": "GPT2",
     "gemma3_text": "Gemma3Text",
+    "embedding_gemma2": "EmbeddingGemma2",
+    "embedding_gemma2_text": "EmbeddingGemma2Text",
 }
 ARCHITECTURE_SUFFIXES = {
     "Model": "encoder",

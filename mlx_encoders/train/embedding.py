@@ -96,7 +96,7 @@ def save_sentence_transformer(
     config_sentence_transformers.json with the prompts and the similarity function. Written whole or not at all."""
     modules = [("0", "", TRANSFORMER), ("1", "1_Pooling", POOLING)]
     modules += [("2", "2_Normalize", NORMALIZE)] if setup.normalize else []
-    width = model.args.hidden_size
+    width = model.args.output_size
     pooling = {"embedding_dimension": width * len(setup.pooling), "include_prompt": setup.include_prompt}
     pooling["pooling_mode"] = setup.pooling[0] if len(setup.pooling) == 1 else list(setup.pooling)
     sentence_config = {**setup.sentence_config, "max_seq_length": max_seq_length}

@@ -74,7 +74,7 @@ def fine_tune_embedding(
     objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     net = load_model(checkpoint, dtype="float32", task="encoder")
     if hasattr(loss, "check_width"):
-        loss.check_width(net.args.hidden_size * len(setup.pooling))
+        loss.check_width(net.args.output_size * len(setup.pooling))
     net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
                                    lora_targets, resume)  # fmt: skip
     path = options.output_dir / MODEL_FOLDER

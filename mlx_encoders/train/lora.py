@@ -34,6 +34,8 @@ DEFAULT_TARGETS = {
     "deberta": ["in_proj"],
     "gpt2": ["c_attn"],
     "gemma3_text": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2_text": ["q_proj", "k_proj", "v_proj"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
