@@ -209,7 +209,11 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type in ("gemma3_text", "embedding_gemma2", "embedding_gemma2_text"):  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
+    if model_type in (
+        "gemma3_text",
+        "embedding_gemma2",
+        "embedding_gemma2_text",
+    ):  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
         model = _trained("gemma")
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         tok = transformers.GemmaTokenizer(

@@ -131,7 +131,10 @@ class ModelArgs(BaseArgs):
                 f"config key 'per_layer_config': layer {index} sets {', '.join(sorted(unknown))}; only "
                 f"{', '.join(PER_LAYER_KEYS)} may differ between layers here"
             )
-        head_dim, kv_heads = own.get("head_dim", self.head_dim), own.get("num_key_value_heads", self.num_key_value_heads)
+        head_dim, kv_heads = (
+            own.get("head_dim", self.head_dim),
+            own.get("num_key_value_heads", self.num_key_value_heads),
+        )
         if self.num_attention_heads % kv_heads:
             raise ValueError(
                 f"layer {index}: num_attention_heads ({self.num_attention_heads}) must be a multiple of its "
