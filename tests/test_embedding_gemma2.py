@@ -202,3 +202,32 @@ def test_serve_index_and_lora_fine_tune(st_folder, tmp_path):
     expected = SentenceTransformer(str(trained.path), device="cpu").encode(probe, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(trained.path).encode(probe), expected, atol=1e-5)
     assert not np.allclose(encoder.encode(probe), expected, atol=1e-4)
+
+
+def test_multimodal_checkpoint_in_a_sentence_transformers_folder(checkpoint, st_folder, tmp_path):
+    """The multimodal checkpoint with Pooling and Normalize modules embeds as the same text model saved alone
+    (both are built from one seed): its sentence-transformers oracle is the text model's folder."""
+    folder = shutil.copytree(checkpoint("embedding_gemma2"), tmp_path / "multimodal")
+    for name in ("modules.json", "config_sentence_transformers.json", "1_Pooling", "2_Normalize"):
+        copy = shutil.copytree if (st_folder / name).is_dir() else shutil.copy
+        copy(st_folder / name, folder / name)
+    texts = [*TEXTS, "a cat"]
+    ours = SentenceEncoder(folder)
+    assert type(ours.model).__name__ == "EmbeddingGemma2Model"
+    expected = SentenceTransformer(str(st_folder), device="cpu").encode_query(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(ours.encode_query(texts), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_gradient_checkpointing_keeps_gradients(checkpoint, model_type):
+    """Each layer run through mx.checkpoint (its per-layer input and its masks passed in) gives the same gradients."""
+    model, tokenizer = mlx_encoders.load(checkpoint(model_type))
+    batch = dict(tokenizer(TEXTS, padding=True))
+    projection = np.random.default_rng(1).standard_normal((*batch["input_ids"].shape, WIDTH)).astype(np.float32)
+    labels = {"projection": projection * np.array(batch["attention_mask"], np.float32)[..., None]}
+    loss, grads = our_gradients(model, batch, labels)
+    model.gradient_checkpointing_enable()
+    checkpointed_loss, checkpointed = our_gradients(model, batch, labels)
+    assert checkpointed_loss == loss
+    for name, g in grads.items():
+        np.testing.assert_allclose(checkpointed[name], g, rtol=1e-6, atol=1e-6 * float(np.abs(g).max()), err_msg=name)

@@ -229,3 +229,17 @@ def test_fine_tune_with_lora_trains_into_a_folder_sentence_transformers_reads(ch
     with pytest.warns(UserWarning, match="pooling"):  # the plain checkpoint: mean pooling
         before = SentenceEncoder(start).encode(texts)
     assert not np.allclose(before, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_gradient_checkpointing_keeps_gradients(checkpoint, task):
+    """Each layer run through mx.checkpoint (its masks passed in) gives the same gradients."""
+    model, tokenizer = mlx_encoders.load(checkpoint("gemma3_text", task))
+    batch = dict(tokenizer(TEXTS, padding=True))
+    labels = make_labels(task, model.args, batch)
+    loss, grads = our_gradients(model, batch, labels)
+    model.gradient_checkpointing_enable()
+    checkpointed_loss, checkpointed = our_gradients(model, batch, labels)
+    assert checkpointed_loss == loss
+    for name, g in grads.items():
+        np.testing.assert_allclose(checkpointed[name], g, rtol=1e-6, atol=1e-6 * float(np.abs(g).max()), err_msg=name)
