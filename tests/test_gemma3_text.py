@@ -8,10 +8,12 @@ Normalize, its task prompts, Gemma's left padding) gives `SentenceTransformer.en
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference
+from mlx.utils import tree_flatten
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Dense, Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
@@ -210,25 +212,60 @@ def test_serve_and_index_use_the_folder(embeddinggemma, tmp_path):
     np.testing.assert_allclose([h.score for h in hits], np.sort(scores)[::-1], atol=1e-5)
 
 
-def test_fine_tune_with_lora_trains_into_a_folder_sentence_transformers_reads(checkpoint, tmp_path):
-    """MNRL with LoRA on the q/k/v projections, from the plain checkpoint (mean pooling): fine_tune('embed') does
-    not train Dense modules, so EmbeddingGemma's own folder is refused, naming them."""
+def test_mnrl_loss_and_gradients_through_the_dense_modules_equal_sentence_transformers(embeddinggemma):
+    """fine_tune('embed')'s pass over EmbeddingGemma's folder: mean pooling, both Dense modules (trained in full, as
+    sentence-transformers trains them) and Normalize; MNRL's loss and gradients equal sentence-transformers'."""
+    from sentence_transformers.sentence_transformer import losses as st_losses
+    from test_contrastive import TRIPLET_COLUMNS, TRIPLETS, st_features
+
+    from mlx_encoders.checkpoint import load_model, tokenizer_for
+    from mlx_encoders.train import trainer
+    from mlx_encoders.train.contrastive import MultipleNegativesRankingLoss
+    from mlx_encoders.train.embedding import DenseModel, EmbeddingObjective, embedding_data
+
+    st = SentenceTransformer(str(embeddinggemma), device="cpu").eval()
+    expected = st_losses.MultipleNegativesRankingLoss(st)(st_features(st, TRIPLETS, TRIPLET_COLUMNS), None)
+    expected.backward()
+    params = {f"model.{k}": p for k, p in st[0].auto_model.named_parameters()}
+    params |= {f"dense.{i}.weight": st[2 + i].linear.weight for i in range(2)}
+
+    net = DenseModel(
+        load_model(embeddinggemma, task="encoder"), [embeddinggemma / "2_Dense", embeddinggemma / "3_Dense"]
+    )
+    tokenizer = tokenizer_for(net.args, embeddinggemma)
+    objective = EmbeddingObjective(MultipleNegativesRankingLoss(), tokenizer, ("mean",), True, "batch_sampler")
+    batch = objective.collate(embedding_data(TRIPLETS, tokenizer), range(len(TRIPLETS)))
+    step = objective.value_and_grad(net, lambda fn: trainer.value_and_grad(net, mx.float32, fn), [mx.random.key(0)])
+    value, grads = step(batch)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-5)
+    grads = dict(tree_flatten(grads))
+    assert set(grads) == set(params)
+    for name, g in grads.items():
+        reference = params[name].grad.numpy()
+        err = float(np.abs(np.array(g) - reference).max())
+        assert err <= 1e-4 * float(np.abs(reference).max()), name
+
+
+def test_fine_tune_with_lora_trains_the_published_layout(embeddinggemma, tmp_path):
+    """MNRL with LoRA on the q/k/v projections and the Dense modules trained in full, into a folder of the same
+    layout that sentence-transformers reads."""
     from test_contrastive import TRIPLETS
 
     from mlx_encoders.train import fine_tune
 
-    start = checkpoint("gemma3_text")
-    trained = fine_tune("embed", TRIPLETS, tmp_path / "out", model=start, max_steps=2, batch_size=3, lora_rank=2,
-                        lr=1e-2)  # fmt: skip
-    assert (tmp_path / "out" / "adapters").is_dir()
+    trained = fine_tune("embed", TRIPLETS, tmp_path / "out", model=embeddinggemma, max_steps=2, batch_size=3,
+                        lora_rank=2, lr=1e-2)  # fmt: skip
     adapted = json.loads((tmp_path / "out" / "adapters" / "adapter_config.json").read_text())["targets"]
     assert adapted == ["q_proj", "k_proj", "v_proj"]
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((trained.path / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
+    assert json.loads((trained.path / "config_sentence_transformers.json").read_text())["prompts"]["STS"]
     texts = ["how do cats sleep", "python"]
-    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
-    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
-    with pytest.warns(UserWarning, match="pooling"):  # the plain checkpoint: mean pooling
-        before = SentenceEncoder(start).encode(texts)
-    assert not np.allclose(before, expected, atol=1e-4)
+    st = SentenceTransformer(str(trained.path), device="cpu")
+    expected = st.encode_query(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode_query(texts), expected, atol=1e-5)
+    start = SentenceTransformer(str(embeddinggemma), device="cpu")
+    assert not np.allclose(st[3].linear.weight.detach().numpy(), start[3].linear.weight.detach().numpy())
 
 
 @pytest.mark.parametrize("task", TASKS)
