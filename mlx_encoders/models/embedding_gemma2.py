@@ -15,7 +15,7 @@ inputs that carry them are refused, naming the input.
 """
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,7 +64,6 @@ class ModelArgs(BaseArgs):
     image_token_id: int | None = None
     video_token_id: int | None = None
     audio_token_id: int | None = None
-    presets: ClassVar[dict] = {}
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -244,9 +243,9 @@ class EmbeddingGemma2EncoderLayer(nn.Module):
         self.sliding = args.attention_types[index] == "sliding_attention"
         self.self_attn = EmbeddingGemma2Attention(args, index)
         self.mlp = EmbeddingGemma2MLP(args)
-        self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm = (
-            EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps) for _ in range(3)
-        )
+        self.input_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.pre_feedforward_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_feedforward_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ple_block = EmbeddingGemma2TextPLEBlock(args)
         self.layer_scalar = mx.ones((1,))

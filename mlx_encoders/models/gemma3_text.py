@@ -51,7 +51,6 @@ class ModelArgs(BaseArgs):
     rope_local_base_freq: float | None = None
     rope_scaling: dict | None = None
     attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
     # google/embeddinggemma-300m; the other keys' defaults are Gemma 3's.
     presets: ClassVar[dict] = {
         "embeddinggemma-300m": dict(
@@ -64,10 +63,6 @@ class ModelArgs(BaseArgs):
     @property
     def ffn_width(self) -> int:
         return 2 * self.intermediate_size  # gate and up projections
-
-    @property
-    def attention_heads(self) -> int:
-        return self.num_attention_heads
 
     def __post_init__(self):
         super().__post_init__()
@@ -180,9 +175,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.sliding = args.attention_types[index] == "sliding_attention"
         self.self_attn = Gemma3Attention(args, args.attention_types[index])
         self.mlp = Gemma3MLP(args)
-        norm = lambda: Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)  # noqa: E731
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.input_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, masks) -> mx.array:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), masks[self.sliding]))
@@ -216,8 +212,8 @@ class Gemma3TextModel(Model, nn.Module):
         x = (self.embed_tokens(input_ids) if pad is None else embed(self.embed_tokens, input_ids, pad)).astype(dtype)
         x = x * mx.array(self.args.hidden_size**0.5, dtype)  # transformers rounds the scale to the model's dtype
         L = x.shape[1]
-        if self.args.use_bidirectional_attention:
-            masks = attention_masks(attention_mask, L, self.args.sliding_window // 2, dtype)
+        if self.args.use_bidirectional_attention:  # without sliding layers the window is unused: the whole text
+            masks = attention_masks(attention_mask, L, (self.args.sliding_window or 2 * L) // 2, dtype)
         else:
             masks = causal_masks(attention_mask, L, self.args.sliding_window, dtype)
         for layer in self.layers:
