@@ -25,6 +25,9 @@ MODEL_TYPES = {
     "electra": "electra",
     "deberta-v2": "deberta_v2",
     "deberta": "deberta",
+    "nomic_bert": "nomic_bert",
+    "gte": "gte",
+    "eurobert": "eurobert",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -50,6 +53,9 @@ ARCHITECTURE_PREFIXES = {
     "electra": "Electra",
     "deberta-v2": "DebertaV2",
     "deberta": "Deberta",
+    "nomic_bert": "NomicBert",
+    "gte": "Gte",
+    "eurobert": "EuroBert",
     "gpt2": "GPT2",
     "gemma3_text": "Gemma3Text",
     "embedding_gemma2": "EmbeddingGemma2",
