@@ -231,3 +231,17 @@ def test_gradient_checkpointing_keeps_gradients(checkpoint, model_type):
     assert checkpointed_loss == loss
     for name, g in grads.items():
         np.testing.assert_allclose(checkpointed[name], g, rtol=1e-6, atol=1e-6 * float(np.abs(g).max()), err_msg=name)
+
+
+def test_long_input_takes_the_blockwise_and_banded_paths_and_matches_transformers(checkpoint):
+    """Past BLOCKWISE_FROM tokens the global layers attend a block of queries at a time and the sliding ones their
+    band only (EmbeddingGemma 2 reads long documents); the result is transformers'."""
+    from mlx_encoders.engine.attention import BLOCKWISE_FROM
+
+    folder = checkpoint("embedding_gemma2_text")
+    model = mlx_encoders.load_model(folder)
+    ids = np.random.default_rng(0).integers(5, model.args.vocab_size, (1, BLOCKWISE_FROM + 100))
+    with torch.no_grad():
+        expected = load_reference(folder, "encoder")(input_ids=torch.tensor(ids)).last_hidden_state.numpy()
+    got = np.array(model(mx.array(ids)).last_hidden_state)
+    assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()

@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .base import BaseArgs, HeadModel, Model, ModelOutput, activation, embed, merge_heads, run_layer
+from .gemma3_text import wavelengths
 from .inputs import check_inputs, checking_off
 from .layers import Dropout, Embedding, Linear, blockwise_attention
 from .modernbert import ATTENTION, Band, attention_masks, banded_attention
@@ -178,7 +179,7 @@ class EmbeddingGemma2Attention(nn.Module):
         self.q_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps)
         self.v_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps, scale=False)
-        self.theta = args.rope_theta[args.attention_types[index]]
+        self._wavelengths = wavelengths(self.head_dim, args.rope_theta[args.attention_types[index]])  # not a parameter
         self.dropout = Dropout(args.attention_dropout)
 
     def __call__(self, x: mx.array, mask) -> mx.array:
@@ -186,7 +187,8 @@ class EmbeddingGemma2Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, -1)).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_norm(self.v_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        rope = dict(traditional=False, base=None, scale=1.0, offset=0, freqs=self._wavelengths)
+        q, k = (mx.fast.rope(t, self.head_dim, **rope) for t in (q, k))
         q = q * self.head_dim**0.5  # scores are unscaled q.k; the attention kernels divide by sqrt(head_dim)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # head h reads key/value head h // groups, as transformers' repeat_kv

@@ -109,6 +109,15 @@ class ModelArgs(BaseArgs):
         return self.max_position_embeddings
 
 
+def wavelengths(dims: int, base: float) -> mx.array:
+    """What mx.fast.rope divides positions by: one over transformers' float32 inverse frequencies 1 / base^(2i/dims).
+    Its own `base` rounds them in another last bit, which moves the angles by 1e-4 a few thousand positions in."""
+    inverse = 1.0 / mx.power(mx.array(base, mx.float32), mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelengths = 1.0 / inverse
+    mx.eval(wavelengths)  # now: a graph left lazy would run on another thread's stream (the server's worker)
+    return wavelengths
+
+
 class Gemma3RMSNorm(nn.Module):
     """x / rms(x) * (1 + weight): the weight is stored centred on 0."""
 
@@ -134,7 +143,8 @@ class Gemma3Attention(nn.Module):
         self.o_proj = Linear(width, args.hidden_size, bias=args.attention_bias)
         self.q_norm = Gemma3RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.theta, self.position_scale = args.rope[layer_type]
+        theta, self.position_scale = args.rope[layer_type]
+        self._wavelengths = wavelengths(self.head_dim, theta)  # underscored: not a parameter
         # The attention kernels scale scores by head_dim ** -0.5: the queries carry the rest of Gemma's scale.
         self.query_factor = args.query_pre_attn_scalar**-0.5 * self.head_dim**0.5
         self.dropout = Dropout(args.attention_dropout)
@@ -144,10 +154,8 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, -1)).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.num_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, nkv, L, hd)
-        q, k = (
-            mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=self.position_scale, offset=0)
-            for t in (q, k)
-        )
+        rope = dict(traditional=False, base=None, scale=self.position_scale, offset=0, freqs=self._wavelengths)
+        q, k = (mx.fast.rope(t, self.head_dim, **rope) for t in (q, k))
         if self.query_factor != 1:
             q = q * self.query_factor
         groups = self.num_heads // self.num_kv_heads
