@@ -245,3 +245,20 @@ def test_long_input_takes_the_blockwise_and_banded_paths_and_matches_transformer
         expected = load_reference(folder, "encoder")(input_ids=torch.tensor(ids)).last_hidden_state.numpy()
     got = np.array(model(mx.array(ids)).last_hidden_state)
     assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, model_type):
+    from test_gemma3_text import assert_shifted_close, left_padded
+
+    folder = checkpoint(model_type)
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = left_padded(tokenizer, TEXTS)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    with torch.no_grad():
+        expected = load_reference(folder, "encoder")(**as_torch(batch)).last_hidden_state.numpy()
+    ours = np.array(model(**batch).last_hidden_state)
+    assert_float32_close(ours[real], expected[real], terms=4 * 128)
+    for i, text in enumerate(TEXTS):
+        alone = np.array(model(**tokenizer([text])).last_hidden_state)[0]
+        assert_shifted_close(ours[i][real[i]], alone, f"text {i}")

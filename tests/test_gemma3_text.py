@@ -280,3 +280,39 @@ def test_gradient_checkpointing_keeps_gradients(checkpoint, task):
     assert checkpointed_loss == loss
     for name, g in grads.items():
         np.testing.assert_allclose(checkpointed[name], g, rtol=1e-6, atol=1e-6 * float(np.abs(g).max()), err_msg=name)
+
+
+def assert_shifted_close(actual, desired, what: str) -> None:
+    """Equal within 1e-4 of the largest |desired|: left padding moves a text's positions, and RoPE's float32 angles
+    round differently at other positions (more than sums taken in another order do)."""
+    err = float(np.abs(np.asarray(actual) - np.asarray(desired)).max())
+    assert err <= 1e-4 * float(np.abs(desired).max()), f"{what}: max abs error {err:.3g}"
+
+
+def left_padded(tokenizer, texts: list[str]) -> dict[str, mx.array]:
+    """The batch as Gemma's tokenizer pads it for transformers: padding first, positions still counted from 0."""
+    rows = [tokenizer([text])["input_ids"][0].tolist() for text in texts]
+    width = max(len(r) for r in rows)
+    ids = [[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows]
+    mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+    return {"input_ids": mx.array(ids), "attention_mask": mx.array(mask)}
+
+
+@pytest.mark.parametrize("attention", [{}, CAUSAL], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("task", TASKS)
+def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, task, attention):
+    folder = checkpoint("gemma3_text", task, **attention)
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = left_padded(tokenizer, TEXTS)
+    with torch.no_grad():
+        theirs = load_reference(folder, task)(**as_torch(batch))
+    ours = our_outputs(model(**batch))
+    name = "last_hidden_state" if task == "encoder" else "logits"
+    real = np.array(batch["attention_mask"]).astype(bool)
+    expected = theirs[name].numpy()
+    got, expected = (ours[name][real], expected[real]) if task == "encoder" else (ours[name], expected)
+    assert_float32_close(got, expected, terms=4 * 128)
+    for i, text in enumerate(TEXTS):
+        alone = our_outputs(model(**tokenizer([text])))[name][0]
+        mine = ours[name][i][real[i]] if task == "encoder" else ours[name][i]
+        assert_shifted_close(mine, alone, f"text {i}")
