@@ -221,7 +221,7 @@ class SentenceEncoder:
         self.pooling = self.read_modules(kinds, pooling)
         self.read_sentence_config(transformer)
         self.read_model_config(prompts, default_prompt_name, similarity_fn_name, truncate_dim)
-        width = len(self.pooling) * self.model.args.hidden_size
+        width = len(self.pooling) * self.model.args.output_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
         # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None

@@ -99,6 +99,32 @@ CONFIGS = {
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
     ),
+    # EmbeddingGemma's layout (bidirectional, grouped-query, a head_dim apart from hidden / heads), with a query
+    # scale other than head_dim, its own rope base per layer kind, and a window of 8 (|i - j| <= 4) that 128-token
+    # texts span many times over.
+    "gemma3_text": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=24, rms_norm_eps=1e-5, max_position_embeddings=128, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], use_bidirectional_attention=True,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ),
+    # EmbeddingGemma 2's text model: global layers with their own head size and key/value heads, per-layer inputs
+    # 8 wide, an output projection past the hidden size, and a window of radius 4.
+    "embedding_gemma2_text": dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=24, num_global_key_value_heads=1, hidden_size_per_layer_input=8,
+        embedding_dim=40, rms_norm_eps=1e-5, max_position_embeddings=128, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    ),
 }  # fmt: skip
 
 CONFIG_CLASSES = {
@@ -117,7 +143,15 @@ CONFIG_CLASSES = {
     "eurobert": transformers.EuroBertConfig,
     "gpt2": transformers.GPT2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
+    "embedding_gemma2_text": transformers.EmbeddingGemma2TextConfig,
+    # the multimodal model, text only: the text model's config under `text_config`
+    "embedding_gemma2": lambda initializer_range, **text: transformers.EmbeddingGemma2Config(
+        text_config={**text, "initializer_range": initializer_range}, initializer_range=initializer_range
+    ),
 }
+CONFIGS["embedding_gemma2"] = CONFIGS["embedding_gemma2_text"]
+GEMMA_TYPES = ("gemma3_text", "embedding_gemma2", "embedding_gemma2_text")
 
 AUTO_CLASSES = {
     "encoder": transformers.AutoModel,
@@ -146,9 +180,17 @@ def corpus() -> list[str]:
 
 @functools.cache
 def _trained(kind: str) -> dict:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    if kind == "bpe":
+    if kind == "gemma":  # Gemma's normalizer and pre-tokenizer: spaces become "▁", split after each
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(" "), behavior="merged_with_previous")
+        bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(
+            vocab_size=700, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *bytes_]
+        )
+    elif kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         trainer = trainers.BpeTrainer(
@@ -248,6 +290,14 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
+    if model_type in GEMMA_TYPES:  # Gemma's byte-fallback BPE: <pad> 0, <eos> 1, <bos> 2; EmbeddingGemma adds both
+        model = _trained("gemma")
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+        tok = transformers.GemmaTokenizer(
+            vocab=model["vocab"], merges=merges, add_bos_token=True, add_eos_token=True, model_max_length=128
+        )
+        tok.save_pretrained(folder)
+        return len(tok)
     if model_type in ("bert", "distilbert", "electra", "nomic_bert"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
@@ -305,6 +355,9 @@ def make_checkpoint(folder: Path, model_type: str, task: str = "encoder", seed: 
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name.lower() or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # EmbeddingGemma 2's stored per-layer scale
+            if name.endswith("layer_scalar"):
+                b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(folder)
     return folder
 

@@ -177,6 +177,11 @@ class BaseArgs:
         return self.intermediate_size  # the feed-forward's inner width; DistilBERT and ModernBERT override this
 
     @property
+    def output_size(self) -> int:
+        """The width of the encoder's last_hidden_state (EmbeddingGemma 2 projects it past hidden_size)."""
+        return self.hidden_size
+
+    @property
     def max_tokens(self) -> int | None:
         """The longest input the position table allows (None: no table)."""
         return getattr(self, "max_position_embeddings", None)
