@@ -313,7 +313,8 @@ def test_every_flag_has_its_variable(monkeypatch):
     assert parser_options("serve") == set(cli.FLAGS) | {"--debug"}
     serve = subcommands(parser())["serve"]
     assert cli.variable("--debug") == "MLX_ENCODERS_DEBUG"
-    samples = {cli.count: "7", cli.port: "9", cli.seconds: "3.5", cli.milliseconds: "0.5", cli.switch: "false"}
+    samples = {cli.count: "7", cli.port: "9", cli.seconds: "3.5", cli.milliseconds: "0.5", cli.switch: "false",
+               cli.keep_alive: "-1"}  # fmt: skip
     unset = argparse.Namespace(**{flag[2:].replace("-", "_"): None for flag in cli.FLAGS})
     for flag, spec in cli.FLAGS.items():
         name = cli.variable(flag)

@@ -157,7 +157,7 @@ def fit_weights(
 
 
 def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> None:
-    """transformers' initial values for `keys`: LayerNorm 1 and 0, zero biases, normal(0, std) weights,
+    """transformers' initial values for `keys`: LayerNorm (and RMSNorm) 1 and 0, zero biases, normal(0, std) weights,
     truncated to +-bound where the architecture's `init_std(path, args) -> (std, bound)` says so."""
     modules = dict(model.named_modules())
     params = dict(tree_flatten(model.parameters()))
@@ -165,7 +165,7 @@ def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> No
     for key in keys:
         path, name = key.rsplit(".", 1)
         shape = params[key].shape
-        if isinstance(modules[path], nn.LayerNorm) and name == "weight":
+        if isinstance(modules[path], (nn.LayerNorm, nn.RMSNorm)) and name == "weight":
             value = mx.ones(shape)
         elif name != "weight":
             value = mx.zeros(shape)
@@ -217,6 +217,22 @@ def build_model(module: ModuleType, config: dict, task: str, weights: dict[str, 
     if takes_pooler(cls):  # a bare encoder has a pooler exactly when the checkpoint stores one
         return cls(args, add_pooling_layer=any(".pooler." in "." + k for k in weights))
     return cls(args)
+
+
+def bare(weights: dict[str, mx.array], checkpoint: Checkpoint, task: str) -> bool:
+    """Whether the tensors are a bare encoder's alone though config.json names a head (a sentence-transformers
+    Transformer saves its bare model so; Qwen3-Embedding's config names the causal LM): each one under a module of
+    the encoder (built lazily: MLX allocates no weights until they are used), none under the head's prefix."""
+    prefix = model_class(checkpoint.model_type, task).prefix + "."
+    if prefix == "." or any(k.startswith(prefix) for k in weights):
+        return False
+    try:
+        encoder = model_class(checkpoint.model_type, "encoder")(
+            checkpoint.module.ModelArgs.from_dict(checkpoint.config)
+        )
+    except (TypeError, ValueError):  # a config the encoder cannot take: building the model says why
+        return False
+    return all(k.split(".", 1)[0] in encoder.children() for k in weights)
 
 
 def check_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
@@ -308,13 +324,15 @@ def load_model(
         if task is None:
             raise
         stored_task = None  # an architecture we do not implement: only its encoder (or `task`) is wanted
+    weights = normalize_keys(checkpoint.read_weights())
+    if hasattr(checkpoint.module, "sanitize"):
+        weights = checkpoint.module.sanitize(weights)
+    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
+        task = "encoder"
     task = task or stored_task
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     config = with_labels(checkpoint.config, labels) if new_head else checkpoint.config
-    weights = normalize_keys(checkpoint.read_weights())
-    if hasattr(checkpoint.module, "sanitize"):
-        weights = checkpoint.module.sanitize(weights)
     try:
         model = build_model(checkpoint.module, config, task, weights)
     except ValueError as e:

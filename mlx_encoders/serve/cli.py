@@ -51,6 +51,10 @@ def seconds(text: str) -> float:
     return number(text, float, lambda v: 0 < v < math.inf, "a number of seconds above 0")
 
 
+def keep_alive(text: str) -> float:
+    return number(text, float, lambda v: not math.isnan(v), "a number of seconds (negative: never)")
+
+
 @dataclass(frozen=True)
 class Flag:
     """One option of `serve`: its default, its help, how its text is read (`kind`, a ValueError saying what it
@@ -69,6 +73,10 @@ class Flag:
 FLAGS = {
     "--model": Flag([], "folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable",
                     metavar="[NAME=]PATH", repeat=True, short="-m"),
+    "--models-dir": Flag(None, "serve each sub-folder of DIR under its name, loaded on its first request and "
+                         "unloaded when idle (Ollama-style); --model models stay loaded", metavar="DIR"),
+    "--model-keep-alive": Flag(300.0, "unload a --models-dir model idle for SECONDS (negative: never; an Ollama "
+                               "request's keep_alive sets it for its model)", keep_alive, "SECONDS"),
     "--index": Flag([], "index folder (mlx-encoders index build) to search on /v1/search; repeatable",
                     metavar="NAME=DIR", repeat=True),
     "--host": Flag("127.0.0.1", "address to bind (127.0.0.1: this machine only)"),
@@ -102,12 +110,13 @@ def variable(flag: str) -> str:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search, and TEI's API",
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search, and TEI's API (and Cohere's, "
+        "Ollama's and Infinity's routes)",
         description="Serve embeddings (/v1/embeddings, /embed, /embed_sparse), reranking (/v1/rerank, /rerank), "
         "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
-        "requests; the schema at /openapi.json. Each option may come from its environment variable instead, "
-        "MLX_ENCODERS_ and the option's name (--max-queue: MLX_ENCODERS_MAX_QUEUE). "
-        "Needs: pip install \"mlx-encoders[serve]\"",
+        "requests; also Cohere's (/v2/embed, /v2/rerank), Ollama's (/api/embed) and Infinity's routes; the schema at "
+        "/openapi.json. Each option may come from its environment variable instead, MLX_ENCODERS_ and the option's "
+        "name (--max-queue: MLX_ENCODERS_MAX_QUEUE). Needs: pip install \"mlx-encoders[serve]\"",
     )  # fmt: skip
     for flag, spec in FLAGS.items():
         names = [spec.short, flag] if spec.short else [flag]
@@ -196,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
     from . import load_models
     from .connections import protocol
+    from .lazy import ModelsDir
     from .server import Options, Server, build
 
     given = {flag[2:].replace("-", "_"): setting(args, flag) for flag in FLAGS}
@@ -209,12 +219,17 @@ def run(args: argparse.Namespace) -> int:
                                           "max_request_bytes", "auto_truncate", "batch_size", "read_timeout")},
         api_key=api_key(args), cors_origins=tuple(given["cors_origin"]),
     )  # fmt: skip
-    if not given["model"] and not given["index"]:
-        raise ValueError("mlx-encoders serve needs --model PATH or --index NAME=DIR (or both)")
-    models, indexes = load_models(
-        model_specs(given["model"]), given["dtype"], given["batch_size"], index_specs(given["index"])
-    )
-    server = Server(models, options, indexes)
+    if not given["model"] and not given["index"] and not given["models_dir"]:
+        raise ValueError("mlx-encoders serve needs --model PATH, --models-dir DIR or --index NAME=DIR")
+    lazy = None
+    if given["models_dir"]:
+        lazy = ModelsDir(given["models_dir"], given["model_keep_alive"], given["dtype"], given["batch_size"])
+    models, indexes = [], []
+    if given["model"] or given["index"]:
+        models, indexes = load_models(
+            model_specs(given["model"]), given["dtype"], given["batch_size"], index_specs(given["index"])
+        )
+    server = Server(models, options, indexes, lazy)
     server.warm()
     host = given["host"]
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
@@ -226,6 +241,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-encoders serve: model {model.describe()}")
     for index in server.indexes.values():
         print(f"mlx-encoders serve: index {index.describe()}")
+    if lazy is not None:
+        print(
+            f"mlx-encoders serve: models loaded on request from {given['models_dir']}: "
+            f"{', '.join(lazy.names()) or 'none'}"
+        )
     shown = f"[{host}]" if ":" in host else host
     print(f"mlx-encoders serve: listening on http://{shown}:{sock.getsockname()[1]}", flush=True)
     # no graceful-shutdown timeout: a request that arrived whole is finished; the protocol ends the others in time

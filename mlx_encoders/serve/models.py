@@ -3,6 +3,7 @@ one (`SparseEncoder`, SPLADE), a multi-vector one (`MultiVectorEncoder`, ColBERT
 model (`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it); their
 tokenization and limits, and what a model worker computes for a batch."""
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
 SPARSE, MULTI_VECTOR = "sparse embeddings", "multi-vector embeddings"
 SPARSE_MODULES = {"SpladePooling", "SparseStaticEmbedding", "MLMTransformer"}
 TASKS = ("query", "document")
+FOREIGN_IDS = (
+    "token ids must be the model's own, special tokens included (its tokenizer's input_ids); a client that "
+    "tokenizes with tiktoken must send texts instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)"
+)
 FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}
 
 
@@ -75,6 +80,8 @@ def kind_of(path: Path) -> str:
     if not modules:
         return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
     names = {kind.rsplit(".", 1)[-1] for kind, _ in modules}
+    if "LogitScore" in names:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
+        return "cross-encoder"
     for kind, folder in modules:  # a Router's routes are listed in its own config
         if kind.endswith("Router"):
             types = read_json_object(folder / "router_config.json").get("types") or {}
@@ -141,9 +148,12 @@ class ServedModel:
         if self.kind == "cross-encoder":
             self.cross = CrossEncoder(path, dtype=dtype)
             self.model, self.tokenizer = self.cross.model, self.cross.tokenizer
-            self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
             self.max_length = self.cross.max_seq_length
-            self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
+            if self.cross.logit_score is not None:  # its one logit is a relevance score, not a class's
+                self.capabilities = (RERANK,)
+            else:
+                self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
+                self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
             self.kind = "cross-encoder" if self.cross.num_labels == 1 else "classifier"
         elif self.kind == "sparse":
             self.sparse = SparseEncoder(path, dtype=dtype)
@@ -244,19 +254,22 @@ class ServedModel:
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
-        task: str | None = None, prompt_name: str | None = None, direction: str = "right",
-        token_vectors: bool = False,
+        task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
+        direction: str = "right", token_vectors: bool = False,
     ) -> list:  # fmt: skip
         """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
         "document": as `encode_query` / `encode_document`, a sparse Router's route for the task included;
         `prompt_name`: that prompt instead, as their `prompt_name=`); an input longer than that is an error unless
-        `truncate`, cut at its end or, `direction` "left", at its start (dense and cross-encoder models). A dense
-        model's items with `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
+        `truncate`, cut at its end or, `direction` "left", at its start (dense and cross-encoder models; these also
+        take a shorter `max_length`). A dense model's items with `token_vectors` receive their token vectors from the
+        worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
             prefix = self.named_prompt(prompt_name)
         texts = [prefix + t for t in texts]
         limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
+        if max_length is not None:
+            limit = max_length if limit is None else min(limit, max_length)
         route = self.sparse_route(task) if self.sparse is not None else None
         if direction != "right" and (route is not None or self.multi is not None):
             raise ApiError(
@@ -268,6 +281,8 @@ class ServedModel:
                 encodings, limit = route.tokenize(texts), route.max_seq_length
             elif self.multi is not None:
                 encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
+            elif self.cross is not None and pairs is not None:  # as `predict` reads pairs (a chat template's too)
+                encodings = self.cross.tokenize(list(zip(texts, pairs, strict=True)))
             else:
                 encodings = self.tokenizer.encode_batch(
                     texts, pairs, truncation=True, max_length=limit, direction=direction
@@ -295,16 +310,38 @@ class ServedModel:
                 return [Tagged(e, skipped) for e in encodings]
         return encodings
 
+    @functools.cached_property
+    def special_ends(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after every input ([CLS] and [SEP] for BERT)."""
+        encoding = self.tokenizer.encode_batch(["a"], truncation=False)[0]
+        words = [i for i, special in enumerate(encoding.special_tokens_mask) if not special]
+        if not words:
+            return [], []
+        return encoding.ids[: words[0]], encoding.ids[words[-1] + 1 :]
+
     def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:
-        """Token ids as inputs: each id within the model's vocabulary, each list within its length."""
+        """Token ids as inputs: each id within the model's vocabulary, each list within its length and framed by
+        the special tokens the model's tokenizer puts around every input (ids from another tokenizer, such as
+        tiktoken's, are refused rather than embedded as nonsense)."""
         if self.skipped:
             raise ApiError(400, f"model {self.name!r} leaves its prompt out of pooling; send texts, not token ids")
         vocab = self.model.args.vocab_size
+        start, end = self.special_ends
         out = []
         for i, ids in enumerate(lists):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"input[{i}] holds token id {bad}, outside model {self.name!r}'s 0..{vocab - 1}")
+                raise ApiError(
+                    400, f"input[{i}] holds token id {bad}, outside model {self.name!r}'s 0..{vocab - 1}; "
+                    f"{FOREIGN_IDS}", "input", "invalid_token_ids",
+                )  # fmt: skip
+            if len(ids) < len(start) + len(end) or ids[: len(start)] != start or ids[len(ids) - len(end) :] != end:
+                raise ApiError(
+                    400, f"input[{i}] is not model {self.name!r}'s token ids: its tokenizer starts every input with "
+                    f"{start} {self.tokenizer.convert_ids_to_tokens(start)} and ends it with {end} "
+                    f"{self.tokenizer.convert_ids_to_tokens(end)}, these start {ids[:3]} and end {ids[-3:]}; "
+                    f"{FOREIGN_IDS}", "input", "invalid_token_ids",
+                )  # fmt: skip
             if len(ids) > self.max_length:
                 if not truncate:
                     raise ApiError(
@@ -313,7 +350,7 @@ class ServedModel:
                         'takes; shorten it, send "truncate": true, or start the server with --auto-truncate',
                         "input", "input_too_long",
                     )  # fmt: skip
-                ids = ids[: self.max_length]
+                ids = ids[: self.max_length - len(end)] + end  # as the tokenizer cuts: its end tokens kept
             out.append(TokenIds(list(ids), [0] * len(ids)))
         return out
 

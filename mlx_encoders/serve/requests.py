@@ -19,7 +19,10 @@ class ClientGone(Exception):
 
 async def read_json(request: Request, server) -> dict:
     """The body as a JSON object: at most --max-request-bytes (413), whole within --read-timeout of the handler's
-    start (408, and the connection closes); `ClientGone` when the client leaves first."""
+    start (408, and the connection closes); `ClientGone` when the client leaves first. Read once: a second call
+    (from a route that chose its handler by the body) gets the same object."""
+    if hasattr(request.state, "json"):
+        return request.state.json
     limit, timeout = server.options.max_request_bytes, server.options.read_timeout
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
@@ -51,6 +54,7 @@ async def read_json(request: Request, server) -> dict:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    request.state.json = data
     return data
 
 

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from .batcher import Batcher, QueueFull
 from .errors import ApiError
+from .lazy import TAKEN, ModelsDir, NotLoaded
 from .metrics import Metrics
 from .models import ServedModel
 from .protocols import Endpoint, routes
@@ -67,27 +68,47 @@ def check_seconds(name: str, value) -> float:
 class Server:
     """The served models, one batcher each, the served indexes, the metrics, and the options."""
 
-    def __init__(self, models: list[ServedModel], options: Options, indexes: list[ServedIndex] = ()):
+    def __init__(
+        self, models: list[ServedModel], options: Options, indexes: list[ServedIndex] = (),
+        lazy: ModelsDir | None = None,
+    ):  # fmt: skip
         names = [m.name for m in models]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
             raise ValueError(f"model name {duplicated[0]!r} is given twice; name each model: --model NAME=PATH")
-        self.models = {m.name: m for m in models}
+        self.models = {}
         self.options = options
         self.metrics = Metrics()
-        self.batchers = {}
+        self.batchers, self.tokenizers = {}, {}
         for m in models:
-            self.batchers[m.name] = Batcher(
-                m.name, m.compute, max_batch_tokens=options.max_batch_tokens, max_wait_ms=options.max_wait_ms,
-                max_queue=options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
-                on_wait=lambda seconds, name=m.name: self.metrics.waited(name, seconds),
-            )  # fmt: skip
-            self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
-        self.tokenizers = {
-            m.name: ThreadPoolExecutor(1, thread_name_prefix=f"mlx-encoders tokenize {m.name}") for m in models
-        }
+            self.add(m)
         self.indexes = {i.name: i for i in indexes}
+        self.lazy = lazy
         self.ready = False
+
+    def add(self, m: ServedModel) -> None:
+        """Serve `m`: its batcher (worker thread) and its tokenizer thread."""
+        self.batchers[m.name] = Batcher(
+            m.name, m.compute, max_batch_tokens=self.options.max_batch_tokens, max_wait_ms=self.options.max_wait_ms,
+            max_queue=self.options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
+            on_wait=lambda seconds, name=m.name: self.metrics.waited(name, seconds),
+        )  # fmt: skip
+        self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
+        self.tokenizers[m.name] = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-encoders tokenize {m.name}")
+        self.models[m.name] = m
+
+    def remove(self, name: str) -> Callable[[], None]:
+        """Stop serving model `name` (an idle one of --models-dir; new requests load it again). On the event loop;
+        the function returned stops its threads, which blocks: run it off the loop."""
+        self.models.pop(name)
+        self.metrics.queue_depth.pop(name, None)
+        tokenizer, batcher = self.tokenizers.pop(name), self.batchers.pop(name)
+
+        def stop() -> None:
+            tokenizer.shutdown()
+            batcher.stop()
+
+        return stop
 
     def warm(self) -> None:
         """One input through each model's worker, so the first request pays no start-up cost."""
@@ -123,9 +144,12 @@ class Server:
             )  # fmt: skip
         if not isinstance(name, str):
             raise ApiError(400, f'"model" must be a string, got {type(name).__name__}', "model")
+        if name not in self.models and self.lazy is not None and self.lazy.path(name) is not None:
+            raise NotLoaded(name)
         if name not in self.models:
+            more = f"; loaded on request: {', '.join(self.lazy.names()) or 'none'}" if self.lazy is not None else ""
             raise ApiError(
-                404, f"model {name!r} is not served; served models: {', '.join(self.models)}", "model",
+                404, f"model {name!r} is not served; served models: {', '.join(self.models)}{more}", "model",
                 "model_not_found",
             )  # fmt: skip
         model = self.models[name]
@@ -136,6 +160,8 @@ class Server:
                 f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}",
                 "model", "model_not_supported",
             )  # fmt: skip
+        if self.lazy is not None:
+            self.lazy.take(model)
         return model
 
     def count(self, inputs: list, param: str) -> list:
@@ -204,8 +230,9 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
 
 def endpoint(path: str, route: Endpoint, server: Server):
     async def call(request: Request) -> Response:
+        taken = TAKEN.set([])
         try:
-            result = await route.handler(request, server)
+            return await respond(await handled(request))
         except ApiError as e:
             return error_response(path, e)
         except ClientGone:  # nothing reaches a closed connection; 499 tells the metrics why
@@ -213,7 +240,18 @@ def endpoint(path: str, route: Endpoint, server: Server):
         except Exception as e:  # noqa: BLE001  a bug answers its own request with 500; the server stays up
             log.exception("%s failed", path)
             return error_response(path, ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal"))
-        return await respond(result)
+        finally:
+            if server.lazy is not None:
+                server.lazy.release(TAKEN.get())
+            TAKEN.reset(taken)
+
+    async def handled(request: Request):
+        """The handler's answer; a model of --models-dir it names is loaded first (the body is read once)."""
+        while True:
+            try:
+                return await route.handler(request, server)
+            except NotLoaded as e:
+                await server.lazy.load(server, e.name)
 
     return call
 
@@ -322,7 +360,10 @@ def build(server: Server) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
+        sweep = asyncio.create_task(server.lazy.sweep(server)) if server.lazy is not None else None
         yield
+        if sweep is not None:
+            sweep.cancel()
         await asyncio.get_running_loop().run_in_executor(None, server.stop)
 
     routes = [Route(path, endpoint(path, route, server), methods=route.methods) for path, route in ROUTES.items()]

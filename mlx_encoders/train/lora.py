@@ -32,7 +32,14 @@ DEFAULT_TARGETS = {
     "electra": ["query", "key", "value"],
     "deberta-v2": ["query_proj", "key_proj", "value_proj"],
     "deberta": ["in_proj"],
+    "nomic_bert": ["q_proj", "k_proj", "v_proj"],
+    "gte": ["q_proj", "k_proj", "v_proj"],
+    "eurobert": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
+    "qwen3": ["q_proj", "k_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2_text": ["q_proj", "k_proj", "v_proj"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 from typing import TYPE_CHECKING
 
 import numpy as np
 from starlette.requests import Request
 
+from ..embedding_types import TYPES, base64_of, typed
 from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, MULTI_VECTOR, TASKS, ServedModel
 from ..requests import dimensions_of, option, read_json, texts, texts_or_ids
@@ -28,6 +28,7 @@ async def embeddings(request: Request, server: Server):
     task = option(body, "input_type", str)
     if task is not None and task not in TASKS:
         raise ApiError(400, f'"input_type" must be "query" or "document", got {task!r}', "input_type")
+    dtype = output_dtype(body, fmt)
     if model.multi is not None:
         multi_vector_request(model, body, fmt, ids)
     dimensions = dimensions_of(body, model) if model.multi is None else None
@@ -40,11 +41,13 @@ async def embeddings(request: Request, server: Server):
         items = await server.tokenize(model, model.token_ids, ids, truncate)
     out = await server.run(model, items)
     vectors = out if model.multi is not None else model.embeddings(out, dimensions)
+    if dtype != "float":
+        vectors = typed(vectors, dtype, "output_dtype")
     tokens = sum(len(item.ids) for item in items)
 
     def encoded(v: np.ndarray):
         # floats stay an array: the response writes them off the event loop
-        return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v
+        return base64_of(v) if fmt == "base64" else v
 
     return {
         "object": "list",
@@ -52,6 +55,20 @@ async def embeddings(request: Request, server: Server):
         "model": model.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def output_dtype(body: dict, fmt: str) -> str:
+    """Voyage's `output_dtype`: float (default), int8, uint8, binary or ubinary, as `encode(precision=...)`;
+    integers are sent as lists (base64 would decode as float32 in OpenAI clients)."""
+    dtype = option(body, "output_dtype", str, "float")
+    if dtype not in TYPES:
+        raise ApiError(400, f'"output_dtype" must be one of {", ".join(TYPES)}, got {dtype!r:.40}', "output_dtype")
+    if dtype != "float" and fmt != "float":
+        raise ApiError(
+            400, f'"output_dtype" {dtype} is sent as lists of integers: send "encoding_format": "float" (an OpenAI '
+            "client decodes base64 as float32, and the openai SDK asks for base64 unless told)", "encoding_format",
+        )  # fmt: skip
+    return dtype
 
 
 def multi_vector_request(model: ServedModel, body: dict, fmt: str, ids) -> None:
@@ -65,6 +82,8 @@ def multi_vector_request(model: ServedModel, body: dict, fmt: str, ids) -> None:
         )  # fmt: skip
     if body.get("dimensions") is not None:
         raise ApiError(400, f'{where}: "dimensions" does not apply to its token vectors', "dimensions")
+    if body.get("output_dtype", "float") != "float":
+        raise ApiError(400, f"{where}: its token vectors are sent as floats only", "output_dtype")
     if ids is not None:
         raise ApiError(400, f"{where}: send texts, not token ids", "input")
 

@@ -3,7 +3,8 @@ request and answer shapes, with its status codes (422 a request it cannot take, 
 or failed, 400 an empty input, 413 too large, 429 overloaded) and its error body `{"error", "error_type"}`. `/`
 answers by the model's kind, as TEI's does. TEI serves one model; here a request names its model with "model" or
 `?model=NAME` in the URL (for clients that post to a URL as given, as `InferenceClient(model=URL)`), else it goes
-to the only model that can answer it. A field the route does not declare is refused, never ignored."""
+to the only model that can answer it. A field the route does not declare is refused, never ignored. /rerank also
+takes Infinity's body ("documents" and no "texts"), which infinity.py answers, with TEI's statuses and error body."""
 
 from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
@@ -17,6 +18,7 @@ from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, FUNCTIONS, RERANK, SPARSE, TASKS, ServedModel
 from ..requests import dimensions_of, is_int, option, read_json, required_text, text, texts, texts_or_ids
 from ..schema import accepts, fields
+from . import infinity
 from .operations import health
 
 if TYPE_CHECKING:  # the server imports every protocol
@@ -91,6 +93,16 @@ class RerankRequest(TypedDict, total=False):
     return_text: Annotated[bool, "each document's text with its score (default false)"]
     truncate: Truncate
     truncation_direction: Direction
+
+
+class InfinityRerankRequest(TypedDict, total=False):
+    query: Required[str]
+    documents: Required[Annotated[list[str], "the documents (Infinity's body on TEI's /rerank: no \"texts\")"]]
+    model: Model
+    top_n: Annotated[int | None, "the best documents only"]
+    return_documents: Annotated[bool, "each document's text with its score (default false)"]
+    raw_scores: Annotated[bool, "the logits, not the scores (default false)"]
+    truncate: Truncate
 
 
 class SimilarityInputs(TypedDict):
@@ -317,11 +329,15 @@ async def rerank_answer(request: Request, server: "Server", body: dict, model: S
 
 
 @tei_errors
-@accepts(RerankRequest)
+@accepts(RerankRequest | InfinityRerankRequest)
 async def rerank(request: Request, server: "Server"):
     """Reranking: the texts by the cross-encoder's score for (query, text), best first, as `CrossEncoder.predict`
-    (`raw_scores`: the logits)."""
-    body = await body_of(request, server, RerankRequest)
+    (`raw_scores`: the logits). A body with "documents" and no "texts" is Infinity's, which infinity.py answers
+    (told apart before the check of TEI's fields, which would refuse "documents"), with TEI's statuses and body."""
+    body = await read_json(request, server)
+    if "documents" in body and "texts" not in body:
+        return await infinity.rerank(request, server)
+    body = fields(body, RerankRequest)
     return await rerank_answer(request, server, body, served(request, server, body, RERANK, "/rerank"))
 
 
@@ -406,7 +422,9 @@ async def decode(request: Request, server: "Server"):
 def model_type(model: ServedModel) -> dict:
     """TEI's `model_type`: {"embedding": {"pooling"}}, or {"classifier" | "reranker": {"id2label", "label2id"}}."""
     if model.cross is not None:
-        id2label = {str(i): model.classifier.id2label[i] for i in range(model.cross.num_labels)}
+        # a LogitScore reranker (Qwen3-Reranker) has no classification head: one score, transformers' default label
+        names = model.classifier.id2label if model.classifier is not None else {0: "LABEL_0"}
+        id2label = {str(i): names[i] for i in range(model.cross.num_labels)}
         kind = "reranker" if RERANK in model.capabilities else "classifier"
         return {kind: {"id2label": id2label, "label2id": {label: int(i) for i, label in id2label.items()}}}
     if model.sparse is not None:
