@@ -193,6 +193,7 @@ class SentenceEncoder:
     "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", or a list / "cls+mean" to concatenate)
     replaces the stored or natural pooling. `prompts`, `default_prompt_name`, `similarity_fn_name` and
     `truncate_dim` override those of config_sentence_transformers.json, as sentence-transformers' arguments do.
+    `modules` (type, folder) replaces modules.json's list (a sparse model's dense part, without its last module).
     """
 
     def __init__(
@@ -206,12 +207,14 @@ class SentenceEncoder:
         default_prompt_name: str | None = None,
         similarity_fn_name: str | None = None,
         truncate_dim: int | None = None,
+        modules: list[tuple[str, Path]] | None = None,
     ):
         self.path = resolve(path_or_repo, revision)
         self.dense: list[Dense] = []
         self.normalize = False
         self.include_prompt = True
-        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in read_modules(self.path)]
+        modules = read_modules(self.path) if modules is None else modules
+        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in modules]
         transformer = Checkpoint.open(next((folder for kind, folder in kinds if kind == "Transformer"), self.path))
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)
