@@ -80,8 +80,9 @@ def bad_input(checkpoint):
 
 
 ID_CASES = ["id == vocab_size", "id far beyond", "negative id"]
-# ModernBERT has RoPE, DeBERTa-v3 (the deberta-v2 test config) relative positions only: no position table.
-WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in ("modernbert", "deberta-v2")]
+# ModernBERT and jina-embeddings-v3 have RoPE, DeBERTa-v3 (the deberta-v2 test config) relative positions only: no
+# position table.
+WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in ("modernbert", "deberta-v2", "jina_embeddings_v3")]
 WITH_TYPES = ["bert", "roberta", "xlm-roberta", "albert", "electra"]  # DistilBERT, ModernBERT, MPNet read none
 
 

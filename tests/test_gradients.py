@@ -164,7 +164,7 @@ DROPOUT = {
     "deberta-v2": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, pooler_dropout=0.25, cls_dropout=0.3),
 }
 DROPOUT["deberta"] = DROPOUT["deberta-v2"]
-DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["bert"]
+DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["jina_embeddings_v3"] = DROPOUT["bert"]
 # BERT's classifiers fall back to hidden_dropout_prob without classifier_dropout.
 DROPOUT_CASES = [pytest.param(mt, task, DROPOUT[mt], id=f"{mt}-{task}") for mt, task in CASES] + [
     pytest.param(

@@ -24,6 +24,7 @@ MODEL_TYPES = {
     "electra": "electra",
     "deberta-v2": "deberta_v2",
     "deberta": "deberta",
+    "jina_embeddings_v3": "jina_embeddings_v3",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -41,6 +42,7 @@ ARCHITECTURE_PREFIXES = {
     "electra": "Electra",
     "deberta-v2": "DebertaV2",
     "deberta": "Deberta",
+    "jina_embeddings_v3": "JinaEmbeddingsV3",
     "gpt2": "GPT2",
 }
 ARCHITECTURE_SUFFIXES = {

@@ -32,6 +32,7 @@ DEFAULT_TARGETS = {
     "electra": ["query", "key", "value"],
     "deberta-v2": ["query_proj", "key_proj", "value_proj"],
     "deberta": ["in_proj"],
+    "jina_embeddings_v3": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
