@@ -38,6 +38,7 @@ from .checkpoint import (
     read_safetensors,
     write_checkpoint,
 )
+from .checkpoint.adapters import adapter_folders
 from .checkpoint.atomic import remove_stale
 from .checkpoint.build import build_model, check_dtype, normalize_keys
 from .checkpoint.write import copy_tokenizer_files
@@ -372,6 +373,8 @@ def write_folder(
     files = write_checkpoint(model, config, folder, shard_size)
     copy_tokenizer_files(source, folder)
     copy_sentence_files(source, folder, dtype)
+    for name, adapter in adapter_folders(source).items():  # task adapters stay float: they are small
+        shutil.copytree(adapter, folder / name)
     convert_torch_heads(source, folder, dtype)
     report["bytes_after"] = sum(f.stat().st_size for f in files)
     report["bits_per_weight"] = 8 * report["bytes_after"] / report["parameters"]

@@ -8,6 +8,7 @@ import copy
 import json
 import shutil
 
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -17,11 +18,15 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
+from test_convert import MIN_COSINE, text_cosines
 from test_gradients import encoder_loss, our_gradients
+from test_index import IDS, write_corpus
 from test_parity import as_torch, assert_close
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
+from mlx_encoders.index import Index, build, read_corpus
+from mlx_encoders.serve.models import ServedModel
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
 # Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows.
@@ -152,14 +157,20 @@ def test_a_merged_adapter_saves_as_transformers_merge_and_unload(folder, tmp_pat
     assert not any(p.name == "classification" for p in (tmp_path / "merged").iterdir())  # a plain checkpoint
 
 
-def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(folder, tmp_path):
+@pytest.fixture(scope="module")
+def st_folder(folder, tmp_path_factory):
     """jina's published layout: the checkpoint (with its adapter subfolders) at the root, mean pooling, Normalize,
-    a prompt per task; sentence-transformers with the adapter set is the oracle."""
+    a prompt per task."""
     modules = [Transformer(str(folder), max_seq_length=64), Pooling(32, pooling_mode="mean"), Normalize()]
-    st_folder = tmp_path / "st"
+    st_folder = tmp_path_factory.mktemp("jina-st")
     SentenceTransformer(modules=modules, device="cpu", prompts=PROMPTS).save(str(st_folder))
     for task in TASKS:
         shutil.copytree(folder / task, st_folder / task)
+    return st_folder
+
+
+def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):
+    """sentence-transformers with the adapter set is the oracle."""
     assert json.loads((st_folder / "config_sentence_transformers.json").read_text())["prompts"] == {
         **PROMPTS,
         "query": "",
@@ -190,3 +201,42 @@ def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(folder, tmp
     assert encoder.model.active_adapter is None  # each call's adapter is for that call only
     with pytest.raises(ValueError, match="No task adapter 'summarization'.*retrieval_query"):
         encoder.encode(texts, task="summarization")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_converted_folder_keeps_its_adapters(folder, tmp_path, bits):
+    """convert quantizes the base and copies the adapter subfolders, which then run over the quantized weights."""
+    out = mlx_encoders.convert(folder, tmp_path / "q", bits=bits, group_size=32, calibration=False)
+    model, tokenizer = mlx_encoders.load(out)
+    assert any(isinstance(m, nn.QuantizedLinear) for m in model.modules())
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    model.set_adapter("retrieval.query")
+    got = np.array(model(**batch).last_hidden_state) * real[..., None]
+    expected = torch_outputs(reference(folder, "retrieval_query"), batch)["last_hidden_state"] * real[..., None]
+    assert text_cosines(got, expected, real).min() > MIN_COSINE[bits]
+    with pytest.raises(ValueError, match="quantized or wrapped; set_adapter\\(merge=False\\)"):
+        model.set_adapter("retrieval.query", merge=True)
+
+
+def test_served_and_indexed_with_the_query_and_document_adapters(st_folder, tmp_path):
+    """The server's query and document inputs take encode_query's and encode_document's adapters, as does the
+    index: its stored vectors are encode_document's, its query encode_query's."""
+    encoder = SentenceEncoder(st_folder)
+    served = ServedModel("jina", st_folder)
+    texts = TEXTS[1:]
+    for task, expected in (
+        (None, encoder.encode(texts)),
+        ("query", encoder.encode_query(texts)),
+        ("document", encoder.encode_document(texts)),
+    ):
+        got = served.compute(served.tokenize(texts, truncate=True, task=task))
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert not np.allclose(encoder.encode_query(texts), encoder.encode(texts), atol=1e-3)
+
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    assert build(corpus, index, str(st_folder), quiet=True)["added"] == len(IDS)
+    docs = encoder.encode_document([text for _, text in read_corpus(corpus)])
+    scores = docs @ encoder.encode_query("Cats purr when they are content.")
+    hits = Index(index).search("Cats purr when they are content.", k=3)
+    np.testing.assert_allclose([h.score for h in hits], np.sort(scores)[::-1][:3], atol=1e-5)

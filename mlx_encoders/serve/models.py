@@ -3,6 +3,7 @@ one (`SparseEncoder`, SPLADE), a multi-vector one (`MultiVectorEncoder`, ColBERT
 model (`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it); their
 tokenization and limits, and what a model worker computes for a batch."""
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from ..cross_encoder import CrossEncoder
 from ..multi_vector import MultiVectorEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
-from ..sentence import SentenceEncoder, resolve_prompt, task_prompt_name
+from ..sentence import SentenceEncoder, resolve_prompt, task_adapter, task_prompt_name
 from ..sparse import SparseEncoder
 from .errors import ApiError
 
@@ -43,8 +44,8 @@ def default_name(source: str | Path) -> str:
 @dataclass
 class Tagged:
     """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a sparse
-    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips. A
-    worker runs inputs of different tags apart."""
+    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips and
+    its task adapter (jina-embeddings-v3's). A worker runs inputs of different tags apart."""
 
     item: Encoding | TokenIds
     tag: object
@@ -158,6 +159,7 @@ class ServedModel:
             self.capabilities = (EMBED,)
             self.prefix = self.prompt(None)
             self.skipped = self.prompt_tokens(self.prefix)
+            self.dense_tag = (self.skipped, self.adapter(None, None))
         # Dense projections load lazily on this thread's stream, which the worker's thread cannot evaluate
         dense = getattr(self.encoder or self.multi, "dense", [])
         mx.eval([(d.linear.parameters(), d.residual.parameters() if d.residual else []) for d in dense])
@@ -182,6 +184,19 @@ class ServedModel:
             return self.sparse.route(task)
         except ValueError as e:
             raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
+
+    def adapter(self, task: str | None, prompt_name: str | None) -> str | None:
+        """A dense model's task adapter for `encode` (task None), `encode_query` or `encode_document`, or a named
+        prompt: as SentenceEncoder picks it (jina-embeddings-v3's; None for the other models)."""
+        name = self.encoder.default_prompt_name if prompt_name is None else prompt_name
+        return task_adapter(self.encoder.model, None, name, task)
+
+    def embed(self, encodings: list, tag: tuple[int, str | None]) -> np.ndarray:
+        """(N, D) embeddings of a dense model's inputs of one tag: (prompt tokens pooling skips, task adapter)."""
+        skipped, adapter = tag
+        model = self.encoder.model
+        with model.adapter(adapter, self.encoder.merge_adapters) if adapter else nullcontext():
+            return self.encoder.run_encodings(encodings, self.batch_size, False, skipped)[0]
 
     def prompt_tokens(self, prefix: str) -> int:
         """Tokens of a dense model's prompt that pooling leaves out (none when it includes the prompt)."""
@@ -209,8 +224,7 @@ class ServedModel:
         or its (n, D) token matrix (multi-vector), as an object array; or (N, 2 x labels) logits then activated
         scores (the activation is an MLX function, so it runs here too)."""
         if self.encoder is not None:
-            run = self.encoder.run_encodings
-            return np.stack(by_tag(items, self.skipped, lambda x, skip: run(x, self.batch_size, False, skip)[0]))
+            return np.stack(by_tag(items, self.dense_tag, self.embed))
         if self.sparse is not None:
             limit = self.sparse.max_active_dims
             return objects(
@@ -259,8 +273,10 @@ class ServedModel:
             return [Tagged(e, task) for e in encodings]
         if route is not None and route is not self.route:
             return [Tagged(e, route) for e in encodings]
-        if self.encoder is not None and task is not None and self.prompt_tokens(prefix) != self.skipped:
-            return [Tagged(e, self.prompt_tokens(prefix)) for e in encodings]
+        if self.encoder is not None:
+            tag = (self.prompt_tokens(prefix) if task is not None else self.skipped, self.adapter(task, prompt_name))
+            if tag != self.dense_tag:
+                return [Tagged(e, tag) for e in encodings]
         return encodings
 
     def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:
