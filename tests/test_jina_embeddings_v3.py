@@ -27,6 +27,7 @@ import mlx_encoders
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.index import Index, build, read_corpus
 from mlx_encoders.serve.models import ServedModel
+from mlx_encoders.train import fine_tune
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
 # Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows.
@@ -240,3 +241,19 @@ def test_served_and_indexed_with_the_query_and_document_adapters(st_folder, tmp_
     scores = docs @ encoder.encode_query("Cats purr when they are content.")
     hits = Index(index).search("Cats purr when they are content.", k=3)
     np.testing.assert_allclose([h.score for h in hits], np.sort(scores)[::-1][:3], atol=1e-5)
+
+
+def test_embedding_training_with_lora_runs_and_saves_a_sentence_transformers_folder(st_folder, tmp_path):
+    triplets = [
+        dict(anchor="how do cats sleep", positive="cats sleep curled up", negative="dogs bark at night"),
+        dict(anchor="what is python", positive="python is a programming language", negative="a python is a snake"),
+        dict(anchor="capital of france", positive="paris is the capital of france", negative="berlin is in germany"),
+    ]
+    trained = fine_tune(
+        "embed", triplets * 2, tmp_path / "out", model=st_folder, loss="mnrl", max_steps=2, batch_size=3, lora_rank=2
+    )
+    assert (tmp_path / "out" / "adapters").is_dir()
+    texts = ["how do cats sleep", "python"]
+    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
+    assert not np.allclose(SentenceEncoder(st_folder).encode(texts), expected, atol=1e-4)  # it trained

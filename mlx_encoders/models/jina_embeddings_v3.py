@@ -12,7 +12,6 @@ the float weights (`merge=True`), as transformers with PEFT's `set_adapter` or `
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +56,6 @@ class ModelArgs(BaseArgs):
     pad_token_id: int = 1
     classifier_dropout: float | None = None
     rope_parameters: dict | None = None
-    presets: ClassVar[dict] = {"v3": {}}  # jinaai/jina-embeddings-v3: the defaults above
 
     def __post_init__(self):
         super().__post_init__()
