@@ -257,3 +257,15 @@ def test_embedding_training_with_lora_runs_and_saves_a_sentence_transformers_fol
     expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
     assert not np.allclose(SentenceEncoder(st_folder).encode(texts), expected, atol=1e-4)  # it trained
+
+
+@pytest.mark.parametrize("head", ["masked-lm", "sequence-classification", "question-answering"])
+def test_save_reloads_in_transformers_with_identical_logits(checkpoint, tmp_path, head):
+    source = checkpoint("jina_embeddings_v3", head)
+    model, tokenizer = mlx_encoders.load(source)
+    mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    batch = tokenizer(TEXTS, padding=True)
+    expected, got = (torch_outputs(load_reference(f, head), batch) for f in (source, tmp_path / "saved"))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
