@@ -30,11 +30,12 @@ from mlx_encoders.serve.models import ServedModel
 from mlx_encoders.train import fine_tune
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
-# Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows.
+# Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows (and saving an rslora
+# adapter with two ranks writes an alpha_pattern).
 TASKS = {
     "retrieval_query": dict(r=4, lora_alpha=8),
     "retrieval_passage": dict(r=4, lora_alpha=8, rank_pattern={"fc1": 2}),
-    "separation": dict(r=2, lora_alpha=4, use_rslora=True),
+    "separation": dict(r=2, lora_alpha=4, use_rslora=True, rank_pattern={"o_proj": 3}),
     "classification": dict(r=4, lora_alpha=2),
     "text_matching": dict(r=3, lora_alpha=6),
 }
@@ -168,6 +169,22 @@ def st_folder(folder, tmp_path_factory):
     for task in TASKS:
         shutil.copytree(folder / task, st_folder / task)
     return st_folder
+
+
+def test_save_writes_the_adapters_back_as_peft_folders(folder, tmp_path):
+    """Each adapter (a rank_pattern one and an rslora one among them) reloads in transformers + PEFT and here."""
+    model, tokenizer = mlx_encoders.load(folder)
+    model.set_adapter("separation")  # an unmerged active adapter leaves the base weights as they are
+    mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    reloaded, _ = mlx_encoders.load(tmp_path / "saved")
+    assert sorted(reloaded.adapters) == sorted(TASKS)
+    for task in ("retrieval_passage", "separation"):
+        expected = torch_outputs(reference(folder, task), batch)
+        assert_close(torch_outputs(reference(tmp_path / "saved", task), batch), expected, real, "encoder")
+        reloaded.set_adapter(task)
+        assert_close(our_outputs(reloaded, batch), expected, real, "encoder")
 
 
 def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):

@@ -4,10 +4,14 @@ per call (jina-embeddings-v3's retrieval_query, retrieval_passage, separation, c
 
 `read_lora` gives, per adapted module, its path in the encoder and (A, B, scale) as PEFT computes them:
 `lora_A.weight` (r, in) and `lora_B.weight` (out, r) of a Linear, `lora_embedding_A` (r, vocab) and
-`lora_embedding_B` (H, r) of an Embedding, scale `lora_alpha / r` (`/ sqrt(r)` with `use_rslora`).
+`lora_embedding_B` (H, r) of an Embedding, scale `lora_alpha / r` (`/ sqrt(r)` with `use_rslora`; a module's own
+r and alpha from `rank_pattern` / `alpha_pattern`, matched as PEFT matches them). `write_lora` writes them back.
 """
 
+import json
 import math
+import re
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +33,6 @@ def check_config(config: dict, file: Path) -> float:
         "peft_type": config.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(config.get("use_dora")),
         "bias": config.get("bias", "none") != "none",
-        "alpha_pattern": bool(config.get("alpha_pattern")),
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
         "modules_to_save": bool(config.get("modules_to_save")),
     }
@@ -37,10 +40,15 @@ def check_config(config: dict, file: Path) -> float:
     if bad:
         raise ValueError(
             f"{file}: {', '.join(bad)} is not supported; only plain LoRA adapters (peft_type LORA, bias 'none', no "
-            "DoRA, alpha_pattern, fan_in_fan_out or modules_to_save) are read. Merge this adapter with PEFT "
+            "DoRA, fan_in_fan_out or modules_to_save) are read. Merge this adapter with PEFT "
             "(`merge_and_unload`) and load the merged model instead"
         )
     return float(config.get("lora_alpha", 8))
+
+
+def pattern_value(patterns: dict, path: str, default):
+    """PEFT's `get_pattern_key`: the value of the first pattern that matches the end of `path`, else `default`."""
+    return next((v for k, v in patterns.items() if re.match(rf"(.*\.)?({k})$", path)), default)
 
 
 def read_lora(folder: Path, prefix: str = "") -> dict[str, tuple[mx.array, mx.array, float]]:
@@ -58,15 +66,16 @@ def read_lora(folder: Path, prefix: str = "") -> dict[str, tuple[mx.array, mx.ar
         if suffix is None:
             raise ValueError(f"{weights_file}: {key} is not a LoRA A or B tensor; only plain LoRA adapters are read")
         path = key[: -len(suffix)].removeprefix("base_model.model.")
-        path = path.removeprefix(prefix + ".") if prefix else path
         parts.setdefault(path, {})[PARTS[suffix]] = value.astype(mx.float32)
     out = {}
     for path, ab in parts.items():
         if set(ab) != {"a", "b"} or ab["a"].shape[0] != ab["b"].shape[1]:
             found = {k: tuple(v.shape) for k, v in ab.items()}
             raise ValueError(f"{weights_file}: {path} needs an A (r, in) and a B (out, r) of one rank r; found {found}")
-        rank = ab["a"].shape[0]  # rank_pattern may give a module its own
-        out[path] = (ab["a"], ab["b"], alpha / (math.sqrt(rank) if config.get("use_rslora") else rank))
+        rank = ab["a"].shape[0]  # rank_pattern's, where it gives the module its own
+        own_alpha = float(pattern_value(config.get("alpha_pattern") or {}, path, alpha))
+        scale = own_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        out[path.removeprefix(prefix + ".") if prefix else path] = (ab["a"], ab["b"], scale)
     if not out:
         raise ValueError(f"{weights_file} holds no LoRA tensors")
     return out
@@ -80,3 +89,26 @@ def attach_adapters(model, path: Path) -> list[str]:
     for name, folder in folders.items():
         model.add_adapter(name, read_lora(folder, prefix))
     return list(folders)
+
+
+def write_lora(folder: Path, low_ranks: dict[str, tuple[mx.array, mx.array, float, bool]]) -> None:
+    """Write one adapter ({path: (A, B, scale, table)}) as PEFT saves it: the most common rank and alpha as `r` and
+    `lora_alpha`, other modules' in `rank_pattern` / `alpha_pattern` under their escaped full paths."""
+    folder.mkdir(parents=True)
+    ranks = {path: a.shape[0] for path, (a, _, _, _) in low_ranks.items()}
+    alphas = {path: scale * ranks[path] for path, (_, _, scale, _) in low_ranks.items()}
+    r, alpha = (Counter(values.values()).most_common(1)[0][0] for values in (ranks, alphas))
+    config = {
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "bias": "none", "use_rslora": False, "use_dora": False,
+        "fan_in_fan_out": False, "lora_dropout": 0.0, "inference_mode": True, "base_model_name_or_path": None,
+        "task_type": None, "target_modules": sorted({path.rsplit(".", 1)[-1] for path in low_ranks}),
+        "rank_pattern": {re.escape(p): v for p, v in ranks.items() if v != r},
+        "alpha_pattern": {re.escape(p): v for p, v in alphas.items() if v != alpha},
+    }  # fmt: skip
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    names = {True: ("lora_embedding_A", "lora_embedding_B"), False: ("lora_A.weight", "lora_B.weight")}
+    weights = {}
+    for path, (a, b, _, table) in low_ranks.items():
+        name_a, name_b = names[table]
+        weights[f"base_model.model.{path}.{name_a}"], weights[f"base_model.model.{path}.{name_b}"] = a, b
+    mx.save_safetensors(str(folder / WEIGHTS), weights, metadata={"format": "pt"})

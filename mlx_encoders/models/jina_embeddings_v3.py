@@ -279,6 +279,16 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
                 module.deltas.by_name.clear()
         state.active = None
 
+    def adapter_tensors(self) -> dict[str, dict[str, tuple[mx.array, mx.array, float, bool]]]:
+        """Every adapter as written back: {name: {path: (A, B, scale, is a table)}}; none while one is merged (the
+        weights then hold it, and the others would not apply to them)."""
+        if self.task_adapters.merged:
+            return {}
+        return {
+            name: {path: (low.a, low.b, low.scale, low.table) for path, low in adapter.items()}
+            for name, adapter in self.task_adapters.tasks.items()
+        }
+
     @contextmanager
     def adapter(self, task: str | None, merge: bool = False):
         """`set_adapter(task, merge)` within the block, the adapter before it restored after."""
@@ -323,6 +333,11 @@ class JinaEmbeddingsV3Head(HeadModel):
 
     def adapter_name(self, task: str) -> str:
         return self.roberta.adapter_name(task)
+
+    def adapter_tensors(self) -> dict[str, dict[str, tuple[mx.array, mx.array, float, bool]]]:
+        """The encoder's, under its checkpoint prefix, as PEFT names the modules of a head model."""
+        tensors = self.roberta.adapter_tensors()
+        return {name: {f"{self.prefix}.{p}": v for p, v in adapter.items()} for name, adapter in tensors.items()}
 
     @property
     def adapters(self) -> list[str]:
