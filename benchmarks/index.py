@@ -8,7 +8,8 @@ Building: the standard-library docstrings (first paragraphs) repeated to `--text
 appended), embedded by `--model` into a fresh index by one process, then by `mlx.launch --backend ring -n 2` (wall time,
 model loading included; `--texts 0` skips it). Searching: vectors of dimension 384 written straight into a store;
 each of `--queries` queries of the same kind answered by a matrix product over all vectors (exact) and through the
-HNSW graph with the top candidates re-scored (ann); recall@10 is the share of the exact top 10 the graph finds.
+HNSW graph (built for `--build-recall`, then calibrated) with the top candidates re-scored, at each recall asked
+of search (`--recalls`); recall@10 is the share of the exact top 10 the graph finds.
 Two kinds of vectors:
 - embedding-like (`--sizes`): drawn from a Gaussian with the mean and covariance of `--model`'s embeddings of the
   distinct docstring paragraphs, then normalised: real embeddings' spread over directions (not their clusters)
@@ -117,27 +118,43 @@ def uniform(rng: np.random.Generator, count: int, dimension: int) -> np.ndarray:
     return normalized(rng.standard_normal((count, dimension), dtype=np.float32))
 
 
+def timed(index: Index, queries: np.ndarray) -> tuple[list[np.ndarray], list[float]]:
+    """(positions of each query's top 10, seconds of each search)."""
+    found, times = [], []
+    for q in queries:
+        start = time.perf_counter()
+        found.append(index.nearest(q, 10)[0])
+        times.append(time.perf_counter() - start)
+    return found, times
+
+
 def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder: Path) -> dict:
+    """Exact search against the graph, at each recall asked for (`--recalls`): the search expansion calibration
+    chose and the recall it measured at build, the recall and time found on the queries, and whether a search
+    that may choose (ann=None) answers through the graph or exactly."""
     rng = np.random.default_rng(0)
     vectors, queries = draw(rng, size, args.dimension), draw(rng, args.queries, args.dimension)
     write_vectors(folder, vectors)
     del vectors
     start = time.perf_counter()
-    graph = Index(folder, ann=True)
+    graph = Index(folder, ann=True, recall=args.build_recall)  # builds the graph for that recall, and calibrates it
     figures = {"vectors": size, "kind": kind, "ann build s": round(time.perf_counter() - start, 2)}
-    exact = Index(folder, ann=False)
-    found = 0
-    for name, index in (("exact", exact), ("ann", graph)):
-        times = []
-        for q in queries:
-            start = time.perf_counter()
-            hits = index.nearest(q, 10)[0]
-            times.append(time.perf_counter() - start)
-            if name == "ann":
-                found += len(set(hits) & set(exact.nearest(q, 10)[0]))
-        figures[f"{name} median ms"] = round(1000 * statistics.median(times), 2)
-        figures[f"{name} p95 ms"] = round(1000 * np.percentile(times, 95), 2)
-    figures["ann recall@10"] = round(found / (10 * len(queries)), 4)
+    figures["connectivity"] = graph.way["connectivity"]
+    truth, times = timed(Index(folder, ann=False), queries)
+    figures["exact median ms"] = round(1000 * statistics.median(times), 2)
+    figures["exact p95 ms"] = round(1000 * np.percentile(times, 95), 2)
+    for recall in args.recalls:
+        index = Index(folder, ann=True, recall=recall)
+        found, times = timed(index, queries)
+        hits = sum(len(set(f) & set(t)) for f, t in zip(found, truth, strict=True))
+        figures[f"recall {recall}"] = {
+            "expansion_search": index.way["expansion_search"],
+            "calibrated recall@10": index.way["recall"],
+            "recall@10": round(hits / (10 * len(queries)), 4),
+            "median ms": round(1000 * statistics.median(times), 2),
+            "p95 ms": round(1000 * np.percentile(times, 95), 2),
+            "chosen": Index(folder, ann_threshold=0, recall=recall).way["method"],
+        }
     shutil.rmtree(folder)
     return figures
 
@@ -196,6 +213,8 @@ def main() -> None:
     p.add_argument("--uniform-sizes", type=int, nargs="*", default=[10_000, 100_000], help="uniform unit vectors")
     p.add_argument("--dimension", type=int, default=384)
     p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--recalls", type=float, nargs="*", default=[0.9, 0.95, 0.99], help="recall@10 asked of search")
+    p.add_argument("--build-recall", type=float, default=0.95, help="recall@10 the graph is built for")
     p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
     p.add_argument("--sparse-model", help="SparseEncoder folder for --retrieval (default: an IDF bag of words)")
     p.add_argument("--rank-build", type=Path, help=argparse.SUPPRESS)  # one rank of the build benchmark

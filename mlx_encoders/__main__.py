@@ -15,12 +15,11 @@ import sys
 
 import numpy as np
 
+from .checkpoint.build import DTYPES
 from .errors import add_debug_option, run_command
 from .pipelines.token_classification import STRATEGIES
 from .train import cli as train_cli
 from .train import retrieval_cli
-
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 def parser() -> argparse.ArgumentParser:

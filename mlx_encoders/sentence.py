@@ -10,7 +10,6 @@ batches, so padding is minimal, and returned in input order.
 
 `encode` and its keywords follow `SentenceTransformer.encode` of sentence-transformers 6
 (sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
-Longer than most modules: it mirrors `SentenceTransformer`'s folder reading and `encode` keywords one to one.
 """
 
 import numbers

@@ -16,7 +16,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as FastTokenizer
 
 from . import spm
-from .checkpoint.files import read_json_object
+from .jsonfile import read_json_object
 
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
@@ -161,10 +161,12 @@ class Tokenizer:
     def encode_batch(
         self, text, text_pair=None, truncation: bool | str = True, max_length: int | None = None,
         add_special_tokens: bool = True, stride: int = 0, is_split_into_words: bool = False,
+        direction: str = "right",
     ) -> list[Encoding]:  # fmt: skip
         """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs (or, with
         `is_split_into_words`, of lists of words). `truncation`: True (longest first), False, or a strategy
-        ("longest_first", "only_first", "only_second")."""
+        ("longest_first", "only_first", "only_second"); `direction` "left" cuts a text's start instead of its end
+        (transformers' `truncation_side`)."""
         texts = text_list(text, "The tokenizer")
         if text_pair is not None:
             pairs = text_list(text_pair, "The tokenizer's text_pair")
@@ -175,7 +177,7 @@ class Tokenizer:
         if truncation:  # tokenizers takes a machine-size length: a larger "no limit" becomes the largest it takes
             strategy = "longest_first" if truncation is True else truncation
             limit = min(max_length or self.model_max_length, USIZE_MAX)
-            self.backend.enable_truncation(limit, stride=stride, strategy=strategy)
+            self.backend.enable_truncation(limit, stride=stride, strategy=strategy, direction=direction)
         try:
             return self.backend.encode_batch(
                 texts, is_pretokenized=is_split_into_words, add_special_tokens=add_special_tokens

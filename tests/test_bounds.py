@@ -80,9 +80,10 @@ def bad_input(checkpoint):
 
 
 ID_CASES = ["id == vocab_size", "id far beyond", "negative id"]
-# ModernBERT and jina-embeddings-v3 have RoPE, DeBERTa-v3 (the deberta-v2 test config) relative positions only: no
-# position table.
-WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in ("modernbert", "deberta-v2", "jina_embeddings_v3")]
+# RoPE models (ModernBERT, Nomic BERT, GTE, EuroBERT, jina-embeddings-v3) and DeBERTa-v3 (the deberta-v2 test config,
+# relative positions only) have no position table.
+NO_TABLE = ("modernbert", "deberta-v2", "nomic_bert", "gte", "eurobert", "jina_embeddings_v3")
+WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in NO_TABLE]
 WITH_TYPES = ["bert", "roberta", "xlm-roberta", "albert", "electra"]  # DistilBERT, ModernBERT, MPNet read none
 
 
@@ -164,8 +165,9 @@ def test_roberta_counts_positions_of_real_tokens_only(encoders):
         model(mx.concatenate([padded[:, :-1], mx.full((1, 1), 5)], axis=1))
 
 
-def test_modernbert_has_no_position_limit(encoders):
-    model = encoders["modernbert"]
+@pytest.mark.parametrize("model_type", ["modernbert", "nomic_bert", "gte"])
+def test_rotary_models_have_no_position_limit(encoders, model_type):
+    model = encoders[model_type]
     ids = mx.full((1, model.args.max_position_embeddings + 8), 5)
     assert np.isfinite(np.array(model(ids).last_hidden_state)).all()
 

@@ -181,7 +181,7 @@ def test_model_built_in_code_is_first_class(checkpoint, tmp_path):
 # --- new heads on request, initialised as transformers initialises them ---
 
 HEAD_CASES = [(mt, "masked-lm", task) for mt in ("bert", "roberta", "distilbert", "albert", "modernbert", "mpnet",
-                                                   "electra")
+                                                   "electra", "nomic_bert", "gte", "eurobert")
               for task in ("sequence-classification", "token-classification")]  # fmt: skip
 
 

@@ -32,7 +32,10 @@ _HEADS = {
 GPU_CASES = [
     (mt, task)
     for i, mt in enumerate(MODEL_TYPES)
-    for task in ("encoder", "pretraining" if "pretraining" in model_module(mt).MODELS else _HEADS[mt][i % 4])
+    for task in (
+        "encoder",
+        "pretraining" if "pretraining" in model_module(mt).MODELS else _HEADS[mt][i % len(_HEADS[mt])],
+    )
 ]
 BRANCH_CASES = [(mt, t, "cpu") for mt, t in CASES] + [(mt, t, "gpu") for mt, t in GPU_CASES]
 # Sequence classification's other problem types, from the config or inferred as transformers does: a single
@@ -163,8 +166,10 @@ DROPOUT = {
     "mpnet": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2),  # no classifier dropout of its own
     "deberta-v2": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, pooler_dropout=0.25, cls_dropout=0.3),
 }
+DROPOUT["eurobert"] = dict(attention_dropout=0.2)  # its only dropout
 DROPOUT["deberta"] = DROPOUT["deberta-v2"]
 DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["jina_embeddings_v3"] = DROPOUT["bert"]
+DROPOUT["nomic_bert"] = DROPOUT["gte"] = DROPOUT["bert"]
 # BERT's classifiers fall back to hidden_dropout_prob without classifier_dropout.
 DROPOUT_CASES = [pytest.param(mt, task, DROPOUT[mt], id=f"{mt}-{task}") for mt, task in CASES] + [
     pytest.param(

@@ -23,13 +23,15 @@ SCORE_TOL = 1e-4
 # collapse at that scale into nearly the same output for every token, so it gets a smaller one; the seeds
 # chosen avoid a top-5 near-tie (DistilBERT) and a tagger that gives every word one label (BERT, ALBERT,
 # ELECTRA and DeBERTa-v2, which at 0.8 also saturate enough for float32 rounding to move their class scores
-# past the tolerance).
+# past the tolerance; GTE's and EuroBERT's features likewise).
 INIT = {
     "albert": dict(initializer_range=0.1, seed=1),
     "bert": dict(initializer_range=0.5, seed=1),
     "distilbert": dict(initializer_range=0.8, seed=1),
     "electra": dict(initializer_range=0.5, seed=1),
     "deberta-v2": dict(initializer_range=0.5),
+    "gte": dict(initializer_range=0.5),
+    "eurobert": dict(initializer_range=0.5),
 }
 DEFAULT_INIT = dict(initializer_range=0.8)
 BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}

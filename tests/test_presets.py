@@ -11,13 +11,15 @@ from mlx_encoders.models import model_class, model_module, preset_config, preset
 
 # Published sizes, in millions of parameters: the google-research/bert README and Turc et al. 2019 (BERT), OpenAI's
 # GPT-2 release as counted on the hub, the albert-*-v2 model cards (rounded down), the ELECTRA paper's
-# discriminators, ModernBERT's model cards.
+# discriminators, ModernBERT's, nomic-embed-text-v1.5's, gte-multilingual-base's and EuroBERT's model cards.
 PUBLISHED = {
     "bert-tiny": 4.4, "bert-mini": 11.3, "bert-small": 29.1, "bert-medium": 41.7, "bert-base": 110, "bert-large": 340,
     "gpt2-small": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558,
     "albert-base-v2": 11, "albert-large-v2": 17, "albert-xlarge-v2": 58, "albert-xxlarge-v2": 223,
     "electra-small": 14, "electra-base": 110, "electra-large": 335,
     "modernbert-base": 149, "modernbert-large": 395,
+    "nomic_bert-v1.5": 137, "gte-multilingual-base": 305,
+    "eurobert-210m": 210, "eurobert-610m": 610, "eurobert-2.1b": 2100,
 }  # fmt: skip
 
 

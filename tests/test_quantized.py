@@ -28,6 +28,9 @@ WIDE = {
     "electra": dict(embedding_size=128, hidden_size=256, intermediate_size=256),
     "deberta-v2": dict(hidden_size=128, intermediate_size=256),
     "deberta": dict(hidden_size=128, intermediate_size=256),
+    "nomic_bert": dict(hidden_size=128, intermediate_size=256),
+    "gte": dict(hidden_size=128, intermediate_size=256),
+    "eurobert": dict(hidden_size=128, intermediate_size=256),
     "jina_embeddings_v3": dict(hidden_size=128, intermediate_size=256),
     "gpt2": dict(n_embd=128, n_inner=256),
 }

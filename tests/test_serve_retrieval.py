@@ -434,7 +434,7 @@ def test_a_served_index_builds_its_graph_at_start_up_only_and_searches_exactly_w
         cannot = open_at_start(folder)
     assert cannot.graph is None and "searching it exactly" in capsys.readouterr().err
     served = ServedIndex("v", folder, open_at_start(folder), None)
-    assert served.opened["float32"].graph is not None and (folder / "ann-float32.usearch").exists()
+    assert (folder / "ann-float32.usearch").exists()  # searched through it where its calibration finds it faster
     monkeypatch.setattr(ann, "build", unwritable)  # from here on, a graph built would fail the request
     for precision in PRECISIONS:
         hits = served.search(precision, vectors[7], 3)

@@ -33,7 +33,7 @@ def test_ids_equal_transformers(checkpoint, model_type, pairs):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_returns_only_the_inputs_the_architecture_reads(checkpoint, model_type):
     ours, _ = both(checkpoint, model_type)
-    uses_types = model_type in ("bert", "albert", "electra")
+    uses_types = model_type in ("bert", "albert", "electra", "nomic_bert")
     assert ("token_type_ids" in ours(["a text"])) == uses_types
 
 

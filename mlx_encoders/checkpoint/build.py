@@ -158,7 +158,7 @@ def fit_weights(
 
 
 def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> None:
-    """transformers' initial values for `keys`: LayerNorm 1 and 0, zero biases, normal(0, std) weights,
+    """transformers' initial values for `keys`: LayerNorm (and RMSNorm) 1 and 0, zero biases, normal(0, std) weights,
     truncated to +-bound where the architecture's `init_std(path, args) -> (std, bound)` says so."""
     modules = dict(model.named_modules())
     params = dict(tree_flatten(model.parameters()))
@@ -166,7 +166,7 @@ def initialize(model: nn.Module, keys: list[str], module, dtype: mx.Dtype) -> No
     for key in keys:
         path, name = key.rsplit(".", 1)
         shape = params[key].shape
-        if isinstance(modules[path], nn.LayerNorm) and name == "weight":
+        if isinstance(modules[path], (nn.LayerNorm, nn.RMSNorm)) and name == "weight":
             value = mx.ones(shape)
         elif name != "weight":
             value = mx.zeros(shape)

@@ -5,7 +5,6 @@ and pickle weights are refused, so reading never runs code from a checkpoint.
 """
 
 import hashlib
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..jsonfile import read_json, read_json_object
 from ..models import model_module, task_of_architecture
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
@@ -53,25 +53,6 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:
         ) from e
     except HfHubHTTPError as e:
         raise FileNotFoundError(f"Could not fetch {name!r} from the Hugging Face hub: {e}") from e
-
-
-def read_json(file: Path, required: bool = False) -> Any:
-    """The parsed file; {} when it is absent and not `required`. A file that does not parse names itself."""
-    if not file.exists():
-        if required:
-            raise FileNotFoundError(f"No {file.name} in {file.parent}")
-        return {}
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); re-download or re-save it") from e
-
-
-def read_json_object(file: Path, required: bool = False) -> dict:
-    value = read_json(file, required)
-    if not isinstance(value, dict):
-        raise ValueError(f"{file} must hold a JSON object, found {type(value).__name__}")
-    return value
 
 
 def inside(folder: Path, name: Any, listed_in: Path) -> Path:

@@ -100,8 +100,8 @@ EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.166579589
                   5.0000001201e-1)  # fmt: skip
 ROUNDING = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer, in its low bits
 # Below this, exp is 0: x rounds to n = -127, whose 2^n bit pattern is all zeros. Masked scores land here, and
-# must give exactly 0, never a subnormal: x86 arithmetic on subnormals is slow enough to make a backward pass
-# over padded batches 15-20x slower (torch's softmax gives 0 there too).
+# must give exactly 0, never a subnormal: x86 arithmetic on subnormals slows a backward pass over padded batches
+# by an order of magnitude (torch's softmax gives 0 there too).
 FLUSH_TO_ZERO = -88.0
 
 

@@ -9,6 +9,10 @@ again, and shards left by a run of another world size are merged too. Rank 0 hol
 (`lock.py`) from start to end, so a second build into the same folder is refused at once. A sparse model
 (`sparse_model`, a `SparseEncoder` folder) is embedded in the same chunks and committed with the dense vectors, into
 postings.
+
+Without `mlx.launch`, `shard=(i, n)` embeds the i-th of n parts (from 1) alone, into `shards/part-<i>-of-<n>.sqlite`:
+the chunks rank i - 1 of n would take. n such runs on any machines, their part files copied into one folder's
+`shards/`, merge (an ordinary build of that folder) into the index a one-process build gives.
 """
 
 import os
@@ -23,14 +27,14 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import folder_digest
 from ..distributed import World, collective, timeout, warnings_on_main_rank, world
-from ..errors import CommandError
+from ..errors import CommandError, OptionError
 from ..sentence import SentenceEncoder
 from ..sparse import SparseEncoder
 from . import ann as ann_index
 from .documents import read_corpus
 from .lock import BuildLock
 from .search import ANN_THRESHOLD
-from .store import Store, shard_keys, text_key
+from .store import Store, StoreError, shard_keys, text_key
 
 CHUNK = 256  # texts per committed transaction: a kill loses at most this much work per rank
 # the other ranks wait this long (or the collective timeout, if longer) for rank 0's store check and its merge with
@@ -124,23 +128,31 @@ def build(
     ann: bool | None = None,
     ann_threshold: int = ANN_THRESHOLD,
     precision: str = "float32",
+    recall: float = ann_index.RECALL,
+    shard: tuple[int, int] | None = None,
     quiet: bool = False,
 ) -> dict[str, int]:
     """Build or update the index in folder `index` from `corpus` (a path, or (id, text) pairs) with `model` (a
     folder, hub id or SentenceEncoder) and/or `sparse_model` (a SparseEncoder or its folder: an inverted index of
-    its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built
-    too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else at the first search
-    that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped."""
+    its vectors), committing every `chunk` texts. The HNSW graph of `precision` is built (for `recall`, and
+    calibrated: `ann.py`) too when `ann` is True, or None and the index holds `ann_threshold` texts or more (else
+    at the first search that needs it). Returns counts (on rank 0; {} on the others): documents, texts, added, dropped.
+    `shard=(i, n)` embeds part i of n into a shard file only (see the module's docstring) and returns its counts:
+    part, texts, added, path."""
     ranks, folder = world(), Path(index)
     rank, size = ranks.rank, ranks.size
     if model is None and sparse_model is None:
         raise ValueError("index build needs a model (--model), a sparse model (--sparse-model) or both")
+    if shard is not None:
+        check_part(shard, size)
     encoder, name = open_model(model, SentenceEncoder)
     sparse, sparse_name = open_model(sparse_model, SparseEncoder)
     docs = read_corpus(corpus)
     meta = identity(encoder, name, sparse, sparse_name)
     name = " and ".join(n for n in (name, sparse_name) if n)
     store_file, shard_folder = folder / "index.sqlite", folder / "shards"
+    if shard is not None:
+        return build_part(docs, folder, shard, encoder, sparse, meta, name, batch_size, chunk, quiet)
 
     with ExitStack() as held:  # rank 0's build lock, released when the build ends, whichever way
         error = None
@@ -163,18 +175,16 @@ def build(
         try:  # a host that does not see the folder fails here, and the others learn of it
             with Store(store_file) as store:
                 known = store.keys()
-            for shard in sorted(shard_folder.glob("rank-*.sqlite")):
-                known |= shard_keys(shard, meta, name)
+            known |= read_shards(shard_folder, meta, name, set(keys), quiet or rank != 0)
         except Exception as e:
             error = e
         agree(ranks, error, "reading the shards")
 
-        texts = dict(zip(keys, (t for _, t in docs), strict=True))
-        pending = sorted(key for key in texts if key not in known)
-        chunks = [[(k, texts[k]) for k in pending[i : i + chunk]] for i in range(0, len(pending), chunk)]
+        chunks = cut(docs, keys, known, chunk)
         if rank == 0:
             log(
-                f"{len(docs)} documents, {len(texts)} distinct texts: {len(pending)} to embed over {size} rank(s)",
+                f"{len(docs)} documents, {len(set(keys))} distinct texts: {sum(map(len, chunks))} to embed over "
+                f"{size} rank(s)",
                 quiet,
             )
         error = None
@@ -192,11 +202,84 @@ def build(
         error, counts = None, {}
         try:
             if rank == 0:
-                counts = finish(folder, docs, keys, meta, name, ann, ann_threshold, precision, quiet)
+                graph = (ann, ann_threshold, precision, recall)
+                counts = finish(folder, docs, keys, meta, name, graph, quiet)
         except Exception as e:
             error = e
         agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
         return counts
+
+
+def cut(docs, keys: list[str], known: set[str], chunk: int) -> list[list[tuple[str, str]]]:
+    """The (key, text) chunks to embed: the distinct texts not `known`, by key, `chunk` at a time. A rank or part
+    takes every world-size-th of them, so any split embeds each text in the batch a one-process build would."""
+    texts = dict(zip(keys, (t for _, t in docs), strict=True))
+    pending = sorted(key for key in texts if key not in known)
+    return [[(k, texts[k]) for k in pending[i : i + chunk]] for i in range(0, len(pending), chunk)]
+
+
+def check_part(shard: tuple[int, int], size: int) -> None:
+    part, parts = shard
+    if not 1 <= part <= parts:
+        raise OptionError(f"shard must be a part i of n parts with 1 <= i <= n, got {part}/{parts}")
+    if size > 1:
+        raise OptionError(
+            "index build --shard embeds one part of the corpus in one process; under mlx.launch the ranks share "
+            "the corpus by themselves: run it without --shard, or each part without mlx.launch"
+        )
+
+
+def part_path(folder: Path, part: int, parts: int) -> Path:
+    return folder / "shards" / f"part-{part}-of-{parts}.sqlite"
+
+
+def build_part(docs, folder: Path, shard: tuple[int, int], encoder, sparse, meta: dict[str, str], name: str,
+               batch_size: int, chunk: int, quiet: bool) -> dict:  # fmt: skip
+    """Embed part i of n into its shard file: the chunks rank i - 1 of n would take of the texts the folder's
+    store (if any: a copy of the index being extended) lacks. Texts the part file already holds (a run that
+    stopped) are not embedded again."""
+    part, parts = shard
+    keys, store_file = [text_key(text) for _, text in docs], folder / "index.sqlite"
+    known = set()
+    if store_file.exists():
+        with Store(store_file) as store:
+            store.check_identity(meta, name)
+            known = store.keys()
+    mine = [pair for piece in cut(docs, keys, known, chunk)[part - 1 :: parts] for pair in piece]
+    path = part_path(folder, part, parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = shard_keys(path, meta, name) if path.exists() else set()
+    todo = [pair for pair in mine if pair[0] not in done]
+    log(f"part {part} of {parts}: {len(mine)} of {len(set(keys))} distinct texts, {len(todo)} to embed", quiet)
+    with open_shard(path, {**meta, "part": f"{part}/{parts}"}) as target:
+        if target.meta.get("part") != f"{part}/{parts}":
+            raise StoreError(f"{path} holds part {target.meta.get('part')}, not {part}/{parts}: delete it")
+        embed_chunks(target, encoder, sparse, [todo[i : i + chunk] for i in range(0, len(todo), chunk)], batch_size,
+                     quiet)  # fmt: skip
+    return {"part": f"{part}/{parts}", "texts": len(mine), "added": len(todo), "path": str(path)}
+
+
+def read_shards(shard_folder: Path, meta: dict[str, str], name: str, keys: set[str], quiet: bool) -> set[str]:
+    """The keys of every shard in `shard_folder` (ranks' and parts'), each checked (`shard_keys`); a part of
+    another corpus (texts this corpus lacks) is an error naming it, and missing parts of a split a line."""
+    known, found = set(), {}
+    for path in sorted(shard_folder.glob("*.sqlite")):
+        held = shard_keys(path, meta, name)
+        known |= held
+        if path.name.startswith("part-"):
+            if stray := held - keys:
+                with Store(path) as shard:
+                    text = shard.con.execute("SELECT text FROM staged WHERE key = ?", (min(stray),)).fetchone()[0]
+                raise StoreError(
+                    f"{path} holds {len(stray)} texts that are not in this corpus (such as {text!r}): it was embedded "
+                    "from another corpus. Build with the corpus its parts were embedded from, or delete the file."
+                )
+            part, parts = (int(n) for n in path.stem.split("-")[1::2])
+            found.setdefault(parts, set()).add(part)
+    for parts, present in found.items():
+        if missing := sorted(set(range(1, parts + 1)) - present):
+            log(f"parts {missing} of {parts} are not in {shard_folder}: their texts are embedded here", quiet)
+    return known
 
 
 def open_shard(path: Path, meta: dict[str, str]) -> Store:
@@ -213,11 +296,12 @@ def open_shard(path: Path, meta: dict[str, str]) -> Store:
     return Store(path)
 
 
-def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, ann: bool | None,
-           ann_threshold: int, precision: str, quiet: bool) -> dict[str, int]:  # fmt: skip
+def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str, graph: tuple,
+           quiet: bool) -> dict[str, int]:  # fmt: skip
     """Rank 0: merge the shards and swap in the new documents in one transaction, then remove the merged shards
-    and refresh the approximate index."""
-    shards = sorted((folder / "shards").glob("rank-*.sqlite"))
+    and refresh the approximate index (`graph`: ann, ann_threshold, precision, recall as `build` takes them)."""
+    ann, ann_threshold, precision, recall = graph
+    shards = sorted((folder / "shards").glob("*.sqlite"))
     for shard in shards:  # checked again: a rank of this run may have written it
         shard_keys(shard, meta, name)
     with Store(folder / "index.sqlite") as store:
@@ -226,15 +310,15 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
         indexed, wanted = store.keys(staged=False), set(keys)
         store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
         count, generation = store.count(), store.meta["generation"]
-        graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
-        if graph:
+        wanted_graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
+        if wanted_graph:
             rows, vectors = store.vectors()
     for shard in shards:  # merged: its rows are in the store now
         for path in (shard, shard.with_name(shard.name + "-wal"), shard.with_name(shard.name + "-shm")):
             path.unlink(missing_ok=True)
-    for unfinished in (folder / "shards").glob("rank-*.sqlite.new*"):  # a rank killed while creating its shard
+    for unfinished in (folder / "shards").glob("*.sqlite.new*"):  # a run killed while creating its shard
         unfinished.unlink(missing_ok=True)
-    if graph:
-        ann_index.build(folder, rows, vectors, precision, generation)
+    if wanted_graph:
+        ann_index.build(folder, rows, vectors, precision, generation, recall)
     log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
     return {"documents": len(docs), "texts": count, "added": len(wanted - indexed), "dropped": len(indexed - wanted)}

@@ -1,9 +1,13 @@
-"""`mlx-encoders index build --corpus PATH --index DIR --model M [--sparse-model S]` and
-`mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]`."""
+"""`mlx-encoders index build --corpus PATH --index DIR --model M [--sparse-model S]`,
+`mlx-encoders index search --index DIR "query" [-k K] [--mode dense|sparse|hybrid] [--json]` and
+`mlx-encoders index export --index DIR --output FILE.parquet [--precision float32|int8|binary]`."""
 
 import argparse
+import sys
 
+from .ann import RECALL
 from .build import CHUNK, build
+from .export import export
 from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
 
 
@@ -17,6 +21,27 @@ def positive(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a recall in (0, 1], as 0.95; got {text!r}")
+    return value
+
+
+def part(text: str) -> tuple[int, int]:
+    """`i/n`: part i of n, from 1."""
+    try:
+        shard = tuple(int(n) for n in text.split("/"))
+    except ValueError:
+        shard = ()
+    if len(shard) != 2 or not 1 <= shard[0] <= shard[1]:
+        raise argparse.ArgumentTypeError(f"must be a part i/n of the corpus with 1 <= i <= n (as 1/4), got {text!r}")
+    return shard
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("index", help="build and search a vector index of a corpus (SQLite, HNSW)")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -28,6 +53,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make.add_argument("--sparse-model", help="SparseEncoder (SPLADE) folder or hub id: an inverted index too")
     make.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
+    make.add_argument("--recall", type=fraction, default=RECALL,
+                      help=f"the recall@10 the HNSW graph is built for, if one is (default {RECALL})")  # fmt: skip
+    make.add_argument("--shard", type=part, metavar="I/N",
+                      help="embed only part I of N into shards/part-I-of-N.sqlite (no mlx.launch); a build of the "
+                      "folder holding every part's file in shards/ merges them")  # fmt: skip
     make.add_argument("--quiet", action="store_true", help="print nothing on stderr")
     find = actions.add_parser("search", help="the top-k documents for each query")
     find.add_argument("queries", nargs="+", metavar="QUERY")
@@ -43,9 +73,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     find.add_argument("--json", action="store_true", help="print a JSON list of {query, hits}, one query per line")
     find.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
     find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
+    find.add_argument("--recall", type=fraction, default=RECALL,
+                      help=f"recall@10 to reach: sets the graph's search expansion (default {RECALL})")  # fmt: skip
     graph = find.add_mutually_exclusive_group()
     graph.add_argument("--ann", action="store_true", default=None, help="use the HNSW graph at any size")
     graph.add_argument("--exact", dest="ann", action="store_false", help=f"never (default: from {ANN_THRESHOLD})")
+    out = actions.add_parser("export", help="write the index as one Parquet file, for another vector engine")
+    out.add_argument("--index", required=True, help="the index folder")
+    out.add_argument("--output", "-o", required=True, help="the .parquet file (written whole or not at all)")
+    out.add_argument("--precision", choices=PRECISIONS, default="float32",
+                     help="dense vectors as float32 (default), int8 codes or packed sign bits (binary)")  # fmt: skip
+    out.add_argument("--quiet", action="store_true", help="print nothing on stderr")
     p.set_defaults(run=run)
 
 
@@ -58,15 +96,26 @@ def run(args: argparse.Namespace) -> int:
             sparse_model=args.sparse_model,
             batch_size=args.batch_size,
             chunk=args.chunk,
+            recall=args.recall,
+            shard=args.shard,
             quiet=args.quiet,
         )
-        if counts and not args.quiet:
+        if args.shard and not args.quiet:
+            print(f"{counts['path']}: part {counts['part']}, {counts['texts']} texts ({counts['added']} added)")
+        elif counts and not args.quiet:
             print(
                 f"{args.index}: {counts['documents']} documents, {counts['texts']} texts "
                 f"({counts['added']} added, {counts['dropped']} dropped)"
             )
         return 0
-    index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision)
+    if args.action == "export":
+        counts = export(args.index, args.output, precision=args.precision, quiet=args.quiet)
+        print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
+        return 0
+    index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision,
+                  recall=args.recall)  # fmt: skip
+    if (args.mode or ("dense" if index.dense else "sparse")) != "sparse":
+        print(f"mlx-encoders index: {index.describe()}", file=sys.stderr)
     options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha, "depth": args.depth}
     results = [(query, index.search(query, args.top_k, **options)) for query in args.queries]
     if args.json:

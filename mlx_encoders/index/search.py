@@ -1,5 +1,6 @@
 """Top-k search over a built index: exact (one matrix product over every vector) below `ann_threshold` vectors,
-else through the HNSW graph of `ann.py`, whose candidates are re-scored exactly. `precision` "int8" or "binary"
+else through the HNSW graph of `ann.py` where it reaches the recall asked for faster, its candidates re-scored
+exactly. `precision` "int8" or "binary"
 ranks candidates on quantized vectors (`vectors.quantize_embeddings`, as `SentenceEncoder.encode(precision=)`)
 and re-scores the best of them with the stored float32 vectors. Scores are cosine similarities.
 
@@ -86,9 +87,12 @@ def fuse(
 class Index:
     """A built index opened for searching. `model` (a folder or hub id, or a SentenceEncoder) embeds text queries;
     by default the model the index was built with; so does `sparse_model` (a SparseEncoder or its folder) for an
-    index built with one. `ann`: True/False forces the graph on or off, None uses it
-    from `ann_threshold` vectors. `rescore`: candidates re-scored exactly per query (at least 4 x k). `write=False`
-    never writes into the folder: where the graph is missing or stale, search is exact instead of building it.
+    index built with one. `ann`: True/False forces the graph on or off, None may use it from `ann_threshold`
+    vectors: with the least search expansion its calibration says reaches `recall` (recall@10), or exactly where
+    it cannot or is no faster (`ann.plan`); `ef_search` sets the expansion by hand. `rescore`: candidates
+    re-scored exactly per query (at least 4 x k). `way` (and `describe()`, in words) says which way searches
+    answer. `write=False` never writes into the folder: where the graph is missing or stale, search is exact
+    instead of building it.
 
     The vectors are read once, here; each search checks that the store is still the build they came from and
     raises `StaleIndex` (a StoreError) once the index has been rebuilt: open it again."""
@@ -102,11 +106,15 @@ class Index:
         ann: bool | None = None,
         ann_threshold: int = ANN_THRESHOLD,
         precision: str = "float32",
-        rescore: int = 100,
+        rescore: int = ann_index.CANDIDATES,
+        recall: float = ann_index.RECALL,
+        ef_search: int | None = None,
         write: bool = True,
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if not 0 < recall <= 1 or (ef_search is not None and ef_search < 1):
+            raise OptionError(f"recall must be in (0, 1] and ef_search 1 or more; got {recall}, {ef_search}")
         self.folder, self.precision, self.rescore = Path(folder), precision, rescore
         with Store(self.folder / "index.sqlite") as store:
             self.meta = store.begin_read()  # the meta and the vectors of one build
@@ -121,13 +129,50 @@ class Index:
         self.dense = self.meta.get("model_fingerprint", "") != ""
         self.sparse = self.meta.get("sparse_model_fingerprint", "") != ""
         self.graph, self.checked = None, set()
+        self.way = {"method": "exact", "vectors": len(self.rows), "precision": precision}
         if self.dense and (ann if ann is not None else len(self.rows) >= ann_threshold):
-            generation = self.meta["generation"]
-            self.graph = ann_index.load(self.folder, precision, generation, len(self.rows), rebuild=write)
-            if self.graph is None and write:
-                self.graph = ann_index.build(self.folder, self.rows, self.vectors, precision, generation)
+            self.open_graph(recall, ef_search, forced=ann is True, write=write)
         if self.dense and self.graph is None and precision != "float32":
             self.codes = self.quantize(self.vectors)
+
+    def open_graph(self, recall: float, ef_search: int | None, forced: bool, write: bool) -> None:
+        """Load (or build, and calibrate) the graph, then choose how searches answer (`way`): through it with the
+        least expansion its calibration says reaches `recall` (or `ef_search`), or exactly where it cannot reach
+        `recall` or is no faster than the exact product (unless `forced`)."""
+        generation, precision = self.meta["generation"], self.precision
+        loaded = ann_index.load(self.folder, precision, generation, len(self.rows), rebuild=write)
+        if loaded is None and write:
+            loaded = ann_index.build(self.folder, self.rows, self.vectors, precision, generation, recall, self.rescore)
+        if loaded is None:
+            return
+        graph, info = loaded
+        if "calibration" not in info and write:  # a graph of an earlier version: measure it once
+            info["calibration"] = ann_index.calibrate(graph, self.rows, self.vectors, precision, self.rescore)
+            ann_index.write_record(ann_index.paths(self.folder, precision)[1], info)
+        if ef_search is not None or "calibration" not in info:
+            chosen = {"expansion_search": ef_search or 2 * self.rescore, "recall": None}
+        else:
+            chosen = ann_index.plan(info, recall, forced)
+        if chosen is None:
+            self.way["why"] = f"the graph is no faster at recall@10 {recall} (calibrated at build)"
+            return
+        self.graph = graph
+        self.way = {"method": "graph", "vectors": len(self.rows), "precision": precision,
+                    "connectivity": graph.connectivity, "expansion_search": chosen["expansion_search"],
+                    "candidates": self.rescore, "recall": chosen["recall"]}  # fmt: skip
+
+    def describe(self) -> str:
+        """How searches of this index answer, in words (`way`)."""
+        way = self.way
+        if way["method"] == "exact":
+            why = f"; {way['why']}" if "why" in way else ""
+            return f"exact search over {way['vectors']} vectors ({way['precision']}{why})"
+        measured = "not measured" if way["recall"] is None else f"{way['recall']} measured at build"
+        return (
+            f"HNSW graph search over {way['vectors']} vectors ({way['precision']}): connectivity "
+            f"{way['connectivity']}, expansion_search {way['expansion_search']}, {way['candidates']} candidates "
+            f"re-scored; recall@10 {measured}"
+        )
 
     def quantize(self, vectors: np.ndarray) -> np.ndarray:
         """int8 codes (ranges from the whole index) or +-1 signs, held as float32 for a BLAS product: exact, as
@@ -249,7 +294,9 @@ class Index:
     def nearest(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions, exact scores) of the best `k` vectors, best first."""
         if self.graph is not None:
-            rows = ann_index.candidates(self.graph, vector, max(self.rescore, 4 * k), self.precision)
+            count = max(self.rescore, 4 * k)  # the expansion grows with the candidates, as calibrated for rescore
+            expansion = self.way["expansion_search"] * count // self.rescore
+            rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
         elif self.precision != "float32":
             coarse = self.codes @ self.quantize(vector[None])[0]

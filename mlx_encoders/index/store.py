@@ -483,36 +483,78 @@ class Store:
             raise self.damaged("the postings found are not as many as the last build counted for their terms")
         return terms, rows, weights
 
+    DOCUMENT_COLUMNS = (
+        "t.row, CAST(t.key AS BLOB), CAST(t.text AS BLOB), t.text_crc, d.position, CAST(d.id AS BLOB), "
+        "CAST(d.key AS BLOB), d.shared, d.crc FROM texts t JOIN documents d ON d.key = t.key"
+    )
+
+    def checked_document(self, row, key, text, text_sum, position, doc_id, doc_key, shared, doc_sum) -> tuple:
+        """(position, row, id, text, documents sharing the text) of a row of DOCUMENT_COLUMNS, once its text and
+        document match their checksums (seeded with the row and position, so a row found is the row asked for)."""
+        seed = zlib.crc32(str(shared).encode(), position & 0xFFFFFFFF)
+        if (
+            text_sum != zlib.crc32(text, seeded(key, row))
+            or doc_sum != zlib.crc32(doc_id, zlib.crc32(doc_key, seed))
+            or doc_key != key
+        ):
+            raise self.damaged(f"text row {row} or its document {position} does not match its checksum")
+        return position, row, doc_id.decode(), text.decode(), shared
+
     def documents(self, rows: list[int]) -> dict[int, list[tuple[str, str]]]:
         """For each text row its (document id, text) pairs, in corpus order (a shared text has several); read in
         batches of LOOKUP_BATCH rows, so that no statement grows with the request. Each text and document is
-        checked against its checksum (seeded with its row, so a row found is the row asked for); a row with fewer
-        documents than the build wrote for it is the `damaged` error."""
+        checked against its checksum; a row with fewer documents than the build wrote for it is the `damaged`
+        error."""
         out: dict[int, list[tuple[str, str]]] = {row: [] for row in rows}
         found = []
         with self.reading():
             for start in range(0, len(rows), LOOKUP_BATCH):
                 batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
-                for row, key, text, text_sum, position, doc_id, doc_key, shared, doc_sum in self.con.execute(
-                    "SELECT t.row, CAST(t.key AS BLOB), CAST(t.text AS BLOB), t.text_crc, d.position, "
-                    "CAST(d.id AS BLOB), CAST(d.key AS BLOB), d.shared, d.crc FROM texts t JOIN documents d "
-                    f"ON d.key = t.key WHERE t.row IN ({','.join('?' * len(batch))})",
-                    batch,
-                ):
-                    seed = zlib.crc32(str(shared).encode(), position & 0xFFFFFFFF)
-                    if (
-                        text_sum != zlib.crc32(text, seeded(key, row))
-                        or doc_sum != zlib.crc32(doc_id, zlib.crc32(doc_key, seed))
-                        or doc_key != key
-                    ):
-                        raise self.damaged(f"text row {row} or its document {position} does not match its checksum")
-                    found.append((position, row, doc_id.decode(), text.decode(), shared))
+                marks = ",".join("?" * len(batch))
+                for values in self.con.execute(f"SELECT {self.DOCUMENT_COLUMNS} WHERE t.row IN ({marks})", batch):
+                    found.append(self.checked_document(*values))
         for _, row, doc_id, text, _ in sorted(found):
             out[row].append((doc_id, text))
         shared = {row: count for _, row, _, _, count in found}
         if short := [row for row, pairs in out.items() if len(pairs) != shared.get(row)]:
             raise self.damaged(f"text row {short[0]} has not the documents the last build wrote for it")
         return out
+
+    def all_documents(self, size: int) -> Iterator[list[tuple[str, int, str]]]:
+        """Every document in corpus order, `size` at a time: (id, text row, text), each checked as `documents`
+        checks them; after the last, the number read and the documents of each text against the build's counts
+        (a damaged page that SQLite reads without complaint loses rows)."""
+        read, shared, last = {}, {}, 0
+        with self.reading():
+            cursor = self.con.execute(f"SELECT {self.DOCUMENT_COLUMNS} ORDER BY d.position")
+            while batch := cursor.fetchmany(size):
+                out = []
+                for values in batch:
+                    position, row, doc_id, text, count = self.checked_document(*values)
+                    if position <= last:
+                        raise self.damaged(f"the document at position {position} is out of corpus order")
+                    last, read[row], shared[row] = position, read.get(row, 0) + 1, count
+                    out.append((doc_id, row, text))
+                yield out
+        if read != shared:
+            raise self.damaged("the documents read are not those the last build wrote for their texts")
+        self.check_counts(documents=sum(read.values()), texts=len(read))
+
+    def postings_of(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(terms, rows, weights) of every posting of the given text rows, ordered by row then term, read through
+        the row index in batches of LOOKUP_BATCH rows and checked against their checksums. Whether none was lost
+        shows only against the build's count of all postings: read every row once, then `check_counts(postings=)`."""
+        found = []
+        with self.reading():
+            for start in range(0, len(rows), LOOKUP_BATCH):
+                batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
+                marks = ",".join("?" * len(batch))
+                found += self.con.execute(f"SELECT term, row, weight, crc FROM postings WHERE row IN ({marks})", batch)
+        terms, numbers, weights, sums = posting_columns(found)
+        if np.any(posting_crc(terms, weights, numbers) != sums):
+            raise self.damaged("a posting of the inverted index does not match its checksum")
+        order = np.lexsort((terms, numbers))
+        return terms[order], numbers[order], weights[order]
 
 
 # what a build writes with each commit, after the texts and postings: the checksums of the documents, the counts of

@@ -24,6 +24,9 @@ MODEL_TYPES = {
     "electra": "electra",
     "deberta-v2": "deberta_v2",
     "deberta": "deberta",
+    "nomic_bert": "nomic_bert",
+    "gte": "gte",
+    "eurobert": "eurobert",
     "jina_embeddings_v3": "jina_embeddings_v3",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
@@ -42,6 +45,9 @@ ARCHITECTURE_PREFIXES = {
     "electra": "Electra",
     "deberta-v2": "DebertaV2",
     "deberta": "Deberta",
+    "nomic_bert": "NomicBert",
+    "gte": "Gte",
+    "eurobert": "EuroBert",
     "jina_embeddings_v3": "JinaEmbeddingsV3",
     "gpt2": "GPT2",
 }

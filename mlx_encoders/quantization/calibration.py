@@ -18,8 +18,8 @@ from ..tokenizer import Tokenizer
 
 # The built-in GPTQ calibration set: standard-library docstrings from this index on (disjoint from the first
 # thousands, which the benchmarks and tests evaluate on), each cut to CALIBRATION_TOKENS tokens. 128 texts give
-# all-MiniLM-L6-v2 the fidelity of 256 (mean cosine 0.99995 vs 0.99995 at 8 bits, 0.99173 vs 0.99265 at 4) in
-# half the time: the input Hessians cost as many FLOPs as the forward passes that feed them.
+# the fidelity of 256 in half the time (benchmarks/quantize.py): the input Hessians cost as many FLOPs as the
+# forward passes that feed them.
 CALIBRATION_START, CALIBRATION_TEXTS, CALIBRATION_TOKENS, CALIBRATION_CHARS = 4000, 128, 256, 4096
 # Padded tokens per calibration batch: on the CPU a batch of 16 texts of 256 tokens runs at half the speed per
 # token of 4 such texts, its attention scores and wide activations falling out of cache.

@@ -22,8 +22,8 @@ MODES = {
 # Layers (`encoder.layer.3.`, `layers.3.`, `transformer.layer.3.`, `albert_layers.0.`, GPT-2's `h.3.`) vs the rest.
 LAYER_PATTERN = re.compile(r"(^|\.)(layer|layers|albert_layers|h)\.\d+\.")
 # Tables added to every token's input (position, token type): an error in them moves every token of a text
-# the same way instead of averaging out. Quantized alone to 4 bits they cost all-MiniLM-L6-v2 0.0009-0.0012
-# of mean embedding cosine, more than its whole word table (0.0008), while holding under 1% of its weights.
+# the same way instead of averaging out, so at 4 bits they cost more fidelity than the whole word table while
+# holding a tiny share of the weights.
 # Below 8 bits they are kept at 8 (affine only); GPT-2's `wpe` is such a table, and so is DeBERTa's
 # `rel_embeddings`, which every attention score of every layer reads.
 SHARED_TABLES = ("*position_embeddings", "*token_type_embeddings", "*wpe", "*rel_embeddings")

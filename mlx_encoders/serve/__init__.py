@@ -1,6 +1,7 @@
 """`mlx-encoders serve`: an HTTP server of embeddings (OpenAI's /v1/embeddings, TEI's /embed and /embed_sparse),
 reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /predict) and index search
-(/v1/search), batching concurrent requests per model. Needs the `serve` extra (Starlette, uvicorn):
+(/v1/search), batching concurrent requests per model; Cohere's, Ollama's and Infinity's routes too (protocols/).
+Needs the `serve` extra (Starlette, uvicorn):
 `pip install "mlx-encoders[serve]"`.
 
     app = mlx_encoders.serve.app({"minilm": "path/to/all-MiniLM-L6-v2"})   # an ASGI app, models loaded and warm
@@ -38,15 +39,24 @@ def load_models(models, dtype: str | None = None, batch_size: int = 32, indexes:
     return served, [open_index(name, folder, served, dtype, batch_size) for name, folder in (indexes or {}).items()]
 
 
-def app(models=None, *, indexes: dict | None = None, dtype: str | None = None, **options):
-    """A Starlette (ASGI) app serving `models` and `indexes` (see `load_models`), loaded and warmed on return.
-    `options` are `Options` fields: max_batch_tokens, max_wait_ms, max_queue, max_inputs, max_request_bytes,
-    auto_truncate, batch_size, api_key, cors_origins, read_timeout. Its lifespan shutdown stops the model workers."""
+def app(
+    models=None, *, indexes: dict | None = None, dtype: str | None = None, models_dir: str | Path | None = None,
+    model_keep_alive: float = 300.0, **options,
+):  # fmt: skip
+    """A Starlette (ASGI) app serving `models` and `indexes` (see `load_models`), loaded and warmed on return, and
+    the sub-folders of `models_dir`, each loaded on its first request and unloaded after `model_keep_alive` idle
+    seconds (negative: never). `options` are `Options` fields: max_batch_tokens, max_wait_ms, max_queue,
+    max_inputs, max_request_bytes, auto_truncate, batch_size, api_key, cors_origins, read_timeout. Its lifespan
+    shutdown stops the model workers."""
     require_stack()
+    from .lazy import ModelsDir
     from .server import Options, Server, build
 
     settings = Options(**options)
-    served, indexed = load_models(models, dtype, settings.batch_size, indexes)
-    server = Server(served, settings, indexed)
+    lazy = None if models_dir is None else ModelsDir(models_dir, model_keep_alive, dtype, settings.batch_size)
+    served, indexed = (
+        load_models(models, dtype, settings.batch_size, indexes) if models or indexes or not lazy else ([], [])
+    )
+    server = Server(served, settings, indexed, lazy)
     server.warm()
     return build(server)

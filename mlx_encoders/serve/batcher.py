@@ -100,6 +100,7 @@ class Batcher:
                 for job, _, _ in pieces:
                     job.settle(error=error)
         self.drained.set()
+        self.compute = self.on_batch = None  # a stopped batcher lets its model go (an unloaded one's memory)
         # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
         # ("terminate called without an active exception"); a daemon thread left waiting does not.
         threading.Event().wait()

@@ -23,13 +23,21 @@ TIMEOUTS = {
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
-        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's routes)",
+        "serve", help="HTTP server: OpenAI embeddings, rerank, classify, search (and TEI's, Cohere's, Ollama's and "
+        "Infinity's routes)",
         description="Serve embeddings (/v1/embeddings, /embed, /embed_sparse), reranking (/v1/rerank, /rerank), "
         "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
-        "requests. Needs: pip install \"mlx-encoders[serve]\"",
+        "requests; also Cohere's (/v2/embed, /v2/rerank), Ollama's (/api/embed) and Infinity's routes. Needs: pip "
+        "install \"mlx-encoders[serve]\"",
     )  # fmt: skip
     p.add_argument("--model", "-m", action="append", default=[], metavar="[NAME=]PATH",
                    help="folder or hub id to serve, as NAME= (default: its folder or hub id); repeatable")  # fmt: skip
+    p.add_argument("--models-dir", metavar="DIR",
+                   help="serve each sub-folder of DIR under its name, loaded on its first request and unloaded "
+                   "when idle (Ollama-style); --model models stay loaded")  # fmt: skip
+    p.add_argument("--model-keep-alive", type=float, default=300.0, metavar="SECONDS",
+                   help="unload a --models-dir model idle for SECONDS (default 300; negative: never; an Ollama "
+                   "request's keep_alive sets it for its model)")  # fmt: skip
     p.add_argument("--index", action="append", default=[], metavar="NAME=DIR",
                    help="index folder (mlx-encoders index build) to search on /v1/search; repeatable")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     from . import load_models
     from .connections import protocol
+    from .lazy import ModelsDir
     from .server import Options, Server, build
 
     for name in ("max_batch_tokens", "max_queue", "batch_size", "max_inputs", "max_request_bytes"):
@@ -122,10 +131,14 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, api_key=api_key(args.api_key),
         cors_origins=tuple(args.cors_origin), read_timeout=read,
     )  # fmt: skip
-    if not args.model and not args.index:
-        raise ValueError("mlx-encoders serve needs --model PATH or --index NAME=DIR (or both)")
-    models, indexes = load_models(model_specs(args.model), args.dtype, args.batch_size, index_specs(args.index))
-    server = Server(models, options, indexes)
+    if not args.model and not args.index and not args.models_dir:
+        raise ValueError("mlx-encoders serve needs --model PATH, --models-dir DIR or --index NAME=DIR")
+    lazy = None if not args.models_dir else ModelsDir(args.models_dir, args.model_keep_alive, args.dtype,
+                                                     args.batch_size)  # fmt: skip
+    models, indexes = [], []
+    if args.model or args.index:
+        models, indexes = load_models(model_specs(args.model), args.dtype, args.batch_size, index_specs(args.index))
+    server = Server(models, options, indexes, lazy)
     server.warm()
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
     sock = socket.socket(
@@ -138,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-encoders serve: model {model.describe()}")
     for index in server.indexes.values():
         print(f"mlx-encoders serve: index {index.describe()}")
+    if lazy is not None:
+        print(
+            f"mlx-encoders serve: models loaded on request from {args.models_dir}: {', '.join(lazy.names()) or 'none'}"
+        )
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"mlx-encoders serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     # no graceful-shutdown timeout: a request that arrived whole is finished; the protocol ends the others in time

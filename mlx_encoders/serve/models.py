@@ -3,6 +3,7 @@ one (`SparseEncoder`, SPLADE), a multi-vector one (`MultiVectorEncoder`, ColBERT
 model (`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it); their
 tokenization and limits, and what a model worker computes for a batch."""
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,10 @@ EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
 SPARSE, MULTI_VECTOR = "sparse embeddings", "multi-vector embeddings"
 SPARSE_MODULES = {"SpladePooling", "SparseStaticEmbedding", "MLMTransformer"}
 TASKS = ("query", "document")
+FOREIGN_IDS = (
+    "token ids must be the model's own, special tokens included (its tokenizer's input_ids); a client that "
+    "tokenizes with tiktoken must send texts instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)"
+)
 FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}
 
 
@@ -239,17 +244,21 @@ class ServedModel:
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
-        task: str | None = None, prompt_name: str | None = None,
+        task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
+        direction: str = "right",
     ) -> list:  # fmt: skip
         """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
         "document": as `encode_query` / `encode_document`, a sparse Router's route for the task included;
         `prompt_name`: that prompt instead, as their `prompt_name=`); an input longer than that is an error unless
-        `truncate`."""
+        `truncate`. Dense and cross-encoder models also take a shorter `max_length` and `direction` "left" (cut
+        the start of an input instead of its end)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
             prefix = self.named_prompt(prompt_name)
         texts = [prefix + t for t in texts]
         limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
+        if max_length is not None:
+            limit = max_length if limit is None else min(limit, max_length)
         route = self.sparse_route(task) if self.sparse is not None else None
         try:
             if route is not None:
@@ -257,7 +266,9 @@ class ServedModel:
             elif self.multi is not None:
                 encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
             else:
-                encodings = self.tokenizer.encode_batch(texts, pairs, truncation=True, max_length=limit)
+                encodings = self.tokenizer.encode_batch(
+                    texts, pairs, truncation=True, max_length=limit, direction=direction
+                )
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param) from None
         if not truncate and limit is not None:
@@ -279,16 +290,38 @@ class ServedModel:
                 return [Tagged(e, tag) for e in encodings]
         return encodings
 
+    @functools.cached_property
+    def special_ends(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after every input ([CLS] and [SEP] for BERT)."""
+        encoding = self.tokenizer.encode_batch(["a"], truncation=False)[0]
+        words = [i for i, special in enumerate(encoding.special_tokens_mask) if not special]
+        if not words:
+            return [], []
+        return encoding.ids[: words[0]], encoding.ids[words[-1] + 1 :]
+
     def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:
-        """Token ids as inputs: each id within the model's vocabulary, each list within its length."""
+        """Token ids as inputs: each id within the model's vocabulary, each list within its length and framed by
+        the special tokens the model's tokenizer puts around every input (ids from another tokenizer, such as
+        tiktoken's, are refused rather than embedded as nonsense)."""
         if self.skipped:
             raise ApiError(400, f"model {self.name!r} leaves its prompt out of pooling; send texts, not token ids")
         vocab = self.model.args.vocab_size
+        start, end = self.special_ends
         out = []
         for i, ids in enumerate(lists):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(400, f"input[{i}] holds token id {bad}, outside model {self.name!r}'s 0..{vocab - 1}")
+                raise ApiError(
+                    400, f"input[{i}] holds token id {bad}, outside model {self.name!r}'s 0..{vocab - 1}; "
+                    f"{FOREIGN_IDS}", "input", "invalid_token_ids",
+                )  # fmt: skip
+            if len(ids) < len(start) + len(end) or ids[: len(start)] != start or ids[len(ids) - len(end) :] != end:
+                raise ApiError(
+                    400, f"input[{i}] is not model {self.name!r}'s token ids: its tokenizer starts every input with "
+                    f"{start} {self.tokenizer.convert_ids_to_tokens(start)} and ends it with {end} "
+                    f"{self.tokenizer.convert_ids_to_tokens(end)}, these start {ids[:3]} and end {ids[-3:]}; "
+                    f"{FOREIGN_IDS}", "input", "invalid_token_ids",
+                )  # fmt: skip
             if len(ids) > self.max_length:
                 if not truncate:
                     raise ApiError(
@@ -297,7 +330,7 @@ class ServedModel:
                         'takes; shorten it, send "truncate": true, or start the server with --auto-truncate',
                         "input", "input_too_long",
                     )  # fmt: skip
-                ids = ids[: self.max_length]
+                ids = ids[: self.max_length - len(end)] + end  # as the tokenizer cuts: its end tokens kept
             out.append(TokenIds(list(ids), [0] * len(ids)))
         return out
 

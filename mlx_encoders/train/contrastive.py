@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .config import check_option
 
-SIMILARITIES = ("cosine", "dot")
+LOSS_SIMILARITIES = ("cosine", "dot")  # what a contrastive loss scores pairs with
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
 NORM_EPS = 1e-12  # torch's F.normalize
@@ -33,8 +33,8 @@ def similarity_matrix(a: mx.array, b: mx.array, name: str) -> mx.array:
 
 
 def check_similarity(name: str) -> str:
-    if name not in SIMILARITIES:
-        raise ValueError(f"similarity must be one of {', '.join(SIMILARITIES)}, got {name!r}")
+    if name not in LOSS_SIMILARITIES:
+        raise ValueError(f"similarity must be one of {', '.join(LOSS_SIMILARITIES)}, got {name!r}")
     return name
 
 

@@ -402,7 +402,7 @@ def zero_padding_rows(model: nn.Module) -> None:
     RoBERTa's positions (which count from the padding id)."""
     for _, module in model.named_modules():
         row = getattr(module, "padding_idx", None)
-        tables = ["word_embeddings", "tok_embeddings"]
+        tables = ["word_embeddings", "tok_embeddings", "embed_tokens"]
         tables += ["position_embeddings"] if getattr(module, "positions_skip_padding", False) else []
         for name in tables:
             table = getattr(module, name, None) if row is not None else None

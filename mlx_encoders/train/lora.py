@@ -32,6 +32,9 @@ DEFAULT_TARGETS = {
     "electra": ["query", "key", "value"],
     "deberta-v2": ["query_proj", "key_proj", "value_proj"],
     "deberta": ["in_proj"],
+    "nomic_bert": ["q_proj", "k_proj", "v_proj"],
+    "gte": ["q_proj", "k_proj", "v_proj"],
+    "eurobert": ["q_proj", "k_proj", "v_proj"],
     "jina_embeddings_v3": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
 }

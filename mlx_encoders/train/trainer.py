@@ -5,7 +5,6 @@ and `_load_rng_state` in `trainer.py`; `TrainingArguments` for the names and def
 An epoch's order is drawn from `numpy.random.default_rng([seed, epoch])`, so it needs no saved state; the masking
 generator and the trainer's MLX key (dropout) are saved in each checkpoint's `trainer_state.json` and restored on
 resume, so a resumed run takes the same steps, with the same masks and dropout, as one never stopped.
-Longer than most modules: the loop, evaluation, checkpoints and resume belong together.
 """
 
 import json

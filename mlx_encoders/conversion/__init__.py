@@ -6,12 +6,12 @@ The command of mlx-lm's `convert` (reference: `mlx_lm/convert.py`; `save_model` 
 mlx-community layout (weights under the model's own parameter names, config.json with `quantization` and
 the same `quantization_config`, tokenizer and sentence-transformers files, a model card) into a folder that
 appears only when complete, then optionally uploads it to the hub.
-Longer than most modules: it is convert's one pipeline (load, quantize, check fidelity, write, card, upload).
+Foreign files are read by `checkpoint/foreign.py`, fidelity measured by `quantization/fidelity.py`, the report,
+card and upload are `card.py`'s.
 """
 
 import hashlib
 import json
-import math
 import shutil
 import time
 import warnings
@@ -19,31 +19,27 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
-from . import __version__
-from .bge_m3 import HEADS as BGE_M3_HEADS
-from .checkpoint import (
+from .. import __version__
+from ..checkpoint import (
     DTYPES,
     MAX_SHARD_BYTES,
-    PICKLE_SUFFIXES,
     Checkpoint,
     atomic_folder,
     folder_digest,
     load_model,
     model_config,
     read_json,
-    read_modules,
-    read_safetensors,
     write_checkpoint,
 )
-from .checkpoint.adapters import adapter_folders
-from .checkpoint.atomic import remove_stale
-from .checkpoint.build import build_model, check_dtype, normalize_keys
-from .checkpoint.write import copy_tokenizer_files
-from .models import task_of_model
-from .quantization import (
+from ..checkpoint.adapters import adapter_folders
+from ..checkpoint.atomic import remove_stale
+from ..checkpoint.build import build_model, check_dtype, normalize_keys
+from ..checkpoint.foreign import check_sentence_modules, convert_torch_heads, copy_sentence_files
+from ..checkpoint.write import copy_tokenizer_files
+from ..models import task_of_model
+from ..quantization import (
     CALIBRATION_TOKENS,
     OptionError,
     applied_settings,
@@ -56,147 +52,21 @@ from .quantization import (
     recipe_rule,
     warn_unmatched_patterns,
 )
-from .tokenizer import Tokenizer
+from ..quantization.fidelity import fidelity, main_output, perplexity, probe_batch
+from ..tokenizer import Tokenizer
+from .card import model_card, print_report, upload
 
 RECORD = "conversion.json"  # what a folder was converted from and how, to reuse it for the same request
-SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
-PROBE_TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "MLX is an array framework for machine learning on Apple silicon.",
-    "Paris is the capital of France.",
-    "A short one.",
-    "Quantization stores weights in fewer bits, trading a little accuracy for a much smaller model.",
-    "def add(a, b): return a + b",
-    "How many parameters does this encoder have?",
-    "Les modèles multilingues comprennent aussi le français, 12345 et les émojis 🙂.",
-]
-
-
-def sentence_modules(source: Path) -> list[Path]:
-    """Folders of the sentence-transformers modules (1_Pooling, 2_Dense, ...) listed in modules.json."""
-    return [folder for _, folder in read_modules(source) if folder != source and folder.is_dir()]
-
-
-def check_sentence_modules(source: Path) -> None:
-    """Refuse sentence-transformers modules whose weights are pickle only (unpickling runs code)."""
-    for folder in sentence_modules(source):
-        pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
-        if pickles and not list(folder.glob("*.safetensors")):
-            raise ValueError(
-                f"{folder} holds only pickle weights ({', '.join(pickles)}); mlx_encoders converts safetensors "
-                "only. Re-save the module with sentence-transformers (safe_serialization=True) first."
-            )
-
-
-def copy_sentence_files(source: Path, folder: Path, dtype: mx.Dtype | None) -> list[str]:
-    """Copy modules.json & co and each module folder; float weights (2_Dense/) are cast to `dtype`."""
-    names = [n for n in SENTENCE_FILES if (source / n).is_file()]
-    for name in names:
-        shutil.copy2(source / name, folder / name)
-    for module in sentence_modules(source):
-        target = folder / module.name
-        target.mkdir()
-        for file in sorted(module.iterdir()):
-            if file.suffix == ".safetensors":
-                weights = read_safetensors(file)
-                if dtype is not None:
-                    weights = {
-                        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
-                    }
-                mx.save_safetensors(str(target / file.name), weights, metadata={"format": "pt"})
-            elif file.is_file() and file.suffix not in PICKLE_SUFFIXES:
-                shutil.copy2(file, target / file.name)
-        names.append(module.name + "/")
-    return names
-
-
-def convert_torch_heads(source: Path, folder: Path, dtype: mx.Dtype | None) -> list[str]:
-    """BGE-M3's extra heads (sparse_linear, colbert_linear) as safetensors in `folder`: copied when the source
-    has them so, else read from their .pt pickles with torch's weights-only loader, which refuses anything but
-    tensors. Returns the names written."""
-    written = []
-    for name in BGE_M3_HEADS:
-        target = folder / f"{name}.safetensors"
-        if (source / target.name).is_file():
-            weights = read_safetensors(source / target.name)
-        elif (source / f"{name}.pt").is_file():
-            weights = read_torch_weights(source / f"{name}.pt")
-        else:
-            continue
-        if dtype is not None:
-            weights = {k: v.astype(dtype) for k, v in weights.items()}
-        mx.save_safetensors(str(target), weights, metadata={"format": "pt"})
-        written.append(target.name)
-    return written
-
-
-def read_torch_weights(file: Path) -> dict[str, mx.array]:
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"Converting {file} (a torch pickle) needs torch: pip install torch") from e
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError or RuntimeError for what its safe loader refuses
-        raise ValueError(
-            f"{file} is not a plain state dict of tensors that torch's weights-only loader reads: {e}"
-        ) from e
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{file} must hold a state dict of tensors (a Linear's weight and bias)")
-    return {k: mx.array(v.detach().to(torch.float32).numpy()) for k, v in state.items()}
 
 
 def source_tokenizer(model: nn.Module, checkpoint: Checkpoint) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships no tokenizer.json."""
-    from . import load_tokenizer
+    from .. import load_tokenizer
 
     try:
         return load_tokenizer(model, checkpoint)
     except FileNotFoundError:
         return None
-
-
-def probe_batch(model: nn.Module, tokenizer: Tokenizer | None) -> dict[str, mx.array]:
-    """The built-in probe texts through the checkpoint's tokenizer (seeded ids when it has none)."""
-    if tokenizer is not None:
-        return tokenizer(PROBE_TEXTS, padding=True, truncation=True)
-    ids = np.random.default_rng(0).integers(0, model.args.vocab_size, (len(PROBE_TEXTS), 16))
-    return {"input_ids": mx.array(ids, dtype=mx.int32), "attention_mask": mx.ones(ids.shape, dtype=mx.int32)}
-
-
-def main_output(model: nn.Module, batch: dict[str, mx.array]) -> tuple[str, mx.array]:
-    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch.get("token_type_ids"))
-    name = "logits" if out.logits is not None else "last_hidden_state"
-    value = getattr(out, name).astype(mx.float32)
-    mx.eval(value)
-    return name, value
-
-
-def fidelity(reference: mx.array, result: mx.array, attention_mask: mx.array) -> dict[str, float]:
-    """Per-text cosine (over its real tokens' outputs) and max abs difference, result vs reference."""
-    if reference.ndim == 3:  # token outputs: padding positions are not part of the text
-        mask = attention_mask.astype(mx.float32)[..., None]
-        reference, result = reference * mask, result * mask
-    a, b = reference.reshape(reference.shape[0], -1), result.reshape(result.shape[0], -1)
-    cosine = (a * b).sum(-1) / mx.maximum(mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1), 1e-12)
-    return {
-        "cosine_mean": cosine.mean().item(),
-        "cosine_min": cosine.min().item(),
-        "max_abs_diff": mx.abs(a - b).max().item(),
-    }
-
-
-def perplexity(logits: mx.array, batch: dict[str, mx.array]) -> float:
-    """exp of the mean next-token cross-entropy over the real tokens of the batch (a causal LM's fidelity)."""
-    ids, mask = batch["input_ids"], batch["attention_mask"].astype(mx.float32)
-    losses = nn.losses.cross_entropy(logits[:, :-1], ids[:, 1:], reduction="none")
-    keep = mask[:, 1:] * mask[:, :-1]
-    return math.exp(((losses * keep).sum() / keep.sum()).item())
-
-
-def describe_perplexity(report: dict) -> str:
-    before, after = report["perplexity"]["source"], report["perplexity"]["result"]
-    return f"{before:.4f} -> {after:.4f} ({100 * (after / before - 1):+.2f}%)"
 
 
 def default_mlx_path(source: str | Path, spec: dict | None, recipe: str | dict | None, dequantize: bool) -> Path:
@@ -208,98 +78,6 @@ def default_mlx_path(source: str | Path, spec: dict | None, recipe: str | dict |
     if isinstance(recipe, str):
         return Path(f"{name}-{recipe}")
     return Path(f"{name}-{spec['bits']}bit" if spec["mode"] == "affine" else f"{name}-{spec['mode']}")
-
-
-def upload(folder: Path, repo: str) -> str:
-    """Publish `folder` as the model repo `repo` (needs a write token: `hf auth login` or HF_TOKEN)."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    api.create_repo(repo_id=repo, repo_type="model", exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model")
-    return f"https://huggingface.co/{repo}"
-
-
-def describe_quantization(
-    quantization: dict | None, method: str = "round to nearest", applied: dict | None = None
-) -> str:
-    """The settings `applied` ({(bits, mode, group size): modules}, from `applied_settings`) and the modules left
-    float: what was done, which config.json's default alone does not say (a recipe may override it everywhere)."""
-    if not quantization:
-        return "none (float)"
-    applied = applied or {(quantization["bits"], quantization["mode"], quantization["group_size"]): None}
-    if len(applied) == 1:
-        (bits, mode, group_size), _ = next(iter(applied.items()))
-        text = f"{bits}-bit {mode}, group size {group_size} ({method})"
-    else:
-        parts = [f"{b}-bit {m} (g{g}) for {n} modules" for (b, m, g), n in sorted(applied.items(), key=lambda i: -i[1])]
-        text = f"mixed: {', '.join(parts)} ({method})"
-    floats = [k for k, v in quantization.items() if v is False]
-    if floats:
-        text += f"; {len(floats)} modules left float (input width not divisible by the group size, or by recipe): "
-        text += ", ".join(floats)
-    return text
-
-
-def model_card(source: str, folder_name: str, report: dict, repo: str | None) -> str:
-    hub_source = not Path(str(source)).expanduser().exists() and str(source).count("/") == 1
-    front = ["---", "library_name: mlx", "tags:", "- mlx", "- mlx-encoders", f"- {report['model_type']}"]
-    if hub_source:
-        front.append(f"base_model: {source}")
-    front.append("---")
-    fid = report["fidelity"]
-    perplexity_lines = []
-    if "perplexity" in report:  # a causal LM's
-        perplexity_lines = [f"- Perplexity on the probe texts, source -> here: {describe_perplexity(report)}"]
-    return "\n".join(
-        [
-            *front,
-            f"\n# {folder_name}\n",
-            f"MLX weights of `{source}` converted with the `convert` command of mlx-encoders.\n",
-            f"- Architecture: {report['model_type']} ({report['architecture']}), {report['parameters']:,} parameters",
-            f"- Quantization: {describe_quantization(report['quantization'], report['method'], report['applied'])}",
-            f"- Weights on disk: {report['bytes_before'] / 1e6:.1f} MB in the source, "
-            f"{report['bytes_after'] / 1e6:.1f} MB here ({report['bits_per_weight']:.2f} bits per weight)",
-            f"- Fidelity vs the source on {len(PROBE_TEXTS)} built-in probe texts ({report['output']}): "
-            f"cosine mean {fid['cosine_mean']:.6f}, min {fid['cosine_min']:.6f}; "
-            f"max abs difference {fid['max_abs_diff']:.4g}",
-            *perplexity_lines,
-            "\n## Use\n",
-            "```python",
-            "import mlx_encoders",
-            "",
-            f'model, tokenizer = mlx_encoders.load("{repo or folder_name}")',
-            'batch = tokenizer(["Hello world"], padding=True)',
-            'out = model(batch["input_ids"], attention_mask=batch["attention_mask"])',
-            "```",
-            "",
-        ]
-    )
-
-
-def print_report(source: str, target: Path, report: dict) -> None:
-    fid = report["fidelity"]
-    ratio = report["bytes_after"] / report["bytes_before"]
-    rows = [
-        ("architecture", f"{report['model_type']} ({report['architecture']})"),
-        ("parameters", f"{report['parameters']:,}"),
-        ("quantization", describe_quantization(report["quantization"], report["method"], report["applied"])),
-        (
-            "size on disk",
-            f"{report['bytes_before'] / 1e6:.2f} MB -> {report['bytes_after'] / 1e6:.2f} MB ({ratio:.3f}x)",
-        ),
-        ("bits/weight", f"{report['bits_per_weight']:.2f}"),
-        (
-            "fidelity",
-            f"{report['output']} on {len(PROBE_TEXTS)} probe texts: cosine mean {fid['cosine_mean']:.6f}, "
-            f"min {fid['cosine_min']:.6f}; max abs diff {fid['max_abs_diff']:.4g}",
-        ),
-        *([("perplexity", f"{describe_perplexity(report)} on the probe texts")] if "perplexity" in report else []),
-        ("time", f"{report['seconds']:.1f} s"),
-    ]
-    print(f"Converted {source} -> {target}")
-    for name, value in rows:
-        print(f"  {name:<13} {value}")
 
 
 def is_quantized(config: dict) -> bool:

@@ -1,0 +1,97 @@
+"""What a conversion tells: the report printed, the model card written beside the weights, the hub upload."""
+
+from pathlib import Path
+
+from ..quantization.fidelity import PROBE_TEXTS, describe_perplexity
+
+
+def describe_quantization(
+    quantization: dict | None, method: str = "round to nearest", applied: dict | None = None
+) -> str:
+    """The settings `applied` ({(bits, mode, group size): modules}, from `applied_settings`) and the modules left
+    float: what was done, which config.json's default alone does not say (a recipe may override it everywhere)."""
+    if not quantization:
+        return "none (float)"
+    applied = applied or {(quantization["bits"], quantization["mode"], quantization["group_size"]): None}
+    if len(applied) == 1:
+        (bits, mode, group_size), _ = next(iter(applied.items()))
+        text = f"{bits}-bit {mode}, group size {group_size} ({method})"
+    else:
+        parts = [f"{b}-bit {m} (g{g}) for {n} modules" for (b, m, g), n in sorted(applied.items(), key=lambda i: -i[1])]
+        text = f"mixed: {', '.join(parts)} ({method})"
+    floats = [k for k, v in quantization.items() if v is False]
+    if floats:
+        text += f"; {len(floats)} modules left float (input width not divisible by the group size, or by recipe): "
+        text += ", ".join(floats)
+    return text
+
+
+def model_card(source: str, folder_name: str, report: dict, repo: str | None) -> str:
+    hub_source = not Path(str(source)).expanduser().exists() and str(source).count("/") == 1
+    front = ["---", "library_name: mlx", "tags:", "- mlx", "- mlx-encoders", f"- {report['model_type']}"]
+    if hub_source:
+        front.append(f"base_model: {source}")
+    front.append("---")
+    fid = report["fidelity"]
+    perplexity_lines = []
+    if "perplexity" in report:  # a causal LM's
+        perplexity_lines = [f"- Perplexity on the probe texts, source -> here: {describe_perplexity(report)}"]
+    return "\n".join(
+        [
+            *front,
+            f"\n# {folder_name}\n",
+            f"MLX weights of `{source}` converted with the `convert` command of mlx-encoders.\n",
+            f"- Architecture: {report['model_type']} ({report['architecture']}), {report['parameters']:,} parameters",
+            f"- Quantization: {describe_quantization(report['quantization'], report['method'], report['applied'])}",
+            f"- Weights on disk: {report['bytes_before'] / 1e6:.1f} MB in the source, "
+            f"{report['bytes_after'] / 1e6:.1f} MB here ({report['bits_per_weight']:.2f} bits per weight)",
+            f"- Fidelity vs the source on {len(PROBE_TEXTS)} built-in probe texts ({report['output']}): "
+            f"cosine mean {fid['cosine_mean']:.6f}, min {fid['cosine_min']:.6f}; "
+            f"max abs difference {fid['max_abs_diff']:.4g}",
+            *perplexity_lines,
+            "\n## Use\n",
+            "```python",
+            "import mlx_encoders",
+            "",
+            f'model, tokenizer = mlx_encoders.load("{repo or folder_name}")',
+            'batch = tokenizer(["Hello world"], padding=True)',
+            'out = model(batch["input_ids"], attention_mask=batch["attention_mask"])',
+            "```",
+            "",
+        ]
+    )
+
+
+def upload(folder: Path, repo: str) -> str:
+    """Publish `folder` as the model repo `repo` (needs a write token: `hf auth login` or HF_TOKEN)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id=repo, repo_type="model", exist_ok=True)
+    api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model")
+    return f"https://huggingface.co/{repo}"
+
+
+def print_report(source: str, target: Path, report: dict) -> None:
+    fid = report["fidelity"]
+    ratio = report["bytes_after"] / report["bytes_before"]
+    rows = [
+        ("architecture", f"{report['model_type']} ({report['architecture']})"),
+        ("parameters", f"{report['parameters']:,}"),
+        ("quantization", describe_quantization(report["quantization"], report["method"], report["applied"])),
+        (
+            "size on disk",
+            f"{report['bytes_before'] / 1e6:.2f} MB -> {report['bytes_after'] / 1e6:.2f} MB ({ratio:.3f}x)",
+        ),
+        ("bits/weight", f"{report['bits_per_weight']:.2f}"),
+        (
+            "fidelity",
+            f"{report['output']} on {len(PROBE_TEXTS)} probe texts: cosine mean {fid['cosine_mean']:.6f}, "
+            f"min {fid['cosine_min']:.6f}; max abs diff {fid['max_abs_diff']:.4g}",
+        ),
+        *([("perplexity", f"{describe_perplexity(report)} on the probe texts")] if "perplexity" in report else []),
+        ("time", f"{report['seconds']:.1f} s"),
+    ]
+    print(f"Converted {source} -> {target}")
+    for name, value in rows:
+        print(f"  {name:<13} {value}")

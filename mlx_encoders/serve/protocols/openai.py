@@ -1,0 +1,121 @@
+"""OpenAI's routes: /v1/embeddings and /v1/models; /v1/classify in the same shapes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from starlette.requests import Request
+
+from ..embedding_types import TYPES, base64_of, typed
+from ..errors import ApiError
+from ..models import CLASSIFY, EMBED, MULTI_VECTOR, TASKS, ServedModel
+from ..requests import dimensions_of, option, read_json, texts, texts_or_ids
+
+if TYPE_CHECKING:  # the server imports every protocol
+    from ..server import Server
+
+
+async def embeddings(request: Request, server: Server):
+    """OpenAI's embeddings; for a multi-vector model each `embedding` is a list of token vectors (floats only)."""
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), (EMBED, MULTI_VECTOR), "/v1/embeddings")
+    found, ids = texts_or_ids(body.get("input"))
+    server.count(found or ids, "input")
+    fmt = option(body, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(400, f'"encoding_format" must be "float" or "base64", got {fmt!r}', "encoding_format")
+    task = option(body, "input_type", str)
+    if task is not None and task not in TASKS:
+        raise ApiError(400, f'"input_type" must be "query" or "document", got {task!r}', "input_type")
+    dtype = output_dtype(body, fmt)
+    if model.multi is not None:
+        multi_vector_request(model, body, fmt, ids)
+    dimensions = dimensions_of(body, model) if model.multi is None else None
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    if ids is not None and task is not None:
+        raise ApiError(400, '"input_type" applies to texts (its prompt); token ids are the whole input', "input_type")
+    if ids is None:
+        items = await server.tokenize(model, model.tokenize, found, truncate, task=task)
+    else:
+        items = await server.tokenize(model, model.token_ids, ids, truncate)
+    out = await server.run(model, items)
+    vectors = out if model.multi is not None else model.embeddings(out, dimensions)
+    if dtype != "float":
+        vectors = typed(vectors, dtype, "output_dtype")
+    tokens = sum(len(item.ids) for item in items)
+
+    def encoded(v: np.ndarray):
+        return base64_of(v) if fmt == "base64" else v.tolist()
+
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+        "model": model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def output_dtype(body: dict, fmt: str) -> str:
+    """Voyage's `output_dtype`: float (default), int8, uint8, binary or ubinary, as `encode(precision=...)`;
+    integers are sent as lists (base64 would decode as float32 in OpenAI clients)."""
+    dtype = option(body, "output_dtype", str, "float")
+    if dtype not in TYPES:
+        raise ApiError(400, f'"output_dtype" must be one of {", ".join(TYPES)}, got {dtype!r:.40}', "output_dtype")
+    if dtype != "float" and fmt != "float":
+        raise ApiError(
+            400, f'"output_dtype" {dtype} is sent as lists of integers: send "encoding_format": "float" (an OpenAI '
+            "client decodes base64 as float32, and the openai SDK asks for base64 unless told)", "encoding_format",
+        )  # fmt: skip
+    return dtype
+
+
+def multi_vector_request(model: ServedModel, body: dict, fmt: str, ids) -> None:
+    """What a multi-vector model refuses: base64 (a client would read the flat floats as one vector), dimensions
+    and token ids (its prompts and query expansion work on texts)."""
+    where = f"model {model.name!r} is a multi-vector model"
+    if fmt != "float":
+        raise ApiError(
+            400, f'{where}: each embedding is a list of token vectors, sent as floats only; send "encoding_format": '
+            '"float" (the openai SDK asks for base64 unless told)', "encoding_format",
+        )  # fmt: skip
+    if body.get("dimensions") is not None:
+        raise ApiError(400, f'{where}: "dimensions" does not apply to its token vectors', "dimensions")
+    if body.get("output_dtype", "float") != "float":
+        raise ApiError(400, f"{where}: its token vectors are sent as floats only", "output_dtype")
+    if ids is not None:
+        raise ApiError(400, f"{where}: send texts, not token ids", "input")
+
+
+async def classify(request: Request, server: Server):
+    body = await read_json(request, server)
+    model = server.model(body.get("model"), CLASSIFY, "/v1/classify")
+    found = server.count(texts(body.get("input"), "input"), "input")
+    top_k = option(body, "top_k", int, None, 1)
+    truncate = option(body, "truncate", bool, server.options.auto_truncate)
+    items = await server.tokenize(model, model.tokenize, found, truncate)
+    labels = model.labels(await server.run(model, items), top_k)
+    tokens = sum(len(item.ids) for item in items)
+    return {
+        "object": "list",
+        "model": model.name,
+        "data": [{"index": i, "label": ranked[0]["label"], "labels": ranked} for i, ranked in enumerate(labels)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+async def models(request: Request, server: Server):
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"} for name in server.models]
+    return {"object": "list", "data": data}
+
+
+ROUTES = {
+    "/v1/embeddings": (embeddings, ["POST"]),
+    "/embeddings": (embeddings, ["POST"]),  # TEI's (and Infinity's) unprefixed alias
+    "/v1/classify": (classify, ["POST"]),
+    "/v1/models": (models, ["GET"]),
+}
+
+
+def error(e: ApiError) -> dict:
+    return e.openai()
