@@ -6,20 +6,28 @@ truncation to `max_seq_length`) and its logits go through the activation: the on
 with the model (config_sentence_transformers.json or config.json `sentence_transformers.activation_fn`), else
 sigmoid for one label and identity for more. `apply_softmax` then softmaxes multi-label scores. Pairs are sorted
 by token length into batches and returned in input order; an mx.array stands where it returns a torch tensor.
+
+A causal language model scores as sentence-transformers' `LogitScore` module does (Qwen3-Reranker): its one logit
+is the LM head's logit of the "true" token after the pair's last token, minus that of the "false" token. When the
+folder's Transformer takes chat messages, each pair is the conversation [query, document] (a prompt: a system
+message before them) through the tokenizer's chat template (chat_template.py).
 """
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from . import load_tokenizer
-from .checkpoint import Checkpoint, load_model, read_json_object
+from .chat_template import ChatTemplate, read_chat_template
+from .checkpoint import Checkpoint, load_model, read_json_object, read_modules
 from .engine.batching import run_batches
+from .pooling import last_token
 from .sentence import DENSE_ACTIVATIONS, merge_prompts, resolve_prompt
-from .tokenizer import check_count, text_list
+from .tokenizer import Tokenizer, check_count, text_list
 
 
 def saved_activation(path: str, source: Path) -> Callable | None:
@@ -52,6 +60,61 @@ def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
     return [tuple(pair) for pair in items], single
 
 
+@dataclass
+class LogitScore:
+    """sentence-transformers' `LogitScore`: (B, vocab) next-token logits -> (B, 1) scores, the true token's logit
+    minus the false token's (the true token's alone without one)."""
+
+    true_token_id: int
+    false_token_id: int | None = None
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        scores = logits[:, self.true_token_id]
+        return (scores if self.false_token_id is None else scores - logits[:, self.false_token_id])[:, None]
+
+
+def read_logit_score(checkpoint: Checkpoint) -> dict | None:
+    """The LogitScore config of a folder whose modules.json lists one, {} for a causal LM without modules.json
+    (sentence-transformers scores it with "yes" and "no"), None for a sequence classifier."""
+    for kind, folder in read_modules(checkpoint.path):
+        if kind.rsplit(".", 1)[-1] == "LogitScore":
+            config = read_json_object(folder / "config.json", required=True)
+            if config.get("module_input_name", "causal_logits") != "causal_logits":
+                raise ValueError(
+                    f"{folder / 'config.json'}: LogitScore reads {config['module_input_name']!r}; only the causal "
+                    "LM's logits ('causal_logits') are supported"
+                )
+            return config
+    if not (checkpoint.path / "modules.json").exists() and checkpoint.task == "causal-lm":
+        return {}
+    return None
+
+
+def logit_score(config: dict, tokenizer: Tokenizer, source: Path) -> LogitScore:
+    """The LogitScore of `config`, its tokens "yes" and "no" when it names none (sentence-transformers' default)."""
+    if "true_token_id" in config:
+        return LogitScore(int(config["true_token_id"]), config.get("false_token_id"))
+    true, false = (tokenizer.token_id(t) for t in ("yes", "no"))
+    if true is None or false is None:
+        raise ValueError(
+            f"{source} holds a causal language model to score with the logits of the tokens 'yes' and 'no', but its "
+            "tokenizer lacks them; add a LogitScore module (modules.json, 1_LogitScore/config.json with "
+            "true_token_id and false_token_id) naming the tokens to use"
+        )
+    return LogitScore(true, false)
+
+
+def takes_messages(path: Path) -> bool:
+    """Whether pairs go through the chat template, as sentence-transformers decides: a saved Transformer takes
+    messages when its sentence_bert_config.json `modality_config` lists "message" (one saved before there was a
+    modality_config takes text); a plain checkpoint does when its tokenizer has a chat template."""
+    modules = read_modules(path)
+    if not modules:
+        return read_chat_template(path) is not None
+    folder = next((f for kind, f in modules if kind.rsplit(".", 1)[-1] == "Transformer"), path)
+    return "message" in (read_json_object(folder / "sentence_bert_config.json").get("modality_config") or {})
+
+
 class CrossEncoder:
     """(query, document) pairs -> scores, like `sentence_transformers.CrossEncoder(path)`.
 
@@ -76,8 +139,19 @@ class CrossEncoder:
     ):
         checkpoint = Checkpoint.open(path_or_repo, revision)
         self.path = checkpoint.path
-        self.model = load_model(checkpoint, dtype=dtype, task="sequence-classification", num_labels=num_labels)
+        score = read_logit_score(checkpoint)
+        if score is not None and num_labels not in (None, 1):
+            raise ValueError(
+                f"{self.path} scores with the logits of its LM head: one label, not num_labels={num_labels}"
+            )
+        task = "sequence-classification" if score is None else "causal-lm"
+        self.model = load_model(
+            checkpoint, dtype=dtype, task=task, num_labels=None if score is not None else num_labels
+        )
         self.tokenizer = load_tokenizer(self.model, checkpoint)
+        self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
+        template = read_chat_template(self.path) if takes_messages(self.path) else None
+        self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
         file = self.path / "config_sentence_transformers.json"
         config = read_json_object(file)
         self.prompts, self.default_prompt_name = merge_prompts((), config, prompts, default_prompt_name, file)
@@ -89,7 +163,7 @@ class CrossEncoder:
 
     @property
     def num_labels(self) -> int:
-        return self.model.args.num_labels
+        return 1 if self.logit_score is not None else self.model.args.num_labels
 
     def default_activation(self, st_config: dict, config: dict) -> Callable:
         saved = [
@@ -122,7 +196,7 @@ class CrossEncoder:
         pairs, single = pair_list(sentences)
         check_count("predict() batch_size", batch_size, 1)
         prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "predict()")
-        logits = self.logits([(prefix + a, b) for a, b in pairs], batch_size, show_progress_bar)
+        logits = self.logits(pairs, prefix, batch_size, show_progress_bar)
         scores = (activation_fn or self.activation_fn)(logits)
         if self.num_labels == 1:
             scores = scores.squeeze(-1)
@@ -136,13 +210,29 @@ class CrossEncoder:
             out = list(scores)
         return out[0] if single else out
 
-    def logits(self, pairs: list[tuple[str, str]], batch_size: int, show_progress: bool | None) -> mx.array:
+    def logits(
+        self, pairs: list[tuple[str, str]], prompt: str, batch_size: int, show_progress: bool | None
+    ) -> mx.array:
         """(N, num_labels) float32 logits in input order, batches of similar token lengths."""
         if not pairs:
             return mx.zeros((0, self.num_labels))
-        firsts, seconds = zip(*pairs, strict=True)
-        encodings = self.tokenizer.encode_batch(list(firsts), list(seconds), max_length=self.max_seq_length)
-        return mx.array(self.encoding_logits(encodings, batch_size, show_progress))
+        return mx.array(self.encoding_logits(self.tokenize(pairs, prompt), batch_size, show_progress))
+
+    def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "") -> list:
+        """Each pair as the model reads it, cut to `max_seq_length` (`overflowing` non-empty where cut): through the
+        chat template as a [system prompt,] query, document conversation, else as a text pair, the prompt
+        before the query."""
+        if not pairs:
+            return []
+        if self.chat_template is None:
+            firsts, seconds = zip(*pairs, strict=True)
+            firsts = [prompt + a for a in firsts]
+            return self.tokenizer.encode_batch(firsts, list(seconds), max_length=self.max_seq_length)
+        system = [{"role": "system", "content": prompt}] if prompt else []
+        conversations = [
+            system + [{"role": "query", "content": q}, {"role": "document", "content": d}] for q, d in pairs
+        ]
+        return self.chat_template.encode(conversations, self.max_seq_length)
 
     def encoding_logits(self, encodings: list, batch_size: int, show_progress: bool | None = False) -> np.ndarray:
         """(N, num_labels) float32 logits of tokenized pairs (anything with `ids` and `type_ids`, e.g. a server's
@@ -151,6 +241,10 @@ class CrossEncoder:
 
         def forward(rows: np.ndarray) -> list[mx.array]:
             batch = self.tokenizer.pad([encodings[i] for i in rows])
+            if self.logit_score is not None:  # the LM head on each row's last token only: the next token's logits
+                hidden = self.model.encode(batch["input_ids"], batch["attention_mask"]).last_hidden_state
+                last = last_token(hidden, batch["attention_mask"].astype(hidden.dtype))
+                return [self.logit_score(self.model.predict_tokens(last).astype(mx.float32))]
             result = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
             return [result.logits.astype(mx.float32)]
 

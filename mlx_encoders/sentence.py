@@ -5,8 +5,8 @@ Reads a sentence-transformers folder the way `sentence_transformers.SentenceTran
 `config_sentence_transformers.json` (prompts, default_prompt_name, similarity_fn_name, truncate_dim),
 `1_Pooling/config.json` and `2_Dense/`. A plain transformers checkpoint, or a folder whose modules.json lists a
 Pooling folder that is not there (as mlx-embeddings' converter leaves them), gets the architecture's natural
-pooling (ModernBERT's `classifier_pooling`, mean for the others). Texts are sorted by token length into
-batches, so padding is minimal, and returned in input order.
+pooling (a decoder's last token, ModernBERT's `classifier_pooling`, mean for the others). Texts are sorted by
+token length into batches, so padding is minimal, and returned in input order.
 
 `encode` and its keywords follow `SentenceTransformer.encode` of sentence-transformers 6
 (sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
@@ -147,6 +147,10 @@ def module_kind(module_type: str, file: Path) -> str:
 
 
 def natural_pooling(args) -> tuple[str, ...]:
+    architecture = (args.extra.get("architectures") or [""])[0]
+    # sentence-transformers' rule: a causal LM's last token is the only one that has seen the whole text
+    if getattr(args, "causal", False) and str(architecture).endswith("ForCausalLM"):
+        return ("lasttoken",)
     if args.model_type == "modernbert":
         return parse_modes(args.classifier_pooling)
     return ("mean",)
@@ -237,10 +241,10 @@ class SentenceEncoder:
         self.pooling = self.read_modules(kinds, pooling)
         self.read_sentence_config(transformer)
         self.read_model_config(prompts, default_prompt_name, similarity_fn_name, truncate_dim)
-        width = len(self.pooling) * self.model.args.hidden_size
+        width = len(self.pooling) * self.model.args.output_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
-        # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.merge_adapters = False  # task adapters: added at each adapted module (True: merged into the weights)
+        # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None
         self._slice_tokens: int | None = None  # see the slice_tokens property
 
@@ -338,11 +342,11 @@ class SentenceEncoder:
 
     def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
         """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
-        `tokens` (lazy). Pooling leaves out the first `skipped` tokens (an excluded prompt)."""
+        `tokens` (lazy). Pooling leaves out the first `skipped` real tokens (an excluded prompt)."""
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
         hidden = out.last_hidden_state.astype(mx.float32)
         mask = batch["attention_mask"]
-        pooled_mask = mask if not skipped else mask * (mx.arange(mask.shape[1]) >= skipped)
+        pooled_mask = mask if not skipped else mask * (mx.cumsum(mask, axis=1) > skipped)  # either padding side
         x = pool(hidden, pooled_mask, self.pooling, mask)
         for dense in self.dense:
             x = dense(x.astype(dense.linear.weight.dtype)).astype(mx.float32)
@@ -499,7 +503,7 @@ class SentenceEncoder:
             if tokens:
                 hidden = np.array(arrays[1])
                 for row, i in enumerate(rows):
-                    token_vectors[i] = hidden[row, : len(encodings[i].ids)]
+                    token_vectors[i] = hidden[row, self.tokenizer.real_tokens(len(encodings[i].ids), hidden.shape[1])]
 
         def forward(rows: np.ndarray) -> list[mx.array]:
             return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)

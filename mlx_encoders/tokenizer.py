@@ -91,6 +91,12 @@ class Tokenizer:
         self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
         self.config = dict(config)  # tokenizer_config.json and special_tokens_map.json, written back by save()
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # Decoders used as encoders (Qwen3-Embedding) pad on the left, so every row ends with a real token.
+        self.padding_side = config.get("padding_side") or "right"
+        if self.padding_side not in ("left", "right"):
+            raise ValueError(
+                f"tokenizer_config.json: padding_side must be 'left' or 'right', got {self.padding_side!r}"
+            )
         for name in SPECIAL:
             setattr(self, name, _content(config.get(name)))
         self.backend.no_padding()
@@ -209,19 +215,24 @@ class Tokenizer:
         return self.pad(encodings, return_tensors=return_tensors)
 
     def pad(self, encodings: list[Encoding], width: int | None = None, return_tensors: str = "mlx") -> dict:
-        """Right-pad raw encodings into one batch of the model's inputs (to the longest, or to `width`)."""
+        """Pad raw encodings into one batch of the model's inputs (to the longest, or to `width`), on
+        `padding_side`: each row's tokens are `batch[name][row, real_tokens(len(ids), width)]`."""
         width = width or max((len(e.ids) for e in encodings), default=0)
         batch = {name: np.zeros((len(encodings), width), dtype=np.int32) for name in self.model_input_names}
         batch["input_ids"][:] = self.pad_token_id
         for row, e in enumerate(encodings):
-            n = len(e.ids)
-            batch["input_ids"][row, :n] = e.ids
-            batch["attention_mask"][row, :n] = 1
+            real = self.real_tokens(len(e.ids), width)
+            batch["input_ids"][row, real] = e.ids
+            batch["attention_mask"][row, real] = 1
             if "token_type_ids" in batch:
-                batch["token_type_ids"][row, :n] = e.type_ids
+                batch["token_type_ids"][row, real] = e.type_ids
         if return_tensors == "np":
             return batch
         return {name: mx.array(value) for name, value in batch.items()}
+
+    def real_tokens(self, length: int, width: int) -> slice:
+        """The columns of a padded row of `width` that hold its `length` tokens, on `padding_side`."""
+        return slice(width - length, width) if self.padding_side == "left" else slice(0, length)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)

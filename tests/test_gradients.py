@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from checkpoints import load_reference
+from checkpoints import language_model_task, load_reference
 from mlx.utils import tree_flatten
 from test_numerics import force_branch
 from test_parity import as_torch, assert_close, our_outputs
@@ -167,6 +167,7 @@ DROPOUT = {
     "deberta-v2": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2, pooler_dropout=0.25, cls_dropout=0.3),
 }
 DROPOUT["eurobert"] = dict(attention_dropout=0.2)  # its only dropout
+DROPOUT["qwen3"] = dict(attention_dropout=0.2, classifier_dropout=0.3)  # no hidden dropout in Qwen3
 DROPOUT["deberta"] = DROPOUT["deberta-v2"]
 DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["jina_embeddings_v3"] = DROPOUT["bert"]
 DROPOUT["nomic_bert"] = DROPOUT["gte"] = DROPOUT["bert"]
@@ -252,7 +253,8 @@ def test_every_model_switches_gradient_checkpointing(checkpoint, model_type, tas
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_gradient_checkpointing_keeps_gradients(checkpoint, model_type):
-    model, batch, labels, *_ = case(checkpoint(model_type, "masked-lm"), "masked-lm")
+    task = language_model_task(model_type)
+    model, batch, labels, *_ = case(checkpoint(model_type, task), task)
     loss, grads = our_gradients(model, batch, labels)
     model.gradient_checkpointing_enable()
     try:

@@ -11,7 +11,8 @@ from mlx_encoders.models import model_class, model_module, preset_config, preset
 
 # Published sizes, in millions of parameters: the google-research/bert README and Turc et al. 2019 (BERT), OpenAI's
 # GPT-2 release as counted on the hub, the albert-*-v2 model cards (rounded down), the ELECTRA paper's
-# discriminators, ModernBERT's, nomic-embed-text-v1.5's, gte-multilingual-base's and EuroBERT's model cards.
+# discriminators, ModernBERT's, nomic-embed-text-v1.5's, gte-multilingual-base's, EuroBERT's and Qwen3-Embedding's
+# model cards, EmbeddingGemma's (308M with its two Dense layers, 4.7M of them).
 PUBLISHED = {
     "bert-tiny": 4.4, "bert-mini": 11.3, "bert-small": 29.1, "bert-medium": 41.7, "bert-base": 110, "bert-large": 340,
     "gpt2-small": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558,
@@ -19,7 +20,8 @@ PUBLISHED = {
     "electra-small": 14, "electra-base": 110, "electra-large": 335,
     "modernbert-base": 149, "modernbert-large": 395,
     "nomic_bert-v1.5": 137, "gte-multilingual-base": 305,
-    "eurobert-210m": 210, "eurobert-610m": 610, "eurobert-2.1b": 2100,
+    "eurobert-210m": 210, "eurobert-610m": 610, "eurobert-2.1b": 2100, "gemma3_text-embeddinggemma-300m": 303,
+    "qwen3-0.6b": 600, "qwen3-4b": 4000, "qwen3-8b": 8000,
 }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ WIDE = {
     "eurobert": dict(hidden_size=128, intermediate_size=256),
     "jina_embeddings_v3": dict(hidden_size=128, intermediate_size=256),
     "gpt2": dict(n_embd=128, n_inner=256),
+    "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32),
 }
 TASKS = {"gpt2": "causal-lm"}
 # The unpacking per (bits, group size) is architecture-independent (test_dequantize_is_mlx_dequantize): the full grid

@@ -220,6 +220,22 @@ def build_model(module: ModuleType, config: dict, task: str, weights: dict[str, 
     return cls(args)
 
 
+def bare(weights: dict[str, mx.array], checkpoint: Checkpoint, task: str) -> bool:
+    """Whether the tensors are a bare encoder's alone though config.json names a head (a sentence-transformers
+    Transformer saves its bare model so; Qwen3-Embedding's config names the causal LM): each one under a module of
+    the encoder (built lazily: MLX allocates no weights until they are used), none under the head's prefix."""
+    prefix = model_class(checkpoint.model_type, task).prefix + "."
+    if prefix == "." or any(k.startswith(prefix) for k in weights):
+        return False
+    try:
+        encoder = model_class(checkpoint.model_type, "encoder")(
+            checkpoint.module.ModelArgs.from_dict(checkpoint.config)
+        )
+    except (TypeError, ValueError):  # a config the encoder cannot take: building the model says why
+        return False
+    return all(k.split(".", 1)[0] in encoder.children() for k in weights)
+
+
 def check_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
     if dtype is None or dtype in DTYPES.values():
         return dtype
@@ -309,13 +325,15 @@ def load_model(
         if task is None:
             raise
         stored_task = None  # an architecture we do not implement: only its encoder (or `task`) is wanted
+    weights = normalize_keys(checkpoint.read_weights())
+    if hasattr(checkpoint.module, "sanitize"):
+        weights = checkpoint.module.sanitize(weights)
+    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
+        task = "encoder"
     task = task or stored_task
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     config = with_labels(checkpoint.config, labels) if new_head else checkpoint.config
-    weights = normalize_keys(checkpoint.read_weights())
-    if hasattr(checkpoint.module, "sanitize"):
-        weights = checkpoint.module.sanitize(weights)
     try:
         model = build_model(checkpoint.module, config, task, weights)
     except ValueError as e:

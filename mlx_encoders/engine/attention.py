@@ -98,17 +98,40 @@ BLOCKWISE_FROM = 2048
 
 
 def blockwise_attention(
-    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None
-) -> mx.array:
+    q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, dropout: nn.Dropout | None = None,
+    *, causal: bool = False,
+) -> mx.array:  # fmt: skip
     """`attention` of (B, nh, L, hd) q, k, v, in O(L) memory on the CPU for L > BLOCKWISE_FROM when `mask` is a
     (B|1, 1, 1, L) key mask (padding_mask's) or None: `attention_by_blocks`. Short inputs, masks over queries too,
     dropout that is on (it needs the probabilities) and GPUs (whose fused kernel never holds the scores) take
-    `attention`."""
+    `attention`. `causal`: query i also sees only keys j <= i (a decoder's), each block only the keys up to its end."""
     active_dropout = dropout is not None and dropout.training and dropout._p_1 < 1
     keys_only = mask is None or mask.shape[1:3] == (1, 1)
     if not on_cpu() or active_dropout or not keys_only or q.shape[-2] <= BLOCKWISE_FROM:
+        if causal:  # one masked value for padding and future keys alike, as transformers' boolean masks give
+            future = future_keys(0, q.shape[-2], q.dtype)
+            mask = future if mask is None else mx.minimum(mask, future)
         return attention(q, k, v, mask, dropout)
-    return attention_by_blocks(q, k, v, mask, scale=q.shape[-1] ** -0.5, block=QUERY_BLOCK)
+    return attention_by_blocks(q, k, v, mask, scale=q.shape[-1] ** -0.5, block=QUERY_BLOCK, causal=causal)
+
+
+def future_keys(start: int, end: int, dtype: mx.Dtype) -> mx.array:
+    """Additive (1, 1, end - start, end) mask of queries start..end-1 over keys 0..end-1: on the keys after each
+    query, half the dtype's lowest value, padding_mask's (their minimum masks a key that either one masks)."""
+    queries, keys = mx.arange(start, end)[:, None], mx.arange(end)[None]
+    lowest = mx.array(float(mx.finfo(dtype).min) / 2, dtype)
+    return mx.where(keys <= queries, mx.array(0, dtype), lowest)[None, None]
+
+
+def block_keys(mask: mx.array | None, b: int, rows: slice, length: int, causal: bool, dtype) -> tuple[int, mx.array]:
+    """(how many keys, their mask) for batch row b's queries `rows`: all L keys, or with `causal` those up to the
+    block's last query, the later ones within the block masked. A query whose keys are all masked (left padding)
+    weighs its block's keys alike, where transformers weighs all L alike: only padding positions differ."""
+    if not causal:
+        return length, key_mask(mask, b)
+    end = min(rows.stop, length)
+    future = future_keys(rows.start, end, dtype)
+    return end, future if mask is None else mx.minimum(key_mask(mask, b)[..., :end], future)
 
 
 def query_blocks(shape: tuple[int, ...], block: int) -> Iterator[tuple[int, int, slice]]:
@@ -132,39 +155,42 @@ def after(x: mx.array, previous: list[mx.array]) -> mx.array:
 
 
 @mx.custom_function
-def attention_by_blocks(q, k, v, mask, *, scale: float, block: int) -> mx.array:
+def attention_by_blocks(q, k, v, mask, *, scale: float, block: int, causal: bool = False) -> mx.array:
     """written_out_attention of (B, nh, L, hd) q, k, v under a (B|1, 1, 1, L) additive key mask (or None),
     `block` queries of one head at a time: O(block L) live scores instead of B nh L^2. Its vjp recomputes each
-    block's softmax rather than keep it (as flash attention does), so gradients take O(L) memory too."""
+    block's softmax rather than keep it (as flash attention does), so gradients take O(L) memory too.
+    `causal`: each query sees the keys up to its own position (a block reads only the keys up to its end)."""
     if mask is not None and mask.shape[1:3] != (1, 1):
         raise ValueError(f"attention_by_blocks takes a (B|1, 1, 1, L) key mask, got shape {mask.shape}")
-    blocks = []
+    blocks, L = [], q.shape[2]
     for b, h, rows in query_blocks(q.shape, block):
         qb = after(q[b : b + 1, h : h + 1, rows], blocks[-1:])
-        blocks.append(
-            written_out_attention(qb, k[b : b + 1, h : h + 1], v[b : b + 1, h : h + 1], key_mask(mask, b), scale)
-        )
+        end, m = block_keys(mask, b, rows, L, causal, q.dtype)
+        blocks.append(written_out_attention(qb, k[b : b + 1, h : h + 1, :end], v[b : b + 1, h : h + 1, :end], m, scale))
     return mx.concatenate(blocks, axis=2).reshape(q.shape)  # blocks in (b, h, query) order
 
 
 @attention_by_blocks.vjp
-def attention_by_blocks_vjp(primals, cotangent, output, *, scale: float, block: int):
+def attention_by_blocks_vjp(primals, cotangent, output, *, scale: float, block: int, causal: bool = False):
     """With p = w / l (w = exp(s - max s) as the forward pass computed it, l = sum w), g' = g / l and d = g'.o:
     ds = w (g' v^T - d); dq = scale ds k, dk = scale ds^T q, dv = w^T g', dmask = ds summed over heads and queries.
-    Each (b, h)'s dk and dv add up over its blocks."""
+    Each (b, h)'s dk and dv add up over its blocks (a causal block's over the keys up to its end)."""
     q, k, v, mask = primals
-    f32 = mx.float32
+    f32, L = mx.float32, q.shape[2]
     dq, dk, dv, dmask, previous = [], {}, {}, {}, []
     for b, h, rows in query_blocks(q.shape, block):
-        qb, kb, vb = q[b : b + 1, h : h + 1, rows], k[b : b + 1, h : h + 1], v[b : b + 1, h : h + 1]
-        weights = softmax_weights(after(qb, previous), kb, key_mask(mask, b), scale)  # (1, 1, block, L)
+        end, m = block_keys(mask, b, rows, L, causal, q.dtype)
+        qb, kb, vb = q[b : b + 1, h : h + 1, rows], k[b : b + 1, h : h + 1, :end], v[b : b + 1, h : h + 1, :end]
+        weights = softmax_weights(after(qb, previous), kb, m, scale)  # (1, 1, block, end)
         g = cotangent[b : b + 1, h : h + 1, rows].astype(f32) / weights.sum(axis=-1, keepdims=True)
         d = (g * output[b : b + 1, h : h + 1, rows].astype(f32)).sum(axis=-1, keepdims=True)
         ds = weights * (g @ vb.astype(f32).swapaxes(-1, -2) - d)
         dq.append((ds @ kb.astype(f32)) * scale)
-        add_to(dk, (b, h), (ds.swapaxes(-1, -2) @ qb.astype(f32)) * scale)
-        add_to(dv, (b, h), weights.swapaxes(-1, -2) @ g)
-        add_to(dmask, b, ds.sum(axis=(1, 2), keepdims=True))  # built lazily: computed only if asked for
+        rest = [(0, 0), (0, 0), (0, L - end), (0, 0)]  # the keys after the block's end: no gradient from it
+        add_to(dk, (b, h), mx.pad((ds.swapaxes(-1, -2) @ qb.astype(f32)) * scale, rest))
+        add_to(dv, (b, h), mx.pad(weights.swapaxes(-1, -2) @ g, rest))
+        # built lazily: computed only if asked for
+        add_to(dmask, b, mx.pad(ds.sum(axis=(1, 2), keepdims=True), rest[:2] + [(0, 0), (0, L - end)]))
         previous = [dq[-1], dk[b, h], dv[b, h]]
     dq = mx.concatenate(dq, axis=2).reshape(q.shape).astype(q.dtype)
     dk, dv = (mx.concatenate(list(t.values()), axis=1).reshape(x.shape).astype(x.dtype) for t, x in ((dk, k), (dv, v)))

@@ -1,7 +1,9 @@
 """Registry: config.json `model_type` -> model module, and task names -> head classes.
 
-`MODEL_TYPES` are the encoders, `DECODER_TYPES` the causal language models (GPT-2, task "causal-lm"); "encoder"
-is the task name of every bare model, encoder or decoder.
+`MODEL_TYPES` are the encoders, decoders used as encoders among them (Qwen3: causal attention, no generation);
+`DECODER_TYPES` the generative causal language models (GPT-2, task "causal-lm", with a key/value cache);
+`EMBEDDER_TYPES` the decoder-shaped text embedders (Gemma 3, EmbeddingGemma 2). "encoder" is the task name of every
+bare model, encoder or decoder.
 
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
 `TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
@@ -27,11 +29,20 @@ MODEL_TYPES = {
     "nomic_bert": "nomic_bert",
     "gte": "gte",
     "eurobert": "eurobert",
+    "qwen3": "qwen3",  # a decoder used as an encoder (Qwen3-Embedding); its causal-LM head scores Qwen3-Reranker
     "jina_embeddings_v3": "jina_embeddings_v3",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
 DECODER_TYPES = {"gpt2": "gpt2"}
+# Decoder-shaped embedders (RoPE, RMSNorm, grouped-query attention), whose transformers heads are not BERT's set:
+# kept apart for the same reason; tests/test_<model_type>.py is each one's parity test.
+EMBEDDER_TYPES = {
+    "gemma3_text": "gemma3_text",
+    "embedding_gemma2": "embedding_gemma2",
+    "embedding_gemma2_text": "embedding_gemma2_text",
+}
+ALL_TYPES = {**MODEL_TYPES, **DECODER_TYPES, **EMBEDDER_TYPES}
 
 # transformers class names are <prefix><suffix>: the prefix names the architecture, the suffix the head.
 ARCHITECTURE_PREFIXES = {
@@ -50,6 +61,10 @@ ARCHITECTURE_PREFIXES = {
     "eurobert": "EuroBert",
     "jina_embeddings_v3": "JinaEmbeddingsV3",
     "gpt2": "GPT2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma3Text",
+    "embedding_gemma2": "EmbeddingGemma2",
+    "embedding_gemma2_text": "EmbeddingGemma2Text",
 }
 ARCHITECTURE_SUFFIXES = {
     "Model": "encoder",
@@ -58,16 +73,18 @@ ARCHITECTURE_SUFFIXES = {
     "ForTokenClassification": "token-classification",
     "ForQuestionAnswering": "question-answering",
     "ForPreTraining": "pretraining",
+    "ForCausalLM": "causal-lm",
     "LMHeadModel": "causal-lm",
 }
-TASKS = tuple(ARCHITECTURE_SUFFIXES.values())
+# Heads whose transformers name is not the first suffix of their task.
+OLD_SUFFIXES = {("gpt2", "causal-lm"): "LMHeadModel"}
+TASKS = tuple(dict.fromkeys(ARCHITECTURE_SUFFIXES.values()))
 
 
 def model_module(model_type: str) -> ModuleType:
-    modules = {**MODEL_TYPES, **DECODER_TYPES}
-    if model_type not in modules:
-        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(modules)}")
-    return importlib.import_module(f"{__name__}.{modules[model_type]}")
+    if model_type not in ALL_TYPES:
+        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(ALL_TYPES)}")
+    return importlib.import_module(f"{__name__}.{ALL_TYPES[model_type]}")
 
 
 def task_of_architecture(architecture: str) -> str:
@@ -87,7 +104,7 @@ def task_of_architecture(architecture: str) -> str:
 
 def architecture_name(model_type: str, task: str) -> str:
     """The transformers class name of a head: ('xlm-roberta', 'masked-lm') -> 'XLMRobertaForMaskedLM'."""
-    suffix = next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
+    suffix = OLD_SUFFIXES.get((model_type, task)) or next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
     return ARCHITECTURE_PREFIXES[model_type] + suffix
 
 
@@ -111,8 +128,9 @@ def model_class(model_type: str, task: str) -> type:
 def presets() -> dict[str, tuple[str, str]]:
     """Every published size by its `<model_type>-<preset>` name ('bert-base', 'gpt2-xl', 'albert-large-v2', ...):
     (model_type, the preset's name in that architecture's `ModelArgs.presets`)."""
-    modules = {**MODEL_TYPES, **DECODER_TYPES}
-    return {f"{t}-{name}": (t, name) for t in modules for name in model_module(t).ModelArgs.__dict__.get("presets", {})}
+    return {
+        f"{t}-{name}": (t, name) for t in ALL_TYPES for name in model_module(t).ModelArgs.__dict__.get("presets", {})
+    }
 
 
 def preset_config(name: str) -> dict:

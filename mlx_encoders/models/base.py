@@ -177,6 +177,11 @@ class BaseArgs:
         return self.intermediate_size  # the feed-forward's inner width; DistilBERT and ModernBERT override this
 
     @property
+    def output_size(self) -> int:
+        """The width of the encoder's last_hidden_state (EmbeddingGemma 2 projects it past hidden_size)."""
+        return self.hidden_size
+
+    @property
     def max_tokens(self) -> int | None:
         """The longest input the position table allows (None: no table)."""
         return getattr(self, "max_position_embeddings", None)
@@ -274,6 +279,23 @@ def padding_mask(attention_mask: mx.array | None, dtype: mx.Dtype) -> mx.array |
     if attention_mask is None:
         return None
     keep = attention_mask.astype(mx.bool_)[:, None, None, :]
+    return mx.where(keep, mx.array(0, dtype), mx.array(mask_value(dtype), dtype))
+
+
+def causal_mask(
+    attention_mask: mx.array | None, length: int, offset: int, dtype: mx.Dtype, window: int | None = None
+) -> mx.array | None:
+    """Additive (B or 1, 1, L, offset + L) mask: query i sees key j <= offset + i whose attention_mask is 1 (and, with
+    a sliding `window`, only the keys with offset + i - j < window). Either padding side: keys are masked by value."""
+    if length == 1 and window is None:  # a single new query sees every cached key: only padding is masked
+        return padding_mask(attention_mask, dtype)
+    queries, keys = mx.arange(offset, offset + length)[:, None], mx.arange(offset + length)[None]
+    keep = keys <= queries  # (L, T)
+    if window is not None:
+        keep = keep & (queries - keys < window)
+    keep = keep[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.astype(mx.bool_)[:, None, None, :]
     return mx.where(keep, mx.array(0, dtype), mx.array(mask_value(dtype), dtype))
 
 

@@ -20,9 +20,8 @@ from .base import (
     Model,
     ModelOutput,
     activation,
-    mask_value,
+    causal_mask,
     merge_heads,
-    padding_mask,
     run_layer,
     split_heads,
 )
@@ -125,17 +124,6 @@ class KVCache:
         self.keys[..., start : self.offset, :] = keys
         self.values[..., start : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-
-
-def causal_mask(attention_mask: mx.array | None, length: int, offset: int, dtype: mx.Dtype) -> mx.array | None:
-    """Additive (B or 1, 1, L, offset + L) mask: query i sees key j <= offset + i whose attention_mask is 1."""
-    if length == 1:  # a single new query sees every cached key: only padding is masked
-        return padding_mask(attention_mask, dtype)
-    keep = mx.arange(offset + length)[None] <= mx.arange(offset, offset + length)[:, None]  # (L, T)
-    keep = keep[None, None]
-    if attention_mask is not None:
-        keep = keep & attention_mask.astype(mx.bool_)[:, None, None, :]
-    return mx.where(keep, mx.array(0, dtype), mx.array(mask_value(dtype), dtype))
 
 
 class GPT2Attention(nn.Module):

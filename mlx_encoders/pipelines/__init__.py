@@ -29,10 +29,10 @@ PIPELINES = {
 DEVICES = {"cpu": mx.cpu, "gpu": mx.gpu, "cuda": mx.gpu, "mps": mx.gpu}  # DeviceTypes: mx.Device(t) is the device
 ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification"}
 # Stored heads each task can load from (fill-mask also runs on the MLM half of a pretraining checkpoint, BERT's;
-# ELECTRA's, a discriminator, has none: `check_not_discriminator`).
+# ELECTRA's, a discriminator, has none: `check_not_discriminator`; Qwen3-Embedding's config names its causal LM).
 ACCEPTED = {
     "feature-extraction": ("encoder", "masked-lm", "pretraining", "sequence-classification",
-                           "token-classification", "question-answering"),
+                           "token-classification", "question-answering", "causal-lm"),
     "fill-mask": ("masked-lm", "pretraining"),
     "text-classification": ("sequence-classification",),
     "token-classification": ("token-classification",),

@@ -129,8 +129,10 @@ class Pipeline:
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             values = [to_numpy(a) for a in arrays]
             for row, i in enumerate(rows):
-                n = len(encodings[i].ids) if per_token else None
-                results[i] = [v[row, :n] for v in values]
+                if per_token:  # the row's own tokens, on either padding side
+                    results[i] = [v[row, self.tokenizer.real_tokens(len(encodings[i].ids), v.shape[1])] for v in values]
+                else:
+                    results[i] = [v[row] for v in values]
 
         self.run_batches(encodings, forward, collect, batch_size)
         return results

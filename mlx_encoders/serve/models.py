@@ -73,6 +73,8 @@ def kind_of(path: Path) -> str:
     if not modules:
         return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
     names = {kind.rsplit(".", 1)[-1] for kind, _ in modules}
+    if "LogitScore" in names:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
+        return "cross-encoder"
     for kind, folder in modules:  # a Router's routes are listed in its own config
         if kind.endswith("Router"):
             types = read_json_object(folder / "router_config.json").get("types") or {}
@@ -139,9 +141,12 @@ class ServedModel:
         if self.kind == "cross-encoder":
             self.cross = CrossEncoder(path, dtype=dtype)
             self.model, self.tokenizer = self.cross.model, self.cross.tokenizer
-            self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
             self.max_length = self.cross.max_seq_length
-            self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
+            if self.cross.logit_score is not None:  # its one logit is a relevance score, not a class's
+                self.capabilities = (RERANK,)
+            else:
+                self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
+                self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
             self.kind = "cross-encoder" if self.cross.num_labels == 1 else "classifier"
         elif self.kind == "sparse":
             self.sparse = SparseEncoder(path, dtype=dtype)
@@ -265,6 +270,8 @@ class ServedModel:
                 encodings, limit = route.tokenize(texts), route.max_seq_length
             elif self.multi is not None:
                 encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
+            elif self.cross is not None and pairs is not None:  # as `predict` reads pairs (a chat template's too)
+                encodings = self.cross.tokenize(list(zip(texts, pairs, strict=True)))
             else:
                 encodings = self.tokenizer.encode_batch(
                     texts, pairs, truncation=True, max_length=limit, direction=direction

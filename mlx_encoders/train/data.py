@@ -561,8 +561,8 @@ def collate(
         batch["labels"] = np.where(batch["attention_mask"] == 1, batch["input_ids"], IGNORE_INDEX).astype(np.int32)
     elif examples.task == "token-classification":
         batch["labels"] = np.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=np.int32)
-        for row, aligned in enumerate(labels):
-            batch["labels"][row, : len(aligned)] = aligned
+        for row, aligned in enumerate(labels):  # on the tokens' own side of the padding
+            batch["labels"][row, tokenizer.real_tokens(len(aligned), batch["input_ids"].shape[1])] = aligned
     else:
         batch["labels"] = np.array(labels, dtype=np.float32 if isinstance(labels[0], (float, list)) else np.int32)
     return batch

@@ -1,8 +1,8 @@
 """Training sentence-embedding models, as sentence-transformers' trainer does: text-column data (anchor, positive,
 negatives; or sentence1, sentence2, score), the `no_duplicates` batch sampler (`base/sampler.py`,
-`NoDuplicatesBatchSampler`), the model pass Transformer -> Pooling -> Normalize, GradCache for the cached loss
-(`base/losses/gradcache.py`), and the sentence-transformers folder written at the end. The losses themselves are
-in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
+`NoDuplicatesBatchSampler`), the model pass Transformer -> Pooling -> Dense... -> Normalize, GradCache for the
+cached loss (`base/losses/gradcache.py`), and the sentence-transformers folder written at the end. The losses
+themselves are in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
 """
 
 import json
@@ -16,15 +16,18 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from tokenizers import Encoding
 
 from .. import distributed
 from ..checkpoint.atomic import atomic_folder
-from ..checkpoint.files import read_json_object, read_modules
+from ..checkpoint.build import load_model
+from ..checkpoint.files import read_json_object, read_modules, read_safetensors
 from ..checkpoint.write import model_config, write_checkpoint
+from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..pooling import pool, read_pooling_config
+from ..sentence import DENSE_ACTIVATIONS, load_dense
 from ..tokenizer import Tokenizer
 from .contrastive import (
     LOSSES,
@@ -45,6 +48,8 @@ NEGATIVE = re.compile(r"negative_(\d+)")
 TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
 POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
 NORMALIZE = "sentence_transformers.base.modules.normalize.Normalize"
+DENSE = "sentence_transformers.base.modules.dense.Dense"
+DENSE_FILE = "dense.safetensors"  # a training checkpoint's Dense weights
 
 
 # ----- the model's sentence-transformers setup -----
@@ -63,11 +68,12 @@ class SentenceSetup:
     prompts: dict = field(default_factory=dict)
     similarity_fn_name: str | None = None
     sentence_config: dict = field(default_factory=dict)
+    dense: list[Path] = field(default_factory=list)  # the Dense modules' folders, in order (EmbeddingGemma's)
 
 
 def read_setup(path: Path) -> SentenceSetup:
-    """The setup of the folder at `path` (modules.json, 1_Pooling, config_sentence_transformers.json,
-    sentence_bert_config.json); Dense modules are refused, as training them is not supported."""
+    """The setup of the folder at `path` (modules.json, 1_Pooling, 2_Dense..., config_sentence_transformers.json,
+    sentence_bert_config.json); other module kinds are refused."""
     modules = read_modules(path)
     kinds = [(kind.rsplit(".", 1)[-1], folder) for kind, folder in modules]
     setup = SentenceSetup(next((folder for kind, folder in kinds if kind == "Transformer"), path))
@@ -76,10 +82,12 @@ def read_setup(path: Path) -> SentenceSetup:
             setup.pooling, setup.include_prompt = read_pooling_config(folder)
         elif kind == "Normalize":
             setup.normalize = True
+        elif kind == "Dense":
+            setup.dense.append(folder)
         elif kind != "Transformer":
             raise ValueError(
                 f"{path / 'modules.json'}: module {kind} ({folder.name}) cannot be trained here; fine_tune('embed') "
-                "trains Transformer -> Pooling -> Normalize models. Start from the folder without it"
+                "trains Transformer -> Pooling -> Dense... -> Normalize models. Start from the folder without it"
             )
     config = read_json_object(path / "config_sentence_transformers.json")
     setup.prompts = dict(config.get("prompts") or {})
@@ -88,15 +96,61 @@ def read_setup(path: Path) -> SentenceSetup:
     return setup
 
 
+class DenseModel(HeadModel):
+    """A transformer and the Dense modules that follow its pooling: what fine_tune('embed') trains from a folder
+    that has them. sentence-transformers trains them in full, with LoRA on the transformer too: a head here.
+    Calling it runs the transformer; `project` runs the Dense modules on pooled embeddings."""
+
+    prefix = "model"
+
+    def __init__(self, model: nn.Module, folders: list[Path]):
+        nn.Module.__init__(self)
+        self.args = model.args
+        self.model = model
+        denses = [load_dense(folder) for folder in folders]
+        for folder, dense in zip(folders, denses, strict=True):
+            if dense.use_residual:
+                raise ValueError(f"{folder / 'config.json'}: a Dense module with use_residual cannot be trained here")
+        self.dense = [dense.linear for dense in denses]
+        self.configs = [read_json_object(folder / "config.json") for folder in folders]
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
+        return self.model(input_ids, attention_mask, token_type_ids)
+
+    def project(self, x: mx.array) -> mx.array:
+        for linear, config in zip(self.dense, self.configs, strict=True):
+            name = (config.get("activation_function") or "Identity").rsplit(".", 1)[-1]
+            x = DENSE_ACTIVATIONS[name](linear(x))
+        return x
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """A training checkpoint: the transformer's checkpoint plus `dense.safetensors`."""
+        write_checkpoint(self.model, model_config(self.model), folder)
+        mx.save_safetensors(str(Path(folder) / DENSE_FILE), dict(tree_flatten(self.dense)))
+
+    def read_checkpoint(self, folder: Path) -> None:
+        saved = {f"model.{k}": v for k, v in tree_flatten(load_model(folder, task="encoder").parameters())}
+        saved |= {f"dense.{k}": v for k, v in read_safetensors(Path(folder) / DENSE_FILE).items()}
+        current = dict(tree_flatten(self.parameters()))
+        if saved.keys() != current.keys() or any(saved[k].shape != v.shape for k, v in current.items()):
+            raise ValueError(f"{folder} does not hold this model's weights; resume with the run that wrote it")
+        self.load_weights(list(saved.items()))
+
+
 def save_sentence_transformer(
     model: nn.Module, folder: Path, tokenizer: Tokenizer, setup: SentenceSetup, max_seq_length: int
 ) -> Path:
     """`folder` as `SentenceTransformer.save` writes it: the transformer at the root (config, weights, tokenizer,
-    sentence_bert_config.json), modules.json, 1_Pooling/config.json, 2_Normalize when used, and
-    config_sentence_transformers.json with the prompts and the similarity function. Written whole or not at all."""
+    sentence_bert_config.json), modules.json, 1_Pooling/config.json, a `DenseModel`'s Dense modules, Normalize when
+    used, and config_sentence_transformers.json with the prompts and the similarity function. Written whole or not
+    at all."""
+    dense = list(zip(model.dense, model.configs, strict=True)) if isinstance(model, DenseModel) else []
+    model = model.model if isinstance(model, DenseModel) else model
     modules = [("0", "", TRANSFORMER), ("1", "1_Pooling", POOLING)]
-    modules += [("2", "2_Normalize", NORMALIZE)] if setup.normalize else []
-    width = model.args.hidden_size
+    modules += [(str(i), f"{i}_Dense", DENSE) for i in range(2, 2 + len(dense))]
+    normalize = str(2 + len(dense))
+    modules += [(normalize, f"{normalize}_Normalize", NORMALIZE)] if setup.normalize else []
+    width = model.args.output_size
     pooling = {"embedding_dimension": width * len(setup.pooling), "include_prompt": setup.include_prompt}
     pooling["pooling_mode"] = setup.pooling[0] if len(setup.pooling) == 1 else list(setup.pooling)
     sentence_config = {**setup.sentence_config, "max_seq_length": max_seq_length}
@@ -115,9 +169,14 @@ def save_sentence_transformer(
         write_json(tmp / "config_sentence_transformers.json", settings)
         (tmp / "1_Pooling").mkdir()
         write_json(tmp / "1_Pooling" / "config.json", pooling)
+        for i, (linear, config) in enumerate(dense, start=2):
+            (tmp / f"{i}_Dense").mkdir()
+            write_json(tmp / f"{i}_Dense" / "config.json", config)
+            weights = {f"linear.{k}": v for k, v in tree_flatten(linear.parameters())}
+            mx.save_safetensors(str(tmp / f"{i}_Dense" / "model.safetensors"), weights, metadata={"format": "pt"})
         if setup.normalize:
-            (tmp / "2_Normalize").mkdir()
-            write_json(tmp / "2_Normalize" / "config.json", {})
+            (tmp / f"{normalize}_Normalize").mkdir()
+            write_json(tmp / f"{normalize}_Normalize" / "config.json", {})
     return folder
 
 
@@ -297,12 +356,13 @@ class EmbeddingObjective:
 
     def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> mx.array:
         """(B, D) float32 sentence embeddings: the transformer, the pooling (without the prompt's tokens when the
-        pooling excludes it), Normalize."""
+        pooling excludes it), the Dense modules of a `DenseModel`, Normalize."""
         mask = features["attention_mask"]
         hidden = model(features["input_ids"], mask, features.get("token_type_ids")).last_hidden_state
         skipped = self.prompt_tokens[column] if self.prompt_tokens else 0
         pooled_mask = mask if not skipped else mask * (mx.arange(mask.shape[1]) >= skipped)
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
+        x = model.project(x) if isinstance(model, DenseModel) else x
         return l2_normalize(x) if self.normalize else x
 
     def length_groups(self, features: dict[str, np.ndarray], size: int | None = None, multiple: int = 1) -> dict:

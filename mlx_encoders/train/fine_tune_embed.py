@@ -17,6 +17,7 @@ from ..sentence import lowercase
 from ..tokenizer import Tokenizer
 from .config import Trained, TrainingConfig
 from .embedding import (
+    DenseModel,
     EmbeddingObjective,
     TextExamples,
     embedding_data,
@@ -73,8 +74,9 @@ def fine_tune_embedding(
     similarity = setup.similarity_fn_name or "cosine"
     objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     net = load_model(checkpoint, dtype="float32", task="encoder")
+    net = DenseModel(net, setup.dense) if setup.dense else net
     if hasattr(loss, "check_width"):
-        loss.check_width(net.args.hidden_size * len(setup.pooling))
+        loss.check_width(net.dense[-1].weight.shape[0] if setup.dense else net.args.output_size * len(setup.pooling))
     net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
                                    lora_targets, resume)  # fmt: skip
     path = options.output_dir / MODEL_FOLDER

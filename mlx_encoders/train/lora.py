@@ -37,6 +37,10 @@ DEFAULT_TARGETS = {
     "eurobert": ["q_proj", "k_proj", "v_proj"],
     "jina_embeddings_v3": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
+    "qwen3": ["q_proj", "k_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2": ["q_proj", "k_proj", "v_proj"],
+    "embedding_gemma2_text": ["q_proj", "k_proj", "v_proj"],
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
