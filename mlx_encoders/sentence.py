@@ -13,7 +13,9 @@ token length into batches, so padding is minimal, and returned in input order.
 """
 
 import numbers
+import re
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,21 @@ def task_prompt_name(prompts: dict[str, str], task: str | None) -> str | None:
     if task == "document":
         return next((name for name in DOCUMENT_PROMPTS if name in prompts), None)
     return None
+
+
+def task_adapter(model, task: str | None, prompt_name: str | None, role: str | None) -> str | None:
+    """The task adapter (jina-embeddings-v3's) a call computes with: `task`, else the prompt name when an adapter
+    has that name, else the one for the role ("query", "document") the model names; None for the base model."""
+    names = getattr(model, "adapters", None)
+    if task is not None:
+        if names is None:
+            raise ValueError(f"task={task!r}: the {model.args.model_type} model has no task adapters")
+        return model.adapter_name(task)
+    if not names:
+        return None
+    if prompt_name is not None and re.sub(r"[.\-]", "_", prompt_name) in names:
+        return model.adapter_name(prompt_name)
+    return next((model.adapter_name(n) for r, n in model.role_adapters.items() if r == role and n in names), None)
 
 
 class TaskEncoding:
@@ -196,6 +213,7 @@ class SentenceEncoder:
     "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", or a list / "cls+mean" to concatenate)
     replaces the stored or natural pooling. `prompts`, `default_prompt_name`, `similarity_fn_name` and
     `truncate_dim` override those of config_sentence_transformers.json, as sentence-transformers' arguments do.
+    `modules` (type, folder) replaces modules.json's list (a sparse model's dense part, without its last module).
     """
 
     def __init__(
@@ -209,12 +227,14 @@ class SentenceEncoder:
         default_prompt_name: str | None = None,
         similarity_fn_name: str | None = None,
         truncate_dim: int | None = None,
+        modules: list[tuple[str, Path]] | None = None,
     ):
         self.path = resolve(path_or_repo, revision)
         self.dense: list[Dense] = []
         self.normalize = False
         self.include_prompt = True
-        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in read_modules(self.path)]
+        modules = read_modules(self.path) if modules is None else modules
+        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in modules]
         transformer = Checkpoint.open(next((folder for kind, folder in kinds if kind == "Transformer"), self.path))
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)
@@ -223,6 +243,7 @@ class SentenceEncoder:
         self.read_model_config(prompts, default_prompt_name, similarity_fn_name, truncate_dim)
         width = len(self.pooling) * self.model.args.output_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
+        self.merge_adapters = False  # task adapters: added at each adapted module (True: merged into the weights)
         # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
         self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None
         self._slice_tokens: int | None = None  # see the slice_tokens property
@@ -346,6 +367,8 @@ class SentenceEncoder:
         convert_to_tensor: bool = False,
         normalize_embeddings: bool = False,
         truncate_dim: int | None = None,
+        task: str | None = None,
+        role: str | None = None,
     ):
         """Embeddings of `sentences`, as sentence-transformers' `encode` returns them: float32 (N, D) numpy by
         default, a single str giving (D,); `convert_to_tensor` one mx.array, `convert_to_numpy=False` a list of
@@ -358,6 +381,9 @@ class SentenceEncoder:
         dimensions), then `normalize_embeddings`, then `precision` ("int8", "uint8", "binary", "ubinary":
         `quantize_embeddings` over the whole result). `output_value="token_embeddings"` gives per text the (L, H)
         token embeddings of its own L tokens; `None` gives per text a dict of the model's inputs and outputs.
+        A model with task adapters (jina-embeddings-v3) computes with the adapter `task` names ("retrieval.query",
+        "text-matching", ...), else the one the prompt name names, else (`role`, as encode_query / encode_document
+        set it) its query or document adapter, else none; `merge_adapters` merges it into the weights.
         """
         single = isinstance(sentences, str)
         texts = text_list(sentences, "encode()")
@@ -379,7 +405,10 @@ class SentenceEncoder:
         skipped = 0 if self.include_prompt else prompt_tokens
         tokens = output_value != "sentence_embedding"
         texts = [prefix + t for t in texts]
-        encodings, vectors, token_vectors = self.run(texts, batch_size, show_progress_bar, skipped, tokens)
+        name = prompt_name if prompt_name is not None or prompt is not None else self.default_prompt_name
+        adapter = task_adapter(self.model, task, name, role)
+        with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():
+            encodings, vectors, token_vectors = self.run(texts, batch_size, show_progress_bar, skipped, tokens)
         vectors = vectors[:, :truncate_dim]
         if output_value == "token_embeddings":
             out = quantize_embeddings(token_vectors, precision) if precision != "float32" else token_vectors
@@ -406,7 +435,7 @@ class SentenceEncoder:
         model, so the default prompt never applies here)."""
         if prompt_name is None and prompt is None:
             prompt_name = task_prompt_name(self.prompts, "query")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
+        return self.encode(sentences, prompt_name, prompt, **{"role": "query", **kwargs})
 
     def encode_document(
         self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
@@ -414,7 +443,7 @@ class SentenceEncoder:
         """`encode` with the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
             prompt_name = task_prompt_name(self.prompts, "document")
-        return self.encode(sentences, prompt_name, prompt, **kwargs)
+        return self.encode(sentences, prompt_name, prompt, **{"role": "document", **kwargs})
 
     def features(self, encoding: Encoding, tokens: np.ndarray, vector: np.ndarray, prompt_length: int | None) -> dict:
         """What `output_value=None` gives for one text: its inputs and outputs, keyed as sentence-transformers'."""

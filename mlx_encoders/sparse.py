@@ -4,7 +4,9 @@ Reads the folders `sentence_transformers.SparseEncoder` saves (sparse_encoder/ o
 fill-mask `Transformer` (or the older `MLMTransformer`) then `SpladePooling` (log(1 + relu(masked-LM logits)),
 log1p once more for "log1p_relu", then max or sum over the text's tokens), or a `Router` whose routes are such a
 pair or a `SparseStaticEmbedding` (a stored weight for each vocabulary id the text holds: the inference-free
-query side of SPLADE-doc models). Outputs are `SparseVectors`, a COO matrix that needs no scipy.
+query side of SPLADE-doc models), or a dense model (Transformer, Pooling, Dense, Normalize) then a
+`SparseAutoEncoder` (CSR: the k largest latents of a linear encoder of the sentence embedding, relu'd).
+Outputs are `SparseVectors`, a COO matrix that needs no scipy.
 """
 
 import ast
@@ -18,7 +20,7 @@ import numpy as np
 from .checkpoint import Checkpoint, inside, load_model, load_tokenizer, read_json_object, read_modules, read_safetensors
 from .checkpoint import resolve as resolve_path
 from .engine.batching import run_batches
-from .sentence import DEFAULT_PROMPTS, TaskEncoding, lowercase, merge_prompts, resolve_prompt
+from .sentence import DEFAULT_PROMPTS, SentenceEncoder, TaskEncoding, lowercase, merge_prompts, resolve_prompt
 from .tokenizer import Tokenizer, check_count, text_list
 from .vectors import SIMILARITIES, check_similarity_name
 
@@ -208,6 +210,78 @@ class StaticRoute:
         return rows
 
 
+def top_k_relu(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, values) of relu of the k largest (signed) entries of a (D,) row: sentence-transformers' top_k."""
+    top = np.argpartition(-values, k - 1)[:k] if k < len(values) else np.arange(len(values))
+    kept = np.zeros_like(values)
+    kept[top] = np.maximum(values[top], 0)
+    ids = np.flatnonzero(kept)
+    return ids, kept[ids]
+
+
+class AutoEncoderRoute:
+    """A dense model's sentence embedding through sentence-transformers' `SparseAutoEncoder` (CSR models):
+    `(x - pre_bias) W^T + latent_bias` (x standardized first with `normalize`), its k largest entries relu'd."""
+
+    def __init__(self, source: Path, modules: list[tuple[str, Path]], folder: Path, dtype):
+        self.encoder = SentenceEncoder(source, dtype, modules=modules)
+        if not self.encoder.include_prompt:
+            raise ValueError(
+                f"{source}: a Pooling with include_prompt=false before a SparseAutoEncoder is not supported; "
+                "set include_prompt to true in its config.json or encode with SentenceEncoder"
+            )
+        self.model, self.tokenizer = self.encoder.model, self.encoder.tokenizer
+        self.max_seq_length = self.encoder.max_seq_length
+        config = read_json_object(folder / "config.json", required=True)
+        file = folder / "model.safetensors"
+        if not file.exists():
+            raise FileNotFoundError(f"No model.safetensors in {folder}: SparseAutoEncoder needs its weights")
+        weights = read_safetensors(file)
+        key = "encoder.weight" if "encoder.weight" in weights else "decoder.linear.weight"  # tied: saved as either
+        weight = weights.get(key)
+        shape = (config.get("hidden_dim"), config.get("input_dim"))
+        if weight is None or tuple(weight.shape) != shape or "pre_bias" not in weights or "latent_bias" not in weights:
+            raise ValueError(
+                f"{file} must hold 'encoder.weight' (or 'decoder.linear.weight') of shape {shape} (hidden_dim, "
+                f"input_dim of {folder / 'config.json'}), 'pre_bias' and 'latent_bias'; found "
+                f"{ {k: tuple(v.shape) for k, v in weights.items()} }"
+            )
+        if shape[1] != self.encoder.dimension:
+            raise ValueError(
+                f"{folder / 'config.json'}: input_dim {shape[1]} differs from the {self.encoder.dimension} dimensions "
+                f"of the sentence embedding of {source}"
+            )
+        self.weight, self.pre_bias, self.latent_bias = (
+            weights[k].astype(mx.float32) for k in (key, "pre_bias", "latent_bias")
+        )
+        self.k, self.normalize, self.dimension = int(config.get("k", 8)), bool(config.get("normalize")), shape[0]
+
+    def latents(self, x: mx.array) -> mx.array:
+        """(B, hidden_dim) latents before top-k of (B, input_dim) sentence embeddings."""
+        if self.normalize:  # the module's own LN: unbiased std, eps added to it
+            x = x - x.mean(axis=-1, keepdims=True)
+            x = x / (mx.sqrt((x * x).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1)) + 1e-5)
+        return (x - self.pre_bias) @ self.weight.T + self.latent_bias
+
+    def tokenize(self, texts: list[str]) -> list:
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+
+    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
+        encodings = self.tokenize(texts)
+        warn_truncated(encodings, len(texts), self.max_seq_length)
+        return self.run_encodings(encodings, batch_size, show_progress, limit)
+
+    def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
+        """Per tokenized text its (latent ids, weights): the `limit` (else k) largest latents, relu'd."""
+        vectors, _ = self.encoder.run_encodings(encodings, batch_size, show_progress)
+        k = self.k if limit is None else limit
+        rows = []
+        for start in range(0, len(vectors), batch_size):
+            latents = np.array(self.latents(mx.array(vectors[start : start + batch_size])))
+            rows.extend(top_k_relu(row, k) for row in latents)
+        return rows
+
+
 def warn_truncated(encodings, count: int, max_seq_length: int) -> None:
     truncated = sum(1 for e in encodings if e.overflowing)
     if truncated:
@@ -222,16 +296,22 @@ def module_name(module_type: str) -> str:
     return module_type.rsplit(".", 1)[-1]
 
 
-def build_route(modules: list[tuple[str, Path]], source: Path, dtype) -> SpladeRoute | StaticRoute:
-    """A route from its modules: [SparseStaticEmbedding] or [Transformer/MLMTransformer, SpladePooling]."""
+def build_route(modules: list[tuple[str, Path]], source: Path, dtype) -> SpladeRoute | StaticRoute | AutoEncoderRoute:
+    """A route from its modules: [SparseStaticEmbedding], [Transformer/MLMTransformer, SpladePooling] or
+    [Transformer, Pooling, Dense*, Normalize?, SparseAutoEncoder]."""
     names = [module_name(kind) for kind, _ in modules]
     if names == ["SparseStaticEmbedding"]:
         return StaticRoute(modules[0][1])
     if len(names) == 2 and names[0] in ("Transformer", "MLMTransformer") and names[1] == "SpladePooling":
         return SpladeRoute(modules[0][1], modules[1][1], dtype)
+    dense = {"Transformer", "Pooling", "Dense", "Normalize"}
+    if len(names) >= 2 and names[0] == "Transformer" and names[-1] == "SparseAutoEncoder" and dense >= set(names[:-1]):
+        folder = source if source.is_dir() else source.parent  # a Router's routes name their router_config.json
+        return AutoEncoderRoute(folder, modules[:-1], modules[-1][1], dtype)
     raise ValueError(
         f"{source}: modules {names} are not supported; SparseEncoder runs a (MLM)Transformer then SpladePooling, "
-        "a SparseStaticEmbedding, or a Router of these (SparseAutoEncoder / CSR models are not supported)"
+        "a SparseStaticEmbedding, a dense model (Transformer, Pooling, Dense, Normalize) then a SparseAutoEncoder, "
+        "or a Router of these"
     )
 
 
@@ -285,6 +365,8 @@ class SparseEncoder(TaskEncoding):
         saved = config.get("similarity_fn_name")
         self.similarity_fn_name = similarity_fn_name or (saved if saved in SIMILARITIES else "dot")
         self.max_active_dims = max_active_dims if max_active_dims is not None else config.get("max_active_dims")
+        if self.max_active_dims is None and isinstance(self.routes.get(""), AutoEncoderRoute):
+            self.max_active_dims = self.routes[""].k  # as sentence-transformers takes a top-level module's k
         if self.max_active_dims is not None:
             check_count("max_active_dims", self.max_active_dims, 1)
         self.tokenizer = self.route(None).tokenizer

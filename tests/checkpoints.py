@@ -95,6 +95,12 @@ CONFIGS = {
         intermediate_size=96, rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=0,
     ),
+    # RoPE with a small base, so 128 positions turn its slowest frequencies too.
+    "jina_embeddings_v3": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, layer_norm_eps=1e-6,
+        max_position_embeddings=130, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
     "gpt2": dict(
         n_embd=32, n_layer=3, n_head=4, n_inner=40, n_positions=64, layer_norm_epsilon=1e-6,
         activation_function="gelu_new", bos_token_id=0, eos_token_id=0,
@@ -141,6 +147,7 @@ CONFIG_CLASSES = {
     "nomic_bert": transformers.NomicBertConfig,
     "gte": transformers.GteConfig,
     "eurobert": transformers.EuroBertConfig,
+    "jina_embeddings_v3": transformers.JinaEmbeddingsV3Config,
     "gpt2": transformers.GPT2Config,
     "qwen3": transformers.Qwen3Config,
     "gemma3_text": transformers.Gemma3TextConfig,
@@ -330,7 +337,7 @@ def save_tokenizer(folder: Path, model_type: str) -> int:
         merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
         vocab = {names.get(w, w): i for w, i in model["vocab"].items()}
         tok = transformers.DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=128)
-    elif model_type in ("xlm-roberta", "gte"):
+    elif model_type in ("xlm-roberta", "gte", "jina_embeddings_v3"):  # both keep XLM-R's tokenizer
         vocab = [(p, s) for p, s in _trained("unigram")["vocab"] if p not in ("[CLS]", "[SEP]", "[MASK]")]
         tok = transformers.XLMRobertaTokenizer(vocab=vocab, model_max_length=128)
     else:

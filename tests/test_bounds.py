@@ -80,9 +80,9 @@ def bad_input(checkpoint):
 
 
 ID_CASES = ["id == vocab_size", "id far beyond", "negative id"]
-# RoPE models (ModernBERT, Nomic BERT, GTE, EuroBERT, Qwen3) and DeBERTa-v3 (the deberta-v2 test config, relative
-# positions only) have no position table.
-ROPE = ("modernbert", "nomic_bert", "gte", "eurobert", "qwen3")
+# RoPE models (ModernBERT, Nomic BERT, GTE, EuroBERT, Qwen3, jina-embeddings-v3) and DeBERTa-v3 (the deberta-v2 test
+# config, relative positions only) have no position table.
+ROPE = ("modernbert", "nomic_bert", "gte", "eurobert", "qwen3", "jina_embeddings_v3")
 WITH_TABLE = [mt for mt in MODEL_TYPES if mt not in (*ROPE, "deberta-v2")]
 WITH_TYPES = ["bert", "roberta", "xlm-roberta", "albert", "electra"]  # DistilBERT, ModernBERT, MPNet read none
 

@@ -169,7 +169,7 @@ DROPOUT = {
 DROPOUT["eurobert"] = dict(attention_dropout=0.2)  # its only dropout
 DROPOUT["qwen3"] = dict(attention_dropout=0.2, classifier_dropout=0.3)  # no hidden dropout in Qwen3
 DROPOUT["deberta"] = DROPOUT["deberta-v2"]
-DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["bert"]
+DROPOUT["roberta"] = DROPOUT["xlm-roberta"] = DROPOUT["electra"] = DROPOUT["jina_embeddings_v3"] = DROPOUT["bert"]
 DROPOUT["nomic_bert"] = DROPOUT["gte"] = DROPOUT["bert"]
 # BERT's classifiers fall back to hidden_dropout_prob without classifier_dropout.
 DROPOUT_CASES = [pytest.param(mt, task, DROPOUT[mt], id=f"{mt}-{task}") for mt, task in CASES] + [

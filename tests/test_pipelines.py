@@ -23,7 +23,7 @@ SCORE_TOL = 1e-4
 # collapse at that scale into nearly the same output for every token, so it gets a smaller one; the seeds
 # chosen avoid a top-5 near-tie (DistilBERT) and a tagger that gives every word one label (BERT, ALBERT,
 # ELECTRA and DeBERTa-v2, which at 0.8 also saturate enough for float32 rounding to move their class scores
-# past the tolerance; GTE's and EuroBERT's features likewise).
+# past the tolerance; GTE's, EuroBERT's and jina-embeddings-v3's features likewise).
 INIT = {
     "albert": dict(initializer_range=0.1, seed=1),
     "bert": dict(initializer_range=0.5, seed=1),
@@ -32,6 +32,7 @@ INIT = {
     "deberta-v2": dict(initializer_range=0.5),
     "gte": dict(initializer_range=0.5),
     "eurobert": dict(initializer_range=0.5),
+    "jina_embeddings_v3": dict(initializer_range=0.5),
 }
 DEFAULT_INIT = dict(initializer_range=0.8)
 BIO = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}

@@ -31,6 +31,7 @@ WIDE = {
     "nomic_bert": dict(hidden_size=128, intermediate_size=256),
     "gte": dict(hidden_size=128, intermediate_size=256),
     "eurobert": dict(hidden_size=128, intermediate_size=256),
+    "jina_embeddings_v3": dict(hidden_size=128, intermediate_size=256),
     "gpt2": dict(n_embd=128, n_inner=256),
     "qwen3": dict(hidden_size=128, intermediate_size=256, head_dim=32),
 }

@@ -21,6 +21,7 @@ from ..engine.runtime import claim_mlx, on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
+from .adapters import attach_adapters
 from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -356,6 +357,8 @@ def load_model(
     if dtype is not None:
         model.set_dtype(dtype)
     warn_non_finite(model, checkpoint.path)
+    if hasattr(model, "add_adapter"):  # task adapters in subfolders (jina-embeddings-v3)
+        attach_adapters(model, checkpoint.path)
     model.eval()
     model.path = checkpoint.path
     return model

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from ..models import model_module
+from .adapters import write_lora
 from .atomic import atomic_folder
 from .build import common_float_dtype
 from .files import INDEX, TOKENIZER_FILES
@@ -118,11 +119,14 @@ def save(
 
     The folder appears only when complete; an existing one is replaced only with `overwrite=True`, and only
     if it holds checkpoint files alone (weights, config.json, tokenizer files), as nothing else is rewritten.
-    Without `tokenizer`, the folder's own tokenizer files are kept: loading the folder needs them.
+    Without `tokenizer`, the folder's own tokenizer files are kept: loading the folder needs them. A model's task
+    adapters are written as PEFT adapter subfolders, unless one is merged into the weights.
     """
     folder = Path(folder)
     with atomic_folder(folder, overwrite, whole=False) as tmp:
         write_checkpoint(model, model_config(model), tmp, shard_size)
+        for name, low_ranks in (model.adapter_tensors() if hasattr(model, "adapter_tensors") else {}).items():
+            write_lora(tmp / name, low_ranks)  # task adapters, one PEFT folder each (jina-embeddings-v3)
         if tokenizer is not None:
             tokenizer.save(tmp)
         elif folder.is_dir():

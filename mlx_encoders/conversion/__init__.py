@@ -12,6 +12,7 @@ card and upload are `card.py`'s.
 
 import hashlib
 import json
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..checkpoint import (
     read_json,
     write_checkpoint,
 )
+from ..checkpoint.adapters import adapter_folders
 from ..checkpoint.atomic import remove_stale
 from ..checkpoint.build import build_model, check_dtype, normalize_keys
 from ..checkpoint.foreign import check_sentence_modules, convert_torch_heads, copy_sentence_files
@@ -149,6 +151,8 @@ def write_folder(
     files = write_checkpoint(model, config, folder, shard_size)
     copy_tokenizer_files(source, folder)
     copy_sentence_files(source, folder, dtype)
+    for name, adapter in adapter_folders(source).items():  # task adapters stay float: they are small
+        shutil.copytree(adapter, folder / name)
     convert_torch_heads(source, folder, dtype)
     report["bytes_after"] = sum(f.stat().st_size for f in files)
     report["bits_per_weight"] = 8 * report["bytes_after"] / report["parameters"]

@@ -30,6 +30,7 @@ MODEL_TYPES = {
     "gte": "gte",
     "eurobert": "eurobert",
     "qwen3": "qwen3",  # a decoder used as an encoder (Qwen3-Embedding); its causal-LM head scores Qwen3-Reranker
+    "jina_embeddings_v3": "jina_embeddings_v3",
 }
 # Causal language models, kept apart so the encoder tests, which parametrize over MODEL_TYPES, stay encoder-only
 # (tests/test_gpt2.py is GPT-2's parity test).
@@ -58,6 +59,7 @@ ARCHITECTURE_PREFIXES = {
     "nomic_bert": "NomicBert",
     "gte": "Gte",
     "eurobert": "EuroBert",
+    "jina_embeddings_v3": "JinaEmbeddingsV3",
     "gpt2": "GPT2",
     "qwen3": "Qwen3",
     "gemma3_text": "Gemma3Text",

@@ -4,6 +4,7 @@ model (`CrossEncoder`: reranking, and classification as the text-classification 
 tokenization and limits, and what a model worker computes for a batch."""
 
 import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..cross_encoder import CrossEncoder
 from ..multi_vector import MultiVectorEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
-from ..sentence import SentenceEncoder, resolve_prompt, task_prompt_name
+from ..sentence import SentenceEncoder, resolve_prompt, task_adapter, task_prompt_name
 from ..sparse import SparseEncoder
 from .errors import ApiError
 
@@ -48,12 +49,12 @@ def default_name(source: str | Path) -> str:
 @dataclass
 class Tagged:
     """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a sparse
-    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips. A
-    worker runs inputs of different tags apart."""
+    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips and
+    its task adapter (jina-embeddings-v3's). A worker runs inputs of different tags apart."""
 
     item: Encoding | TokenIds
     tag: object
-    tokens: np.ndarray | None = None  # a `TokenVectors` item's (L, H) token vectors, set by the worker
+    tokens: np.ndarray | None = None  # a token-vectors item's (L, H) token vectors, set by the worker
 
     @property
     def ids(self) -> list[int]:
@@ -65,10 +66,14 @@ class Tagged:
 
 
 @dataclass(frozen=True)
-class TokenVectors:
-    """The tag of a dense text whose token vectors are wanted too (TEI's /embed_all); pooling skips `skipped`."""
+class DenseTag:
+    """What a dense model's inputs share to be run together: the prompt tokens pooling skips, the task adapter
+    (jina-embeddings-v3's; None for the other models), whether their token vectors are wanted too (TEI's
+    /embed_all)."""
 
     skipped: int
+    adapter: str | None = None
+    token_vectors: bool = False
 
 
 def kind_of(path: Path) -> str:
@@ -176,6 +181,7 @@ class ServedModel:
             self.capabilities = (EMBED,)
             self.prefix = self.prompt(None)
             self.skipped = self.prompt_tokens(self.prefix)
+            self.dense_tag = DenseTag(self.skipped, self.adapter(None, None))
         # Dense projections load lazily on this thread's stream, which the worker's thread cannot evaluate
         dense = getattr(self.encoder or self.multi, "dense", [])
         mx.eval([(d.linear.parameters(), d.residual.parameters() if d.residual else []) for d in dense])
@@ -200,6 +206,12 @@ class ServedModel:
             return self.sparse.route(task)
         except ValueError as e:
             raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
+
+    def adapter(self, task: str | None, prompt_name: str | None) -> str | None:
+        """A dense model's task adapter for `encode` (task None), `encode_query` or `encode_document`, or a named
+        prompt: as SentenceEncoder picks it (jina-embeddings-v3's; None for the other models)."""
+        name = self.encoder.default_prompt_name if prompt_name is None else prompt_name
+        return task_adapter(self.encoder.model, None, name, task)
 
     def prompt_tokens(self, prefix: str) -> int:
         """Tokens of a dense model's prompt that pooling leaves out (none when it includes the prompt)."""
@@ -227,7 +239,7 @@ class ServedModel:
         or its (n, D) token matrix (multi-vector), as an object array; or (N, 2 x labels) logits then activated
         scores (the activation is an MLX function, so it runs here too)."""
         if self.encoder is not None:
-            rows = by_tag(items, self.skipped, self.dense_rows)
+            rows = by_tag(items, self.dense_tag, self.dense_rows)
             for item, row in zip(items, rows, strict=True):
                 if isinstance(row, tuple):  # its batch's rows stay one (N, D) array whoever else shares it
                     item.tokens = row[1]
@@ -244,13 +256,15 @@ class ServedModel:
         scores = np.array(self.cross.activation_fn(mx.array(logits)).astype(mx.float32))
         return np.concatenate([logits, scores], axis=1)
 
-    def dense_rows(self, encodings: list, tag) -> list:
-        """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) for a
-        `TokenVectors` tag."""
-        if isinstance(tag, TokenVectors):
-            vectors, tokens = self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped, True)
-            return list(zip(vectors, tokens, strict=True))
-        return self.encoder.run_encodings(encodings, self.batch_size, False, tag)[0]
+    def dense_rows(self, encodings: list, tag: DenseTag) -> list:
+        """A dense model's (N, D) vectors of one tag's inputs, computed with its task adapter; per input (vector,
+        (L, H) token vectors) when the tag wants token vectors."""
+        model = self.encoder.model
+        with model.adapter(tag.adapter, self.encoder.merge_adapters) if tag.adapter else nullcontext():
+            if tag.token_vectors:
+                vectors, tokens = self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped, True)
+                return list(zip(vectors, tokens, strict=True))
+            return self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped)[0]
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
@@ -302,12 +316,11 @@ class ServedModel:
             return [Tagged(e, task) for e in encodings]
         if route is not None and route is not self.route:
             return [Tagged(e, route) for e in encodings]
-        if self.encoder is not None and (token_vectors or task is not None or prompt_name is not None):
-            skipped = self.prompt_tokens(prefix)
-            if token_vectors:
-                return [Tagged(e, TokenVectors(skipped)) for e in encodings]
-            if skipped != self.skipped:
-                return [Tagged(e, skipped) for e in encodings]
+        if self.encoder is not None:
+            skipped = self.prompt_tokens(prefix) if task is not None or prompt_name is not None else self.skipped
+            tag = DenseTag(skipped, self.adapter(task, prompt_name), token_vectors)
+            if tag != self.dense_tag:
+                return [Tagged(e, tag) for e in encodings]
         return encodings
 
     @functools.cached_property

@@ -35,6 +35,7 @@ DEFAULT_TARGETS = {
     "nomic_bert": ["q_proj", "k_proj", "v_proj"],
     "gte": ["q_proj", "k_proj", "v_proj"],
     "eurobert": ["q_proj", "k_proj", "v_proj"],
+    "jina_embeddings_v3": ["q_proj", "k_proj", "v_proj"],
     "gpt2": ["c_attn"],
     "qwen3": ["q_proj", "k_proj", "v_proj"],
     "gemma3_text": ["q_proj", "k_proj", "v_proj"],

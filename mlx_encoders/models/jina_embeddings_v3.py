@@ -1,0 +1,412 @@
+"""jina-embeddings-v3, matching transformers' `modeling_jina_embeddings_v3.py`, with its task LoRA adapters.
+
+XLM-RoBERTa's post-LN encoder without a position table: RoPE (`mx.fast.rope`, rotate-half form, positions 0..L-1
+whatever the padding) on the queries and keys, `q_proj`/`k_proj`/`v_proj`/`o_proj` and `mlp.fc1`/`fc2` per layer.
+The tasks (retrieval.query, retrieval.passage, separation, classification, text-matching) are PEFT LoRA adapters
+(`jinaai/jina-embeddings-v3-hf` keeps one per subfolder): `add_adapter` takes one as read by
+`checkpoint.adapters`, `set_adapter` selects it for the next forward passes, either added as its low-rank
+product at each adapted projection and table (the default; quantized weights stay as they are) or merged into
+the float weights (`merge=True`), as transformers with PEFT's `set_adapter` or `merge_and_unload`.
+"""
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .base import (
+    BaseArgs,
+    HeadModel,
+    HiddenStateClassification,
+    Model,
+    ModelOutput,
+    QuestionAnswering,
+    TokenClassification,
+    activation,
+    embed,
+    merge_heads,
+    padding_mask,
+    run_layer,
+    split_heads,
+)
+from .inputs import check_inputs
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .roberta import RobertaClassificationHead, RobertaLMHead
+
+# encode_query / encode_document pick these adapters when the model has them (jina's retrieval pair)
+ROLE_ADAPTERS = {"query": "retrieval_query", "document": "retrieval_passage"}
+
+
+@dataclass
+class ModelArgs(BaseArgs):
+    model_type: str = "jina_embeddings_v3"
+    vocab_size: int = 250002
+    hidden_size: int = 1024
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    intermediate_size: int = 4096
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 8194
+    type_vocab_size: int = 1
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    classifier_dropout: float | None = None
+    rope_parameters: dict | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        rope = self.rope_parameters or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"jina_embeddings_v3 rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        self.rope_theta = float(rope.get("rope_theta", 20000.0))
+
+    @property
+    def sequence_classifier_dropout(self) -> float:
+        return self.hidden_dropout_prob if self.classifier_dropout is None else self.classifier_dropout
+
+    token_classifier_dropout = sequence_classifier_dropout
+
+    @property
+    def qa_dropout(self) -> float:
+        return 0.0
+
+
+class LowRank:
+    """One adapted projection or table of a task: PEFT's A (r, in) and B (out, r), an embedding's A (r, vocab)
+    and B (H, r), and alpha / r. Kept as a plain object, outside the model's parameters."""
+
+    def __init__(self, a: mx.array, b: mx.array, scale: float, table: bool):
+        self.a, self.b, self.scale, self.table = a, b, scale, table
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """The change of the output: scale B A x (a Linear's input x), or scale B A[:, ids] (a table's ids)."""
+        h = self.a.T[x] if self.table else x @ self.a.T
+        return self.scale * (h @ self.b.T)
+
+    def delta(self) -> mx.array:
+        """The float32 change of the weight, in its layout: (out, in) for a Linear, (vocab, H) for a table."""
+        d = self.scale * (self.b.astype(mx.float32) @ self.a.astype(mx.float32))
+        return d.T if self.table else d
+
+
+class Deltas:
+    """The active task's unmerged LowRanks of a module's children, by child name (not a dict: MLX would take a
+    dict attribute for parameters)."""
+
+    def __init__(self, by_name: dict[str, LowRank] | None = None):
+        self.by_name = by_name or {}
+
+
+class Adapted(nn.Module):
+    """A module whose children a task adapter may change: `adapted(name, x)` is `self[name](x)` plus the active
+    task's low-rank change of that child."""
+
+    def __init__(self):
+        super().__init__()
+        self.deltas = Deltas()
+
+    def adapted(self, name: str, x: mx.array) -> mx.array:
+        y = self[name](x)
+        low = self.deltas.by_name.get(name)
+        return y if low is None else y + low(x).astype(y.dtype)
+
+
+class JinaEmbeddingsV3Embeddings(Adapted):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.word_embeddings = Embedding(args.vocab_size, args.hidden_size)
+        self.token_type_embeddings = Embedding(args.type_vocab_size, args.hidden_size)
+        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.dropout = Dropout(args.hidden_dropout_prob)
+        self.padding_idx = args.pad_token_id
+
+    def __call__(self, input_ids, token_type_ids=None) -> mx.array:
+        dtype = self.LayerNorm.weight.dtype  # quantized tables return their scales' dtype: sum in the model's
+        x = embed(self.word_embeddings, input_ids, self.padding_idx)
+        low = self.deltas.by_name.get("word_embeddings")
+        x = x.astype(dtype) if low is None else (x + low(input_ids)).astype(dtype)
+        types = mx.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        return self.dropout(self.LayerNorm(x + self.adapted("token_type_embeddings", types).astype(dtype)))
+
+
+class JinaEmbeddingsV3Attention(Adapted):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.head_dim = args.hidden_size // args.num_attention_heads
+        self.theta = args.rope_theta
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            self[name] = Linear(args.hidden_size, args.hidden_size)
+        self.dropout = Dropout(args.attention_probs_dropout_prob)
+
+    def __call__(self, x, mask):
+        q, k, v = (split_heads(self.adapted(n, x), self.num_heads) for n in ("q_proj", "k_proj", "v_proj"))
+        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        return self.adapted("o_proj", merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))
+
+
+class JinaEmbeddingsV3MLP(Adapted):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.fc1 = Linear(args.hidden_size, args.intermediate_size)
+        self.fc2 = Linear(args.intermediate_size, args.hidden_size)
+        self.act = activation(args.hidden_act)
+
+    def __call__(self, x):
+        return self.adapted("fc2", self.act(self.adapted("fc1", x)))
+
+
+class JinaEmbeddingsV3Layer(nn.Module):
+    """Post-LN: LN(x + dropout(attention(x))), then LN(x + dropout(mlp(x)))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = JinaEmbeddingsV3Attention(args)
+        self.post_attention_layernorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.post_attention_dropout = Dropout(args.hidden_dropout_prob)
+        self.mlp = JinaEmbeddingsV3MLP(args)
+        self.post_mlp_layernorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self.post_mlp_dropout = Dropout(args.hidden_dropout_prob)
+
+    def __call__(self, x, mask):
+        x = self.post_attention_layernorm(x + self.post_attention_dropout(self.self_attn(x, mask)))
+        return self.post_mlp_layernorm(x + self.post_mlp_dropout(self.mlp(x)))
+
+
+class JinaEmbeddingsV3Pooler(Adapted):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dense = Linear(args.hidden_size, args.hidden_size)
+
+    def __call__(self, x):
+        return mx.tanh(self.adapted("dense", x[:, 0]))
+
+
+class JinaEmbeddingsV3Model(Model, nn.Module):
+    gradient_checkpointing = False
+    role_adapters = ROLE_ADAPTERS
+
+    def __init__(self, args: ModelArgs, add_pooling_layer: bool = True):
+        super().__init__()
+        self.args = args
+        self.embeddings = JinaEmbeddingsV3Embeddings(args)
+        self.layers = [JinaEmbeddingsV3Layer(args) for _ in range(args.num_hidden_layers)]
+        if add_pooling_layer:
+            self.pooler = JinaEmbeddingsV3Pooler(args)
+        self.task_adapters = TaskAdapters()
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids)  # RoPE: no position table to outgrow
+        x = self.embeddings(input_ids, token_type_ids)
+        mask = padding_mask(attention_mask, x.dtype)
+        for layer in self.layers:
+            x = run_layer(layer, x, mask, checkpoint=self.gradient_checkpointing)
+        return ModelOutput(last_hidden_state=x, pooler_output=self.pooler(x) if "pooler" in self else None)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the task adapters added (PEFT folder names: "retrieval_query", ...)."""
+        return list(self.task_adapters.tasks)
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self.task_adapters.active
+
+    def add_adapter(self, name: str, low_ranks: dict[str, tuple[mx.array, mx.array, float]]) -> None:
+        """Add the task adapter `name`: (A, B, scale) per adapted module, by its path in this encoder
+        ("layers.0.self_attn.q_proj", "embeddings.word_embeddings", ...; `checkpoint.adapters.read_lora`).
+        Fails naming a path that is no adaptable Linear or Embedding, or a shape that does not fit it."""
+        modules, adapter = dict(self.named_modules()), {}
+        for path, (a, b, scale) in low_ranks.items():
+            owner, target = modules.get(path.rpartition(".")[0]), modules.get(path)
+            table = isinstance(target, (nn.Embedding, nn.QuantizedEmbedding))
+            if not isinstance(owner, Adapted) or not (table or isinstance(target, (nn.Linear, nn.QuantizedLinear))):
+                raise ValueError(
+                    f"adapter {name!r}: {path} is not an adaptable module of {type(self).__name__} (adapted: "
+                    "the word and token-type embeddings, q/k/v/o_proj, mlp fc1/fc2, pooler dense)"
+                )
+            low = LowRank(a, b, scale, table)
+            shape = weight_shape(target)
+            if tuple(low.delta().shape) != shape:
+                raise ValueError(
+                    f"adapter {name!r}: {path} gives a {tuple(low.delta().shape)} change of a {shape} weight"
+                )
+            adapter[path] = low
+        self.task_adapters.tasks[name] = adapter
+
+    def adapter_name(self, task: str) -> str:
+        """The adapter a task names: its folder name or jina's spelling ("retrieval.query", "text-matching")."""
+        key = re.sub(r"[.\-]", "_", task)
+        if key not in self.task_adapters.tasks:
+            known = ", ".join(self.adapters) or "none (the checkpoint folder holds no adapter subfolders)"
+            raise ValueError(f"No task adapter {task!r} in this {self.args.model_type} model; its adapters: {known}")
+        return key
+
+    def set_adapter(self, task: str | None, merge: bool = False) -> None:
+        """Compute the next forward passes with the adapter of `task` (None: the base model). `merge` writes the
+        adapter into the float weights (W + scale B A; the base weights are kept to switch back) instead of
+        adding the low-rank product at each adapted module."""
+        state = self.task_adapters
+        name = None if task is None else self.adapter_name(task)
+        modules = dict(self.named_modules())
+        self.unset_adapter(modules)
+        if name is None:
+            return
+        if merge:
+            for path, low in state.tasks[name].items():
+                target = modules[path]
+                if not isinstance(target, (nn.Linear, nn.Embedding)) or isinstance(target, nn.QuantizedLinear):
+                    raise ValueError(f"adapter {name!r}: {path} is quantized or wrapped; set_adapter(merge=False)")
+                state.merged[path] = target.weight
+                target.weight = (target.weight.astype(mx.float32) + low.delta()).astype(target.weight.dtype)
+        else:
+            for path, low in state.tasks[name].items():
+                owner, _, child = path.rpartition(".")
+                modules[owner].deltas.by_name[child] = low
+        state.active = name
+
+    def unset_adapter(self, modules: dict[str, nn.Module]) -> None:
+        state = self.task_adapters
+        for path, weight in state.merged.items():
+            modules[path].weight = weight
+        state.merged.clear()
+        for module in modules.values():
+            if isinstance(module, Adapted):
+                module.deltas.by_name.clear()
+        state.active = None
+
+    def adapter_tensors(self) -> dict[str, dict[str, tuple[mx.array, mx.array, float, bool]]]:
+        """Every adapter as written back: {name: {path: (A, B, scale, is a table)}}; none while one is merged (the
+        weights then hold it, and the others would not apply to them)."""
+        if self.task_adapters.merged:
+            return {}
+        return {
+            name: {path: (low.a, low.b, low.scale, low.table) for path, low in adapter.items()}
+            for name, adapter in self.task_adapters.tasks.items()
+        }
+
+    @contextmanager
+    def adapter(self, task: str | None, merge: bool = False):
+        """`set_adapter(task, merge)` within the block, the adapter before it restored after."""
+        before = self.task_adapters.active
+        self.set_adapter(task, merge)
+        try:
+            yield
+        finally:
+            self.set_adapter(before)
+
+
+def weight_shape(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of a Linear, (vocab, H) of a table, float or quantized (which packs several values a uint32)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.weight.shape[0], module.scales.shape[1] * module.group_size
+    return tuple(module.weight.shape)
+
+
+class TaskAdapters:
+    """The task adapters of an encoder (name -> path -> LowRank), the active one, and the base weights a merged
+    adapter replaced. A plain object: none of it is a parameter, saved, quantized or trained."""
+
+    def __init__(self):
+        self.tasks: dict[str, dict[str, LowRank]] = {}
+        self.active: str | None = None
+        self.merged: dict[str, mx.array] = {}
+
+
+class JinaEmbeddingsV3Head(HeadModel):
+    prefix = "roberta"
+    encoder_class = JinaEmbeddingsV3Model
+    role_adapters = ROLE_ADAPTERS
+
+    def add_adapter(self, name: str, low_ranks: dict[str, tuple[mx.array, mx.array, float]]) -> None:
+        self.roberta.add_adapter(name, low_ranks)
+
+    def set_adapter(self, task: str | None, merge: bool = False) -> None:
+        self.roberta.set_adapter(task, merge)
+
+    def adapter(self, task: str | None, merge: bool = False):
+        return self.roberta.adapter(task, merge)
+
+    def adapter_name(self, task: str) -> str:
+        return self.roberta.adapter_name(task)
+
+    def adapter_tensors(self) -> dict[str, dict[str, tuple[mx.array, mx.array, float, bool]]]:
+        """The encoder's, under its checkpoint prefix, as PEFT names the modules of a head model."""
+        tensors = self.roberta.adapter_tensors()
+        return {name: {f"{self.prefix}.{p}": v for p, v in adapter.items()} for name, adapter in tensors.items()}
+
+    @property
+    def adapters(self) -> list[str]:
+        return self.roberta.adapters
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self.roberta.active_adapter
+
+
+class JinaEmbeddingsV3ForMaskedLM(JinaEmbeddingsV3Head):
+    ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.lm_head = RobertaLMHead(args)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.predict_tokens(out.last_hidden_state)
+        return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        return self.lm_head(hidden, self.roberta.embeddings.word_embeddings)
+
+
+class JinaEmbeddingsV3ForSequenceClassification(JinaEmbeddingsV3Head, HiddenStateClassification):
+    classifier_class = RobertaClassificationHead
+
+
+class JinaEmbeddingsV3ForTokenClassification(JinaEmbeddingsV3Head, TokenClassification):
+    pass
+
+
+class JinaEmbeddingsV3ForQuestionAnswering(JinaEmbeddingsV3Head, QuestionAnswering):
+    pass
+
+
+# The original (flash-implementation) key names, as transformers' conversion_mapping renames them.
+RENAMES = (
+    ("emb_ln.", "embeddings.LayerNorm."),
+    ("encoder.layers.", "layers."),
+    ("mixer.out_proj.", "self_attn.o_proj."),
+    ("norm1.", "post_attention_layernorm."),
+    ("norm2.", "post_mlp_layernorm."),
+)
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Read the original checkpoints' names too: `emb_ln`, `encoder.layers`, `mixer.Wqkv` (q, k, v stacked on the
+    output axis), `mixer.out_proj`, `norm1`, `norm2`."""
+    out = {}
+    for key, value in weights.items():
+        for old, new in RENAMES:
+            key = key.replace(old, new)
+        if ".mixer.Wqkv." in key:
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), mx.split(value, 3, axis=0), strict=True):
+                out[key.replace("mixer.Wqkv", f"self_attn.{name}")] = part
+        else:
+            out[key] = value
+    return out
+
+
+MODELS = {
+    "encoder": JinaEmbeddingsV3Model,
+    "masked-lm": JinaEmbeddingsV3ForMaskedLM,
+    "sequence-classification": JinaEmbeddingsV3ForSequenceClassification,
+    "token-classification": JinaEmbeddingsV3ForTokenClassification,
+    "question-answering": JinaEmbeddingsV3ForQuestionAnswering,
+}
+TOKEN_TYPES = False

@@ -1,0 +1,288 @@
+"""jina-embeddings-v3's task adapters against transformers with PEFT (`load_adapter` + `set_adapter`, as
+transformers' own jina tests select them) and sentence-transformers: a tiny seeded checkpoint (tests/checkpoints.py)
+with one PEFT LoRA adapter per task in a subfolder, as jinaai/jina-embeddings-v3-hf publishes them, adapting every
+projection, the pooler and both embedding tables. The encoder and heads without adapters are covered by the registry
+tests (test_parity, test_gradients, test_sentence, ...)."""
+
+import copy
+import json
+import shutil
+
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from checkpoints import load_reference
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from test_convert import MIN_COSINE, text_cosines
+from test_gradients import encoder_loss, our_gradients
+from test_index import IDS, write_corpus
+from test_parity import as_torch, assert_close
+
+import mlx_encoders
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.index import Index, build, read_corpus
+from mlx_encoders.serve.models import ServedModel
+from mlx_encoders.train import fine_tune
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
+# Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows (and saving an rslora
+# adapter with two ranks writes an alpha_pattern).
+TASKS = {
+    "retrieval_query": dict(r=4, lora_alpha=8),
+    "retrieval_passage": dict(r=4, lora_alpha=8, rank_pattern={"fc1": 2}),
+    "separation": dict(r=2, lora_alpha=4, use_rslora=True, rank_pattern={"o_proj": 3}),
+    "classification": dict(r=4, lora_alpha=2),
+    "text_matching": dict(r=3, lora_alpha=6),
+}
+TEXTS = ["", "word", "The quick brown fox jumps over the lazy dog.", " ".join(["A longer text to pad others."] * 6)]
+# jina-embeddings-v3's config_sentence_transformers.json prompts (named by task)
+PROMPTS = {
+    "retrieval.query": "Represent the query for retrieving evidence documents: ",
+    "retrieval.passage": "Represent the document for retrieval: ",
+    "separation": "",
+    "classification": "",
+    "text-matching": "",
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The base checkpoint with one PEFT adapter per task subfolder, its B random (PEFT starts B at zero)."""
+    from checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path_factory.mktemp("jina"), "jina_embeddings_v3")
+    base = load_reference(folder, "encoder")
+    for seed, (task, options) in enumerate(TASKS.items()):
+        torch.manual_seed(seed)
+        config = LoraConfig(target_modules=TARGETS, init_lora_weights=False, **options)
+        get_peft_model(copy.deepcopy(base), config).save_pretrained(folder / task)
+    return folder
+
+
+def select_adapter(model, task: str) -> None:
+    """transformers' `set_adapter` (which asks for peft >= 0.22): each PEFT layer's own `set_adapter`."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers
+    for layer in layers:
+        layer.set_adapter(task)
+
+
+def reference(folder, task: str | None):
+    """transformers' model of `folder` with the PEFT adapter of `task` loaded and selected (None: the base)."""
+    model = load_reference(folder, "encoder")
+    if task is not None:
+        model.load_adapter(str(folder), adapter_name=task, adapter_kwargs={"subfolder": task})
+        select_adapter(model, task)
+    return model.eval()
+
+
+def torch_outputs(model, batch: dict) -> dict:
+    with torch.no_grad():
+        out = model(**as_torch(batch))
+    return {k: v.numpy() for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def our_outputs(model, batch: dict) -> dict:
+    out = model(**batch)
+    return {k: np.array(v) for k in ("last_hidden_state", "pooler_output") if (v := getattr(out, k)) is not None}
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_every_adapter_equals_transformers_with_peft(folder, merge):
+    model, tokenizer = mlx_encoders.load(folder)
+    assert sorted(model.adapters) == sorted(TASKS)
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    base = torch_outputs(reference(folder, None), batch)
+    assert_close(our_outputs(model, batch), base, real, "encoder")
+    for task in TASKS:
+        expected = torch_outputs(reference(folder, task), batch)
+        # the adapter moves the output well past the tolerance, so a skipped or mis-scaled one fails
+        assert np.abs(expected["last_hidden_state"] - base["last_hidden_state"])[real].max() > 0.05
+        model.set_adapter(task.replace("_", "."), merge=merge)  # jina's spelling: retrieval.query
+        assert model.active_adapter == task
+        assert_close(our_outputs(model, batch), expected, real, "encoder")
+    model.set_adapter(None)
+    assert_close(our_outputs(model, batch), base, real, "encoder")  # merged weights restored exactly
+
+
+def test_mixed_lengths_equal_one_by_one_with_an_adapter(folder):
+    model, tokenizer = mlx_encoders.load(folder)
+    with model.adapter("retrieval.passage"):
+        batch = tokenizer(TEXTS, padding=True)
+        together = np.array(model(**batch).last_hidden_state)
+        for i, text in enumerate(TEXTS):
+            alone = np.array(model(**tokenizer([text])).last_hidden_state)[0]
+            np.testing.assert_allclose(together[i, : len(alone)], alone, atol=1e-5, rtol=1e-5)
+    assert model.active_adapter is None
+
+
+def test_gradients_with_an_adapter_equal_transformers(folder):
+    """The base weights' gradients through an active (unmerged) adapter, as PEFT's frozen-adapter forward gives."""
+    model, tokenizer = mlx_encoders.load(folder)
+    model.set_adapter("text-matching")
+    batch = tokenizer(TEXTS[1:3], padding=True)
+    rng = np.random.default_rng(0)
+    real = np.array(batch["attention_mask"]).astype(np.float32)[..., None]
+    projection = rng.standard_normal((*real.shape[:2], model.args.hidden_size)).astype(np.float32) * real
+
+    ref = reference(folder, "text_matching")
+    base = {n.replace(".base_layer", ""): p for n, p in ref.named_parameters() if "lora_" not in n}
+    for p in base.values():
+        p.requires_grad_(True)
+    out = ref(**as_torch(batch))
+    expected = encoder_loss(out.last_hidden_state, out.pooler_output, torch.from_numpy(projection))
+    expected.backward()
+    loss, grads = our_gradients(model, batch, {"projection": projection})
+    assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
+    assert set(grads) == set(base)
+    scale = max(float(p.grad.abs().max()) for p in base.values())
+    for name, g in grads.items():
+        err = float(np.abs(g - base[name].grad.numpy()).max())
+        assert err <= 1e-4 * scale, f"{name}: max abs error {err:.3g} > 1e-4 x largest gradient {scale:.3g}"
+
+
+def test_a_merged_adapter_saves_as_transformers_merge_and_unload(folder, tmp_path):
+    model, tokenizer = mlx_encoders.load(folder)
+    model.set_adapter("classification", merge=True)
+    mlx_encoders.save(model, tmp_path / "merged", tokenizer)
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    merged = PeftModel.from_pretrained(load_reference(folder, "encoder"), folder / "classification").merge_and_unload()
+    expected = torch_outputs(merged, batch)
+    assert_close(torch_outputs(load_reference(tmp_path / "merged", "encoder"), batch), expected, real, "encoder")
+    assert not any(p.name == "classification" for p in (tmp_path / "merged").iterdir())  # a plain checkpoint
+
+
+@pytest.fixture(scope="module")
+def st_folder(folder, tmp_path_factory):
+    """jina's published layout: the checkpoint (with its adapter subfolders) at the root, mean pooling, Normalize,
+    a prompt per task."""
+    modules = [Transformer(str(folder), max_seq_length=64), Pooling(32, pooling_mode="mean"), Normalize()]
+    st_folder = tmp_path_factory.mktemp("jina-st")
+    SentenceTransformer(modules=modules, device="cpu", prompts=PROMPTS).save(str(st_folder))
+    for task in TASKS:
+        shutil.copytree(folder / task, st_folder / task)
+    return st_folder
+
+
+def test_save_writes_the_adapters_back_as_peft_folders(folder, tmp_path):
+    """Each adapter (a rank_pattern one and an rslora one among them) reloads in transformers + PEFT and here."""
+    model, tokenizer = mlx_encoders.load(folder)
+    model.set_adapter("separation")  # an unmerged active adapter leaves the base weights as they are
+    mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    reloaded, _ = mlx_encoders.load(tmp_path / "saved")
+    assert sorted(reloaded.adapters) == sorted(TASKS)
+    for task in ("retrieval_passage", "separation"):
+        expected = torch_outputs(reference(folder, task), batch)
+        assert_close(torch_outputs(reference(tmp_path / "saved", task), batch), expected, real, "encoder")
+        reloaded.set_adapter(task)
+        assert_close(our_outputs(reloaded, batch), expected, real, "encoder")
+
+
+def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):
+    """sentence-transformers with the adapter set is the oracle."""
+    assert json.loads((st_folder / "config_sentence_transformers.json").read_text())["prompts"] == {
+        **PROMPTS,
+        "query": "",
+        "document": "",
+    }
+    st = SentenceTransformer(str(st_folder), device="cpu")
+    for task in TASKS:
+        st.load_adapter(str(st_folder), adapter_name=task, adapter_kwargs={"subfolder": task})
+    encoder = SentenceEncoder(st_folder)
+    texts = TEXTS[1:]
+
+    def expected(task: str, **kwargs):
+        select_adapter(st, task)
+        return st.encode(texts, convert_to_numpy=True, **kwargs)
+
+    for task, prompt_name in (("retrieval_query", "retrieval.query"), ("text_matching", "text-matching")):
+        theirs = expected(task, prompt_name=prompt_name)
+        np.testing.assert_allclose(encoder.encode(texts, prompt_name=prompt_name), theirs, atol=1e-5)
+        np.testing.assert_allclose(encoder.encode(texts, prompt_name=prompt_name, task=task), theirs, atol=1e-5)
+    np.testing.assert_allclose(encoder.encode_query(texts), expected("retrieval_query", prompt_name="query"), atol=1e-5)
+    np.testing.assert_allclose(
+        encoder.encode_document(texts, truncate_dim=16),
+        expected("retrieval_passage", prompt_name="document", truncate_dim=16),
+        atol=1e-5,
+    )
+    encoder.merge_adapters = True
+    np.testing.assert_allclose(encoder.encode(texts, task="separation"), expected("separation"), atol=1e-5)
+    assert encoder.model.active_adapter is None  # each call's adapter is for that call only
+    with pytest.raises(ValueError, match="No task adapter 'summarization'.*retrieval_query"):
+        encoder.encode(texts, task="summarization")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_converted_folder_keeps_its_adapters(folder, tmp_path, bits):
+    """convert quantizes the base and copies the adapter subfolders, which then run over the quantized weights."""
+    out = mlx_encoders.convert(folder, tmp_path / "q", bits=bits, group_size=32, calibration=False)
+    model, tokenizer = mlx_encoders.load(out)
+    assert any(isinstance(m, nn.QuantizedLinear) for m in model.modules())
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    model.set_adapter("retrieval.query")
+    got = np.array(model(**batch).last_hidden_state) * real[..., None]
+    expected = torch_outputs(reference(folder, "retrieval_query"), batch)["last_hidden_state"] * real[..., None]
+    assert text_cosines(got, expected, real).min() > MIN_COSINE[bits]
+    with pytest.raises(ValueError, match="quantized or wrapped; set_adapter\\(merge=False\\)"):
+        model.set_adapter("retrieval.query", merge=True)
+
+
+def test_served_and_indexed_with_the_query_and_document_adapters(st_folder, tmp_path):
+    """The server's query and document inputs take encode_query's and encode_document's adapters, as does the
+    index: its stored vectors are encode_document's, its query encode_query's."""
+    encoder = SentenceEncoder(st_folder)
+    served = ServedModel("jina", st_folder)
+    texts = TEXTS[1:]
+    for task, expected in (
+        (None, encoder.encode(texts)),
+        ("query", encoder.encode_query(texts)),
+        ("document", encoder.encode_document(texts)),
+    ):
+        got = served.compute(served.tokenize(texts, truncate=True, task=task))
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert not np.allclose(encoder.encode_query(texts), encoder.encode(texts), atol=1e-3)
+
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    assert build(corpus, index, str(st_folder), quiet=True)["added"] == len(IDS)
+    docs = encoder.encode_document([text for _, text in read_corpus(corpus)])
+    scores = docs @ encoder.encode_query("Cats purr when they are content.")
+    hits = Index(index).search("Cats purr when they are content.", k=3)
+    np.testing.assert_allclose([h.score for h in hits], np.sort(scores)[::-1][:3], atol=1e-5)
+
+
+def test_embedding_training_with_lora_runs_and_saves_a_sentence_transformers_folder(st_folder, tmp_path):
+    triplets = [
+        dict(anchor="how do cats sleep", positive="cats sleep curled up", negative="dogs bark at night"),
+        dict(anchor="what is python", positive="python is a programming language", negative="a python is a snake"),
+        dict(anchor="capital of france", positive="paris is the capital of france", negative="berlin is in germany"),
+    ]
+    trained = fine_tune(
+        "embed", triplets * 2, tmp_path / "out", model=st_folder, loss="mnrl", max_steps=2, batch_size=3, lora_rank=2
+    )
+    assert (tmp_path / "out" / "adapters").is_dir()
+    texts = ["how do cats sleep", "python"]
+    expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
+    assert not np.allclose(SentenceEncoder(st_folder).encode(texts), expected, atol=1e-4)  # it trained
+
+
+@pytest.mark.parametrize("head", ["masked-lm", "sequence-classification", "question-answering"])
+def test_save_reloads_in_transformers_with_identical_logits(checkpoint, tmp_path, head):
+    source = checkpoint("jina_embeddings_v3", head)
+    model, tokenizer = mlx_encoders.load(source)
+    mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    batch = tokenizer(TEXTS, padding=True)
+    expected, got = (torch_outputs(load_reference(f, head), batch) for f in (source, tmp_path / "saved"))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
