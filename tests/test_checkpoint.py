@@ -406,13 +406,16 @@ def test_sanitize_hook_fixes_keys_before_they_are_fitted(checkpoint, tmp_path, m
 def test_each_front_end_resolves_and_reads_config_once(checkpoint, hub_cache, monkeypatch):
     import huggingface_hub
 
+    from mlx_encoders import jsonfile
     from mlx_encoders.checkpoint import files
 
     hub_cache("some-org/tiny", checkpoint("bert", "sequence-classification"))
     calls = []
-    download, read = huggingface_hub.snapshot_download, files.read_json
+    download, read = huggingface_hub.snapshot_download, jsonfile.read_json
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: calls.append("hub") or download(*a, **k))
-    monkeypatch.setattr(files, "read_json", lambda file, *a: calls.append(file.name) or read(file, *a))
+    counted = lambda file, *a: calls.append(file.name) or read(file, *a)  # noqa: E731
+    for module in (jsonfile, files):  # the reader, and the checkpoint layer's name for it
+        monkeypatch.setattr(module, "read_json", counted)
     front_ends = {
         "load": mlx_encoders.load,
         "pipeline": lambda source: mlx_encoders.pipeline("text-classification", model=source),
