@@ -124,7 +124,7 @@ def mlx_embeddings(folder: Path, batch_size: int):
     import numpy as np
     from mlx_embeddings.utils import load
 
-    model, tokenizer = load(str(folder / "transformer"))
+    model, tokenizer = load(str(folder.parent / "transformer"))
 
     def encode(texts):
         out = []
