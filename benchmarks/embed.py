@@ -439,9 +439,9 @@ def profile(path: Path, texts: list[str], batch_size: int, whole_batches: bool) 
     import mlx.core as mx
     import numpy as np
 
+    from mlx_encoders.embeddings.pooling import pool
     from mlx_encoders.engine.batching import batch_slices
     from mlx_encoders.models.base import padding_mask
-    from mlx_encoders.pooling import pool
 
     enc = mlx_encoders_encoder(path, whole_batches)
     bert, timer = enc.model, Timer()

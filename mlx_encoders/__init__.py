@@ -22,11 +22,11 @@ __all__ = [
 
 # Heavier front ends import on first use, so `import mlx_encoders` stays fast.
 _LAZY = {
-    "SentenceEncoder": "sentence", "CrossEncoder": "cross_encoder", "quantize_embeddings": "vectors",
-    "pipeline": "pipelines", "convert": "conversion", "generate": "generation",
-    "stream_generate": "generation", "GenerationConfig": "generation",
-    "SparseEncoder": "sparse", "SparseVectors": "sparse", "MultiVectorEncoder": "multi_vector", "Muvera": "muvera",
-    "BGEM3": "bge_m3",
+    "SentenceEncoder": "embeddings.sentence", "CrossEncoder": "embeddings.cross_encoder",
+    "quantize_embeddings": "embeddings.vectors", "pipeline": "pipelines", "convert": "conversion",
+    "generate": "generation", "stream_generate": "generation", "GenerationConfig": "generation",
+    "SparseEncoder": "embeddings.sparse", "SparseVectors": "embeddings.sparse",
+    "MultiVectorEncoder": "embeddings.multi_vector", "Muvera": "embeddings.muvera", "BGEM3": "embeddings.bge_m3",
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation", "serve")
 runtime.warn_if_slow_blas()

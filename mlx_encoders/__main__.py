@@ -185,7 +185,7 @@ def answer(args, texts: list[str]):
 
 
 def embed(args, texts: list[str]):
-    from .sentence import SentenceEncoder
+    from .embeddings.sentence import SentenceEncoder
 
     encoder = SentenceEncoder(args.model, dtype=args.dtype)
     vectors = encoder.encode(texts, batch_size=args.batch_size, normalize_embeddings=args.normalize)

@@ -28,10 +28,10 @@ from test_index import FILES, ROOT, assert_same_index, st_model, stored, unit_ve
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
 from mlx_encoders.distributed import World
+from mlx_encoders.embeddings.sparse import SparseVectors
 from mlx_encoders.index import DamagedStore, Index, StoreError, build
 from mlx_encoders.index.lock import LOCK_NAME, BuildLock, IndexBusy
 from mlx_encoders.index.store import CHECKSUMS, Store, text_key
-from mlx_encoders.sparse import SparseVectors
 
 CAMPAIGN_CASES = 300  # damaged copies of one index, each searched four ways
 

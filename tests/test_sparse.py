@@ -17,7 +17,7 @@ from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, 
 from tolerance import assert_float32_close
 
 from mlx_encoders import SparseEncoder, SparseVectors
-from mlx_encoders.sparse import sparse_dot
+from mlx_encoders.embeddings.sparse import sparse_dot
 
 TEXTS = [
     "A cat sat on the mat.",

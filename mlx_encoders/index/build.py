@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import folder_digest
 from ..distributed import World, collective, timeout, warnings_on_main_rank, world
+from ..embeddings.sentence import SentenceEncoder
+from ..embeddings.sparse import SparseEncoder
 from ..errors import CommandError, OptionError
-from ..sentence import SentenceEncoder
-from ..sparse import SparseEncoder
 from . import ann as ann_index
 from .documents import read_corpus
 from .lock import BuildLock

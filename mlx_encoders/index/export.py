@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..embeddings.vectors import quantize_embeddings
 from ..errors import OptionError
-from ..vectors import quantize_embeddings
 from .store import Store, StoreError
 
 PRECISIONS = ("float32", "int8", "binary")

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import folder_digest
+from ..embeddings.sentence import SentenceEncoder
+from ..embeddings.sparse import SparseEncoder, SparseVectors
+from ..embeddings.vectors import quantize_embeddings
 from ..errors import OptionError
-from ..sentence import SentenceEncoder
-from ..sparse import SparseEncoder, SparseVectors
-from ..vectors import quantize_embeddings
 from . import ann as ann_index
 from .store import Store, StoreError
 

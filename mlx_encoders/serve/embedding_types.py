@@ -5,7 +5,7 @@ import base64
 
 import numpy as np
 
-from ..vectors import quantize_embeddings
+from ..embeddings.vectors import quantize_embeddings
 from .errors import ApiError
 
 TYPES = ("float", "int8", "uint8", "binary", "ubinary")

@@ -13,12 +13,12 @@ import numpy as np
 from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint, read_json_object, read_modules, resolve
-from ..cross_encoder import CrossEncoder
-from ..multi_vector import MultiVectorEncoder
+from ..embeddings.cross_encoder import CrossEncoder
+from ..embeddings.multi_vector import MultiVectorEncoder
+from ..embeddings.sentence import SentenceEncoder, resolve_prompt, task_adapter, task_prompt_name
+from ..embeddings.sparse import SparseEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
-from ..sentence import SentenceEncoder, resolve_prompt, task_adapter, task_prompt_name
-from ..sparse import SparseEncoder
 from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"

@@ -24,10 +24,10 @@ from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import read_json_object, read_modules, read_safetensors
 from ..checkpoint.write import model_config, write_checkpoint
+from ..embeddings.pooling import pool, read_pooling_config
+from ..embeddings.sentence import DENSE_ACTIVATIONS, load_dense
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
-from ..pooling import pool, read_pooling_config
-from ..sentence import DENSE_ACTIVATIONS, load_dense
 from ..tokenizer import Tokenizer
 from .contrastive import (
     LOSSES,

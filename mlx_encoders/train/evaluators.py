@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..embeddings.vectors import SIMILARITIES, check_similarity_name
 from ..records import jsonl_records, read_text
-from ..vectors import SIMILARITIES, check_similarity_name
 
 SCORE_BLOCK = 1 << 24  # scores held at once (64 MiB of float32) while ranking a corpus
 DEFAULT_AT_K = {

@@ -12,8 +12,8 @@ from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint, resolve
 from ..checkpoint.tokenizer import tokenizer_for
+from ..embeddings.sentence import lowercase
 from ..models.layers import drawing_from
-from ..sentence import lowercase
 from ..tokenizer import Tokenizer
 from .config import Trained, TrainingConfig
 from .embedding import (

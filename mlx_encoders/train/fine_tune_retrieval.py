@@ -25,11 +25,11 @@ from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
 from ..checkpoint.write import model_config, write_checkpoint
-from ..multi_vector import MultiVectorEncoder
-from ..sentence import DENSE_ACTIVATIONS
-from ..sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
+from ..embeddings.multi_vector import MultiVectorEncoder
+from ..embeddings.sentence import DENSE_ACTIVATIONS
+from ..embeddings.sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
+from ..embeddings.vectors import normalize
 from ..tokenizer import Tokenizer
-from ..vectors import normalize
 from .config import OptionError, Trained
 from .embedding import EmbeddingObjective, TextExamples, write_json
 from .fine_tune import training_config

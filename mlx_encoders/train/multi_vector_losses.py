@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..multi_vector import maxsim_scores
+from ..embeddings.multi_vector import maxsim_scores
 from .config import check_option
 from .contrastive import Texts, in_batch_no_signal
 

@@ -102,8 +102,8 @@ def add_mine_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_mine(args: argparse.Namespace) -> int:
-    from ..cross_encoder import CrossEncoder
-    from ..sentence import SentenceEncoder
+    from ..embeddings.cross_encoder import CrossEncoder
+    from ..embeddings.sentence import SentenceEncoder
     from .config import check_options_in
     from .hard_negatives import mine_hard_negatives
 
@@ -131,7 +131,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from .evaluators import InformationRetrievalEvaluator, RerankingEvaluator, read_jsonl, read_retrieval_files
 
     if args.kind == "retrieval":
-        from ..sentence import SentenceEncoder
+        from ..embeddings.sentence import SentenceEncoder
 
         queries, corpus, relevant = read_retrieval_files(args.queries, args.corpus, args.qrels)
         evaluator = InformationRetrievalEvaluator(
@@ -142,7 +142,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         )  # fmt: skip
         metrics = evaluator(SentenceEncoder(args.model))
     else:
-        from ..cross_encoder import CrossEncoder
+        from ..embeddings.cross_encoder import CrossEncoder
 
         samples = read_jsonl(args.samples, ("query", "positive"))
         metrics = RerankingEvaluator(samples, at_k=args.at_k, batch_size=args.batch_size)(CrossEncoder(args.model))

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 import numpy as np
 from starlette.requests import Request
 
+from ...embeddings.sparse import SparseVectors
 from ...index.search import FUSIONS, RRF_K
-from ...sparse import SparseVectors
 from ..errors import ApiError
 from ..requests import number, option, read_json, required_text
 from ..schema import accepts, fields

@@ -14,11 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .checkpoint import Checkpoint, load_model, load_tokenizer, read_safetensors
-from .checkpoint import resolve as resolve_path
-from .checkpoint.foreign import BGE_M3_HEADS as HEADS
-from .engine.batching import run_batches
-from .tokenizer import check_count, text_list
+from ..checkpoint import Checkpoint, load_model, load_tokenizer, read_safetensors
+from ..checkpoint import resolve as resolve_path
+from ..checkpoint.foreign import BGE_M3_HEADS as HEADS
+from ..engine.batching import run_batches
+from ..tokenizer import check_count, text_list
 from .vectors import normalize
 
 UNUSED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")  # never lexical matches

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .checkpoint.files import read_json_object
-from .models.base import masked_mean
+from ..checkpoint.files import read_json_object
+from ..models.base import masked_mean
 
 MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 ALIASES = {"mean_sqrt_len": "mean_sqrt_len_tokens", "mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls"}

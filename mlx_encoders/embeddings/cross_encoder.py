@@ -21,13 +21,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import load_tokenizer
-from .chat_template import ChatTemplate, read_chat_template
-from .checkpoint import Checkpoint, load_model, read_json_object, read_modules
-from .engine.batching import run_batches
+from .. import load_tokenizer
+from ..chat_template import ChatTemplate, read_chat_template
+from ..checkpoint import Checkpoint, load_model, read_json_object, read_modules
+from ..engine.batching import run_batches
+from ..tokenizer import Tokenizer, check_count, text_list
 from .pooling import last_token
 from .sentence import DENSE_ACTIVATIONS, merge_prompts, resolve_prompt
-from .tokenizer import Tokenizer, check_count, text_list
 
 
 def saved_activation(path: str, source: Path) -> Callable | None:

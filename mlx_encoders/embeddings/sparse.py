@@ -17,11 +17,19 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import Checkpoint, inside, load_model, load_tokenizer, read_json_object, read_modules, read_safetensors
-from .checkpoint import resolve as resolve_path
-from .engine.batching import run_batches
+from ..checkpoint import (
+    Checkpoint,
+    inside,
+    load_model,
+    load_tokenizer,
+    read_json_object,
+    read_modules,
+    read_safetensors,
+)
+from ..checkpoint import resolve as resolve_path
+from ..engine.batching import run_batches
+from ..tokenizer import Tokenizer, check_count, text_list
 from .sentence import DEFAULT_PROMPTS, SentenceEncoder, TaskEncoding, lowercase, merge_prompts, resolve_prompt
-from .tokenizer import Tokenizer, check_count, text_list
 from .vectors import SIMILARITIES, check_similarity_name
 
 POOLING_STRATEGIES = ("max", "sum")

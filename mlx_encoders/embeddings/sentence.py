@@ -24,13 +24,13 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding, normalizers
 
-from . import load_tokenizer
-from .checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
-from .engine.batching import CPU_SLICE_BYTES, run_batches
-from .engine.quantized import least_group_tokens
-from .engine.runtime import on_cpu
+from .. import load_tokenizer
+from ..checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
+from ..engine.batching import CPU_SLICE_BYTES, run_batches
+from ..engine.quantized import least_group_tokens
+from ..engine.runtime import on_cpu
+from ..tokenizer import check_count, text_list
 from .pooling import parse_modes, pool, read_pooling_config
-from .tokenizer import check_count, text_list
 from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
 
 # torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function

@@ -14,11 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import Checkpoint, load_model, load_tokenizer, read_json_object, read_modules
-from .checkpoint import resolve as resolve_path
-from .engine.batching import run_batches
+from ..checkpoint import Checkpoint, load_model, load_tokenizer, read_json_object, read_modules
+from ..checkpoint import resolve as resolve_path
+from ..engine.batching import run_batches
+from ..tokenizer import check_count, text_list
 from .sentence import DEFAULT_PROMPTS, Dense, TaskEncoding, load_dense, lowercase, merge_prompts, resolve_prompt
-from .tokenizer import check_count, text_list
 from .vectors import normalize
 
 MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
