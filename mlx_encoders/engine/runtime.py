@@ -43,6 +43,15 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+HALF_PRECISION = (mx.float16, mx.bfloat16)
+
+
+def compute_dtype(stored: mx.Dtype) -> mx.Dtype:
+    """The dtype a model whose weights are stored in `stored` computes in by default: float32 for half precision on
+    the CPU, whose backend computes half precision tens of times slower; the stored dtype elsewhere."""
+    return mx.float32 if stored in HALF_PRECISION and on_cpu() else stored
+
+
 def tuning_enabled() -> bool:
     """Whether the engine may change anything in the process: MLX's BLAS, the compiled one-row helper, BLAS threads,
     the allocator. `MLX_ENCODERS_CPU_TUNING=0` leaves the process exactly as MLX and Python made it."""
