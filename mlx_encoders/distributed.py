@@ -11,18 +11,21 @@ size. A collective that fails (a rank died: the ring backend reports a lost conn
 """
 
 import os
+import pickle
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+T, R = TypeVar("T"), TypeVar("R")
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
 
@@ -161,6 +164,33 @@ def all_sum(tree, world: World, what: str):
 def broadcast(tree, world: World, what: str):
     """Rank 0's arrays of `tree` on every rank (a sum of rank 0's values and the others' zeros is exact)."""
     return all_sum(tree if world.is_main else tree_map(mx.zeros_like, tree), world, what)
+
+
+def shared_map(
+    fn: Callable[[T], R], items: Iterable[T], within: World | None = None, what: str = "evaluation"
+) -> list[R]:
+    """`[fn(item) for item in items]`, the work shared by the ranks: every rank walks all of `items` (a generator that
+    draws masks advances alike on each) and runs `fn` on every world-size-th (`rank::size`); every rank gets all the
+    results (picklable: numbers, numpy arrays), in `items`' order, so what it computes from them is one process's.
+    Every rank must call it with the same items, as it ends in a collective (`what` names it in errors)."""
+    ranks = within or world()
+    if ranks.size == 1:
+        return [fn(item) for item in items]
+    mine = [fn(item) for i, item in enumerate(items) if i % ranks.size == ranks.rank]
+    parts = gather_objects(mine, ranks, what)
+    return [parts[i % ranks.size][i // ranks.size] for i in range(sum(map(len, parts)))]
+
+
+def gather_objects(value, world: World, what: str) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
+    data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+    with collective(world, what):
+        sizes = np.array(mx.distributed.all_gather(mx.array([data.size]), group=world.group, stream=mx.cpu))
+        padded = np.zeros(sizes.max(), dtype=np.uint8)
+        padded[: data.size] = data
+        gathered = mx.distributed.all_gather(mx.array(padded), group=world.group, stream=mx.cpu)
+        gathered = np.array(gathered).reshape(world.size, -1)
+    return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
 
 
 def peers(world: World) -> str:
