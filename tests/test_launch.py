@@ -1,0 +1,91 @@
+"""`mlx-encoders launch -n 2`: the ranks join one ring on loopback, each on its own share of the cores with as many
+BLAS threads, the launcher sleeps while they run, and a rank that fails sets the launcher's exit status and stops
+the others. Runs are judged by what each rank wrote and by the launcher's status."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_distributed import free_ports
+
+from mlx_encoders.launch import core_shares
+
+RANK = """
+import json, os, sys, time
+from pathlib import Path
+import mlx.core as mx
+from mlx_encoders import distributed
+
+world, out = distributed.world(), Path(sys.argv[1])
+squares = distributed.shared_map(lambda i: i * i, range(5))  # each rank squares its share; all get every square
+(out / f"ready-{world.rank}").touch()
+time.sleep(float(sys.argv[2]))
+if world.rank == 1 and sys.argv[3] == "fail":
+    sys.exit(3)
+distributed.all_sum(mx.zeros(1), world, "the end")  # rank 0 waits here for a rank 1 that failed
+status = {"size": world.size, "squares": squares, "cores": sorted(os.sched_getaffinity(0)),
+          "threads": os.environ.get("OPENBLAS_NUM_THREADS")}
+(out / f"status-{world.rank}.json").write_text(json.dumps(status))
+"""
+
+
+def start(tmp_path: Path, seconds: float, outcome: str) -> subprocess.Popen:
+    (tmp_path / "rank.py").write_text(RANK)
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    command = [sys.executable, "-m", "mlx_encoders", "launch", "-n", "2", "-p", str(free_ports(2)), sys.executable,
+               str(tmp_path / "rank.py"), str(tmp_path), str(seconds), outcome]  # fmt: skip
+    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU time process `pid` has used (/proc/PID/stat's utime and stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for(paths: list[Path], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"no {[p.name for p in paths if not p.exists()]} after {seconds} s"
+        time.sleep(0.05)
+
+
+def test_two_ranks_share_the_cores_and_the_launcher_sleeps(tmp_path):
+    launcher = start(tmp_path, 2.0, "ok")
+    wait_for([tmp_path / f"ready-{rank}" for rank in (0, 1)], 60)
+    used = cpu_seconds(launcher.pid)
+    time.sleep(1.5)
+    used = cpu_seconds(launcher.pid) - used  # mlx.launch's forwarding threads spin: about a core's 1.5 s
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, stderr
+    statuses = [json.loads((tmp_path / f"status-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(s["size"] == 2 and s["squares"] == [0, 1, 4, 9, 16] for s in statuses), statuses
+    assert used < 0.2, used
+    shares = core_shares(2)
+    assert [s["cores"] for s in statuses] == [sorted(share) if share else statuses[0]["cores"] for share in shares]
+    if shares[0] is not None:  # two cores or more: disjoint halves, as many BLAS threads
+        assert not set(statuses[0]["cores"]) & set(statuses[1]["cores"])
+        assert [s["threads"] for s in statuses] == [str(len(share)) for share in shares]
+
+
+def test_a_failed_rank_sets_the_status_and_stops_the_others(tmp_path):
+    launcher = start(tmp_path, 0.0, "fail")
+    _, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode == 3, stderr
+    assert "mlx-encoders launch: rank 1 exited with status 3; stopping the other ranks" in stderr
+    assert not list(tmp_path.glob("status-*.json"))  # rank 0, which waited for rank 1, wrote nothing
+
+
+def test_cores_are_split_evenly():
+    """Every core this process may use goes to one rank, the ranks' counts within one of each other."""
+    cores = os.sched_getaffinity(0)
+    for ranks in range(1, len(cores) + 1):
+        shares = core_shares(ranks)
+        assert set().union(*shares) == cores and sum(map(len, shares)) == len(cores)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert core_shares(len(cores) + 1) == [None] * (len(cores) + 1)  # more ranks than cores: none pinned
