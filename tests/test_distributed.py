@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from mlx.utils import tree_flatten
 
 from mlx_encoders import distributed
 from mlx_encoders.train import contrastive, fine_tune, trainer
@@ -412,6 +413,21 @@ def test_a_stalled_collective_ends_the_rank_naming_its_peers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "rank 2: no answer from rank 1 or rank 3" in result.stderr and "during step 7" in result.stderr
+
+
+def test_gradients_travel_as_one_buffer_per_dtype(monkeypatch):
+    """A step's gradients, whatever their number, make one collective per dtype (each collective has a latency);
+    the sums come back in the tree's shapes and order. A world of one sums nothing, so the values return as given."""
+    calls = []
+    real = mx.distributed.all_sum
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
+    rng = np.random.default_rng(0)
+    tree = {"layers": [{"w": mx.array(rng.normal(size=(3, 4)).astype(np.float32)), "b": mx.zeros(4)}
+                       for _ in range(20)], "scale": mx.ones(2, dtype=mx.float16), "loss": mx.array(1.5)}  # fmt: skip
+    summed = distributed.all_sum(tree, distributed.World(None, 2, 0), "a test")
+    assert sorted(calls) == [(2,), (20 * 16 + 1,)]
+    for (name, a), (_, b) in zip(tree_flatten(tree), tree_flatten(summed), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item(), name
 
 
 def test_check_batch_size_names_both_numbers():
