@@ -20,7 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from .errors import OptionError
 
@@ -88,13 +89,12 @@ def launch(command: Sequence[str], ranks: int, port: int = DEFAULT_PORT) -> int:
         stop_on_term = signal.signal(signal.SIGTERM, terminated)
         try:
             for rank, cores in enumerate(core_shares(ranks)):
-                pin = (lambda cores=cores: os.sched_setaffinity(0, cores)) if cores is not None else None
                 try:
-                    process = subprocess.Popen(
-                        list(command), stdin=subprocess.DEVNULL,
-                        env=rank_environment(rank, hostfile if ranks > 1 else None, cores),
-                        preexec_fn=pin,
-                    )  # fmt: skip
+                    with affinity(cores):  # the rank inherits this thread's cores from its first instruction
+                        process = subprocess.Popen(
+                            list(command), stdin=subprocess.DEVNULL,
+                            env=rank_environment(rank, hostfile if ranks > 1 else None, cores),
+                        )  # fmt: skip
                 except OSError as e:
                     raise OptionError(f"cannot start {command[0]!r} for rank {rank}: {e}") from None
                 processes[process.pid] = (rank, process)
@@ -102,6 +102,20 @@ def launch(command: Sequence[str], ranks: int, port: int = DEFAULT_PORT) -> int:
         finally:
             stop(processes)
             signal.signal(signal.SIGTERM, stop_on_term)
+
+
+@contextmanager
+def affinity(cores: set[int] | None) -> Iterator[None]:
+    """Inside, this thread runs on `cores` alone (None: unchanged); a process started meanwhile inherits them."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def terminated(signum: int, frame) -> None:
