@@ -4,9 +4,10 @@ started by `mlx-encoders launch -n 2` and by `mlx.launch --backend ring -n 2`, o
 A masked-LM trains from scratch (`fine_tune("mlm", config=SIZES, tokenizer=all-MiniLM-L6-v2's)`) on docstrings of
 the Python standard library; the first `--warmup` steps (compiling) are not timed. Prints, per run: seconds per
 global batch and its ratio to one process's, the CPU seconds every rank together spent per step (each rank's own
-measure, written to its own file), the share of a step spent in the gradient all_sum (sending, receiving and
-waiting for the slower rank), and the launcher's own CPU time over the run (the runs' total CPU, from the
-operating system, less the ranks').
+measure, written to its own file) and how many of them went to the gradient all_sum (MLX's ring backend polls its
+sockets while it waits for the slower rank), the share of a step's time spent in that all_sum (sending,
+receiving and waiting), and the launcher's own CPU time over the run (the runs' total CPU, from the operating
+system, less the ranks').
 
     python benchmarks/distributed_train.py                                 # BERT-small-like, 60 steps
     python benchmarks/distributed_train.py --hidden 32 --layers 2 --steps 12 --warmup 4   # a quick check
@@ -46,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
     from mlx_encoders import distributed
     from mlx_encoders.train import fine_tune, trainer
 
-    steps, communication = [], [0.0]
+    steps, communication = [], [0.0, 0.0]  # wall and CPU seconds in the timed steps' all_sum
     take_step, all_sum = trainer.Loop.step, distributed.all_sum
 
     def timed_step(self, indices):
@@ -57,12 +58,13 @@ def worker(args: argparse.Namespace) -> None:
         return record
 
     def timed_all_sum(tree, world, what):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             return all_sum(tree, world, what)
         finally:
             if len(steps) >= args.warmup:
                 communication[0] += time.perf_counter() - started
+                communication[1] += time.process_time() - cpu
 
     trainer.Loop.step, distributed.all_sum = timed_step, timed_all_sum
     sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
@@ -76,7 +78,8 @@ def worker(args: argparse.Namespace) -> None:
     seconds, tokens, cpu = (sum(column) for column in zip(*timed, strict=True))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result = {"steps_s": len(timed) / seconds, "tokens_s": tokens / seconds, "cpu_per_step": cpu / len(timed),
-              "share": communication[0] / seconds, "cpu_total": usage.ru_utime + usage.ru_stime}  # fmt: skip
+              "share": communication[0] / seconds, "sum_cpu_per_step": communication[1] / len(timed),
+              "cpu_total": usage.ru_utime + usage.ru_stime}  # fmt: skip
     Path(f"{args.result}-{distributed.world().rank}.json").write_text(json.dumps(result))
 
 
@@ -105,9 +108,9 @@ def run(args: argparse.Namespace, ranks: int, launcher: str) -> dict:
         raise SystemExit(f"the {ranks}-rank run ({launcher}) failed: exit status {launched.returncode}, "
                          f"{sum(f.is_file() for f in files)} of {ranks} results written")  # fmt: skip
     results = [json.loads(f.read_text()) for f in files]
-    cpu_per_step = sum(r["cpu_per_step"] for r in results)
+    cpu_per_step, sum_cpu = (sum(r[key] for r in results) for key in ("cpu_per_step", "sum_cpu_per_step"))
     launcher_cpu = total - sum(r["cpu_total"] for r in results) if launcher != "none" else 0.0
-    return {**results[0], "cpu_per_step": cpu_per_step, "launcher_cpu": launcher_cpu}
+    return {**results[0], "cpu_per_step": cpu_per_step, "sum_cpu_per_step": sum_cpu, "launcher_cpu": launcher_cpu}
 
 
 def main() -> None:
@@ -132,13 +135,14 @@ def main() -> None:
     ]
     print(f"masked-LM, hidden {args.hidden}, {args.layers} layers, global batch {args.batch_size}, "
           f"max_length {args.max_length}, {args.steps - args.warmup} timed steps, 1 BLAS thread a process")  # fmt: skip
-    print("| run | s per global batch | vs 1 process | CPU s per step (all ranks) | vs 1 process | all_sum share "
-          "| launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    print("| run | s per global batch | vs 1 process | CPU s per step (all ranks) | vs 1 process | of which in all_sum "
+          "| all_sum share of a step | launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     one = rows[0][1]
     for name, r in rows:
         share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"
         print(f"| {name} | {1 / r['steps_s']:.3f} | {one['steps_s'] / r['steps_s']:.2f}x | {r['cpu_per_step']:.3f} "
-              f"| {r['cpu_per_step'] / one['cpu_per_step']:.2f}x | {share} | {r['launcher_cpu']:.1f} |")  # fmt: skip
+              f"| {r['cpu_per_step'] / one['cpu_per_step']:.2f}x | {r['sum_cpu_per_step']:.3f} | {share} "
+              f"| {r['launcher_cpu']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

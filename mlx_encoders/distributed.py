@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 T, R = TypeVar("T"), TypeVar("R")
+BARRIER_ENV = "MLX_ENCODERS_BARRIER"  # "ARRIVE:GO": the pipes `wait_for_all` uses, from `mlx-encoders launch`
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
 
@@ -147,6 +148,7 @@ def all_sum(tree, world: World, what: str):
     """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
     of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency)."""
     arrays = [a for _, a in tree_flatten(tree)]
+    mx.eval(arrays)  # this rank's part, computed before it waits for the others
     summed = list(arrays)
     for dtype in {a.dtype for a in arrays}:
         chosen = [i for i, a in enumerate(arrays) if a.dtype == dtype]
@@ -156,6 +158,7 @@ def all_sum(tree, world: World, what: str):
             summed[i] = flat[start : start + arrays[i].size].reshape(arrays[i].shape)
             start += arrays[i].size
     with collective(world, what):
+        wait_for_all(world, what)
         mx.eval(summed)
     leaves = iter(summed)
     return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
@@ -185,12 +188,42 @@ def gather_objects(value, world: World, what: str) -> list:
     """Every rank's `value` (any picklable object), in rank order, on every rank."""
     data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
     with collective(world, what):
+        wait_for_all(world, what)
         sizes = np.array(mx.distributed.all_gather(mx.array([data.size]), group=world.group, stream=mx.cpu))
         padded = np.zeros(sizes.max(), dtype=np.uint8)
         padded[: data.size] = data
         gathered = mx.distributed.all_gather(mx.array(padded), group=world.group, stream=mx.cpu)
         gathered = np.array(gathered).reshape(world.size, -1)
     return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
+
+
+def wait_for_all(world: World, what: str) -> None:
+    """Sleep until every rank has come here, where `mlx-encoders launch` gave the ranks pipes for it (`BARRIER_ENV`),
+    so that the collective after it waits for no rank: MLX's ring backend polls its sockets while it waits, a
+    core's worth of CPU for as long as the slowest rank takes. Elsewhere (mlx.launch), nothing. Rank 0 reads one
+    byte from each other rank, then writes one to each; a pipe closed instead (its rank ended) raises `RankLost`."""
+    value = os.environ.get(BARRIER_ENV, "")
+    if world.size == 1 or not value:
+        return
+    arrive, go = value.split(":")
+    if world.is_main:
+        if len(read_bytes(int(arrive), world.size - 1)) < world.size - 1:
+            lost = "rank 1" if world.size == 2 else "a rank"
+            raise RankLost(f"rank 0: lost {lost} during {what}: it stopped before reaching it")
+        for fd in go.split(","):
+            os.write(int(fd), b"g")
+    else:
+        os.write(int(arrive), b"a")
+        if not read_bytes(int(go), 1):
+            raise RankLost(f"rank {world.rank}: lost rank 0 during {what}: it stopped before reaching it")
+
+
+def read_bytes(fd: int, count: int) -> bytes:
+    """Up to `count` bytes of pipe `fd`, blocking until they came or every writer closed it."""
+    data = b""
+    while len(data) < count and (chunk := os.read(fd, count - len(data))):
+        data += chunk
+    return data
 
 
 def peers(world: World) -> str:

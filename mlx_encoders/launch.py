@@ -1,6 +1,6 @@
 """`mlx-encoders launch -n N COMMAND ...`: N ranks of COMMAND on this machine, joined by `mx.distributed`'s ring
 backend over loopback, started as `mlx.launch --backend ring -n N COMMAND` starts them (MLX_RANK, and the ring's
-addresses in the file MLX_HOSTFILE names), with three differences (docs/scaling-out.md):
+addresses in the file MLX_HOSTFILE names), with four differences (docs/scaling-out.md):
 
 - The ranks write straight to this terminal, read no stdin, and the launcher sleeps in `wait()` until one ends.
   mlx.launch (MLX 0.32) forwards each rank's output through a thread whose `select` also waits on the rank's stdin
@@ -8,6 +8,8 @@ addresses in the file MLX_HOSTFILE names), with three differences (docs/scaling-
 - Each rank runs on its own share of the cores (its CPU affinity) and its BLAS on as many threads, so N ranks do
   not start N times as many threads as there are cores.
 - It exits with the status of the first rank that failed, after stopping the others; mlx.launch exits 0.
+- The ranks get pipes that let `distributed.all_sum` wait for each other asleep before the collective, in which
+  MLX's ring backend polls its sockets while it waits for the slowest rank (`distributed.wait_for_all`).
 
 Across machines, mlx.launch with a hostfile starts the ranks over ssh.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from .distributed import BARRIER_ENV
 from .errors import OptionError
 
 DEFAULT_PORT = 32323  # mlx.launch's: rank r listens on this port + r
@@ -69,10 +72,13 @@ def core_shares(ranks: int) -> list[set[int] | None]:
     return shares
 
 
-def rank_environment(rank: int, hostfile: str | None, cores: set[int] | None) -> dict[str, str]:
-    """The environment of `rank`: mlx.launch's two variables (none for a world of one, which needs no ring), and
-    BLAS threads as many as its cores unless the user chose a number (OPENBLAS_NUM_THREADS)."""
-    env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile} if hostfile else dict(os.environ)
+def rank_environment(rank: int, hostfile: str | None, cores: set[int] | None, barrier: str) -> dict[str, str]:
+    """The environment of `rank`: mlx.launch's two variables and its barrier's pipes (none for a world of one,
+    which needs no ring), and BLAS threads as many as its cores unless the user chose a number
+    (OPENBLAS_NUM_THREADS)."""
+    env = dict(os.environ)
+    if hostfile:
+        env |= {"MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile, BARRIER_ENV: barrier}
     if cores is not None and not os.environ.get("OPENBLAS_NUM_THREADS"):
         env["OPENBLAS_NUM_THREADS"] = str(len(cores))
     return env
@@ -86,22 +92,34 @@ def launch(command: Sequence[str], ranks: int, port: int = DEFAULT_PORT) -> int:
         with open(hostfile, "w") as f:
             json.dump([[f"127.0.0.1:{port + rank}"] for rank in range(ranks)], f)
         processes: dict[int, tuple[int, subprocess.Popen]] = {}
+        arrive, go = os.pipe(), [os.pipe() for _ in range(ranks - 1)]  # `distributed.wait_for_all`'s pipes
+        pipes = {fd for pair in [arrive, *go] for fd in pair}
+        ends = [(arrive[0], *(w for _, w in go))] + [(arrive[1], r) for r, _ in go]  # each rank's ends
         stop_on_term = signal.signal(signal.SIGTERM, terminated)
         try:
             for rank, cores in enumerate(core_shares(ranks)):
+                fds = ends[rank]
+                barrier = f"{fds[0]}:{','.join(map(str, fds[1:]))}"
                 try:
                     with affinity(cores):  # the rank inherits this thread's cores from its first instruction
                         process = subprocess.Popen(
-                            list(command), stdin=subprocess.DEVNULL,
-                            env=rank_environment(rank, hostfile if ranks > 1 else None, cores),
+                            list(command), stdin=subprocess.DEVNULL, pass_fds=fds,
+                            env=rank_environment(rank, hostfile if ranks > 1 else None, cores, barrier),
                         )  # fmt: skip
                 except OSError as e:
                     raise OptionError(f"cannot start {command[0]!r} for rank {rank}: {e}") from None
                 processes[process.pid] = (rank, process)
+            close(pipes)  # the ranks hold their ends now, which close when they end
             return wait(processes)
         finally:
+            close(pipes)
             stop(processes)
             signal.signal(signal.SIGTERM, stop_on_term)
+
+
+def close(fds: set[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 @contextmanager

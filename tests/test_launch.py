@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_distributed import free_ports
 
+from mlx_encoders import distributed
 from mlx_encoders.launch import core_shares
 
 RANK = """
@@ -25,9 +27,13 @@ squares = distributed.shared_map(lambda i: i * i, range(5))  # each rank squares
 time.sleep(float(sys.argv[2]))
 if world.rank == 1 and sys.argv[3] == "fail":
     sys.exit(3)
-distributed.all_sum(mx.zeros(1), world, "the end")  # rank 0 waits here for a rank 1 that failed
+if world.rank == 1:
+    time.sleep(1.0)  # rank 0 waits for it in the all_sum
+wall, cpu = time.perf_counter(), time.process_time()
+distributed.all_sum(mx.zeros(1), world, "the end")
 status = {"size": world.size, "squares": squares, "cores": sorted(os.sched_getaffinity(0)),
-          "threads": os.environ.get("OPENBLAS_NUM_THREADS")}
+          "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "waited": time.perf_counter() - wall,
+          "waiting_cpu": time.process_time() - cpu}
 (out / f"status-{world.rank}.json").write_text(json.dumps(status))
 """
 
@@ -56,6 +62,8 @@ def wait_for(paths: list[Path], seconds: float) -> None:
 
 
 def test_two_ranks_share_the_cores_and_the_launcher_sleeps(tmp_path):
+    """The launcher and a rank that waits for the other in an all_sum both sleep (MLX's ring backend alone would
+    poll its socket: a core's worth of CPU while rank 0 waits)."""
     launcher = start(tmp_path, 2.0, "ok")
     wait_for([tmp_path / f"ready-{rank}" for rank in (0, 1)], 60)
     used = cpu_seconds(launcher.pid)
@@ -66,6 +74,7 @@ def test_two_ranks_share_the_cores_and_the_launcher_sleeps(tmp_path):
     statuses = [json.loads((tmp_path / f"status-{rank}.json").read_text()) for rank in (0, 1)]
     assert all(s["size"] == 2 and s["squares"] == [0, 1, 4, 9, 16] for s in statuses), statuses
     assert used < 0.2, used
+    assert statuses[0]["waited"] > 0.5 and statuses[0]["waiting_cpu"] < 0.2, statuses[0]
     shares = core_shares(2)
     assert [s["cores"] for s in statuses] == [sorted(share) if share else statuses[0]["cores"] for share in shares]
     if shares[0] is not None:  # two cores or more: disjoint halves, as many BLAS threads
@@ -79,6 +88,17 @@ def test_a_failed_rank_sets_the_status_and_stops_the_others(tmp_path):
     assert launcher.returncode == 3, stderr
     assert "mlx-encoders launch: rank 1 exited with status 3; stopping the other ranks" in stderr
     assert not list(tmp_path.glob("status-*.json"))  # rank 0, which waited for rank 1, wrote nothing
+
+
+def test_a_rank_that_ended_before_the_collective_is_named(monkeypatch):
+    """The barrier's pipe closed by the rank that should have written to it: the waiting rank stops, naming it."""
+    arrive, go = os.pipe(), os.pipe()
+    os.close(arrive[1])  # rank 1's end, as its process ended
+    monkeypatch.setenv(distributed.BARRIER_ENV, f"{arrive[0]}:{go[1]}")
+    with pytest.raises(distributed.RankLost, match="rank 0: lost rank 1 during step 3: it stopped before reaching it"):
+        distributed.wait_for_all(distributed.World(None, 2, 0), "step 3")
+    for fd in (arrive[0], *go):
+        os.close(fd)
 
 
 def test_cores_are_split_evenly():
