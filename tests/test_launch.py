@@ -13,6 +13,7 @@ import pytest
 from test_distributed import free_ports
 
 from mlx_encoders import distributed
+from mlx_encoders.engine import runtime
 from mlx_encoders.launch import core_shares
 
 RANK = """
@@ -20,6 +21,7 @@ import json, os, sys, time
 from pathlib import Path
 import mlx.core as mx
 from mlx_encoders import distributed
+from mlx_encoders.engine import runtime
 
 world, out = distributed.world(), Path(sys.argv[1])
 squares = distributed.shared_map(lambda i: i * i, range(5))  # each rank squares its share; all get every square
@@ -32,8 +34,8 @@ if world.rank == 1:
 wall, cpu = time.perf_counter(), time.process_time()
 distributed.all_sum(mx.zeros(1), world, "the end")
 status = {"size": world.size, "squares": squares, "cores": sorted(os.sched_getaffinity(0)),
-          "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "waited": time.perf_counter() - wall,
-          "waiting_cpu": time.process_time() - cpu}
+          "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "lanes": len(runtime.cpu_streams()),
+          "waited": time.perf_counter() - wall, "waiting_cpu": time.process_time() - cpu}
 (out / f"status-{world.rank}.json").write_text(json.dumps(status))
 """
 
@@ -80,6 +82,7 @@ def test_two_ranks_share_the_cores_and_the_launcher_sleeps(tmp_path):
     if shares[0] is not None:  # two cores or more: disjoint halves, as many BLAS threads
         assert not set(statuses[0]["cores"]) & set(statuses[1]["cores"])
         assert [s["threads"] for s in statuses] == [str(len(share)) for share in shares]
+        assert [s["lanes"] for s in statuses] == [min(runtime.MAX_CPU_STREAMS, len(share)) for share in shares]
 
 
 def test_a_failed_rank_sets_the_status_and_stops_the_others(tmp_path):
