@@ -4,7 +4,7 @@ addresses in the file MLX_HOSTFILE names), with four differences (docs/scaling-o
 
 - The ranks write straight to this terminal, read no stdin, and the launcher sleeps in `wait()` until one ends.
   mlx.launch (MLX 0.32) forwards each rank's output through a thread whose `select` also waits on the rank's stdin
-  pipe, which is always writable, so it never sleeps: most of a core goes to the launcher.
+  pipe, which is always writable, so it never sleeps, and its CPU time is taken from the ranks.
 - Each rank runs on its own share of the cores (its CPU affinity) and its BLAS on as many threads, so N ranks do
   not start N times as many threads as there are cores.
 - It exits with the status of the first rank that failed, after stopping the others; mlx.launch exits 0.
