@@ -6,8 +6,9 @@ Every rank builds the same global batch (same order, same masks), takes rows `ra
 its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A loss
 over the whole batch (in-batch negatives, pairs of pairs) instead takes this rank's `gathered_part`, and every
 rank computes the global loss over every rank's outputs (`gather_rows`); its share is that loss over the world
-size. A collective that fails (a rank died: the ring backend reports a lost connection) or stalls past
-`TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
+size. Evaluation is shared out by batches instead (`shared_map`: each rank runs every world-size-th one, and every
+rank gets all the results). A collective that fails (a rank died: the ring backend reports a lost connection) or
+stalls past `TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
 """
 
 import os
@@ -206,16 +207,20 @@ def wait_for_all(world: World, what: str) -> None:
     if world.size == 1 or not value:
         return
     arrive, go = value.split(":")
-    if world.is_main:
-        if len(read_bytes(int(arrive), world.size - 1)) < world.size - 1:
-            lost = "rank 1" if world.size == 2 else "a rank"
-            raise RankLost(f"rank 0: lost {lost} during {what}: it stopped before reaching it")
-        for fd in go.split(","):
-            os.write(int(fd), b"g")
-    else:
-        os.write(int(arrive), b"a")
-        if not read_bytes(int(go), 1):
-            raise RankLost(f"rank {world.rank}: lost rank 0 during {what}: it stopped before reaching it")
+    other = ("rank 1" if world.size == 2 else "a rank") if world.is_main else "rank 0"
+    lost = f"rank {world.rank}: lost {other} during {what}: it stopped before reaching it"
+    try:
+        if world.is_main:
+            if len(read_bytes(int(arrive), world.size - 1)) < world.size - 1:
+                raise RankLost(lost)
+            for fd in go.split(","):
+                os.write(int(fd), b"g")
+        else:
+            os.write(int(arrive), b"a")
+            if not read_bytes(int(go), 1):
+                raise RankLost(lost)
+    except BrokenPipeError:  # the reader's end closed: its rank ended
+        raise RankLost(lost) from None
 
 
 def read_bytes(fd: int, count: int) -> bytes:

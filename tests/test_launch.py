@@ -94,14 +94,19 @@ def test_a_failed_rank_sets_the_status_and_stops_the_others(tmp_path):
 
 
 def test_a_rank_that_ended_before_the_collective_is_named(monkeypatch):
-    """The barrier's pipe closed by the rank that should have written to it: the waiting rank stops, naming it."""
-    arrive, go = os.pipe(), os.pipe()
-    os.close(arrive[1])  # rank 1's end, as its process ended
-    monkeypatch.setenv(distributed.BARRIER_ENV, f"{arrive[0]}:{go[1]}")
-    with pytest.raises(distributed.RankLost, match="rank 0: lost rank 1 during step 3: it stopped before reaching it"):
-        distributed.wait_for_all(distributed.World(None, 2, 0), "step 3")
-    for fd in (arrive[0], *go):
-        os.close(fd)
+    """The barrier's pipe closed at the other end (its rank ended): the waiting rank stops, naming it, whether it
+    waits to read (rank 0) or writes first (rank 1)."""
+    cases = [(distributed.World(None, 2, 0), 1, "rank 0: lost rank 1"), (distributed.World(None, 2, 1), 0,
+             "rank 1: lost rank 0")]  # fmt: skip
+    for world, closed, message in cases:
+        arrive, go = os.pipe(), os.pipe()
+        os.close(arrive[closed])  # the other rank's end of the pipe this rank arrives through
+        mine = (arrive[1 - closed], go[1] if world.is_main else go[0])
+        monkeypatch.setenv(distributed.BARRIER_ENV, f"{mine[0]}:{mine[1]}")
+        with pytest.raises(distributed.RankLost, match=f"{message} during step 3: it stopped before reaching it"):
+            distributed.wait_for_all(world, "step 3")
+        for fd in (arrive[1 - closed], *go):
+            os.close(fd)
 
 
 def test_cores_are_split_evenly():
