@@ -8,6 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlx_encoders"
 CORE = ("models", "engine", "checkpoint", "quantization", "tokenizer", "spm", "jsonfile", "errors", "records", "corpus")
 FRONT_ENDS = (
     "embeddings", "conversion", "pipelines", "generation", "train", "index", "serve", "__main__", "distributed",
+    "launch",
 )  # fmt: skip
 
 

@@ -404,11 +404,17 @@ MAX_CPU_STREAMS = 8
 _thread_streams = threading.local()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (`taskset`, a container's
+    cpuset, `mlx-encoders launch` giving each rank its share), else every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_streams() -> tuple[mx.Stream, ...]:
-    """One CPU stream per core (at most MAX_CPU_STREAMS), made once per thread: an MLX stream belongs to the thread
-    that made it (a server's model worker runs beside the main thread)."""
+    """One CPU stream per usable core (at most MAX_CPU_STREAMS), made once per thread: an MLX stream belongs to the
+    thread that made it (a server's model worker runs beside the main thread)."""
     if not hasattr(_thread_streams, "lanes"):
-        _thread_streams.lanes = tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+        _thread_streams.lanes = tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, usable_cores())))
     return _thread_streams.lanes
 
 

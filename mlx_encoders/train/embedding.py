@@ -498,14 +498,19 @@ class EmbeddingObjective:
         model.eval()
         total, found = 0.0, [[] for _ in examples.columns]
         size = getattr(self.loss, "mini_batch_size", batch_size)
-        for start in range(0, len(examples), batch_size):
+
+        def scored(start: int) -> tuple[float, list]:  # (a batch's summed loss, its columns' vectors to rank)
             indices = range(start, min(start + batch_size, len(examples)))
             columns, labels = arrays(self.collate(examples, indices))
             embeddings = [self.embed_column(model, f, c, size) for c, f in enumerate(columns)]
-            total += self.loss(embeddings, labels).item() * len(indices)
-            for column, vectors in zip(found, embeddings, strict=True):
-                if self.ranks_texts:
-                    column.append(np.array(vectors))
+            vectors = [np.array(e) for e in embeddings] if self.ranks_texts else []
+            return self.loss(embeddings, labels).item() * len(indices), vectors
+
+        starts = range(0, len(examples), batch_size)
+        for loss, vectors in distributed.shared_map(scored, starts):  # each rank scores its share of the batches
+            total += loss
+            for column, array in zip(found, vectors, strict=False):  # no vectors where texts are not ranked
+                column.append(array)
         metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
         if self.ranks_texts and retrieval_rows(examples):
             vectors = [np.concatenate(column) for column in found]

@@ -322,15 +322,17 @@ class RerankObjective:
         """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's documents
         gathered over its rows (a label > 0 is relevant)."""
         model.eval()
-        total, logits = 0.0, []
-        for start in range(0, len(examples), batch_size):
+
+        def scored(start: int) -> tuple[float, np.ndarray]:  # (a batch's summed loss, its own pairs' logits)
             indices = range(start, min(start + batch_size, len(examples)))
             loss, scores = self.scored(model, *self.split(self.collate(examples, indices)))
             if self.loss_name == "mnrl":  # the loss paired each query with every document; the metrics take its own
                 scores = self.scored(model, *self.split(self.own_pairs(examples, indices)))[1]
-            total += loss.item() * len(indices)
-            logits.append(np.array(scores))
-        logits = np.concatenate(logits)
+            return loss.item() * len(indices), np.array(scores)
+
+        starts = range(0, len(examples), batch_size)  # each rank scores its share of the batches
+        losses, logits = zip(*distributed.shared_map(scored, starts), strict=True)
+        total, logits = sum(losses), np.concatenate(logits)
         per_query: dict[str, tuple[list, list]] = {}
         offset = 0
         for query, row_labels in zip(examples.queries, examples.labels, strict=True):

@@ -203,17 +203,24 @@ def evaluate(
     rng = np.random.default_rng(config.seed)
     task = examples.task
     total, weight, predicted, expected, sentences = 0.0, 0, [], [], []
-    for start in range(0, len(examples), config.batch_size):
-        batch = collate(examples, range(start, min(start + config.batch_size, len(examples))), tokenizer, masker, rng)
-        inputs, labels = split_batch(batch)
-        output = model(**inputs)
+
+    def scored(batch: dict) -> tuple:  # (labelled positions, loss, predicted ids, label ids) of one batch
         kept = labelled(batch["labels"], task)
         if not kept.any():  # a masked-LM batch where no token was drawn for masking: nothing to score
+            return kept, 0.0, None, None
+        inputs, labels = split_batch(batch)
+        output = model(**inputs)
+        found = predictions(output.logits, task) if np.issubdtype(batch["labels"].dtype, np.integer) else None
+        return kept, task_loss(model, output, **labels).item(), found, targets(batch["labels"], task)
+
+    batches = (collate(examples, range(start, min(start + config.batch_size, len(examples))), tokenizer, masker, rng)
+               for start in range(0, len(examples), config.batch_size))  # fmt: skip
+    for kept, loss, found, wanted in distributed.shared_map(scored, batches):  # each rank scores its share of batches
+        if not kept.any():
             continue
-        total += task_loss(model, output, **labels).item() * int(kept.sum())
+        total += loss * int(kept.sum())
         weight += int(kept.sum())
-        if np.issubdtype(batch["labels"].dtype, np.integer):
-            found, wanted = predictions(output.logits, task), targets(batch["labels"], task)
+        if found is not None:
             predicted.append(found[kept])
             expected.append(wanted[kept])
             if task == "token-classification":
