@@ -7,9 +7,9 @@ transformers does, when the checkpoint lacks it), optionally adds LoRA adapters,
 the result to `output_dir/model` with `mlx_encoders.save`, so transformers and every mlx_encoders front end read it.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +26,7 @@ from ..models import TASKS, model_class, model_module, preset_config, presets
 from ..models.base import BaseArgs
 from ..models.layers import drawing_from
 from ..tokenizer import Tokenizer
-from .config import OptionError, Trained, TrainingConfig
+from .config import OptionError, Trained
 from .data import (
     Examples,
     causal_lm_data,
@@ -37,70 +37,19 @@ from .data import (
 )
 from .lora import apply_lora, fuse, save_adapters
 from .masking import Masker
-from .options import check_task_options
+from .options import RETRIEVAL, TASK_NAMES, Data, check_task_options, read_options, signature
 from .rerank import TASK as RERANK_TASK
 from .rerank import RerankObjective, choose_loss, load_reranker, rerank_data
-from .rtd import (
-    DISCRIMINATOR_WEIGHT,
-    GENERATOR_SIZE,
-    ReplacedTokenDetection,
-    generator_args,
-    rtd_masker,
-    start_at_base_rate,
-)
 from .rtd import TASK as RTD_TASK
+from .rtd import ReplacedTokenDetection, generator_args, rtd_masker, start_at_base_rate
 from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, check_metric_for_best, train
 
-# The command's short task names, and the head each trains.
-TASK_NAMES = {
-    "mlm": "masked-lm",
-    "classify": "sequence-classification",
-    "tokens": "token-classification",
-    "clm": "causal-lm",
-    "rtd": RTD_TASK,
-    "embed": "sentence-embedding",
-    "rerank": RERANK_TASK,
-    "sparse": "sparse-embedding",
-    "multivector": "multi-vector-embedding",
-}
-RETRIEVAL_TASKS = ("sentence-embedding", "sparse-embedding", "multi-vector-embedding")  # text-column tasks
 # (text column, label column) each task reads by default: the Hugging Face datasets' usual names.
 COLUMNS = {"token-classification": ("tokens", "ner_tags")}
 
 
 @distributed.warnings_on_main_rank()  # under mlx.launch every rank would print the same warnings
-def fine_tune(
-    task: str,
-    data: str | Path | Iterable[Mapping],
-    output_dir: str | Path,
-    *,
-    model: str | Path | None = None,
-    config: str | Path | Mapping | None = None,
-    tokenizer: str | Path | None = None,
-    eval_data: str | Path | Iterable[Mapping] | None = None,
-    text_column: str | None = None,
-    text_pair_column: str | None = None,
-    label_column: str | None = None,
-    problem_type: str | None = None,
-    label2id: Mapping[str, int] | None = None,
-    label_all_tokens: bool = False,
-    whole_word_mask: bool = False,
-    next_sentence: bool = False,
-    generator: str | Path | None = None,
-    generator_size: float = GENERATOR_SIZE,
-    discriminator_weight: float = DISCRIMINATOR_WEIGHT,
-    max_length: int | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: list[str] | None = None,
-    resume: str | Path | None = None,
-    loss=None,
-    query_prompt: str | None = None,
-    document_prompt: str | None = None,
-    batch_sampler: str | None = None,
-    columns: Mapping[str, str] | Sequence[str] | None = None,
-    **training,
-) -> Trained:
+def fine_tune(task: str, data: Data, output_dir: str | Path, **options) -> Trained:
     """Train `model` (a folder or hub id) on `data` for `task` ("mlm", "classify", "tokens", "clm", "rtd", or the
     long names "masked-lm", "sequence-classification", "token-classification", "causal-lm"); write checkpoints,
     metrics.jsonl, curves.png and the trained model (`output_dir/model`) to `output_dir`.
@@ -144,57 +93,45 @@ def fine_tune(
       weight_decay, grad_accum, max_grad_norm, schedule, seed, eval_every, save_every, keep_last, final_checkpoint,
       metric_for_best, group_by_length, dtype, gradient_checkpointing).
     """
-    task = task_name(task, next_sentence)
-    options = training_config(output_dir, training)
-    embedding = dict(loss=loss, query_prompt=query_prompt, document_prompt=document_prompt, batch_sampler=batch_sampler,
-                     columns=columns)  # fmt: skip
-    given = dict(
-        config=config, text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
-        problem_type=problem_type, label2id=label2id, label_all_tokens=label_all_tokens,
-        whole_word_mask=whole_word_mask, generator=generator, generator_size=generator_size,
-        discriminator_weight=discriminator_weight, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=lora_targets, eval_data=eval_data, **embedding,
-    )  # fmt: skip
-    check_task_options(task, given | training | {"max_length": max_length})  # before the model and data load
-    if task in RETRIEVAL_TASKS:
+    run = read_options("fine_tune", output_dir, options)
+    task = task_name(task, run.next_sentence)
+    check_task_options(task, {k: v for k, v in vars(run).items() if k != "training"})  # before model and data load
+    if task in RETRIEVAL:
         from .fine_tune_embed import fine_tune_embedding
         from .fine_tune_retrieval import fine_tune_multivector, fine_tune_sparse
 
-        run = {"sparse-embedding": fine_tune_sparse, "multi-vector-embedding": fine_tune_multivector}
-        return run.get(task, fine_tune_embedding)(
-            data, output_dir, model=model, tokenizer=tokenizer, eval_data=eval_data, max_length=max_length,
-            lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, resume=resume, **embedding,
-            **training,
-        )  # fmt: skip
-    if task == RTD_TASK and lora_rank:
+        tasks = {"sparse-embedding": fine_tune_sparse, "multi-vector-embedding": fine_tune_multivector}
+        return tasks.get(task, fine_tune_embedding)(data, run)
+    if task == RTD_TASK and run.lora_rank:
         raise OptionError(
             "rtd trains every weight of the generator and the discriminator: drop lora_rank (--lora-rank)"
         )
-    checkpoint = check_source(task, model, config, tokenizer)
+    options, model, config, lora_rank = run.training, run.model, run.config, run.lora_rank
+    checkpoint = check_source(task, model, config, run.tokenizer)
     if task == "pretraining" and checkpoint is not None:
         check_next_sentence_head(checkpoint)
-    tok = load_tokenizer(checkpoint, config, tokenizer)
-    pairs = text_pair_column is not None or task in ("pretraining", RERANK_TASK)
-    check_max_length(max_length, task, tok, pairs=pairs)
-    read = reader(task, tok, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length,
-                  columns)  # fmt: skip
-    examples = read(data, label2id, options.seed)
-    evaluation = read(eval_data, examples.label2id or None, options.seed + 1) if eval_data is not None else None
+    tok = load_tokenizer(checkpoint, config, run.tokenizer)
+    pairs = run.text_pair_column is not None or task in ("pretraining", RERANK_TASK)
+    check_max_length(run.max_length, task, tok, pairs=pairs)
+    read = reader(task, tok, run)
+    examples = read(data, run.label2id, options.seed)
+    evaluation = read(run.eval_data, examples.label2id or None, options.seed + 1) if run.eval_data is not None else None
     if task not in (RTD_TASK, RERANK_TASK):  # their metrics are their model's or objective's: train() checks them
         check_metric_for_best(options, evaluation)  # the metrics these labels give, before the model loads
     with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
         if task == RTD_TASK:
-            net = rtd_pair(checkpoint, config, tok, generator, generator_size, discriminator_weight)
+            net = rtd_pair(checkpoint, config, tok, run.generator, run.generator_size, run.discriminator_weight)
         elif checkpoint is None:
             net = from_config(dict(read_config(config)), task, tok)
         else:
             net = load_head(checkpoint, task, examples)
         if lora_rank:
-            apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
-    masker = Masker.from_tokenizer(tok, whole_word=whole_word_mask) if task in ("masked-lm", "pretraining") else None
-    masker = rtd_masker(tok, whole_word_mask) if task == RTD_TASK else masker
-    objective = RerankObjective(choose_loss(loss, examples), tok) if task == RERANK_TASK else None
-    metrics = train(net, tok, examples, evaluation, options, masker, resume_from=resume, objective=objective)
+            apply_lora(net, rank=lora_rank, alpha=run.lora_alpha or 2 * lora_rank, targets=run.lora_targets)
+    whole_word = run.whole_word_mask
+    masker = Masker.from_tokenizer(tok, whole_word=whole_word) if task in ("masked-lm", "pretraining") else None
+    masker = rtd_masker(tok, whole_word) if task == RTD_TASK else masker
+    objective = RerankObjective(choose_loss(run.loss, examples), tok) if task == RERANK_TASK else None
+    metrics = train(net, tok, examples, evaluation, options, masker, resume_from=run.resume, objective=objective)
     main = distributed.is_main()  # under mlx.launch, rank 0 alone writes
     if lora_rank:
         if main:
@@ -209,6 +146,9 @@ def fine_tune(
     return Trained(net, tok, metrics, Path(path))
 
 
+fine_tune.__signature__ = signature(fine_tune)  # every option of the table, for help() and editors
+
+
 def task_name(task: str, next_sentence: bool) -> str:
     name = TASK_NAMES.get(task, task)
     if name not in TASK_NAMES.values():
@@ -217,15 +157,6 @@ def task_name(task: str, next_sentence: bool) -> str:
     if next_sentence and name != "masked-lm":
         raise OptionError("next_sentence=True trains BERT's pretraining head, which only the mlm task has")
     return "pretraining" if next_sentence else name
-
-
-def training_config(output_dir: str | Path, training: dict) -> TrainingConfig:
-    known = {f.name for f in fields(TrainingConfig)} - {"output_dir"}
-    unknown = sorted(set(training) - known)
-    if unknown:
-        raise TypeError(f"fine_tune() got unknown options {', '.join(unknown)}; the training options are: "
-                        f"{', '.join(sorted(known))}")  # fmt: skip
-    return TrainingConfig(output_dir, **training)
 
 
 def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pairs: bool) -> None:
@@ -292,25 +223,24 @@ def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path 
     return tokenizer_for(scratch_args(settings), tokenizer, check_vocab="vocab_size" in settings)
 
 
-def reader(
-    task, tokenizer, text_column, text_pair_column, label_column, problem_type, label_all_tokens, max_length, columns
-):
-    """`read(data, label2id, seed) -> Examples` for `task`, with the columns and options given."""
+def reader(task: str, tokenizer: Tokenizer, run: SimpleNamespace):
+    """`read(data, label2id, seed) -> Examples` for `task`, with the columns and options of `run`."""
     default_text, default_label = COLUMNS.get(task, ("text", "label"))
-    text, label = text_column or default_text, label_column or default_label
+    text, label = run.text_column or default_text, run.label_column or default_label
+    max_length = run.max_length
 
     def read(data, label2id, seed) -> Examples:
         if task == RERANK_TASK:
-            return rerank_data(data, tokenizer, max_length, columns)
+            return rerank_data(data, tokenizer, max_length, run.columns)
         if task == "sequence-classification":
             return sequence_classification_data(
-                data, tokenizer, text_column=text, text_pair_column=text_pair_column, label_column=label,
-                problem_type=problem_type, label2id=label2id, max_length=max_length,
+                data, tokenizer, text_column=text, text_pair_column=run.text_pair_column, label_column=label,
+                problem_type=run.problem_type, label2id=label2id, max_length=max_length,
             )  # fmt: skip
         if task == "token-classification":
             return token_classification_data(
                 data, tokenizer, text_column=text, label_column=label, label2id=label2id,
-                label_all_tokens=label_all_tokens, max_length=max_length,
+                label_all_tokens=run.label_all_tokens, max_length=max_length,
             )  # fmt: skip
         if task == "pretraining":
             rng = np.random.default_rng(seed)
