@@ -24,7 +24,7 @@ from mlx_encoders.train import contrastive, fine_tune, trainer
 
 
 def run_fine_tune(jobs: dict) -> dict:
-    """Each job's outcome; a `loss` given as {"class": NAME, **options} is that class of `train.contrastive`."""
+    """Each job's outcome; a `loss` given as {"class": NAME, **options} is that class of `train.losses.contrastive`."""
     outcomes = {}
     for name, job in jobs.items():
         if isinstance(job.get("loss"), dict):

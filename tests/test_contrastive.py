@@ -31,15 +31,15 @@ from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.checkpoint.tokenizer import tokenizer_for
 from mlx_encoders.engine.ops import drawing_from
 from mlx_encoders.train import embedding, fine_tune, trainer
-from mlx_encoders.train.contrastive import (
+from mlx_encoders.train.data import DataError
+from mlx_encoders.train.embedding import EmbeddingObjective, embedding_data, no_duplicates
+from mlx_encoders.train.losses.contrastive import (
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     CosineSimilarityLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
-from mlx_encoders.train.data import DataError
-from mlx_encoders.train.embedding import EmbeddingObjective, embedding_data, no_duplicates
 
 PARAMETERS = (
     "embeddings.word_embeddings.weight",

@@ -25,9 +25,9 @@ from mlx_encoders.train.data import (
     masked_lm_data,
     sequence_classification_data,
 )
-from mlx_encoders.train.fine_tune import from_config
 from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker
+from mlx_encoders.train.tasks.heads import from_config
 from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped, split_batch
 
 TEXTS = [

@@ -220,8 +220,8 @@ def test_mnrl_loss_and_gradients_through_the_dense_modules_equal_sentence_transf
 
     from mlx_encoders.checkpoint import load_model, tokenizer_for
     from mlx_encoders.train import trainer
-    from mlx_encoders.train.contrastive import MultipleNegativesRankingLoss
     from mlx_encoders.train.embedding import DenseModel, EmbeddingObjective, embedding_data
+    from mlx_encoders.train.losses.contrastive import MultipleNegativesRankingLoss
 
     st = SentenceTransformer(str(embeddinggemma), device="cpu").eval()
     expected = st_losses.MultipleNegativesRankingLoss(st)(st_features(st, TRIPLETS, TRIPLET_COLUMNS), None)

@@ -7,7 +7,7 @@ import json
 import sys
 
 from .config import OptionError
-from .contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
+from .losses.contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .options import OPTIONS, add_flags, reads_flag, words
 from .tasks import TASK_NAMES, TASKS
 
@@ -104,7 +104,7 @@ def retrieval_loss(args: argparse.Namespace):
     has refused the weights for any task but sparse)."""
     if (args.document_regularizer_weight, args.query_regularizer_weight) == (None, None):
         return None
-    from .sparse_losses import SpladeLoss
+    from .losses.sparse import SpladeLoss
 
     weights = {}
     if args.document_regularizer_weight is not None:

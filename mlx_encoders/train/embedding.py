@@ -2,7 +2,7 @@
 negatives; or sentence1, sentence2, score), the `no_duplicates` batch sampler (`base/sampler.py`,
 `NoDuplicatesBatchSampler`), the model pass Transformer -> Pooling -> Dense... -> Normalize, GradCache for the
 cached loss (`base/losses/gradcache.py`), and the sentence-transformers folder written at the end. The losses
-themselves are in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
+themselves are in `losses/contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
 """
 
 import json
@@ -29,15 +29,15 @@ from ..embeddings.sentence import DENSE_ACTIVATIONS, load_dense
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
-from .contrastive import (
+from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
+from .evaluators import retrieval_metric_names, row_retrieval_metrics
+from .losses.contrastive import (
     LOSSES,
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
-from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
-from .evaluators import retrieval_metric_names, row_retrieval_metrics
 
 TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
@@ -288,7 +288,7 @@ def make_loss(loss, scored: bool):
             raise ValueError(f"Unknown embedding loss {loss!r}; choose one of {', '.join(LOSSES)} or pass a loss")
         return LOSSES[loss]()
     if not callable(loss):
-        raise TypeError(f"loss= must be a loss name or a loss from mlx_encoders.train.contrastive, got {loss!r}")
+        raise TypeError(f"loss= must be a loss name or a loss from mlx_encoders.train.losses.contrastive, got {loss!r}")
     return loss
 
 

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 from ..models.base import PROBLEM_TYPES
 from .config import OptionError, TrainingConfig, check_options_in
-from .contrastive import LOSSES
 from .data import Examples
 from .embedding import SAMPLERS
+from .losses.contrastive import LOSSES
 from .metrics import eval_metric_names
 from .rerank import LOSSES as RERANK_LOSSES
 from .rerank import METRIC_NAMES as RERANK_METRICS

@@ -6,8 +6,8 @@ each `*For*` class in `modeling_bert.py` and friends, and `loss/loss_utils.py`).
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models import task_of_model
-from ..models.base import ModelOutput, infer_problem_type
+from ...models import task_of_model
+from ...models.base import ModelOutput, infer_problem_type
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
 # Architectures whose classifiers read float labels of no configured problem_type as class probabilities (a soft

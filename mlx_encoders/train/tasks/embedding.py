@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import distributed
-from ..checkpoint.build import load_model
-from ..checkpoint.files import Checkpoint, resolve
-from ..checkpoint.tokenizer import tokenizer_for
-from ..embeddings.sentence import lowercase
-from ..models.layers import drawing_from
-from ..tokenizer import Tokenizer
-from .config import Trained
-from .embedding import (
+from ... import distributed
+from ...checkpoint.build import load_model
+from ...checkpoint.files import Checkpoint, resolve
+from ...checkpoint.tokenizer import tokenizer_for
+from ...embeddings.sentence import lowercase
+from ...models.layers import drawing_from
+from ...tokenizer import Tokenizer
+from ..config import Trained
+from ..embedding import (
     DenseModel,
     EmbeddingObjective,
     TextExamples,
@@ -26,13 +26,13 @@ from .embedding import (
     read_setup,
     save_sentence_transformer,
 )
-from .fine_tune import check_max_length
-from .lora import apply_lora, fuse, save_adapters
-from .options import Data
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
+from ..lora import apply_lora, fuse, save_adapters
+from ..options import Data
+from ..trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
+from .heads import check_max_length
 
 
-def fine_tune_embedding(data: Data, run: SimpleNamespace) -> Trained:
+def train_task(data: Data, run: SimpleNamespace) -> Trained:
     """See `fine_tune`: the embed task's part; `run` holds the options (`options.read_options`)."""
     options, model, query_prompt, document_prompt = run.training, run.model, run.query_prompt, run.document_prompt
     if model is None:

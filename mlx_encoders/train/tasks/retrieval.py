@@ -21,23 +21,23 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .. import distributed
-from ..checkpoint.atomic import atomic_folder
-from ..checkpoint.build import load_model
-from ..checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
-from ..checkpoint.write import model_config, write_checkpoint
-from ..embeddings.multi_vector import MultiVectorEncoder
-from ..embeddings.sentence import DENSE_ACTIVATIONS
-from ..embeddings.sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
-from ..embeddings.vectors import normalize
-from ..tokenizer import Tokenizer
-from .config import OptionError, Trained
-from .embedding import EmbeddingObjective, TextExamples, write_json
-from .fine_tune_embed import text_examples, train_objective
-from .multi_vector_losses import MaxSimRankingLoss
-from .options import Data
-from .sparse_losses import SpladeLoss
-from .trainer import MODEL_FOLDER
+from ... import distributed
+from ...checkpoint.atomic import atomic_folder
+from ...checkpoint.build import load_model
+from ...checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
+from ...checkpoint.write import model_config, write_checkpoint
+from ...embeddings.multi_vector import MultiVectorEncoder
+from ...embeddings.sentence import DENSE_ACTIVATIONS
+from ...embeddings.sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
+from ...embeddings.vectors import normalize
+from ...tokenizer import Tokenizer
+from ..config import OptionError, Trained
+from ..embedding import EmbeddingObjective, TextExamples, write_json
+from ..losses.multi_vector import MaxSimRankingLoss
+from ..losses.sparse import SpladeLoss
+from ..options import Data
+from ..trainer import MODEL_FOLDER
+from .embedding import text_examples, train_objective
 
 ST = "sentence_transformers."
 TRANSFORMER = ST + "base.modules.transformer.Transformer"
@@ -153,15 +153,15 @@ class SparseObjective(EmbeddingObjective):
         return splade_pool(model, features, self.strategy, self.activation)
 
 
-def fine_tune_sparse(data: Data, run: SimpleNamespace) -> Trained:
-    """See `fine_tune`: the sparse task's part. `loss` a `sparse_losses.SpladeLoss` (its weights), default
+def train_sparse(data: Data, run: SimpleNamespace) -> Trained:
+    """See `fine_tune`: the sparse task's part. `loss` a `losses.sparse.SpladeLoss` (its weights), default
     `SpladeLoss()`."""
     options, model = run.training, run.model
     if model is None:
         raise ValueError("fine_tune('sparse') starts from model=: a SparseEncoder folder or a masked-LM checkpoint")
     loss = SpladeLoss() if run.loss is None else run.loss
     if not isinstance(loss, SpladeLoss):
-        raise TypeError(f"fine_tune('sparse') trains with loss=SpladeLoss(...) (train.sparse_losses), got {loss!r}")
+        raise TypeError(f"fine_tune('sparse') trains with loss=SpladeLoss(...) (train.losses.sparse), got {loss!r}")
     path = resolve(model)
     setup = read_retrieval_setup(path, "SparseEncoder", ("Transformer", "MLMTransformer", "SpladePooling"))
     checkpoint = Checkpoint.open(setup.transformer)
@@ -290,8 +290,8 @@ class MultiVectorObjective(EmbeddingObjective):
         return self.embed(model, features, column)
 
 
-def fine_tune_multivector(data: Data, run: SimpleNamespace) -> Trained:
-    """See `fine_tune`: the multivector task's part. `loss` a `multi_vector_losses.MaxSimRankingLoss` (its
+def train_multivector(data: Data, run: SimpleNamespace) -> Trained:
+    """See `fine_tune`: the multivector task's part. `loss` a `losses.multi_vector.MaxSimRankingLoss` (its
     scale), default scale 1 as sentence-transformers'."""
     options, model, max_length = run.training, run.model, run.max_length
     if model is None:
