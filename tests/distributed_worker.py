@@ -20,7 +20,8 @@ import numpy as np
 
 from mlx_encoders import distributed
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import contrastive, fine_tune, trainer
+from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.losses import contrastive
 
 
 def run_fine_tune(jobs: dict) -> dict:

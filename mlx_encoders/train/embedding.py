@@ -38,8 +38,9 @@ from .losses.contrastive import (
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
+from .objective import Objective
+from .tasks import EMBED as TASK
 
-TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
 MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
@@ -293,7 +294,7 @@ def make_loss(loss, scored: bool):
 
 
 @dataclass
-class EmbeddingObjective:
+class EmbeddingObjective(Objective):
     """What `trainer.train` needs to train a sentence-embedding model: batches of text columns, the embedding
     pass, the loss and its gradients (by GradCache for the cached loss) and the evaluation loss."""
 
@@ -340,7 +341,7 @@ class EmbeddingObjective:
             return None
         return lambda order: no_duplicates(order, examples.texts, batch_size)
 
-    def collate(self, examples: TextExamples, indices) -> dict:
+    def collate(self, examples: TextExamples, indices, rng: np.random.Generator | None = None) -> dict:
         """{"columns": one padded numpy batch per text column, "labels": the scores or None}."""
         columns = [self.tokenizer.pad([column[i] for i in indices], return_tensors="np") for column in examples.columns]
         scores = [examples.labels[i] for i in indices]

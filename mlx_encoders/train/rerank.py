@@ -28,9 +28,10 @@ from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
 from .data import DataError, Row, by_position, read_rows, select_columns
 from .evaluators import reranking_metrics
+from .objective import Objective
+from .tasks import RERANK as TASK
 
 LOSSES = ("bce", "listnet", "lambda", "mnrl")
-TASK = "rerank"
 AT_K = 10  # MRR@10 and NDCG@10, as sentence-transformers' CrossEncoderRerankingEvaluator
 LOSS_KEYS = ("pair_index", "labels")  # a collated batch's arrays the loss reads, over all its rows
 METRIC_NAMES = ["eval_loss", "eval_map", f"eval_mrr@{AT_K}", f"eval_ndcg@{AT_K}"]
@@ -211,14 +212,16 @@ def mnrl_loss(logits: mx.array, labels: mx.array, kept: mx.array, scale: float =
     return -(labels * (scores - mx.logsumexp(scores, axis=-1, keepdims=True))).sum(axis=-1).mean()
 
 
-class RerankObjective:
+class RerankObjective(Objective):
     """The batches, loss and evaluation of reranker training, for `trainer.train(..., objective=)`."""
 
     def __init__(self, loss: str, tokenizer: Tokenizer):
         self.loss_name, self.tokenizer = loss, tokenizer
         self.pair_loss = {"bce": bce_loss, "listnet": listnet_loss, "lambda": lambda_loss, "mnrl": mnrl_loss}[loss]
 
-    def collate(self, examples: RerankExamples, indices) -> dict[str, np.ndarray]:
+    def collate(
+        self, examples: RerankExamples, indices, rng: np.random.Generator | None = None
+    ) -> dict[str, np.ndarray]:
         """The batch the loss takes: for "mnrl" every query against every document of the rows, else each row's
         own pairs."""
         return self.in_batch(examples, indices) if self.loss_name == "mnrl" else self.own_pairs(examples, indices)

@@ -5,13 +5,11 @@ and imports a task's module when it runs. A new task is one row here and its mod
 import importlib
 from dataclasses import dataclass
 
-from ..rerank import TASK as RERANK
-from ..rtd import TASK as RTD
-
 CLASSIFY, TOKENS, MLM, PRETRAINING, CLM = (
     "sequence-classification", "token-classification", "masked-lm", "pretraining", "causal-lm",
 )  # fmt: skip
 EMBED, SPARSE, MULTIVECTOR = "sentence-embedding", "sparse-embedding", "multi-vector-embedding"
+RTD, RERANK = "replaced-token-detection", "rerank"
 RETRIEVAL = (EMBED, SPARSE, MULTIVECTOR)  # they read the embed task's columns by name, and its options
 
 

@@ -16,6 +16,7 @@ from ...checkpoint.tokenizer import tokenizer_for
 from ...embeddings.sentence import lowercase
 from ...models.layers import drawing_from
 from ...tokenizer import Tokenizer
+from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import Trained
 from ..embedding import (
     DenseModel,
@@ -28,7 +29,7 @@ from ..embedding import (
 )
 from ..lora import apply_lora, fuse, save_adapters
 from ..options import Data
-from ..trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
+from ..trainer import train
 from .heads import check_max_length
 
 

@@ -22,12 +22,14 @@ from ...models import TASKS, model_class, model_module, preset_config, presets
 from ...models.base import BaseArgs
 from ...models.layers import drawing_from
 from ...tokenizer import Tokenizer
+from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import OptionError, Trained
 from ..data import Examples
+from ..evaluation import check_metric_for_best
 from ..lora import apply_lora, fuse, save_adapters
 from ..masking import Masker
 from ..options import Data
-from ..trainer import ADAPTERS_FOLDER, MODEL_FOLDER, check_metric_for_best, train
+from ..trainer import train
 from . import CLM
 
 

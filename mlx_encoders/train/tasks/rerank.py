@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 from ..config import Trained
 from ..options import Data
-from ..rerank import TASK, RerankObjective, choose_loss, load_reranker, rerank_data
+from ..rerank import RerankObjective, choose_loss, load_reranker, rerank_data
+from . import RERANK as TASK
 from .heads import train_head
 
 

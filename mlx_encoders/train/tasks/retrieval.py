@@ -31,12 +31,12 @@ from ...embeddings.sentence import DENSE_ACTIVATIONS
 from ...embeddings.sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
 from ...embeddings.vectors import normalize
 from ...tokenizer import Tokenizer
+from ..checkpointing import MODEL_FOLDER
 from ..config import OptionError, Trained
 from ..embedding import EmbeddingObjective, TextExamples, write_json
 from ..losses.multi_vector import MaxSimRankingLoss
 from ..losses.sparse import SpladeLoss
 from ..options import Data
-from ..trainer import MODEL_FOLDER
 from .embedding import text_examples, train_objective
 
 ST = "sentence_transformers."
@@ -275,7 +275,7 @@ class MultiVectorObjective(EmbeddingObjective):
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
     groups_by_length: ClassVar[bool] = False  # token matrices as wide as the batch's (queries expanded to a length)
 
-    def collate(self, examples: TextExamples, indices) -> dict:
+    def collate(self, examples: TextExamples, indices, rng: np.random.Generator | None = None) -> dict:
         columns = []
         for c, column in enumerate(examples.columns):
             batch, scored = self.encoder.batch([column[i] for i in indices], "query" if c == 0 else "document")

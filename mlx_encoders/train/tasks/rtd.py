@@ -12,7 +12,8 @@ from ...tokenizer import Tokenizer
 from ..config import OptionError, Trained
 from ..data import masked_lm_data
 from ..options import Data
-from ..rtd import TASK, ReplacedTokenDetection, generator_args, rtd_masker, start_at_base_rate
+from ..rtd import ReplacedTokenDetection, RTDObjective, generator_args, rtd_masker, start_at_base_rate
+from . import RTD as TASK
 from .heads import from_config, read_config, train_head
 
 
@@ -31,10 +32,10 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     def save_pair(model, path, tokenizer):  # the discriminator is the model to fine-tune; the generator beside it
         return model.save(path, tokenizer, overwrite=True), model.discriminator
 
-    return train_head(
-        TASK, data, run, read, build=build, masker=lambda tokenizer: rtd_masker(tokenizer, run.whole_word_mask),
-        own_metrics=True, save_model=save_pair,
-    )  # fmt: skip
+    def objective(examples, tokenizer):
+        return RTDObjective(tokenizer, run.training, TASK, rtd_masker(tokenizer, run.whole_word_mask))
+
+    return train_head(TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair)
 
 
 def rtd_pair(
