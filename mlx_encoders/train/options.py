@@ -19,8 +19,8 @@ from .config import OptionError, TrainingConfig, check_options_in
 from .data import Examples
 from .embedding import SAMPLERS
 from .losses.contrastive import LOSSES
+from .losses.rerank import LOSSES as RERANK_LOSSES
 from .metrics import eval_metric_names
-from .rerank import LOSSES as RERANK_LOSSES
 from .rerank import METRIC_NAMES as RERANK_METRICS
 from .rtd import DISCRIMINATOR_WEIGHT, GENERATOR_SIZE
 from .rtd import METRICS as RTD_METRICS

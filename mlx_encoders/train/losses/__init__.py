@@ -1,6 +1,8 @@
 """Task losses, computed from `labels` exactly as transformers' heads compute them (reference: the `forward` of
 each `*For*` class in `modeling_bert.py` and friends, and `loss/loss_utils.py`). Models return logits only;
-`task_loss` picks the head's loss, the functions below it are its parts.
+`task_loss` picks the head's loss, the functions below it are its parts; `loss_arrays` and `batch_loss` give it a
+collated batch. The other tasks' losses are this package's modules: `contrastive` (embeddings), `sparse` (SPLADE),
+`multi_vector` (ColBERT) and `rerank` (cross-encoders).
 """
 
 import mlx.core as mx
