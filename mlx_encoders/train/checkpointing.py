@@ -7,6 +7,7 @@ file checked against this run before anything is restored), the output folder cl
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,18 +49,22 @@ class TrainerState:
 
 
 def save_checkpoint(
-    model: nn.Module, tokenizer: Tokenizer, optimizer: optim.Optimizer, state: TrainerState, target: Path
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    optimizer: optim.Optimizer,
+    state: TrainerState,
+    target: Path,
+    write: Callable[[nn.Module, Path], None] | None = None,
 ) -> None:
     """`target` (checkpoint-STEP) holding what `mlx_encoders.save` writes, `optimizer.safetensors` and
     `trainer_state.json`, atomically: on any error the previous folder (if any) stays, and no partial one. A model
-    with LoRA adapters saves them alone (`save_adapters`), as `load_adapters` reads them onto its base."""
+    with LoRA adapters saves them alone (`save_adapters`), as `load_adapters` reads them onto its base; `write(model,
+    folder)` writes any other (the objective's `write_weights`; default `write_weights`)."""
     with atomic_folder(target, replace=True, whole=True) as tmp:
         if getattr(model, "lora_config", None) is not None:
             save_adapters(model, tmp)
-        elif hasattr(model, "write_checkpoint"):
-            model.write_checkpoint(tmp)
         else:
-            write_checkpoint(model, model_config(model), tmp)
+            (write or write_weights)(model, tmp)
         tokenizer.save(tmp)
         mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
@@ -146,8 +151,14 @@ def check_head(model: nn.Module, folder: Path) -> None:
             )
 
 
-def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) -> TrainerState:
-    """Restore `model`'s weights, the optimizer state and the trainer state from a checkpoint folder."""
+def load_checkpoint(
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    folder: Path,
+    read: Callable[[nn.Module, Path], dict | None] | None = None,
+) -> TrainerState:
+    """Restore `model`'s weights, the optimizer state and the trainer state from a checkpoint folder; `read(model,
+    folder)` reads weights other than LoRA adapters (the objective's `read_weights`; default `read_weights`)."""
     folder = Path(folder)
     if not (folder / STATE_FILE).is_file() or not (folder / OPTIMIZER_FILE).is_file():
         raise FileNotFoundError(
@@ -167,26 +178,36 @@ def load_checkpoint(model: nn.Module, optimizer: optim.Optimizer, folder: Path) 
     if lora is not None:
         check_lora_settings(lora, folder)
         load_adapter_weights(model, folder)  # checks each tensor's name and shape, naming the file
-    elif hasattr(model, "read_checkpoint"):
-        model.read_checkpoint(folder)
     else:
-        check_head(model, folder)
-        saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
-        current = dict(tree_flatten(model.parameters()))
-        if saved.keys() != current.keys():
-            missing = sorted(current.keys() ^ saved.keys())[:5]
-            raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
-        for name, value in current.items():
-            if saved[name].shape != value.shape:
-                raise ValueError(
-                    f"{folder / 'model.safetensors'}: {name} has shape {tuple(saved[name].shape)}, but this run's "
-                    f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
-                )
+        saved = (read or read_weights)(model, folder)
     check_optimizer_state(optimizer, model, optimizer_state, folder / OPTIMIZER_FILE)
     if saved is not None:
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(optimizer_state.items()))
     return state
+
+
+def write_weights(model: nn.Module, folder: Path) -> None:
+    """A checkpoint's model files, as `mlx_encoders.save` writes them (config.json and model.safetensors)."""
+    write_checkpoint(model, model_config(model), folder)
+
+
+def read_weights(model: nn.Module, folder: Path) -> dict[str, mx.array]:
+    """The weights `write_weights` wrote to `folder`, checked against `model` (its head, each name and shape); the
+    caller restores them once the optimizer state is checked too."""
+    check_head(model, folder)
+    saved = dict(tree_flatten(load_model(folder, task=task_of_model(model)).parameters()))
+    current = dict(tree_flatten(model.parameters()))
+    if saved.keys() != current.keys():
+        missing = sorted(current.keys() ^ saved.keys())[:5]
+        raise ValueError(f"{folder} does not hold this model's weights (differing keys: {', '.join(missing)})")
+    for name, value in current.items():
+        if saved[name].shape != value.shape:
+            raise ValueError(
+                f"{folder / 'model.safetensors'}: {name} has shape {tuple(saved[name].shape)}, but this run's "
+                f"model has {tuple(value.shape)}; resume with the model (and sizes) of the run that wrote it"
+            )
+    return saved
 
 
 RESUME_ELSEWHERE = "resume from another checkpoint-STEP folder (an earlier one), or start the run afresh"
@@ -287,15 +308,20 @@ def record_step(path: Path, number: int, line: str) -> int:
 
 
 def start_state(
-    model: nn.Module, optimizer: optim.Optimizer, config: TrainingConfig, resume_from: str | Path | None
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    config: TrainingConfig,
+    resume_from: str | Path | None,
+    read: Callable[[nn.Module, Path], dict | None] | None = None,
 ) -> TrainerState:
-    """A fresh state (the dropout key and masking generator from `seed`) or the one in `resume_from`, with its saved
-    key; the metrics log keeps only the records up to the state's step. MLX's global key is left alone."""
+    """A fresh state (the dropout key and masking generator from `seed`) or the one in `resume_from` (its weights
+    read by `read`, see `load_checkpoint`), with its saved key; the metrics log keeps only the records up to the
+    state's step. MLX's global key is left alone."""
     if resume_from is None:
         key = np.array(mx.random.key(config.seed)).tolist()
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
     else:
-        state = load_checkpoint(model, optimizer, resume_from)
+        state = load_checkpoint(model, optimizer, resume_from, read)
     if not distributed.is_main():  # rank 0 alone owns the files
         return state
     trim_metrics(config.output_dir, state.step)

@@ -38,7 +38,7 @@ from .losses.contrastive import (
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
-from .objective import Objective
+from .objective import Objective, OwnFormat
 from .tasks import EMBED as TASK
 
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
@@ -568,3 +568,8 @@ def batch_tokens(batch: dict) -> int:
     if "columns" in batch:
         return sum(int(f["attention_mask"].sum()) for f in batch["columns"])
     return int(batch["attention_mask"].sum())
+
+
+@dataclass
+class DenseObjective(OwnFormat, EmbeddingObjective):
+    """The embed objective of a `DenseModel`: its checkpoints hold the Dense modules beside the transformer."""

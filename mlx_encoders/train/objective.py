@@ -1,18 +1,20 @@
 """The one interface between the training loop (`trainer.train`) and a task: `Objective`. The loop asks it for the
 batches (`batcher`, `collate`), the step's loss and gradients (`loss_and_grad`), the evaluation and its metric
-names, whether a batch can teach the loss anything (`no_signal`) and how a batch splits over ranks (`part`,
-`count`). `HeadObjective` is the head tasks' (masked-LM, causal LM, classification: the loss of the model's own
-head, `losses.task_loss`); `rtd.RTDObjective`, `embedding.EmbeddingObjective` and `rerank.RerankObjective` are the
-others'."""
+names, whether a batch can teach the loss anything (`no_signal`), how a batch splits over ranks (`part`, `count`)
+and what a checkpoint holds of the model (`write_weights`, `read_weights`). `HeadObjective` is the head tasks'
+(masked-LM, causal LM, classification: the loss of the model's own head, `losses.task_loss`); `rtd.RTDObjective`,
+`embedding.EmbeddingObjective` and `rerank.RerankObjective` are the others'."""
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..tokenizer import Tokenizer
+from .checkpointing import read_weights, write_weights
 from .compiling import compiled_value_and_grad, retraced_value_and_grad, value_and_grad
 from .config import TrainingConfig
 from .data import Examples, collate
@@ -81,6 +83,26 @@ class Objective(ABC):
     def count(self, batch: dict) -> int:
         """The items a batch's loss averages over, to weight each rank's rows (`distributed.step_gradients`)."""
         raise NotImplementedError(f"{type(self).__name__} splits batches over ranks with `part`")
+
+    def write_weights(self, model: nn.Module, folder: Path) -> None:
+        """What a checkpoint holds of the model (besides LoRA adapters, which the loop saves alone)."""
+        write_weights(model, folder)
+
+    def read_weights(self, model: nn.Module, folder: Path) -> dict[str, mx.array] | None:
+        """The weights `write_weights` wrote, checked against `model`: the loop restores them once the optimizer
+        state is checked too; None when they are restored here."""
+        return read_weights(model, folder)
+
+
+class OwnFormat:
+    """For an objective whose model writes and reads its training checkpoints itself (`write_checkpoint`,
+    `read_checkpoint`): the pair of ELECTRA's models, or an encoder with its projections."""
+
+    def write_weights(self, model: nn.Module, folder: Path) -> None:
+        model.write_checkpoint(folder)
+
+    def read_weights(self, model: nn.Module, folder: Path) -> None:
+        model.read_checkpoint(folder)
 
 
 class HeadObjective(Objective):

@@ -29,7 +29,7 @@ from ..tokenizer import Tokenizer
 from .data import Examples, collate
 from .losses import IGNORE_INDEX, cross_entropy, replaced_token_loss
 from .masking import Masker
-from .objective import HeadObjective
+from .objective import HeadObjective, OwnFormat
 from .tasks import RTD as TASK
 
 DISCRIMINATOR_FOLDER, GENERATOR_FOLDER = "discriminator", "generator"
@@ -263,9 +263,9 @@ def ratio(part: int, whole: int, undefined: float = math.nan) -> float:
     return part / whole if whole else undefined
 
 
-class RTDObjective(HeadObjective):
+class RTDObjective(OwnFormat, HeadObjective):
     """ELECTRA's objective for `trainer.train`: the pair's own loss arrays, loss (generator plus weighted
-    discriminator) and evaluation (`ReplacedTokenDetection`); one process only."""
+    discriminator), evaluation and checkpoints (`ReplacedTokenDetection`); one process only."""
 
     distributed = False
 

@@ -281,7 +281,8 @@ class Loop:
             update_best(state, config.metric_for_best, name)
             if not self.world.is_main:
                 return
-            save_checkpoint(self.model, self.tokenizer, self.optimizer, state, config.output_dir / name)
+            target = config.output_dir / name
+            save_checkpoint(self.model, self.tokenizer, self.optimizer, state, target, self.objective.write_weights)
             rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, name)
 
 
@@ -333,7 +334,7 @@ def train(
         claim_output(config.output_dir, config.overwrite, resume_from)
     if world.is_main:
         config.output_dir.mkdir(parents=True, exist_ok=True)
-    state = start_state(model, optimizer, config, resume_from)
+    state = start_state(model, optimizer, config, resume_from, objective.read_weights)
     if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
         model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
     loop = Loop(model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective)

@@ -20,6 +20,7 @@ from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import Trained
 from ..embedding import (
     DenseModel,
+    DenseObjective,
     EmbeddingObjective,
     TextExamples,
     embedding_data,
@@ -58,7 +59,8 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     in_batch = getattr(loss, "in_batch_negatives", False)
     sampler = run.batch_sampler or ("no_duplicates" if in_batch else "batch_sampler")
     similarity = setup.similarity_fn_name or "cosine"
-    objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
+    kind = DenseObjective if setup.dense else EmbeddingObjective
+    objective = kind(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     net = load_model(checkpoint, dtype="float32", task="encoder")
     net = DenseModel(net, setup.dense) if setup.dense else net
     if hasattr(loss, "check_width"):

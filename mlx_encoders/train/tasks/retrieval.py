@@ -36,6 +36,7 @@ from ..config import OptionError, Trained
 from ..embedding import EmbeddingObjective, TextExamples, write_json
 from ..losses.multi_vector import MaxSimRankingLoss
 from ..losses.sparse import SpladeLoss
+from ..objective import OwnFormat
 from ..options import Data
 from .embedding import text_examples, train_objective
 
@@ -267,9 +268,10 @@ def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
 
 
 @dataclass
-class MultiVectorObjective(EmbeddingObjective):
+class MultiVectorObjective(OwnFormat, EmbeddingObjective):
     """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
-    expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask)."""
+    expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask); its
+    checkpoints hold the projections beside the encoder (`MultiVectorModel`)."""
 
     encoder: MultiVectorEncoder | None = None
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
