@@ -20,13 +20,14 @@ import numpy as np
 
 from mlx_encoders import distributed
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import contrastive, fine_tune, trainer
+from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.losses import contrastive
 
 
 def run_fine_tune(jobs: dict, status: dict) -> None:
     """Each job's outcome (`fine_tune`), what it returned (`returned`) and how many items of `shared_map` (evaluation
     batches) this rank scored (`scored`); a `loss` given as {"class": NAME, **options} is that class of
-    `train.contrastive`."""
+    `train.losses.contrastive`."""
     outcomes, returned, scored = status["fine_tune"], status["returned"], status["scored"]
     share = distributed.shared_map
 

@@ -20,8 +20,9 @@ from checkpoints import make_checkpoint
 from mlx.utils import tree_flatten
 
 from mlx_encoders import distributed
-from mlx_encoders.train import contrastive, fine_tune, trainer
+from mlx_encoders.train import checkpointing, fine_tune
 from mlx_encoders.train.lora import ADAPTERS_FILE
+from mlx_encoders.train.losses import contrastive
 from mlx_encoders.train.trainer import OptionError
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -397,7 +398,7 @@ def test_a_killed_rank_stops_the_other_with_an_error_naming_it(runs, tmp_path):
     lost = "mlx-encoders train: error: rank 0: lost rank 1 during step 5"
     assert lost in log_0 or "rank 0: no answer from rank 1 for 15 s during step 5" in log_0, log_0[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]
-    assert trainer.read_state(out / "checkpoint-4" / trainer.STATE_FILE).step == 4
+    assert checkpointing.read_state(out / "checkpoint-4" / checkpointing.STATE_FILE).step == 4
     fine_tune("classify", root / "train.jsonl", tmp_path / "resumed", model=root / "encoder", max_steps=6,
               batch_size=4, seed=1, resume=out / "checkpoint-4")  # fmt: skip
 

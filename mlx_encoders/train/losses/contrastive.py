@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .config import check_option
+from ..config import check_option
 
 LOSS_SIMILARITIES = ("cosine", "dot")  # what a contrastive loss scores pairs with
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
