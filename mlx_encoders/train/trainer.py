@@ -46,6 +46,8 @@ from .objective import HeadObjective, Objective
 from .optim import Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
 from .options import check_needs
 from .plot import plot_metrics
+from .rtd import ReplacedTokenDetection, RTDObjective, rtd_masker
+from .tasks import RTD as RTD_TASK
 
 
 class Diverged(ArithmeticError, CommandError):
@@ -304,14 +306,17 @@ def train(
     `config.schedule`), evaluating on `eval_examples` and writing `output_dir/metrics.jsonl` and checkpoints.
     `masker` masks masked-LM batches (default: `Masker.from_tokenizer`). `resume_from` a checkpoint-STEP folder
     continues that run exactly. `objective` is the task's (`objective.Objective`): by default the head tasks'
-    (`HeadObjective`: the model's own head and loss), else an embedding model's (`embedding.EmbeddingObjective`),
-    a reranker's (`rerank.RerankObjective`) or ELECTRA's pair's (`rtd.RTDObjective`). Returns the last evaluation's
+    (`HeadObjective`: the model's own head and loss), ELECTRA's for a `ReplacedTokenDetection` pair
+    (`rtd.RTDObjective`); else an embedding model's (`embedding.EmbeddingObjective`) or a reranker's
+    (`rerank.RerankObjective`). Returns the last evaluation's
     metrics, else the last step's record. Under `mlx.launch`, each rank trains on its rows of every (global) batch
     and rank 0 alone writes (docs/scaling-out.md).
     """
     runtime.claim_mlx()
     config = config or TrainingConfig("output")
     check_needs(asdict(config) | {"eval_data": eval_examples})
+    if objective is None and isinstance(model, ReplacedTokenDetection):  # the pair's own loss, never a head's
+        objective = RTDObjective(tokenizer, config, RTD_TASK, masker or rtd_masker(tokenizer))
     if objective is None:
         if masker is None and train_examples.task in ("masked-lm", "pretraining"):
             masker = Masker.from_tokenizer(tokenizer)
