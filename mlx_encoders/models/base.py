@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Dropout, Linear, attention, drawing_from, gelu, next_key
+from .layers import Dropout, Linear, attention, drawing_from, gelu, gelu_tanh, next_key, silu
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
 POSITIVE_KEYS = (
@@ -244,13 +244,13 @@ def run_layer(layer: nn.Module, *args, checkpoint: bool):
 ACTIVATIONS = {
     "gelu": gelu,
     "gelu_python": gelu,
-    "gelu_new": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx,
-    "gelu_fast": nn.gelu_approx,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
     "quick_gelu": nn.gelu_fast_approx,
     "relu": nn.relu,
-    "silu": nn.silu,
-    "swish": nn.silu,
+    "silu": silu,
+    "swish": silu,
     "tanh": mx.tanh,
 }
 

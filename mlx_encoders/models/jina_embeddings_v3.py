@@ -32,7 +32,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 from .roberta import RobertaClassificationHead, RobertaLMHead
 
 # encode_query / encode_document pick these adapters when the model has them (jina's retrieval pair)
@@ -145,7 +145,7 @@ class JinaEmbeddingsV3Attention(Adapted):
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(self.adapted(n, x), self.num_heads) for n in ("q_proj", "k_proj", "v_proj"))
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        q, k = (rope(t, self.theta) for t in (q, k))
         return self.adapted("o_proj", merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))
 
 

@@ -30,7 +30,7 @@ from .base import (
 )
 from .bert import BertPooler
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 
 # nomic-ai's config names -> transformers'; the other keys of those files must hold the values below.
 ORIGINAL_NAMES = {
@@ -189,7 +189,7 @@ class NomicBertAttention(nn.Module):
     def __call__(self, x, mask):
         q, k, v = (split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         base = self.rope.base_for(x.shape[1], self.head_dim)
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=base, scale=1.0, offset=0) for t in (q, k))
+        q, k = (rope(t, base) for t in (q, k))
         return self.o_proj(merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))  # O(L) memory when long
 
 
