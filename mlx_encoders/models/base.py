@@ -355,6 +355,26 @@ class HeadModel(Model, nn.Module):
         return self.encoder(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
 
 
+class MaskedLM(HeadModel):
+    """Vocabulary logits of every token through `predict_tokens`: the module at `head` (a dotted path under the
+    checkpoint's keys) maps hidden states and the encoder's word embeddings (tied, unless the head holds its own
+    decoder) to logits."""
+
+    head: ClassVar[str] = "lm_head"
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.predict_tokens(out.last_hidden_state)
+        return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        module = self
+        for name in self.head.split("."):
+            module = module[name]
+        return module(hidden, self.encoder.embeddings.word_embeddings)
+
+
 class PooledClassification(HeadModel):
     """`dropout` (args.sequence_classifier_dropout), then `classifier` on pooler_output (BERT, ALBERT)."""
 

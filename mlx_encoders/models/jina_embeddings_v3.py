@@ -20,6 +20,7 @@ from .base import (
     BaseArgs,
     HeadModel,
     HiddenStateClassification,
+    MaskedLM,
     Model,
     ModelOutput,
     QuestionAnswering,
@@ -348,21 +349,12 @@ class JinaEmbeddingsV3Head(HeadModel):
         return self.roberta.active_adapter
 
 
-class JinaEmbeddingsV3ForMaskedLM(JinaEmbeddingsV3Head):
+class JinaEmbeddingsV3ForMaskedLM(JinaEmbeddingsV3Head, MaskedLM):
     ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.lm_head = RobertaLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.lm_head(hidden, self.roberta.embeddings.word_embeddings)
 
 
 class JinaEmbeddingsV3ForSequenceClassification(JinaEmbeddingsV3Head, HiddenStateClassification):

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    MaskedLM,
     Model,
     ModelOutput,
     PooledClassification,
@@ -293,21 +294,13 @@ class NomicBertHead(HeadModel):
     encoder_class = NomicBertModel
 
 
-class NomicBertForMaskedLM(NomicBertHead):
+class NomicBertForMaskedLM(NomicBertHead, MaskedLM):
+    head = "cls.predictions"
     ignored_keys = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # tied copies
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.cls = NomicBertOnlyMLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.cls.predictions(hidden, self.nomic_bert.embeddings.word_embeddings)
 
 
 class NomicBertForSequenceClassification(NomicBertHead, PooledClassification):
