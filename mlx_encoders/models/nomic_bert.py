@@ -29,7 +29,7 @@ from .base import (
     run_layer,
     split_heads,
 )
-from .bert import BertPooler
+from .bert import BertLMPredictionHead, BertOnlyMLMHead, BertPooler, BertPredictionHeadTransform
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 
@@ -256,37 +256,16 @@ class NomicBertModel(Model, nn.Module):
         return ModelOutput(last_hidden_state=x, pooler_output=pooled)
 
 
-class NomicBertPredictionHeadTransform(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.dense = Linear(args.hidden_size, args.hidden_size)
-        self.act = activation(args.hidden_act)
-        self.layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-
-    def __call__(self, x):
-        return self.layer_norm(self.act(self.dense(x)))
+class NomicBertPredictionHeadTransform(BertPredictionHeadTransform):
+    norm_key = "layer_norm"
 
 
-class NomicBertLMPredictionHead(nn.Module):
-    """transform, then the word-embedding matrix (tied) or an own `decoder`, plus `bias`."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.transform = NomicBertPredictionHeadTransform(args)
-        if not args.tie_word_embeddings:
-            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.bias = mx.zeros((args.vocab_size,))
-
-    def __call__(self, x, word_embeddings):
-        x = self.transform(x)
-        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
-        return x + self.bias
+class NomicBertLMPredictionHead(BertLMPredictionHead):
+    transform_class = NomicBertPredictionHeadTransform
 
 
-class NomicBertOnlyMLMHead(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.predictions = NomicBertLMPredictionHead(args)
+class NomicBertOnlyMLMHead(BertOnlyMLMHead):
+    predictions_class = NomicBertLMPredictionHead
 
 
 class NomicBertHead(HeadModel):
