@@ -19,7 +19,7 @@ from .base import (
 )
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, LayerNorm, Linear, gelu
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RobertaLMHead(nn.Module):
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
-        x = self.layer_norm(nn.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
+        x = self.layer_norm(gelu(self.dense(x)))  # exact gelu whatever hidden_act says
         x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
         return x + self.bias
 
