@@ -14,8 +14,8 @@ that reached the recall it asks for (`plan`), or answers exactly where the graph
 An int8 or binary graph holds a quarter or a 32nd of the float32 graph's vector bytes; its distances only
 approximate the true ones, so every candidate its walk kept is re-scored in float32, from `ann-<precision>.f32`
 (the rows, then the float32 vectors, in row order; its size and CRC-32 in the record) memory-mapped rather than
-held in memory. int8 vectors are scaled by one factor (1 / the largest magnitude of any component) before usearch
-rounds them to 127ths: ranks by inner product are the same, and the codes use the whole int8 range.
+held in memory. int8 codes are the vectors times one factor (1 / the largest magnitude of any component) in
+127ths: ranks by inner product are the same, and the codes use the whole int8 range.
 """
 
 import json
@@ -50,10 +50,13 @@ def usearch_index():
 
 
 def as_input(vectors: np.ndarray, precision: str, scale: float = 1.0) -> np.ndarray:
-    """What usearch takes for `vectors` in a graph of `precision`: packed sign bits, or float32 (times `scale`)."""
+    """What usearch takes for `vectors` in a graph of `precision`: packed sign bits, int8 codes (the vectors
+    times `scale` in 127ths, a query's beyond the range clipped), or float32."""
     if precision == "binary":
         return np.packbits(vectors > 0, axis=-1)
-    return np.ascontiguousarray(vectors * np.float32(scale) if scale != 1.0 else vectors, np.float32)
+    if precision == "int8":  # usearch would scale each float vector to unit length first: most codes near 0
+        return np.clip(np.rint(vectors * np.float32(127 * scale)), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(vectors, np.float32)
 
 
 def pool(candidates: int, expansion: int, precision: str) -> int:
