@@ -195,9 +195,9 @@ class Index:
 
     def memory(self) -> dict[str, int]:
         """Bytes this index holds in memory to answer dense searches: the graph (links and its vectors), the
-        float32 vectors (none where a quantized graph's are memory-mapped: read from the page cache as needed)
-        and the quantized codes of an exact search."""
-        held = not isinstance(self.vectors, np.memmap)
+        float32 vectors (none where a quantized graph's are memory-mapped: it reads the few it re-scores from the
+        page cache; an exact search reads them all) and the quantized codes of an exact search."""
+        held = self.graph is None or not isinstance(self.vectors, np.memmap)
         return {
             "graph": int(self.graph.memory_usage) if self.graph is not None else 0,
             "float32 vectors": int(self.vectors.nbytes) if held else 0,
