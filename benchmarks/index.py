@@ -9,7 +9,10 @@ appended), embedded by `--model` into a fresh index by one process, then by `mlx
 model loading included; `--texts 0` skips it). Searching: vectors of dimension 384 written straight into a store;
 each of `--queries` queries of the same kind answered by a matrix product over all vectors (exact) and through the
 HNSW graph (built for `--build-recall`, then calibrated) with the top candidates re-scored, at each recall asked
-of search (`--recalls`); recall@10 is the share of the exact top 10 the graph finds.
+of search (`--recalls`); recall@10 is the share of the exact top 10 the graph finds. The graph holds the vectors
+at each of `--precisions` (float32, int8, binary: the last two re-score every candidate of the walk from float32
+vectors memory-mapped from disk); each one's memory is printed: the graph's (usearch's `memory_usage`) and the
+float32 vectors held in memory.
 Two kinds of vectors:
 - embedding-like (`--sizes`): drawn from a Gaussian with the mean and covariance of `--model`'s embeddings of the
   distinct docstring paragraphs, then normalised: real embeddings' spread over directions (not their clusters)
@@ -128,35 +131,49 @@ def timed(index: Index, queries: np.ndarray) -> tuple[list[np.ndarray], list[flo
     return found, times
 
 
-def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder: Path) -> dict:
-    """Exact search against the graph, at each recall asked for (`--recalls`): the search expansion calibration
-    chose and the recall it measured at build, the recall and time found on the queries, and whether a search
-    that may choose (ann=None) answers through the graph or exactly."""
+def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Exact search against the graph of each precision (`--precisions`; int8 and binary graphs re-score their
+    candidates from memory-mapped float32 vectors), at each recall asked for (`--recalls`): the graph's build
+    time and memory, the search expansion calibration chose and the recall it measured at build, the recall and
+    time found on the queries, and whether a search that may choose (ann=None) answers through the graph or
+    exactly. One figure per precision."""
     rng = np.random.default_rng(0)
     vectors, queries = draw(rng, size, args.dimension), draw(rng, args.queries, args.dimension)
     write_vectors(folder, vectors)
     del vectors
-    start = time.perf_counter()
-    graph = Index(folder, ann=True, recall=args.build_recall)  # builds the graph for that recall, and calibrates it
-    figures = {"vectors": size, "kind": kind, "ann build s": round(time.perf_counter() - start, 2)}
-    figures["connectivity"] = graph.way["connectivity"]
-    truth, times = timed(Index(folder, ann=False), queries)
-    figures["exact median ms"] = round(1000 * statistics.median(times), 2)
-    figures["exact p95 ms"] = round(1000 * np.percentile(times, 95), 2)
-    for recall in args.recalls:
-        index = Index(folder, ann=True, recall=recall)
-        found, times = timed(index, queries)
-        hits = sum(len(set(f) & set(t)) for f, t in zip(found, truth, strict=True))
-        figures[f"recall {recall}"] = {
-            "expansion_search": index.way["expansion_search"],
-            "calibrated recall@10": index.way["recall"],
-            "recall@10": round(hits / (10 * len(queries)), 4),
-            "median ms": round(1000 * statistics.median(times), 2),
-            "p95 ms": round(1000 * np.percentile(times, 95), 2),
-            "chosen": Index(folder, ann_threshold=0, recall=recall).way["method"],
-        }
+    exact = Index(folder, ann=False)
+    truth, times = timed(exact, queries)
+    exact_figures = {"exact median ms": round(1000 * statistics.median(times), 2),
+                     "exact p95 ms": round(1000 * np.percentile(times, 95), 2),
+                     "exact MB": round(sum(exact.memory().values()) / 2**20, 1)}  # fmt: skip
+    del exact
+    out = []
+    for precision in args.precisions:
+        start = time.perf_counter()
+        graph = Index(folder, ann=True, recall=args.build_recall, precision=precision)  # builds and calibrates
+        figures = {"vectors": size, "kind": kind, "precision": precision,
+                   "ann build s": round(time.perf_counter() - start, 2), "connectivity": graph.way["connectivity"],
+                   **{f"{part} MB": round(held / 2**20, 1) for part, held in graph.memory().items()},
+                   **exact_figures}  # fmt: skip
+        del graph
+        for recall in args.recalls:
+            index = Index(folder, ann=True, recall=recall, precision=precision)
+            found, times = timed(index, queries)
+            hits = sum(len(set(f) & set(t)) for f, t in zip(found, truth, strict=True))
+            figures[f"recall {recall}"] = {
+                "expansion_search": index.way["expansion_search"],
+                "re-scored": index.way["candidates"],
+                "calibrated recall@10": index.way["recall"],
+                "recall@10": round(hits / (10 * len(queries)), 4),
+                "median ms": round(1000 * statistics.median(times), 2),
+                "p95 ms": round(1000 * np.percentile(times, 95), 2),
+                "chosen": Index(folder, ann_threshold=0, recall=recall, precision=precision).way["method"],
+            }
+            del index
+        print(json.dumps(figures), flush=True)
+        out.append(figures)
     shutil.rmtree(folder)
-    return figures
+    return out
 
 
 def idf_model(folder: Path, documents: list[str], tokenizer_folder: str) -> Path:
@@ -214,6 +231,8 @@ def main() -> None:
     p.add_argument("--dimension", type=int, default=384)
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--recalls", type=float, nargs="*", default=[0.9, 0.95, 0.99], help="recall@10 asked of search")
+    p.add_argument("--precisions", nargs="*", choices=("float32", "int8", "binary"),
+                   default=["float32", "int8", "binary"], help="vectors the graph holds, each measured")  # fmt: skip
     p.add_argument("--build-recall", type=float, default=0.95, help="recall@10 the graph is built for")
     p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
     p.add_argument("--sparse-model", help="SparseEncoder folder for --retrieval (default: an IDF bag of words)")
@@ -235,7 +254,7 @@ def main() -> None:
         like = EmbeddingLike(args.model) if args.sizes else None
         for kind, sizes, draw in (("embedding-like", args.sizes, like), ("uniform", args.uniform_sizes, uniform)):
             for size in sizes:
-                print(json.dumps(search_figures(size, kind, draw, args, folder / f"search-{kind}-{size}")), flush=True)
+                search_figures(size, kind, draw, args, folder / f"search-{kind}-{size}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ recall asked for (`parameters`), and the graph is calibrated (`calibrate`): CALI
 vectors, held out of the graph until then, are answered exactly and through it at a ladder of search expansions,
 each level's recall@10 and median time recorded. A search then walks with the least expansion
 that reached the recall it asks for (`plan`), or answers exactly where the graph cannot reach it or is no faster.
+
+An int8 or binary graph holds a quarter or a 32nd of the float32 graph's vector bytes; its distances only
+approximate the true ones, so every candidate its walk kept is re-scored in float32, from `ann-<precision>.f32`
+(the rows, then the float32 vectors, in row order; its size and CRC-32 in the record) memory-mapped rather than
+held in memory. int8 codes are the vectors times one factor (1 / the largest magnitude of any component) in
+127ths: ranks by inner product are the same, and the codes use the whole int8 range.
 """
 
 import json
@@ -30,6 +36,7 @@ CALIBRATION_QUERIES = 100
 LADDER = (1, 2, 4, 8, 16, 32)  # search expansions tried at calibration, in multiples of the candidates
 ENOUGH = 0.999  # a calibration level this good ends the ladder: more expansion only costs time
 HOLD_OUT_FROM = 10 * CALIBRATION_QUERIES  # from this many vectors the calibration queries join the graph after it
+ADD_BATCH = 100_000  # vectors handed to usearch per call
 
 
 def usearch_index():
@@ -42,8 +49,26 @@ def usearch_index():
     return Index
 
 
-def as_input(vectors: np.ndarray, precision: str) -> np.ndarray:
-    return np.packbits(vectors > 0, axis=-1) if precision == "binary" else np.ascontiguousarray(vectors, np.float32)
+def as_input(vectors: np.ndarray, precision: str, scale: float = 1.0) -> np.ndarray:
+    """What usearch takes for `vectors` in a graph of `precision`: packed sign bits, int8 codes (the vectors
+    times `scale` in 127ths, a query's beyond the range clipped), or float32."""
+    if precision == "binary":
+        return np.packbits(vectors > 0, axis=-1)
+    if precision == "int8":  # usearch would scale each float vector to unit length first: most codes near 0
+        return np.clip(np.rint(vectors * np.float32(127 * scale)), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(vectors, np.float32)
+
+
+def pool(candidates: int, expansion: int, precision: str) -> int:
+    """How many of the walk's candidates are re-scored: the best `candidates` by float32 distance, or every one
+    the walk kept (`expansion`) where quantized distances rank them only roughly."""
+    return candidates if precision == "float32" else max(candidates, expansion)
+
+
+def int8_scale(vectors: np.ndarray) -> float:
+    """The factor that maps the largest component magnitude to 1, the edge of usearch's int8 range."""
+    largest = float(np.abs(vectors).max()) if vectors.size else 0.0
+    return 1.0 / largest if largest > 0 else 1.0
 
 
 def crc(path: Path) -> int:
@@ -56,6 +81,43 @@ def crc(path: Path) -> int:
 
 def paths(folder: Path, precision: str) -> tuple[Path, Path]:
     return folder / f"ann-{precision}.usearch", folder / f"ann-{precision}.json"
+
+
+def floats_path(folder: Path, precision: str) -> Path:
+    return folder / f"ann-{precision}.f32"
+
+
+def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> None:
+    """The rows (int64) then the vectors (float32) of a quantized graph's re-scoring, under a temporary name."""
+    temporary = file.with_name(file.name + ".tmp")
+    try:
+        with temporary.open("wb") as f:
+            f.write(np.ascontiguousarray(rows, "<i8").tobytes())
+            for start in range(0, len(vectors), 65536):  # no second copy of every vector
+                f.write(np.ascontiguousarray(vectors[start : start + 65536], "<f4").tobytes())
+    except OSError as e:
+        temporary.unlink(missing_ok=True)
+        raise OSError(f"could not write {temporary}: {e}") from e
+    os.replace(temporary, file)
+
+
+def mapped(folder: Path, precision: str, info: dict, count: int, dimension: int, rebuild: bool = True):
+    """(rows in memory, float32 vectors memory-mapped) of a quantized graph, or None where the file is missing or
+    its bytes do not match the record, with the reason on stderr (and whether the caller `rebuild`s the graph or
+    searches without it)."""
+    file = floats_path(folder, precision)
+    try:
+        size = file.stat().st_size
+        ok = size == count * (8 + 4 * dimension) == info.get("floats_bytes") and crc(file) == info.get("floats_crc32")
+    except OSError:
+        ok = False
+    if not ok:
+        then = "rebuilding" if rebuild else "searching exactly, without"
+        print(f"mlx-encoders index: {then} {paths(folder, precision)[0]} (its float32 file {file} is missing or "
+              "does not match its record)", file=sys.stderr)  # fmt: skip
+        return None
+    rows = np.fromfile(file, "<i8", count)
+    return rows, np.memmap(file, "<f4", "r", offset=8 * count, shape=(count, dimension))
 
 
 def parameters(count: int, recall: float) -> dict[str, int]:
@@ -73,17 +135,21 @@ def parameters(count: int, recall: float) -> dict[str, int]:
 def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, generation: str,
           recall: float = RECALL, candidates: int = CANDIDATES):  # fmt: skip
     """A new HNSW index of `vectors` keyed by their store rows, built for `recall` and calibrated with
-    `candidates` re-scored, saved atomically into `folder`. Returns (the index, its record)."""
+    `candidates` re-scored, saved atomically into `folder` (with the float32 file of a quantized graph). Returns
+    (the index, its record)."""
     kind, metric = KINDS[precision]
     chosen = parameters(len(rows), recall)
+    scale = int8_scale(vectors) if precision == "int8" else 1.0
     index = usearch_index()(ndim=vectors.shape[1], metric=metric, dtype=kind, **chosen)
     held = sample(len(rows)) if len(rows) >= HOLD_OUT_FROM else np.zeros(0, np.int64)
     rest = np.setdiff1d(np.arange(len(rows)), held)
-    for part in (rest, held):  # in bulk: usearch inserts on every core
-        if len(part):
-            index.add(rows[part].astype(np.uint64), as_input(vectors[part], precision), threads=os.cpu_count() or 1)
+    for part in (rest, held):  # in bulk, on every core; ADD_BATCH at a time bounds the copies made for usearch
+        for start in range(0, len(part), ADD_BATCH):
+            batch = part[start : start + ADD_BATCH]
+            index.add(rows[batch].astype(np.uint64), as_input(vectors[batch], precision, scale),
+                      threads=os.cpu_count() or 1)  # fmt: skip
         if part is rest:  # measured on vectors the graph has not seen, as a query is
-            calibration = calibrate(index, rows, vectors, precision, candidates, held if len(held) else None)
+            calibration = calibrate(index, rows, vectors, precision, candidates, held if len(held) else None, scale)
     file, record = paths(folder, precision)
     temporary = file.with_name(file.name + ".tmp")
     try:
@@ -92,7 +158,11 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
         raise OSError(f"could not write {temporary}: {e}") from e
     os.replace(temporary, file)
     info = {"generation": generation, "rows": len(rows), "bytes": file.stat().st_size, "crc32": crc(file),
-            "recall": recall, **chosen, "calibration": calibration}  # fmt: skip
+            "recall": recall, **chosen, "scale": scale, "calibration": calibration}  # fmt: skip
+    if precision != "float32":
+        floats = floats_path(folder, precision)
+        write_floats(floats, rows, vectors)
+        info.update(floats_bytes=floats.stat().st_size, floats_crc32=crc(floats))
     write_record(record, info)
     return index, info
 
@@ -104,9 +174,11 @@ def write_record(record: Path, info: dict) -> None:
 
 
 def rescored(index, vectors: np.ndarray, rows: np.ndarray, query: np.ndarray, k: int, candidates: int,
-             expansion: int, precision: str) -> np.ndarray:  # fmt: skip
-    """Positions of the best `k` of the graph's `candidates` for `query`, re-scored on the float32 vectors."""
-    found = np.searchsorted(rows, candidates_of(index, query, candidates, expansion, precision))
+             expansion: int, precision: str, scale: float = 1.0) -> np.ndarray:  # fmt: skip
+    """Positions of the best `k` of the graph's candidates for `query` (`pool`), re-scored on the float32
+    vectors."""
+    count = pool(candidates, expansion, precision)
+    found = np.searchsorted(rows, candidates_of(index, query, count, expansion, precision, scale))
     scores = vectors[found] @ query
     return found[np.argsort(-scores, kind="stable")[:k]]
 
@@ -117,7 +189,7 @@ def sample(count: int) -> np.ndarray:
 
 
 def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, candidates: int,
-              held: np.ndarray | None = None, k: int = 10) -> dict:  # fmt: skip
+              held: np.ndarray | None = None, scale: float = 1.0, k: int = 10) -> dict:  # fmt: skip
     """recall@k and median milliseconds of the graph at each expansion of LADDER (until one reaches ENOUGH), and
     the exact product's time (recalls independent of the machine's load, times not). The queries are `held`,
     vectors left out of the graph (and of the true neighbours); else the `sample` of its own vectors, each one's
@@ -143,7 +215,7 @@ def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, cand
         for position, expected in zip(picks, truth, strict=True):
             start = time.perf_counter()
             top = rescored(index, vectors, rows, vectors[position], k + 1 - (held is not None), candidates, expansion,
-                           precision)  # fmt: skip
+                           precision, scale)  # fmt: skip
             times.append(time.perf_counter() - start)
             found += len(expected & (set(top.tolist()) - {int(position)}))
         levels.append([expansion, round(found / (k * len(picks)), 4), round(1000 * statistics.median(times), 4)])
@@ -192,9 +264,10 @@ def load(folder: Path, precision: str, generation: str, count: int, rebuild: boo
     return None
 
 
-def candidates_of(index, query: np.ndarray, count: int, expansion: int, precision: str) -> np.ndarray:
+def candidates_of(index, query: np.ndarray, count: int, expansion: int, precision: str,
+                  scale: float = 1.0) -> np.ndarray:  # fmt: skip
     """Store rows of the (up to) `count` nearest vectors to `query` in the graph, its walk keeping `expansion`
     candidates (at least `count`): recall rises with it, and so does the time."""
     index.expansion_search = max(expansion, count)
-    matches = index.search(as_input(query[None], precision)[0], count)
+    matches = index.search(as_input(query[None], precision, scale)[0], count)
     return np.asarray(matches.keys, np.int64)

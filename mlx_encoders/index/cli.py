@@ -55,6 +55,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make.add_argument("--chunk", type=positive, default=CHUNK, help=f"texts per commit (default {CHUNK})")
     make.add_argument("--recall", type=fraction, default=RECALL,
                       help=f"the recall@10 the HNSW graph is built for, if one is (default {RECALL})")  # fmt: skip
+    make.add_argument("--precision", choices=PRECISIONS, default="float32",
+                      help="vectors the HNSW graph holds, if one is built: int8 or binary take a quarter or a 32nd of "
+                      "float32's memory, their candidates re-scored from float32 vectors on disk")  # fmt: skip
     make.add_argument("--shard", type=part, metavar="I/N",
                       help="embed only part I of N into shards/part-I-of-N.sqlite (no mlx.launch); a build of the "
                       "folder holding every part's file in shards/ merges them")  # fmt: skip
@@ -72,7 +75,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     find.add_argument("-k", "--top-k", type=positive, default=10, help="results per query (default 10)")
     find.add_argument("--json", action="store_true", help="print a JSON list of {query, hits}, one query per line")
     find.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
-    find.add_argument("--precision", choices=PRECISIONS, default="float32", help="rank candidates on these vectors")
+    find.add_argument("--precision", choices=PRECISIONS, default="float32",
+                      help="rank candidates on these vectors (the graph built with this --precision)")  # fmt: skip
     find.add_argument("--recall", type=fraction, default=RECALL,
                       help=f"recall@10 to reach: sets the graph's search expansion (default {RECALL})")  # fmt: skip
     graph = find.add_mutually_exclusive_group()
@@ -97,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             chunk=args.chunk,
             recall=args.recall,
+            precision=args.precision,
             shard=args.shard,
             quiet=args.quiet,
         )

@@ -122,32 +122,50 @@ class Index:
                 raise StoreError(f"{store.path} holds no finished build; run the build (again) to finish it")
             store.require_checksums()
             self.generation = generation_of(self.meta)
-            self.rows, self.vectors = store.vectors()
+            self.dense = self.meta.get("model_fingerprint", "") != ""
+            count = store.count()
+            wanted = self.dense and (ann if ann is not None else count >= ann_threshold)
+            loaded = self.saved_graph(count, write) if wanted else None
+            floats = loaded and loaded[2]
+            self.rows, self.vectors = floats or store.vectors()  # a quantized graph's floats stay on disk
         self.model, self.encoder = model, model if isinstance(model, SentenceEncoder) else None
         self.sparse_model = sparse_model
         self.sparse_encoder = sparse_model if isinstance(sparse_model, SparseEncoder) else None
-        self.dense = self.meta.get("model_fingerprint", "") != ""
         self.sparse = self.meta.get("sparse_model_fingerprint", "") != ""
-        self.graph, self.checked = None, set()
+        self.graph, self.checked, self.scale = None, set(), 1.0
         self.way = {"method": "exact", "vectors": len(self.rows), "precision": precision}
-        if self.dense and (ann if ann is not None else len(self.rows) >= ann_threshold):
-            self.open_graph(recall, ef_search, forced=ann is True, write=write)
+        if wanted:
+            self.open_graph(recall, ef_search, forced=ann is True, write=write, loaded=loaded and loaded[:2])
         if self.dense and self.graph is None and precision != "float32":
             self.codes = self.quantize(self.vectors)
 
-    def open_graph(self, recall: float, ef_search: int | None, forced: bool, write: bool) -> None:
-        """Load (or build, and calibrate) the graph, then choose how searches answer (`way`): through it with the
-        least expansion its calibration says reaches `recall` (or `ef_search`), or exactly where it cannot reach
-        `recall` or is no faster than the exact product (unless `forced`)."""
+    def saved_graph(self, count: int, write: bool) -> tuple | None:
+        """(graph, record, (rows, float32 vectors memory-mapped) or None for a float32 graph) of the saved graph
+        when it matches the store, else None (`ann.load`, `ann.mapped`)."""
         generation, precision = self.meta["generation"], self.precision
-        loaded = ann_index.load(self.folder, precision, generation, len(self.rows), rebuild=write)
+        loaded = ann_index.load(self.folder, precision, generation, count, rebuild=write)
+        if loaded is None or precision == "float32":
+            return loaded and (*loaded, None)
+        floats = ann_index.mapped(self.folder, precision, loaded[1], count, int(self.meta["dimension"]), write)
+        return floats and (*loaded, floats)
+
+    def open_graph(self, recall: float, ef_search: int | None, forced: bool, write: bool, loaded) -> None:
+        """Use the `loaded` graph (or build one, and calibrate it), then choose how searches answer (`way`):
+        through it with the least expansion its calibration says reaches `recall` (or `ef_search`), or exactly
+        where it cannot reach `recall` or is no faster than the exact product (unless `forced`)."""
+        generation, precision = self.meta["generation"], self.precision
         if loaded is None and write:
             loaded = ann_index.build(self.folder, self.rows, self.vectors, precision, generation, recall, self.rescore)
+            if precision != "float32":  # re-score from the file just written, not from memory
+                floats = ann_index.mapped(self.folder, precision, loaded[1], len(self.rows), self.vectors.shape[1])
+                self.rows, self.vectors = floats or (self.rows, self.vectors)
         if loaded is None:
             return
         graph, info = loaded
+        self.scale = info.get("scale", 1.0)
         if "calibration" not in info and write:  # a graph of an earlier version: measure it once
-            info["calibration"] = ann_index.calibrate(graph, self.rows, self.vectors, precision, self.rescore)
+            info["calibration"] = ann_index.calibrate(graph, self.rows, self.vectors, precision, self.rescore,
+                                                      scale=self.scale)  # fmt: skip
             ann_index.write_record(ann_index.paths(self.folder, precision)[1], info)
         if ef_search is not None or "calibration" not in info:
             chosen = {"expansion_search": ef_search or 2 * self.rescore, "recall": None}
@@ -159,7 +177,8 @@ class Index:
         self.graph = graph
         self.way = {"method": "graph", "vectors": len(self.rows), "precision": precision,
                     "connectivity": graph.connectivity, "expansion_search": chosen["expansion_search"],
-                    "candidates": self.rescore, "recall": chosen["recall"]}  # fmt: skip
+                    "candidates": ann_index.pool(self.rescore, chosen["expansion_search"], precision),
+                    "recall": chosen["recall"]}  # fmt: skip
 
     def describe(self) -> str:
         """How searches of this index answer, in words (`way`)."""
@@ -173,6 +192,17 @@ class Index:
             f"{way['connectivity']}, expansion_search {way['expansion_search']}, {way['candidates']} candidates "
             f"re-scored; recall@10 {measured}"
         )
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this index holds in memory to answer dense searches: the graph (links and its vectors), the
+        float32 vectors (none where a quantized graph's are memory-mapped: it reads the few it re-scores from the
+        page cache; an exact search reads them all) and the quantized codes of an exact search."""
+        held = self.graph is None or not isinstance(self.vectors, np.memmap)
+        return {
+            "graph": int(self.graph.memory_usage) if self.graph is not None else 0,
+            "float32 vectors": int(self.vectors.nbytes) if held else 0,
+            "codes": int(self.codes.nbytes) if hasattr(self, "codes") else 0,
+        }
 
     def quantize(self, vectors: np.ndarray) -> np.ndarray:
         """int8 codes (ranges from the whole index) or +-1 signs, held as float32 for a BLAS product: exact, as
@@ -296,7 +326,8 @@ class Index:
         if self.graph is not None:
             count = max(self.rescore, 4 * k)  # the expansion grows with the candidates, as calibrated for rescore
             expansion = self.way["expansion_search"] * count // self.rescore
-            rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision)
+            count = ann_index.pool(count, expansion, self.precision)
+            rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision, self.scale)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
         elif self.precision != "float32":
             coarse = self.codes @ self.quantize(vector[None])[0]
