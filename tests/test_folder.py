@@ -39,7 +39,7 @@ def test_a_folder_written_here_loads_in_sentence_transformers_as_written(tmp_pat
 
     theirs = SentenceTransformer(str(folder), device="cpu")
     assert [type(m).__name__ for m in theirs] == ["Transformer", "Pooling", "Normalize"]
-    assert theirs[1].get_pooling_mode_str() == "cls"
+    assert (theirs[1].pooling_mode, theirs[1].pooling_output_dimension) == ("cls", width)
     assert (theirs.max_seq_length, theirs.prompts["query"], theirs.similarity_fn_name) == (12, "q: ", "dot")
 
     assert read_folder(folder).kinds == ["Transformer", "Pooling", "Normalize"]

@@ -118,8 +118,8 @@ class MultiVectorEncoder(Embedder):
         self.tokenizer = load_tokenizer(self.model, checkpoint)
         self.dense: list[Dense] = [m.read() for m in folder.modules if m.kind == "Dense"]
         self.normalize = "Normalize" in folder.kinds
-        self.mask: MultiVectorMask = next((m.read() for m in folder.modules if m.kind == "MultiVectorMask"), None)
-        self.mask = self.mask or MultiVectorMask()
+        mask = next((m for m in folder.modules if m.kind == "MultiVectorMask"), None)
+        self.mask: MultiVectorMask = mask.read() if mask is not None else MultiVectorMask()
         self.read_transformer_config(folder.sentence_config, folder.transformer)
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.settings.get("similarity_fn_name") or "maxsim"
