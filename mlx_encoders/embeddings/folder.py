@@ -282,28 +282,31 @@ def read_router(folder: Path) -> Router:
 
 @dataclass(frozen=True)
 class Kind:
-    """A module kind: the type sentence-transformers 6 writes for it, and the reader of its folder's files."""
+    """A module kind: the type sentence-transformers 6 writes for it, the reader of its folder's files, and the
+    model it makes of a folder that lists it (`folder_kind`), if only one model has it."""
 
     type: str
     read: Callable[[Path], object] = lambda folder: None
+    model: str | None = None
 
 
+SPARSE_PACKAGE = ST + "sparse_encoder.modules."
 KINDS = {
     "Transformer": Kind(ST + "base.modules.transformer.Transformer"),
-    "MLMTransformer": Kind(ST + "sparse_encoder.modules.mlm_transformer.MLMTransformer"),
+    "MLMTransformer": Kind(SPARSE_PACKAGE + "mlm_transformer.MLMTransformer", model="sparse"),
     "Pooling": Kind(ST + "sentence_transformer.modules.pooling.Pooling", read_pooling),
     "Dense": Kind(ST + "base.modules.dense.Dense", read_dense),
     "Normalize": Kind(ST + "base.modules.normalize.Normalize"),
     "Router": Kind(ST + "base.modules.router.Router", read_router),
-    "SpladePooling": Kind(ST + "sparse_encoder.modules.splade_pooling.SpladePooling", read_splade_pooling),
+    "SpladePooling": Kind(SPARSE_PACKAGE + "splade_pooling.SpladePooling", read_splade_pooling, "sparse"),
     "SparseStaticEmbedding": Kind(
-        ST + "sparse_encoder.modules.sparse_static_embedding.SparseStaticEmbedding", read_static_embedding
+        SPARSE_PACKAGE + "sparse_static_embedding.SparseStaticEmbedding", read_static_embedding, "sparse"
     ),
-    "SparseAutoEncoder": Kind(ST + "sparse_encoder.modules.sparse_auto_encoder.SparseAutoEncoder", read_auto_encoder),
+    "SparseAutoEncoder": Kind(SPARSE_PACKAGE + "sparse_auto_encoder.SparseAutoEncoder", read_auto_encoder, "sparse"),
     "MultiVectorMask": Kind(
-        ST + "multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask", read_multi_vector_mask
+        ST + "multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask", read_multi_vector_mask, "multi-vector"
     ),
-    "LogitScore": Kind(ST + "cross_encoder.modules.logit_score.LogitScore", read_logit_score),
+    "LogitScore": Kind(ST + "cross_encoder.modules.logit_score.LogitScore", read_logit_score, "cross-encoder"),
 }
 
 
@@ -422,19 +425,20 @@ def folder_kind(path: Path) -> str:
     if not folder.modules:
         return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
     kinds = set(folder.kinds)
-    if "LogitScore" in kinds:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
-        return "cross-encoder"
     for m in folder.modules:  # a Router's routes are listed in its own config
         if m.kind == "Router":
             kinds |= {route.kind for routes in m.read().routes.values() for route in routes}
+    models = {KINDS[k].model for k in kinds if k in KINDS}
+    if "cross-encoder" in models:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
+        return "cross-encoder"
     model_type = folder.settings.get("model_type")
-    if kinds & {"SpladePooling", "SparseStaticEmbedding", "MLMTransformer"} or model_type == "SparseEncoder":
+    if "sparse" in models or model_type == "SparseEncoder":
         return "sparse"
     # sentence-transformers sets query_expansion only on a multi-vector model's Transformer
     expansion = any(
         read_sentence_config(m.folder).get("query_expansion") for m in folder.modules if m.kind == "Transformer"
     )
-    if "MultiVectorMask" in kinds or model_type == "MultiVectorEncoder" or expansion:
+    if "multi-vector" in models or model_type == "MultiVectorEncoder" or expansion:
         return "multi-vector"
     if "Transformer" in kinds and "Pooling" not in kinds:
         raise ValueError(
