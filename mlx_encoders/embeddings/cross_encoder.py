@@ -26,7 +26,7 @@ from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder
-from .folder import DENSE_ACTIVATIONS, SETTINGS_FILE, SentenceFolder, read_folder
+from .folder import DENSE_ACTIVATIONS, SETTINGS_FILE, SentenceFolder, dense_activation, read_folder
 from .pooling import last_token
 
 
@@ -40,13 +40,10 @@ def saved_activation(path: str, source: Path) -> Callable | None:
             stacklevel=4,
         )
         return None
-    name = path.rsplit(".", 1)[-1]
-    if name not in DENSE_ACTIVATIONS:
-        raise ValueError(
-            f"{source}: activation function {path!r} is not supported; supported torch activations: "
-            f"{', '.join(DENSE_ACTIVATIONS)}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead."
-        )
-    return DENSE_ACTIVATIONS[name]
+    try:
+        return dense_activation(path, source)
+    except ValueError as e:
+        raise ValueError(f"{e}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead.") from None
 
 
 def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
