@@ -104,8 +104,14 @@ class Encoder:
     ) -> None:
         self.prompts, self.default_prompt_name = folder.prompts(defaults, prompts, default_prompt_name)
 
-    def prompt(self, prompt_name: str | None, prompt: str | None, caller: str = "encode()") -> str:
-        """The prompt text a call prepends: `prompt`, else the named prompt, else the default one, else ""."""
+    def input_prompt(
+        self, prompt_name: str | None = None, prompt: str | None = None, role: str | None = None,
+        caller: str = "encode()",
+    ) -> str:  # fmt: skip
+        """The prompt a call prepends to each text: `prompt`, else the one named `prompt_name`, else (`role` "query"
+        or "document") the one `encode_query` or `encode_document` picks, else the default prompt, else ""."""
+        if role is not None and prompt_name is None and prompt is None:
+            prompt_name = task_prompt_name(self.prompts, role)
         return resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, caller)
 
     def check_max_seq_length(self) -> None:

@@ -181,7 +181,7 @@ class CrossEncoder(Encoder):
         """
         pairs, single = pair_list(sentences)
         check_count("predict() batch_size", batch_size, 1)
-        prefix = self.prompt(prompt_name, prompt, "predict()")
+        prefix = self.input_prompt(prompt_name, prompt, caller="predict()")
         logits = self.logits(pairs, prefix, batch_size, show_progress_bar)
         scores = (activation_fn or self.activation_fn)(logits)
         if self.num_labels == 1:

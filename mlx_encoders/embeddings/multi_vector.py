@@ -208,7 +208,7 @@ class MultiVectorEncoder(Embedder):
         mx.arrays, numpy arrays with `convert_to_numpy`; one matrix for a single str. `task` ("query",
         "document" or None) picks the length limit, query expansion and skiplist."""
         texts, single = text_inputs(sentences, batch_size)
-        prefix = self.prompt(prompt_name, prompt)
+        prefix = self.input_prompt(prompt_name, prompt)
         out = self.run([prefix + t for t in texts], task, batch_size, show_progress_bar) if texts else []
         if normalize_embeddings:
             out = [np.array(normalize(mx.array(m))) for m in out]

@@ -144,9 +144,7 @@ class SentenceEncoder(Embedder):
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
     def tokenize(self, texts: list[str]) -> list[Encoding]:
-        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
-        warn_truncated(encodings, self.max_seq_length, stacklevel=4)  # tokenize, run, encode, its caller
-        return encodings
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
 
     def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
         """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
@@ -199,7 +197,7 @@ class SentenceEncoder(Embedder):
         if truncate_dim is not None:
             check_count("encode() truncate_dim", truncate_dim, 1)
         self.check_max_seq_length()
-        prefix = self.prompt(prompt_name, prompt)
+        prefix = self.input_prompt(prompt_name, prompt)
         prompt_tokens = self.prompt_length(prefix)
         skipped = 0 if self.include_prompt else prompt_tokens
         tokens = output_value != "sentence_embedding"
@@ -247,6 +245,7 @@ class SentenceEncoder(Embedder):
     ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:
         """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
         encodings = self.tokenize(texts) if texts else []
+        warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # run, encode, its caller
         return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens)
 
     def run_encodings(

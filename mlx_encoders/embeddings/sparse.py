@@ -348,7 +348,7 @@ class SparseEncoder(Embedder):
         limit = self.max_active_dims if max_active_dims is None else max_active_dims
         if limit is not None:
             check_count("encode() max_active_dims", limit, 1)
-        prefix = self.prompt(prompt_name, prompt)
+        prefix = self.input_prompt(prompt_name, prompt)
         route = self.route(task)
         rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit) if texts else []
         vectors = SparseVectors.from_rows(rows, route.dimension)
