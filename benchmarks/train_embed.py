@@ -122,7 +122,7 @@ def evaluate_folder(folder: Path, test: list[dict], engine: str) -> dict[str, fl
 
 def run_ours(job: dict, output: Path) -> Path:
     from mlx_encoders.train import fine_tune
-    from mlx_encoders.train.contrastive import CachedMultipleNegativesRankingLoss
+    from mlx_encoders.train.losses.contrastive import CachedMultipleNegativesRankingLoss
 
     loss = CachedMultipleNegativesRankingLoss(mini_batch_size=job["mini_batch_size"]) if job["cached"] else "mnrl"
     trained = fine_tune(

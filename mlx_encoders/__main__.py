@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
 
     index_cli.add_parser(tasks)
 
+    from . import launch  # N ranks on this machine: mlx_encoders/launch.py
+
+    launch.add_parser(tasks)
     from .serve import cli as serve_cli  # the HTTP server: mlx_encoders/serve/ (imports Starlette only when run)
 
     serve_cli.add_parser(tasks)

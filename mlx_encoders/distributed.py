@@ -6,23 +6,28 @@ Every rank builds the same global batch (same order, same masks), takes rows `ra
 its share of the batch's labelled items, so the summed gradients equal one process's on the whole batch. A loss
 over the whole batch (in-batch negatives, pairs of pairs) instead takes this rank's `gathered_part`, and every
 rank computes the global loss over every rank's outputs (`gather_rows`); its share is that loss over the world
-size. A collective that fails (a rank died: the ring backend reports a lost connection) or stalls past
-`TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
+size. Evaluation is shared out by batches instead (`shared_map`: each rank runs every world-size-th one, and every
+rank gets all the results). A collective that fails (a rank died: the ring backend reports a lost connection) or
+stalls past `TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s) it lost.
 """
 
 import os
+import pickle
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+T, R = TypeVar("T"), TypeVar("R")
+BARRIER_ENV = "MLX_ENCODERS_BARRIER"  # "ARRIVE:GO": the pipes `wait_for_all` uses, from `mlx-encoders launch`
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
 
@@ -144,6 +149,7 @@ def all_sum(tree, world: World, what: str):
     """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
     of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency)."""
     arrays = [a for _, a in tree_flatten(tree)]
+    mx.eval(arrays)  # this rank's part, computed before it waits for the others
     summed = list(arrays)
     for dtype in {a.dtype for a in arrays}:
         chosen = [i for i, a in enumerate(arrays) if a.dtype == dtype]
@@ -153,6 +159,7 @@ def all_sum(tree, world: World, what: str):
             summed[i] = flat[start : start + arrays[i].size].reshape(arrays[i].shape)
             start += arrays[i].size
     with collective(world, what):
+        wait_for_all(world, what)
         mx.eval(summed)
     leaves = iter(summed)
     return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
@@ -161,6 +168,67 @@ def all_sum(tree, world: World, what: str):
 def broadcast(tree, world: World, what: str):
     """Rank 0's arrays of `tree` on every rank (a sum of rank 0's values and the others' zeros is exact)."""
     return all_sum(tree if world.is_main else tree_map(mx.zeros_like, tree), world, what)
+
+
+def shared_map(
+    fn: Callable[[T], R], items: Iterable[T], within: World | None = None, what: str = "evaluation"
+) -> list[R]:
+    """`[fn(item) for item in items]`, the work shared by the ranks: every rank walks all of `items` (a generator that
+    draws masks advances alike on each) and runs `fn` on every world-size-th (`rank::size`); every rank gets all the
+    results (picklable: numbers, numpy arrays), in `items`' order, so what it computes from them is one process's.
+    Every rank must call it with the same items, as it ends in a collective (`what` names it in errors)."""
+    ranks = within or world()
+    if ranks.size == 1:
+        return [fn(item) for item in items]
+    mine = [fn(item) for i, item in enumerate(items) if i % ranks.size == ranks.rank]
+    parts = gather_objects(mine, ranks, what)
+    return [parts[i % ranks.size][i // ranks.size] for i in range(sum(map(len, parts)))]
+
+
+def gather_objects(value, world: World, what: str) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
+    data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+    with collective(world, what):
+        wait_for_all(world, what)
+        sizes = np.array(mx.distributed.all_gather(mx.array([data.size]), group=world.group, stream=mx.cpu))
+        padded = np.zeros(sizes.max(), dtype=np.uint8)
+        padded[: data.size] = data
+        gathered = mx.distributed.all_gather(mx.array(padded), group=world.group, stream=mx.cpu)
+        gathered = np.array(gathered).reshape(world.size, -1)
+    return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
+
+
+def wait_for_all(world: World, what: str) -> None:
+    """Sleep until every rank has come here, where `mlx-encoders launch` gave the ranks pipes for it (`BARRIER_ENV`),
+    so that the collective after it waits for no rank: MLX's ring backend polls its sockets while it waits, a
+    core's worth of CPU for as long as the slowest rank takes. Elsewhere (mlx.launch), nothing. Rank 0 reads one
+    byte from each other rank, then writes one to each; a pipe closed instead (its rank ended) raises `RankLost`."""
+    value = os.environ.get(BARRIER_ENV, "")
+    if world.size == 1 or not value:
+        return
+    arrive, go = value.split(":")
+    other = ("rank 1" if world.size == 2 else "a rank") if world.is_main else "rank 0"
+    lost = f"rank {world.rank}: lost {other} during {what}: it stopped before reaching it"
+    try:
+        if world.is_main:
+            if len(read_bytes(int(arrive), world.size - 1)) < world.size - 1:
+                raise RankLost(lost)
+            for fd in go.split(","):
+                os.write(int(fd), b"g")
+        else:
+            os.write(int(arrive), b"a")
+            if not read_bytes(int(go), 1):
+                raise RankLost(lost)
+    except BrokenPipeError:  # the reader's end closed: its rank ended
+        raise RankLost(lost) from None
+
+
+def read_bytes(fd: int, count: int) -> bytes:
+    """Up to `count` bytes of pipe `fd`, blocking until they came or every writer closed it."""
+    data = b""
+    while len(data) < count and (chunk := os.read(fd, count - len(data))):
+        data += chunk
+    return data
 
 
 def peers(world: World) -> str:

@@ -1,7 +1,7 @@
 """What each rank runs when tests/test_distributed.py starts `mlx.launch ... python distributed_worker.py SPEC`.
 
-SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome recorded; a `loss` may name a
-loss class and its options), `gather` (an .npz of
+SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome, returned metrics and count of
+evaluation batches this rank scored recorded; a `loss` may name a loss class and its options), `gather` (an .npz of
 anchors, positives and a weight matrix: this rank's gradient of an MNRL-like loss, summed over ranks, is saved),
 `cli` (arguments of `mlx-encoders`, its exit status recorded) and `kill_rank`/`kill_at_step` (that rank kills
 itself with SIGKILL before that step). Each rank writes `status-RANK.json` beside SPEC, as mlx.launch can exit 0
@@ -20,22 +20,34 @@ import numpy as np
 
 from mlx_encoders import distributed
 from mlx_encoders.__main__ import main
-from mlx_encoders.train import contrastive, fine_tune, trainer
+from mlx_encoders.train import fine_tune, trainer
+from mlx_encoders.train.losses import contrastive
 
 
-def run_fine_tune(jobs: dict) -> dict:
-    """Each job's outcome; a `loss` given as {"class": NAME, **options} is that class of `train.contrastive`."""
-    outcomes = {}
+def run_fine_tune(jobs: dict, status: dict) -> None:
+    """Each job's outcome (`fine_tune`), what it returned (`returned`) and how many items of `shared_map` (evaluation
+    batches) this rank scored (`scored`); a `loss` given as {"class": NAME, **options} is that class of
+    `train.losses.contrastive`."""
+    outcomes, returned, scored = status["fine_tune"], status["returned"], status["scored"]
+    share = distributed.shared_map
+
+    def counting(fn, items, *args, **kwargs):
+        def counted(item):
+            scored[name] = scored.get(name, 0) + 1
+            return fn(item)
+
+        return share(counted, items, *args, **kwargs)
+
+    distributed.shared_map = counting
     for name, job in jobs.items():
         if isinstance(job.get("loss"), dict):
             options = dict(job["loss"])
             job = {**job, "loss": getattr(contrastive, options.pop("class"))(**options)}
         try:
-            fine_tune(**job)
+            returned[name] = {k: float(v) for k, v in fine_tune(**job).metrics.items()}
             outcomes[name] = "ok"
         except Exception as e:  # recorded for the test to judge
             outcomes[name] = f"{type(e).__name__}: {e}"
-    return outcomes
 
 
 def mnrl(weights: mx.array, anchors: mx.array, positives: mx.array, first: int, gather) -> mx.array:
@@ -78,7 +90,8 @@ def run(spec_path: Path) -> dict:
     if "kill_rank" in spec:
         kill_at(spec["kill_rank"], spec["kill_at_step"], world)
     if "fine_tune" in spec:
-        status["fine_tune"] = run_fine_tune(spec["fine_tune"])
+        status |= {"fine_tune": {}, "returned": {}, "scored": {}}
+        run_fine_tune(spec["fine_tune"], status)
     if "gather" in spec:
         gather_gradients(spec["gather"], spec_path.parent, world)
     if "cli" in spec:

@@ -30,16 +30,16 @@ from mlx_encoders.__main__ import main
 from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.checkpoint.tokenizer import tokenizer_for
 from mlx_encoders.engine.ops import drawing_from
-from mlx_encoders.train import embedding, fine_tune, trainer
-from mlx_encoders.train.contrastive import (
+from mlx_encoders.train import compiling, embedding, fine_tune
+from mlx_encoders.train.data import DataError
+from mlx_encoders.train.embedding import EmbeddingObjective, embedding_data, no_duplicates
+from mlx_encoders.train.losses.contrastive import (
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     CosineSimilarityLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
-from mlx_encoders.train.data import DataError
-from mlx_encoders.train.embedding import EmbeddingObjective, embedding_data, no_duplicates
 
 PARAMETERS = (
     "embeddings.word_embeddings.weight",
@@ -111,7 +111,7 @@ def our_loss_and_grads(
     examples = embedding_data(rows, tokenizer)
     objective = EmbeddingObjective(loss, tokenizer, pooling, normalize, "batch_sampler")
     batch = objective.collate(examples, range(len(rows)))
-    make = lambda fn: trainer.value_and_grad(model, mx.float32, fn)  # noqa: E731
+    make = lambda fn: compiling.value_and_grad(model, mx.float32, fn)  # noqa: E731
     random = [mx.random.key(0)]
     trace = (
         (lambda fn: mx.compile(fn, inputs=[model.state, random], outputs=[model.state, random])) if compiled else None
@@ -339,10 +339,10 @@ def test_deferred_rows_are_all_trained_on_and_each_epoch_ends_where_its_batches_
     rows = [dict(anchor="how do cats sleep", positive=r["positive"], negative=r["negative"]) for r in TRIPLETS[:4]]
     taken, collate = [], EmbeddingObjective.collate
 
-    def recording(self, examples, indices):
+    def recording(self, examples, indices, rng=None):
         if len(examples) == len(rows):  # the training rows, not the 2 evaluation rows
             taken.append([int(i) for i in indices])
-        return collate(self, examples, indices)
+        return collate(self, examples, indices, rng)
 
     monkeypatch.setattr(EmbeddingObjective, "collate", recording)
     options = dict(model=st_folder, batch_size=2, epochs=2, lr=1e-4, eval_data=TRIPLETS[4:], save_every=5)

@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_checkpoint
+from mlx.utils import tree_flatten
 
 from mlx_encoders import distributed
-from mlx_encoders.train import contrastive, fine_tune, trainer
+from mlx_encoders.train import checkpointing, fine_tune
 from mlx_encoders.train.lora import ADAPTERS_FILE
+from mlx_encoders.train.losses import contrastive
 from mlx_encoders.train.trainer import OptionError
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -35,6 +37,7 @@ LABELS = ["pos", "neg", "neg", "pos", "neg", "neutral", "pos", "neutral", "neg",
 SIZES = dict(num_hidden_layers=2, attention_bias=False)
 
 
+EVALUATED = ("classify_eval", "mlm_eval", "embed_eval", "rerank_eval")  # runs that evaluate at every step
 CONTRASTIVE = (
     "embed",
     "cached",
@@ -43,6 +46,7 @@ CONTRASTIVE = (
     "sparse",
     "multivector",
 )  # runs of a task's own objective (not compiled)
+UNCOMPILED = (*CONTRASTIVE, "embed_eval", "rerank_eval")
 
 
 def contrastive_runs(root: Path, model: str, mlm_model: str) -> dict[str, dict]:
@@ -190,8 +194,12 @@ def runs(tmp_path_factory):
     classify = dict(task="classify", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=3)
     mlm = dict(task="mlm", data=str(data), model=mlm_model, max_steps=10, batch_size=4, grad_accum=2, lr=1e-3, seed=5)
     contrastive = contrastive_runs(root, model, mlm_model)
+    evaluated = {  # 2 steps, each evaluated: 3 evaluation batches of 4 rows
+        name: dict(options, eval_data=options["data"], max_steps=2, eval_every=1)
+        for name, options in zip(EVALUATED, (classify, mlm, contrastive["embed"], contrastive["rerank"]), strict=True)
+    }
     one = root / "one"
-    for name, options in contrastive.items():
+    for name, options in (contrastive | evaluated).items():
         fine_tune(output_dir=one / name, **{**options, "loss": worker_loss(options.get("loss"))})
     fine_tune(output_dir=one / "classify", save_every=5, **classify)
     fine_tune(output_dir=one / "mlm", **mlm)
@@ -214,7 +222,9 @@ def runs(tmp_path_factory):
                 resume=str(two / "dropout" / "checkpoint-5"),
                 **{**classify, "model": noisy},
             ),  # fmt: skip
-            **{name: dict(output_dir=str(two / name), **options) for name, options in contrastive.items()},
+            **{
+                name: dict(output_dir=str(two / name), **options) for name, options in (contrastive | evaluated).items()
+            },
         },  # fmt: skip
         "gather": str(root / "mnrl.npz"),
     }
@@ -233,7 +243,7 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in one], atol=1e-5)
     # progress is printed by rank 0 alone (each fine_tune call of a compiled step compiles it once)
     assert result.stderr.count("Compiling the training step") == sum(
-        outcome == "ok" for name, outcome in statuses[0]["fine_tune"].items() if name not in CONTRASTIVE
+        outcome == "ok" for name, outcome in statuses[0]["fine_tune"].items() if name not in UNCOMPILED
     )
 
 
@@ -278,6 +288,23 @@ def test_two_ranks_train_sparse_and_multivector_models_as_one_process_does(runs)
         assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
         assert_same_weights(root / "two" / name / "model", root / "one" / name / "model")
         assert_same_steps(root, name)
+
+
+def test_two_ranks_share_the_evaluation_and_report_one_process_metrics(runs):
+    """Each rank scores every other evaluation batch (rank 0 two of three, rank 1 one) and every rank gets all the
+    batches' results, so both return the same metrics (the best checkpoint is chosen from them) and rank 0 logs
+    one process's: masked-LM masks drawn alike, retrieval metrics over every rank's embeddings."""
+    root, _, result, statuses = runs
+    for name in EVALUATED:
+        assert all(s["fine_tune"][name] == "ok" for s in statuses.values()), (statuses, result.stderr[-3000:])
+        assert statuses[0]["returned"][name] == statuses[1]["returned"][name]
+        assert [statuses[rank]["scored"][name] for rank in (0, 1)] == [4, 2]  # 2 evaluations of 3 batches
+        one, two = ([json.loads(line) for line in (root / run / name / "metrics.jsonl").read_text().splitlines()
+                     if "eval_loss" in line] for run in ("one", "two"))  # fmt: skip
+        assert [r["step"] for r in two] == [1, 2] and [sorted(r) for r in two] == [sorted(r) for r in one]
+        for found, expected in zip(two, one, strict=True):
+            np.testing.assert_allclose([found[k] for k in sorted(found)], [expected[k] for k in sorted(found)],
+                                       rtol=1e-5, err_msg=name)  # fmt: skip
 
 
 def test_rtd_is_refused_on_several_ranks_naming_it(tmp_path, monkeypatch):
@@ -371,7 +398,7 @@ def test_a_killed_rank_stops_the_other_with_an_error_naming_it(runs, tmp_path):
     lost = "mlx-encoders train: error: rank 0: lost rank 1 during step 5"
     assert lost in log_0 or "rank 0: no answer from rank 1 for 15 s during step 5" in log_0, log_0[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "metrics.jsonl"]
-    assert trainer.read_state(out / "checkpoint-4" / trainer.STATE_FILE).step == 4
+    assert checkpointing.read_state(out / "checkpoint-4" / checkpointing.STATE_FILE).step == 4
     fine_tune("classify", root / "train.jsonl", tmp_path / "resumed", model=root / "encoder", max_steps=6,
               batch_size=4, seed=1, resume=out / "checkpoint-4")  # fmt: skip
 
@@ -387,6 +414,21 @@ def test_a_stalled_collective_ends_the_rank_naming_its_peers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "rank 2: no answer from rank 1 or rank 3" in result.stderr and "during step 7" in result.stderr
+
+
+def test_gradients_travel_as_one_buffer_per_dtype(monkeypatch):
+    """A step's gradients, whatever their number, make one collective per dtype (each collective has a latency);
+    the sums come back in the tree's shapes and order. A world of one sums nothing, so the values return as given."""
+    calls = []
+    real = mx.distributed.all_sum
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, **kw: calls.append(x.shape) or real(x, **kw))
+    rng = np.random.default_rng(0)
+    tree = {"layers": [{"w": mx.array(rng.normal(size=(3, 4)).astype(np.float32)), "b": mx.zeros(4)}
+                       for _ in range(20)], "scale": mx.ones(2, dtype=mx.float16), "loss": mx.array(1.5)}  # fmt: skip
+    summed = distributed.all_sum(tree, distributed.World(None, 2, 0), "a test")
+    assert sorted(calls) == [(2,), (20 * 16 + 1,)]
+    for (name, a), (_, b) in zip(tree_flatten(tree), tree_flatten(summed), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item(), name
 
 
 def test_check_batch_size_names_both_numbers():

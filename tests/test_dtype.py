@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-import mlx_encoders.checkpoint.build as build
+import mlx_encoders.engine.runtime as runtime
 from mlx_encoders import load_model, save
 from mlx_encoders.quantization import quantize_model
 
@@ -44,7 +44,7 @@ def test_explicit_dtype_and_stored_win(half):
 
 def test_a_gpu_keeps_the_stored_dtype(half, monkeypatch):
     folder, dtype = half
-    monkeypatch.setattr(build, "on_cpu", lambda: False)
+    monkeypatch.setattr(runtime, "on_cpu", lambda: False)
     assert dtypes(load_model(folder))["weights"] == {dtype}
 
 

@@ -29,7 +29,7 @@ from mlx_encoders.__main__ import main as cli
 from mlx_encoders.engine import attention
 from mlx_encoders.models.eurobert import POOLINGS
 from mlx_encoders.train import fine_tune
-from mlx_encoders.train.fine_tune import from_config
+from mlx_encoders.train.tasks.heads import from_config
 
 FAMILY = "eurobert"
 CLASSIFY = "sequence-classification"

@@ -25,10 +25,10 @@ from mlx_encoders.train.data import (
     masked_lm_data,
     sequence_classification_data,
 )
-from mlx_encoders.train.fine_tune import from_config
-from mlx_encoders.train.losses import task_loss
+from mlx_encoders.train.losses import split_batch, task_loss
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped, split_batch
+from mlx_encoders.train.tasks.heads import from_config
+from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped
 
 TEXTS = [
     "a fine film", "dull and long", "it was ok", "the best thing this year", "I walked out", "fine, not great",

@@ -219,9 +219,9 @@ def test_mnrl_loss_and_gradients_through_the_dense_modules_equal_sentence_transf
     from test_contrastive import TRIPLET_COLUMNS, TRIPLETS, st_features
 
     from mlx_encoders.checkpoint import load_model, tokenizer_for
-    from mlx_encoders.train import trainer
-    from mlx_encoders.train.contrastive import MultipleNegativesRankingLoss
+    from mlx_encoders.train import compiling
     from mlx_encoders.train.embedding import DenseModel, EmbeddingObjective, embedding_data
+    from mlx_encoders.train.losses.contrastive import MultipleNegativesRankingLoss
 
     st = SentenceTransformer(str(embeddinggemma), device="cpu").eval()
     expected = st_losses.MultipleNegativesRankingLoss(st)(st_features(st, TRIPLETS, TRIPLET_COLUMNS), None)
@@ -235,7 +235,7 @@ def test_mnrl_loss_and_gradients_through_the_dense_modules_equal_sentence_transf
     tokenizer = tokenizer_for(net.args, embeddinggemma)
     objective = EmbeddingObjective(MultipleNegativesRankingLoss(), tokenizer, ("mean",), True, "batch_sampler")
     batch = objective.collate(embedding_data(TRIPLETS, tokenizer), range(len(TRIPLETS)))
-    step = objective.value_and_grad(net, lambda fn: trainer.value_and_grad(net, mx.float32, fn), [mx.random.key(0)])
+    step = objective.value_and_grad(net, lambda fn: compiling.value_and_grad(net, mx.float32, fn), [mx.random.key(0)])
     value, grads = step(batch)
     assert value.item() == pytest.approx(expected.item(), rel=1e-5)
     grads = dict(tree_flatten(grads))

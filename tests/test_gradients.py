@@ -17,7 +17,7 @@ from tolerance import assert_float32_close
 
 import mlx_encoders
 from mlx_encoders.engine.attention import attention
-from mlx_encoders.engine.ops import exp_nonpositive, gelu
+from mlx_encoders.engine.ops import exp_nonpositive, gelu, gelu_tanh, silu
 from mlx_encoders.models import MODEL_TYPES, layers, model_module
 from mlx_encoders.models.base import padding_mask
 from mlx_encoders.models.bert import BertForMaskedLM, ModelArgs
@@ -336,6 +336,19 @@ def test_gelu_gradient_is_the_exact_gelus():
     half = mx.grad(lambda t: gelu(t).astype(mx.float32).sum())(mx.array(x[::1000]).astype(mx.float16))
     assert half.dtype == mx.float16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact.grad.numpy()[::1000], rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(silu, torch.nn.functional.silu), (gelu_tanh, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))],
+    ids=["silu", "gelu_tanh"],
+)
+def test_sigmoid_gated_activation_gradients_match_torch(ours, theirs):
+    x = np.concatenate([np.linspace(-30, 30, 2_000_001, dtype=np.float32), np.float32([-1e30, -50, 50, 1e30])])
+    exact = torch.from_numpy(x).double().requires_grad_()
+    theirs(exact).sum().backward()
+    got = np.array(mx.grad(lambda t: ours(t).sum())(mx.array(x)))
+    assert np.abs(got - exact.grad.numpy()).max() <= 4e-6
 
 
 @pytest.mark.parametrize("branch", BRANCHES)

@@ -180,7 +180,7 @@ def test_maxsim_ranking_loss_value_and_gradients_match_sentence_transformers(tmp
     from mlx.utils import tree_flatten
     from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
 
-    from mlx_encoders.train.multi_vector_losses import multi_vector_ranking
+    from mlx_encoders.train.losses.multi_vector import multi_vector_ranking
 
     columns = [("query", QUERIES), ("document", DOCUMENTS[:4]), ("document", DOCUMENTS[1:])]  # + hard negatives
     folder = save_colbert(tmp_path / "st", encoders["bert"], {"strategy": "fixed", "length": 12})

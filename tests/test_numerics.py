@@ -15,7 +15,7 @@ import mlx_encoders
 from mlx_encoders.engine import attention as attention_forms
 from mlx_encoders.engine import ops
 from mlx_encoders.engine.attention import attention
-from mlx_encoders.engine.ops import exp_nonpositive, gelu
+from mlx_encoders.engine.ops import exp_nonpositive, gelu, gelu_tanh, silu
 from mlx_encoders.models import MODEL_TYPES, layers
 from mlx_encoders.models.base import padding_mask
 
@@ -172,6 +172,26 @@ def test_gelu_matches_the_exact_erf_gelu():
     assert np.abs(got - exact).max() <= 1.1e-6
     assert np.abs(got - exact).max() <= 2 * np.abs(torch.nn.functional.gelu(torch.from_numpy(x)).numpy() - exact).max()
     half = gelu(mx.array(x[::1000]).astype(mx.float16))
+    assert half.dtype == mx.float16
+    np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact[::1000], rtol=2e-3, atol=1e-3)
+
+
+SIGMOID_GATED = {
+    "silu": (silu, torch.nn.functional.silu),
+    "gelu_tanh": (gelu_tanh, lambda t: torch.nn.functional.gelu(t, approximate="tanh")),
+}
+
+
+@pytest.mark.parametrize("name", SIGMOID_GATED)
+def test_sigmoid_gated_activations_match_torch(name):
+    """SiLU and the tanh GELU (x times a sigmoid through exp_nonpositive) stay within torch's own float32 error of
+    the float64 function; half precision is computed in float32."""
+    ours, theirs = SIGMOID_GATED[name]
+    x = np.concatenate([np.linspace(-30, 30, 2_000_001, dtype=np.float32), np.float32([-1e30, -50, 50, 1e30])])
+    exact = theirs(torch.from_numpy(x).double()).numpy()
+    got = np.array(ours(mx.array(x)))
+    assert np.abs(got - exact).max() <= 2 * np.abs(theirs(torch.from_numpy(x)).numpy() - exact).max()
+    half = ours(mx.array(x[::1000]).astype(mx.float16))
     assert half.dtype == mx.float16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), exact[::1000], rtol=2e-3, atol=1e-3)
 

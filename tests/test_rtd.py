@@ -269,3 +269,20 @@ def test_a_new_discriminator_starts_at_the_base_rate_and_a_loaded_one_keeps_its_
     save_file(weights, trained.path / "model.safetensors")
     again = fine_tune("rtd", data, tmp_path / "again", model=trained.path, **run)
     assert load_file(again.path / "model.safetensors")[key].item() == pytest.approx(0.25, abs=1e-6)
+
+
+def test_train_called_on_a_pair_trains_electra_loss(tmp_path):
+    """`trainer.train` without `objective=` on a pair uses the pair's own loss and metrics, not a head's."""
+    from mlx_encoders.train.config import TrainingConfig
+    from mlx_encoders.train.data import masked_lm_data
+    from mlx_encoders.train.tasks.rtd import rtd_pair
+    from mlx_encoders.train.trainer import train
+
+    tokenizer = Tokenizer.from_pretrained(MINILM)
+    pair = rtd_pair(None, SIZES, tokenizer, None, 0.25, 50.0)
+    examples = masked_lm_data([{"text": t} for t in TEXTS], tokenizer, text_column="text", max_length=24)
+    config = TrainingConfig(tmp_path / "run", max_steps=1, batch_size=4)
+    metrics = train(pair, tokenizer, examples, examples, config)
+    assert metrics["eval_loss"] == pytest.approx(
+        metrics["eval_generator_loss"] + 50 * metrics["eval_discriminator_loss"], rel=1e-5
+    )

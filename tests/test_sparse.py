@@ -139,7 +139,7 @@ def test_splade_loss_value_and_gradients_match_sentence_transformers(tmp_path, m
     from mlx.utils import tree_flatten
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
 
-    from mlx_encoders.train.sparse_losses import splade_loss
+    from mlx_encoders.train.losses.sparse import splade_loss
 
     columns = [TEXTS[:3] + TEXTS[4:5], TEXTS[1:5], TEXTS[2:6]]  # queries, positives, hard negatives
     weights = dict(document_regularizer_weight=3e-6, query_regularizer_weight=5e-6, document_regularizer_threshold=40)
@@ -177,7 +177,7 @@ def test_flops_threshold_and_ranking_loss_match_sentence_transformers():
     import mlx.core as mx
     from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
 
-    from mlx_encoders.train.sparse_losses import flops, multiple_negatives_ranking
+    from mlx_encoders.train.losses.sparse import flops, multiple_negatives_ranking
 
     rng = np.random.default_rng(0)
     columns = [np.maximum(rng.normal(size=(5, 40)), 0).astype(np.float32) for _ in range(3)]

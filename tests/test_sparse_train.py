@@ -30,8 +30,8 @@ from mlx_encoders import MultiVectorEncoder, SparseEncoder
 from mlx_encoders.__main__ import main
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.embedding import no_duplicates
-from mlx_encoders.train.multi_vector_losses import MaxSimRankingLoss
-from mlx_encoders.train.sparse_losses import SpladeLoss
+from mlx_encoders.train.losses.multi_vector import MaxSimRankingLoss
+from mlx_encoders.train.losses.sparse import SpladeLoss
 
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_hidden_layers=2)
 TRIPLETS = [

@@ -8,6 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlx_encoders"
 CORE = ("models", "engine", "checkpoint", "quantization", "tokenizer", "spm", "jsonfile", "errors", "records", "corpus")
 FRONT_ENDS = (
     "embeddings", "conversion", "pipelines", "generation", "train", "index", "serve", "__main__", "distributed",
+    "launch",
 )  # fmt: skip
 
 
@@ -56,3 +57,48 @@ def test_the_reader_sees_relative_imports():
     """The check above would pass on a reader that found nothing: it finds the imports of a known module."""
     assert {"checkpoint", "tokenizer", "embeddings"} <= imported(PACKAGE / "embeddings" / "sentence.py")
     assert "jsonfile" in imported(PACKAGE / "tokenizer.py")
+
+
+def train_imports(file: Path) -> set[str]:
+    """The modules of train/ that `file` imports (dotted, from mlx_encoders: "train.tasks.heads"), anywhere in it."""
+    parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.ImportFrom):
+            base = [*package[: len(package) - node.level + 1]] if node.level else []
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            found |= {".".join(target[1:])} | {".".join([*target[1:], a.name]) for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("mlx_encoders.") for a in node.names}
+    return {name for name in found if name.startswith("train") and name in TRAIN_MODULES}
+
+
+TRAIN_MODULES = {
+    ".".join(f.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    for f in (PACKAGE / "train").rglob("*.py")
+}
+
+
+def test_train_has_no_import_circle():
+    """The training modules import each other one way: a circle means one cannot be read (or changed) alone."""
+    edges = {}
+    for file in (PACKAGE / "train").rglob("*.py"):
+        name = ".".join(file.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        edges[name] = train_imports(file) - {name}
+    assert {"train.tasks.heads", "train.trainer"} <= edges["train.tasks.classification"] | edges["train.tasks.heads"]
+    done, path = set(), []
+
+    def visit(module: str) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(module) :], module]))
+        if module in done:
+            return
+        path.append(module)
+        for other in sorted(edges.get(module, ())):
+            visit(other)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module)

@@ -21,9 +21,9 @@ from mlx.utils import tree_flatten
 from mlx_encoders.__main__ import main
 from mlx_encoders.checkpoint.build import load_model
 from mlx_encoders.train import cli, fine_tune, trainer
-from mlx_encoders.train.contrastive import CoSENTLoss, MatryoshkaLoss, MultipleNegativesRankingLoss
 from mlx_encoders.train.data import DataError
-from mlx_encoders.train.sparse_losses import SpladeLoss
+from mlx_encoders.train.losses.contrastive import CoSENTLoss, MatryoshkaLoss, MultipleNegativesRankingLoss
+from mlx_encoders.train.losses.sparse import SpladeLoss
 from mlx_encoders.train.trainer import NoSignal, OptionError, TrainingConfig, ZeroGradient
 
 ONE_ROW = [{"anchor": "how do cats sleep", "positive": "curled up in warm places"}]

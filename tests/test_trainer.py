@@ -11,8 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_encoders
-from mlx_encoders.train import optim, trainer
-from mlx_encoders.train.data import masked_lm_data, sequence_classification_data
+from mlx_encoders.train import checkpointing, compiling, evaluation, optim, trainer
+from mlx_encoders.train.data import collate, masked_lm_data, sequence_classification_data
 from mlx_encoders.train.masking import Masker
 from mlx_encoders.train.trainer import TrainingConfig, train
 
@@ -88,8 +88,8 @@ def test_failed_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, monkeyp
             raise OSError("simulated failure while writing checkpoint-4")
         return saves[-1]
 
-    write = trainer.write_checkpoint
-    monkeypatch.setattr(trainer, "write_checkpoint", failing_write)
+    write = checkpointing.write_checkpoint
+    monkeypatch.setattr(checkpointing, "write_checkpoint", failing_write)
     with pytest.raises(OSError, match="simulated"):
         train(model, tokenizer, examples, config=TrainingConfig(tmp_path, max_steps=4, batch_size=4, save_every=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no partial folder
@@ -184,7 +184,7 @@ def test_tiny_run_overfits_and_logs_metrics(checkpoint, tmp_path):
 
 def test_masked_lm_evaluation_reports_accuracy_and_perplexity(checkpoint, tmp_path):
     model, tokenizer, examples = masked_lm(checkpoint)
-    metrics = trainer.evaluate(model, tokenizer, examples, TrainingConfig(tmp_path, batch_size=3),
+    metrics = evaluation.evaluate(model, tokenizer, examples, TrainingConfig(tmp_path, batch_size=3),
                                masker(tokenizer))  # fmt: skip
     assert set(metrics) == {"eval_loss", "eval_accuracy", "eval_perplexity"}
     assert metrics["eval_perplexity"] == pytest.approx(np.exp(metrics["eval_loss"]))
@@ -204,7 +204,7 @@ def test_compiled_step_equals_value_and_grad(checkpoint, task):
     model.train()
     rng = np.random.default_rng(0)
     mask = masker(tokenizer) if task == "masked-lm" else None
-    batches = [trainer.collate(data, rows, tokenizer, mask, rng) for rows in ([0, 1, 2], [3, 4], [5, 6, 7])]
+    batches = [collate(data, rows, tokenizer, mask, rng) for rows in ([0, 1, 2], [3, 4], [5, 6, 7])]
     assert batches[0]["input_ids"].shape != batches[1]["input_ids"].shape
 
     def run(loss_and_grad, random: list) -> tuple[list, list, list]:
@@ -215,8 +215,8 @@ def test_compiled_step_equals_value_and_grad(checkpoint, task):
 
     global_key = np.array(mx.random.state[0])
     random = [mx.random.key(7)]
-    plain = run(trainer.value_and_grad(model, mx.float32), [None])
-    compiled = run(trainer.compiled_value_and_grad(model, random), random)
+    plain = run(compiling.value_and_grad(model, mx.float32), [None])
+    compiled = run(compiling.compiled_value_and_grad(model, random), random)
     np.testing.assert_array_equal(np.array(mx.random.state[0]), global_key)  # drawn from the trainer's own key
     np.testing.assert_allclose(compiled[0], plain[0], rtol=1e-5)
     for got, want in zip(compiled[1], plain[1], strict=True):
@@ -234,8 +234,8 @@ def test_compiled_step_still_checks_token_ids(checkpoint):
     model.train()
     import mlx.core as mx
 
-    loss_and_grad = trainer.compiled_value_and_grad(model, [mx.random.key(0)])
-    batch = trainer.collate(data, [0, 1], tokenizer)
+    loss_and_grad = compiling.compiled_value_and_grad(model, [mx.random.key(0)])
+    batch = collate(data, [0, 1], tokenizer)
     assert np.isfinite(loss_and_grad(batch)[0].item())
     bad = dict(batch, input_ids=batch["input_ids"].copy())
     bad["input_ids"][1, 1] = model.args.vocab_size

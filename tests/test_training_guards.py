@@ -18,15 +18,8 @@ import mlx_encoders
 from mlx_encoders import conversion
 from mlx_encoders.__main__ import main
 from mlx_encoders.tokenizer import Tokenizer
-from mlx_encoders.train import cli as train_cli
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.config import RANGES, LabelIds, Names, Number, Numbers
-from mlx_encoders.train.contrastive import (
-    CachedMultipleNegativesRankingLoss,
-    CoSENTLoss,
-    MatryoshkaLoss,
-    MultipleNegativesRankingLoss,
-)
 from mlx_encoders.train.data import (
     DataError,
     causal_lm_data,
@@ -36,12 +29,19 @@ from mlx_encoders.train.data import (
     sequence_classification_data,
 )
 from mlx_encoders.train.hard_negatives import mine_hard_negatives
+from mlx_encoders.train.losses.contrastive import (
+    CachedMultipleNegativesRankingLoss,
+    CoSENTLoss,
+    MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
+)
+from mlx_encoders.train.losses.multi_vector import MaxSimRankingLoss
+from mlx_encoders.train.losses.sparse import SpladeLoss
 from mlx_encoders.train.masking import Masker
-from mlx_encoders.train.multi_vector_losses import MaxSimRankingLoss
-from mlx_encoders.train.sparse_losses import SpladeLoss
+from mlx_encoders.train.options import add_flags
 from mlx_encoders.train.trainer import OptionError, TrainingConfig, train
 
-fine_tune_module = importlib.import_module("mlx_encoders.train.fine_tune")  # `train.fine_tune` is the function
+fine_tune_module = importlib.import_module("mlx_encoders.train.tasks.heads")  # where the head tasks load models
 ROWS = [{"text": t, "label": label} for t, label in [("a fine film", "pos"), ("dull", "neg"), ("ok", "pos")]]
 TAGGED = [{"tokens": ["Anna", "lives", "in", "Rome"], "ner_tags": ["B-PER", "O", "O", "B-LOC"]}]
 
@@ -397,7 +397,7 @@ COMMAND = {name: ("classify", []) for name in TRAINING_FIELDS + ["max_length", "
 
 def test_the_range_table_covers_every_option_the_library_and_the_command_take():
     assert set(LIBRARY) == set(RANGES), "give each option of config.RANGES the calls that take it"
-    flags = {a.dest for p in (train_cli.add_options,) for a in parser_actions(p)}
+    flags = {a.dest for a in parser_actions(add_flags)}
     assert set(RANGES) & flags - {"lora_targets", "matryoshka_dims", "matryoshka_weights"} <= set(COMMAND)
 
 

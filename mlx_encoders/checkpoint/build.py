@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..engine.runtime import claim_mlx, on_cpu
+from ..engine.runtime import claim_mlx, compute_dtype
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
@@ -275,22 +275,14 @@ def warn_non_finite(model: nn.Module, source: Path) -> None:
         )
 
 
-HALF_PRECISION = (mx.float16, mx.bfloat16)
-
-
-def compute_dtype(stored: mx.Dtype) -> mx.Dtype:
-    """The dtype a model whose weights are stored in `stored` computes in by default: float32 for half precision on
-    the CPU, whose backend computes half precision tens of times slower; the stored dtype elsewhere."""
-    return mx.float32 if stored in HALF_PRECISION and on_cpu() else stored
-
-
-def widen_half_precision(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """`weights` with every half-precision tensor in float32, quantization scales and biases aside (the quantized
-    layers widen those themselves); other tensors as stored."""
-    return {
-        k: v.astype(mx.float32) if v.dtype in HALF_PRECISION and not k.endswith((".scales", ".biases")) else v
-        for k, v in weights.items()
-    }
+def in_compute_dtype(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`weights` cast to the dtype the device computes them in (`engine.runtime.compute_dtype`), quantization scales
+    and biases aside (the quantized layers widen those themselves)."""
+    cast = {}
+    for k, v in weights.items():
+        wanted = v.dtype if k.endswith((".scales", ".biases")) else compute_dtype(v.dtype)
+        cast[k] = v if wanted == v.dtype else v.astype(wanted)
+    return cast
 
 
 def load_model(
@@ -342,8 +334,8 @@ def load_model(
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())
-    if dtype is None and not as_stored and on_cpu():
-        weights = widen_half_precision(weights)
+    if dtype is None and not as_stored:
+        weights = in_compute_dtype(weights)
     model.load_weights(list(weights.items()), strict=not created)
     if created:
         initialize(model, created, checkpoint.module, dtype or (stored if as_stored else compute_dtype(stored)))

@@ -43,6 +43,15 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+HALF_PRECISION = (mx.float16, mx.bfloat16)
+
+
+def compute_dtype(stored: mx.Dtype) -> mx.Dtype:
+    """The dtype a model whose weights are stored in `stored` computes in by default: float32 for half precision on
+    the CPU, whose backend computes half precision tens of times slower; the stored dtype elsewhere."""
+    return mx.float32 if stored in HALF_PRECISION and on_cpu() else stored
+
+
 def tuning_enabled() -> bool:
     """Whether the engine may change anything in the process: MLX's BLAS, the compiled one-row helper, BLAS threads,
     the allocator. `MLX_ENCODERS_CPU_TUNING=0` leaves the process exactly as MLX and Python made it."""
@@ -395,11 +404,17 @@ MAX_CPU_STREAMS = 8
 _thread_streams = threading.local()
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (`taskset`, a container's
+    cpuset, `mlx-encoders launch` giving each rank its share), else every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_streams() -> tuple[mx.Stream, ...]:
-    """One CPU stream per core (at most MAX_CPU_STREAMS), made once per thread: an MLX stream belongs to the thread
-    that made it (a server's model worker runs beside the main thread)."""
+    """One CPU stream per usable core (at most MAX_CPU_STREAMS), made once per thread: an MLX stream belongs to the
+    thread that made it (a server's model worker runs beside the main thread)."""
     if not hasattr(_thread_streams, "lanes"):
-        _thread_streams.lanes = tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, os.cpu_count() or 1)))
+        _thread_streams.lanes = tuple(mx.new_stream(mx.cpu) for _ in range(min(MAX_CPU_STREAMS, usable_cores())))
     return _thread_streams.lanes
 
 

@@ -1,7 +1,7 @@
 """Decoding steps through the model's own forward pass, compiled: `CompiledSteps`.
 
 A step's graph is the same every token but for the cache's length, so the keys and values live in buffers of a
-fixed number of positions (`FixedCache`), written in place at a position held in an array: `mx.compile` then
+fixed number of positions (`KVCache.fixed`), written in place at a position held in an array: `mx.compile` then
 traces the forward pass once and replays it each step, with its element-wise ops fused, instead of rebuilding
 several hundred ops in Python. Attention reads the buffers up to the next multiple of BLOCK positions, one
 traced function per such length. Any causal LM whose `make_cache` layers hold (B, heads, T, head_dim) `keys` and
@@ -15,25 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..models.cache import KVCache
 from ..models.inputs import unchecked_inputs
 
 BLOCK = 256  # attention reads the buffers in lengths of this many positions (mlx-lm's cache grows so)
-
-
-class FixedCache:
-    """One layer's keys and values, (B, heads, capacity, head_dim), the new token's written at `index` (an
-    array, so the compiled graph does not depend on it); attention reads the first `length` positions. The model
-    sees them all as cached (`offset` is length - 1, one new token a step): the attention mask hides the
-    positions not yet written."""
-
-    def __init__(self, keys: mx.array, values: mx.array, index: mx.array, length: int):
-        self.keys, self.values, self.index, self.length = keys, values, index, length
-        self.offset = length - 1
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.index, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.index, axes=(2,))
-        return self.keys[..., : self.length, :], self.values[..., : self.length, :]
 
 
 def applies(model: nn.Module) -> bool:
@@ -59,7 +44,7 @@ class CompiledSteps:
         self.functions = {}  # attention length -> the step compiled for it (traced anew for each generation)
 
     def forward(self, length, ids, mask, positions, index, keys, values):
-        cache = [FixedCache(k, v, index, length) for k, v in zip(keys, values, strict=True)]
+        cache = [KVCache.fixed(k, v, index, length) for k, v in zip(keys, values, strict=True)]
         with unchecked_inputs():  # traced arrays cannot be read on the host; the loop's inputs are in range
             out = self.model(ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
         return out.logits[:, -1], [c.keys for c in cache], [c.values for c in cache]

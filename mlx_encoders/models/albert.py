@@ -13,6 +13,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    MaskedLM,
     Model,
     ModelOutput,
     PooledClassification,
@@ -184,21 +185,13 @@ class AlbertHead(HeadModel):
     encoder_class = AlbertModel
 
 
-class AlbertForMaskedLM(AlbertHead):
+class AlbertForMaskedLM(AlbertHead, MaskedLM):
+    head = "predictions"
     ignored_keys = ("predictions.decoder.weight", "predictions.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.predictions = AlbertMLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.predictions(hidden, self.albert.embeddings.word_embeddings)
 
 
 class AlbertForSequenceClassification(AlbertHead, PooledClassification):

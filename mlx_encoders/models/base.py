@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .layers import Dropout, Linear, attention, drawing_from, gelu, next_key
+from .layers import Dropout, Linear, attention, drawing_from, gelu, gelu_tanh, next_key, silu
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
 POSITIVE_KEYS = (
@@ -244,13 +244,13 @@ def run_layer(layer: nn.Module, *args, checkpoint: bool):
 ACTIVATIONS = {
     "gelu": gelu,
     "gelu_python": gelu,
-    "gelu_new": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx,
-    "gelu_fast": nn.gelu_approx,
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_fast": gelu_tanh,
     "quick_gelu": nn.gelu_fast_approx,
     "relu": nn.relu,
-    "silu": nn.silu,
-    "swish": nn.silu,
+    "silu": silu,
+    "swish": silu,
     "tanh": mx.tanh,
 }
 
@@ -353,6 +353,26 @@ class HeadModel(Model, nn.Module):
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         return self.encoder(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+
+
+class MaskedLM(HeadModel):
+    """Vocabulary logits of every token through `predict_tokens`: the module at `head` (a dotted path under the
+    checkpoint's keys) maps hidden states and the encoder's word embeddings (tied, unless the head holds its own
+    decoder) to logits."""
+
+    head: ClassVar[str] = "lm_head"
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        out.logits = self.predict_tokens(out.last_hidden_state)
+        return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
+        module = self
+        for name in self.head.split("."):
+            module = module[name]
+        return module(hidden, self.encoder.embeddings.word_embeddings)
 
 
 class PooledClassification(HeadModel):

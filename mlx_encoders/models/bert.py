@@ -9,6 +9,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    MaskedLM,
     Model,
     ModelOutput,
     PooledClassification,
@@ -193,22 +194,26 @@ class BertModel(Model, nn.Module):
 
 
 class BertPredictionHeadTransform(nn.Module):
+    norm_key = "LayerNorm"  # the layer norm's checkpoint key (Nomic BERT's: layer_norm)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.dense = Linear(args.hidden_size, args.hidden_size)
         self.act = activation(args.hidden_act)
-        self.LayerNorm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+        self[self.norm_key] = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
 
     def __call__(self, x):
-        return self.LayerNorm(self.act(self.dense(x)))
+        return self[self.norm_key](self.act(self.dense(x)))
 
 
 class BertLMPredictionHead(nn.Module):
     """transform, then the word-embedding matrix (tied) or an own `decoder`, plus `bias`."""
 
+    transform_class = BertPredictionHeadTransform
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.transform = BertPredictionHeadTransform(args)
+        self.transform = self.transform_class(args)
         if not args.tie_word_embeddings:
             self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.bias = mx.zeros((args.vocab_size,))
@@ -220,9 +225,11 @@ class BertLMPredictionHead(nn.Module):
 
 
 class BertOnlyMLMHead(nn.Module):
+    predictions_class = BertLMPredictionHead
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.predictions = BertLMPredictionHead(args)
+        self.predictions = self.predictions_class(args)
 
 
 class BertPreTrainingHeads(BertOnlyMLMHead):
@@ -236,21 +243,13 @@ class BertHead(HeadModel):
     encoder_class = BertModel
 
 
-class BertForMaskedLM(BertHead):
+class BertForMaskedLM(BertHead, MaskedLM):
+    head = "cls.predictions"
     ignored_keys = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.cls = BertOnlyMLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings)
 
 
 class BertForPreTraining(BertForMaskedLM):

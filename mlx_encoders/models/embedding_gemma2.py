@@ -22,9 +22,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .base import BaseArgs, HeadModel, Model, ModelOutput, activation, embed, merge_heads, run_layer
-from .gemma3_text import wavelengths
 from .inputs import check_inputs, checking_off
-from .layers import Dropout, Embedding, Linear, blockwise_attention
+from .layers import Dropout, Embedding, GatedMLP, Linear, blockwise_attention, grouped_attention, rope
 from .modernbert import ATTENTION, Band, attention_masks, banded_attention
 
 COMPOSITE = "embedding_gemma2"
@@ -179,7 +178,7 @@ class EmbeddingGemma2Attention(nn.Module):
         self.q_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps)
         self.v_norm = EmbeddingGemma2RMSNorm(self.head_dim, args.rms_norm_eps, scale=False)
-        self._wavelengths = wavelengths(self.head_dim, args.rope_theta[args.attention_types[index]])  # not a parameter
+        self.theta = args.rope_theta[args.attention_types[index]]
         self.dropout = Dropout(args.attention_dropout)
 
     def __call__(self, x: mx.array, mask) -> mx.array:
@@ -187,26 +186,10 @@ class EmbeddingGemma2Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, -1)).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_norm(self.v_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
-        rope = dict(traditional=False, base=None, scale=1.0, offset=0, freqs=self._wavelengths)
-        q, k = (mx.fast.rope(t, self.head_dim, **rope) for t in (q, k))
+        q, k = rope(q, self.theta), rope(k, self.theta)
         q = q * self.head_dim**0.5  # scores are unscaled q.k; the attention kernels divide by sqrt(head_dim)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # head h reads key/value head h // groups, as transformers' repeat_kv
-            k, v = mx.repeat(k, groups, axis=1), mx.repeat(v, groups, axis=1)
         attend = banded_attention if isinstance(mask, Band) else blockwise_attention  # O(L w), O(L) memory
-        return self.o_proj(merge_heads(attend(q, k, v, mask, self.dropout)))
-
-
-class EmbeddingGemma2MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = activation(args.hidden_activation)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(merge_heads(grouped_attention(q, k, v, mask, self.dropout, attend=attend)))
 
 
 class EmbeddingGemma2TextPLE(nn.Module):
@@ -244,7 +227,7 @@ class EmbeddingGemma2EncoderLayer(nn.Module):
         super().__init__()
         self.sliding = args.attention_types[index] == "sliding_attention"
         self.self_attn = EmbeddingGemma2Attention(args, index)
-        self.mlp = EmbeddingGemma2MLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
         self.input_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.pre_feedforward_layernorm = EmbeddingGemma2RMSNorm(args.hidden_size, args.rms_norm_eps)

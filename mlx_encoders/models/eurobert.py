@@ -22,12 +22,13 @@ from .base import (
     activation,
     embed,
     masked_mean,
+    merge_heads,
     padding_mask,
     run_layer,
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, Linear, blockwise_attention, gelu
+from .layers import Dropout, Embedding, GatedMLP, Linear, gelu, grouped_attention, rope
 
 POOLINGS = ("bos", "mean", "late")
 
@@ -114,24 +115,8 @@ class EuroBertAttention(nn.Module):
         B, L, _ = x.shape
         q = split_heads(self.q_proj(x), self.num_heads)  # (B, nh, L, hd)
         k, v = (split_heads(t, self.kv_heads) for t in (self.k_proj(x), self.v_proj(x)))  # (B, nkv, L, hd)
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
-        # Query head h reads key/value head h // groups: a group's queries, stacked, share one (B, nkv) row.
-        q = q.reshape(B, self.kv_heads, -1, self.head_dim)  # (B, nkv, groups * L, hd)
-        out = blockwise_attention(q, k, v, mask, self.attention_dropout)
-        out = out.reshape(B, self.num_heads, L, self.head_dim).transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out)
-
-
-class EuroBertMLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.act = activation(args.hidden_act)
-
-    def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        q, k = rope(q, self.theta), rope(k, self.theta)
+        return self.o_proj(merge_heads(grouped_attention(q, k, v, mask, self.attention_dropout)))
 
 
 class EuroBertDecoderLayer(nn.Module):
@@ -142,7 +127,7 @@ class EuroBertDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = EuroBertAttention(args)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.mlp = EuroBertMLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act), args.mlp_bias)
 
     def __call__(self, x, mask):
         x = x + self.self_attn(self.input_layernorm(x), mask)

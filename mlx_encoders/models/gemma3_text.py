@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from .base import BaseArgs, HeadModel, Model, ModelOutput, activation, embed, mask_value, merge_heads, run_layer
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, Linear, blockwise_attention
+from .layers import Dropout, Embedding, GatedMLP, Linear, blockwise_attention, grouped_attention, rope
 from .modernbert import ATTENTION, Band, attention_masks, banded_attention
 
 ROPE_TYPES = ("default", "linear")  # linear: positions divided by `factor` (Gemma 3's 4B-27B global layers)
@@ -109,15 +109,6 @@ class ModelArgs(BaseArgs):
         return self.max_position_embeddings
 
 
-def wavelengths(dims: int, base: float) -> mx.array:
-    """What mx.fast.rope divides positions by: one over transformers' float32 inverse frequencies 1 / base^(2i/dims).
-    Its own `base` rounds them in another last bit, which moves the angles by 1e-4 a few thousand positions in."""
-    inverse = 1.0 / mx.power(mx.array(base, mx.float32), mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    wavelengths = 1.0 / inverse
-    mx.eval(wavelengths)  # now: a graph left lazy would run on another thread's stream (the server's worker)
-    return wavelengths
-
-
 class Gemma3RMSNorm(nn.Module):
     """x / rms(x) * (1 + weight): the weight is stored centred on 0."""
 
@@ -143,8 +134,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = Linear(width, args.hidden_size, bias=args.attention_bias)
         self.q_norm = Gemma3RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(self.head_dim, args.rms_norm_eps)
-        theta, self.position_scale = args.rope[layer_type]
-        self._wavelengths = wavelengths(self.head_dim, theta)  # underscored: not a parameter
+        self.theta, self.position_scale = args.rope[layer_type]
         # The attention kernels scale scores by head_dim ** -0.5: the queries carry the rest of Gemma's scale.
         self.query_factor = args.query_pre_attn_scalar**-0.5 * self.head_dim**0.5
         self.dropout = Dropout(args.attention_dropout)
@@ -154,27 +144,11 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.num_heads, -1)).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.num_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.num_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, nkv, L, hd)
-        rope = dict(traditional=False, base=None, scale=self.position_scale, offset=0, freqs=self._wavelengths)
-        q, k = (mx.fast.rope(t, self.head_dim, **rope) for t in (q, k))
+        q, k = (rope(t, self.theta, self.position_scale) for t in (q, k))
         if self.query_factor != 1:
             q = q * self.query_factor
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # head h reads key/value head h // groups, as transformers' repeat_kv
-            k, v = mx.repeat(k, groups, axis=1), mx.repeat(v, groups, axis=1)
         attend = banded_attention if isinstance(mask, Band) else blockwise_attention  # O(L w), O(L) memory
-        return self.o_proj(merge_heads(attend(q, k, v, mask, self.dropout)))
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = activation(args.hidden_activation)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(merge_heads(grouped_attention(q, k, v, mask, self.dropout, attend=attend)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -182,7 +156,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.sliding = args.attention_types[index] == "sliding_attention"
         self.self_attn = Gemma3Attention(args, args.attention_types[index])
-        self.mlp = Gemma3MLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
         self.input_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.pre_feedforward_layernorm = Gemma3RMSNorm(args.hidden_size, args.rms_norm_eps)

@@ -25,6 +25,7 @@ from .base import (
     run_layer,
     split_heads,
 )
+from .cache import KVCache
 from .inputs import check_inputs, outside
 from .layers import Dropout, Embedding, LayerNorm, Linear, attention, linear
 
@@ -98,32 +99,6 @@ class ModelArgs(BaseArgs):
     @property
     def max_tokens(self) -> int:
         return self.n_positions
-
-
-class KVCache:
-    """One layer's keys and values, (B, nh, T, hd), grown in blocks of `step` positions (mlx-lm's KVCache)."""
-
-    step = 256
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        start, length = self.offset, keys.shape[2]
-        if self.keys is None or start + length > self.keys.shape[2]:
-            B, nh, _, hd = keys.shape
-            blocks = (length + self.step - 1) // self.step
-            new_k, new_v = (mx.zeros((B, nh, blocks * self.step, hd), x.dtype) for x in (keys, values))
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys[..., :start, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :start, :], new_v], axis=2)
-        self.offset += length
-        self.keys[..., start : self.offset, :] = keys
-        self.values[..., start : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
 
 class GPT2Attention(nn.Module):

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseArgs, HeadModel, ModelOutput, PooledClassification, TiedDecoder, TokenClassification
+from .base import BaseArgs, HeadModel, MaskedLM, PooledClassification, TiedDecoder, TokenClassification
 from .layers import LayerNorm, Linear, gelu
 from .nomic_bert import (
     NomicBertAttention,
@@ -104,21 +104,12 @@ class GteHead(HeadModel):
     encoder_class = GteModel
 
 
-class GteForMaskedLM(GteHead):
+class GteForMaskedLM(GteHead, MaskedLM):
     ignored_keys = ("lm_head.decoder.weight",)  # the tied copy of the word embeddings
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.lm_head = GteLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.lm_head(hidden, self.gte.embeddings.word_embeddings)
 
 
 class GteForSequenceClassification(GteHead, PooledClassification):

@@ -20,6 +20,7 @@ from .base import (
     BaseArgs,
     HeadModel,
     HiddenStateClassification,
+    MaskedLM,
     Model,
     ModelOutput,
     QuestionAnswering,
@@ -32,7 +33,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 from .roberta import RobertaClassificationHead, RobertaLMHead
 
 # encode_query / encode_document pick these adapters when the model has them (jina's retrieval pair)
@@ -145,7 +146,7 @@ class JinaEmbeddingsV3Attention(Adapted):
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(self.adapted(n, x), self.num_heads) for n in ("q_proj", "k_proj", "v_proj"))
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        q, k = (rope(t, self.theta) for t in (q, k))
         return self.adapted("o_proj", merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))
 
 
@@ -348,21 +349,12 @@ class JinaEmbeddingsV3Head(HeadModel):
         return self.roberta.active_adapter
 
 
-class JinaEmbeddingsV3ForMaskedLM(JinaEmbeddingsV3Head):
+class JinaEmbeddingsV3ForMaskedLM(JinaEmbeddingsV3Head, MaskedLM):
     ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.lm_head = RobertaLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.lm_head(hidden, self.roberta.embeddings.word_embeddings)
 
 
 class JinaEmbeddingsV3ForSequenceClassification(JinaEmbeddingsV3Head, HiddenStateClassification):

@@ -1,8 +1,12 @@
 """The layers every model is built from: Linear, Embedding, LayerNorm and Dropout with the parameters and checkpoint
-keys of MLX's own, computing through the engine's exact, fast forms, and the attention entry points. Model files
-import these and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear and Embedding into
-the engine's quantized layers directly.
+keys of MLX's own, computing through the engine's exact, fast forms; the attention entry points, rotary positions
+(`rope`), grouped-query attention and the gated MLP the decoder-shaped families share. Model files import these
+and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear and Embedding into the engine's
+quantized layers directly.
 """
+
+import functools
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +16,7 @@ from ..engine.ops import (
     MAX_HASHED,
     drawing_from,
     gelu,
+    gelu_tanh,
     layer_norm,
     linear,
     linear_in_eval,
@@ -19,12 +24,14 @@ from ..engine.ops import (
     linear_without_bias,
     next_key,
     random_words,
+    silu,
 )
 from ..engine.quantized import QuantizedEmbedding, QuantizedLinear
 
 __all__ = [
-    "Dropout", "Embedding", "LayerNorm", "Linear",
-    "attention", "blockwise_attention", "drawing_from", "gelu", "linear", "next_key",
+    "Dropout", "Embedding", "GatedMLP", "LayerNorm", "Linear",
+    "attention", "blockwise_attention", "drawing_from", "gelu", "gelu_tanh", "grouped_attention", "linear",
+    "next_key", "rope", "rope_wavelengths", "silu",
 ]  # fmt: skip
 
 
@@ -77,3 +84,54 @@ class Embedding(nn.Embedding):
         if quantize_input:
             return super().to_quantized(group_size, bits, mode, quantize_input)  # MLX's error for embeddings
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_wavelengths(dims: int, base: float) -> mx.array:
+    """What mx.fast.rope divides positions by: one over transformers' float32 inverse frequencies 1 / base^(2i/dims).
+    MLX's own `base=` rounds them in another last bit, which moves the angles by 1e-4 a few thousand positions in."""
+    inverse = 1.0 / mx.power(mx.array(base, mx.float32), mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelengths = 1.0 / inverse
+    mx.eval(wavelengths)  # now: a graph left lazy would run on another thread's stream (the server's worker)
+    return wavelengths
+
+
+def rope(x: mx.array, base: float, scale: float = 1.0) -> mx.array:
+    """Rotate-half rotary embedding of (B, nh, L, hd) `x` at positions 0..L-1 (times `scale`: linear scaling), as
+    transformers' default rope with `rope_theta` = `base`."""
+    dims = x.shape[-1]
+    return mx.fast.rope(
+        x, dims, traditional=False, base=None, scale=scale, offset=0, freqs=rope_wavelengths(dims, base)
+    )
+
+
+def grouped_attention(
+    q: mx.array, k: mx.array, v: mx.array, mask, dropout: nn.Dropout | None = None,
+    attend: Callable = blockwise_attention, **kwargs,
+) -> mx.array:  # fmt: skip
+    """`attend` of (B, nh, L, hd) queries over (B, nkv, L, hd) keys and values, query head h reading key/value head
+    h // (nh // nkv), as transformers' repeat_kv. Under a key mask (or none), without `kwargs`, a group's queries are
+    stacked onto their one key/value head instead: the same scores, with no copies of k and v."""
+    B, heads, L, hd = q.shape
+    groups = heads // k.shape[1]
+    if groups == 1:
+        return attend(q, k, v, mask, dropout, **kwargs)
+    if not kwargs and (mask is None or (isinstance(mask, mx.array) and mask.shape[1:3] == (1, 1))):
+        out = attend(q.reshape(B, k.shape[1], groups * L, hd), k, v, mask, dropout)  # (B, nkv, groups * L, hd)
+        return out.reshape(B, heads, L, hd)
+    k, v = mx.repeat(k, groups, axis=1), mx.repeat(v, groups, axis=1)
+    return attend(q, k, v, mask, dropout, **kwargs)
+
+
+class GatedMLP(nn.Module):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))`: the SwiGLU / GeGLU MLP of Llama-shaped models, under their keys."""
+
+    def __init__(self, dims: int, hidden_dims: int, act: Callable, bias: bool = False):
+        super().__init__()
+        self.gate_proj = Linear(dims, hidden_dims, bias=bias)
+        self.up_proj = Linear(dims, hidden_dims, bias=bias)
+        self.down_proj = Linear(hidden_dims, dims, bias=bias)
+        self.act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

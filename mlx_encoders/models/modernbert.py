@@ -32,7 +32,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 
 ATTENTION = ("full_attention", "sliding_attention")
 
@@ -134,7 +134,7 @@ class ModernBertAttention(nn.Module):
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
+        q, k = (rope(t, self.theta) for t in (q, k))
         attend = banded_attention if isinstance(mask, Band) else blockwise_attention  # O(L w), O(L) memory
         out = attend(q, k, v, mask, self.attention_dropout)
         return self.out_drop(self.Wo(merge_heads(out)))

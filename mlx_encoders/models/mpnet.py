@@ -15,6 +15,7 @@ from .base import (
     BaseArgs,
     HeadModel,
     HiddenStateClassification,
+    MaskedLM,
     Model,
     ModelOutput,
     QuestionAnswering,
@@ -179,21 +180,12 @@ class MPNetHead(HeadModel):
     encoder_class = MPNetModel
 
 
-class MPNetForMaskedLM(MPNetHead):
+class MPNetForMaskedLM(MPNetHead, MaskedLM):
     ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.lm_head = RobertaLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.lm_head(hidden, self.mpnet.embeddings.word_embeddings)
 
 
 class MPNetForSequenceClassification(MPNetHead, HiddenStateClassification):

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from .base import (
     BaseArgs,
     HeadModel,
+    MaskedLM,
     Model,
     ModelOutput,
     PooledClassification,
@@ -28,9 +29,9 @@ from .base import (
     run_layer,
     split_heads,
 )
-from .bert import BertPooler
+from .bert import BertLMPredictionHead, BertOnlyMLMHead, BertPooler, BertPredictionHeadTransform
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention
+from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 
 # nomic-ai's config names -> transformers'; the other keys of those files must hold the values below.
 ORIGINAL_NAMES = {
@@ -189,7 +190,7 @@ class NomicBertAttention(nn.Module):
     def __call__(self, x, mask):
         q, k, v = (split_heads(p(x), self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
         base = self.rope.base_for(x.shape[1], self.head_dim)
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=base, scale=1.0, offset=0) for t in (q, k))
+        q, k = (rope(t, base) for t in (q, k))
         return self.o_proj(merge_heads(blockwise_attention(q, k, v, mask, self.dropout)))  # O(L) memory when long
 
 
@@ -255,37 +256,16 @@ class NomicBertModel(Model, nn.Module):
         return ModelOutput(last_hidden_state=x, pooler_output=pooled)
 
 
-class NomicBertPredictionHeadTransform(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.dense = Linear(args.hidden_size, args.hidden_size)
-        self.act = activation(args.hidden_act)
-        self.layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-
-    def __call__(self, x):
-        return self.layer_norm(self.act(self.dense(x)))
+class NomicBertPredictionHeadTransform(BertPredictionHeadTransform):
+    norm_key = "layer_norm"
 
 
-class NomicBertLMPredictionHead(nn.Module):
-    """transform, then the word-embedding matrix (tied) or an own `decoder`, plus `bias`."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.transform = NomicBertPredictionHeadTransform(args)
-        if not args.tie_word_embeddings:
-            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.bias = mx.zeros((args.vocab_size,))
-
-    def __call__(self, x, word_embeddings):
-        x = self.transform(x)
-        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
-        return x + self.bias
+class NomicBertLMPredictionHead(BertLMPredictionHead):
+    transform_class = NomicBertPredictionHeadTransform
 
 
-class NomicBertOnlyMLMHead(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.predictions = NomicBertLMPredictionHead(args)
+class NomicBertOnlyMLMHead(BertOnlyMLMHead):
+    predictions_class = NomicBertLMPredictionHead
 
 
 class NomicBertHead(HeadModel):
@@ -293,21 +273,13 @@ class NomicBertHead(HeadModel):
     encoder_class = NomicBertModel
 
 
-class NomicBertForMaskedLM(NomicBertHead):
+class NomicBertForMaskedLM(NomicBertHead, MaskedLM):
+    head = "cls.predictions"
     ignored_keys = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # tied copies
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.cls = NomicBertOnlyMLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (training scores only the masked positions)."""
-        return self.cls.predictions(hidden, self.nomic_bert.embeddings.word_embeddings)
 
 
 class NomicBertForSequenceClassification(NomicBertHead, PooledClassification):

@@ -29,7 +29,7 @@ from .base import (
     split_heads,
 )
 from .inputs import check_inputs
-from .layers import Dropout, Embedding, Linear, attention, blockwise_attention
+from .layers import Dropout, Embedding, GatedMLP, Linear, attention, grouped_attention, rope
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -127,24 +127,10 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(split_heads(self.q_proj(x), self.heads))  # (B, nh, L, hd)
         k = self.k_norm(split_heads(self.k_proj(x), self.kv_heads))  # (B, nkv, L, hd)
         v = split_heads(self.v_proj(x), self.kv_heads)
-        q, k = (mx.fast.rope(t, self.head_dim, traditional=False, base=self.theta, scale=1.0, offset=0) for t in (q, k))
-        if self.kv_heads != self.heads:  # each key/value head serves heads // kv_heads query heads, in order
-            k, v = (mx.repeat(t, self.heads // self.kv_heads, axis=1) for t in (k, v))
+        q, k = rope(q, self.theta), rope(k, self.theta)
         if sliding:
-            return self.o_proj(merge_heads(attention(q, k, v, mask, self.dropout)))
-        return self.o_proj(merge_heads(blockwise_attention(q, k, v, mask, self.dropout, causal=True)))
-
-
-class Qwen3MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = activation(args.hidden_act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.o_proj(merge_heads(grouped_attention(q, k, v, mask, self.dropout, attend=attention)))
+        return self.o_proj(merge_heads(grouped_attention(q, k, v, mask, self.dropout, causal=True)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -155,7 +141,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = Qwen3Attention(args)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.mlp = Qwen3MLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation(args.hidden_act))
 
     def __call__(self, x: mx.array, masks: tuple[mx.array, mx.array]) -> mx.array:
         x = x + self.self_attn(self.input_layernorm(x), masks[self.sliding], self.sliding)

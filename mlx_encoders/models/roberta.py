@@ -9,10 +9,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import HeadModel, HiddenStateClassification, ModelOutput, QuestionAnswering, TokenClassification, embed
+from .base import (
+    HeadModel,
+    HiddenStateClassification,
+    MaskedLM,
+    QuestionAnswering,
+    TokenClassification,
+    embed,
+)
 from .bert import BertEmbeddings, BertModel
 from .bert import ModelArgs as BertArgs
-from .layers import Dropout, LayerNorm, Linear
+from .layers import Dropout, LayerNorm, Linear, gelu
 
 
 @dataclass
@@ -51,7 +58,7 @@ class RobertaLMHead(nn.Module):
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
-        x = self.layer_norm(nn.gelu(self.dense(x)))  # exact gelu whatever hidden_act says
+        x = self.layer_norm(gelu(self.dense(x)))  # exact gelu whatever hidden_act says
         x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
         return x + self.bias
 
@@ -73,17 +80,12 @@ class RobertaHead(HeadModel):
     encoder_class = RobertaModel
 
 
-class RobertaForMaskedLM(RobertaHead):
+class RobertaForMaskedLM(RobertaHead, MaskedLM):
     ignored_keys = ("lm_head.decoder.weight", "lm_head.decoder.bias")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.lm_head = RobertaLMHead(args)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        out.logits = self.lm_head(out.last_hidden_state, self.roberta.embeddings.word_embeddings)
-        return out
 
 
 class RobertaForSequenceClassification(RobertaHead, HiddenStateClassification):

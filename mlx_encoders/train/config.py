@@ -7,7 +7,7 @@ on it.
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -159,6 +159,12 @@ def check_options_in(options: Mapping) -> None:
             check_option(name, value)
 
 
+def option(default, help: str, choices: tuple | None = None):
+    """A `TrainingConfig` field declared as an option: `options.OPTIONS` reads its help and choices from here for
+    the command's flag and the docs table (a True default is a `--no-NAME` switch)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class TrainingConfig:
     """What `train` does; the names and defaults follow `TrainingArguments` (`lr` is its `learning_rate`,
@@ -180,26 +186,28 @@ class TrainingConfig:
     checkpoint adds the optimizer state, twice the weights' size), only the `save_every` ones before it."""
 
     output_dir: str | Path
-    epochs: int = 3
-    max_steps: int | None = None
-    batch_size: int = 8
-    lr: float = 5e-5
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_accum: int = 1
-    max_grad_norm: float | None = 1.0
-    schedule: str = "linear"
-    seed: int = 42
-    eval_every: int | None = None
-    save_every: int | None = None
-    keep_last: int | None = 2
-    final_checkpoint: bool = True
-    metric_for_best: str | None = None
-    group_by_length: bool = False
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-    overwrite: bool = False
+    epochs: int = option(3, "default 3")
+    max_steps: int | None = option(None, "optimizer steps, instead of epochs")
+    batch_size: int = option(8, "examples per micro-batch, over all ranks (default 8)")
+    lr: float = option(5e-5, "peak learning rate (default 5e-5)")
+    warmup_ratio: float = option(0.0, "share of steps warming up (default 0)")
+    warmup_steps: int = option(0, "warmup steps; > 0 replaces --warmup-ratio")
+    weight_decay: float = option(0.0, "AdamW decay (default 0)")
+    grad_accum: int = option(1, "micro-batches per optimizer step (default 1)")
+    max_grad_norm: float | None = option(1.0, "clip the global norm; <= 0: off (default 1)")
+    schedule: str = option("linear", "after warmup", choices=tuple(SCHEDULES))
+    seed: int = option(42, "default 42")
+    eval_every: int | None = option(None, "evaluate every N steps (always at each epoch end)")
+    save_every: int | None = option(None, "checkpoint every N steps (and at the end)")
+    keep_last: int | None = option(2, "checkpoints kept, besides the best (default 2)")
+    final_checkpoint: bool = option(
+        True, "no checkpoint at the end (model/ holds the weights; a checkpoint adds 2x their size of optimizer state)"
+    )
+    metric_for_best: str | None = option(None, "eval metric choosing the best checkpoint, e.g. eval_loss")
+    group_by_length: bool = option(False, "batch examples of similar lengths together")
+    dtype: str = option("float32", "compute dtype", choices=tuple(COMPUTE_DTYPES))
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory")
+    overwrite: bool = option(False, "clear another run's files from OUTPUT first")
 
     def __post_init__(self):
         check_options(self)

@@ -2,7 +2,7 @@
 negatives; or sentence1, sentence2, score), the `no_duplicates` batch sampler (`base/sampler.py`,
 `NoDuplicatesBatchSampler`), the model pass Transformer -> Pooling -> Dense... -> Normalize, GradCache for the
 cached loss (`base/losses/gradcache.py`), and the sentence-transformers folder written at the end. The losses
-themselves are in `contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
+themselves are in `losses/contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
 """
 
 import math
@@ -30,17 +30,18 @@ from ..embeddings.sentence import MODULES as DENSE_MODULES
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
-from .contrastive import (
+from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
+from .evaluators import retrieval_metric_names, row_retrieval_metrics
+from .losses.contrastive import (
     LOSSES,
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
-from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
-from .evaluators import retrieval_metric_names, row_retrieval_metrics
+from .objective import Objective, OwnFormat
+from .tasks import EMBED as TASK
 
-TASK = "sentence-embedding"
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
 MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
@@ -263,12 +264,12 @@ def make_loss(loss, scored: bool):
             raise ValueError(f"Unknown embedding loss {loss!r}; choose one of {', '.join(LOSSES)} or pass a loss")
         return LOSSES[loss]()
     if not callable(loss):
-        raise TypeError(f"loss= must be a loss name or a loss from mlx_encoders.train.contrastive, got {loss!r}")
+        raise TypeError(f"loss= must be a loss name or a loss from mlx_encoders.train.losses.contrastive, got {loss!r}")
     return loss
 
 
 @dataclass
-class EmbeddingObjective:
+class EmbeddingObjective(Objective):
     """What `trainer.train` needs to train a sentence-embedding model: batches of text columns, the embedding
     pass, the loss and its gradients (by GradCache for the cached loss) and the evaluation loss."""
 
@@ -315,7 +316,7 @@ class EmbeddingObjective:
             return None
         return lambda order: no_duplicates(order, examples.texts, batch_size)
 
-    def collate(self, examples: TextExamples, indices) -> dict:
+    def collate(self, examples: TextExamples, indices, rng: np.random.Generator | None = None) -> dict:
         """{"columns": one padded numpy batch per text column, "labels": the scores or None}."""
         columns = [self.tokenizer.pad([column[i] for i in indices], return_tensors="np") for column in examples.columns]
         scores = [examples.labels[i] for i in indices]
@@ -473,14 +474,19 @@ class EmbeddingObjective:
         model.eval()
         total, found = 0.0, [[] for _ in examples.columns]
         size = getattr(self.loss, "mini_batch_size", batch_size)
-        for start in range(0, len(examples), batch_size):
+
+        def scored(start: int) -> tuple[float, list]:  # (a batch's summed loss, its columns' vectors to rank)
             indices = range(start, min(start + batch_size, len(examples)))
             columns, labels = arrays(self.collate(examples, indices))
             embeddings = [self.embed_column(model, f, c, size) for c, f in enumerate(columns)]
-            total += self.loss(embeddings, labels).item() * len(indices)
-            for column, vectors in zip(found, embeddings, strict=True):
-                if self.ranks_texts:
-                    column.append(np.array(vectors))
+            vectors = [np.array(e) for e in embeddings] if self.ranks_texts else []
+            return self.loss(embeddings, labels).item() * len(indices), vectors
+
+        starts = range(0, len(examples), batch_size)
+        for loss, vectors in distributed.shared_map(scored, starts):  # each rank scores its share of the batches
+            total += loss
+            for column, array in zip(found, vectors, strict=False):  # no vectors where texts are not ranked
+                column.append(array)
         metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
         if self.ranks_texts and retrieval_rows(examples):
             vectors = [np.concatenate(column) for column in found]
@@ -542,3 +548,8 @@ def batch_tokens(batch: dict) -> int:
     if "columns" in batch:
         return sum(int(f["attention_mask"].sum()) for f in batch["columns"])
     return int(batch["attention_mask"].sum())
+
+
+@dataclass
+class DenseObjective(OwnFormat, EmbeddingObjective):
+    """The embed objective of a `DenseModel`: its checkpoints hold the Dense modules beside the transformer."""

@@ -7,7 +7,7 @@ the names of the metrics a task's evaluation reports (`eval_metric_names`).
 import numpy as np
 
 from .data import Examples
-from .embedding import TASK as EMBEDDING_TASK
+from .tasks import EMBED as EMBEDDING_TASK
 
 CHUNK_PREFIXES = ("B-", "I-", "E-", "S-")
 

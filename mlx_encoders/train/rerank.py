@@ -1,6 +1,5 @@
-"""Reranker (cross-encoder) training: data, losses and evaluation, as sentence-transformers' cross-encoder losses
-define them (reference: `sentence_transformers/cross_encoder/losses/`: `binary_cross_entropy.py`, `list_net.py`,
-`lambda_loss.py`, `multiple_negatives_ranking.py`).
+"""Reranker (cross-encoder) training: data, batches and evaluation; the losses, as sentence-transformers'
+cross-encoder losses define them, are `losses/rerank.py`.
 
 A row is one query with its documents: (`query`, `document`, `label`) rows give one pair each (a binary or graded
 label in [0, 1]); (`query`, `positive`, `negative` or `negative_1` ... `negative_n`) rows give the positive
@@ -12,7 +11,6 @@ cross-encoder `MultipleNegativesRankingLoss` with every in-batch document as a n
 `RerankObjective` plugs these into `trainer.train` (its `objective=`).
 """
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +26,10 @@ from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
 from .data import DataError, Row, by_position, read_rows, select_columns
 from .evaluators import reranking_metrics
+from .losses.rerank import LOSSES
+from .objective import Objective
+from .tasks import RERANK as TASK
 
-LOSSES = ("bce", "listnet", "lambda", "mnrl")
-TASK = "rerank"
 AT_K = 10  # MRR@10 and NDCG@10, as sentence-transformers' CrossEncoderRerankingEvaluator
 LOSS_KEYS = ("pair_index", "labels")  # a collated batch's arrays the loss reads, over all its rows
 METRIC_NAMES = ["eval_loss", "eval_map", f"eval_mrr@{AT_K}", f"eval_ndcg@{AT_K}"]
@@ -161,64 +160,16 @@ def choose_loss(loss: str | None, examples: RerankExamples) -> str:
     return loss
 
 
-def bce_loss(logits: mx.array, labels: mx.array, kept: mx.array) -> mx.array:
-    """torch's BCEWithLogitsLoss over the kept pairs (mean), in float32."""
-    losses = nn.losses.binary_cross_entropy(logits, labels, with_logits=True, reduction="none")
-    return mx.where(kept, losses, 0).sum() / kept.sum()
-
-
-def listnet_loss(logits: mx.array, labels: mx.array, kept: mx.array) -> mx.array:
-    """sentence-transformers' ListNetLoss over (B, N) logits: missing documents score -1e16 and carry no label."""
-    logits = mx.where(kept, logits, -1e16)
-    targets = mx.softmax(mx.where(kept, labels, -mx.inf), axis=-1)
-    log_p = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return -(mx.where(kept, targets * log_p, 0)).sum(axis=-1).mean()
-
-
-def lambda_loss(logits: mx.array, labels: mx.array, kept: mx.array, mu: float = 10.0) -> mx.array:
-    """sentence-transformers' LambdaLoss with its default NDCGLoss2++ weighting (mu x NDCGLoss2 + LambdaRank),
-    sigma 1, k None, binary logarithms, over (B, N) logits whose missing documents score -1e16."""
-    n = logits.shape[1]
-    logits = mx.where(kept, logits, -1e16)
-    labels = mx.where(kept, labels, -mx.inf)
-    order = mx.stop_gradient(mx.argsort(-logits, axis=1))
-    scores = mx.take_along_axis(logits, order, axis=1)
-    true = mx.take_along_axis(labels, order, axis=1)
-    ideal = -mx.sort(-labels, axis=1)
-    diffs = true[:, :, None] - true[:, None, :]
-    pairs = mx.isfinite(diffs) & (diffs > 0)
-    true, ideal = mx.maximum(true, 0.0), mx.maximum(ideal, 0.0)
-    discount = mx.log2(1.0 + mx.arange(1, n + 1, dtype=mx.float32))[None, :]  # (1, N)
-    max_dcg = mx.maximum(((2.0**ideal - 1) / discount).sum(axis=-1), 1e-10)
-    gain = (2.0**true - 1) / max_dcg[:, None]
-    gain_gaps = mx.abs(gain[:, :, None] - gain[:, None, :])
-    positions = mx.arange(1, n + 1)
-    delta = mx.abs(positions[:, None] - positions[None, :])  # (N, N)
-    inverse = 1 / discount[0]
-    ndcg2 = mx.abs(inverse[(delta - 1) % n] - inverse[delta])  # the diagonal (delta 0) wraps, then is zeroed
-    ndcg2 = mx.where(mx.eye(n, dtype=mx.bool_), 0.0, ndcg2)
-    lambda_rank = mx.abs(inverse[None, :, None] - inverse[None, None, :]) * gain_gaps
-    weights = mu * ndcg2[None] * gain_gaps + lambda_rank
-    gaps = mx.clip(scores[:, :, None] - scores[:, None, :], -1e8, 1e8)
-    losses = weights * nn.log_sigmoid(gaps) / math.log(2)
-    return -mx.where(pairs, losses, 0).sum() / mx.maximum(pairs.sum(), 1)
-
-
-def mnrl_loss(logits: mx.array, labels: mx.array, kept: mx.array, scale: float = 10.0) -> mx.array:
-    """sentence-transformers' cross-encoder MultipleNegativesRankingLoss: cross-entropy of sigmoid(logits) x scale
-    over each query's (B, M) candidates, the target marked 1 in `labels`."""
-    scores = mx.sigmoid(logits) * scale
-    return -(labels * (scores - mx.logsumexp(scores, axis=-1, keepdims=True))).sum(axis=-1).mean()
-
-
-class RerankObjective:
+class RerankObjective(Objective):
     """The batches, loss and evaluation of reranker training, for `trainer.train(..., objective=)`."""
 
     def __init__(self, loss: str, tokenizer: Tokenizer):
         self.loss_name, self.tokenizer = loss, tokenizer
-        self.pair_loss = {"bce": bce_loss, "listnet": listnet_loss, "lambda": lambda_loss, "mnrl": mnrl_loss}[loss]
+        self.pair_loss = LOSSES[loss]
 
-    def collate(self, examples: RerankExamples, indices) -> dict[str, np.ndarray]:
+    def collate(
+        self, examples: RerankExamples, indices, rng: np.random.Generator | None = None
+    ) -> dict[str, np.ndarray]:
         """The batch the loss takes: for "mnrl" every query against every document of the rows, else each row's
         own pairs."""
         return self.in_batch(examples, indices) if self.loss_name == "mnrl" else self.own_pairs(examples, indices)
@@ -322,15 +273,17 @@ class RerankObjective:
         """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's documents
         gathered over its rows (a label > 0 is relevant)."""
         model.eval()
-        total, logits = 0.0, []
-        for start in range(0, len(examples), batch_size):
+
+        def scored(start: int) -> tuple[float, np.ndarray]:  # (a batch's summed loss, its own pairs' logits)
             indices = range(start, min(start + batch_size, len(examples)))
             loss, scores = self.scored(model, *self.split(self.collate(examples, indices)))
             if self.loss_name == "mnrl":  # the loss paired each query with every document; the metrics take its own
                 scores = self.scored(model, *self.split(self.own_pairs(examples, indices)))[1]
-            total += loss.item() * len(indices)
-            logits.append(np.array(scores))
-        logits = np.concatenate(logits)
+            return loss.item() * len(indices), np.array(scores)
+
+        starts = range(0, len(examples), batch_size)  # each rank scores its share of the batches
+        losses, logits = zip(*distributed.shared_map(scored, starts), strict=True)
+        total, logits = sum(losses), np.concatenate(logits)
         per_query: dict[str, tuple[list, list]] = {}
         offset = 0
         for query, row_labels in zip(examples.queries, examples.labels, strict=True):

@@ -29,8 +29,9 @@ from ..tokenizer import Tokenizer
 from .data import Examples, collate
 from .losses import IGNORE_INDEX, cross_entropy, replaced_token_loss
 from .masking import Masker
+from .objective import HeadObjective, OwnFormat
+from .tasks import RTD as TASK
 
-TASK = "replaced-token-detection"
 DISCRIMINATOR_FOLDER, GENERATOR_FOLDER = "discriminator", "generator"
 GENERATOR_SIZE, DISCRIMINATOR_WEIGHT = 0.25, 50.0  # ELECTRA's defaults: a generator 1/4 as wide, lambda 50
 METRICS = (
@@ -151,7 +152,7 @@ class ReplacedTokenDetection(nn.Module):
             "real": real,
         }
 
-    # ----- what `trainer.train` calls -----
+    # ----- what `RTDObjective` calls -----
 
     def loss_arrays(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         """(inputs, labels) of a masked batch: the generator's (masked) inputs; the original ids and the masked
@@ -260,3 +261,25 @@ def task_name(model: nn.Module) -> str:
 def ratio(part: int, whole: int, undefined: float = math.nan) -> float:
     """part / whole; precision and recall of no predictions count 0, as scikit-learn's do."""
     return part / whole if whole else undefined
+
+
+class RTDObjective(OwnFormat, HeadObjective):
+    """ELECTRA's objective for `trainer.train`: the pair's own loss arrays, loss (generator plus weighted
+    discriminator), evaluation and checkpoints (`ReplacedTokenDetection`); one process only."""
+
+    distributed = False
+
+    def task(self, examples: Examples) -> str:
+        return TASK
+
+    def loss_arrays(self, model: ReplacedTokenDetection, batch: dict[str, np.ndarray]) -> tuple[dict, dict]:
+        return model.loss_arrays(batch)
+
+    def batch_loss(self, model: ReplacedTokenDetection, inputs: dict, labels: dict) -> mx.array:
+        return model.batch_loss(inputs, labels)
+
+    def evaluate(self, model: ReplacedTokenDetection, examples: Examples, batch_size: int) -> dict[str, float]:
+        return model.evaluate(self.tokenizer, examples, batch_size, self.config.seed, self.masker)
+
+    def metric_names(self, examples: Examples) -> list[str]:
+        return list(METRICS)

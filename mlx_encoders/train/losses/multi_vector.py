@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..embeddings.multi_vector import maxsim_scores
-from .config import check_option
+from ...embeddings.multi_vector import maxsim_scores
+from ..config import check_option
 from .contrastive import Texts, in_batch_no_signal
 
 

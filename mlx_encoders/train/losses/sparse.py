@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .config import check_option
+from ..config import check_option
 from .contrastive import Texts, in_batch_no_signal
 
 

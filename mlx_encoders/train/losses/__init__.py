@@ -1,13 +1,16 @@
 """Task losses, computed from `labels` exactly as transformers' heads compute them (reference: the `forward` of
 each `*For*` class in `modeling_bert.py` and friends, and `loss/loss_utils.py`). Models return logits only;
-`task_loss` picks the head's loss, the functions below it are its parts.
+`task_loss` picks the head's loss, the functions below it are its parts; `loss_arrays` and `batch_loss` give it a
+collated batch. The other tasks' losses are this package's modules: `contrastive` (embeddings), `sparse` (SPLADE),
+`multi_vector` (ColBERT) and `rerank` (cross-encoders).
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ..models import task_of_model
-from ..models.base import ModelOutput, infer_problem_type
+from ...models import task_of_model
+from ...models.base import ModelOutput, infer_problem_type
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: targets equal to it add nothing to the loss
 # Architectures whose classifiers read float labels of no configured problem_type as class probabilities (a soft
@@ -106,3 +109,40 @@ def span_loss(
     length = start_logits.shape[1]
     start, end = (mx.clip(p.reshape(-1), 0, length) for p in (start_positions, end_positions))
     return (cross_entropy(start_logits, start, length) + cross_entropy(end_logits, end, length)) / 2
+
+
+# ----- batches: what the loop hands a head task's loss -----
+
+
+LABEL_KEYS = ("labels", "next_sentence_label", "start_positions", "end_positions")
+
+
+def split_batch(batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """(model inputs, loss labels) of a collated batch, as MLX arrays."""
+    inputs = {k: mx.array(v) for k, v in batch.items() if k not in LABEL_KEYS}
+    return inputs, {k: mx.array(v) for k, v in batch.items() if k in LABEL_KEYS}
+
+
+def loss_arrays(model: nn.Module, batch: dict[str, np.ndarray]) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """`split_batch`, the labels of a masked-LM batch also giving `masked`: the flat positions of its masked
+    tokens (a loss under mx.compile reads nothing on the host)."""
+    inputs, labels = split_batch(batch)
+    if task_of_model(model) == "masked-lm":
+        labels["masked"] = mx.array(np.flatnonzero(batch["labels"].reshape(-1) != IGNORE_INDEX))
+    return inputs, labels
+
+
+def batch_loss(model: nn.Module, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> mx.array:
+    """The loss of a batch given as `loss_arrays`, in MLX operations only."""
+    if task_of_model(model) == "masked-lm":
+        return masked_lm_loss(model, inputs, labels["labels"], labels["masked"])
+    return task_loss(model, model(**inputs), **labels)
+
+
+def masked_lm_loss(model: nn.Module, inputs: dict[str, mx.array], labels: mx.array, masked: mx.array) -> mx.array:
+    """The masked-LM loss with vocabulary logits computed at the `masked` (flat) positions only (about 15% of the
+    tokens): the same loss and gradients as scoring every position, as the others add nothing (ModernBERT's
+    `sparse_prediction`), at a fraction of the decoder's cost, which dominates small models' steps."""
+    hidden = model.encode(**inputs).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[masked]
+    return cross_entropy(model.predict_tokens(hidden), labels.reshape(-1)[masked])

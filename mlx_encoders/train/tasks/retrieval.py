@@ -10,9 +10,10 @@ load. The first data column is the query side, the others the documents (positiv
 """
 
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import mlx.core as mx
@@ -20,30 +21,31 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .. import distributed
-from ..checkpoint.atomic import atomic_folder
-from ..checkpoint.build import load_model
-from ..checkpoint.files import Checkpoint, read_safetensors, resolve
-from ..checkpoint.write import model_config, write_checkpoint
-from ..embeddings import folder as st_folder
-from ..embeddings.folder import (
+from ... import distributed
+from ...checkpoint.atomic import atomic_folder
+from ...checkpoint.build import load_model
+from ...checkpoint.files import Checkpoint, read_safetensors, resolve
+from ...checkpoint.write import model_config, write_checkpoint
+from ...embeddings import folder as st_folder
+from ...embeddings.folder import (
     DENSE_ACTIVATIONS,
     TRANSFORMERS,
     MultiVectorMask,
     read_folder,
     read_splade_pooling,
 )
-from ..embeddings.multi_vector import MultiVectorEncoder
-from ..embeddings.sparse import splade_pool
-from ..embeddings.vectors import normalize
-from ..tokenizer import Tokenizer
-from .config import OptionError, Trained
-from .embedding import EmbeddingObjective, TextExamples
-from .fine_tune import training_config
-from .fine_tune_embed import text_examples, train_objective
-from .multi_vector_losses import MaxSimRankingLoss
-from .sparse_losses import SpladeLoss
-from .trainer import MODEL_FOLDER
+from ...embeddings.multi_vector import MultiVectorEncoder
+from ...embeddings.sparse import splade_pool
+from ...embeddings.vectors import normalize
+from ...tokenizer import Tokenizer
+from ..checkpointing import MODEL_FOLDER
+from ..config import OptionError, Trained
+from ..embedding import EmbeddingObjective, TextExamples
+from ..losses.multi_vector import MaxSimRankingLoss
+from ..losses.sparse import SpladeLoss
+from ..objective import OwnFormat
+from ..options import Data
+from .embedding import text_examples, train_objective
 
 COLBERT_DIMENSION = 128  # sentence-transformers' projection for a plain encoder
 PROJECTIONS_FILE = "projections.safetensors"  # a multivector training checkpoint's Dense weights
@@ -136,33 +138,15 @@ class SparseObjective(EmbeddingObjective):
         return splade_pool(model, features, self.strategy, self.activation)
 
 
-def fine_tune_sparse(
-    data: str | Path | Iterable[Mapping],
-    output_dir: str | Path,
-    *,
-    model: str | Path,
-    tokenizer: str | Path | None = None,
-    eval_data: str | Path | Iterable[Mapping] | None = None,
-    max_length: int | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: list[str] | None = None,
-    resume: str | Path | None = None,
-    loss: SpladeLoss | None = None,
-    query_prompt: str | None = None,
-    document_prompt: str | None = None,
-    batch_sampler: str | None = None,
-    columns: Mapping[str, str] | Sequence[str] | None = None,
-    **training,
-) -> Trained:
-    """See `fine_tune`: the sparse task's part. `loss` a `sparse_losses.SpladeLoss` (its weights), default
+def train_sparse(data: Data, run: SimpleNamespace) -> Trained:
+    """See `fine_tune`: the sparse task's part. `loss` a `losses.sparse.SpladeLoss` (its weights), default
     `SpladeLoss()`."""
-    options = training_config(output_dir, training)
+    options, model = run.training, run.model
     if model is None:
         raise ValueError("fine_tune('sparse') starts from model=: a SparseEncoder folder or a masked-LM checkpoint")
-    loss = SpladeLoss() if loss is None else loss
+    loss = SpladeLoss() if run.loss is None else run.loss
     if not isinstance(loss, SpladeLoss):
-        raise TypeError(f"fine_tune('sparse') trains with loss=SpladeLoss(...) (train.sparse_losses), got {loss!r}")
+        raise TypeError(f"fine_tune('sparse') trains with loss=SpladeLoss(...) (train.losses.sparse), got {loss!r}")
     path = resolve(model)
     setup = read_retrieval_setup(path, "SparseEncoder", ("Transformer", "MLMTransformer", "SpladePooling"))
     checkpoint = Checkpoint.open(setup.transformer)
@@ -178,21 +162,21 @@ def fine_tune_sparse(
     if pooling_folder is None:
         raise ValueError(f"{path / 'modules.json'}: no SpladePooling module after the transformer")
     pooling = read_splade_pooling(path / pooling_folder)  # defaults where the folder is new
-    query, document = prompts_of(setup, query_prompt, document_prompt)
-    tok, limit, examples, evaluation = text_examples(
-        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document, columns=columns
-    )
-    sampler = batch_sampler or "no_duplicates"
+    query, document = prompts_of(setup, run.query_prompt, run.document_prompt)
+    tok, _, examples, evaluation = text_examples(
+        checkpoint, run.tokenizer, setup.sentence_config, run.max_length, data, run.eval_data, query, document,
+        columns=run.columns,
+    )  # fmt: skip
+    sampler = run.batch_sampler or "no_duplicates"
     strategy, activation = pooling.strategy, pooling.activation
     objective = SparseObjective(loss, tok, batch_sampler=sampler, strategy=strategy, activation=activation)
     net = load_model(checkpoint, dtype="float32", task="masked-lm")
-    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
-                                   lora_targets, resume)  # fmt: skip
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, run)
     setup.settings.setdefault("similarity_fn_name", "dot")
     files = {f"{pooling_folder}/config.json": pooling.config()}
     saved = options.output_dir / MODEL_FOLDER
     if distributed.is_main():  # under mlx.launch, rank 0 alone writes
-        save_retrieval_folder(saved, writer(net), tok, setup, files, max_length)
+        save_retrieval_folder(saved, writer(net), tok, setup, files, run.max_length)
     net.eval()
     return Trained(net, tok, metrics, Path(saved))
 
@@ -263,15 +247,16 @@ def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
 
 
 @dataclass
-class MultiVectorObjective(EmbeddingObjective):
+class MultiVectorObjective(OwnFormat, EmbeddingObjective):
     """The embed objective with ColBERT's pass: the first column tokenized as queries (query length, query
-    expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask)."""
+    expansion), the others as documents (skiplist), each giving (token embeddings, scored-token mask); its
+    checkpoints hold the projections beside the encoder (`MultiVectorModel`)."""
 
     encoder: MultiVectorEncoder | None = None
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
     groups_by_length: ClassVar[bool] = False  # token matrices as wide as the batch's (queries expanded to a length)
 
-    def collate(self, examples: TextExamples, indices) -> dict:
+    def collate(self, examples: TextExamples, indices, rng: np.random.Generator | None = None) -> dict:
         columns = []
         for c, column in enumerate(examples.columns):
             batch, scored = self.encoder.batch([column[i] for i in indices], "query" if c == 0 else "document")
@@ -286,33 +271,15 @@ class MultiVectorObjective(EmbeddingObjective):
         return self.embed(model, features, column)
 
 
-def fine_tune_multivector(
-    data: str | Path | Iterable[Mapping],
-    output_dir: str | Path,
-    *,
-    model: str | Path,
-    tokenizer: str | Path | None = None,
-    eval_data: str | Path | Iterable[Mapping] | None = None,
-    max_length: int | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: list[str] | None = None,
-    resume: str | Path | None = None,
-    loss: MaxSimRankingLoss | None = None,
-    query_prompt: str | None = None,
-    document_prompt: str | None = None,
-    batch_sampler: str | None = None,
-    columns: Mapping[str, str] | Sequence[str] | None = None,
-    **training,
-) -> Trained:
-    """See `fine_tune`: the multivector task's part. `loss` a `multi_vector_losses.MaxSimRankingLoss` (its
+def train_multivector(data: Data, run: SimpleNamespace) -> Trained:
+    """See `fine_tune`: the multivector task's part. `loss` a `losses.multi_vector.MaxSimRankingLoss` (its
     scale), default scale 1 as sentence-transformers'."""
-    options = training_config(output_dir, training)
+    options, model, max_length = run.training, run.model, run.max_length
     if model is None:
         raise ValueError("fine_tune('multivector') starts from model=: a MultiVectorEncoder folder or an encoder")
-    if lora_rank:
+    if run.lora_rank:
         raise OptionError("fine_tune('multivector') trains the whole model and its projection; drop lora_rank")
-    loss = MaxSimRankingLoss() if loss is None else loss
+    loss = MaxSimRankingLoss() if run.loss is None else run.loss
     if not isinstance(loss, MaxSimRankingLoss):
         raise TypeError(f"fine_tune('multivector') trains with loss=MaxSimRankingLoss(...), got {loss!r}")
     path = resolve(model)
@@ -348,16 +315,16 @@ def fine_tune_multivector(
         projections = [d.linear for d in encoder.dense]
     if max_length is not None:
         encoder.max_seq_length = max_length
-    query, document = prompts_of(setup, query_prompt, document_prompt)
+    query, document = prompts_of(setup, run.query_prompt, run.document_prompt)
     tok, _, examples, evaluation = text_examples(
-        Checkpoint.open(setup.transformer), tokenizer, setup.sentence_config, encoder.max_length("document"), data,
-        eval_data, query, document, query_max_length=encoder.max_length("query"), columns=columns,
+        Checkpoint.open(setup.transformer), run.tokenizer, setup.sentence_config, encoder.max_length("document"),
+        data, run.eval_data, query, document, query_max_length=encoder.max_length("query"), columns=run.columns,
     )  # fmt: skip
     encoder.tokenizer = tok  # padding, expansion and skiplist ids from the tokenizer the texts were cut with
     encoder.skip_ids = encoder.resolve_skiplist()
-    objective = MultiVectorObjective(loss, tok, batch_sampler=batch_sampler or "no_duplicates", encoder=encoder)
+    objective = MultiVectorObjective(loss, tok, batch_sampler=run.batch_sampler or "no_duplicates", encoder=encoder)
     net = MultiVectorModel(encoder.model, projections, encoder.normalize)
-    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, None, None, None, resume)
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, run)
     dense_folders = [rel for kind, rel in setup.modules if kind.rsplit(".", 1)[-1] == "Dense"]
     for rel, linear in zip(dense_folders, net.projections, strict=True):
         files[f"{rel}/model.safetensors"] = {f"linear.{k}": v for k, v in tree_flatten(linear.parameters())}

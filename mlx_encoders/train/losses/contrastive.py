@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..embeddings.vectors import normalize as l2_normalize  # differentiable: the losses use it too
-from .config import check_option
+from ...embeddings.vectors import normalize as l2_normalize  # differentiable: the losses use it too
+from ..config import check_option
 
 LOSS_SIMILARITIES = ("cosine", "dot")  # what a contrastive loss scores pairs with
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")

@@ -2,22 +2,25 @@
 `SentenceTransformer` gives it) trained with an embedding loss through `trainer.train`, saved as a complete
 sentence-transformers folder that `SentenceTransformer(folder)` and `SentenceEncoder(folder)` load."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import distributed
-from ..checkpoint.build import load_model
-from ..checkpoint.files import Checkpoint, resolve
-from ..checkpoint.tokenizer import tokenizer_for
-from ..embeddings.folder import apply_sentence_config
-from ..models.layers import drawing_from
-from ..tokenizer import Tokenizer, token_limit
-from .config import Trained, TrainingConfig
-from .embedding import (
+from ... import distributed
+from ...checkpoint.build import load_model
+from ...checkpoint.files import Checkpoint, resolve
+from ...checkpoint.tokenizer import tokenizer_for
+from ...embeddings.folder import apply_sentence_config
+from ...models.layers import drawing_from
+from ...tokenizer import Tokenizer, token_limit
+from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
+from ..config import Trained
+from ..embedding import (
     DenseModel,
+    DenseObjective,
     EmbeddingObjective,
     TextExamples,
     embedding_data,
@@ -25,32 +28,15 @@ from .embedding import (
     read_setup,
     save_sentence_transformer,
 )
-from .fine_tune import check_max_length, training_config
-from .lora import apply_lora, fuse, save_adapters
-from .trainer import ADAPTERS_FOLDER, MODEL_FOLDER, train
+from ..lora import apply_lora, fuse, save_adapters
+from ..options import Data
+from ..trainer import train
+from .heads import check_max_length
 
 
-def fine_tune_embedding(
-    data: str | Path | Iterable[Mapping],
-    output_dir: str | Path,
-    *,
-    model: str | Path,
-    tokenizer: str | Path | None = None,
-    eval_data: str | Path | Iterable[Mapping] | None = None,
-    max_length: int | None = None,
-    lora_rank: int | None = None,
-    lora_alpha: float | None = None,
-    lora_targets: list[str] | None = None,
-    resume: str | Path | None = None,
-    loss=None,
-    query_prompt: str | None = None,
-    document_prompt: str | None = None,
-    batch_sampler: str | None = None,
-    columns: Mapping[str, str] | Sequence[str] | None = None,
-    **training,
-) -> Trained:
-    """See `fine_tune`: the embed task's part."""
-    options = training_config(output_dir, training)
+def train_task(data: Data, run: SimpleNamespace) -> Trained:
+    """See `fine_tune`: the embed task's part; `run` holds the options (`options.read_options`)."""
+    options, model, query_prompt, document_prompt = run.training, run.model, run.query_prompt, run.document_prompt
     if model is None:
         raise ValueError(
             "fine_tune('embed') starts from model=: a sentence-transformers folder or an encoder checkpoint"
@@ -66,19 +52,20 @@ def fine_tune_embedding(
         )
     setup.prompts = {**setup.prompts, "query": query, "document": document}
     tok, limit, examples, evaluation = text_examples(
-        checkpoint, tokenizer, setup.sentence_config, max_length, data, eval_data, query, document, columns=columns
-    )
-    loss = make_loss(loss, scored=examples.labels[0] is not None)
+        checkpoint, run.tokenizer, setup.sentence_config, run.max_length, data, run.eval_data, query, document,
+        columns=run.columns,
+    )  # fmt: skip
+    loss = make_loss(run.loss, scored=examples.labels[0] is not None)
     in_batch = getattr(loss, "in_batch_negatives", False)
-    sampler = batch_sampler or ("no_duplicates" if in_batch else "batch_sampler")
+    sampler = run.batch_sampler or ("no_duplicates" if in_batch else "batch_sampler")
     similarity = setup.similarity_fn_name or "cosine"
-    objective = EmbeddingObjective(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
+    kind = DenseObjective if setup.dense else EmbeddingObjective
+    objective = kind(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     net = load_model(checkpoint, dtype="float32", task="encoder")
     net = DenseModel(net, setup.dense) if setup.dense else net
     if hasattr(loss, "check_width"):
         loss.check_width(net.dense[-1].weight.shape[0] if setup.dense else net.args.output_size * len(setup.pooling))
-    net, metrics = train_objective(net, tok, objective, examples, evaluation, options, lora_rank, lora_alpha,
-                                   lora_targets, resume)  # fmt: skip
+    net, metrics = train_objective(net, tok, objective, examples, evaluation, run)
     path = options.output_dir / MODEL_FOLDER
     if distributed.is_main():  # under mlx.launch, rank 0 alone writes
         save_sentence_transformer(net, path, tok, setup, limit)
@@ -119,23 +106,20 @@ def train_objective(
     objective: EmbeddingObjective,
     examples: TextExamples,
     evaluation: TextExamples | None,
-    options: TrainingConfig,
-    lora_rank: int | None,
-    lora_alpha: float | None,
-    lora_targets: list[str] | None,
-    resume: str | Path | None,
+    run: SimpleNamespace,
 ) -> tuple[nn.Module, dict]:
     """Check the data against the objective, add LoRA adapters, train through `trainer.train`, save the adapters
     and fuse them; returns (the trained model, the final metrics)."""
+    options, lora_rank = run.training, run.lora_rank
     for part in (examples, evaluation):
         if part is not None:
             objective.check(part)
     if lora_rank:  # LoRA's new weights from the seed; MLX's global key untouched
         with drawing_from([mx.random.key(options.seed)]):
-            apply_lora(net, rank=lora_rank, alpha=lora_alpha or 2 * lora_rank, targets=lora_targets)
+            apply_lora(net, rank=lora_rank, alpha=run.lora_alpha or 2 * lora_rank, targets=run.lora_targets)
     if getattr(net, "pooler", None) is not None:  # unused by pooling: torch's AdamW neither steps nor decays it
         net.pooler.freeze()
-    metrics = train(net, tok, examples, evaluation, options, resume_from=resume, objective=objective)
+    metrics = train(net, tok, examples, evaluation, options, resume_from=run.resume, objective=objective)
     if lora_rank:
         if distributed.is_main():
             save_adapters(net, options.output_dir / ADAPTERS_FOLDER)

@@ -1,0 +1,53 @@
+"""Rotary positions (`layers.rope`) against each family's transformers rotary embedding at long positions: the angles
+of position 8191 are where a last-bit difference in the inverse frequencies shows."""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mlx_encoders.models import model_module
+from mlx_encoders.models.layers import rope
+
+LENGTH = 8192
+TINY = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64, vocab_size=100)
+# model_type -> (transformers module, config class, rotary class, config keys, layer kinds, (base, scale) from our args)
+FAMILIES = {
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3RotaryEmbedding", dict(head_dim=32, num_key_value_heads=1), [None],
+              lambda a, k: (a.theta, 1.0)),
+    "eurobert": ("eurobert", "EuroBertConfig", "EuroBertRotaryEmbedding", dict(rope_theta=250000.0), [None],
+                 lambda a, k: (a.theta, 1.0)),
+    "jina_embeddings_v3": ("jina_embeddings_v3", "JinaEmbeddingsV3Config", "JinaEmbeddingsV3RotaryEmbedding", {},
+                           [None], lambda a, k: (a.rope_theta, 1.0)),
+    "nomic_bert": ("nomic_bert", "NomicBertConfig", "NomicBertRotaryEmbedding", {}, [None],
+                   lambda a, k: (a.rope.base_for(LENGTH, 32), 1.0)),
+    "gte": ("gte", "GteConfig", "GteRotaryEmbedding", {}, [None], lambda a, k: (a.rope.base_for(LENGTH, 32), 1.0)),
+    "modernbert": ("modernbert", "ModernBertConfig", "ModernBertRotaryEmbedding", {},
+                   ["full_attention", "sliding_attention"], lambda a, k: (a.rope_theta[k], 1.0)),
+    "gemma3_text": ("gemma3", "Gemma3TextConfig", "Gemma3RotaryEmbedding",
+                    dict(head_dim=32, num_key_value_heads=1, layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+                    ["full_attention", "sliding_attention"], lambda a, k: a.rope[k]),
+    "embedding_gemma2_text": ("embedding_gemma2", "EmbeddingGemma2TextConfig", "EmbeddingGemma2RotaryEmbedding",
+                              dict(head_dim=32, num_key_value_heads=1, global_head_dim=32),
+                              ["full_attention", "sliding_attention"], lambda a, k: (a.rope_theta[k], 1.0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_rope_matches_transformers_at_long_positions(model_type):
+    package, config_name, rotary_name, keys, kinds, settings = FAMILIES[model_type]
+    config = getattr(transformers, config_name)(**TINY, **keys)
+    rotary = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), rotary_name)(config)
+    args = model_module(model_type).ModelArgs.from_dict({**config.to_dict(), "model_type": model_type})
+    q = torch.randn(1, 2, LENGTH, 32, generator=torch.Generator().manual_seed(0))
+    apply = importlib.import_module(f"transformers.models.{package}.modeling_{package}").apply_rotary_pos_emb
+    for kind in kinds:
+        cos, sin = rotary(q, torch.arange(LENGTH)[None], *([kind] if kind else []))
+        expected = apply(q, q, cos, sin)[0].numpy()
+        got = np.array(rope(mx.array(q.numpy()), *settings(args, kind)))
+        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), err_msg=f"{model_type} {kind}")
