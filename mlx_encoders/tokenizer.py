@@ -39,6 +39,13 @@ def check_count(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
 
 
+def token_limit(tokenizer: "Tokenizer", max_tokens: int | None, *preferred: int | None) -> int:
+    """The longest input a front end cuts to: the first of `preferred` that is set (an argument, a saved
+    max_seq_length), else the tokenizer's model_max_length; at most `max_tokens` (the model's position table)."""
+    limit = next((n for n in preferred if n), tokenizer.model_max_length)
+    return min(limit, max_tokens) if max_tokens else limit
+
+
 def text_list(texts, caller: str) -> list:
     """`texts` (a str, or a list or other ordered iterable of inputs) as a list; a TypeError for anything else."""
     if isinstance(texts, str):

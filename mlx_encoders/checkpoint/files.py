@@ -19,6 +19,10 @@ from ..models import model_module, task_of_architecture
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX = "model.safetensors.index.json"
+# sentence-transformers' files beside a checkpoint: its module list, the model's settings, the Transformer's config
+MODULES_FILE, SETTINGS_FILE, SENTENCE_CONFIG_FILE = (
+    "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"
+)  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.txt", "vocab.json", "merges.txt",
@@ -85,7 +89,7 @@ def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
 
 def read_modules(folder: Path) -> list[tuple[str, Path]]:
     """sentence-transformers' modules.json: (module type, module folder) per entry; [] without the file."""
-    file = folder / "modules.json"
+    file = folder / MODULES_FILE
     entries = read_json(file) or []
     if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
         raise ValueError(f"{file} must hold a JSON list of module entries")

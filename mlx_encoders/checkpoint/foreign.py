@@ -7,12 +7,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .files import PICKLE_SUFFIXES, read_modules, read_safetensors
+from .files import MODULES_FILE, PICKLE_SUFFIXES, SENTENCE_CONFIG_FILE, SETTINGS_FILE, read_modules, read_safetensors
 
 BGE_M3_HEADS = ("sparse_linear", "colbert_linear")  # BGE-M3's heads beside its encoder: one file each
 
 
-SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+SENTENCE_FILES = (MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE)
 
 
 def sentence_modules(source: Path) -> list[Path]:

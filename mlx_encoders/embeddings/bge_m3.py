@@ -17,8 +17,8 @@ import numpy as np
 from ..checkpoint import Checkpoint, load_model, load_tokenizer, read_safetensors
 from ..checkpoint import resolve as resolve_path
 from ..checkpoint.foreign import BGE_M3_HEADS as HEADS
-from ..engine.batching import run_batches
-from ..tokenizer import check_count, text_list
+from ..tokenizer import check_count
+from .base import Encoder, text_inputs
 from .vectors import normalize
 
 UNUSED_TOKENS = ("cls_token", "eos_token", "pad_token", "unk_token")  # never lexical matches
@@ -51,7 +51,7 @@ def colbert_score(query: np.ndarray, document: np.ndarray) -> float:
     return float((np.asarray(query) @ np.asarray(document).T).max(axis=1).sum() / len(query))
 
 
-class BGEM3:
+class BGEM3(Encoder):
     """BGE-M3's three retrieval outputs, like FlagEmbedding's `BGEM3FlagModel(path).encode(...)`.
 
     `path_or_repo`: a BGE-M3 folder (an XLM-R checkpoint with sparse_linear.safetensors and
@@ -92,12 +92,7 @@ class BGEM3:
         """{"dense_vecs": (N, H) float32, "lexical_weights": per text {str(token id): weight},
         "colbert_vecs": per text (tokens - 1, C) float32}, each None unless asked for; a single str gives one
         text's values. Texts are truncated to `max_length` tokens (and the model's positions)."""
-        single = isinstance(sentences, str)
-        texts = text_list(sentences, "encode()")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
-        check_count("encode() batch_size", batch_size, 1)
+        texts, single = text_inputs(sentences, batch_size)
         check_count("encode() max_length", max_length, 2)
         dense, lexical, colbert = self.run(texts, batch_size, max_length)
         out = {
@@ -128,7 +123,7 @@ class BGEM3:
                 colbert[i] = tokens[row, : len(ids) - 1]
 
         lengths = [len(e.ids) for e in encodings]
-        run_batches(self.model, lengths, forward, collect, batch_size)
+        self.batches(lengths, forward, collect, batch_size)
         return dense, lexical, colbert
 
     def lexical_weights(self, weights: np.ndarray, ids: list[int]) -> dict[str, float]:

@@ -23,11 +23,11 @@ import numpy as np
 
 from .. import load_tokenizer
 from ..chat_template import ChatTemplate, read_chat_template
-from ..checkpoint import Checkpoint, load_model, read_json_object, read_modules
-from ..engine.batching import run_batches
-from ..tokenizer import Tokenizer, check_count, text_list
+from ..checkpoint import Checkpoint, load_model
+from ..tokenizer import Tokenizer, check_count, text_list, token_limit
+from .base import Encoder
+from .folder import DENSE_ACTIVATIONS, SETTINGS_FILE, SentenceFolder, dense_activation, read_folder
 from .pooling import last_token
-from .sentence import DENSE_ACTIVATIONS, merge_prompts, resolve_prompt
 
 
 def saved_activation(path: str, source: Path) -> Callable | None:
@@ -40,13 +40,10 @@ def saved_activation(path: str, source: Path) -> Callable | None:
             stacklevel=4,
         )
         return None
-    name = path.rsplit(".", 1)[-1]
-    if name not in DENSE_ACTIVATIONS:
-        raise ValueError(
-            f"{source}: activation function {path!r} is not supported; supported torch activations: "
-            f"{', '.join(DENSE_ACTIVATIONS)}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead."
-        )
-    return DENSE_ACTIVATIONS[name]
+    try:
+        return dense_activation(path, source)
+    except ValueError as e:
+        raise ValueError(f"{e}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead.") from None
 
 
 def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
@@ -73,19 +70,13 @@ class LogitScore:
         return (scores if self.false_token_id is None else scores - logits[:, self.false_token_id])[:, None]
 
 
-def read_logit_score(checkpoint: Checkpoint) -> dict | None:
-    """The LogitScore config of a folder whose modules.json lists one, {} for a causal LM without modules.json
-    (sentence-transformers scores it with "yes" and "no"), None for a sequence classifier."""
-    for kind, folder in read_modules(checkpoint.path):
-        if kind.rsplit(".", 1)[-1] == "LogitScore":
-            config = read_json_object(folder / "config.json", required=True)
-            if config.get("module_input_name", "causal_logits") != "causal_logits":
-                raise ValueError(
-                    f"{folder / 'config.json'}: LogitScore reads {config['module_input_name']!r}; only the causal "
-                    "LM's logits ('causal_logits') are supported"
-                )
-            return config
-    if not (checkpoint.path / "modules.json").exists() and checkpoint.task == "causal-lm":
+def read_logit_score(folder: SentenceFolder, task: str) -> dict | None:
+    """The LogitScore config of a folder whose modules.json lists one, {} for a causal LM (`task`) without
+    modules.json (sentence-transformers scores it with "yes" and "no"), None for a sequence classifier."""
+    found = next((m for m in folder.modules if m.kind == "LogitScore"), None)
+    if found is not None:
+        return found.read()
+    if not folder.modules and task == "causal-lm":
         return {}
     return None
 
@@ -104,18 +95,16 @@ def logit_score(config: dict, tokenizer: Tokenizer, source: Path) -> LogitScore:
     return LogitScore(true, false)
 
 
-def takes_messages(path: Path) -> bool:
+def takes_messages(folder: SentenceFolder) -> bool:
     """Whether pairs go through the chat template, as sentence-transformers decides: a saved Transformer takes
     messages when its sentence_bert_config.json `modality_config` lists "message" (one saved before there was a
     modality_config takes text); a plain checkpoint does when its tokenizer has a chat template."""
-    modules = read_modules(path)
-    if not modules:
-        return read_chat_template(path) is not None
-    folder = next((f for kind, f in modules if kind.rsplit(".", 1)[-1] == "Transformer"), path)
-    return "message" in (read_json_object(folder / "sentence_bert_config.json").get("modality_config") or {})
+    if not folder.modules:
+        return read_chat_template(folder.path) is not None
+    return "message" in (folder.sentence_config.get("modality_config") or {})
 
 
-class CrossEncoder:
+class CrossEncoder(Encoder):
     """(query, document) pairs -> scores, like `sentence_transformers.CrossEncoder(path)`.
 
     `path_or_repo`: a folder or hub id of a sequence-classification checkpoint (float or quantized). `dtype`
@@ -139,7 +128,8 @@ class CrossEncoder:
     ):
         checkpoint = Checkpoint.open(path_or_repo, revision)
         self.path = checkpoint.path
-        score = read_logit_score(checkpoint)
+        folder = read_folder(self.path)
+        score = read_logit_score(folder, checkpoint.task)
         if score is not None and num_labels not in (None, 1):
             raise ValueError(
                 f"{self.path} scores with the logits of its LM head: one label, not num_labels={num_labels}"
@@ -150,16 +140,12 @@ class CrossEncoder:
         )
         self.tokenizer = load_tokenizer(self.model, checkpoint)
         self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
-        template = read_chat_template(self.path) if takes_messages(self.path) else None
+        template = read_chat_template(self.path) if takes_messages(folder) else None
         self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
-        file = self.path / "config_sentence_transformers.json"
-        config = read_json_object(file)
-        self.prompts, self.default_prompt_name = merge_prompts((), config, prompts, default_prompt_name, file)
-        self.activation_fn = activation_fn or self.default_activation(config, checkpoint.config)
-        saved_length = read_json_object(self.path / "sentence_bert_config.json").get("max_seq_length")
-        limit = self.model.args.max_tokens
-        self.max_seq_length = max_length or saved_length or self.tokenizer.model_max_length
-        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
+        self.read_prompts(folder, (), prompts, default_prompt_name)
+        self.activation_fn = activation_fn or self.default_activation(folder.settings, checkpoint.config)
+        saved_length = folder.sentence_config.get("max_seq_length")
+        self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, max_length, saved_length)
 
     @property
     def num_labels(self) -> int:
@@ -167,7 +153,7 @@ class CrossEncoder:
 
     def default_activation(self, st_config: dict, config: dict) -> Callable:
         saved = [
-            (st_config.get("activation_fn"), self.path / "config_sentence_transformers.json"),
+            (st_config.get("activation_fn"), self.path / SETTINGS_FILE),
             ((config.get("sentence_transformers") or {}).get("activation_fn"), self.path / "config.json"),
             (config.get("sbert_ce_default_activation_function"), self.path / "config.json"),  # before v4
         ]
@@ -195,7 +181,7 @@ class CrossEncoder:
         """
         pairs, single = pair_list(sentences)
         check_count("predict() batch_size", batch_size, 1)
-        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "predict()")
+        prefix = self.input_prompt(prompt_name, prompt, caller="predict()")
         logits = self.logits(pairs, prefix, batch_size, show_progress_bar)
         scores = (activation_fn or self.activation_fn)(logits)
         if self.num_labels == 1:
@@ -251,9 +237,7 @@ class CrossEncoder:
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
             out[rows] = np.array(arrays[0])
 
-        run_batches(
-            self.model, [len(e.ids) for e in encodings], forward, collect, batch_size, show_progress=show_progress
-        )
+        self.batches([len(e.ids) for e in encodings], forward, collect, batch_size, show_progress)
         return out
 
     def rank(

@@ -14,15 +14,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint import Checkpoint, load_model, load_tokenizer, read_json_object, read_modules
+from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
-from ..engine.batching import run_batches
-from ..tokenizer import check_count, text_list
-from .sentence import DEFAULT_PROMPTS, Dense, TaskEncoding, load_dense, lowercase, merge_prompts, resolve_prompt
+from ..tokenizer import token_limit
+from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
+from .folder import Dense, MultiVectorMask, apply_sentence_config, read_folder
 from .vectors import normalize
 
 MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
-SIMILARITY_NAMES = ("maxsim", "meanmaxsim")
 CHUNK_ELEMENTS = 2**24  # MaxSim scores (queries x query tokens x documents x document tokens) per chunk of documents
 
 
@@ -67,13 +66,39 @@ def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
     return out / mx.maximum(q_mask.sum(axis=1, keepdims=True), 1) if length_normalize else out
 
 
-class MultiVectorEncoder(TaskEncoding):
+def meanmaxsim(queries, documents) -> mx.array:
+    return maxsim(queries, documents, length_normalize=True)
+
+
+def pairwise(score):
+    """Query i with document i by `score`, one pair at a time: (N,) float32."""
+
+    def scores(embeddings1, embeddings2) -> mx.array:
+        queries, documents = as_list(embeddings1), as_list(embeddings2)
+        if len(queries) != len(documents):
+            raise ValueError(
+                f"similarity_pairwise needs as many queries as documents: {len(queries)}, {len(documents)}"
+            )
+        out = [score([q], [d])[0, 0] for q, d in zip(queries, documents, strict=True)]
+        return mx.stack(out) if out else mx.zeros((0,), mx.float32)
+
+    return scores
+
+
+# similarity_fn_name -> (every query with every document, query i with document i)
+SIMILARITIES = {"maxsim": (maxsim, pairwise(maxsim)), "meanmaxsim": (meanmaxsim, pairwise(meanmaxsim))}
+
+
+class MultiVectorEncoder(Embedder):
     """Texts -> one (tokens, D) matrix each, like `sentence_transformers.MultiVectorEncoder(path).encode(texts)`.
 
     `path_or_repo`: a local folder or hub id of a sentence-transformers multi-vector model. `dtype` casts the
     encoder's weights; `prompts`, `default_prompt_name` and `similarity_fn_name` ("maxsim" or "meanmaxsim")
-    override config_sentence_transformers.json.
+    override config_sentence_transformers.json. `similarity` is MaxSim (or MeanMaxSim) of every query matrix with
+    every document matrix; a single (n, D) matrix counts as one.
     """
+
+    SIMILARITIES = SIMILARITIES
 
     def __init__(
         self,
@@ -86,56 +111,27 @@ class MultiVectorEncoder(TaskEncoding):
         similarity_fn_name: str | None = None,
     ):
         self.path = resolve_path(path_or_repo, revision)
-        self.dense: list[Dense] = []
-        self.normalize = False
-        self.skiplist_words: list[str] = []
-        self.skiplist_tasks = ["document"]
-        self.keep_only_token_ids: list[int] | None = None
-        transformer = self.read_modules()
-        checkpoint = Checkpoint.open(transformer)
+        folder = self.read_folder()
+        folder.check_kinds(MODULES, "MultiVectorEncoder")
+        checkpoint = Checkpoint.open(folder.transformer)
         self.model = load_model(checkpoint, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, checkpoint)
-        self.read_transformer_config(transformer / "sentence_bert_config.json")
-        file = self.path / "config_sentence_transformers.json"
-        config = read_json_object(file)
-        self.prompts, self.default_prompt_name = merge_prompts(
-            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
-        )
-        self.similarity_fn_name = similarity_fn_name or config.get("similarity_fn_name") or "maxsim"
-        if self.similarity_fn_name not in SIMILARITY_NAMES:
-            raise ValueError(f"similarity_fn_name must be one of {SIMILARITY_NAMES}, got {self.similarity_fn_name!r}")
+        self.dense: list[Dense] = [m.read() for m in folder.modules if m.kind == "Dense"]
+        self.normalize = "Normalize" in folder.kinds
+        mask = next((m for m in folder.modules if m.kind == "MultiVectorMask"), None)
+        self.mask: MultiVectorMask = mask.read() if mask is not None else MultiVectorMask()
+        self.read_transformer_config(folder.sentence_config, folder.transformer)
+        self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
+        self.similarity_fn_name = similarity_fn_name or folder.settings.get("similarity_fn_name") or "maxsim"
         self.skip_ids = self.resolve_skiplist()
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else self.model.args.hidden_size
 
-    def read_modules(self) -> Path:
-        """Read the modules after the Transformer; returns the Transformer's folder."""
-        transformer = self.path
-        for kind, folder in read_modules(self.path):
-            name = kind.rsplit(".", 1)[-1]
-            if name not in MODULES:
-                raise ValueError(
-                    f"{self.path / 'modules.json'}: module {kind!r} is not supported; MultiVectorEncoder runs "
-                    f"{', '.join(MODULES)} modules"
-                )
-            if name == "Transformer":
-                transformer = folder
-            elif name == "Dense":
-                self.dense.append(load_dense(folder))
-            elif name == "Normalize":
-                self.normalize = True
-            else:
-                config = read_json_object(folder / "config.json")
-                self.skiplist_words = list(config.get("skiplist_words") or [])
-                tasks = config.get("skiplist_tasks") or ["document"]
-                self.skiplist_tasks = [tasks] if isinstance(tasks, str) else list(tasks)
-                self.keep_only_token_ids = config.get("keep_only_token_ids")
-        return transformer
+    def read_folder(self):
+        """The folder's modules and settings (a subclass may keep only some of its modules)."""
+        return read_folder(self.path)
 
-    def read_transformer_config(self, file: Path) -> None:
-        config = read_json_object(file)
-        limit = self.model.args.max_tokens
-        self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
-        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
+    def read_transformer_config(self, config: dict, transformer: Path) -> None:
+        self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, config.get("max_seq_length"))
         self.query_length: int | None = config.get("query_length")
         self.document_length: int | None = config.get("document_length")
         self.query_expansion: dict | None = config.get("query_expansion")
@@ -144,14 +140,14 @@ class MultiVectorEncoder(TaskEncoding):
             expansion.get("strategy") not in ("fixed", "min") or not isinstance(expansion.get("length"), int)
         ):
             raise ValueError(
-                f"{file}: query_expansion needs strategy 'fixed' or 'min' and an int length, got {expansion!r}"
+                f"{transformer / 'sentence_bert_config.json'}: query_expansion needs strategy 'fixed' or 'min' and "
+                f"an int length, got {expansion!r}"
             )
-        if config.get("do_lower_case"):
-            lowercase(self.tokenizer)
+        apply_sentence_config(self.tokenizer, config)
 
     def resolve_skiplist(self) -> np.ndarray:
         """Token ids of the skiplist words that are single vocabulary tokens (others would only match [UNK])."""
-        ids = [self.tokenizer.token_id(word) for word in self.skiplist_words]
+        ids = [self.tokenizer.token_id(word) for word in self.mask.skiplist_words]
         return np.array([i for i in ids if i is not None], np.int64)
 
     def expansion_id(self) -> int:
@@ -186,19 +182,16 @@ class MultiVectorEncoder(TaskEncoding):
             scored |= added
             if expansion.get("attend"):
                 batch["attention_mask"][added] = 1
-        if (task or "document") in self.skiplist_tasks and len(self.skip_ids):
+        if (task or "document") in self.mask.skiplist_tasks and len(self.skip_ids):
             scored &= ~np.isin(batch["input_ids"], self.skip_ids)
-        if task != "query" and self.keep_only_token_ids:
-            scored &= np.isin(batch["input_ids"], self.keep_only_token_ids)
+        if task != "query" and self.mask.keep_only_token_ids:
+            scored &= np.isin(batch["input_ids"], self.mask.keep_only_token_ids)
         return {name: mx.array(value) for name, value in batch.items()}, scored
 
     def embed(self, batch: dict[str, mx.array]) -> mx.array:
         """(B, L, D) float32 token embeddings: encoder, Dense projections, Normalize."""
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-        x = out.last_hidden_state.astype(mx.float32)
-        for dense in self.dense:
-            x = dense(x.astype(dense.linear.weight.dtype)).astype(mx.float32)
-        return normalize(x) if self.normalize else x
+        return project(out.last_hidden_state.astype(mx.float32), self.dense, self.normalize)
 
     def encode(
         self,
@@ -214,13 +207,8 @@ class MultiVectorEncoder(TaskEncoding):
         """Per text its (n_i, D) float32 matrix of scored tokens (padding and skipped tokens removed): a list of
         mx.arrays, numpy arrays with `convert_to_numpy`; one matrix for a single str. `task` ("query",
         "document" or None) picks the length limit, query expansion and skiplist."""
-        single = isinstance(sentences, str)
-        texts = text_list(sentences, "encode()")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
-        check_count("encode() batch_size", batch_size, 1)
-        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        texts, single = text_inputs(sentences, batch_size)
+        prefix = self.input_prompt(prompt_name, prompt)
         out = self.run([prefix + t for t in texts], task, batch_size, show_progress_bar) if texts else []
         if normalize_embeddings:
             out = [np.array(normalize(mx.array(m))) for m in out]
@@ -234,18 +222,13 @@ class MultiVectorEncoder(TaskEncoding):
         limit = self.max_length(task)
         encodings = self.tokenize(texts, task)
         expansion = self.query_expansion if task == "query" else None
-        truncated = sum(1 for e in encodings if e.overflowing)
-        if truncated and not (expansion and expansion["strategy"] == "fixed"):
-            warnings.warn(
-                f"{truncated} of {len(texts)} texts are longer than {limit} tokens and were truncated",
-                UserWarning,
-                stacklevel=4,
-            )
-        if expansion and expansion["strategy"] == "fixed" and any(len(e.ids) >= limit for e in encodings):
+        if not (expansion and expansion["strategy"] == "fixed"):
+            warn_truncated(encodings, limit, stacklevel=3, name=None)  # run, encode, its caller
+        elif any(len(e.ids) >= limit for e in encodings):
             warnings.warn(
                 f"Some queries fill the query_expansion length of {limit} tokens: any text past it was cut",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
         return self.run_encodings(encodings, task, batch_size, show_progress)
 
@@ -263,24 +246,5 @@ class MultiVectorEncoder(TaskEncoding):
                 out[i] = matrix[keep]
 
         lengths = [max(len(e.ids), expansion["length"] if expansion else 0) for e in encodings]
-        run_batches(self.model, lengths, forward, collect, batch_size, show_progress=show_progress)
+        self.batches(lengths, forward, collect, batch_size, show_progress)
         return out
-
-    def similarity(self, embeddings1, embeddings2) -> mx.array:
-        """(N, M) float32 MaxSim (or MeanMaxSim, by `similarity_fn_name`) of every query matrix in `embeddings1`
-        with every document matrix in `embeddings2`; a single (n, D) matrix counts as one."""
-        return maxsim(embeddings1, embeddings2, self.similarity_fn_name == "meanmaxsim")
-
-    def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
-        """(N,) float32 MaxSim of query i with document i."""
-        queries, documents = as_list(embeddings1), as_list(embeddings2)
-        if len(queries) != len(documents):
-            raise ValueError(
-                f"similarity_pairwise needs as many queries as documents: {len(queries)}, {len(documents)}"
-            )
-        scores = [self.similarity([q], [d])[0, 0] for q, d in zip(queries, documents, strict=True)]
-        return mx.stack(scores) if scores else mx.zeros((0,), mx.float32)
-
-    def get_embedding_dimension(self) -> int:
-        """The width D of each token vector."""
-        return self.dimension

@@ -2,27 +2,16 @@
 
 Matches `sentence_transformers/sentence_transformer/modules/pooling.py` (`_forward_padded`): the modes
 cls, max, mean, mean_sqrt_len_tokens, weightedmean and lasttoken, concatenated in the order given.
-Inputs are (B, L, H) token embeddings and a (B, L) 1/0 mask of the tokens to pool.
+Inputs are (B, L, H) token embeddings and a (B, L) 1/0 mask of the tokens to pool; folder.py reads the module's
+config.json.
 """
-
-from pathlib import Path
 
 import mlx.core as mx
 
-from ..checkpoint.files import read_json_object
 from ..models.base import masked_mean
 
 MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 ALIASES = {"mean_sqrt_len": "mean_sqrt_len_tokens", "mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls"}
-# Old configs store one boolean per mode; when several are on, their concatenation follows this order.
-LEGACY_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
 
 
 def parse_modes(modes: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -34,19 +23,6 @@ def parse_modes(modes: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     if unknown or not names:
         raise ValueError(f"Unknown pooling mode(s) {unknown or modes}; choose from {', '.join(MODES)}")
     return names
-
-
-def read_pooling_config(folder: Path) -> tuple[tuple[str, ...], bool]:
-    """(modes, include_prompt) from a sentence-transformers `1_Pooling/config.json`, new or old style."""
-    config = read_json_object(folder / "config.json", required=True)
-    if "pooling_mode" in config:
-        modes = config["pooling_mode"]
-    else:
-        modes = [mode for key, mode in LEGACY_KEYS.items() if config.get(key)] or ["mean"]
-    try:
-        return parse_modes(modes), bool(config.get("include_prompt", True))
-    except ValueError as e:
-        raise ValueError(f"{folder / 'config.json'}: {e}") from e
 
 
 def first_token(x: mx.array, mask: mx.array) -> mx.array:

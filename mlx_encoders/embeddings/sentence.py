@@ -12,49 +12,25 @@ token length into batches, so padding is minimal, and returned in input order.
 (sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
 """
 
-import numbers
 import re
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from tokenizers import Encoding, normalizers
+from tokenizers import Encoding
 
 from .. import load_tokenizer
-from ..checkpoint import Checkpoint, load_model, read_json_object, read_modules, read_safetensors, resolve
-from ..engine.batching import CPU_SLICE_BYTES, run_batches
-from ..engine.quantized import least_group_tokens
-from ..engine.runtime import on_cpu
-from ..tokenizer import check_count, text_list
-from .pooling import parse_modes, pool, read_pooling_config
-from .vectors import SIMILARITIES, check_precision, check_similarity_name, normalize, quantize_embeddings
+from ..checkpoint import Checkpoint, load_model, resolve
+from ..tokenizer import check_count, token_limit
+from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
+from .folder import Dense, apply_sentence_config, read_folder
+from .pooling import parse_modes, pool
+from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
 
-# torch activation class (as sentence-transformers saves it in 2_Dense/config.json) -> MLX function
-DENSE_ACTIVATIONS = {
-    "Identity": lambda x: x,
-    "Tanh": mx.tanh,
-    "GELU": nn.gelu,
-    "ReLU": nn.relu,
-    "SiLU": nn.silu,
-    "Sigmoid": mx.sigmoid,
-}
+MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 OUTPUT_VALUES = ("sentence_embedding", "token_embeddings", None)
-DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
-DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
-
-
-def task_prompt_name(prompts: dict[str, str], task: str | None) -> str | None:
-    """The prompt `encode_query` (task "query": "query") or `encode_document` (the first of DOCUMENT_PROMPTS) picks
-    when none is given, if the model has it; None for plain `encode`."""
-    if task == "query":
-        return "query" if "query" in prompts else None
-    if task == "document":
-        return next((name for name in DOCUMENT_PROMPTS if name in prompts), None)
-    return None
 
 
 def task_adapter(model, task: str | None, prompt_name: str | None, role: str | None) -> str | None:
@@ -72,80 +48,6 @@ def task_adapter(model, task: str | None, prompt_name: str | None, role: str | N
     return next((model.adapter_name(n) for r, n in model.role_adapters.items() if r == role and n in names), None)
 
 
-class TaskEncoding:
-    """`encode_query` / `encode_document` for encoders whose `encode` takes `task=` (sparse, multi-vector)."""
-
-    def encode_query(self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw):
-        """`encode` with task "query" and the "query" prompt unless one is given."""
-        if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "query")
-        return self.encode(sentences, prompt_name, prompt, task="query", **kw)
-
-    def encode_document(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kw
-    ):
-        """`encode` with task "document" and the first of the "document", "passage", "corpus" prompts."""
-        if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "document")
-        return self.encode(sentences, prompt_name, prompt, task="document", **kw)
-
-
-@dataclass
-class Dense:
-    """sentence-transformers' `Dense`: activation(x W^T + b), plus x (or x R^T) when `use_residual`."""
-
-    linear: nn.Linear
-    activation: object
-    residual: nn.Linear | None = None
-    use_residual: bool = False
-
-    def __call__(self, x: mx.array) -> mx.array:
-        out = self.activation(self.linear(x))
-        if self.use_residual:
-            out = out + (self.residual(x) if self.residual is not None else x)
-        return out
-
-
-def load_dense(folder: Path) -> Dense:
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(
-            f"modules.json lists a Dense module at {folder}, but it has no config.json (converters such as "
-            "mlx-embeddings leave such folders out). Copy the folder from the original sentence-transformers model: "
-            "without its projection the embeddings would be wrong."
-        )
-    config = read_json_object(folder / "config.json")
-    name = (config.get("activation_function") or "torch.nn.modules.linear.Identity").rsplit(".", 1)[-1]
-    if name not in DENSE_ACTIVATIONS:
-        raise ValueError(
-            f"{folder / 'config.json'}: activation_function {config['activation_function']!r} is not supported; "
-            f"supported torch activations: {', '.join(DENSE_ACTIVATIONS)}"
-        )
-    file = folder / "model.safetensors"
-    if not file.exists():
-        raise FileNotFoundError(
-            f"No model.safetensors in {folder} (pickle weights are not read). Re-save the model with "
-            "sentence-transformers >= 3 (`SentenceTransformer(path).save(path)`), which writes safetensors."
-        )
-    weights = read_safetensors(file)
-    linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
-    residual = None
-    if "residual.weight" in weights:
-        residual = nn.Linear(config["in_features"], config["out_features"], bias=False)
-        residual.load_weights([("weight", weights.pop("residual.weight"))])
-    linear.load_weights([(k.removeprefix("linear."), v) for k, v in weights.items()])
-    return Dense(linear, DENSE_ACTIVATIONS[name], residual, bool(config.get("use_residual", False)))
-
-
-def module_kind(module_type: str, file: Path) -> str:
-    kind = module_type.rsplit(".", 1)[-1]
-    if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
-        raise ValueError(
-            f"{file}: module {module_type!r} is not supported; SentenceEncoder runs "
-            "Transformer, Pooling, Dense and Normalize modules"
-        )
-    return kind
-
-
 def natural_pooling(args) -> tuple[str, ...]:
     architecture = (args.extra.get("architectures") or [""])[0]
     # sentence-transformers' rule: a causal LM's last token is the only one that has seen the whole text
@@ -156,56 +58,7 @@ def natural_pooling(args) -> tuple[str, ...]:
     return ("mean",)
 
 
-def lowercase(tokenizer) -> None:
-    """Put a Lowercase normalizer in front, as sentence-transformers does for do_lower_case=True."""
-    current = tokenizer.backend.normalizer
-    parts = list(current) if isinstance(current, normalizers.Sequence) else [current]
-    if any(isinstance(n, normalizers.Lowercase) for n in parts):
-        return
-    tokenizer.backend.normalizer = normalizers.Sequence([normalizers.Lowercase()] + ([current] if current else []))
-
-
-def merge_prompts(
-    defaults: tuple[str, ...], saved: dict, prompts: dict | None, default_prompt_name: str | None, source: Path
-) -> tuple[dict[str, str], str | None]:
-    """(prompts, default_prompt_name) as sentence-transformers resolves them: the empty `defaults`, then the
-    folder's config_sentence_transformers.json (`saved`), then the arguments, each later one winning."""
-    merged = {**dict.fromkeys(defaults, ""), **(saved.get("prompts") or {}), **(prompts or {})}
-    default_prompt_name = default_prompt_name or saved.get("default_prompt_name")
-    if default_prompt_name is not None and default_prompt_name not in merged:
-        raise ValueError(
-            f"Default prompt name {default_prompt_name!r} (from {source} or default_prompt_name=) is not among the "
-            f"prompts: {', '.join(sorted(merged)) or 'none'}"
-        )
-    return merged, default_prompt_name
-
-
-def resolve_prompt(
-    prompts: dict[str, str], default_prompt_name: str | None, prompt_name: str | None, prompt: str | None, caller: str
-) -> str:
-    """`prompt` itself, else the prompt named `prompt_name`, else the default prompt, else ""."""
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise TypeError(f"{caller} prompt must be a str, got {type(prompt).__name__}: {prompt!r:.60}")
-        if prompt_name is not None:
-            warnings.warn(
-                "Provide either a `prompt`, a `prompt_name`, or neither, but not both; ignoring the `prompt_name`",
-                UserWarning,
-                stacklevel=3,
-            )
-        return prompt
-    prompt_name = default_prompt_name if prompt_name is None else prompt_name
-    if prompt_name is None:
-        return ""
-    if prompt_name not in prompts:
-        raise ValueError(
-            f"Prompt name {prompt_name!r} is not in the prompts (config_sentence_transformers.json or prompts=); "
-            f"available prompts: {', '.join(sorted(prompts)) or 'none'}"
-        )
-    return prompts[prompt_name]
-
-
-class SentenceEncoder:
+class SentenceEncoder(Embedder):
     """Texts -> embeddings, like `sentence_transformers.SentenceTransformer(path).encode(texts)`.
 
     `path_or_repo`: a local folder (float or quantized, e.g. from `python -m convert` or mlx-embeddings) or a
@@ -213,8 +66,10 @@ class SentenceEncoder:
     "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", or a list / "cls+mean" to concatenate)
     replaces the stored or natural pooling. `prompts`, `default_prompt_name`, `similarity_fn_name` and
     `truncate_dim` override those of config_sentence_transformers.json, as sentence-transformers' arguments do.
-    `modules` (type, folder) replaces modules.json's list (a sparse model's dense part, without its last module).
+    `modules` (folder.Module list) replaces modules.json's (a sparse model's dense part, without its last module).
     """
+
+    ROLE = "role"  # encode's `task` names a task adapter: encode_query / encode_document pass the role
 
     def __init__(
         self,
@@ -227,92 +82,52 @@ class SentenceEncoder:
         default_prompt_name: str | None = None,
         similarity_fn_name: str | None = None,
         truncate_dim: int | None = None,
-        modules: list[tuple[str, Path]] | None = None,
+        modules: list | None = None,
     ):
         self.path = resolve(path_or_repo, revision)
-        self.dense: list[Dense] = []
-        self.normalize = False
-        self.include_prompt = True
-        modules = read_modules(self.path) if modules is None else modules
-        kinds = [(module_kind(kind, self.path / "modules.json"), folder) for kind, folder in modules]
-        transformer = Checkpoint.open(next((folder for kind, folder in kinds if kind == "Transformer"), self.path))
+        folder = read_folder(self.path)
+        folder.modules = folder.modules if modules is None else modules
+        folder.check_kinds(MODULES, "SentenceEncoder")
+        transformer = Checkpoint.open(folder.transformer)
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)
-        self.pooling = self.read_modules(kinds, pooling)
-        self.read_sentence_config(transformer)
-        self.read_model_config(prompts, default_prompt_name, similarity_fn_name, truncate_dim)
+        self.dense: list[Dense] = [m.read() for m in folder.modules if m.kind == "Dense"]
+        self.normalize = "Normalize" in folder.kinds
+        self.pooling, self.include_prompt = self.read_pooling(folder, pooling)
+        self.max_seq_length = token_limit(
+            self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
+        )
+        apply_sentence_config(self.tokenizer, folder.sentence_config)
+        self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")
+        self.truncate_dim: int | None = folder.settings.get("truncate_dim") if truncate_dim is None else truncate_dim
+        if self.truncate_dim is not None:
+            check_count("truncate_dim", self.truncate_dim, 1)
         width = len(self.pooling) * self.model.args.output_size
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else width
         self.merge_adapters = False  # task adapters: added at each adapted module (True: merged into the weights)
-        # None: each batch in one forward pass. Chosen for the default device at construction; see slices().
-        self.slice_bytes: int | None = CPU_SLICE_BYTES if on_cpu() else None
-        self._slice_tokens: int | None = None  # see the slice_tokens property
 
-    @property
-    def slice_tokens(self) -> int:
-        """The least tokens the forward passes that share one dequantizing of the weights hold on the CPU, all
-        together (see `slice_rows`, `slice_groups`): for a model with quantized Linears `quantized.least_group_tokens`
-        (256 at 8 bits, 1024 at fewer), looked at on each use so that a model quantized in memory counts; 0 for a
-        float model or on a GPU. Settable."""
-        if self._slice_tokens is not None:
-            return self._slice_tokens
-        return least_group_tokens(self.model) if on_cpu() else 0
-
-    @slice_tokens.setter
-    def slice_tokens(self, tokens: int) -> None:
-        self._slice_tokens = tokens
-
-    def read_modules(self, kinds: list[tuple[str, Path]], pooling) -> tuple[str, ...]:
-        modes, where = None, "modules.json, 1_Pooling/config.json"
-        for kind, folder in kinds:
-            if kind == "Pooling" and not (folder / "config.json").exists():  # mlx-embeddings leaves it out
-                where = f"{folder.relative_to(self.path)}/config.json, listed in modules.json, is missing"
-            elif kind == "Pooling":
-                modes, self.include_prompt = read_pooling_config(folder)
-            elif kind == "Dense":
-                self.dense.append(load_dense(folder))
-            elif kind == "Normalize":
-                self.normalize = True
+    def read_pooling(self, folder, pooling) -> tuple[tuple[str, ...], bool]:
+        """(pooling modes, include_prompt): the Pooling module's, replaced by `pooling` when given; a folder without
+        one (or whose Pooling folder lacks its config.json, as mlx-embeddings leaves it) gets the natural one."""
+        found = next((m for m in folder.modules if m.kind == "Pooling"), None)
+        saved = found.read() if found is not None else None
+        include_prompt = saved.include_prompt if saved is not None else True
         if pooling is not None:
-            return parse_modes(pooling)
-        if modes is None:
-            modes = natural_pooling(self.model.args)
-            warnings.warn(
-                f"{self.path} has no sentence-transformers pooling config ({where}); "
-                f"using {'+'.join(modes)} pooling. Pass SentenceEncoder(..., pooling=...) to choose another.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return modes
-
-    def read_sentence_config(self, transformer: Checkpoint) -> None:
-        config = read_json_object(transformer.path / "sentence_bert_config.json")
-        limit = self.model.args.max_tokens
-        self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
-        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
-        if config.get("do_lower_case"):
-            lowercase(self.tokenizer)
-
-    def read_model_config(self, prompts, default_prompt_name, similarity_fn_name, truncate_dim) -> None:
-        file = self.path / "config_sentence_transformers.json"
-        config = read_json_object(file)
-        self.prompts, self.default_prompt_name = merge_prompts(
-            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
+            return parse_modes(pooling), include_prompt
+        if saved is not None:
+            return saved.modes, include_prompt
+        where = "modules.json, 1_Pooling/config.json"
+        if found is not None:
+            where = f"{found.folder.relative_to(self.path)}/config.json, listed in modules.json, is missing"
+        modes = natural_pooling(self.model.args)
+        warnings.warn(
+            f"{self.path} has no sentence-transformers pooling config ({where}); "
+            f"using {'+'.join(modes)} pooling. Pass SentenceEncoder(..., pooling=...) to choose another.",
+            UserWarning,
+            stacklevel=3,
         )
-        saved = config.get("similarity_fn_name")  # a name we do not compute (e.g. "maxsim") is ignored, as there
-        self.similarity_fn_name = similarity_fn_name or (saved if saved in SIMILARITIES else "cosine")
-        self.truncate_dim: int | None = config.get("truncate_dim") if truncate_dim is None else truncate_dim
-        if self.truncate_dim is not None:
-            check_count("truncate_dim", self.truncate_dim, 1)
-
-    @property
-    def similarity_fn_name(self) -> str:
-        """How `similarity` scores: "cosine", "dot", "euclidean" or "manhattan" (negative distances)."""
-        return self._similarity_fn_name
-
-    @similarity_fn_name.setter
-    def similarity_fn_name(self, name: str) -> None:
-        self._similarity_fn_name = check_similarity_name(name)
+        return modes, include_prompt
 
     def get_embedding_dimension(self) -> int:
         """The width of `encode`'s vectors: `dimension`, cut to `truncate_dim` when that is set."""
@@ -329,16 +144,7 @@ class SentenceEncoder:
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
     def tokenize(self, texts: list[str]) -> list[Encoding]:
-        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
-        truncated = sum(1 for e in encodings if e.overflowing)
-        if truncated:
-            warnings.warn(
-                f"{truncated} of {len(texts)} texts are longer than max_seq_length={self.max_seq_length} tokens "
-                "and were truncated",
-                UserWarning,
-                stacklevel=4,  # the caller of encode()
-            )
-        return encodings
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
 
     def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
         """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
@@ -347,11 +153,7 @@ class SentenceEncoder:
         hidden = out.last_hidden_state.astype(mx.float32)
         mask = batch["attention_mask"]
         pooled_mask = mask if not skipped else mask * (mx.cumsum(mask, axis=1) > skipped)  # either padding side
-        x = pool(hidden, pooled_mask, self.pooling, mask)
-        for dense in self.dense:
-            x = dense(x.astype(dense.linear.weight.dtype)).astype(mx.float32)
-        if self.normalize:
-            x = normalize(x)
+        x = project(pool(hidden, pooled_mask, self.pooling, mask), self.dense, self.normalize)
         return [x, hidden] if tokens else [x]
 
     def encode(
@@ -385,12 +187,7 @@ class SentenceEncoder:
         "text-matching", ...), else the one the prompt name names, else (`role`, as encode_query / encode_document
         set it) its query or document adapter, else none; `merge_adapters` merges it into the weights.
         """
-        single = isinstance(sentences, str)
-        texts = text_list(sentences, "encode()")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
-        check_count("encode() batch_size", batch_size, 1)
+        texts, single = text_inputs(sentences, batch_size)
         if output_value not in OUTPUT_VALUES:
             raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}")
         precision = check_precision(precision or "float32")
@@ -400,7 +197,7 @@ class SentenceEncoder:
         if truncate_dim is not None:
             check_count("encode() truncate_dim", truncate_dim, 1)
         self.check_max_seq_length()
-        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        prefix = self.input_prompt(prompt_name, prompt)
         prompt_tokens = self.prompt_length(prefix)
         skipped = 0 if self.include_prompt else prompt_tokens
         tokens = output_value != "sentence_embedding"
@@ -428,23 +225,6 @@ class SentenceEncoder:
                 out = [mx.array(row) for row in out]
         return out[0] if single else out
 
-    def encode_query(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
-    ):
-        """`encode` with the "query" prompt unless one is given (sentence-transformers defines it, empty, for every
-        model, so the default prompt never applies here)."""
-        if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "query")
-        return self.encode(sentences, prompt_name, prompt, **{"role": "query", **kwargs})
-
-    def encode_document(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
-    ):
-        """`encode` with the first of the "document", "passage" and "corpus" prompts unless one is given."""
-        if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "document")
-        return self.encode(sentences, prompt_name, prompt, **{"role": "document", **kwargs})
-
     def features(self, encoding: Encoding, tokens: np.ndarray, vector: np.ndarray, prompt_length: int | None) -> dict:
         """What `output_value=None` gives for one text: its inputs and outputs, keyed as sentence-transformers'."""
         ids = {
@@ -460,31 +240,12 @@ class SentenceEncoder:
         item["sentence_embedding"] = mx.array(vector)
         return item
 
-    def similarity(self, embeddings1, embeddings2) -> mx.array:
-        """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2`, by
-        `similarity_fn_name`; a (D,) vector counts as one row, so it gives (1, M)."""
-        return SIMILARITIES[self.similarity_fn_name][0](embeddings1, embeddings2)
-
-    def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
-        """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
-        return SIMILARITIES[self.similarity_fn_name][1](embeddings1, embeddings2)
-
-    def check_max_seq_length(self) -> None:
-        """`max_seq_length` may be set by hand; windows longer than the position table would read past it."""
-        limit, length = self.model.args.max_tokens, self.max_seq_length
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
-            raise ValueError(f"encoder.max_seq_length must be an int >= 1, got {length!r}")
-        if limit and length > limit:
-            raise ValueError(
-                f"encoder.max_seq_length ({length}) is more than the {limit} tokens the model in {self.path} takes; "
-                f"set it to at most {limit}"
-            )
-
     def run(
         self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool
     ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:
         """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
         encodings = self.tokenize(texts) if texts else []
+        warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # run, encode, its caller
         return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens)
 
     def run_encodings(
@@ -509,8 +270,5 @@ class SentenceEncoder:
             return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
 
         lengths = [len(e.ids) for e in encodings]
-        run_batches(
-            self.model, lengths, forward, collect, batch_size, show_progress=show_progress,
-            slice_bytes=self.slice_bytes, least_tokens=self.slice_tokens,
-        )  # fmt: skip
+        self.batches(lengths, forward, collect, batch_size, show_progress)
         return out, token_vectors

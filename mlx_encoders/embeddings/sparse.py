@@ -9,31 +9,32 @@ query side of SPLADE-doc models), or a dense model (Transformer, Pooling, Dense,
 Outputs are `SparseVectors`, a COO matrix that needs no scipy.
 """
 
-import ast
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint import (
-    Checkpoint,
-    inside,
-    load_model,
-    load_tokenizer,
-    read_json_object,
-    read_modules,
-    read_safetensors,
-)
+from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..engine.batching import run_batches
-from ..tokenizer import Tokenizer, check_count, text_list
-from .sentence import DEFAULT_PROMPTS, SentenceEncoder, TaskEncoding, lowercase, merge_prompts, resolve_prompt
-from .vectors import SIMILARITIES, check_similarity_name
+from ..tokenizer import Tokenizer, check_count, token_limit
+from .base import DEFAULT_PROMPTS, Embedder, text_inputs, warn_truncated
+from .folder import (
+    SPLADE_ACTIVATIONS,
+    SPLADE_STRATEGIES,
+    TRANSFORMERS,
+    Module,
+    apply_sentence_config,
+    module,
+    read_folder,
+    read_sentence_config,
+)
+from .sentence import MODULES as DENSE_MODULES
+from .sentence import SentenceEncoder
+from .vectors import SIMILARITIES
 
-POOLING_STRATEGIES = ("max", "sum")
-ACTIVATIONS = ("relu", "log1p_relu")
+POOLING_STRATEGIES, ACTIVATIONS = SPLADE_STRATEGIES, SPLADE_ACTIVATIONS  # SpladePooling's, for training
 
 
 @dataclass
@@ -128,49 +129,47 @@ def splade_pool(model, batch: dict[str, mx.array], strategy: str = "max", activa
     return x.max(axis=1) if strategy == "max" else x.sum(axis=1)
 
 
-class SpladeRoute:
-    """A masked-LM `Transformer` then `SpladePooling`: (B, L) ids -> (B, V) pooled log-saturated logits."""
+class Route:
+    """What a route shares: texts cut to its `max_seq_length` (None: no limit), one warning for those cut, then
+    its `run_encodings`: per tokenized text (e.g. a server's batch of many requests) its (ids, weights)."""
 
-    def __init__(self, transformer: Path, pooling: Path, dtype):
-        checkpoint = Checkpoint.open(transformer)
-        self.model = load_model(checkpoint, dtype=dtype, task="masked-lm")
-        self.tokenizer = load_tokenizer(self.model, checkpoint)
-        config = read_json_object(transformer / "sentence_bert_config.json")
-        task = config.get("transformer_task", "fill-mask")
-        if task != "fill-mask":
-            raise ValueError(
-                f"{transformer / 'sentence_bert_config.json'}: transformer_task {task!r} before SpladePooling; "
-                "SparseEncoder runs SPLADE models, whose Transformer is a fill-mask (masked-LM) one"
-            )
-        limit = self.model.args.max_tokens
-        self.max_seq_length = config.get("max_seq_length") or self.tokenizer.model_max_length
-        self.max_seq_length = min(self.max_seq_length, limit) if limit else self.max_seq_length
-        if config.get("do_lower_case"):
-            lowercase(self.tokenizer)
-        pooling_config = read_json_object(pooling / "config.json")
-        self.strategy = pooling_config.get("pooling_strategy", "max")
-        self.activation = pooling_config.get("activation_function", "relu")
-        if self.strategy not in POOLING_STRATEGIES or self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"{pooling / 'config.json'}: pooling_strategy must be one of {POOLING_STRATEGIES} and "
-                f"activation_function one of {ACTIVATIONS}; got {self.strategy!r}, {self.activation!r}"
-            )
-        self.dimension = self.model.args.vocab_size
-
-    def pooled(self, batch: dict[str, mx.array]) -> mx.array:
-        """(B, V) float32 SPLADE vectors of a padded batch (`splade_pool`)."""
-        return splade_pool(self.model, batch, self.strategy, self.activation)
+    max_seq_length: int | None = None
 
     def tokenize(self, texts: list[str]) -> list:
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
 
     def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
         encodings = self.tokenize(texts)
-        warn_truncated(encodings, len(texts), self.max_seq_length)
+        if self.max_seq_length is not None:
+            warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # route.encode, encode, its caller
         return self.run_encodings(encodings, batch_size, show_progress, limit)
 
+
+class SpladeRoute(Route):
+    """A masked-LM `Transformer` then `SpladePooling`: (B, L) ids -> (B, V) pooled log-saturated logits."""
+
+    def __init__(self, transformer: Module, pooling: Module, dtype):
+        checkpoint = Checkpoint.open(transformer.folder)
+        self.model = load_model(checkpoint, dtype=dtype, task="masked-lm")
+        self.tokenizer = load_tokenizer(self.model, checkpoint)
+        config = read_sentence_config(transformer.folder)
+        task = config.get("transformer_task", "fill-mask")
+        if task != "fill-mask":
+            raise ValueError(
+                f"{transformer.folder / 'sentence_bert_config.json'}: transformer_task {task!r} before SpladePooling; "
+                "SparseEncoder runs SPLADE models, whose Transformer is a fill-mask (masked-LM) one"
+            )
+        self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, config.get("max_seq_length"))
+        apply_sentence_config(self.tokenizer, config)
+        splade = pooling.read()
+        self.strategy, self.activation = splade.strategy, splade.activation
+        self.dimension = self.model.args.vocab_size
+
+    def pooled(self, batch: dict[str, mx.array]) -> mx.array:
+        """(B, V) float32 SPLADE vectors of a padded batch (`splade_pool`)."""
+        return splade_pool(self.model, batch, self.strategy, self.activation)
+
     def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
-        """Per tokenized text (e.g. a server's batch of many requests) its (token ids, weights)."""
         rows = [None] * len(encodings)
 
         def forward(indices: np.ndarray) -> list[mx.array]:
@@ -185,28 +184,17 @@ class SpladeRoute:
         return rows
 
 
-class StaticRoute:
+class StaticRoute(Route):
     """sentence-transformers' `SparseStaticEmbedding`: each vocabulary id in the text (no special tokens) gets its
-    stored weight; no model runs."""
+    stored weight; no model runs, no length limit."""
 
-    def __init__(self, folder: Path):
-        self.tokenizer = Tokenizer.from_pretrained(folder)
-        file = folder / "model.safetensors"
-        if not file.exists():
-            raise FileNotFoundError(f"No model.safetensors in {folder}: SparseStaticEmbedding needs its weights")
-        weights = read_safetensors(file)
-        if "weight" not in weights or weights["weight"].ndim != 1:
-            raise ValueError(f"{file} must hold a (vocab_size,) tensor 'weight'; found {sorted(weights)}")
-        self.weight = np.array(weights["weight"].astype(mx.float32))
+    def __init__(self, static: Module):
+        self.tokenizer = Tokenizer.from_pretrained(static.folder)
+        self.weight = static.read()
         self.dimension = len(self.weight)
-
-    max_seq_length = None  # no model runs: no length limit
 
     def tokenize(self, texts: list[str]) -> list:
         return self.tokenizer.encode_batch(texts, truncation=False, add_special_tokens=False)
-
-    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
-        return self.run_encodings(self.tokenize(texts), batch_size, show_progress, limit)
 
     def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
         rows = []
@@ -227,11 +215,11 @@ def top_k_relu(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, kept[ids]
 
 
-class AutoEncoderRoute:
+class AutoEncoderRoute(Route):
     """A dense model's sentence embedding through sentence-transformers' `SparseAutoEncoder` (CSR models):
     `(x - pre_bias) W^T + latent_bias` (x standardized first with `normalize`), its k largest entries relu'd."""
 
-    def __init__(self, source: Path, modules: list[tuple[str, Path]], folder: Path, dtype):
+    def __init__(self, source: Path, modules: list[Module], auto_encoder: Module, dtype):
         self.encoder = SentenceEncoder(source, dtype, modules=modules)
         if not self.encoder.include_prompt:
             raise ValueError(
@@ -240,29 +228,14 @@ class AutoEncoderRoute:
             )
         self.model, self.tokenizer = self.encoder.model, self.encoder.tokenizer
         self.max_seq_length = self.encoder.max_seq_length
-        config = read_json_object(folder / "config.json", required=True)
-        file = folder / "model.safetensors"
-        if not file.exists():
-            raise FileNotFoundError(f"No model.safetensors in {folder}: SparseAutoEncoder needs its weights")
-        weights = read_safetensors(file)
-        key = "encoder.weight" if "encoder.weight" in weights else "decoder.linear.weight"  # tied: saved as either
-        weight = weights.get(key)
-        shape = (config.get("hidden_dim"), config.get("input_dim"))
-        if weight is None or tuple(weight.shape) != shape or "pre_bias" not in weights or "latent_bias" not in weights:
+        weights = auto_encoder.read()
+        if weights.input_dim != self.encoder.dimension:
             raise ValueError(
-                f"{file} must hold 'encoder.weight' (or 'decoder.linear.weight') of shape {shape} (hidden_dim, "
-                f"input_dim of {folder / 'config.json'}), 'pre_bias' and 'latent_bias'; found "
-                f"{ {k: tuple(v.shape) for k, v in weights.items()} }"
+                f"{weights.source}: input_dim {weights.input_dim} differs from the {self.encoder.dimension} "
+                f"dimensions of the sentence embedding of {source}"
             )
-        if shape[1] != self.encoder.dimension:
-            raise ValueError(
-                f"{folder / 'config.json'}: input_dim {shape[1]} differs from the {self.encoder.dimension} dimensions "
-                f"of the sentence embedding of {source}"
-            )
-        self.weight, self.pre_bias, self.latent_bias = (
-            weights[k].astype(mx.float32) for k in (key, "pre_bias", "latent_bias")
-        )
-        self.k, self.normalize, self.dimension = int(config.get("k", 8)), bool(config.get("normalize")), shape[0]
+        self.weight, self.pre_bias, self.latent_bias = weights.weight, weights.pre_bias, weights.latent_bias
+        self.k, self.normalize, self.dimension = weights.k, weights.normalize, weights.weight.shape[0]
 
     def latents(self, x: mx.array) -> mx.array:
         """(B, hidden_dim) latents before top-k of (B, input_dim) sentence embeddings."""
@@ -270,14 +243,6 @@ class AutoEncoderRoute:
             x = x - x.mean(axis=-1, keepdims=True)
             x = x / (mx.sqrt((x * x).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1)) + 1e-5)
         return (x - self.pre_bias) @ self.weight.T + self.latent_bias
-
-    def tokenize(self, texts: list[str]) -> list:
-        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
-
-    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
-        encodings = self.tokenize(texts)
-        warn_truncated(encodings, len(texts), self.max_seq_length)
-        return self.run_encodings(encodings, batch_size, show_progress, limit)
 
     def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
         """Per tokenized text its (latent ids, weights): the `limit` (else k) largest latents, relu'd."""
@@ -290,32 +255,18 @@ class AutoEncoderRoute:
         return rows
 
 
-def warn_truncated(encodings, count: int, max_seq_length: int) -> None:
-    truncated = sum(1 for e in encodings if e.overflowing)
-    if truncated:
-        warnings.warn(
-            f"{truncated} of {count} texts are longer than max_seq_length={max_seq_length} tokens and were truncated",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def module_name(module_type: str) -> str:
-    return module_type.rsplit(".", 1)[-1]
-
-
-def build_route(modules: list[tuple[str, Path]], source: Path, dtype) -> SpladeRoute | StaticRoute | AutoEncoderRoute:
+def build_route(modules: list[Module], source: Path, dtype) -> Route:
     """A route from its modules: [SparseStaticEmbedding], [Transformer/MLMTransformer, SpladePooling] or
     [Transformer, Pooling, Dense*, Normalize?, SparseAutoEncoder]."""
-    names = [module_name(kind) for kind, _ in modules]
+    names = [m.kind for m in modules]
     if names == ["SparseStaticEmbedding"]:
-        return StaticRoute(modules[0][1])
-    if len(names) == 2 and names[0] in ("Transformer", "MLMTransformer") and names[1] == "SpladePooling":
-        return SpladeRoute(modules[0][1], modules[1][1], dtype)
-    dense = {"Transformer", "Pooling", "Dense", "Normalize"}
-    if len(names) >= 2 and names[0] == "Transformer" and names[-1] == "SparseAutoEncoder" and dense >= set(names[:-1]):
-        folder = source if source.is_dir() else source.parent  # a Router's routes name their router_config.json
-        return AutoEncoderRoute(folder, modules[:-1], modules[-1][1], dtype)
+        return StaticRoute(modules[0])
+    if len(names) == 2 and names[0] in TRANSFORMERS and names[1] == "SpladePooling":
+        return SpladeRoute(modules[0], modules[1], dtype)
+    if len(names) >= 2 and names[0] == "Transformer" and names[-1] == "SparseAutoEncoder":
+        if set(DENSE_MODULES) >= set(names[:-1]):
+            folder = source if source.is_dir() else source.parent  # a Router's routes name their router_config.json
+            return AutoEncoderRoute(folder, modules[:-1], modules[-1], dtype)
     raise ValueError(
         f"{source}: modules {names} are not supported; SparseEncoder runs a (MLM)Transformer then SpladePooling, "
         "a SparseStaticEmbedding, a dense model (Transformer, Pooling, Dense, Normalize) then a SparseAutoEncoder, "
@@ -323,23 +274,7 @@ def build_route(modules: list[tuple[str, Path]], source: Path, dtype) -> SpladeR
     )
 
 
-def read_router(folder: Path, dtype) -> tuple[dict, str | None, dict]:
-    """(route name -> route, default route, {(task, modality): route}) from router_config.json."""
-    file = folder / "router_config.json"
-    config = read_json_object(file, required=True)
-    types, structure = config.get("types") or {}, config.get("structure") or {}
-    routes = {}
-    for name, names in structure.items():
-        routes[name] = build_route([(types.get(n, ""), inside(folder, n, file)) for n in names], file, dtype)
-    parameters = config.get("parameters") or {}
-    mappings = {ast.literal_eval(key): route for key, route in (parameters.get("route_mappings") or {}).items()}
-    default = parameters.get("default_route")
-    if default is None and parameters.get("allow_empty_key", True) and routes:
-        default = next(iter(routes))
-    return routes, default, mappings
-
-
-class SparseEncoder(TaskEncoding):
+class SparseEncoder(Embedder):
     """Texts -> sparse vocabulary-sized embeddings, like `sentence_transformers.SparseEncoder(path).encode(texts)`.
 
     `path_or_repo`: a local folder or hub id of a sentence-transformers sparse model. `dtype` casts the model's
@@ -359,36 +294,26 @@ class SparseEncoder(TaskEncoding):
         max_active_dims: int | None = None,
     ):
         self.path = resolve_path(path_or_repo, revision)
-        modules = read_modules(self.path)
-        if [module_name(kind) for kind, _ in modules] == ["Router"]:
-            self.routes, self.default_route, self.route_mappings = read_router(modules[0][1], dtype)
+        folder = read_folder(self.path)
+        if folder.kinds == ["Router"]:
+            router = folder.modules[0].read()
+            file = folder.modules[0].folder / "router_config.json"
+            self.routes = {name: build_route(modules, file, dtype) for name, modules in router.routes.items()}
+            self.default_route, self.route_mappings = router.default, router.mappings
         else:
-            modules = modules or [("Transformer", self.path)]
+            modules = folder.modules or [module("Transformer", self.path)]
             self.routes, self.default_route, self.route_mappings = {"": build_route(modules, self.path, dtype)}, "", {}
-        file = self.path / "config_sentence_transformers.json"
-        config = read_json_object(file)
-        self.prompts, self.default_prompt_name = merge_prompts(
-            DEFAULT_PROMPTS, config, prompts, default_prompt_name, file
-        )
-        saved = config.get("similarity_fn_name")
-        self.similarity_fn_name = similarity_fn_name or (saved if saved in SIMILARITIES else "dot")
-        self.max_active_dims = max_active_dims if max_active_dims is not None else config.get("max_active_dims")
+        self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "dot")
+        saved = folder.settings.get("max_active_dims")
+        self.max_active_dims = max_active_dims if max_active_dims is not None else saved
         if self.max_active_dims is None and isinstance(self.routes.get(""), AutoEncoderRoute):
             self.max_active_dims = self.routes[""].k  # as sentence-transformers takes a top-level module's k
         if self.max_active_dims is not None:
             check_count("max_active_dims", self.max_active_dims, 1)
         self.tokenizer = self.route(None).tokenizer
 
-    @property
-    def similarity_fn_name(self) -> str:
-        """How `similarity` scores: "dot" (SPLADE's), "cosine", "euclidean" or "manhattan"."""
-        return self._similarity_fn_name
-
-    @similarity_fn_name.setter
-    def similarity_fn_name(self, name: str) -> None:
-        self._similarity_fn_name = check_similarity_name(name)
-
-    def route(self, task: str | None) -> SpladeRoute | StaticRoute:
+    def route(self, task: str | None) -> Route:
         """The route a `task` ("query", "document", None) takes, looked up as sentence-transformers' Router does."""
         for key in ((task, "text"), (task, None), (None, "text"), (None, None)):
             if key in self.route_mappings:
@@ -419,16 +344,11 @@ class SparseEncoder(TaskEncoding):
         """Sparse embeddings of `sentences`: `SparseVectors` (N, V), or (V,) for a single str; a dense float32
         numpy array instead with `convert_to_sparse_tensor=False`. `prompt` or the named prompt is prepended;
         `max_active_dims` keeps that many largest weights per text; `task` picks a Router's route."""
-        single = isinstance(sentences, str)
-        texts = text_list(sentences, "encode()")
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"encode() takes strings; item {i} is {type(text).__name__}: {text!r:.60}")
-        check_count("encode() batch_size", batch_size, 1)
+        texts, single = text_inputs(sentences, batch_size)
         limit = self.max_active_dims if max_active_dims is None else max_active_dims
         if limit is not None:
             check_count("encode() max_active_dims", limit, 1)
-        prefix = resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, "encode()")
+        prefix = self.input_prompt(prompt_name, prompt)
         route = self.route(task)
         rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit) if texts else []
         vectors = SparseVectors.from_rows(rows, route.dimension)
@@ -442,11 +362,11 @@ class SparseEncoder(TaskEncoding):
         if self.similarity_fn_name == "dot" and isinstance(embeddings1, SparseVectors):
             if isinstance(embeddings2, SparseVectors):  # a corpus's vocabulary-wide dense copy would not fit
                 return mx.array(sparse_dot(embeddings1, embeddings2))
-        return SIMILARITIES[self.similarity_fn_name][0](dense_rows(embeddings1), dense_rows(embeddings2))
+        return super().similarity(dense_rows(embeddings1), dense_rows(embeddings2))
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
         """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
-        return SIMILARITIES[self.similarity_fn_name][1](dense_rows(embeddings1), dense_rows(embeddings2))
+        return super().similarity_pairwise(dense_rows(embeddings1), dense_rows(embeddings2))
 
     def decode(self, embeddings, top_k: int | None = None) -> list:
         """(token, weight) pairs by descending weight, the `top_k` first when set: a list for one vector (a (V,)

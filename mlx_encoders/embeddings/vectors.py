@@ -86,9 +86,9 @@ SIMILARITIES = {
 }
 
 
-def check_similarity_name(name: str) -> str:
-    if name not in SIMILARITIES:
-        raise ValueError(f"similarity_fn_name must be one of {', '.join(SIMILARITIES)}, got {name!r}")
+def check_similarity_name(name: str, known=SIMILARITIES) -> str:
+    if name not in known:
+        raise ValueError(f"similarity_fn_name must be one of {', '.join(known)}, got {name!r}")
     return name
 
 

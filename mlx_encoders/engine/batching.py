@@ -117,6 +117,17 @@ def slice_rows(args, length: int, slice_bytes: int, slice_tokens: int = 0) -> in
     return max(1, slice_bytes // max(per_row, 1), -(-slice_tokens // max(length, 1)))
 
 
+def default_slice_bytes() -> int | None:
+    """The device policy for slicing: CPU_SLICE_BYTES on the CPU, None (whole batches) elsewhere."""
+    return CPU_SLICE_BYTES if on_cpu() else None
+
+
+def default_least_tokens(model: nn.Module) -> int:
+    """The least tokens a group of passes holds: `least_group_tokens(model)` on the CPU (a quantized model's passes
+    share one dequantizing), 0 elsewhere."""
+    return least_group_tokens(model) if on_cpu() else 0
+
+
 def run_batches(
     model: nn.Module,
     lengths: Sequence[int],
@@ -136,8 +147,8 @@ def run_batches(
     claim_mlx()
     if not len(lengths):
         return
-    slice_bytes = (CPU_SLICE_BYTES if on_cpu() else None) if slice_bytes == -1 else slice_bytes
-    least_tokens = (least_group_tokens(model) if on_cpu() else 0) if least_tokens is None else least_tokens
+    slice_bytes = default_slice_bytes() if slice_bytes == -1 else slice_bytes
+    least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
     lengths = list(lengths)
     order = np.argsort([-n for n in lengths], kind="stable")  # longest first: memory peaks early
 

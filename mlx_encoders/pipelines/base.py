@@ -18,7 +18,7 @@ from tokenizers import Encoding
 from ..checkpoint import Checkpoint, resolve
 from ..engine.batching import run_batches
 from ..models import architecture_name, model_class, model_module
-from ..tokenizer import Tokenizer, check_count, text_list
+from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 
 # The pipeline task each stored head serves (a bare encoder, like a discriminator, feature extraction: `served_task`).
 HEAD_TASKS = {
@@ -102,8 +102,7 @@ class Pipeline:
     @property
     def max_length(self) -> int:
         """The longest window the model takes: the tokenizer's limit, capped by the position table."""
-        limit = self.model.args.max_tokens
-        return min(self.tokenizer.model_max_length, limit) if limit else self.tokenizer.model_max_length
+        return token_limit(self.tokenizer, self.model.args.max_tokens)
 
     @property
     def id2label(self) -> dict[int, str]:

@@ -12,10 +12,12 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Encoding
 
-from ..checkpoint import Checkpoint, read_json_object, read_modules, resolve
+from ..checkpoint import resolve
+from ..embeddings.base import resolve_prompt, task_prompt_name
 from ..embeddings.cross_encoder import CrossEncoder
+from ..embeddings.folder import folder_kind
 from ..embeddings.multi_vector import MultiVectorEncoder
-from ..embeddings.sentence import SentenceEncoder, resolve_prompt, task_adapter, task_prompt_name
+from ..embeddings.sentence import SentenceEncoder, task_adapter
 from ..embeddings.sparse import SparseEncoder
 from ..pipelines.fill_mask import softmax
 from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
@@ -23,7 +25,6 @@ from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
 SPARSE, MULTI_VECTOR = "sparse embeddings", "multi-vector embeddings"
-SPARSE_MODULES = {"SpladePooling", "SparseStaticEmbedding", "MLMTransformer"}
 TASKS = ("query", "document")
 FOREIGN_IDS = (
     "token ids must be the model's own, special tokens included (its tokenizer's input_ids); a client that "
@@ -76,42 +77,6 @@ class DenseTag:
     token_vectors: bool = False
 
 
-def kind_of(path: Path) -> str:
-    """The folder's kind: "cross-encoder" (a sequence-classification checkpoint), "sparse" or "multi-vector" (as
-    sentence-transformers' modules.json, config_sentence_transformers.json or the Transformer's query expansion
-    say), else "dense". A Transformer without a Pooling module gives token vectors, not a text's vector: unless the
-    folder says it is multi-vector, it is refused rather than served as a mean-pooled dense model."""
-    modules = read_modules(path)
-    if not modules:
-        return "cross-encoder" if Checkpoint.open(path).task == "sequence-classification" else "dense"
-    names = {kind.rsplit(".", 1)[-1] for kind, _ in modules}
-    if "LogitScore" in names:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
-        return "cross-encoder"
-    for kind, folder in modules:  # a Router's routes are listed in its own config
-        if kind.endswith("Router"):
-            types = read_json_object(folder / "router_config.json").get("types") or {}
-            names |= {str(t).rsplit(".", 1)[-1] for t in types.values()}
-    model_type = read_json_object(path / "config_sentence_transformers.json").get("model_type")
-    if names & SPARSE_MODULES or model_type == "SparseEncoder":
-        return "sparse"
-    # sentence-transformers sets query_expansion only on a multi-vector model's Transformer
-    expansion = any(
-        read_json_object(folder / "sentence_bert_config.json").get("query_expansion")
-        for kind, folder in modules
-        if kind.endswith(".Transformer")
-    )
-    if "MultiVectorMask" in names or model_type == "MultiVectorEncoder" or expansion:
-        return "multi-vector"
-    if "Transformer" in names and "Pooling" not in names:
-        raise ValueError(
-            f"{path / 'modules.json'} lists a Transformer and no Pooling module, so the model gives one vector per "
-            "token, not one per text. To serve it as a multi-vector (ColBERT) model, add a MultiVectorMask module "
-            'after the Transformer (or "model_type": "MultiVectorEncoder" to config_sentence_transformers.json); '
-            "to serve it as a dense model, add a Pooling module (a folder with its config.json, e.g. 1_Pooling)"
-        )
-    return "dense"
-
-
 def by_tag(items: list, default, run) -> list:
     """`run(inputs, tag)` over each group of `items` of one tag; the results back in the items' order."""
     tags = [item.tag if isinstance(item, Tagged) else default for item in items]
@@ -148,7 +113,7 @@ class ServedModel:
         self.batch_size = batch_size
         path = resolve(source)
         self.encoder = self.cross = self.classifier = self.sparse = self.multi = None
-        self.kind = kind_of(path)
+        self.kind = folder_kind(path)
         self.prefix, self.skipped = "", 0
         if self.kind == "cross-encoder":
             self.cross = CrossEncoder(path, dtype=dtype)

@@ -5,7 +5,6 @@ cached loss (`base/losses/gradcache.py`), and the sentence-transformers folder w
 themselves are in `losses/contrastive.py`; the loop is `trainer.train`, given an `EmbeddingObjective`.
 """
 
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,10 +21,12 @@ from tokenizers import Encoding
 from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
-from ..checkpoint.files import read_json_object, read_modules, read_safetensors
+from ..checkpoint.files import read_safetensors
 from ..checkpoint.write import model_config, write_checkpoint
-from ..embeddings.pooling import pool, read_pooling_config
-from ..embeddings.sentence import DENSE_ACTIVATIONS, load_dense
+from ..embeddings import folder as st_folder
+from ..embeddings.folder import DENSE_ACTIVATIONS, Pooling, read_dense, read_folder
+from ..embeddings.pooling import pool
+from ..embeddings.sentence import MODULES as DENSE_MODULES
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
@@ -46,10 +47,6 @@ SCORE_COLUMNS = ("score", "label")
 MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
 LENGTH_GROUP = 8  # rows of a training batch embedded together (`length_groups`): little padding, large products
 NEGATIVE = re.compile(r"negative_(\d+)")
-TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
-POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
-NORMALIZE = "sentence_transformers.base.modules.normalize.Normalize"
-DENSE = "sentence_transformers.base.modules.dense.Dense"
 DENSE_FILE = "dense.safetensors"  # a training checkpoint's Dense weights
 
 
@@ -75,25 +72,17 @@ class SentenceSetup:
 def read_setup(path: Path) -> SentenceSetup:
     """The setup of the folder at `path` (modules.json, 1_Pooling, 2_Dense..., config_sentence_transformers.json,
     sentence_bert_config.json); other module kinds are refused."""
-    modules = read_modules(path)
-    kinds = [(kind.rsplit(".", 1)[-1], folder) for kind, folder in modules]
-    setup = SentenceSetup(next((folder for kind, folder in kinds if kind == "Transformer"), path))
-    for kind, folder in kinds:
-        if kind == "Pooling" and (folder / "config.json").is_file():
-            setup.pooling, setup.include_prompt = read_pooling_config(folder)
-        elif kind == "Normalize":
-            setup.normalize = True
-        elif kind == "Dense":
-            setup.dense.append(folder)
-        elif kind != "Transformer":
-            raise ValueError(
-                f"{path / 'modules.json'}: module {kind} ({folder.name}) cannot be trained here; fine_tune('embed') "
-                "trains Transformer -> Pooling -> Dense... -> Normalize models. Start from the folder without it"
-            )
-    config = read_json_object(path / "config_sentence_transformers.json")
-    setup.prompts = dict(config.get("prompts") or {})
-    setup.similarity_fn_name = config.get("similarity_fn_name")
-    setup.sentence_config = dict(read_json_object(setup.transformer / "sentence_bert_config.json"))
+    folder = read_folder(path)
+    folder.check_kinds(DENSE_MODULES, "fine_tune('embed')", "; start from the folder without it")
+    setup = SentenceSetup(folder.transformer)
+    pooling = next((m.read() for m in folder.modules if m.kind == "Pooling"), None)
+    if pooling is not None:
+        setup.pooling, setup.include_prompt = pooling.modes, pooling.include_prompt
+    setup.normalize = "Normalize" in folder.kinds
+    setup.dense = [m.folder for m in folder.modules if m.kind == "Dense"]
+    setup.prompts = dict(folder.settings.get("prompts") or {})
+    setup.similarity_fn_name = folder.settings.get("similarity_fn_name")
+    setup.sentence_config = folder.sentence_config
     return setup
 
 
@@ -108,12 +97,12 @@ class DenseModel(HeadModel):
         nn.Module.__init__(self)
         self.args = model.args
         self.model = model
-        denses = [load_dense(folder) for folder in folders]
+        denses = [read_dense(folder) for folder in folders]
         for folder, dense in zip(folders, denses, strict=True):
             if dense.use_residual:
                 raise ValueError(f"{folder / 'config.json'}: a Dense module with use_residual cannot be trained here")
         self.dense = [dense.linear for dense in denses]
-        self.configs = [read_json_object(folder / "config.json") for folder in folders]
+        self.configs = [dense.config for dense in denses]
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
         return self.model(input_ids, attention_mask, token_type_ids)
@@ -147,13 +136,9 @@ def save_sentence_transformer(
     at all."""
     dense = list(zip(model.dense, model.configs, strict=True)) if isinstance(model, DenseModel) else []
     model = model.model if isinstance(model, DenseModel) else model
-    modules = [("0", "", TRANSFORMER), ("1", "1_Pooling", POOLING)]
-    modules += [(str(i), f"{i}_Dense", DENSE) for i in range(2, 2 + len(dense))]
-    normalize = str(2 + len(dense))
-    modules += [(normalize, f"{normalize}_Normalize", NORMALIZE)] if setup.normalize else []
-    width = model.args.output_size
-    pooling = {"embedding_dimension": width * len(setup.pooling), "include_prompt": setup.include_prompt}
-    pooling["pooling_mode"] = setup.pooling[0] if len(setup.pooling) == 1 else list(setup.pooling)
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling")]
+    modules += [("Dense", f"{i}_Dense") for i in range(2, 2 + len(dense))]
+    modules += [("Normalize", f"{2 + len(dense)}_Normalize")] if setup.normalize else []
     sentence_config = {**setup.sentence_config, "max_seq_length": max_seq_length}
     sentence_config.setdefault("do_lower_case", False)
     settings = {
@@ -162,27 +147,17 @@ def save_sentence_transformer(
         "default_prompt_name": None,
         "similarity_fn_name": setup.similarity_fn_name or "cosine",
     }
+    pooling = st_folder.pooling_config(Pooling(setup.pooling, setup.include_prompt), model.args.output_size)
     with atomic_folder(folder, replace=True, whole=True) as tmp:
         write_checkpoint(model, model_config(model), tmp)
         tokenizer.save(tmp)
-        write_json(tmp / "modules.json", [{"idx": int(i), "name": i, "path": p, "type": t} for i, p, t in modules])
-        write_json(tmp / "sentence_bert_config.json", sentence_config)
-        write_json(tmp / "config_sentence_transformers.json", settings)
-        (tmp / "1_Pooling").mkdir()
-        write_json(tmp / "1_Pooling" / "config.json", pooling)
-        for i, (linear, config) in enumerate(dense, start=2):
-            (tmp / f"{i}_Dense").mkdir()
-            write_json(tmp / f"{i}_Dense" / "config.json", config)
-            weights = {f"linear.{k}": v for k, v in tree_flatten(linear.parameters())}
-            mx.save_safetensors(str(tmp / f"{i}_Dense" / "model.safetensors"), weights, metadata={"format": "pt"})
+        st_folder.write_folder(tmp, modules, settings, sentence_config)
+        st_folder.write_module_config(tmp, "1_Pooling", pooling)
+        for (_, rel), (linear, config) in zip(modules[2 : 2 + len(dense)], dense, strict=True):
+            st_folder.write_dense(tmp / rel, linear, config)
         if setup.normalize:
-            (tmp / f"{normalize}_Normalize").mkdir()
-            write_json(tmp / f"{normalize}_Normalize" / "config.json", {})
+            st_folder.write_module_config(tmp, modules[-1][1], {})
     return folder
-
-
-def write_json(path: Path, value) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
 
 
 # ----- data -----

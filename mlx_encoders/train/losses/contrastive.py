@@ -12,17 +12,12 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from ...embeddings.vectors import normalize as l2_normalize  # differentiable: the losses use it too
 from ..config import check_option
 
 LOSS_SIMILARITIES = ("cosine", "dot")  # what a contrastive loss scores pairs with
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
-NORM_EPS = 1e-12  # torch's F.normalize
-
-
-def l2_normalize(x: mx.array) -> mx.array:
-    """torch's `F.normalize(x, p=2, dim=-1)`: x / max(||x||, 1e-12)."""
-    return x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), NORM_EPS)
 
 
 def similarity_matrix(a: mx.array, b: mx.array, name: str) -> mx.array:

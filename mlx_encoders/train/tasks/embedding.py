@@ -13,9 +13,9 @@ from ... import distributed
 from ...checkpoint.build import load_model
 from ...checkpoint.files import Checkpoint, resolve
 from ...checkpoint.tokenizer import tokenizer_for
-from ...embeddings.sentence import lowercase
+from ...embeddings.folder import apply_sentence_config
 from ...models.layers import drawing_from
-from ...tokenizer import Tokenizer
+from ...tokenizer import Tokenizer, token_limit
 from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import Trained
 from ..embedding import (
@@ -91,10 +91,8 @@ def text_examples(
     `columns` the data's columns to read (`data.select_columns`)."""
     tok = tokenizer_for(checkpoint.args, tokenizer if tokenizer is not None else checkpoint)
     check_max_length(max_length, "sentence-embedding", tok, pairs=False)  # a text of special tokens alone
-    if sentence_config.get("do_lower_case"):
-        lowercase(tok)
-    limit = max_length or sentence_config.get("max_seq_length") or tok.model_max_length
-    limit = min(limit, checkpoint.args.max_tokens or limit)
+    apply_sentence_config(tok, sentence_config)
+    limit = token_limit(tok, checkpoint.args.max_tokens, max_length, sentence_config.get("max_seq_length"))
     read = dict(query_prompt=query_prompt, document_prompt=document_prompt, max_length=limit,
                 query_max_length=query_max_length, columns=columns)  # fmt: skip
     examples = embedding_data(data, tok, **read)

@@ -24,28 +24,29 @@ from mlx.utils import tree_flatten
 from ... import distributed
 from ...checkpoint.atomic import atomic_folder
 from ...checkpoint.build import load_model
-from ...checkpoint.files import Checkpoint, read_json_object, read_modules, read_safetensors, resolve
+from ...checkpoint.files import Checkpoint, read_safetensors, resolve
 from ...checkpoint.write import model_config, write_checkpoint
+from ...embeddings import folder as st_folder
+from ...embeddings.folder import (
+    DENSE_ACTIVATIONS,
+    TRANSFORMERS,
+    MultiVectorMask,
+    read_folder,
+    read_splade_pooling,
+)
 from ...embeddings.multi_vector import MultiVectorEncoder
-from ...embeddings.sentence import DENSE_ACTIVATIONS
-from ...embeddings.sparse import ACTIVATIONS, POOLING_STRATEGIES, splade_pool
+from ...embeddings.sparse import splade_pool
 from ...embeddings.vectors import normalize
 from ...tokenizer import Tokenizer
 from ..checkpointing import MODEL_FOLDER
 from ..config import OptionError, Trained
-from ..embedding import EmbeddingObjective, TextExamples, write_json
+from ..embedding import EmbeddingObjective, TextExamples
 from ..losses.multi_vector import MaxSimRankingLoss
 from ..losses.sparse import SpladeLoss
 from ..objective import OwnFormat
 from ..options import Data
 from .embedding import text_examples, train_objective
 
-ST = "sentence_transformers."
-TRANSFORMER = ST + "base.modules.transformer.Transformer"
-SPLADE_POOLING = ST + "sparse_encoder.modules.splade_pooling.SpladePooling"
-DENSE = ST + "base.modules.dense.Dense"
-MASK = ST + "multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask"
-NORMALIZE = ST + "base.modules.normalize.Normalize"
 COLBERT_DIMENSION = 128  # sentence-transformers' projection for a plain encoder
 PROJECTIONS_FILE = "projections.safetensors"  # a multivector training checkpoint's Dense weights
 
@@ -57,7 +58,7 @@ class RetrievalSetup:
 
     root: Path
     transformer: Path
-    modules: list[tuple[str, str]]  # (type, path relative to the root; "" for the root) in modules.json order
+    modules: list[tuple[str, str]]  # (type or kind, path relative to the root; "" for the root) in modules.json order
     settings: dict
     sentence_config: dict
 
@@ -69,22 +70,12 @@ class RetrievalSetup:
 def read_retrieval_setup(path: Path, model_type: str, allowed: tuple[str, ...]) -> RetrievalSetup:
     """The setup of a sentence-transformers folder of `allowed` module kinds (no modules.json: a plain
     checkpoint, its modules left to the caller)."""
-    found = read_modules(path)
-    modules, transformer = [], path
-    for kind, folder in found:
-        name = kind.rsplit(".", 1)[-1]
-        if name not in allowed:
-            raise ValueError(
-                f"{path / 'modules.json'}: module {name} ({folder.name}) cannot be trained here; {model_type} "
-                f"training takes {', '.join(allowed)} modules"
-            )
-        if name in ("Transformer", "MLMTransformer"):
-            transformer = folder
-        modules.append((kind, str(folder.relative_to(path)) if folder != path else ""))
-    settings = dict(read_json_object(path / "config_sentence_transformers.json"))
+    folder = read_folder(path)
+    folder.check_kinds(allowed, f"{model_type} training")
+    modules = [(m.type, str(m.folder.relative_to(path)) if m.folder != path else "") for m in folder.modules]
+    settings = dict(folder.settings)
     settings.setdefault("model_type", model_type)
-    sentence_config = dict(read_json_object(transformer / "sentence_bert_config.json"))
-    return RetrievalSetup(path, transformer, modules, settings, sentence_config)
+    return RetrievalSetup(path, folder.transformer, modules, settings, folder.sentence_config)
 
 
 def prompts_of(setup: RetrievalSetup, query_prompt: str | None, document_prompt: str | None) -> tuple[str, str]:
@@ -108,9 +99,7 @@ def save_retrieval_folder(
     transformer (`write_transformer(path)`) with the tokenizer and sentence_bert_config.json at its path, the
     prompts in config_sentence_transformers.json, and `files` (relative path -> a JSON value, or a dict of
     arrays for a .safetensors file) written over them. Written whole or not at all."""
-    transformer = next(
-        rel for kind, rel in setup.modules if kind.rsplit(".", 1)[-1] in ("Transformer", "MLMTransformer")
-    )
+    transformer = next(rel for kind, rel in setup.modules if kind.rsplit(".", 1)[-1] in TRANSFORMERS)
     sentence_config = dict(setup.sentence_config)
     if max_seq_length is not None:
         sentence_config["max_seq_length"] = max_seq_length
@@ -118,20 +107,15 @@ def save_retrieval_folder(
         for _, rel in setup.modules:
             if rel and rel != transformer and (setup.root / rel).is_dir():
                 shutil.copytree(setup.root / rel, tmp / rel)
-        target = tmp / transformer
-        target.mkdir(parents=True, exist_ok=True)
-        write_transformer(target)
-        tokenizer.save(target)
-        write_json(target / "sentence_bert_config.json", sentence_config)
-        modules = [{"idx": i, "name": str(i), "path": rel, "type": kind} for i, (kind, rel) in enumerate(setup.modules)]
-        write_json(tmp / "modules.json", modules)
-        write_json(tmp / "config_sentence_transformers.json", setup.settings)
+        st_folder.write_folder(tmp, setup.modules, setup.settings, sentence_config, transformer)
+        write_transformer(tmp / transformer)
+        tokenizer.save(tmp / transformer)
         for rel, value in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             if rel.endswith(".safetensors"):
                 mx.save_safetensors(str(tmp / rel), dict(value))
             else:
-                write_json(tmp / rel, value)
+                st_folder.write_json(tmp / rel, value)
     return folder
 
 
@@ -172,30 +156,24 @@ def train_sparse(data: Data, run: SimpleNamespace) -> Trained:
                 f"{path}: a {checkpoint.task} checkpoint; fine_tune('sparse') starts from a masked-LM checkpoint "
                 "(its head gives the vocabulary weights) or a SparseEncoder folder"
             )
-        setup.modules = [(TRANSFORMER, ""), (SPLADE_POOLING, "1_SpladePooling")]
+        setup.modules = [("Transformer", ""), ("SpladePooling", "1_SpladePooling")]
         setup.sentence_config = {"transformer_task": "fill-mask", **setup.sentence_config}
     pooling_folder = next((rel for kind, rel in setup.modules if kind.endswith("SpladePooling")), None)
     if pooling_folder is None:
         raise ValueError(f"{path / 'modules.json'}: no SpladePooling module after the transformer")
-    pooling = {"pooling_strategy": "max", "activation_function": "relu", "embedding_dimension": None}
-    pooling |= dict(read_json_object(path / pooling_folder / "config.json"))
-    if pooling["pooling_strategy"] not in POOLING_STRATEGIES or pooling["activation_function"] not in ACTIVATIONS:
-        raise ValueError(
-            f"{path / pooling_folder / 'config.json'}: pooling_strategy must be one of {POOLING_STRATEGIES} and "
-            f"activation_function one of {ACTIVATIONS}"
-        )
+    pooling = read_splade_pooling(path / pooling_folder)  # defaults where the folder is new
     query, document = prompts_of(setup, run.query_prompt, run.document_prompt)
     tok, _, examples, evaluation = text_examples(
         checkpoint, run.tokenizer, setup.sentence_config, run.max_length, data, run.eval_data, query, document,
         columns=run.columns,
     )  # fmt: skip
     sampler = run.batch_sampler or "no_duplicates"
-    strategy, activation = pooling["pooling_strategy"], pooling["activation_function"]
+    strategy, activation = pooling.strategy, pooling.activation
     objective = SparseObjective(loss, tok, batch_sampler=sampler, strategy=strategy, activation=activation)
     net = load_model(checkpoint, dtype="float32", task="masked-lm")
     net, metrics = train_objective(net, tok, objective, examples, evaluation, run)
     setup.settings.setdefault("similarity_fn_name", "dot")
-    files = {f"{pooling_folder}/config.json": pooling}
+    files = {f"{pooling_folder}/config.json": pooling.config()}
     saved = options.output_dir / MODEL_FOLDER
     if distributed.is_main():  # under mlx.launch, rank 0 alone writes
         save_retrieval_folder(saved, writer(net), tok, setup, files, run.max_length)
@@ -245,12 +223,13 @@ class SentenceTransformerSource(MultiVectorEncoder):
     """A SentenceTransformer folder's transformer alone (its pooling and Normalize dropped), as sentence-transformers'
     MultiVectorEncoder reads one before adding the token modules."""
 
-    def __init__(self, path: Path, transformer: Path):
-        self.transformer_folder = transformer
+    def __init__(self, path: Path):
         super().__init__(path, dtype="float32", similarity_fn_name="maxsim")
 
-    def read_modules(self) -> Path:
-        return self.transformer_folder
+    def read_folder(self):
+        folder = read_folder(self.path)
+        folder.modules = [m for m in folder.modules if m.kind == "Transformer"]
+        return folder
 
 
 def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
@@ -264,7 +243,7 @@ def converted(path: Path, setup: RetrievalSetup) -> MultiVectorEncoder:
     prompts = setup.prompts
     setup.modules, setup.settings = [], {"model_type": "MultiVectorEncoder", "similarity_fn_name": "maxsim"}
     setup.settings["prompts"] = prompts
-    return SentenceTransformerSource(path, setup.transformer)
+    return SentenceTransformerSource(path)
 
 
 @dataclass
@@ -320,16 +299,15 @@ def train_multivector(data: Data, run: SimpleNamespace) -> Trained:
         projection.weight = mx.random.uniform(-bound, bound, projection.weight.shape, key=mx.random.key(options.seed))
         encoder.dense, encoder.normalize = [], True
         projections = [projection]
-        setup.modules = [(TRANSFORMER, ""), (DENSE, "1_Dense"), (MASK, "2_MultiVectorMask"), (NORMALIZE, "3_Normalize")]
+        setup.modules = [("Transformer", ""), ("Dense", "1_Dense"), ("MultiVectorMask", "2_MultiVectorMask"),
+                         ("Normalize", "3_Normalize")]  # fmt: skip
         setup.sentence_config = {"transformer_task": "feature-extraction", **setup.sentence_config}
         files["1_Dense/config.json"] = {
             "in_features": width, "out_features": COLBERT_DIMENSION, "bias": False,
             "activation_function": "torch.nn.modules.linear.Identity", "module_input_name": "token_embeddings",
             "module_output_name": "token_embeddings",
         }  # fmt: skip
-        files["2_MultiVectorMask/config.json"] = {
-            "skiplist_words": [], "skiplist_tasks": ["document"], "keep_only_token_ids": None
-        }  # fmt: skip
+        files["2_MultiVectorMask/config.json"] = MultiVectorMask().config()
         files["3_Normalize/config.json"] = {
             "module_input_name": "token_embeddings", "module_output_name": "token_embeddings"
         }  # fmt: skip
