@@ -27,9 +27,10 @@ from test_sparse import MAX_SEQ_LENGTH, save_splade
 from tolerance import assert_float32_close, encoder_terms
 
 from mlx_encoders import MultiVectorEncoder, SentenceEncoder, SparseEncoder
+from mlx_encoders.embeddings.auto import encoder_kind as kind_of
 from mlx_encoders.index import Index, ann, build
 from mlx_encoders.index.search import PRECISIONS
-from mlx_encoders.serve.models import ServedModel, kind_of
+from mlx_encoders.serve.models import ServedModel
 from mlx_encoders.serve.search import ServedIndex, open_at_start, open_index
 
 TEXTS = ["A cat sat on the mat.", "Sparse vectors explain their matches, token by token.", "x", "Ferns like shade."]

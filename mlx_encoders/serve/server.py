@@ -197,6 +197,17 @@ class Server:
             )  # fmt: skip
         return out
 
+    async def rank(
+        self, model: ServedModel, query: str, docs: list[str], truncate: bool, raw: bool = False,
+        param: str = "documents", **tokenize,
+    ) -> tuple[np.ndarray, np.ndarray, list]:  # fmt: skip
+        """Every protocol's rerank: (the (query, document) pairs' scores as `CrossEncoder.predict` gives them, or
+        the logits with `raw`; the documents' order, best first; the pairs' tokenized items). `tokenize`: more of
+        `ServedModel.tokenize`'s options."""
+        items = await self.tokenize(model, model.tokenize, [query] * len(docs), truncate, docs, param, **tokenize)
+        scores = model.scores(await self.run(model, items), raw)
+        return scores, np.argsort(-scores, kind="stable"), items
+
     def index(self, name) -> ServedIndex:
         """The index `name` (None: the only one served); 404 naming the served ones."""
         if name is None and len(self.indexes) == 1:
