@@ -185,6 +185,21 @@ def test_predict_takes_tei_inputs_and_raw_scores(server, folders, one_torch_thre
             assert [x["label"] for x in answer] == labels
             assert_float32_close([x["score"] for x in answer], values, terms)
 
+    # a text longer than the 128 tokens the model takes, cut at its start (transformers' truncation_side "left")
+    long = f"{LONG} {LONG}"
+    tokenizer.truncation_side = "left"
+    with torch.no_grad():
+        cut = model(**tokenizer(long, truncation=True, max_length=128, return_tensors="pt")).logits[0].numpy()
+    body = {"model": "classify", "inputs": long, "raw_scores": True, "truncate": True, "truncation_direction": "left"}
+    answer = post(server, "/predict", body)
+    labels, values = ranked(cut)
+    assert [x["label"] for x in answer] == labels
+    assert_float32_close([x["score"] for x in answer], values, encoder_terms(folders["classify"], [long]))
+    tokenizer.truncation_side = "right"
+    with torch.no_grad():
+        end_cut = model(**tokenizer(long, truncation=True, max_length=128, return_tensors="pt")).logits[0].numpy()
+    assert not np.allclose(cut, end_cut, atol=1e-3)  # the case tells the two sides apart
+
 
 def test_rerank_on_its_route_and_on_root(server, folders, one_torch_thread):
     from sentence_transformers import CrossEncoder

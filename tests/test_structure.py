@@ -58,12 +58,7 @@ def test_the_reader_sees_relative_imports():
     assert "jsonfile" in imported(PACKAGE / "tokenizer.py")
 
 
-# What serve/ may import from the rest of the package, module by module: the encoders and the text-classification
-# pipeline it serves (classes, `load_encoder` choosing one for a folder, `quantize_embeddings` for typed vectors,
-# the pipeline's function names), the index it searches, the checkpoint layer's finding and reading of a model's
-# files (a hub id, its digest, a model's config.json for Ollama's listing), the package version and the debug
-# switch. Tokenization, pooling, prompts, normalisation and scores are the encoders' own: reaching for their
-# helpers (`resolve_prompt`, `task_adapter`, `softmax`, ...) would copy their logic into the server.
+# what serve/ may import from the rest of the package, module by module (see the test's docstring)
 SERVE_MAY_IMPORT = {
     "mlx_encoders": {"__version__"},
     "mlx_encoders.errors": {"DEBUG_ENV"},
@@ -97,6 +92,13 @@ def imported_names(file: Path) -> set[tuple[str, str]]:
 
 
 def test_serve_reaches_the_package_only_through_the_encoders_public_interface():
+    """serve/ imports from the package only what SERVE_MAY_IMPORT lists: the encoders it serves and the
+    text-classification pipeline that labels a classifier's scores (their classes; `load_encoder`, which picks the
+    encoder a folder holds; `quantize_embeddings` for typed vectors; the pipeline's function names), the index it
+    searches, the checkpoint layer's finding and reading of a model's files (a hub id's folder, its digest, the
+    config.json Ollama's listing reads), the package version and the debug switch. Tokenization, prompts, pooling,
+    normalisation and activations are the encoders' own: importing their helpers (`resolve_prompt`, `task_adapter`,
+    `softmax`, ...) is how the server came to redo `encode`, so any other name fails here."""
     wrong = []
     for file in sorted((PACKAGE / "serve").rglob("*.py")):
         for module, name in sorted(imported_names(file)):
