@@ -4,12 +4,15 @@ one-forward-per-request server (the no-batching baseline) and, optionally, infin
 Each level runs N client threads (`--clients 1,8,64`) for `--seconds`, each sending its next request as soon as
 the last one is answered (keep-alive connections), 1 to `--max-texts` texts of the standard-library docstrings a
 request (`--max-texts 1`: single-text clients). Prints per server and level texts/s, requests/s and p50/p99
-latency; then the offline `SentenceEncoder.encode` throughput on the same texts, the latency of one short text on
-an idle server against in-process `encode`, and each server's peak memory (VmHWM).
+latency and its throughput as a ratio of offline `SentenceEncoder.encode` on the same texts (measured first), then
+per server the latency of one short text on an idle server against in-process `encode` and its peak memory
+(VmHWM); last, each server's throughput at each level as a ratio of infinity-emb's when it ran.
 
     python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
     python benchmarks/serve.py --max-texts 1 --clients 64        # the single-text target
     python benchmarks/serve.py --infinity-python /work/infinity-venv/bin/python   # add infinity-emb
+
+infinity-emb runs too, without `--infinity-python`, when this interpreter can import it.
 
 The baseline is the same stack (Starlette on uvicorn) whose handler calls `encode` on its request's texts alone,
 one request at a time. infinity-emb runs only with `--infinity-python`, the interpreter of a virtual environment
@@ -26,6 +29,7 @@ is its default). Its venv, CPU torch first so that infinity-emb does not pull a 
 
 import argparse
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -56,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--infinity-python", help="python of a venv with infinity-emb installed (adds `infinity`)")
     p.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the baseline's process
     args = p.parse_args()
+    if args.infinity_python is None and importlib.util.find_spec("infinity_emb") is not None:
+        args.infinity_python = sys.executable
     if "infinity" in args.servers.split(",") and not args.infinity_python:
         p.error("--servers infinity needs --infinity-python PATH (the python of a venv with infinity-emb installed)")
     return args
@@ -256,20 +262,28 @@ def main() -> None:
     print(f"{len(texts)} stdlib docstrings, 1-{args.max_texts} a request, {args.seconds:g} s a level, {args.model}")
     rate, short = offline(args.model, texts)
     print(f"offline encode: {rate:.1f} texts/s; one short text {short:.1f} ms")
-    print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
+          f"{'x encode':>8}")  # fmt: skip
+    rates = {}
     for name in dict.fromkeys(servers):
         with tempfile.TemporaryFile() as log:
             process, port = start(name, args, log)
             try:
                 for clients in levels:
                     r = load(port, clients, texts, args.max_texts, args.seconds)
+                    rates[name, clients] = r["texts/s"]
                     print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} "
-                          f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6}", flush=True)  # fmt: skip
+                          f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6} {r['texts/s'] / rate:>7.2f}x",
+                          flush=True)  # fmt: skip
                 idle = idle_latency(port)
                 print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
                       f"peak memory {peak_memory_mb(process.pid):.0f} MB", flush=True)  # fmt: skip
             finally:
                 stop(process)
+    if "infinity" in servers:
+        for (name, clients), texts_per_s in rates.items():
+            if name != "infinity" and rates.get(("infinity", clients)):
+                print(f"{name} / infinity at {clients} clients: {texts_per_s / rates['infinity', clients]:.2f}x")
 
 
 if __name__ == "__main__":

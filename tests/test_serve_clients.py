@@ -424,6 +424,7 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
     with in_process(app) as url:
         client = ollama.Client(host=url)
         assert {m.model for m in client.list().models} == {"rerank:latest", "minilm:latest", "broken:latest"}
+        assert [m["id"] for m in call(url, "/v1/models")[1]["data"]] == ["rerank", "broken", "minilm"]
         assert set(served) == {"rerank"} and {m.model for m in client.ps().models} == {"rerank:latest"}
 
         answer = client.embed(model="minilm:latest", input=TEXTS, keep_alive="1s")  # loaded for this request

@@ -185,6 +185,21 @@ def test_predict_takes_tei_inputs_and_raw_scores(server, folders, one_torch_thre
             assert [x["label"] for x in answer] == labels
             assert_float32_close([x["score"] for x in answer], values, terms)
 
+    # a text longer than the 128 tokens the model takes, cut at its start (transformers' truncation_side "left")
+    long = f"{LONG} {LONG}"
+    tokenizer.truncation_side = "left"
+    with torch.no_grad():
+        cut = model(**tokenizer(long, truncation=True, max_length=128, return_tensors="pt")).logits[0].numpy()
+    body = {"model": "classify", "inputs": long, "raw_scores": True, "truncate": True, "truncation_direction": "left"}
+    answer = post(server, "/predict", body)
+    labels, values = ranked(cut)
+    assert [x["label"] for x in answer] == labels
+    assert_float32_close([x["score"] for x in answer], values, encoder_terms(folders["classify"], [long]))
+    tokenizer.truncation_side = "right"
+    with torch.no_grad():
+        end_cut = model(**tokenizer(long, truncation=True, max_length=128, return_tensors="pt")).logits[0].numpy()
+    assert not np.allclose(cut, end_cut, atol=1e-3)  # the case tells the two sides apart
+
 
 def test_rerank_on_its_route_and_on_root(server, folders, one_torch_thread):
     from sentence_transformers import CrossEncoder
@@ -355,11 +370,14 @@ def test_a_server_configured_by_its_variables(folders):
 
 def test_health_answers_within_50_ms_while_2048_inputs_are_tokenized_and_run(folders):
     """A 2,048-input request of long texts (its body parsed, its texts tokenized, run, its token vectors written)
-    leaves the event loop free: /health answers within 50 ms (99 probes of 100: the machine's other work delays
-    a few, none by half a second)."""
-    process = launch(["--model", f"m={folders['prompted']}", "--max-request-bytes", str(32 * 2**20)])
+    leaves the event loop free: /health answers within 50 ms. The machine's own delays (other processes on a shared
+    machine, this server's threads using the cores) reach an idle server too: a second, idle server of the same
+    model is probed between the probes, and the loaded one may be slower by 50 ms at the 99th percentile (by half a
+    second at the most), not more."""
+    args = ["--model", f"m={folders['prompted']}", "--max-request-bytes", str(32 * 2**20)]
+    process, idle = launch(args), launch(args)
     try:
-        url = url_of(process)
+        url, control = url_of(process), url_of(idle)
         body = json.dumps({"inputs": [f"{i} {LONG}" for i in range(2048)]})  # answered with 2M numbers
         request = urllib.request.Request(url + "/embed_all", body.encode(), {"Content-Type": "application/json"})
 
@@ -367,18 +385,25 @@ def test_health_answers_within_50_ms_while_2048_inputs_are_tokenized_and_run(fol
             with urllib.request.urlopen(request, timeout=300) as response:
                 return response.status, len(response.read())
 
-        latencies, done = [], threading.Event()
+        def probe(at: str) -> float:
+            start = time.perf_counter()
+            assert call(at, "/health")[0] == 200
+            return time.perf_counter() - start
+
+        loaded, machine, done = [], [], threading.Event()
         with ThreadPoolExecutor(1) as pool:
             large = pool.submit(send)
             large.add_done_callback(lambda _: done.set())
             while not done.is_set():
-                start = time.perf_counter()
-                assert call(url, "/health")[0] == 200
-                latencies.append(time.perf_counter() - start)
+                loaded.append(probe(url))
+                machine.append(probe(control))
                 time.sleep(0.005)
             status, size = large.result()
         assert status == 200 and size > 2048 * 32 * 32 * 4
-        assert len(latencies) >= 50, latencies
-        assert np.percentile(latencies, 99) < 0.05 and max(latencies) < 0.5, sorted(latencies)[-10:]
+        assert len(loaded) >= 50, loaded
+        slowest = f"loaded: {sorted(loaded)[-5:]}, idle: {sorted(machine)[-5:]}"
+        assert np.percentile(loaded, 99) < 0.05 + np.percentile(machine, 99), slowest
+        assert max(loaded) < 0.5 + max(machine), slowest
     finally:
         stop(process)
+        stop(idle)

@@ -102,3 +102,62 @@ def test_train_has_no_import_circle():
 
     for module in sorted(edges):
         visit(module)
+
+
+# what serve/ may import from the rest of the package, module by module (see the test's docstring)
+SERVE_MAY_IMPORT = {
+    "mlx_encoders": {"__version__"},
+    "mlx_encoders.errors": {"DEBUG_ENV"},
+    "mlx_encoders.checkpoint": {"resolve", "folder_digest", "read_json_object"},
+    "mlx_encoders.embeddings.auto": {"load_encoder"},
+    "mlx_encoders.embeddings.sentence": {"SentenceEncoder"},
+    "mlx_encoders.embeddings.cross_encoder": {"CrossEncoder"},
+    "mlx_encoders.embeddings.sparse": {"SparseEncoder", "SparseVectors"},
+    "mlx_encoders.embeddings.multi_vector": {"MultiVectorEncoder"},
+    "mlx_encoders.embeddings.vectors": {"quantize_embeddings"},
+    "mlx_encoders.pipelines.text_classification": {"TextClassificationPipeline", "FUNCTIONS"},
+    "mlx_encoders.index": {"Hit", "Index", "StaleIndex"},
+    "mlx_encoders.index.search": {"FUSIONS", "RRF_K"},
+}
+
+
+def imported_names(file: Path) -> set[tuple[str, str]]:
+    """(dotted module, name) of each `from M import name` in `file` (anywhere in it, relative imports resolved);
+    (module, "*") for each `import mlx_encoders.M`."""
+    parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found |= {(module, alias.name) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(alias.name, "*") for alias in node.names}
+    return found
+
+
+def test_serve_reaches_the_package_only_through_the_encoders_public_interface():
+    """serve/ imports from the package only what SERVE_MAY_IMPORT lists: the encoders it serves and the
+    text-classification pipeline that labels a classifier's scores (their classes; `load_encoder`, which picks the
+    encoder a folder holds; `quantize_embeddings` for typed vectors; the pipeline's function names), the index it
+    searches, the checkpoint layer's finding and reading of a model's files (a hub id's folder, its digest, the
+    config.json Ollama's listing reads), the package version and the debug switch. Tokenization, prompts, pooling,
+    normalisation and activations are the encoders' own: importing their helpers (`resolve_prompt`, `task_adapter`,
+    `softmax`, ...) is how the server came to redo `encode`, so any other name fails here."""
+    wrong = []
+    for file in sorted((PACKAGE / "serve").rglob("*.py")):
+        for module, name in sorted(imported_names(file)):
+            if module.split(".")[0] != "mlx_encoders" or module.startswith("mlx_encoders.serve"):
+                continue
+            if name not in SERVE_MAY_IMPORT.get(module, ()):
+                wrong.append(f"{file.relative_to(PACKAGE)} imports {name} from {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_serve_reader_resolves_what_serve_imports():
+    """The check above would pass on a reader that found nothing: it finds known imports, relative and nested."""
+    assert ("mlx_encoders.embeddings.auto", "load_encoder") in imported_names(PACKAGE / "serve" / "models.py")
+    ollama = imported_names(PACKAGE / "serve" / "protocols" / "ollama.py")
+    assert {("mlx_encoders", "__version__"), ("mlx_encoders.checkpoint", "read_json_object")} <= ollama
+    assert ("mlx_encoders.serve.errors", "ApiError") in ollama

@@ -182,12 +182,9 @@ class CrossEncoder(Encoder):
         pairs, single = pair_list(sentences)
         check_count("predict() batch_size", batch_size, 1)
         prefix = self.input_prompt(prompt_name, prompt, caller="predict()")
-        logits = self.logits(pairs, prefix, batch_size, show_progress_bar)
-        scores = (activation_fn or self.activation_fn)(logits)
+        scores = self.activate(self.logits(pairs, prefix, batch_size, show_progress_bar), activation_fn, apply_softmax)
         if self.num_labels == 1:
             scores = scores.squeeze(-1)
-        elif apply_softmax:
-            scores = mx.softmax(scores, axis=-1)
         if convert_to_tensor:
             out = scores
         elif convert_to_numpy:
@@ -195,6 +192,14 @@ class CrossEncoder(Encoder):
         else:
             out = list(scores)
         return out[0] if single else out
+
+    def activate(
+        self, logits: mx.array, activation_fn: Callable | None = None, apply_softmax: bool = False
+    ) -> mx.array:
+        """`predict`'s scores of (N, num_labels) logits (`encoding_logits`'): `activation_fn` (default the model's),
+        then a softmax with `apply_softmax` when there are several labels; still (N, num_labels)."""
+        scores = (activation_fn or self.activation_fn)(logits)
+        return mx.softmax(scores, axis=-1) if apply_softmax and self.num_labels > 1 else scores
 
     def logits(
         self, pairs: list[tuple[str, str]], prompt: str, batch_size: int, show_progress: bool | None
@@ -205,9 +210,9 @@ class CrossEncoder(Encoder):
         return mx.array(self.encoding_logits(self.tokenize(pairs, prompt), batch_size, show_progress))
 
     def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "") -> list:
-        """Each pair as the model reads it, cut to `max_seq_length` (`overflowing` non-empty where cut): through the
-        chat template as a [system prompt,] query, document conversation, else as a text pair, the prompt
-        before the query."""
+        """Each pair as the model reads it (the inputs of `encoding_logits`), cut to `max_seq_length` (`overflowing`
+        non-empty where cut): through the chat template as a [system prompt,] query, document conversation, else as a
+        text pair, the prompt before the query."""
         if not pairs:
             return []
         if self.chat_template is None:

@@ -215,7 +215,10 @@ class MultiVectorEncoder(Embedder):
         out = out if convert_to_numpy else [mx.array(m) for m in out]
         return out[0] if single else out
 
-    def tokenize(self, texts: list[str], task: str | None) -> list:
+    def tokenize(self, texts: list[str], task: str | None = None, prompt: str = "") -> list:
+        """`texts` as the model reads them for `task`, `prompt` (see `input_prompt`) before each, cut to
+        `max_length(task)` (`overflowing` non-empty where cut): the inputs of `run_encodings`."""
+        texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_length(task))
 
     def run(self, texts: list[str], task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
@@ -232,7 +235,9 @@ class MultiVectorEncoder(Embedder):
             )
         return self.run_encodings(encodings, task, batch_size, show_progress)
 
-    def run_encodings(self, encodings: list, task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
+    def run_encodings(
+        self, encodings: list, task: str | None = None, batch_size: int = 32, show_progress: bool | None = False
+    ) -> list[np.ndarray]:
         """Per tokenized text (e.g. a server's batch of many requests) its (n_i, D) float32 scored-token matrix."""
         expansion = self.query_expansion if task == "query" else None
         out: list = [None] * len(encodings)

@@ -143,8 +143,38 @@ class SentenceEncoder(Embedder):
         encoding = self.tokenizer.encode_batch([prompt], truncation=False)[0]
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
-    def tokenize(self, texts: list[str]) -> list[Encoding]:
-        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+    def tokenize(
+        self, texts: list[str], prompt: str = "", max_length: int | None = None, direction: str = "right"
+    ) -> list[Encoding]:
+        """`texts` as the model reads them, `prompt` before each (see `input_prompt`), cut to `max_seq_length`
+        tokens (or a shorter `max_length`) at their end, or at their start with `direction` "left"; an
+        encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
+        limit = self.max_seq_length if max_length is None else min(self.max_seq_length, max_length)
+        texts = [prompt + t for t in texts] if prompt else texts
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=limit, direction=direction)
+
+    def pooled_prompt_tokens(self, prompt: str) -> int:
+        """The tokens of `prompt` that pooling leaves out: none when the model's Pooling includes the prompt."""
+        return 0 if self.include_prompt else self.prompt_length(prompt)
+
+    def adapter_for(
+        self, prompt_name: str | None = None, prompt: str | None = None, task: str | None = None,
+        role: str | None = None,
+    ) -> str | None:  # fmt: skip
+        """The task adapter `encode` computes with (see its `task` and `role`); None for a model without them."""
+        name = prompt_name if prompt_name is not None or prompt is not None else self.default_prompt_name
+        return task_adapter(self.model, task, name, role)
+
+    def postprocess(
+        self, vectors: np.ndarray, truncate_dim: int | None = None, normalize_embeddings: bool = False,
+        precision: str = "float32",
+    ) -> np.ndarray:  # fmt: skip
+        """`encode`'s steps after the model on `run_encodings`' (N, D) vectors: `truncate_dim` (default the model's),
+        then `normalize_embeddings`, then `precision` (`quantize_embeddings` over these rows)."""
+        vectors = vectors[:, : self.truncate_dim if truncate_dim is None else truncate_dim]
+        if normalize_embeddings:
+            vectors = np.array(normalize(mx.array(vectors)))
+        return quantize_embeddings(vectors, precision)
 
     def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
         """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
@@ -198,27 +228,22 @@ class SentenceEncoder(Embedder):
             check_count("encode() truncate_dim", truncate_dim, 1)
         self.check_max_seq_length()
         prefix = self.input_prompt(prompt_name, prompt)
-        prompt_tokens = self.prompt_length(prefix)
-        skipped = 0 if self.include_prompt else prompt_tokens
         tokens = output_value != "sentence_embedding"
-        texts = [prefix + t for t in texts]
-        name = prompt_name if prompt_name is not None or prompt is not None else self.default_prompt_name
-        adapter = task_adapter(self.model, task, name, role)
-        with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():
-            encodings, vectors, token_vectors = self.run(texts, batch_size, show_progress_bar, skipped, tokens)
-        vectors = vectors[:, :truncate_dim]
+        adapter = self.adapter_for(prompt_name, prompt, task, role)
+        encodings, vectors, token_vectors = self.run(
+            texts, batch_size, show_progress_bar, self.pooled_prompt_tokens(prefix), tokens, prefix, adapter
+        )
         if output_value == "token_embeddings":
             out = quantize_embeddings(token_vectors, precision) if precision != "float32" else token_vectors
             out = [mx.array(m) if m.dtype == np.float32 else m for m in out]  # quantized ones stay numpy, as theirs
         elif output_value is None:
+            prompt_tokens = self.prompt_length(prefix) if prefix else None
             out = [
-                self.features(*item, prompt_tokens if prefix else None)
-                for item in zip(encodings, token_vectors, vectors, strict=True)
+                self.features(*item, prompt_tokens)
+                for item in zip(encodings, token_vectors, vectors[:, :truncate_dim], strict=True)
             ]
         else:
-            if normalize_embeddings:
-                vectors = np.array(normalize(mx.array(vectors)))
-            out = quantize_embeddings(vectors, precision)
+            out = self.postprocess(vectors, truncate_dim, normalize_embeddings, precision)
             if convert_to_tensor:
                 out = mx.array(out)
             elif not convert_to_numpy:
@@ -241,19 +266,22 @@ class SentenceEncoder(Embedder):
         return item
 
     def run(
-        self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool
-    ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:
+        self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool,
+        prompt: str = "", adapter: str | None = None,
+    ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:  # fmt: skip
         """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
-        encodings = self.tokenize(texts) if texts else []
+        encodings = self.tokenize(texts, prompt) if texts else []
         warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # run, encode, its caller
-        return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens)
+        return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens, adapter)
 
     def run_encodings(
-        self, encodings: list[Encoding], batch_size: int, show_progress: bool | None = False, skipped: int = 0,
-        tokens: bool = False,
+        self, encodings: list[Encoding], batch_size: int = 32, show_progress: bool | None = False, skipped: int = 0,
+        tokens: bool = False, adapter: str | None = None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
-        """`run` of tokenized texts (anything with `ids` and `type_ids`, e.g. a server's batch of many requests):
-        ((N, D) float32 sentence embeddings before truncate_dim, per text its (L, H) token embeddings when `tokens`)."""
+        """`run` of tokenized texts (`tokenize`'s, or anything with `ids` and `type_ids`: a server's batch of many
+        requests): ((N, D) float32 sentence embeddings before truncate_dim, per text its (L, H) token embeddings
+        when `tokens`). Pooling leaves out each text's first `skipped` tokens (`pooled_prompt_tokens`); the model
+        computes with the task adapter `adapter` (`adapter_for`)."""
         out = np.zeros((len(encodings), self.dimension), np.float32)
         token_vectors = [None] * len(encodings) if tokens else []
         if not encodings:
@@ -270,5 +298,6 @@ class SentenceEncoder(Embedder):
             return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
 
         lengths = [len(e.ids) for e in encodings]
-        self.batches(lengths, forward, collect, batch_size, show_progress)
+        with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():
+            self.batches(lengths, forward, collect, batch_size, show_progress)
         return out, token_vectors

@@ -330,6 +330,23 @@ class SparseEncoder(Embedder):
         """The width of the sparse vectors: the vocabulary size."""
         return self.route(None).dimension
 
+    def max_length(self, task: str | None = None) -> int | None:
+        """The tokens a text of `task` keeps (its route's `max_seq_length`); None for a route without a model."""
+        return self.route(task).max_seq_length
+
+    def tokenize(self, texts: list[str], prompt: str = "", task: str | None = None) -> list:
+        """`texts` as the route of `task` reads them, `prompt` (see `input_prompt`) before each, cut to
+        `max_length(task)` (`overflowing` non-empty where cut): the inputs of `run_encodings`."""
+        return self.route(task).tokenize([prompt + t for t in texts])
+
+    def run_encodings(
+        self, encodings: list, task: str | None = None, batch_size: int = 32, max_active_dims: int | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per tokenized text (`tokenize`'s, e.g. a server's batch of many requests) its (ids, weights), as `encode`
+        computes them: the `max_active_dims` (default the model's) largest."""
+        limit = self.max_active_dims if max_active_dims is None else max_active_dims
+        return self.route(task).run_encodings(encodings, batch_size, False, limit)
+
     def encode(
         self,
         sentences: str | list[str],

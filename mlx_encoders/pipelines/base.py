@@ -157,17 +157,18 @@ class Pipeline:
 
     def encode(
         self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool | str = True,
-        max_length: int | None = None, is_split_into_words: bool = False,
+        max_length: int | None = None, is_split_into_words: bool = False, direction: str = "right",
     ) -> list[Encoding]:  # fmt: skip
-        """Encodings truncated to `max_length` (default the model's length); without truncation, one longer than the
-        position table fails."""
+        """Encodings truncated to `max_length` (default the model's length) at their end, or at their start with
+        `direction` "left"; without truncation, one longer than the position table fails."""
         if truncation not in TRUNCATIONS:
             raise ValueError(f"Unknown truncation {truncation!r}; choose one of {TRUNCATIONS}")
         if max_length is not None:
             check_count("max_length", max_length, 1)
         truncation = truncation if truncation != "do_not_truncate" else False
+        length = max_length or self.max_length
         encodings = self.tokenizer.encode_batch(
-            texts, text_pairs, truncation, max_length or self.max_length, is_split_into_words=is_split_into_words
+            texts, text_pairs, truncation, length, is_split_into_words=is_split_into_words, direction=direction
         )
         limit = self.model.args.max_tokens
         for i, (text, e) in enumerate(zip(texts, encodings, strict=True)):

@@ -35,11 +35,22 @@ class TextClassificationPipeline(Pipeline):
         batch_size: int | None = None, **encode_options,
     ):  # fmt: skip
         """(n, num_labels) scores after softmax / sigmoid / none (default from problem_type and num_labels)."""
+        self.check_function(function_to_apply)
+        encodings = self.encode(texts, pairs, **encode_options)
+        logits = np.stack([out[0] for out in self.forward(encodings, batch_size, per_token=False)])
+        return self.activate(logits, function_to_apply)
+
+    def check_function(self, function_to_apply: str | None) -> str:
+        """`function_to_apply` in lower case (the default one for None); ValueError naming the choices if unknown."""
         function = (function_to_apply or self.default_function()).lower()
         if function not in FUNCTIONS:
             raise ValueError(f"Unrecognized function_to_apply {function_to_apply!r}; choose one of {FUNCTIONS}")
-        encodings = self.encode(texts, pairs, **encode_options)
-        logits = np.stack([out[0] for out in self.forward(encodings, batch_size, per_token=False)])
+        return function
+
+    def activate(self, logits: np.ndarray, function_to_apply: str | None = None) -> np.ndarray:
+        """(n, num_labels) scores of `logits`, as `scores` gives them: softmax, sigmoid or none (`function_to_apply`,
+        default from problem_type and num_labels)."""
+        function = self.check_function(function_to_apply)
         return {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}[function](logits)
 
     def __call__(self, inputs, **options):

@@ -3,6 +3,7 @@ print one line per model and index and the URL, serve until SIGINT or SIGTERM, t
 (those still arriving get --shutdown-timeout seconds) and exit 0."""
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -231,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         )
     server = Server(models, options, indexes, lazy)
     server.warm()
+    # what start-up built lives as long as the server: a full collection walking it would hold the event loop
+    gc.freeze()
     host = given["host"]
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -1,10 +1,10 @@
-"""The models a server holds, by what their folder is: a sentence-embedding model (`SentenceEncoder`), a sparse
-one (`SparseEncoder`, SPLADE), a multi-vector one (`MultiVectorEncoder`, ColBERT) or a sequence-classification
-model (`CrossEncoder`: reranking, and classification as the text-classification pipeline labels it); their
-tokenization and limits, and what a model worker computes for a batch."""
+"""The models a server holds: each is an encoder (`SentenceEncoder`, `SparseEncoder`, `MultiVectorEncoder`,
+`CrossEncoder`, the last with the text-classification pipeline over the same model for its labels), and a
+`ServedModel` adapts it to the batcher: the encoder tokenizes a request on the model's tokenizer thread, its
+`run_encodings` (`encoding_logits`) computes a batch of many requests' inputs on the worker, and its own
+post-processing shapes the answer."""
 
 import functools
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,15 +12,12 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Encoding
 
-from ..checkpoint import resolve
-from ..embeddings.base import resolve_prompt, task_prompt_name
+from ..embeddings.auto import load_encoder
 from ..embeddings.cross_encoder import CrossEncoder
-from ..embeddings.folder import folder_kind
 from ..embeddings.multi_vector import MultiVectorEncoder
-from ..embeddings.sentence import SentenceEncoder, task_adapter
+from ..embeddings.sentence import SentenceEncoder
 from ..embeddings.sparse import SparseEncoder
-from ..pipelines.fill_mask import softmax
-from ..pipelines.text_classification import TextClassificationPipeline, sigmoid
+from ..pipelines.text_classification import TextClassificationPipeline
 from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
@@ -30,7 +27,6 @@ FOREIGN_IDS = (
     "token ids must be the model's own, special tokens included (its tokenizer's input_ids); a client that "
     "tokenizes with tiktoken must send texts instead (LangChain's OpenAIEmbeddings: check_embedding_ctx_length=False)"
 )
-FUNCTIONS = {"softmax": softmax, "sigmoid": sigmoid, "none": lambda x: x}
 
 
 @dataclass
@@ -49,9 +45,8 @@ def default_name(source: str | Path) -> str:
 
 @dataclass
 class Tagged:
-    """A tokenized input and what its batch must know beyond its tokens: a multi-vector text's task, a sparse
-    text's Router route (query or document side), a dense text's count of prompt tokens that pooling skips and
-    its task adapter (jina-embeddings-v3's). A worker runs inputs of different tags apart."""
+    """A tokenized input and what its batch must know beyond its tokens: a multi-vector or sparse text's task (its
+    query or document side), a dense text's `DenseTag`. A worker runs inputs of different tags apart."""
 
     item: Encoding | TokenIds
     tag: object
@@ -68,9 +63,9 @@ class Tagged:
 
 @dataclass(frozen=True)
 class DenseTag:
-    """What a dense model's inputs share to be run together: the prompt tokens pooling skips, the task adapter
-    (jina-embeddings-v3's; None for the other models), whether their token vectors are wanted too (TEI's
-    /embed_all)."""
+    """What a dense model's inputs share to be run together (`SentenceEncoder.run_encodings`' options): the prompt
+    tokens pooling skips, the task adapter (jina-embeddings-v3's; None for the other models), whether their token
+    vectors are wanted too (TEI's /embed_all)."""
 
     skipped: int
     adapter: str | None = None
@@ -97,26 +92,23 @@ def objects(rows: list) -> np.ndarray:
     return out
 
 
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    """vectors.normalize in numpy, for the event loop's thread (MLX evaluation stays on the model worker)."""
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
 class ServedModel:
-    """One served model under `name`: its `kind` (dense, sparse, multi-vector, cross-encoder, classifier), what it
-    can do (`capabilities`), tokenization that refuses (or, with `truncate`, cuts) over-long inputs, and
-    `compute`, run by its worker on a batch of many requests' inputs."""
+    """One served model under `name`: its encoder, its `kind` (dense, sparse, multi-vector, cross-encoder,
+    classifier), what it can do (`capabilities`), tokenization that refuses (or, with `truncate`, cuts) over-long
+    inputs, and `compute`, run by its worker on a batch of many requests' inputs."""
 
     def __init__(self, name: str, source: str | Path, dtype: str | None = None, batch_size: int = 32):
         self.name = name
         self.source = str(source)
         self.batch_size = batch_size
-        path = resolve(source)
-        self.encoder = self.cross = self.classifier = self.sparse = self.multi = None
-        self.kind = folder_kind(path)
-        self.prefix, self.skipped = "", 0
-        if self.kind == "cross-encoder":
-            self.cross = CrossEncoder(path, dtype=dtype)
+        encoder = load_encoder(source, dtype)
+        self.encoder = encoder if isinstance(encoder, SentenceEncoder) else None
+        self.sparse = encoder if isinstance(encoder, SparseEncoder) else None
+        self.multi = encoder if isinstance(encoder, MultiVectorEncoder) else None
+        self.cross = encoder if isinstance(encoder, CrossEncoder) else None
+        self.classifier = None
+        self.embedder = self.encoder or self.sparse or self.multi  # the encoder with prompts, if any
+        if self.cross is not None:
             self.model, self.tokenizer = self.cross.model, self.cross.tokenizer
             self.max_length = self.cross.max_seq_length
             if self.cross.logit_score is not None:  # its one logit is a relevance score, not a class's
@@ -125,62 +117,41 @@ class ServedModel:
                 self.classifier = TextClassificationPipeline(self.model, self.tokenizer)
                 self.capabilities = (RERANK, CLASSIFY) if self.cross.num_labels == 1 else (CLASSIFY,)
             self.kind = "cross-encoder" if self.cross.num_labels == 1 else "classifier"
-        elif self.kind == "sparse":
-            self.sparse = SparseEncoder(path, dtype=dtype)
-            self.route = self.sparse.route(None)  # what `encode` runs without a task
-            self.tokenizer, self.max_length = self.route.tokenizer, self.route.max_seq_length
-            self.model = getattr(self.route, "model", None)
-            self.capabilities = (SPARSE,)
-            self.prefix = self.prompt(None)
-        elif self.kind == "multi-vector":
-            self.multi = MultiVectorEncoder(path, dtype=dtype)
+        elif self.sparse is not None:
+            route = self.sparse.route(None)  # what `encode` runs without a task
+            self.model, self.tokenizer = getattr(route, "model", None), route.tokenizer
+            self.max_length = self.sparse.max_length()
+            self.capabilities, self.kind = (SPARSE,), "sparse"
+        elif self.multi is not None:
             self.model, self.tokenizer = self.multi.model, self.multi.tokenizer
             self.max_length = self.multi.max_seq_length
-            self.capabilities = (MULTI_VECTOR,)
-            self.prefix = self.prompt(None)
+            self.capabilities, self.kind = (MULTI_VECTOR,), "multi-vector"
         else:
-            self.encoder = SentenceEncoder(path, dtype=dtype)
             self.model, self.tokenizer = self.encoder.model, self.encoder.tokenizer
             self.encoder.check_max_seq_length()
             self.max_length = self.encoder.max_seq_length
-            self.capabilities = (EMBED,)
-            self.prefix = self.prompt(None)
-            self.skipped = self.prompt_tokens(self.prefix)
-            self.dense_tag = DenseTag(self.skipped, self.adapter(None, None))
+            self.capabilities, self.kind = (EMBED,), "dense"
+        self.prefix = self.prompt(None)
+        if self.encoder is not None:
+            self.skipped = self.encoder.pooled_prompt_tokens(self.prefix)
+            self.dense_tag = DenseTag(self.skipped, self.encoder.adapter_for())
+        else:
+            self.skipped = 0
         # Dense projections load lazily on this thread's stream, which the worker's thread cannot evaluate
-        dense = getattr(self.encoder or self.multi, "dense", [])
+        dense = getattr(self.embedder, "dense", [])
         mx.eval([(d.linear.parameters(), d.residual.parameters() if d.residual else []) for d in dense])
 
     def prompt(self, task: str | None) -> str:
-        """The prompt `encode` (task None), `encode_query` or `encode_document` prepends."""
-        encoder = self.encoder or self.sparse or self.multi
-        name = task_prompt_name(encoder.prompts, task)
-        return resolve_prompt(encoder.prompts, encoder.default_prompt_name, name, None, "serve")
+        """The prompt `encode` (task None), `encode_query` or `encode_document` prepends ("" for a cross-encoder)."""
+        return "" if self.embedder is None else self.embedder.input_prompt(role=task)
 
     def named_prompt(self, name: str) -> str:
         """The prompt `name` of the model's prompts; 400 naming them when it has none of that name."""
-        prompts = (self.encoder or self.sparse or self.multi).prompts
+        prompts = {} if self.embedder is None else self.embedder.prompts
         if name not in prompts:
             known = ", ".join(repr(n) for n in prompts) or "none"
             raise ApiError(400, f"model {self.name!r} has no prompt {name!r}; its prompts: {known}", "prompt_name")
-        return prompts[name]
-
-    def sparse_route(self, task: str | None):
-        """The route of a sparse model's Router that `encode(task=)` takes (the only route of a plain folder)."""
-        try:
-            return self.sparse.route(task)
-        except ValueError as e:
-            raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
-
-    def adapter(self, task: str | None, prompt_name: str | None) -> str | None:
-        """A dense model's task adapter for `encode` (task None), `encode_query` or `encode_document`, or a named
-        prompt: as SentenceEncoder picks it (jina-embeddings-v3's; None for the other models)."""
-        name = self.encoder.default_prompt_name if prompt_name is None else prompt_name
-        return task_adapter(self.encoder.model, None, name, task)
-
-    def prompt_tokens(self, prefix: str) -> int:
-        """Tokens of a dense model's prompt that pooling leaves out (none when it includes the prompt)."""
-        return 0 if self.encoder.include_prompt else self.encoder.prompt_length(prefix)
+        return self.embedder.input_prompt(prompt_name=name)
 
     def describe(self) -> str:
         if self.encoder is not None:
@@ -202,7 +173,7 @@ class ServedModel:
     def compute(self, items: list) -> np.ndarray:
         """On the model worker: (N, D) embeddings (before truncate_dim); per input its (token ids, weights) (sparse)
         or its (n, D) token matrix (multi-vector), as an object array; or (N, 2 x labels) logits then activated
-        scores (the activation is an MLX function, so it runs here too)."""
+        scores (`CrossEncoder.activate`, an MLX function, so it runs here too)."""
         if self.encoder is not None:
             rows = by_tag(items, self.dense_tag, self.dense_rows)
             for item, row in zip(items, rows, strict=True):
@@ -210,62 +181,47 @@ class ServedModel:
                     item.tokens = row[1]
             return np.stack([row[0] if isinstance(row, tuple) else row for row in rows])
         if self.sparse is not None:
-            limit = self.sparse.max_active_dims
-            return objects(
-                by_tag(items, self.route, lambda x, route: route.run_encodings(x, self.batch_size, False, limit))
-            )
+            return objects(by_tag(items, None, lambda x, task: self.sparse.run_encodings(x, task, self.batch_size)))
         if self.multi is not None:
-            run = self.multi.run_encodings
-            return objects(by_tag(items, None, lambda x, task: run(x, task, self.batch_size, False)))
+            return objects(by_tag(items, None, lambda x, task: self.multi.run_encodings(x, task, self.batch_size)))
         logits = self.cross.encoding_logits(items, self.batch_size)
-        scores = np.array(self.cross.activation_fn(mx.array(logits)).astype(mx.float32))
+        scores = np.array(self.cross.activate(mx.array(logits)).astype(mx.float32))
         return np.concatenate([logits, scores], axis=1)
 
     def dense_rows(self, encodings: list, tag: DenseTag) -> list:
-        """A dense model's (N, D) vectors of one tag's inputs, computed with its task adapter; per input (vector,
-        (L, H) token vectors) when the tag wants token vectors."""
-        model = self.encoder.model
-        with model.adapter(tag.adapter, self.encoder.merge_adapters) if tag.adapter else nullcontext():
-            if tag.token_vectors:
-                vectors, tokens = self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped, True)
-                return list(zip(vectors, tokens, strict=True))
-            return self.encoder.run_encodings(encodings, self.batch_size, False, tag.skipped)[0]
+        """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag
+        wants token vectors."""
+        vectors, tokens = self.encoder.run_encodings(
+            encodings, self.batch_size, False, tag.skipped, tag.token_vectors, tag.adapter
+        )
+        return list(zip(vectors, tokens, strict=True)) if tag.token_vectors else vectors
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
         task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
         direction: str = "right", token_vectors: bool = False,
     ) -> list:  # fmt: skip
-        """Encodings as `encode` / `predict` make them (prompt, truncation to the model's length; `task` "query" or
-        "document": as `encode_query` / `encode_document`, a sparse Router's route for the task included;
-        `prompt_name`: that prompt instead, as their `prompt_name=`); an input longer than that is an error unless
-        `truncate`, cut at its end or, `direction` "left", at its start (dense and cross-encoder models; these also
-        take a shorter `max_length`). A dense model's items with `token_vectors` receive their token vectors from the
-        worker (`Tagged.tokens`)."""
+        """The encoder's encodings of `texts` (`pairs`: of (text, pair) pairs, as `predict` reads them), with the
+        prompt `encode` prepends (`task` "query" or "document": `encode_query`'s / `encode_document`'s, a sparse
+        Router's route for the task included; `prompt_name`: that prompt instead, as their `prompt_name=`); an
+        input longer than the model takes is an error unless `truncate`, cut at its end or, `direction` "left", at
+        its start (dense and classifier models; these also take a shorter `max_length`). A dense model's items with
+        `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
             prefix = self.named_prompt(prompt_name)
-        texts = [prefix + t for t in texts]
-        limit = self.max_length if pairs is not None or self.classifier is None else self.classifier.max_length
-        if max_length is not None:
-            limit = max_length if limit is None else min(limit, max_length)
-        route = self.sparse_route(task) if self.sparse is not None else None
-        if direction != "right" and (route is not None or self.multi is not None):
+        if direction != "right" and (self.sparse is not None or self.multi is not None):
             raise ApiError(
                 400, f"model {self.name!r} is a {self.kind} model: it truncates at the end of a text only; send "
                 '"truncation_direction": "right", or shorter texts', "truncation_direction",
             )  # fmt: skip
+        if self.sparse is not None:
+            try:
+                self.sparse.route(task)
+            except ValueError as e:
+                raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
         try:
-            if route is not None:
-                encodings, limit = route.tokenize(texts), route.max_seq_length
-            elif self.multi is not None:
-                encodings, limit = self.multi.tokenize(texts, task), self.multi.max_length(task)
-            elif self.cross is not None and pairs is not None:  # as `predict` reads pairs (a chat template's too)
-                encodings = self.cross.tokenize(list(zip(texts, pairs, strict=True)))
-            else:
-                encodings = self.tokenizer.encode_batch(
-                    texts, pairs, truncation=True, max_length=limit, direction=direction
-                )
+            encodings, limit = self.encodings(texts, pairs, task, prefix, max_length, direction)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param) from None
         if not truncate and limit is not None:
@@ -277,16 +233,32 @@ class ServedModel:
                         '"truncate": true, or start the server with --auto-truncate',
                         param, "input_too_long",
                     )  # fmt: skip
-        if self.multi is not None and task is not None:
+        if (self.multi is not None or self.sparse is not None) and task is not None:
             return [Tagged(e, task) for e in encodings]
-        if route is not None and route is not self.route:
-            return [Tagged(e, route) for e in encodings]
         if self.encoder is not None:
-            skipped = self.prompt_tokens(prefix) if task is not None or prompt_name is not None else self.skipped
-            tag = DenseTag(skipped, self.adapter(task, prompt_name), token_vectors)
+            skipped = self.skipped if prefix == self.prefix else self.encoder.pooled_prompt_tokens(prefix)
+            tag = DenseTag(skipped, self.encoder.adapter_for(prompt_name, None, None, task), token_vectors)
             if tag != self.dense_tag:
                 return [Tagged(e, tag) for e in encodings]
         return encodings
+
+    def encodings(
+        self, texts: list[str], pairs: list[str] | None, task: str | None, prefix: str, max_length: int | None,
+        direction: str,
+    ) -> tuple[list, int | None]:  # fmt: skip
+        """(the encoder's encodings of the inputs, the tokens it keeps of each)."""
+        if self.sparse is not None:
+            return self.sparse.tokenize(texts, prefix, task), self.sparse.max_length(task)
+        if self.multi is not None:
+            return self.multi.tokenize(texts, task, prefix), self.multi.max_length(task)
+        if pairs is not None:  # as `predict` reads pairs (a chat template's too)
+            return self.cross.tokenize(list(zip(texts, pairs, strict=True)), prefix), self.max_length
+        limit = self.max_length if self.classifier is None else self.classifier.max_length
+        limit = limit if max_length is None else min(limit, max_length)
+        if self.encoder is not None:
+            return self.encoder.tokenize(texts, prefix, limit, direction), limit
+        texts = [prefix + t for t in texts] if prefix else texts
+        return self.classifier.encode(texts, max_length=limit, direction=direction), limit
 
     @functools.cached_property
     def special_ends(self) -> tuple[list[int], list[int]]:
@@ -333,13 +305,10 @@ class ServedModel:
         return out
 
     def embeddings(self, vectors: np.ndarray, dimensions: int | None, normalize: bool = False) -> np.ndarray:
-        """`encode`'s post-processing: the model's truncate_dim, then `dimensions` (Matryoshka; re-normalised when
-        the model normalises), then `normalize`."""
-        vectors = vectors[:, : self.encoder.truncate_dim]
-        if dimensions is not None:
-            vectors = vectors[:, :dimensions]
-            normalize = normalize or self.encoder.normalize
-        return l2_normalize(vectors) if normalize else vectors
+        """`encode`'s post-processing (`SentenceEncoder.postprocess`): `dimensions`, else the model's truncate_dim
+        (Matryoshka; re-normalised when the model normalises), then `normalize`."""
+        normalize = normalize or (dimensions is not None and self.encoder.normalize)
+        return self.encoder.postprocess(vectors, dimensions, normalize)
 
     def scores(self, out: np.ndarray, raw: bool = False) -> np.ndarray:
         """Rerank scores (N,) from `compute`'s rows: `CrossEncoder.predict`'s, or the logits with `raw`."""
@@ -351,7 +320,5 @@ class ServedModel:
     ) -> list[list[dict]]:
         """Per input, {"label", "score"} best first as the text-classification pipeline gives them (`function`
         of the logits, its `function_to_apply`, else its default; the logits themselves with `raw`)."""
-        logits = out[:, : self.cross.num_labels]
-        function = "none" if raw else function or self.classifier.default_function()
-        scores = FUNCTIONS[function](logits)
+        scores = self.classifier.activate(out[:, : self.cross.num_labels], "none" if raw else function)
         return [self.classifier.labels(row, top_k, legacy=False) for row in scores]

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .batcher import Batcher, QueueFull
@@ -34,6 +34,8 @@ from .search import ServedIndex
 log = logging.getLogger("mlx_encoders.serve")
 RETRY_AFTER_S = 1
 OFF_LOOP_VALUES = 4096  # an answer of more values is written as JSON on a thread: the event loop stays free
+# a larger body goes to the socket a piece at a time: one write of it all copies it whole on the event loop
+SEND_BYTES = 256 * 1024
 ROUTES = routes()
 
 
@@ -197,6 +199,17 @@ class Server:
             )  # fmt: skip
         return out
 
+    async def rank(
+        self, model: ServedModel, query: str, docs: list[str], truncate: bool, raw: bool = False,
+        param: str = "documents", **tokenize,
+    ) -> tuple[np.ndarray, np.ndarray, list]:  # fmt: skip
+        """Every protocol's rerank: (the (query, document) pairs' scores as `CrossEncoder.predict` gives them, or
+        the logits with `raw`; the documents' order, best first; the pairs' tokenized items). `tokenize`: more of
+        `ServedModel.tokenize`'s options."""
+        items = await self.tokenize(model, model.tokenize, [query] * len(docs), truncate, docs, param, **tokenize)
+        scores = model.scores(await self.run(model, items), raw)
+        return scores, np.argsort(-scores, kind="stable"), items
+
     def index(self, name) -> ServedIndex:
         """The index `name` (None: the only one served); 404 naming the served ones."""
         if name is None and len(self.indexes) == 1:
@@ -295,14 +308,24 @@ def tolist(x):
 
 async def respond(result) -> Response:
     """A handler's result (JSON values and numpy arrays) as a response; a large one is converted and written on a
-    thread, so the event loop stays free."""
+    thread and sent in pieces, so the event loop stays free."""
     if isinstance(result, Response):
         return result
     if values(result) < OFF_LOOP_VALUES:
         body = render(result)
     else:
         body = await asyncio.get_running_loop().run_in_executor(None, render, result)
-    return Response(body, media_type="application/json")
+    if len(body) <= SEND_BYTES:
+        return Response(body, media_type="application/json")
+    headers = {"Content-Length": str(len(body))}
+    return StreamingResponse(pieces(body), media_type="application/json", headers=headers)
+
+
+async def pieces(body: bytes):
+    """`body` in pieces of SEND_BYTES; the server sends each once the socket has taken the last."""
+    view = memoryview(body)
+    for start in range(0, len(body), SEND_BYTES):
+        yield view[start : start + SEND_BYTES]
 
 
 # the health checks (TEI's three) and the schema with its page (a browser sends no key), as TEI serves them

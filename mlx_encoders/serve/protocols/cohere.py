@@ -146,12 +146,10 @@ async def ranked(server: Server, body: dict, model: ServedModel, truncate: bool,
     top_n = option(body, "top_n", int, None, 1)
     keep = option(body, "return_documents", bool, False)
     scored = docs if limit is None else await server.tokenize(model, first_tokens, model, docs, limit)
-    items = await server.tokenize(model, model.tokenize, [query] * len(docs), truncate, scored, "documents")
-    scores = model.scores(await server.run(model, items))
-    order = np.argsort(-scores, kind="stable")[:top_n]
+    scores, order, items = await server.rank(model, query, scored, truncate)
     results = [
         {"index": int(i), "relevance_score": float(scores[i]), **({"document": {"text": docs[i]}} if keep else {})}
-        for i in order
+        for i in order[:top_n]
     ]
     return {"results": results, "tokens": sum(len(item.ids) for item in items)}
 

@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-import numpy as np
 from starlette.requests import Request
 
 from ..errors import ApiError
@@ -41,11 +40,9 @@ async def rerank(request: Request, server: Server):
     keep = option(body, "return_documents", bool, False)
     raw = option(body, "raw_scores", bool, False)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = await server.tokenize(model, model.tokenize, [query] * len(docs), truncate, docs, "documents")
-    scores = model.scores(await server.run(model, items), raw)
-    order = np.argsort(-scores, kind="stable")[:top_n]
+    scores, order, items = await server.rank(model, query, docs, truncate, raw)
     results = [{"relevance_score": float(scores[i]), "index": int(i), "document": docs[i] if keep else None}
-               for i in order]  # fmt: skip
+               for i in order[:top_n]]  # fmt: skip
     return {"object": "rerank", "results": results, "model": model.name, "usage": usage(items), **stamp()}
 
 

@@ -106,7 +106,10 @@ async def classify(request: Request, server: Server):
 
 
 async def models(request: Request, server: Server):
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"} for name in server.models]
+    """The served models, then the other models of --models-dir (loaded by their first request)."""
+    names = list(server.models)
+    names += [n for n in server.lazy.names() if n not in server.models] if server.lazy is not None else []
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"} for name in names]
     return {"object": "list", "data": data}
 
 

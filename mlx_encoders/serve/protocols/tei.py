@@ -9,13 +9,13 @@ takes Infinity's body ("documents" and no "texts"), which infinity.py answers, w
 from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 
-import numpy as np
 from mlx.utils import tree_flatten
 from starlette.requests import Request
 
 from ... import __version__
+from ...pipelines.text_classification import FUNCTIONS
 from ..errors import ApiError
-from ..models import CLASSIFY, EMBED, FUNCTIONS, RERANK, SPARSE, TASKS, ServedModel
+from ..models import CLASSIFY, EMBED, RERANK, SPARSE, TASKS, ServedModel
 from ..requests import dimensions_of, is_int, option, read_json, required_text, text, texts, texts_or_ids
 from ..schema import accepts, fields
 from . import infinity
@@ -322,9 +322,11 @@ async def rerank_answer(request: Request, server: "Server", body: dict, model: S
     docs = server.count(texts(value, "texts"), "texts")
     raw = option(body, "raw_scores", bool, False)
     keep = option(body, "return_text", bool, False)
-    items = await tokenized(server, model, body, [query] * len(docs), pairs=docs)
-    scores = model.scores(await server.run(model, items), raw)
-    order = np.argsort(-scores, kind="stable")
+    truncate, direction = truncation(body, server)
+    prompt_name = option(body, "prompt_name", str)
+    scores, order, _ = await server.rank(
+        model, query, docs, truncate, raw, "inputs", prompt_name=prompt_name, direction=direction
+    )
     return [{"index": int(i), "score": float(scores[i]), **({"text": docs[i]} if keep else {})} for i in order]
 
 
