@@ -337,3 +337,10 @@ def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, task, 
         alone = our_outputs(model(**tokenizer([text])))[name][0]
         mine = ours[name][i][real[i]] if per_token else ours[name][i]
         assert_shifted_close(mine, alone, f"text {i}")
+
+
+def test_generation_refuses_the_causal_lm_head(checkpoint):
+    """generation's loop needs a key/value cache, which only GPT-2 has here: the error says so."""
+    model, tokenizer = mlx_encoders.load(checkpoint("gemma3_text", "causal-lm", **CAUSAL))
+    with pytest.raises(TypeError, match="Gemma3ForCausalLM has a causal-LM head but no key/value cache"):
+        mlx_encoders.generation.generate(model, tokenizer, "word", max_new_tokens=2)
