@@ -83,6 +83,13 @@ OTHER_NAMES = {("gemma3_text", "causal-lm"): "Gemma3ForCausalLM"}
 TASKS = tuple(dict.fromkeys(ARCHITECTURE_SUFFIXES.values()))
 
 
+def native_config(config: dict) -> dict:
+    """config.json in the names of the module that runs it: jina-embeddings-v3's remote-code config (model_type
+    xlm-roberta with rotary positions) becomes a jina_embeddings_v3 one; any other comes back as it is."""
+    jina = importlib.import_module(f"{__name__}.jina_embeddings_v3")
+    return jina.from_remote_config(config) if jina.is_remote_config(config) else config
+
+
 def model_module(model_type: str) -> ModuleType:
     if model_type not in ALL_TYPES:
         raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(ALL_TYPES)}")
