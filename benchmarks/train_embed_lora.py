@@ -21,7 +21,6 @@ printed, never asserted; run it on an otherwise idle machine.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -126,24 +125,13 @@ def worker(job: dict) -> dict:
     return {"times": times}
 
 
-def run(job: dict) -> dict:
-    env = os.environ | {"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    done = subprocess.run([sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, env=env)
-    os.unlink(f.name)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        sys.exit(f"{job['engine']} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 def main() -> None:
     args = parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(Path(args.worker).read_text()))))
         return
     from embedders import sentence_folder
+    from train_embed import run
     from transformers import AutoTokenizer
 
     if args.warmup < 1 or args.steps < 1:
@@ -163,7 +151,7 @@ def main() -> None:
         )  # fmt: skip
         tokens = args.steps * args.batch_size * 2 * args.max_length
         for engine in args.engines.split(","):
-            times = run({**job, "engine": engine})["times"]
+            times = run({**job, "engine": engine}, __file__)["times"]
             if len(times) != total:
                 sys.exit(f"{engine}: {len(times)} steps timed, expected {total}")
             rates[engine] = tokens / (times[-1] - times[args.warmup - 1])
