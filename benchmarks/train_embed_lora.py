@@ -1,5 +1,5 @@
 """LoRA embedding training on the Qwen3-Embedding-0.6B shape: tokens per second of `fine_tune("embed", lora_rank=...)`
-against sentence-transformers' trainer with a PEFT LoRA adapter (`SentenceTransformer.add_adapter`) on torch CPU.
+against sentence-transformers' trainer with a PEFT LoRA adapter (peft's `get_peft_model`) on torch CPU.
 
 The model is built by transformers at Qwen3-Embedding-0.6B's published config with seeded random weights, laid out
 as its sentence-transformers folder (last-token pooling, left padding, Normalize; benchmarks/embedders.py), with
@@ -85,7 +85,7 @@ def step_times_ours(job: dict, folder: Path, output: Path) -> list[float]:
 def step_times_st(job: dict, folder: Path, output: Path) -> list[float]:
     """SentenceTransformerTrainer's steps with a PEFT LoRA adapter, each timed at its on_step_end."""
     from datasets import Dataset
-    from peft import LoraConfig
+    from peft import LoraConfig, get_peft_model
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer import losses
@@ -95,7 +95,8 @@ def step_times_st(job: dict, folder: Path, output: Path) -> list[float]:
     model = SentenceTransformer(str(folder), device="cpu")
     model.max_seq_length = job["max_length"]
     config = LoraConfig(r=job["rank"], lora_alpha=2 * job["rank"], lora_dropout=0.0, target_modules=job["targets"])
-    model.add_adapter(config)
+    # PEFT around the transformers model, as `add_adapter` does (which asks transformers for peft >= 0.22)
+    model[0].model = get_peft_model(model[0].model, config)
     times = []
 
     class Clock(TrainerCallback):
