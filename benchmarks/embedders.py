@@ -281,6 +281,7 @@ def fidelity(shape: str, settings: list[str], texts: list[str], batch_size: int,
         verdict = f"{'PASS' if cos.mean() >= least else 'FAIL'} (mean >= {least})"
         print(f"{name:<12}{cos.mean():>10.6f}{cos.min():>10.6f}{gap:>12.1e}{seconds:>11.1f}  {verdict}", flush=True)
         shutil.rmtree(out)
+    shutil.rmtree(workdir / shape)  # the next shape's folders need the disk space
 
 
 def main() -> None:
