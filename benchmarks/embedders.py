@@ -12,6 +12,7 @@ measured in the same run, its cosine with sentence-transformers, and the ratios 
     python benchmarks/embedders.py                                   # every shape, every engine
     python benchmarks/embedders.py --shapes nomic-embed-text-v1.5 --texts 48 --repeats 1
     python benchmarks/embedders.py --long                            # peak memory at 1k-8k tokens (Qwen3 shape)
+    python benchmarks/embedders.py --fidelity --texts 50             # convert's 8/4-bit cosine with float32
 
 Timings are printed, never asserted; run it on an otherwise idle machine.
 """
@@ -49,6 +50,14 @@ SHAPES = {
     ),
     "nomic-embed-text-v1.5": ("NomicBertConfig", dict(), "mean", "right", ()),
 }  # fmt: skip
+# convert() options per row: its defaults (GPTQ on the built-in calibration texts) and round to nearest
+FIDELITY = {
+    "8-bit GPTQ": dict(bits=8),
+    "4-bit GPTQ": dict(bits=4),
+    "8-bit RTN": dict(bits=8, calibration=False),
+    "4-bit RTN": dict(bits=4, calibration=False),
+}
+FIDELITY_TARGETS = {8: 0.9999, 4: 0.99}  # the issue's minimum mean cosine with float32, by bits
 ENGINES = ("mlx_encoders-fp32", "mlx_encoders-8bit", "mlx_encoders-4bit", "sentence-transformers", "mlx-embeddings")
 
 
@@ -61,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed passes per engine (default 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--long", action="store_true", help="peak memory of one 1k-8k-token input (Qwen3 shape)")
+    p.add_argument("--fidelity", action="store_true", help="convert's 8/4-bit embeddings vs float32, per shape")
+    p.add_argument("--settings", default=",".join(FIDELITY), help=f"--fidelity rows, of: {', '.join(FIDELITY)}")
     return p.parse_args()
 
 
@@ -233,6 +244,46 @@ def long_inputs(workdir: Path) -> None:
         print(f"  {tokens:>5}  {peak:>8.0f}  {time.perf_counter() - start:>6.1f}")
 
 
+def fidelity(shape: str, settings: list[str], texts: list[str], batch_size: int, workdir: Path) -> None:
+    """Embedding cosine of each `convert` setting with the float32 model, on the shape's folder.
+
+    The quantized folders are evaluated through their dequantized float copy (the same weights, x @ W^T with W
+    dequantized in memory) because MLX's CPU quantized matmul is unoptimised; the first texts are also embedded
+    through the quantized kernels and the largest gap is printed.
+    """
+    import contextlib
+    import io
+
+    import numpy as np
+
+    from mlx_encoders import SentenceEncoder, convert
+    from mlx_encoders.quantization import builtin_calibration, dequantize_model
+
+    if set(builtin_calibration()) & set(texts):
+        sys.exit("the built-in calibration texts overlap the evaluated ones: use fewer --texts")
+    folder = sentence_folder(shape, workdir)
+    reference = SentenceEncoder(folder).encode(texts, batch_size=batch_size, show_progress_bar=False)
+    print(f"\n{shape}: {len(texts)} texts, cosine of each setting's embeddings with float32")
+    print(f"{'setting':<12}{'cos mean':>10}{'cos min':>10}{'kernel gap':>12}{'convert s':>11}  target")
+    for name in settings:
+        options = FIDELITY[name]
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # convert's own report: the table says it all
+            out = convert(folder, workdir / shape / name.replace(" ", "-"), **options)
+        seconds = time.perf_counter() - start
+        encoder = SentenceEncoder(out)
+        kernels = encoder.encode(texts[:4], batch_size=batch_size, show_progress_bar=False)
+        dequantize_model(encoder.model)
+        embeddings = encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
+        gap = np.abs(kernels - embeddings[:4]).max()
+        cos = cosines(embeddings, reference)
+        least = FIDELITY_TARGETS[options["bits"]]
+        verdict = f"{'PASS' if cos.mean() >= least else 'FAIL'} (mean >= {least})"
+        print(f"{name:<12}{cos.mean():>10.6f}{cos.min():>10.6f}{gap:>12.1e}{seconds:>11.1f}  {verdict}", flush=True)
+        shutil.rmtree(out)
+    shutil.rmtree(workdir / shape)  # the next shape's folders need the disk space
+
+
 def main() -> None:
     args = parse_args()
     set_threads(args.threads, None)
@@ -253,6 +304,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         if args.long:
             long_inputs(Path(workdir))
+            return
+        if args.fidelity:
+            settings = args.settings.split(",")
+            if unknown := set(settings) - set(FIDELITY):
+                sys.exit(f"unknown setting(s): {', '.join(sorted(unknown))}")
+            for shape in shapes:
+                fidelity(shape, settings, texts, args.batch_size, Path(workdir))
             return
         for shape in shapes:
             limit = sgemm_limit()

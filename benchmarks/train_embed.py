@@ -175,15 +175,16 @@ def worker(job: dict) -> dict:
     return scores | {"train_s": trained if job["engine"] != "before" else 0.0, "peak_mib": peak}
 
 
-def run(job: dict) -> dict:
+def run(job: dict, script: str = __file__) -> dict:
+    """`job` run by `script --worker` in a process of its own; its RESULT line."""
     env = os.environ | {"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    done = subprocess.run([sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, script, "--worker", f.name], capture_output=True, text=True, env=env)
     os.unlink(f.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
-        sys.exit(f"{job['engine']} (seed {job['seed']}) failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        sys.exit(f"{job['engine']} (seed {job.get('seed')}) failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 

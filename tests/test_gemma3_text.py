@@ -79,10 +79,30 @@ def test_config_errors_name_the_key():
         args.from_dict({"num_hidden_layers": 2, "layer_types": ["full_attention"]})
 
 
+# Gemma 2's configs cap the causal-LM logits at 30; this tiny model's logits are a few units, so a smaller cap
+# puts them on tanh's curve.
+SOFTCAP = 2.0
+
+
+def test_causal_lm_final_logit_softcapping(checkpoint):
+    """Gemma3ForCausalLM's logits capped by cap * tanh(logits / cap), as transformers; the cap changes them."""
+    folder = checkpoint("gemma3_text", "causal-lm", final_logit_softcapping=SOFTCAP, **CAUSAL)
+    check_parity(folder, "causal-lm")
+    model, tokenizer = mlx_encoders.load(folder)
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.args.final_logit_softcapping == SOFTCAP
+    batch = tokenizer(TEXTS, padding=True)
+    capped = np.array(model(**batch).logits)
+    model.args.final_logit_softcapping = None
+    uncapped = np.array(model(**batch).logits)
+    assert np.abs(capped).max() <= SOFTCAP < np.abs(uncapped).max()
+    np.testing.assert_allclose(capped, SOFTCAP * np.tanh(uncapped / SOFTCAP), rtol=1e-5, atol=1e-7)
+
+
 # Both attention kernels (engine.attention's written-out form, and MLX's fused one) on each head and attention.
 GRADIENT_CASES = [
     ("encoder", {}, "cpu"), ("encoder", CAUSAL, "gpu"),
     ("sequence-classification", {}, "gpu"), ("sequence-classification", CAUSAL, "cpu"),
+    ("causal-lm", CAUSAL, "gpu"), ("causal-lm", {**CAUSAL, "final_logit_softcapping": SOFTCAP}, "cpu"),
 ]  # fmt: skip
 
 
@@ -114,7 +134,7 @@ def test_padded_batch_equals_one_by_one(checkpoint, task):
         alone = our_outputs(model(**tokenizer([text])))
         n = int(batch["attention_mask"][i].sum())
         for name, value in alone.items():
-            mine = together[name][i, :n] if name == "last_hidden_state" else together[name][i]
+            mine = together[name][i, :n] if value.ndim == 3 else together[name][i]  # per token: its real ones
             assert_float32_close(mine, value[0], terms=4 * 128, err_msg=f"text {i}, {name}")
 
 
@@ -310,9 +330,17 @@ def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, task, 
     name = "last_hidden_state" if task == "encoder" else "logits"
     real = np.array(batch["attention_mask"]).astype(bool)
     expected = theirs[name].numpy()
-    got, expected = (ours[name][real], expected[real]) if task == "encoder" else (ours[name], expected)
+    per_token = task in ("encoder", "causal-lm")
+    got, expected = (ours[name][real], expected[real]) if per_token else (ours[name], expected)
     assert_float32_close(got, expected, terms=4 * 128)
     for i, text in enumerate(TEXTS):
         alone = our_outputs(model(**tokenizer([text])))[name][0]
-        mine = ours[name][i][real[i]] if task == "encoder" else ours[name][i]
+        mine = ours[name][i][real[i]] if per_token else ours[name][i]
         assert_shifted_close(mine, alone, f"text {i}")
+
+
+def test_generation_refuses_the_causal_lm_head(checkpoint):
+    """generation's loop needs a key/value cache, which only GPT-2 has here: the error says so."""
+    model, tokenizer = mlx_encoders.load(checkpoint("gemma3_text", "causal-lm", **CAUSAL))
+    with pytest.raises(TypeError, match="Gemma3ForCausalLM has a causal-LM head but no key/value cache"):
+        mlx_encoders.generation.generate(model, tokenizer, "word", max_new_tokens=2)

@@ -286,3 +286,127 @@ def test_save_reloads_in_transformers_with_identical_logits(checkpoint, tmp_path
     assert expected.keys() == got.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+# jinaai/jina-embeddings-v3's own layout (its remote code, xlm-roberta-flash-implementation): our names -> its names,
+# every key under `roberta.`, q/k/v stacked as `mixer.Wqkv`, and each Linear's and Embedding's weight a torch
+# parametrization holding the task LoRAs.
+REMOTE_NAMES = (
+    ("embeddings.LayerNorm.", "emb_ln."),
+    ("layers.", "encoder.layers."),
+    ("self_attn.o_proj.", "mixer.out_proj."),
+    ("post_attention_layernorm.", "norm1."),
+    ("post_mlp_layernorm.", "norm2."),
+)
+REMOTE_TASKS = list(PROMPTS)  # config.json's lora_adaptations, in jina's order
+REMOTE_RANK, REMOTE_ALPHA = 4, 2.0
+
+
+def remote_layout(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A saved jina_embeddings_v3 checkpoint's keys as the remote code names them (no parametrizations yet):
+    transformers saves the original names but for the `roberta.` of the remote code's XLMRobertaLoRA wrapper."""
+    out = {}
+    for key, value in weights.items():
+        for ours, theirs in REMOTE_NAMES:
+            key = key.replace(ours, theirs) if theirs not in key else key
+        out[f"roberta.{key}"] = value
+    assert any(".mixer.Wqkv." in key for key in out), "transformers saves q, k and v stacked"
+    return out
+
+
+def transformers_names(remote: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The inverse of `remote_layout`, for transformers' model."""
+    out = {}
+    for key, value in remote.items():
+        key = key.removeprefix("roberta.")
+        for ours, theirs in REMOTE_NAMES:
+            key = key.replace(theirs, ours)
+        if ".mixer.Wqkv." in key:
+            for p, part in zip(("q_proj", "k_proj", "v_proj"), np.split(value, 3), strict=True):
+                out[key.replace("mixer.Wqkv", f"self_attn.{p}")] = torch.from_numpy(np.ascontiguousarray(part))
+        else:
+            out[key] = torch.from_numpy(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def remote(checkpoint, tmp_path_factory):
+    """The tiny checkpoint saved as jina's remote code saves it (keys and config.json), with seeded task LoRAs on
+    every Linear and Embedding; and, per task, the weights that remote code computes with (W + scale B A for a
+    Linear, W + scale A B for a table) in transformers' names."""
+    from safetensors.numpy import load_file, save_file
+
+    base = checkpoint("jina_embeddings_v3")
+    config = json.loads((base / "config.json").read_text())
+    plain = remote_layout(load_file(base / "model.safetensors"))
+    rng, scale, n = np.random.default_rng(0), REMOTE_ALPHA / REMOTE_RANK, len(REMOTE_TASKS)
+    stored, merged = {}, {task: {} for task in REMOTE_TASKS}
+    for key, value in plain.items():
+        module = key.removesuffix(".weight")
+        if value.ndim != 2:
+            stored[key] = value
+            for task in REMOTE_TASKS:
+                merged[task][key] = value
+            continue
+        rows, cols = value.shape
+        table = module.endswith("_embeddings")  # (vocab, H): A (vocab, r), B (r, H); a Linear's A (r, in), B (out, r)
+        a_shape, b_shape = (
+            ((rows, REMOTE_RANK), (REMOTE_RANK, cols)) if table else ((REMOTE_RANK, cols), (rows, REMOTE_RANK))
+        )
+        a = (0.3 * rng.standard_normal((n, *a_shape))).astype(np.float32)
+        b = (0.3 * rng.standard_normal((n, *b_shape))).astype(np.float32)
+        stored[f"{module}.parametrizations.weight.original"] = value
+        stored[f"{module}.parametrizations.weight.0.lora_A"], stored[f"{module}.parametrizations.weight.0.lora_B"] = (
+            a,
+            b,
+        )
+        for t, task in enumerate(REMOTE_TASKS):
+            merged[task][key] = value + scale * (a[t] @ b[t] if table else b[t] @ a[t])
+    folder = tmp_path_factory.mktemp("jina-remote")
+    for file in base.iterdir():
+        if file.name not in ("config.json", "model.safetensors"):
+            shutil.copy(file, folder / file.name)
+    save_file(stored, folder / "model.safetensors", metadata={"format": "pt"})
+    rope = config.pop("rope_parameters")
+    config.update(
+        model_type="xlm-roberta", architectures=["XLMRobertaModel"], position_embedding_type="rotary",
+        rotary_emb_base=rope["rope_theta"], lora_adaptations=REMOTE_TASKS, task_instructions=PROMPTS,
+        lora_rank=REMOTE_RANK, lora_alpha=REMOTE_ALPHA, lora_dropout_p=0.0, lora_main_params_trainable=False,
+        load_trained_adapters=True, use_flash_attn=True, emb_pooler=None, matryoshka_dimensions=[8, 16, 32],
+        auto_map={"AutoModel": "jinaai/xlm-roberta-flash-implementation--modeling_lora.XLMRobertaLoRA"},
+    )  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, base, {task: transformers_names(w) for task, w in merged.items()}
+
+
+def test_remote_code_layout_loads_with_its_task_adapters(remote):
+    """Without a task: our load of the transformers-layout folder; with one: transformers holding the weights jina's
+    remote code adapts that task's forward pass with."""
+    folder, base, merged = remote
+    model, tokenizer = mlx_encoders.load(folder)
+    assert type(model).__name__ == "JinaEmbeddingsV3Model" and model.args.rope_theta == 500.0
+    assert model.adapters == [task.replace(".", "_").replace("-", "_") for task in REMOTE_TASKS]
+    batch = tokenizer(TEXTS, padding=True)
+    real = np.array(batch["attention_mask"]).astype(bool)
+    plain = our_outputs(mlx_encoders.load(base)[0], batch)
+    for name, value in our_outputs(model, batch).items():
+        np.testing.assert_array_equal(value, plain[name], err_msg=name)
+    reference = load_reference(base, "encoder")
+    for task in REMOTE_TASKS:
+        reference.load_state_dict(merged[task])
+        expected = torch_outputs(reference, batch)
+        # each task moves the output well past the tolerance, so a skipped or mis-scaled LoRA fails
+        assert np.abs(expected["last_hidden_state"] - plain["last_hidden_state"])[real].max() > 0.05
+        for merge in (False, True):
+            with model.adapter(task, merge=merge):
+                assert_close(our_outputs(model, batch), expected, real, "encoder")
+
+
+def test_remote_code_layout_errors_name_the_key(remote, tmp_path):
+    folder, _, _ = remote
+    shutil.copytree(folder, tmp_path / "no-tasks")
+    config = json.loads((folder / "config.json").read_text())
+    del config["lora_adaptations"]
+    (tmp_path / "no-tasks" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json has no 'lora_adaptations' list"):
+        mlx_encoders.load(tmp_path / "no-tasks")

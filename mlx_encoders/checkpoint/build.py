@@ -317,7 +317,9 @@ def load_model(
         if task is None:
             raise
         stored_task = None  # an architecture we do not implement: only its encoder (or `task`) is wanted
-    weights = normalize_keys(checkpoint.read_weights())
+    weights, inline = normalize_keys(checkpoint.read_weights()), {}
+    if hasattr(checkpoint.module, "inline_adapters"):  # task adapters kept in the weights file (jina's remote code)
+        weights, inline = checkpoint.module.inline_adapters(weights, checkpoint.config)
     if hasattr(checkpoint.module, "sanitize"):
         weights = checkpoint.module.sanitize(weights)
     if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
@@ -351,6 +353,8 @@ def load_model(
     warn_non_finite(model, checkpoint.path)
     if hasattr(model, "add_adapter"):  # task adapters in subfolders (jina-embeddings-v3)
         attach_adapters(model, checkpoint.path)
+    for name, low_ranks in inline.items():
+        model.add_adapter(name, low_ranks)
     model.eval()
     model.path = checkpoint.path
     return model

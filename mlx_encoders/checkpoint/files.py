@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..jsonfile import read_json, read_json_object
-from ..models import model_module, task_of_architecture
+from ..models import model_module, native_config, task_of_architecture
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -159,7 +159,7 @@ class Checkpoint:
         file = path / "config.json"
         if not file.exists():
             raise FileNotFoundError(missing_config(path))
-        checkpoint = cls(path, read_json_object(file))
+        checkpoint = cls(path, native_config(read_json_object(file)))
         checkpoint.check_architecture()
         return checkpoint
 

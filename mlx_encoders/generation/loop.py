@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..engine.runtime import claim_mlx, one_row_products
+from ..models import task_of_model
 from ..tokenizer import Tokenizer, text_list
 from . import steps as compiled
 from .config import PRESETS, GenerationConfig
@@ -48,6 +49,11 @@ def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], 
 
 
 def check_model(model: nn.Module) -> None:
+    if not hasattr(model, "make_cache") and hasattr(model, "args") and task_of_model(model) == "causal-lm":
+        raise TypeError(
+            f"{type(model).__name__} has a causal-LM head but no key/value cache, so it cannot generate here: "
+            "generation runs GPT-2 models; call the model for its next-token logits"
+        )
     if not hasattr(model, "make_cache"):
         raise TypeError(
             f"{type(model).__name__} is not a causal language model: generation needs one with an LM head, such as "

@@ -78,7 +78,16 @@ ARCHITECTURE_SUFFIXES = {
 }
 # Heads whose transformers name is not the first suffix of their task.
 OLD_SUFFIXES = {("gpt2", "causal-lm"): "LMHeadModel"}
+# Heads whose transformers name does not start with their architecture's prefix.
+OTHER_NAMES = {("gemma3_text", "causal-lm"): "Gemma3ForCausalLM"}
 TASKS = tuple(dict.fromkeys(ARCHITECTURE_SUFFIXES.values()))
+
+
+def native_config(config: dict) -> dict:
+    """config.json in the names of the module that runs it: jina-embeddings-v3's remote-code config (model_type
+    xlm-roberta with rotary positions) becomes a jina_embeddings_v3 one; any other comes back as it is."""
+    jina = importlib.import_module(f"{__name__}.jina_embeddings_v3")
+    return jina.from_remote_config(config) if jina.is_remote_config(config) else config
 
 
 def model_module(model_type: str) -> ModuleType:
@@ -90,6 +99,9 @@ def model_module(model_type: str) -> ModuleType:
 def task_of_architecture(architecture: str) -> str:
     """'BertForMaskedLM' -> 'masked-lm'. A name that is not a known prefix + a head that architecture has fails,
     naming it ('BertLMHeadModel': BERT has no causal-LM head here; 'GPT2DoubleHeadsModel': no such head)."""
+    for (_, task), name in OTHER_NAMES.items():
+        if architecture == name:
+            return task
     for model_type, prefix in ARCHITECTURE_PREFIXES.items():
         for suffix, task in ARCHITECTURE_SUFFIXES.items():
             if architecture == prefix + suffix and task in model_module(model_type).MODELS:
@@ -104,6 +116,8 @@ def task_of_architecture(architecture: str) -> str:
 
 def architecture_name(model_type: str, task: str) -> str:
     """The transformers class name of a head: ('xlm-roberta', 'masked-lm') -> 'XLMRobertaForMaskedLM'."""
+    if (model_type, task) in OTHER_NAMES:
+        return OTHER_NAMES[model_type, task]
     suffix = OLD_SUFFIXES.get((model_type, task)) or next(s for s, t in ARCHITECTURE_SUFFIXES.items() if t == task)
     return ARCHITECTURE_PREFIXES[model_type] + suffix
 

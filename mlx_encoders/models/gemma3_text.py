@@ -15,7 +15,18 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseArgs, HeadModel, Model, ModelOutput, activation, embed, mask_value, merge_heads, run_layer
+from .base import (
+    BaseArgs,
+    HeadModel,
+    Model,
+    ModelOutput,
+    TiedDecoder,
+    activation,
+    embed,
+    mask_value,
+    merge_heads,
+    run_layer,
+)
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, GatedMLP, Linear, blockwise_attention, grouped_attention, rope
 from .modernbert import ATTENTION, Band, attention_masks, banded_attention
@@ -51,6 +62,7 @@ class ModelArgs(BaseArgs):
     rope_local_base_freq: float | None = None
     rope_scaling: dict | None = None
     attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None  # the causal-LM head's logits: cap * tanh(logits / cap)
     # google/embeddinggemma-300m; the other keys' defaults are Gemma 3's.
     presets: ClassVar[dict] = {
         "embeddinggemma-300m": dict(
@@ -227,9 +239,37 @@ class Gemma3TextForSequenceClassification(HeadModel):
         return out
 
 
+class Gemma3ForCausalLM(HeadModel):
+    """Next-token logits through `lm_head` (the word embeddings when `tie_word_embeddings`), soft-capped to
+    (-cap, cap) by cap * tanh(logits / cap) when the config sets `final_logit_softcapping`."""
+
+    prefix = "model"
+    encoder_class = Gemma3TextModel
+    ignored_keys = ("lm_head.weight",)  # a tied copy, when a file stores one
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, bias=False)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        out.logits = self.predict_tokens(out.last_hidden_state)
+        return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states."""
+        logits = self.lm_head(hidden, self.model.embed_tokens)
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else mx.tanh(logits / cap) * cap
+
+
 def init_std(path: str, args: ModelArgs) -> tuple[float, None]:
     return args.initializer_range, None  # transformers' _init_weights: normal(0, initializer_range) for linears
 
 
-MODELS = {"encoder": Gemma3TextModel, "sequence-classification": Gemma3TextForSequenceClassification}
+MODELS = {
+    "encoder": Gemma3TextModel,
+    "sequence-classification": Gemma3TextForSequenceClassification,
+    "causal-lm": Gemma3ForCausalLM,
+}
 TOKEN_TYPES = False

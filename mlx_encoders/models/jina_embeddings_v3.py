@@ -394,6 +394,88 @@ def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+# jinaai/jina-embeddings-v3's own (remote-code) layout: torch parametrizations keep each Linear's and Embedding's
+# weight under `.parametrizations.weight.original` and every task's LoRA, stacked on a first axis in the order of
+# config.json's `lora_adaptations`, under `.parametrizations.weight.0.lora_A` / `lora_B`.
+PARAMETRIZED = ".parametrizations.weight."
+
+
+def is_remote_config(config: dict) -> bool:
+    """jina's remote code (xlm-roberta-flash-implementation) saves model_type xlm-roberta with rotary positions,
+    which transformers' XLM-RoBERTa does not have."""
+    return config.get("model_type") == "xlm-roberta" and config.get("position_embedding_type") == "rotary"
+
+
+def from_remote_config(config: dict) -> dict:
+    """The remote code's config.json in this module's names: rotary_emb_base as rope_theta, its head classes
+    (XLMRobertaLoRA, XLMRobertaModel, XLMRobertaForMaskedLM, ...) as transformers' JinaEmbeddingsV3 ones."""
+    names = {"XLMRobertaLoRA": "JinaEmbeddingsV3Model"}
+    architectures = [
+        names.get(a, a.replace("XLMRoberta", "JinaEmbeddingsV3", 1)) if isinstance(a, str) else a
+        for a in config.get("architectures") or []
+    ]
+    rope = {"rope_type": "default", "rope_theta": float(config.get("rotary_emb_base", 10000.0))}
+    return {**config, "model_type": "jina_embeddings_v3", "architectures": architectures, "rope_parameters": rope}
+
+
+def inline_adapters(weights: dict[str, mx.array], config: dict) -> tuple[dict, dict]:
+    """The remote layout's weights as plain `<module>.weight` keys, and its task adapters as `add_adapter` takes
+    them: {name ("retrieval_query", ...): {path in the encoder: (A, B, scale)}}, q/k/v's from the stacked Wqkv.
+    The remote code adds scale B[t] A[t] to a Linear's (out, in) weight and scale A[t] B[t] to a (vocab, H) table,
+    scale being lora_alpha / lora_rank. Weights without parametrizations come back unchanged."""
+    plain, parts = {}, {}
+    for key, value in weights.items():
+        module, found, rest = key.partition(PARAMETRIZED)
+        if not found:
+            plain[key] = value
+        elif rest == "original":
+            plain[f"{module}.weight"] = value
+        elif rest in ("0.lora_A", "0.lora_B"):
+            parts.setdefault(module, {})[rest[-1]] = value.astype(mx.float32)
+        else:
+            raise ValueError(f"{key}: not a weight or LoRA tensor of jina's remote-code layout (unknown '{rest}')")
+    if not parts:
+        return weights, {}
+    tasks = config.get("lora_adaptations")
+    if not isinstance(tasks, list) or not tasks:
+        raise ValueError(
+            "the weights hold task LoRA tensors (.parametrizations.weight.0.lora_A/B) but config.json has no "
+            "'lora_adaptations' list naming their tasks; add the list jina's config.json has"
+        )
+    rank, alpha = int(config.get("lora_rank", 4)), float(config.get("lora_alpha", 1))
+    adapters = {re.sub(r"[.\-]", "_", task): {} for task in tasks}
+    for module, ab in parts.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] != len(tasks) or ab["B"].shape[0] != len(tasks):
+            found = {k: tuple(v.shape) for k, v in ab.items()}
+            raise ValueError(
+                f"{module}{PARAMETRIZED}0.lora_A/lora_B must both be stacked over the {len(tasks)} lora_adaptations "
+                f"{tasks}; found {found}"
+            )
+        path = encoder_path(module)
+        table = path.endswith("_embeddings")
+        for t, name in enumerate(adapters):
+            a, b = ab["A"][t], ab["B"][t]
+            # ours: A (r, in), B (out, r); a table's A (r, vocab), B (H, r), where the remote's are (vocab, r), (r, H)
+            a, b = (a.T, b.T) if table else (a, b)
+            if a.shape[0] != rank:
+                raise ValueError(f"{module}: LoRA rank {a.shape[0]}, but config.json's lora_rank is {rank}")
+            if ".mixer.Wqkv" in path:
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), mx.split(b, 3, axis=0), strict=True):
+                    adapters[name][path.replace("mixer.Wqkv", f"self_attn.{proj}")] = (a, part, alpha / rank)
+            else:
+                adapters[name][path] = (a, b, alpha / rank)
+    return plain, adapters
+
+
+def encoder_path(module: str) -> str:
+    """A remote-code module path as this encoder names it ("roberta.encoder.layers.0.mixer.out_proj" ->
+    "layers.0.self_attn.o_proj"); Wqkv is left for the caller to split."""
+    path = module.removeprefix("roberta.") + "."
+    for old, new in RENAMES:
+        path = path.replace(old, new)
+    return path[:-1]
+
+
 MODELS = {
     "encoder": JinaEmbeddingsV3Model,
     "masked-lm": JinaEmbeddingsV3ForMaskedLM,
