@@ -453,3 +453,24 @@ class TiedDecoder(nn.Module):
     def __call__(self, x: mx.array, word_embeddings: nn.Module) -> mx.array:
         x = x @ self.weight.T if "weight" in self else word_embeddings.as_linear(x)
         return x + self.bias if "bias" in self else x
+
+
+class CausalLM(HeadModel):
+    """A decoder's next-token logits through `lm_head` (the word embeddings `model.embed_tokens` when
+    `tie_word_embeddings`); families set `encoder_class` and may transform the logits in `predict_tokens`."""
+
+    prefix = "model"
+    ignored_keys = ("lm_head.weight",)  # a tied copy, when a file stores one
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, bias=False)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
+        out = self.encode(input_ids, attention_mask)
+        out.logits = self.predict_tokens(out.last_hidden_state)
+        return out
+
+    def predict_tokens(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits of (..., H) hidden states."""
+        return self.lm_head(hidden, self.model.embed_tokens)

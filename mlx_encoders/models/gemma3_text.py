@@ -17,10 +17,10 @@ import mlx.nn as nn
 
 from .base import (
     BaseArgs,
+    CausalLM,
     HeadModel,
     Model,
     ModelOutput,
-    TiedDecoder,
     activation,
     embed,
     mask_value,
@@ -239,26 +239,14 @@ class Gemma3TextForSequenceClassification(HeadModel):
         return out
 
 
-class Gemma3ForCausalLM(HeadModel):
-    """Next-token logits through `lm_head` (the word embeddings when `tie_word_embeddings`), soft-capped to
-    (-cap, cap) by cap * tanh(logits / cap) when the config sets `final_logit_softcapping`."""
+class Gemma3ForCausalLM(CausalLM):
+    """Next-token logits, soft-capped to (-cap, cap) by cap * tanh(logits / cap) when the config sets
+    `final_logit_softcapping`."""
 
-    prefix = "model"
     encoder_class = Gemma3TextModel
-    ignored_keys = ("lm_head.weight",)  # a tied copy, when a file stores one
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, bias=False)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
 
     def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states."""
-        logits = self.lm_head(hidden, self.model.embed_tokens)
+        logits = super().predict_tokens(hidden)
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 

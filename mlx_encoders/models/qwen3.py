@@ -15,10 +15,10 @@ import mlx.nn as nn
 
 from .base import (
     BaseArgs,
+    CausalLM,
     HeadModel,
     Model,
     ModelOutput,
-    TiedDecoder,
     activation,
     causal_mask,
     embed,
@@ -178,24 +178,10 @@ class Qwen3Head(HeadModel):
     encoder_class = Qwen3Model
 
 
-class Qwen3ForCausalLM(Qwen3Head):
-    """Next-token logits through `lm_head` (the word embeddings when `tie_word_embeddings`): the reranker's
-    scores are the logits of "yes" and "no" after the last token."""
+class Qwen3ForCausalLM(CausalLM):
+    """Next-token logits: the reranker's scores are the logits of "yes" and "no" after the last token."""
 
-    ignored_keys = ("lm_head.weight",)  # a tied copy, when a file stores one
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.lm_head = TiedDecoder(args.hidden_size, args.vocab_size, args.tie_word_embeddings, bias=False)
-
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        out = self.encode(input_ids, attention_mask)
-        out.logits = self.predict_tokens(out.last_hidden_state)
-        return out
-
-    def predict_tokens(self, hidden: mx.array) -> mx.array:
-        """Vocabulary logits of (..., H) hidden states (a reranker needs only the last token's)."""
-        return self.lm_head(hidden, self.model.embed_tokens)
+    encoder_class = Qwen3Model
 
 
 def last_non_padding(input_ids: mx.array, pad_token_id: int | None) -> mx.array:
