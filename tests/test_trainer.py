@@ -191,6 +191,27 @@ def test_masked_lm_evaluation_reports_accuracy_and_perplexity(checkpoint, tmp_pa
     assert 0 <= metrics["eval_accuracy"] <= 1
 
 
+def test_classification_evaluation_in_length_order_equals_transformers(checkpoint, tmp_path):
+    """Evaluation batches examples shortest first (less padding); the loss and accuracy are transformers' own of
+    the texts in their given order, batch by batch."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = checkpoint("bert", "sequence-classification")
+    model, tokenizer, examples = classification(checkpoint)
+    order = evaluation.eval_order(examples, tokenizer)
+    assert list(order) != list(range(len(TEXTS)))  # the lengths differ, so the order does: the test tests sorting
+    metrics = evaluation.evaluate(model, tokenizer, examples, TrainingConfig(tmp_path, batch_size=3))
+    reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    labels = torch.tensor([examples.label2id[label] for label in LABELS])
+    with torch.no_grad():
+        batches = [AutoTokenizer.from_pretrained(folder)(TEXTS[i : i + 3], padding=True, return_tensors="pt")
+                   for i in range(0, len(TEXTS), 3)]  # fmt: skip
+        logits = torch.cat([reference(**b).logits for b in batches])
+    assert metrics["eval_loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+
+
 @pytest.mark.parametrize("task", ["classification", "masked-lm"])
 def test_compiled_step_equals_value_and_grad(checkpoint, task):
     """The loop's float32 step runs under mx.compile (compiled_value_and_grad): from the same random key, dropout
