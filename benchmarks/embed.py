@@ -205,13 +205,23 @@ def baseline_package(checkout: Path):
 
     package = checkout / "mlx_encoders"
     # an absolute `from mlx_encoders import X` inside the checkout, for a module X this revision no longer has
-    for file in package.glob("*.py"):
-        if not (Path(mlx_encoders.__file__).parent / file.name).exists():
+    missing = [f for f in package.glob("*.py") if not (Path(mlx_encoders.__file__).parent / f.name).exists()]
+    while missing:  # in passes: such a module may import another of them
+        waiting = []
+        for file in missing:
             spec = importlib.util.spec_from_file_location(f"mlx_encoders.{file.stem}", file)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except ModuleNotFoundError:
+                del sys.modules[spec.name]
+                waiting.append(file)
+                continue
             setattr(mlx_encoders, file.stem, module)
+        if len(waiting) == len(missing):
+            raise ImportError(f"{checkout}: cannot import {', '.join(f.name for f in waiting)} beside this revision")
+        missing = waiting
     spec = importlib.util.spec_from_file_location(
         "mlx_encoders_baseline", package / "__init__.py", submodule_search_locations=[str(package)]
     )
