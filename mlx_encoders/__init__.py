@@ -1,16 +1,20 @@
 """BERT-family text encoders on MLX, numerically equal to Hugging Face transformers."""
 
 import importlib
+import sys
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
+# before MLX loads: see runtime.warn_if_usearch_first
+_USEARCH_FIRST = "usearch.compiled" in sys.modules and "mlx.core" not in sys.modules
 
-from .checkpoint import Checkpoint, load_model, load_tokenizer, save
-from .engine import runtime
-from .models import MODEL_TYPES, TASKS
-from .models.base import ModelOutput
-from .tokenizer import Tokenizer
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from .checkpoint import Checkpoint, load_model, load_tokenizer, save  # noqa: E402
+from .engine import runtime  # noqa: E402
+from .models import MODEL_TYPES, TASKS  # noqa: E402
+from .models.base import ModelOutput  # noqa: E402
+from .tokenizer import Tokenizer  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -30,6 +34,7 @@ _LAZY = {
 }  # fmt: skip
 _SUBPACKAGES = ("train", "quantization", "generation", "serve")
 runtime.warn_if_slow_blas()
+runtime.warn_if_usearch_first(_USEARCH_FIRST)
 
 
 def __getattr__(name: str):

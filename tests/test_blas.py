@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -328,3 +329,29 @@ def test_one_row_products_go_through_gemv_and_equal_numpy(compiler, tmp_path):
         library.write_bytes(library.read_bytes()[:4096])
         again = json.loads(run(ONE_ROW, **env).stdout.strip().splitlines()[-1])
         assert again["forwarding"] and again["errors"] == result["errors"]
+
+
+@pytest.mark.parametrize("first", ["usearch", "mlx_encoders"])
+def test_importing_usearch_before_mlx_is_named_before_a_compiled_kernel_breaks(first):
+    """usearch's static C++ runtime, loaded before MLX's, breaks the C++ MLX writes for compiled CPU kernels: the
+    package says so at import, in a fresh compile cache, and not when it came first."""
+    pytest.importorskip("usearch")
+    order = ["usearch.index", "mlx_encoders"] if first == "usearch" else ["mlx_encoders", "usearch.index"]
+    code = (
+        f"import {', '.join(order)}\n"
+        "import mlx.core as mx\n"
+        "print(mx.compile(lambda a: mx.exp(a) * 2 + 1)(mx.ones(3)).tolist())\n"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "TMPDIR": cache},
+        )
+    warned = "usearch was imported before MLX" in run.stderr
+    if first == "usearch":
+        assert warned, run.stderr[-2000:]
+    else:
+        assert not warned and run.returncode == 0 and "6.43" in run.stdout, run.stderr[-2000:]

@@ -324,6 +324,18 @@ def warn_if_slow_blas() -> None:
     )
 
 
+def warn_if_usearch_first(usearch_first: bool) -> None:
+    """usearch's Linux extension carries its own static C++ runtime: loaded before MLX, it breaks the C++ source
+    MLX writes for compiled CPU kernels (a compiler error naming /tmp/mlx/.../tmp_*.cpp at the first mx.compile)."""
+    if usearch_first and sys.platform.startswith("linux"):
+        warnings.warn(
+            "usearch was imported before MLX: MLX's compiled CPU kernels will then fail to build (a C++ compiler "
+            "error naming /tmp/mlx/.../tmp_*.cpp). Import mlx_encoders (or mlx) before usearch.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class ForkedAfterMLX(RuntimeError):
     """MLX ran in a parent process that forked this one: its CPU workers did not survive the fork."""
 
