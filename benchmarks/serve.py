@@ -11,6 +11,12 @@ per server the latency of one short text on an idle server against in-process `e
     python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
     python benchmarks/serve.py --max-texts 1 --clients 64        # the single-text target
     python benchmarks/serve.py --infinity-python /work/infinity-venv/bin/python   # add infinity-emb
+    python benchmarks/serve.py --health 2048     # /health while one request of 2,048 long texts is served
+
+`--health N` measures instead how long `/health` takes to answer (probed every 5 ms) while `mlx-encoders serve`
+answers one request of N long texts (tokenized, run and written; `--health-route /embed_all` writes every token's
+vector) on an otherwise idle server: the event loop never waits on the tokenizer, the model or the writing, so
+every probe should stay under 50 ms.
 
 infinity-emb runs too, without `--infinity-python`, when this interpreter can import it.
 
@@ -58,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-texts", type=int, default=16, help="texts per request: 1 to this many (default 16)")
     p.add_argument("--servers", default="serve,baseline", help="comma-separated: serve, baseline, infinity")
     p.add_argument("--infinity-python", help="python of a venv with infinity-emb installed (adds `infinity`)")
+    p.add_argument("--health", type=int, metavar="N", help="probe /health during one request of N long texts")
+    p.add_argument("--health-route", default="/embed", help="the route of that request (default /embed)")
     p.add_argument("--baseline-server", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the baseline's process
     args = p.parse_args()
     if args.infinity_python is None and importlib.util.find_spec("infinity_emb") is not None:
@@ -119,6 +127,8 @@ def start(name: str, args: argparse.Namespace, log) -> tuple[subprocess.Popen, i
             str(port),
             "--auto-truncate",
         ]  # fmt: skip  (encode, and so the baseline, truncates long docstrings too)
+        if args.health:  # one request of every long text: past the default request size
+            command += ["--max-request-bytes", str(256 * 2**20)]
     elif name == "baseline":
         command = [sys.executable, __file__, "--model", args.model, "--baseline-server", str(port)]
     else:  # its own venv: nothing of this package on its path; no usage statistics sent
@@ -250,10 +260,52 @@ def offline(model: str, texts: list[str]) -> tuple[float, float]:
     return rate, 1000 * statistics.median(times)
 
 
+def health_under_load(args: argparse.Namespace, count: int) -> None:
+    """Milliseconds of each /health probe while one request of `count` long texts is answered."""
+    from mlx_encoders.corpus import stdlib_docstrings
+
+    long = " ".join(stdlib_docstrings(50))[:4000]  # past the model's 256 tokens: truncated (--auto-truncate)
+    body = json.dumps({"inputs": [f"{i} {long}" for i in range(count)]})
+    with tempfile.TemporaryFile() as log:
+        process, port = start("serve", args, log)
+        try:
+            done, probes, answer = threading.Event(), [], {}
+
+            def large() -> None:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+                start_at = time.perf_counter()
+                connection.request("POST", args.health_route, body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                answer.update(status=response.status, bytes=len(response.read()), s=time.perf_counter() - start_at)
+                done.set()
+
+            sender = threading.Thread(target=large)
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            sender.start()
+            while not done.is_set():
+                start_at = time.perf_counter()
+                connection.request("GET", "/health")
+                response = connection.getresponse()
+                response.read()
+                probes.append(1000 * (time.perf_counter() - start_at))
+                if response.status != 200:
+                    raise RuntimeError(f"/health answered {response.status}")
+                time.sleep(0.005)
+            sender.join()
+        finally:
+            stop(process)
+    over, p99 = sum(p >= 50 for p in probes), sorted(probes)[int(0.99 * (len(probes) - 1))]
+    print(f"{args.health_route} of {count} long texts: status {answer['status']}, {answer['bytes'] / 2**20:.0f} MB in "
+          f"{answer['s']:.1f} s; /health probes {len(probes)}: median {statistics.median(probes):.1f} ms, "
+          f"p99 {p99:.1f} ms, slowest {max(probes):.1f} ms, {over} at 50 ms or more")  # fmt: skip
+
+
 def main() -> None:
     args = parse_args()
     if args.baseline_server:
         return run_baseline_server(args.model, args.baseline_server)
+    if args.health:
+        return health_under_load(args, args.health)
     from mlx_encoders.corpus import stdlib_docstrings
 
     texts = stdlib_docstrings(args.texts)

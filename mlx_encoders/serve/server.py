@@ -280,23 +280,60 @@ def values(x) -> int:
     return 1
 
 
-def render(x) -> bytes:
-    """`x` (JSON values, numpy arrays among them) as JSON, as JSONResponse writes it, a piece at a time: one
-    `json.dumps` of a large answer would hold the interpreter's lock, and so the event loop, until it ends."""
+def render(x) -> list[bytes]:
+    """`x` (JSON values, numpy arrays among them) as JSON, as JSONResponse writes it, in pieces of about SEND_BYTES:
+    one `json.dumps` of a large answer, or one join of its pieces, would hold the interpreter's lock (and so the
+    event loop) until it ends, and a join would copy the whole answer once more."""
+    out = Pieces()
+    write(x, out)
+    return out.close()
+
+
+class Pieces:
+    """Bytes gathered into pieces of about SEND_BYTES."""
+
+    def __init__(self):
+        self.pieces, self.parts, self.size = [], [], 0
+
+    def add(self, part: bytes) -> None:
+        self.parts.append(part)
+        self.size += len(part)
+        if self.size >= SEND_BYTES:
+            self.pieces.append(b"".join(self.parts))
+            self.parts, self.size = [], 0
+
+    def close(self) -> list[bytes]:
+        if self.parts:
+            self.pieces.append(b"".join(self.parts))
+        self.parts = []
+        return self.pieces
+
+
+def write(x, out: Pieces) -> None:
     if isinstance(x, np.ndarray) and x.ndim > 1 and x.size >= OFF_LOOP_VALUES:
         x = list(x)
     if values(x) < OFF_LOOP_VALUES or not isinstance(x, (list, dict)):
-        return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist).encode()
-    if isinstance(x, list):
-        return b"[" + b",".join(pause(render(item)) for item in x) + b"]"
-    return b"{" + b",".join(render(str(k)) + b":" + pause(render(v)) for k, v in x.items()) + b"}"
+        out.add(json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist).encode())
+    elif isinstance(x, list):
+        out.add(b"[")
+        for i, item in enumerate(x):
+            out.add(b"," if i else b"")
+            write(item, out)
+            pause()
+        out.add(b"]")
+    else:
+        out.add(b"{")
+        for i, (k, v) in enumerate(x.items()):
+            out.add((b"," if i else b"") + json.dumps(str(k)).encode() + b":")
+            write(v, out)
+            pause()
+        out.add(b"}")
 
 
-def pause(piece: bytes) -> bytes:
-    """`piece`, after letting the event loop's thread take the interpreter's lock (render runs on a thread: without
-    this the loop waits a switch interval for each of its steps)."""
+def pause() -> None:
+    """Lets the event loop's thread take the interpreter's lock (render runs on a thread: without this the loop
+    waits a switch interval for each of its steps)."""
     time.sleep(0)
-    return piece
 
 
 def tolist(x):
@@ -312,20 +349,20 @@ async def respond(result) -> Response:
     if isinstance(result, Response):
         return result
     if values(result) < OFF_LOOP_VALUES:
-        body = render(result)
+        parts = render(result)
     else:
-        body = await asyncio.get_running_loop().run_in_executor(None, render, result)
-    if len(body) <= SEND_BYTES:
-        return Response(body, media_type="application/json")
-    headers = {"Content-Length": str(len(body))}
-    return StreamingResponse(pieces(body), media_type="application/json", headers=headers)
+        parts = await asyncio.get_running_loop().run_in_executor(None, render, result)
+    if len(parts) <= 1:
+        return Response(parts[0] if parts else b"", media_type="application/json")
+    headers = {"Content-Length": str(sum(len(part) for part in parts))}
+    return StreamingResponse(sent(parts), media_type="application/json", headers=headers)
 
 
-async def pieces(body: bytes):
-    """`body` in pieces of SEND_BYTES; the server sends each once the socket has taken the last."""
-    view = memoryview(body)
-    for start in range(0, len(body), SEND_BYTES):
-        yield view[start : start + SEND_BYTES]
+async def sent(parts: list[bytes]):
+    """`parts` in order, each let go once the server has sent it (an answer is never held twice)."""
+    parts.reverse()
+    while parts:
+        yield parts.pop()
 
 
 # the health checks (TEI's three) and the schema with its page (a browser sends no key), as TEI serves them
