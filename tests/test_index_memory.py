@@ -28,6 +28,7 @@ def test_the_graph_follows_the_size_and_the_recall_asked_for():
     assert parameters(10_000, 0.9) == {"connectivity": 16, "expansion_add": 64}
     assert parameters(10_000, 0.95) == {"connectivity": 16, "expansion_add": 128}
     assert parameters(1_000_000, 0.95) == {"connectivity": 32, "expansion_add": 200}
+    assert parameters(1_000_000, 0.95, "int8") == parameters(1_000_000, 0.95, "binary") == parameters(10_000, 0.95)
     assert parameters(10_000, 0.99) == parameters(1_000_000, 0.99) == {"connectivity": 32, "expansion_add": 200}
 
 
