@@ -21,6 +21,7 @@ task, kind and checkpoint, and a plot of the curves (`curves.png`, with matplotl
 
     python benchmarks/rtd_vs_mlm.py                                   # 3 seeds, 4 checkpoints, both tasks
     python benchmarks/rtd_vs_mlm.py --generator-size 0.5 --discriminator-weight 20 --output /tmp/ablation
+    python benchmarks/rtd_vs_mlm.py --kinds rtd --no-share-embeddings --output /tmp/untied   # the paper's ablations
     python benchmarks/rtd_vs_mlm.py --tiny --texts 200 --debian 200 --epochs 1 --seeds 1 --curve 2 \
         --task-examples 100 --task-epochs 1                          # a quick check that everything runs
 
@@ -119,7 +120,8 @@ def pretrain(kind: str, corpus: pathlib.Path, output: pathlib.Path, args, seed: 
     """([(step, encoder folder)] of the run's checkpoints, real tokens per second, seconds) of one pretraining."""
     sizes = TINY if args.tiny else SIZES
     config = {**sizes, "model_type": "bert"} if kind == "mlm" else {**sizes, "embedding_size": sizes["hidden_size"]}
-    rtd = {"generator_size": args.generator_size, "discriminator_weight": args.discriminator_weight}
+    rtd = {"generator_size": args.generator_size, "discriminator_weight": args.discriminator_weight,
+           "share_embeddings": not args.no_share_embeddings}  # fmt: skip
     rows = sum(1 for _ in corpus.open())
     steps = math.ceil(rows / BATCH) * args.epochs
     started = time.perf_counter()
@@ -191,6 +193,8 @@ def main() -> None:
     p.add_argument("--warmup-ratio", type=float, default=0.05, help="pretraining warmup share (default 0.05)")
     p.add_argument("--generator-size", type=float, default=0.25, help="generator width / discriminator's (0.25)")
     p.add_argument("--discriminator-weight", type=float, default=50.0, help="ELECTRA's lambda (default 50)")
+    p.add_argument("--no-share-embeddings", action="store_true", help="the generator keeps its own embeddings")
+    p.add_argument("--kinds", default="mlm,rtd", help="pretrainings to run (an ablation: rtd alone)")
     p.add_argument("--curve", type=int, default=4, help="checkpoints per pretraining run (default 4)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 42, 43, ... (default 3)")
     p.add_argument("--task-epochs", type=int, default=3, help="fine-tuning epochs (default 3)")
@@ -218,7 +222,7 @@ def main() -> None:
 
     results, speeds = [], []
     for seed in range(42, 42 + args.seeds):
-        for kind in ("mlm", "rtd"):
+        for kind in args.kinds.split(","):
             found, rate, seconds = pretrain(kind, corpus, args.output / f"{kind}-{seed}", args, seed)
             speeds.append({"seed": seed, "kind": kind, "tokens_s": rate, "seconds": seconds})
             for step, encoder in found:

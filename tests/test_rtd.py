@@ -37,16 +37,17 @@ TEXTS = [
 ]  # fmt: skip
 
 
-def torch_pair(vocab: int, seed: int = 0):
+def torch_pair(vocab: int, seed: int = 0, share: bool = True):
     """transformers' discriminator and generator (1/4 as wide, heads as wide), the generator's embeddings (and
-    its tied output layer) the discriminator's, as ELECTRA shares them."""
+    its tied output layer) the discriminator's, as ELECTRA shares them (unless not `share`)."""
     torch.manual_seed(seed)
     config = transformers.ElectraConfig(vocab_size=vocab, **SIZES, **NO_DROPOUT)
     discriminator = transformers.ElectraForPreTraining(config)
     small = dict(hidden_size=8, num_attention_heads=1, intermediate_size=9)  # generator_args' sizes at 1/4
     generator = transformers.ElectraForMaskedLM(transformers.ElectraConfig(**{**config.to_dict(), **small}))
-    generator.electra.embeddings = discriminator.electra.embeddings
-    generator.generator_lm_head.weight = discriminator.electra.embeddings.word_embeddings.weight
+    if share:
+        generator.electra.embeddings = discriminator.electra.embeddings
+        generator.generator_lm_head.weight = discriminator.electra.embeddings.word_embeddings.weight
     return discriminator.eval(), generator.eval()
 
 
@@ -63,14 +64,16 @@ def test_generator_sizes_follow_electra():
         generator_args(tiny, 1.5)
 
 
-def test_one_step_equals_the_torch_reference(tmp_path):
+@pytest.mark.parametrize("share", [True, False], ids=["shared-embeddings", "own-embeddings"])
+def test_one_step_equals_the_torch_reference(tmp_path, share):
     vocab, B, L = 50, 3, 12
-    discriminator, generator = torch_pair(vocab)
+    discriminator, generator = torch_pair(vocab, share=share)
     discriminator.save_pretrained(tmp_path / "d")
     generator.save_pretrained(tmp_path / "g")
     pair = ReplacedTokenDetection(
         mlx_encoders.load_model(tmp_path / "d", task="pretraining"),
         mlx_encoders.load_model(tmp_path / "g", task="masked-lm"),
+        share_embeddings=share,
     )
     rng = np.random.default_rng(0)
     original = rng.integers(5, vocab, (B, L))
@@ -91,7 +94,8 @@ def test_one_step_equals_the_torch_reference(tmp_path):
     judged = discriminator(torch.from_numpy(corrupted), T["att"], T["types"], labels=torch.from_numpy(replaced))
     (generated.loss + 50 * judged.loss).backward()
     expected = {f"discriminator.{n}": p.grad.numpy() for n, p in discriminator.named_parameters()}
-    expected |= {f"generator.{n}": p.grad.numpy() for n, p in generator.named_parameters() if ".embeddings." not in n}
+    kept = [(n, p) for n, p in generator.named_parameters() if ".embeddings." not in n or not share]
+    expected |= {f"generator.{n}": p.grad.numpy() for n, p in kept}
 
     inputs = {
         "input_ids": mx.array(masked_ids),
@@ -110,9 +114,12 @@ def test_one_step_equals_the_torch_reference(tmp_path):
     loss, grads = nn.value_and_grad(pair, lambda: pair.batch_loss(inputs, labels))()
     assert loss.item() == pytest.approx((generated.loss + 50 * judged.loss).item(), abs=1e-5)
     grads = {k: np.array(v) for k, v in tree_flatten(grads)}
-    assert grads.keys() == expected.keys()  # one shared embedding module, under the discriminator
+    assert grads.keys() == expected.keys()  # shared: one embedding module, under the discriminator
     for name, want in expected.items():
         assert np.abs(grads[name] - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), name
+    if not share:
+        assert "generator.electra.embeddings.word_embeddings.weight" in grads
+        return
     # the shared table's gradient holds both parts' shares: the discriminator's alone differs
     alone = transformers.ElectraForPreTraining.from_pretrained(tmp_path / "d").eval()
     (50 * alone(torch.from_numpy(corrupted), T["att"], T["types"], labels=torch.from_numpy(replaced)).loss).backward()
@@ -286,3 +293,16 @@ def test_train_called_on_a_pair_trains_electra_loss(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(
         metrics["eval_generator_loss"] + 50 * metrics["eval_discriminator_loss"], rel=1e-5
     )
+
+
+def test_without_shared_embeddings_each_part_trains_and_saves_its_own(tmp_path):
+    """The paper's ablation (`--no-share-embeddings`): the generator keeps its own tables, which train and are
+    saved with it, and both parts still load in transformers."""
+    trained = fine_tune("rtd", [{"text": t} for t in TEXTS], tmp_path / "run", config=SIZES, tokenizer=MINILM,
+                        max_steps=2, batch_size=4, lr=1e-2, share_embeddings=False)  # fmt: skip
+    folders = [tmp_path / "run" / "model" / part for part in ("discriminator", "generator")]
+    tables = [np.array(mlx_encoders.load_model(f).electra.embeddings.word_embeddings.weight) for f in folders]
+    assert np.abs(tables[0] - tables[1]).max() > 1e-3
+    reference = transformers.ElectraForMaskedLM.from_pretrained(folders[1])
+    np.testing.assert_allclose(reference.electra.embeddings.word_embeddings.weight.detach().numpy(), tables[1])
+    assert trained.path == folders[0]

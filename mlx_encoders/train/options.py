@@ -104,6 +104,8 @@ CALL = (
     Option("generator_size", "a new generator's share of the width", float, GENERATOR_SIZE, (RTD,), float, group="rtd"),
     Option("discriminator_weight", "the discriminator loss's weight", float, DISCRIMINATOR_WEIGHT, (RTD,), float,
            group="rtd"),
+    Option("share_embeddings", "the generator reads the discriminator's embeddings (ELECTRA's tying; off: its own, "
+           "the paper's ablation)", bool, True, (RTD,), bool, group="rtd", switch_off=True),
     Option("loss", "embed: default mnrl (anchor/positive rows), cosent (scored pairs); rerank: bce, listnet (default "
            "for rows of several documents), lambda or mnrl; sparse, multivector: a loss object (API only)", object,
            tasks=(*RETRIEVAL, RERANK), flag_tasks=(EMBED, RERANK), group="embed",

@@ -95,17 +95,27 @@ class ReplacedTokenDetection(nn.Module):
     task = TASK  # what `trainer.train` names it in errors
 
     def __init__(
-        self, discriminator: nn.Module, generator: nn.Module, discriminator_weight: float = DISCRIMINATOR_WEIGHT
+        self,
+        discriminator: nn.Module,
+        generator: nn.Module,
+        discriminator_weight: float = DISCRIMINATOR_WEIGHT,
+        share_embeddings: bool = True,
     ):
         check_pair(discriminator, generator)
         super().__init__()
         self.discriminator, self.generator = discriminator, generator
-        del generator.electra["embeddings"]  # held once, by the discriminator: one gradient from both parts
+        self.share_embeddings = share_embeddings
+        if share_embeddings:
+            del generator.electra["embeddings"]  # held once, by the discriminator: one gradient from both parts
         self.discriminator_weight = discriminator_weight
 
     @property
     def embeddings(self) -> nn.Module:
         return self.discriminator.electra.embeddings
+
+    @property
+    def generator_embeddings(self) -> nn.Module:
+        return self.embeddings if self.share_embeddings else self.generator.electra.embeddings
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
         return self.discriminator(input_ids, attention_mask, token_type_ids)  # what the trainer checks inputs on
@@ -116,14 +126,14 @@ class ReplacedTokenDetection(nn.Module):
 
     def generator_logits(self, input_ids, attention_mask, token_type_ids, masked: mx.array) -> mx.array:
         """(M, V) vocabulary logits at the `masked` flat positions (ElectraForMaskedLM over the shared embeddings)."""
-        electra = self.generator.electra
-        x = self.embeddings(input_ids, token_type_ids)
+        electra, embeddings = self.generator.electra, self.generator_embeddings
+        x = embeddings(input_ids, token_type_ids)
         if "embeddings_project" in electra:
             x = electra.embeddings_project(x)
         hidden = electra.encoder(x, padding_mask(attention_mask, x.dtype))
         hidden = hidden.reshape(-1, hidden.shape[-1])[masked]
         head = self.generator.generator_predictions(hidden)
-        return self.generator.generator_lm_head(head, self.embeddings.word_embeddings)
+        return self.generator.generator_lm_head(head, embeddings.word_embeddings)
 
     def losses(self, inputs: dict[str, mx.array], labels: dict[str, mx.array]) -> dict[str, mx.array]:
         """The losses and what the metrics count: `labels` holds `original` (B, L) ids, `masked` (the flat masked
@@ -211,6 +221,9 @@ class ReplacedTokenDetection(nn.Module):
     def parts(self) -> Iterator[tuple[nn.Module, nn.Module]]:
         """(discriminator, generator), the generator holding the shared embeddings for the time of the block, as a
         checkpoint of it holds them."""
+        if not self.share_embeddings:
+            yield self.discriminator, self.generator
+            return
         self.generator.electra.embeddings = self.embeddings
         try:
             yield self.discriminator, self.generator

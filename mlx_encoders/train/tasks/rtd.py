@@ -27,7 +27,10 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
         return masked_lm_data(data, tokenizer, text_column=run.text_column or "text", max_length=run.max_length)
 
     def build(checkpoint, tokenizer, examples):
-        return rtd_pair(checkpoint, run.config, tokenizer, run.generator, run.generator_size, run.discriminator_weight)
+        return rtd_pair(
+            checkpoint, run.config, tokenizer, run.generator, run.generator_size, run.discriminator_weight,
+            run.share_embeddings,
+        )  # fmt: skip
 
     def save_pair(model, path, tokenizer):  # the discriminator is the model to fine-tune; the generator beside it
         return model.save(path, tokenizer, overwrite=True), model.discriminator
@@ -45,9 +48,10 @@ def rtd_pair(
     generator: str | Path | None,
     size: float,
     weight: float,
+    share: bool = True,
 ) -> ReplacedTokenDetection:
     """The discriminator (from `checkpoint` or new, of `config`'s sizes) and the generator (from its checkpoint, or
-    new at `size` x the discriminator's width), sharing the discriminator's embeddings."""
+    new at `size` x the discriminator's width), sharing the discriminator's embeddings (unless not `share`)."""
     if checkpoint is None:
         settings = {"model_type": "electra", **read_config(config)}
         if settings["model_type"] != "electra":
@@ -60,4 +64,4 @@ def rtd_pair(
         part = load_model(generator, dtype="float32", task="masked-lm")
     else:
         part = from_config(generator_args(discriminator.args, size).to_config(), "masked-lm", tokenizer)
-    return ReplacedTokenDetection(discriminator, part, weight)
+    return ReplacedTokenDetection(discriminator, part, weight, share)
