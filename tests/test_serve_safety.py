@@ -320,9 +320,11 @@ def test_random_bodies_get_an_answer_below_500(server, record_property):
 
 
 def test_health_answers_while_a_large_request_is_tokenized(folders):
-    """The model's tokenization made to take 3 s (a stand-in for a request of many long texts): /health and a
-    request to another model answer meanwhile, as they could not if tokenization held the event loop."""
+    """The model's tokenization made to take 3 s (a stand-in for a request of many long texts; a few short texts
+    are tokenized on the loop, quicker than a thread): /health and a request to another model answer meanwhile, as
+    they could not if tokenization held the event loop."""
     from mlx_encoders import serve
+    from mlx_encoders.serve.server import QUICK_TEXTS
 
     with pytest.warns(UserWarning, match="pooling"):
         app = serve.app({"tiny": folders["tiny"], "classify": folders["classify"]}, read_timeout=10)
@@ -336,14 +338,15 @@ def test_health_answers_while_a_large_request_is_tokenized(folders):
 
     tiny.tokenize = slow
     with in_process(app) as url, ThreadPoolExecutor(1) as pool:
-        large = pool.submit(call, url, "/v1/embeddings", {"model": "tiny", "input": TEXTS})
+        many = TEXTS * (QUICK_TEXTS // len(TEXTS) + 1)
+        large = pool.submit(call, url, "/v1/embeddings", {"model": "tiny", "input": many})
         assert started.wait(10)
         begin = time.monotonic()
         assert call(url, "/health")[0] == 200
         assert call(url, "/v1/classify", {"model": "classify", "input": TEXTS})[0] == 200
         assert time.monotonic() - begin < 2 and not large.done()
         status, got, _ = large.result()
-        assert status == 200 and len(got["data"]) == len(TEXTS)
+        assert status == 200 and len(got["data"]) == len(many)
 
 
 # ---- the options
