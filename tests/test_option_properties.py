@@ -244,8 +244,9 @@ SHARED = {name: VALID[name] for name in ("lr", "max_grad_norm", "batch_size", "m
 TABLE_VALUES = {
     "config": {"hidden_size": 32}, "text_column": "text", "text_pair_column": "pair", "label_column": "label",
     "problem_type": "regression", "label2id": {"pos": 0}, "label_all_tokens": True, "whole_word_mask": True,
-    "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "loss": "mnrl",
-    "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler", "columns": ["text"],
+    "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "share_embeddings": False,
+    "loss": "mnrl", "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler",
+    "columns": ["text"],
 }  # fmt: skip
 RETRIEVAL_TEXTS = one_of(  # mostly distinct texts, so that some drawn batches can learn; an empty and a special one
     "how do cats sleep", "cats sleep curled up", "what is python", "a language for scripts", "why dogs bark",
