@@ -12,10 +12,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve import TEXTS, call, in_process, launch, metric_values, stop, url_of
+from tolerance import assert_float32_close, encoder_terms
 
 READ_TIMEOUT_S = 3  # the module server's, from MLX_ENCODERS_READ_TIMEOUT
 KEEP_ALIVE_S = 1
@@ -389,3 +391,45 @@ def test_a_timeout_comes_from_its_flag_then_its_variable_then_the_default(monkey
     monkeypatch.setenv("MLX_ENCODERS_SHUTDOWN_TIMEOUT", "2.5")
     assert cli.setting(parser().parse_args(["serve"]), "--shutdown-timeout") == 2.5
     assert cli.setting(parser().parse_args(["serve", "--shutdown-timeout", "7"]), "--shutdown-timeout") == 7.0
+
+
+# ---- large answers and small requests
+
+
+def test_a_large_answer_is_rendered_in_send_sized_pieces_equal_to_json():
+    """A large answer is written in pieces of about SEND_BYTES (never one joined copy), which together are exactly
+    the JSON the standard library writes; a small one is one piece."""
+    from mlx_encoders.serve.server import SEND_BYTES, render
+
+    rng = np.random.default_rng(0)
+    answer = {"data": [{"index": i, "embedding": rng.standard_normal((64, 384)).astype(np.float32)} for i in range(40)]}
+    pieces = render(answer)
+    plain = json.loads(json.dumps(answer, default=lambda x: x.tolist()))
+    assert json.loads(b"".join(pieces)) == plain
+    assert len(pieces) > 10 and max(map(len, pieces)) < 2 * SEND_BYTES
+    assert render({"ok": True}) == [b'{"ok":true}']
+
+
+def test_a_few_short_texts_are_tokenized_on_the_event_loop_and_many_on_the_tokenizer_thread(folders):
+    """No thread hop for a request of a few short texts; more than QUICK_TEXTS go to the model's tokenizer thread.
+    The vectors are the same either way."""
+    from mlx_encoders import serve
+    from mlx_encoders.serve.server import QUICK_TEXTS
+
+    app = serve.app({"tiny": folders["tiny"]})
+    tiny = app.state.server.models["tiny"]
+    tokenize, threads = tiny.tokenize, []
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return tokenize(*args, **kwargs)
+
+    tiny.tokenize = recorded
+    many = TEXTS * (QUICK_TEXTS // len(TEXTS) + 1)
+    with in_process(app) as url:
+        few = call(url, "/v1/embeddings", {"model": "tiny", "input": TEXTS[:2]})
+        lots = call(url, "/v1/embeddings", {"model": "tiny", "input": many})
+    assert few[0] == lots[0] == 200
+    assert "tokenize" not in threads[0] and "mlx-encoders tokenize tiny" in threads[1], threads
+    got = [[row["embedding"] for row in answer[1]["data"][:2]] for answer in (few, lots)]
+    assert_float32_close(got[0], got[1], encoder_terms(folders["tiny"], many))
