@@ -343,14 +343,16 @@ def write(x, out: Pieces) -> None:
     elif isinstance(x, list):
         out.add(b"[")
         for i, item in enumerate(x):
-            out.add(b"," if i else b"")
+            if i:
+                out.add(b",")
             write(item, out)
             pause()
         out.add(b"]")
     else:
         out.add(b"{")
         for i, (k, v) in enumerate(x.items()):
-            out.add((b"," if i else b"") + json.dumps(str(k)).encode() + b":")
+            key = json.dumps(str(k), ensure_ascii=False).encode()
+            out.add(b"," + key + b":" if i else key + b":")
             write(v, out)
             pause()
         out.add(b"}")
