@@ -22,6 +22,7 @@ task, kind and checkpoint, and a plot of the curves (`curves.png`, with matplotl
     python benchmarks/rtd_vs_mlm.py                                   # 3 seeds, 4 checkpoints, both tasks
     python benchmarks/rtd_vs_mlm.py --generator-size 0.5 --discriminator-weight 20 --output /tmp/ablation
     python benchmarks/rtd_vs_mlm.py --kinds rtd --no-share-embeddings --output /tmp/untied   # the paper's ablations
+    python benchmarks/rtd_vs_mlm.py --kinds rtd --generator-size 1.0 --save-every 422   # at the default run's steps
     python benchmarks/rtd_vs_mlm.py --tiny --texts 200 --debian 200 --epochs 1 --seeds 1 --curve 2 \
         --task-examples 100 --task-epochs 1                          # a quick check that everything runs
 
@@ -128,7 +129,7 @@ def pretrain(kind: str, corpus: pathlib.Path, output: pathlib.Path, args, seed: 
     fine_tune(
         kind, corpus, output, config=config, tokenizer=args.tokenizer, epochs=args.epochs, batch_size=BATCH,
         lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=0.01, max_length=MAX_LENGTH, seed=seed,
-        save_every=max(1, steps // args.curve), keep_last=None, overwrite=True, **(rtd if kind == "rtd" else {}),
+        save_every=args.save_every or max(1, steps // args.curve), keep_last=None, overwrite=True, **(rtd if kind == "rtd" else {}),
     )  # fmt: skip
     seconds = time.perf_counter() - started
     tokens = sum(len(e.ids) for e in masked_lm_data(corpus, args.tok, max_length=MAX_LENGTH).encodings)
@@ -196,6 +197,7 @@ def main() -> None:
     p.add_argument("--no-share-embeddings", action="store_true", help="the generator keeps its own embeddings")
     p.add_argument("--kinds", default="mlm,rtd", help="pretrainings to run (an ablation: rtd alone)")
     p.add_argument("--curve", type=int, default=4, help="checkpoints per pretraining run (default 4)")
+    p.add_argument("--save-every", type=int, help="a checkpoint every N steps instead (to match another run's steps)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 42, 43, ... (default 3)")
     p.add_argument("--task-epochs", type=int, default=3, help="fine-tuning epochs (default 3)")
     p.add_argument("--task-lr", type=float, default=5e-4, help="fine-tuning learning rate (default 5e-4)")
