@@ -210,12 +210,15 @@ def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):
         theirs = expected(task, prompt_name=prompt_name)
         np.testing.assert_allclose(encoder.encode(texts, prompt_name=prompt_name), theirs, atol=1e-5)
         np.testing.assert_allclose(encoder.encode(texts, prompt_name=prompt_name, task=task), theirs, atol=1e-5)
-    np.testing.assert_allclose(encoder.encode_query(texts), expected("retrieval_query", prompt_name="query"), atol=1e-5)
+    # the role's adapter with its task's prompt, as jina's own `encode(task=...)` prepends its task instruction
+    query = expected("retrieval_query", prompt_name="retrieval.query")
+    np.testing.assert_allclose(encoder.encode_query(texts), query, atol=1e-5)
     np.testing.assert_allclose(
         encoder.encode_document(texts, truncate_dim=16),
-        expected("retrieval_passage", prompt_name="document", truncate_dim=16),
+        expected("retrieval_passage", prompt_name="retrieval.passage", truncate_dim=16),
         atol=1e-5,
     )
+    np.testing.assert_allclose(encoder.encode_query(texts, prompt_name="query"), expected("retrieval_query"), atol=1e-5)
     encoder.merge_adapters = True
     np.testing.assert_allclose(encoder.encode(texts, task="separation"), expected("separation"), atol=1e-5)
     assert encoder.model.active_adapter is None  # each call's adapter is for that call only
@@ -412,3 +415,63 @@ def test_remote_code_layout_errors_name_the_key(remote, tmp_path):
     (tmp_path / "no-tasks" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json has no 'lora_adaptations' list"):
         mlx_encoders.load(tmp_path / "no-tasks")
+
+
+@pytest.fixture(scope="module")
+def published(remote, tmp_path_factory):
+    """jinaai/jina-embeddings-v3 as its authors publish it for sentence-transformers: the remote-code checkpoint at
+    the root read by their own module type (`custom_st.Transformer`, with a `task` keyword), mean pooling,
+    Normalize, and a prompt per task (named as the tasks are)."""
+    folder, _, merged = remote
+    published = tmp_path_factory.mktemp("jina-published")
+    shutil.copytree(folder, published, dirs_exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "transformer", "path": "", "type": "custom_st.Transformer", "kwargs": ["task"]},
+        {"idx": 1, "name": "pooler", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "normalizer", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (published / "modules.json").write_text(json.dumps(modules))
+    (published / "custom_st.py").write_text("class Transformer:  # remote code: read by type name, never run\n    pass\n")
+    (published / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 8194, "do_lower_case": False, "model_args": {"trust_remote_code": True}})
+    )
+    (published / "1_Pooling").mkdir()
+    (published / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False})
+    )
+    (published / "2_Normalize").mkdir()
+    (published / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"})
+    )
+    return published, merged
+
+
+def mean_normalized(reference, tokenizer, texts: list[str]) -> np.ndarray:
+    """What their modules compute after the Transformer: the mean over real tokens (prompt included), L2-normalized."""
+    batch = tokenizer(texts, padding=True)
+    hidden = torch_outputs(reference, batch)["last_hidden_state"]
+    mask = np.array(batch["attention_mask"], dtype=np.float32)[..., None]
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
+
+
+def test_published_sentence_transformers_folder_selects_the_task_adapter(published, remote):
+    """Their custom_st.Transformer with `task` = transformers holding that task's adapted weights, then their
+    pooling, normalization and the task's prompt; without a task, the base model (as custom_st does without one)."""
+    folder, merged = published
+    _, base, _ = remote
+    encoder = SentenceEncoder(folder)
+    _, tokenizer = mlx_encoders.load(base)
+    reference = load_reference(base, "encoder")
+    texts = [*TEXTS[1:3], "A longer text to pad others, " * 2]  # within the tiny model's 130 positions
+    np.testing.assert_allclose(encoder.encode(texts), mean_normalized(reference, tokenizer, texts), atol=1e-5)
+    for task in ("retrieval.query", "retrieval.passage", "text-matching"):
+        reference.load_state_dict(merged[task])
+        expected = mean_normalized(reference, tokenizer, [PROMPTS[task] + t for t in texts])
+        np.testing.assert_allclose(encoder.encode(texts, task=task, prompt_name=task), expected, atol=1e-5)
+        if task == "retrieval.query":
+            np.testing.assert_allclose(encoder.encode_query(texts), expected, atol=1e-5)
+        if task == "retrieval.passage":
+            np.testing.assert_allclose(encoder.encode_document(texts), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="No task adapter 'summarization'"):
+        encoder.encode(texts, task="summarization")

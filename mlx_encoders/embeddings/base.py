@@ -111,7 +111,7 @@ class Encoder:
         """The prompt a call prepends to each text: `prompt`, else the one named `prompt_name`, else (`role` "query"
         or "document") the one `encode_query` or `encode_document` picks, else the default prompt, else ""."""
         if role is not None and prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, role)
+            prompt_name = self.role_prompt_name(role)
         return resolve_prompt(self.prompts, self.default_prompt_name, prompt_name, prompt, caller)
 
     def check_max_seq_length(self) -> None:
@@ -173,13 +173,17 @@ class Embedder(Encoder):
     SIMILARITIES: dict[str, tuple[Callable, Callable]] = SIMILARITIES
     ROLE = "task"
 
+    def role_prompt_name(self, role: str) -> str | None:
+        """The prompt `encode_query` (role "query") or `encode_document` ("document") picks when none is given."""
+        return task_prompt_name(self.prompts, role)
+
     def encode_query(
         self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
     ):
         """`encode` for queries: the "query" prompt unless one is given (sentence-transformers defines it, empty,
         for every model, so the default prompt never applies here)."""
         if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "query")
+            prompt_name = self.role_prompt_name("query")
         return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "query", **kwargs})
 
     def encode_document(
@@ -187,7 +191,7 @@ class Embedder(Encoder):
     ):
         """`encode` for documents: the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
-            prompt_name = task_prompt_name(self.prompts, "document")
+            prompt_name = self.role_prompt_name("document")
         return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "document", **kwargs})
 
     @property

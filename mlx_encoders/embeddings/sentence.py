@@ -157,6 +157,15 @@ class SentenceEncoder(Embedder):
         """The tokens of `prompt` that pooling leaves out: none when the model's Pooling includes the prompt."""
         return 0 if self.include_prompt else self.prompt_length(prompt)
 
+    def role_prompt_name(self, role: str) -> str | None:
+        """The role's prompt; where it is empty or missing and the role takes a task adapter, the prompt named after
+        that task (jina's published folder: "retrieval.query"), as its authors pair each adapter with its prompt."""
+        name = super().role_prompt_name(role)
+        if name is not None and self.prompts[name]:
+            return name
+        adapter = task_adapter(self.model, None, None, role)
+        return next((p for p in self.prompts if adapter and re.sub(r"[.\-]", "_", p) == adapter), name)
+
     def adapter_for(
         self, prompt_name: str | None = None, prompt: str | None = None, task: str | None = None,
         role: str | None = None,
