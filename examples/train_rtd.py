@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--texts", type=int, default=3000, help="docstrings to train on (default 3000)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, help="optimizer steps, instead of epochs")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4, ELECTRA-Small's)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--tiny", action="store_true", help="2 layers, 32 wide: a quick check that everything runs")
     p.add_argument("--output", default="rtd-run", help="output folder (default rtd-run)")
@@ -47,7 +48,7 @@ def main() -> None:
     train_file, eval_file = write_corpus(output / "data", args.texts)
     trained = fine_tune(
         "rtd", train_file, output, config=TINY if args.tiny else SIZES, tokenizer=args.tokenizer or default_tokenizer(),
-        eval_data=eval_file, epochs=args.epochs, max_steps=args.max_steps, batch_size=32, lr=1e-3, warmup_ratio=0.05,
+        eval_data=eval_file, epochs=args.epochs, max_steps=args.max_steps, batch_size=32, lr=args.lr, warmup_ratio=0.05,
         weight_decay=0.01, max_length=64, seed=args.seed, overwrite=args.overwrite,
     )  # fmt: skip
     m = trained.metrics

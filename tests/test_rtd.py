@@ -5,6 +5,7 @@ embedding module, the generator's MLM loss + 50 x the discriminator's loss, on t
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -276,6 +277,19 @@ def test_a_new_discriminator_starts_at_the_base_rate_and_a_loaded_one_keeps_its_
     save_file(weights, trained.path / "model.safetensors")
     again = fine_tune("rtd", data, tmp_path / "again", model=trained.path, **run)
     assert load_file(again.path / "model.safetensors")[key].item() == pytest.approx(0.25, abs=1e-6)
+
+
+def test_a_discriminator_that_flags_nothing_at_the_end_is_warned_about(tmp_path):
+    """A run whose last evaluation flags no replaced token (here: one step at lr 1e-12, the bias at the base rate)
+    finishes, with a warning that names the cause and the remedy; a run without an eval set says nothing."""
+    data = write_texts(tmp_path / "train.jsonl", TEXTS)
+    run = dict(max_steps=1, batch_size=4, max_length=24, lr=1e-12, warmup_steps=0)
+    with pytest.warns(UserWarning, match=r"flags none of the eval set's replaced tokens \(recall 0.*lr=5e-4"):
+        trained = fine_tune("rtd", data, tmp_path / "run", config=SIZES, tokenizer=MINILM, eval_data=data, **run)
+    assert trained.metrics["eval_recall"] == 0.0 and trained.metrics["eval_replacement_rate"] > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fine_tune("rtd", data, tmp_path / "quiet", config=SIZES, tokenizer=MINILM, **run)
 
 
 def test_train_called_on_a_pair_trains_electra_loss(tmp_path):

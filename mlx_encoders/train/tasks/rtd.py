@@ -2,6 +2,7 @@
 `config=`) and a generator (`generator=`, else a new one `generator_size` as wide) trained together; saved as
 `output_dir/model/discriminator` and `output_dir/model/generator`."""
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,7 +39,22 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     def objective(examples, tokenizer):
         return RTDObjective(tokenizer, run.training, TASK, rtd_masker(tokenizer, run.whole_word_mask))
 
-    return train_head(TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair)
+    trained = train_head(TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair)
+    warn_if_nothing_flagged(trained.metrics)
+    return trained
+
+
+def warn_if_nothing_flagged(metrics: Mapping[str, float]) -> None:
+    """The last evaluation's discriminator scores no replaced token above 1/2: the run ends without error, yet its
+    encoder learned little (at lr 1e-3 the 4-layer example's top-layer tokens end alike); say so."""
+    if metrics.get("eval_recall") == 0.0 and metrics.get("eval_replacement_rate", 0.0) > 0:
+        warnings.warn(
+            f"rtd: the discriminator flags none of the eval set's replaced tokens (recall 0, accuracy "
+            f"{metrics['eval_discriminator_accuracy']:.3f}: the share left original), so the encoder it gives learned "
+            "little; train longer, or with a lower learning rate (ELECTRA-Small's: lr=5e-4)",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def rtd_pair(
