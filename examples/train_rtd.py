@@ -8,6 +8,18 @@ The corpus, held-out split and tokenizer are `train_mlm.py`'s; the discriminator
 wide) and the generator a quarter of its width. Each evaluation prints the generator's accuracy on masked tokens
 and the discriminator's accuracy, precision and recall on replaced ones. OUTPUT/model/discriminator is the
 encoder to fine-tune (`mlx-encoders train classify --model ...`); OUTPUT/model/generator is a masked-LM.
+
+With the defaults (3,000 docstrings, 3 epochs: 444 steps at lr 5e-4, seed 42) it ends with (the standard library of Python 3.11;
+probabilities of "replaced", [CLS] and [SEP] left out):
+
+    generator accuracy 0.048, discriminator accuracy 0.863 (precision 0.559, recall 0.074; 13.9% of the tokens replaced)
+    return:0.16  the:0.15  number:0.13  of:0.18  items:0.18  in:0.17  the:0.16  list:0.14  .:0.15
+    return:0.16  the:0.15  number:0.13  of:0.18  elephants:0.84  in:0.17  the:0.16  list:0.14  .:0.15
+    if:0.16  the:0.13  file:0.13  does:0.12  not:0.11  exist:0.13  ,:0.19  raise:0.12  an:0.14  error:0.11  .:0.13
+    if:0.17  the:0.14  file:0.13  does:0.12  not:0.12  sing:0.92  ,:0.19  raise:0.12  an:0.14  error:0.11  .:0.14
+
+The words that do not belong ("elephants", "sing") stand out. At `--lr 1e-3` the same run ends flagging nothing
+(recall 0, every token 0.14: the base rate), and `fine_tune` warns so.
 """
 
 import argparse
