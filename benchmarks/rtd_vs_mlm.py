@@ -129,7 +129,8 @@ def pretrain(kind: str, corpus: pathlib.Path, output: pathlib.Path, args, seed: 
     fine_tune(
         kind, corpus, output, config=config, tokenizer=args.tokenizer, epochs=args.epochs, batch_size=BATCH,
         lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=0.01, max_length=MAX_LENGTH, seed=seed,
-        save_every=args.save_every or max(1, steps // args.curve), keep_last=None, overwrite=True, **(rtd if kind == "rtd" else {}),
+        save_every=args.save_every or max(1, steps // args.curve), keep_last=None, overwrite=True,
+        **(rtd if kind == "rtd" else {}),
     )  # fmt: skip
     seconds = time.perf_counter() - started
     tokens = sum(len(e.ids) for e in masked_lm_data(corpus, args.tok, max_length=MAX_LENGTH).encodings)

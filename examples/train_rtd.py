@@ -9,8 +9,8 @@ wide) and the generator a quarter of its width. Each evaluation prints the gener
 and the discriminator's accuracy, precision and recall on replaced ones. OUTPUT/model/discriminator is the
 encoder to fine-tune (`mlx-encoders train classify --model ...`); OUTPUT/model/generator is a masked-LM.
 
-With the defaults (3,000 docstrings, 3 epochs: 444 steps at lr 5e-4, seed 42) it ends with (the standard library of Python 3.11;
-probabilities of "replaced", [CLS] and [SEP] left out):
+With the defaults (3,000 docstrings of Python 3.11's standard library, 3 epochs: 444 steps at lr 5e-4, seed 42)
+it ends with (the probability of "replaced" per token, [CLS] and [SEP] left out):
 
     generator accuracy 0.048, discriminator accuracy 0.863 (precision 0.559, recall 0.074; 13.9% of the tokens replaced)
     return:0.16  the:0.15  number:0.13  of:0.18  items:0.18  in:0.17  the:0.16  list:0.14  .:0.15

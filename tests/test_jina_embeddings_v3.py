@@ -431,7 +431,7 @@ def published(remote, tmp_path_factory):
         {"idx": 2, "name": "normalizer", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ]
     (published / "modules.json").write_text(json.dumps(modules))
-    (published / "custom_st.py").write_text("class Transformer:  # remote code: read by type name, never run\n    pass\n")
+    (published / "custom_st.py").write_text("class Transformer:  # their remote code: never run here\n    pass\n")
     (published / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": 8194, "do_lower_case": False, "model_args": {"trust_remote_code": True}})
     )

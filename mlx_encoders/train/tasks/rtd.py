@@ -39,7 +39,9 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     def objective(examples, tokenizer):
         return RTDObjective(tokenizer, run.training, TASK, rtd_masker(tokenizer, run.whole_word_mask))
 
-    trained = train_head(TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair)
+    trained = train_head(
+        TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair
+    )
     warn_if_nothing_flagged(trained.metrics)
     return trained
 
