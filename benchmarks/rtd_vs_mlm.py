@@ -23,6 +23,7 @@ task, kind and checkpoint, and a plot of the curves (`curves.png`, with matplotl
     python benchmarks/rtd_vs_mlm.py --generator-size 0.5 --discriminator-weight 20 --output /tmp/ablation
     python benchmarks/rtd_vs_mlm.py --kinds rtd --no-share-embeddings --output /tmp/untied   # the paper's ablations
     python benchmarks/rtd_vs_mlm.py --kinds rtd --generator-size 1.0 --save-every 422   # at the default run's steps
+    python benchmarks/rtd_vs_mlm.py --compare rtd-vs-mlm /tmp/ablation /tmp/untied   # their tables side by side
     python benchmarks/rtd_vs_mlm.py --tiny --texts 200 --debian 200 --epochs 1 --seeds 1 --curve 2 \
         --task-examples 100 --task-epochs 1                          # a quick check that everything runs
 
@@ -186,6 +187,27 @@ def plot(table: dict, file: pathlib.Path) -> None:
     print(f"curves: {file}")
 
 
+def compare(folders: list[pathlib.Path]) -> None:
+    """A markdown table of the runs in `folders` (their results.json), one column per run and kind, mean ± sd over
+    seeds at the steps all of them saved: masked-LM, the default run and its ablations side by side."""
+    columns = {}
+    for folder in folders:
+        results = json.loads((folder / "results.json").read_text())["results"]
+        for kind in dict.fromkeys(r["kind"] for r in results):
+            columns[f"{folder.name} {kind}"] = summary([r for r in results if r["kind"] == kind])
+    steps = sorted(set.intersection(*({s for _, _, s in table} for table in columns.values())))
+    tasks = sorted({t for table in columns.values() for t, _, _ in table})
+    print("| task | step | " + " | ".join(columns) + " |\n|---|---:|" + "---:|" * len(columns))
+    for task in tasks:
+        for step in steps:
+            cells = [
+                next((v for (t, _, s), v in table.items() if (t, s) == (task, step)), None)
+                for table in columns.values()
+            ]
+            text = [f"{c[0]:.3f} ± {c[1]:.3f}" if c else "-" for c in cells]
+            print(f"| {task} | {step} | " + " | ".join(text) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--texts", type=int, default=3000, help="standard-library docstrings to pretrain on (3000)")
@@ -206,7 +228,11 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="2 layers, 32 wide: a quick check that everything runs")
     p.add_argument("--tokenizer", type=pathlib.Path, default=default_tokenizer())
     p.add_argument("--output", type=pathlib.Path, default=pathlib.Path("rtd-vs-mlm"))
+    p.add_argument("--compare", type=pathlib.Path, nargs="+", metavar="OUTPUT",
+                   help="print earlier runs' results side by side (their --output folders), and stop")  # fmt: skip
     args = p.parse_args()
+    if args.compare:
+        return compare(args.compare)
     args.tok = Tokenizer.from_pretrained(args.tokenizer)
 
     tasks = {"docstrings": docstring_task(args.output / "task-docstrings")}
@@ -234,17 +260,17 @@ def main() -> None:
                     results.append({"seed": seed, "kind": kind, "step": step, "task": task, "accuracy": accuracy})
                     print(json.dumps(results[-1]), flush=True)
 
+    (args.output / "results.json").write_text(json.dumps({"results": results, "speeds": speeds}, indent=2) + "\n")
     table = summary(results)
     print(f"\n{'task':<12}{'step':>6}  {'masked-LM':>17}  {'replaced-token det.':>19}")
     for task, step in sorted({(t, s) for t, _, s in table}):
         cells = [table.get((task, kind, step)) for kind in ("mlm", "rtd")]
         text = [f"{c[0]:.3f} ± {c[1]:.3f}" if c else "-" for c in cells]
         print(f"{task:<12}{step:>6}  {text[0]:>17}  {text[1]:>19}")
-    for kind in ("mlm", "rtd"):
+    for kind in args.kinds.split(","):
         rows = [s for s in speeds if s["kind"] == kind]
         print(f"{kind}: pretraining {statistics.median(r['tokens_s'] for r in rows):.0f} tokens/s, "
               f"{statistics.median(r['seconds'] for r in rows):.0f} s (median over seeds)")  # fmt: skip
-    (args.output / "results.json").write_text(json.dumps({"results": results, "speeds": speeds}, indent=2) + "\n")
     plot(table, args.output / "curves.png")
 
 
