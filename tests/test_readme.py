@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,23 @@ def test_relative_links_resolve():
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
 
 
+def reader_env(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """The environment a block runs in: its temporary files (the pages' `tempfile.mkdtemp()` folders, hundreds of
+    megabytes of checkpoints) under the test's own folder, which pytest removes once the test passes; MLX's cache
+    of compiled CPU kernels, which it keeps in the temporary folder too, stays shared."""
+    own, shared = tmp_path / "tmp", Path(tempfile.gettempdir()) / "mlx"
+    own.mkdir(exist_ok=True)
+    shared.mkdir(exist_ok=True)
+    if not (own / "mlx").exists():
+        (own / "mlx").symlink_to(shared, target_is_directory=True)
+    return dict(os.environ, TMPDIR=str(own), **variables)
+
+
 @pytest.mark.parametrize("page, code", BLOCKS, ids=IDS)
-def test_readme_block_runs(page, code):
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_readme_block_runs(page, code, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=reader_env(tmp_path)
+    )
     assert result.returncode == 0, result.stderr
     expected = re.findall(r"#\s*(\(.*)$", code.strip().splitlines()[-1])
     if expected:  # a trailing "# (...)" comment on a print states what it prints
@@ -171,7 +186,7 @@ def run_shell(script: str, tmp_path: Path) -> tuple[int, str, str]:
     folder.mkdir()
     (folder / "examples").symlink_to(ROOT / "examples")
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=path)
+    env = reader_env(tmp_path, PATH=f"{tools}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=path)
     shell = subprocess.Popen(
         ["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder, env=env,
         start_new_session=True,
