@@ -12,7 +12,6 @@ token length into batches, so padding is minimal, and returned in input order.
 (sentence_transformer/model.py); an mx.array stands where it returns a torch tensor.
 """
 
-import re
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,6 +22,7 @@ from tokenizers import Encoding
 
 from .. import load_tokenizer
 from ..checkpoint import Checkpoint, load_model, resolve
+from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
 from .folder import Dense, apply_sentence_config, read_folder
@@ -43,7 +43,7 @@ def task_adapter(model, task: str | None, prompt_name: str | None, role: str | N
         return model.adapter_name(task)
     if not names:
         return None
-    if prompt_name is not None and re.sub(r"[.\-]", "_", prompt_name) in names:
+    if prompt_name is not None and adapter_key(prompt_name) in names:
         return model.adapter_name(prompt_name)
     return next((model.adapter_name(n) for r, n in model.role_adapters.items() if r == role and n in names), None)
 
@@ -164,7 +164,7 @@ class SentenceEncoder(Embedder):
         if name is not None and self.prompts[name]:
             return name
         adapter = task_adapter(self.model, None, None, role)
-        return next((p for p in self.prompts if adapter and re.sub(r"[.\-]", "_", p) == adapter), name)
+        return next((p for p in self.prompts if adapter and adapter_key(p) == adapter), name)
 
     def adapter_for(
         self, prompt_name: str | None = None, prompt: str | None = None, task: str | None = None,

@@ -40,6 +40,11 @@ from .roberta import RobertaClassificationHead, RobertaLMHead
 ROLE_ADAPTERS = {"query": "retrieval_query", "document": "retrieval_passage"}
 
 
+def adapter_key(task: str) -> str:
+    """The adapter's name for a task in jina's spelling ("retrieval.query", "text-matching"): its folder name."""
+    return re.sub(r"[.\-]", "_", task)
+
+
 @dataclass
 class ModelArgs(BaseArgs):
     model_type: str = "jina_embeddings_v3"
@@ -241,7 +246,7 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
 
     def adapter_name(self, task: str) -> str:
         """The adapter a task names: its folder name or jina's spelling ("retrieval.query", "text-matching")."""
-        key = re.sub(r"[.\-]", "_", task)
+        key = adapter_key(task)
         if key not in self.task_adapters.tasks:
             known = ", ".join(self.adapters) or "none (the checkpoint folder holds no adapter subfolders)"
             raise ValueError(f"No task adapter {task!r} in this {self.args.model_type} model; its adapters: {known}")
@@ -443,7 +448,7 @@ def inline_adapters(weights: dict[str, mx.array], config: dict) -> tuple[dict, d
             "'lora_adaptations' list naming their tasks; add the list jina's config.json has"
         )
     rank, alpha = int(config.get("lora_rank", 4)), float(config.get("lora_alpha", 1))
-    adapters = {re.sub(r"[.\-]", "_", task): {} for task in tasks}
+    adapters = {adapter_key(task): {} for task in tasks}
     for module, ab in parts.items():
         if set(ab) != {"A", "B"} or ab["A"].shape[0] != len(tasks) or ab["B"].shape[0] != len(tasks):
             found = {k: tuple(v.shape) for k, v in ab.items()}
