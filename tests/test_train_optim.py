@@ -177,7 +177,10 @@ def test_accumulation_averages_micro_batches():
     expected_loss, expected = loss_and_grad(x)
     assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
     for (_, g), (_, e) in zip(tree_flatten(grads), tree_flatten(expected), strict=True):
-        np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-6)
+        # an element is a sum of terms that may cancel (the weights are unseeded): its rounding follows the
+        # largest of the gradient's terms, not its own size
+        e = np.array(e)
+        np.testing.assert_allclose(np.array(g), e, rtol=1e-6, atol=1e-6 * np.abs(e).max())
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
