@@ -7,12 +7,14 @@ missing file is rebuilt.
 
 Recall is measured, not assumed: the graph's connectivity and expansion at build follow the index's size and the
 recall asked for (`parameters`), and the graph is calibrated (`calibrate`): CALIBRATION_QUERIES of the index's
-vectors, held out of the graph until then, are answered exactly and through it at a ladder of search expansions,
-each level's recall@10 and median time recorded. A search then walks with the least expansion
-that reached the recall it asks for (`plan`), or answers exactly where the graph cannot reach it or is no faster.
+vectors, held out of the graph until then, are answered exactly and through it at a ladder of search expansions
+(steps of at most a half, smaller where walks are long, so a search walks little wider than its recall needs),
+each level's recall@10 and median time recorded. A search then walks with the least expansion that reached the
+recall it asks for (`plan`), or answers exactly where the graph cannot reach it or is no faster.
 
 An int8 or binary graph holds a quarter or a 32nd of the float32 graph's vector bytes; its distances only
-approximate the true ones, so every candidate its walk kept is re-scored in float32, from `ann-<precision>.f32`
+approximate the true ones, so candidates are re-scored in float32 (a binary walk's every one, an int8 walk's best
+quarter by int8 distance: `pool`), from `ann-<precision>.f32`
 (the rows, then the float32 vectors, in row order; its size and CRC-32 in the record) memory-mapped rather than
 held in memory. int8 codes are the vectors times one factor (1 / the largest magnitude of any component) in
 127ths: ranks by inner product are the same, and the codes use the whole int8 range.
@@ -33,7 +35,9 @@ KINDS = {"float32": ("f32", "ip"), "int8": ("i8", "ip"), "binary": ("b1", "hammi
 RECALL = 0.95  # the recall@10 a search asks for by default
 CANDIDATES = 100  # graph candidates re-scored exactly per query (at least 4 x k)
 CALIBRATION_QUERIES = 100
-LADDER = (1, 2, 4, 8, 16, 32)  # search expansions tried at calibration, in multiples of the candidates
+# search expansions tried at calibration, in multiples of the candidates: a search walks at the least level that
+# reached its recall, and a walk's time grows with its expansion, so the steps are small where walks are long
+LADDER = (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32)
 ENOUGH = 0.999  # a calibration level this good ends the ladder: more expansion only costs time
 HOLD_OUT_FROM = 10 * CALIBRATION_QUERIES  # from this many vectors the calibration queries join the graph after it
 ADD_BATCH = 100_000  # vectors handed to usearch per call
@@ -60,9 +64,13 @@ def as_input(vectors: np.ndarray, precision: str, scale: float = 1.0) -> np.ndar
 
 
 def pool(candidates: int, expansion: int, precision: str) -> int:
-    """How many of the walk's candidates are re-scored: the best `candidates` by float32 distance, or every one
-    the walk kept (`expansion`) where quantized distances rank them only roughly."""
-    return candidates if precision == "float32" else max(candidates, expansion)
+    """How many of the walk's candidates are re-scored, best first by the graph's own distance: `candidates` of a
+    float32 walk; of an int8 walk the best quarter of the `expansion` it kept (int8 products rank the true
+    neighbours within it as float32 does, and each re-scored vector is a read from the float32 file); every one
+    a binary walk kept, whose Hamming distances rank them only roughly."""
+    if precision == "float32":
+        return candidates
+    return max(candidates, expansion // 4 if precision == "int8" else expansion)
 
 
 def int8_scale(vectors: np.ndarray) -> float:
@@ -212,7 +220,7 @@ def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, cand
     exact_ms = 1000 * statistics.median(times)
     levels = []
     for multiple in LADDER:
-        expansion, found, times = candidates * multiple, 0, []
+        expansion, found, times = round(candidates * multiple), 0, []
         for position, expected in zip(picks, truth, strict=True):
             start = time.perf_counter()
             top = rescored(index, vectors, rows, vectors[position], k + 1 - (held is not None), candidates, expansion,
