@@ -279,6 +279,21 @@ def test_embedding_training_with_lora_runs_and_saves_a_sentence_transformers_fol
     expected = SentenceTransformer(str(trained.path), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
     assert not np.allclose(SentenceEncoder(st_folder).encode(texts), expected, atol=1e-4)  # it trained
+    # the task adapters travel with the trained weights into the folder saved
+    source = mlx_encoders.load(st_folder)[0].adapter_tensors()
+    kept = mlx_encoders.load(trained.path)[0].adapter_tensors()
+    assert sorted(kept) == sorted(source) == sorted(TASKS)
+    for task, low_ranks in source.items():
+        for path, (a, b, scale, table) in low_ranks.items():
+            a2, b2, scale2, table2 = kept[task][path]
+            assert (scale, table) == (scale2, table2), (task, path)
+            np.testing.assert_array_equal(np.array(a), np.array(a2))
+            np.testing.assert_array_equal(np.array(b), np.array(b2))
+    st = SentenceTransformer(str(trained.path), device="cpu")
+    st.load_adapter(str(trained.path), adapter_name="retrieval_query", adapter_kwargs={"subfolder": "retrieval_query"})
+    select_adapter(st, "retrieval_query")
+    theirs = st.encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts, task="retrieval_query"), theirs, atol=1e-5)
 
 
 @pytest.mark.parametrize("head", ["masked-lm", "sequence-classification", "question-answering"])

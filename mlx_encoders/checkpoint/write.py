@@ -94,12 +94,18 @@ def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BY
     return [folder / name for name in names]
 
 
-def write_checkpoint(model: nn.Module, config: dict, folder: Path, shard_size: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Write the model's weights under its own parameter names, and `config`, into `folder`."""
+def write_checkpoint(
+    model: nn.Module, config: dict, folder: Path, shard_size: int = MAX_SHARD_BYTES, adapters: bool = True
+) -> list[Path]:
+    """Write the model's weights under its own parameter names, and `config`, into `folder`; with `adapters`, its
+    task adapters too (jina-embeddings-v3's, one PEFT folder each, as the loader reads them; none while one is
+    merged into the weights). Returns the weight files."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     files = write_weights(model, folder, shard_size)
     (folder / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    for name, low_ranks in (model.adapter_tensors() if adapters and hasattr(model, "adapter_tensors") else {}).items():
+        write_lora(folder / name, low_ranks)
     return files
 
 
@@ -124,9 +130,7 @@ def save(
     """
     folder = Path(folder)
     with atomic_folder(folder, overwrite, whole=False) as tmp:
-        write_checkpoint(model, model_config(model), tmp, shard_size)
-        for name, low_ranks in (model.adapter_tensors() if hasattr(model, "adapter_tensors") else {}).items():
-            write_lora(tmp / name, low_ranks)  # task adapters, one PEFT folder each (jina-embeddings-v3)
+        write_checkpoint(model, model_config(model), tmp, shard_size)  # with its task adapters
         if tokenizer is not None:
             tokenizer.save(tmp)
         elif folder.is_dir():

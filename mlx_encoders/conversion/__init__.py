@@ -148,7 +148,7 @@ def write_folder(
     model: nn.Module, config: dict, source: Path, folder: Path, report: dict, dtype: mx.Dtype | None, shard_size: int
 ) -> None:
     """Weights, config.json, tokenizer and sentence-transformers files; records the bytes written in `report`."""
-    files = write_checkpoint(model, config, folder, shard_size)
+    files = write_checkpoint(model, config, folder, shard_size, adapters=False)  # the source's own, copied below
     copy_tokenizer_files(source, folder)
     copy_sentence_files(source, folder, dtype)
     for name, adapter in adapter_folders(source).items():  # task adapters stay float: they are small
