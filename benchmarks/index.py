@@ -152,7 +152,9 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
         start = time.perf_counter()
         graph = Index(folder, ann=True, recall=args.build_recall, precision=precision)  # builds and calibrates
         figures = {"vectors": size, "kind": kind, "precision": precision,
-                   "ann build s": round(time.perf_counter() - start, 2), "connectivity": graph.way["connectivity"],
+                   "ann build s": round(time.perf_counter() - start, 2),
+                   "of which s": json.loads((folder / f"ann-{precision}.json").read_text()).get("seconds"),
+                   "connectivity": graph.way["connectivity"],
                    **{f"{part} MB": round(held / 2**20, 1) for part, held in graph.memory().items()},
                    **exact_figures}  # fmt: skip
         del graph
