@@ -551,9 +551,9 @@ def anonymous_mappings() -> set[tuple[int, int]]:
 def huge_pages() -> Iterator[None]:
     """Back the writable anonymous mappings made inside the block (a graph library's nodes and vectors) with 2 MB
     transparent huge pages: MADV_HUGEPAGE for the pages touched later, MADV_COLLAPSE for those already there. A walk
-    over a graph of hundreds of MB touches a new 4 KB page at almost every step, each a TLB miss; with 2 MB pages a
-    million-vector int8 graph searched a fifth faster and built a tenth faster (docs/performance.md). Advice the
-    kernel refuses (an older kernel, huge pages off) changes nothing; nothing off Linux or with tuning off."""
+    over a graph of hundreds of MB touches a new 4 KB page at almost every step, each a TLB miss that 2 MB pages
+    mostly spare, in building as in searching (docs/performance.md). Advice the kernel refuses (an older kernel,
+    huge pages off) changes nothing; nothing off Linux or with tuning off."""
     if not sys.platform.startswith("linux") or not tuning_enabled():
         yield
         return
