@@ -6,7 +6,10 @@ the last one is answered (keep-alive connections), 1 to `--max-texts` texts of t
 request (`--max-texts 1`: single-text clients). Prints per server and level texts/s, requests/s and p50/p99
 latency and its throughput as a ratio of offline `SentenceEncoder.encode` on the same texts (measured first), then
 per server the latency of one short text on an idle server against in-process `encode` and its peak memory
-(VmHWM); last, each server's throughput at each level as a ratio of infinity-emb's when it ran.
+(VmHWM); then, for `mlx-encoders serve` at each level, the mean texts per batch it ran and its throughput as a
+ratio of `encode` called on random groups of that many of the texts (batches like its own, where the offline
+figure sorts every text by length at once); last, each server's throughput at each level as a ratio of
+infinity-emb's when it ran.
 
     python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
     python benchmarks/serve.py --max-texts 1 --clients 64        # the single-text target
@@ -34,6 +37,7 @@ is its default). Its venv, CPU torch first so that infinity-emb does not pull a 
 """
 
 import argparse
+import functools
 import http.client
 import importlib.util
 import json
@@ -242,11 +246,39 @@ def peak_memory_mb(pid: int) -> float:
     return int(found.group(1)) / 1024 if found else float("nan")
 
 
-def offline(model: str, texts: list[str]) -> tuple[float, float]:
-    """(texts/s of `encode` over all the texts, ms of `encode` of one short text), in this process."""
+def batches_run(port: int) -> tuple[float, float]:
+    """(texts, batches) `mlx-encoders serve` has run so far, from its /metrics."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    connection.close()
+    found = {m[1]: float(m[2]) for m in re.finditer(r"^mlx_encoders_batch_size_(sum|count)\{[^}]*\} (\S+)", text, re.M)}
+    return found.get("sum", 0.0), found.get("count", 0.0)
+
+
+def own_batches(model: str, texts: list[str], size: int, groups: int = 20) -> float:
+    """texts/s of `encode` called on `groups` random groups of `size` of the texts, one call a group: batches like
+    those a server forms of single-text requests, against `offline`'s one call over every text (sorted by length
+    across all of them, so less padding)."""
+    rng = random.Random(0)
+    picks = [rng.choices(texts, k=size) for _ in range(groups)]
+    encoder = encoder_of(model)
+    start = time.perf_counter()
+    for group in picks:
+        encoder.encode(group)
+    return size * groups / (time.perf_counter() - start)
+
+
+@functools.cache
+def encoder_of(model: str):
     from mlx_encoders import SentenceEncoder
 
-    encoder = SentenceEncoder(model)
+    return SentenceEncoder(model)
+
+
+def offline(model: str, texts: list[str]) -> tuple[float, float]:
+    """(texts/s of `encode` over all the texts, ms of `encode` of one short text), in this process."""
+    encoder = encoder_of(model)
     warnings.simplefilter("ignore")  # "N texts are longer than max_seq_length and were truncated", as the servers do
     encoder.encode(texts[:32])
     start = time.perf_counter()
@@ -316,22 +348,33 @@ def main() -> None:
     print(f"offline encode: {rate:.1f} texts/s; one short text {short:.1f} ms")
     print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
           f"{'x encode':>8}")  # fmt: skip
-    rates = {}
+    rates, batches = {}, []
     for name in dict.fromkeys(servers):
         with tempfile.TemporaryFile() as log:
             process, port = start(name, args, log)
             try:
                 for clients in levels:
+                    before = batches_run(port) if name == "serve" else None
                     r = load(port, clients, texts, args.max_texts, args.seconds)
                     rates[name, clients] = r["texts/s"]
                     print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} "
                           f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6} {r['texts/s'] / rate:>7.2f}x",
                           flush=True)  # fmt: skip
+                    if before is not None:  # the mean texts per batch the server ran at this level
+                        (texts_before, count_before), (texts_after, count_after) = before, batches_run(port)
+                        if count_after > count_before:
+                            size = (texts_after - texts_before) / (count_after - count_before)
+                            batches.append((clients, r["texts/s"], size))
                 idle = idle_latency(port)
                 print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
                       f"peak memory {peak_memory_mb(process.pid):.0f} MB", flush=True)  # fmt: skip
             finally:
                 stop(process)
+    for clients, texts_per_s, size in batches:
+        if size >= 1:
+            own = own_batches(args.model, texts, round(size))
+            print(f"serve at {clients} clients: mean batch {size:.1f} texts; offline encode of random groups of "
+                  f"{round(size)}: {own:.1f} texts/s, the server {texts_per_s / own:.2f}x of that")  # fmt: skip
     if "infinity" in servers:
         for (name, clients), texts_per_s in rates.items():
             if name != "infinity" and rates.get(("infinity", clients)):
