@@ -40,6 +40,8 @@ def test_a_quantized_graph_reaches_the_recall_asked_for_from_memory_mapped_float
     walked = index.way["expansion_search"]  # a binary walk's every candidate re-scored, an int8 walk's best quarter
     assert index.way["candidates"] == (walked if precision == "binary" else max(100, walked // 4))
     assert isinstance(index.vectors, np.memmap) and index.memory()["float32 vectors"] == 0
+    stages = json.loads((folder / f"ann-{precision}.json").read_text())["seconds"]  # the build's stages, timed
+    assert set(stages) == {"insert", "calibrate"} and all(s >= 0 for s in stages.values())
     np.testing.assert_array_equal(index.vectors, data)  # the store's float32 vectors, in row order
     found = recall_at_10(index, data, unit_vectors(100, DIMENSION, seed=1))
     print(f"\n{precision}: {index.describe()}; recall@10 on new queries {found}")
