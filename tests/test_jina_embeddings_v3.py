@@ -6,18 +6,23 @@ tests (test_parity, test_gradients, test_sentence, ...)."""
 
 import copy
 import json
+import re
 import shutil
 
 import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from checkpoints import load_reference
+from checkpoints import load_reference, make_checkpoint
 from peft import LoraConfig, PeftModel, get_peft_model
+from mlx.utils import tree_flatten
 from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.sentence_transformer.modules import Pooling
+from test_contrastive import TRIPLET_COLUMNS, TRIPLETS, st_features
 from test_convert import MIN_COSINE, text_cosines
 from test_gradients import encoder_loss, our_gradients
 from test_index import IDS, write_corpus
@@ -27,7 +32,9 @@ import mlx_encoders
 from mlx_encoders import SentenceEncoder
 from mlx_encoders.index import Index, build, read_corpus
 from mlx_encoders.serve.models import ServedModel
+from mlx_encoders.errors import OptionError
 from mlx_encoders.train import fine_tune
+from mlx_encoders.train.embedding import no_duplicates
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
 # Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows (and saving an rslora
@@ -53,8 +60,6 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """The base checkpoint with one PEFT adapter per task subfolder, its B random (PEFT starts B at zero)."""
-    from checkpoints import make_checkpoint
-
     folder = make_checkpoint(tmp_path_factory.mktemp("jina"), "jina_embeddings_v3")
     base = load_reference(folder, "encoder")
     for seed, (task, options) in enumerate(TASKS.items()):
@@ -490,3 +495,97 @@ def test_published_sentence_transformers_folder_selects_the_task_adapter(publish
             np.testing.assert_allclose(encoder.encode_document(texts), expected, atol=1e-5)
     with pytest.raises(ValueError, match="No task adapter 'summarization'"):
         encoder.encode(texts, task="summarization")
+
+
+def peft_adapter(folder, task: str) -> dict[str, np.ndarray]:
+    """The tensors of the PEFT adapter folder `folder / task`, by name."""
+    with safe_open(str(folder / task / "adapter_model.safetensors"), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_training_a_task_adapter_equals_a_torch_loop_training_that_peft_adapter(st_folder, tmp_path):
+    """`task_adapter` trains one adapter's A and B over the frozen base, as sentence-transformers with PEFT's adapter
+    loaded trainable and selected: the same losses for 8 AdamW steps, the same A and B written back; the base and the
+    other adapters are untouched. Without dropout, whose masks torch draws otherwise."""
+    st_folder = shutil.copytree(st_folder, tmp_path / "st")
+    config = json.loads((st_folder / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (st_folder / "config.json").write_text(json.dumps(config))
+    rows = TRIPLETS * 2
+    steps, options = 8, dict(loss="mnrl", batch_size=4, lr=1e-3, warmup_steps=2, max_grad_norm=1.0, seed=5)
+    trained = fine_tune(
+        "embed", rows, tmp_path / "out", model=st_folder, task_adapter="retrieval.passage", max_steps=steps, **options
+    )
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    texts = [tuple(r.values()) for r in rows]
+    orders = [np.random.default_rng([5, epoch]).permutation(len(rows)) for epoch in range(steps)]
+    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:steps]
+    model = SentenceTransformer(str(st_folder), device="cpu").train()
+    model.load_adapter(
+        str(st_folder), adapter_name="retrieval_passage", adapter_kwargs={"subfolder": "retrieval_passage"},
+        is_trainable=True,
+    )  # fmt: skip
+    select_adapter(model, "retrieval_passage")
+    named = dict(model[0].auto_model.named_parameters())
+    for name, p in named.items():
+        p.requires_grad_("lora_" in name and ".retrieval_passage" in name)
+    params = [p for p in named.values() if p.requires_grad]
+    assert len(params) == 2 * len(peft_adapter(st_folder, "retrieval_passage")) // 2
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 2 if s < 2 else max(0.0, (8 - s) / 6))
+    loss, expected = st_losses.MultipleNegativesRankingLoss(model), []
+    for batch in batches:
+        value = loss(st_features(model, [rows[i] for i in batch], TRIPLET_COLUMNS), None)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        expected.append(value.item())
+    np.testing.assert_allclose(losses, expected, rtol=2e-5)
+
+    saved, theirs = peft_adapter(trained.path, "retrieval_passage"), peft_adapter(st_folder, "retrieval_passage")
+    assert saved.keys() == theirs.keys()
+    for key in saved:  # PEFT's "...lora_A.weight" is "...lora_A.retrieval_passage.weight" once loaded by name
+        name = key.removeprefix("base_model.model.").replace(".weight", ".retrieval_passage.weight")
+        name = re.sub(r"(lora_embedding_[AB])$", r"\1.retrieval_passage", name)
+        trained_value = named[name].detach().numpy()
+        assert np.allclose(trained_value, theirs[key]) == key.startswith("base_model.model.pooler."), key  # unused
+        np.testing.assert_allclose(saved[key], trained_value, rtol=2e-4, atol=2e-5 * np.abs(trained_value).max())
+    for task in set(TASKS) - {"retrieval_passage"}:
+        for key, value in peft_adapter(trained.path, task).items():
+            np.testing.assert_array_equal(value, peft_adapter(st_folder, task)[key])
+    base = dict(tree_flatten(mlx_encoders.load(st_folder)[0].parameters()))
+    for name, value in tree_flatten(mlx_encoders.load(trained.path)[0].parameters()):
+        np.testing.assert_array_equal(np.array(value), np.array(base[name]), err_msg=name)
+    # the trained folder encodes as sentence-transformers with the trained adapter (torch's, from the loop above)
+    model.eval()
+    texts = ["how do cats sleep", "python"]
+    np.testing.assert_allclose(
+        SentenceEncoder(trained.path).encode_document(texts, prompt_name="document"),
+        model.encode(texts, convert_to_numpy=True),
+        atol=1e-5,
+    )
+
+
+def test_task_adapter_run_resumes_exactly_and_refuses_what_it_cannot_train(st_folder, folder, tmp_path):
+    options = dict(model=st_folder, loss="mnrl", batch_size=3, max_steps=4, save_every=2, task_adapter="separation")
+    whole = peft_adapter(fine_tune("embed", TRIPLETS, tmp_path / "a", **options).path, "separation")
+    assert (tmp_path / "a" / "checkpoint-2" / "separation" / "adapter_config.json").is_file()
+    assert not (tmp_path / "a" / "checkpoint-2" / "model.safetensors").exists()  # the frozen base is not copied
+    resumed = fine_tune("embed", TRIPLETS, tmp_path / "a", resume=tmp_path / "a" / "checkpoint-2", **options)
+    assert whole.keys() == peft_adapter(resumed.path, "separation").keys()
+    for name, value in peft_adapter(resumed.path, "separation").items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=name)
+    with pytest.raises(ValueError, match="holds no text_matching/adapter_config.json"):
+        fine_tune("embed", TRIPLETS, tmp_path / "a", resume=tmp_path / "a" / "checkpoint-2",
+                  **{**options, "task_adapter": "text-matching"})  # fmt: skip
+    with pytest.raises(ValueError, match="No task adapter 'summarization'.*retrieval_query"):
+        fine_tune("embed", TRIPLETS, tmp_path / "b", **{**options, "task_adapter": "summarization"})
+    with pytest.raises(OptionError, match="lora_rank adds a new one"):
+        fine_tune("embed", TRIPLETS, tmp_path / "c", lora_rank=2, **options)
+    with pytest.raises(OptionError, match="task_adapter .*is for sentence-embedding"):
+        fine_tune("classify", [dict(text="a", label=0)], tmp_path / "d", model=folder, task_adapter="separation")
+    bert = make_checkpoint(tmp_path / "bert", "bert", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="a bert model has no task adapters"):
+        fine_tune("embed", TRIPLETS, tmp_path / "e", **{**options, "model": bert})

@@ -246,7 +246,7 @@ TABLE_VALUES = {
     "problem_type": "regression", "label2id": {"pos": 0}, "label_all_tokens": True, "whole_word_mask": True,
     "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "share_embeddings": False,
     "loss": "mnrl", "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler",
-    "columns": ["text"],
+    "columns": ["text"], "task_adapter": "retrieval_query",
 }  # fmt: skip
 RETRIEVAL_TEXTS = one_of(  # mostly distinct texts, so that some drawn batches can learn; an empty and a special one
     "how do cats sleep", "cats sleep curled up", "what is python", "a language for scripts", "why dogs bark",

@@ -81,12 +81,14 @@ class ModelArgs(BaseArgs):
         return 0.0
 
 
-class LowRank:
+class LowRank(nn.Module):
     """One adapted projection or table of a task: PEFT's A (r, in) and B (out, r), an embedding's A (r, vocab)
-    and B (H, r), and alpha / r. Kept as a plain object, outside the model's parameters."""
+    and B (H, r), and alpha / r. Outside the model's parameters, but while its task trains (`train_adapter`)."""
 
     def __init__(self, a: mx.array, b: mx.array, scale: float, table: bool):
-        self.a, self.b, self.scale, self.table = a, b, scale, table
+        super().__init__()
+        self.a, self.b = a, b
+        self.scale, self.table = scale, table
 
     def __call__(self, x: mx.array) -> mx.array:
         """The change of the output: scale B A x (a Linear's input x), or scale B A[:, ids] (a table's ids)."""
@@ -258,6 +260,8 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
         adding the low-rank product at each adapted module."""
         state = self.task_adapters
         name = None if task is None else self.adapter_name(task)
+        if state.training not in (None, name):
+            raise ValueError(f"adapter {state.training!r} is being trained; train_adapter(None) ends that first")
         modules = dict(self.named_modules())
         self.unset_adapter(modules)
         if name is None:
@@ -284,6 +288,54 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
             if isinstance(module, Adapted):
                 module.deltas.by_name.clear()
         state.active = None
+
+    def train_adapter(self, task: str | None) -> None:
+        """Train the adapter of `task` (None: stop): it becomes the active one, unmerged, and its A and B the
+        encoder's only trainable parameters, reachable as `ADAPTED.trained.CHILD.a` / `.b` beside the module they
+        change (as jina's own training leaves the main weights frozen); stopping takes them out again."""
+        modules = dict(self.named_modules())
+        for module in modules.values():
+            if "trained" in module:
+                del module["trained"]
+        self.task_adapters.training = None
+        if task is None:
+            self.set_adapter(None)
+            self.unfreeze()
+            for module in modules.values():
+                if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                    module.freeze(keys=["weight", "scales", "biases"], strict=False)
+            return
+        self.set_adapter(task)
+        self.freeze()
+        name = self.task_adapters.active
+        for path, low in self.task_adapters.tasks[name].items():
+            owner, _, child = path.rpartition(".")
+            modules[owner].setdefault("trained", {})[child] = low
+            low.unfreeze()
+        self.task_adapters.training = name
+
+    @property
+    def trained_adapter(self) -> str | None:
+        """The adapter `train_adapter` made trainable, if any."""
+        return self.task_adapters.training
+
+    def restore_adapter(self, name: str, low_ranks: dict[str, tuple[mx.array, mx.array, float]], source) -> None:
+        """Put A and B as `checkpoint.adapters.read_lora` read them from `source` into the adapter `name`, in place
+        (its arrays, not its objects: training holds those); all checked first against the adapter's modules, shapes
+        and scales, so that a mismatch leaves it as it was."""
+        current = self.task_adapters.tasks[name]
+        if low_ranks.keys() != current.keys():
+            other = sorted(low_ranks.keys() ^ current.keys())
+            raise ValueError(f"{source}: adapts other modules than the adapter {name!r} ({', '.join(other[:3])})")
+        for path, (a, b, scale) in low_ranks.items():
+            low = current[path]
+            if (a.shape, b.shape) != (low.a.shape, low.b.shape) or abs(scale - low.scale) > 1e-6 * abs(low.scale):
+                raise ValueError(
+                    f"{source}: {path} has A {tuple(a.shape)}, B {tuple(b.shape)}, scale {scale:g}; the adapter "
+                    f"{name!r} has {tuple(low.a.shape)}, {tuple(low.b.shape)}, {low.scale:g}"
+                )
+        for path, (a, b, _) in low_ranks.items():
+            current[path].a, current[path].b = a.astype(current[path].a.dtype), b.astype(current[path].b.dtype)
 
     def adapter_tensors(self) -> dict[str, dict[str, tuple[mx.array, mx.array, float, bool]]]:
         """Every adapter as written back: {name: {path: (A, B, scale, is a table)}}; none while one is merged (the
@@ -314,13 +366,14 @@ def weight_shape(module: nn.Module) -> tuple[int, int]:
 
 
 class TaskAdapters:
-    """The task adapters of an encoder (name -> path -> LowRank), the active one, and the base weights a merged
-    adapter replaced. A plain object: none of it is a parameter, saved, quantized or trained."""
+    """The task adapters of an encoder (name -> path -> LowRank), the active one, the one being trained, and the
+    base weights a merged adapter replaced. A plain object: none of it is a parameter, saved or quantized."""
 
     def __init__(self):
         self.tasks: dict[str, dict[str, LowRank]] = {}
         self.active: str | None = None
         self.merged: dict[str, mx.array] = {}
+        self.training: str | None = None
 
 
 class JinaEmbeddingsV3Head(HeadModel):

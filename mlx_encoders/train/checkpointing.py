@@ -18,6 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import distributed
+from ..checkpoint.adapters import CONFIG as PEFT_CONFIG
+from ..checkpoint.adapters import read_lora, write_lora
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
@@ -58,16 +60,29 @@ def save_checkpoint(
 ) -> None:
     """`target` (checkpoint-STEP) holding what `mlx_encoders.save` writes, `optimizer.safetensors` and
     `trainer_state.json`, atomically: on any error the previous folder (if any) stays, and no partial one. A model
-    with LoRA adapters saves them alone (`save_adapters`), as `load_adapters` reads them onto its base; `write(model,
-    folder)` writes any other (the objective's `write_weights`; default `write_weights`)."""
+    with LoRA adapters saves them alone (`save_adapters`), as `load_adapters` reads them onto its base; one training
+    a task adapter saves that adapter alone, as PEFT does, in the subfolder of its name; `write(model, folder)` writes
+    any other (the objective's `write_weights`; default `write_weights`)."""
+    trained = adapter_in_training(model)
     with atomic_folder(target, replace=True, whole=True) as tmp:
         if getattr(model, "lora_config", None) is not None:
             save_adapters(model, tmp)
+        elif trained is not None:
+            encoder, name = trained
+            write_lora(tmp / name, encoder.adapter_tensors()[name])
         else:
             (write or write_weights)(model, tmp)
         tokenizer.save(tmp)
         mx.save_safetensors(str(tmp / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)))
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+
+
+def adapter_in_training(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """(the encoder, the adapter's name) of a model training one of its task adapters (`train_adapter`), else None."""
+    for module in model.modules():
+        if (name := getattr(module, "trained_adapter", None)) is not None:
+            return module, name
+    return None
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -158,7 +173,8 @@ def load_checkpoint(
     read: Callable[[nn.Module, Path], dict | None] | None = None,
 ) -> TrainerState:
     """Restore `model`'s weights, the optimizer state and the trainer state from a checkpoint folder; `read(model,
-    folder)` reads weights other than LoRA adapters (the objective's `read_weights`; default `read_weights`)."""
+    folder)` reads weights other than LoRA or task adapters (the objective's `read_weights`; default
+    `read_weights`)."""
     folder = Path(folder)
     if not (folder / STATE_FILE).is_file() or not (folder / OPTIMIZER_FILE).is_file():
         raise FileNotFoundError(
@@ -168,8 +184,16 @@ def load_checkpoint(
     # the files that can be torn are read first: a damaged one must leave the model and optimizer untouched
     state = read_state(folder / STATE_FILE)
     optimizer_state = read_optimizer_state(folder / OPTIMIZER_FILE)
-    lora, saved = getattr(model, "lora_config", None), None
-    if (folder / ADAPTERS_FILE).is_file() != (lora is not None):
+    lora, saved, trained = getattr(model, "lora_config", None), None, adapter_in_training(model)
+    if trained is not None:
+        encoder, name = trained
+        if not (folder / name / PEFT_CONFIG).is_file():
+            raise ValueError(
+                f"{folder} holds no {name}/{PEFT_CONFIG}: it is not a checkpoint of a run training the task adapter "
+                f"{name!r}; resume with the task_adapter of the run that wrote it"
+            )
+        low_ranks = read_lora(folder / name)
+    elif (folder / ADAPTERS_FILE).is_file() != (lora is not None):
         raise ValueError(
             f"{folder} holds {'LoRA adapters' if (folder / ADAPTERS_FILE).is_file() else 'a whole model'}, but the "
             f"model to resume {'has no' if lora is None else 'has'} adapters; resume "
@@ -178,9 +202,11 @@ def load_checkpoint(
     if lora is not None:
         check_lora_settings(lora, folder)
         load_adapter_weights(model, folder)  # checks each tensor's name and shape, naming the file
-    else:
+    elif trained is None:
         saved = (read or read_weights)(model, folder)
     check_optimizer_state(optimizer, model, optimizer_state, folder / OPTIMIZER_FILE)
+    if trained is not None:
+        encoder.restore_adapter(name, low_ranks, folder / name)
     if saved is not None:
         model.update(tree_unflatten(list(saved.items())))
     optimizer.state = tree_unflatten(list(optimizer_state.items()))

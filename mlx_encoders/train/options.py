@@ -119,6 +119,9 @@ CALL = (
     Option("query_prompt", "embed: text put before each anchor / sentence1", tasks=RETRIEVAL, group="embed"),
     Option("document_prompt", "embed: text put before each positive and negative / sentence2", tasks=RETRIEVAL,
            group="embed"),
+    Option("task_adapter", "embed: train this task adapter of the model (jina-embeddings-v3's retrieval_query, "
+           "retrieval_passage, separation, classification, text_matching): its LoRA A and B alone, the rest frozen; "
+           "every text goes through it", tasks=(EMBED,), group="embed"),
     Option("batch_sampler", "embed: default no_duplicates for mnrl losses", tasks=RETRIEVAL, group="embed",
            choices=tuple(SAMPLERS)),
     Option("document_regularizer_weight", "sparse: FLOPS weight of documents (3e-5)", float | None, tasks=(SPARSE,),

@@ -17,7 +17,7 @@ from ...embeddings.folder import apply_sentence_config
 from ...models.layers import drawing_from
 from ...tokenizer import Tokenizer, token_limit
 from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
-from ..config import Trained
+from ..config import OptionError, Trained
 from ..embedding import (
     DenseModel,
     DenseObjective,
@@ -41,6 +41,10 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
         raise ValueError(
             "fine_tune('embed') starts from model=: a sentence-transformers folder or an encoder checkpoint"
         )
+    if run.task_adapter is not None and run.lora_rank:
+        raise OptionError(
+            f"task_adapter={run.task_adapter!r} trains an adapter the model has, lora_rank adds a new one; give one"
+        )
     setup = read_setup(resolve(model))
     checkpoint = Checkpoint.open(setup.transformer)
     query = setup.prompts.get("query", "") if query_prompt is None else query_prompt
@@ -62,15 +66,30 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     kind = DenseObjective if setup.dense else EmbeddingObjective
     objective = kind(loss, tok, setup.pooling, setup.normalize, sampler, similarity_fn_name=similarity)
     net = load_model(checkpoint, dtype="float32", task="encoder")
-    net = DenseModel(net, setup.dense) if setup.dense else net
+    encoder, net = net, DenseModel(net, setup.dense) if setup.dense else net
+    if run.task_adapter is not None:
+        train_task_adapter(net, encoder, run.task_adapter, setup.transformer)
     if hasattr(loss, "check_width"):
         loss.check_width(net.dense[-1].weight.shape[0] if setup.dense else net.args.output_size * len(setup.pooling))
     net, metrics = train_objective(net, tok, objective, examples, evaluation, run)
+    if run.task_adapter is not None:
+        encoder.train_adapter(None)  # the trained A and B stay in the adapter, written with the others
     path = options.output_dir / MODEL_FOLDER
     if distributed.is_main():  # under mlx.launch, rank 0 alone writes
         save_sentence_transformer(net, path, tok, setup, limit)
     net.eval()
     return Trained(net, tok, metrics, Path(path))
+
+
+def train_task_adapter(net: nn.Module, encoder: nn.Module, task: str, folder: Path) -> None:
+    """Leave only the task adapter `task` of `encoder` trainable in `net` (a Dense stack included)."""
+    if not hasattr(encoder, "train_adapter"):
+        raise ValueError(
+            f"{folder}: a {encoder.args.model_type} model has no task adapters; task_adapter is for models that "
+            "select one per call (jina-embeddings-v3, its adapter subfolders)"
+        )
+    net.freeze()
+    encoder.train_adapter(task)  # names the model's adapters when it has no `task`
 
 
 def text_examples(
