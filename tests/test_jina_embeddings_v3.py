@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference, make_checkpoint
-from peft import LoraConfig, PeftModel, get_peft_model
 from mlx.utils import tree_flatten
+from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
@@ -30,9 +30,9 @@ from test_parity import as_torch, assert_close
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
+from mlx_encoders.errors import OptionError
 from mlx_encoders.index import Index, build, read_corpus
 from mlx_encoders.serve.models import ServedModel
-from mlx_encoders.errors import OptionError
 from mlx_encoders.train import fine_tune
 from mlx_encoders.train.embedding import no_duplicates
 
