@@ -260,23 +260,20 @@ def test_no_duplicates_batches_equal_sentence_transformers_sampler_and_never_rep
         assert len(seen) == len(set(seen))
 
 
-def test_twenty_adamw_steps_equal_a_torch_loop_with_sentence_transformers_loss(st_folder, tmp_path):
-    rows = TRIPLETS * 3 + [dict(anchor=r["negative"], positive=r["anchor"], negative=r["positive"]) for r in TRIPLETS]
-    trained = fine_tune(
-        "embed", rows, tmp_path / "out", model=st_folder, loss="mnrl", batch_size=4, max_steps=20, lr=2e-4,
-        warmup_steps=3, max_grad_norm=1.0, seed=3,
-    )  # fmt: skip
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    # the same batches, in the same order: the trainer's epochs of no_duplicates batches
+def torch_mnrl_steps(model, params, rows: list[dict], seed: int, steps: int, lr: float, warmup: int) -> list[float]:
+    """The losses of a torch loop over `model`'s `params` as `fine_tune("embed", loss="mnrl", batch_size=4,
+    max_grad_norm=1.0)` runs its steps: sentence-transformers' MNRL on the trainer's no_duplicates batches, in the
+    same order (each epoch's drawn from `seed`), AdamW with linear warmup and decay, gradients clipped at 1."""
     texts = [tuple(r.values()) for r in rows]
-    orders = [np.random.default_rng([3, epoch]).permutation(len(rows)) for epoch in range(6)]
-    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:20]
-    model = SentenceTransformer(str(st_folder), device="cpu").train()
-    loss = st_losses.MultipleNegativesRankingLoss(model)
-    params = [p for name, p in model[0].auto_model.named_parameters() if not name.startswith("pooler")]
-    optimizer = torch.optim.AdamW(params, lr=2e-4, weight_decay=0.0, eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 3 if s < 3 else max(0.0, (20 - s) / 17))
-    expected = []
+    orders = [np.random.default_rng([seed, epoch]).permutation(len(rows)) for epoch in range(steps)]
+    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:steps]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=1e-8)
+
+    def factor(step: int) -> float:
+        return step / warmup if step < warmup else max(0.0, (steps - step) / (steps - warmup))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    loss, losses = st_losses.MultipleNegativesRankingLoss(model), []
     for batch in batches:
         value = loss(st_features(model, [rows[i] for i in batch], TRIPLET_COLUMNS), None)
         value.backward()
@@ -284,7 +281,20 @@ def test_twenty_adamw_steps_equal_a_torch_loop_with_sentence_transformers_loss(s
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-        expected.append(value.item())
+        losses.append(value.item())
+    return losses
+
+
+def test_twenty_adamw_steps_equal_a_torch_loop_with_sentence_transformers_loss(st_folder, tmp_path):
+    rows = TRIPLETS * 3 + [dict(anchor=r["negative"], positive=r["anchor"], negative=r["positive"]) for r in TRIPLETS]
+    trained = fine_tune(
+        "embed", rows, tmp_path / "out", model=st_folder, loss="mnrl", batch_size=4, max_steps=20, lr=2e-4,
+        warmup_steps=3, max_grad_norm=1.0, seed=3,
+    )  # fmt: skip
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    model = SentenceTransformer(str(st_folder), device="cpu").train()
+    params = [p for name, p in model[0].auto_model.named_parameters() if not name.startswith("pooler")]
+    expected = torch_mnrl_steps(model, params, rows, seed=3, steps=20, lr=2e-4, warmup=3)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
     weights = dict(tree_flatten(trained.model.parameters()))
     for name, p in model[0].auto_model.named_parameters():

@@ -20,9 +20,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
-from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.sentence_transformer.modules import Pooling
-from test_contrastive import TRIPLET_COLUMNS, TRIPLETS, st_features
+from test_contrastive import TRIPLETS, torch_mnrl_steps
 from test_convert import MIN_COSINE, text_cosines
 from test_gradients import encoder_loss, our_gradients
 from test_index import IDS, write_corpus
@@ -34,7 +33,6 @@ from mlx_encoders.errors import OptionError
 from mlx_encoders.index import Index, build, read_corpus
 from mlx_encoders.serve.models import ServedModel
 from mlx_encoders.train import fine_tune
-from mlx_encoders.train.embedding import no_duplicates
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "dense", "word_embeddings", "token_type_embeddings"]
 # Per task: PEFT options; rank_pattern and use_rslora change the scale, so a wrong one shows (and saving an rslora
@@ -517,9 +515,6 @@ def test_training_a_task_adapter_equals_a_torch_loop_training_that_peft_adapter(
         "embed", rows, tmp_path / "out", model=st_folder, task_adapter="retrieval.passage", max_steps=steps, **options
     )
     losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    texts = [tuple(r.values()) for r in rows]
-    orders = [np.random.default_rng([5, epoch]).permutation(len(rows)) for epoch in range(steps)]
-    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:steps]
     model = SentenceTransformer(str(st_folder), device="cpu").train()
     model.load_adapter(
         str(st_folder), adapter_name="retrieval_passage", adapter_kwargs={"subfolder": "retrieval_passage"},
@@ -530,18 +525,8 @@ def test_training_a_task_adapter_equals_a_torch_loop_training_that_peft_adapter(
     for name, p in named.items():
         p.requires_grad_("lora_" in name and ".retrieval_passage" in name)
     params = [p for p in named.values() if p.requires_grad]
-    assert len(params) == 2 * len(peft_adapter(st_folder, "retrieval_passage")) // 2
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 2 if s < 2 else max(0.0, (8 - s) / 6))
-    loss, expected = st_losses.MultipleNegativesRankingLoss(model), []
-    for batch in batches:
-        value = loss(st_features(model, [rows[i] for i in batch], TRIPLET_COLUMNS), None)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        expected.append(value.item())
+    assert len(params) == len(peft_adapter(st_folder, "retrieval_passage"))
+    expected = torch_mnrl_steps(model, params, rows, seed=5, steps=steps, lr=1e-3, warmup=2)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
 
     saved, theirs = peft_adapter(trained.path, "retrieval_passage"), peft_adapter(st_folder, "retrieval_passage")
