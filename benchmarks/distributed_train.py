@@ -7,7 +7,8 @@ global batch and its ratio to one process's, the CPU seconds every rank together
 measure, written to its own file) and how many of them went to the gradient all_sum (MLX's ring backend polls its
 sockets while it waits for the slower rank), the share of a step's time spent in that all_sum (sending,
 receiving and waiting), and the launcher's own CPU time over the run (the runs' total CPU, from the operating
-system, less the ranks').
+system, less the ranks'). One process on half the global batch is a rank's own work without the exchange: what
+two ranks can reach at best.
 
     python benchmarks/distributed_train.py                                 # BERT-small-like, 60 steps
     python benchmarks/distributed_train.py --hidden 32 --layers 2 --steps 12 --warmup 4   # a quick check
@@ -88,12 +89,13 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(args: argparse.Namespace, ranks: int, launcher: str) -> dict:
-    """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run."""
+def run(args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None) -> dict:
+    """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run;
+    `batch_size` in place of the global one."""
     result = Path(tempfile.mkdtemp()) / "result"
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
     command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("hidden", "layers", "steps", "warmup")]
-    command += [f"--batch-size={args.batch_size}", f"--max-length={args.max_length}"]
+    command += [f"--batch-size={batch_size or args.batch_size}", f"--max-length={args.max_length}"]
     if launcher == "mlx.launch":
         launch = Path(sys.executable).with_name("mlx.launch")
         command = [str(launch), "--backend", "ring", "-n", str(ranks), "--starting-port", str(args.port)] + command
@@ -130,6 +132,7 @@ def main() -> None:
         return worker(args)
     rows = [
         ("1 process, 1 thread", run(args, 1, "none")),
+        ("1 process, half the batch (a rank's rows, no exchange)", run(args, 1, "none", args.batch_size // 2)),
         ("2 ranks, mlx-encoders launch", run(args, 2, "mlx-encoders launch")),
         ("2 ranks, mlx.launch", run(args, 2, "mlx.launch")),
     ]
@@ -139,7 +142,7 @@ def main() -> None:
           "| all_sum share of a step | launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     one = rows[0][1]
     for name, r in rows:
-        share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"
+        share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"  # the half batch: its own steps
         print(f"| {name} | {1 / r['steps_s']:.3f} | {one['steps_s'] / r['steps_s']:.2f}x | {r['cpu_per_step']:.3f} "
               f"| {r['cpu_per_step'] / one['cpu_per_step']:.2f}x | {r['sum_cpu_per_step']:.3f} | {share} "
               f"| {r['launcher_cpu']:.1f} |")  # fmt: skip
