@@ -322,6 +322,14 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     lanes = len(runtime.cpu_streams()) if cpu else 1
     group = lanes * batching.PASSES_PER_LANE if lanes > 1 else 1
     assert set(floors) == {-(-100 // group)}  # 100 tokens spread over a group's slices
+    floors.clear()
+    encoder.slice_tokens = 0
+    batching.batch_slices = recording
+    try:
+        encoder.encode(TEXTS, batch_size=4)
+    finally:
+        batching.batch_slices = real
+    assert set(floors) == {encoder.model.args.hidden_size // 2}  # no group floor: a pass holds half the width
     got = encoder.encode(TEXTS, batch_size=8)
     encoder.slice_bytes = None
     assert_float32_close(got, encoder.encode(TEXTS, batch_size=8), encoder_terms(st, TEXTS))

@@ -117,6 +117,13 @@ def slice_rows(args, length: int, slice_bytes: int, slice_tokens: int = 0) -> in
     return max(1, slice_bytes // max(per_row, 1), -(-slice_tokens // max(length, 1)))
 
 
+def least_pass_tokens(args) -> int:
+    """The least tokens of a sliced pass (where its batch has them): half the model's width. The BLAS packs each
+    weight once per product, a cost a wide model's L2-sized slices (a hundred-odd tokens) repeat too often; a narrow
+    model does too little work per byte of activation for its slices to leave the cache."""
+    return args.hidden_size // 2
+
+
 def default_slice_bytes() -> int | None:
     """The device policy for slicing: CPU_SLICE_BYTES on the CPU, None (whole batches) elsewhere."""
     return CPU_SLICE_BYTES if on_cpu() else None
@@ -143,7 +150,8 @@ def run_batches(
     are index arrays into them, `forward` returns lazy arrays whose first axis follows `rows`, `collect` reads
     them once evaluated. `slice_bytes` (default CPU_SLICE_BYTES on the CPU, None elsewhere: whole batches) caps a
     slice's largest activation; `least_tokens` (default `least_group_tokens(model)` on the CPU) is the least
-    tokens a group of passes holds. `show_progress` as sentence-transformers' show_progress_bar, counting batches."""
+    tokens a group of passes holds, and a sliced pass holds `least_pass_tokens` at least. `show_progress` as
+    sentence-transformers' show_progress_bar, counting batches."""
     claim_mlx()
     if not len(lengths):
         return
@@ -154,6 +162,8 @@ def run_batches(
 
     def groups(size: int) -> Iterator[list[np.ndarray]]:
         per_slice = -(-least_tokens // size)  # a group's passes share the dequantizing: spread the floor over them
+        if slice_bytes is not None:
+            per_slice = max(per_slice, least_pass_tokens(model.args))
 
         def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
             return batch_slices(rows, counts, model.args, slice_bytes, per_slice)
