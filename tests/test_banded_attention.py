@@ -81,6 +81,18 @@ def check_against_transformers(checkpoint, length: int) -> None:
     np.testing.assert_allclose(ours, theirs, atol=1e-4 * max(1.0, np.abs(theirs).max()), rtol=0)
 
 
+def peak_memory(compute, *args) -> int:
+    """Bytes MLX's memory rose by while `compute(*args)` was evaluated, measured on a second run: the first makes any
+    one-time buffers, and a collection before the measure frees what earlier tests left to the collector, which
+    would otherwise be freed inside the measured run and hide part of its peak."""
+    mx.eval(compute(*args))
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(compute(*args))
+    return mx.get_peak_memory() - before
+
+
 def test_band_memory_grows_linearly_with_length():
     """The band's scores are (L / h) x h x 3h: doubling L doubles the peak memory (the full mask's quadruples)."""
     args = modernbert.ModelArgs(
@@ -92,13 +104,7 @@ def test_band_memory_grows_linearly_with_length():
     peaks = []
     for length in (2048, 4096):
         ones = mx.ones((1, length), mx.int32)
-        mx.eval(model(ones, attention_mask=ones).last_hidden_state)  # once first: one-time buffers are not the band's
-        gc.collect()  # arrays an earlier test left to the collector would be freed inside the measured pass
-        mx.eval(ones)
-        mx.reset_peak_memory()
-        before = mx.get_active_memory()
-        mx.eval(model(ones, attention_mask=ones).last_hidden_state)
-        peaks.append(mx.get_peak_memory() - before)
+        peaks.append(peak_memory(lambda ids: model(ids, attention_mask=ids).last_hidden_state, ones))
     assert peaks[1] < 2.3 * peaks[0], peaks
 
 
@@ -143,8 +149,5 @@ def test_global_memory_grows_linearly_with_length(monkeypatch):
         peaks = []
         for length in (1024, 2048):
             ids = mx.ones((1, length), mx.int32)  # all ones: also the attention mask
-            mx.reset_peak_memory()
-            before = mx.get_active_memory()
-            mx.eval(run(ids))
-            peaks.append(mx.get_peak_memory() - before)
+            peaks.append(peak_memory(run, ids))
         assert peaks[1] < 2.3 * peaks[0], peaks

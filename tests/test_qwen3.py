@@ -19,6 +19,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
 from sentence_transformers.cross_encoder.modules import LogitScore
 from sentence_transformers.sentence_transformer.modules import Pooling
+from test_banded_attention import peak_memory
 from test_gradients import check_gradients
 from test_numerics import force_branch
 from test_parity import as_torch, assert_close, check_parity
@@ -444,10 +445,7 @@ def test_memory_grows_linearly_with_length(monkeypatch):
         peaks = []
         for length in (1024, 2048):
             ids = mx.ones((1, length), mx.int32)  # all ones: also the attention mask
-            mx.reset_peak_memory()
-            before = mx.get_active_memory()
-            mx.eval(run(ids))
-            peaks.append(mx.get_peak_memory() - before)
+            peaks.append(peak_memory(run, ids))
         assert peaks[1] < 2.3 * peaks[0], peaks
 
 
