@@ -260,22 +260,24 @@ def test_no_duplicates_batches_equal_sentence_transformers_sampler_and_never_rep
         assert len(seen) == len(set(seen))
 
 
-def torch_mnrl_steps(model, params, rows: list[dict], seed: int, steps: int, lr: float, warmup: int) -> list[float]:
-    """The losses of a torch loop over `model`'s `params` as `fine_tune("embed", loss="mnrl", batch_size=4,
-    max_grad_norm=1.0)` runs its steps: sentence-transformers' MNRL on the trainer's no_duplicates batches, in the
-    same order (each epoch's drawn from `seed`), AdamW with linear warmup and decay, gradients clipped at 1."""
+def torch_steps(
+    params, loss_of_batch, rows: list[dict], seed: int, steps: int, lr: float, warmup: int, batch_size: int = 4
+) -> list[float]:
+    """The losses of a torch loop over `params` as `fine_tune` (max_grad_norm 1) runs the steps of a retrieval task:
+    `loss_of_batch(rows)` on the trainer's no_duplicates batches, in the same order (each epoch's drawn from
+    `seed`), AdamW with linear warmup and decay, gradients clipped at 1."""
     texts = [tuple(r.values()) for r in rows]
     orders = [np.random.default_rng([seed, epoch]).permutation(len(rows)) for epoch in range(steps)]
-    batches = [b for order in orders for b in no_duplicates(order, texts, 4)][:steps]
+    batches = [b for order in orders for b in no_duplicates(order, texts, batch_size)][:steps]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=1e-8)
 
     def factor(step: int) -> float:
         return step / warmup if step < warmup else max(0.0, (steps - step) / (steps - warmup))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    loss, losses = st_losses.MultipleNegativesRankingLoss(model), []
+    losses = []
     for batch in batches:
-        value = loss(st_features(model, [rows[i] for i in batch], TRIPLET_COLUMNS), None)
+        value = loss_of_batch([rows[i] for i in batch])
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -283,6 +285,13 @@ def torch_mnrl_steps(model, params, rows: list[dict], seed: int, steps: int, lr:
         optimizer.zero_grad()
         losses.append(value.item())
     return losses
+
+
+def torch_mnrl_steps(model, params, rows: list[dict], seed: int, steps: int, lr: float, warmup: int) -> list[float]:
+    """`torch_steps` with sentence-transformers' MNRL over `model` on anchor/positive/negative rows, batches of 4."""
+    loss = st_losses.MultipleNegativesRankingLoss(model)
+    return torch_steps(params, lambda part: loss(st_features(model, part, TRIPLET_COLUMNS), None), rows, seed, steps,
+                       lr, warmup)  # fmt: skip
 
 
 def test_twenty_adamw_steps_equal_a_torch_loop_with_sentence_transformers_loss(st_folder, tmp_path):

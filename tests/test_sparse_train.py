@@ -25,11 +25,11 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 from sentence_transformers.sparse_encoder.losses import SpladeLoss as STSpladeLoss
 from sentence_transformers.sparse_encoder.modules import SpladePooling
+from test_contrastive import torch_steps
 
 from mlx_encoders import MultiVectorEncoder, SparseEncoder
 from mlx_encoders.__main__ import main
 from mlx_encoders.train import fine_tune
-from mlx_encoders.train.embedding import no_duplicates
 from mlx_encoders.train.losses.multi_vector import MaxSimRankingLoss
 from mlx_encoders.train.losses.sparse import SpladeLoss
 
@@ -57,28 +57,9 @@ def checkpoints(tmp_path_factory, one_torch_thread) -> dict[str, Path]:
     }
 
 
-def same_batches(rows: list[dict]) -> list[np.ndarray]:
-    """The trainer's batches: its seeded epoch orders cut by the no_duplicates sampler."""
-    texts = [tuple(r.values()) for r in rows]
-    orders = [np.random.default_rng([SEED, epoch]).permutation(len(rows)) for epoch in range(STEPS)]
-    return [b for order in orders for b in no_duplicates(order, texts, BATCH)][:STEPS]
-
-
 def torch_loop(params, loss_of_batch, rows: list[dict]) -> list[float]:
-    """AdamW with linear warmup and decay and gradient clipping, as `trainer.train` steps; returns the losses."""
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, eps=1e-8)
-    decay = lambda s: s / WARMUP if s < WARMUP else max(0.0, (STEPS - s) / (STEPS - WARMUP))  # noqa: E731
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
-    losses = []
-    for batch in same_batches(rows):
-        value = loss_of_batch([rows[i] for i in batch])
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(value.item())
-    return losses
+    """This file's steps (`torch_steps`): AdamW with linear warmup and decay and gradient clipping; the losses."""
+    return torch_steps(params, loss_of_batch, rows, SEED, STEPS, LR, WARMUP, BATCH)
 
 
 def logged_losses(output_dir: Path) -> list[float]:
