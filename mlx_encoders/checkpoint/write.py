@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from ..engine.quantized import QUANTIZED
 from ..models import model_module
 from .adapters import write_lora
 from .atomic import atomic_folder
@@ -26,7 +27,6 @@ from .build import common_float_dtype
 from .files import INDEX, TOKENIZER_FILES
 
 MAX_SHARD_BYTES = 5 << 30
-QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 

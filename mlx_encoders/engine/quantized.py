@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from .runtime import on_cpu
 
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 # Affine codes are packed little-endian into uint32 words: `bits` divides 8 (2, 4, 8) so that each byte holds
 # whole codes, or 3 bytes hold a whole number of them (3, 6 bits).
 UNIT_BYTES = {2: 1, 4: 1, 8: 1, 3: 3, 6: 3}
@@ -34,6 +35,14 @@ def least_group_tokens(model: nn.Module) -> int:
     GROUP_TOKENS by the mode and bits of its quantized linears (the largest over them), 0 for a model without any."""
     kinds = {(m.mode, m.bits) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     return max((GROUP_TOKENS.get(kind, DEFAULT_GROUP_TOKENS) for kind in kinds), default=0)
+
+
+def freeze_quantized(model: nn.Module) -> None:
+    """Freeze the packed weights, scales and biases of `model`'s quantized layers (they cannot train), as MLX's
+    quantized layers start; a float parameter's state is left as it is."""
+    for module in model.modules():
+        if isinstance(module, QUANTIZED):
+            module.freeze(keys=["weight", "scales", "biases"], strict=False)
 
 
 def unpack(w: mx.array, bits: int) -> mx.array:

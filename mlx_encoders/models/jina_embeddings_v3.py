@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..engine.quantized import freeze_quantized
 from .base import (
     BaseArgs,
     HeadModel,
@@ -301,9 +302,7 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
         if task is None:
             self.set_adapter(None)
             self.unfreeze()
-            for module in modules.values():
-                if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                    module.freeze(keys=["weight", "scales", "biases"], strict=False)
+            freeze_quantized(self)  # as loaded: every float parameter trainable
             return
         self.set_adapter(task)
         self.freeze()

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..engine.quantized import QuantizedLinear
+from ..engine.quantized import QuantizedLinear, freeze_quantized
 from ..models.base import HeadModel
 from ..models.layers import Dropout, Linear, next_key
 
@@ -44,7 +44,6 @@ DEFAULT_TARGETS = {
 }
 ADAPTERS_FILE, CONFIG_FILE = "adapters.safetensors", "adapter_config.json"
 LINEARS = (nn.Linear, nn.QuantizedLinear)
-QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 @dataclass
@@ -126,12 +125,6 @@ def freeze_base(model: nn.Module) -> None:
         if isinstance(module, LoRALinear):
             module.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
     freeze_quantized(model)
-
-
-def freeze_quantized(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, QUANTIZED):
-            module.freeze(keys=["weight", "scales", "biases"], strict=False)
 
 
 def save_adapters(model: nn.Module, folder: str | Path) -> Path:
