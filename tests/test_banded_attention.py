@@ -93,19 +93,26 @@ def peak_memory(compute, *args) -> int:
     return mx.get_peak_memory() - before
 
 
+def assert_linear_memory(compute, short: int) -> None:
+    """`compute(ids)`'s peak memory grows about 4x from `short` to 4 x `short` tokens of ids (all ones: also the
+    attention mask), not the 16x of (L, L) scores. Each length's peak is the least of two runs: how much of a graph
+    is alive at once depends on how far MLX's stream thread is behind the thread that builds it."""
+    peaks = []
+    for length in (short, 4 * short):
+        ids = mx.ones((1, length), mx.int32)
+        peaks.append(min(peak_memory(compute, ids) for _ in range(2)))
+    assert peaks[1] < 6 * peaks[0], peaks
+
+
 def test_band_memory_grows_linearly_with_length():
-    """The band's scores are (L / h) x h x 3h: doubling L doubles the peak memory (the full mask's quadruples)."""
+    """The band's scores are (L / h) x h x 3h: the peak memory grows as L, not as the full mask's L^2."""
     args = modernbert.ModelArgs(
         vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         local_attention=64, layer_types=["sliding_attention"],
     )  # fmt: skip
     model = modernbert.ModernBertModel(args)
     mx.eval(model.parameters())
-    peaks = []
-    for length in (2048, 4096):
-        ones = mx.ones((1, length), mx.int32)
-        peaks.append(peak_memory(lambda ids: model(ids, attention_mask=ids).last_hidden_state, ones))
-    assert peaks[1] < 2.3 * peaks[0], peaks
+    assert_linear_memory(lambda ids: model(ids, attention_mask=ids).last_hidden_state, 2048)
 
 
 @pytest.mark.parametrize("keys", [3, 1])  # a key mask per batch row, or one for all
@@ -135,7 +142,7 @@ def test_attention_by_blocks_matches_torch_with_a_fully_masked_row(keys):
 
 def test_global_memory_grows_linearly_with_length(monkeypatch):
     """A global layer by blocks holds one block's (QUERY_BLOCK, L) scores at a time, in its forward pass and in
-    its gradients: doubling L doubles the peak memory (all (L, L) scores at once would quadruple it)."""
+    its gradients: the peak memory grows as L (all (L, L) scores at once would grow it as L^2)."""
     monkeypatch.setattr(kernels, "BLOCKWISE_FROM", 512)
     monkeypatch.setattr(kernels, "QUERY_BLOCK", 128)
     args = modernbert.ModelArgs(
@@ -146,8 +153,4 @@ def test_global_memory_grows_linearly_with_length(monkeypatch):
     mx.eval(model.parameters())
     gradients = nn.value_and_grad(model, lambda ids: model(ids, attention_mask=ids).last_hidden_state.sum())
     for run in (lambda ids: model(ids, attention_mask=ids).last_hidden_state, gradients):
-        peaks = []
-        for length in (1024, 2048):
-            ids = mx.ones((1, length), mx.int32)  # all ones: also the attention mask
-            peaks.append(peak_memory(run, ids))
-        assert peaks[1] < 2.3 * peaks[0], peaks
+        assert_linear_memory(run, 1024)
