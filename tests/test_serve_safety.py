@@ -5,6 +5,7 @@ beside /health. Servers bind 127.0.0.1 on a free port; every wait is bounded."""
 import http.client
 import json
 import os
+import select
 import signal
 import socket
 import threading
@@ -204,10 +205,8 @@ def test_sigterm_with_200_idle_connections_and_an_unread_answer_exits_by_the_dea
         unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         body = json.dumps({"model": "tiny", "inputs": ["word " * 4000] * 64}).encode()  # answered in megabytes
         unread.sendall(head("/tokenize", len(body)) + body)
-        sent = 'mlx_encoders_requests_total{route="/tokenize",status="200"}'
-        deadline = time.monotonic() + 60
-        while metric_values(url).get(sent, 0) < 1 and time.monotonic() < deadline:  # a new client is served
-            time.sleep(0.05)
+        readable, _, _ = select.select([unread], [], [], 60)  # the answer's first bytes: it is being sent
+        assert readable, "no answer to /tokenize began within 60 s"
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=SHUTDOWN_S + SLACK_S) == 0
@@ -408,6 +407,23 @@ def test_a_large_answer_is_rendered_in_send_sized_pieces_equal_to_json():
     assert json.loads(b"".join(pieces)) == plain
     assert len(pieces) > 10 and max(map(len, pieces)) < 2 * SEND_BYTES
     assert render({"ok": True}) == [b'{"ok":true}']
+
+
+def test_rendering_many_small_values_pauses_for_the_event_loop_by_time_not_per_value(monkeypatch):
+    """/tokenize's answer is a list of a dict per token: a pause (a sleep's system call, tens of microseconds of
+    timer slack) after each would make rendering 4,000 tokens take a tenth of a second; pauses come at most once
+    per PAUSE_EVERY_S, and at least once in a render that lasts longer."""
+    from mlx_encoders.serve import server
+
+    sleeps = []
+    monkeypatch.setattr(server.time, "sleep", lambda s: sleeps.append(s))
+    tokens = [[{"id": i, "text": "word", "special": False, "start": 5 * i, "stop": 5 * i + 4} for i in range(20000)]]
+    start = time.monotonic()
+    pieces = server.render(tokens)
+    elapsed = time.monotonic() - start
+    assert json.loads(b"".join(pieces)) == tokens
+    assert len(sleeps) <= elapsed / server.PAUSE_EVERY_S + 1, (len(sleeps), elapsed)
+    assert elapsed < 2 * server.PAUSE_EVERY_S or sleeps
 
 
 def test_a_few_short_texts_are_tokenized_on_the_event_loop_and_many_on_the_tokenizer_thread(folders):

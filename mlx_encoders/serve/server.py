@@ -37,6 +37,9 @@ RETRY_AFTER_S = 1
 OFF_LOOP_VALUES = 4096  # an answer of more values is written as JSON on a thread: the event loop stays free
 # a larger body goes to the socket a piece at a time: one write of it all copies it whole on the event loop
 SEND_BYTES = 256 * 1024
+# rendering on a thread lets the event loop take the interpreter's lock at least this often; each pause costs a
+# sleep's system call and timer slack (tens of microseconds), too much to take at every value
+PAUSE_EVERY_S = 0.001
 # a request of at most this many texts of at most this many characters is tokenized on the event loop: tens of
 # microseconds, less than handing it to the tokenizer thread and back
 QUICK_TEXTS, QUICK_CHARS = 8, 512
@@ -320,6 +323,15 @@ class Pieces:
 
     def __init__(self):
         self.pieces, self.parts, self.size = [], [], 0
+        self.paused = time.monotonic()
+
+    def pause(self) -> None:
+        """Lets the event loop's thread take the interpreter's lock, at most every PAUSE_EVERY_S (render runs on a
+        thread: without pauses the loop waits a switch interval for each of its steps)."""
+        now = time.monotonic()
+        if now - self.paused >= PAUSE_EVERY_S:
+            time.sleep(0)
+            self.paused = time.monotonic()
 
     def add(self, part: bytes) -> None:
         self.parts.append(part)
@@ -346,7 +358,7 @@ def write(x, out: Pieces) -> None:
             if i:
                 out.add(b",")
             write(item, out)
-            pause()
+            out.pause()
         out.add(b"]")
     else:
         out.add(b"{")
@@ -354,14 +366,8 @@ def write(x, out: Pieces) -> None:
             key = json.dumps(str(k), ensure_ascii=False).encode()
             out.add(b"," + key + b":" if i else key + b":")
             write(v, out)
-            pause()
+            out.pause()
         out.add(b"}")
-
-
-def pause() -> None:
-    """Lets the event loop's thread take the interpreter's lock (render runs on a thread: without this the loop
-    waits a switch interval for each of its steps)."""
-    time.sleep(0)
 
 
 def tolist(x):
