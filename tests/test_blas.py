@@ -160,7 +160,7 @@ def test_importing_mlx_encoders_before_or_after_torch_keeps_torchs_speed():
     pytest.importorskip("transformers")
     script = Path(__file__).parents[1] / "benchmarks" / "torch_beside.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json", "--rounds", "2"], capture_output=True, text=True,
+        [sys.executable, str(script), "--quick", "--json", "--rounds", "1"], capture_output=True, text=True,
         check=True, timeout=600,
     )  # fmt: skip
     ratios = json.loads(result.stdout.strip().splitlines()[-1])
@@ -357,3 +357,20 @@ def test_importing_usearch_before_mlx_is_named_before_a_compiled_kernel_breaks(f
         assert warned, run.stderr[-2000:]
     else:
         assert not warned and run.returncode == 0 and "6.43" in run.stdout, run.stderr[-2000:]
+
+
+@needs_openblas
+def test_openblas_threads_sleep_when_idle_unless_the_environment_says_otherwise():
+    """The BLAS MLX is given is loaded with OPENBLAS_THREAD_TIMEOUT at its least (idle threads sleep instead of
+    spinning for a tenth of a second after each product); a value in the environment is kept, and with tuning off
+    nothing is set."""
+    code = "import os, mlx_encoders; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    unset = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert unset.stdout.strip() == runtime.BLAS_THREAD_TIMEOUT
+    assert run(code, OPENBLAS_THREAD_TIMEOUT="28").stdout.strip() == "28"
+    off = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "MLX_ENCODERS_CPU_TUNING": "0"},
+        check=True,
+    )  # fmt: skip
+    assert off.stdout.strip() == "None"

@@ -245,6 +245,9 @@ class Binding(NamedTuple):
     slots: dict[str, list[int]]  # name -> absolute slot addresses
 
 
+BLAS_THREAD_TIMEOUT = "4"  # OpenBLAS's least: its idle threads spin 2^4 cycles, then sleep until the next product
+
+
 def give_mlx_fast_blas() -> Binding | None:
     """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; the binding, or None (not Linux, tuning
     off, none installed, or an MLX image this cannot verify: MLX then keeps its own, with one warning, and the import
@@ -252,6 +255,9 @@ def give_mlx_fast_blas() -> Binding | None:
     library = _mlx_library() if sys.platform.startswith("linux") and tuning_enabled() else None
     if library is None:
         return None
+    # OpenBLAS's idle threads spin for 2^28 cycles after each product before they sleep: CPU taken from MLX's
+    # stream threads, a server's event loop and other processes, for no gain in wall time. Read when it loads.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
     for path in _candidates():
         try:
             blas = Blas(path)
