@@ -1,6 +1,9 @@
 """Model-size presets: each one's parameter count equals transformers' model of the same config (built on torch's
 meta device, which allocates nothing) and the published size; ours is built lazily, so no weights are allocated."""
 
+import re
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 import torch
@@ -47,6 +50,13 @@ def test_parameter_count_matches_transformers_and_the_published_size(name):
     assert ours == sum(p.numel() for p in reference.parameters())
     if name in PUBLISHED:
         assert ours == pytest.approx(PUBLISHED[name] * 1e6, rel=0.07)  # the published figures are rounded to 2-3 digits
+
+
+def test_docs_list_every_preset():
+    """docs/training.md's table of model sizes names every preset `--config` takes, and no other."""
+    page = (Path(__file__).parents[1] / "docs" / "training.md").read_text()
+    table = page[page.index("| architecture | presets |") :].split("\n\n")[0]
+    assert set(re.findall(r"`([^`]+)`", table)) == set(presets())
 
 
 def test_preset_config_and_unknown_names():
