@@ -16,7 +16,7 @@ import pickle
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -30,6 +30,9 @@ T, R = TypeVar("T"), TypeVar("R")
 BARRIER_ENV = "MLX_ENCODERS_BARRIER"  # "ARRIVE:GO": the pipes `wait_for_all` uses, from `mlx-encoders launch`
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
+# An embedding table's gradient travels as the rows some rank changed when they are at most this share of its rows:
+# a fine-tuning batch touches a few thousand of a vocabulary's 30k or more words (a tied output layer, all of them).
+SPARSE_ROWS_SHARE = 0.5
 
 
 class RankLost(ConnectionError):
@@ -100,13 +103,15 @@ def step_gradients(
     world: World,
     what: str,
     part: Callable[[dict, World], dict] | None = None,
+    tables: Collection[str] = (),
 ) -> tuple[mx.array, dict]:
     """The loss and gradients of one optimizer step over global micro-batches, equal on every rank to one process's:
     each micro-batch's loss is the mean over its `count`ed labelled items, so this rank's part is weighted by its
     share of them (a part with none adds zeros), parts are averaged over micro-batches, then summed over ranks.
     `parameters` are the trainable ones (the gradients' structure). With `part` (a batch's part for this rank, whose
     loss gathers over ranks and is already this rank's share of the global loss: `gathered_part`), every rank runs
-    every micro-batch, as the gathers inside its loss wait for all ranks."""
+    every micro-batch, as the gathers inside its loss wait for all ranks. `tables` name the embedding tables among
+    `parameters` (tree_flatten's names): `all_sum` sends the rows of their gradients that some rank changed."""
     loss, grads = mx.array(0.0), tree_map(mx.zeros_like, parameters)
     for batch in batches:
         if part is not None:
@@ -123,7 +128,7 @@ def step_gradients(
                 mx.eval(loss, grads)
         else:
             mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
-    return all_sum((loss, grads), world, what)
+    return all_sum((loss, grads), world, what, {f"1.{name}" for name in tables})
 
 
 def gathered_part(n: int, world: World) -> tuple[np.ndarray, np.ndarray]:
@@ -145,24 +150,52 @@ def gather_rows(x: mx.array, order: np.ndarray | None, world: World | None = Non
     return all_gather(x, world)[mx.array(order)]
 
 
-def all_sum(tree, world: World, what: str):
+def all_sum(tree, world: World, what: str, tables: Collection[str] = ()):
     """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
-    of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency)."""
-    arrays = [a for _, a in tree_flatten(tree)]
+    of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency).
+    Of the 2-D arrays `tables` names (tree_flatten's names: embedding tables' gradients), only the rows some rank
+    changed travel, when they are few (`changed_rows`); the others are zeros on every rank, and stay so."""
+    named = tree_flatten(tree)
+    arrays = [a for _, a in named]
     mx.eval(arrays)  # this rank's part, computed before it waits for the others
-    summed = list(arrays)
-    for dtype in {a.dtype for a in arrays}:
-        chosen = [i for i, a in enumerate(arrays) if a.dtype == dtype]
-        flat = mx.distributed.all_sum(mx.concatenate([arrays[i].reshape(-1) for i in chosen]), group=world.group)
+    candidates = [i for i, (name, a) in enumerate(named) if name in tables and a.ndim == 2]
+    rows = changed_rows([arrays[i] for i in candidates], world, what)
+    rows = {i: mx.array(r) for i, r in zip(candidates, rows, strict=True) if r is not None}
+    parts = [a[rows[i]] if i in rows else a for i, a in enumerate(arrays)]
+    summed = list(parts)
+    for dtype in {a.dtype for a in parts}:
+        chosen = [i for i, a in enumerate(parts) if a.dtype == dtype]
+        flat = mx.distributed.all_sum(mx.concatenate([parts[i].reshape(-1) for i in chosen]), group=world.group)
         start = 0
         for i in chosen:
-            summed[i] = flat[start : start + arrays[i].size].reshape(arrays[i].shape)
-            start += arrays[i].size
+            summed[i] = flat[start : start + parts[i].size].reshape(parts[i].shape)
+            start += parts[i].size
     with collective(world, what):
         wait_for_all(world, what)
         mx.eval(summed)
+    for i, changed in rows.items():
+        summed[i] = mx.zeros_like(arrays[i]).at[changed].add(summed[i])
+    mx.eval(summed)
     leaves = iter(summed)
     return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
+
+
+def changed_rows(tables: list[mx.array], world: World, what: str) -> list[np.ndarray | None]:
+    """Per 2-D array, the rows (sorted int32 indices) that are not all zeros on some rank, or None where more than
+    SPARSE_ROWS_SHARE of its rows are: then the whole array travels. The same on every rank (one all_sum of the
+    ranks' marks), so every rank sends the same rows in the same layout."""
+    if not tables or world.size == 1:
+        return [None] * len(tables)
+    marks = mx.concatenate([mx.any(t != 0, axis=1) for t in tables]).astype(mx.int32)
+    with collective(world, what):
+        wait_for_all(world, what)
+        counts = np.array(mx.distributed.all_sum(marks, group=world.group))
+    out, start = [], 0
+    for t in tables:
+        changed = np.flatnonzero(counts[start : start + t.shape[0]]).astype(np.int32)
+        out.append(changed if len(changed) <= SPARSE_ROWS_SHARE * t.shape[0] else None)
+        start += t.shape[0]
+    return out
 
 
 def broadcast(tree, world: World, what: str):

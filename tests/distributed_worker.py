@@ -3,6 +3,7 @@
 SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome, returned metrics and count of
 evaluation batches this rank scored recorded; a `loss` may name a loss class and its options), `gather` (an .npz of
 anchors, positives and a weight matrix: this rank's gradient of an MNRL-like loss, summed over ranks, is saved),
+`sums` (an .npz of each rank's arrays: their `distributed.all_sum` is saved, with the sizes of the buffers sent),
 `cli` (arguments of `mlx-encoders`, its exit status recorded) and `kill_rank`/`kill_at_step` (that rank kills
 itself with SIGKILL before that step). Each rank writes `status-RANK.json` beside SPEC, as mlx.launch can exit 0
 when a rank failed.
@@ -71,6 +72,25 @@ def gather_gradients(path: str, out: Path, world: distributed.World) -> None:
     np.savez(out / f"gradients-{world.rank}.npz", **grads)
 
 
+def sum_tables(path: str, out: Path, world: distributed.World) -> None:
+    """`distributed.all_sum` of this rank's arrays in the .npz at `path` (`NAME-RANK`), "table" and "full" named as
+    embedding tables; saves the sums and the size of each buffer given to `mx.distributed.all_sum`."""
+    data = np.load(path)
+    sizes, all_sum = [], mx.distributed.all_sum
+
+    def recorded(x, *args, **kwargs):
+        sizes.append(x.size)
+        return all_sum(x, *args, **kwargs)
+
+    mx.distributed.all_sum = recorded
+    try:
+        tree = {name: mx.array(data[f"{name}-{world.rank}"]) for name in ("table", "dense", "full")}
+        summed = distributed.all_sum(tree, world, "the test's sum", tables={"table", "full"})
+    finally:
+        mx.distributed.all_sum = all_sum
+    np.savez(out / f"sums-{world.rank}.npz", sizes=np.array(sizes), **{k: np.array(v) for k, v in summed.items()})
+
+
 def kill_at(rank: int, step: int, world: distributed.World) -> None:
     """Make `rank` die (SIGKILL: no cleanup, as a crash or a lost machine) just before `step`."""
     take_step = trainer.Loop.step
@@ -94,6 +114,8 @@ def run(spec_path: Path) -> dict:
         run_fine_tune(spec["fine_tune"], status)
     if "gather" in spec:
         gather_gradients(spec["gather"], spec_path.parent, world)
+    if "sums" in spec:
+        sum_tables(spec["sums"], spec_path.parent, world)
     if "cli" in spec:
         status["cli"] = main(spec["cli"])
     return status

@@ -207,6 +207,13 @@ def runs(tmp_path_factory):
     rng = np.random.default_rng(0)
     np.savez(root / "mnrl.npz", anchors=rng.normal(size=(8, 6)), positives=rng.normal(size=(8, 6)),
              weights=rng.normal(size=(6, 5)))  # fmt: skip
+    table = [np.zeros((1000, 8), np.float32) for _ in range(2)]
+    for rank, rows in enumerate(([3, 10, 500], [10, 999])):  # row 10 changed on both ranks
+        table[rank][rows] = rng.normal(size=(len(rows), 8))
+    arrays = {f"table-{r}": table[r] for r in range(2)}
+    arrays |= {f"{name}-{r}": rng.normal(size=shape).astype(np.float32)
+               for name, shape in (("dense", (4, 5)), ("full", (40, 8))) for r in range(2)}  # fmt: skip
+    np.savez(root / "sums.npz", **arrays)
     two = root / "two"
     spec = {
         "fine_tune": {
@@ -227,6 +234,7 @@ def runs(tmp_path_factory):
             },
         },  # fmt: skip
         "gather": str(root / "mnrl.npz"),
+        "sums": str(root / "sums.npz"),
     }
     result, statuses = launch(two, spec)
     return root, classify, result, statuses
@@ -245,6 +253,20 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
     assert result.stderr.count("Compiling the training step") == sum(
         outcome == "ok" for name, outcome in statuses[0]["fine_tune"].items() if name not in UNCOMPILED
     )
+
+
+def test_an_embedding_tables_gradient_sends_the_rows_some_rank_changed(runs):
+    """all_sum of a 1000-row table that the ranks changed in 4 rows sends those rows alone (after one exchange of
+    which rows each rank changed), a table changed in every row whole, and sums every array exactly as adding the
+    ranks' arrays does."""
+    root, _, result, statuses = runs
+    assert sorted(statuses) == [0, 1], result.stderr
+    arrays = np.load(root / "sums.npz")
+    for rank in range(2):
+        got = np.load(root / "two" / f"sums-{rank}.npz")
+        for name in ("table", "dense", "full"):
+            np.testing.assert_array_equal(got[name], arrays[f"{name}-0"] + arrays[f"{name}-1"])
+        assert list(got["sizes"]) == [1000 + 40, 4 * 8 + 4 * 5 + 40 * 8]
 
 
 def test_two_ranks_train_mnrl_with_hard_negatives_as_one_process_does(runs):

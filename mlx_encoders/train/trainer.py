@@ -179,6 +179,9 @@ class Loop:
         self.mask_rng.bit_generator.state = self.state.mask_rng
         self.random = [mx.array(self.state.mlx_key, dtype=mx.uint32)]  # the key dropout draws from (`drawing_from`)
         self.world = distributed.world()
+        trainable = {name for name, _ in tree_flatten(self.model.trainable_parameters())}
+        embeddings = (path for path, m in self.model.named_modules() if isinstance(m, nn.Embedding))
+        self.tables = {f"{path}.weight" for path in embeddings} & trainable  # rows of their gradients: all_sum
         self.learned = self.state.step > 0  # whether a step has moved the weights (a resumed run's have)
         dtype = COMPUTE_DTYPES[self.config.dtype]
         compile = dtype == mx.float32 and not self.config.gradient_checkpointing
@@ -232,6 +235,7 @@ class Loop:
                 world=self.world,
                 what=f"step {self.state.step + 1}",
                 part=self.objective.part,  # a loss over every rank's rows (in-batch negatives)
+                tables=self.tables,
             )
         finally:
             self.random[0] = mx.random.split(shared)[0]  # the next key, the same on every rank (and in checkpoints)
