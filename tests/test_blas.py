@@ -359,18 +359,24 @@ def test_importing_usearch_before_mlx_is_named_before_a_compiled_kernel_breaks(f
         assert not warned and run.returncode == 0 and "6.43" in run.stdout, run.stderr[-2000:]
 
 
-@needs_openblas
-def test_openblas_threads_sleep_when_idle_unless_the_environment_says_otherwise():
-    """The BLAS MLX is given is loaded with OPENBLAS_THREAD_TIMEOUT at its least (idle threads sleep instead of
-    spinning for a tenth of a second after each product); a value in the environment is kept, and with tuning off
-    nothing is set."""
-    code = "import os, mlx_encoders; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    unset = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert unset.stdout.strip() == runtime.BLAS_THREAD_TIMEOUT
-    assert run(code, OPENBLAS_THREAD_TIMEOUT="28").stdout.strip() == "28"
-    off = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "MLX_ENCODERS_CPU_TUNING": "0"},
-        check=True,
-    )  # fmt: skip
-    assert off.stdout.strip() == "None"
+def test_the_blas_loads_with_its_threads_sleeping_when_idle_and_the_environment_is_left_as_it_was(monkeypatch):
+    """The BLAS given to MLX is loaded with OPENBLAS_THREAD_TIMEOUT at its least (idle threads sleep instead of
+    spinning for a tenth of a second after each product), unless the environment holds a value, which it then
+    keeps; afterwards the environment is as it was (numpy's BLAS and child processes read their own)."""
+    seen = []
+    monkeypatch.setattr(runtime, "Blas", lambda path: seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT")))
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    runtime.load_blas("libopenblas.so")
+    assert seen == [runtime.BLAS_THREAD_TIMEOUT] and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
+    runtime.load_blas("libopenblas.so")
+    assert seen[-1] == "28" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "28"
+
+    def failing(path):
+        raise OSError(f"{path}: no such file")
+
+    monkeypatch.setattr(runtime, "Blas", failing)
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT")
+    with pytest.raises(OSError):
+        runtime.load_blas("missing.so")
+    assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ

@@ -248,6 +248,21 @@ class Binding(NamedTuple):
 BLAS_THREAD_TIMEOUT = "4"  # OpenBLAS's least: its idle threads spin 2^4 cycles, then sleep until the next product
 
 
+def load_blas(path: str) -> Blas:
+    """The BLAS at `path`, its idle threads sleeping at once (OPENBLAS_THREAD_TIMEOUT, read as it loads, unless the
+    environment sets it): OpenBLAS's spin for 2^28 cycles after each product, CPU taken from MLX's stream threads,
+    a server's event loop and other processes, for no gain in wall time. The environment is left as it was, so
+    numpy's BLAS and child processes keep their own setting."""
+    given = "OPENBLAS_THREAD_TIMEOUT" in os.environ
+    if not given:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = BLAS_THREAD_TIMEOUT
+    try:
+        return Blas(path)
+    finally:
+        if not given:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+
+
 def give_mlx_fast_blas() -> Binding | None:
     """Point libmlx's BLAS imports at a fast BLAS loaded with local scope; the binding, or None (not Linux, tuning
     off, none installed, or an MLX image this cannot verify: MLX then keeps its own, with one warning, and the import
@@ -255,12 +270,9 @@ def give_mlx_fast_blas() -> Binding | None:
     library = _mlx_library() if sys.platform.startswith("linux") and tuning_enabled() else None
     if library is None:
         return None
-    # OpenBLAS's idle threads spin for 2^28 cycles after each product before they sleep: CPU taken from MLX's
-    # stream threads, a server's event loop and other processes, for no gain in wall time. Read when it loads.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
     for path in _candidates():
         try:
-            blas = Blas(path)
+            blas = load_blas(path)
         except OSError:
             continue
         try:
