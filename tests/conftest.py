@@ -2,7 +2,11 @@ import os
 
 import pytest
 
-import mlx_encoders  # noqa: F401  (before any `import mlx`: it gives MLX a fast BLAS on Linux)
+# Two xdist workers share the cores: every OpenBLAS's idle threads sleep rather than spin, numpy's and those of the
+# tests' subprocesses too (mlx_encoders does it for MLX's own alone).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import mlx_encoders  # noqa: E402, F401  (before any `import mlx`: it gives MLX a fast BLAS on Linux)
 
 # Tests never reach the network: hub ids resolve from caches the tests build.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
