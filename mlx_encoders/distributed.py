@@ -111,7 +111,8 @@ def step_gradients(
     `parameters` are the trainable ones (the gradients' structure). With `part` (a batch's part for this rank, whose
     loss gathers over ranks and is already this rank's share of the global loss: `gathered_part`), every rank runs
     every micro-batch, as the gathers inside its loss wait for all ranks. `tables` name the embedding tables among
-    `parameters` (tree_flatten's names): `all_sum` sends the rows of their gradients that some rank changed."""
+    `parameters` (tree_flatten's names): `all_sum` sends the rows of their gradients that some rank changed; a set
+    loses the names of tables found whole (`all_sum`)."""
     loss, grads = mx.array(0.0), tree_map(mx.zeros_like, parameters)
     for batch in batches:
         if part is not None:
@@ -128,7 +129,11 @@ def step_gradients(
                 mx.eval(loss, grads)
         else:
             mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
-    return all_sum((loss, grads), world, what, {f"1.{name}" for name in tables})
+    named = {f"1.{name}" for name in tables}  # the names of (loss, grads)'s leaves
+    summed = all_sum((loss, grads), world, what, named)
+    if isinstance(tables, set):  # a table found whole stays whole: its later steps skip the exchange of marks
+        tables.intersection_update(name[2:] for name in named)
+    return summed
 
 
 def gathered_part(n: int, world: World) -> tuple[np.ndarray, np.ndarray]:
@@ -154,13 +159,16 @@ def all_sum(tree, world: World, what: str, tables: Collection[str] = ()):
     """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
     of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency).
     Of the 2-D arrays `tables` names (tree_flatten's names: embedding tables' gradients), only the rows some rank
-    changed travel, when they are few (`changed_rows`); the others are zeros on every rank, and stay so."""
+    changed travel, when they are few (`changed_rows`); the others are zeros on every rank, and stay so. A table
+    found whole (a tied output layer's) leaves `tables` when it is a set: every rank decides alike."""
     named = tree_flatten(tree)
     arrays = [a for _, a in named]
     mx.eval(arrays)  # this rank's part, computed before it waits for the others
     candidates = [i for i, (name, a) in enumerate(named) if name in tables and a.ndim == 2]
-    rows = changed_rows([arrays[i] for i in candidates], world, what)
-    rows = {i: mx.array(r) for i, r in zip(candidates, rows, strict=True) if r is not None}
+    rows = dict(zip(candidates, changed_rows([arrays[i] for i in candidates], world, what), strict=True))
+    if isinstance(tables, set):
+        tables.difference_update(named[i][0] for i, r in rows.items() if r is None)
+    rows = {i: mx.array(r) for i, r in rows.items() if r is not None}
     parts = [a[rows[i]] if i in rows else a for i, a in enumerate(arrays)]
     summed = list(parts)
     for dtype in {a.dtype for a in parts}:

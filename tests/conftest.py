@@ -4,7 +4,7 @@ import pytest
 
 # Two xdist workers share the cores: every OpenBLAS's idle threads sleep rather than spin, numpy's and those of the
 # tests' subprocesses too (mlx_encoders does it for MLX's own alone).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+os.environ["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT") or "4"
 
 import mlx_encoders  # noqa: E402, F401  (before any `import mlx`: it gives MLX a fast BLAS on Linux)
 

@@ -26,8 +26,9 @@ from mlx_encoders.train.losses import contrastive
 
 
 def run_fine_tune(jobs: dict, status: dict) -> None:
-    """Each job's outcome (`fine_tune`), what it returned (`returned`) and how many items of `shared_map` (evaluation
-    batches) this rank scored (`scored`); a `loss` given as {"class": NAME, **options} is that class of
+    """Each job's outcome (`fine_tune`), what it returned (`returned`), how many items of `shared_map` (evaluation
+    batches) this rank scored (`scored`) and the size of the last buffer it gave `mx.distributed.all_sum` (`last_sum`:
+    its last step's gradients); a `loss` given as {"class": NAME, **options} is that class of
     `train.losses.contrastive`."""
     outcomes, returned, scored = status["fine_tune"], status["returned"], status["scored"]
     share = distributed.shared_map
@@ -40,15 +41,25 @@ def run_fine_tune(jobs: dict, status: dict) -> None:
         return share(counted, items, *args, **kwargs)
 
     distributed.shared_map = counting
+    all_sum, sent = mx.distributed.all_sum, []
+
+    def recorded(x, *args, **kwargs):
+        sent.append(x.size)
+        return all_sum(x, *args, **kwargs)
+
+    mx.distributed.all_sum = recorded
     for name, job in jobs.items():
         if isinstance(job.get("loss"), dict):
             options = dict(job["loss"])
             job = {**job, "loss": getattr(contrastive, options.pop("class"))(**options)}
+        sent.clear()
         try:
             returned[name] = {k: float(v) for k, v in fine_tune(**job).metrics.items()}
             outcomes[name] = "ok"
         except Exception as e:  # recorded for the test to judge
             outcomes[name] = f"{type(e).__name__}: {e}"
+        status["last_sum"][name] = sent[-1] if sent else 0  # the last step's gradients
+    mx.distributed.all_sum = all_sum
 
 
 def mnrl(weights: mx.array, anchors: mx.array, positives: mx.array, first: int, gather) -> mx.array:
@@ -110,7 +121,7 @@ def run(spec_path: Path) -> dict:
     if "kill_rank" in spec:
         kill_at(spec["kill_rank"], spec["kill_at_step"], world)
     if "fine_tune" in spec:
-        status |= {"fine_tune": {}, "returned": {}, "scored": {}}
+        status |= {"fine_tune": {}, "returned": {}, "scored": {}, "last_sum": {}}
         run_fine_tune(spec["fine_tune"], status)
     if "gather" in spec:
         gather_gradients(spec["gather"], spec_path.parent, world)

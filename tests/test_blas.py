@@ -160,7 +160,7 @@ def test_importing_mlx_encoders_before_or_after_torch_keeps_torchs_speed():
     pytest.importorskip("transformers")
     script = Path(__file__).parents[1] / "benchmarks" / "torch_beside.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json", "--rounds", "1"], capture_output=True, text=True,
+        [sys.executable, str(script), "--quick", "--json", "--rounds", "2"], capture_output=True, text=True,
         check=True, timeout=600,
     )  # fmt: skip
     ratios = json.loads(result.stdout.strip().splitlines()[-1])
@@ -362,7 +362,8 @@ def test_importing_usearch_before_mlx_is_named_before_a_compiled_kernel_breaks(f
 def test_the_blas_loads_with_its_threads_sleeping_when_idle_and_the_environment_is_left_as_it_was(monkeypatch):
     """The BLAS given to MLX is loaded with OPENBLAS_THREAD_TIMEOUT at its least (idle threads sleep instead of
     spinning for a tenth of a second after each product), unless the environment holds a value, which it then
-    keeps; afterwards the environment is as it was (numpy's BLAS and child processes read their own)."""
+    keeps (an empty one is none); afterwards the environment is as it was (numpy's BLAS and child processes read
+    their own)."""
     seen = []
     monkeypatch.setattr(runtime, "Blas", lambda path: seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT")))
     monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
@@ -371,6 +372,9 @@ def test_the_blas_loads_with_its_threads_sleeping_when_idle_and_the_environment_
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "28")
     runtime.load_blas("libopenblas.so")
     assert seen[-1] == "28" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "28"
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "")  # OpenBLAS reads an empty value as its default spin
+    runtime.load_blas("libopenblas.so")
+    assert seen[-1] == runtime.BLAS_THREAD_TIMEOUT and os.environ["OPENBLAS_THREAD_TIMEOUT"] == ""
 
     def failing(path):
         raise OSError(f"{path}: no such file")

@@ -18,6 +18,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 from mlx.utils import tree_flatten
+from safetensors.numpy import load_file
 
 from mlx_encoders import distributed
 from mlx_encoders.train import checkpointing, fine_tune
@@ -245,6 +246,12 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
     assert sorted(statuses) == [0, 1], result.stderr
     assert all(s["fine_tune"]["classify"] == "ok" for s in statuses.values()), statuses
     assert_same_weights(root / "two" / "classify" / "model", root / "one" / "classify" / "model")
+    # the word-embedding table's gradient travelled as the rows the batch changed, a masked-LM's tied one whole
+    for name in ("classify", "mlm"):
+        weights = load_file(root / "two" / name / "model" / "model.safetensors")
+        total, table = sum(w.size for w in weights.values()), max(w.size for w in weights.values() if w.ndim == 2)
+        sent = [s["last_sum"][name] for s in statuses.values()]
+        assert all(n < total - table // 2 if name == "classify" else n > total for n in sent), (name, total, sent)
     records = [json.loads(line) for line in (root / "two" / "classify" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))  # one writer: no record twice
     one = [json.loads(line) for line in (root / "one" / "classify" / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -207,6 +208,7 @@ def test_sigterm_with_200_idle_connections_and_an_unread_answer_exits_by_the_dea
         unread.sendall(head("/tokenize", len(body)) + body)
         readable, _, _ = select.select([unread], [], [], 60)  # the answer's first bytes: it is being sent
         assert readable, "no answer to /tokenize began within 60 s"
+        assert unread.recv(12, socket.MSG_PEEK) == b"HTTP/1.1 200"  # peeked: the answer stays unread
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=SHUTDOWN_S + SLACK_S) == 0
@@ -416,7 +418,7 @@ def test_rendering_many_small_values_pauses_for_the_event_loop_by_time_not_per_v
     from mlx_encoders.serve import server
 
     sleeps = []
-    monkeypatch.setattr(server.time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(server, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleeps.append))
     tokens = [[{"id": i, "text": "word", "special": False, "start": 5 * i, "stop": 5 * i + 4} for i in range(20000)]]
     start = time.monotonic()
     pieces = server.render(tokens)

@@ -250,17 +250,19 @@ BLAS_THREAD_TIMEOUT = "4"  # OpenBLAS's least: its idle threads spin 2^4 cycles,
 
 def load_blas(path: str) -> Blas:
     """The BLAS at `path`, its idle threads sleeping at once (OPENBLAS_THREAD_TIMEOUT, read as it loads, unless the
-    environment sets it): OpenBLAS's spin for 2^28 cycles after each product, CPU taken from MLX's stream threads,
-    a server's event loop and other processes, for no gain in wall time. The environment is left as it was, so
-    numpy's BLAS and child processes keep their own setting."""
-    given = "OPENBLAS_THREAD_TIMEOUT" in os.environ
-    if not given:
+    environment gives it a value): OpenBLAS's spin for 2^28 cycles after each product, CPU taken from MLX's stream
+    threads, a server's event loop and other processes, for no gain in wall time. The environment is left as it
+    was, so numpy's BLAS and child processes keep their own setting."""
+    given = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    if not given:  # unset, or empty (which OpenBLAS reads as its default)
         os.environ["OPENBLAS_THREAD_TIMEOUT"] = BLAS_THREAD_TIMEOUT
     try:
         return Blas(path)
     finally:
-        if not given:
+        if given is None:
             del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+        elif not given:
+            os.environ["OPENBLAS_THREAD_TIMEOUT"] = given
 
 
 def give_mlx_fast_blas() -> Binding | None:
