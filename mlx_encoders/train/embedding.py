@@ -45,7 +45,9 @@ from .tasks import EMBED as TASK
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
 SCORE_COLUMNS = ("score", "label")
 MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
-LENGTH_GROUP = 8  # rows of a training batch embedded together (`length_groups`): little padding, large products
+# Rows of a training batch embedded together (`length_groups`): few enough for little padding; each group adds its
+# own layers to the compiled step, which is traced again for each batch's widths, so not too few.
+LENGTH_GROUP = 16
 NEGATIVE = re.compile(r"negative_(\d+)")
 DENSE_FILE = "dense.safetensors"  # a training checkpoint's Dense weights
 
