@@ -178,12 +178,11 @@ def all_sum(tree, world: World, what: str, tables: Collection[str] = ()):
         for i in chosen:
             summed[i] = flat[start : start + parts[i].size].reshape(parts[i].shape)
             start += parts[i].size
+    for i, changed in rows.items():  # a table's summed rows back in place among zeros
+        summed[i] = mx.zeros_like(arrays[i]).at[changed].add(summed[i])
     with collective(world, what):
         wait_for_all(world, what)
         mx.eval(summed)
-    for i, changed in rows.items():
-        summed[i] = mx.zeros_like(arrays[i]).at[changed].add(summed[i])
-    mx.eval(summed)
     leaves = iter(summed)
     return tree_map(lambda _: next(leaves), tree)  # tree_map walks the tree in tree_flatten's order
 

@@ -13,6 +13,8 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,25 +43,33 @@ def run_fine_tune(jobs: dict, status: dict) -> None:
         return share(counted, items, *args, **kwargs)
 
     distributed.shared_map = counting
-    all_sum, sent = mx.distributed.all_sum, []
-
-    def recorded(x, *args, **kwargs):
-        sent.append(x.size)
-        return all_sum(x, *args, **kwargs)
-
-    mx.distributed.all_sum = recorded
     for name, job in jobs.items():
         if isinstance(job.get("loss"), dict):
             options = dict(job["loss"])
             job = {**job, "loss": getattr(contrastive, options.pop("class"))(**options)}
-        sent.clear()
-        try:
-            returned[name] = {k: float(v) for k, v in fine_tune(**job).metrics.items()}
-            outcomes[name] = "ok"
-        except Exception as e:  # recorded for the test to judge
-            outcomes[name] = f"{type(e).__name__}: {e}"
+        with recorded_sums() as sent:
+            try:
+                returned[name] = {k: float(v) for k, v in fine_tune(**job).metrics.items()}
+                outcomes[name] = "ok"
+            except Exception as e:  # recorded for the test to judge
+                outcomes[name] = f"{type(e).__name__}: {e}"
         status["last_sum"][name] = sent[-1] if sent else 0  # the last step's gradients
-    mx.distributed.all_sum = all_sum
+
+
+@contextmanager
+def recorded_sums() -> Iterator[list[int]]:
+    """Inside, the size of every buffer given to `mx.distributed.all_sum`, in order."""
+    all_sum, sizes = mx.distributed.all_sum, []
+
+    def recorded(x, *args, **kwargs):
+        sizes.append(x.size)
+        return all_sum(x, *args, **kwargs)
+
+    mx.distributed.all_sum = recorded
+    try:
+        yield sizes
+    finally:
+        mx.distributed.all_sum = all_sum
 
 
 def mnrl(weights: mx.array, anchors: mx.array, positives: mx.array, first: int, gather) -> mx.array:
@@ -87,18 +97,9 @@ def sum_tables(path: str, out: Path, world: distributed.World) -> None:
     """`distributed.all_sum` of this rank's arrays in the .npz at `path` (`NAME-RANK`), "table" and "full" named as
     embedding tables; saves the sums and the size of each buffer given to `mx.distributed.all_sum`."""
     data = np.load(path)
-    sizes, all_sum = [], mx.distributed.all_sum
-
-    def recorded(x, *args, **kwargs):
-        sizes.append(x.size)
-        return all_sum(x, *args, **kwargs)
-
-    mx.distributed.all_sum = recorded
-    try:
-        tree = {name: mx.array(data[f"{name}-{world.rank}"]) for name in ("table", "dense", "full")}
+    tree = {name: mx.array(data[f"{name}-{world.rank}"]) for name in ("table", "dense", "full")}
+    with recorded_sums() as sizes:
         summed = distributed.all_sum(tree, world, "the test's sum", tables={"table", "full"})
-    finally:
-        mx.distributed.all_sum = all_sum
     np.savez(out / f"sums-{world.rank}.npz", sizes=np.array(sizes), **{k: np.array(v) for k, v in summed.items()})
 
 
