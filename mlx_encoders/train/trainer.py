@@ -41,6 +41,7 @@ from .config import COMPUTE_DTYPES, OptionError, TrainingConfig
 from .data import Examples
 from .embedding import batch_tokens
 from .evaluation import check_metric_for_best
+from .lanes import Lanes, lane_count
 from .masking import Masker
 from .objective import HeadObjective, Objective
 from .optim import Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
@@ -188,6 +189,14 @@ class Loop:
         self.compiled = compile and self.objective.compiles
         one_process = self.world.size == 1
         self.loss_and_grad = self.objective.loss_and_grad(self.model, dtype, self.random, compile, one_process)
+        lanes = lane_count(self.config.batch_size) if one_process and self.splits_rows else 1
+        make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
+        self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
+
+    @property
+    def splits_rows(self) -> bool:
+        """Whether a batch's rows may be computed apart: its loss averages over their own counted items."""
+        return self.objective.distributed and self.objective.part is None
 
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
@@ -222,6 +231,8 @@ class Loop:
     def gradients(self, batches: list[dict]) -> tuple[mx.array, dict]:
         """The step's mean loss and gradients over its micro-batches; under `mlx.launch`, every rank collates the
         same global batches and computes its rows' part (`distributed.step_gradients`), summed over ranks."""
+        if self.lanes is not None:  # on every CPU core (`lanes`)
+            return self.lanes.gradients(batches, self.objective.count, self.random)
         if self.world.size == 1:
             return accumulate_gradients(self.loss_and_grad, batches)
         shared = self.random[0]

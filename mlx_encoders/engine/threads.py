@@ -1,0 +1,72 @@
+"""Work evaluated on several CPU cores at once, one task per core, each from a thread of its own (`on_cores`).
+
+MLX's CPU backend runs a stream's element-wise ops on that stream's one thread, and one evaluation hands work to its
+streams in graph order with few tasks in flight, so two independent passes evaluated together overlap only a third
+to a half of the time. Evaluated from two threads, each on a stream that thread made (an MLX stream belongs to the
+thread that made it), they overlap throughout. The worker threads are made once and kept for the process: a thread
+that ran MLX work must not end before the process does (MLX aborts at exit), so an idle worker parks on its queue.
+"""
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from typing import TypeVar
+
+import mlx.core as mx
+
+from .runtime import one_blas_thread
+
+T = TypeVar("T")
+
+
+class Worker:
+    """A thread with its own CPU stream that runs the tasks given to `submit`, one at a time, in order."""
+
+    def __init__(self, number: int):
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.work, name=f"mlx-encoders core {number}", daemon=True)
+        self.thread.start()
+
+    def submit(self, task: Callable[[], T]) -> Future:
+        future: Future = Future()
+        self.tasks.put((task, future))
+        return future
+
+    def work(self) -> None:
+        stream = mx.new_stream(mx.cpu)
+        while True:
+            task, future = self.tasks.get()
+            try:
+                with mx.stream(stream):
+                    future.set_result(task())
+            except BaseException as error:  # noqa: BLE001  the caller raises it; the worker lives on
+                future.set_exception(error)
+
+
+_workers: list[Worker] = []
+_workers_lock = threading.Lock()
+
+
+def workers(count: int) -> list[Worker]:
+    """`count` worker threads, made the first time they are asked for and shared by every later caller."""
+    with _workers_lock:
+        while len(_workers) < count:
+            _workers.append(Worker(len(_workers) + 1))
+        return _workers[:count]
+
+
+def on_cores(tasks: Sequence[Callable[[], T]]) -> list[T]:
+    """The results of `tasks`, run at once: the first on the calling thread, each other on a worker thread, with
+    MLX's BLAS running each product on its caller's thread alone. A task evaluates what it returns (arrays made on a
+    worker's stream can only be evaluated there). When tasks fail, every task has ended before the first failure
+    (in task order) is raised."""
+    if not tasks:
+        return []
+    with one_blas_thread():
+        futures = [worker.submit(task) for worker, task in zip(workers(len(tasks) - 1), tasks[1:], strict=True)]
+        try:
+            first = tasks[0]()
+        finally:
+            wait(futures)  # every task ends before the BLAS gets its threads back
+        return [first, *(future.result() for future in futures)]

@@ -1,0 +1,107 @@
+"""A training step's rows split over the CPU's cores (`Lanes`), for the losses that average over their rows' own
+items (the head tasks: classification, token classification, masked and causal LM).
+
+On the CPU, MLX runs a pass's element-wise work (normalisation, activations, softmax, dropout and their gradients)
+on one thread, about half of a step. Each lane computes the loss and gradients of its rows (`rank::size` of every
+micro-batch, as the ranks of a distributed run take theirs) on a core of its own (`engine.threads.on_cores`), its
+part weighted by its share of the micro-batch's counted items, and the parts are summed: the step's gradients
+equal one pass's over the whole batch but for float rounding. Each lane draws its dropout masks from its own key,
+split from the step's as ranks split theirs, so a run on n lanes repeats exactly and draws as n ranks would.
+"""
+
+import copy
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from ..distributed import World, rows
+from ..engine.ops import drawing_from
+from ..engine.runtime import cpu_streams, on_cpu, one_blas_thread
+from ..engine.threads import on_cores
+
+LossAndGrad = Callable[[dict], tuple[mx.array, dict]]
+# Rows a lane takes at least: below this a lane's products are too small to gain from a core of their own.
+LEAST_LANE_ROWS = 4
+
+
+def module_copy(x):
+    """A copy of a module tree (its modules, lists and dicts) over the same arrays: `nn.value_and_grad` puts the
+    traced weights into the module it differentiates for the length of a pass, so two passes at once need two trees."""
+    if isinstance(x, nn.Module):
+        copied = copy.copy(x)
+        for name, value in x.items():
+            copied[name] = module_copy(value)
+        return copied
+    if isinstance(x, list | tuple):
+        return type(x)(module_copy(v) for v in x)
+    if isinstance(x, dict):
+        return {name: module_copy(v) for name, v in x.items()}
+    return x
+
+
+def lane_count(batch_size: int) -> int:
+    """The lanes a step of `batch_size` rows runs on: one per usable core on the CPU, each with LEAST_LANE_ROWS rows
+    at least; 1 off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS cannot be held to one
+    thread a call (CPU tuning off)."""
+    if not on_cpu():
+        return 1
+    with one_blas_thread() as one_thread:
+        if not one_thread:
+            return 1
+    return max(1, min(len(cpu_streams()), batch_size // LEAST_LANE_ROWS))
+
+
+class Lanes:
+    """`gradients(batches, count, random)`: the step's mean loss and gradients over its micro-batches, each split
+    over `size` lanes. `make(model, random)` gives a lane's `batch -> (loss, gradients)` over its module tree and
+    dropout key list; lane 0 is `model` itself and runs on the calling thread."""
+
+    def __init__(self, model: nn.Module, make: Callable[[nn.Module, list[mx.array]], LossAndGrad], size: int):
+        self.models = [model, *(module_copy(model) for _ in range(size - 1))]
+        self.keys = [[mx.random.key(0)] for _ in range(size)]
+        self.steps = [make(m, key) for m, key in zip(self.models, self.keys, strict=True)]
+        self.size = size
+
+    def gradients(self, batches: list[dict], count: Callable[[dict], int], random: list[mx.array]):
+        """`random[0]` is the step's key: lane i draws from its i-th split and the key moves on as a rank's does."""
+        model = self.models[0]
+        for other in self.models[1:]:  # the optimizer replaced the weights in `model` alone
+            other.update(model.parameters())
+            other.train(model.training)
+        keys = list(mx.random.split(random[0], self.size))
+        mx.eval(keys, model.parameters())  # a worker can evaluate nothing made on this thread's stream
+        parts = on_cores([self.lane(i, keys[i], batches, count) for i in range(self.size)])
+        random[0] = mx.random.split(random[0])[0]
+        parts = [part for part in parts if part is not None]
+        if not parts:  # no lane had a counted item: a step that changes nothing, as one pass over them would give
+            return mx.array(0.0), tree_map(mx.zeros_like, model.trainable_parameters())
+        loss, grads = parts[0]
+        for part_loss, part_grads in parts[1:]:
+            loss, grads = loss + part_loss, tree_map(mx.add, grads, part_grads)
+        mx.eval(loss, grads)
+        return loss, grads
+
+    def lane(self, i: int, key: mx.array, batches: list[dict], count: Callable[[dict], int]):
+        """Lane i's task: its rows' loss and gradients, each micro-batch's part weighted by its share of that
+        micro-batch's counted items over the number of micro-batches; None when it has no counted item."""
+        world = World(None, self.size, i)
+
+        def run() -> tuple[mx.array, dict] | None:
+            self.keys[i][0] = key
+            loss = grads = None
+            with drawing_from(self.keys[i]):
+                for batch in batches:
+                    mine, total = rows(batch, world), count(batch)
+                    share = count(mine) / total / len(batches) if total else 0.0
+                    if not share:
+                        continue
+                    part_loss, part_grads = self.steps[i](mine)
+                    part_grads = tree_map(lambda g, s=share: g * s, part_grads)
+                    loss = part_loss * share if loss is None else loss + part_loss * share
+                    grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+                    mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
+            return None if loss is None else (loss, grads)
+
+        return run
