@@ -8,8 +8,10 @@ process's, the CPU seconds every rank together spent per step (each rank's own m
 how many of them went to the gradient all_sum (MLX's ring backend polls its sockets while it waits for the slower
 rank), the share of a step's time spent in that all_sum (sending, receiving and waiting), and the launcher's own CPU
 time over the run (the runs' total CPU, from the operating system, less the ranks'). One process on half the global
-batch is a rank's own work without the exchange: what two ranks can reach at best. A run that sends every gradient
-whole shows what sending only the changed rows of embedding tables saves.
+batch is a rank's own work without the exchange: what two ranks can reach at best. One process on both cores splits
+each step's rows over them itself (`train/lanes.py`, the masked-LM and classification steps), the way to use one
+machine's cores. A run that sends every gradient whole shows what sending only the changed rows of embedding
+tables saves. The one-process runs are pinned to their cores (CPU affinity), as each rank is to its share.
 
     python benchmarks/distributed_train.py                                 # BERT-small-like, 60 steps
     python benchmarks/distributed_train.py --hidden 32 --layers 2 --steps 12 --warmup 4   # a quick check
@@ -101,10 +103,12 @@ def children_cpu() -> float:
 
 
 def run(
-    args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None, whole: bool = False
-) -> dict:
+    args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None, whole: bool = False,
+    cores: int = 1,
+) -> dict:  # fmt: skip
     """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run;
-    `batch_size` in place of the global one; `whole`: every gradient sent whole."""
+    `batch_size` in place of the global one; `whole`: every gradient sent whole; `cores`: the one process's (it
+    splits each step's rows over them), where the launchers give each rank its share."""
     result = Path(tempfile.mkdtemp()) / "result"
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
     command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("task", "hidden", "layers", "steps", "warmup")]
@@ -116,8 +120,10 @@ def run(
     elif launcher == "mlx-encoders launch":
         command = [sys.executable, "-m", "mlx_encoders", "launch", "-n", str(ranks), "-p", str(args.port)] + command
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    allowed = sorted(os.sched_getaffinity(0))[:cores]
+    pin = (lambda: os.sched_setaffinity(0, allowed)) if launcher == "none" else None
     before = children_cpu()
-    launched = subprocess.run(command, env=env, timeout=args.timeout, stdout=subprocess.DEVNULL)
+    launched = subprocess.run(command, env=env, timeout=args.timeout, stdout=subprocess.DEVNULL, preexec_fn=pin)
     total = children_cpu() - before
     files = [Path(f"{result}-{rank}.json") for rank in range(ranks)]
     if launched.returncode or not all(f.is_file() for f in files):  # mlx.launch can exit 0 when a rank failed
@@ -151,6 +157,7 @@ def main() -> None:
     rows = [
         ("1 process, 1 thread", run(args, 1, "none")),
         ("1 process, half the batch (a rank's rows, no exchange)", run(args, 1, "none", args.batch_size // 2)),
+        ("1 process on 2 cores (each step's rows split over them)", run(args, 1, "none", cores=2)),
         ("2 ranks, mlx-encoders launch", run(args, 2, "mlx-encoders launch")),
         ("2 ranks, mlx-encoders launch, every gradient whole", run(args, 2, "mlx-encoders launch", whole=True)),
         ("2 ranks, mlx.launch", run(args, 2, "mlx.launch")),
@@ -163,7 +170,7 @@ def main() -> None:
           "| all_sum share of a step | launcher CPU s |\n|---|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     one = rows[0][1]
     for name, r in rows:
-        share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"  # the half batch: its own steps
+        share = f"{100 * r['share']:.1f}%" if name.startswith("2") else "-"  # one process: no all_sum
         print(f"| {name} | {1 / r['steps_s']:.3f} | {one['steps_s'] / r['steps_s']:.2f}x | {r['cpu_per_step']:.3f} "
               f"| {r['cpu_per_step'] / one['cpu_per_step']:.2f}x | {r['sum_cpu_per_step']:.3f} | {share} "
               f"| {r['launcher_cpu']:.1f} |")  # fmt: skip

@@ -92,6 +92,7 @@ VALID = {  # each in its range
     "group_by_length": st.booleans(),
     "max_length": one_of(None, 8, 16),
     "lora_rank": one_of(None, 2),
+    "cores": one_of(None, 1, 2, 3),
 }
 EVALUATION = {"eval_every": one_of(None, 1, 2), "metric_for_best": one_of(None, "eval_loss", "eval_accuracy")}
 PER_TASK = {  # the options each task reads
@@ -119,6 +120,7 @@ INVALID = {  # out of range, non-finite or unknown for every task: always refuse
     "seed": one_of(-1),
     "max_length": one_of(1, 0, -1),
     "lora_rank": one_of(0, -1),
+    "cores": one_of(0, -1),
     "lora_alpha": one_of(0.0, NAN),
     "metric_for_best": one_of("eval_bogus"),
     "problem_type": one_of("bogus"),
@@ -246,7 +248,7 @@ TABLE_VALUES = {
     "problem_type": "regression", "label2id": {"pos": 0}, "label_all_tokens": True, "whole_word_mask": True,
     "generator": "generator", "generator_size": 0.5, "discriminator_weight": 1.0, "share_embeddings": False,
     "loss": "mnrl", "query_prompt": "q: ", "document_prompt": "d: ", "batch_sampler": "batch_sampler",
-    "columns": ["text"], "task_adapter": "retrieval_query",
+    "columns": ["text"], "task_adapter": "retrieval_query", "cores": 2,
 }  # fmt: skip
 RETRIEVAL_TEXTS = one_of(  # mostly distinct texts, so that some drawn batches can learn; an empty and a special one
     "how do cats sleep", "cats sleep curled up", "what is python", "a language for scripts", "why dogs bark",

@@ -153,6 +153,7 @@ def test_a_failing_lane_raises_once_every_lane_has_ended_and_the_workers_live_on
 @pytest.mark.cpu_only("lanes are the CPU's cores; elsewhere one pass runs on the whole device")
 def test_lane_count_follows_the_cores_and_the_rows(monkeypatch):
     assert lane_count(64) == len(cpu_streams())
+    assert lane_count(64, cores=1) == 1  # fine_tune(cores=1): the step whole
     assert lane_count(4) == 1 and lane_count(1) == 1
     monkeypatch.setenv("MLX_ENCODERS_CPU_TUNING", "0")  # MLX's BLAS left as it is: its threads cannot be held to one
     assert lane_count(64) == 1

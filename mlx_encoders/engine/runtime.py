@@ -14,6 +14,8 @@
   thread (`one_blas_thread`), restored after; `warm_heap` frees one large buffer before the first inference pass,
   which raises glibc's mmap threshold through glibc's own adjustment; a training run lets MLX's cache follow its
   peak memory (`keep_freed_memory`), then sets the limit back.
+- **From the first training step split over the cores**: a worker thread per extra core, kept and parked
+  (`threads.py`).
 """
 
 import ctypes

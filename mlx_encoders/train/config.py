@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import OptionError
 from ..tokenizer import Tokenizer
 from .optim import SCHEDULES
+from .tasks import CLASSIFY, CLM, MLM, PRETRAINING, TOKENS
 
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -124,7 +125,7 @@ COUNT, SOME = Number(1, integer=True), Number(1, integer=True, optional=True)
 # here (`check_option`) by `TrainingConfig`, `fine_tune` (`options.check_task_options`), the losses and `mine`,
 # before any work, for the library and the command alike.
 RANGES = {
-    "epochs": COUNT, "max_steps": SOME, "batch_size": COUNT, "grad_accum": COUNT, "eval_every": SOME,
+    "epochs": COUNT, "max_steps": SOME, "cores": SOME, "batch_size": COUNT, "grad_accum": COUNT, "eval_every": SOME,
     "save_every": SOME, "keep_last": SOME, "warmup_steps": Number(0, integer=True),
     "seed": Number(0, integer=True),  # numpy's generators refuse negative seeds
     "lr": POSITIVE, "weight_decay": AT_LEAST_0, "warmup_ratio": Number(0.0, 1.0),
@@ -159,10 +160,11 @@ def check_options_in(options: Mapping) -> None:
             check_option(name, value)
 
 
-def option(default, help: str, choices: tuple | None = None):
-    """A `TrainingConfig` field declared as an option: `options.OPTIONS` reads its help and choices from here for
-    the command's flag and the docs table (a True default is a `--no-NAME` switch)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default, help: str, choices: tuple | None = None, tasks: tuple[str, ...] | None = None):
+    """A `TrainingConfig` field declared as an option: `options.OPTIONS` reads its help, choices and the tasks that
+    read it (None: every task) from here for the command's flag and the docs table (a True default is a
+    `--no-NAME` switch)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "tasks": tasks})
 
 
 @dataclass
@@ -207,6 +209,10 @@ class TrainingConfig:
     group_by_length: bool = option(False, "batch examples of similar lengths together")
     dtype: str = option("float32", "compute dtype", choices=tuple(COMPUTE_DTYPES))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory")
+    cores: int | None = option(
+        None, "CPU cores a step's rows are split over (default: every usable one; each holds its own gradients)",
+        tasks=(CLASSIFY, TOKENS, MLM, PRETRAINING, CLM),
+    )  # fmt: skip
     overwrite: bool = option(False, "clear another run's files from OUTPUT first")
 
     def __post_init__(self):

@@ -41,16 +41,16 @@ def module_copy(x):
     return x
 
 
-def lane_count(batch_size: int) -> int:
-    """The lanes a step of `batch_size` rows runs on: one per usable core on the CPU, each with LEAST_LANE_ROWS rows
-    at least; 1 off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS cannot be held to one
-    thread a call (CPU tuning off)."""
+def lane_count(batch_size: int, cores: int | None = None) -> int:
+    """The lanes a step of `batch_size` rows runs on: one per usable core on the CPU (at most `cores`), each with
+    LEAST_LANE_ROWS rows at least; 1 off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS
+    cannot be held to one thread a call (CPU tuning off)."""
     if not on_cpu():
         return 1
     with one_blas_thread() as one_thread:
         if not one_thread:
             return 1
-    return max(1, min(len(cpu_streams()), batch_size // LEAST_LANE_ROWS))
+    return max(1, min(len(cpu_streams()), cores or len(cpu_streams()), batch_size // LEAST_LANE_ROWS))
 
 
 class Lanes:
@@ -77,9 +77,11 @@ class Lanes:
         parts = [part for part in parts if part is not None]
         if not parts:  # no lane had a counted item: a step that changes nothing, as one pass over them would give
             return mx.array(0.0), tree_map(mx.zeros_like, model.trainable_parameters())
-        loss, grads = parts[0]
-        for part_loss, part_grads in parts[1:]:
+        loss, grads = parts.pop(0)
+        while parts:  # the list lets go of each part as it is added: MLX writes the sum into its buffers
+            part_loss, part_grads = parts.pop(0)
             loss, grads = loss + part_loss, tree_map(mx.add, grads, part_grads)
+            del part_loss, part_grads
         mx.eval(loss, grads)
         return loss, grads
 

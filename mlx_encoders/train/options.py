@@ -138,8 +138,8 @@ def loop_option(field) -> Option:
     hint = field.type
     kind = next(k for k in kinds if k is hint or k in typing.get_args(hint))
     meta = field.metadata
-    return Option(field.name, meta["help"], hint, field.default, kind=kind, choices=meta.get("choices"),
-                  group="training", switch_off=field.default is True)  # fmt: skip
+    return Option(field.name, meta["help"], hint, field.default, meta.get("tasks"), kind=kind,
+                  choices=meta.get("choices"), group="training", switch_off=field.default is True)  # fmt: skip
 
 
 OPTIONS = {o.name: o for o in (*CALL, *(loop_option(f) for f in fields(TrainingConfig) if f.name != "output_dir"))}

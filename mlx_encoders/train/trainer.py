@@ -189,7 +189,7 @@ class Loop:
         self.compiled = compile and self.objective.compiles
         one_process = self.world.size == 1
         self.loss_and_grad = self.objective.loss_and_grad(self.model, dtype, self.random, compile, one_process)
-        lanes = lane_count(self.config.batch_size) if one_process and self.splits_rows else 1
+        lanes = lane_count(self.config.batch_size, self.config.cores) if one_process and self.splits_rows else 1
         make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
         self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
 
