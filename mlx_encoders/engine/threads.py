@@ -42,6 +42,7 @@ class Worker:
                     future.set_result(task())
             except BaseException as error:  # noqa: BLE001  the caller raises it; the worker lives on
                 future.set_exception(error)
+            del task, future  # a parked worker holds nothing of the last task (its arrays, a step's gradients)
 
 
 _workers: list[Worker] = []
