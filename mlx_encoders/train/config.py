@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import OptionError
 from ..tokenizer import Tokenizer
 from .optim import SCHEDULES
-from .tasks import CLASSIFY, CLM, MLM, PRETRAINING, TOKENS
+from .tasks import CLASSIFY, CLM, MLM, TOKENS
 
 COMPUTE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -210,8 +210,9 @@ class TrainingConfig:
     dtype: str = option("float32", "compute dtype", choices=tuple(COMPUTE_DTYPES))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass: less memory")
     cores: int | None = option(
-        None, "CPU cores a step's rows are split over (default: every usable one; each holds its own gradients)",
-        tasks=(CLASSIFY, TOKENS, MLM, PRETRAINING, CLM),
+        None, "CPU cores a step's rows are split over (default: every usable one; each holds its own gradients; "
+        "BERT pretraining's next-sentence steps stay whole)",
+        tasks=(CLASSIFY, TOKENS, MLM, CLM),
     )  # fmt: skip
     overwrite: bool = option(False, "clear another run's files from OUTPUT first")
 

@@ -18,7 +18,7 @@ from mlx.utils import tree_map
 
 from ..distributed import World, rows
 from ..engine.ops import drawing_from
-from ..engine.runtime import cpu_streams, on_cpu, one_blas_thread
+from ..engine.runtime import on_cpu, one_blas_thread, usable_cores
 from ..engine.threads import on_cores
 
 LossAndGrad = Callable[[dict], tuple[mx.array, dict]]
@@ -42,15 +42,15 @@ def module_copy(x):
 
 
 def lane_count(batch_size: int, cores: int | None = None) -> int:
-    """The lanes a step of `batch_size` rows runs on: one per usable core on the CPU (at most `cores`), each with
-    LEAST_LANE_ROWS rows at least; 1 off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS
-    cannot be held to one thread a call (CPU tuning off)."""
-    if not on_cpu():
+    """The lanes a step of `batch_size` rows runs on, each with one BLAS thread: one per usable core, or `cores` of
+    them; 1 (the step whole, its products on every core) where the batch has fewer than LEAST_LANE_ROWS rows for
+    each, off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS cannot be held to one thread
+    a call (CPU tuning off)."""
+    lanes = min(cores or usable_cores(), usable_cores())
+    if lanes < 2 or batch_size < lanes * LEAST_LANE_ROWS or not on_cpu():
         return 1
     with one_blas_thread() as one_thread:
-        if not one_thread:
-            return 1
-    return max(1, min(len(cpu_streams()), cores or len(cpu_streams()), batch_size // LEAST_LANE_ROWS))
+        return lanes if one_thread else 1
 
 
 class Lanes:
@@ -67,9 +67,7 @@ class Lanes:
     def gradients(self, batches: list[dict], count: Callable[[dict], int], random: list[mx.array]):
         """`random[0]` is the step's key: lane i draws from its i-th split and the key moves on as a rank's does."""
         model = self.models[0]
-        for other in self.models[1:]:  # the optimizer replaced the weights in `model` alone
-            other.update(model.parameters())
-            other.train(model.training)
+        self.follow()
         keys = list(mx.random.split(random[0], self.size))
         mx.eval(keys, model.parameters())  # a worker can evaluate nothing made on this thread's stream
         parts = on_cores([self.lane(i, keys[i], batches, count) for i in range(self.size)])
@@ -84,6 +82,13 @@ class Lanes:
             del part_loss, part_grads
         mx.eval(loss, grads)
         return loss, grads
+
+    def follow(self) -> None:
+        """Point the copies at the model's weights and mode: the optimizer replaces the weights in the model alone."""
+        model = self.models[0]
+        for other in self.models[1:]:
+            other.update(model.parameters())
+            other.train(model.training)
 
     def lane(self, i: int, key: mx.array, batches: list[dict], count: Callable[[dict], int]):
         """Lane i's task: its rows' loss and gradients, each micro-batch's part weighted by its share of that

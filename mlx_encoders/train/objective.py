@@ -22,6 +22,7 @@ from .evaluation import evaluate, labelled
 from .losses import batch_loss, loss_arrays
 from .masking import Masker
 from .metrics import eval_metric_names
+from .tasks import PRETRAINING
 
 LossAndGrad = Callable[[dict], tuple[mx.array, dict]]
 
@@ -79,6 +80,9 @@ class Objective(ABC):
 
     # or a method `part(batch, world)`: this rank's part of a batch whose loss spans every rank's rows
     part = None
+    # whether a batch's rows may be computed apart and their parts summed, weighted by `count`: its loss is one mean
+    # over the rows' own counted items (`lanes`: a step's rows on every CPU core)
+    rows_apart: bool = False
 
     def count(self, batch: dict) -> int:
         """The items a batch's loss averages over, to weight each rank's rows (`distributed.step_gradients`)."""
@@ -114,6 +118,8 @@ class HeadObjective(Objective):
 
     def __init__(self, tokenizer: Tokenizer, config: TrainingConfig, task: str, masker: Masker | None = None):
         self.tokenizer, self.config, self.task_name, self.masker = tokenizer, config, task, masker
+        # BERT pretraining adds a mean over rows (next sentence) to the mean over masked tokens: no one weighting
+        self.rows_apart = task != PRETRAINING
 
     def collate(self, examples: Examples, indices, rng: np.random.Generator | None = None) -> dict:
         return collate(examples, indices, self.tokenizer, self.masker, rng)

@@ -189,14 +189,10 @@ class Loop:
         self.compiled = compile and self.objective.compiles
         one_process = self.world.size == 1
         self.loss_and_grad = self.objective.loss_and_grad(self.model, dtype, self.random, compile, one_process)
-        lanes = lane_count(self.config.batch_size, self.config.cores) if one_process and self.splits_rows else 1
+        split = one_process and self.objective.rows_apart
+        lanes = lane_count(self.config.batch_size, self.config.cores) if split else 1
         make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
         self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
-
-    @property
-    def splits_rows(self) -> bool:
-        """Whether a batch's rows may be computed apart: its loss averages over their own counted items."""
-        return self.objective.distributed and self.objective.part is None
 
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
@@ -210,6 +206,8 @@ class Loop:
         self.check_finite(loss.item(), norm.item())
         self.check_learning(loss.item(), norm.item(), indices, grads)
         norm = optimizer_step(self.model, self.optimizer, grads, self.config.max_grad_norm, norm)
+        if self.lanes is not None:  # the copies let go of the weights the optimizer replaced
+            self.lanes.follow()
         self.state.step += 1
         record = {
             "step": self.state.step,
@@ -357,11 +355,11 @@ def train(
     state = start_state(model, optimizer, config, resume_from, objective.read_weights)
     if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
         model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
+    model.train()
+    if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
+        model.gradient_checkpointing_enable()
     loop = Loop(model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective)
     record = {"step": state.step}
-    model.train()
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     with (
         runtime.keep_freed_memory(),
         tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
