@@ -1,6 +1,7 @@
 """A training step's rows split over CPU cores (mlx_encoders.train.lanes): the step's loss and gradients equal
 transformers' over the whole batch, the lanes run on threads of their own, and a lane's failure reaches the caller."""
 
+import json
 import threading
 
 import mlx.core as mx
@@ -12,8 +13,9 @@ from mlx.utils import tree_flatten
 from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
-from mlx_encoders.engine.runtime import cpu_streams
+from mlx_encoders.engine.runtime import usable_cores
 from mlx_encoders.engine.threads import on_cores
+from mlx_encoders.train import fine_tune
 from mlx_encoders.train.compiling import compiled_value_and_grad
 from mlx_encoders.train.lanes import Lanes, lane_count, module_copy
 
@@ -151,9 +153,60 @@ def test_a_failing_lane_raises_once_every_lane_has_ended_and_the_workers_live_on
 
 
 @pytest.mark.cpu_only("lanes are the CPU's cores; elsewhere one pass runs on the whole device")
-def test_lane_count_follows_the_cores_and_the_rows(monkeypatch):
-    assert lane_count(64) == len(cpu_streams())
+def test_lane_count_follows_the_cores_the_rows_and_the_model(monkeypatch):
+    cores = usable_cores()
+    assert lane_count(64) == (cores if cores > 1 else 1)
+    assert lane_count(64, weights=1000) == 1  # a tiny model's step is mostly dispatch: whole
+    assert lane_count(64, cores=2, weights=1000) == min(2, cores) if cores > 1 else 1  # unless asked
     assert lane_count(64, cores=1) == 1  # fine_tune(cores=1): the step whole
-    assert lane_count(4) == 1 and lane_count(1) == 1
+    assert lane_count(4) == 1 and lane_count(1) == 1  # fewer than 4 rows a core
     monkeypatch.setenv("MLX_ENCODERS_CPU_TUNING", "0")  # MLX's BLAS left as it is: its threads cannot be held to one
     assert lane_count(64) == 1
+
+
+def test_each_lane_draws_its_own_dropout_masks(checkpoint):
+    """Two identical rows in two lanes, dropout on: each lane's gradients differ (its own key), and the step
+    repeats exactly from the same key."""
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", "sequence-classification"))
+    model.train()
+    lane_grads = []
+
+    def make(lane_model, key):
+        step = compiled_value_and_grad(lane_model, key)
+
+        def run(batch):
+            loss, grads = step(batch)
+            lane_grads.append(grads)
+            return loss, grads
+
+        return run
+
+    lanes = Lanes(model, make, 2)
+    batch = {**tokenized(tokenizer, [TEXTS[1]] * 8), "labels": np.zeros(8, np.int64)}
+    first = lanes.gradients([batch], counted, [mx.random.key(3)])[1]
+    name, a = tree_flatten(lane_grads[0])[0]
+    assert not np.allclose(np.array(a), np.array(dict(tree_flatten(lane_grads[1]))[name]))
+    again = lanes.gradients([batch], counted, [mx.random.key(3)])[1]
+    for (_, x), (_, y) in zip(tree_flatten(first), tree_flatten(again), strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+@pytest.mark.cpu_only("lanes are the CPU's cores")
+def test_fine_tune_on_two_cores_repeats_and_keeps_gradient_checkpointing(checkpoint, tmp_path, monkeypatch):
+    if usable_cores() < 2:
+        pytest.skip("one usable core: a step cannot split")
+    made = []
+    init = Lanes.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        made.append([layer.gradient_checkpointing for layer in (m.bert.encoder for m in self.models)])
+
+    monkeypatch.setattr(Lanes, "__init__", spy)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": i % 3}) + "\n" for i, t in enumerate(TEXTS)))
+    options = dict(model=checkpoint("bert", "sequence-classification"), max_steps=3, batch_size=8, cores=2)
+    runs = [fine_tune("classify", data, tmp_path / f"run{i}", gradient_checkpointing=True, **options) for i in (0, 1)]
+    assert made == [[True, True], [True, True]]
+    for (_, x), (_, y) in zip(*(tree_flatten(r.model.parameters()) for r in runs), strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))

@@ -24,6 +24,9 @@ from ..engine.threads import on_cores
 LossAndGrad = Callable[[dict], tuple[mx.array, dict]]
 # Rows a lane takes at least: below this a lane's products are too small to gain from a core of their own.
 LEAST_LANE_ROWS = 4
+# Below this many weights a step is mostly dispatch, where a thread's hand-off and each lane's own trace cost more
+# than a core gains (the test suite's tiny models trained 45% slower split); `cores` asks for lanes regardless.
+LEAST_LANE_WEIGHTS = 2**22
 
 
 def module_copy(x):
@@ -41,13 +44,15 @@ def module_copy(x):
     return x
 
 
-def lane_count(batch_size: int, cores: int | None = None) -> int:
-    """The lanes a step of `batch_size` rows runs on, each with one BLAS thread: one per usable core, or `cores` of
-    them; 1 (the step whole, its products on every core) where the batch has fewer than LEAST_LANE_ROWS rows for
-    each, off the CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS cannot be held to one thread
-    a call (CPU tuning off)."""
+def lane_count(batch_size: int, cores: int | None = None, weights: int = LEAST_LANE_WEIGHTS) -> int:
+    """The lanes a step of `batch_size` rows of a model of `weights` weights runs on, each with one BLAS thread:
+    one per usable core, or `cores` of them; 1 (the step whole, its products on every core) where the batch has
+    fewer than LEAST_LANE_ROWS rows for each, for a model under LEAST_LANE_WEIGHTS unless `cores` is given, off the
+    CPU (a GPU runs each kernel on all of its cores) or where MLX's BLAS cannot be held to one thread a call (CPU
+    tuning off)."""
     lanes = min(cores or usable_cores(), usable_cores())
-    if lanes < 2 or batch_size < lanes * LEAST_LANE_ROWS or not on_cpu():
+    small = cores is None and weights < LEAST_LANE_WEIGHTS
+    if lanes < 2 or small or batch_size < lanes * LEAST_LANE_ROWS or not on_cpu():
         return 1
     with one_blas_thread() as one_thread:
         return lanes if one_thread else 1

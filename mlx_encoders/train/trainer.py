@@ -190,7 +190,8 @@ class Loop:
         one_process = self.world.size == 1
         self.loss_and_grad = self.objective.loss_and_grad(self.model, dtype, self.random, compile, one_process)
         split = one_process and self.objective.rows_apart
-        lanes = lane_count(self.config.batch_size, self.config.cores) if split else 1
+        weights = sum(w.size for _, w in tree_flatten(self.model.parameters()))
+        lanes = lane_count(self.config.batch_size, self.config.cores, weights) if split else 1
         make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
         self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
 
