@@ -464,3 +464,17 @@ def test_check_batch_size_names_both_numbers():
     world = distributed.World(None, 4, 0)
     assert distributed.check_batch_size(8, world) is None
     assert "batch_size 6 is not divisible by the world size 4" in distributed.check_batch_size(6, world)
+
+
+def test_bert_pretraining_is_refused_on_several_ranks(checkpoint, tmp_path, monkeypatch):
+    """Its loss adds a mean over rows (next sentence) to a mean over masked tokens: no one weight per rank's part
+    gives the global loss, so it trains in one process (and its step stays whole there too)."""
+    from test_fine_tune import DOCUMENTS
+
+    monkeypatch.setattr(distributed, "world", lambda: distributed.World(None, 2, 0))
+    data = tmp_path / "docs.txt"
+    data.write_text(DOCUMENTS)
+    with pytest.raises(OptionError, match="training runs in one process only"):
+        fine_tune("mlm", data, tmp_path / "run", model=checkpoint("bert", "pretraining"), next_sentence=True,
+                  max_steps=1, batch_size=4)  # fmt: skip
+    assert not (tmp_path / "run").exists()

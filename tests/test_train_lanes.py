@@ -210,3 +210,15 @@ def test_fine_tune_on_two_cores_repeats_and_keeps_gradient_checkpointing(checkpo
     assert made == [[True, True], [True, True]]
     for (_, x), (_, y) in zip(*(tree_flatten(r.model.parameters()) for r in runs), strict=True):
         np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_only_losses_that_average_over_their_rows_split():
+    """A head task's loss is one mean over its counted items; BERT pretraining adds a mean over rows (next
+    sentence) and ELECTRA a discriminator loss over other tokens: their steps stay whole."""
+    from mlx_encoders.train.objective import HeadObjective
+    from mlx_encoders.train.rtd import RTDObjective
+    from mlx_encoders.train.tasks import CLASSIFY, CLM, MLM, PRETRAINING, RTD, TOKENS
+
+    assert all(HeadObjective(None, None, task).rows_apart for task in (CLASSIFY, TOKENS, MLM, CLM))
+    assert not HeadObjective(None, None, PRETRAINING).rows_apart
+    assert not RTDObjective(None, None, RTD).rows_apart

@@ -118,8 +118,16 @@ class HeadObjective(Objective):
 
     def __init__(self, tokenizer: Tokenizer, config: TrainingConfig, task: str, masker: Masker | None = None):
         self.tokenizer, self.config, self.task_name, self.masker = tokenizer, config, task, masker
-        # BERT pretraining adds a mean over rows (next sentence) to the mean over masked tokens: no one weighting
-        self.rows_apart = task != PRETRAINING
+
+    @property
+    def distributed(self) -> bool:
+        # BERT pretraining adds a mean over rows (next sentence) to the mean over masked tokens: no one weight of a
+        # part gives both their share, so its steps stay whole, on one core and in one process
+        return self.task_name != PRETRAINING
+
+    @property
+    def rows_apart(self) -> bool:
+        return self.distributed
 
     def collate(self, examples: Examples, indices, rng: np.random.Generator | None = None) -> dict:
         return collate(examples, indices, self.tokenizer, self.masker, rng)
