@@ -222,3 +222,14 @@ def test_only_losses_that_average_over_their_rows_split():
     assert all(HeadObjective(None, None, task).rows_apart for task in (CLASSIFY, TOKENS, MLM, CLM))
     assert not HeadObjective(None, None, PRETRAINING).rows_apart
     assert not RTDObjective(None, None, RTD).rows_apart
+
+
+def test_cores_that_cannot_be_used_are_said(checkpoint, tmp_path):
+    """cores=2 with 4 rows a step (fewer than 4 a core): the step runs whole, and a warning says why."""
+    if usable_cores() < 2:
+        pytest.skip("one usable core: cores=2 gets the one there is, as asked")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": i % 3}) + "\n" for i, t in enumerate(TEXTS)))
+    model = checkpoint("bert", "sequence-classification")
+    with pytest.warns(UserWarning, match=r"cores=2: each step runs on 1 lane\(s\).*batch_size \(4\)"):
+        fine_tune("classify", data, tmp_path / "run", model=model, max_steps=1, batch_size=4, cores=2)

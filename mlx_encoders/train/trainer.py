@@ -11,6 +11,7 @@ resume, so a resumed run takes the same steps, with the same masks and dropout, 
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..engine import runtime
 from ..engine.ops import drawing_from
+from ..engine.runtime import usable_cores
 from ..errors import CommandError
 from ..tokenizer import Tokenizer
 from .checkpointing import (
@@ -41,7 +43,7 @@ from .config import COMPUTE_DTYPES, OptionError, TrainingConfig
 from .data import Examples
 from .embedding import batch_tokens
 from .evaluation import check_metric_for_best
-from .lanes import Lanes, lane_count
+from .lanes import LEAST_LANE_ROWS, Lanes, lane_count
 from .masking import Masker
 from .objective import HeadObjective, Objective
 from .optim import Schedule, accumulate_gradients, adamw, global_norm, make_schedule, optimizer_step
@@ -194,6 +196,13 @@ class Loop:
         lanes = lane_count(self.config.batch_size, self.config.cores, weights) if split else 1
         make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
         self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
+        if (self.config.cores or 1) > 1 and self.world.is_main and lanes != min(self.config.cores, usable_cores()):
+            warnings.warn(
+                f"cores={self.config.cores}: each step runs on {lanes} lane(s). A step splits over the CPU's cores "
+                f"in one process (not under mlx.launch), on MLX's CPU backend with its CPU tuning on, and when "
+                f"batch_size ({self.config.batch_size}) gives each core at least {LEAST_LANE_ROWS} rows",
+                stacklevel=2,
+            )
 
     def step(self, indices: list[np.ndarray]) -> dict:
         """Collate the micro-batches, take one optimizer step and log it; returns the record with tokens/s."""
