@@ -83,6 +83,15 @@ def rows(batch: dict[str, np.ndarray], world: World) -> dict[str, np.ndarray]:
     return {name: array[world.rank :: world.size] for name, array in batch.items()}
 
 
+def weighted_rows(
+    batch: dict[str, np.ndarray], count: Callable[[dict], int], world: World, micro_batches: int
+) -> tuple[dict[str, np.ndarray], float]:
+    """This rank's `rows` of a micro-batch and their weight in the step's mean loss: their share of the micro-batch's
+    `count`ed items over the number of micro-batches (0 where it counts none)."""
+    mine, total = rows(batch, world), count(batch)
+    return mine, count(mine) / total / micro_batches if total else 0.0
+
+
 def check_batch_size(batch_size: int, world: World) -> str | None:
     """Why `batch_size` cannot be split over the world (each rank takes an equal share of every batch), or None."""
     if batch_size % world.size == 0:
@@ -118,8 +127,7 @@ def step_gradients(
         if part is not None:
             mine, share = part(batch, world), 1 / len(batches)
         else:
-            mine, total = rows(batch, world), count(batch)
-            share = count(mine) / total / len(batches) if total else 0.0
+            mine, share = weighted_rows(batch, count, world, len(batches))
         if share:
             part_loss, part_grads = loss_and_grad(mine)
             loss = loss + part_loss * share

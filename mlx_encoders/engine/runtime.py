@@ -408,17 +408,21 @@ def one_blas_thread() -> Iterator[bool]:
     each keep one core; yields whether that holds. It holds for the OpenBLAS given to MLX (its thread count set to
     1, restored after; other libraries' BLAS are untouched) and for the reference BLAS, which never starts threads;
     not with tuning off, on other platforms, or for a BLAS another program put in the global scope."""
-    if not sys.platform.startswith("linux") or not tuning_enabled():
-        yield False
-        return
-    if BLAS is None:
-        yield not global_blas()
-        return
-    if not hasattr(BLAS, "openblas_set_num_threads"):  # MLX_ENCODERS_BLAS named another library: its own threads
-        yield False
+    holds = one_blas_thread_holds()
+    if not holds or BLAS is None:  # nothing to set: the reference BLAS never starts threads
+        yield holds
         return
     with _one_openblas_thread(BLAS):
         yield True
+
+
+def one_blas_thread_holds() -> bool:
+    """Whether `one_blas_thread` can hold MLX's BLAS to one thread a call, asked without setting anything."""
+    if not sys.platform.startswith("linux") or not tuning_enabled():
+        return False
+    if BLAS is None:
+        return not global_blas()
+    return hasattr(BLAS, "openblas_set_num_threads")  # not when MLX_ENCODERS_BLAS named another library
 
 
 @functools.cache

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from ..distributed import World, rows
+from ..distributed import World, weighted_rows
 from ..engine.ops import drawing_from
-from ..engine.runtime import on_cpu, one_blas_thread, usable_cores
+from ..engine.runtime import on_cpu, one_blas_thread_holds, usable_cores
 from ..engine.threads import on_cores
 
 LossAndGrad = Callable[[dict], tuple[mx.array, dict]]
@@ -52,10 +52,9 @@ def lane_count(batch_size: int, cores: int | None = None, weights: int = LEAST_L
     tuning off)."""
     lanes = min(cores or usable_cores(), usable_cores())
     small = cores is None and weights < LEAST_LANE_WEIGHTS
-    if lanes < 2 or small or batch_size < lanes * LEAST_LANE_ROWS or not on_cpu():
+    if lanes < 2 or small or batch_size < lanes * LEAST_LANE_ROWS or not on_cpu() or not one_blas_thread_holds():
         return 1
-    with one_blas_thread() as one_thread:
-        return lanes if one_thread else 1
+    return lanes
 
 
 class Lanes:
@@ -105,8 +104,7 @@ class Lanes:
             loss = grads = None
             with drawing_from(self.keys[i]):
                 for batch in batches:
-                    mine, total = rows(batch, world), count(batch)
-                    share = count(mine) / total / len(batches) if total else 0.0
+                    mine, share = weighted_rows(batch, count, world, len(batches))
                     if not share:
                         continue
                     part_loss, part_grads = self.steps[i](mine)
