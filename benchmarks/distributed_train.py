@@ -64,10 +64,10 @@ def worker(args: argparse.Namespace) -> None:
         steps.append((seconds, record["tokens_s"] * seconds, time.process_time() - cpu))
         return record
 
-    def timed_all_sum(*args_of_sum):
+    def timed_all_sum(*args_of_sum, **options):
         started, cpu = time.perf_counter(), time.process_time()
         try:
-            return all_sum(*args_of_sum)
+            return all_sum(*args_of_sum, **options)
         finally:
             if len(steps) >= args.warmup:
                 communication[0] += time.perf_counter() - started

@@ -92,6 +92,37 @@ def weighted_rows(
     return mine, count(mine) / total / micro_batches if total else 0.0
 
 
+@mx.compile
+def weighted_add(a: mx.array, a_weight: mx.array, b: mx.array, b_weight: mx.array) -> mx.array:
+    return a * a_weight + b * b_weight  # one pass over the arrays, not three
+
+
+class WeightedSum:
+    """Σ weight_i * tree_i over trees of arrays (a step's loss and gradients, part by part), with as few passes over
+    them as can be: the first part is kept whole beside its weight (no pass), each later one costs one fused pass, and
+    `weight` is left for the caller to apply where it copies the arrays anyway (`all_sum`'s flat buffer), or by
+    `result()`. `tree` is None until a part is added."""
+
+    def __init__(self):
+        self.tree, self.weight = None, 1.0
+
+    def add(self, tree, weight: float) -> None:
+        if self.tree is None:
+            self.tree, self.weight = tree, weight
+            return
+        first, weight = self.weight, weight
+        self.tree = tree_map(
+            lambda a, b: weighted_add(a, mx.array(first, a.dtype), b, mx.array(weight, b.dtype)), self.tree, tree
+        )
+        self.weight = 1.0
+
+    def result(self):
+        """The weighted sum, lazy (None when nothing was added)."""
+        if self.tree is None or self.weight == 1.0:
+            return self.tree
+        return tree_map(lambda a: a * self.weight, self.tree)
+
+
 def check_batch_size(batch_size: int, world: World) -> str | None:
     """Why `batch_size` cannot be split over the world (each rank takes an equal share of every batch), or None."""
     if batch_size % world.size == 0:
@@ -122,23 +153,25 @@ def step_gradients(
     every micro-batch, as the gathers inside its loss wait for all ranks. `tables` name the embedding tables among
     `parameters` (tree_flatten's names): `all_sum` sends the rows of their gradients that some rank changed; a set
     loses the names of tables found whole (`all_sum`)."""
-    loss, grads = mx.array(0.0), tree_map(mx.zeros_like, parameters)
+    total = WeightedSum()
     for batch in batches:
         if part is not None:
             mine, share = part(batch, world), 1 / len(batches)
         else:
             mine, share = weighted_rows(batch, count, world, len(batches))
         if share:
-            part_loss, part_grads = loss_and_grad(mine)
-            loss = loss + part_loss * share
-            grads = tree_map(lambda a, g, s=share: a + g * s, grads, part_grads)
+            total.add(loss_and_grad(mine), share)
+        if total.tree is None:
+            continue
         if part is not None:
             with collective(world, what):  # the loss's gathers
-                mx.eval(loss, grads)
+                mx.eval(total.tree)
         else:
-            mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
+            mx.eval(total.tree)  # one micro-batch's graph at a time, as `accumulate_gradients`
+    if total.tree is None:  # no counted item on this rank: it adds zeros
+        total.add((mx.array(0.0), tree_map(mx.zeros_like, parameters)), 1.0)
     named = {f"1.{name}" for name in tables}  # the names of (loss, grads)'s leaves
-    summed = all_sum((loss, grads), world, what, named)
+    summed = all_sum(total.tree, world, what, named, weight=total.weight)
     if isinstance(tables, set):  # a table found whole stays whole: its later steps skip the exchange of marks
         tables.intersection_update(name[2:] for name in named)
     return summed
@@ -163,12 +196,13 @@ def gather_rows(x: mx.array, order: np.ndarray | None, world: World | None = Non
     return all_gather(x, world)[mx.array(order)]
 
 
-def all_sum(tree, world: World, what: str, tables: Collection[str] = ()):
+def all_sum(tree, world: World, what: str, tables: Collection[str] = (), weight: float = 1.0):
     """`tree` (arrays) summed over ranks, evaluated; a rank lost meanwhile raises `RankLost` naming it. The arrays
     of each dtype travel as one flat buffer: one collective per step, not one per weight (each has a latency).
     Of the 2-D arrays `tables` names (tree_flatten's names: embedding tables' gradients), only the rows some rank
     changed travel, when they are few (`changed_rows`); the others are zeros on every rank, and stay so. A table
-    found whole (a tied output layer's) leaves `tables` when it is a set: every rank decides alike."""
+    found whole (a tied output layer's) leaves `tables` when it is a set: every rank decides alike. This rank's
+    arrays are multiplied by `weight` on their way into the flat buffer (`WeightedSum`)."""
     named = tree_flatten(tree)
     arrays = [a for _, a in named]
     mx.eval(arrays)  # this rank's part, computed before it waits for the others
@@ -181,7 +215,8 @@ def all_sum(tree, world: World, what: str, tables: Collection[str] = ()):
     summed = list(parts)
     for dtype in {a.dtype for a in parts}:
         chosen = [i for i, a in enumerate(parts) if a.dtype == dtype]
-        flat = mx.distributed.all_sum(mx.concatenate([parts[i].reshape(-1) for i in chosen]), group=world.group)
+        flat = mx.concatenate([parts[i].reshape(-1) for i in chosen])
+        flat = mx.distributed.all_sum(flat if weight == 1.0 else flat * weight, group=world.group)
         start = 0
         for i in chosen:
             summed[i] = flat[start : start + parts[i].size].reshape(parts[i].shape)

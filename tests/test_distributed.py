@@ -460,6 +460,32 @@ def test_gradients_travel_as_one_buffer_per_dtype(monkeypatch):
         assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item(), name
 
 
+def test_weighted_sum_applies_each_weight_once_and_keeps_dtypes():
+    """Σ w_i tree_i: one part stays as given (its weight pending, applied where `all_sum` copies the arrays into its
+    buffer), more parts fold into one sum; both equal numpy's products and sums, in the arrays' own dtypes."""
+    rng = np.random.default_rng(0)
+    parts = [{"w": rng.normal(size=(3, 4)).astype(np.float32), "h": rng.normal(size=5).astype(np.float16)}
+             for _ in range(3)]  # fmt: skip
+    weights = [0.25, 0.5, 0.125]
+    total = distributed.WeightedSum()
+    assert total.tree is None and total.result() is None
+    first = {k: mx.array(v) for k, v in parts[0].items()}
+    total.add(first, weights[0])
+    assert total.tree is first and total.weight == weights[0]  # no pass over the arrays yet
+    summed = distributed.all_sum(total.tree, distributed.World(None, 2, 0), "a test", weight=total.weight)
+    for k, v in parts[0].items():
+        np.testing.assert_allclose(np.array(summed[k]), v * np.asarray(weights[0], v.dtype), rtol=1e-3)
+        assert summed[k].dtype == first[k].dtype
+    for part, weight in zip(parts[1:], weights[1:], strict=True):
+        total.add({k: mx.array(v) for k, v in part.items()}, weight)
+    assert total.weight == 1.0
+    result = total.result()
+    for k in parts[0]:
+        expected = sum(p[k].astype(np.float64) * w for p, w in zip(parts, weights, strict=True))
+        np.testing.assert_allclose(np.array(result[k]), expected, rtol=1e-6 if k == "w" else 2e-3, atol=1e-7)
+        assert result[k].dtype == first[k].dtype
+
+
 def test_check_batch_size_names_both_numbers():
     world = distributed.World(None, 4, 0)
     assert distributed.check_batch_size(8, world) is None

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from ..distributed import World, weighted_rows
+from ..distributed import WeightedSum, World, weighted_rows
 from ..engine.ops import drawing_from
 from ..engine.runtime import on_cpu, one_blas_thread_holds, usable_cores
 from ..engine.threads import on_cores
@@ -76,14 +76,13 @@ class Lanes:
         mx.eval(keys, model.parameters())  # a worker can evaluate nothing made on this thread's stream
         parts = on_cores([self.lane(i, keys[i], batches, count) for i in range(self.size)])
         random[0] = mx.random.split(random[0])[0]
-        parts = [part for part in parts if part is not None]
-        if not parts:  # no lane had a counted item: a step that changes nothing, as one pass over them would give
+        total = WeightedSum()
+        for part in parts:  # ((loss, gradients), their weight)
+            if part is not None:
+                total.add(*part)
+        if total.tree is None:  # no lane had a counted item: a step that changes nothing, as one pass would give
             return mx.array(0.0), tree_map(mx.zeros_like, model.trainable_parameters())
-        loss, grads = parts.pop(0)
-        while parts:  # the list lets go of each part as it is added: MLX writes the sum into its buffers
-            part_loss, part_grads = parts.pop(0)
-            loss, grads = loss + part_loss, tree_map(mx.add, grads, part_grads)
-            del part_loss, part_grads
+        loss, grads = total.result()
         mx.eval(loss, grads)
         return loss, grads
 
@@ -96,22 +95,19 @@ class Lanes:
 
     def lane(self, i: int, key: mx.array, batches: list[dict], count: Callable[[dict], int]):
         """Lane i's task: its rows' loss and gradients, each micro-batch's part weighted by its share of that
-        micro-batch's counted items over the number of micro-batches; None when it has no counted item."""
+        micro-batch's counted items over the number of micro-batches, as ((loss, gradients), the weight still to
+        apply to them: `WeightedSum`); None when it has no counted item."""
         world = World(None, self.size, i)
 
-        def run() -> tuple[mx.array, dict] | None:
+        def run() -> tuple[tuple[mx.array, dict], float] | None:
             self.keys[i][0] = key
-            loss = grads = None
+            total = WeightedSum()
             with drawing_from(self.keys[i]):
                 for batch in batches:
                     mine, share = weighted_rows(batch, count, world, len(batches))
-                    if not share:
-                        continue
-                    part_loss, part_grads = self.steps[i](mine)
-                    part_grads = tree_map(lambda g, s=share: g * s, part_grads)
-                    loss = part_loss * share if loss is None else loss + part_loss * share
-                    grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
-                    mx.eval(loss, grads)  # one micro-batch's graph at a time, as `accumulate_gradients`
-            return None if loss is None else (loss, grads)
+                    if share:
+                        total.add(self.steps[i](mine), share)
+                        mx.eval(total.tree)  # one micro-batch's graph at a time, as `accumulate_gradients`
+            return None if total.tree is None else (total.tree, total.weight)
 
         return run
