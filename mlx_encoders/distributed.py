@@ -101,7 +101,8 @@ class WeightedSum:
     """Σ weight_i * tree_i over trees of arrays (a step's loss and gradients, part by part), with as few passes over
     them as can be: the first part is kept whole beside its weight (no pass), each later one costs one fused pass, and
     `weight` is left for the caller to apply where it copies the arrays anyway (`all_sum`'s flat buffer), or by
-    `result()`. `tree` is None until a part is added."""
+    `result()`. `tree` is None until a part is added. A caller that lets go of its parts once added lets MLX write
+    each sum into their buffers."""
 
     def __init__(self):
         self.tree, self.weight = None, 1.0
@@ -117,10 +118,13 @@ class WeightedSum:
         self.weight = 1.0
 
     def result(self):
-        """The weighted sum, lazy (None when nothing was added)."""
-        if self.tree is None or self.weight == 1.0:
-            return self.tree
-        return tree_map(lambda a: a * self.weight, self.tree)
+        """The weighted sum, lazy (None when nothing was added); the sum lets go of its tree, so that the last
+        multiplication, if any, can write into its buffers."""
+        tree, weight = self.tree, self.weight
+        self.tree, self.weight = None, 1.0
+        if tree is None or weight == 1.0:
+            return tree
+        return tree_map(lambda a: a * weight, tree)
 
 
 def check_batch_size(batch_size: int, world: World) -> str | None:
@@ -160,7 +164,10 @@ def step_gradients(
         else:
             mine, share = weighted_rows(batch, count, world, len(batches))
         if share:
-            total.add(loss_and_grad(mine), share)
+            part_loss, part_grads = loss_and_grad(mine)
+            # float32 on every rank, as the zeros of a rank without counted items are: one buffer layout for all
+            total.add((part_loss.astype(mx.float32), part_grads), share)
+            del part_loss, part_grads
         if total.tree is None:
             continue
         if part is not None:

@@ -476,6 +476,12 @@ def test_weighted_sum_applies_each_weight_once_and_keeps_dtypes():
     for k, v in parts[0].items():
         np.testing.assert_allclose(np.array(summed[k]), v * np.asarray(weights[0], v.dtype), rtol=1e-3)
         assert summed[k].dtype == first[k].dtype
+    alone = total.result()  # one part: its weight applied here
+    for k, v in parts[0].items():
+        np.testing.assert_allclose(np.array(alone[k]), v * np.asarray(weights[0], v.dtype), rtol=1e-3)
+        assert alone[k].dtype == first[k].dtype
+    assert total.tree is None  # the sum let go of its parts
+    total.add(first, weights[0])
     for part, weight in zip(parts[1:], weights[1:], strict=True):
         total.add({k: mx.array(v) for k, v in part.items()}, weight)
     assert total.weight == 1.0
@@ -484,6 +490,51 @@ def test_weighted_sum_applies_each_weight_once_and_keeps_dtypes():
         expected = sum(p[k].astype(np.float64) * w for p, w in zip(parts, weights, strict=True))
         np.testing.assert_allclose(np.array(result[k]), expected, rtol=1e-6 if k == "w" else 2e-3, atol=1e-7)
         assert result[k].dtype == first[k].dtype
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_ranks_step_gradients_sum_to_the_whole_batchs(micro_batches):
+    """Each rank's `step_gradients` (a world of two without a group: all_sum hands back this rank's part) of a
+    squared-error loss averaged over each micro-batch's kept rows; the two ranks' parts add up to numpy's gradient
+    of the step's loss (the mean over micro-batches of each one's mean), including micro-batches where one rank
+    keeps no row. The loss travels as float32 whatever its dtype."""
+    rng = np.random.default_rng(micro_batches)
+    w = rng.normal(size=3).astype(np.float32)
+    batches = []
+    for i in range(micro_batches):
+        keep = (rng.random(6) < 0.7).astype(np.float32)
+        if i == 0:
+            keep[1::2] = 0  # rank 1's rows (1, 3, 5) keep nothing in the first micro-batch
+        keep[0] = 1
+        batches.append({"x": rng.normal(size=(6, 3)).astype(np.float32), "y": rng.normal(size=6).astype(np.float32),
+                        "keep": keep})  # fmt: skip
+
+    def count(batch):
+        return int(batch["keep"].sum())
+
+    def loss_and_grad(batch):
+        x, y, keep = (mx.array(batch[k]) for k in ("x", "y", "keep"))
+
+        def loss(params):
+            return (((x @ params["w"] - y) ** 2) * keep).sum() / keep.sum()
+
+        value, grads = mx.value_and_grad(loss)({"w": mx.array(w)})
+        return value.astype(mx.float16), grads
+
+    worlds = [distributed.World(None, 2, rank) for rank in range(2)]
+    parts = [distributed.step_gradients(loss_and_grad, batches, count, {"w": mx.array(w)}, world, "a test")
+             for world in worlds]  # fmt: skip
+    expected_loss, expected_grad = 0.0, np.zeros(3)
+    for b in batches:
+        x, y, keep = (b[k].astype(np.float64) for k in ("x", "y", "keep"))
+        error = x @ w - y
+        expected_loss += (error**2 * keep).sum() / keep.sum() / micro_batches
+        expected_grad += 2 * (x * (error * keep)[:, None]).sum(0) / keep.sum() / micro_batches
+    for loss, _ in parts:
+        assert loss.dtype == mx.float32
+    grad = sum(np.array(g["w"], np.float64) for _, g in parts)
+    np.testing.assert_allclose(grad, expected_grad, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(sum(float(loss) for loss, _ in parts), expected_loss, rtol=2e-3)  # float16 parts
 
 
 def test_check_batch_size_names_both_numbers():

@@ -77,9 +77,11 @@ class Lanes:
         parts = on_cores([self.lane(i, keys[i], batches, count) for i in range(self.size)])
         random[0] = mx.random.split(random[0])[0]
         total = WeightedSum()
-        for part in parts:  # ((loss, gradients), their weight)
+        while parts:  # ((loss, gradients), their weight); let go of each as it is added: MLX reuses its buffers
+            part = parts.pop(0)
             if part is not None:
                 total.add(*part)
+            del part
         if total.tree is None:  # no lane had a counted item: a step that changes nothing, as one pass would give
             return mx.array(0.0), tree_map(mx.zeros_like, model.trainable_parameters())
         loss, grads = total.result()
