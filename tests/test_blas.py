@@ -392,3 +392,45 @@ def test_the_blas_loads_with_its_threads_sleeping_when_idle_and_the_environment_
     with pytest.raises(OSError):
         runtime.load_blas("missing.so")
     assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+
+
+NATIVE = """
+import json, numpy as np, mlx.core as mx, mlx.nn as nn
+from mlx_encoders.engine import kernel_flags, runtime
+runtime.claim_mlx()  # the package's first computation
+x = mx.array(np.random.default_rng(0).standard_normal(4096).astype(np.float32))
+fused = mx.compile(lambda x: nn.gelu(x) * 3 - x)
+got, plain = np.array(fused(x)), np.array(nn.gelu(x) * 3 - x)
+build = 'g++ -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1'
+others = ["g++ --version > /dev/null 2>&1", "ls"]
+commands = [kernel_flags.command(c) for c in [build, *others]] if kernel_flags.FORWARDING else []
+print(json.dumps(dict(native=bool(kernel_flags.FORWARDING), rewritten=kernel_flags.rewritten(), commands=commands,
+                      error=float(np.abs(got - plain).max() / np.abs(plain).max()))))
+"""
+
+
+@pytest.mark.skipif(runtime.platform.machine() not in runtime.NATIVE_FLAGS or not shutil.which("g++"),
+                    reason="MLX's compiled CPU kernels, built by g++ on x86-64")  # fmt: skip
+@pytest.mark.parametrize("tuning", ["1", "0"])
+def test_compiled_kernels_are_built_for_this_processor_and_nothing_else_changes(tuning, tmp_path):
+    """From the package's first computation, MLX's kernel build command (and no other command MLX runs) gets the
+    processor's own target flag, and the fused kernel it builds (in a fresh kernel folder) gives the unfused ops'
+    values; with tuning off, MLX builds as it does alone."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path), "MLX_ENCODERS_CPU_TUNING": tuning}
+    result = json.loads(run(NATIVE, **env).stdout.strip().splitlines()[-1])
+    assert result["error"] < 1e-6
+    if tuning == "0":
+        assert not result["native"] and result["rewritten"] == 0
+        return
+    flag = runtime.NATIVE_FLAGS[runtime.platform.machine()]
+    assert result["native"] and result["rewritten"] >= 1  # the fused kernel was built, with the flag
+    assert result["commands"] == [
+        f'g++ {flag} -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1',
+        "g++ --version > /dev/null 2>&1",
+        "ls",
+    ]
+    assert list(tmp_path.glob("mlx/*/cpu/*.so"))  # MLX's kernel folder follows TMPDIR: this build was this test's
+
+
+def test_a_flag_the_compiler_rejects_is_not_given_to_mlx():
+    assert not runtime._compiler_accepts("-fno-such-flag-anywhere")

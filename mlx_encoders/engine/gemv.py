@@ -4,19 +4,13 @@ the weight once. `forwarding_sgemm(blas)` is a function with cblas_sgemm's signa
 row (or one column) to the library's cblas_sgemv and all others to its cblas_sgemm; `runtime.one_row_products`
 gives it to MLX when decoding first needs it, never at import.
 
-It is a few lines of C, compiled on first need with the C compiler MLX's CPU backend also needs for its compiled
-kernels, into the user's cache, keyed by the source, the machine and the compiler's identity; without a compiler
-MLX keeps the library's sgemm, which only costs speed.
+It is a few lines of C, compiled on first need (`helpers.build`); without a compiler MLX keeps the library's sgemm,
+which only costs speed.
 """
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+
+from .helpers import build
 
 SOURCE = r"""
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
@@ -54,58 +48,12 @@ void forwarding_sgemm(int order, int ta, int tb, int m, int n, int k, float alph
 """
 
 
-def cache_folder() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-encoders"
-
-
-def compiler() -> str | None:
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
-
-
-def compiler_identity(cc: str) -> str:
-    """The compiler's path and its own description of its version: a changed compiler builds anew."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    return f"{shutil.which(cc)}\n{version}"
-
-
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def build() -> Path | None:
-    """The compiled forwarding library (built on first use, written whole or not at all, kept per source, machine
-    and compiler), or None without a compiler or a usable cache of the user's own."""
-    cc = compiler()
-    if cc is None:
-        return None
-    try:
-        key = hashlib.sha256(f"{SOURCE}{platform.machine()}{compiler_identity(cc)}".encode()).hexdigest()[:16]
-        target = cache_folder() / f"forwarding-sgemm-{key}.so"
-        digest = target.with_suffix(".sha256")  # a damaged library would crash the process that loads it
-        if not (digest.exists() and target.exists() and digest.read_text() == file_digest(target)):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as work:
-                source, built = Path(work) / "forwarding.c", Path(work) / target.name
-                source.write_text(SOURCE)
-                command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)]
-                subprocess.run(command, check=True, capture_output=True, timeout=60)
-                (Path(work) / digest.name).write_text(file_digest(built))
-                os.replace(built, target)
-                os.replace(Path(work) / digest.name, digest)
-        owner = target.stat()
-        if owner.st_uid != os.getuid() or owner.st_mode & 0o022:  # loaded code: the user's own, written by no other
-            return None
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        return None
-    return target
-
-
 def forwarding_sgemm(blas) -> int | None:
     """The address of a cblas_sgemm that sends one-row and one-column products of `blas` (a `runtime.Blas`) to its
     cblas_sgemv, or None (no sgemv in `blas`, no compiler)."""
     if not hasattr(blas, "cblas_sgemv"):
         return None
-    path = build()
+    path = build(SOURCE, "forwarding-sgemm")
     if path is None:
         return None
     try:
