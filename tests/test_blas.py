@@ -395,41 +395,50 @@ def test_the_blas_loads_with_its_threads_sleeping_when_idle_and_the_environment_
 
 
 NATIVE = """
-import json, numpy as np, mlx.core as mx, mlx.nn as nn
-from mlx_encoders.engine import kernel_flags, runtime
+import hashlib, json, numpy as np, mlx.core as mx, mlx.nn as nn
+from mlx_encoders.engine import kernel_flags, ops, runtime
 runtime.claim_mlx()  # the package's first computation
-x = mx.array(np.random.default_rng(0).standard_normal(4096).astype(np.float32))
+x = mx.array(np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32))
 fused = mx.compile(lambda x: nn.gelu(x) * 3 - x)
 got, plain = np.array(fused(x)), np.array(nn.gelu(x) * 3 - x)
+softmax = np.array(ops.exp_nonpositive(-mx.abs(x)))
 build = 'g++ -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1'
 others = ["g++ --version > /dev/null 2>&1", "ls"]
 commands = [kernel_flags.command(c) for c in [build, *others]] if kernel_flags.FORWARDING else []
 print(json.dumps(dict(native=bool(kernel_flags.FORWARDING), rewritten=kernel_flags.rewritten(), commands=commands,
-                      error=float(np.abs(got - plain).max() / np.abs(plain).max()))))
+                      error=float(np.abs(got - plain).max() / np.abs(plain).max()),
+                      values=hashlib.sha256(got.tobytes() + softmax.tobytes()).hexdigest())))
 """
 
 
-@pytest.mark.skipif(runtime.platform.machine() not in runtime.NATIVE_FLAGS or not shutil.which("g++"),
-                    reason="MLX's compiled CPU kernels, built by g++ on x86-64")  # fmt: skip
-@pytest.mark.parametrize("tuning", ["1", "0"])
-def test_compiled_kernels_are_built_for_this_processor_and_nothing_else_changes(tuning, tmp_path):
+@pytest.mark.skipif(
+    runtime.platform.machine() not in runtime.NATIVE_FLAGS or not shutil.which("g++")
+    or not runtime.NATIVE_CPU_FEATURES[runtime.platform.machine()] <= runtime.cpu_features(),
+    reason="MLX's compiled CPU kernels built by g++ for AVX2, on an x86-64 processor that has it",
+)  # fmt: skip
+def test_compiled_kernels_are_built_for_avx2_and_round_as_before(tmp_path):
     """From the package's first computation, MLX's kernel build command (and no other command MLX runs) gets the
-    processor's own target flag, and the fused kernel it builds (in a fresh kernel folder) gives the unfused ops'
-    values; with tuning off, MLX builds as it does alone."""
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path), "MLX_ENCODERS_CPU_TUNING": tuning}
-    result = json.loads(run(NATIVE, **env).stdout.strip().splitlines()[-1])
-    assert result["error"] < 1e-6
-    if tuning == "0":
-        assert not result["native"] and result["rewritten"] == 0
-        return
-    flag = runtime.NATIVE_FLAGS[runtime.platform.machine()]
-    assert result["native"] and result["rewritten"] >= 1  # the fused kernel was built, with the flag
-    assert result["commands"] == [
-        f'g++ {flag} -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1',
+    AVX2 flags; the kernels it builds in a fresh kernel folder are other code than those built with tuning off (in a
+    folder of their own), and give the same bits (a fused GELU, the package's exp), equal to the unfused ops."""
+    results, kernels = {}, {}
+    for tuning in ("1", "0"):
+        folder = tmp_path / tuning
+        folder.mkdir()
+        env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(folder), "MLX_ENCODERS_CPU_TUNING": tuning}
+        results[tuning] = json.loads(run(NATIVE, **env).stdout.strip().splitlines()[-1])
+        kernels[tuning] = {path.name: path.read_bytes() for path in folder.glob("mlx/*/cpu/*.so")}
+    tuned, plain = results["1"], results["0"]
+    assert tuned["error"] < 1e-6 and tuned["values"] == plain["values"]  # each element rounded as before
+    assert not plain["native"] and plain["rewritten"] == 0
+    flags = runtime.NATIVE_FLAGS[runtime.platform.machine()]
+    assert tuned["native"] and tuned["rewritten"] >= 1
+    assert tuned["commands"] == [
+        f'g++ {flags} -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1',
         "g++ --version > /dev/null 2>&1",
         "ls",
     ]
-    assert list(tmp_path.glob("mlx/*/cpu/*.so"))  # MLX's kernel folder follows TMPDIR: this build was this test's
+    shared = set(kernels["1"]) & set(kernels["0"])
+    assert shared and all(kernels["1"][name] != kernels["0"][name] for name in shared)  # built differently
 
 
 def test_a_flag_the_compiler_rejects_is_not_given_to_mlx():

@@ -17,7 +17,7 @@ def cache_folder() -> Path:
 
 
 def compiler() -> str | None:
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang", "g++") if c and shutil.which(c)), None)
 
 
 def compiler_identity(cc: str) -> str:
@@ -46,7 +46,7 @@ def build(source: str, stem: str) -> Path | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as work:
                 written, built = Path(work) / f"{stem}.c", Path(work) / target.name
                 written.write_text(source)
-                command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(written)]
+                command = [cc, "-O2", "-shared", "-fPIC", "-o", str(built), "-x", "c", str(written)]  # C, even by g++
                 subprocess.run(command, check=True, capture_output=True, timeout=60)
                 (Path(work) / digest.name).write_text(file_digest(built))
                 os.replace(built, target)

@@ -1,7 +1,7 @@
 """MLX's compiled CPU kernels built for this machine's vector units. `mx.compile` fuses element-wise ops into C++
 kernels that MLX builds at run time with `g++ -std=c++17 -O3 ...`; its Linux wheel adds no target flag, so they are
 built for the baseline x86-64 (SSE2: four floats a vector) whatever the processor has. `forwarding_popen(flags)` is
-a popen that adds `flags` (`-march=native`) to that one command and runs every other as given;
+a popen that adds `flags` (AVX2's, `runtime.NATIVE_FLAGS`) to that one command and runs every other as given;
 `runtime.native_kernels` writes it into libmlx's popen slot, so that no other code in the process, and no child
 process, sees a change. It is a few lines of C, compiled on first need (`helpers.build`).
 """
@@ -39,7 +39,7 @@ int kernel_flags_command(const char *command, char *out, size_t size) {
 
 FILE *kernel_flags_popen(const char *command, const char *mode) {
   size_t size = strlen(command) + strlen(flags) + 2;
-  char *changed = malloc(size);
+  char *changed = (char *)malloc(size);
   if (changed == NULL || !kernel_flags_command(command, changed, size)) {
     free(changed);
     return real_popen(command, mode);

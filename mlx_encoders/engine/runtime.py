@@ -7,7 +7,7 @@
   of imported functions (its GOT), once the libmlx file read is verified to be the image mapped: only MLX's calls
   reach it, and no other library in the process (torch, numpy) binds to it.
 - **MLX's compiled kernels, from the package's first computation** (`native_kernels`): the C++ kernels `mx.compile`
-  fuses are built for the processor's own vector units, through a small C helper (`kernel_flags.py`) given
+  fuses are built for AVX2 where the processor has it, through a small C helper (`kernel_flags.py`) given
   libmlx's popen slot.
 - **One-row products, when decoding first needs them** (`one_row_products`): a small C helper (`gemv.py`) sends
   them to the BLAS's sgemv.
@@ -389,28 +389,43 @@ def claim_mlx() -> None:
         )
 
 
-# The flags that have g++ target the processor it runs on, by machine (`native_kernels`): its vector units, with
-# no multiply-add contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as before.
-NATIVE_FLAGS = {"x86_64": "-march=native -ffp-contract=off"}
+# The flags for MLX's kernel builds on x86-64 (`native_kernels`): AVX2, FMA and F16C, which MLX's own builds with AVX2
+# pass too, rather than -march=native: MLX reuses a kernel it finds built (named by version and kernel only), and a
+# cache carried to an older processor (a container image) must not hold instructions it lacks. No multiply-add is
+# contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as before.
+NATIVE_FLAGS = {"x86_64": "-mavx2 -mfma -mf16c -ffp-contract=off"}
+NATIVE_CPU_FEATURES = {"x86_64": {"avx2", "fma", "f16c"}}  # /proc/cpuinfo's names for what NATIVE_FLAGS use
 
 
 def native_kernels() -> bool:
-    """Have MLX build the element-wise kernels `mx.compile` fuses for this processor's vector units (AVX2 or
-    AVX-512 on most x86-64 machines, where its Linux wheel builds for SSE2): GELU's fused kernel runs about 1.7x as
-    fast, a fine-tuning step 7% faster (benchmarks/RESULTS.md). Gives libmlx's popen slot the
-    forwarding popen of `kernel_flags.py`, which adds NATIVE_FLAGS to MLX's kernel build command alone, once g++
-    has accepted the flag. Kernels MLX built before (its cache under the temporary folder) stay as they are.
-    Returns whether MLX's builds get the flags; nothing with tuning off, off Linux and x86-64 or without a
-    compiler."""
-    flag = NATIVE_FLAGS.get(platform.machine())
-    if BINDING is None or "popen" not in BINDING.slots or flag is None or not tuning_enabled():
+    """Have MLX build the element-wise kernels `mx.compile` fuses for AVX2 (where its Linux wheel builds for SSE2)
+    on a processor that has it: GELU's fused kernel runs about 1.3x as fast, a fine-tuning step 3% faster
+    (benchmarks/RESULTS.md). Gives libmlx's popen slot the forwarding popen of `kernel_flags.py`, which adds
+    NATIVE_FLAGS to MLX's kernel build command alone, once g++ has accepted them; the slot is the one found, and
+    checked, with the BLAS's slots, so only where the engine gave MLX its BLAS. Kernels MLX built before (its cache
+    under the temporary folder) stay as they are. Returns whether MLX's builds get the flags; nothing with tuning
+    off, off x86-64 Linux, on a processor without the features, or without a compiler."""
+    machine = platform.machine()
+    flags = NATIVE_FLAGS.get(machine)
+    if BINDING is None or "popen" not in BINDING.slots or flags is None or not tuning_enabled():
         return False
     with _forwarding_lock:
         if not kernel_flags.FORWARDING:
-            address = kernel_flags.forwarding_popen(flag) if _compiler_accepts(flag) else None
+            usable = NATIVE_CPU_FEATURES[machine] <= cpu_features() and _compiler_accepts(flags)
+            address = kernel_flags.forwarding_popen(flags) if usable else None
             if address is None or not _write_slots({slot: address for slot in BINDING.slots["popen"]}):
+                kernel_flags.FORWARDING.clear()  # not given to MLX: a later call tries again
                 return False
     return True
+
+
+def cpu_features() -> set[str]:
+    """The processor's feature flags as Linux lists them (/proc/cpuinfo); empty where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def _compiler_accepts(flags: str) -> bool:
