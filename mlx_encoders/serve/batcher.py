@@ -107,8 +107,9 @@ class Batcher:
             except BaseException as error:  # noqa: BLE001  a fault here fails this batch's requests, never the worker
                 for job, _, _ in pieces:
                     job.settle(error=error)
+        # A stopped batcher lets its model go (an unloaded one's memory), before `stop` returns to whoever waits on it.
+        self.compute = self.on_batch = self.on_wait = None
         self.drained.set()
-        self.compute = self.on_batch = None  # a stopped batcher lets its model go (an unloaded one's memory)
         # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
         # ("terminate called without an active exception"); a daemon thread left waiting does not.
         threading.Event().wait()
