@@ -64,8 +64,7 @@ def forwarding_popen(flags: str) -> int | None:
     except (OSError, AttributeError):
         return None
     library.kernel_flags_init.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    FLAGS.append(flags.encode())  # the C side copies it; kept for `command` below
-    library.kernel_flags_init(real, FLAGS[-1])
+    library.kernel_flags_init(real, flags.encode())  # copied into the library
     FORWARDING.append(library)  # kept loaded for as long as MLX calls it
     return ctypes.cast(library.kernel_flags_popen, ctypes.c_void_p).value
 
@@ -84,4 +83,3 @@ def rewritten() -> int:
 
 
 FORWARDING: list[ctypes.CDLL] = []
-FLAGS: list[bytes] = []
