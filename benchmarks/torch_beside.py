@@ -7,7 +7,7 @@ BertModel, random weights, 8 x 128 tokens; `--quick`: 2 layers, 4 x 64). Target:
 
     python benchmarks/torch_beside.py
     python benchmarks/torch_beside.py --rounds 5
-    python benchmarks/torch_beside.py --quick --json   # a 2-layer BERT, ratios as JSON (tests/test_blas.py)
+    python benchmarks/torch_beside.py --quick --json   # a 2-layer BERT, ratios as JSON
 """
 
 import argparse
