@@ -4,6 +4,8 @@ errors a user meets first."""
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -94,6 +96,26 @@ def test_cli_classify_fine_tunes_an_encoder_into_a_head_transformers_reads(check
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     labels = mlx_encoders.pipeline("text-classification", model=out / "model")(TEXTS[:2])
     assert {r["label"] for r in labels} <= {"neg", "neutral", "pos"}
+
+
+def test_cli_interrupted_says_how_to_go_on_with_or_without_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
+    out, saved = tmp_path / "run", []
+
+    def interrupted(kind, data, output, **options):  # a run stopped by Ctrl-C after its checkpoints so far
+        Path(output).mkdir(exist_ok=True)
+        (Path(output) / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+        for step in saved:
+            (Path(output) / f"checkpoint-{step}").mkdir(exist_ok=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["mlx_encoders.train.fine_tune"], "fine_tune", interrupted)
+    command = ["train", "classify", "--model", str(checkpoint("bert")), "--data", str(classification_file(tmp_path)),
+               "--output", str(out)]  # fmt: skip
+    assert main(command) == 130
+    assert "no checkpoint was saved yet: run the same command again with --overwrite" in capsys.readouterr().err
+    saved[:] = [2, 10]
+    assert main([*command, "--overwrite"]) == 130
+    assert f"continue with --resume {out / 'checkpoint-10'} (the last one saved" in capsys.readouterr().err
 
 
 def test_masked_lm_from_scratch_answers_fill_mask(tmp_path):
@@ -375,6 +397,9 @@ def test_options_out_of_range_stop_the_call_before_any_work(checkpoint, tmp_path
     # BERT's [CLS] and [SEP] take 2 tokens: a window of 2 holds no text
     with pytest.raises(OptionError, match=r"max_length must be at least 3 for sequence-classification"):
         fine_tune("classify", data, out, model=model, max_length=2)
+    # past the 128-position table: it would fail at the first batch holding a text that long
+    with pytest.raises(OptionError, match=r"max_length 129 is longer than the model's 128 positions .* max_length=128"):
+        fine_tune("classify", data, out, model=model, max_length=129)
     with pytest.raises(OptionError, match="metric_for_best='eval_perplexity' is not a metric sequence-classification "
                        "reports; choose one of eval_loss, eval_accuracy, eval_f1"):  # fmt: skip
         fine_tune("classify", data, out, model=model, eval_data=eval_data, metric_for_best="eval_perplexity")
@@ -464,7 +489,7 @@ def weights_of(folder) -> np.ndarray:
     return np.concatenate([np.array(v).ravel() for _, v in sorted(mx.load(str(folder / "model.safetensors")).items())])
 
 
-def test_resume_refuses_a_checkpoint_of_another_size_or_label_count(checkpoint, tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_size_or_other_labels(checkpoint, tmp_path):
     data = classification_file(tmp_path)  # 3 labels
     options = dict(max_steps=1, batch_size=4, lr=1e-3)
     fine_tune("classify", data, tmp_path / "wide", model=checkpoint("bert", hidden_size=48, intermediate_size=64),
@@ -475,9 +500,17 @@ def test_resume_refuses_a_checkpoint_of_another_size_or_label_count(checkpoint, 
                   **options)  # fmt: skip
     fine_tune("classify", data, tmp_path / "three", model=checkpoint("bert"), **options)
     two = classification_file(tmp_path, "two.jsonl", [{"text": t, "label": "pos" if t < "m" else "neg"} for t in TEXTS])
-    with pytest.raises(ValueError, match=r"three/checkpoint-1/config.json: labels 3 in the checkpoint, 2 in this run"):
+    with pytest.raises(ValueError, match=r"three/checkpoint-1/config.json: labels \[.*\] in the checkpoint, "
+                       r"\['neg', 'pos'\] in this run"):  # fmt: skip
         fine_tune("classify", two, tmp_path / "b", model=checkpoint("bert"), resume=tmp_path / "three/checkpoint-1",
                   **options)  # fmt: skip
+    # as many labels under other names: the head would be saved with them, each class mislabelled
+    names = dict(zip(sorted(set(LABELS)), ("x", "y", "z"), strict=True))
+    rows = [{"text": t, "label": names[label]} for t, label in zip(TEXTS, LABELS, strict=True)]
+    renamed = classification_file(tmp_path, "renamed.jsonl", rows)
+    with pytest.raises(ValueError, match=r"labels \[.*\] in the checkpoint, \['x', 'y', 'z'\] in this run"):
+        fine_tune("classify", renamed, tmp_path / "d", model=checkpoint("bert"),
+                  resume=tmp_path / "three/checkpoint-1", **options)  # fmt: skip
     lora = dict(model=checkpoint("bert", "masked-lm"), **options)
     fine_tune("classify", data, tmp_path / "rank4", lora_rank=4, **lora)
     with pytest.raises(ValueError, match=r"rank4/checkpoint-1/adapter_config.json: LoRA alpha is 8, but this run's is"):

@@ -1,6 +1,7 @@
 """The training loop: exact resume (weights and loss curve equal to an uninterrupted run, dropout and dynamic masking
 on), atomic checkpoints, the metrics log, macro-F1, and a tiny run that overfits."""
 
+import errno
 import json
 import shutil
 
@@ -132,8 +133,9 @@ def truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def tear_last_line(path):
-    path.write_text(path.read_text() + '{"step": 3, "lo')
+def garble_second_line(path):
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join([lines[0], '{"step": 2, "lo\n', *lines[2:]]))
 
 
 @pytest.mark.parametrize(
@@ -147,7 +149,7 @@ def tear_last_line(path):
         ("checkpoint-2/trainer_state.json", set_field("mlx_key", [1]), r"field 'mlx_key' must be two uint32"),
         ("checkpoint-2/trainer_state.json", set_field("mask_rng", {"state": 1}), r"field 'mask_rng' is not"),
         ("checkpoint-2/trainer_state.json", set_field("stepp", 2), r"unknown field\(s\) stepp"),
-        ("metrics.jsonl", tear_last_line, r"metrics\.jsonl, line 3: not a JSON record"),
+        ("metrics.jsonl", garble_second_line, r"metrics\.jsonl, line 2: not a JSON record"),
     ],
 )
 def test_resuming_from_a_damaged_file_names_it_and_what_to_do(checkpoint, stopped_run, tmp_path, file, damage, message):
@@ -161,6 +163,37 @@ def test_resuming_from_a_damaged_file_names_it_and_what_to_do(checkpoint, stoppe
     assert str(folder / file) in str(raised.value) and (
         "another checkpoint" in str(raised.value) or "delete" in str(raised.value)
     )
+
+
+def test_resume_drops_what_a_run_cut_off_mid_write_left_behind(checkpoint, stopped_run, tmp_path):
+    """A record cut off as it was appended (no newline: a full disk, a killed run) and a checkpoint folder a killed
+    run was writing: the resumed run drops the one and removes the other, even when it never saves that step."""
+    folder = tmp_path / "run"
+    shutil.copytree(stopped_run, folder)
+    with open(folder / "metrics.jsonl", "a") as log:
+        log.write('{"step": 3, "lo')
+    (folder / ".checkpoint-3.abcd_123.partial").mkdir()
+    (folder / ".checkpoint-3.abcd_123.partial" / "model.safetensors").write_bytes(b"\0" * 64)
+    model, tokenizer, examples = classification(checkpoint)
+    config = TrainingConfig(folder, max_steps=4, batch_size=4, seed=3, save_every=4)
+    train(model, tokenizer, examples, config=config, resume_from=folder / "checkpoint-2")
+    assert [r["step"] for r in records(folder)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in folder.iterdir() if p.name != "curves.png") == [
+        "checkpoint-2", "checkpoint-4", "metrics.jsonl"
+    ]  # fmt: skip
+
+
+def test_a_full_disk_while_logging_names_the_log_and_the_way_on(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "open", full, raising=False)  # the module's open, not the test's
+    with pytest.raises(OSError, match=r"disk full while appending to .*metrics\.jsonl; .* run again with") as raised:
+        checkpointing.log_metrics(tmp_path, {"step": 1})
+    assert raised.value.errno == errno.ENOSPC
+    (tmp_path / "checkpoint-2").mkdir()
+    with pytest.raises(OSError, match=r"free space on that disk, then resume from .*checkpoint-2 \(--resume\)"):
+        checkpointing.log_metrics(tmp_path, {"step": 3})
 
 
 def test_tiny_run_overfits_and_logs_metrics(checkpoint, tmp_path):

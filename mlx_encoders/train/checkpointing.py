@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import distributed
 from ..checkpoint.adapters import CONFIG as PEFT_CONFIG
 from ..checkpoint.adapters import read_lora, write_lora
-from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.atomic import atomic_folder, disk_full, remove_stale
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..checkpoint.write import model_config, write_checkpoint
@@ -108,9 +108,21 @@ def run_files(output_dir: Path) -> list[Path]:
     return checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
 
 
+STALE_CHECKPOINT = re.compile(r"\.(checkpoint-\d+)\.[a-z0-9_]{8}\.(partial|old)")  # atomic_folder's names
+
+
+def remove_stale_checkpoints(output_dir: Path) -> None:
+    """What interrupted checkpoint writes left in `output_dir` (`atomic.remove_stale`): a checkpoint a killed run
+    was writing is otherwise kept for good when the resumed run never saves that step again."""
+    if output_dir.is_dir():
+        for name in {m[1] for p in output_dir.iterdir() if (m := STALE_CHECKPOINT.fullmatch(p.name))}:
+            remove_stale(output_dir / name)
+
+
 def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | None) -> None:
     """Refuse to mix this run's files with another's in `output_dir`, unless it resumes from a checkpoint there or
     `overwrite` clears them first. Only a run's files are cleared: other files in the folder are the user's."""
+    remove_stale_checkpoints(output_dir)
     found = run_files(output_dir)
     if not found or (resume_from is not None and Path(resume_from).resolve().parent == output_dir.resolve()):
         return
@@ -146,8 +158,15 @@ def check_lora_settings(lora: LoRAConfig, folder: Path) -> None:
             )
 
 
+def label_names(config: dict) -> list[str] | None:
+    """A config's label names in id order (id2label's keys are strings in a saved config.json)."""
+    id2label = config.get("id2label") or {}
+    return [str(name) for _, name in sorted((int(i), name) for i, name in id2label.items())] or None
+
+
 def check_head(model: nn.Module, folder: Path) -> None:
-    """The checkpoint in `folder` has this run's task head, with as many labels and the same problem type."""
+    """The checkpoint in `folder` has this run's task head, with the same labels (names, in id order) and problem
+    type: a head resumed under other names would be saved with them, each class mislabelled."""
     saved, current = Checkpoint.open(folder), model_config(model)
     if saved.task != task_of_model(model):
         raise ValueError(
@@ -155,14 +174,14 @@ def check_head(model: nn.Module, folder: Path) -> None:
             f"{task_of_model(model)}; resume with the task of the run that wrote it"
         )
     settings = {
-        "labels": (len(saved.config.get("id2label") or {}), len(current.get("id2label") or {})),
+        "labels": (label_names(saved.config), label_names(current)),
         "problem_type": (saved.config.get("problem_type"), current.get("problem_type")),
     }
     for name, (found, expected) in settings.items():
         if found and expected and found != expected:  # a checkpoint without labels (an encoder) has none to compare
             raise ValueError(
-                f"{folder / 'config.json'}: {name} {found!r} in the checkpoint, {expected!r} in this run; resume with "
-                "the data (labels) of the run that wrote it"
+                f"{folder / 'config.json'}: {name} {found!r:.200} in the checkpoint, {expected!r:.200} in this run; "
+                "resume with the data (labels) of the run that wrote it"
             )
 
 
@@ -305,18 +324,33 @@ def read_state(path: Path) -> TrainerState:
 
 
 def log_metrics(output_dir: Path, record: dict) -> None:
-    with open(output_dir / METRICS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = output_dir / METRICS_FILE
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as error:
+        if not disk_full(error, output_dir):
+            raise
+        saved = checkpoints(output_dir)
+        then = f"resume from {saved[-1]} (--resume)" if saved else "run again with overwrite=True (--overwrite)"
+        raise OSError(
+            error.errno, f"disk full while appending to {path}; free space on that disk, then {then}"
+        ) from error
 
 
 def trim_metrics(output_dir: Path, step: int) -> None:
-    """Drop the records after `step` that a run stopped later than its last checkpoint left behind."""
+    """Drop the records after `step` that a run stopped later than its last checkpoint left behind, and a last
+    line without its newline: a record cut off as it was appended (a full disk, a killed run). The log is
+    replaced whole, never left half-written."""
     path = output_dir / METRICS_FILE
     if path.is_file():
         lines = path.read_text().splitlines(keepends=True)
-        path.write_text(
-            "".join(line for number, line in enumerate(lines, 1) if record_step(path, number, line) <= step)
-        )
+        if lines and not lines[-1].endswith("\n"):
+            lines.pop()
+        kept = "".join(line for number, line in enumerate(lines, 1) if record_step(path, number, line) <= step)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(kept)
+        partial.replace(path)
 
 
 def record_step(path: Path, number: int, line: str) -> int:

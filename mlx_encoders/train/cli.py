@@ -5,7 +5,9 @@ the options' table (`options.OPTIONS`), the names with dashes; the defaults are 
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from .checkpointing import checkpoints
 from .config import OptionError
 from .losses.contrastive import LOSSES, CachedMultipleNegativesRankingLoss, MatryoshkaLoss
 from .options import OPTIONS, add_flags, reads_flag, words
@@ -58,11 +60,13 @@ def run(args: argparse.Namespace) -> int:
             options["loss"] = retrieval_loss(args)
         trained = fine_tune(args.kind, args.data, args.output, **options)
     except KeyboardInterrupt:
-        print(
-            f"\nmlx-encoders train: interrupted; continue with --resume {args.output}/checkpoint-STEP (the last "
-            "one saved; --save-every N saves more often)",
-            file=sys.stderr,
+        saved = checkpoints(Path(args.output))
+        then = (
+            f"continue with --resume {saved[-1]} (the last one saved; --save-every N saves more often)"
+            if saved
+            else "no checkpoint was saved yet: run the same command again with --overwrite"
         )
+        print(f"\nmlx-encoders train: interrupted; {then}", file=sys.stderr)
         return 130
     if not is_main():  # under mlx.launch, rank 0 alone reports
         return 0

@@ -72,6 +72,7 @@ def train_head(
             net = from_config(dict(read_config(config)), task, tok)
         else:
             net = load_head(checkpoint, task, examples)
+        check_positions(run.max_length, net)
         if lora_rank:
             apply_lora(net, rank=lora_rank, alpha=run.lora_alpha or 2 * lora_rank, targets=run.lora_targets)
     loss = objective(examples, tok) if objective is not None else None
@@ -101,6 +102,17 @@ def check_max_length(max_length: int | None, task: str, tokenizer: Tokenizer, pa
         raise OptionError(
             f"max_length must be at least {minimum} for {task} with this tokenizer (its special tokens take "
             f"{tokenizer.num_special_tokens_to_add(pairs)}), got {max_length}"
+        )
+
+
+def check_positions(max_length: int | None, net: nn.Module) -> None:
+    """`max_length` fits the model's position table: a longer window would fail at the first batch that holds a
+    text that long, perhaps hours into the run."""
+    limit = getattr(getattr(net, "args", None), "max_tokens", None)
+    if max_length is not None and limit and max_length > limit:
+        raise OptionError(
+            f"max_length {max_length} is longer than the model's {limit} positions (its position table); pass "
+            f"max_length={limit} or less (--max-length), or leave it unset for the model's limit"
         )
 
 
