@@ -2,6 +2,7 @@
 pipelines read, for each task; the options of the loop (length-grouped batches, bfloat16 compute, LoRA) and the
 errors a user meets first."""
 
+import errno
 import json
 import shutil
 import sys
@@ -29,6 +30,7 @@ from mlx_encoders.train.data import (
 )
 from mlx_encoders.train.losses import split_batch, task_loss
 from mlx_encoders.train.masking import Masker
+from mlx_encoders.train.tasks import heads
 from mlx_encoders.train.tasks.heads import from_config
 from mlx_encoders.train.trainer import OptionError, epoch_steps, length_grouped
 
@@ -116,6 +118,21 @@ def test_cli_interrupted_says_how_to_go_on_with_or_without_a_checkpoint(checkpoi
     saved[:] = [2, 10]
     assert main([*command, "--overwrite"]) == 130
     assert f"continue with --resume {out / 'checkpoint-10'} (the last one saved" in capsys.readouterr().err
+
+
+def test_a_full_disk_at_the_final_save_says_to_resume_from_the_last_checkpoint(checkpoint, tmp_path, monkeypatch):
+    def full(model, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, f"disk full while writing {path}; nothing was written. Free space on that disk "
+                      "(or write elsewhere) and run again")  # fmt: skip
+
+    monkeypatch.setattr(heads, "save", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match=r"once space is freed, resume from .*checkpoint-3 \(resume=, --resume\)"):
+        fine_tune("classify", classification_file(tmp_path), out, model=checkpoint("bert"), max_steps=3, batch_size=4)
+    monkeypatch.undo()
+    fine_tune("classify", classification_file(tmp_path), out, model=checkpoint("bert"), max_steps=3, batch_size=4,
+              resume=out / "checkpoint-3")  # fmt: skip
+    assert (out / "model" / "model.safetensors").is_file()
 
 
 def test_masked_lm_from_scratch_answers_fill_mask(tmp_path):
@@ -400,6 +417,8 @@ def test_options_out_of_range_stop_the_call_before_any_work(checkpoint, tmp_path
     # past the 128-position table: it would fail at the first batch holding a text that long
     with pytest.raises(OptionError, match=r"max_length 129 is longer than the model's 128 positions .* max_length=128"):
         fine_tune("classify", data, out, model=model, max_length=129)
+    with pytest.raises(OptionError, match=r"output_dir .*train.jsonl is a file, not a folder"):
+        fine_tune("classify", data, data, model=model)
     with pytest.raises(OptionError, match="metric_for_best='eval_perplexity' is not a metric sequence-classification "
                        "reports; choose one of eval_loss, eval_accuracy, eval_f1"):  # fmt: skip
         fine_tune("classify", data, out, model=model, eval_data=eval_data, metric_for_best="eval_perplexity")

@@ -169,6 +169,22 @@ def test_labels_by_id_and_given_label2id(tmp_path, tokenizer):
         sequence_classification_data(typo, tokenizer)
     given = {f"LABEL_{i}": i for i in range(1000001)}  # with label2id, the classes are known
     assert sequence_classification_data(typo, tokenizer, label2id=given).labels == [0, 1000000, 1]
+    one = write(tmp_path, "one.csv", "text,label\na,pos\nb,pos\n")  # one class: nothing to learn
+    with pytest.raises(DataError, match=r"one.csv: every label is 'pos'; a classifier needs two classes at least"):
+        sequence_classification_data(one, tokenizer)
+    assert sequence_classification_data(one, tokenizer, label2id={"neg": 0, "pos": 1}).labels == [1, 1]
+
+
+def test_numbers_read_as_classes_point_to_regression(tmp_path, tokenizer):
+    """The problem type comes from the first label: an integer there makes the labels classes, and a fraction
+    further down says the labels were numbers to predict."""
+    hint = r"if the labels are numbers to predict, pass problem_type='regression' \(--problem-type regression\)"
+    with pytest.raises(DataError, match=r"item 2 of the data: .* found float 3.5; " + hint):
+        sequence_classification_data([{"text": "a", "label": 3}, {"text": "b", "label": 3.5}], tokenizer)
+    scores = write(tmp_path, "scores.csv", "text,label\na,3\nb,3.5\n")
+    with pytest.raises(DataError, match=r"scores.csv:2: label id 3 among label names \(3.5\); .*" + hint):
+        sequence_classification_data(scores, tokenizer)
+    assert sequence_classification_data(scores, tokenizer, problem_type="regression").labels == [3.0, 3.5]
 
 
 def test_pairs_multi_label_and_regression(tmp_path, tokenizer):
@@ -240,6 +256,16 @@ def test_token_label_ids_csv_and_errors(tmp_path, tokenizer):
         token_classification_data([{"tokens": "a b", "ner_tags": ["O", "O"]}], tokenizer)
     with pytest.raises(DataError, match=r"item 1 .*unknown label 'B-XYZ'"):
         token_classification_data([{"tokens": ["a"], "ner_tags": ["B-XYZ"]}], tokenizer, label2id={"O": 0})
+    # rows with no token to label: a batch of them alone would have a loss of 0 / 0
+    first = {"tokens": ["a", "b"], "ner_tags": ["O", "B-X"]}
+    with pytest.raises(DataError, match=r"item 2 .*'tokens' holds no words, so no token to label; remove the row"):
+        token_classification_data([first, {"tokens": [], "ner_tags": []}], tokenizer)
+    with pytest.raises(DataError, match=r"item 2 .*no word of the row gives a token to label \(its words \['\\u200b'"):
+        token_classification_data([first, {"tokens": ["\u200b"], "ner_tags": ["O"]}], tokenizer)
+    # one class: nothing to learn (a softmax over one class has a loss of 0), unless label2id names the others
+    with pytest.raises(DataError, match=r"the data: every label is 'O'; a classifier needs two classes at least"):
+        token_classification_data([{"tokens": ["a", "b"], "ner_tags": ["O", "O"]}], tokenizer)
+    assert token_classification_data([{"tokens": ["a"], "ner_tags": ["O"]}], tokenizer, label2id={"O": 0, "B-X": 1})
 
 
 # ----- masking -----

@@ -228,6 +228,8 @@ def check_options(config: TrainingConfig) -> None:
         raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
     if config.dtype not in COMPUTE_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {config.dtype!r}")
+    if Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
+        raise OptionError(f"output_dir {config.output_dir} is a file, not a folder; name a folder (new or a run's)")
 
 
 @dataclass

@@ -214,6 +214,10 @@ def read_documents(data: str | Path | Iterable[Mapping], text_column: str = "tex
 # ----- labels -----
 
 
+# The problem type is read from the first row's label: an integer there makes the labels classes.
+REGRESSION_HINT = "; if the labels are numbers to predict, pass problem_type='regression' (--problem-type regression)"
+
+
 def label_key(value, row: Row, column: str) -> str | int:
     """A label as written: a name (str) or an id (int); a CSV cell of digits is an id."""
     if isinstance(value, str) and not value.strip():
@@ -222,8 +226,10 @@ def label_key(value, row: Row, column: str) -> str | int:
         return int(value) if row.source.endswith((".csv", ".tsv")) and INTEGER.fullmatch(value.strip()) else value
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
+    numbers = REGRESSION_HINT if isinstance(value, float) else ""
     raise DataError(
         f"{row.where}: column {column!r} must hold a label name or id, found {type(value).__name__} {value!r:.60}"
+        f"{numbers}"
     )
 
 
@@ -234,9 +240,10 @@ def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int
     names = sorted({k for k, _ in keys if isinstance(k, str)})
     ids = [(k, row) for k, row in keys if isinstance(k, int)]
     if names and ids:
+        numbers = REGRESSION_HINT if all(FRACTION.fullmatch(n.strip()) for n in names) else ""
         raise DataError(
             f"{ids[0][1].where}: label id {ids[0][0]} among label names ({', '.join(names[:5])}); write every label "
-            "as a name or every label as an id, or pass label2id="
+            f"as a name or every label as an id, or pass label2id={numbers}"
         )
     if names:
         return {name: i for i, name in enumerate(names)}
@@ -250,6 +257,17 @@ def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int
                 "every class"
             )
     return {f"LABEL_{i}": i for i in range(max(k for k, _ in ids) + 1)}
+
+
+def check_classes(mapping: dict[str, int], rows: list[Row], label2id: Mapping[str, int] | None) -> None:
+    """Labels read from the data name two classes at least: with one, every prediction is right and nothing is
+    learnt (a softmax over one class has a loss of 0)."""
+    if label2id is None and len(mapping) == 1:
+        where = "the data" if rows[0].source == ITERABLE else rows[0].source
+        raise DataError(
+            f"{where}: every label is {next(iter(mapping))!r}; a classifier needs two classes at least: add rows of "
+            "the others, or give fine_tune label2id= naming every class"
+        )
 
 
 def label_id(key: str | int, row: Row, label2id: dict[str, int]) -> int:
@@ -308,6 +326,7 @@ def classification_labels(
     if problem_type == "single_label_classification":
         keys = [(label_key(row.get(column), row, column), row) for row in rows]
         mapping = build_label2id(keys, label2id)
+        check_classes(mapping, rows, label2id)
         return [label_id(k, row, mapping) for k, row in keys], mapping
     per_row = [[label_key(v, row, column) for v in as_list(row.get(column), row, column)] for row in rows]
     mapping = build_label2id([(k, row) for ks, row in zip(per_row, rows, strict=True) for k in ks], label2id)
@@ -391,9 +410,16 @@ def token_classification_data(
         [label_key(t, row, label_column) for t in as_list(row.get(label_column), row, label_column)] for row in rows
     ]
     mapping = build_label2id([(t, row) for ts, row in zip(tags, rows, strict=True) for t in ts], label2id)
+    check_classes(mapping, rows, label2id)
     ids = [[label_id(t, row, mapping) for t in ts] for ts, row in zip(tags, rows, strict=True)]
     encodings = encode_words(tokenizer, words, max_length)
     labels = [align_labels(i, e.word_ids, label_all_tokens) for i, e in zip(ids, encodings, strict=True)]
+    for row, aligned, ws in zip(rows, labels, words, strict=True):
+        if all(label == IGNORE_INDEX for label in aligned):  # else a batch of such rows has a loss of 0 / 0
+            raise DataError(
+                f"{row.where}: no word of the row gives a token to label (its words {ws!r:.60} tokenize to nothing, "
+                "such as zero-width or control characters alone); remove the row or fix its words"
+            )
     return Examples("token-classification", encodings, labels, mapping, rows)
 
 
@@ -402,6 +428,8 @@ def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
     tags = as_list(row.get(label_column), row, label_column)
     if not all(isinstance(w, str) for w in words):
         raise DataError(f"{row.where}: column {text_column!r} must hold a list of words (str)")
+    if not words:
+        raise DataError(f"{row.where}: column {text_column!r} holds no words, so no token to label; remove the row")
     if len(words) != len(tags):
         raise DataError(f"{row.where}: {len(words)} words but {len(tags)} tags; give one tag per word")
     return words

@@ -4,9 +4,11 @@ thin shell over it (`train/cli.py`). Its options are the table's (`train/options
 the task before any work, then hands them to the task's module.
 """
 
+import errno
 from pathlib import Path
 
 from .. import distributed
+from .checkpointing import checkpoints
 from .config import OptionError, Trained
 from .options import Data, check_task_options, read_options, signature
 from .tasks import BY_NAME, MLM, TASK_NAMES
@@ -61,7 +63,25 @@ def fine_tune(task: str, data: Data, output_dir: str | Path, **options) -> Train
     run = read_options("fine_tune", output_dir, options)
     task = task_name(task, run.next_sentence)
     check_task_options(task, {k: v for k, v in vars(run).items() if k != "training"})  # before model and data load
-    return BY_NAME[task].trainer()(data, run)
+    try:
+        return BY_NAME[task].trainer()(data, run)
+    except OSError as error:
+        advised = with_resume_advice(error, run.training.output_dir)
+        if advised is error:
+            raise
+        raise advised from error
+
+
+def with_resume_advice(error: OSError, output_dir: Path) -> OSError:
+    """A full disk after a checkpoint was saved (the final model's folder, the log): the way on is to resume from
+    that checkpoint, since running again would be refused for the run's files already there."""
+    saved = checkpoints(output_dir)
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not saved or "--resume" in str(error):
+        return error
+    return OSError(
+        error.errno, f"{error.strerror or error}; the run's checkpoints are kept: once space is freed, resume from "
+        f"{saved[-1]} (resume=, --resume) to finish it, rather than start over (which needs overwrite=True)"
+    )  # fmt: skip
 
 
 fine_tune.__signature__ = signature(fine_tune)  # every option of the table, for help() and editors
