@@ -4,11 +4,14 @@ LangChain's `OpenAIEmbeddings` and LlamaIndex's `OpenAIEmbedding`. Vectors are c
 sentence-transformers (real all-MiniLM-L6-v2) and typed ones against its `quantize_embeddings`, rerank scores
 against sentence-transformers' CrossEncoder or transformers' model, labels against transformers' pipeline."""
 
+import asyncio
 import base64
 import gc
 import json
+import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -453,6 +456,53 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
         with pytest.raises(ollama.ResponseError) as error:
             client.embed(model="absent", input=["a"])
         assert error.value.status_code == 404 and "loaded on request: broken, minilm" in error.value.error
+
+
+def test_models_dir_holds_a_model_named_while_it_warms_up_and_reuses_worker_threads(tmp_path, checkpoint, monkeypatch):
+    """A request that names a --models-dir model while its first (warm-up) pass runs holds it like any other: the
+    model is not unloaded under it when the request that loaded it ends. Models loaded and unloaded again and again
+    (Ollama's keep_alive 0) reuse the workers' threads rather than add some each time."""
+    from mlx_encoders import serve
+    from mlx_encoders.serve.models import ServedModel
+    from mlx_encoders.serve.server import Server
+
+    compute, tokenize = ServedModel.compute, Server.tokenize
+
+    def slow_warm_up(self, items):  # a large model's first pass
+        if self.tokenizer.decode(items[0].ids, skip_special_tokens=True) == "warm up":
+            time.sleep(1.0)
+        return compute(self, items)
+
+    async def slow_tokenize(self, model, function, *args, **kwargs):  # a long request's tokenization
+        if "late arrival" in args[0]:
+            await asyncio.sleep(1.0)
+        return await tokenize(self, model, function, *args, **kwargs)
+
+    monkeypatch.setattr(ServedModel, "compute", slow_warm_up)
+    monkeypatch.setattr(Server, "tokenize", slow_tokenize)
+    (tmp_path / "tiny").symlink_to(checkpoint("bert", "encoder"))
+    app = serve.app(models_dir=tmp_path, model_keep_alive=0)
+    served = app.state.server.models
+    with in_process(app) as url, ThreadPoolExecutor(2) as pool:
+        preload = pool.submit(call, url, "/api/embed", {"model": "tiny", "keep_alive": 0})  # loads it, then ends
+        time.sleep(0.3)  # the warm-up runs
+        late = pool.submit(call, url, "/api/embed", {"model": "tiny", "input": ["late arrival"]})
+        assert preload.result(timeout=60)[0] == 200
+        status, answer, _ = late.result(timeout=60)
+        assert status == 200 and len(answer["embeddings"]) == 1, answer
+        assert wait_until(lambda: "tiny" not in served)
+        monkeypatch.setattr(ServedModel, "compute", compute)
+
+        def workers() -> int:
+            return sum(t.name.startswith("mlx-encoders serve") and t.name != "mlx-encoders serve loader"
+                       for t in threading.enumerate())  # fmt: skip
+
+        before = workers()
+        for _ in range(4):
+            assert call(url, "/api/embed", {"model": "tiny", "input": ["a"], "keep_alive": 0})[0] == 200
+            assert wait_until(lambda: "tiny" not in served)
+        assert workers() <= max(before, 2), [t.name for t in threading.enumerate()]
+        assert call(url, "/api/embed", {"model": "x" * 300, "input": "a"})[0] == 404  # no such folder, too long for one
 
 
 # ---- random bodies on these routes

@@ -109,6 +109,38 @@ def in_flight_at_least(url: str, count: int, seconds: float = 10) -> float:
     return found
 
 
+def test_a_request_whose_client_leaves_is_not_computed_further(folders, monkeypatch):
+    """A client that closes its connection while its request waits on the model: what the batcher has not run of
+    it is dropped (499 in the metrics), so it does not hold the model, and every later request, for the rest."""
+    from mlx_encoders import serve
+    from mlx_encoders.serve.models import ServedModel
+
+    compute = ServedModel.compute
+
+    def slow(self, items):  # 0.2 s a batch: the request below takes 14 batches, about 3 s
+        time.sleep(0.2)
+        return compute(self, items)
+
+    monkeypatch.setattr(ServedModel, "compute", slow)
+    with pytest.warns(UserWarning, match="pooling"):
+        app = serve.app({"tiny": folders["tiny"]}, max_batch_tokens=16)
+    with in_process(app) as url:
+        body = json.dumps({"model": "tiny", "input": [f"text {i}" for i in range(40)]}).encode()  # 3 a batch
+        sock = connect(url)
+        sock.sendall(head("/v1/embeddings", len(body)) + body)
+        time.sleep(0.6)
+        sock.close()
+        deadline = time.monotonic() + 10
+        gone = 'mlx_encoders_requests_total{route="/v1/embeddings",status="499"}'
+        while gone not in (found := metric_values(url)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found.get(gone) == 1, found
+        time.sleep(0.5)  # a batch that was running when the client left ends
+        computed = metric_values(url)['mlx_encoders_inputs_total{model="tiny"}']
+        assert computed < 20, computed  # of 40; the first batches only
+        assert call(url, "/v1/embeddings", {"model": "tiny", "input": "next"})[0] == 200
+
+
 def test_a_stalled_body_gets_408_and_a_trickled_one_within_the_timeout_is_served(server):
     body = json.dumps({"model": "tiny", "input": TEXTS}).encode()
     fast = call(server, "/v1/embeddings", json.loads(body))

@@ -5,6 +5,7 @@ over several batches and put back together in order). Each batch goes through th
 length; a row's result does not depend on its batch-mates beyond float rounding.
 """
 
+import queue
 import threading
 import time
 from collections import deque
@@ -12,6 +13,41 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
+
+
+class Threads:
+    """The batchers' worker threads. A thread that ran MLX work must not end before the process (MLX aborts at
+    exit: "terminate called without an active exception"), so a stopped batcher's thread waits here for the next
+    batcher instead: models loaded and unloaded again and again (--models-dir, Ollama's keep_alive) reuse threads,
+    and their CPU streams, rather than add some each time."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.spare: list[queue.SimpleQueue] = []  # the inboxes of threads waiting for a batcher
+
+    def run(self, work: Callable[[], None], name: str) -> None:
+        """`work()` on a spare thread, else on a new one, named `name` meanwhile."""
+        with self.lock:
+            inbox = self.spare.pop() if self.spare else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self.serve, args=(inbox,), name=name, daemon=True).start()
+        inbox.put((work, name))
+
+    def serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            work, name = inbox.get()
+            threading.current_thread().name = name
+            try:
+                work()
+            finally:
+                del work  # a spare thread holds nothing of the batcher it served
+                threading.current_thread().name = "mlx-encoders serve (spare)"
+                with self.lock:
+                    self.spare.append(inbox)
+
+
+THREADS = Threads()
 
 
 class QueueFull(Exception):
@@ -67,8 +103,7 @@ class Batcher:
         self.stopping = False
         self.condition = threading.Condition()
         self.drained = threading.Event()
-        self.thread = threading.Thread(target=self.work, name=f"mlx-encoders serve {name}", daemon=True)
-        self.thread.start()
+        THREADS.run(self.work, f"mlx-encoders serve {name}")
 
     def depth(self) -> int:
         return len(self.jobs)
@@ -110,9 +145,6 @@ class Batcher:
         # A stopped batcher lets its model go (an unloaded one's memory), before `stop` returns to whoever waits on it.
         self.compute = self.on_batch = self.on_wait = None
         self.drained.set()
-        # Parked, never ended: a thread that ran MLX work ending before the process makes MLX abort at exit
-        # ("terminate called without an active exception"); a daemon thread left waiting does not.
-        threading.Event().wait()
 
     def take(self) -> list[tuple[Job, int, int]] | None:
         """The next batch as (job, start, stop) pieces, waiting up to max_wait for the budget to fill; None once

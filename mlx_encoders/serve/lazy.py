@@ -84,7 +84,10 @@ class ModelsDir:
         if not isinstance(name, str) or not name or name.startswith(".") or Path(name).name != name:
             return None
         path = self.folder / name
-        return path if path.is_dir() else None
+        try:
+            return path if path.is_dir() else None
+        except OSError:  # a name too long for the file system, or a folder it cannot read: no model of ours
+            return None
 
     async def load(self, server: Server, name: str) -> None:
         """Load and warm model `name` unless it is loaded; one load at a time per name."""
@@ -97,12 +100,13 @@ class ModelsDir:
                 model, items = await asyncio.wrap_future(build)
             except Exception as e:  # noqa: BLE001  a folder that is not a model: its requests fail, the server stays
                 raise ApiError(500, f"model {name!r} ({self.folder / name}) failed to load: {e}", "model") from None
-            server.add(model)
-            await asyncio.wrap_future(server.batchers[name].submit(items))
+            # Counted as loaded before any request can see it, so those that name it while it warms up hold it too.
             self.loaded.add(name)
             self.users[name] = 0
             self.expires[name] = time.monotonic()
+            server.add(model)
             self.take(model)  # before the sweep can see it idle
+            await asyncio.wrap_future(server.batchers[name].submit(items))
 
     def take(self, model: ServedModel) -> None:
         """The current request uses `model` (if it is one of these) until it is answered."""

@@ -4,6 +4,7 @@ and validate the request, tokenize it on the model's tokenizer thread (off the e
 time: a tokenizer is not thread-safe) and shape the answer."""
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import json
@@ -12,7 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,7 +205,9 @@ class Server:
         except RuntimeError as e:
             raise ApiError(503, str(e), None, "shutting_down") from None
         try:
-            out = await asyncio.wrap_future(future)
+            out = await unless_client_gone(future)
+        except ClientGone:
+            raise
         except Exception as e:  # noqa: BLE001  the model failed on this request's inputs: its 500 alone
             log.exception("model %s failed", model.name)
             raise ApiError(500, f"model {model.name!r} failed on this request: {e}", None, "model_error") from None
@@ -256,6 +259,35 @@ def quick(args: tuple) -> bool:
     )
 
 
+# The request being answered, for `unless_client_gone` (set by each route's `endpoint`).
+REQUEST: contextvars.ContextVar[Request | None] = contextvars.ContextVar("mlx_encoders_serve_request", default=None)
+
+
+async def unless_client_gone(future: Future):
+    """The result of a batcher's `future`; `ClientGone` when the client of the request being answered closes its
+    connection first, and the future is cancelled: the batcher drops what it has not run yet, so an abandoned
+    request does not hold the model (and every later request) for the rest of its inputs. The request's body has
+    been read whole by then, so the next message the connection gives is its end."""
+    request = REQUEST.get()
+    done = asyncio.wrap_future(future)
+    if request is None:
+        return await done
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not done.done():
+        future.cancel()
+        raise ClientGone
+    return done.result()
+
+
 def finite_rows(out: np.ndarray) -> np.ndarray:
     """(N,) whether every value of row i is finite: rows of an array, or the arrays in an object array's row."""
     if out.dtype != object:
@@ -272,7 +304,7 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
 
 def endpoint(path: str, route: Endpoint, server: Server):
     async def call(request: Request) -> Response:
-        taken = TAKEN.set([])
+        taken, current = TAKEN.set([]), REQUEST.set(request)
         try:
             return await respond(await handled(request))
         except ApiError as e:
@@ -286,6 +318,7 @@ def endpoint(path: str, route: Endpoint, server: Server):
             if server.lazy is not None:
                 server.lazy.release(TAKEN.get())
             TAKEN.reset(taken)
+            REQUEST.reset(current)
 
     async def handled(request: Request):
         """The handler's answer; a model of --models-dir it names is loaded first (the body is read once)."""
