@@ -5,6 +5,7 @@ over several batches and put back together in order). Each batch goes through th
 length; a row's result does not depend on its batch-mates beyond float rounding.
 """
 
+import logging
 import queue
 import threading
 import time
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
+
+log = logging.getLogger("mlx_encoders.serve")
 
 
 class Threads:
@@ -40,6 +43,8 @@ class Threads:
             threading.current_thread().name = name
             try:
                 work()
+            except BaseException:  # noqa: BLE001  the thread lives on (see above); the fault is logged
+                log.exception("%s failed", name)
             finally:
                 del work  # a spare thread holds nothing of the batcher it served
                 threading.current_thread().name = "mlx-encoders serve (spare)"
@@ -131,20 +136,22 @@ class Batcher:
         self.drained.wait()
 
     def work(self) -> None:
-        while (pieces := self.take()) is not None:
-            try:
-                if self.on_wait is not None:
-                    now = time.monotonic()
-                    for job, start, _ in pieces:
-                        if start == 0:  # the request's first batch
-                            self.on_wait(now - job.submitted)
-                self.run(pieces)  # nothing when every waiting request was cancelled
-            except BaseException as error:  # noqa: BLE001  a fault here fails this batch's requests, never the worker
-                for job, _, _ in pieces:
-                    job.settle(error=error)
-        # A stopped batcher lets its model go (an unloaded one's memory), before `stop` returns to whoever waits on it.
-        self.compute = self.on_batch = self.on_wait = None
-        self.drained.set()
+        try:
+            while (pieces := self.take()) is not None:
+                try:
+                    if self.on_wait is not None:
+                        now = time.monotonic()
+                        for job, start, _ in pieces:
+                            if start == 0:  # the request's first batch
+                                self.on_wait(now - job.submitted)
+                    self.run(pieces)  # nothing when every waiting request was cancelled
+                except BaseException as error:  # noqa: BLE001  a fault fails this batch's requests, never the worker
+                    for job, _, _ in pieces:
+                        job.settle(error=error)
+        finally:
+            # A stopped batcher lets its model go (an unloaded one's memory) before `stop` returns to its caller.
+            self.compute = self.on_batch = self.on_wait = None
+            self.drained.set()
 
     def take(self) -> list[tuple[Job, int, int]] | None:
         """The next batch as (job, start, stop) pieces, waiting up to max_wait for the budget to fill; None once
