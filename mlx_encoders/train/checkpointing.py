@@ -122,7 +122,6 @@ def remove_stale_checkpoints(output_dir: Path) -> None:
 def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | None) -> None:
     """Refuse to mix this run's files with another's in `output_dir`, unless it resumes from a checkpoint there or
     `overwrite` clears them first. Only a run's files are cleared: other files in the folder are the user's."""
-    remove_stale_checkpoints(output_dir)
     found = run_files(output_dir)
     if not found or (resume_from is not None and Path(resume_from).resolve().parent == output_dir.resolve()):
         return
@@ -376,7 +375,7 @@ def start_state(
 ) -> TrainerState:
     """A fresh state (the dropout key and masking generator from `seed`) or the one in `resume_from` (its weights
     read by `read`, see `load_checkpoint`), with its saved key; the metrics log keeps only the records up to the
-    state's step. MLX's global key is left alone."""
+    state's step, and what killed checkpoint writes left is removed. MLX's global key is left alone."""
     if resume_from is None:
         key = np.array(mx.random.key(config.seed)).tolist()
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
@@ -384,6 +383,7 @@ def start_state(
         state = load_checkpoint(model, optimizer, resume_from, read)
     if not distributed.is_main():  # rank 0 alone owns the files
         return state
+    remove_stale_checkpoints(config.output_dir)
     trim_metrics(config.output_dir, state.step)
     for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
         if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
