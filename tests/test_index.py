@@ -356,6 +356,22 @@ def test_corrupted_ann_file_is_rebuilt_and_stale_one_replaced(tmp_path, encoder,
     assert capsys.readouterr().err == ""  # the rebuilt graph is reused
 
 
+def test_a_graph_of_a_deleted_store_is_not_taken_for_the_new_one(tmp_path, encoder, capsys):
+    """The store deleted and another corpus of as many texts built into the folder: generation 1 and the same row
+    count again, but another store (its id), so the graph left beside it is rebuilt, never searched."""
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, ann=True, quiet=True)
+    pairs = [(f"other-{i}", f"{text} (elsewhere)") for i, (_, text) in enumerate(stored(index)[0])]
+    for path in index.glob("index.sqlite*"):
+        path.unlink()
+    build(pairs, index, encoder, ann=False, quiet=True)
+    capsys.readouterr()
+    hits = Index(index, encoder, ann=True).search(pairs[3][1], 8)
+    assert "stale" in capsys.readouterr().err
+    exact = Index(index, encoder, ann=False).search(pairs[3][1], 8)
+    assert [(h.id, h.score) for h in hits] == [(h.id, h.score) for h in exact] and hits[0].id == "other-3"
+
+
 def test_corrupted_store_is_a_clear_error_and_left_as_it_was(tmp_path, encoder):
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     build(corpus, index, encoder, quiet=True)

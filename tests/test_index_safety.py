@@ -225,6 +225,65 @@ def answers(index: Index, vectors: np.ndarray, sparse: list) -> list:
     return [[(hit.id, hit.score, hit.text) for hit in hits] for hits in found]
 
 
+def test_an_index_in_a_folder_that_cannot_be_written_is_searched_or_refused_saying_why(tmp_path, encoder,
+                                                                                        monkeypatch):  # fmt: skip
+    """A read-only folder (a read-only mount, another user's files): searched through the store file alone, unless
+    changes wait in its -wal file; errors that say nothing of the file's bytes (it cannot be opened) are no
+    `DamagedStore` and never advise deleting the index."""
+    from mlx_encoders.index import store
+
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    expected = [(h.id, h.score) for h in Index(index, encoder, write=False).search("Rain falls.", 3)]
+    writable = os.access
+    monkeypatch.setattr(store.os, "access", lambda path, mode: mode != os.W_OK and writable(path, mode))
+    assert [(h.id, h.score) for h in Index(index, encoder, write=False).search("Rain falls.", 3)] == expected
+    assert not (index / "index.sqlite-shm").exists()  # nothing written beside it
+    (index / "index.sqlite-wal").write_bytes(b"\0" * 32)
+    with pytest.raises(StoreError, match=r"cannot be written, and changes of its last build wait in index.sqlite-wal"):
+        Index(index, encoder, write=False)
+    monkeypatch.undo()
+    (index / "index.sqlite-wal").unlink()
+
+    folder = tmp_path / "not-a-file"
+    (folder / "index.sqlite").mkdir(parents=True)  # SQLite cannot open it: not damage
+    with pytest.raises(StoreError, match=r"Could not read the index store .* It was left as it is; SQLite could not "
+                       r"open it") as raised:  # fmt: skip
+        Index(folder, encoder)
+    assert not isinstance(raised.value, DamagedStore) and "delete" not in str(raised.value)
+
+
+def test_a_graph_that_cannot_be_saved_leaves_no_file_and_says_to_search_exactly(tmp_path, encoder, monkeypatch):
+    from mlx_encoders.index import ann
+
+    graph = ann.usearch_index()
+
+    class Unsaved(graph):
+        def save(self, path, *args, **kwargs):  # usearch's failure on a full disk, after part of the file
+            Path(path).write_bytes(b"\0" * 100)
+            raise RuntimeError("Failed to serialize into stream")
+
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    build(corpus, index, encoder, quiet=True)
+    monkeypatch.setattr(ann, "usearch_index", lambda: Unsaved)
+    with pytest.raises(OSError, match=r"could not write .*ann-float32.usearch.tmp.*search exactly \(--exact\)"):
+        Index(index, encoder, ann=True)
+    assert not list(index.glob("ann-*")), list(index.iterdir())
+
+
+def test_a_failed_write_reports_its_own_error_when_sqlite_has_rolled_back_already(tmp_path):
+    """SQLite ends the transaction itself on some errors (a full disk): the rollback that follows must not replace
+    the error with "cannot rollback - no transaction is active"."""
+    with Store(tmp_path / "index.sqlite", create=True) as s:
+
+        def rolled_back_then_failed():
+            s.con.execute("ROLLBACK")
+            raise sqlite3.OperationalError("database or disk is full")
+
+        with pytest.raises(StoreError, match=r"Could not write to the index store .*: database or disk is full\."):
+            s.transaction([("INSERT INTO meta VALUES (?, ?)", [("a", "b")])], rolled_back_then_failed)
+
+
 def test_damage_at_random_offsets_gives_the_right_answer_or_the_damaged_error(clean, tmp_path):
     """Bytes xor-ed at random offsets of the store (1 to 64 of them, or a whole page of random bytes), before the
     index is opened or after: each search answers as the clean index did or raises `DamagedStore`; never a wrong

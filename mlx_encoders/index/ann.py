@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.atomic import disk_full
 from ..engine.runtime import huge_pages
 
 # precision -> (usearch scalar kind, metric); binary packs sign bits 8 to a byte and compares by Hamming distance
@@ -144,10 +145,10 @@ def parameters(count: int, recall: float, precision: str = "float32") -> dict[st
 
 
 def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, generation: str,
-          recall: float = RECALL, candidates: int = CANDIDATES):  # fmt: skip
+          recall: float = RECALL, candidates: int = CANDIDATES, store_id: str | None = None):  # fmt: skip
     """A new HNSW index of `vectors` keyed by their store rows, built for `recall` and calibrated with
     `candidates` re-scored, saved atomically into `folder` (with the float32 file of a quantized graph). Returns
-    (the index, its record)."""
+    (the index, its record). `generation` and `store_id` (the store's meta) tell the store's builds apart."""
     kind, metric = KINDS[precision]
     chosen = parameters(len(rows), recall, precision)
     scale = int8_scale(vectors) if precision == "int8" else 1.0
@@ -171,11 +172,13 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
     temporary = file.with_name(file.name + ".tmp")
     try:
         index.save(str(temporary))
-    except RuntimeError as e:  # usearch's report of a file it cannot write
-        raise OSError(f"could not write {temporary}: {e}") from e
+    except RuntimeError as e:  # usearch's report of a file it cannot write (a full disk among the causes)
+        temporary.unlink(missing_ok=True)
+        full = " (the disk is full)" if disk_full(e, folder) else ""
+        raise OSError(f"could not write {temporary}{full}: {e}; search exactly (--exact) meanwhile") from e
     os.replace(temporary, file)
-    info = {"generation": generation, "rows": len(rows), "bytes": file.stat().st_size, "crc32": crc(file),
-            "recall": recall, **chosen, "scale": scale, "calibration": calibration,
+    info = {"generation": generation, "store_id": store_id, "rows": len(rows), "bytes": file.stat().st_size,
+            "crc32": crc(file), "recall": recall, **chosen, "scale": scale, "calibration": calibration,
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}  # fmt: skip
     if precision != "float32":
         floats = floats_path(folder, precision)
@@ -257,16 +260,19 @@ def plan(info: dict, recall: float, forced: bool) -> dict | None:
     return {"expansion_search": expansion, "recall": measured, "ms": ms}
 
 
-def load(folder: Path, precision: str, generation: str, count: int, rebuild: bool = True):
-    """(The saved index, its record) when it matches the store (generation, row count) and its bytes; else None,
-    with the reason on stderr (and whether the caller `rebuild`s it or searches without it)."""
+def load(folder: Path, precision: str, generation: str, count: int, rebuild: bool = True, store_id: str | None = None):
+    """(The saved index, its record) when it matches the store (generation, store id, row count) and its bytes;
+    else None, with the reason on stderr (and whether the caller `rebuild`s it or searches without it). A store
+    deleted and built again starts at generation 1 again: its id tells it from the one the graph was built of (a
+    record written before graphs kept the id is taken on its generation alone)."""
     file, record = paths(folder, precision)
     if not file.exists() or not record.exists():
         return None
     try:
         info = json.loads(record.read_text())
         reason = None
-        if info.get("generation") != generation or info.get("rows") != count:
+        other_store = info.get("store_id") not in (None, store_id)
+        if info.get("generation") != generation or info.get("rows") != count or other_store:
             reason = "stale: the store changed since it was built"
         elif info.get("bytes") != file.stat().st_size or info.get("crc32") != crc(file):
             reason = "damaged: its bytes do not match its record"

@@ -309,7 +309,7 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
             store.merge(shard)
         indexed, wanted = store.keys(staged=False), set(keys)
         store.commit_index([(doc_id, key) for (doc_id, _), key in zip(docs, keys, strict=True)])
-        count, generation = store.count(), store.meta["generation"]
+        count, generation, store_id = store.count(), store.meta["generation"], store.meta.get("store_id")
         wanted_graph = meta["model_fingerprint"] != "" and (ann if ann is not None else count >= ann_threshold)
         if wanted_graph:
             rows, vectors = store.vectors()
@@ -319,6 +319,6 @@ def finish(folder: Path, docs, keys: list[str], meta: dict[str, str], name: str,
     for unfinished in (folder / "shards").glob("*.sqlite.new*"):  # a run killed while creating its shard
         unfinished.unlink(missing_ok=True)
     if wanted_graph:
-        ann_index.build(folder, rows, vectors, precision, generation, recall)
+        ann_index.build(folder, rows, vectors, precision, generation, recall, store_id=store_id)
     log(f"index {folder}: {len(docs)} documents, {count} texts", quiet)
     return {"documents": len(docs), "texts": count, "added": len(wanted - indexed), "dropped": len(indexed - wanted)}

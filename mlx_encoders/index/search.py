@@ -143,7 +143,7 @@ class Index:
         """(graph, record, (rows, float32 vectors memory-mapped) or None for a float32 graph) of the saved graph
         when it matches the store, else None (`ann.load`, `ann.mapped`)."""
         generation, precision = self.meta["generation"], self.precision
-        loaded = ann_index.load(self.folder, precision, generation, count, rebuild=write)
+        loaded = ann_index.load(self.folder, precision, generation, count, write, self.meta.get("store_id"))
         if loaded is None or precision == "float32":
             return loaded and (*loaded, None)
         floats = ann_index.mapped(self.folder, precision, loaded[1], count, int(self.meta["dimension"]), write)
@@ -155,7 +155,8 @@ class Index:
         where it cannot reach `recall` or is no faster than the exact product (unless `forced`)."""
         generation, precision = self.meta["generation"], self.precision
         if loaded is None and write:
-            loaded = ann_index.build(self.folder, self.rows, self.vectors, precision, generation, recall, self.rescore)
+            loaded = ann_index.build(self.folder, self.rows, self.vectors, precision, generation, recall, self.rescore,
+                                     self.meta.get("store_id"))  # fmt: skip
             if precision != "float32":  # re-score from the file just written, not from memory
                 floats = ann_index.mapped(self.folder, precision, loaded[1], len(self.rows), self.vectors.shape[1])
                 self.rows, self.vectors = floats or (self.rows, self.vectors)

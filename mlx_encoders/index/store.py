@@ -15,6 +15,7 @@ damaged byte that SQLite's own page checks miss is a `DamagedStore` error, never
 """
 
 import hashlib
+import os
 import sqlite3
 import uuid
 import zlib
@@ -63,6 +64,17 @@ ROW_MIX = 2654435761  # odd: rows below 2**31 times it are distinct, and below 2
 # what must match for vectors to be comparable; "" where the index has no dense or no sparse model
 IDENTITY = ("model_fingerprint", "dimension", "dtype", "pooling", "sparse_model_fingerprint")
 CORRUPT = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file, not the disk or the statement, is at fault
+# SQLite's errors that say nothing of the file's bytes (sqlite3.h's primary codes), and what to do about each.
+NOT_DAMAGE = {
+    3: "its folder's permissions must let this user read and write it (SQLite keeps -wal and -shm files beside it)",
+    5: "another process holds it: run again once that one is done",
+    6: "another process holds it: run again once that one is done",
+    7: "the process ran out of memory: free some and run again",
+    8: "its folder must be writable, as SQLite keeps -wal and -shm files beside the store",
+    10: "the disk failed a read or write (full, removed, or failing): free space or check it, then run again",
+    13: "the disk is full: free space on it and run again",
+    14: "SQLite could not open it or the -wal and -shm files beside it: check the folder's permissions and space",
+}
 
 
 class StoreError(ValueError):
@@ -140,10 +152,13 @@ class Store:
             raise StoreError(f"{self.path} does not exist; build the index first (mlx-encoders index build)")
         try:
             with self.reading():  # a file that is not a store fails here (its header, its schema)
-                self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+                if not create and not os.access(self.path.parent, os.W_OK):
+                    self.con = self.read_only()
+                else:
+                    self.con = sqlite3.connect(self.path, isolation_level=None, timeout=60)
+                    self.con.execute("PRAGMA journal_mode = WAL")
+                    self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
                 self.con.create_function("crc32", 2, zlib.crc32, deterministic=True)
-                self.con.execute("PRAGMA journal_mode = WAL")
-                self.con.execute("PRAGMA synchronous = NORMAL")  # in WAL mode: durable across a killed process
                 self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
                 fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
                 if fresh:  # a store of an earlier version is changed by `upgrade` alone, once it is checked
@@ -154,6 +169,19 @@ class Store:
         except BaseException:
             self.close()
             raise
+
+    def read_only(self) -> sqlite3.Connection:
+        """A connection that reads the store of a folder that cannot be written (a read-only mount, another user's
+        files), where SQLite cannot make the shared-memory file its WAL mode reads through: the file alone, as
+        immutable, when no change waits in its -wal file (nothing can write there meanwhile)."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            raise StoreError(
+                f"The index store {self.path} is in a folder that cannot be written, and changes of its last build "
+                f"wait in {wal.name} beside it, which only a writable folder can merge: open the index once where "
+                "its folder can be written (or copy the folder), then it reads anywhere."
+            )
+        return sqlite3.connect(f"{self.path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
 
     def damaged(self, e: object) -> DamagedStore:
         return DamagedStore(
@@ -169,7 +197,12 @@ class Store:
             yield
         except StoreError:
             raise
-        except (sqlite3.DatabaseError, UnicodeDecodeError, ValueError, TypeError, KeyError, OverflowError) as e:
+        except sqlite3.DatabaseError as e:
+            why = NOT_DAMAGE.get(getattr(e, "sqlite_errorcode", 0) & 0xFF)
+            if why is None:
+                raise self.damaged(e) from None
+            raise StoreError(f"Could not read the index store {self.path}: {e}. It was left as it is; {why}") from None
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError, OverflowError) as e:
             raise self.damaged(e) from None
 
     def close(self) -> None:
@@ -352,7 +385,8 @@ class Store:
                 self.con.execute("INSERT OR REPLACE INTO meta VALUES ('checksum', ?)", (str(meta_crc(entries)),))
                 self.con.execute("COMMIT")
             except BaseException:
-                self.con.execute("ROLLBACK")
+                if self.con.in_transaction:  # SQLite rolls back by itself on some errors (a full disk)
+                    self.con.execute("ROLLBACK")
                 raise
         except sqlite3.DatabaseError as e:
             if getattr(e, "sqlite_errorcode", 0) & 0xFF in CORRUPT:
