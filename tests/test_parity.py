@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import language_model_task, load_reference
+from mlx.utils import tree_flatten
 
 import mlx_encoders
 from mlx_encoders.models import MODEL_TYPES, architecture_name, model_module
@@ -68,6 +69,44 @@ def check_parity(folder, task):
 @pytest.mark.parametrize("model_type,task", CASES)
 def test_matches_transformers(checkpoint, model_type, task):
     check_parity(checkpoint(model_type, task), task)
+
+
+# Masked-LM heads whose own decoder (untied from the word embeddings) carries a bias of its own in transformers.
+UNTIED_DECODERS = {"bert": "cls.predictions", "roberta": "lm_head", "xlm-roberta": "lm_head", "mpnet": "lm_head",
+                   "nomic_bert": "cls.predictions", "jina_embeddings_v3": "lm_head"}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(UNTIED_DECODERS))
+def test_an_untied_masked_lm_head_uses_its_decoders_bias_and_saves_it(checkpoint, tmp_path, model_type):
+    """transformers unties the decoder's bias from the head's `bias` with its weight: the logits add the decoder's
+    (trained) bias, and `save` writes it for transformers to read back."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "untied"
+    shutil.copytree(checkpoint(model_type, "masked-lm", tie_word_embeddings=False), folder)
+    head = UNTIED_DECODERS[model_type]
+    weights = load_file(folder / "model.safetensors")
+    assert f"{head}.decoder.weight" in weights, sorted(weights)
+    vocab = weights[f"{head}.decoder.weight"].shape[0]
+    weights[f"{head}.decoder.bias"] = np.random.default_rng(0).normal(0, 1, vocab).astype(np.float32)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    check_parity(folder, "masked-lm")
+
+    model, tokenizer = mlx_encoders.load(folder)
+    saved = mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    reference, info = transformers.AutoModelForMaskedLM.from_pretrained(saved, output_loading_info=True)
+    assert not any(info.values()), f"transformers reports {info}"
+    batch = tokenizer(TEXTS[1:3], padding=True)
+    with torch.no_grad():
+        expected = reference.eval()(**as_torch(batch)).logits.numpy()
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close({"logits": np.array(model(**batch).logits)}, {"logits": expected}, real, "masked-lm", atol=1e-5)
+
+    # a file of transformers 4, where the two biases were one tensor and one key of the two is stored
+    del weights[f"{head}.decoder.bias"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = dict(tree_flatten(mlx_encoders.load_model(folder).parameters()))
+    np.testing.assert_array_equal(np.array(loaded[f"{head}.decoder.bias"]), weights[f"{head}.bias"])
 
 
 def test_every_architecture_has_every_head():

@@ -207,7 +207,8 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    """transform, then the word-embedding matrix (tied) or an own `decoder`, plus `bias`."""
+    """transform, then the word-embedding matrix plus `bias` (tied), or an own `decoder` with a bias of its own:
+    transformers unties the decoder's bias from `bias` with its weight (`bias` is then kept but unused)."""
 
     transform_class = BertPredictionHeadTransform
 
@@ -215,13 +216,25 @@ class BertLMPredictionHead(nn.Module):
         super().__init__()
         self.transform = self.transform_class(args)
         if not args.tie_word_embeddings:
-            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
+            self.decoder = Linear(args.hidden_size, args.vocab_size)
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
         x = self.transform(x)
-        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
-        return x + self.bias
+        return self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x) + self.bias
+
+
+def untied_decoder_bias(weights: dict[str, mx.array], head: str) -> dict[str, mx.array]:
+    """An untied decoder (its weight stored) with no bias of its own stored: the head's `bias` is its bias, as it
+    was one tensor in transformers 4, whose files keep one of the two."""
+    decoder = f"{head}.decoder"
+    if f"{decoder}.weight" in weights and f"{decoder}.bias" not in weights and f"{head}.bias" in weights:
+        weights = {**weights, f"{decoder}.bias": weights[f"{head}.bias"]}
+    return weights
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return untied_decoder_bias(weights, "cls.predictions")
 
 
 class BertOnlyMLMHead(nn.Module):

@@ -33,6 +33,7 @@ from .base import (
     run_layer,
     split_heads,
 )
+from .bert import untied_decoder_bias
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 from .roberta import RobertaClassificationHead, RobertaLMHead
@@ -448,7 +449,7 @@ def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 out[key.replace("mixer.Wqkv", f"self_attn.{name}")] = part
         else:
             out[key] = value
-    return out
+    return untied_decoder_bias(out, "lm_head")
 
 
 # jinaai/jina-embeddings-v3's own (remote-code) layout: torch parametrizations keep each Linear's and Embedding's

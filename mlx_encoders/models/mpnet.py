@@ -25,7 +25,7 @@ from .base import (
     run_layer,
     split_heads,
 )
-from .bert import BertIntermediate, BertPooler, BertResidual
+from .bert import BertIntermediate, BertPooler, BertResidual, untied_decoder_bias
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear, attention
 from .roberta import RobertaClassificationHead, RobertaEmbeddings, RobertaLMHead
@@ -208,3 +208,7 @@ MODELS = {
     "question-answering": MPNetForQuestionAnswering,
 }
 TOKEN_TYPES = False
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return untied_decoder_bias(weights, "lm_head")

@@ -29,7 +29,13 @@ from .base import (
     run_layer,
     split_heads,
 )
-from .bert import BertLMPredictionHead, BertOnlyMLMHead, BertPooler, BertPredictionHeadTransform
+from .bert import (
+    BertLMPredictionHead,
+    BertOnlyMLMHead,
+    BertPooler,
+    BertPredictionHeadTransform,
+    untied_decoder_bias,
+)
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 
@@ -318,7 +324,7 @@ def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
                 out[f"{stem}self_attn.{name}_proj.weight"] = part
         else:
             out[key] = value
-    return out
+    return untied_decoder_bias(out, "cls.predictions")
 
 
 MODELS = {

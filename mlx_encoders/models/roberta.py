@@ -17,7 +17,7 @@ from .base import (
     TokenClassification,
     embed,
 )
-from .bert import BertEmbeddings, BertModel
+from .bert import BertEmbeddings, BertModel, untied_decoder_bias
 from .bert import ModelArgs as BertArgs
 from .layers import Dropout, LayerNorm, Linear, gelu
 
@@ -53,14 +53,13 @@ class RobertaLMHead(nn.Module):
         super().__init__()
         self.dense = Linear(args.hidden_size, args.hidden_size)
         self.layer_norm = LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-        if not args.tie_word_embeddings:
-            self.decoder = Linear(args.hidden_size, args.vocab_size, bias=False)
+        if not args.tie_word_embeddings:  # with a bias of its own, as BertLMPredictionHead's
+            self.decoder = Linear(args.hidden_size, args.vocab_size)
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
         x = self.layer_norm(gelu(self.dense(x)))  # exact gelu whatever hidden_act says
-        x = self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x)
-        return x + self.bias
+        return self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x) + self.bias
 
 
 class RobertaClassificationHead(nn.Module):
@@ -78,6 +77,10 @@ class RobertaClassificationHead(nn.Module):
 class RobertaHead(HeadModel):
     prefix = "roberta"
     encoder_class = RobertaModel
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return untied_decoder_bias(weights, "lm_head")
 
 
 class RobertaForMaskedLM(RobertaHead, MaskedLM):
