@@ -116,7 +116,13 @@ class Tokenizer:
             **read_json_object(path / "special_tokens_map.json"),
             **read_json_object(path / "tokenizer_config.json"),
         }
-        limit = int(min(config.get("model_max_length") or NO_LIMIT, NO_LIMIT))
+        given = config.get("model_max_length") or NO_LIMIT
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not given > 0:
+            raise ValueError(
+                f"{path / 'tokenizer_config.json'}: model_max_length must be a positive number, got {given!r:.40}; "
+                "fix it or remove the key (the model's position table is then the limit)"
+            )
+        limit = int(min(given, NO_LIMIT))
         if max_positions:
             limit = min(limit, max_positions)
         file = path / "tokenizer.json"

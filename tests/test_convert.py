@@ -467,6 +467,30 @@ def test_failure_leaves_nothing_behind(tmp_path, bert, monkeypatch):
     assert listing(tmp_path / "out") == []
 
 
+def test_outputs_that_are_not_finite_are_refused_before_anything_is_written(tmp_path, bert):
+    """A weight past float16's range makes every output NaN at --dtype float16: refused, saying what to use."""
+    source = tmp_path / "big"
+    shutil.copytree(bert, source)
+    weights = load_file(source / "model.safetensors")
+    weights["encoder.layer.0.output.LayerNorm.weight"][0] = 1e6
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"non-finite outputs .* overflow float16 .* --dtype bfloat16\. Nothing was "
+                       r"written"):  # fmt: skip
+        mlx_encoders.convert(source, tmp_path / "fp16", dtype="float16")
+    assert not (tmp_path / "fp16").exists()
+    mlx_encoders.convert(source, tmp_path / "bf16", dtype="bfloat16")  # its range holds the weight
+
+
+def test_the_default_output_of_a_folder_given_as_dot_is_named_after_it_and_beside_it(tmp_path, bert, monkeypatch):
+    source = tmp_path / "mymodel"
+    shutil.copytree(bert, source)
+    before = listing(source)
+    monkeypatch.chdir(source)
+    assert main([".", "--bits", "8", "--group-size", "32", "--no-calibration"]) == 0
+    assert listing(source) == before  # nothing written into the model's folder
+    assert (tmp_path / "mymodel-8bit" / "model.safetensors").exists()
+
+
 def test_existing_target_needs_force(tmp_path, bert):
     target = tmp_path / "mlx"
     target.mkdir()

@@ -66,3 +66,16 @@ def test_bad_inputs_are_named(checkpoint):
         ours(["fine", 3])
     with pytest.raises(ValueError, match="2 texts but 1 text pairs"):
         ours(["a", "b"], text_pair=["c"])
+
+
+@pytest.mark.parametrize("value", ["abc", -1, True, [512]])
+def test_a_model_max_length_that_is_no_number_names_the_file_and_key(checkpoint, tmp_path, value):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint("bert"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": value}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: model_max_length must be a positive number"):
+        mlx_encoders.load(folder)

@@ -12,6 +12,7 @@ card and upload are `card.py`'s.
 
 import hashlib
 import json
+import math
 import shutil
 import time
 import warnings
@@ -69,8 +70,35 @@ def source_tokenizer(model: nn.Module, checkpoint: Checkpoint) -> Tokenizer | No
         return None
 
 
+def check_finite(source, reference: mx.array, measured: dict[str, float], dtype: str | None, spec) -> None:
+    """A conversion whose outputs on the probe texts are not finite is refused before anything is written."""
+    if all(math.isfinite(v) for v in measured.values()):
+        return
+    if not mx.all(mx.isfinite(reference)).item():
+        why = "the source model's own outputs are not finite: check its weights"
+    elif dtype in ("float16", "fp16"):
+        why = "its values overflow float16 (which holds up to 65504): keep float32, or convert with --dtype bfloat16"
+    elif spec is not None:
+        why = "the quantized weights give them: try more bits or a smaller group size"
+    else:
+        why = f"the cast to {dtype} gives them: keep float32"
+    raise ValueError(f"Converting {source} gives non-finite outputs (NaN or infinity) on the probe texts; {why}. "
+                     "Nothing was written.")  # fmt: skip
+
+
 def default_mlx_path(source: str | Path, spec: dict | None, recipe: str | dict | None, dequantize: bool) -> Path:
-    name = Path(str(source)).name
+    """`<name>-<bits>bit` (or -mlx, -dequantized) in the working folder, named after the source folder (a local
+    path resolved: `.` names the folder it is), or beside the source when the working folder is inside it."""
+    local = Path(str(source))
+    folder = local.resolve() if local.exists() else None
+    name = local.name if local.name not in ("", "..") or folder is None else folder.name
+    target = suffixed(name, spec, recipe, dequantize)
+    if folder is not None and Path.cwd().resolve().is_relative_to(folder):  # never a folder inside the model's
+        return folder.parent / target
+    return target
+
+
+def suffixed(name: str, spec: dict | None, recipe: str | dict | None, dequantize: bool) -> Path:
     if dequantize:
         return Path(f"{name}-dequantized")
     if spec is None:
@@ -249,6 +277,7 @@ def convert(
     }
     if task_of_model(model) == "causal-lm":  # a decoder's fidelity: how much worse it predicts the probe texts
         report["perplexity"] = {"source": perplexity(reference, batch), "result": perplexity(result, batch)}
+    check_finite(source, reference, report["fidelity"], dtype, spec)
     with atomic_folder(target, force) as tmp:
         write_folder(model, config, checkpoint.path, tmp, report, DTYPES.get(dtype), shard_size)
         (tmp / "README.md").write_text(model_card(str(source), target.name, report, upload_repo))
