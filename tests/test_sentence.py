@@ -147,6 +147,14 @@ def test_prompts_and_excluded_prompt_tokens_match_sentence_transformers(tmp_path
         np.testing.assert_allclose(ours(folder, TEXTS, **kwargs), reference(folder, TEXTS, **kwargs), atol=1e-5)
     with pytest.raises(ValueError, match="'nope' is not in .*available prompts: .*passage, query"):
         SentenceEncoder(folder).encode("text", prompt_name="nope")
+    # a window the prompt fills: its tokens are counted within it, as sentence-transformers counts them, so the
+    # [SEP] is still pooled (counted whole, they left nothing: a zero vector)
+    for window in (3, 4):
+        short = save_st(tmp_path / f"st{window}", bert, pooling, prompts=prompts, max_seq_length=window)
+        with pytest.warns(UserWarning, match="truncated"):
+            got = ours(short, TEXTS, prompt_name="query")
+        np.testing.assert_allclose(got, reference(short, TEXTS, prompt_name="query"), atol=1e-5)
+        assert (np.abs(got).sum(axis=1) > 0).all()
 
 
 def test_max_seq_length_and_do_lower_case_match_sentence_transformers(tmp_path):

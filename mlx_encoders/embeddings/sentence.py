@@ -137,10 +137,11 @@ class SentenceEncoder(Embedder):
 
     def prompt_length(self, prompt: str) -> int:
         """Tokens of the prompt, its trailing special token ([SEP]) aside: those pooling skips when
-        include_prompt is false."""
+        include_prompt is false. Counted within `max_seq_length`, as sentence-transformers counts them: a prompt
+        longer than the window leaves its last token (the [SEP]) to pool, never nothing."""
         if not prompt:
             return 0
-        encoding = self.tokenizer.encode_batch([prompt], truncation=False)[0]
+        encoding = self.tokenizer.encode_batch([prompt], truncation=True, max_length=self.max_seq_length)[0]
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
     def tokenize(
