@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import select
 import sys
 
 import numpy as np
@@ -96,7 +97,10 @@ def read_texts(args: argparse.Namespace) -> list[str]:
         return (getattr(args, "context", None) or []) + args.texts
     if sys.stdin.isatty():
         raise ValueError("no input: give texts as arguments or pipe them in, one per line")
-    texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    lines = [line.rstrip("\r\n") for line in sys.stdin]  # a Windows line end is no part of the text
+    if lines:
+        lines[0] = lines[0].removeprefix("\ufeff")  # nor is a byte-order mark before the first line
+    texts = [line for line in lines if line.strip()]
     if not texts:
         raise ValueError("no input: stdin held no non-empty lines")
     return texts
@@ -254,17 +258,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if hasattr(args, "run"):
-        return args.run(args)
-    texts = read_texts(args)
-    results, show = TASKS[args.task](args, texts)
     try:
+        if hasattr(args, "run"):  # generate, index, evaluate, ...: they print as they go
+            return args.run(args)
+        texts = read_texts(args)
+        results, show = TASKS[args.task](args, texts)
         print_results(args, texts, results, show)
         sys.stdout.flush()
     except BrokenPipeError:  # the reader stopped early (`| head`): end quietly, as other Unix tools do
+        if not stdout_closed():  # another pipe than the output's: an error like any other
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's flush at exit fails again
         return 141  # 128 + SIGPIPE, what the shell reports for a tool the closed pipe stopped
     return 0
+
+
+def stdout_closed() -> bool:
+    """Whether the reader of standard output has gone: a pipe whose read end is closed polls as an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout
+        return True
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ def test_openblas_stays_out_of_the_global_symbol_scope():
 def test_one_warning_when_mlx_is_left_on_the_reference_blas():
     result = run("import mlx_encoders", MLX_ENCODERS_BLAS="/nonexistent/libopenblas.so")
     assert result.stderr.count("UserWarning") == 1 and "reference BLAS" in result.stderr
+    assert "MLX_ENCODERS_BLAS=/nonexistent/libopenblas.so could not be loaded as a BLAS" in result.stderr  # a typo
     assert "UserWarning" not in run("import mlx_encoders", MLX_ENCODERS_BLAS="0").stderr
     if OPENBLAS:
         assert "UserWarning" not in run("import mlx_encoders").stderr

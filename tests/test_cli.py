@@ -78,6 +78,10 @@ def test_fill_mask_json_from_arguments_and_stdin(capsys, monkeypatch, mlm):
     code, piped, _ = run(capsys, "fill-mask", "-m", mlm, "--top-k", 3, "--json",
                          stdin="\n".join(texts) + "\n\n", monkeypatch=monkeypatch)  # fmt: skip
     assert code == 0 and json.loads(piped) == entries
+    # a file from Windows: CRLF line ends and a byte-order mark are no part of the texts
+    code, windows, _ = run(capsys, "fill-mask", "-m", mlm, "--top-k", 3, "--json",
+                           stdin="\ufeff" + "\r\n".join(texts) + "\r\n", monkeypatch=monkeypatch)  # fmt: skip
+    assert code == 0 and json.loads(windows) == entries
 
 
 def test_fill_mask_targets_are_one_comma_separated_value(capsys, mlm):
@@ -318,3 +322,13 @@ def test_fill_mask_example_shortcuts_resolve_to_hub_ids(capsys, mlm, hub_cache):
     assert out.startswith("model: google-bert/bert-base-uncased\n") and len(out.splitlines()) == 7
     with pytest.raises(SystemExit, match="neither a local folder nor in the Hugging Face cache"):
         example.main(["A [MASK] day.", "--model", "modernbert-base"])
+
+
+def test_a_command_that_prints_as_it_goes_ends_quietly_into_a_closed_pipe(checkpoint):
+    """generate (like index search and evaluate) prints from its own runner: a reader gone (`| true`) ends it
+    with 141 and no error line, as the pipeline tasks end."""
+    model = shlex.quote(str(checkpoint("gpt2", "causal-lm")))
+    prompts = "$'a\\nb\\nc'"  # three prompts, one a line
+    command = f"{shlex.quote(sys.executable)} -m mlx_encoders generate -m {model} --max-new-tokens 4 {prompts} | true"
+    done = subprocess.run(["bash", "-c", command + "; exit ${PIPESTATUS[0]}"], capture_output=True, text=True)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

@@ -343,12 +343,19 @@ def global_blas() -> bool:
 def warn_if_slow_blas() -> None:
     if not sys.platform.startswith("linux") or not on_cpu() or BLAS is not None or global_blas():
         return
-    if os.environ.get("MLX_ENCODERS_BLAS") == "0" or not tuning_enabled() or DECLINED:  # said already
+    chosen = os.environ.get("MLX_ENCODERS_BLAS")
+    if chosen == "0" or not tuning_enabled() or DECLINED:  # said already
         return
+    fix = (
+        f"MLX_ENCODERS_BLAS={chosen} could not be loaded as a BLAS: correct the path, or unset it to use the "
+        "package's own OpenBLAS"
+        if chosen
+        else "Reinstall the package (`pip install -e .` brings scipy-openblas32) or point MLX_ENCODERS_BLAS at a "
+        "libopenblas.so"
+    )
     warnings.warn(
         "MLX's matrix products run on the reference BLAS bundled with its Linux wheel, 10-50x slower on the CPU. "
-        "Reinstall the package (`pip install -e .` brings scipy-openblas32) or point MLX_ENCODERS_BLAS at a "
-        "libopenblas.so; MLX_ENCODERS_BLAS=0 silences this warning.",
+        f"{fix}; MLX_ENCODERS_BLAS=0 silences this warning.",
         UserWarning,
         stacklevel=3,
     )

@@ -78,8 +78,12 @@ class GenerationConfig:
         for i, token in enumerate(self.eos_token_id or []):
             check_count(f"eos_token_id[{i}]", token, 0)
         stops = self.stop if isinstance(self.stop, list) else [None]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in stops):
+        if self.stop is not None and not all(isinstance(s, str) for s in stops):
             raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.80}")
+        if self.stop is not None and not all(stops):  # "" would stop before the first token
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r:.80}")
+        if self.seed is not None and self.seed >= 2**64:  # MLX's keys are 64-bit
+            raise ValueError(f"seed must be below 2**64, got {self.seed}")
         if not self.do_sample:
             self.warn_unused_sampling()
 
