@@ -446,6 +446,10 @@ def test_bad_corpus_lines_are_named(tmp_path):
     jsonl.write_text('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n')
     with pytest.raises(CorpusError, match="the id 'a' appears twice"):
         read_corpus(jsonl)
+    # pairs from Python: a lone surrogate (text decoded with errors="surrogateescape") named before any embedding
+    for pairs, what in (([("a", "fine"), ("b", "bad \udcff")], "text"), ([("bad\udcff", "fine")], "id")):
+        with pytest.raises(CorpusError, match=f"of the given documents: its {what} is not valid Unicode"):
+            read_corpus(pairs)
     table = tmp_path / "t.csv"
     table.write_text("id,body\n1,x\n")
     with pytest.raises(CorpusError, match=f"^{table}: no 'text' column"):

@@ -96,11 +96,20 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
 
 
 def check_documents(docs: list[Document], where: str) -> None:
-    """Every text a string, every id once; a repeated id names both places it was read."""
+    """Every text a string, ids and texts UTF-8 (the store's), every id once; a repeated id names both places it
+    was read. Checked before anything is embedded."""
     first: dict[str, Record | None] = {}
     for doc_id, text, record in docs:
         if not isinstance(text, str):
             raise CorpusError(f"document {doc_id!r} of {where}: the text is {type(text).__name__}, not a string")
+        for name, value in (("id", doc_id), ("text", text)):
+            try:
+                str(value).encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, from text decoded with errors="surrogateescape"
+                raise CorpusError(
+                    f"document {doc_id!r} of {where}: its {name} is not valid Unicode ({e.reason} at character "
+                    f"{e.start}); fix or drop it"
+                ) from None
         if doc_id in first:
             raise CorpusError(f"{repeated(doc_id, record, first[doc_id])}; ids must be unique")
         first[doc_id] = record
