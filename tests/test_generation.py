@@ -437,3 +437,15 @@ def test_generate_command_warns_of_ignored_sampling_options(lm, capsys):
     folder, _, _, _ = lm
     with pytest.warns(UserWarning, match="temperature=0.7 is ignored .greedy decoding.*--preset sample"):
         assert main(["generate", "-m", str(folder), "--temperature", "0.7", "--max-new-tokens", "2", "hi"]) == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300])
+def test_sampling_at_a_temperature_near_zero_is_greedy(lm, temperature):
+    """A temperature so small that scores / temperature overflows float32 (or that float32 holds as 0): the best
+    token, as temperatures approaching 0 tend to, never the first token with a positive score."""
+    _, model, tokenizer, _ = lm
+    ids, mask = prompt_ids(tokenizer, ["The quick brown fox", "A"])
+    greedy = generate_ids(model, ids, mask, max_new_tokens=8, pad_token_id=PAD)
+    sampled = generate_ids(model, ids, mask, max_new_tokens=8, pad_token_id=PAD, do_sample=True, top_k=0,
+                           temperature=temperature, seed=0)  # fmt: skip
+    np.testing.assert_array_equal(sampled, greedy)

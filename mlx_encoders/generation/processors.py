@@ -60,11 +60,19 @@ class MinNewTokens:
 
 
 class Temperature:
+    """scores / temperature; a row whose scores that would overflow (a temperature near float32's smallest) is
+    divided after its maximum is taken away, so its best tokens keep 0 and the rest fall to -inf: the greedy
+    choice that temperatures approaching 0 tend to, where the overflow would make every positive score +inf."""
+
     def __init__(self, temperature: float):
         self.temperature = float(temperature)
 
     def __call__(self, input_ids: mx.array, scores: mx.array) -> mx.array:
-        return scores / self.temperature
+        scaled = scores / self.temperature
+        overflows = mx.any(mx.isinf(scaled) & ~mx.isinf(scores), axis=-1, keepdims=True)
+        below = scores - scores.max(axis=-1, keepdims=True)
+        shifted = mx.where(below == 0, 0.0, below / self.temperature)  # 0 / 0 where float32 holds the temperature as 0
+        return mx.where(overflows, shifted, scaled)
 
 
 class TopK:
