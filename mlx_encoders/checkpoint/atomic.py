@@ -101,12 +101,24 @@ def release_old(old: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def leftovers(names: str) -> re.Pattern:
+    """The `.NAME.xxxxxxxx.partial` / `.old` folders (mkdtemp's names) of interrupted writes of targets whose names
+    match the regular expression `names` (group 1: the target's name)."""
+    return re.compile(rf"\.({names})\.[a-z0-9_]{{8}}\.(partial|old)")
+
+
+def stale_targets(folder: Path, names: str) -> set[str]:
+    """The names of targets in `folder` (matching `names`) that interrupted writes left something of."""
+    found = (leftovers(names).fullmatch(p.name) for p in folder.iterdir()) if folder.is_dir() else ()
+    return {m[1] for m in found if m}
+
+
 def remove_stale(target: Path) -> None:
     """Remove what interrupted writes of `target` left beside it (killed by SIGKILL, power loss): their
     `.NAME.xxxxxxxx.partial` folders, and `.NAME.xxxxxxxx.old` ones after putting the previous `target` back.
     A folder whose writer still runs holds its lock and is left alone."""
     target = Path(target)
-    stale = re.compile(rf"\.{re.escape(target.name)}\.[a-z0-9_]{{8}}\.(partial|old)")  # mkdtemp's names
+    stale = leftovers(re.escape(target.name))
     if not target.parent.is_dir():
         return
     for folder in sorted(target.parent.iterdir()):

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import distributed
 from ..checkpoint.adapters import CONFIG as PEFT_CONFIG
 from ..checkpoint.adapters import read_lora, write_lora
-from ..checkpoint.atomic import atomic_folder, disk_full, remove_stale
+from ..checkpoint.atomic import atomic_folder, disk_full, remove_stale, stale_targets
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..checkpoint.write import model_config, write_checkpoint
@@ -108,15 +108,11 @@ def run_files(output_dir: Path) -> list[Path]:
     return checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
 
 
-STALE_CHECKPOINT = re.compile(r"\.(checkpoint-\d+)\.[a-z0-9_]{8}\.(partial|old)")  # atomic_folder's names
-
-
 def remove_stale_checkpoints(output_dir: Path) -> None:
     """What interrupted checkpoint writes left in `output_dir` (`atomic.remove_stale`): a checkpoint a killed run
     was writing is otherwise kept for good when the resumed run never saves that step again."""
-    if output_dir.is_dir():
-        for name in {m[1] for p in output_dir.iterdir() if (m := STALE_CHECKPOINT.fullmatch(p.name))}:
-            remove_stale(output_dir / name)
+    for name in stale_targets(output_dir, CHECKPOINT.pattern):
+        remove_stale(output_dir / name)
 
 
 def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | None) -> None:
