@@ -13,6 +13,7 @@ stalls past `TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s
 
 import os
 import pickle
+import re
 import sys
 import threading
 import warnings
@@ -25,6 +26,8 @@ from typing import TypeVar
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+
+from .errors import CommandError
 
 T, R = TypeVar("T"), TypeVar("R")
 BARRIER_ENV = "MLX_ENCODERS_BARRIER"  # "ARRIVE:GO": the pipes `wait_for_all` uses, from `mlx-encoders launch`
@@ -56,7 +59,20 @@ class World:
 @cache
 def world() -> World:
     """The world of `mx.distributed.init()`: size 1 (no group) when the process was not started by `mlx.launch`."""
-    group = mx.distributed.init()
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as e:  # MLX's message alone names neither the address nor what to do
+        where = ""
+        if os.environ.get("MLX_HOSTFILE"):
+            try:
+                with open(os.environ["MLX_HOSTFILE"]) as f:
+                    where = " at " + ", ".join(re.findall(r"[\w.\-\[\]:]+:\d+", f.read()))
+            except OSError:
+                where = f" (the addresses in {os.environ['MLX_HOSTFILE']})"
+        raise CommandError(
+            f"rank {os.environ.get('MLX_RANK', '?')} could not join the other ranks{where}: {e}. If a port is in "
+            "use, start the ranks on another one (mlx-encoders launch -p PORT, or another hostfile)"
+        ) from e
     if group.size() == 1:
         return World(None, 1, 0)
     return World(group, group.size(), group.rank())

@@ -196,6 +196,12 @@ class Tokenizer:
         if truncation:  # tokenizers takes a machine-size length: a larger "no limit" becomes the largest it takes
             strategy = "longest_first" if truncation is True else truncation
             limit = min(max_length or self.model_max_length, USIZE_MAX)
+            added = self.backend.num_special_tokens_to_add(text_pair is not None) if add_special_tokens else 0
+            if limit < added:  # tokenizers would leave every input whole
+                raise ValueError(
+                    f"max_length {limit} leaves no room: the tokenizer adds {added} special tokens to every input; "
+                    f"use a max_length of at least {added}"
+                )  # fmt: skip
             self.backend.enable_truncation(limit, stride=stride, strategy=strategy, direction=direction)
         try:
             return self.backend.encode_batch(

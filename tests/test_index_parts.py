@@ -17,6 +17,7 @@ from mlx_encoders import SentenceEncoder
 from mlx_encoders.__main__ import main as cli
 from mlx_encoders.distributed import World
 from mlx_encoders.index import StoreError, build, read_corpus
+from mlx_encoders.index.lock import BuildLock, IndexBusy
 
 CORPUS = {**FILES, "long.txt": "\n\n".join(f"Sentence {i} about topic {i % 5}." for i in range(20))}  # 28 texts
 
@@ -65,6 +66,24 @@ def test_parts_built_apart_and_merged_equal_a_one_process_build(tmp_path, encode
     assert not list((machines[0] / "shards").iterdir())
     build(corpus, tmp_path / "single", encoder, chunk=3, quiet=True)
     assert_same_index(machines[0], tmp_path / "single", encoder.path)
+
+
+def test_a_part_being_built_is_neither_merged_nor_built_twice(tmp_path, encoder):
+    corpus, folder = write_corpus(tmp_path / "corpus", CORPUS), tmp_path / "index"
+    for part in (1, 2):
+        build(corpus, folder, encoder, chunk=3, shard=(part, 2), quiet=True)
+    parts = sorted(p.name for p in (folder / "shards").iterdir())
+    assert parts == ["part-1-of-2.sqlite", "part-2-of-2.sqlite"]  # each part's lock gone with its build
+    with BuildLock(folder / "shards", name="part-2-of-2.lock"):  # a build of part 2 still writing it
+        busy = rf"Another build is writing part 2/2 of the index {folder}: pid \d+ .* holds .*part-2-of-2.lock"
+        with pytest.raises(IndexBusy, match=busy + r"\. Merge once every part's build has ended"):
+            build(corpus, folder, encoder, chunk=3, quiet=True)
+        assert sorted(p.name for p in (folder / "shards").glob("*.sqlite")) == parts  # nothing merged or removed
+        assert not (folder / "build.lock").exists()  # the refused merge let the folder go
+        with pytest.raises(IndexBusy, match=busy + r"\. Two builds of one part would embed its texts twice"):
+            build(corpus, folder, encoder, chunk=3, shard=(2, 2), quiet=True)
+    assert build(corpus, folder, encoder, chunk=3, quiet=True)["documents"] == 28
+    assert not list((folder / "shards").iterdir())
 
 
 def test_parts_of_a_grown_corpus_add_to_a_copy_of_the_index(tmp_path, encoder, encoded):

@@ -117,3 +117,32 @@ def test_cores_are_split_evenly():
         assert set().union(*shares) == cores and sum(map(len, shares)) == len(cores)
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
     assert core_shares(len(cores) + 1) == [None] * (len(cores) + 1)  # more ranks than cores: none pinned
+
+
+JOIN = """
+import sys
+from mlx_encoders import distributed
+from mlx_encoders.errors import run_command
+sys.exit(run_command("rank", lambda: None if distributed.world().size == 2 else 5))
+"""
+
+
+def test_a_port_in_use_is_a_one_line_error_naming_the_addresses(tmp_path):
+    import socket
+
+    first = free_ports(2)
+    (tmp_path / "join.py").write_text(JOIN)
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with socket.socket() as held:  # another program listens on rank 1's port
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", first + 1))
+        held.listen()
+        command = [sys.executable, "-m", "mlx_encoders", "launch", "-n", "2", "-p", str(first), sys.executable,
+                   str(tmp_path / "join.py")]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    line = next(line for line in done.stderr.splitlines() if line.startswith("rank: error: "))
+    assert f"could not join the other ranks at 127.0.0.1:{first}, 127.0.0.1:{first + 1}" in line, line
+    assert "mlx-encoders launch -p PORT" in line

@@ -289,6 +289,63 @@ def test_ollama_client_lists_shows_and_reports_the_served_models(server):
     assert status == 404 and set(answer) == {"error"}
 
 
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/embeddings", {"model": "minilm", "input": "a", "normalize": False}, "normalize"),
+        ("/v1/embeddings", {"model": "minilm", "input": "a", "dimension": 8}, "dimension"),
+        ("/embeddings", {"model": "minilm", "input": "a", "prompt_name": "query"}, "prompt_name"),
+        ("/v1/classify", {"model": "classify", "input": "a", "raw_scores": True}, "raw_scores"),
+        ("/v2/embed", {"model": "minilm", "texts": ["a"], "input_type": "search_query", "dimensions": 8}, "dimensions"),
+        ("/v1/embed", {"model": "minilm", "texts": ["a"], "truncation": "START"}, "truncation"),
+        ("/v2/rerank", {"model": "rerank", "query": "q", "documents": ["d"], "truncate": False}, "truncate"),
+        ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["d"], "max_tokens_per_doc": 2},
+         "max_tokens_per_doc"),
+        ("/api/embed", {"model": "minilm", "input": "a", "normalize": False}, "normalize"),
+        ("/api/embeddings", {"model": "minilm", "prompt": "a", "dimensions": 8}, "dimensions"),
+        ("/classify", {"model": "classify", "input": "a", "top_k": 1}, "top_k"),
+    ],
+)  # fmt: skip
+def test_a_field_the_route_does_not_take_is_refused_by_name(server, path, body, field):
+    """A field that would change the answer elsewhere (another protocol's, or a misspelling) is a 400 naming it in
+    the route's protocol's error body, never silently ignored."""
+    status, answer, _ = call(server, path, body)
+    assert status == 400 and f"unknown field '{field}'" in json.dumps(answer), answer
+
+
+def test_each_protocol_at_its_edges(server):
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(server + "/", method="HEAD")) as response:
+        assert response.status == 200 and response.read() == b""  # as GET /: Ollama's CLI checks a server so
+    status, answer, headers = call(server, "/v1/embeddings")
+    assert status == 405 and headers["Allow"] == "POST" and "takes POST, not GET" in answer["error"]["message"]
+    status, answer, _ = call(server, "/api/generate", {"model": "minilm", "prompt": "a"})
+    assert status == 404 and isinstance(answer["error"], str)  # Ollama's body under /api/
+    status, answer, _ = call(server, "/api/show", {"name": "minilm"})  # Ollama's older spelling of "model"
+    assert status == 200 and answer["capabilities"] == ["embedding"]
+
+    # a limit that leaves no room for the special tokens is refused by its own name, not ignored
+    status, answer, _ = call(server, "/api/embed", {"model": "minilm", "input": "a b c", "options": {"num_ctx": 1}})
+    assert status == 400 and '"options.num_ctx" is 1, fewer than the 2 special tokens' in answer["error"]
+    body = {"model": "minilm", "texts": ["a b c d"], "input_type": "clustering", "max_tokens": 1}
+    status, answer, _ = call(server, "/v2/embed", body)
+    assert status == 400 and '"max_tokens" is 1' in answer["message"]
+    # an over-long input's error names the limit that applies and what this request can send
+    status, answer, _ = call(server, "/v2/embed", {**body, "max_tokens": 3, "truncate": "NONE"})
+    assert status == 400 and 'the 3 tokens "max_tokens" allows' in answer["message"], answer
+    assert answer["message"].endswith('send "truncate": "END" or "START"')
+    status, answer, _ = call(server, "/v1/embeddings", {"model": "minilm", "input": LONG, "truncate": False})
+    assert status == 400 and answer["error"]["message"].endswith('shorten it, or send "truncate": true')
+
+    raw = b'{"model": "rerank", "query": "\\ud800", "documents": ["a"]}'  # half a UTF-16 pair, in the query
+    status, answer, _ = call(server, "/v1/rerank", raw=raw)
+    assert status == 400 and answer["error"]["param"] == "query", answer
+    assert answer["error"]["message"].startswith('"query" is not valid Unicode')
+    status, answer, _ = call(server, "/v1/embeddings", raw=b'{"input": "a", "dimensions": ' + b"1" * 5000 + b"}")
+    assert status == 400 and "an integer of more than 4300 digits" in answer["error"]["message"], answer
+
+
 # ---- Infinity
 
 
@@ -444,6 +501,8 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
                                         sentence_transformer.encode(TEXTS)).min() >= 0.99999  # fmt: skip
         time.sleep(1.0)
         assert "minilm" in served  # --model-keep-alive -1: kept
+        client.embed(model="minilm", input=["a"], keep_alive="9999999999h")  # past any date: Ollama's "forever"
+        assert {m.model: m.expires_at.year for m in client.ps().models}["minilm:latest"] == 2262
         client.embed(model="minilm", input=[], keep_alive=0)  # Ollama's way to unload a model
         assert wait_until(lambda: "minilm" not in served)
         status, answer, _ = call(url, "/v1/rerank", {"model": "rerank", "query": "q", "documents": ["d"]})

@@ -148,6 +148,24 @@ def test_embed_prompt_name_normalize_and_truncation_direction_equal_sentence_tra
     assert cosine(right[1], left[1]) < 0.999  # the two ends of the long text differ
 
 
+def test_normalize_false_gives_the_vectors_without_the_models_normalize_module(server, minilm):
+    """TEI's "normalize": false (and Ollama's legacy /api/embeddings) on a folder that ends with Normalize: the
+    pooled vectors as the folder's modules before it give them, as TEI and Ollama answer."""
+    from sentence_transformers import SentenceTransformer
+
+    pooled = SentenceTransformer(modules=[minilm[0], minilm[1]], device="cpu")  # all-MiniLM-L6-v2 without Normalize
+    expected, terms = pooled.encode(TEXTS), encoder_terms(MINILM, TEXTS)
+    got = np.array(post(server, "/embed", {"model": "minilm", "inputs": TEXTS, "normalize": False}))
+    assert_float32_close(got, expected, terms)
+    assert np.linalg.norm(got, axis=1).min() > 1.5  # not unit vectors
+    got = post(server, "/embed", {"model": "minilm", "inputs": TEXTS, "normalize": False, "dimensions": 64})
+    assert_float32_close(got, expected[:, :64], terms)
+    legacy = post(server, "/api/embeddings", {"model": "minilm", "prompt": TEXTS[0]})["embedding"]
+    assert_float32_close([legacy], expected[:1], terms)
+    normalised = post(server, "/embed", {"model": "minilm", "inputs": TEXTS})
+    assert_float32_close(normalised, expected / np.linalg.norm(expected, axis=1, keepdims=True), terms)
+
+
 def test_embed_all_equals_the_model_token_embeddings(server, minilm):
     got = post(server, "/embed_all", {"model": "minilm", "inputs": TEXTS[:2]})
     expected = minilm.encode(TEXTS[:2], output_value="token_embeddings")
@@ -281,6 +299,7 @@ def test_openapi_lists_every_route_with_its_request_fields(server):
     assert set(schema["paths"]) == set(ROUTES)
     for path, route in ROUTES.items():  # a model declared with postponed annotations would lose its Required keys
         model = getattr(route.handler, "request_model", None)
+        assert model is not None or "POST" not in route.methods, f"{path} declares no request fields"
         if is_typeddict(model):
             assert model.__required_keys__, path
     embed = schema["paths"]["/embed"]["post"]["requestBody"]["content"]["application/json"]["schema"]

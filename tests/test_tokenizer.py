@@ -79,3 +79,18 @@ def test_a_model_max_length_that_is_no_number_names_the_file_and_key(checkpoint,
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": value}))
     with pytest.raises(ValueError, match=r"tokenizer_config.json: model_max_length must be a positive number"):
         mlx_encoders.load(folder)
+
+
+def test_a_max_length_below_the_special_tokens_is_refused(checkpoint):
+    """`tokenizers` leaves every input whole when the limit cannot hold the special tokens: refused instead."""
+    ours, theirs = both(checkpoint, "bert")
+    assert [len(ids) for ids in ours(["a b c"], max_length=2, return_tensors="np")["input_ids"]] == [2]
+    assert (
+        ours(["a b c"], max_length=2)["input_ids"].tolist()
+        == theirs(["a b c"], max_length=2, truncation=True)["input_ids"]
+    )
+    with pytest.raises(ValueError, match="max_length 1 leaves no room: the tokenizer adds 2 special tokens"):
+        ours(["a b c"], max_length=1)
+    with pytest.raises(ValueError, match="max_length 2 leaves no room: the tokenizer adds 3 special tokens"):
+        ours(["a b c"], text_pair=["d"], max_length=2)
+    assert len(ours.encode_batch(["a b c"], max_length=1, add_special_tokens=False)[0].ids) == 1

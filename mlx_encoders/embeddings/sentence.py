@@ -186,14 +186,17 @@ class SentenceEncoder(Embedder):
             vectors = np.array(normalize(mx.array(vectors)))
         return quantize_embeddings(vectors, precision)
 
-    def embed(self, batch: dict[str, mx.array], skipped: int, tokens: bool = False) -> list[mx.array]:
+    def embed(
+        self, batch: dict[str, mx.array], skipped: int, tokens: bool = False, normalized: bool = True
+    ) -> list[mx.array]:
         """One padded batch -> [(B, D) float32 sentence embeddings], plus the (B, L, H) token embeddings with
-        `tokens` (lazy). Pooling leaves out the first `skipped` real tokens (an excluded prompt)."""
+        `tokens` (lazy). Pooling leaves out the first `skipped` real tokens (an excluded prompt); `normalized`
+        False leaves out the model's Normalize module."""
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
         hidden = out.last_hidden_state.astype(mx.float32)
         mask = batch["attention_mask"]
         pooled_mask = mask if not skipped else mask * (mx.cumsum(mask, axis=1) > skipped)  # either padding side
-        x = project(pool(hidden, pooled_mask, self.pooling, mask), self.dense, self.normalize)
+        x = project(pool(hidden, pooled_mask, self.pooling, mask), self.dense, self.normalize and normalized)
         return [x, hidden] if tokens else [x]
 
     def encode(
@@ -286,12 +289,13 @@ class SentenceEncoder(Embedder):
 
     def run_encodings(
         self, encodings: list[Encoding], batch_size: int = 32, show_progress: bool | None = False, skipped: int = 0,
-        tokens: bool = False, adapter: str | None = None,
+        tokens: bool = False, adapter: str | None = None, normalized: bool = True,
     ) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
         """`run` of tokenized texts (`tokenize`'s, or anything with `ids` and `type_ids`: a server's batch of many
         requests): ((N, D) float32 sentence embeddings before truncate_dim, per text its (L, H) token embeddings
         when `tokens`). Pooling leaves out each text's first `skipped` tokens (`pooled_prompt_tokens`); the model
-        computes with the task adapter `adapter` (`adapter_for`)."""
+        computes with the task adapter `adapter` (`adapter_for`); `normalized` False leaves out its Normalize
+        module."""
         out = np.zeros((len(encodings), self.dimension), np.float32)
         token_vectors = [None] * len(encodings) if tokens else []
         if not encodings:
@@ -305,7 +309,7 @@ class SentenceEncoder(Embedder):
                     token_vectors[i] = hidden[row, self.tokenizer.real_tokens(len(encodings[i].ids), hidden.shape[1])]
 
         def forward(rows: np.ndarray) -> list[mx.array]:
-            return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens)
+            return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens, normalized)
 
         lengths = [len(e.ids) for e in encodings]
         with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():

@@ -160,6 +160,10 @@ def build(
             if rank == 0:
                 folder.mkdir(parents=True, exist_ok=True)
                 held.enter_context(BuildLock(folder, quiet))
+                for lock in part_locks(shard_folder):  # no part is merged (or removed) while its build writes it
+                    what = f"part {lock.split('-')[1]}/{lock.split('-')[3].split('.')[0]} of the index {folder}"
+                    advice = "Merge once every part's build has ended (or stop that build)."
+                    held.enter_context(BuildLock(shard_folder, quiet, lock, what, advice))
                 with Store(store_file, create=True) as store:
                     store.upgrade()
                     store.check()
@@ -233,6 +237,12 @@ def part_path(folder: Path, part: int, parts: int) -> Path:
     return folder / "shards" / f"part-{part}-of-{parts}.sqlite"
 
 
+def part_locks(shard_folder: Path) -> list[str]:
+    """The lock names of the `--shard` parts in `shard_folder`: one per part file, or per part being built."""
+    found = [*shard_folder.glob("part-*-of-*.sqlite"), *shard_folder.glob("part-*-of-*.lock")]
+    return sorted({path.name.split(".")[0] + ".lock" for path in found})
+
+
 def build_part(docs, folder: Path, shard: tuple[int, int], encoder, sparse, meta: dict[str, str], name: str,
                batch_size: int, chunk: int, quiet: bool) -> dict:  # fmt: skip
     """Embed part i of n into its shard file: the chunks rank i - 1 of n would take of the texts the folder's
@@ -248,6 +258,16 @@ def build_part(docs, folder: Path, shard: tuple[int, int], encoder, sparse, meta
     mine = [pair for piece in cut(docs, keys, known, chunk)[part - 1 :: parts] for pair in piece]
     path = part_path(folder, part, parts)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with BuildLock(path.parent, quiet, path.with_suffix(".lock").name, f"part {part}/{parts} of the index {folder}",
+                   "Two builds of one part would embed its texts twice: wait for that build to end (or stop "
+                   "it)."):  # fmt: skip
+        return part_into(path, shard, mine, keys, encoder, sparse, meta, name, batch_size, chunk, quiet)
+
+
+def part_into(path: Path, shard: tuple[int, int], mine: list, keys: list, encoder, sparse, meta: dict[str, str],
+              name: str, batch_size: int, chunk: int, quiet: bool) -> dict:  # fmt: skip
+    """`build_part`'s work under its part's lock: the texts of `mine` that `path` lacks, embedded into it."""
+    part, parts = shard
     done = shard_keys(path, meta, name) if path.exists() else set()
     todo = [pair for pair in mine if pair[0] not in done]
     log(f"part {part} of {parts}: {len(mine)} of {len(set(keys))} distinct texts, {len(todo)} to embed", quiet)

@@ -33,12 +33,23 @@ def holder(record: bytes) -> str:
         return "a process whose record is not written yet"
 
 
+BUSY_ADVICE = (
+    "Two builds into one index would lose documents: wait for that build to end (or stop it), then run this one "
+    "again, or build into another --index folder."
+)
+
+
 class BuildLock:
     """`with BuildLock(folder):` holds the folder's build lock, or raises `IndexBusy` at once; a lock left by a
-    build that stopped is taken over, with a line on stderr unless `quiet`."""
+    build that stopped is taken over, with a line on stderr unless `quiet`. `name`, `what` and `advice`: another
+    lock in the folder (a `--shard` part's), what its holder writes, and what the refused build can do."""
 
-    def __init__(self, folder: Path, quiet: bool = False):
-        self.path, self.quiet, self.fd = Path(folder) / LOCK_NAME, quiet, None
+    def __init__(
+        self, folder: Path, quiet: bool = False, name: str = LOCK_NAME, what: str | None = None,
+        advice: str = BUSY_ADVICE,
+    ):  # fmt: skip
+        self.path, self.quiet, self.fd = Path(folder) / name, quiet, None
+        self.what, self.advice = what or f"the index {Path(folder)}", advice
 
     def __enter__(self) -> "BuildLock":
         fd = self.lock()
@@ -72,9 +83,7 @@ class BuildLock:
             record = os.pread(fd, 4096, 0)
             os.close(fd)
             raise IndexBusy(
-                f"Another build is writing the index {self.path.parent}: {holder(record)} holds {self.path}. "
-                "Two builds into one index would lose documents: wait for that build to end (or stop it), then run "
-                "this one again, or build into another --index folder."
+                f"Another build is writing {self.what}: {holder(record)} holds {self.path}. {self.advice}"
             ) from None
         except OSError as e:
             os.close(fd)

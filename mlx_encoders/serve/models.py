@@ -5,7 +5,7 @@
 post-processing shapes the answer."""
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +37,9 @@ class TokenIds:
     type_ids: list[int]
 
 
+TOO_LONG_HINT = 'shorten it, send "truncate": true, or start the server with --auto-truncate'
+
+
 def default_name(source: str | Path) -> str:
     """A folder's name, or the hub id as given."""
     path = Path(source)
@@ -65,11 +68,12 @@ class Tagged:
 class DenseTag:
     """What a dense model's inputs share to be run together (`SentenceEncoder.run_encodings`' options): the prompt
     tokens pooling skips, the task adapter (jina-embeddings-v3's; None for the other models), whether their token
-    vectors are wanted too (TEI's /embed_all)."""
+    vectors are wanted too (TEI's /embed_all), whether the model's Normalize module applies (TEI's "normalize")."""
 
     skipped: int
     adapter: str | None = None
     token_vectors: bool = False
+    normalized: bool = True
 
 
 def by_tag(items: list, default, run) -> list:
@@ -192,20 +196,22 @@ class ServedModel:
         """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag
         wants token vectors."""
         vectors, tokens = self.encoder.run_encodings(
-            encodings, self.batch_size, False, tag.skipped, tag.token_vectors, tag.adapter
+            encodings, self.batch_size, False, tag.skipped, tag.token_vectors, tag.adapter, tag.normalized
         )
         return list(zip(vectors, tokens, strict=True)) if tag.token_vectors else vectors
 
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
         task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
-        direction: str = "right", token_vectors: bool = False,
+        direction: str = "right", token_vectors: bool = False, limit_field: str = "max_length",
+        hint: str = TOO_LONG_HINT,
     ) -> list:  # fmt: skip
         """The encoder's encodings of `texts` (`pairs`: of (text, pair) pairs, as `predict` reads them), with the
         prompt `encode` prepends (`task` "query" or "document": `encode_query`'s / `encode_document`'s, a sparse
         Router's route for the task included; `prompt_name`: that prompt instead, as their `prompt_name=`); an
         input longer than the model takes is an error unless `truncate`, cut at its end or, `direction` "left", at
-        its start (dense and classifier models; these also take a shorter `max_length`). A dense model's items with
+        its start (dense and classifier models; these also take a shorter `max_length`, the request's field
+        `limit_field`); `hint` ends the error: how this route cuts inputs. A dense model's items with
         `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
@@ -220,19 +226,23 @@ class ServedModel:
                 self.sparse.route(task)
             except ValueError as e:
                 raise ApiError(400, f"model {self.name!r}: {e}", "input_type") from None
+        special = self.tokenizer.num_special_tokens_to_add(pairs is not None)
+        if max_length is not None and max_length < special:
+            raise ApiError(
+                400, f'"{limit_field}" is {max_length}, fewer than the {special} special tokens model {self.name!r} '
+                f"puts around every input; send at least {special}", limit_field,
+            )  # fmt: skip
         try:
             encodings, limit = self.encodings(texts, pairs, task, prefix, max_length, direction)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param) from None
         if not truncate and limit is not None:
+            by = f'"{limit_field}" allows' if limit == max_length else f"model {self.name!r} takes"
             for i, e in enumerate(encodings):
                 if e.overflowing:
                     raise ApiError(
-                        400,
-                        f"{param}[{i}] is longer than the {limit} tokens model {self.name!r} takes; shorten it, send "
-                        '"truncate": true, or start the server with --auto-truncate',
-                        param, "input_too_long",
-                    )  # fmt: skip
+                        400, f"{param}[{i}] is longer than the {limit} tokens {by}; {hint}", param, "input_too_long"
+                    )
         if (self.multi is not None or self.sparse is not None) and task is not None:
             return [Tagged(e, task) for e in encodings]
         if self.encoder is not None:
@@ -269,7 +279,7 @@ class ServedModel:
             return [], []
         return encoding.ids[: words[0]], encoding.ids[words[-1] + 1 :]
 
-    def token_ids(self, lists: list[list[int]], truncate: bool) -> list[TokenIds]:
+    def token_ids(self, lists: list[list[int]], truncate: bool, hint: str = TOO_LONG_HINT) -> list[TokenIds]:
         """Token ids as inputs: each id within the model's vocabulary, each list within its length and framed by
         the special tokens the model's tokenizer puts around every input (ids from another tokenizer, such as
         tiktoken's, are refused rather than embedded as nonsense)."""
@@ -297,17 +307,29 @@ class ServedModel:
                     raise ApiError(
                         400,
                         f"input[{i}] has {len(ids)} tokens, more than the {self.max_length} model {self.name!r} "
-                        'takes; shorten it, send "truncate": true, or start the server with --auto-truncate',
+                        f"takes; {hint}",
                         "input", "input_too_long",
                     )  # fmt: skip
                 ids = ids[: self.max_length - len(end)] + end  # as the tokenizer cuts: its end tokens kept
             out.append(TokenIds(list(ids), [0] * len(ids)))
         return out
 
-    def embeddings(self, vectors: np.ndarray, dimensions: int | None, normalize: bool = False) -> np.ndarray:
+    def unnormalized(self, items: list) -> list:
+        """Dense `items` whose vectors leave out the model's Normalize module (TEI's "normalize": false, which TEI
+        honours whatever the model's folder holds)."""
+        out = []
+        for item in items:
+            tag = item.tag if isinstance(item, Tagged) else self.dense_tag
+            out.append(Tagged(item.item if isinstance(item, Tagged) else item, replace(tag, normalized=False)))
+        return out
+
+    def embeddings(
+        self, vectors: np.ndarray, dimensions: int | None, normalize: bool = False, raw: bool = False
+    ) -> np.ndarray:
         """`encode`'s post-processing (`SentenceEncoder.postprocess`): `dimensions`, else the model's truncate_dim
-        (Matryoshka; re-normalised when the model normalises), then `normalize`."""
-        normalize = normalize or (dimensions is not None and self.encoder.normalize)
+        (Matryoshka; re-normalised when the model normalises, unless `raw`: vectors run without its Normalize
+        module), then `normalize`."""
+        normalize = normalize or (dimensions is not None and self.encoder.normalize and not raw)
         return self.encoder.postprocess(vectors, dimensions, normalize)
 
     def scores(self, out: np.ndarray, raw: bool = False) -> np.ndarray:

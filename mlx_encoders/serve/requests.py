@@ -4,11 +4,12 @@ refusal an `ApiError` naming the field."""
 import asyncio
 import json
 import math
+import sys
 
 from starlette.requests import Request
 
 from .errors import ApiError
-from .models import ServedModel
+from .models import TOO_LONG_HINT, ServedModel
 
 OFF_LOOP_BYTES = 64 * 1024
 
@@ -48,7 +49,10 @@ async def read_json(request: Request, server) -> dict:
     body = b"".join(chunks)
     try:  # a large body is parsed on a thread: the event loop stays free
         data = json.loads(body) if size < OFF_LOOP_BYTES else await loop.run_in_executor(None, json.loads, body)
-    except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers longer than Python converts
+    except (ValueError, UnicodeDecodeError) as e:
+        if "int_max_str_digits" in str(e):  # Python's own advice would mean nothing to a client
+            digits = sys.get_int_max_str_digits()
+            raise ApiError(400, f"the request body holds an integer of more than {digits} digits") from None
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
@@ -66,6 +70,13 @@ def text(value: str, where: str, param: str) -> str:
     """One text of a request (an input, a pair's half, a query, a document): every route refuses "" alike."""
     if not value:
         raise ApiError(400, f"{where} is an empty string", param, "empty_input")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # named here: the tokenizer sees a batch's texts without their names
+        raise ApiError(
+            400, f"{where} is not valid Unicode: it holds a lone surrogate {value[e.start]!r} at character {e.start} "
+            "(a JSON \\ud800-style escape of half a UTF-16 pair); send the whole pair or replace it", param,
+        ) from None  # fmt: skip
     return value
 
 
@@ -100,6 +111,12 @@ def texts(value, param: str) -> list[str]:
     if found is None:
         raise ApiError(400, f'"{param}" must be a string or a list of strings', param)
     return found
+
+
+def too_long_hint(body: dict) -> str:
+    """How an over-long input of this request could be cut: its own "truncate" where it sent false (the server's
+    --auto-truncate cannot override it), else either."""
+    return 'shorten it, or send "truncate": true' if body.get("truncate") is not None else TOO_LONG_HINT
 
 
 def option(body: dict, key: str, kind: type, default=None, minimum: int | None = None):

@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 from .errors import ApiError
 
 SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+# fields several protocols share
+ModelName = Annotated[str, "the served model; default: the only one able to answer"]
+Truncate = Annotated[bool | None, "cut an over-long input to the model's length (default: --auto-truncate)"]
+OutputType = Literal["float", "int8", "uint8", "binary", "ubinary"]
 
 
 def accepts(model: type) -> Callable:

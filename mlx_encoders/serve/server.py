@@ -29,7 +29,7 @@ from .errors import ApiError
 from .lazy import TAKEN, ModelsDir, NotLoaded
 from .metrics import Metrics
 from .models import ServedModel
-from .protocols import Endpoint, routes
+from .protocols import Endpoint, error_body, routes
 from .requests import ClientGone
 from .search import ServedIndex
 
@@ -298,7 +298,7 @@ def finite_rows(out: np.ndarray) -> np.ndarray:
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
     """`error` in the body shape of the protocol that serves `path` (OpenAI's for a path no protocol serves)."""
-    content = ROUTES[path].error(error) if path in ROUTES else error.openai()
+    content = error_body(path, ROUTES)(error)
     return JSONResponse(content, error.status, headers=error.headers)
 
 
@@ -433,7 +433,7 @@ async def sent(parts: list[bytes]):
 
 
 # the health checks (TEI's three) and the schema with its page (a browser sends no key), as TEI serves them
-PUBLIC = {("GET", "/health"), ("GET", "/ping"), ("GET", "/"), ("GET", "/openapi.json"), ("GET", "/docs")}
+PUBLIC = {(method, path) for method in ("GET", "HEAD") for path in ("/health", "/ping", "/", "/openapi.json", "/docs")}
 
 
 class Guard:
@@ -475,9 +475,14 @@ class Guard:
 
 
 def not_found(request: Request, exc) -> JSONResponse:
-    status = getattr(exc, "status_code", 404)
-    message = f"no route {request.method} {request.url.path}; routes: {', '.join(ROUTES)}"
-    return error_response(request.url.path, ApiError(status, message, None, "not_found"))
+    status, path = getattr(exc, "status_code", 404), request.url.path
+    if status == 405 and path in ROUTES:
+        methods = [m for m in ROUTES[path].methods if m != "HEAD"]
+        message = f"{path} takes {' or '.join(methods)}, not {request.method}"
+        error = ApiError(405, message, None, "method_not_allowed", {"Allow": ", ".join(methods)})
+        return error_response(path, error)
+    message = f"no route {request.method} {path}; routes: {', '.join(ROUTES)}"
+    return error_response(path, ApiError(status, message, None, "not_found"))
 
 
 def build(server: Server) -> Starlette:

@@ -17,6 +17,16 @@ class Endpoint(NamedTuple):
     error: Callable[[ApiError], dict]
 
 
+def error_body(path: str, table: dict[str, Endpoint]) -> Callable[[ApiError], dict]:
+    """The error body of `path`'s protocol: its route's, else by prefix for a path no route serves (Ollama's under
+    /api/, Cohere's under /v2/), else OpenAI's."""
+    if path in table:
+        return table[path].error
+    if path.startswith("/api/"):
+        return ollama.error
+    return cohere.error if path.startswith("/v2/") else openai.error
+
+
 def routes() -> dict[str, Endpoint]:
     """Every protocol's routes; a path claimed twice is a bug named at start-up."""
     table: dict[str, Endpoint] = {}

@@ -1,10 +1,8 @@
 """Cohere's API (v1 and v2: the `cohere` SDK's `Client` and `ClientV2`): /v1/embed, /v2/embed, /v1/rerank (also
 Jina's) and /v2/rerank, in the request and response types of the SDK, errors as Cohere's `{"id", "message"}`."""
 
-from __future__ import annotations
-
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Required, TypedDict
 
 import numpy as np
 from starlette.requests import Request
@@ -12,7 +10,8 @@ from starlette.requests import Request
 from ..embedding_types import TYPES, base64_of, typed
 from ..errors import ApiError
 from ..models import EMBED, RERANK, ServedModel
-from ..requests import documents, option, read_json, required_text, texts
+from ..requests import documents, option, read_json, required_text, texts, too_long_hint
+from ..schema import OutputType, Truncate, accepts, fields
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
@@ -21,6 +20,51 @@ if TYPE_CHECKING:  # the server imports every protocol
 INPUT_TYPES = {"search_query": "query", "search_document": "document", "classification": None, "clustering": None}
 TRUNCATE = {"END": "right", "START": "left", "NONE": None}
 MAX_TOKENS_PER_DOC = 4096  # v2 rerank's default
+
+
+InputType = Literal["search_query", "search_document", "classification", "clustering"]
+Documents = Annotated[list[str | dict[str, str]], 'the documents: strings or {"text": ...} objects']
+Priority = Annotated[int, "Cohere's scheduling hint (it changes nothing here)"]
+Unserved = Annotated[Any, "not served: refused with a 400 saying why"]
+TopN = Annotated[int | None, "the best documents only"]
+ReturnDocuments = Annotated[bool, "each document's text with its score (default false)"]
+
+
+class EmbedRequest(TypedDict, total=False):
+    texts: Required[Annotated[list[str], "the texts"]]
+    model: Annotated[str, "the served model (required on v2)"]
+    input_type: Annotated[
+        InputType, "search_query / search_document embed as encode_query / encode_document (required on v2)"
+    ]
+    embedding_types: Annotated[list[Literal[OutputType, "base64"]], "the types to answer, as encode(precision=...)"]
+    truncate: Annotated[Literal["END", "START", "NONE"], "cut an over-long text at its end (default), start, or not"]
+    max_tokens: Annotated[int | None, "v2: the tokens a text keeps"]
+    output_dimension: Annotated[int | None, "v2: keep the first dimensions (Matryoshka models)"]
+    priority: Priority
+    images: Unserved
+    inputs: Unserved
+
+
+class RerankV1Request(TypedDict, total=False):
+    query: Required[str]
+    documents: Required[Documents]
+    model: Annotated[str, "the served reranker"]
+    top_n: TopN
+    return_documents: ReturnDocuments
+    rank_fields: Annotated[list[Literal["text"]], '["text"] only']
+    truncate: Truncate
+    max_chunks_per_doc: Unserved
+
+
+class RerankV2Request(TypedDict, total=False):
+    query: Required[str]
+    documents: Required[Documents]
+    model: Required[Annotated[str, "the served reranker"]]
+    top_n: TopN
+    return_documents: ReturnDocuments
+    max_tokens_per_doc: Annotated[int, "each document cut to this many tokens first (default 4096)"]
+    priority: Priority
+    relevant_spans: Unserved
 
 
 def refuse(body: dict, fields: tuple[str, ...], why: str) -> None:
@@ -34,10 +78,10 @@ def meta(version: str, **billed) -> dict:
     return {"api_version": {"version": version}, "billed_units": billed}
 
 
-async def embed(request: Request, server: Server, version: str):
+async def embed(request: Request, server: "Server", version: str):
     """Cohere's embed: `texts` with `input_type`, `embedding_types`, `truncate` (END, START or NONE; END by
     default, as Cohere), and on v2 `max_tokens` and `output_dimension`."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), EmbedRequest)
     path = f"/{version}/embed"
     refuse(body, ("images", "inputs"), 'this server embeds texts only; send them as "texts"')
     if version == "v2" and body.get("model") is None:
@@ -60,6 +104,7 @@ async def embed(request: Request, server: Server, version: str):
     items = await server.tokenize(
         model, model.tokenize, found, TRUNCATE[truncate] is not None, param="texts",
         task=INPUT_TYPES.get(input_type), max_length=max_tokens, direction=TRUNCATE[truncate] or "right",
+        limit_field="max_tokens", hint='shorten it, or send "truncate": "END" or "START"',
     )  # fmt: skip
     vectors = model.embeddings(await server.run(model, items), dimensions)
     tokens = sum(len(item.ids) for item in items)
@@ -99,23 +144,28 @@ def output_dimension(body: dict, model: ServedModel) -> int | None:
     return dimensions
 
 
-async def embed_v1(request: Request, server: Server):
+@accepts(EmbedRequest)
+async def embed_v1(request: Request, server: "Server"):
+    """Cohere v1's embed."""
     return await embed(request, server, "v1")
 
 
-async def embed_v2(request: Request, server: Server):
+@accepts(EmbedRequest)
+async def embed_v2(request: Request, server: "Server"):
+    """Cohere v2's embed."""
     return await embed(request, server, "v2")
 
 
-async def rerank(request: Request, server: Server):
+@accepts(RerankV1Request)
+async def rerank(request: Request, server: "Server"):
     """Cohere v1's (and Jina's) rerank: `query`, `documents` (strings or {"text": ...}), `top_n`,
     `return_documents`; over-long pairs are refused unless `truncate` (or --auto-truncate)."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), RerankV1Request)
     refuse(body, ("max_chunks_per_doc",), "each document is scored whole (cut to the model's length with "
            '"truncate": true); split long documents before sending them')  # fmt: skip
-    fields = body.get("rank_fields")
-    if fields not in (None, ["text"]):
-        raise ApiError(400, f'"rank_fields" can only be ["text"], got {fields!r:.80}', "rank_fields")
+    ranked_fields = body.get("rank_fields")
+    if ranked_fields not in (None, ["text"]):
+        raise ApiError(400, f'"rank_fields" can only be ["text"], got {ranked_fields!r:.80}', "rank_fields")
     model = server.model(body.get("model"), RERANK, "/v1/rerank")
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     answer = await ranked(server, body, model, truncate, None)
@@ -124,10 +174,11 @@ async def rerank(request: Request, server: Server):
     return {"id": str(uuid.uuid4()), "model": model.name, **answer, "meta": meta("1", search_units=1), "usage": usage}
 
 
-async def rerank_v2(request: Request, server: Server):
+@accepts(RerankV2Request)
+async def rerank_v2(request: Request, server: "Server"):
     """Cohere v2's rerank: `model` (required), `query`, `documents`, `top_n`, `max_tokens_per_doc` (each document
     cut to that many tokens first, 4096 by default); pairs longer than the model takes are cut, as Cohere does."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), RerankV2Request)
     refuse(body, ("relevant_spans",), "this server scores whole documents")
     if body.get("model") is None:
         raise ApiError(400, '"model" is required', "model")
@@ -138,7 +189,7 @@ async def rerank_v2(request: Request, server: Server):
     return {"id": str(uuid.uuid4()), **answer, "meta": meta("2", search_units=1)}
 
 
-async def ranked(server: Server, body: dict, model: ServedModel, truncate: bool, limit: int | None):
+async def ranked(server: "Server", body: dict, model: ServedModel, truncate: bool, limit: int | None):
     """{"results": best first, "tokens"}: `CrossEncoder.predict`'s scores of (query, document) pairs, each
     document first cut to `limit` tokens."""
     query = required_text(body, "query")
@@ -146,7 +197,7 @@ async def ranked(server: Server, body: dict, model: ServedModel, truncate: bool,
     top_n = option(body, "top_n", int, None, 1)
     keep = option(body, "return_documents", bool, False)
     scored = docs if limit is None else await server.tokenize(model, first_tokens, model, docs, limit)
-    scores, order, items = await server.rank(model, query, scored, truncate)
+    scores, order, items = await server.rank(model, query, scored, truncate, hint=too_long_hint(body))
     results = [
         {"index": int(i), "relevance_score": float(scores[i]), **({"document": {"text": docs[i]}} if keep else {})}
         for i in order[:top_n]

@@ -2,8 +2,6 @@
 legacy one), /api/tags, /api/show, /api/ps and /api/version; errors as Ollama's `{"error": message}`. A model is
 named as served or with Ollama's tag, `NAME:latest`."""
 
-from __future__ import annotations
-
 import datetime
 import hashlib
 import math
@@ -11,7 +9,7 @@ import re
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any, Required, TypedDict
 
 from starlette.requests import Request
 
@@ -19,6 +17,7 @@ from ... import __version__
 from ..errors import ApiError
 from ..models import EMBED, ServedModel
 from ..requests import dimensions_of, option, read_json, texts
+from ..schema import accepts, fields
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
@@ -36,9 +35,37 @@ UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 
 FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 WEIGHT_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # Ollama's quantization_level names
 FOREVER = "2262-04-11T23:47:16Z"  # what Ollama shows for a model kept loaded (keep_alive -1)
+FOREVER_S = datetime.datetime.fromisoformat(FOREVER).timestamp()
 
 
-def served(server: Server, body: dict, capability: str | None, route: str) -> ServedModel:
+Name = Annotated[str, 'a served model, as served or tagged (":latest")']
+KeepAlive = Annotated[int | float | str, 'how long a --models-dir model stays loaded when idle ("5m", seconds)']
+Options = Annotated[dict[str, Any], "Ollama's options: num_ctx is the tokens an input keeps; the others change nothing"]
+
+
+class EmbedRequest(TypedDict, total=False):
+    model: Required[Name]
+    input: Annotated[str | list[str], "a text or texts (none: only load the model)"]
+    truncate: Annotated[bool, "cut an over-long input to the model's length (default true)"]
+    dimensions: Annotated[int | None, "keep the first dimensions (Matryoshka models), re-normalised"]
+    keep_alive: KeepAlive
+    options: Options
+
+
+class EmbeddingsRequest(TypedDict, total=False):
+    model: Required[Name]
+    prompt: Annotated[str, "the text (none: only load the model)"]
+    keep_alive: KeepAlive
+    options: Options
+
+
+class ShowRequest(TypedDict, total=False):
+    model: Required[Name]
+    name: Annotated[str, 'the model (Ollama\'s older spelling of "model")']
+    verbose: Annotated[bool, "Ollama's fuller answer (the same answer here)"]
+
+
+def served(server: "Server", body: dict, capability: str | None, route: str) -> ServedModel:
     """The request's `model` (required, as Ollama's), as served or tagged `:latest`."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
@@ -76,28 +103,34 @@ def context(body: dict) -> int | None:
     return option(options, "num_ctx", int, None, 1)
 
 
-def kept(server: Server, model: ServedModel, body: dict) -> None:
+def kept(server: "Server", model: ServedModel, body: dict) -> None:
     """The request's `keep_alive`, for a model of --models-dir: how long it stays loaded once idle."""
     seconds = keep_alive(body)
     if seconds is not None and server.lazy is not None:
         server.lazy.set_keep_alive(model.name, seconds)
 
 
-async def embeddings_of(server: Server, model: ServedModel, found: list[str], body: dict, normalize: bool):
+async def embeddings_of(server: "Server", model: ServedModel, found: list[str], body: dict, normalize: bool):
     """(vectors, tokens) of `found`, cut to the model's length (or num_ctx) unless `truncate` is false."""
     truncate = option(body, "truncate", bool, True)
     limit = context(body)
     dimensions = dimensions_of(body, model)
-    items = await server.tokenize(model, model.tokenize, found, truncate, max_length=limit)
-    vectors = model.embeddings(await server.run(model, items), dimensions, normalize)
+    items = await server.tokenize(
+        model, model.tokenize, found, truncate, max_length=limit, limit_field="options.num_ctx",
+        hint='shorten it, or send "truncate": true',  # Ollama cuts by default: only the request's false is left
+    )  # fmt: skip
+    if not normalize:  # the legacy route's vectors as pooled, as Ollama's, whatever the model's folder holds
+        items = model.unnormalized(items)
+    vectors = model.embeddings(await server.run(model, items), dimensions, normalize, raw=not normalize)
     return vectors, sum(len(item.ids) for item in items)
 
 
-async def embed(request: Request, server: Server):
+@accepts(EmbedRequest)
+async def embed(request: Request, server: "Server"):
     """/api/embed: `input` a string or a list; L2-normalised vectors, as Ollama's. No input (or "") loads nothing
     and answers no embeddings, as Ollama answers a request that only loads its model."""
     start = time.perf_counter_ns()
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), EmbedRequest)
     model = served(server, body, EMBED, "/api/embed")
     kept(server, model, body)
     value = body.get("input")
@@ -112,9 +145,10 @@ async def embed(request: Request, server: Server):
     }
 
 
-async def embeddings(request: Request, server: Server):
+@accepts(EmbeddingsRequest)
+async def embeddings(request: Request, server: "Server"):
     """/api/embeddings (legacy): `prompt` -> `embedding`, not normalised (as Ollama's); no prompt: empty."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), EmbeddingsRequest)
     model = served(server, body, EMBED, "/api/embeddings")
     kept(server, model, body)
     prompt = option(body, "prompt", str, "")
@@ -160,7 +194,7 @@ def tagged(name: str) -> str:
     return name if ":" in name else name + TAG
 
 
-async def tags(request: Request, server: Server):
+async def tags(request: Request, server: "Server"):
     """The served models and, unloaded, the other models of --models-dir (as Ollama lists what it has pulled)."""
     models = []
     for model in server.models.values():
@@ -186,8 +220,12 @@ def folder_entry(name: str, folder: Path) -> dict:
                         "parameter_size": "", "quantization_level": ""}}  # fmt: skip
 
 
-async def show(request: Request, server: Server):
-    body = await read_json(request, server)
+@accepts(ShowRequest)
+async def show(request: Request, server: "Server"):
+    """A model's details, as Ollama's."""
+    body = fields(await read_json(request, server), ShowRequest)
+    if body.get("model") is None and body.get("name") is not None:  # Ollama's deprecated spelling, which it takes
+        body = {**body, "model": body["name"]}
     model = served(server, body, None, "/api/show")
     family = facts(model)["family"]
     info = {"general.architecture": family, "general.parameter_count": facts(model)["parameters"],
@@ -201,7 +239,7 @@ async def show(request: Request, server: Server):
     }  # fmt: skip
 
 
-async def ps(request: Request, server: Server):
+async def ps(request: Request, server: "Server"):
     models = []
     for model in server.models.values():
         f = facts(model)
@@ -213,15 +251,15 @@ async def ps(request: Request, server: Server):
     return {"models": models}
 
 
-def expires_at(server: Server, name: str) -> str:
+def expires_at(server: "Server", name: str) -> str:
     """When the model unloads: a --models-dir model's expiry, or Ollama's far date for one kept loaded."""
     expiry = server.lazy.expiry(name) if server.lazy is not None else None
-    if expiry is None or expiry == math.inf:
+    if expiry is None or expiry >= FOREVER_S:  # a keep_alive past Ollama's far date (or a datetime's range) too
         return FOREVER
     return datetime.datetime.fromtimestamp(expiry, datetime.timezone.utc).isoformat()
 
 
-async def version(request: Request, server: Server):
+async def version(request: Request, server: "Server"):
     return {"version": __version__}
 
 

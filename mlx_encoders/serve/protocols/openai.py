@@ -1,8 +1,6 @@
 """OpenAI's routes: /v1/embeddings and /v1/models; /v1/classify in the same shapes."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 
 import numpy as np
 from starlette.requests import Request
@@ -10,15 +8,47 @@ from starlette.requests import Request
 from ..embedding_types import TYPES, base64_of, typed
 from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, MULTI_VECTOR, TASKS, ServedModel
-from ..requests import dimensions_of, option, read_json, texts, texts_or_ids
+from ..requests import dimensions_of, option, read_json, texts, texts_or_ids, too_long_hint
+from ..schema import ModelName, OutputType, Truncate, accepts, fields
 
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
 
 
-async def embeddings(request: Request, server: Server):
+User = Annotated[str, "the end user's id (OpenAI's; it changes nothing)"]
+
+
+class EmbeddingsRequest(TypedDict, total=False):
+    input: Required[
+        Annotated[
+            str | list[str] | list[int] | list[list[int]],
+            "a text, texts, or token ids (the model's own, special tokens included)",
+        ]
+    ]
+    model: ModelName
+    encoding_format: Annotated[Literal["float", "base64"], "floats (default), or base64 of float32"]
+    dimensions: Annotated[int | None, "keep the first dimensions (Matryoshka models)"]
+    input_type: Annotated[Literal["query", "document"] | None, "embed as encode_query / encode_document do"]
+    output_dtype: Annotated[OutputType, "quantized embeddings (Voyage's), as encode(precision=...)"]
+    truncate: Truncate
+    user: User
+    modality: Annotated[Literal["text"], "Infinity's: texts only"]
+
+
+class ClassifyRequest(TypedDict, total=False):
+    input: Required[Annotated[str | list[str], "a text or texts"]]
+    model: ModelName
+    top_k: Annotated[int | None, "labels per text, best first (default: all)"]
+    truncate: Truncate
+    user: User
+
+
+@accepts(EmbeddingsRequest)
+async def embeddings(request: Request, server: "Server"):
     """OpenAI's embeddings; for a multi-vector model each `embedding` is a list of token vectors (floats only)."""
-    body = await read_json(request, server)
+    body = fields(await read_json(request, server), EmbeddingsRequest)
+    if body.get("modality", "text") != "text":
+        raise ApiError(400, f'"modality" {body["modality"]!r:.40} is not served: this server embeds texts', "modality")
     model = server.model(body.get("model"), (EMBED, MULTI_VECTOR), "/v1/embeddings")
     found, ids = texts_or_ids(body.get("input"))
     server.count(found or ids, "input")
@@ -36,9 +66,9 @@ async def embeddings(request: Request, server: Server):
     if ids is not None and task is not None:
         raise ApiError(400, '"input_type" applies to texts (its prompt); token ids are the whole input', "input_type")
     if ids is None:
-        items = await server.tokenize(model, model.tokenize, found, truncate, task=task)
+        items = await server.tokenize(model, model.tokenize, found, truncate, task=task, hint=too_long_hint(body))
     else:
-        items = await server.tokenize(model, model.token_ids, ids, truncate)
+        items = await server.tokenize(model, model.token_ids, ids, truncate, too_long_hint(body))
     out = await server.run(model, items)
     vectors = out if model.multi is not None else model.embeddings(out, dimensions)
     if dtype != "float":
@@ -88,13 +118,15 @@ def multi_vector_request(model: ServedModel, body: dict, fmt: str, ids) -> None:
         raise ApiError(400, f"{where}: send texts, not token ids", "input")
 
 
-async def classify(request: Request, server: Server):
-    body = await read_json(request, server)
+@accepts(ClassifyRequest)
+async def classify(request: Request, server: "Server"):
+    """Per text its labels, best first, in OpenAI's list shape."""
+    body = fields(await read_json(request, server), ClassifyRequest)
     model = server.model(body.get("model"), CLASSIFY, "/v1/classify")
     found = server.count(texts(body.get("input"), "input"), "input")
     top_k = option(body, "top_k", int, None, 1)
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
-    items = await server.tokenize(model, model.tokenize, found, truncate)
+    items = await server.tokenize(model, model.tokenize, found, truncate, hint=too_long_hint(body))
     labels = model.labels(await server.run(model, items), top_k)
     tokens = sum(len(item.ids) for item in items)
     return {
@@ -105,7 +137,7 @@ async def classify(request: Request, server: Server):
     }
 
 
-async def models(request: Request, server: Server):
+async def models(request: Request, server: "Server"):
     """The served models, then the other models of --models-dir (loaded by their first request)."""
     names = list(server.models)
     names += [n for n in server.lazy.names() if n not in server.models] if server.lazy is not None else []

@@ -16,8 +16,18 @@ from ... import __version__
 from ...pipelines.text_classification import FUNCTIONS
 from ..errors import ApiError
 from ..models import CLASSIFY, EMBED, RERANK, SPARSE, TASKS, ServedModel
-from ..requests import dimensions_of, is_int, option, read_json, required_text, text, texts, texts_or_ids
-from ..schema import accepts, fields
+from ..requests import (
+    dimensions_of,
+    is_int,
+    option,
+    read_json,
+    required_text,
+    text,
+    texts,
+    texts_or_ids,
+    too_long_hint,
+)
+from ..schema import Truncate, accepts, fields
 from . import infinity
 from .operations import health
 
@@ -28,7 +38,6 @@ DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"
 MODEL_FAILED = {"model_error", "non_finite_output", "model_not_supported"}  # TEI's "Backend" errors: 424
 
 Model = Annotated[str, "the served model (or ?model=NAME in the URL); default: the only one able to answer"]
-Truncate = Annotated[bool | None, "cut an over-long input to the model's length (default: --auto-truncate)"]
 Direction = Annotated[Literal["right", "left", "Right", "Left"], "the end an over-long input is cut at (right)"]
 PromptName = Annotated[
     str | None, "prepend this prompt of the model's prompts (default: the prompt `encode` prepends, if any)"
@@ -93,16 +102,6 @@ class RerankRequest(TypedDict, total=False):
     return_text: Annotated[bool, "each document's text with its score (default false)"]
     truncate: Truncate
     truncation_direction: Direction
-
-
-class InfinityRerankRequest(TypedDict, total=False):
-    query: Required[str]
-    documents: Required[Annotated[list[str], "the documents (Infinity's body on TEI's /rerank: no \"texts\")"]]
-    model: Model
-    top_n: Annotated[int | None, "the best documents only"]
-    return_documents: Annotated[bool, "each document's text with its score (default false)"]
-    raw_scores: Annotated[bool, "the logits, not the scores (default false)"]
-    truncate: Truncate
 
 
 class SimilarityInputs(TypedDict):
@@ -191,7 +190,7 @@ async def tokenized(server: "Server", model: ServedModel, body: dict, found: lis
     prompt_name = option(body, "prompt_name", str)
     return await server.tokenize(
         model, model.tokenize, found, truncate, param="inputs", prompt_name=prompt_name, direction=direction,
-        **kwargs,
+        hint=too_long_hint(body), **kwargs,
     )  # fmt: skip
 
 
@@ -210,8 +209,10 @@ async def embed_answer(request: Request, server: "Server", body: dict, model: Se
         truncate, direction = truncation(body, server)
         if direction != "right":
             raise ApiError(400, '"truncation_direction" applies to texts; send "right" with token ids', "inputs")
-        items = await server.tokenize(model, model.token_ids, ids, truncate)
-    return model.embeddings(await server.run(model, items), dimensions, normalize)  # written off the event loop
+        items = await server.tokenize(model, model.token_ids, ids, truncate, too_long_hint(body))
+    if not normalize:  # the vectors as pooled (and projected), as TEI gives them
+        items = model.unnormalized(items)
+    return model.embeddings(await server.run(model, items), dimensions, normalize, raw=not normalize)
 
 
 @tei_errors
@@ -325,13 +326,14 @@ async def rerank_answer(request: Request, server: "Server", body: dict, model: S
     truncate, direction = truncation(body, server)
     prompt_name = option(body, "prompt_name", str)
     scores, order, _ = await server.rank(
-        model, query, docs, truncate, raw, "inputs", prompt_name=prompt_name, direction=direction
-    )
+        model, query, docs, truncate, raw, "texts", prompt_name=prompt_name, direction=direction,
+        hint=too_long_hint(body),
+    )  # fmt: skip
     return [{"index": int(i), "score": float(scores[i]), **({"text": docs[i]} if keep else {})} for i in order]
 
 
 @tei_errors
-@accepts(RerankRequest | InfinityRerankRequest)
+@accepts(RerankRequest | infinity.RerankRequest)
 async def rerank(request: Request, server: "Server"):
     """Reranking: the texts by the cross-encoder's score for (query, text), best first, as `CrossEncoder.predict`
     (`raw_scores`: the logits). A body with "documents" and no "texts" is Infinity's, which infinity.py answers
@@ -479,7 +481,7 @@ async def root(request: Request, server: "Server"):
     """GET: health. POST: the route of the model's kind, as TEI's `/`: an embedding model's /embed (its
     /similarity for {"inputs": {"source_sentence", "sentences"}}), a sparse model's /embed_sparse, a
     cross-encoder's /rerank (its /predict for "inputs"), a classifier's /predict."""
-    if request.method == "GET":
+    if request.method in ("GET", "HEAD"):  # Starlette routes HEAD to a GET route; Ollama's heartbeat sends it
         return await health(request, server)
     body = await read_json(request, server)
     capability = root_capability(body)
