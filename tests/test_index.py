@@ -583,6 +583,22 @@ def test_build_shows_one_progress_bar_of_texts_on_a_terminal(tmp_path, encoder, 
             assert bars and all(frame.startswith("embedding:") and "/20 [" in frame for frame in bars)
 
 
+def test_a_model_folder_given_relative_is_found_from_any_directory(tmp_path, model, monkeypatch):
+    corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
+    monkeypatch.chdir(model.parent)
+    build(corpus, index, model.name, quiet=True)  # a path relative to here
+    with Store(index / "index.sqlite") as store:
+        assert store.meta["model"] == str(model.resolve())
+    monkeypatch.chdir(tmp_path)
+    assert search(index, "Cats purr when they are content.", k=1)[0].id == "animals.md#1"
+
+    with Store(index / "index.sqlite") as store:  # as an index built before this recorded its folder whole
+        store.set_meta({"model": model.name})
+    with pytest.raises(FileNotFoundError, match=f"records its model as {model.name!r}, as given when it was built"):
+        search(index, "Cats purr when they are content.", k=1)
+    assert search(index, "Cats purr when they are content.", k=1, model=model)[0].id == "animals.md#1"
+
+
 def test_command_line_build_and_search(tmp_path, model, capsys):
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 0

@@ -140,6 +140,23 @@ def test_a_damaged_store_is_an_error_and_no_file(written, tmp_path):
         assert not list(tmp_path.glob(f".{name}.parquet.*")), name  # no temporary file left
 
 
+def test_an_export_removes_what_killed_exports_to_its_file_left(written, tmp_path):
+    import os
+    import subprocess
+
+    folder, _, _ = written
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # a process that no longer runs, as an export killed by SIGKILL
+    output = tmp_path / "out.parquet"
+    killed, running = tmp_path / f".out.parquet.{ended.pid}.tmp", tmp_path / f".out.parquet.{os.getppid()}.tmp"
+    other = tmp_path / f".other.parquet.{ended.pid}.tmp"
+    for path in (killed, running, other):
+        path.write_bytes(b"half a file")
+    export(folder, output, quiet=True)
+    assert pq.read_table(output).num_rows == 300 + SHARED and not killed.exists()
+    assert running.exists() and other.exists()  # a running export's file, and another output's, are left alone
+
+
 def test_command_line_export(written, tmp_path, capsys, monkeypatch):
     folder, vectors, _ = written
     output = tmp_path / "docs.parquet"

@@ -77,11 +77,13 @@ def identity(encoder: SentenceEncoder | None, model: str, sparse: SparseEncoder 
 
 
 def open_model(model, kind: type):
-    """(encoder or None, its name) of a folder, hub id or encoder of class `kind`."""
+    """(encoder or None, its name: a local folder's absolute path, so the index finds it from any directory, or
+    the hub id) of a folder, hub id or encoder of class `kind`."""
     if model is None:
         return None, ""
     encoder = model if isinstance(model, kind) else kind(model)
-    return encoder, str(model.path) if isinstance(model, kind) else str(model)
+    name = str(model.path) if isinstance(model, kind) else str(model)
+    return encoder, str(Path(name).resolve()) if Path(name).is_dir() else name
 
 
 def log(message: str, quiet: bool) -> None:

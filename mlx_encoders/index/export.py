@@ -18,6 +18,7 @@ file (or the previous one) at `output`.
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -105,6 +106,26 @@ def schema_for(pa, meta: dict[str, str], precision: str, codes: np.ndarray | Non
     return pa.schema(fields, metadata={METADATA_KEY: json.dumps(about)})
 
 
+def remove_stale_temporaries(output: Path) -> None:
+    """Remove the temporary files of exports to `output` that were killed (SIGKILL, power loss) before they could
+    remove their own: `.NAME.PID.tmp` whose process no longer runs."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(\d+)\.tmp")
+    found = (pattern.fullmatch(path.name) for path in output.parent.iterdir()) if output.parent.is_dir() else ()
+    for match in found:
+        if match and not running(int(match[1])):
+            (output.parent / match[0]).unlink(missing_ok=True)
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def export(
     index: str | Path, output: str | Path, *, precision: str = "float32", quiet: bool = False
 ) -> dict[str, int | str]:
@@ -126,6 +147,7 @@ def export(
         codes, described = quantized(vectors, precision) if dense else (None, {})
         schema = schema_for(pa, meta, precision, codes, described)
         about = json.loads(schema.metadata[METADATA_KEY])
+        remove_stale_temporaries(output)
         temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
         bar = tqdm(total=about["documents"], desc="exporting", unit="doc", leave=False,
                    disable=quiet or not sys.stderr.isatty())  # fmt: skip

@@ -51,6 +51,22 @@ def best(scores: np.ndarray, k: int) -> np.ndarray:
     return top[np.lexsort((top, -scores[top]))]
 
 
+def recorded(kind: type, given, meta: dict[str, str], key: str, where: Path):
+    """The encoder `given` (a folder or hub id), else the one the index records under `key`."""
+    if given:
+        return kind(given)
+    try:
+        return kind(meta[key])
+    except FileNotFoundError as e:  # an index built before local folders were recorded by their absolute path
+        if Path(meta[key]).is_absolute():
+            raise
+        raise FileNotFoundError(
+            f"The index {where} records its {key.replace('_', ' ')} as {meta[key]!r}, as given when it was built: a "
+            f"folder relative to where it was built, or a hub id. Pass the model (--{key.replace('_', '-')} PATH "
+            f"or {key}=PATH) to search it. ({e})"
+        ) from e
+
+
 def check_encoder(encoder, meta: dict[str, str], where: Path, kind: str = "model") -> None:
     found = folder_digest(encoder.path)
     if found != meta.get(f"{kind}_fingerprint"):
@@ -216,7 +232,7 @@ class Index:
 
     def embed(self, query: str) -> np.ndarray:
         if self.encoder is None:
-            self.encoder = SentenceEncoder(self.model or self.meta["model"])
+            self.encoder = recorded(SentenceEncoder, self.model, self.meta, "model", self.folder)
         if "model" not in self.checked:  # once: it hashes the model's files
             check_encoder(self.encoder, self.meta, self.folder)
             self.checked.add("model")
@@ -226,7 +242,7 @@ class Index:
         """(term ids, weights) of a text query (by the sparse model) or of one sparse vector."""
         if isinstance(query, str):
             if self.sparse_encoder is None:
-                self.sparse_encoder = SparseEncoder(self.sparse_model or self.meta["sparse_model"])
+                self.sparse_encoder = recorded(SparseEncoder, self.sparse_model, self.meta, "sparse_model", self.folder)
             if "sparse_model" not in self.checked:
                 check_encoder(self.sparse_encoder, self.meta, self.folder, "sparse_model")
                 self.checked.add("sparse_model")
