@@ -80,9 +80,10 @@ def test_prompts_max_active_dims_similarity_and_decode_match(tmp_path, mlm):
     np.testing.assert_allclose(
         encoder.similarity_pairwise(ours_q, ours_d), st.similarity_pairwise(queries, docs), rtol=1e-5, atol=1e-4
     )
-    for theirs, mine in zip(st.decode(queries, top_k=5), encoder.decode(ours_q, top_k=5), strict=True):
+    for i, (theirs, mine) in enumerate(zip(st.decode(queries, top_k=5), encoder.decode(ours_q, top_k=5), strict=True)):
         assert [t for t, _ in mine] == [t for t, _ in theirs]
         np.testing.assert_allclose([w for _, w in mine], [w for _, w in theirs], atol=1e-5, rtol=1e-5)
+        assert encoder.decode(ours_q[i], top_k=5) == mine  # one vector's (token ids, weights) pair
     single = encoder.encode(texts[0])
     assert single.shape == (30522,) and single.toarray().shape == (30522,)
     mine, theirs = dict(encoder.decode(single)), dict(st.decode(st.encode(texts[0])))  # near-ties may swap order

@@ -274,6 +274,14 @@ def build_route(modules: list[Module], source: Path, dtype) -> Route:
     )
 
 
+def is_pair(x) -> bool:
+    """A (token ids, weights) pair of one sparse vector (`SparseVectors[i]`), not two dense rows."""
+    return (
+        isinstance(x, tuple) and len(x) == 2 and all(isinstance(part, np.ndarray) and part.ndim == 1 for part in x)
+        and x[0].dtype.kind in "iu" and len(x[0]) == len(x[1])
+    )  # fmt: skip
+
+
 class SparseEncoder(Embedder):
     """Texts -> sparse vocabulary-sized embeddings, like `sentence_transformers.SparseEncoder(path).encode(texts)`.
 
@@ -387,10 +395,12 @@ class SparseEncoder(Embedder):
 
     def decode(self, embeddings, top_k: int | None = None) -> list:
         """(token, weight) pairs by descending weight, the `top_k` first when set: a list for one vector (a (V,)
-        input), a list of such lists for (N, V)."""
+        input, or the (token ids, weights) pair of `SparseVectors[i]`), a list of such lists for (N, V)."""
         if top_k is not None:
             check_count("decode() top_k", top_k, 1)
-        if isinstance(embeddings, SparseVectors):
+        if is_pair(embeddings):
+            single, rows = True, [(np.asarray(embeddings[0]), np.asarray(embeddings[1]))]
+        elif isinstance(embeddings, SparseVectors):
             single, rows = len(embeddings.shape) == 1, embeddings.rows()
         else:
             single = np.ndim(embeddings) == 1
