@@ -10,8 +10,6 @@ spreads it out), where "result" is what the Python API returns for that text (`m
 import argparse
 import json
 import math
-import os
-import select
 import sys
 
 import numpy as np
@@ -258,29 +256,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if hasattr(args, "run"):  # generate, index, evaluate, ...: they print as they go
-            return args.run(args)
-        texts = read_texts(args)
-        results, show = TASKS[args.task](args, texts)
-        print_results(args, texts, results, show)
-        sys.stdout.flush()
-    except BrokenPipeError:  # the reader stopped early (`| head`): end quietly, as other Unix tools do
-        if not stdout_closed():  # another pipe than the output's: an error like any other
-            raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's flush at exit fails again
-        return 141  # 128 + SIGPIPE, what the shell reports for a tool the closed pipe stopped
+    if hasattr(args, "run"):  # generate, index, evaluate, ...: they print as they go
+        return args.run(args)
+    texts = read_texts(args)
+    results, show = TASKS[args.task](args, texts)
+    print_results(args, texts, results, show)
+    sys.stdout.flush()  # a closed pipe fails here, within run_command, not at exit
     return 0
-
-
-def stdout_closed() -> bool:
-    """Whether the reader of standard output has gone: a pipe whose read end is closed polls as an error."""
-    try:
-        poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
-    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout
-        return True
 
 
 if __name__ == "__main__":

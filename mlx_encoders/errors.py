@@ -8,6 +8,7 @@ traceback; `--debug` or MLX_ENCODERS_DEBUG=1 shows the traceback of every error.
 
 import argparse
 import os
+import select
 import sys
 from collections.abc import Callable
 
@@ -51,6 +52,15 @@ def run_command(program: str, command: Callable[[], int | None], debug: bool = F
     debug = debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         status = command()
+        sys.stdout.flush()  # a closed pipe fails here, where it is handled, not in Python's flush at exit
+    except BrokenPipeError as e:  # the reader stopped early (`| head`): end quietly, as other Unix tools do
+        if debug or not stdout_closed():  # another pipe than the output's: an error like any other
+            if debug:
+                raise
+            print(f"{program}: error: {describe(e)}", file=sys.stderr)
+            return 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's flush at exit fails again
+        return 141  # 128 + SIGPIPE, what the shell reports for a tool the closed pipe stopped
     except KNOWN as e:
         if debug:
             raise
@@ -62,3 +72,13 @@ def run_command(program: str, command: Callable[[], int | None], debug: bool = F
         print(f"\n{program}: interrupted", file=sys.stderr)
         return 130
     return 0 if status is None else status
+
+
+def stdout_closed() -> bool:
+    """Whether the reader of standard output has gone: a pipe whose read end is closed polls as an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout
+        return True

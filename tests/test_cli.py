@@ -332,3 +332,17 @@ def test_a_command_that_prints_as_it_goes_ends_quietly_into_a_closed_pipe(checkp
     command = f"{shlex.quote(sys.executable)} -m mlx_encoders generate -m {model} --max-new-tokens 4 {prompts} | true"
     done = subprocess.run(["bash", "-c", command + "; exit ${PIPESTATUS[0]}"], capture_output=True, text=True)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_convert_ends_quietly_into_a_closed_pipe(checkpoint, tmp_path):
+    """`python -m convert ... | head -1`: every command run through `run_command` takes a closed pipe as its
+    reader's choice (141, no error line), not as a failed conversion."""
+    source = shlex.quote(str(checkpoint("bert")))
+    output = shlex.quote(str(tmp_path / "q8"))
+    options = f"-q --group-size 32 --no-calibration {source} --mlx-path {output}"
+    command = f"{shlex.quote(sys.executable)} -m convert {options} | true"
+    root = str(Path(__file__).parents[1])
+    done = subprocess.run(["bash", "-c", command + "; exit ${PIPESTATUS[0]}"], capture_output=True, text=True,
+                          cwd=root)  # fmt: skip
+    assert done.returncode == 141 and "error" not in done.stderr, done.stderr
+    assert (tmp_path / "q8" / "config.json").exists()  # written before the report met the closed pipe

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 import mlx_encoders
 from convert.__main__ import main, parser
 from mlx_encoders import conversion
+from mlx_encoders.errors import OptionError
 from mlx_encoders.quantization import calibration, rounding
 
 EUROBERT_WIDTHS = dict(hidden_size=64, intermediate_size=128, initializer_range=0.05)
@@ -731,6 +732,8 @@ def test_cli_accepts_mlx_lm_spellings_and_reports_errors(tmp_path, bert, capsys)
 
 
 def test_upload_calls_huggingface_hub(tmp_path, bert, monkeypatch):
+    """One commit of the folder, its card's code loading the repo it goes to: on a fresh conversion, and on a
+    reused one converted under another name (the card in the folder names the folder)."""
     import huggingface_hub
 
     calls = []
@@ -739,22 +742,35 @@ def test_upload_calls_huggingface_hub(tmp_path, bert, monkeypatch):
         def create_repo(self, **kwargs):
             calls.append(("create_repo", kwargs))
 
-        def upload_folder(self, **kwargs):
-            calls.append(("upload_folder", kwargs))
-            assert (Path(kwargs["folder_path"]) / "model.safetensors").exists()
+        def create_commit(self, repo_id, repo_type, operations, commit_message):
+            files = {op.path_in_repo: op.path_or_fileobj for op in operations}
+            calls.append(("create_commit", repo_id, repo_type, sorted(files)))
+            card = files["README.md"]
+            uploaded_cards.append(card.decode() if isinstance(card, bytes) else Path(card).read_text())
+            assert Path(files["model.safetensors"]).exists()
 
+    uploaded_cards = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     out = mlx_encoders.convert(bert, tmp_path / "mlx", bits=8, group_size=32, upload_repo="someone/tiny-bert-8bit")
+    expected = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert calls == [
         ("create_repo", {"repo_id": "someone/tiny-bert-8bit", "repo_type": "model", "exist_ok": True}),
-        ("upload_folder", {"folder_path": str(out), "repo_id": "someone/tiny-bert-8bit", "repo_type": "model"}),
+        ("create_commit", "someone/tiny-bert-8bit", "model", expected),
     ]
-    assert 'mlx_encoders.load("someone/tiny-bert-8bit")' in (out / "README.md").read_text()
+    assert 'mlx_encoders.load("someone/tiny-bert-8bit")' in (out / "README.md").read_text() == uploaded_cards[0]
+
+    local = mlx_encoders.convert(bert, tmp_path / "local", bits=8, group_size=32)
+    assert 'mlx_encoders.load("local")' in (local / "README.md").read_text()
+    assert mlx_encoders.convert(bert, local, bits=8, group_size=32, upload_repo="someone/other") == local  # reused
+    assert 'mlx_encoders.load("someone/other")' in uploaded_cards[1] and '"local"' not in uploaded_cards[1]
+    assert uploaded_cards[1].replace("someone/other", "local") == (local / "README.md").read_text()
 
 
 def test_quantized_source_is_not_quantized_twice(tmp_path, bert_q8):
     with pytest.raises(ValueError, match="already quantized"):
         mlx_encoders.convert(bert_q8, tmp_path / "again", bits=4)
+    with pytest.raises(ValueError, match=r"already quantized: convert it with dequantize=True \(--dequantize\)"):
+        mlx_encoders.convert(bert_q8, tmp_path / "again", dtype="float16")  # a cast would misreport it
     assert not (tmp_path / "again").exists()
 
 
@@ -766,3 +782,36 @@ def test_conflicting_options_are_refused_naming_both(tmp_path, capsys):
     assert "--calibration and --no-calibration conflict" in capsys.readouterr().err
     assert main([str(tmp_path / "model"), "--recipe", "mixed_4_8", "--bits", "8"]) == 2
     assert "recipe 'mixed_4_8' and bits=8 (--bits) conflict" in capsys.readouterr().err
+
+
+def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, monkeypatch, capsys):
+    """--group-size alone quantizes (as --bits does); an output inside the source, calibration texts for a source
+    without a tokenizer, are refused before anything is written; a source without a tokenizer gets a card whose
+    code runs; "." is named by its folder."""
+    out = mlx_encoders.convert(bert, tmp_path / "grouped", group_size=32, calibration=False)
+    assert json.loads((out / "config.json").read_text())["quantization"]["group_size"] == 32
+
+    inside = tmp_path / "source"
+    shutil.copytree(bert, inside)
+    with pytest.raises(OptionError, match="is inside the source folder"):
+        mlx_encoders.convert(inside, inside / "q8", bits=8)
+    assert not (inside / "q8").exists()
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(bert / name, bare / name)
+    with pytest.raises(OptionError, match=r"has no tokenizer.json: add .* or quantize without calibration"):
+        mlx_encoders.convert(bare, tmp_path / "bare-gptq", bits=8, calibration=["a text to calibrate on"])
+    assert not (tmp_path / "bare-gptq").exists()
+    plain = mlx_encoders.convert(bare, tmp_path / "bare-8bit", bits=8)
+    card = (plain / "README.md").read_text()
+    code = card.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(code, {})  # the card's code runs (the model alone: no tokenizer)
+    assert 'load_model("bare-8bit")' in code
+
+    monkeypatch.chdir(bert)
+    assert main(["-q", "--no-calibration", ".", "--mlx-path", str(tmp_path / "dot")]) == 0
+    assert f"MLX weights of `{bert.name}`" in (tmp_path / "dot" / "README.md").read_text()
+    assert f"Converted {bert.name} ->" in capsys.readouterr().out

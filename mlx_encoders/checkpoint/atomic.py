@@ -169,7 +169,7 @@ def disk_full(error: BaseException, folder: Path) -> bool:
         return False
 
 
-def put_in_place(tmp: Path, target: Path, replace: bool) -> None:
+def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrite=True (--force)") -> None:
     """Rename the complete `tmp` to `target`. An existing `target` is first moved into a locked `.old` folder
     and removed only once `tmp` is in its place; a process killed between the two renames leaves it there,
     and the next write of `target` moves it back (`remove_stale`)."""
@@ -177,7 +177,7 @@ def put_in_place(tmp: Path, target: Path, replace: bool) -> None:
         tmp.rename(target)
         return
     if not replace:
-        raise FileExistsError(f"{target} appeared while it was being written; pass overwrite=True to replace it")
+        raise FileExistsError(f"{target} appeared while it was being written; pass {option} to replace it")
     old, lock = owned_folder(target, ".old")
     try:
         target.rename(old / target.name)
@@ -188,17 +188,21 @@ def put_in_place(tmp: Path, target: Path, replace: bool) -> None:
 
 
 @contextmanager
-def atomic_folder(target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = ()) -> Iterator[Path]:
+def atomic_folder(
+    target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
+    option: str = "overwrite=True (--force)",
+) -> Iterator[Path]:  # fmt: skip
     """A temporary folder beside `target`, renamed into place only if the block completes. An existing
     `target` is replaced only when `replace` (see `check_replaceable`, `parts` the checkpoint folders that a
-    folder of several holds), once the new folder is complete; if
-    that fails, the old folder is put back. The temporary folder is removed on any error, Ctrl-C, SIGTERM or
-    SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it (`remove_stale`)."""
+    folder of several holds), once the new folder is complete; if that fails, the old folder is put back.
+    `option` names, in errors, the setting that replaces it. The temporary folder is removed on any error,
+    Ctrl-C, SIGTERM or SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it
+    (`remove_stale`)."""
     target = Path(target)
     remove_stale(target)
     if target.exists():
         if not replace:
-            raise FileExistsError(f"{target} already exists; pass overwrite=True (--force) to replace it")
+            raise FileExistsError(f"{target} already exists; pass {option} to replace it")
         check_replaceable(target, whole, parts)
     target.parent.mkdir(parents=True, exist_ok=True)
     with exit_on_signals():
@@ -206,7 +210,7 @@ def atomic_folder(target: Path, replace: bool, whole: bool = True, parts: tuple[
         try:
             tmp.chmod(user_mode())
             yield tmp
-            put_in_place(tmp, target, replace)
+            put_in_place(tmp, target, replace, option)
         except BaseException as error:
             full = disk_full(error, target.parent)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -112,6 +112,11 @@ def is_quantized(config: dict) -> bool:
     return bool(config.get("quantization") or config.get("quantization_config"))
 
 
+def source_name(source: str | Path, checkpoint: Checkpoint) -> str:
+    """The source as the card and the report name it: as given, but a local "." or ".." by its folder's name."""
+    return checkpoint.path.resolve().name if Path(source).name in ("", ".", "..") else str(source)
+
+
 def check_request(config: dict, quantize: bool, dequantize: bool, path: Path) -> None:
     if quantize and dequantize:
         raise OptionError("quantize and dequantize exclude each other; pick one")
@@ -119,6 +124,11 @@ def check_request(config: dict, quantize: bool, dequantize: bool, path: Path) ->
         raise ValueError(f"{path} is not a quantized MLX checkpoint (no `quantization` in config.json)")
     if quantize and is_quantized(config):
         raise ValueError(f"{path} is already quantized; convert it with dequantize=True first to re-quantize")
+    if is_quantized(config) and not dequantize:  # a cast alone would misreport its packed weights and drop entries
+        raise ValueError(
+            f"{path} is already quantized: convert it with dequantize=True (--dequantize) to get floats, or convert "
+            "its float source with the options you want"
+        )
 
 
 def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dtype: str | None, dequantize: bool
@@ -134,6 +144,8 @@ def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dt
     check_request(checkpoint.config, spec is not None, dequantize, checkpoint.path)
     if target.resolve() == checkpoint.path.resolve():
         raise OptionError(f"mlx_path (--mlx-path) {target} is the source folder; choose another output folder")
+    if checkpoint.path.resolve() in target.resolve().parents:  # it would become one of the source's files
+        raise OptionError(f"mlx_path (--mlx-path) {target} is inside the source folder; choose a folder outside it")
     checkpoint.weight_files()  # refuses pickle-only checkpoints
     check_sentence_modules(checkpoint.path)
     return checkpoint
@@ -204,11 +216,11 @@ def convert(
 ) -> Path:
     """Convert a checkpoint (local folder or hub id) into an MLX checkpoint folder; returns its path.
 
-    `quantize` (implied by `bits` or `recipe`) quantizes every Linear and Embedding (`bits` 2-8, default 8;
-    `group_size` 32/64/128, default 64 for affine, 32 at 4 bits and fewer; `mode` affine or mxfp4/mxfp8/nvfp4);
-    `recipe` "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers at 4 (or a dict of module patterns
-    -> bits). Below 8 bits, affine position and token-type tables get 8 bits unless a recipe pattern names them
-    (`{"*": 4}` puts every module at 4 bits).
+    `quantize` (implied by `bits`, `group_size`, `recipe` or `mode`) quantizes every Linear and Embedding
+    (`bits` 2-8, default 8; `group_size` 32/64/128, default 64 for affine, 32 at 4 bits and fewer; `mode`
+    affine or mxfp4/mxfp8/nvfp4); `recipe` "mixed_4_8" keeps embeddings and heads at 8 bits and encoder layers
+    at 4 (or a dict of module patterns -> bits). Below 8 bits, affine position and token-type tables get 8 bits
+    unless a recipe pattern names them (`{"*": 4}` puts every module at 4 bits).
     Affine quantization uses GPTQ for Linears, calibrated on `calibration` texts (default: 128
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
@@ -222,7 +234,7 @@ def convert(
         raise OptionError(
             f"recipe {recipe!r} and bits={bits} (--bits) conflict: the recipe sets every module's bits; drop one"
         )
-    quantize = quantize or bits is not None or recipe is not None or mode != "affine"
+    quantize = quantize or bits is not None or group_size is not None or recipe is not None or mode != "affine"
     spec = quantization_spec(bits, group_size, mode) if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     remove_stale(target)  # a run killed mid-write: free its space now, and put back a target it had moved aside
@@ -245,6 +257,11 @@ def convert(
         raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
     model = load_model(checkpoint, as_stored=True)  # each tensor's dtype kept unless --dtype says otherwise
     tokenizer = source_tokenizer(model, checkpoint)
+    if explicit and tokenizer is None:
+        raise OptionError(
+            f"calibration (--calibration) tokenizes its texts, and {checkpoint.path} has no tokenizer.json: add the "
+            "source's tokenizer files, or quantize without calibration (--no-calibration)"
+        )
     calibration = calibration_texts(calibration, spec, tokenizer)
     hessians = input_hessians(model, tokenizer, calibration, max_length=CALIBRATION_TOKENS) if calibration else None
     batch = probe_batch(model, tokenizer)
@@ -278,12 +295,13 @@ def convert(
     if task_of_model(model) == "causal-lm":  # a decoder's fidelity: how much worse it predicts the probe texts
         report["perplexity"] = {"source": perplexity(reference, batch), "result": perplexity(result, batch)}
     check_finite(source, reference, report["fidelity"], dtype, spec)
-    with atomic_folder(target, force) as tmp:
+    with atomic_folder(target, force, option="force=True (--force)") as tmp:
         write_folder(model, config, checkpoint.path, tmp, report, DTYPES.get(dtype), shard_size)
-        (tmp / "README.md").write_text(model_card(str(source), target.name, report, upload_repo))
+        card = model_card(source_name(source, checkpoint), target.name, report, upload_repo, tokenizer is not None)
+        (tmp / "README.md").write_text(card)
         (tmp / RECORD).write_text(json.dumps({**record, "output": folder_digest(tmp)}, indent=2))
     report["seconds"] = time.perf_counter() - start
-    print_report(str(source), target, report)
+    print_report(source_name(source, checkpoint), target, report)
     if upload_repo:
         print(f"Uploaded to {upload(target, upload_repo)}")
     return target

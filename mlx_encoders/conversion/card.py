@@ -1,5 +1,6 @@
 """What a conversion tells: the report printed, the model card written beside the weights, the hub upload."""
 
+import re
 from pathlib import Path
 
 from ..quantization.fidelity import PROBE_TEXTS, describe_perplexity
@@ -26,7 +27,9 @@ def describe_quantization(
     return text
 
 
-def model_card(source: str, folder_name: str, report: dict, repo: str | None) -> str:
+def model_card(source: str, folder_name: str, report: dict, repo: str | None, tokenizer: bool = True) -> str:
+    """The converted folder's README: what it is, its figures, and code that loads it (from the hub repo it is
+    uploaded to, else from its folder; the model alone for a folder without a tokenizer)."""
     hub_source = not Path(str(source)).expanduser().exists() and str(source).count("/") == 1
     front = ["---", "library_name: mlx", "tags:", "- mlx", "- mlx-encoders", f"- {report['model_type']}"]
     if hub_source:
@@ -50,25 +53,53 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None) ->
             f"max abs difference {fid['max_abs_diff']:.4g}",
             *perplexity_lines,
             "\n## Use\n",
-            "```python",
-            "import mlx_encoders",
-            "",
-            f'model, tokenizer = mlx_encoders.load("{repo or folder_name}")',
-            'batch = tokenizer(["Hello world"], padding=True)',
-            'out = model(batch["input_ids"], attention_mask=batch["attention_mask"])',
-            "```",
+            *(use(repo or folder_name) if tokenizer else use_without_tokenizer(repo or folder_name)),
             "",
         ]
     )
 
 
+def use(name: str) -> list[str]:
+    return [
+        "```python",
+        "import mlx_encoders",
+        "",
+        f'model, tokenizer = {LOAD}("{name}")',
+        'batch = tokenizer(["Hello world"], padding=True)',
+        'out = model(batch["input_ids"], attention_mask=batch["attention_mask"])',
+        "```",
+    ]
+
+
+def use_without_tokenizer(name: str) -> list[str]:
+    return [
+        "The source has no tokenizer (tokenizer.json), so neither has this folder: the model takes token ids.\n",
+        "```python",
+        "import mlx.core as mx",
+        "import mlx_encoders",
+        "",
+        f'model = {LOAD}_model("{name}")',
+        "out = model(mx.array([[1, 2, 3]]))",
+        "```",
+    ]
+
+
+LOAD = "mlx_encoders.load"
+CARD_LOAD = re.compile(r'mlx_encoders\.load(_model)?\("[^"\n]*"\)')
+
+
 def upload(folder: Path, repo: str) -> str:
     """Publish `folder` as the model repo `repo` (needs a write token: `hf auth login` or HF_TOKEN)."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi()
     api.create_repo(repo_id=repo, repo_type="model", exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model")
+    # the card's code loads the repo, whatever name the folder had when it was converted (a reused conversion)
+    card = CARD_LOAD.sub(lambda m: f'{LOAD}{m[1] or ""}("{repo}")', (folder / "README.md").read_text())
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != "README.md")
+    operations = [CommitOperationAdd(p.relative_to(folder).as_posix(), str(p)) for p in files]
+    operations.append(CommitOperationAdd("README.md", card.encode()))
+    api.create_commit(repo_id=repo, repo_type="model", operations=operations, commit_message="Upload with mlx-encoders")
     return f"https://huggingface.co/{repo}"
 
 
