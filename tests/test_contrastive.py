@@ -393,6 +393,11 @@ def test_bad_rows_name_the_file_and_line(st_folder, tmp_path):
         embedding_data(data, tokenizer)
     with pytest.raises(DataError, match=r"item 1 of the data: .* this row has 'text' \(fewer than two text"):
         embedding_data([{"text": "a"}], tokenizer)
+    with pytest.raises(DataError, match=r"item 2 .*no value in column 'positive' .* the right column with columns="):
+        embedding_data([{"anchor": "a", "positive": "b"}, {"anchor": "c", "positive": ""}], tokenizer)
+    # the same columns in another key order are read by name, in the first row's order (as `datasets` reads them)
+    mixed = embedding_data([{"question": "q1", "answer": "a1"}, {"answer": "a2", "question": "q2"}], tokenizer)
+    assert mixed.column_names == ["question", "answer"] and mixed.texts == [("q1", "a1"), ("q2", "a2")]
     with pytest.raises(ValueError, match="CoSENTLoss trains on rows of sentence1, sentence2, score"):
         fine_tune("embed", TRIPLETS, tmp_path / "o", model=st_folder, loss="cosent")
     with pytest.raises(ValueError, match=r"text_column \(--text-column\) is for .*; sentence-embedding would ignore"):

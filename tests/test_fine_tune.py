@@ -484,6 +484,32 @@ def test_an_output_holding_another_run_is_refused_unless_resumed_or_overwritten(
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+def test_a_second_run_into_a_folder_a_run_is_writing_is_refused(checkpoint, tmp_path):
+    """The output's lock, held for the whole run: a run started while another writes the folder (before that one
+    has written any file the check for another run's files would see) stops at once."""
+    from mlx_encoders.checkpoint.lock import FolderBusy, FolderLock
+
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    out.mkdir()
+    with FolderLock(out, trainer.RUN_LOCK, "a run", "", "run", "test"):  # another run, just started
+        with pytest.raises(FolderBusy, match=rf"^Another run is writing the training output {out}: pid \d+ .*"
+                                             r"Two runs into one folder would mix their checkpoints"):  # fmt: skip
+            fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=1, batch_size=4)
+    assert sorted(p.name for p in out.iterdir()) == []  # nothing written, and the lock file gone with its holder
+    fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=1, batch_size=4)
+    assert not (out / trainer.RUN_LOCK).exists() and (out / "model").is_dir()
+
+
+def test_keep_last_holds_after_a_resume_from_the_newest_checkpoint(checkpoint, tmp_path):
+    """A run stopped after saving its newest checkpoint but before removing its oldest, resumed from the newest:
+    the resumed run keeps `keep_last` from its start, though it saves nothing more."""
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), batch_size=2, lr=1e-3, schedule="constant", save_every=1)
+    fine_tune("classify", data, out, max_steps=3, keep_last=None, **options)  # three checkpoints, as if stopped
+    fine_tune("classify", data, out, max_steps=3, keep_last=2, resume=out / "checkpoint-3", **options)
+    assert [p.name for p in trainer.checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
+
+
 def test_rotation_keeps_the_checkpoint_just_saved_when_resuming_before_later_ones(checkpoint, tmp_path):
     data, out = classification_file(tmp_path), tmp_path / "run"
     options = dict(model=checkpoint("bert"), batch_size=2, lr=1e-3, schedule="constant")

@@ -384,4 +384,7 @@ def start_state(
     for later in checkpoints(config.output_dir):  # the stopped run's later states, which this run replaces
         if int(CHECKPOINT.fullmatch(later.name)[1]) > state.step:
             shutil.rmtree(later)
+    if resume_from is not None and Path(resume_from).resolve().parent == config.output_dir.resolve():
+        # the stopped run may have saved its newest before removing its oldest: keep_last holds from the start
+        rotate_checkpoints(config.output_dir, config.keep_last, state.best_checkpoint, Path(resume_from).name)
     return state

@@ -41,6 +41,10 @@ class DataError(ValueError):
     """Malformed training data; the message names the file and line."""
 
 
+HEAD_COLUMNS = "text_column= / text_pair_column= / label_column="  # the options that name a head task's columns
+PICKED_COLUMNS = "columns= (--columns)"  # the option that picks and names an embedding or reranking task's columns
+
+
 @dataclass(frozen=True)
 class Row:
     """One row of training data and where it came from: `line` is 1-based (the item number for an iterable); `where`
@@ -54,20 +58,20 @@ class Row:
     def where(self) -> str:
         return f"item {self.line} of the data" if self.source == ITERABLE else f"{self.source}:{self.line}"
 
-    def get(self, column: str):
+    def get(self, column: str, options: str = HEAD_COLUMNS):
         """The value in `column`; a DataError naming the row when the row has no such column or the value is missing
-        (null or empty, `records.missing`)."""
+        (null or empty, `records.missing`), and the task's `options` that name columns."""
         value = self.values.get(column)
         if missing(value):
             found = ", ".join(repr(c) for c in self.values) or "none"
             raise DataError(
                 f"{self.where}: no value in column {column!r} (columns: {found}); fill it, or name the right "
-                "column with text_column= / text_pair_column= / label_column="
+                f"column with {options}"
             )
         return value
 
-    def text(self, column: str) -> str:
-        value = self.get(column)
+    def text(self, column: str, options: str = HEAD_COLUMNS) -> str:
+        value = self.get(column, options)
         if not isinstance(value, str):
             raise DataError(
                 f"{self.where}: column {column!r} must hold a text, found {type(value).__name__} {value!r:.60}"

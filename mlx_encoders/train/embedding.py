@@ -30,7 +30,7 @@ from ..embeddings.sentence import MODULES as DENSE_MODULES
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..tokenizer import Tokenizer
-from .data import DataError, Examples, by_position, read_rows, regression_target, select_columns
+from .data import PICKED_COLUMNS, DataError, Examples, by_position, read_rows, regression_target, select_columns
 from .evaluators import retrieval_metric_names, row_retrieval_metrics
 from .losses.contrastive import (
     LOSSES,
@@ -217,13 +217,15 @@ def embedding_data(
     names, score = text_columns(rows[0])
     for row in rows[1:]:
         found, _ = text_columns(row)
-        if found != names:
+        if set(found) != set(names):  # in another key order they are read by name, in the first row's order
             raise DataError(
                 f"{row.where}: columns {', '.join(found)}, but the first row ({rows[0].where}) has "
                 f"{', '.join(names)}; give every row the same text columns"
             )
-    texts = [tuple(row.text(c) for c in names) for row in rows]
-    scores = [regression_target(row.get(score), row, score) for row in rows] if score else [None] * len(rows)
+    texts = [tuple(row.text(c, PICKED_COLUMNS) for c in names) for row in rows]
+    scores = (
+        [regression_target(row.get(score, PICKED_COLUMNS), row, score) for row in rows] if score else [None] * len(rows)
+    )
     prompts = [query_prompt] + [document_prompt] * (len(names) - 1)
     limits = [query_max_length or max_length] + [max_length] * (len(names) - 1)
     columns = [

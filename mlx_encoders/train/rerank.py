@@ -24,7 +24,7 @@ from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
-from .data import DataError, Row, by_position, read_rows, select_columns
+from .data import PICKED_COLUMNS, DataError, Row, by_position, read_rows, select_columns
 from .evaluators import reranking_metrics
 from .losses.rerank import LOSSES
 from .objective import Objective
@@ -59,25 +59,25 @@ class RerankExamples:
 
 def negatives(row: Row) -> list[str]:
     if "negative" in row.values:
-        value = row.get("negative")
+        value = row.get("negative", PICKED_COLUMNS)
         return [value] if isinstance(value, str) else list(value)
     numbered = sorted(
         (k for k in row.values if k.startswith("negative_") and k[9:].isdigit()), key=lambda k: int(k[9:])
     )
-    return [row.text(k) for k in numbered]
+    return [row.text(k, PICKED_COLUMNS) for k in numbered]
 
 
 def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
     """A row's documents and their labels, from whichever of the three layouts it has."""
     if "documents" in row.values:
-        documents, labels = row.get("documents"), row.get("labels")
+        documents, labels = row.get("documents", PICKED_COLUMNS), row.get("labels", PICKED_COLUMNS)
         if not isinstance(documents, list) or not isinstance(labels, list) or len(documents) != len(labels):
             raise DataError(f"{row.where}: 'documents' and 'labels' must be lists of the same length")
     elif "positive" in row.values:
-        documents = [row.text("positive"), *negatives(row)]
+        documents = [row.text("positive", PICKED_COLUMNS), *negatives(row)]
         labels = [1.0] + [0.0] * (len(documents) - 1)
     else:  # `named` gave it one of the three
-        documents, labels = [row.text("document")], [row.get("label")]
+        documents, labels = [row.text("document", PICKED_COLUMNS)], [row.get("label", PICKED_COLUMNS)]
     return documents, [relevance(label, row) for label in labels]
 
 
@@ -129,7 +129,7 @@ def rerank_data(
     queries, groups, labels, texts = [], [], [], []
     rows = [named(row) for row in select_columns(read_rows(data), columns)]
     for row in rows:
-        query = row.text("query")
+        query = row.text("query", PICKED_COLUMNS)
         documents, row_labels = documents_and_labels(row)
         if not documents:
             raise DataError(f"{row.where}: no documents to score for the query")

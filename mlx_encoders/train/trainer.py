@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from mlx.utils import tree_flatten
 from tqdm.auto import tqdm
 
 from .. import distributed
+from ..checkpoint.lock import FolderLock
 from ..engine import runtime
 from ..engine.ops import drawing_from
 from ..engine.runtime import usable_cores
@@ -51,6 +53,8 @@ from .options import check_needs
 from .plot import plot_metrics
 from .rtd import ReplacedTokenDetection, RTDObjective, rtd_masker
 from .tasks import RTD as RTD_TASK
+
+RUN_LOCK = ".training.lock"
 
 
 class Diverged(ArithmeticError, CommandError):
@@ -358,35 +362,50 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
-    if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
-        claim_output(config.output_dir, config.overwrite, resume_from)
-    if world.is_main:
+    held = ExitStack()
+    if world.is_main:  # rank 0 owns the folder: no other run writes into it meanwhile
         config.output_dir.mkdir(parents=True, exist_ok=True)
-    state = start_state(model, optimizer, config, resume_from, objective.read_weights)
-    if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
-        model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
-    model.train()
-    if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
-        model.gradient_checkpointing_enable()
-    loop = Loop(model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective)
-    record = {"step": state.step}
-    with (
-        runtime.keep_freed_memory(),
-        tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
-    ):
-        if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
-            bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-        for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
-            if state.step >= total:
-                break
-            record = loop.step(indices)
-            runtime.cache_working_set()
-            state.epoch, state.position = epoch, position
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
-            )
-            loop.evaluate_and_save(end_of_epoch)
-    if world.is_main:
-        plot_metrics(config.output_dir)
-    return state.metrics or record
+        held.enter_context(run_lock(config.output_dir))
+    with held:
+        if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
+            claim_output(config.output_dir, config.overwrite, resume_from)
+        state = start_state(model, optimizer, config, resume_from, objective.read_weights)
+        if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
+            model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
+        model.train()
+        if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
+            model.gradient_checkpointing_enable()
+        loop = Loop(
+            model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective
+        )
+        record = {"step": state.step}
+        with (
+            runtime.keep_freed_memory(),
+            tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
+        ):
+            if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
+                bar.write("Compiling the training step (first step only)...", file=sys.stderr)
+            for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
+                if state.step >= total:
+                    break
+                record = loop.step(indices)
+                runtime.cache_working_set()
+                state.epoch, state.position = epoch, position
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
+                )
+                loop.evaluate_and_save(end_of_epoch)
+        if world.is_main:
+            plot_metrics(config.output_dir)
+        return state.metrics or record
+
+
+def run_lock(output_dir: Path) -> FolderLock:
+    """The output folder's lock, held for the whole run: two runs started into one folder would mix their
+    checkpoints, metrics and model (the check for another run's files sees only what is already written)."""
+    return FolderLock(
+        output_dir, RUN_LOCK, f"the training output {output_dir}",
+        "Two runs into one folder would mix their checkpoints and metrics: wait for that run to end (or stop it), "
+        "or choose another output folder.", "run", "mlx-encoders train",
+    )  # fmt: skip
