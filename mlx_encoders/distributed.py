@@ -380,6 +380,26 @@ def collective(world: World, what: str, seconds: float | None = None) -> Iterato
         timer.cancel()
 
 
+class RanksFailed(RuntimeError, CommandError):
+    """Another rank failed a step (its own message names why); this one stopped with it."""
+
+
+def agree(world: World, error: BaseException | None, what: str, seconds: float | None = None) -> None:
+    """Every rank says whether step `what` went well; each raises when any rank failed (its own error, else one
+    naming the ranks that failed), so no rank waits forever for a rank that stopped; a rank lost or stalled during
+    the exchange ends this one with an error naming it (`collective`)."""
+    if world.size > 1:
+        flags = mx.array([float(error is not None and r == world.rank) for r in range(world.size)])
+        flags = mx.distributed.all_sum(flags, group=world.group, stream=mx.cpu)
+        with collective(world, what, seconds):
+            mx.eval(flags)
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if failed and error is None:
+            raise RanksFailed(f"{what} failed on rank(s) {failed}; see their messages")
+    if error is not None:
+        raise error
+
+
 def all_gather(x: mx.array, within: World | None = None) -> mx.array:
     """Every rank's `x` (same shape on each) concatenated along axis 0 in rank order, with the gradient of the sum
     of every rank's loss: `mx.distributed.all_gather`'s own VJP keeps only this rank's loss's part of the cotangent,

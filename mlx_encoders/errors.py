@@ -54,7 +54,7 @@ def run_command(program: str, command: Callable[[], int | None], debug: bool = F
         status = command()
         sys.stdout.flush()  # a closed pipe fails here, where it is handled, not in Python's flush at exit
     except BrokenPipeError as e:  # the reader stopped early (`| head`): end quietly, as other Unix tools do
-        if debug or not stdout_closed():  # another pipe than the output's: an error like any other
+        if not stdout_closed():  # another pipe than the output's: an error like any other
             if debug:
                 raise
             print(f"{program}: error: {describe(e)}", file=sys.stderr)

@@ -484,10 +484,11 @@ def test_an_output_holding_another_run_is_refused_unless_resumed_or_overwritten(
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
-def test_a_second_run_into_a_folder_a_run_is_writing_is_refused(checkpoint, tmp_path):
+def test_a_second_run_into_a_folder_a_run_is_writing_is_refused(checkpoint, tmp_path, monkeypatch):
     """The output's lock, held for the whole run: a run started while another writes the folder (before that one
     has written any file the check for another run's files would see) stops at once."""
     from mlx_encoders.checkpoint.lock import FolderBusy, FolderLock
+    from mlx_encoders.train.tasks import heads as trainer_tasks
 
     data, out = classification_file(tmp_path), tmp_path / "run"
     out.mkdir()
@@ -496,8 +497,21 @@ def test_a_second_run_into_a_folder_a_run_is_writing_is_refused(checkpoint, tmp_
                                              r"Two runs into one folder would mix their checkpoints"):  # fmt: skip
             fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=1, batch_size=4)
     assert sorted(p.name for p in out.iterdir()) == []  # nothing written, and the lock file gone with its holder
+
+    real_save, held = trainer_tasks.save, []
+
+    def save(*args, **kwargs):  # the final model's save: the run still holds the folder
+        with pytest.raises(FolderBusy):
+            FolderLock(out, trainer.RUN_LOCK, "a run", "", "run", "test").__enter__()
+        held.append(True)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_tasks, "save", save)
     fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=1, batch_size=4)
-    assert not (out / trainer.RUN_LOCK).exists() and (out / "model").is_dir()
+    assert held == [True] and not (out / trainer.RUN_LOCK).exists() and (out / "model").is_dir()
+    with pytest.raises(ValueError):  # refused before its first file: no folder left
+        fine_tune("classify", tmp_path / "absent.jsonl", tmp_path / "new", model=checkpoint("bert"), max_steps=1)
+    assert not (tmp_path / "new").exists()
 
 
 def test_keep_last_holds_after_a_resume_from_the_newest_checkpoint(checkpoint, tmp_path):

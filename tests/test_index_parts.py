@@ -82,6 +82,9 @@ def test_a_part_being_built_is_neither_merged_nor_built_twice(tmp_path, encoder)
         assert not (folder / "build.lock").exists()  # the refused merge let the folder go
         with pytest.raises(IndexBusy, match=busy + r"\. Two builds of one part would embed its texts twice"):
             build(corpus, folder, encoder, chunk=3, shard=(2, 2), quiet=True)
+    with BuildLock(folder):  # a build of the whole index (a merge) running: no part starts meanwhile
+        with pytest.raises(IndexBusy, match="A part is built while no build of the whole index runs"):
+            build(corpus, folder, encoder, chunk=3, shard=(1, 2), quiet=True)
     assert build(corpus, folder, encoder, chunk=3, quiet=True)["documents"] == 28
     assert not list((folder / "shards").iterdir())
 

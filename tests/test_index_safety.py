@@ -147,7 +147,7 @@ def test_a_distributed_build_is_locked_by_rank_0_alone(tmp_path, encoder, monkey
         flags.append(x.tolist())
         return x
 
-    monkeypatch.setattr(module, "collective", guarded)
+    monkeypatch.setattr(sys.modules["mlx_encoders.distributed"], "collective", guarded)  # `agree`'s exchange
     monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
     with BuildLock(index):  # another build holds the folder
         monkeypatch.setattr(module, "world", lambda: World(None, 2, 0))

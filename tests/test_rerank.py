@@ -142,6 +142,9 @@ def test_columns_pick_and_rename_reranking_columns(reranker_folder):
     )
     assert examples.documents == [[r["positive"], r["negative_2"]] for r in TRIPLETS]
     assert examples.labels == [[1.0, 0.0]] * len(TRIPLETS)
+    # columns read by position: a row listing the first row's columns in another key order is read by name
+    mixed = rerank_data([{"question": "q1", "answer": "a1"}, {"answer": "a2", "question": "q2"}], tokenizer)
+    assert mixed.queries == ["q1", "q2"] and mixed.documents == [["a1"], ["a2"]]
 
 
 @pytest.mark.parametrize("loss", ["bce", "lambda", "mnrl"])  # listnet: test_rerank_with_lora_resumes_exactly

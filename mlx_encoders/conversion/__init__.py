@@ -119,7 +119,10 @@ def source_name(source: str | Path, checkpoint: Checkpoint) -> str:
 
 def check_request(config: dict, quantize: bool, dequantize: bool, path: Path) -> None:
     if quantize and dequantize:
-        raise OptionError("quantize and dequantize exclude each other; pick one")
+        raise OptionError(
+            "quantize (asked for, or implied by bits, group_size, recipe or mode) and dequantize exclude each other; "
+            "pick one"
+        )
     if dequantize and not is_quantized(config):
         raise ValueError(f"{path} is not a quantized MLX checkpoint (no `quantization` in config.json)")
     if quantize and is_quantized(config):

@@ -278,7 +278,7 @@ def is_pair(x) -> bool:
     """A (token ids, weights) pair of one sparse vector (`SparseVectors[i]`), not two dense rows."""
     return (
         isinstance(x, tuple) and len(x) == 2 and all(isinstance(part, np.ndarray) and part.ndim == 1 for part in x)
-        and x[0].dtype.kind in "iu" and len(x[0]) == len(x[1])
+        and x[0].dtype.kind in "iu" and x[1].dtype.kind == "f" and len(x[0]) == len(x[1])
     )  # fmt: skip
 
 

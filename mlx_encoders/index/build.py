@@ -16,20 +16,21 @@ the chunks rank i - 1 of n would take. n such runs on any machines, their part f
 """
 
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoint import folder_digest
-from ..distributed import World, collective, timeout, warnings_on_main_rank, world
+from ..distributed import World, timeout, warnings_on_main_rank, world
 from ..embeddings.sentence import SentenceEncoder
 from ..embeddings.sparse import SparseEncoder
-from ..errors import CommandError, OptionError
+from ..errors import OptionError
 from . import ann as ann_index
 from .documents import read_corpus
 from .lock import BuildLock
@@ -42,24 +43,8 @@ CHUNK = 256  # texts per committed transaction: a kill loses at most this much w
 RANK0_TIMEOUT = 24 * 3600.0
 
 
-class RanksFailed(RuntimeError, CommandError):
-    """Another rank failed a step of the build (its own message names why); this one stopped with it."""
-
-
 def agree(ranks: World, error: BaseException | None, step: str, seconds: float | None = None) -> None:
-    """Every rank says whether `step` went well; each raises when any rank failed (its own error, else one naming
-    the ranks that failed), so no rank waits forever for a rank that stopped; a rank lost or stalled during the
-    exchange ends this one with an error naming it (`distributed.collective`)."""
-    if ranks.size > 1:
-        flags = mx.array([float(error is not None and r == ranks.rank) for r in range(ranks.size)])
-        flags = mx.distributed.all_sum(flags, group=ranks.group, stream=mx.cpu)
-        with collective(ranks, f"index build: {step}", seconds):
-            mx.eval(flags)
-        failed = [r for r, flag in enumerate(flags.tolist()) if flag]
-        if failed and error is None:
-            raise RanksFailed(f"index build: {step} failed on rank(s) {failed}; see their messages")
-    if error is not None:
-        raise error
+    distributed.agree(ranks, error, f"index build: {step}", seconds)
 
 
 def identity(encoder: SentenceEncoder | None, model: str, sparse: SparseEncoder | None, sparse_model: str):
@@ -162,10 +147,11 @@ def build(
             if rank == 0:
                 folder.mkdir(parents=True, exist_ok=True)
                 held.enter_context(BuildLock(folder, quiet))
-                for lock in part_locks(shard_folder):  # no part is merged (or removed) while its build writes it
-                    what = f"part {lock.split('-')[1]}/{lock.split('-')[3].split('.')[0]} of the index {folder}"
+                for lock, part in part_locks(shard_folder):  # no part is merged (or removed) while its build writes it
                     advice = "Merge once every part's build has ended (or stop that build)."
-                    held.enter_context(BuildLock(shard_folder, quiet, lock, what, advice))
+                    held.enter_context(
+                        BuildLock(shard_folder, quiet, lock, f"part {part} of the index {folder}", advice)
+                    )
                 with Store(store_file, create=True) as store:
                     store.upgrade()
                     store.check()
@@ -235,14 +221,17 @@ def check_part(shard: tuple[int, int], size: int) -> None:
         )
 
 
+PART_FILE = re.compile(r"part-(\d+)-of-(\d+)\.(sqlite|lock)")  # part_path's files and their locks
+
+
 def part_path(folder: Path, part: int, parts: int) -> Path:
     return folder / "shards" / f"part-{part}-of-{parts}.sqlite"
 
 
-def part_locks(shard_folder: Path) -> list[str]:
-    """The lock names of the `--shard` parts in `shard_folder`: one per part file, or per part being built."""
-    found = [*shard_folder.glob("part-*-of-*.sqlite"), *shard_folder.glob("part-*-of-*.lock")]
-    return sorted({path.name.split(".")[0] + ".lock" for path in found})
+def part_locks(shard_folder: Path) -> list[tuple[str, str]]:
+    """(lock name, "i/n") of each `--shard` part in `shard_folder`: one per part file, or per part being built."""
+    found = (PART_FILE.fullmatch(p.name) for p in shard_folder.iterdir()) if shard_folder.is_dir() else ()
+    return sorted({(f"part-{m[1]}-of-{m[2]}.lock", f"{m[1]}/{m[2]}") for m in found if m})
 
 
 def build_part(docs, folder: Path, shard: tuple[int, int], encoder, sparse, meta: dict[str, str], name: str,
@@ -263,6 +252,10 @@ def build_part(docs, folder: Path, shard: tuple[int, int], encoder, sparse, meta
     with BuildLock(path.parent, quiet, path.with_suffix(".lock").name, f"part {part}/{parts} of the index {folder}",
                    "Two builds of one part would embed its texts twice: wait for that build to end (or stop "
                    "it)."):  # fmt: skip
+        # no merge runs now (one starting later finds this part's lock): it would merge the part half done
+        with BuildLock(folder, True, advice="A part is built while no build of the whole index runs: build it "
+                       "once that build has ended."):  # fmt: skip
+            pass
         return part_into(path, shard, mine, keys, encoder, sparse, meta, name, batch_size, chunk, quiet)
 
 

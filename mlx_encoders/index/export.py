@@ -19,6 +19,7 @@ file (or the previous one) at `output`.
 import json
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -108,8 +109,9 @@ def schema_for(pa, meta: dict[str, str], precision: str, codes: np.ndarray | Non
 
 def remove_stale_temporaries(output: Path) -> None:
     """Remove the temporary files of exports to `output` that were killed (SIGKILL, power loss) before they could
-    remove their own: `.NAME.PID.tmp` whose process no longer runs."""
-    pattern = re.compile(rf"\.{re.escape(output.name)}\.(\d+)\.tmp")
+    remove their own: `.NAME.HOST.PID.tmp` of this host whose process no longer runs (another host's are left to
+    it: its process cannot be seen from here)."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.{re.escape(socket.gethostname())}\.(\d+)\.tmp")
     found = (pattern.fullmatch(path.name) for path in output.parent.iterdir()) if output.parent.is_dir() else ()
     for match in found:
         if match and not running(int(match[1])):
@@ -148,7 +150,7 @@ def export(
         schema = schema_for(pa, meta, precision, codes, described)
         about = json.loads(schema.metadata[METADATA_KEY])
         remove_stale_temporaries(output)
-        temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+        temporary = output.with_name(f".{output.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         bar = tqdm(total=about["documents"], desc="exporting", unit="doc", leave=False,
                    disable=quiet or not sys.stderr.isatty())  # fmt: skip
         try:

@@ -57,13 +57,13 @@ def recorded(kind: type, given, meta: dict[str, str], key: str, where: Path):
         return kind(given)
     try:
         return kind(meta[key])
-    except FileNotFoundError as e:  # an index built before local folders were recorded by their absolute path
-        if Path(meta[key]).is_absolute():
-            raise
+    except FileNotFoundError as e:  # an index copied from another machine, or built with a relative folder
+        recorded_as = "a folder on the machine that built it" if Path(meta[key]).is_absolute() else (
+            "a folder relative to where it was built, or a hub id"
+        )  # fmt: skip
         raise FileNotFoundError(
-            f"The index {where} records its {key.replace('_', ' ')} as {meta[key]!r}, as given when it was built: a "
-            f"folder relative to where it was built, or a hub id. Pass the model (--{key.replace('_', '-')} PATH "
-            f"or {key}=PATH) to search it. ({e})"
+            f"The index {where} records its {key.replace('_', ' ')} as {meta[key]!r}, as given when it was built: "
+            f"{recorded_as}. Pass the model (--{key.replace('_', '-')} PATH or {key}=PATH) to search it. ({e})"
         ) from e
 
 

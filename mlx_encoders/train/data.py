@@ -189,6 +189,17 @@ def by_position(row: Row, layout: str, names: str) -> tuple[list[str], str | Non
     return texts, label
 
 
+def in_first_row_order(rows: list[Row]) -> list[Row]:
+    """`rows`, each holding the first row's columns in another key order put in the first row's (columns read by
+    position are then read by name, as `datasets` reads them)."""
+    order = list(rows[0].values) if rows else []
+    return [
+        Row({c: row.values[c] for c in order}, row.source, row.line)
+        if list(row.values) != order and set(row.values) == set(order) else row
+        for row in rows
+    ]  # fmt: skip
+
+
 def iterable_rows(data: Iterable[Mapping]) -> list[Row]:
     if isinstance(data, (Mapping, bytes)) or not isinstance(data, Iterable):
         raise TypeError(f"Training data must be a file path or an iterable of dicts, got {type(data).__name__}")

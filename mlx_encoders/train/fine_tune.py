@@ -12,6 +12,7 @@ from .checkpointing import checkpoints
 from .config import OptionError, Trained
 from .options import Data, check_task_options, read_options, signature
 from .tasks import BY_NAME, MLM, TASK_NAMES
+from .trainer import output_lock
 
 
 @distributed.warnings_on_main_rank()  # under mlx.launch every rank would print the same warnings
@@ -64,7 +65,8 @@ def fine_tune(task: str, data: Data, output_dir: str | Path, **options) -> Train
     task = task_name(task, run.next_sentence)
     check_task_options(task, {k: v for k, v in vars(run).items() if k != "training"})  # before model and data load
     try:
-        return BY_NAME[task].trainer()(data, run)
+        with output_lock(run.training.output_dir):
+            return BY_NAME[task].trainer()(data, run)
     except OSError as error:
         advised = with_resume_advice(error, run.training.output_dir)
         if advised is error:

@@ -24,7 +24,7 @@ from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
-from .data import PICKED_COLUMNS, DataError, Row, by_position, read_rows, select_columns
+from .data import PICKED_COLUMNS, DataError, Row, by_position, in_first_row_order, read_rows, select_columns
 from .evaluators import reranking_metrics
 from .losses.rerank import LOSSES
 from .objective import Objective
@@ -127,7 +127,7 @@ def rerank_data(
     input per pair, longest-first truncation to `max_length`); `columns` picks and renames the data's columns
     first (`data.select_columns`)."""
     queries, groups, labels, texts = [], [], [], []
-    rows = [named(row) for row in select_columns(read_rows(data), columns)]
+    rows = [named(row) for row in in_first_row_order(select_columns(read_rows(data), columns))]
     for row in rows:
         query = row.text("query", PICKED_COLUMNS)
         documents, row_labels = documents_and_labels(row)

@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -362,50 +362,69 @@ def train(
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)  # TrainingArguments.get_warmup_steps
     schedule = make_schedule(config.schedule, config.lr, warmup, total)
     optimizer = adamw(model, schedule, config.weight_decay)
-    held = ExitStack()
-    if world.is_main:  # rank 0 owns the folder: no other run writes into it meanwhile
+    if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
+        claim_output(config.output_dir, config.overwrite, resume_from)
+    if world.is_main:
         config.output_dir.mkdir(parents=True, exist_ok=True)
-        held.enter_context(run_lock(config.output_dir))
-    with held:
-        if world.is_main or not config.overwrite:  # every rank refuses another run's files; rank 0 alone clears them
-            claim_output(config.output_dir, config.overwrite, resume_from)
-        state = start_state(model, optimizer, config, resume_from, objective.read_weights)
-        if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
-            model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
-        model.train()
-        if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
-            model.gradient_checkpointing_enable()
-        loop = Loop(
-            model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective
-        )
-        record = {"step": state.step}
-        with (
-            runtime.keep_freed_memory(),
-            tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
-        ):
-            if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
-                bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-            for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
-                if state.step >= total:
-                    break
-                record = loop.step(indices)
-                runtime.cache_working_set()
-                state.epoch, state.position = epoch, position
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
-                )
-                loop.evaluate_and_save(end_of_epoch)
+    state = start_state(model, optimizer, config, resume_from, objective.read_weights)
+    if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
+        model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
+    model.train()
+    if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
+        model.gradient_checkpointing_enable()
+    loop = Loop(model, tokenizer, train_examples, eval_examples, config, optimizer, schedule, state, total, objective)
+    record = {"step": state.step}
+    with (
+        runtime.keep_freed_memory(),
+        tqdm(total=total, initial=state.step, desc="training", disable=not world.is_main) as bar,
+    ):
+        if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
+            bar.write("Compiling the training step (first step only)...", file=sys.stderr)
+        for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
+            if state.step >= total:
+                break
+            record = loop.step(indices)
+            runtime.cache_working_set()
+            state.epoch, state.position = epoch, position
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
+            )
+            loop.evaluate_and_save(end_of_epoch)
+    if world.is_main:
+        plot_metrics(config.output_dir)
+    return state.metrics or record
+
+
+@contextmanager
+def output_lock(output_dir: Path) -> Iterator[None]:
+    """Inside, rank 0 holds the output folder's lock: two runs started into one folder would mix their checkpoints,
+    metrics and model (the check for another run's files sees only what is already written). Held from before the
+    first file to after the last (the trained model, the adapters); every rank stops when rank 0 cannot take it."""
+    world, error, created = distributed.world(), None, not output_dir.exists()
+    with ExitStack() as held:
         if world.is_main:
-            plot_metrics(config.output_dir)
-        return state.metrics or record
+            if created:  # a run refused before its first file leaves no folder behind
+                held.callback(remove_if_empty, output_dir)
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                held.enter_context(
+                    FolderLock(
+                        output_dir,
+                        RUN_LOCK,
+                        f"the training output {output_dir}",
+                        "Two runs into one folder would mix their checkpoints and metrics: wait for that run to end "
+                        "(or stop it), or choose another output folder.",
+                        "run",
+                        "mlx-encoders train",
+                    )
+                )
+            except OSError as e:
+                error = e
+        distributed.agree(world, error, "training: taking the output folder")
+        yield
 
 
-def run_lock(output_dir: Path) -> FolderLock:
-    """The output folder's lock, held for the whole run: two runs started into one folder would mix their
-    checkpoints, metrics and model (the check for another run's files sees only what is already written)."""
-    return FolderLock(
-        output_dir, RUN_LOCK, f"the training output {output_dir}",
-        "Two runs into one folder would mix their checkpoints and metrics: wait for that run to end (or stop it), "
-        "or choose another output folder.", "run", "mlx-encoders train",
-    )  # fmt: skip
+def remove_if_empty(folder: Path) -> None:
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
