@@ -26,6 +26,7 @@ import json
 import os
 import pydoc
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,13 +37,13 @@ from pathlib import Path
 
 def docstrings(count: int) -> list[dict]:
     """`count` rows of a docstring (`text`) and the module it documents (`label`), repeating where needed."""
-    rows = []
+    by_module = []
     for name in ("json", "pathlib", "argparse", "subprocess", "collections", "functools", "itertools", "typing"):
         module = pydoc.locate(name)
-        for _, member in inspect.getmembers(module):
-            doc = inspect.getdoc(member)
-            if doc and len(doc) > 80:
-                rows.append({"text": doc[:600], "label": name})
+        docs = (inspect.getdoc(member) for _, member in inspect.getmembers(module))
+        by_module.append([{"text": doc[:600], "label": name} for doc in docs if doc and len(doc) > 80])
+    # the modules dealt in turn: any first rows (a small run's) hold several labels
+    rows = [group[i] for i in range(max(map(len, by_module))) for group in by_module if i < len(group)]
     return [rows[i % len(rows)] for i in range(count)]
 
 
@@ -109,7 +110,16 @@ def run(
     """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run;
     `batch_size` in place of the global one; `whole`: every gradient sent whole; `cores`: the one process's (it
     splits each step's rows over them), where the launchers give each rank its share."""
-    result = Path(tempfile.mkdtemp()) / "result"
+    folder = Path(tempfile.mkdtemp())
+    try:
+        return run_in(folder / "result", args, ranks, launcher, batch_size, whole, cores)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_in(
+    result: Path, args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None, whole: bool, cores: int
+) -> dict:
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
     command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("task", "hidden", "layers", "steps", "warmup")]
     command += [f"--batch-size={batch_size or args.batch_size}", f"--max-length={args.max_length}"]

@@ -71,6 +71,8 @@ def set_threads(threads: int, blas: str | None) -> None:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
     if blas:
+        if not Path(blas).is_file():
+            sys.exit(f"--blas {blas}: no such file (a BLAS library exporting cblas_sgemm, such as libopenblas.so.0)")
         os.environ["MLX_ENCODERS_BLAS"] = "0"
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
 
@@ -301,7 +303,11 @@ def build_engines(
             bits = int(name.removeprefix("mlx_encoders-").removesuffix("bit"))
             engines[name] = quantized_engine(source, bits, batch_size, whole_batches)
         elif name == "onnxruntime":
-            engines[name] = onnxruntime_engine(source, batch_size, threads, workdir)
+            try:
+                engines[name] = onnxruntime_engine(source, batch_size, threads, workdir)
+            except ImportError as e:  # onnxruntime, onnx or onnxscript (torch.onnx's exporter needs the last two)
+                print(f"onnxruntime: cannot export or run the model ({e}; pip install onnxruntime onnx onnxscript); "
+                      "skipped")  # fmt: skip
         elif name == "sentence-transformers":
             engines[name] = sentence_transformers_engine(source, batch_size, threads)
         elif name.startswith("mlx-embeddings"):

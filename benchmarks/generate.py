@@ -241,7 +241,8 @@ def main() -> None:
                 for ours in (e for e in rates if e.startswith("mlx_encoders")):
                     peers = [e for e in rates if not e.startswith("mlx_encoders")]
                     ratios = ", ".join(f"{rates[ours][1] / rates[p][1]:.2f}x {p}" for p in peers)
-                    print(f"  {ours} decoding: {ratios}")
+                    if ratios:  # no peer ran (mlx-lm not installed): nothing to compare
+                        print(f"  {ours} decoding: {ratios}")
 
 
 if __name__ == "__main__":

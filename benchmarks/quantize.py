@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     args = parser.parse_args()
     if args.blas:  # before MLX is imported, so its float matmuls bind to this BLAS
+        if not Path(args.blas).is_file():
+            parser.error(f"--blas {args.blas}: no such file (a BLAS library exporting cblas_sgemm)")
         ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)
     import mlx.core as mx
 

@@ -21,13 +21,12 @@ answers one request of N long texts (tokenized, run and written; `--health-route
 vector) on an otherwise idle server: the event loop never waits on the tokenizer, the model or the writing, so
 every probe should stay under 50 ms.
 
-infinity-emb runs too, without `--infinity-python`, when this interpreter can import it.
-
 The baseline is the same stack (Starlette on uvicorn) whose handler calls `encode` on its request's texts alone,
-one request at a time. infinity-emb runs only with `--infinity-python`, the interpreter of a virtual environment
-where it is installed, never beside this package; it serves the same model folder offline on 127.0.0.1 with its
-torch engine on the CPU (`v2 --engine torch --device cpu`, its default batch size and no `torch.compile`, which
-is its default). Its venv, CPU torch first so that infinity-emb does not pull a CUDA build:
+one request at a time. infinity-emb runs with `--infinity-python`, the interpreter of a virtual environment where
+it is installed (or without it, when this interpreter can import infinity-emb); it serves the same model folder
+offline on 127.0.0.1 with its torch engine on the CPU (`v2 --engine torch --device cpu`, its default batch size
+and no `torch.compile`, which is its default). Its venv, CPU torch first so that infinity-emb does not pull a
+CUDA build:
 
     python3 -m venv /work/infinity-venv
     /work/infinity-venv/bin/pip install torch==2.13.0                  # the CPU wheel (elsewhere: torch's CPU index)
@@ -44,6 +43,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -74,6 +74,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.infinity_python is None and importlib.util.find_spec("infinity_emb") is not None:
         args.infinity_python = sys.executable
+    if args.infinity_python and not shutil.which(args.infinity_python):
+        p.error(
+            f"--infinity-python {args.infinity_python}: no such interpreter (the python of a venv with infinity-emb)"
+        )
     if "infinity" in args.servers.split(",") and not args.infinity_python:
         p.error("--servers infinity needs --infinity-python PATH (the python of a venv with infinity-emb installed)")
     return args

@@ -101,6 +101,8 @@ def set_threads(threads: int, blas: str | None) -> None:
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
     if blas:
+        if not Path(blas).is_file():
+            sys.exit(f"--blas {blas}: no such file (a BLAS library exporting cblas_sgemm, such as libopenblas.so.0)")
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
 
 

@@ -245,7 +245,11 @@ def memory(args: argparse.Namespace, train: list[dict]) -> None:
     budget, batch, largest = peaks["ours", True], 32, None
     while batch < len(train) and step("ours", False, train[:batch])["peak_mib"] <= budget:
         largest, batch = batch, batch * 2
-    print(f"largest plain MNRL batch of ours within our CachedMNRL peak ({budget:.0f} MiB): {largest}")
+    if largest is None:
+        print(f"no plain MNRL batch of 32 or more fits our CachedMNRL peak ({budget:.0f} MiB), or --memory-batch "
+              f"{len(train)} leaves none to try")  # fmt: skip
+    else:
+        print(f"largest plain MNRL batch of ours within our CachedMNRL peak ({budget:.0f} MiB): {largest}")
 
 
 if __name__ == "__main__":

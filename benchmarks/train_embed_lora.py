@@ -42,7 +42,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="ours,st", help="comma-separated subset of: ours, st")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.batch_size < 2:  # MNRL's in-batch negatives: one pair has none
+        p.error(f"--batch-size must be 2 or more (in-batch negatives), got {args.batch_size}")
+    return args
 
 
 def training_rows(n: int, tokenizer, max_length: int) -> list[dict]:
