@@ -58,7 +58,8 @@ def main() -> None:
     print(f"held-out loss {trained.metrics['eval_loss']:.3f}, perplexity {trained.metrics['eval_perplexity']:.1f}")
     print(f"model saved to {trained.path}\n")
     for preset in PRESETS:
-        text = mlx_encoders.generate(trained.model, trained.tokenizer, args.prompt, preset, seed=0, max_new_tokens=30)
+        seed = {"seed": 0} if PRESETS[preset].get("do_sample") else {}  # greedy decoding draws nothing
+        text = mlx_encoders.generate(trained.model, trained.tokenizer, args.prompt, preset, max_new_tokens=30, **seed)
         print(f"{preset:>8}: {args.prompt}{text}")
 
 

@@ -251,7 +251,10 @@ def print_results(args: argparse.Namespace, texts: list[str], results, show) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if getattr(args, "indent", None) is not None and (not getattr(args, "json", True) or args.indent < 0):
+        p.error("--indent N (N >= 0) spreads out --json output; give it with --json")
     return run_command(f"mlx-encoders {args.task}", lambda: run(args), args.debug)
 
 

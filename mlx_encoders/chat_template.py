@@ -49,6 +49,7 @@ def compile_template(source: str):
     """The template in transformers' environment: sandboxed, blocks trimmed, its filters and globals."""
     try:
         import jinja2
+        import jinja2.ext  # loopcontrols: a submodule `import jinja2` alone does not load
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:
         raise ImportError("Rendering a chat template needs jinja2: pip install 'jinja2>=3.1.6'") from e

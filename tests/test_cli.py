@@ -240,6 +240,10 @@ def test_json_is_one_line_per_record(capsys, mlm):
         code, indented, _ = run(capsys, *argv, "--json", "--indent", 2, *texts)
         assert json.loads(indented) == json.loads(out) and len(indented.splitlines()) > 20
     assert len(json.loads(out)[0]["result"]) == 384
+    for extra in (["--indent", "2"], ["--json", "--indent", "-2"]):  # no JSON to spread out, or no spacing
+        with pytest.raises(SystemExit) as exit_:
+            main(["embed", "-m", str(MINILM), *extra, "a text"])
+        assert exit_.value.code == 2 and "--indent N (N >= 0) spreads out --json output" in capsys.readouterr().err
 
 
 def test_wrong_head_names_the_subcommand_of_the_head(capsys, checkpoint, classifier):

@@ -4,6 +4,7 @@ processed distribution; then text, streaming, stop strings, the pipeline, the co
 
 import io
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -290,6 +291,17 @@ def test_several_greedy_sequences_are_refused_as_in_transformers(lm):
         ours_(PROMPTS[0], num_return_sequences=3, max_new_tokens=2)
 
 
+def test_an_ignored_sampling_option_is_reported_at_the_callers_line(lm):
+    """The warning points at the user's call, however many of the package's frames lie between."""
+    _, model, tokenizer, _ = lm
+    with pytest.warns(UserWarning, match="do_sample is not True, so seed=0 is ignored") as caught:
+        generate(model, tokenizer, PROMPTS[0], "greedy", seed=0, max_new_tokens=2)
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+    with pytest.warns(UserWarning, match="temperature=0.5 is ignored") as caught:
+        GenerationConfig(temperature=0.5)
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
@@ -314,6 +326,12 @@ def test_text_is_the_pipelines_continuation(lm):
     expected = [theirs(p, return_full_text=False, **options)[0]["generated_text"] for p in PROMPTS[:2]]
     assert generate(model, tokenizer, PROMPTS[:2], max_new_tokens=10, eos_token_id=[]) == expected
     assert generate(model, tokenizer, PROMPTS[0], max_new_tokens=10, eos_token_id=[]) == expected[0]
+    # an eos that is not a special token ends the text with its own, as the pipeline decodes it
+    first = tokenizer.encode_batch([expected[0]], add_special_tokens=False)[0].ids[2]
+    options = {**options, "eos_token_id": first}
+    cut = theirs(PROMPTS[0], return_full_text=False, **options)[0]["generated_text"]
+    assert generate(model, tokenizer, PROMPTS[0], max_new_tokens=10, eos_token_id=first) == cut
+    assert cut and cut.endswith(tokenizer.decode([first])) and cut != expected[0]
 
 
 def test_pipeline(lm):
@@ -414,6 +432,12 @@ def test_generate_command_streams_the_text(lm, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPTS[0]))
     assert main(["generate", "-m", str(folder), "--preset", "nucleus", "--seed", "1", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith(PROMPTS[0])
+    # stdin's byte-order mark and Windows line ends are no part of the prompt, as for the other commands
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeff" + PROMPTS[0].replace(" ", "\r\n", 1)))
+    assert main(["generate", "-m", str(folder), "--max-new-tokens", "9"]) == 0
+    out = capsys.readouterr()
+    prompt = PROMPTS[0].replace(" ", "\n", 1)
+    assert out.out == prompt + generate(model, tokenizer, prompt, max_new_tokens=9, eos_token_id=[]) + "\n"
     assert main(["generate", "-m", str(folder), "--top-p", "2", "hi"]) == 1
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
 

@@ -26,6 +26,7 @@ from test_convert import MIN_COSINE, text_cosines
 from test_gradients import encoder_loss, our_gradients
 from test_index import IDS, write_corpus
 from test_parity import as_torch, assert_close
+from test_serve import on_worker_thread
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder
@@ -256,7 +257,7 @@ def test_served_and_indexed_with_the_query_and_document_adapters(st_folder, tmp_
         ("query", encoder.encode_query(texts)),
         ("document", encoder.encode_document(texts)),
     ):
-        got = served.compute(served.tokenize(texts, truncate=True, task=task))
+        got = on_worker_thread(lambda task=task: served.compute(served.tokenize(texts, truncate=True, task=task)))
         np.testing.assert_allclose(got, expected, atol=1e-5)
     assert not np.allclose(encoder.encode_query(texts), encoder.encode(texts), atol=1e-3)
 

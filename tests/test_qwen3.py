@@ -6,6 +6,8 @@ against sentence-transformers, and Qwen3-Reranker (the yes/no logits of the caus
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -287,6 +289,15 @@ def test_reranker_matches_sentence_transformers(reranker_folder):
     check_reranker(reranker_folder)
 
 
+def test_a_converted_reranker_keeps_its_chat_template(reranker_folder, tmp_path):
+    """convert copies chat_template.jinja with the tokenizer's files: the scores, which are read after the
+    template's assistant prefix, stay the source's."""
+    converted = mlx_encoders.convert(reranker_folder, tmp_path / "converted")
+    assert (converted / "chat_template.jinja").read_text() == (reranker_folder / "chat_template.jinja").read_text()
+    expected = mlx_encoders.CrossEncoder(reranker_folder).predict(PAIRS)
+    np.testing.assert_allclose(mlx_encoders.CrossEncoder(converted).predict(PAIRS), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_reranker_without_modules_json_scores_yes_against_no(reranker_checkpoint):
     """A bare Qwen3ForCausalLM folder: sentence-transformers scores it with the logits of "yes" and "no"."""
     check_reranker(reranker_checkpoint)
@@ -477,3 +488,15 @@ def test_plain_checkpoint_pools_as_sentence_transformers_chooses(checkpoint, tas
         encoder = SentenceEncoder(folder)
     theirs = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, batch_size=3)
     assert cosines(encoder.encode(TEXTS, batch_size=3), theirs).min() >= 0.99999
+
+
+def test_a_chat_template_compiles_in_a_process_that_never_imported_transformers():
+    """Loop controls are jinja2's `ext` submodule, which `import jinja2` alone does not load (transformers loads it
+    for the other tests of this process)."""
+    code = (
+        "import sys; from mlx_encoders.chat_template import compile_template; "
+        "t = compile_template('{% for x in xs %}{% if x > 1 %}{% break %}{% endif %}{{ x }}{% endfor %}'); "
+        "print(t.render(xs=[0, 1, 2, 3])); assert 'transformers' not in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "01", done.stderr

@@ -433,6 +433,28 @@ def test_64_concurrent_clients_get_the_sequential_answers_and_metrics_add_up(ser
     assert delta('mlx_encoders_queue_depth{model="tiny"}') == 0
 
 
+def on_worker_thread(fn):
+    """`fn()` as a served model's worker runs it: on one of the server's batcher threads (an MLX stream of its own),
+    not on the thread that loaded the model."""
+    from mlx_encoders.serve.batcher import Threads
+
+    done, out = threading.Event(), {}
+
+    def work():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  raised on the test's thread below
+            out["error"] = e
+        finally:
+            done.set()
+
+    Threads().run(work, "test worker")
+    assert done.wait(120), "the worker thread did not finish"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 @contextmanager
 def in_process(app):
     """`app` under uvicorn on a thread, on 127.0.0.1 at a free port; its URL."""

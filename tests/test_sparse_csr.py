@@ -15,6 +15,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling
 from sentence_transformers.sparse_encoder.modules import SparseAutoEncoder
 from test_index import IDS, write_corpus
+from test_serve import on_worker_thread
 
 from mlx_encoders import SparseEncoder, SparseVectors
 from mlx_encoders.index import Index, build, read_corpus
@@ -104,7 +105,7 @@ def test_csr_is_served_and_indexed(tmp_path, bert):
     served = ServedModel("csr", folder)
     assert served.kind == "sparse"
     texts = TEXTS[:2] + TEXTS[3:]
-    rows = served.compute(served.tokenize(texts, truncate=False))
+    rows = on_worker_thread(lambda: served.compute(served.tokenize(texts, truncate=False)))  # as the server runs it
     for (ids, values), expected in zip(rows, dense(st.encode(texts)), strict=True):
         np.testing.assert_array_equal(ids, np.flatnonzero(expected))
         np.testing.assert_allclose(values, expected[ids], atol=1e-5, rtol=1e-5)

@@ -25,7 +25,7 @@ MODULES_FILE, SETTINGS_FILE, SENTENCE_CONFIG_FILE = (
 )  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.txt", "vocab.json", "merges.txt",
+    "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja",
 )  # fmt: skip
 
 

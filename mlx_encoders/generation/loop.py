@@ -204,11 +204,9 @@ class TextStream:
 
     def add(self, token: int, decode: bool = True) -> str:
         """Take the next token; the new text safe to show (nothing without `decode`: `finish` decodes at once)."""
-        if token in self.eos:
-            self.done = True
-            return ""
-        self.ids.append(token)
-        return self.decode() if decode else ""
+        self.done = token in self.eos
+        self.ids.append(token)  # an eos that is a special token decodes to nothing; another keeps its text, as
+        return self.decode() if decode else ""  # transformers' pipeline decodes it
 
     def decode(self) -> str:
         text = self.tokenizer.decode(self.ids)[self.prefix :]

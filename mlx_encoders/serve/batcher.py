@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 
+import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("mlx_encoders.serve")
@@ -38,11 +39,13 @@ class Threads:
         inbox.put((work, name))
 
     def serve(self, inbox: queue.SimpleQueue) -> None:
+        stream = mx.new_stream(mx.default_device())  # an MLX stream serves only the thread that made it
         while True:
             work, name = inbox.get()
             threading.current_thread().name = name
             try:
-                work()
+                with mx.stream(stream):  # every op of the work, the encoders' own beyond their batched passes
+                    work()
             except BaseException:  # noqa: BLE001  the thread lives on (see above); the fault is logged
                 log.exception("%s failed", name)
             finally:

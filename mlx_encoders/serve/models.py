@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from tokenizers import Encoding
 
@@ -96,6 +97,26 @@ def objects(rows: list) -> np.ndarray:
     return out
 
 
+def arrays_of(root) -> list[mx.array]:
+    """Every MLX array `root` holds, through modules, containers and this package's own objects."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, mx.array):
+            found.append(x)
+            continue
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        if isinstance(x, nn.Module) or type(x).__module__.startswith("mlx_encoders"):
+            todo.extend(getattr(x, "__dict__", {}).values())
+    return found
+
+
 class ServedModel:
     """One served model under `name`: its encoder, its `kind` (dense, sparse, multi-vector, cross-encoder,
     classifier), what it can do (`capabilities`), tokenization that refuses (or, with `truncate`, cuts) over-long
@@ -141,9 +162,9 @@ class ServedModel:
             self.dense_tag = DenseTag(self.skipped, self.encoder.adapter_for())
         else:
             self.skipped = 0
-        # Dense projections load lazily on this thread's stream, which the worker's thread cannot evaluate
-        dense = getattr(self.embedder, "dense", [])
-        mx.eval([(d.linear.parameters(), d.residual.parameters() if d.residual else []) for d in dense])
+        # weights read lazily (Dense projections, task adapters, a CSR auto-encoder) are bound to this thread's
+        # stream, which the worker's thread cannot evaluate: read every one now
+        mx.eval(arrays_of(encoder))
 
     def prompt(self, task: str | None) -> str:
         """The prompt `encode` (task None), `encode_query` or `encode_document` prepends ("" for a cross-encoder)."""
