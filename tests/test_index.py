@@ -669,7 +669,7 @@ def test_a_rank_that_cannot_read_the_store_tells_the_others(tmp_path, encoder, m
         return x
 
     monkeypatch.setattr(module, "world", lambda: World(None, 2, 1))
-    monkeypatch.setattr(module, "collective", guarded)
+    monkeypatch.setattr(importlib.import_module("mlx_encoders.distributed"), "collective", guarded)  # `agree`'s
     monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
     with pytest.raises(StoreError, match="index.sqlite does not exist"):
         build([("a", "A text.")], tmp_path / "unseen", encoder, quiet=True)
