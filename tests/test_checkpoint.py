@@ -442,6 +442,10 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
     with pytest.raises(FileExistsError, match=r"is not a checkpoint folder \(no config.json\); refusing"):
         save(model, project, overwrite=True)
     assert (project / "notes.txt").read_text() == "mine"
+    for overwrite in (False, True):  # a file: no option replaces it, and the first error says so
+        with pytest.raises(FileExistsError, match=r"notes.txt is a file, not a folder; write the checkpoint"):
+            save(model, project / "notes.txt", overwrite=overwrite)
+    assert (project / "notes.txt").read_text() == "mine"
 
 
 def test_saved_folder_gets_the_users_permissions(checkpoint, tmp_path):

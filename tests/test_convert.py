@@ -815,3 +815,14 @@ def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, 
     assert main(["-q", "--no-calibration", ".", "--mlx-path", str(tmp_path / "dot")]) == 0
     assert f"MLX weights of `{bert.name}`" in (tmp_path / "dot" / "README.md").read_text()
     assert f"Converted {bert.name} ->" in capsys.readouterr().out
+
+
+def test_quantized_weights_without_their_config_entry_are_refused(tmp_path, bert_q8):
+    """The bits and group size live in config.json alone: a folder that lost them is named, not unpacked with
+    guessed settings."""
+    folder = shutil.copytree(bert_q8, tmp_path / "stripped")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized tensors \(.*\.scales, \.\.\.\) but config.json has no"):
+        mlx_encoders.load_model(folder)

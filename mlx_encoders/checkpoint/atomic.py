@@ -201,6 +201,8 @@ def atomic_folder(
     target = Path(target)
     remove_stale(target)
     if target.exists():
+        if not target.is_dir():  # no option replaces it: say so first
+            raise FileExistsError(f"{target} is a file, not a folder; write the checkpoint folder to another path")
         if not replace:
             raise FileExistsError(f"{target} already exists; pass {option} to replace it")
         check_replaceable(target, whole, parts)

@@ -64,6 +64,13 @@ def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.a
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
     """Turn exactly the modules whose `<path>.scales` is stored into quantized ones (models/layers.py: the engine's)."""
     spec = config.get("quantization") or config.get("quantization_config") or {}
+    if not spec and (stored := next((k for k in weights if k.endswith(".scales")), None)):
+        # the bits and group size are in the config alone: guessed, the weights would unpack wrongly
+        raise ValueError(
+            f"The weights hold quantized tensors ({stored}, ...) but config.json has no 'quantization' entry "
+            "(bits, group_size, mode): restore it from the folder the checkpoint was converted into, or convert "
+            "the float source again"
+        )
     default = {
         "group_size": spec.get("group_size", 64),
         "bits": spec.get("bits", 8),
