@@ -53,35 +53,25 @@ def model_card(source: str, folder_name: str, report: dict, repo: str | None, to
             f"max abs difference {fid['max_abs_diff']:.4g}",
             *perplexity_lines,
             "\n## Use\n",
-            *(use(repo or folder_name) if tokenizer else use_without_tokenizer(repo or folder_name)),
+            *use(repo or folder_name, tokenizer),
             "",
         ]
     )
 
 
-def use(name: str) -> list[str]:
-    return [
-        "```python",
-        "import mlx_encoders",
-        "",
-        f'model, tokenizer = {LOAD}("{name}")',
-        'batch = tokenizer(["Hello world"], padding=True)',
-        'out = model(batch["input_ids"], attention_mask=batch["attention_mask"])',
-        "```",
-    ]
-
-
-def use_without_tokenizer(name: str) -> list[str]:
-    return [
-        "The source has no tokenizer (tokenizer.json), so neither has this folder: the model takes token ids.\n",
-        "```python",
-        "import mlx.core as mx",
-        "import mlx_encoders",
-        "",
-        f'model = {LOAD}_model("{name}")',
-        "out = model(mx.array([[1, 2, 3]]))",
-        "```",
-    ]
+def use(name: str, tokenizer: bool) -> list[str]:
+    """The card's code: load the folder (or repo) and run it, on a tokenized text, or on token ids when the folder
+    has no tokenizer."""
+    if tokenizer:
+        load = [f'model, tokenizer = {LOAD}("{name}")', 'batch = tokenizer(["Hello world"], padding=True)']
+        run = ['out = model(batch["input_ids"], attention_mask=batch["attention_mask"])']
+        note, imports = [], []
+    else:
+        load, run = [f'model = {LOAD}_model("{name}")'], ["out = model(mx.array([[1, 2, 3]]))"]
+        note = ["The source has no tokenizer (tokenizer.json), so neither has this folder: the model takes token "
+                "ids.\n"]  # fmt: skip
+        imports = ["import mlx.core as mx"]
+    return [*note, "```python", *imports, "import mlx_encoders", "", *load, *run, "```"]
 
 
 LOAD = "mlx_encoders.load"

@@ -32,6 +32,6 @@ class BuildLock(FolderLock):
         advice: str = BUSY_ADVICE,
     ):  # fmt: skip
         super().__init__(
-            folder, name, what or f"the index {Path(folder)}", advice, "build", "mlx-encoders index", quiet, IndexBusy,
-            "; its committed chunks are kept", StoreError,
+            folder, name, what or f"the index {Path(folder)}", advice, writer="build", program="mlx-encoders index",
+            quiet=quiet, busy=IndexBusy, taken_over="; its committed chunks are kept", unlockable=StoreError,
         )  # fmt: skip
