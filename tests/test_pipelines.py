@@ -23,13 +23,16 @@ SCORE_TOL = 1e-4
 # collapse at that scale into nearly the same output for every token, so it gets a smaller one; the seeds
 # chosen avoid a top-5 near-tie (DistilBERT) and a tagger that gives every word one label (BERT, ALBERT,
 # ELECTRA and DeBERTa-v2, which at 0.8 also saturate enough for float32 rounding to move their class scores
-# past the tolerance; GTE's, EuroBERT's and jina-embeddings-v3's features likewise).
+# past the tolerance; GTE's, EuroBERT's and jina-embeddings-v3's features likewise). RoBERTa's and XLM-R's
+# taggers at 0.8 round 4-5x further from a float64 run than at 0.5, too close to the tolerance.
 INIT = {
     "albert": dict(initializer_range=0.1, seed=1),
     "bert": dict(initializer_range=0.5, seed=1),
     "distilbert": dict(initializer_range=0.8, seed=1),
     "electra": dict(initializer_range=0.5, seed=1),
     "deberta-v2": dict(initializer_range=0.5),
+    "roberta": dict(initializer_range=0.5),
+    "xlm-roberta": dict(initializer_range=0.5),
     "gte": dict(initializer_range=0.5),
     "eurobert": dict(initializer_range=0.5),
     "jina_embeddings_v3": dict(initializer_range=0.5),
