@@ -1,6 +1,7 @@
 """Attention on (B, nh, L, hd) tensors: MLX's fused kernel on a GPU; on the CPU, written out with the exact, fast
-exp of ops.py (the softmax's exp is most of an encoder's time there), with dropout, and by query blocks in O(L)
-memory for long inputs. Gradients of every form match transformers' eager attention (tests/test_gradients.py).
+exp of ops.py (the softmax's exp is most of an encoder's time there), with dropout, in cache-sized blocks of batch
+rows and heads where a pass's scores are large, and by query blocks in O(L) memory for long inputs. Gradients of
+every form match transformers' eager attention (tests/test_gradients.py, tests/test_attention_blocks.py).
 """
 
 from collections.abc import Iterator
@@ -38,10 +39,59 @@ def attention(
         mask = bias if mask is None else mask + bias
     active = dropout is not None and dropout.training and dropout._p_1 < 1  # nn.Dropout keeps 1 - p only
     if on_cpu() and q.shape[-2] > 1:  # one query (decoding): too few scores to matter
+        if not active and in_blocks(q, k, mask):
+            return attention_in_blocks(q, k, v, mask, scale)
         return written_out_attention(q, k, v, mask, scale, dropout if active else None)
     if active:
         return dropped_out_attention(q, k, v, mask, dropout, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# On the CPU, a pass's (B, nh, Lq, Lk) float32 scores beyond SCORES_WHOLE_BYTES run in blocks of batch rows and
+# heads of at most SCORES_BLOCK_BYTES, one after another: the softmax's passes over a block's scores then read them
+# from the core's cache instead of memory. Below the first size, blocks only add dispatch.
+SCORES_WHOLE_BYTES = 2**23
+SCORES_BLOCK_BYTES = 2**21
+
+
+def in_blocks(q: mx.array, k: mx.array, mask: mx.array | None) -> bool:
+    """Whether `attention` runs these (B, nh, Lq, hd) queries over (B, nh, Lk, hd) keys by `score_blocks` (without
+    dropout: each block would draw its masks apart)."""
+    B, heads, queries, _ = q.shape
+    fits = mask is None or (mask.ndim == 4 and mask.shape[1] in (1, heads))
+    return fits and B * heads * queries * k.shape[-2] * 4 > SCORES_WHOLE_BYTES
+
+
+def score_blocks(batch: int, heads: int, queries: int, keys: int) -> Iterator[tuple[slice, slice]]:
+    """(batch rows, heads) of each block: whole rows when one row's scores fit SCORES_BLOCK_BYTES, else as many of
+    a row's heads as fit (and divide its heads), at least one."""
+    per_head = queries * keys * 4
+    if per_head * heads <= SCORES_BLOCK_BYTES:
+        rows = SCORES_BLOCK_BYTES // (per_head * heads)
+        for b in range(0, batch, rows):
+            yield slice(b, b + rows), slice(0, heads)
+        return
+    group = max(h for h in range(1, heads + 1) if heads % h == 0 and (h == 1 or h * per_head <= SCORES_BLOCK_BYTES))
+    for b in range(batch):
+        for h in range(0, heads, group):
+            yield slice(b, b + 1), slice(h, h + group)
+
+
+def attention_in_blocks(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None, scale: float) -> mx.array:
+    """written_out_attention by `score_blocks`, each block computed after the one before (`after`): MLX would
+    otherwise run the independent blocks side by side, and their scores would leave the cache together."""
+    rows_out: list[mx.array] = []
+    row: list[mx.array] = []
+    for rows, heads in score_blocks(q.shape[0], q.shape[1], q.shape[2], k.shape[2]):
+        part = None
+        if mask is not None:
+            part = mask[rows if mask.shape[0] > 1 else slice(None), heads if mask.shape[1] > 1 else slice(None)]
+        previous = row[-1:] or rows_out[-1:]
+        row.append(written_out_attention(after(q[rows, heads], previous), k[rows, heads], v[rows, heads], part, scale))
+        if heads.stop >= q.shape[1]:  # the rows' last heads: their heads in one piece
+            rows_out.append(row[0] if len(row) == 1 else mx.concatenate(row, axis=1))
+            row = []
+    return rows_out[0] if len(rows_out) == 1 else mx.concatenate(rows_out, axis=0)
 
 
 def softmax_weights(q: mx.array, k: mx.array, mask: mx.array | None, scale: float | None = None) -> mx.array:
