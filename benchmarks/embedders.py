@@ -12,6 +12,7 @@ measured in the same run, its cosine with sentence-transformers, and the ratios 
     python benchmarks/embedders.py                                   # every shape, every engine
     python benchmarks/embedders.py --shapes nomic-embed-text-v1.5 --texts 48 --repeats 1
     python benchmarks/embedders.py --long                            # peak memory at 1k-8k tokens (Qwen3 shape)
+    python benchmarks/embedders.py --long --long-shapes nomic-embed-text-v1.5 --long-tokens 512,2048 --whole-attention
     python benchmarks/embedders.py --fidelity --texts 50             # convert's 8/4-bit cosine with float32
 
 Timings are printed, never asserted; run it on an otherwise idle machine.
@@ -69,7 +70,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed passes per engine (default 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--long", action="store_true", help="peak memory of one 1k-8k-token input (Qwen3 shape)")
+    p.add_argument("--long", action="store_true", help="time and peak memory of one long input per --long-tokens")
+    p.add_argument("--long-tokens", default="1024,2048,4096,8192", help="--long: comma-separated token counts")
+    p.add_argument("--long-shapes", default="qwen3-embedding-0.6b", help="--long: comma-separated shapes")
+    p.add_argument(
+        "--whole-attention",
+        action="store_true",
+        help="--long: also with every pass's attention scores in one piece (no cache-sized blocks)",
+    )
     p.add_argument("--fidelity", action="store_true", help="convert's 8/4-bit embeddings vs float32, per shape")
     p.add_argument("--settings", default=",".join(FIDELITY), help=f"--fidelity rows, of: {', '.join(FIDELITY)}")
     return p.parse_args()
@@ -223,25 +231,33 @@ def report(shape: str, result: dict, n: int, limit: float) -> None:
         print(f"  4-bit weights vs float32: {share:.3f}x (target <= 0.35x)")
 
 
-def long_inputs(workdir: Path) -> None:
-    """Peak memory of one input of 1k, 2k, 4k and 8k tokens through the Qwen3-Embedding-0.6B shape."""
+def long_inputs(shape: str, lengths: list[int], whole_too: bool, workdir: Path) -> None:
+    """Seconds and peak memory above the weights of one input of each length through `shape` (truncated to the
+    model's own limit); with `whole_too`, each length again with the attention's scores in one piece
+    (engine.attention's blocks off), alternating."""
     import mlx.core as mx
 
+    import mlx_encoders.engine.attention as engine_attention
     from mlx_encoders import SentenceEncoder
 
-    folder = sentence_folder("qwen3-embedding-0.6b", workdir)
-    encoder = SentenceEncoder(folder)
-    encoder.max_seq_length = 8192
-    print("\nqwen3-embedding-0.6b, one input: tokens, peak MB above the weights, seconds")
+    encoder = SentenceEncoder(sentence_folder(shape, workdir))
+    encoder.max_seq_length = encoder.model.args.max_tokens or max(lengths)
+    print(f"\n{shape}, one input: tokens, attention, peak MB above the weights, seconds")
     weights = weights_bytes(encoder.model)
-    for tokens in (1024, 2048, 4096, 8192):
+    blocks = engine_attention.SCORES_WHOLE_BYTES
+    ways = [("blocks", blocks), ("whole", float("inf"))] if whole_too else [("blocks", blocks)]
+    for tokens in lengths:
         text = " ".join(["word"] * (tokens - 2))  # [CLS] and [SEP] around it
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        encoder.encode([text], show_progress_bar=False)
-        peak = (mx.get_peak_memory() - weights) / 2**20
-        print(f"  {tokens:>5}  {peak:>8.0f}  {time.perf_counter() - start:>6.1f}")
+        encoder.encode([text], show_progress_bar=False)  # warm-up: kernels built, buffers allocated
+        for name, threshold in ways:
+            engine_attention.SCORES_WHOLE_BYTES = threshold
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            start = time.perf_counter()
+            encoder.encode([text], show_progress_bar=False)
+            seconds, peak = time.perf_counter() - start, (mx.get_peak_memory() - weights) / 2**20
+            print(f"  {min(tokens, encoder.max_seq_length):>5}  {name:<7} {peak:>8.0f}  {seconds:>6.1f}")
+        engine_attention.SCORES_WHOLE_BYTES = blocks
 
 
 def fidelity(shape: str, settings: list[str], texts: list[str], batch_size: int, workdir: Path) -> None:
@@ -295,7 +311,7 @@ def main() -> None:
     from mlx_encoders.corpus import stdlib_docstrings
 
     shapes, names = args.shapes.split(","), args.engines.split(",")
-    unknown = (set(shapes) - set(SHAPES)) | (set(names) - set(ENGINES))
+    unknown = (set(shapes + args.long_shapes.split(",")) - set(SHAPES)) | (set(names) - set(ENGINES))
     if unknown:
         sys.exit(f"unknown shape(s) or engine(s): {', '.join(sorted(unknown))}")
     texts = stdlib_docstrings(args.texts)
@@ -303,7 +319,8 @@ def main() -> None:
           f"mlx {mx.__version__} on {mx.default_device()}")  # fmt: skip
     with tempfile.TemporaryDirectory() as workdir:
         if args.long:
-            long_inputs(Path(workdir))
+            for shape in args.long_shapes.split(","):
+                long_inputs(shape, [int(n) for n in args.long_tokens.split(",")], args.whole_attention, Path(workdir))
             return
         if args.fidelity:
             settings = args.settings.split(",")

@@ -226,6 +226,32 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
+def test_one_pass_runs_on_the_default_stream_with_every_blas_thread(tmp_path, bert):
+    """A call of one pass in all (one text, or a few short ones in one slice) runs it on the caller's default stream,
+    its products on the BLAS's threads as they are: lanes would leave every core but one idle."""
+    st = save_st(tmp_path / "st", bert, Pooling(32))
+    encoder = SentenceEncoder(st)
+    library = runtime.BLAS
+    streams, blas_threads = [], []
+    embed = encoder.embed
+
+    def recording_embed(batch, *args):
+        streams.append(str(mx.default_stream(mx.cpu)))
+        if library is not None:
+            blas_threads.append(library.openblas_get_num_threads())
+        return embed(batch, *args)
+
+    encoder.embed = recording_embed
+    for texts in (TEXTS[:1], TEXTS[:3]):
+        streams.clear(), blas_threads.clear()
+        got = encoder.encode(texts)
+        assert streams == [str(mx.default_stream(mx.cpu))]
+        if library is not None:
+            assert blas_threads == [library.openblas_get_num_threads()]
+        assert_float32_close(got, reference(encoder.path, texts), encoder_terms(st, texts))
+
+
+@pytest.mark.cpu_only("the lanes are CPU streams")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert, monkeypatch, bits):
     """On the CPU, the slices run in groups, two per core, each on its core's stream with the BLAS on one thread a

@@ -4,10 +4,12 @@ tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
 Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, PASSES_PER_LANE passes on each, one async_eval per group, the next group built while one computes); a
-quantized model's passes in a group share one dequantizing of each weight. Off the CPU each batch is one pass.
+quantized model's passes in a group share one dequantizing of each weight. A call of one pass in all runs it on the
+default stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 """
 
+import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
@@ -17,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .quantized import least_group_tokens, shared_dequantized
-from .runtime import claim_mlx, forward_lanes, on_cpu, warm_heap
+from .runtime import claim_mlx, forward_lanes, lane_count, on_cpu, warm_heap
 
 PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many batches on, when stderr is a TTY
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
@@ -88,15 +90,25 @@ def run_in_lanes(
     passes of a group on the CPU's lanes (`runtime.forward_lanes`), PASSES_PER_LANE of them on each, evaluated
     at once, sharing one dequantizing of a quantized model's weights; the first pass of each group (the one
     that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
-    one pass a group on the default stream. `forward` returns lazy arrays; `collect` reads them."""
+    one pass a group on the default stream. A call of one pass in all (one text, one short batch) runs it on the
+    default stream, its products on every core: lanes would leave all but one idle. `forward` returns lazy
+    arrays; `collect` reads them."""
     pending: list[tuple[Rows, list[mx.array]]] = []
     warm_heap()
+    size = lane_count() * (PASSES_PER_LANE if lane_count() > 1 else 1)
+    planned = iter(groups(size))
+    ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
+    if len(ahead) == 1 and len(ahead[0]) == 1:
+        with shared_dequantized():
+            arrays = forward(ahead[0][0])
+            mx.eval(arrays)
+        collect(ahead[0][0], arrays)
+        return
     with forward_lanes() as lanes, shared_dequantized() as float_weights:
-        size = len(lanes) * (PASSES_PER_LANE if len(lanes) > 1 else 1)
-        for number, group in enumerate(groups(size)):
+        for number, group in enumerate(itertools.chain(ahead, planned)):
             turn = number % len(lanes)
             dispatched = []
-            for lane, rows in zip((lanes[turn:] + lanes[:turn]) * PASSES_PER_LANE, group, strict=False):
+            for lane, rows in zip(itertools.cycle(lanes[turn:] + lanes[:turn]), group):
                 with mx.stream(lane):
                     dispatched.append((rows, forward(rows)))
             float_weights.next_group()

@@ -523,6 +523,13 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
     return _thread_streams.lanes
 
 
+def lane_count() -> int:
+    """How many streams `forward_lanes` gives, asked without setting anything."""
+    if not on_cpu() or len(cpu_streams()) < 2 or not one_blas_thread_holds():
+        return 1
+    return len(cpu_streams())
+
+
 @contextmanager
 def forward_lanes() -> Iterator[tuple[mx.Stream, ...]]:
     """Streams for independent forward passes that run at once, one per core on the CPU: MLX runs each stream's
