@@ -1,13 +1,16 @@
 """Attention by blocks of batch rows and heads on the CPU (engine.attention.attention_in_blocks) against torch's
-eager attention in float64: outputs and gradients, under every mask shape the models pass."""
+eager attention in float64: outputs and gradients, under every mask shape the models pass; and where it runs (the
+batching runner's forward passes, not a caller's own or a gradient's)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from tolerance import assert_float32_close, encoder_terms
 
+from mlx_encoders import SentenceEncoder
 from mlx_encoders.engine import attention as engine_attention
-from mlx_encoders.engine.attention import attention, in_blocks, score_blocks
+from mlx_encoders.engine.attention import attention, blocks_of_scores, in_blocks, score_blocks
 
 # float32 scores, softmax and products over at most a few hundred terms, against float64
 TOL = 2e-5
@@ -39,6 +42,8 @@ def small_blocks(monkeypatch):
     """Blocks at test sizes: a pass of more than 4 KB of scores runs in blocks of at most 2 KB."""
     monkeypatch.setattr(engine_attention, "SCORES_WHOLE_BYTES", 4096)
     monkeypatch.setattr(engine_attention, "SCORES_BLOCK_BYTES", 2048)
+    with blocks_of_scores():
+        yield
 
 
 @pytest.mark.parametrize("shape", [(10, 2, 8, 8), (2, 3, 24, 24), (2, 2, 24, 12)], ids=["rows", "heads", "gqa-like"])
@@ -81,9 +86,26 @@ def test_block_layout():
     assert {h.stop - h.start for _, h in cover(1, 4, 2048, 2048)} == {1}  # one head past a block: alone
 
 
-def test_whole_below_threshold_and_with_dropout():
+def test_whole_below_the_threshold_and_outside_the_runner():
     q = mx.zeros((32, 12, 64, 32))  # 6 MB of scores: one pass
-    assert not in_blocks(q, q, None)
     big = mx.zeros((16, 12, 128, 32))  # 12 MB
-    assert in_blocks(big, big, None)
-    assert not in_blocks(big, big, mx.zeros((12, 128, 128)))  # a 3-d bias: whole
+    assert not in_blocks(big, big, None)  # a caller's own pass (and any gradient): whole
+    with blocks_of_scores():
+        assert not in_blocks(q, q, None)
+        assert in_blocks(big, big, None)
+        assert not in_blocks(big, big, mx.zeros((12, 128, 128)))  # a 3-d bias: whole
+
+
+def test_encode_runs_blocks_and_its_embeddings_match(checkpoint, monkeypatch):
+    """`encode`'s passes (the batching runner's) take large scores in blocks, with the embeddings of whole ones."""
+    folder = checkpoint("bert")
+    encoder = SentenceEncoder(folder)
+    texts = ["a short text", "a somewhat longer text with more words in it than the first", "x " * 40]
+    whole = encoder.encode(texts)
+    calls = []
+    blocked = engine_attention.attention_in_blocks
+    monkeypatch.setattr(engine_attention, "attention_in_blocks", lambda *a: calls.append(1) or blocked(*a))
+    monkeypatch.setattr(engine_attention, "SCORES_WHOLE_BYTES", 1024)
+    monkeypatch.setattr(engine_attention, "SCORES_BLOCK_BYTES", 512)
+    assert_float32_close(encoder.encode(texts), whole, encoder_terms(folder, texts))
+    assert calls, "encode's attention ran whole"

@@ -4,7 +4,9 @@ rows and heads where a pass's scores are large, and by query blocks in O(L) memo
 every form match transformers' eager attention (tests/test_gradients.py, tests/test_attention_blocks.py).
 """
 
+import contextvars
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,19 +49,32 @@ def attention(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-# On the CPU, a pass's (B, nh, Lq, Lk) float32 scores beyond SCORES_WHOLE_BYTES run in blocks of batch rows and
-# heads of at most SCORES_BLOCK_BYTES, one after another: the softmax's passes over a block's scores then read them
-# from the core's cache instead of memory. Below the first size, blocks only add dispatch.
+# On the CPU, in inference passes (`blocks_of_scores`), a pass's (B, nh, Lq, Lk) float32 scores beyond
+# SCORES_WHOLE_BYTES run in blocks of batch rows and heads of at most SCORES_BLOCK_BYTES, one after another: the
+# softmax's passes over a block's scores then read them from the core's cache instead of memory. Below the first
+# size, blocks only add dispatch; under a gradient, the blocks' backward passes run slower than one whole.
 SCORES_WHOLE_BYTES = 2**23
 SCORES_BLOCK_BYTES = 2**21
+_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar("blocks_of_scores", default=False)
+
+
+@contextmanager
+def blocks_of_scores() -> Iterator[None]:
+    """Inside, `attention` may run large passes' scores in blocks (`in_blocks`): for forward passes that nothing
+    differentiates (the batching runner's)."""
+    token = _BLOCKS.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKS.reset(token)
 
 
 def in_blocks(q: mx.array, k: mx.array, mask: mx.array | None) -> bool:
-    """Whether `attention` runs these (B, nh, Lq, hd) queries over (B, nh, Lk, hd) keys by `score_blocks` (without
-    dropout: each block would draw its masks apart)."""
+    """Whether `attention` runs these (B, nh, Lq, hd) queries over (B, nh, Lk, hd) keys by `score_blocks`: inside
+    `blocks_of_scores`, without dropout (each block would draw its masks apart), past SCORES_WHOLE_BYTES."""
     B, heads, queries, _ = q.shape
     fits = mask is None or (mask.ndim == 4 and mask.shape[1] in (1, heads))
-    return fits and B * heads * queries * k.shape[-2] * 4 > SCORES_WHOLE_BYTES
+    return _BLOCKS.get() and fits and B * heads * queries * k.shape[-2] * 4 > SCORES_WHOLE_BYTES
 
 
 def score_blocks(batch: int, heads: int, queries: int, keys: int) -> Iterator[tuple[slice, slice]]:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import blocks_of_scores
 from .quantized import least_group_tokens, shared_dequantized
 from .runtime import claim_mlx, forward_lanes, lane_count, on_cpu, warm_heap
 
@@ -92,32 +93,34 @@ def run_in_lanes(
     that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
     one pass a group on the default stream. A call of one pass in all (one text, one short batch) runs it on the
     default stream, its products on every core: lanes would leave all but one idle. `forward` returns lazy
-    arrays; `collect` reads them."""
-    pending: list[tuple[Rows, list[mx.array]]] = []
-    warm_heap()
-    size = lane_count() * (PASSES_PER_LANE if lane_count() > 1 else 1)
-    planned = iter(groups(size))
-    ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
-    if len(ahead) == 1 and len(ahead[0]) == 1:
-        with shared_dequantized():
-            arrays = forward(ahead[0][0])
-            mx.eval(arrays)
-        collect(ahead[0][0], arrays)
-        return
-    with forward_lanes() as lanes, shared_dequantized() as float_weights:
-        for number, group in enumerate(itertools.chain(ahead, planned)):
-            turn = number % len(lanes)
-            dispatched = []
-            for lane, rows in zip(itertools.cycle(lanes[turn:] + lanes[:turn]), group):
-                with mx.stream(lane):
-                    dispatched.append((rows, forward(rows)))
-            float_weights.next_group()
-            mx.async_eval([a for _, arrays in dispatched for a in arrays])  # one eval: its ops interleave over lanes
+    arrays; `collect` reads them. The passes' attention may run large scores in blocks (`blocks_of_scores`)."""
+    with blocks_of_scores():  # forward passes only: attention may take large scores in blocks
+        pending: list[tuple[Rows, list[mx.array]]] = []
+        warm_heap()
+        size = lane_count() * (PASSES_PER_LANE if lane_count() > 1 else 1)
+        planned = iter(groups(size))
+        ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
+        if len(ahead) == 1 and len(ahead[0]) == 1:
+            with shared_dequantized():
+                arrays = forward(ahead[0][0])
+                mx.eval(arrays)
+            collect(ahead[0][0], arrays)
+            return
+        with forward_lanes() as lanes, shared_dequantized() as float_weights:
+            for number, group in enumerate(itertools.chain(ahead, planned)):
+                turn = number % len(lanes)
+                dispatched = []
+                for lane, rows in zip(itertools.cycle(lanes[turn:] + lanes[:turn]), group):
+                    with mx.stream(lane):
+                        dispatched.append((rows, forward(rows)))
+                float_weights.next_group()
+                # one eval: its ops interleave over lanes
+                mx.async_eval([a for _, arrays in dispatched for a in arrays])
+                for rows, arrays in pending:
+                    collect(rows, arrays)
+                pending = dispatched
             for rows, arrays in pending:
                 collect(rows, arrays)
-            pending = dispatched
-        for rows, arrays in pending:
-            collect(rows, arrays)
 
 
 def slice_rows(args, length: int, slice_bytes: int, slice_tokens: int = 0) -> int:
