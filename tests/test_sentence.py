@@ -226,11 +226,13 @@ def test_slices_cover_each_batch_within_budget_and_match_sentence_transformers(t
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
-def test_one_pass_runs_on_the_default_stream_with_every_blas_thread(tmp_path, bert):
+@pytest.mark.parametrize("bits", [None, 4])
+def test_one_pass_runs_on_the_default_stream_with_every_blas_thread(tmp_path, bert, bits):
     """A call of one pass in all (one text, or a few short ones in one slice) runs it on the caller's default stream,
-    its products on the BLAS's threads as they are: lanes would leave every core but one idle."""
+    its products on the BLAS's threads as they are: lanes would leave every core but one idle. A quantized model's
+    pass gives what its lanes give."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
-    encoder = SentenceEncoder(st)
+    encoder = SentenceEncoder(convert(st, tmp_path / "q", quantize=True, bits=bits, group_size=32) if bits else st)
     library = runtime.BLAS
     streams, blas_threads = [], []
     embed = encoder.embed
@@ -248,7 +250,12 @@ def test_one_pass_runs_on_the_default_stream_with_every_blas_thread(tmp_path, be
         assert streams == [str(mx.default_stream(mx.cpu))]
         if library is not None:
             assert blas_threads == [library.openblas_get_num_threads()]
-        assert_float32_close(got, reference(encoder.path, texts), encoder_terms(st, texts))
+        if bits is None:
+            assert_float32_close(got, reference(encoder.path, texts), encoder_terms(st, texts))
+        else:  # the same texts among others, in slices on the lanes
+            encoder.slice_bytes = 1
+            assert_float32_close(got, encoder.encode(texts + TEXTS)[: len(texts)], encoder_terms(st, texts + TEXTS))
+            encoder.slice_bytes = -1
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
