@@ -258,6 +258,22 @@ def test_one_pass_runs_on_the_default_stream_with_every_blas_thread(tmp_path, be
             encoder.slice_bytes = -1
 
 
+@pytest.mark.cpu_only("quantized layers keep float copies on the CPU only")
+def test_one_pass_of_a_quantized_model_frees_each_float_copy_once_used(checkpoint):
+    """One text through a 4-bit model (one pass) holds far less than its weights' float copies at its peak: each
+    layer's dequantized copy goes once its products have run, as in the lanes' groups."""
+    folder = checkpoint("bert", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, intermediate_size=2048)
+    encoder = SentenceEncoder(folder)
+    quantize_model(encoder.model, bits=4, group_size=64)
+    mx.eval(encoder.model.parameters())
+    encoder.encode(["warm up"])
+    float_copies = 8 * (4 * 512 * 512 + 2 * 512 * 2048) * 4  # every layer's linear weights in float32
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    encoder.encode(["hello world"])
+    assert mx.get_peak_memory() < float_copies / 2, f"peak {mx.get_peak_memory() / 2**20:.0f} MiB"
+
+
 @pytest.mark.cpu_only("the lanes are CPU streams")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert, monkeypatch, bits):

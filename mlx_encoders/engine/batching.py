@@ -101,8 +101,9 @@ def run_in_lanes(
         planned = iter(groups(size))
         ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
         if len(ahead) == 1 and len(ahead[0]) == 1:
-            with shared_dequantized():
+            with shared_dequantized() as float_weights:
                 arrays = forward(ahead[0][0])
+                float_weights.next_group()  # each float copy freed once its products ran, not held to the end
                 mx.eval(arrays)
             collect(ahead[0][0], arrays)
             return
