@@ -12,6 +12,7 @@ Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from typing import TypeVar
 
 import mlx.core as mx
@@ -97,17 +98,12 @@ def run_in_lanes(
     with blocks_of_scores():  # forward passes only: attention may take large scores in blocks
         pending: list[tuple[Rows, list[mx.array]]] = []
         warm_heap()
-        size = lane_count() * (PASSES_PER_LANE if lane_count() > 1 else 1)
-        planned = iter(groups(size))
+        count = lane_count()
+        planned = iter(groups(count * (PASSES_PER_LANE if count > 1 else 1)))
         ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
-        if len(ahead) == 1 and len(ahead[0]) == 1:
-            with shared_dequantized() as float_weights:
-                arrays = forward(ahead[0][0])
-                float_weights.next_group()  # each float copy freed once its products ran, not held to the end
-                mx.eval(arrays)
-            collect(ahead[0][0], arrays)
-            return
-        with forward_lanes() as lanes, shared_dequantized() as float_weights:
+        one_pass = len(ahead) == 1 and len(ahead[0]) == 1
+        streams = nullcontext((mx.default_stream(mx.default_device()),)) if one_pass else forward_lanes()
+        with streams as lanes, shared_dequantized() as float_weights:
             for number, group in enumerate(itertools.chain(ahead, planned)):
                 turn = number % len(lanes)
                 dispatched = []

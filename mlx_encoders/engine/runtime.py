@@ -538,11 +538,11 @@ def forward_lanes() -> Iterator[tuple[mx.Stream, ...]]:
     the BLAS runs each product on its calling stream's thread (`one_blas_thread`). Off the CPU, with
     one core, or with a BLAS that cannot be held to one thread: the default stream alone. The lanes are idle
     when the block ends, whether it raised or not."""
-    if not on_cpu() or len(cpu_streams()) < 2:
+    if lane_count() < 2:
         yield (mx.default_stream(mx.default_device()),)
         return
-    with one_blas_thread() as one_thread:
-        lanes = cpu_streams() if one_thread else (mx.default_stream(mx.cpu),)
+    with one_blas_thread():
+        lanes = cpu_streams()
         try:
             yield lanes
         finally:
