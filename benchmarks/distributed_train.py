@@ -105,21 +105,23 @@ def children_cpu() -> float:
 
 def run(
     args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None = None, whole: bool = False,
-    cores: int = 1,
+    cores: int = 1, exchange: str = "sockets",
 ) -> dict:  # fmt: skip
     """One run's figures: rank 0's speed, CPU per step summed over ranks, and the launcher's CPU (s) over the run;
     `batch_size` in place of the global one; `whole`: every gradient sent whole; `cores`: the one process's (it
-    splits each step's rows over them), where the launchers give each rank its share."""
+    splits each step's rows over them), where the launchers give each rank its share; `exchange`: the ranks' own
+    sockets or MLX's all_sum (MLX_ENCODERS_EXCHANGE)."""
     folder = Path(tempfile.mkdtemp())
     try:
-        return run_in(folder / "result", args, ranks, launcher, batch_size, whole, cores)
+        return run_in(folder / "result", args, ranks, launcher, batch_size, whole, cores, exchange)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_in(
-    result: Path, args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None, whole: bool, cores: int
-) -> dict:
+    result: Path, args: argparse.Namespace, ranks: int, launcher: str, batch_size: int | None, whole: bool, cores: int,
+    exchange: str,
+) -> dict:  # fmt: skip
     command = [sys.executable, __file__, "--worker", "--result", str(result)]
     command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("task", "hidden", "layers", "steps", "warmup")]
     command += [f"--batch-size={batch_size or args.batch_size}", f"--max-length={args.max_length}"]
@@ -129,7 +131,7 @@ def run_in(
         command = [str(launch), "--backend", "ring", "-n", str(ranks), "--starting-port", str(args.port)] + command
     elif launcher == "mlx-encoders launch":
         command = [sys.executable, "-m", "mlx_encoders", "launch", "-n", str(ranks), "-p", str(args.port)] + command
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MLX_ENCODERS_EXCHANGE": exchange}
     allowed = sorted(os.sched_getaffinity(0))[:cores]
     pin = (lambda: os.sched_setaffinity(0, allowed)) if launcher == "none" else None
     before = children_cpu()
@@ -169,6 +171,7 @@ def main() -> None:
         ("1 process, half the batch (a rank's rows, no exchange)", run(args, 1, "none", args.batch_size // 2)),
         ("1 process on 2 cores (each step's rows split over them)", run(args, 1, "none", cores=2)),
         ("2 ranks, mlx-encoders launch", run(args, 2, "mlx-encoders launch")),
+        ("2 ranks, mlx-encoders launch, MLX's all_sum", run(args, 2, "mlx-encoders launch", exchange="mlx")),
         ("2 ranks, mlx-encoders launch, every gradient whole", run(args, 2, "mlx-encoders launch", whole=True)),
         ("2 ranks, mlx.launch", run(args, 2, "mlx.launch")),
     ]

@@ -8,8 +8,9 @@ addresses in the file MLX_HOSTFILE names), with four differences (docs/scaling-o
 - Each rank runs on its own share of the cores (its CPU affinity) and its BLAS on as many threads, so N ranks do
   not start N times as many threads as there are cores.
 - It exits with the status of the first rank that failed, after stopping the others; mlx.launch exits 0.
-- The ranks get pipes that let `distributed.all_sum` wait for each other asleep before the collective, in which
-  MLX's ring backend polls its sockets while it waits for the slowest rank (`distributed.wait_for_all`).
+- The ranks get pipes that let them wait for each other asleep before an MLX collective, in which MLX's ring
+  backend polls its sockets while it waits for the slowest rank (`distributed.wait_for_all`); the gradient sum
+  goes over the ranks' own blocking sockets (`ring`) instead.
 
 Across machines, mlx.launch with a hostfile starts the ranks over ssh.
 """

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_encoders import distributed
+from mlx_encoders import distributed, ring
 from mlx_encoders.__main__ import main
 from mlx_encoders.train import fine_tune, trainer
 from mlx_encoders.train.losses import contrastive
@@ -58,18 +58,23 @@ def run_fine_tune(jobs: dict, status: dict) -> None:
 
 @contextmanager
 def recorded_sums() -> Iterator[list[int]]:
-    """Inside, the size of every buffer given to `mx.distributed.all_sum`, in order."""
-    all_sum, sizes = mx.distributed.all_sum, []
+    """Inside, the size of every buffer summed over ranks (by `mx.distributed.all_sum` or the ranks' own sockets,
+    `ring.Ring.all_sum`), in order."""
+    all_sum, socket_sum, sizes = mx.distributed.all_sum, ring.Ring.all_sum, []
 
     def recorded(x, *args, **kwargs):
         sizes.append(x.size)
         return all_sum(x, *args, **kwargs)
 
-    mx.distributed.all_sum = recorded
+    def recorded_socket_sum(self, buffer):
+        sizes.append(buffer.size)
+        return socket_sum(self, buffer)
+
+    mx.distributed.all_sum, ring.Ring.all_sum = recorded, recorded_socket_sum
     try:
         yield sizes
     finally:
-        mx.distributed.all_sum = all_sum
+        mx.distributed.all_sum, ring.Ring.all_sum = all_sum, socket_sum
 
 
 def mnrl(weights: mx.array, anchors: mx.array, positives: mx.array, first: int, gather) -> mx.array:
@@ -128,6 +133,7 @@ def run(spec_path: Path) -> dict:
         gather_gradients(spec["gather"], spec_path.parent, world)
     if "sums" in spec:
         sum_tables(spec["sums"], spec_path.parent, world)
+        status["exchange"] = "sockets" if distributed.ring_of(world) is not None else "mlx"
     if "cli" in spec:
         status["cli"] = main(spec["cli"])
     return status

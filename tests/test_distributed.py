@@ -265,9 +265,10 @@ def test_two_ranks_train_a_classifier_as_one_process_does(runs):
 def test_an_embedding_tables_gradient_sends_the_rows_some_rank_changed(runs):
     """all_sum of a 1000-row table that the ranks changed in 4 rows sends those rows alone (after one exchange of
     which rows each rank changed), a table changed in every row whole, and sums every array exactly as adding the
-    ranks' arrays does."""
+    ranks' arrays does; ranks started with a ring hostfile sum over their own sockets (`ring`)."""
     root, _, result, statuses = runs
     assert sorted(statuses) == [0, 1], result.stderr
+    assert [statuses[r]["exchange"] for r in range(2)] == ["sockets", "sockets"]
     arrays = np.load(root / "sums.npz")
     for rank in range(2):
         got = np.load(root / "two" / f"sums-{rank}.npz")

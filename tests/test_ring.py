@@ -1,0 +1,130 @@
+"""The ranks' own sums over blocking sockets (`mlx_encoders.ring`), with ranks as threads of this process on
+loopback: sums equal numpy's and carry the same bits on every rank, whatever the length against the world size
+and the pieces; a neighbour that leaves or is not the one expected raises `PeerLost` naming it. Also which ranks
+take this path (`distributed.ring_of`) and the row marks of embedding tables (`distributed.nonzero_rows`), against
+MLX's own `any`. The two-rank training runs of test_distributed.py go through it end to end."""
+
+import json
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_encoders import distributed, ring
+
+
+def threads(work, count: int) -> list:
+    """`work(i)` for i < count, each on its own thread; the results, or the first exception raised."""
+    results, errors = [None] * count, []
+
+    def run(i):
+        try:
+            results[i] = work(i)
+        except BaseException as e:  # noqa: BLE001  re-raised below
+            errors.append(e)
+
+    started = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def rings(size: int) -> list[ring.Ring]:
+    servers = [ring.listen("127.0.0.1") for _ in range(size)]
+    ports = [s.getsockname()[1] for s in servers]
+    return threads(lambda r: ring.connect(r, size, servers[r], ("127.0.0.1", ports[(r + 1) % size]), 30), size)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("length", [1, 7, 3 * 2**18 + 5])  # fewer elements than ranks; several 1 MB pieces a part
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float16])
+def test_every_rank_gets_the_sum_with_the_same_bits(size, length, dtype):
+    rng = np.random.default_rng(length + size)
+    values = [(rng.normal(size=length) * 100).astype(dtype) for _ in range(size)]
+    joined = rings(size)
+    try:
+        buffers = [v.copy() for v in values]
+        threads(lambda r: joined[r].all_sum(buffers[r]), size)
+        expected = np.sum([v.astype(np.float64) for v in values], axis=0)
+        for b in buffers:
+            assert b.dtype == dtype and b.shape == (length,)
+            np.testing.assert_array_equal(b, buffers[0])  # each part summed once, then copied
+        if dtype == np.int32 or size == 2:  # integers, and a + b in any order: exact
+            np.testing.assert_array_equal(buffers[0], np.sum(values, axis=0, dtype=dtype))
+        else:
+            tolerance = 2e-3 if dtype == np.float16 else 1e-6
+            np.testing.assert_allclose(buffers[0], expected, rtol=tolerance, atol=tolerance * np.abs(expected).max())
+        # the same memory serves the next sum of that size
+        assert joined[0].buffer(10, np.dtype(dtype)).ctypes.data == joined[0].buffer(4, np.dtype(dtype)).ctypes.data
+    finally:
+        for r in joined:
+            r.close()
+
+
+def test_a_neighbour_that_leaves_is_named():
+    joined = rings(2)
+    joined[1].close()
+    with pytest.raises(ring.PeerLost, match="rank 1"):
+        joined[0].all_sum(np.ones(2**20, np.float32))
+    joined[0].close()
+
+
+def test_a_connection_from_another_rank_than_the_left_neighbour_is_refused():
+    """Rank 0 of 4 is reached by rank 2 where rank 3 belongs (a hostfile that differs between machines)."""
+    servers = [ring.listen("127.0.0.1") for _ in range(2)]
+    ports = [s.getsockname()[1] for s in servers]
+    errors = []
+
+    def rank(i: int, number: int) -> None:
+        try:
+            ring.connect(number, 4, servers[i], ("127.0.0.1", ports[1 - i]), 5)
+        except ring.PeerLost as e:
+            errors.append(str(e))
+
+    threads(lambda i: rank(i, (0, 2)[i]), 2)
+    assert "rank 0 expected rank 3 on its ring socket, got rank 2" in errors
+    assert "rank 2 expected rank 1 on its ring socket, got rank 0" in errors
+
+
+def test_hosts_come_from_a_ring_hostfile_only(tmp_path):
+    file = tmp_path / "hosts.json"
+    file.write_text(json.dumps([["10.0.0.1:5000", "10.0.1.1:5000"], ["[fe80::1]:5001"]]))
+    assert ring.hosts_of(str(file)) == ["10.0.0.1", "fe80::1"]
+    for text in ('{"hosts": 2}', "[1, 2]", "not json", "[[]]"):
+        file.write_text(text)
+        assert ring.hosts_of(str(file)) is None, text
+    assert ring.hosts_of(str(tmp_path / "missing.json")) is None and ring.hosts_of(None) is None
+
+
+def test_which_ranks_sum_over_their_own_sockets(tmp_path, monkeypatch):
+    """Only ranks started with a ring hostfile, unless MLX_ENCODERS_EXCHANGE is "mlx"; another value is refused."""
+    distributed.ring_of.cache_clear()
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    assert distributed.ring_of(distributed.World(None, 2, 0)) is None  # no MLX_RANK: not a ring rank
+    monkeypatch.setenv(distributed.EXCHANGE_ENV, "nccl")
+    with pytest.raises(ValueError, match='MLX_ENCODERS_EXCHANGE=\'nccl\': use "sockets" \\(the default\\) or "mlx"'):
+        distributed.ring_of(distributed.World(None, 2, 1))
+    monkeypatch.setenv(distributed.EXCHANGE_ENV, "mlx")
+    monkeypatch.setenv("MLX_RANK", "0")
+    (tmp_path / "hosts.json").write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "hosts.json"))
+    assert distributed.ring_of(distributed.World(None, 2, 0)) is None
+    distributed.ring_of.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("width", [384, 3, 1])
+def test_nonzero_rows_are_mlxs_any(dtype, width):
+    rng = np.random.default_rng(width)
+    table = np.zeros((300, width), np.float32)
+    rows = rng.choice(300, 40, replace=False)
+    table[rows, rng.integers(0, width, 40)] = rng.normal(size=40)  # one value in each changed row
+    table[rows[:3]] = 1e-30  # float16's and bfloat16's subnormals or zeros: compared as MLX sees them
+    t = mx.array(table).astype(dtype)
+    np.testing.assert_array_equal(distributed.nonzero_rows(t), np.array(mx.any(t != 0, axis=1)))
+    assert not distributed.nonzero_rows(mx.zeros((0, width), dtype)).size
