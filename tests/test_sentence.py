@@ -343,6 +343,33 @@ def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp
     np.testing.assert_allclose(encoder.encode(TEXTS, batch_size=4), reference(encoder.path, TEXTS), atol=1e-5)
 
 
+@pytest.mark.cpu_only("the lanes are CPU streams")
+def test_a_float_models_groups_hold_one_pass_a_lane_a_quantized_models_several(tmp_path, bert):
+    """A group's passes are evaluated together: a quantized model's (PASSES_PER_LANE on each lane) share one
+    dequantizing of its weights; a float model has nothing to share, and one pass a lane keeps both cores busy
+    where a call's last group would hold fewer passes than lanes. The embeddings are the same either way."""
+    st = save_st(tmp_path / "st", bert, Pooling(32))
+    lanes = len(runtime.cpu_streams())
+    real, sizes = batching.grouped_slices, []
+
+    def recording(order, lengths, batch_size, size, show_progress, slices):
+        sizes.append(size)
+        return real(order, lengths, batch_size, size, show_progress, slices)
+
+    batching.grouped_slices = recording
+    try:
+        floats = SentenceEncoder(st)
+        floats.slice_bytes = 1  # a pass a text: several groups
+        got = floats.encode(TEXTS)
+        assert set(sizes) == {lanes if lanes > 1 else 1}
+        sizes.clear()
+        SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32)).encode(TEXTS)
+        assert set(sizes) == {lanes * batching.PASSES_PER_LANE if lanes > 1 else 1}
+    finally:
+        batching.grouped_slices = real
+    assert_float32_close(got, reference(st, TEXTS), encoder_terms(st, TEXTS))
+
+
 def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
     """On the CPU a quantized model dequantizes every weight once per group of forward passes (the passes that run
     at once on every core), so a group's slices hold at least `slice_tokens` (padded) tokens between them, whatever
@@ -379,7 +406,7 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     finally:
         batching.batch_slices = real
     lanes = len(runtime.cpu_streams()) if cpu else 1
-    group = lanes * batching.PASSES_PER_LANE if lanes > 1 else 1
+    group = lanes * batching.PASSES_PER_LANE if lanes > 1 else 1  # a floor to share: PASSES_PER_LANE a lane
     assert set(floors) == {-(-100 // group)}  # 100 tokens spread over a group's slices
     floors.clear()
     encoder.slice_tokens = 0
