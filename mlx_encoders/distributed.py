@@ -274,6 +274,9 @@ def socket_sum(
     """The sum over ranks of `parts` (evaluated) times `weight` (this rank's) as one flat array: numpy copies them
     into the ring's own buffer for their dtype, kept from step to step (memory already mapped in; MLX's
     concatenate into a fresh array cost 2-3 times as long), the ranks sum it in place, and MLX copies it back."""
+    if weight != 1.0 and not np.issubdtype(dtype, np.floating):  # integers times a weight: MLX's float32, as below
+        parts, weight, dtype = [p * weight for p in parts], 1.0, np.float32
+        mx.eval(parts)
     buffer = sockets.buffer(sum(p.size for p in parts), np.dtype(dtype))
     start = 0
     for p in parts:

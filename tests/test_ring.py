@@ -128,3 +128,32 @@ def test_nonzero_rows_are_mlxs_any(dtype, width):
     t = mx.array(table).astype(dtype)
     np.testing.assert_array_equal(distributed.nonzero_rows(t), np.array(mx.any(t != 0, axis=1)))
     assert not distributed.nonzero_rows(mx.zeros((0, width), dtype)).size
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.int32])
+def test_socket_sum_weights_each_ranks_parts_as_mlx_would(dtype):
+    """`distributed.socket_sum`: each rank's parts times its own weight, summed; integers times a weight come back in
+    float32, as MLX's product of an integer array and a float gives."""
+    joined = rings(2)
+    rng = np.random.default_rng(3)
+    parts = [[mx.array((rng.normal(size=n) * 10).astype(np.float32)).astype(dtype) for n in (5, 3 * 2**18)]
+             for _ in range(2)]  # fmt: skip
+    weights = (0.25, 0.75)
+    mx.eval(parts)  # made on this thread's stream
+
+    def rank(r: int) -> mx.array:
+        with mx.stream(mx.new_stream(mx.cpu)):  # an MLX stream serves only the thread that made it
+            world = distributed.World(None, 2, r)
+            return distributed.socket_sum(
+                parts[r], distributed.SOCKET_DTYPES[dtype], weights[r], joined[r], world, "a test"
+            )
+
+    try:
+        sums = threads(rank, 2)
+    finally:
+        for r in joined:
+            r.close()
+    expected = sum(mx.concatenate(parts[r]) * weights[r] for r in range(2))
+    for got in sums:
+        assert got.dtype == mx.float32
+        np.testing.assert_array_equal(np.array(got), np.array(expected))

@@ -4,8 +4,8 @@ tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
 Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, one pass on each, one async_eval per group, the next group built while one computes); a quantized model's
-groups hold PASSES_PER_LANE passes a lane, which share one dequantizing of each weight. A call of one pass in all runs it on the
-default stream, its products on every core. Off the CPU each batch is one pass.
+groups hold PASSES_PER_LANE passes a lane, which share one dequantizing of each weight. A call of one pass in all
+runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 """
 
