@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank
 SPARSE_ROWS_SHARE = 0.5
 EXCHANGE_ENV = "MLX_ENCODERS_EXCHANGE"  # "sockets" (default: `ring.Ring` where ranks have a ring hostfile) or "mlx"
 # dtypes `all_sum` can send over the ranks' own sockets (numpy's); others (bfloat16) go through mx.distributed
+CONNECT_SECONDS = 30.0  # to join the ranks' sockets: every rank has just left the same collective
 SOCKET_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32, mx.int64: np.int64}
 
 
@@ -296,33 +297,54 @@ def ring_of(world: World) -> ring.Ring | None:
     """The ranks' own sockets for `all_sum` (`ring.Ring`), connected on first use, where the ranks were started with a
     ring hostfile (`mlx-encoders launch`, `mlx.launch --backend ring`) and EXCHANGE_ENV is not "mlx"; else None.
     Every rank listens on its hostfile address at a port of the system's choosing and learns the others' from one
-    MLX all_gather; a rank that cannot listen there sends port 0, and every rank then keeps MLX's all_sum."""
+    MLX all_gather, which every rank of a ring hostfile joins whatever its own EXCHANGE_ENV (`mlx.launch` passes
+    the environment only to this machine's ranks): a rank that cannot or will not listen sends port 0, and then
+    every rank keeps MLX's all_sum. So does every rank where one could not connect (a firewall), after a warning."""
     choice = os.environ.get(EXCHANGE_ENV, "sockets")
-    if choice not in ("sockets", "mlx"):
-        raise ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
     hosts = ring.environment_hosts()
-    if world.size == 1 or choice == "mlx" or hosts is None or len(hosts) != world.size:
+    if world.size == 1 or hosts is None or len(hosts) != world.size:
+        if choice not in ("sockets", "mlx"):
+            raise ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
         return None
-    try:
-        server = ring.listen(hosts[world.rank])
-        port = server.getsockname()[1]
-    except OSError as e:
-        where = hosts[world.rank]
-        warnings.warn(f"rank {world.rank} cannot listen on {where} ({e}): sums go through MLX's all_sum", stacklevel=2)
-        server, port = None, 0
-    with collective(world, "connecting the ranks' sockets"):
-        wait_for_all(world, "connecting the ranks' sockets")
+    server, port, why = None, 0, None
+    if choice == "sockets":
+        try:
+            server = ring.listen(hosts[world.rank])
+            port = server.getsockname()[1]
+        except OSError as e:
+            why = f"cannot listen on {hosts[world.rank]} ({e})"
+    what = "connecting the ranks' sockets"
+    with collective(world, what):
+        wait_for_all(world, what)
         ports = np.array(mx.distributed.all_gather(mx.array([port]), group=world.group, stream=mx.cpu))
+    if choice not in ("sockets", "mlx"):  # after the gather, which the other ranks wait in
+        raise ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
     if not ports.all():
         if server is not None:
             server.close()
+        if why is not None:
+            warnings.warn(f"rank {world.rank} {why}: sums go through MLX's all_sum", stacklevel=2)
         return None
     right = (world.rank + 1) % world.size
-    with collective(world, "connecting the ranks' sockets"):
-        try:
-            return ring.connect(world.rank, world.size, server, (hosts[right], int(ports[right])), timeout())
-        except OSError as e:
-            raise RankLost(f"rank {world.rank}: could not connect to {peers(world)} ({e})") from e
+    address = (hosts[right], int(ports[right]))
+    try:
+        joined = ring.connect(world.rank, world.size, server, address, timeout(), min(CONNECT_SECONDS, timeout()))
+    except (OSError, ring.PeerLost) as e:
+        joined, why = None, f"could not join its neighbours' sockets (rank {right} at {address[0]}:{address[1]}: {e})"
+    with collective(world, what):  # every rank learns whether every rank joined
+        wait_for_all(world, what)
+        failed = mx.distributed.all_sum(mx.array([int(joined is None)]), group=world.group, stream=mx.cpu).item()
+    if not failed:
+        return joined
+    if joined is not None:
+        joined.close()
+    if why is not None:
+        warnings.warn(
+            f"rank {world.rank} {why}: sums go through MLX's all_sum; let the ranks reach each other's ports, or "
+            f"set {EXCHANGE_ENV}=mlx (mlx.launch --env {EXCHANGE_ENV}=mlx across machines)",
+            stacklevel=2,
+        )
+    return None
 
 
 def changed_rows(tables: list[mx.array], world: World, what: str) -> list[np.ndarray | None]:

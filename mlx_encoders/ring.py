@@ -96,30 +96,40 @@ def listen(host: str) -> socket.socket:
     return server
 
 
-def connect(rank: int, size: int, server: socket.socket, right: tuple[str, int], seconds: float) -> Ring:
+def connect(
+    rank: int, size: int, server: socket.socket, right: tuple[str, int], seconds: float, connect_seconds: float
+) -> Ring:
     """The ring, once every rank listens (`listen`) and knows its right neighbour's address: connect to it, say
-    which rank this is, and take the left neighbour's connection from `server` (checked to be rank - 1)."""
-    out = socket.create_connection(right, timeout=seconds)
-    out.sendall(rank.to_bytes(4, "little"))
-    server.settimeout(seconds)
+    which rank this is, and take the left neighbour's connection from `server` (checked to be rank - 1), each
+    within `connect_seconds`; later sums wait up to `seconds` for a neighbour. Nothing is left open on failure."""
+    opened: list[socket.socket] = []
     try:
-        inbound, _ = server.accept()
-    finally:
-        server.close()
-    inbound.settimeout(seconds)
-    sender = bytearray(4)
-    view, got = memoryview(sender), 0
-    while got < 4:
-        count = inbound.recv_into(view[got:])
-        if not count:
-            raise PeerLost(f"rank {(rank - 1) % size} closed its connection before saying its rank")
-        got += count
-    if (found := int.from_bytes(sender, "little")) != (rank - 1) % size:
-        raise PeerLost(f"rank {rank} expected rank {(rank - 1) % size} on its ring socket, got rank {found}")
-    for s in (out, inbound):
+        try:
+            opened.append(socket.create_connection(right, timeout=connect_seconds))
+            opened[0].sendall(rank.to_bytes(4, "little"))
+            server.settimeout(connect_seconds)
+            opened.append(server.accept()[0])
+        finally:
+            server.close()
+        inbound = opened[1]
+        inbound.settimeout(connect_seconds)
+        sender = bytearray(4)
+        view, got = memoryview(sender), 0
+        while got < 4:
+            count = inbound.recv_into(view[got:])
+            if not count:
+                raise PeerLost(f"rank {(rank - 1) % size} closed its connection before saying its rank")
+            got += count
+        if (found := int.from_bytes(sender, "little")) != (rank - 1) % size:
+            raise PeerLost(f"rank {rank} expected rank {(rank - 1) % size} on its ring socket, got rank {found}")
+    except BaseException:
+        for s in opened:
+            s.close()
+        raise
+    for s in opened:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(seconds)  # a neighbour that hangs: `distributed.collective`'s timer ends the rank first
-    return Ring(rank, size, inbound, out)
+    return Ring(rank, size, inbound, opened[0])
 
 
 def hosts_of(hostfile: str | None) -> list[str] | None:

@@ -5,7 +5,11 @@ take this path (`distributed.ring_of`) and the row marks of embedding tables (`d
 MLX's own `any`. The two-rank training runs of test_distributed.py go through it end to end."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +41,7 @@ def threads(work, count: int) -> list:
 def rings(size: int) -> list[ring.Ring]:
     servers = [ring.listen("127.0.0.1") for _ in range(size)]
     ports = [s.getsockname()[1] for s in servers]
-    return threads(lambda r: ring.connect(r, size, servers[r], ("127.0.0.1", ports[(r + 1) % size]), 30), size)
+    return threads(lambda r: ring.connect(r, size, servers[r], ("127.0.0.1", ports[(r + 1) % size]), 30, 30), size)
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -82,7 +86,7 @@ def test_a_connection_from_another_rank_than_the_left_neighbour_is_refused():
 
     def rank(i: int, number: int) -> None:
         try:
-            ring.connect(number, 4, servers[i], ("127.0.0.1", ports[1 - i]), 5)
+            ring.connect(number, 4, servers[i], ("127.0.0.1", ports[1 - i]), 5, 5)
         except ring.PeerLost as e:
             errors.append(str(e))
 
@@ -138,7 +142,7 @@ def test_socket_sum_weights_each_ranks_parts_as_mlx_would(dtype):
     rng = np.random.default_rng(3)
     parts = [[mx.array((rng.normal(size=n) * 10).astype(np.float32)).astype(dtype) for n in (5, 3 * 2**18)]
              for _ in range(2)]  # fmt: skip
-    weights = (0.25, 0.75)
+    weights = (1 / 3, 0.7)  # not exact in binary: each is rounded to float32 once, as MLX rounds it
     mx.eval(parts)  # made on this thread's stream
 
     def rank(r: int) -> mx.array:
@@ -157,3 +161,59 @@ def test_socket_sum_weights_each_ranks_parts_as_mlx_would(dtype):
     for got in sums:
         assert got.dtype == mx.float32
         np.testing.assert_array_equal(np.array(got), np.array(expected))
+
+
+RANK = """
+import sys, warnings
+import mlx.core as mx
+from mlx_encoders import distributed, ring
+distributed.CONNECT_SECONDS = 3  # the other rank waits this long for a connection that does not come
+if sys.argv[1] == "fail":  # this rank cannot reach its neighbour's port (a firewall)
+    def refused(rank, size, server, *args):
+        server.close()
+        raise ConnectionRefusedError("refused")
+    ring.connect = refused
+world = distributed.world()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    summed = distributed.all_sum({"x": mx.arange(5) * (world.rank + 1)}, world, "a test")
+way = "sockets" if distributed.ring_of(world) else "mlx"
+print("RESULT", way, summed["x"].tolist(), [str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [({}, {distributed.EXCHANGE_ENV: "mlx"}), ({}, {}), ({}, {"FAIL": "1"})],
+    ids=["one-rank-says-mlx", "both-sockets", "one-rank-cannot-connect"],
+)
+def test_every_rank_takes_the_same_way_whatever_its_own_setting(tmp_path, settings):
+    """Two ranks of a ring hostfile: where one rank's environment says "mlx" (mlx.launch passes it only to the
+    launching machine's ranks) or one cannot reach the other's port (and so the other gets no caller), both sum
+    through MLX, each saying why, and the sums are right; otherwise both take the sockets."""
+    from test_distributed import free_ports
+
+    first = free_ports(2)
+    (tmp_path / "hosts.json").write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(2)]))
+    root = str(Path(__file__).parents[1])
+    processes = []
+    for rank, extra in enumerate(settings):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               "MLX_RANK": str(rank), "MLX_HOSTFILE": str(tmp_path / "hosts.json"), "OPENBLAS_NUM_THREADS": "1",
+               distributed.TIMEOUT_ENV: "60", **{k: v for k, v in extra.items() if k != "FAIL"}}  # fmt: skip
+        env.pop(distributed.EXCHANGE_ENV, None) if distributed.EXCHANGE_ENV not in extra else None
+        mode = "fail" if "FAIL" in extra else "ok"
+        processes.append(subprocess.Popen([sys.executable, "-c", RANK, mode], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in processes]
+    results = []
+    for (out, err), p in zip(outputs, processes, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        results.append(next(line for line in out.splitlines() if line.startswith("RESULT")))
+    way = "sockets" if settings == ({}, {}) else "mlx"
+    for line in results:
+        assert line.startswith(f"RESULT {way} [0, 3, 6, 9, 12]"), results
+    if "FAIL" in settings[1]:
+        assert "could not join its neighbours' sockets (rank 0 at 127.0.0.1:" in results[1], results
+        assert "set MLX_ENCODERS_EXCHANGE=mlx (mlx.launch --env MLX_ENCODERS_EXCHANGE=mlx" in results[1], results
+        assert "could not join its neighbours' sockets (rank 1 at 127.0.0.1:" in results[0], results  # no caller
