@@ -39,8 +39,8 @@ DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank
 # a fine-tuning batch touches a few thousand of a vocabulary's 30k or more words (a tied output layer, all of them).
 SPARSE_ROWS_SHARE = 0.5
 EXCHANGE_ENV = "MLX_ENCODERS_EXCHANGE"  # "sockets" (default: `ring.Ring` where ranks have a ring hostfile) or "mlx"
-# dtypes `all_sum` can send over the ranks' own sockets (numpy's); others (bfloat16) go through mx.distributed
 CONNECT_SECONDS = 30.0  # to join the ranks' sockets: every rank has just left the same collective
+# dtypes `all_sum` can send over the ranks' own sockets (numpy's); others (bfloat16) go through mx.distributed
 SOCKET_DTYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.int32: np.int32, mx.int64: np.int64}
 
 
@@ -301,10 +301,13 @@ def ring_of(world: World) -> ring.Ring | None:
     the environment only to this machine's ranks): a rank that cannot or will not listen sends port 0, and then
     every rank keeps MLX's all_sum. So does every rank where one could not connect (a firewall), after a warning."""
     choice = os.environ.get(EXCHANGE_ENV, "sockets")
+    invalid = None
+    if choice not in ("sockets", "mlx"):
+        invalid = ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
     hosts = ring.environment_hosts()
     if world.size == 1 or hosts is None or len(hosts) != world.size:
-        if choice not in ("sockets", "mlx"):
-            raise ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
+        if invalid is not None:
+            raise invalid
         return None
     server, port, why = None, 0, None
     if choice == "sockets":
@@ -317,8 +320,8 @@ def ring_of(world: World) -> ring.Ring | None:
     with collective(world, what):
         wait_for_all(world, what)
         ports = np.array(mx.distributed.all_gather(mx.array([port]), group=world.group, stream=mx.cpu))
-    if choice not in ("sockets", "mlx"):  # after the gather, which the other ranks wait in
-        raise ValueError(f'{EXCHANGE_ENV}={choice!r}: use "sockets" (the default) or "mlx"')
+    if invalid is not None:  # after the gather, which the other ranks wait in
+        raise invalid
     if not ports.all():
         if server is not None:
             server.close()
@@ -355,15 +358,13 @@ def changed_rows(tables: list[mx.array], world: World, what: str) -> list[np.nda
         return [None] * len(tables)
     marks = np.concatenate([nonzero_rows(t) for t in tables]).astype(np.int32)
     sockets = ring_of(world)
-    if sockets is not None:
-        counts = marks
-        with collective(world, what):
-            sockets.all_sum(counts)
-    else:
-        marks = mx.array(marks)
-        with collective(world, what):
+    with collective(world, what):
+        if sockets is not None:
+            sockets.all_sum(marks)
+            counts = marks
+        else:
             wait_for_all(world, what)
-            counts = np.array(mx.distributed.all_sum(marks, group=world.group))
+            counts = np.array(mx.distributed.all_sum(mx.array(marks), group=world.group))
     out, start = [], 0
     for t in tables:
         changed = np.flatnonzero(counts[start : start + t.shape[0]]).astype(np.int32)
@@ -380,9 +381,9 @@ def nonzero_rows(table: mx.array) -> np.ndarray:
         rows = np.asarray(table)
     except (TypeError, ValueError, RuntimeError):  # a dtype numpy lacks (bfloat16)
         return np.array(mx.any(table != 0, axis=1))
-    width = next(w for w in (8, 4, 2, 1) if rows.shape[1] * rows.itemsize % w == 0)
     if not rows.size:
         return np.zeros(rows.shape[0], bool)
+    width = next(w for w in (8, 4, 2, 1) if rows.shape[1] * rows.itemsize % w == 0)
     return np.ascontiguousarray(rows).view(f"u{width}").max(axis=1) != 0
 
 

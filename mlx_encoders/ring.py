@@ -75,25 +75,29 @@ class Ring:
             raise PeerLost(f"sending to rank {(self.rank + 1) % self.size} failed: {failure[0]}") from failure[0]
 
     def receive_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            try:
-                count = self.left.recv_into(view[got:])
-            except OSError as e:  # reset, or silent past the socket's timeout
-                raise PeerLost(f"receiving from rank {(self.rank - 1) % self.size} failed: {e}") from e
-            if not count:
-                raise PeerLost(f"rank {(self.rank - 1) % self.size} closed its connection")
-            got += count
+        receive_exactly(self.left, view, (self.rank - 1) % self.size)
 
     def close(self) -> None:
         for s in (self.left, self.right):
             s.close()
 
 
+def receive_exactly(source: socket.socket, view: memoryview, rank: int) -> None:
+    """Fill `view` from `source`, the socket of rank `rank`; `PeerLost` names it if it closes or fails first."""
+    got = 0
+    while got < len(view):
+        try:
+            count = source.recv_into(view[got:])
+        except OSError as e:  # reset, or silent past the socket's timeout
+            raise PeerLost(f"receiving from rank {rank} failed: {e}") from e
+        if not count:
+            raise PeerLost(f"rank {rank} closed its connection")
+        got += count
+
+
 def listen(host: str) -> socket.socket:
     """A socket listening on `host` at a port the system picks: the one this rank's left neighbour connects to."""
-    server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=1)
-    return server
+    return socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=1)
 
 
 def connect(
@@ -114,12 +118,7 @@ def connect(
         inbound = opened[1]
         inbound.settimeout(connect_seconds)
         sender = bytearray(4)
-        view, got = memoryview(sender), 0
-        while got < 4:
-            count = inbound.recv_into(view[got:])
-            if not count:
-                raise PeerLost(f"rank {(rank - 1) % size} closed its connection before saying its rank")
-            got += count
+        receive_exactly(inbound, memoryview(sender), (rank - 1) % size)
         if (found := int.from_bytes(sender, "little")) != (rank - 1) % size:
             raise PeerLost(f"rank {rank} expected rank {(rank - 1) % size} on its ring socket, got rank {found}")
     except BaseException:
