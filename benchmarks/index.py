@@ -11,8 +11,10 @@ each of `--queries` queries of the same kind answered by a matrix product over a
 HNSW graph (built for `--build-recall`, then calibrated) with the top candidates re-scored, at each recall asked
 of search (`--recalls`); recall@10 is the share of the exact top 10 the graph finds. The graph holds the vectors
 at each of `--precisions` (float32, int8, binary: the last two re-score every candidate of the walk from float32
-vectors memory-mapped from disk); each one's memory is printed: the graph's (usearch's `memory_usage`) and the
-float32 vectors held in memory.
+vectors memory-mapped from disk); each one's memory is printed: what `Index.memory()` counts (the graph's
+nodes, links and vectors; the float32 vectors held in memory) and the resident memory a fresh process gains
+opening the index and answering the queries (its page cache for the memory-mapped float32 vectors included),
+beside exact search's over the float32 vectors.
 Two kinds of vectors:
 - embedding-like (`--sizes`): drawn from a Gaussian with the mean and covariance of `--model`'s embeddings of the
   distinct docstring paragraphs, then normalised: real embeddings' spread over directions (not their clusters)
@@ -131,6 +133,39 @@ def timed(index: Index, queries: np.ndarray) -> tuple[list[np.ndarray], list[flo
     return found, times
 
 
+def resident_mb(folder: Path, precision: str | None) -> dict[str, float]:
+    """MB of resident memory a fresh process gains opening the index in `folder` (exactly where `precision` is
+    None, else through its graph of `precision`) and answering the queries saved beside it, from /proc after the
+    queries less after the imports: its own ("anonymous") and pages of files mapped into it ("file": a quantized
+    graph's float32 vectors as re-scoring read them, the kernel mapping whole large pages of its cache; shared
+    and given back under memory pressure)."""
+    command = [sys.executable, __file__, "--rank-resident", str(folder), precision or "exact"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ,
+                         "PYTHONPATH": str(Path(__file__).parents[1])}).stdout  # fmt: skip
+    return json.loads(out.splitlines()[-1])
+
+
+def answer_resident(folder: Path, precision: str) -> None:
+    """One `resident_mb` process: prints the MB it gained, as JSON."""
+
+    def resident() -> np.ndarray:
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return np.array([int(status[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile")])
+
+    queries = np.load(folder.parent / f"{folder.name}-queries.npy")
+    exact = precision == "exact"
+    if not exact:
+        from mlx_encoders.index.ann import usearch_index
+
+        usearch_index()  # its library loaded before the count starts
+    before = resident()
+    index = Index(folder, ann=not exact, write=False, **({} if exact else {"precision": precision}))
+    for q in queries:
+        index.nearest(q, 10)
+    anonymous, file = resident() - before
+    print(json.dumps({"anonymous": round(anonymous, 1), "file": round(file, 1)}))
+
+
 def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder: Path) -> list[dict]:
     """Exact search against the graph of each precision (`--precisions`; int8 and binary graphs re-score their
     candidates from memory-mapped float32 vectors), at each recall asked for (`--recalls`): the graph's build
@@ -141,11 +176,13 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
     vectors, queries = draw(rng, size, args.dimension), draw(rng, args.queries, args.dimension)
     write_vectors(folder, vectors)
     del vectors
+    np.save(folder.parent / f"{folder.name}-queries.npy", queries)
     exact = Index(folder, ann=False)
     truth, times = timed(exact, queries)
     exact_figures = {"exact median ms": round(1000 * statistics.median(times), 2),
                      "exact p95 ms": round(1000 * np.percentile(times, 95), 2),
-                     "exact MB": round(sum(exact.memory().values()) / 2**20, 1)}  # fmt: skip
+                     "exact MB": round(sum(exact.memory().values()) / 2**20, 1),
+                     "exact resident MB": resident_mb(folder, None)}  # fmt: skip
     del exact
     out = []
     for precision in args.precisions:
@@ -158,6 +195,7 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
                    **{f"{part} MB": round(held / 2**20, 1) for part, held in graph.memory().items()},
                    **exact_figures}  # fmt: skip
         del graph
+        figures["resident MB"] = resident_mb(folder, precision)
         for recall in args.recalls:
             index = Index(folder, ann=True, recall=recall, precision=precision)
             found, times = timed(index, queries)
@@ -175,6 +213,7 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
         print(json.dumps(figures), flush=True)
         out.append(figures)
     shutil.rmtree(folder)
+    (folder.parent / f"{folder.name}-queries.npy").unlink()
     return out
 
 
@@ -239,7 +278,11 @@ def main() -> None:
     p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
     p.add_argument("--sparse-model", help="SparseEncoder folder for --retrieval (default: an IDF bag of words)")
     p.add_argument("--rank-build", type=Path, help=argparse.SUPPRESS)  # one rank of the build benchmark
+    p.add_argument("--rank-resident", nargs=2, help=argparse.SUPPRESS)  # folder, precision: one resident_mb process
     args = p.parse_args()
+    if args.rank_resident:
+        answer_resident(Path(args.rank_resident[0]), args.rank_resident[1])
+        return
     args.model = args.model or default_model()
     if args.rank_build:
         build(corpus(args.texts), args.rank_build, args.model, quiet=True)

@@ -78,3 +78,18 @@ def test_a_damaged_or_missing_floats_file_is_rebuilt_or_searched_without(vectors
     index = Index(folder, ann=True, precision="int8")
     assert "rebuilding" in capsys.readouterr().err and index.way["method"] == "graph"
     np.testing.assert_array_equal(np.memmap(file, "<f4", "r", offset=8 * COUNT).reshape(COUNT, -1), data)
+
+
+def test_a_graphs_memory_is_the_bytes_its_nodes_fill(vectors):
+    """`Index.memory()["graph"]` is what the nodes, links and vectors fill (the saved graph's size), not usearch's
+    `memory_usage`, which counts arenas reserved for growth (the same for every precision at this size)."""
+    folder, data = vectors
+    held = {}
+    for precision in ("float32", "int8", "binary"):
+        index = Index(folder, ann=True, precision=precision)
+        held[precision] = index.memory()["graph"]
+        assert held[precision] == (folder / f"ann-{precision}.usearch").stat().st_size
+    links = held["float32"] - data.nbytes  # the same connectivity at each precision: the same links
+    assert links > 0
+    assert held["int8"] == pytest.approx(links + data.nbytes / 4, rel=0.01)
+    assert held["binary"] == pytest.approx(links + data.nbytes / 32, rel=0.01)

@@ -20,6 +20,7 @@ held in memory. int8 codes are the vectors times one factor (1 / the largest mag
 127ths: ranks by inner product are the same, and the codes use the whole int8 range.
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -41,9 +42,13 @@ CALIBRATION_QUERIES = 200  # recall@10 over 2,000 neighbours: to about 0.005 at 
 # search expansions tried at calibration, in multiples of the candidates: a search walks at the least level that
 # reached its recall, and a walk's time grows with its expansion, so the steps are small where walks are long
 LADDER = (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32)
+# a binary walk ranks by sign bits: at a million vectors it keeps 3-5x an int8 walk's candidates for its recall
+BINARY_LADDER = (*LADDER, 40, 48, 64, 80, 96, 128)
 ENOUGH = 0.999  # a calibration level this good ends the ladder: more expansion only costs time
 HOLD_OUT_FROM = 10 * CALIBRATION_QUERIES  # from this many vectors the calibration queries join the graph after it
 ADD_BATCH = 100_000  # vectors handed to usearch per call
+TIMED = 50  # calibration queries timed one at a time (the median of 50 is steady to a few %)
+EXACT_BLOCK = 65_536  # vectors per block of the calibration's exact product (a block x 200 queries: 50 MB)
 
 
 def usearch_index():
@@ -98,18 +103,21 @@ def floats_path(folder: Path, precision: str) -> Path:
     return folder / f"ann-{precision}.f32"
 
 
-def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> None:
-    """The rows (int64) then the vectors (float32) of a quantized graph's re-scoring, under a temporary name."""
-    temporary = file.with_name(file.name + ".tmp")
+def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> int:
+    """The rows (int64) then the vectors (float32) of a quantized graph's re-scoring, under a temporary name.
+    Returns the file's CRC-32, taken from the bytes as they are written."""
+    temporary, value = file.with_name(file.name + ".tmp"), 0
     try:
         with temporary.open("wb") as f:
-            f.write(np.ascontiguousarray(rows, "<i8").tobytes())
-            for start in range(0, len(vectors), 65536):  # no second copy of every vector
-                f.write(np.ascontiguousarray(vectors[start : start + 65536], "<f4").tobytes())
+            blocks = (vectors[start : start + 65536].astype("<f4").tobytes() for start in range(0, len(vectors), 65536))
+            for data in itertools.chain([np.ascontiguousarray(rows, "<i8").tobytes()], blocks):  # no second copy
+                f.write(data)
+                value = zlib.crc32(data, value)
     except OSError as e:
         temporary.unlink(missing_ok=True)
         raise OSError(f"could not write {temporary}: {e}") from e
     os.replace(temporary, file)
+    return value
 
 
 def mapped(folder: Path, precision: str, info: dict, count: int, dimension: int, rebuild: bool = True):
@@ -182,8 +190,7 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}  # fmt: skip
     if precision != "float32":
         floats = floats_path(folder, precision)
-        write_floats(floats, rows, vectors)
-        info.update(floats_bytes=floats.stat().st_size, floats_crc32=crc(floats))
+        info.update(floats_crc32=write_floats(floats, rows, vectors), floats_bytes=floats.stat().st_size)
     write_record(record, info)
     return index, info
 
@@ -200,6 +207,11 @@ def rescored(index, vectors: np.ndarray, rows: np.ndarray, query: np.ndarray, k:
     vectors."""
     count = pool(candidates, expansion, precision)
     found = np.searchsorted(rows, candidates_of(index, query, count, expansion, precision, scale))
+    return best(vectors, found, query, k)
+
+
+def best(vectors: np.ndarray, found: np.ndarray, query: np.ndarray, k: int) -> np.ndarray:
+    """The `k` of positions `found` whose float32 vectors score highest against `query`, best first."""
     scores = vectors[found] @ query
     return found[np.argsort(-scores, kind="stable")[:k]]
 
@@ -211,38 +223,62 @@ def sample(count: int) -> np.ndarray:
 
 def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, candidates: int,
               held: np.ndarray | None = None, scale: float = 1.0, k: int = 10) -> dict:  # fmt: skip
-    """recall@k and median milliseconds of the graph at each expansion of LADDER (until one reaches ENOUGH), and
-    the exact product's time (recalls independent of the machine's load, times not). The queries are `held`,
-    vectors left out of the graph (and of the true neighbours); else the `sample` of its own vectors, each one's
-    own match left out (a graph walk that finds the query itself finds its neighbours sooner: a recall somewhat
-    high)."""
+    """recall@k and median milliseconds of the graph at each expansion of LADDER (BINARY_LADDER for a binary
+    graph) until one reaches ENOUGH or keeps every vector, and the exact product's time (recalls independent of
+    the machine's load, times not). The queries are `held`, vectors left out of the graph (and of the true
+    neighbours); else the `sample` of its own vectors, each one's own match left out (a graph walk that finds
+    the query itself finds its neighbours sooner: a recall somewhat high). Recall is measured on every query,
+    walked on every core at once; time on the first TIMED, one at a time, as a search runs."""
     picks = sample(len(rows)) if held is None else held
     left_out = len(picks) if held is not None else 1
     k = min(k, len(rows) - left_out)
     if k < 1:
         return {"queries": 0, "k": 0, "candidates": candidates, "exact_ms": 0.0, "levels": []}
-    truth, times = [], []
-    for position in picks:
+    truth = exact_neighbours(vectors, picks, k, held is not None)
+    times = []
+    for position in picks[:TIMED]:
         start = time.perf_counter()
-        scores = vectors @ vectors[position]
-        scores[picks if held is not None else position] = -np.inf
-        best = np.argpartition(-scores, k - 1)[:k]
+        np.argpartition(-(vectors @ vectors[position]), k - 1)[:k]
         times.append(time.perf_counter() - start)
-        truth.append(set(best.tolist()))
     exact_ms = 1000 * statistics.median(times)
-    levels = []
-    for multiple in LADDER:
-        expansion, found, times = round(candidates * multiple), 0, []
-        for position, expected in zip(picks, truth, strict=True):
-            start = time.perf_counter()
-            top = rescored(index, vectors, rows, vectors[position], k + 1 - (held is not None), candidates, expansion,
-                           precision, scale)  # fmt: skip
-            times.append(time.perf_counter() - start)
+    levels, wanted = [], k + 1 - (held is not None)  # one more where the query itself is in the graph
+    for multiple in BINARY_LADDER if precision == "binary" else LADDER:
+        expansion = round(candidates * multiple)
+        walked = candidates_of(index, vectors[picks], pool(candidates, expansion, precision), expansion, precision,
+                               scale, threads=os.cpu_count() or 1)  # fmt: skip
+        found = 0
+        for position, keys, expected in zip(picks, walked, truth, strict=True):
+            top = best(vectors, np.searchsorted(rows, keys), vectors[position], wanted)
             found += len(expected & (set(top.tolist()) - {int(position)}))
+        times = []
+        for position in picks[:TIMED]:
+            start = time.perf_counter()
+            rescored(index, vectors, rows, vectors[position], wanted, candidates, expansion, precision, scale)
+            times.append(time.perf_counter() - start)
         levels.append([expansion, round(found / (k * len(picks)), 4), round(1000 * statistics.median(times), 4)])
-        if levels[-1][1] >= ENOUGH:
+        if levels[-1][1] >= ENOUGH or expansion >= len(rows):  # no wider walk finds more
             break
     return {"queries": len(picks), "k": k, "candidates": candidates, "exact_ms": round(exact_ms, 4), "levels": levels}
+
+
+def exact_neighbours(vectors: np.ndarray, picks: np.ndarray, k: int, held: bool) -> list[set]:
+    """The positions of each pick's `k` nearest vectors by inner product, leaving out every pick where they are
+    `held` out of the graph, else the pick itself: one matrix product a block of EXACT_BLOCK vectors at a time."""
+    queries = np.ascontiguousarray(vectors[picks].T)
+    scores, positions = np.zeros((len(picks), 0), np.float32), np.zeros((len(picks), 0), np.int64)
+    for start in range(0, len(vectors), EXACT_BLOCK):
+        block = (vectors[start : start + EXACT_BLOCK] @ queries).T  # (picks, vectors)
+        inside = picks[(picks >= start) & (picks < start + block.shape[1])]
+        if held:
+            block[:, inside - start] = -np.inf
+        else:
+            block[np.searchsorted(picks, inside), inside - start] = -np.inf
+        top = np.argpartition(-block, min(k, block.shape[1]) - 1, axis=1)[:, :k]
+        scores = np.concatenate([scores, np.take_along_axis(block, top, 1)], axis=1)
+        positions = np.concatenate([positions, top + start], axis=1)
+        keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        scores, positions = np.take_along_axis(scores, keep, 1), np.take_along_axis(positions, keep, 1)
+    return [set(row.tolist()) for row in positions]
 
 
 def plan(info: dict, recall: float, forced: bool) -> dict | None:
@@ -289,10 +325,14 @@ def load(folder: Path, precision: str, generation: str, count: int, rebuild: boo
     return None
 
 
-def candidates_of(index, query: np.ndarray, count: int, expansion: int, precision: str,
-                  scale: float = 1.0) -> np.ndarray:  # fmt: skip
+def candidates_of(index, query: np.ndarray, count: int, expansion: int, precision: str, scale: float = 1.0,
+                  threads: int = 1):  # fmt: skip
     """Store rows of the (up to) `count` nearest vectors to `query` in the graph, its walk keeping `expansion`
-    candidates (at least `count`): recall rises with it, and so does the time."""
+    candidates (at least `count`): recall rises with it, and so does the time. For a matrix of queries, a list of
+    each one's, walked on `threads`."""
     index.expansion_search = max(expansion, count)
+    if query.ndim == 2:
+        matches = index.search(as_input(query, precision, scale), count, threads=threads)
+        return [np.asarray(keys[:n], np.int64) for keys, n in zip(matches.keys, matches.counts, strict=True)]
     matches = index.search(as_input(query[None], precision, scale)[0], count)
     return np.asarray(matches.keys, np.int64)

@@ -211,12 +211,14 @@ class Index:
         )
 
     def memory(self) -> dict[str, int]:
-        """Bytes this index holds in memory to answer dense searches: the graph (links and its vectors), the
-        float32 vectors (none where a quantized graph's are memory-mapped: it reads the few it re-scores from the
-        page cache; an exact search reads them all) and the quantized codes of an exact search."""
+        """Bytes this index holds in memory to answer dense searches: the graph (its nodes, links and vectors:
+        usearch's serialized length, the bytes they fill; its `memory_usage` counts the arenas reserved for
+        growth as well), the float32 vectors (none where a quantized graph's are memory-mapped: it reads the few
+        it re-scores from the page cache; an exact search reads them all) and the quantized codes of an exact
+        search."""
         held = self.graph is None or not isinstance(self.vectors, np.memmap)
         return {
-            "graph": int(self.graph.memory_usage) if self.graph is not None else 0,
+            "graph": int(self.graph.serialized_length) if self.graph is not None else 0,
             "float32 vectors": int(self.vectors.nbytes) if held else 0,
             "codes": int(self.codes.nbytes) if hasattr(self, "codes") else 0,
         }
