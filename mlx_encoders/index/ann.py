@@ -144,10 +144,14 @@ def parameters(count: int, recall: float, precision: str = "float32") -> dict[st
     recall asked for: denser links and a wider search at insertion make a graph whose walk reaches high recall in
     fewer steps, at a cost in build time and memory that grows with both; a larger float32 graph needs them
     sooner, as its walk from the entry point is longer. A quantized graph's longer walk stays cheap (its distances
-    are int8 or bit products), so it keeps the sparser graph that builds in half the time."""
+    are int8 or bit products), so it keeps the sparser graph that builds in half the time, and a narrower search
+    at insertion: at a million int8 vectors, 96 walks as well as 128 (recall@10 0.9645 against 0.965 at width
+    2000) and inserts in 0.8x the time."""
     if recall <= 0.9:
         return {"connectivity": 16, "expansion_add": 64}
-    if recall <= 0.95 and (count <= 200_000 or precision != "float32"):
+    if recall <= 0.95 and precision != "float32":
+        return {"connectivity": 16, "expansion_add": 96}
+    if recall <= 0.95 and count <= 200_000:
         return {"connectivity": 16, "expansion_add": 128}
     return {"connectivity": 32, "expansion_add": 200}
 
