@@ -5,11 +5,12 @@ exact top 10)."""
 
 import json
 
+import numpy as np
 import pytest
 from test_index import model, recall_at_10, unit_vectors, write_corpus, write_vectors  # noqa: F401 (model: a fixture)
 
 from mlx_encoders.__main__ import main as cli
-from mlx_encoders.index import Index
+from mlx_encoders.index import Index, ann
 from mlx_encoders.index.ann import CALIBRATION_QUERIES, plan
 
 
@@ -97,3 +98,28 @@ def test_command_line_search_reports_its_way_and_checks_the_recall(tmp_path, mod
         with pytest.raises(SystemExit) as e:
             cli([*search, "--recall", bad])
         assert e.value.code == 2 and "must be a recall in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_calibrations_exact_neighbours_equal_numpys_over_blocks(monkeypatch, held):
+    """The calibration's true neighbours, from one product a block of vectors at a time (blocks smaller than k
+    included), equal numpy's top 10 of each query's own product, leaving out the held-out queries or the query."""
+    monkeypatch.setattr(ann, "EXACT_BLOCK", 7)
+    vectors = unit_vectors(300, 16, seed=3)
+    picks = np.sort(np.random.default_rng(4).choice(300, 20, replace=False))
+    found = ann.exact_neighbours(vectors, picks, 10, held)
+    for position, neighbours in zip(picks, found, strict=True):
+        scores = vectors @ vectors[position]
+        scores[picks if held else position] = -np.inf
+        assert neighbours == set(np.argsort(-scores)[:10].tolist())
+
+
+def test_a_binary_graphs_ladder_reaches_past_32_times_and_stops_at_the_index_size(tmp_path):
+    vectors = unit_vectors(6_000, 32, seed=5)
+    write_vectors(tmp_path / "index", vectors)
+    Index(tmp_path / "index", ann=True, precision="binary", recall=0.99)
+    levels = json.loads((tmp_path / "index" / "ann-binary.json").read_text())["calibration"]["levels"]
+    widths = [width for width, _, _ in levels]
+    assert widths == [round(100 * m) for m in ann.BINARY_LADDER[: len(widths)]]
+    assert widths[-1] >= 5_500 or levels[-1][1] >= ann.ENOUGH  # every vector kept (5,500 in the graph), or enough
+    assert all(width < 5_500 for width in widths[:-1])

@@ -260,7 +260,7 @@ def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, cand
             rescored(index, vectors, rows, vectors[position], wanted, candidates, expansion, precision, scale)
             times.append(time.perf_counter() - start)
         levels.append([expansion, round(found / (k * len(picks)), 4), round(1000 * statistics.median(times), 4)])
-        if levels[-1][1] >= ENOUGH or expansion >= len(rows):  # no wider walk finds more
+        if levels[-1][1] >= ENOUGH or expansion >= len(index):  # it kept every vector: no wider walk finds more
             break
     return {"queries": len(picks), "k": k, "candidates": candidates, "exact_ms": round(exact_ms, 4), "levels": levels}
 
@@ -280,8 +280,9 @@ def exact_neighbours(vectors: np.ndarray, picks: np.ndarray, k: int, held: bool)
         top = np.argpartition(-block, min(k, block.shape[1]) - 1, axis=1)[:, :k]
         scores = np.concatenate([scores, np.take_along_axis(block, top, 1)], axis=1)
         positions = np.concatenate([positions, top + start], axis=1)
-        keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        scores, positions = np.take_along_axis(scores, keep, 1), np.take_along_axis(positions, keep, 1)
+        if scores.shape[1] > k:
+            keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+            scores, positions = np.take_along_axis(scores, keep, 1), np.take_along_axis(positions, keep, 1)
     return [set(row.tolist()) for row in positions]
 
 
