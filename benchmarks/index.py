@@ -133,19 +133,24 @@ def timed(index: Index, queries: np.ndarray) -> tuple[list[np.ndarray], list[flo
     return found, times
 
 
-def resident_mb(folder: Path, precision: str | None) -> dict[str, float]:
+def resident_mb(folder: Path, precision: str | None, recall: float) -> dict[str, float] | None:
     """MB of resident memory a fresh process gains opening the index in `folder` (exactly where `precision` is
-    None, else through its graph of `precision`) and answering the queries saved beside it, from /proc after the
-    queries less after the imports: its own ("anonymous") and pages of files mapped into it ("file": a quantized
-    graph's float32 vectors as re-scoring read them, the kernel mapping whole large pages of its cache; shared
-    and given back under memory pressure)."""
-    command = [sys.executable, __file__, "--rank-resident", str(folder), precision or "exact"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ,
-                         "PYTHONPATH": str(Path(__file__).parents[1])}).stdout  # fmt: skip
-    return json.loads(out.splitlines()[-1])
+    None, else through its graph of `precision`, searching for `recall`) and answering the queries saved beside
+    it, from /proc after the queries less after the imports: its own ("anonymous") and pages of files mapped into
+    it ("file": a quantized graph's float32 vectors as re-scoring read them, the kernel mapping whole large pages
+    of its cache; shared and given back under memory pressure). A few MB of it are the allocator's and libraries'
+    (small indexes: mostly that). None off Linux (no /proc)."""
+    if not Path("/proc/self/status").exists():
+        return None
+    command = [sys.executable, __file__, "--rank-resident", str(folder), precision or "exact", str(recall)]
+    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ,
+                         "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    if run.returncode != 0:
+        raise SystemExit(f"measuring resident memory failed:\n{run.stderr}")
+    return json.loads(run.stdout.splitlines()[-1])
 
 
-def answer_resident(folder: Path, precision: str) -> None:
+def answer_resident(folder: Path, precision: str, recall: float) -> None:
     """One `resident_mb` process: prints the MB it gained, as JSON."""
 
     def resident() -> np.ndarray:
@@ -159,7 +164,10 @@ def answer_resident(folder: Path, precision: str) -> None:
 
         usearch_index()  # its library loaded before the count starts
     before = resident()
-    index = Index(folder, ann=not exact, write=False, **({} if exact else {"precision": precision}))
+    options = {"ann": False} if exact else {"ann": True, "precision": precision, "recall": recall}
+    index = Index(folder, write=False, **options)
+    if index.way["method"] != ("exact" if exact else "graph"):  # a graph that did not load: not its memory
+        raise SystemExit(f"{folder} searched {index.way['method']}, not as asked ({precision})")
     for q in queries:
         index.nearest(q, 10)
     anonymous, file = resident() - before
@@ -182,7 +190,7 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
     exact_figures = {"exact median ms": round(1000 * statistics.median(times), 2),
                      "exact p95 ms": round(1000 * np.percentile(times, 95), 2),
                      "exact MB": round(sum(exact.memory().values()) / 2**20, 1),
-                     "exact resident MB": resident_mb(folder, None)}  # fmt: skip
+                     "exact resident MB": resident_mb(folder, None, 1.0)}  # fmt: skip
     del exact
     out = []
     for precision in args.precisions:
@@ -195,7 +203,7 @@ def search_figures(size: int, kind: str, draw, args: argparse.Namespace, folder:
                    **{f"{part} MB": round(held / 2**20, 1) for part, held in graph.memory().items()},
                    **exact_figures}  # fmt: skip
         del graph
-        figures["resident MB"] = resident_mb(folder, precision)
+        figures["resident MB"] = resident_mb(folder, precision, args.build_recall)
         for recall in args.recalls:
             index = Index(folder, ann=True, recall=recall, precision=precision)
             found, times = timed(index, queries)
@@ -278,10 +286,10 @@ def main() -> None:
     p.add_argument("--retrieval", type=int, help="NDCG@10 of dense, sparse and hybrid search on this many pairs")
     p.add_argument("--sparse-model", help="SparseEncoder folder for --retrieval (default: an IDF bag of words)")
     p.add_argument("--rank-build", type=Path, help=argparse.SUPPRESS)  # one rank of the build benchmark
-    p.add_argument("--rank-resident", nargs=2, help=argparse.SUPPRESS)  # folder, precision: one resident_mb process
+    p.add_argument("--rank-resident", nargs=3, help=argparse.SUPPRESS)  # folder, precision, recall: resident_mb
     args = p.parse_args()
     if args.rank_resident:
-        answer_resident(Path(args.rank_resident[0]), args.rank_resident[1])
+        answer_resident(Path(args.rank_resident[0]), args.rank_resident[1], float(args.rank_resident[2]))
         return
     args.model = args.model or default_model()
     if args.rank_build:

@@ -114,12 +114,23 @@ def test_calibrations_exact_neighbours_equal_numpys_over_blocks(monkeypatch, hel
         assert neighbours == set(np.argsort(-scores)[:10].tolist())
 
 
-def test_a_binary_graphs_ladder_reaches_past_32_times_and_stops_at_the_index_size(tmp_path):
+def test_a_binary_graphs_ladder_reaches_past_32_times_and_stops_at_the_index_size(tmp_path, monkeypatch):
     vectors = unit_vectors(6_000, 32, seed=5)
     write_vectors(tmp_path / "index", vectors)
+    record = tmp_path / "index" / "ann-binary.json"
+    monkeypatch.setattr(ann, "SLOWER", float("inf"))  # this small graph's walks are all slower than the exact product
     Index(tmp_path / "index", ann=True, precision="binary", recall=0.99)
-    levels = json.loads((tmp_path / "index" / "ann-binary.json").read_text())["calibration"]["levels"]
+    levels = json.loads(record.read_text())["calibration"]["levels"]
     widths = [width for width, _, _ in levels]
     assert widths == [round(100 * m) for m in ann.BINARY_LADDER[: len(widths)]]
     assert widths[-1] >= 5_500 or levels[-1][1] >= ann.ENOUGH  # every vector kept (5,500 in the graph), or enough
     assert all(width < 5_500 for width in widths[:-1])
+
+    monkeypatch.undo()  # past the recall built for, walks four times the exact product's time end the ladder
+    record.unlink()
+    Index(tmp_path / "index", ann=True, precision="binary", recall=0.99)
+    calibration = json.loads(record.read_text())["calibration"]
+    *before, last = calibration["levels"]
+    slow = ann.SLOWER * calibration["exact_ms"]
+    assert not any(ms > slow and found >= 0.99 for _, found, ms in before)  # built for 0.99
+    assert (last[2] > slow and last[1] >= 0.99) or last[1] >= ann.ENOUGH or last[0] >= 5_500

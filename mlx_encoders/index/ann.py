@@ -7,9 +7,10 @@ missing file is rebuilt.
 
 Recall is measured, not assumed: the graph's connectivity and expansion at build follow the index's size and the
 recall asked for (`parameters`), and the graph is calibrated (`calibrate`): CALIBRATION_QUERIES of the index's
-vectors, held out of the graph until then, are answered exactly and through it at a ladder of search expansions
-(steps of at most a half, smaller where walks are long, so a search walks little wider than its recall needs),
-each level's recall@10 and median time recorded. A search then walks with the least expansion that reached the
+vectors, held out of the graph until then (from HOLD_OUT_FROM vectors; a smaller graph's own, each one's own match
+left out), are answered exactly and through it at a ladder of search expansions (steps of at most a half, smaller
+where walks are long, so a search walks little wider than its recall needs), each level's recall@10 and median
+time recorded. A search then walks with the least expansion that reached the
 recall it asks for (`plan`), or answers exactly where the graph cannot reach it or is no faster.
 
 An int8 or binary graph holds a quarter or a 32nd of the float32 graph's vector bytes; its distances only
@@ -47,10 +48,13 @@ LADDER = (1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32)
 # a binary walk ranks by sign bits: at a million vectors it keeps 3-5x an int8 walk's candidates for its recall
 BINARY_LADDER = (*LADDER, 40, 48, 64, 80, 96, 128)
 ENOUGH = 0.999  # a calibration level this good ends the ladder: more expansion only costs time
+# a level past the recall the graph was built for and this many times slower than the exact product ends it too: no
+# search that may choose walks that wide (a binary graph's ladder over 20,000 vectors would walk on to 12,800)
+SLOWER = 4
 HOLD_OUT_FROM = 10 * CALIBRATION_QUERIES  # from this many vectors the calibration queries join the graph after it
 ADD_BATCH = 100_000  # vectors handed to usearch per call
 TIMED = 50  # calibration queries timed one at a time (the median of 50 is steady to a few %)
-EXACT_BLOCK = 32_768  # vectors per block of the calibration's exact product (a block x 500 queries: 64 MB)
+EXACT_BLOCK = 16_384  # vectors per block of the calibration's exact product (x 500 queries: 32 MB of scores)
 
 
 def usearch_index():
@@ -178,7 +182,8 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
         seconds["insert"] += time.perf_counter() - started
         if part is rest:  # measured on vectors the graph has not seen, as a query is
             started = time.perf_counter()
-            calibration = calibrate(index, rows, vectors, precision, candidates, held if len(held) else None, scale)
+            calibration = calibrate(index, rows, vectors, precision, candidates, held if len(held) else None, scale,
+                                    built_for=recall)  # fmt: skip
             seconds["calibrate"] = time.perf_counter() - started
     file, record = paths(folder, precision)
     temporary = file.with_name(file.name + ".tmp")
@@ -226,13 +231,15 @@ def sample(count: int) -> np.ndarray:
 
 
 def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, candidates: int,
-              held: np.ndarray | None = None, scale: float = 1.0, k: int = 10) -> dict:  # fmt: skip
+              held: np.ndarray | None = None, scale: float = 1.0, k: int = 10,
+              built_for: float = RECALL) -> dict:  # fmt: skip
     """recall@k and median milliseconds of the graph at each expansion of LADDER (BINARY_LADDER for a binary
-    graph) until one reaches ENOUGH or keeps every vector, and the exact product's time (recalls independent of
-    the machine's load, times not). The queries are `held`, vectors left out of the graph (and of the true
-    neighbours); else the `sample` of its own vectors, each one's own match left out (a graph walk that finds
-    the query itself finds its neighbours sooner: a recall somewhat high). Recall is measured on every query,
-    walked on every core at once; time on the first TIMED, one at a time, as a search runs."""
+    graph) until one reaches ENOUGH, keeps every vector or, past the recall the graph was `built_for`, is SLOWER
+    than exact, and the exact product's time
+    (recalls independent of the machine's load, times not). The queries are `held`, vectors left out of the graph
+    (and of the true neighbours); else the `sample` of its own vectors, each one's own match left out (a graph
+    walk that finds the query itself finds its neighbours sooner: a recall somewhat high). Recall is measured on
+    every query, walked on every core at once; time on the first TIMED, one at a time, as a search runs."""
     picks = sample(len(rows)) if held is None else held
     left_out = len(picks) if held is not None else 1
     k = min(k, len(rows) - left_out)
@@ -260,7 +267,8 @@ def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, cand
             rescored(index, vectors, rows, vectors[position], wanted, candidates, expansion, precision, scale)
             times.append(time.perf_counter() - start)
         levels.append([expansion, round(found / (k * len(picks)), 4), round(1000 * statistics.median(times), 4)])
-        if levels[-1][1] >= ENOUGH or expansion >= len(index):  # it kept every vector: no wider walk finds more
+        slow = levels[-1][2] > SLOWER * exact_ms and levels[-1][1] >= built_for
+        if levels[-1][1] >= ENOUGH or expansion >= len(index) or slow:
             break
     return {"queries": len(picks), "k": k, "candidates": candidates, "exact_ms": round(exact_ms, 4), "levels": levels}
 
@@ -268,18 +276,18 @@ def calibrate(index, rows: np.ndarray, vectors: np.ndarray, precision: str, cand
 def exact_neighbours(vectors: np.ndarray, picks: np.ndarray, k: int, held: bool) -> list[set]:
     """The positions of each pick's `k` nearest vectors by inner product, leaving out every pick where they are
     `held` out of the graph, else the pick itself: one matrix product a block of EXACT_BLOCK vectors at a time."""
-    queries = np.ascontiguousarray(vectors[picks].T)
+    queries = vectors[picks]
     scores, positions = np.zeros((len(picks), 0), np.float32), np.zeros((len(picks), 0), np.int64)
     for start in range(0, len(vectors), EXACT_BLOCK):
-        block = (vectors[start : start + EXACT_BLOCK] @ queries).T  # (picks, vectors)
-        inside = picks[(picks >= start) & (picks < start + block.shape[1])]
-        if held:
-            block[:, inside - start] = -np.inf
-        else:
-            block[np.searchsorted(picks, inside), inside - start] = -np.inf
-        top = np.argpartition(-block, min(k, block.shape[1]) - 1, axis=1)[:, :k]
+        block = queries @ vectors[start : start + EXACT_BLOCK].T  # (picks, vectors)
+        width = block.shape[1]
+        inside = np.flatnonzero((picks >= start) & (picks < start + width))  # the picks among these vectors
+        block[slice(None) if held else inside, picks[inside] - start] = -np.inf
+        cut = width - min(k, width)
+        top = np.argpartition(block, cut, axis=1)[:, cut:]  # the block's k best of each pick
         scores = np.concatenate([scores, np.take_along_axis(block, top, 1)], axis=1)
         positions = np.concatenate([positions, top + start], axis=1)
+        del block, top  # the block's scores and their order (the largest arrays here) before the next product
         if scores.shape[1] > k:
             keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
             scores, positions = np.take_along_axis(scores, keep, 1), np.take_along_axis(positions, keep, 1)
@@ -338,6 +346,8 @@ def candidates_of(index, query: np.ndarray, count: int, expansion: int, precisio
     index.expansion_search = max(expansion, count)
     if query.ndim == 2:
         matches = index.search(as_input(query, precision, scale), count, threads=threads)
+        if not hasattr(matches, "counts"):  # usearch answers a one-row matrix as a single query
+            return [np.asarray(matches.keys, np.int64)]
         return [np.asarray(keys[:n], np.int64) for keys, n in zip(matches.keys, matches.counts, strict=True)]
     matches = index.search(as_input(query[None], precision, scale)[0], count)
     return np.asarray(matches.keys, np.int64)

@@ -181,8 +181,9 @@ class Index:
         graph, info = loaded
         self.scale = info.get("scale", 1.0)
         if "calibration" not in info and write:  # a graph of an earlier version: measure it once
+            built_for = info.get("recall", recall)
             info["calibration"] = ann_index.calibrate(graph, self.rows, self.vectors, precision, self.rescore,
-                                                      scale=self.scale)  # fmt: skip
+                                                      scale=self.scale, built_for=built_for)  # fmt: skip
             ann_index.write_record(ann_index.paths(self.folder, precision)[1], info)
         if ef_search is not None or "calibration" not in info:
             chosen = {"expansion_search": ef_search or 2 * self.rescore, "recall": None}
