@@ -6,9 +6,8 @@ the last one is answered (keep-alive connections), 1 to `--max-texts` texts of t
 request (`--max-texts 1`: single-text clients). Prints per server and level texts/s, requests/s and p50/p99
 latency and its throughput as a ratio of offline `SentenceEncoder.encode` on the same texts (measured first), then
 per server the latency of one short text on an idle server against in-process `encode` and its peak memory
-(VmHWM); then, for `mlx-encoders serve` at each level, the mean texts per batch it ran and its throughput as a
-ratio of `encode` called on random groups of that many of the texts (batches like its own, where the offline
-figure sorts every text by length at once); last, each server's throughput at each level as a ratio of
+(VmHWM); then, for `mlx-encoders serve` at each level, the mean texts per forward pass it ran (drawn from its
+queue as cores free up: docs/serving.md, "Batching"); last, each server's throughput at each level as a ratio of
 infinity-emb's when it ran.
 
     python benchmarks/serve.py                                   # all-MiniLM-L6-v2, 1/8/64 clients, 10 s each
@@ -260,19 +259,6 @@ def batches_run(port: int) -> tuple[float, float]:
     return found.get("sum", 0.0), found.get("count", 0.0)
 
 
-def own_batches(model: str, texts: list[str], size: int, groups: int = 20) -> float:
-    """texts/s of `encode` called on `groups` random groups of `size` of the texts, one call a group: batches like
-    those a server forms of single-text requests, against `offline`'s one call over every text (sorted by length
-    across all of them, so less padding)."""
-    rng = random.Random(0)
-    picks = [rng.choices(texts, k=size) for _ in range(groups)]
-    encoder = encoder_of(model)
-    start = time.perf_counter()
-    for group in picks:
-        encoder.encode(group)
-    return size * groups / (time.perf_counter() - start)
-
-
 @functools.cache
 def encoder_of(model: str):
     from mlx_encoders import SentenceEncoder
@@ -364,21 +350,18 @@ def main() -> None:
                     print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} "
                           f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6} {r['texts/s'] / rate:>7.2f}x",
                           flush=True)  # fmt: skip
-                    if before is not None:  # the mean texts per batch the server ran at this level
+                    if before is not None:  # the mean texts per forward pass the server ran at this level
                         (texts_before, count_before), (texts_after, count_after) = before, batches_run(port)
                         if count_after > count_before:
                             size = (texts_after - texts_before) / (count_after - count_before)
-                            batches.append((clients, r["texts/s"], size))
+                            batches.append((clients, size))
                 idle = idle_latency(port)
                 print(f"{name:<10} idle: one short text {idle:.1f} ms (in-process encode {short:.1f} ms); "
                       f"peak memory {peak_memory_mb(process.pid):.0f} MB", flush=True)  # fmt: skip
             finally:
                 stop(process)
-    for clients, texts_per_s, size in batches:
-        if size >= 1:
-            own = own_batches(args.model, texts, round(size))
-            print(f"serve at {clients} clients: mean batch {size:.1f} texts; offline encode of random groups of "
-                  f"{round(size)}: {own:.1f} texts/s, the server {texts_per_s / own:.2f}x of that")  # fmt: skip
+    for clients, size in batches:
+        print(f"serve at {clients} clients: {size:.1f} texts a forward pass on average")
     if "infinity" in servers:
         for (name, clients), texts_per_s in rates.items():
             if name != "infinity" and rates.get(("infinity", clients)):

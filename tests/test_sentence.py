@@ -321,6 +321,39 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
         assert_float32_close(got, reference(encoder.path, TEXTS), terms)
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_same(tmp_path, bert, bits):
+    """`pass_rows` tells a server's queue how many texts of a length one pass holds: as many as `run_batches` puts
+    in the first slice of a batch of such texts. Passes drawn one at a time through `run_continuous` (two texts a
+    pass, in no length order) give `encode`'s embeddings."""
+    st = save_st(tmp_path / "st", bert, Pooling(32))
+    encoder = SentenceEncoder(convert(st, tmp_path / "q", quantize=True, bits=bits, group_size=32) if bits else st)
+    encoder.slice_bytes = 4 * 2**10 if mx.default_device() == mx.cpu else None
+    rows_for = batching.pass_rows(encoder.model, 8, encoder.slice_bytes, encoder.slice_tokens)
+    widths, embed = [], encoder.embed
+    encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
+    for text in (TEXTS[0], TEXTS[3], "a b " * 40):
+        widths.clear()
+        encoder.encode([text] * 8, batch_size=8)
+        assert widths[0][0] == rows_for(widths[0][1]), (widths, rows_for(widths[0][1]))
+    encoder.embed = embed
+    encodings = encoder.tokenize(TEXTS)
+    waiting, got = list(range(len(TEXTS))), np.zeros((len(TEXTS), encoder.dimension), np.float32)
+
+    def next_rows():
+        rows, waiting[:2] = waiting[:2], []
+        return rows or None
+
+    def collect(rows, arrays):
+        got[rows] = encoder.pass_rows([encodings[i] for i in rows], arrays)[0]
+
+    batching.run_continuous(
+        encoder.model, next_rows, lambda rows: encoder.encodings_pass([encodings[i] for i in rows]), collect,
+        encoder.slice_tokens,
+    )  # fmt: skip
+    assert_float32_close(got, encoder.encode(TEXTS), encoder_terms(st, TEXTS))
+
+
 def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp_path, bert):
     encoder = SentenceEncoder(save_st(tmp_path / "st", bert, Pooling(32)))
     encoder.slice_bytes = 1

@@ -723,6 +723,80 @@ def test_batcher_settles_an_empty_request_at_once_and_a_cancelled_one_takes_no_b
     assert stops_in_time(batcher)
 
 
+def passes_stand_in(rows_for=lambda length: 2, fail_on=None, **options):
+    """A Batcher running passes of a stand-in model (row i = the ids of item i, summed; an item with id -1 fails
+    its pass), one at a time; `passes` records each pass's items' ids, `gate` holds the first pass until set."""
+    from mlx_encoders.serve.batcher import Passes
+
+    passes, gate = [], threading.Event()
+
+    def forward(items):
+        passes.append([list(item.ids) for item in items])
+        if len(passes) == 1:
+            gate.wait(10)
+        if any(-1 in item.ids for item in items):
+            raise ValueError("bad item")
+        return [summed(items)]
+
+    def run(next_rows, forward, collect):
+        while (rows := next_rows()) is not None:
+            collect(rows, forward(rows))
+
+    def compute(items):
+        if any(-1 in item.ids for item in items):
+            raise ValueError("bad item")
+        return summed(items)
+
+    key = lambda item: item.type_ids[0]  # noqa: E731
+    batcher = stand_in(compute, passes=Passes(forward, lambda items, arrays: arrays[0], rows_for, run, key), **options)
+    return batcher, passes, gate
+
+
+def ids(*lengths: int, value: int = 1, key: int = 0):
+    from mlx_encoders.serve.models import TokenIds
+
+    return [TokenIds([value] * n, [key] * n) for n in lengths]
+
+
+def test_batcher_passes_draw_the_oldest_requests_longest_input_with_those_nearest_its_length():
+    """Passes (a dense model's, drawn as lanes free up): the longest waiting input of the oldest request and, of
+    its key, those nearest its length, as many as `rows_for` and the token budget allow; each request's rows come
+    back in its order; a cancelled request's inputs never run."""
+    batcher, passes, gate = passes_stand_in(max_batch_tokens=14)
+    first = batcher.submit(ids(1))
+    while not passes:
+        time.sleep(0.01)  # the first pass holds the worker: what follows waits
+    b = batcher.submit(ids(5, 1, 9, 2, value=2))
+    gone = batcher.submit(ids(5, 5, value=7))
+    c = batcher.submit(ids(8, 3, value=3))
+    d = batcher.submit(ids(4, value=4, key=1))  # another key (a DenseTag): never in a pass with the others
+    assert gone.cancel()
+    gate.set()
+    assert first.result(timeout=5).tolist() == [[1.0]]
+    assert b.result(timeout=5).ravel().tolist() == [10.0, 2.0, 18.0, 4.0]
+    assert c.result(timeout=5).ravel().tolist() == [24.0, 9.0]
+    assert d.result(timeout=5).ravel().tolist() == [16.0]
+    lengths = [[len(item) for item in each] for each in passes]
+    # the oldest request's longest first: 9 and 8 (the nearest) exceed 14 tokens together; then 5 with 3, 1 with 2
+    assert lengths == [[1], [9], [5, 3], [1, 2], [8], [4]], lengths
+    assert batcher.depth() == 0 and batcher.queued_tokens == 0
+    assert stops_in_time(batcher)
+
+
+def test_batcher_passes_a_failing_pass_fails_only_its_request():
+    """A pass that raises reruns each request it touched on its own (through `compute`): only the faulty one
+    fails; requests waiting meanwhile, and later ones, are answered."""
+    batcher, passes, gate = passes_stand_in(rows_for=lambda length: 4)
+    gate.set()
+    good, bad, other = batcher.submit(ids(2, 2)), batcher.submit(ids(2, value=-1)), batcher.submit(ids(3, 2))
+    assert good.result(timeout=5).ravel().tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="bad item"):
+        bad.result(timeout=5)
+    assert other.result(timeout=5).ravel().tolist() == [3.0, 2.0]
+    assert batcher.submit(ids(1)).result(timeout=5).tolist() == [[1.0]]
+    assert stops_in_time(batcher)
+
+
 def test_model_names_end_at_the_first_equals_sign():
     from mlx_encoders.serve.cli import model_specs
 

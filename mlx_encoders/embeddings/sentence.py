@@ -287,6 +287,21 @@ class SentenceEncoder(Embedder):
         warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # run, encode, its caller
         return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens, adapter)
 
+    def encodings_pass(
+        self, encodings: list[Encoding], skipped: int = 0, tokens: bool = False, normalized: bool = True
+    ) -> list[mx.array]:
+        """One forward pass of tokenized texts, lazy: `embed` of them padded into one batch."""
+        return self.embed(self.tokenizer.pad(encodings), skipped, tokens, normalized)
+
+    def pass_rows(self, encodings: list[Encoding], arrays: list[mx.array]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """`encodings_pass`' evaluated `arrays` -> ((B, D) float32 vectors, per text its (L, H) token vectors when
+        the pass computed them, else [])."""
+        if len(arrays) == 1:
+            return np.array(arrays[0]), []
+        hidden = np.array(arrays[1])
+        real = [self.tokenizer.real_tokens(len(e.ids), hidden.shape[1]) for e in encodings]
+        return np.array(arrays[0]), [matrix[keep] for matrix, keep in zip(hidden, real, strict=True)]
+
     def run_encodings(
         self, encodings: list[Encoding], batch_size: int = 32, show_progress: bool | None = False, skipped: int = 0,
         tokens: bool = False, adapter: str | None = None, normalized: bool = True,
@@ -302,14 +317,12 @@ class SentenceEncoder(Embedder):
             return out, token_vectors
 
         def collect(rows: np.ndarray, arrays: list[mx.array]) -> None:
-            out[rows] = np.array(arrays[0])
-            if tokens:
-                hidden = np.array(arrays[1])
-                for row, i in enumerate(rows):
-                    token_vectors[i] = hidden[row, self.tokenizer.real_tokens(len(encodings[i].ids), hidden.shape[1])]
+            out[rows], found = self.pass_rows([encodings[i] for i in rows], arrays)
+            for i, matrix in zip(rows, found, strict=True) if tokens else ():
+                token_vectors[i] = matrix
 
         def forward(rows: np.ndarray) -> list[mx.array]:
-            return self.embed(self.tokenizer.pad([encodings[i] for i in rows]), skipped, tokens, normalized)
+            return self.encodings_pass([encodings[i] for i in rows], skipped, tokens, normalized)
 
         lengths = [len(e.ids) for e in encodings]
         with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():

@@ -7,6 +7,9 @@ core, one pass on each, one async_eval per group, the next group built while one
 groups hold PASSES_PER_LANE passes a lane, which share one dequantizing of each weight. A call of one pass in all
 runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
+
+`run_continuous` runs passes drawn one at a time by its caller (a server's queue) the same way, each drawn when a
+lane frees up, with `pass_rows` telling how many rows a pass of a given length holds.
 """
 
 import itertools
@@ -147,6 +150,50 @@ def default_least_tokens(model: nn.Module) -> int:
     """The least tokens a group of passes holds: `least_group_tokens(model)` on the CPU (a quantized model's passes
     share one dequantizing), 0 elsewhere."""
     return least_group_tokens(model) if on_cpu() else 0
+
+
+def group_size(model: nn.Module, least_tokens: int) -> int:
+    """The passes a group holds: one per lane, PASSES_PER_LANE per lane where they share a dequantizing."""
+    count = lane_count()
+    return count * (PASSES_PER_LANE if least_tokens and count > 1 else 1)
+
+
+def pass_rows(
+    model: nn.Module, batch_size: int, slice_bytes: int | None = -1, least_tokens: int | None = None
+) -> Callable[[int], int]:
+    """length -> the rows `run_batches(model, ..., batch_size, slice_bytes=, least_tokens=)` puts in one forward
+    pass whose longest row has `length` tokens (defaults as there): what `run_continuous`'s caller draws."""
+    slice_bytes = default_slice_bytes() if slice_bytes == -1 else slice_bytes
+    least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
+    if slice_bytes is None:
+        return lambda length: batch_size
+    per_slice = max(-(-least_tokens // group_size(model, least_tokens)), least_pass_tokens(model.args))
+    return lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))
+
+
+def run_continuous(
+    model: nn.Module,
+    next_rows: Callable[[], Rows | None],
+    forward: Callable[[Rows], list[mx.array]],
+    collect: Callable[[Rows, list[mx.array]], None],
+    least_tokens: int | None = None,
+) -> None:
+    """`collect(rows, forward(rows))` for the passes `next_rows()` draws (sized by `pass_rows`), until it returns
+    None, through `run_in_lanes`: a group's passes are drawn when the group before the last one is collected, so
+    what arrives meanwhile (a server's requests) joins them. One pass in all runs on every core."""
+    least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
+
+    def groups(size: int) -> Iterator[list[Rows]]:
+        while True:
+            group = []
+            while len(group) < size and (rows := next_rows()) is not None:
+                group.append(rows)
+            if not group:
+                return
+            yield group
+
+    claim_mlx()
+    run_in_lanes(groups, forward, collect, PASSES_PER_LANE if least_tokens else 1)
 
 
 def run_batches(

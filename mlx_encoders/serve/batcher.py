@@ -1,8 +1,13 @@
-"""The request batcher: one worker thread per model owns its MLX evaluation; requests wait in a bounded queue and
-are packed, first come first served, into batches of at most `max_batch_tokens` tokens (a large request is split
-over several batches and put back together in order). Each batch goes through the encoders' own runner
-(`SentenceEncoder.run_encodings`, `CrossEncoder.encoding_logits` -> engine.batching.run_batches), which sorts it by
-length; a row's result does not depend on its batch-mates beyond float rounding.
+"""The request batcher: one worker thread per model owns its MLX evaluation; requests wait in a bounded queue.
+
+A dense model's inputs run continuously (`Passes`, `engine.batching.run_continuous`): each forward pass is drawn
+from the queue when a CPU lane frees up, the longest waiting input of the oldest request with the inputs nearest
+its length (about as few padding tokens as one sorted call over them all), so a stream of single-text requests
+runs about as fast as one `encode` of all of them, and no request waits behind later ones for more than a pass.
+Other models' requests are packed, first come first served, into batches of at most `max_batch_tokens` tokens
+(a large request is split over several batches and put back together in order), each run through the encoders'
+own runner (`SentenceEncoder.run_encodings`, `CrossEncoder.encoding_logits` -> engine.batching.run_batches),
+which sorts it by length. A row's result does not depend on its batch-mates beyond float rounding.
 """
 
 import logging
@@ -12,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -69,16 +75,17 @@ class Job:
         self.items = items
         self.future: Future = Future()
         self.out: np.ndarray | None = None  # allocated from the first rows computed: their dtype and shape
-        self.taken = 0  # items handed to batches
+        self.taken = 0  # items handed to batches (or drawn into passes)
         self.done = 0  # items computed
         self.submitted = time.monotonic()
 
-    def finish(self, start: int, rows: np.ndarray) -> None:
+    def finish(self, indices: Sequence[int], rows: np.ndarray) -> None:
+        """Items `indices` computed: `rows`, in their order."""
         if self.future.done():  # an earlier piece failed, or the handler was cancelled
             return
         if self.out is None:
             self.out = np.empty((len(self.items), *rows.shape[1:]), rows.dtype)
-        self.out[start : start + len(rows)] = rows
+        self.out[indices] = rows
         self.done += len(rows)
         if self.done == len(self.items):
             self.settle(result=self.out)
@@ -90,6 +97,23 @@ class Job:
             pass
 
 
+@dataclass(frozen=True)
+class Passes:
+    """How a model's inputs run a forward pass at a time (see the module's docstring): `forward(items)` the lazy
+    arrays of one pass, `rows(items, arrays)` its items' result rows once evaluated, `rows_for(length)` the items
+    a pass holds whose longest has `length` tokens (`engine.batching.pass_rows`), `run(next_rows, forward,
+    collect)` the engine's runner (`run_continuous` on the model), `key(item)` what the items of one pass share."""
+
+    forward: Callable[[list], list]
+    rows: Callable[[list, list], np.ndarray]
+    rows_for: Callable[[int], int]
+    run: Callable[[Callable, Callable, Callable], None]
+    key: Callable[[object], object] = lambda item: None
+
+
+DRAW_WINDOW = 256  # the waiting inputs, oldest first, a pass is drawn from: a draw sorts them by length
+
+
 class Batcher:
     """`submit(items)` -> Future of `compute(items)` (an (N, ...) array, row i for item i; an object array for
     outputs of varying size), computed on this batcher's worker thread together with other requests' items."""
@@ -97,10 +121,15 @@ class Batcher:
     def __init__(
         self, name: str, compute: Callable[[list], np.ndarray], *, max_batch_tokens: int, max_wait_ms: float,
         max_queue: int, on_batch: Callable[[int, int], None] | None = None,
-        on_wait: Callable[[float], None] | None = None,
+        on_wait: Callable[[float], None] | None = None, passes: Passes | None = None,
     ):  # fmt: skip
+        """`passes`: run the inputs continuously, else in batches of `compute`, which also reruns each request of
+        a pass that failed on its own (so that only a faulty request fails)."""
         self.name = name
         self.compute = compute
+        self.passes = passes
+        self.waiting: list[tuple[Job, int, int, object]] = []  # with passes: (job, item, tokens, key), oldest first
+        self.drawn: dict[int, Job] = {}  # with passes: the requests with inputs in passes not yet collected, by id
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -128,6 +157,8 @@ class Batcher:
                 return job.future
             self.jobs.append(job)
             self.queued_tokens += sum(len(item.ids) for item in items)
+            if self.passes is not None:
+                self.waiting += [(job, i, len(item.ids), self.passes.key(item)) for i, item in enumerate(items)]
             self.condition.notify()
         return job.future
 
@@ -140,34 +171,131 @@ class Batcher:
 
     def work(self) -> None:
         try:
-            while (pieces := self.take()) is not None:
-                try:
-                    if self.on_wait is not None:
-                        now = time.monotonic()
-                        for job, start, _ in pieces:
-                            if start == 0:  # the request's first batch
-                                self.on_wait(now - job.submitted)
-                    self.run(pieces)  # nothing when every waiting request was cancelled
-                except BaseException as error:  # noqa: BLE001  a fault fails this batch's requests, never the worker
-                    for job, _, _ in pieces:
-                        job.settle(error=error)
+            self.run_passes() if self.passes is not None else self.run_batches()
         finally:
             # A stopped batcher lets its model go (an unloaded one's memory) before `stop` returns to its caller.
-            self.compute = self.on_batch = self.on_wait = None
+            self.compute = self.on_batch = self.on_wait = self.passes = None
             self.drained.set()
+
+    def run_passes(self) -> None:
+        """Draw and run passes while inputs wait; a failure reruns each request it touched on its own."""
+        while True:
+            with self.condition:
+                self.wait_to_fill()
+                if not self.waiting:
+                    return
+            self.drawn = {}
+            try:
+                self.passes.run(self.draw, self.forward, self.collect)
+            except BaseException as error:  # noqa: BLE001  a fault fails no request but its own
+                log.warning("a pass of %s failed (%s): its requests run again one by one", self.name, error)
+                for job in self.drawn.values():
+                    self.rerun(job)
+
+    def forward(self, rows: list[tuple[Job, int]]) -> list:
+        return self.passes.forward([job.items[i] for job, i in rows])
+
+    def collect(self, rows: list[tuple[Job, int]], arrays: list) -> None:
+        items = [job.items[i] for job, i in rows]
+        out = self.passes.rows(items, arrays)
+        if self.on_batch is not None:
+            self.on_batch(len(items), sum(len(item.ids) for item in items))
+        for job in {id(job): job for job, _ in rows}.values():
+            picks = [k for k, (other, _) in enumerate(rows) if other is job]
+            job.finish([rows[k][1] for k in picks], out[picks])
+            if job.done == len(job.items):
+                self.drawn.pop(id(job), None)
+
+    def rerun(self, job: Job) -> None:
+        """`job` through `compute` alone, its inputs taken out of the queue: its result or its own error."""
+        with self.condition:
+            self.take_out(job)
+        if job.future.done():
+            return
+        try:
+            out = self.compute(list(job.items))
+            if len(out) != len(job.items):
+                raise RuntimeError(f"model {self.name!r} returned {len(out)} rows for {len(job.items)} inputs")
+            job.settle(result=out)
+        except Exception as error:  # noqa: BLE001
+            job.settle(error=error)
+
+    def take_out(self, job: Job) -> None:
+        """Every waiting input of `job` out of the queue (holding the condition)."""
+        kept = [entry for entry in self.waiting if entry[0] is not job]
+        self.queued_tokens -= sum(entry[2] for entry in self.waiting if entry[0] is job)
+        self.waiting = kept
+        if job in self.jobs:
+            self.jobs.remove(job)
+        job.taken = len(job.items)
+
+    def draw(self) -> list[tuple[Job, int]] | None:
+        """The next pass: the longest waiting input of the oldest live request and, among the DRAW_WINDOW oldest
+        inputs of its key, those nearest its length, as many as `passes.rows_for` their longest and
+        `max_batch_tokens` allow; None when nothing waits."""
+        with self.condition:
+            while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
+                for job in dead.values():  # its client is gone, or an earlier pass failed it: never run
+                    self.take_out(job)
+            if not self.waiting:
+                return None
+            oldest, _, _, key = self.waiting[0]
+            window = [(p, e) for p, e in enumerate(self.waiting[:DRAW_WINDOW]) if e[3] == key]
+            anchor = max(e[2] for _, e in window if e[0] is oldest)  # its longest first, as run_batches' slices
+            window.sort(key=lambda pair: (abs(pair[1][2] - anchor), pair[0]))
+            chosen, longest, tokens = [], 0, 0
+            for position, entry in window:
+                full = len(chosen) + 1 > self.passes.rows_for(max(longest, entry[2]))
+                if chosen and (full or tokens + entry[2] > self.max_batch_tokens):
+                    break
+                chosen.append((position, entry))
+                longest, tokens = max(longest, entry[2]), tokens + entry[2]
+            picked = {position for position, _ in chosen}
+            head = self.waiting[:DRAW_WINDOW]
+            self.waiting[:DRAW_WINDOW] = [entry for position, entry in enumerate(head) if position not in picked]
+            now = time.monotonic()
+            rows = []
+            for _, (job, i, tokens, _) in sorted(chosen):
+                if job.taken == 0 and self.on_wait is not None:
+                    self.on_wait(now - job.submitted)
+                job.taken += 1
+                self.queued_tokens -= tokens
+                self.drawn[id(job)] = job
+                if job.taken == len(job.items):
+                    self.jobs.remove(job)
+                rows.append((job, i))
+            return rows
+
+    def run_batches(self) -> None:
+        while (pieces := self.take()) is not None:
+            try:
+                if self.on_wait is not None:
+                    now = time.monotonic()
+                    for job, start, _ in pieces:
+                        if start == 0:  # the request's first batch
+                            self.on_wait(now - job.submitted)
+                self.run(pieces)  # nothing when every waiting request was cancelled
+            except BaseException as error:  # noqa: BLE001  a fault fails this batch's requests, never the worker
+                for job, _, _ in pieces:
+                    job.settle(error=error)
+
+    def wait_to_fill(self) -> None:
+        """Holding the condition: until a request waits, then up to max_wait for `max_batch_tokens` tokens to wait
+        (the worker was idle; passes drawn while others run take what came meanwhile)."""
+        while not self.jobs and not self.stopping:
+            self.condition.wait()
+        deadline = time.monotonic() + self.max_wait
+        while self.queued_tokens < self.max_batch_tokens and not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.condition.wait(left)
 
     def take(self) -> list[tuple[Job, int, int]] | None:
         """The next batch as (job, start, stop) pieces, waiting up to max_wait for the budget to fill; None once
         stopping with nothing queued."""
         with self.condition:
-            while not self.jobs and not self.stopping:
-                self.condition.wait()
-            deadline = time.monotonic() + self.max_wait
-            while self.queued_tokens < self.max_batch_tokens and not self.stopping:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.condition.wait(left)
+            self.wait_to_fill()
             pieces, tokens = [], 0
             while self.jobs:
                 job = self.jobs[0]
@@ -211,7 +339,7 @@ class Batcher:
                 self.on_batch(len(items), sum(len(item.ids) for item in items))
             offset = 0
             for job, start, stop in pieces:
-                job.finish(start, out[offset : offset + stop - start])
+                job.finish(range(start, stop), out[offset : offset + stop - start])
                 offset += stop - start
         except Exception as error:  # noqa: BLE001  rows of another shape than a request's first ones, a hook
             for job, _, _ in pieces:

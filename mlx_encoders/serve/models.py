@@ -18,7 +18,9 @@ from ..embeddings.cross_encoder import CrossEncoder
 from ..embeddings.multi_vector import MultiVectorEncoder
 from ..embeddings.sentence import SentenceEncoder
 from ..embeddings.sparse import SparseEncoder
+from ..engine.batching import pass_rows, run_continuous
 from ..pipelines.text_classification import TextClassificationPipeline
+from .batcher import Passes
 from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
@@ -212,6 +214,34 @@ class ServedModel:
         logits = self.cross.encoding_logits(items, self.batch_size)
         scores = np.array(self.cross.activate(mx.array(logits)).astype(mx.float32))
         return np.concatenate([logits, scores], axis=1)
+
+    def passes(self) -> Passes | None:
+        """How the worker runs this model's inputs a pass at a time (`batcher.Passes`): a dense model's without
+        task adapters (those run in batches of one adapter, `compute`); None for the other kinds."""
+        if self.encoder is None or getattr(self.model, "adapters", None):
+            return None
+        encoder = self.encoder
+
+        def key(item) -> DenseTag:
+            return item.tag if isinstance(item, Tagged) else self.dense_tag
+
+        def forward(items: list) -> list[mx.array]:
+            tag = key(items[0])
+            inputs = [item.item if isinstance(item, Tagged) else item for item in items]
+            return encoder.encodings_pass(inputs, tag.skipped, tag.token_vectors, tag.normalized)
+
+        def rows(items: list, arrays: list[mx.array]) -> np.ndarray:
+            inputs = [item.item if isinstance(item, Tagged) else item for item in items]
+            vectors, tokens = encoder.pass_rows(inputs, arrays)
+            for item, matrix in zip(items, tokens, strict=True) if tokens else ():
+                item.tokens = matrix
+            return vectors
+
+        def run(next_rows, forward, collect) -> None:
+            run_continuous(encoder.model, next_rows, forward, collect, encoder.slice_tokens)
+
+        rows_for = pass_rows(encoder.model, self.batch_size, encoder.slice_bytes, encoder.slice_tokens)
+        return Passes(forward, rows, rows_for, run, key)
 
     def dense_rows(self, encodings: list, tag: DenseTag) -> list:
         """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag

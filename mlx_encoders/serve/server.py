@@ -101,7 +101,7 @@ class Server:
         self.batchers[m.name] = Batcher(
             m.name, m.compute, max_batch_tokens=self.options.max_batch_tokens, max_wait_ms=self.options.max_wait_ms,
             max_queue=self.options.max_queue, on_batch=lambda n, t, name=m.name: self.metrics.batch(name, n, t),
-            on_wait=lambda seconds, name=m.name: self.metrics.waited(name, seconds),
+            on_wait=lambda seconds, name=m.name: self.metrics.waited(name, seconds), passes=m.passes(),
         )  # fmt: skip
         self.metrics.queue_depth[m.name] = self.batchers[m.name].depth
         self.tokenizers[m.name] = ThreadPoolExecutor(1, thread_name_prefix=f"mlx-encoders tokenize {m.name}")
