@@ -323,13 +323,13 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_same(tmp_path, bert, bits):
-    """`pass_rows` tells a server's queue how many texts of a length one pass holds: as many as `run_batches` puts
-    in the first slice of a batch of such texts. Passes drawn one at a time through `run_continuous` (two texts a
-    pass, in no length order) give `encode`'s embeddings."""
+    """`pass_size` tells a server's queue how many texts of a length one pass holds: as many as `run_batches` puts
+    in the first slice of a batch of such texts. Passes drawn one at a time through `continuous`
+    (`run_continuous`; two texts a pass, in no length order) give `encode`'s embeddings."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     encoder = SentenceEncoder(convert(st, tmp_path / "q", quantize=True, bits=bits, group_size=32) if bits else st)
     encoder.slice_bytes = 4 * 2**10 if mx.default_device() == mx.cpu else None
-    rows_for = batching.pass_rows(encoder.model, 8, encoder.slice_bytes, encoder.slice_tokens)
+    rows_for = encoder.pass_size(8)  # engine.batching.pass_rows with the encoder's slicing
     widths, embed = [], encoder.embed
     encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
     for text in (TEXTS[0], TEXTS[3], "a b " * 40):
@@ -347,10 +347,7 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     def collect(rows, arrays):
         got[rows] = encoder.pass_rows([encodings[i] for i in rows], arrays)[0]
 
-    batching.run_continuous(
-        encoder.model, next_rows, lambda rows: encoder.encodings_pass([encodings[i] for i in rows]), collect,
-        encoder.slice_tokens,
-    )  # fmt: skip
+    encoder.continuous(next_rows, lambda rows: encoder.encodings_pass([encodings[i] for i in rows]), collect)
     assert_float32_close(got, encoder.encode(TEXTS), encoder_terms(st, TEXTS))
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..engine.batching import default_least_tokens, default_slice_bytes, run_batches
+from ..engine.batching import default_least_tokens, default_slice_bytes, pass_rows, run_batches, run_continuous
 from ..tokenizer import check_count, text_list
 from .folder import Dense, SentenceFolder
 from .vectors import SIMILARITIES, check_similarity_name, normalize
@@ -159,6 +159,20 @@ class Encoder:
             self.model, lengths, forward, collect, batch_size, show_progress=show_progress,
             slice_bytes=self.slice_bytes, least_tokens=self.slice_tokens,
         )  # fmt: skip
+
+    def pass_size(self, batch_size: int) -> Callable[[int], int]:
+        """length -> the items one forward pass of `batches` holds whose longest has `length` tokens."""
+        return pass_rows(self.model, batch_size, self.slice_bytes, self.slice_tokens)
+
+    def continuous(
+        self,
+        next_rows: Callable[[], object],
+        forward: Callable[[object], list[mx.array]],
+        collect: Callable[[object, list[mx.array]], None],
+    ) -> None:
+        """`engine.batching.run_continuous` with this encoder's slicing: forward passes drawn one at a time by
+        `next_rows()` (sized by `pass_size`) until it returns None, as a server's queue draws them."""
+        run_continuous(self.model, next_rows, forward, collect, self.slice_tokens)
 
 
 class Embedder(Encoder):

@@ -18,7 +18,6 @@ from ..embeddings.cross_encoder import CrossEncoder
 from ..embeddings.multi_vector import MultiVectorEncoder
 from ..embeddings.sentence import SentenceEncoder
 from ..embeddings.sparse import SparseEncoder
-from ..engine.batching import pass_rows, run_continuous
 from ..pipelines.text_classification import TextClassificationPipeline
 from .batcher import Passes
 from .errors import ApiError
@@ -237,11 +236,7 @@ class ServedModel:
                 item.tokens = matrix
             return vectors
 
-        def run(next_rows, forward, collect) -> None:
-            run_continuous(encoder.model, next_rows, forward, collect, encoder.slice_tokens)
-
-        rows_for = pass_rows(encoder.model, self.batch_size, encoder.slice_bytes, encoder.slice_tokens)
-        return Passes(forward, rows, rows_for, run, key)
+        return Passes(forward, rows, encoder.pass_size(self.batch_size), encoder.continuous, key)
 
     def dense_rows(self, encodings: list, tag: DenseTag) -> list:
         """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag
