@@ -797,6 +797,64 @@ def test_batcher_passes_a_failing_pass_fails_only_its_request():
     assert stops_in_time(batcher)
 
 
+def test_batcher_passes_look_at_the_oldest_window_and_lose_none_behind_it(monkeypatch):
+    """A pass is drawn from the DRAW_WINDOW oldest waiting inputs: an input of the right length behind them waits
+    its turn, and nothing behind the window is lost or run twice."""
+    from mlx_encoders.serve import batcher as module
+
+    monkeypatch.setattr(module, "DRAW_WINDOW", 3)
+    batcher, passes, gate = passes_stand_in(max_batch_tokens=100)
+    first = batcher.submit(ids(1))
+    while not passes:
+        time.sleep(0.01)
+    many = batcher.submit(ids(6, 2, 2, 6, 6, 2, value=2))
+    gate.set()
+    assert first.result(timeout=5).tolist() == [[1.0]]
+    assert many.result(timeout=5).ravel().tolist() == [12.0, 4.0, 4.0, 12.0, 12.0, 4.0]
+    lengths = [[len(item) for item in each] for each in passes[1:]]
+    assert lengths == [[6, 2], [6, 6], [2, 2]], lengths  # the 6s behind the first three wait for the next pass
+    assert stops_in_time(batcher)
+
+
+def test_batcher_passes_survive_faults_in_hooks_rows_and_reruns():
+    """Passes: a queue-time hook that raises fails no request; rows that fail after part of a request was answered
+    rerun the whole request; a BaseException in a rerun fails its request only; the worker goes on and stops."""
+    from mlx_encoders.serve.batcher import Passes
+
+    faults = {"rows": 0}
+
+    def rows(items, arrays):
+        if faults["rows"] and any(8 in item.ids for item in items):
+            faults["rows"] -= 1
+            raise RuntimeError("rows failed")
+        return arrays[0]
+
+    def compute(items):
+        if any(9 in item.ids for item in items):
+            raise SystemExit("a bug in the model")
+        return summed(items)
+
+    def run(next_rows, forward, collect):
+        while (drawn := next_rows()) is not None:
+            collect(drawn, forward(drawn))
+
+    def on_wait(seconds):
+        raise KeyError("queue-time hook")
+
+    passes = Passes(lambda items: [summed(items)], rows, lambda length: 1, run)
+    batcher = stand_in(compute, passes=passes, on_wait=on_wait)
+    assert batcher.submit(ids(1)).result(timeout=5).tolist() == [[1.0]]
+    faults["rows"] = 1
+    split = batcher.submit(ids(1, 1) + ids(1, value=8))  # one a pass: the first two are answered, then a fault
+    assert split.result(timeout=5).ravel().tolist() == [1.0, 1.0, 8.0]
+    with pytest.raises(SystemExit, match="a bug"):
+        faults["rows"] = 1
+        batcher.submit(ids(1, value=8) + ids(1, value=9)).result(timeout=5)
+    assert batcher.submit(ids(2)).result(timeout=5).tolist() == [[2.0]]
+    assert batcher.depth() == 0 and batcher.queued_tokens == 0
+    assert stops_in_time(batcher)
+
+
 def test_model_names_end_at_the_first_equals_sign():
     from mlx_encoders.serve.cli import model_specs
 

@@ -173,6 +173,11 @@ class Batcher:
         try:
             self.run_passes() if self.passes is not None else self.run_batches()
         finally:
+            with self.condition:  # a worker that ended on a fault of its own leaves no request waiting
+                self.stopping = True
+                left, self.jobs, self.waiting = list(self.jobs), deque(), []
+            for job in left:
+                job.settle(error=RuntimeError(f"model {self.name!r} stopped serving"))
             # A stopped batcher lets its model go (an unloaded one's memory) before `stop` returns to its caller.
             self.compute = self.on_batch = self.on_wait = self.passes = None
             self.drained.set()
@@ -183,14 +188,17 @@ class Batcher:
             with self.condition:
                 self.wait_to_fill()
                 if not self.waiting:
-                    return
-            self.drawn = {}
+                    if self.stopping:
+                        return
+                    continue
+            self.drawn, failed = {}, None
             try:
                 self.passes.run(self.draw, self.forward, self.collect)
             except BaseException as error:  # noqa: BLE001  a fault fails no request but its own
                 log.warning("a pass of %s failed (%s): its requests run again one by one", self.name, error)
-                for job in self.drawn.values():
-                    self.rerun(job)
+                failed = list(self.drawn.values())
+            for job in failed or ():  # outside the handler: the failed run's arrays are let go first
+                self.rerun(job)
 
     def forward(self, rows: list[tuple[Job, int]]) -> list:
         return self.passes.forward([job.items[i] for job, i in rows])
@@ -216,18 +224,20 @@ class Batcher:
             out = self.compute(list(job.items))
             if len(out) != len(job.items):
                 raise RuntimeError(f"model {self.name!r} returned {len(out)} rows for {len(job.items)} inputs")
+            if self.on_batch is not None:
+                self.on_batch(len(job.items), sum(len(item.ids) for item in job.items))
             job.settle(result=out)
-        except Exception as error:  # noqa: BLE001
+        except BaseException as error:  # noqa: BLE001  its own fault, whatever it is, fails this request only
             job.settle(error=error)
 
-    def take_out(self, job: Job) -> None:
-        """Every waiting input of `job` out of the queue (holding the condition)."""
-        kept = [entry for entry in self.waiting if entry[0] is not job]
-        self.queued_tokens -= sum(entry[2] for entry in self.waiting if entry[0] is job)
-        self.waiting = kept
-        if job in self.jobs:
-            self.jobs.remove(job)
-        job.taken = len(job.items)
+    def take_out(self, *jobs: Job) -> None:
+        """Every waiting input of `jobs` out of the queue, in one pass over it (holding the condition)."""
+        gone = {id(job) for job in jobs}
+        self.queued_tokens -= sum(entry[2] for entry in self.waiting if id(entry[0]) in gone)
+        self.waiting = [entry for entry in self.waiting if id(entry[0]) not in gone]
+        self.jobs = deque(job for job in self.jobs if id(job) not in gone)
+        for job in jobs:
+            job.taken = len(job.items)
 
     def draw(self) -> list[tuple[Job, int]] | None:
         """The next pass: the longest waiting input of the oldest live request and, among the DRAW_WINDOW oldest
@@ -235,8 +245,7 @@ class Batcher:
         `max_batch_tokens` allow; None when nothing waits."""
         with self.condition:
             while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
-                for job in dead.values():  # its client is gone, or an earlier pass failed it: never run
-                    self.take_out(job)
+                self.take_out(*dead.values())  # their clients are gone, or an earlier pass failed them: never run
             if not self.waiting:
                 return None
             oldest, _, _, key = self.waiting[0]
@@ -253,18 +262,24 @@ class Batcher:
             picked = {position for position, _ in chosen}
             head = self.waiting[:DRAW_WINDOW]
             self.waiting[:DRAW_WINDOW] = [entry for position, entry in enumerate(head) if position not in picked]
-            now = time.monotonic()
-            rows = []
+            rows, first = [], []
             for _, (job, i, tokens, _) in sorted(chosen):
-                if job.taken == 0 and self.on_wait is not None:
-                    self.on_wait(now - job.submitted)
+                if job.taken == 0:
+                    first.append(job)
                 job.taken += 1
                 self.queued_tokens -= tokens
                 self.drawn[id(job)] = job
                 if job.taken == len(job.items):
                     self.jobs.remove(job)
                 rows.append((job, i))
-            return rows
+        if self.on_wait is not None:
+            now = time.monotonic()
+            for job in first:
+                try:
+                    self.on_wait(now - job.submitted)
+                except Exception:  # a metrics hook's fault fails no request
+                    log.exception("the queue-time hook of %s failed", self.name)
+        return rows
 
     def run_batches(self) -> None:
         while (pieces := self.take()) is not None:

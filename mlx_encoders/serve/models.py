@@ -236,7 +236,13 @@ class ServedModel:
                 item.tokens = matrix
             return vectors
 
-        return Passes(forward, rows, encoder.pass_size(self.batch_size), encoder.continuous, key)
+        sizes = []  # pass_size asked on the worker's thread, whose lanes it counts
+
+        def rows_for(length: int) -> int:
+            sizes[:] = sizes or [encoder.pass_size(self.batch_size)]
+            return sizes[0](length)
+
+        return Passes(forward, rows, rows_for, encoder.continuous, key)
 
     def dense_rows(self, encodings: list, tag: DenseTag) -> list:
         """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag
