@@ -855,6 +855,38 @@ def test_batcher_passes_survive_faults_in_hooks_rows_and_reruns():
     assert stops_in_time(batcher)
 
 
+def test_batcher_passes_answer_a_runs_last_requests_once_it_ends_and_the_rest_at_once():
+    """Passes collected after the queue ran dry are answered when the run ends (its lanes let go), those collected
+    while inputs still come at once: a request that arrives meanwhile releases what was held."""
+    from mlx_encoders.serve.batcher import Passes
+
+    seen, late = [], {}
+
+    def run(next_rows, forward, collect):  # one pass drawn ahead of the one collected, as the lanes' groups
+        ahead = []
+        while True:
+            rows = next_rows()
+            if rows is not None:
+                ahead.append((rows, forward(rows)))
+            if ahead and (rows is None or len(ahead) > 1):
+                collect(*ahead.pop(0))
+                seen.append([f.done() for f in futures])
+                if "b" not in late and rows is None and futures[0].done() is False:
+                    late["b"] = batcher.submit(ids(3))  # arrives while the first request is held
+            if rows is None and not ahead:
+                return
+
+    futures = []
+    passes = Passes(lambda items: [summed(items)], lambda items, arrays: arrays[0], lambda length: 1, run)
+    batcher = stand_in(lambda items: summed(items), passes=passes, max_wait_ms=100, max_batch_tokens=100)
+    futures.append(batcher.submit(ids(1, 1)))
+    assert futures[0].result(timeout=5).ravel().tolist() == [1.0, 1.0]
+    assert late["b"].result(timeout=5).tolist() == [[3.0]]
+    assert seen[1] == [False], seen  # its last pass came after the queue ran dry: held ...
+    assert seen[2] == [True], seen  # ... until the late request was drawn
+    assert stops_in_time(batcher)
+
+
 def test_model_names_end_at_the_first_equals_sign():
     from mlx_encoders.serve.cli import model_specs
 

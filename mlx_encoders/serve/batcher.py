@@ -79,8 +79,8 @@ class Job:
         self.done = 0  # items computed
         self.submitted = time.monotonic()
 
-    def finish(self, indices: Sequence[int], rows: np.ndarray) -> None:
-        """Items `indices` computed: `rows`, in their order."""
+    def finish(self, indices: Sequence[int], rows: np.ndarray, held: list | None = None) -> None:
+        """Items `indices` computed: `rows`, in their order. The answer, once whole, goes to `held` when given."""
         if self.future.done():  # an earlier piece failed, or the handler was cancelled
             return
         if self.out is None:
@@ -88,7 +88,7 @@ class Job:
         self.out[indices] = rows
         self.done += len(rows)
         if self.done == len(self.items):
-            self.settle(result=self.out)
+            held.append(self) if held is not None else self.settle(result=self.out)
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
         try:  # the waiting handler may have been cancelled (client gone): nothing to tell it
@@ -130,6 +130,7 @@ class Batcher:
         self.passes = passes
         self.waiting: list[tuple[Job, int, int, object]] = []  # with passes: (job, item, tokens, key), oldest first
         self.drawn: dict[int, Job] = {}  # with passes: the requests with inputs in passes not yet collected, by id
+        self.held: list[Job] | None = None  # with passes: requests answered once the run ends (see draw)
         self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -173,6 +174,8 @@ class Batcher:
         try:
             self.run_passes() if self.passes is not None else self.run_batches()
         finally:
+            for job in self.held or ():
+                job.settle(result=job.out)
             with self.condition:  # a worker that ended on a fault of its own leaves no request waiting
                 self.stopping = True
                 left, self.jobs, self.waiting = list(self.jobs), deque(), []
@@ -191,12 +194,15 @@ class Batcher:
                     if self.stopping:
                         return
                     continue
-            self.drawn, failed = {}, None
+            self.drawn, self.held, failed = {}, None, None
             try:
                 self.passes.run(self.draw, self.forward, self.collect)
             except BaseException as error:  # noqa: BLE001  a fault fails no request but its own
                 log.warning("a pass of %s failed (%s): its requests run again one by one", self.name, error)
                 failed = list(self.drawn.values())
+            held, self.held = self.held or [], None
+            for job in held:
+                job.settle(result=job.out)
             for job in failed or ():  # outside the handler: the failed run's arrays are let go first
                 self.rerun(job)
 
@@ -210,7 +216,7 @@ class Batcher:
             self.on_batch(len(items), sum(len(item.ids) for item in items))
         for job in {id(job): job for job, _ in rows}.values():
             picks = [k for k, (other, _) in enumerate(rows) if other is job]
-            job.finish([rows[k][1] for k in picks], out[picks])
+            job.finish([rows[k][1] for k in picks], out[picks], self.held)
             if job.done == len(job.items):
                 self.drawn.pop(id(job), None)
 
@@ -247,6 +253,9 @@ class Batcher:
             while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
                 self.take_out(*dead.values())  # their clients are gone, or an earlier pass failed them: never run
             if not self.waiting:
+                # the run ends once its last passes are collected: their answers wait for its lanes to be let go,
+                # as a handler's own MLX work beside that release held the event loop for 100 ms and more
+                self.held = [] if self.held is None else self.held
                 return None
             oldest, _, _, key = self.waiting[0]
             window = [(p, e) for p, e in enumerate(self.waiting[:DRAW_WINDOW]) if e[3] == key]
@@ -272,6 +281,9 @@ class Batcher:
                 if job.taken == len(job.items):
                     self.jobs.remove(job)
                 rows.append((job, i))
+        held, self.held = self.held or [], None  # more came: the run goes on, and what it held is answered now
+        for job in held:
+            job.settle(result=job.out)
         if self.on_wait is not None:
             now = time.monotonic()
             for job in first:
