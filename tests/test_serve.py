@@ -607,6 +607,25 @@ def test_the_package_and_its_command_line_import_without_the_serve_stack():
     assert 'pip install "mlx-encoders[serve]"' in done.stdout and "starlette" in done.stdout
 
 
+def test_a_quantized_models_concurrent_requests_run_in_shared_passes_as_encode(folders, tmp_path):
+    """A 4-bit model's passes run two a lane, sharing one dequantizing of the weights: concurrent requests of mixed
+    lengths still get `encode`'s vectors."""
+    from mlx_encoders import SentenceEncoder, serve
+    from mlx_encoders.conversion import convert
+
+    with pytest.warns(UserWarning, match="pooling"):
+        folder = convert(folders["tiny"], tmp_path / "q4", quantize=True, bits=4, group_size=32)
+        app = serve.app({"q4": folder})
+        encoder = SentenceEncoder(folder)
+    texts = [f"{i} " + TEXTS[i % 4] * (1 + i % 3) for i in range(12)]
+    with in_process(app) as url, ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda t: call(url, "/v1/embeddings", {"model": "q4", "input": [t]}), texts))
+    assert [status for status, _, _ in answers] == [200] * len(texts)
+    got = [answer["data"][0]["embedding"] for _, answer, _ in answers]
+    encoder.slice_bytes = None  # one pass of all: the reference's sums
+    assert_float32_close(got, encoder.encode(texts), encoder_terms(folders["tiny"], texts))
+
+
 def test_batcher_splits_large_requests_in_order_and_a_failure_fails_only_its_request():
     """The batcher alone, over a stand-in model (row i = the ids of item i, summed): a request over the token budget
     is split and put back in order; a batch that raises is retried request by request."""
