@@ -152,10 +152,11 @@ def default_least_tokens(model: nn.Module) -> int:
     return least_group_tokens(model) if on_cpu() else 0
 
 
-def group_size(model: nn.Module, least_tokens: int) -> int:
-    """The passes a group holds: one per lane, PASSES_PER_LANE per lane where they share a dequantizing."""
-    count = lane_count()
-    return count * (PASSES_PER_LANE if least_tokens and count > 1 else 1)
+def pass_floor(args, least_tokens: int, group: int, sliced: bool) -> int:
+    """The least tokens one of a group of `group` passes holds: its share of `least_tokens` (passes that share a
+    dequantizing), and `least_pass_tokens` where batches are sliced."""
+    share = -(-least_tokens // group)
+    return max(share, least_pass_tokens(args)) if sliced else share
 
 
 def pass_rows(
@@ -167,7 +168,9 @@ def pass_rows(
     least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
     if slice_bytes is None:
         return lambda length: batch_size
-    per_slice = max(-(-least_tokens // group_size(model, least_tokens)), least_pass_tokens(model.args))
+    count = lane_count()
+    group = count * (PASSES_PER_LANE if least_tokens and count > 1 else 1)  # as run_in_lanes' groups
+    per_slice = pass_floor(model.args, least_tokens, group, True)
     return lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))
 
 
@@ -222,9 +225,7 @@ def run_batches(
     order = np.argsort([-n for n in lengths], kind="stable")  # longest first: memory peaks early
 
     def groups(size: int) -> Iterator[list[np.ndarray]]:
-        per_slice = -(-least_tokens // size)  # a group's passes share the dequantizing: spread the floor over them
-        if slice_bytes is not None:
-            per_slice = max(per_slice, least_pass_tokens(model.args))
+        per_slice = pass_floor(model.args, least_tokens, size, slice_bytes is not None)
 
         def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
             return batch_slices(rows, counts, model.args, slice_bytes, per_slice)

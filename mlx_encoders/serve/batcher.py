@@ -174,8 +174,7 @@ class Batcher:
         try:
             self.run_passes() if self.passes is not None else self.run_batches()
         finally:
-            for job in self.held or ():
-                job.settle(result=job.out)
+            self.release_held()
             with self.condition:  # a worker that ended on a fault of its own leaves no request waiting
                 self.stopping = True
                 left, self.jobs, self.waiting = list(self.jobs), deque(), []
@@ -200,9 +199,7 @@ class Batcher:
             except BaseException as error:  # noqa: BLE001  a fault fails no request but its own
                 log.warning("a pass of %s failed (%s): its requests run again one by one", self.name, error)
                 failed = list(self.drawn.values())
-            held, self.held = self.held or [], None
-            for job in held:
-                job.settle(result=job.out)
+            self.release_held()
             for job in failed or ():  # outside the handler: the failed run's arrays are let go first
                 self.rerun(job)
 
@@ -220,19 +217,21 @@ class Batcher:
             if job.done == len(job.items):
                 self.drawn.pop(id(job), None)
 
+    def release_held(self) -> None:
+        held, self.held = self.held or [], None
+        for job in held:
+            job.settle(result=job.out)
+
     def rerun(self, job: Job) -> None:
-        """`job` through `compute` alone, its inputs taken out of the queue: its result or its own error."""
+        """`job` alone as a batch of `compute` (`run`), its inputs taken out of the queue: its result or its own
+        error."""
         with self.condition:
             self.take_out(job)
         if job.future.done():
             return
+        job.done, job.out = 0, None  # rows of passes that ran are computed again with the rest
         try:
-            out = self.compute(list(job.items))
-            if len(out) != len(job.items):
-                raise RuntimeError(f"model {self.name!r} returned {len(out)} rows for {len(job.items)} inputs")
-            if self.on_batch is not None:
-                self.on_batch(len(job.items), sum(len(item.ids) for item in job.items))
-            job.settle(result=out)
+            self.run([(job, 0, len(job.items))])
         except BaseException as error:  # noqa: BLE001  its own fault, whatever it is, fails this request only
             job.settle(error=error)
 
@@ -281,9 +280,7 @@ class Batcher:
                 if job.taken == len(job.items):
                     self.jobs.remove(job)
                 rows.append((job, i))
-        held, self.held = self.held or [], None  # more came: the run goes on, and what it held is answered now
-        for job in held:
-            job.settle(result=job.out)
+        self.release_held()  # more came: the run goes on, and what it held is answered now
         if self.on_wait is not None:
             now = time.monotonic()
             for job in first:

@@ -78,13 +78,22 @@ class DenseTag:
     normalized: bool = True
 
 
+def tag_of(item, default):
+    return item.tag if isinstance(item, Tagged) else default
+
+
+def untagged(items: list) -> list:
+    """The tokenized inputs of `items`, their tags left out."""
+    return [item.item if isinstance(item, Tagged) else item for item in items]
+
+
 def by_tag(items: list, default, run) -> list:
     """`run(inputs, tag)` over each group of `items` of one tag; the results back in the items' order."""
-    tags = [item.tag if isinstance(item, Tagged) else default for item in items]
+    tags = [tag_of(item, default) for item in items]
     out = [None] * len(items)
     for tag in dict.fromkeys(tags):
         rows = [i for i, t in enumerate(tags) if t == tag]
-        inputs = [items[i].item if isinstance(items[i], Tagged) else items[i] for i in rows]
+        inputs = untagged([items[i] for i in rows])
         for i, result in zip(rows, run(inputs, tag), strict=True):
             out[i] = result
     return out
@@ -222,16 +231,14 @@ class ServedModel:
         encoder = self.encoder
 
         def key(item) -> DenseTag:
-            return item.tag if isinstance(item, Tagged) else self.dense_tag
+            return tag_of(item, self.dense_tag)
 
         def forward(items: list) -> list[mx.array]:
             tag = key(items[0])
-            inputs = [item.item if isinstance(item, Tagged) else item for item in items]
-            return encoder.encodings_pass(inputs, tag.skipped, tag.token_vectors, tag.normalized)
+            return encoder.encodings_pass(untagged(items), tag.skipped, tag.token_vectors, tag.normalized)
 
         def rows(items: list, arrays: list[mx.array]) -> np.ndarray:
-            inputs = [item.item if isinstance(item, Tagged) else item for item in items]
-            vectors, tokens = encoder.pass_rows(inputs, arrays)
+            vectors, tokens = encoder.pass_rows(untagged(items), arrays)
             for item, matrix in zip(items, tokens, strict=True) if tokens else ():
                 item.tokens = matrix
             return vectors
@@ -369,11 +376,8 @@ class ServedModel:
     def unnormalized(self, items: list) -> list:
         """Dense `items` whose vectors leave out the model's Normalize module (TEI's "normalize": false, which TEI
         honours whatever the model's folder holds)."""
-        out = []
-        for item in items:
-            tag = item.tag if isinstance(item, Tagged) else self.dense_tag
-            out.append(Tagged(item.item if isinstance(item, Tagged) else item, replace(tag, normalized=False)))
-        return out
+        tags = [replace(tag_of(item, self.dense_tag), normalized=False) for item in items]
+        return [Tagged(inputs, tag) for inputs, tag in zip(untagged(items), tags, strict=True)]
 
     def embeddings(
         self, vectors: np.ndarray, dimensions: int | None, normalize: bool = False, raw: bool = False
