@@ -340,7 +340,7 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     encodings = encoder.tokenize(TEXTS)
     waiting, got = list(range(len(TEXTS))), np.zeros((len(TEXTS), encoder.dimension), np.float32)
 
-    def next_rows():
+    def next_rows(first):
         rows, waiting[:2] = waiting[:2], []
         return rows or None
 

@@ -742,9 +742,10 @@ def test_batcher_settles_an_empty_request_at_once_and_a_cancelled_one_takes_no_b
     assert stops_in_time(batcher)
 
 
-def passes_stand_in(rows_for=lambda length: 2, fail_on=None, **options):
+def passes_stand_in(rows_for=lambda length: 2, fail_on=None, group=1, **options):
     """A Batcher running passes of a stand-in model (row i = the ids of item i, summed; an item with id -1 fails
-    its pass), one at a time; `passes` records each pass's items' ids, `gate` holds the first pass until set."""
+    its pass), drawn `group` at a time as `run_continuous` draws them; `passes` records each pass's items' ids,
+    `gate` holds the first pass until set."""
     from mlx_encoders.serve.batcher import Passes
 
     passes, gate = [], threading.Event()
@@ -758,8 +759,14 @@ def passes_stand_in(rows_for=lambda length: 2, fail_on=None, **options):
         return [summed(items)]
 
     def run(next_rows, forward, collect):
-        while (rows := next_rows()) is not None:
-            collect(rows, forward(rows))
+        while True:
+            drawn = []
+            while len(drawn) < group and (rows := next_rows(drawn[0] if drawn else None)) is not None:
+                drawn.append(rows)
+            if not drawn:
+                return
+            for rows in drawn:
+                collect(rows, forward(rows))
 
     def compute(items):
         if any(-1 in item.ids for item in items):
@@ -798,6 +805,47 @@ def test_batcher_passes_draw_the_oldest_requests_longest_input_with_those_neares
     lengths = [[len(item) for item in each] for each in passes]
     # the oldest request's longest first: 9 and 8 (the nearest) exceed 14 tokens together; then 5 with 3, 1 with 2
     assert lengths == [[1], [9], [5, 3], [1, 2], [8], [4]], lengths
+    assert batcher.depth() == 0 and batcher.queued_tokens == 0
+    assert stops_in_time(batcher)
+
+
+def test_batcher_passes_draw_a_groups_later_passes_alike_its_first():
+    """A group's passes run in step on the lanes (`run_continuous`): a later pass of a group holds the waiting
+    inputs of the first pass's key nearest its longest length, as many as bring its padded tokens nearest the
+    first's; with none of that key waiting, the oldest request's longest input anchors it as usual."""
+    batcher, passes, gate = passes_stand_in(rows_for=lambda length: 8, group=2, max_batch_tokens=20)
+    first = batcher.submit(ids(1))
+    while not passes:
+        time.sleep(0.01)
+    b = batcher.submit(ids(9, 2, 2, 2, value=2))
+    c = batcher.submit(ids(3, 8, 7, value=3))
+    d = batcher.submit(ids(4, 5, value=4, key=1))
+    gate.set()
+    assert first.result(timeout=5).tolist() == [[1.0]]
+    assert b.result(timeout=5).ravel().tolist() == [18.0, 4.0, 4.0, 4.0]
+    assert c.result(timeout=5).ravel().tolist() == [9.0, 24.0, 21.0]
+    assert d.result(timeout=5).ravel().tolist() == [16.0, 20.0]
+    lengths = [[len(item) for item in each] for each in passes[1:]]
+    # group 1: 9 with 8 (18 padded tokens), then 7, 3 and a 2 (21, nearer 18 than 14 or 28), in queue order; group
+    # 2: the 2s left, then the key-1 inputs (none of the 2s' key waits)
+    assert lengths == [[9, 8], [2, 3, 7], [2, 2], [4, 5]], lengths
+    assert batcher.depth() == 0 and batcher.queued_tokens == 0
+    assert stops_in_time(batcher)
+
+
+def test_batcher_passes_a_failing_draw_leaves_no_request_waiting():
+    """A fault in drawing a pass (here `rows_for`, on long inputs) belongs to no pass: the oldest request then runs
+    on its own through `compute`, so the worker never spins on a queue it cannot draw from."""
+
+    def rows_for(length):
+        if length > 4:
+            raise RuntimeError("no pass size")
+        return 2
+
+    batcher, passes, gate = passes_stand_in(rows_for=rows_for)
+    gate.set()
+    short, long, other = batcher.submit(ids(1)), batcher.submit(ids(6)), batcher.submit(ids(3))
+    assert [f.result(timeout=5).ravel().tolist() for f in (short, long, other)] == [[1.0], [6.0], [3.0]]
     assert batcher.depth() == 0 and batcher.queued_tokens == 0
     assert stops_in_time(batcher)
 

@@ -166,12 +166,13 @@ class Encoder:
 
     def continuous(
         self,
-        next_rows: Callable[[], object],
+        next_rows: Callable[[object | None], object],
         forward: Callable[[object], list[mx.array]],
         collect: Callable[[object, list[mx.array]], None],
     ) -> None:
         """`engine.batching.run_continuous` with this encoder's slicing: forward passes drawn one at a time by
-        `next_rows()` (sized by `pass_size`) until it returns None, as a server's queue draws them."""
+        `next_rows(first)` (sized by `pass_size`; `first`: the group's first pass, as there) until it returns None,
+        as a server's queue draws them."""
         run_continuous(self.model, next_rows, forward, collect, self.slice_tokens)
 
 

@@ -176,20 +176,23 @@ def pass_rows(
 
 def run_continuous(
     model: nn.Module,
-    next_rows: Callable[[], Rows | None],
+    next_rows: Callable[[Rows | None], Rows | None],
     forward: Callable[[Rows], list[mx.array]],
     collect: Callable[[Rows, list[mx.array]], None],
     least_tokens: int | None = None,
 ) -> None:
-    """`collect(rows, forward(rows))` for the passes `next_rows()` draws (sized by `pass_rows`), until it returns
-    None, through `run_in_lanes`: a group's passes are drawn when the group before the last one is collected, so
-    what arrives meanwhile (a server's requests) joins them. One pass in all runs on every core."""
+    """`collect(rows, forward(rows))` for the passes `next_rows(first)` draws (sized by `pass_rows`), until it
+    returns None, through `run_in_lanes`: a group's passes are drawn when the group before the last one is
+    collected, so what arrives meanwhile (a server's requests) joins them. One pass in all runs on every core.
+    `first` is None for a group's first pass, then that pass's rows: a group's passes run in step (MLX hands
+    their work to the lanes in graph order, a few tasks ahead), so a lighter pass leaves its core idle until the
+    heaviest ends, and the drawer should make them alike."""
     least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
 
     def groups(size: int) -> Iterator[list[Rows]]:
         while True:
             group = []
-            while len(group) < size and (rows := next_rows()) is not None:
+            while len(group) < size and (rows := next_rows(group[0] if group else None)) is not None:
                 group.append(rows)
             if not group:
                 return

@@ -199,6 +199,9 @@ class Batcher:
             except BaseException as error:  # noqa: BLE001  a fault fails no request but its own
                 log.warning("a pass of %s failed (%s): its requests run again one by one", self.name, error)
                 failed = list(self.drawn.values())
+                if not failed:  # the draw itself failed: the oldest request runs on its own, so the queue moves on
+                    with self.condition:
+                        failed = [self.waiting[0][0]] if self.waiting else []
             self.release_held()
             for job in failed or ():  # outside the handler: the failed run's arrays are let go first
                 self.rerun(job)
@@ -244,10 +247,12 @@ class Batcher:
         for job in jobs:
             job.taken = len(job.items)
 
-    def draw(self) -> list[tuple[Job, int]] | None:
+    def draw(self, first: list[tuple[Job, int]] | None = None) -> list[tuple[Job, int]] | None:
         """The next pass: the longest waiting input of the oldest live request and, among the DRAW_WINDOW oldest
         inputs of its key, those nearest its length, as many as `passes.rows_for` their longest and
-        `max_batch_tokens` allow; None when nothing waits."""
+        `max_batch_tokens` allow; None when nothing waits. A group's later passes (`first`: its first one's rows)
+        are drawn alike it instead: its key's inputs nearest its longest length, up to its padded tokens, as the
+        passes of a group run in step (`run_continuous`)."""
         with self.condition:
             while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
                 self.take_out(*dead.values())  # their clients are gone, or an earlier pass failed them: never run
@@ -256,17 +261,26 @@ class Batcher:
                 # as a handler's own MLX work beside that release held the event loop for 100 ms and more
                 self.held = [] if self.held is None else self.held
                 return None
+            like = self.like(first)
             oldest, _, _, key = self.waiting[0]
+            if like is not None and any(e[3] == like[0] for e in self.waiting[:DRAW_WINDOW]):
+                key, anchor, padded = like
+            else:
+                anchor, padded = None, None
             window = [(p, e) for p, e in enumerate(self.waiting[:DRAW_WINDOW]) if e[3] == key]
-            anchor = max(e[2] for _, e in window if e[0] is oldest)  # its longest first, as run_batches' slices
+            if anchor is None:
+                anchor = max(e[2] for _, e in window if e[0] is oldest)  # its longest first, as run_batches' slices
             window.sort(key=lambda pair: (abs(pair[1][2] - anchor), pair[0]))
             chosen, longest, tokens = [], 0, 0
             for position, entry in window:
-                full = len(chosen) + 1 > self.passes.rows_for(max(longest, entry[2]))
-                if chosen and (full or tokens + entry[2] > self.max_batch_tokens):
+                wider = max(longest, entry[2])
+                full = len(chosen) + 1 > self.passes.rows_for(wider)
+                # the row that brings the pass's padded tokens nearer the first's
+                heavier = padded is not None and (len(chosen) + 1) * wider - padded > padded - len(chosen) * longest
+                if chosen and (full or heavier or tokens + entry[2] > self.max_batch_tokens):
                     break
                 chosen.append((position, entry))
-                longest, tokens = max(longest, entry[2]), tokens + entry[2]
+                longest, tokens = wider, tokens + entry[2]
             picked = {position for position, _ in chosen}
             head = self.waiting[:DRAW_WINDOW]
             self.waiting[:DRAW_WINDOW] = [entry for position, entry in enumerate(head) if position not in picked]
@@ -289,6 +303,14 @@ class Batcher:
                 except Exception:  # a metrics hook's fault fails no request
                     log.exception("the queue-time hook of %s failed", self.name)
         return rows
+
+    def like(self, first: list[tuple[Job, int]] | None) -> tuple[object, int, int] | None:
+        """(key, longest length, padded tokens) of a pass's rows, or None for none."""
+        if not first:
+            return None
+        lengths = [len(job.items[i].ids) for job, i in first]
+        job, i = first[0]
+        return self.passes.key(job.items[i]), max(lengths), max(lengths) * len(lengths)
 
     def run_batches(self) -> None:
         while (pieces := self.take()) is not None:
