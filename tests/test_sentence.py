@@ -24,8 +24,9 @@ from transformers import AutoModel, AutoTokenizer
 from mlx_encoders import MODEL_TYPES, SentenceEncoder
 from mlx_encoders.conversion import convert
 from mlx_encoders.corpus import stdlib_docstrings
-from mlx_encoders.engine import batching, runtime
+from mlx_encoders.engine import batching, quantized, runtime
 from mlx_encoders.engine.batching import CPU_SLICE_BYTES
+from mlx_encoders.engine.quantized import QuantizedLinear
 from mlx_encoders.quantization import dequantize_model, quantize_model
 
 # Lengths from 1 to ~60 tokens, an empty string and repeats, so batches mix padding and sorting matters.
@@ -279,7 +280,7 @@ def test_one_pass_of_a_quantized_model_frees_each_float_copy_once_used(checkpoin
 @pytest.mark.cpu_only("the lanes are CPU streams")
 @pytest.mark.parametrize("bits", [None, 4])
 def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert, monkeypatch, bits):
-    """On the CPU, the slices run in groups, two per core, each on its core's stream with the BLAS on one thread a
+    """On the CPU, the slices run in groups, one per core, each on its core's stream with the BLAS on one thread a
     call (a quantized model's passes in a group share its dequantized weights); order, embeddings (sentence and
     token) and the BLAS's threads afterwards are those of one lane."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
@@ -374,10 +375,9 @@ def test_a_failing_slice_leaves_the_lanes_idle_and_the_blas_threads_restored(tmp
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
-def test_a_float_models_groups_hold_one_pass_a_lane_a_quantized_models_several(tmp_path, bert):
-    """A group's passes are evaluated together: a quantized model's (PASSES_PER_LANE on each lane) share one
-    dequantizing of its weights; a float model has nothing to share, and one pass a lane keeps both cores busy
-    where a call's last group would hold fewer passes than lanes. The embeddings are the same either way."""
+def test_a_groups_passes_hold_one_pass_a_lane_and_a_quantized_models_share_copies_made_in_turn(tmp_path, bert):
+    """A group's passes are evaluated together, one on each lane; a quantized model's share one dequantizing of its
+    weights, the copies made on the lanes in turn. The embeddings are the same either way."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     lanes = len(runtime.cpu_streams())
     real, sizes = batching.grouped_slices, []
@@ -393,11 +393,28 @@ def test_a_float_models_groups_hold_one_pass_a_lane_a_quantized_models_several(t
         got = floats.encode(TEXTS)
         assert set(sizes) == {lanes if lanes > 1 else 1}
         sizes.clear()
-        SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32)).encode(TEXTS)
-        assert set(sizes) == {lanes * batching.PASSES_PER_LANE if lanes > 1 else 1}
+        made_on, dequantize = [], quantized.dequantize
+        quantized_model = SentenceEncoder(convert(st, tmp_path / "q8", quantize=True, bits=8, group_size=32))
+        quantized_model.slice_bytes = 1
+        linears = {id(m["weight"]) for _, m in quantized_model.model.named_modules() if isinstance(m, QuantizedLinear)}
+
+        def recording_copies(*args):
+            if id(args[0]) in linears:  # a linear's weight (an embedding's rows are dequantized by each pass)
+                made_on.append(mx.default_stream(mx.cpu))
+            return dequantize(*args)
+
+        quantized.dequantize = recording_copies
+        sliced = quantized_model.encode(TEXTS)
+        assert set(sizes) == {lanes if lanes > 1 else 1}
+        if lanes > 1:  # each group's copies on the lanes in turn
+            streams = runtime.cpu_streams()
+            assert made_on[: 2 * lanes] == [*streams, *streams], made_on[: 2 * lanes]
     finally:
         batching.grouped_slices = real
+        quantized.dequantize = dequantize
     assert_float32_close(got, reference(st, TEXTS), encoder_terms(st, TEXTS))
+    quantized_model.slice_bytes = None  # one pass, its own copies
+    assert_float32_close(sliced, quantized_model.encode(TEXTS), encoder_terms(st, TEXTS))
 
 
 def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_path, bert):
@@ -436,8 +453,7 @@ def test_quantized_model_slices_hold_enough_tokens_to_spread_dequantizing(tmp_pa
     finally:
         batching.batch_slices = real
     lanes = len(runtime.cpu_streams()) if cpu else 1
-    group = lanes * batching.PASSES_PER_LANE if lanes > 1 else 1  # a floor to share: PASSES_PER_LANE a lane
-    assert set(floors) == {-(-100 // group)}  # 100 tokens spread over a group's slices
+    assert set(floors) == {-(-100 // lanes)}  # 100 tokens spread over a group's slices, one a lane
     floors.clear()
     encoder.slice_tokens = 0
     batching.batch_slices = recording

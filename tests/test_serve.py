@@ -608,8 +608,8 @@ def test_the_package_and_its_command_line_import_without_the_serve_stack():
 
 
 def test_a_quantized_models_concurrent_requests_run_in_shared_passes_as_encode(folders, tmp_path):
-    """A 4-bit model's passes run two a lane, sharing one dequantizing of the weights: concurrent requests of mixed
-    lengths still get `encode`'s vectors."""
+    """A 4-bit model's passes, one a lane, share one dequantizing of the weights made on the lanes in turn:
+    concurrent requests of mixed lengths still get `encode`'s vectors."""
     from mlx_encoders import SentenceEncoder, serve
     from mlx_encoders.conversion import convert
 

@@ -4,7 +4,7 @@ tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
 Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, one pass on each, one async_eval per group, the next group built while one computes); a quantized model's
-groups hold PASSES_PER_LANE passes a lane, which share one dequantizing of each weight. A call of one pass in all
+passes in a group share one dequantizing of each weight, made on the lanes in turn. A call of one pass in all
 runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 
@@ -30,10 +30,6 @@ PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many ba
 # On the CPU, a batch runs in slices whose largest activation (float32) stays within about one core's L2 cache;
 # a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens.
 CPU_SLICE_BYTES = 3 * 2**19
-# With several CPU streams (runtime.forward_lanes), a quantized model's passes run in groups of this many per lane,
-# evaluated at once and sharing one dequantizing of its weights; with more, a lane's data leaves its cache. A float
-# model's groups hold one pass per lane: smaller groups keep both cores busier at a call's end.
-PASSES_PER_LANE = 2
 Rows = TypeVar("Rows")  # what picks a forward pass's rows: index arrays here
 
 
@@ -91,28 +87,27 @@ def run_in_lanes(
     groups: Callable[[int], Iterable[list[Rows]]],
     forward: Callable[[Rows], list[mx.array]],
     collect: Callable[[Rows, list[mx.array]], None],
-    passes_per_lane: int = PASSES_PER_LANE,
 ) -> None:
     """`collect(rows, forward(rows))` for the slices of every group of `groups(size)` (groups of `size` slices), the
-    passes of a group on the CPU's lanes (`runtime.forward_lanes`), `passes_per_lane` of them on each, evaluated
-    at once, sharing one dequantizing of a quantized model's weights; the first pass of each group (the one
-    that dequantizes) goes to each lane in turn. A group is built while the one before it computes. Off the CPU,
-    one pass a group on the default stream. A call of one pass in all (one text, one short batch) runs it on the
-    default stream, its products on every core: lanes would leave all but one idle. `forward` returns lazy
-    arrays; `collect` reads them. The passes' attention may run large scores in blocks (`blocks_of_scores`)."""
+    passes of a group on the CPU's lanes (`runtime.forward_lanes`), one on each, evaluated at once, sharing one
+    dequantizing of a quantized model's weights, whose copies the lanes make in turn (two passes on a lane
+    interleave their work and leave its cache; copies made on one lane leave the others waiting). A group is built
+    while the one before it computes. Off the CPU, one pass a group on the default stream. A call of one pass in
+    all (one text, one short batch) runs it on the default stream, its products on every core: lanes would leave
+    all but one idle. `forward` returns lazy arrays; `collect` reads them. The passes' attention may run large
+    scores in blocks (`blocks_of_scores`)."""
     with blocks_of_scores():  # forward passes only: attention may take large scores in blocks
         pending: list[tuple[Rows, list[mx.array]]] = []
         warm_heap()
         count = lane_count()
-        planned = iter(groups(count * (passes_per_lane if count > 1 else 1)))
+        planned = iter(groups(count))
         ahead = [group for group in (next(planned, None), next(planned, None)) if group is not None]
         one_pass = len(ahead) == 1 and len(ahead[0]) == 1
         streams = nullcontext((mx.default_stream(mx.default_device()),)) if one_pass else forward_lanes()
-        with streams as lanes, shared_dequantized() as float_weights:
-            for number, group in enumerate(itertools.chain(ahead, planned)):
-                turn = number % len(lanes)
+        with streams as lanes, shared_dequantized(lanes) as float_weights:
+            for group in itertools.chain(ahead, planned):
                 dispatched = []
-                for lane, rows in zip(itertools.cycle(lanes[turn:] + lanes[:turn]), group):
+                for lane, rows in zip(itertools.cycle(lanes), group):
                     with mx.stream(lane):
                         dispatched.append((rows, forward(rows)))
                 float_weights.next_group()
@@ -168,9 +163,7 @@ def pass_rows(
     least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
     if slice_bytes is None:
         return lambda length: batch_size
-    count = lane_count()
-    group = count * (PASSES_PER_LANE if least_tokens and count > 1 else 1)  # as run_in_lanes' groups
-    per_slice = pass_floor(model.args, least_tokens, group, True)
+    per_slice = pass_floor(model.args, least_tokens, lane_count(), True)  # a group: a pass a lane
     return lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))
 
 
@@ -199,7 +192,7 @@ def run_continuous(
             yield group
 
     claim_mlx()
-    run_in_lanes(groups, forward, collect, PASSES_PER_LANE if least_tokens else 1)
+    run_in_lanes(groups, forward, collect)
 
 
 def run_batches(
@@ -235,4 +228,4 @@ def run_batches(
 
         return grouped_slices(order, lengths, batch_size, size, show_progress, slices)
 
-    run_in_lanes(groups, forward, collect, PASSES_PER_LANE if least_tokens else 1)  # nothing to share: one a lane
+    run_in_lanes(groups, forward, collect)

@@ -127,10 +127,12 @@ def quantized_matmul(
 
 class SharedFloatWeights:
     """The float copies of a model's quantized weights that a group of forward passes shares (`shared_dequantized`):
-    the group's first pass built makes each copy, on its own stream, and the others use it."""
+    the group's first pass built asks for each copy, made on `streams` in turn (the current stream without any),
+    and the others use it."""
 
-    def __init__(self):
+    def __init__(self, streams: tuple[mx.Stream, ...] = ()):
         self.weights: dict[int, mx.array] = {}  # this group's copies, by id(packed weight)
+        self.streams = streams
 
     def next_group(self) -> None:
         """Start a new group: forget this group's copies once its passes are built. The passes hold them until they
@@ -141,7 +143,11 @@ class SharedFloatWeights:
         """x W^T, W = dequantize(*arguments)."""
         key = id(arguments[0])
         if key not in self.weights:
-            self.weights[key] = dequantize(*arguments)
+            if self.streams:
+                with mx.stream(self.streams[len(self.weights) % len(self.streams)]):
+                    self.weights[key] = dequantize(*arguments)
+            else:
+                self.weights[key] = dequantize(*arguments)
         return (x.astype(mx.float32) @ self.weights[key].T).astype(x.dtype)
 
 
@@ -149,14 +155,15 @@ _SHARING = threading.local()  # .weights: the SharedFloatWeights of this thread'
 
 
 @contextmanager
-def shared_dequantized() -> Iterator[SharedFloatWeights]:
+def shared_dequantized(streams: tuple[mx.Stream, ...] = ()) -> Iterator[SharedFloatWeights]:
     """Inside, the forward passes built on the CPU share one float copy of each quantized weight per group of
     passes (`next_group` ends one, once its passes are built): passes that run at once on several streams
-    (SentenceEncoder's lanes) dequantize every weight once between them, not once each. Inference only: these
+    (SentenceEncoder's lanes, `streams`) dequantize every weight once between them, not once each, the copies
+    made on each stream in turn. Inference only: these
     products have no custom vjp, so a gradient through them would hold every float copy. The copies are lazy,
     and freed once the passes that use them have run."""
     outer = getattr(_SHARING, "weights", None)
-    _SHARING.weights = SharedFloatWeights()
+    _SHARING.weights = SharedFloatWeights(streams)
     try:
         yield _SHARING.weights
     finally:
