@@ -159,9 +159,8 @@ def shared_dequantized(streams: tuple[mx.Stream, ...] = ()) -> Iterator[SharedFl
     """Inside, the forward passes built on the CPU share one float copy of each quantized weight per group of
     passes (`next_group` ends one, once its passes are built): passes that run at once on several streams
     (SentenceEncoder's lanes, `streams`) dequantize every weight once between them, not once each, the copies
-    made on each stream in turn. Inference only: these
-    products have no custom vjp, so a gradient through them would hold every float copy. The copies are lazy,
-    and freed once the passes that use them have run."""
+    made on each stream in turn. Inference only: these products have no custom vjp, so a gradient through them
+    would hold every float copy. The copies are lazy, and freed once the passes that use them have run."""
     outer = getattr(_SHARING, "weights", None)
     _SHARING.weights = SharedFloatWeights(streams)
     try:
