@@ -11,7 +11,7 @@ models/layers.py's Linear and Embedding quantize into these (`nn.quantize`), so 
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -143,10 +143,8 @@ class SharedFloatWeights:
         """x W^T, W = dequantize(*arguments)."""
         key = id(arguments[0])
         if key not in self.weights:
-            if self.streams:
-                with mx.stream(self.streams[len(self.weights) % len(self.streams)]):
-                    self.weights[key] = dequantize(*arguments)
-            else:
+            turn = self.streams[len(self.weights) % len(self.streams)] if self.streams else None
+            with mx.stream(turn) if turn is not None else nullcontext():
                 self.weights[key] = dequantize(*arguments)
         return (x.astype(mx.float32) @ self.weights[key].T).astype(x.dtype)
 

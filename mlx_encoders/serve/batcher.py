@@ -261,14 +261,14 @@ class Batcher:
                 # as a handler's own MLX work beside that release held the event loop for 100 ms and more
                 self.held = [] if self.held is None else self.held
                 return None
+            head = self.waiting[:DRAW_WINDOW]
             like = self.like(first)
-            oldest, _, _, key = self.waiting[0]
-            if like is not None and any(e[3] == like[0] for e in self.waiting[:DRAW_WINDOW]):
-                key, anchor, padded = like
-            else:
-                anchor, padded = None, None
-            window = [(p, e) for p, e in enumerate(self.waiting[:DRAW_WINDOW]) if e[3] == key]
-            if anchor is None:
+            window = [(p, e) for p, e in enumerate(head) if e[3] == like[0]] if like is not None else []
+            if window:
+                _, anchor, padded = like
+            else:  # a group's first pass, or none of its first's key waits
+                oldest, _, _, key = head[0]
+                window, padded = [(p, e) for p, e in enumerate(head) if e[3] == key], None
                 anchor = max(e[2] for _, e in window if e[0] is oldest)  # its longest first, as run_batches' slices
             window.sort(key=lambda pair: (abs(pair[1][2] - anchor), pair[0]))
             chosen, longest, tokens = [], 0, 0
@@ -282,12 +282,11 @@ class Batcher:
                 chosen.append((position, entry))
                 longest, tokens = wider, tokens + entry[2]
             picked = {position for position, _ in chosen}
-            head = self.waiting[:DRAW_WINDOW]
             self.waiting[:DRAW_WINDOW] = [entry for position, entry in enumerate(head) if position not in picked]
-            rows, first = [], []
+            rows, starting = [], []  # starting: the requests whose first input this pass holds
             for _, (job, i, tokens, _) in sorted(chosen):
                 if job.taken == 0:
-                    first.append(job)
+                    starting.append(job)
                 job.taken += 1
                 self.queued_tokens -= tokens
                 self.drawn[id(job)] = job
@@ -297,7 +296,7 @@ class Batcher:
         self.release_held()  # more came: the run goes on, and what it held is answered now
         if self.on_wait is not None:
             now = time.monotonic()
-            for job in first:
+            for job in starting:
                 try:
                     self.on_wait(now - job.submitted)
                 except Exception:  # a metrics hook's fault fails no request
