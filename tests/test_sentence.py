@@ -322,6 +322,42 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
         assert_float32_close(got, reference(encoder.path, TEXTS), terms)
 
 
+def test_a_short_group_is_dealt_out_over_the_lanes_alike():
+    """`spread`: a group short of a pass a lane becomes a pass a lane, its rows (longest first) dealt out in turn so
+    the passes are alike, where each holds at least the least tokens asked (rows x its longest length); a full
+    group, or one with fewer rows than lanes, stays as it is."""
+    lengths = [9, 8, 7, 7, 3]
+    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 0)] == [[0, 2, 4], [1, 3]]
+    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 16)] == [[0, 2, 4], [1, 3]]  # 2 x 8
+    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 17)] == [[0, 1, 2, 3, 4]]
+    assert [list(p) for p in batching.spread([np.arange(4), np.arange(4, 5)], 3, lengths, 0)] == [[0, 3], [1, 4], [2]]
+    full = [np.arange(2), np.arange(2, 5)]
+    assert batching.spread(full, 2, lengths, 0) is full
+    assert [list(p) for p in batching.spread([np.arange(1)], 2, lengths, 0)] == [[0]]
+
+
+@pytest.mark.cpu_only("the lanes are CPU streams")
+def test_a_calls_short_last_group_runs_a_pass_on_every_lane_with_the_same_embeddings(tmp_path, bert):
+    """After full groups, a call's last group short of a pass a lane (a last batch in one slice) runs as a pass on
+    each lane: left as it is, every lane but one would wait for it. The embeddings do not change."""
+    st = save_st(tmp_path / "st", bert, Pooling(32))
+    encoder = SentenceEncoder(st)
+    texts, lanes = TEXTS[:8], [str(lane) for lane in runtime.cpu_streams()]
+    passes, embed = [], encoder.embed
+
+    def recording_embed(batch, *args):
+        passes.append((batch["input_ids"].shape[0], str(mx.default_stream(mx.cpu))))
+        return embed(batch, *args)
+
+    encoder.embed = recording_embed
+    got = encoder.encode(texts, batch_size=3)  # batches of 3, 3 and 2: groups [3, 3] and [2] on two lanes
+    if len(lanes) == 2:
+        assert [rows for rows, _ in passes] == [3, 3, 1, 1], passes
+        assert {lane for _, lane in passes[-2:]} == set(lanes)
+    encoder.embed = embed
+    assert_float32_close(got, reference(st, texts), encoder_terms(st, texts))
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_same(tmp_path, bert, bits):
     """`pass_size` tells a server's queue how many texts of a length one pass holds: as many as `run_batches` puts
@@ -335,7 +371,7 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
     for text in (TEXTS[0], TEXTS[3], "a b " * 40):
         widths.clear()
-        encoder.encode([text] * 8, batch_size=8)
+        encoder.encode([text] * 16, batch_size=8)  # two batches: a short last group is dealt out (`spread`)
         assert widths[0][0] == rows_for(widths[0][1]), (widths, rows_for(widths[0][1]))
     encoder.embed = embed
     encodings = encoder.tokenize(TEXTS)

@@ -4,8 +4,9 @@ tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
 Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, one pass on each, one async_eval per group, the next group built while one computes); a quantized model's
-passes in a group share one dequantizing of each weight, made on the lanes in turn. A call of one pass in all
-runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
+passes in a group share one dequantizing of each weight, made on the lanes in turn. A call's last group, if
+short of a pass a lane, is dealt out over the lanes (`spread`); a call of one pass in all (one text, a few short
+ones) runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 
 `run_continuous` runs passes drawn one at a time by its caller (a server's queue) the same way, each drawn when a
@@ -83,6 +84,20 @@ def grouped_slices(
         yield group
 
 
+def spread(group: list[np.ndarray], size: int, lengths: Sequence[int], least_tokens: int) -> list[np.ndarray]:
+    """A group short of `size` passes (a call's last, or only, slices) as `size` passes, one a lane, where each
+    holds at least `least_tokens` padded tokens (below that a pass's fixed costs, the BLAS packing every weight
+    again and the lanes' start, outweigh the work it takes off the others). The rows are dealt out in turn,
+    longest first, so the passes are alike (they run in step, see `run_continuous`)."""
+    rows = np.concatenate(group)
+    if len(group) >= size or len(rows) < size:
+        return group
+    passes = [rows[i::size] for i in range(size)]
+    if min(len(p) * max(lengths[i] for i in p) for p in passes) < least_tokens:
+        return group
+    return passes
+
+
 def run_in_lanes(
     groups: Callable[[int], Iterable[list[Rows]]],
     forward: Callable[[Rows], list[mx.array]],
@@ -93,7 +108,7 @@ def run_in_lanes(
     dequantizing of a quantized model's weights, whose copies the lanes make in turn (two passes on a lane
     interleave their work and leave its cache; copies made on one lane leave the others waiting). A group is built
     while the one before it computes. Off the CPU, one pass a group on the default stream. A call of one pass in
-    all (one text, one short batch) runs it on the default stream, its products on every core: lanes would leave
+    all (one text, a few short ones) runs it on the default stream, its products on every core: lanes would leave
     all but one idle. `forward` returns lazy arrays; `collect` reads them. The passes' attention may run large
     scores in blocks (`blocks_of_scores`)."""
     with blocks_of_scores():  # forward passes only: attention may take large scores in blocks
@@ -226,6 +241,10 @@ def run_batches(
         def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
             return batch_slices(rows, counts, model.args, slice_bytes, per_slice)
 
-        return grouped_slices(order, lengths, batch_size, size, show_progress, slices)
+        # After other groups a short last one's idle lanes are lost whatever its size; a call's only group of one
+        # pass runs on the default stream with every BLAS thread, which small passes on the lanes do not beat.
+        alone = least_pass_tokens(model.args) // 2
+        for k, group in enumerate(grouped_slices(order, lengths, batch_size, size, show_progress, slices)):
+            yield spread(group, size, lengths, alone if k == 0 else 0)
 
     run_in_lanes(groups, forward, collect)
