@@ -323,17 +323,23 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
 
 
 def test_a_short_group_is_dealt_out_over_the_lanes_alike():
-    """`spread`: a group short of a pass a lane becomes a pass a lane, its rows (longest first) dealt out in turn so
-    the passes are alike, where each holds at least the least tokens asked (rows x its longest length); a full
-    group, or one with fewer rows than lanes, stays as it is."""
+    """`spread`: a group short of a pass a lane deals its heaviest slice's rows (rows x longest length), in turn from
+    the longest, over the lanes left, so the new passes are alike and none holds more rows or padding than the
+    slice did; where a pass would hold under the least tokens asked, or the slice has one row, or the group is
+    full, the group stays as it is."""
     lengths = [9, 8, 7, 7, 3]
     assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 0)] == [[0, 2, 4], [1, 3]]
     assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 16)] == [[0, 2, 4], [1, 3]]  # 2 x 8
     assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 17)] == [[0, 1, 2, 3, 4]]
-    assert [list(p) for p in batching.spread([np.arange(4), np.arange(4, 5)], 3, lengths, 0)] == [[0, 3], [1, 4], [2]]
+    assert [list(p) for p in batching.spread([np.arange(5)], 3, lengths, 0)] == [[0, 3], [1, 4], [2]]
     full = [np.arange(2), np.arange(2, 5)]
     assert batching.spread(full, 2, lengths, 0) is full
     assert [list(p) for p in batching.spread([np.arange(1)], 2, lengths, 0)] == [[0]]
+    # a few long rows and many short ones on 4 lanes: the long slice is split, the short ones are left alone
+    lengths = [128] * 6 + [5] * 59
+    group = [np.arange(6), np.arange(6, 64), np.arange(64, 65)]
+    dealt = batching.spread(group, 4, lengths, 0)
+    assert [list(p) for p in dealt] == [[0, 2, 4], [1, 3, 5], list(range(6, 64)), [64]]
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
@@ -342,7 +348,7 @@ def test_a_calls_short_last_group_runs_a_pass_on_every_lane_with_the_same_embedd
     each lane: left as it is, every lane but one would wait for it. The embeddings do not change."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     encoder = SentenceEncoder(st)
-    texts, lanes = TEXTS[:8], [str(lane) for lane in runtime.cpu_streams()]
+    texts, lanes = TEXTS[:8], [str(lane) for lane in runtime.cpu_streams()][: runtime.lane_count()]
     passes, embed = [], encoder.embed
 
     def recording_embed(batch, *args):
@@ -371,7 +377,8 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
     for text in (TEXTS[0], TEXTS[3], "a b " * 40):
         widths.clear()
-        encoder.encode([text] * 16, batch_size=8)  # two batches: a short last group is dealt out (`spread`)
+        # a full first group (a pass a lane): a call's short group is dealt out over the lanes (`spread`)
+        encoder.encode([text] * 8 * (runtime.lane_count() + 1), batch_size=8)
         assert widths[0][0] == rows_for(widths[0][1]), (widths, rows_for(widths[0][1]))
     encoder.embed = embed
     encodings = encoder.tokenize(TEXTS)

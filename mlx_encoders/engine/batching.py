@@ -85,17 +85,25 @@ def grouped_slices(
 
 
 def spread(group: list[np.ndarray], size: int, lengths: Sequence[int], least_tokens: int) -> list[np.ndarray]:
-    """A group short of `size` passes (a call's last, or only, slices) as `size` passes, one a lane, where each
-    holds at least `least_tokens` padded tokens (below that a pass's fixed costs, the BLAS packing every weight
-    again and the lanes' start, outweigh the work it takes off the others). The rows are dealt out in turn,
-    longest first, so the passes are alike (they run in step, see `run_continuous`)."""
-    rows = np.concatenate(group)
-    if len(group) >= size or len(rows) < size:
+    """A group short of `size` passes (a call's last, or only, slices) with a pass on every lane: its heaviest
+    slice (rows x longest length) is dealt out, rows in turn from the longest, over the lanes left, so the new
+    passes are alike (they run in step, see `run_continuous`) and none holds more rows or tokens than the slice
+    did. Unchanged where the slice has too few rows, or where a pass would hold under `least_tokens` padded
+    tokens (below that a pass's fixed costs, the BLAS packing every weight again and the lanes' start, outweigh
+    the work it takes off the others)."""
+    if len(group) >= size:
         return group
-    passes = [rows[i::size] for i in range(size)]
-    if min(len(p) * max(lengths[i] for i in p) for p in passes) < least_tokens:
+
+    def padded(rows: np.ndarray) -> int:
+        return len(rows) * max(lengths[i] for i in rows)
+
+    heaviest = max(range(len(group)), key=lambda k: padded(group[k]))
+    rows = group[heaviest]
+    pieces = min(size - len(group) + 1, len(rows))
+    dealt = [rows[i::pieces] for i in range(pieces)]
+    if pieces < 2 or min(padded(p) for p in dealt) < least_tokens:
         return group
-    return passes
+    return [*group[:heaviest], *dealt, *group[heaviest + 1 :]]
 
 
 def run_in_lanes(
@@ -225,7 +233,8 @@ def run_batches(
     are index arrays into them, `forward` returns lazy arrays whose first axis follows `rows`, `collect` reads
     them once evaluated. `slice_bytes` (default CPU_SLICE_BYTES on the CPU, None elsewhere: whole batches) caps a
     slice's largest activation; `least_tokens` (default `least_group_tokens(model)` on the CPU) is the least
-    tokens a group of passes holds, and a sliced pass holds `least_pass_tokens` at least. `show_progress` as
+    tokens a group of passes holds, and a sliced pass holds `least_pass_tokens` at least (but for the passes of a
+    call's last group dealt out over the lanes, `spread`). `show_progress` as
     sentence-transformers' show_progress_bar, counting batches."""
     claim_mlx()
     if not len(lengths):
