@@ -84,7 +84,7 @@ def test_call_time_batch_size(pipes, monkeypatch):
     assert shapes == [2, 2, 1]
     shapes.clear()
     ours(texts)
-    # one batch (the pipeline's own batch_size, 8, again): one pass, or on the CPU dealt out over its lanes (`spread`)
+    # one batch (the pipeline's own batch_size, 8, again): one pass, or on the CPU shared out over its lanes (`balance`)
     assert sum(shapes) == 5 and len(shapes) <= lane_count(), shapes
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         ours(texts, batch_size=0)

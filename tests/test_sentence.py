@@ -322,24 +322,31 @@ def test_slices_run_on_every_cores_lane_with_the_same_embeddings(tmp_path, bert,
         assert_float32_close(got, reference(encoder.path, TEXTS), terms)
 
 
-def test_a_short_group_is_dealt_out_over_the_lanes_alike():
-    """`spread`: a group short of a pass a lane deals its heaviest slice's rows (rows x longest length), in turn from
-    the longest, over the lanes left, so the new passes are alike and none holds more rows or padding than the
-    slice did; where a pass would hold under the least tokens asked, or the slice has one row, or the group is
-    full, the group stays as it is."""
-    lengths = [9, 8, 7, 7, 3]
-    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 0)] == [[0, 2, 4], [1, 3]]
-    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 16)] == [[0, 2, 4], [1, 3]]  # 2 x 8
-    assert [list(p) for p in batching.spread([np.arange(5)], 2, lengths, 17)] == [[0, 1, 2, 3, 4]]
-    assert [list(p) for p in batching.spread([np.arange(5)], 3, lengths, 0)] == [[0, 3], [1, 4], [2]]
-    full = [np.arange(2), np.arange(2, 5)]
-    assert batching.spread(full, 2, lengths, 0) is full
-    assert [list(p) for p in batching.spread([np.arange(1)], 2, lengths, 0)] == [[0]]
-    # a few long rows and many short ones on 4 lanes: the long slice is split, the short ones are left alone
+def test_a_groups_rows_are_shared_out_to_make_its_heaviest_pass_as_light_as_can_be():
+    """`balance`: a group's rows (longest first) as at most a pass a lane of consecutive rows, the heaviest pass's
+    padded tokens (rows x longest length) as few as can be, each within the row cap at its longest length; a pass
+    a lane where the group had fewer, unless one would hold under the least tokens asked; fewer rows than lanes
+    give fewer passes."""
+    lengths, no_cap = [9, 8, 7, 7, 3], lambda length: 100
+
+    def rows(passes):
+        return [list(p) for p in passes]
+
+    whole = [np.arange(5)]
+    assert rows(batching.balance(whole, 2, lengths, no_cap)) == [[0, 1], [2, 3, 4]]  # 18 and 21, not 9 and 32
+    assert rows(batching.balance(whole, 2, lengths, no_cap, least_tokens=18)) == [[0, 1], [2, 3, 4]]
+    assert batching.balance(whole, 2, lengths, no_cap, least_tokens=19) is whole  # a pass of 18 is too small
+    assert rows(batching.balance([np.arange(1), np.arange(1, 5)], 2, lengths, no_cap)) == [[0, 1], [2, 3, 4]]
+    assert rows(batching.balance(whole, 3, lengths, no_cap)) == [[0], [1, 2], [3, 4]]  # 9, 16 and 14
+    capped = [np.arange(3), np.arange(3, 5)]  # at most 2 rows of 7 tokens: not 18 and 21, but 27 and 14
+    assert rows(batching.balance(capped, 2, lengths, lambda length: 5 if length > 7 else 2)) == [[0, 1, 2], [3, 4]]
+    assert rows(batching.balance([np.arange(1), np.arange(1, 2)], 2, lengths, lambda length: 1)) == [[0], [1]]
+    assert rows(batching.balance([np.arange(1)], 2, lengths, no_cap)) == [[0]]
+    # a few long rows (at most 6 a pass) and many short ones on 4 lanes: the long ones share 3 passes
     lengths = [128] * 6 + [5] * 59
     group = [np.arange(6), np.arange(6, 64), np.arange(64, 65)]
-    dealt = batching.spread(group, 4, lengths, 0)
-    assert [list(p) for p in dealt] == [[0, 2, 4], [1, 3, 5], list(range(6, 64)), [64]]
+    got = batching.balance(group, 4, lengths, lambda length: 6 if length == 128 else 64)
+    assert rows(got) == [[0, 1], [2, 3], [4, 5], list(range(6, 65))]
 
 
 @pytest.mark.cpu_only("the lanes are CPU streams")
@@ -356,9 +363,9 @@ def test_a_calls_short_last_group_runs_a_pass_on_every_lane_with_the_same_embedd
         return embed(batch, *args)
 
     encoder.embed = recording_embed
-    got = encoder.encode(texts, batch_size=3)  # batches of 3, 3 and 2: groups [3, 3] and [2] on two lanes
+    got = encoder.encode(texts, batch_size=3)  # batches of 3, 3 and 2: the last group of 2 rows on two lanes
     if len(lanes) == 2:
-        assert [rows for rows, _ in passes] == [3, 3, 1, 1], passes
+        assert sum(rows for rows, _ in passes) == 8 and [rows for rows, _ in passes[-2:]] == [1, 1], passes
         assert {lane for _, lane in passes[-2:]} == set(lanes)
     encoder.embed = embed
     assert_float32_close(got, reference(st, texts), encoder_terms(st, texts))
@@ -367,7 +374,7 @@ def test_a_calls_short_last_group_runs_a_pass_on_every_lane_with_the_same_embedd
 @pytest.mark.parametrize("bits", [None, 4])
 def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_same(tmp_path, bert, bits):
     """`pass_size` tells a server's queue how many texts of a length one pass holds: as many as `run_batches` puts
-    in the first slice of a batch of such texts. Passes drawn one at a time through `continuous`
+    in each pass of a batch of such texts that fills a pass a lane. Passes drawn one at a time through `continuous`
     (`run_continuous`; two texts a pass, in no length order) give `encode`'s embeddings."""
     st = save_st(tmp_path / "st", bert, Pooling(32))
     encoder = SentenceEncoder(convert(st, tmp_path / "q", quantize=True, bits=bits, group_size=32) if bits else st)
@@ -375,11 +382,12 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     rows_for = encoder.pass_size(8)  # engine.batching.pass_rows with the encoder's slicing
     widths, embed = [], encoder.embed
     encoder.embed = lambda batch, *args: widths.append(batch["input_ids"].shape) or embed(batch, *args)
+    lanes = runtime.lane_count() if mx.default_device() == mx.cpu else 1
     for text in (TEXTS[0], TEXTS[3], "a b " * 40):
+        rows = rows_for(len(encoder.tokenize([text])[0].ids))
         widths.clear()
-        # a full first group (a pass a lane): a call's short group is dealt out over the lanes (`spread`)
-        encoder.encode([text] * 8 * (runtime.lane_count() + 1), batch_size=8)
-        assert widths[0][0] == rows_for(widths[0][1]), (widths, rows_for(widths[0][1]))
+        encoder.encode([text] * rows * lanes, batch_size=rows * lanes)  # a pass a lane, if full: kept as they are
+        assert widths[0][0] == rows, (widths, rows)
     encoder.embed = embed
     encodings = encoder.tokenize(TEXTS)
     waiting, got = list(range(len(TEXTS))), np.zeros((len(TEXTS), encoder.dimension), np.float32)

@@ -4,9 +4,10 @@ tokenized inputs): `run_batches(model, lengths, forward, collect, batch_size)`.
 Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in slices whose largest activation
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, one pass on each, one async_eval per group, the next group built while one computes); a quantized model's
-passes in a group share one dequantizing of each weight, made on the lanes in turn. A call's last group, if
-short of a pass a lane, is dealt out over the lanes (`spread`); a call of one pass in all (one text, a few short
-ones) runs it on the default stream, its products on every core. Off the CPU each batch is one pass.
+passes in a group share one dequantizing of each weight, made on the lanes in turn. A group's passes run in step,
+so its rows are shared out between them to make the heaviest as light as can be (`balance`), a pass on every lane
+where it has the rows; a call of one pass in all (one text, a few short ones) runs it on the default stream, its
+products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 
 `run_continuous` runs passes drawn one at a time by its caller (a server's queue) the same way, each drawn when a
@@ -32,6 +33,9 @@ PROGRESS_MIN_BATCHES = 8  # show_progress_bar=None shows a bar from this many ba
 # a group of a quantized model's slices holds at least quantized.least_group_tokens(model) tokens.
 CPU_SLICE_BYTES = 3 * 2**19
 Rows = TypeVar("Rows")  # what picks a forward pass's rows: index arrays here
+# A call's only pass is shared out over the lanes where each of theirs holds a quarter of the model's width in
+# (padded) tokens, and this many at least: all-MiniLM-L6-v2 broke even at about 40, wider models later.
+LEAST_SHARED_TOKENS = 64
 
 
 def progress(starts: range, show: bool | None):
@@ -84,26 +88,46 @@ def grouped_slices(
         yield group
 
 
-def spread(group: list[np.ndarray], size: int, lengths: Sequence[int], least_tokens: int) -> list[np.ndarray]:
-    """A group short of `size` passes (a call's last, or only, slices) with a pass on every lane: its heaviest
-    slice (rows x longest length) is dealt out, rows in turn from the longest, over the lanes left, so the new
-    passes are alike (they run in step, see `run_continuous`) and none holds more rows or tokens than the slice
-    did. Unchanged where the slice has too few rows, or where a pass would hold under `least_tokens` padded
-    tokens (below that a pass's fixed costs, the BLAS packing every weight again and the lanes' start, outweigh
-    the work it takes off the others)."""
-    if len(group) >= size:
-        return group
+def balance(
+    group: list[np.ndarray], size: int, lengths: Sequence[int], cap: Callable[[int], int], least_tokens: int = 0
+) -> list[np.ndarray]:
+    """A group's rows (its slices' in order, longest first) as at most `size` passes of consecutive rows whose
+    heaviest (rows x longest length: padded tokens) is as light as can be, each holding at most `cap(its longest
+    length)` rows. A group's passes run in step (see `run_continuous`), so its time is its heaviest pass's: a
+    batch's last slice (what is left of it) beside a full one left a core waiting, and a group short of a pass a
+    lane (a call's last) left the others idle. Where that gives more passes than the group had, each must hold at
+    least `least_tokens` padded tokens (below that a pass's fixed costs, the BLAS packing every weight again and
+    the lanes' start, outweigh the work it takes off the others), or the group stays as it is."""
+    rows = np.concatenate(group)
+    counts = [lengths[i] for i in rows]
 
-    def padded(rows: np.ndarray) -> int:
-        return len(rows) * max(lengths[i] for i in rows)
+    def padded(start: int, stop: int) -> int:
+        return (stop - start) * counts[start]
 
-    heaviest = max(range(len(group)), key=lambda k: padded(group[k]))
-    rows = group[heaviest]
-    pieces = min(size - len(group) + 1, len(rows))
-    dealt = [rows[i::pieces] for i in range(pieces)]
-    if pieces < 2 or min(padded(p) for p in dealt) < least_tokens:
+    def starts(limit: int) -> list[int] | None:
+        """The first row of each pass, each as long as `limit` and `cap` allow; None past `size` passes."""
+        found, start = [], 0
+        while start < len(rows):
+            most = min(cap(counts[start]), limit // max(counts[start], 1), len(rows) - start)
+            if most < 1 or len(found) == size:
+                return None
+            found.append(start)
+            start += most
+        return found
+
+    edges = np.cumsum([0, *(len(g) for g in group)])
+    low, high = 1, max(padded(a, b) for a, b in itertools.pairwise(edges))  # the group as it is fits
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if starts(middle) is not None else (middle + 1, high)
+    found = starts(low)
+    if found is None:  # slices over `cap` (a caller's own): left as they are
         return group
-    return [*group[:heaviest], *dealt, *group[heaviest + 1 :]]
+    cuts = [*found, len(rows)]
+    passes = [rows[a:b] for a, b in itertools.pairwise(cuts)]
+    if len(passes) > len(group) and min(padded(a, b) for a, b in itertools.pairwise(cuts)) < least_tokens:
+        return group
+    return passes
 
 
 def run_in_lanes(
@@ -233,8 +257,8 @@ def run_batches(
     are index arrays into them, `forward` returns lazy arrays whose first axis follows `rows`, `collect` reads
     them once evaluated. `slice_bytes` (default CPU_SLICE_BYTES on the CPU, None elsewhere: whole batches) caps a
     slice's largest activation; `least_tokens` (default `least_group_tokens(model)` on the CPU) is the least
-    tokens a group of passes holds, and a sliced pass holds `least_pass_tokens` at least (but for the passes of a
-    call's last group dealt out over the lanes, `spread`). `show_progress` as
+    tokens a group of passes holds, and a sliced pass holds `least_pass_tokens` at least (before a group's rows are
+    shared out between its passes, `balance`). `show_progress` as
     sentence-transformers' show_progress_bar, counting batches."""
     claim_mlx()
     if not len(lengths):
@@ -250,10 +274,14 @@ def run_batches(
         def slices(rows: np.ndarray, counts: list[int]) -> Iterator[np.ndarray]:
             return batch_slices(rows, counts, model.args, slice_bytes, per_slice)
 
+        if slice_bytes is None:  # whole batches, as asked
+            yield from grouped_slices(order, lengths, batch_size, size, show_progress, slices)
+            return
         # After other groups a short last one's idle lanes are lost whatever its size; a call's only group of one
         # pass runs on the default stream with every BLAS thread, which small passes on the lanes do not beat.
-        alone = least_pass_tokens(model.args) // 2
+        alone = max(least_pass_tokens(model.args) // 2, LEAST_SHARED_TOKENS)
+        cap = lambda length: slice_rows(model.args, length, slice_bytes, per_slice)  # noqa: E731
         for k, group in enumerate(grouped_slices(order, lengths, batch_size, size, show_progress, slices)):
-            yield spread(group, size, lengths, alone if k == 0 else 0)
+            yield balance(group, size, lengths, cap, alone if k == 0 else 0)
 
     run_in_lanes(groups, forward, collect)
