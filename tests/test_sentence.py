@@ -335,13 +335,19 @@ def test_a_groups_rows_are_shared_out_to_make_its_heaviest_pass_as_light_as_can_
     whole = [np.arange(5)]
     assert rows(batching.balance(whole, 2, lengths, no_cap)) == [[0, 1], [2, 3, 4]]  # 18 and 21, not 9 and 32
     assert rows(batching.balance(whole, 2, lengths, no_cap, least_tokens=18)) == [[0, 1], [2, 3, 4]]
-    assert batching.balance(whole, 2, lengths, no_cap, least_tokens=19) is whole  # a pass of 18 is too small
+    assert rows(batching.balance(whole, 2, lengths, no_cap, least_tokens=19)) == [[0, 1, 2, 3, 4]]  # 18: too few
     assert rows(batching.balance([np.arange(1), np.arange(1, 5)], 2, lengths, no_cap)) == [[0, 1], [2, 3, 4]]
     assert rows(batching.balance(whole, 3, lengths, no_cap)) == [[0], [1, 2], [3, 4]]  # 9, 16 and 14
     capped = [np.arange(3), np.arange(3, 5)]  # at most 2 rows of 7 tokens: not 18 and 21, but 27 and 14
     assert rows(batching.balance(capped, 2, lengths, lambda length: 5 if length > 7 else 2)) == [[0, 1, 2], [3, 4]]
     assert rows(batching.balance([np.arange(1), np.arange(1, 2)], 2, lengths, lambda length: 1)) == [[0], [1]]
     assert rows(batching.balance([np.arange(1)], 2, lengths, no_cap)) == [[0]]
+    over = [np.arange(3)]
+    assert batching.balance(over, 2, lengths, lambda length: 1) is over  # slices past the cap: left as they are
+    # 11 rows of 40 tokens on 4 lanes, each new pass at least 192 tokens: not 3, 3, 3, 2 (80) nor 4, 4, 3 (120)
+    sliced = [np.arange(10), np.arange(10, 11)]
+    got = batching.balance(sliced, 4, [40] * 11, no_cap, least_tokens=192)
+    assert rows(got) == [list(range(6)), list(range(6, 11))]
     # a few long rows (at most 6 a pass) and many short ones on 4 lanes: the long ones share 3 passes
     lengths = [128] * 6 + [5] * 59
     group = [np.arange(6), np.arange(6, 64), np.arange(64, 65)]
@@ -386,7 +392,7 @@ def test_continuous_passes_hold_what_run_batches_puts_in_a_slice_and_embed_the_s
     for text in (TEXTS[0], TEXTS[3], "a b " * 40):
         rows = rows_for(len(encoder.tokenize([text])[0].ids))
         widths.clear()
-        encoder.encode([text] * rows * lanes, batch_size=rows * lanes)  # a pass a lane, if full: kept as they are
+        encoder.encode([text] * rows * lanes, batch_size=rows)  # full slices, one a lane: kept as they are
         assert widths[0][0] == rows, (widths, rows)
     encoder.embed = embed
     encodings = encoder.tokenize(TEXTS)

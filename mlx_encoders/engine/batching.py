@@ -5,9 +5,9 @@ Inputs run longest first, `batch_size` at a time. On the CPU each batch runs in 
 stays within about one core's L2 cache, and the slices run in groups on every core at once (one MLX stream per
 core, one pass on each, one async_eval per group, the next group built while one computes); a quantized model's
 passes in a group share one dequantizing of each weight, made on the lanes in turn. A group's passes run in step,
-so its rows are shared out between them to make the heaviest as light as can be (`balance`), a pass on every lane
-where it has the rows; a call of one pass in all (one text, a few short ones) runs it on the default stream, its
-products on every core. Off the CPU each batch is one pass.
+so its rows are shared out between them to make the heaviest as light as can be (`balance`), up to a pass a lane
+where each holds enough tokens; a call of one pass in all (one text, a few short ones) runs it on the default
+stream, its products on every core. Off the CPU each batch is one pass.
 Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.py).
 
 `run_continuous` runs passes drawn one at a time by its caller (a server's queue) the same way, each drawn when a
@@ -94,40 +94,38 @@ def balance(
     """A group's rows (its slices' in order, longest first) as at most `size` passes of consecutive rows whose
     heaviest (rows x longest length: padded tokens) is as light as can be, each holding at most `cap(its longest
     length)` rows. A group's passes run in step (see `run_continuous`), so its time is its heaviest pass's: a
-    batch's last slice (what is left of it) beside a full one left a core waiting, and a group short of a pass a
-    lane (a call's last) left the others idle. Where that gives more passes than the group had, each must hold at
-    least `least_tokens` padded tokens (below that a pass's fixed costs, the BLAS packing every weight again and
-    the lanes' start, outweigh the work it takes off the others), or the group stays as it is."""
+    batch's remainder beside a full slice, or a group short of a pass a lane, leaves cores waiting. More passes
+    than the group had must each hold at least `least_tokens` padded tokens (below that a pass's fixed costs, the
+    BLAS packing every weight again and the lanes' start, outweigh the work it takes off the others); failing
+    that, fewer passes are tried, down to the group's own count."""
     rows = np.concatenate(group)
-    counts = [lengths[i] for i in rows]
+    counts = [max(lengths[i], 1) for i in rows]
 
-    def padded(start: int, stop: int) -> int:
-        return (stop - start) * counts[start]
-
-    def starts(limit: int) -> list[int] | None:
-        """The first row of each pass, each as long as `limit` and `cap` allow; None past `size` passes."""
+    def starts(limit: int, most_passes: int) -> list[int] | None:
+        """The first row of each pass, each as long as `limit` and `cap` allow; None past `most_passes`."""
         found, start = [], 0
         while start < len(rows):
-            most = min(cap(counts[start]), limit // max(counts[start], 1), len(rows) - start)
-            if most < 1 or len(found) == size:
+            most = min(cap(counts[start]), limit // counts[start], len(rows) - start)
+            if most < 1 or len(found) == most_passes:
                 return None
             found.append(start)
             start += most
         return found
 
-    edges = np.cumsum([0, *(len(g) for g in group)])
-    low, high = 1, max(padded(a, b) for a, b in itertools.pairwise(edges))  # the group as it is fits
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if starts(middle) is not None else (middle + 1, high)
-    found = starts(low)
-    if found is None:  # slices over `cap` (a caller's own): left as they are
+    edges = list(itertools.accumulate((len(g) for g in group), initial=0))
+    as_sliced = max((b - a) * counts[a] for a, b in itertools.pairwise(edges))
+    if starts(as_sliced, len(group)) is None:  # slices past `cap` (made by another rule): left as they are
         return group
-    cuts = [*found, len(rows)]
-    passes = [rows[a:b] for a, b in itertools.pairwise(cuts)]
-    if len(passes) > len(group) and min(padded(a, b) for a, b in itertools.pairwise(cuts)) < least_tokens:
-        return group
-    return passes
+    for most_passes in range(max(size, len(group)), len(group) - 1, -1):
+        low, high = 1, as_sliced  # the group as sliced fits
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if starts(middle, most_passes) is not None else (middle + 1, high)
+        cuts = [*starts(low, most_passes), len(rows)]
+        lightest = min((b - a) * counts[a] for a, b in itertools.pairwise(cuts))
+        if len(cuts) - 1 <= len(group) or lightest >= least_tokens:
+            return [rows[a:b] for a, b in itertools.pairwise(cuts)]
+    return group
 
 
 def run_in_lanes(
@@ -204,8 +202,9 @@ def pass_floor(args, least_tokens: int, group: int, sliced: bool) -> int:
 def pass_rows(
     model: nn.Module, batch_size: int, slice_bytes: int | None = -1, least_tokens: int | None = None
 ) -> Callable[[int], int]:
-    """length -> the rows `run_batches(model, ..., batch_size, slice_bytes=, least_tokens=)` puts in one forward
-    pass whose longest row has `length` tokens (defaults as there): what `run_continuous`'s caller draws."""
+    """length -> the rows `run_batches(model, ..., batch_size, slice_bytes=, least_tokens=)` slices a batch into
+    where the longest row has `length` tokens, the most a pass of them holds (defaults as there): what
+    `run_continuous`'s caller draws."""
     slice_bytes = default_slice_bytes() if slice_bytes == -1 else slice_bytes
     least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
     if slice_bytes is None:
@@ -280,7 +279,7 @@ def run_batches(
         # After other groups a short last one's idle lanes are lost whatever its size; a call's only group of one
         # pass runs on the default stream with every BLAS thread, which small passes on the lanes do not beat.
         alone = max(least_pass_tokens(model.args) // 2, LEAST_SHARED_TOKENS)
-        cap = lambda length: slice_rows(model.args, length, slice_bytes, per_slice)  # noqa: E731
+        cap = lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))  # noqa: E731
         for k, group in enumerate(grouped_slices(order, lengths, batch_size, size, show_progress, slices)):
             yield balance(group, size, lengths, cap, alone if k == 0 else 0)
 
