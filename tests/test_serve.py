@@ -24,6 +24,7 @@ import pytest
 from checkpoints import MINILM
 from tolerance import assert_float32_close, encoder_terms
 
+from mlx_encoders.engine.batching import drawn_groups
 from mlx_encoders.serve.server import Options
 
 TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.", "hello", "Serving embeddings on MLX."]
@@ -759,12 +760,7 @@ def passes_stand_in(rows_for=lambda length: 2, fail_on=None, group=1, **options)
         return [summed(items)]
 
     def run(next_rows, forward, collect):
-        while True:
-            drawn = []
-            while len(drawn) < group and (rows := next_rows(drawn[0] if drawn else None)) is not None:
-                drawn.append(rows)
-            if not drawn:
-                return
+        for drawn in drawn_groups(next_rows, group):
             for rows in drawn:
                 collect(rows, forward(rows))
 

@@ -170,10 +170,10 @@ class Encoder:
         forward: Callable[[object], list[mx.array]],
         collect: Callable[[object, list[mx.array]], None],
     ) -> None:
-        """`engine.batching.run_continuous` with this encoder's slicing: forward passes drawn one at a time by
-        `next_rows(first)` (sized by `pass_size`; `first`: the group's first pass, as there) until it returns None,
-        as a server's queue draws them."""
-        run_continuous(self.model, next_rows, forward, collect, self.slice_tokens)
+        """`engine.batching.run_continuous`: forward passes drawn one at a time by `next_rows(first)` (sized by
+        `pass_size`, this encoder's slicing; `first`: the group's first pass, as there) until it returns None, as a
+        server's queue draws them."""
+        run_continuous(next_rows, forward, collect)
 
 
 class Embedder(Encoder):

@@ -14,6 +14,7 @@ Outputs do not depend on the slicing beyond float rounding (tests/test_sentence.
 lane frees up, with `pass_rows` telling how many rows a pass of a given length holds.
 """
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -213,12 +214,22 @@ def pass_rows(
     return lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))
 
 
+def drawn_groups(next_rows: Callable[[Rows | None], Rows | None], size: int) -> Iterator[list[Rows]]:
+    """Groups of up to `size` passes `next_rows(first)` draws (`first`: None for a group's first pass, then that
+    pass's rows), until it draws nothing."""
+    while True:
+        group = []
+        while len(group) < size and (rows := next_rows(group[0] if group else None)) is not None:
+            group.append(rows)
+        if not group:
+            return
+        yield group
+
+
 def run_continuous(
-    model: nn.Module,
     next_rows: Callable[[Rows | None], Rows | None],
     forward: Callable[[Rows], list[mx.array]],
     collect: Callable[[Rows, list[mx.array]], None],
-    least_tokens: int | None = None,
 ) -> None:
     """`collect(rows, forward(rows))` for the passes `next_rows(first)` draws (sized by `pass_rows`), until it
     returns None, through `run_in_lanes`: a group's passes are drawn when the group before the last one is
@@ -226,19 +237,8 @@ def run_continuous(
     `first` is None for a group's first pass, then that pass's rows: a group's passes run in step (MLX hands
     their work to the lanes in graph order, a few tasks ahead), so a lighter pass leaves its core idle until the
     heaviest ends, and the drawer should make them alike."""
-    least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
-
-    def groups(size: int) -> Iterator[list[Rows]]:
-        while True:
-            group = []
-            while len(group) < size and (rows := next_rows(group[0] if group else None)) is not None:
-                group.append(rows)
-            if not group:
-                return
-            yield group
-
     claim_mlx()
-    run_in_lanes(groups, forward, collect)
+    run_in_lanes(functools.partial(drawn_groups, next_rows), forward, collect)
 
 
 def run_batches(
