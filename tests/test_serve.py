@@ -805,10 +805,10 @@ def test_batcher_passes_draw_the_oldest_requests_longest_input_with_those_neares
     assert stops_in_time(batcher)
 
 
-def test_batcher_passes_draw_a_groups_later_passes_alike_its_first():
+def test_batcher_passes_fill_a_groups_later_passes_with_the_most_work_beside_its_first():
     """A group's passes run in step on the lanes (`run_continuous`): a later pass of a group holds the waiting
-    inputs of the first pass's key nearest its longest length, as many as bring its padded tokens nearest the
-    first's; with none of that key waiting, the oldest request's longest input anchors it as usual."""
+    inputs of the first pass's key that make the group's real tokens over its heaviest pass's padded tokens
+    largest; with none of that key waiting, the oldest request's longest input anchors it as usual."""
     batcher, passes, gate = passes_stand_in(rows_for=lambda length: 8, group=2, max_batch_tokens=20)
     first = batcher.submit(ids(1))
     while not passes:
@@ -822,11 +822,48 @@ def test_batcher_passes_draw_a_groups_later_passes_alike_its_first():
     assert c.result(timeout=5).ravel().tolist() == [9.0, 24.0, 21.0]
     assert d.result(timeout=5).ravel().tolist() == [16.0, 20.0]
     lengths = [[len(item) for item in each] for each in passes[1:]]
-    # group 1: 9 with 8 (18 padded tokens), then 7, 3 and a 2 (21, nearer 18 than 14 or 28), in queue order; group
-    # 2: the 2s left, then the key-1 inputs (none of the 2s' key waits)
-    assert lengths == [[9, 8], [2, 3, 7], [2, 2], [4, 5]], lengths
+    # group 1: 9 with 8 (18 padded, 17 real tokens), then 3 with 7 (14 padded: 27 real in 18), not the nearest
+    # lengths 7, 3 and a 2 (29 real in 21 padded) nor 3 and the 2s (26 in 18), in queue order; group 2: the 2s
+    # left, then the key-1 inputs (none of the 2s' key waits)
+    assert lengths == [[9, 8], [3, 7], [2, 2, 2], [4, 5]], lengths
     assert batcher.depth() == 0 and batcher.queued_tokens == 0
     assert stops_in_time(batcher)
+
+
+def test_a_groups_later_pass_is_the_one_that_does_the_most_work_in_its_first_passs_time():
+    """`beside` against every subset of up to 7 waiting inputs within the row cap at their longest: the same best
+    ratio of the two passes' real tokens to the heavier one's padded tokens. Under a token budget that binds (the
+    server's is thousands of tokens, a pass's a few hundred) its rows stay within it (one row alone at least)."""
+    import itertools
+    import random
+
+    from mlx_encoders.serve.batcher import beside
+
+    def work(rows, lengths, padded, real):
+        width = max(lengths[k] for k in rows)
+        return (real + sum(lengths[k] for k in rows)) / max(padded, len(rows) * width)
+
+    def allowed(rows, lengths, rows_for, budget):
+        width = max(lengths[k] for k in rows)
+        return len(rows) == 1 or (len(rows) <= rows_for(width) and sum(lengths[k] for k in rows) <= budget)
+
+    rng, checked = random.Random(0), 0
+    for _ in range(1500):
+        lengths = [rng.choice([rng.randint(1, 9), rng.randint(1, 60)]) for _ in range(rng.randint(1, 7))]
+        cap = rng.choice([2, 3, 8, 100])
+        rows_for = lambda length, cap=cap: max(1, cap * 8 // (length + 7))  # noqa: E731  fewer rows when longer
+        padded, budget = rng.randint(1, 80), rng.choice([10, 40, 1000])
+        real = rng.randint(1, padded)
+        chosen = beside(lengths, padded, real, rows_for, budget)
+        assert chosen and len(set(chosen)) == len(chosen), (lengths, chosen)
+        assert allowed(chosen, lengths, rows_for, budget), (lengths, chosen)
+        if budget >= sum(lengths):
+            subsets = (s for n in range(1, len(lengths) + 1) for s in itertools.combinations(range(len(lengths)), n))
+            best = max(work(s, lengths, padded, real) for s in subsets if allowed(s, lengths, rows_for, budget))
+            found = work(chosen, lengths, padded, real)
+            assert found == pytest.approx(best, rel=1e-12), (lengths, padded, real, cap, chosen)
+            checked += 1
+    assert checked > 500, checked
 
 
 def test_batcher_passes_a_failing_draw_leaves_no_request_waiting():

@@ -2,8 +2,9 @@
 
 A dense model's inputs run continuously (`Passes`, `engine.batching.run_continuous`): each forward pass is drawn
 from the queue when a CPU lane frees up, the longest waiting input of the oldest request with the inputs nearest
-its length (about as few padding tokens as one sorted call over them all), so a stream of single-text requests
-runs about as fast as one `encode` of all of them, and no request waits behind later ones for more than a pass.
+its length, and beside it, in step on the other lanes, the passes that do the most work in its time (about as few
+padding tokens and idle lanes as one sorted call over them all), so a stream of single-text requests runs about as
+fast as one `encode` of all of them, and no request waits behind later ones for more than a group of passes.
 Other models' requests are packed, first come first served, into batches of at most `max_batch_tokens` tokens
 (a large request is split over several batches and put back together in order), each run through the encoders'
 own runner (`SentenceEncoder.run_encodings`, `CrossEncoder.encoding_logits` -> engine.batching.run_batches),
@@ -112,6 +113,35 @@ class Passes:
 
 
 DRAW_WINDOW = 256  # the waiting inputs, oldest first, a pass is drawn from: a draw sorts them by length
+
+
+def beside(
+    lengths: Sequence[int], padded: int, real: int, rows_for: Callable[[int], int], max_tokens: int
+) -> list[int]:
+    """The rows (indices into `lengths`) of a pass that runs in step beside one of `padded` padded and `real` real
+    tokens: those that make the two passes' real tokens over the slower one's padded tokens largest, within
+    `rows_for(their longest)` rows. For a width, the longest rows not longer than it are best, and past the count
+    that fills `padded` one more row is the most that can gain, so those two counts are tried at each width, each
+    cut to `max_tokens` real tokens (one row at least) by dropping its shortest rows. Among equal lengths the
+    earlier row (the older input) goes first."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    sums = [0]
+    for k in order:
+        sums.append(sums[-1] + lengths[k])
+    best, chosen = -1.0, order[-1:]
+    for start, k in enumerate(order):
+        width = lengths[k]
+        if start and width == lengths[order[start - 1]]:
+            continue  # the same width from a shorter set of rows
+        most = min(rows_for(width), len(order) - start)
+        fill = max(1, min(padded // max(width, 1), most))
+        for count in (fill, min(fill + 1, most)):
+            while count > 1 and sums[start + count] - sums[start] > max_tokens:
+                count -= 1
+            work = (real + sums[start + count] - sums[start]) / max(padded, count * width, 1)
+            if work > best:
+                best, chosen = work, order[start : start + count]
+    return chosen
 
 
 class Batcher:
@@ -250,9 +280,9 @@ class Batcher:
     def draw(self, first: list[tuple[Job, int]] | None = None) -> list[tuple[Job, int]] | None:
         """The next pass: the longest waiting input of the oldest live request and, among the DRAW_WINDOW oldest
         inputs of its key, those nearest its length, as many as `passes.rows_for` their longest and
-        `max_batch_tokens` allow; None when nothing waits. A group's later passes (`first`: its first one's rows)
-        are drawn alike it instead: its key's inputs nearest its longest length, up to its padded tokens, as the
-        passes of a group run in step (`run_continuous`)."""
+        `max_batch_tokens` allow; None when nothing waits. A group's passes run in step (`run_continuous`), so its
+        later passes (`first`: its first one's rows) take, of the inputs of the first's key, those that do the most
+        work in the first one's time (`beside`)."""
         with self.condition:
             while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
                 self.take_out(*dead.values())  # their clients are gone, or an earlier pass failed them: never run
@@ -264,23 +294,23 @@ class Batcher:
             head = self.waiting[:DRAW_WINDOW]
             like = self.like(first)
             window = [(p, e) for p, e in enumerate(head) if e[3] == like[0]] if like is not None else []
-            if window:
-                _, anchor, padded = like
+            if window:  # a group's later pass: the most work its lane can do in the first pass's time
+                _, padded, real = like
+                picks = beside([e[2] for _, e in window], padded, real, self.passes.rows_for, self.max_batch_tokens)
+                chosen = [window[k] for k in picks]
             else:  # a group's first pass, or none of its first's key waits
                 oldest, _, _, key = head[0]
-                window, padded = [(p, e) for p, e in enumerate(head) if e[3] == key], None
+                window = [(p, e) for p, e in enumerate(head) if e[3] == key]
                 anchor = max(e[2] for _, e in window if e[0] is oldest)  # its longest first, as run_batches' slices
-            window.sort(key=lambda pair: (abs(pair[1][2] - anchor), pair[0]))
-            chosen, longest, tokens = [], 0, 0
-            for position, entry in window:
-                wider = max(longest, entry[2])
-                full = len(chosen) + 1 > self.passes.rows_for(wider)
-                # the row that brings the pass's padded tokens nearer the first's
-                heavier = padded is not None and (len(chosen) + 1) * wider - padded > padded - len(chosen) * longest
-                if chosen and (full or heavier or tokens + entry[2] > self.max_batch_tokens):
-                    break
-                chosen.append((position, entry))
-                longest, tokens = wider, tokens + entry[2]
+                window.sort(key=lambda pair: (abs(pair[1][2] - anchor), pair[0]))
+                chosen, longest, tokens = [], 0, 0
+                for position, entry in window:
+                    wider = max(longest, entry[2])
+                    full = len(chosen) + 1 > self.passes.rows_for(wider)
+                    if chosen and (full or tokens + entry[2] > self.max_batch_tokens):
+                        break
+                    chosen.append((position, entry))
+                    longest, tokens = wider, tokens + entry[2]
             picked = {position for position, _ in chosen}
             self.waiting[:DRAW_WINDOW] = [entry for position, entry in enumerate(head) if position not in picked]
             rows, starting = [], []  # starting: the requests whose first input this pass holds
@@ -304,12 +334,12 @@ class Batcher:
         return rows
 
     def like(self, first: list[tuple[Job, int]] | None) -> tuple[object, int, int] | None:
-        """(key, longest length, padded tokens) of a pass's rows, or None for none."""
+        """(key, padded tokens, real tokens) of a pass's rows, or None for none."""
         if not first:
             return None
         lengths = [len(job.items[i].ids) for job, i in first]
         job, i = first[0]
-        return self.passes.key(job.items[i]), max(lengths), max(lengths) * len(lengths)
+        return self.passes.key(job.items[i]), max(lengths) * len(lengths), sum(lengths)
 
     def run_batches(self) -> None:
         while (pieces := self.take()) is not None:
