@@ -436,17 +436,46 @@ def test_a_timeout_comes_from_its_flag_then_its_variable_then_the_default(monkey
 
 
 def test_a_large_answer_is_rendered_in_send_sized_pieces_equal_to_json():
-    """A large answer is written in pieces of about SEND_BYTES (never one joined copy), which together are exactly
-    the JSON the standard library writes; a small one is one piece."""
+    """A large answer is written in pieces of about SEND_BYTES (never one joined copy), which together are JSON of
+    the same values (its float32 vectors read back exactly); a small one is one piece."""
     from mlx_encoders.serve.server import SEND_BYTES, render
 
     rng = np.random.default_rng(0)
     answer = {"data": [{"index": i, "embedding": rng.standard_normal((64, 384)).astype(np.float32)} for i in range(40)]}
     pieces = render(answer)
-    plain = json.loads(json.dumps(answer, default=lambda x: x.tolist()))
-    assert json.loads(b"".join(pieces)) == plain
+    read = json.loads(b"".join(pieces))
+    assert [row["index"] for row in read["data"]] == list(range(40))
+    for row, sent in zip(read["data"], answer["data"], strict=True):
+        assert np.array_equal(np.array(row["embedding"], dtype=np.float32), sent["embedding"])
     assert len(pieces) > 10 and max(map(len, pieces)) < 2 * SEND_BYTES
     assert render({"ok": True}) == [b'{"ok":true}']
+
+
+def test_float32_vectors_are_written_with_the_digits_that_read_back_exactly():
+    """float32 values (the vectors of every route) are written with 9 significant digits: each reads back as a float
+    (never an int, even 0 or 1) equal to the float32 sent, at the ends of float32's range too; fewer bytes than
+    the standard library's float64 digits; a non-finite value is refused as json.dumps refuses it."""
+    from mlx_encoders.serve.server import render
+
+    info = np.finfo(np.float32)
+    edges = [0.0, -0.0, 1.0, -1.0, 0.1, 1 / 3, info.max, -info.max, info.tiny, info.smallest_subnormal, 123456792.0]
+    rng = np.random.default_rng(1)
+    vector = np.concatenate([np.array(edges, np.float32), rng.standard_normal(2000).astype(np.float32)])
+    vector = np.concatenate(
+        [vector, (rng.standard_normal(500) * 10.0 ** rng.integers(-30, 30, 500)).astype(np.float32)]
+    )
+    for answer in ({"embedding": vector}, {"embeddings": vector[None, :]}, [vector]):
+        text = b"".join(render(answer))
+        read = json.loads(text)
+        values = (
+            read["embedding"] if "embedding" in read else read["embeddings"][0] if "embeddings" in read else read[0]
+        )
+        assert all(type(v) is float for v in values)
+        back = np.array(values, dtype=np.float32)
+        assert np.array_equal(back.view(np.uint32), vector.view(np.uint32))  # -0.0 included
+        assert len(text) < 0.75 * len(json.dumps(vector.tolist(), separators=(",", ":")))
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        render({"embedding": np.array([0.5, np.nan], np.float32)})
 
 
 def test_rendering_many_small_values_pauses_for_the_event_loop_by_time_not_per_value(monkeypatch):

@@ -381,10 +381,13 @@ class Pieces:
 
 
 def write(x, out: Pieces) -> None:
-    if isinstance(x, np.ndarray) and x.ndim > 1 and x.size >= OFF_LOOP_VALUES:
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 1:
+        out.add(float32_json(x).encode())
+        return
+    if isinstance(x, np.ndarray) and x.ndim > 1 and (x.size >= OFF_LOOP_VALUES or x.dtype == np.float32):
         x = list(x)
-    if values(x) < OFF_LOOP_VALUES or not isinstance(x, (list, dict)):
-        out.add(json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist).encode())
+    if not isinstance(x, (list, dict)) or values(x) < OFF_LOOP_VALUES:
+        out.add(small_json(x).encode())
     elif isinstance(x, list):
         out.add(b"[")
         for i, item in enumerate(x):
@@ -401,6 +404,37 @@ def write(x, out: Pieces) -> None:
             write(v, out)
             out.pause()
         out.add(b"}")
+
+
+def small_json(x) -> str:
+    """`x` as JSON in one piece: its float32 vectors by `float32_json`, the rest by json.dumps."""
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim >= 1:
+        return float32_json(x) if x.ndim == 1 else "[" + ",".join(small_json(row) for row in x) + "]"
+    if isinstance(x, dict) and any(isinstance(v, (dict, list, np.ndarray)) for v in x.values()):
+        return "{" + ",".join(dumps(str(k)) + ":" + small_json(v) for k, v in x.items()) + "}"
+    if isinstance(x, list) and x and isinstance(x[0], (dict, list, np.ndarray)):
+        return "[" + ",".join(small_json(item) for item in x) + "]"
+    return dumps(x)
+
+
+def dumps(x) -> str:
+    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=tolist)
+
+
+@functools.cache
+def float32_format(size: int) -> str:
+    return "[" + ",".join(["%#.9g"] * size) + "]"
+
+
+def float32_json(x: np.ndarray) -> str:
+    """A float32 vector as a JSON array of 9 significant digits, the most a float32 needs to be read back exactly:
+    faster to write and read, and about 40% fewer bytes, than json.dumps' 17 digits of its float64 value. "#" keeps
+    the decimal point, so that every value reads back as a float (a point with no digit after it, at 9 digits
+    before it, gets a 0). Non-finite values are refused as json.dumps refuses them."""
+    if not np.isfinite(x).all():
+        raise ValueError("Out of range float values are not JSON compliant")
+    text = float32_format(x.size) % tuple(x.tolist())
+    return text.replace(".,", ".0,").replace(".]", ".0]")
 
 
 def tolist(x):

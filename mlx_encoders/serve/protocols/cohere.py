@@ -110,13 +110,13 @@ async def embed(request: Request, server: "Server", version: str):
     tokens = sum(len(item.ids) for item in items)
     answer = {"id": str(uuid.uuid4()), "texts": found, "meta": meta(version[1:], input_tokens=tokens)}
     if types is None:  # v1 without embedding_types: the floats alone
-        return {"response_type": "embeddings_floats", **answer, "embeddings": vectors.tolist()}
+        return {"response_type": "embeddings_floats", **answer, "embeddings": vectors}
     by_type = {}
     for kind in types:
         if kind == "base64":
             by_type[kind] = [base64_of(v) for v in vectors.astype(np.float32)]
         else:
-            by_type[kind] = typed(vectors, kind, "embedding_types").tolist()
+            by_type[kind] = typed(vectors, kind, "embedding_types")
     return {"response_type": "embeddings_by_type", **answer, "embeddings": by_type}
 
 

@@ -138,7 +138,7 @@ async def embed(request: Request, server: "Server"):
     vectors, tokens = await embeddings_of(server, model, found, body, True) if found else ([], 0)
     return {
         "model": body["model"],
-        "embeddings": [v.tolist() for v in vectors],
+        "embeddings": list(vectors),
         "total_duration": time.perf_counter_ns() - start,
         "load_duration": 0,
         "prompt_eval_count": tokens,
@@ -155,7 +155,7 @@ async def embeddings(request: Request, server: "Server"):
     if not prompt:
         return {"embedding": []}
     vectors, _ = await embeddings_of(server, model, [prompt], body, False)
-    return {"embedding": vectors[0].tolist()}
+    return {"embedding": vectors[0]}
 
 
 def facts(model: ServedModel) -> dict:
