@@ -4,7 +4,9 @@ one-forward-per-request server (the no-batching baseline) and, optionally, infin
 Each level runs N client threads (`--clients 1,8,64`) for `--seconds`, each sending its next request as soon as
 the last one is answered (keep-alive connections), 1 to `--max-texts` texts of the standard-library docstrings a
 request (`--max-texts 1`: single-text clients). Prints per server and level texts/s, requests/s and p50/p99
-latency and its throughput as a ratio of offline `SentenceEncoder.encode` on the same texts (measured first), then
+latency and its throughput as a ratio of offline `SentenceEncoder.encode` on the same texts, measured in this
+process just before and just after the level (the mean of the two: this machine's speed drifts by 10% and more
+over a minute, which one measurement before every server cannot tell from a difference between them), then
 per server the latency of one short text on an idle server against in-process `encode` and its peak memory
 (VmHWM); then, for `mlx-encoders serve` at each level, the mean texts per forward pass it ran (drawn from its
 queue as cores free up: docs/serving.md, "Batching"); last, each server's throughput at each level as a ratio of
@@ -266,14 +268,17 @@ def encoder_of(model: str):
     return SentenceEncoder(model)
 
 
-def offline(model: str, texts: list[str]) -> tuple[float, float]:
-    """(texts/s of `encode` over all the texts, ms of `encode` of one short text), in this process."""
+def offline(model: str, texts: list[str], short: bool = True) -> tuple[float, float | None]:
+    """(texts/s of `encode` over all the texts, ms of `encode` of one short text or None without `short`), in this
+    process."""
     encoder = encoder_of(model)
     warnings.simplefilter("ignore")  # "N texts are longer than max_seq_length and were truncated", as the servers do
     encoder.encode(texts[:32])
     start = time.perf_counter()
     encoder.encode(texts)
     rate = len(texts) / (time.perf_counter() - start)
+    if not short:
+        return rate, None
     times = []
     for _ in range(20):
         start = time.perf_counter()
@@ -339,7 +344,7 @@ def main() -> None:
     rate, short = offline(args.model, texts)
     print(f"offline encode: {rate:.1f} texts/s; one short text {short:.1f} ms")
     print(f"{'server':<10} {'clients':>7} {'texts/s':>9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
-          f"{'x encode':>8}")  # fmt: skip
+          f"{'encode':>15} {'x encode':>8}")  # fmt: skip
     rates, batches = {}, []
     for name in dict.fromkeys(servers):
         with tempfile.TemporaryFile() as log:
@@ -349,9 +354,11 @@ def main() -> None:
                     before = batches_run(port) if name == "serve" else None
                     r = load(port, clients, texts, args.max_texts, args.seconds)
                     rates[name, clients] = r["texts/s"]
+                    earlier, (rate, _) = rate, offline(args.model, texts, short=False)  # the next level's before
+                    mean = (earlier + rate) / 2
                     print(f"{name:<10} {clients:>7} {r['texts/s']:>9.1f} {r['requests/s']:>8.1f} "
-                          f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6} {r['texts/s'] / rate:>7.2f}x",
-                          flush=True)  # fmt: skip
+                          f"{r['p50 ms']:>8.1f} {r['p99 ms']:>8.1f} {r['errors']:>6} "
+                          f"{f'{earlier:.1f}/{rate:.1f}':>15} {r['texts/s'] / mean:>7.2f}x", flush=True)  # fmt: skip
                     if before is not None:  # the mean texts per forward pass the server ran at this level
                         (texts_before, count_before), (texts_after, count_after) = before, batches_run(port)
                         if count_after > count_before:
