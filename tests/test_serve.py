@@ -832,38 +832,58 @@ def test_batcher_passes_fill_a_groups_later_passes_with_the_most_work_beside_its
 
 def test_a_groups_later_pass_is_the_one_that_does_the_most_work_in_its_first_passs_time():
     """`beside` against every subset of up to 7 waiting inputs within the row cap at their longest: the same best
-    ratio of the two passes' real tokens to the heavier one's padded tokens. Under a token budget that binds (the
-    server's is thousands of tokens, a pass's a few hundred) its rows stay within it (one row alone at least)."""
+    ratio of the two passes' real tokens to the slower one's time (rows x the row cost of their longest), for
+    tokens alone and with attention's cost growing with the width. Under a token budget that binds (the server's is
+    thousands of tokens, a pass's a few hundred) its rows stay within it (one row alone at least)."""
     import itertools
     import random
 
     from mlx_encoders.serve.batcher import beside
 
-    def work(rows, lengths, padded, real):
+    def work(rows, lengths, cost, real, row_cost):
         width = max(lengths[k] for k in rows)
-        return (real + sum(lengths[k] for k in rows)) / max(padded, len(rows) * width)
+        return (real + sum(lengths[k] for k in rows)) / max(cost, len(rows) * row_cost(width))
 
     def allowed(rows, lengths, rows_for, budget):
         width = max(lengths[k] for k in rows)
         return len(rows) == 1 or (len(rows) <= rows_for(width) and sum(lengths[k] for k in rows) <= budget)
 
     rng, checked = random.Random(0), 0
-    for _ in range(1500):
+    for _ in range(2000):
         lengths = [rng.choice([rng.randint(1, 9), rng.randint(1, 60)]) for _ in range(rng.randint(1, 7))]
         cap = rng.choice([2, 3, 8, 100])
         rows_for = lambda length, cap=cap: max(1, cap * 8 // (length + 7))  # noqa: E731  fewer rows when longer
-        padded, budget = rng.randint(1, 80), rng.choice([10, 40, 1000])
-        real = rng.randint(1, padded)
-        chosen = beside(lengths, padded, real, rows_for, budget)
+        per_score = rng.choice([0.0, 1 / 32, 1 / 8])
+        row_cost = lambda length, per_score=per_score: length * (1 + length * per_score)  # noqa: E731
+        cost, budget = rng.uniform(1, 120), rng.choice([10, 40, 1000])
+        real = rng.randint(1, 60)
+        chosen = beside(lengths, cost, real, row_cost, rows_for, budget)
         assert chosen and len(set(chosen)) == len(chosen), (lengths, chosen)
         assert allowed(chosen, lengths, rows_for, budget), (lengths, chosen)
         if budget >= sum(lengths):
             subsets = (s for n in range(1, len(lengths) + 1) for s in itertools.combinations(range(len(lengths)), n))
-            best = max(work(s, lengths, padded, real) for s in subsets if allowed(s, lengths, rows_for, budget))
-            found = work(chosen, lengths, padded, real)
-            assert found == pytest.approx(best, rel=1e-12), (lengths, padded, real, cap, chosen)
+            allowed_ones = [s for s in subsets if allowed(s, lengths, rows_for, budget)]
+            best = max(work(s, lengths, cost, real, row_cost) for s in allowed_ones)
+            found = work(chosen, lengths, cost, real, row_cost)
+            assert found == pytest.approx(best, rel=1e-12), (lengths, cost, real, cap, per_score, chosen)
             checked += 1
-    assert checked > 500, checked
+    assert checked > 700, checked
+
+
+def test_a_servers_row_cost_weighs_attention_so_wide_rows_are_not_set_beside_many_narrow_ones():
+    """A dense model's passes weigh a row by its tokens and its attention scores (`Encoder.row_cost`): one row of
+    256 tokens costs more than 12 rows of 21, so beside a pass of 12 rows of 21 the server sets rows of about that
+    length, not a lone 256-token row of as many tokens."""
+    from mlx_encoders import SentenceEncoder
+    from mlx_encoders.serve.batcher import beside
+
+    encoder = SentenceEncoder(str(MINILM))
+    row_cost = encoder.row_cost()
+    assert row_cost(256) > 12 * row_cost(21) * 1.4
+    lengths = [256] + [20] * 10
+    chosen = beside(lengths, 12 * row_cost(21), 12 * 21, row_cost, lambda length: 32, 8192)
+    assert sorted(lengths[k] for k in chosen) == [20] * 10, chosen
+    assert beside(lengths, 12 * 21, 12 * 21, float, lambda length: 32, 8192) == [0]  # tokens alone: the long row
 
 
 def test_batcher_passes_a_failing_draw_leaves_no_request_waiting():

@@ -12,7 +12,14 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..engine.batching import default_least_tokens, default_slice_bytes, pass_rows, run_batches, run_continuous
+from ..engine.batching import (
+    default_least_tokens,
+    default_slice_bytes,
+    pass_rows,
+    row_cost,
+    run_batches,
+    run_continuous,
+)
 from ..tokenizer import check_count, text_list
 from .folder import Dense, SentenceFolder
 from .vectors import SIMILARITIES, check_similarity_name, normalize
@@ -163,6 +170,11 @@ class Encoder:
     def pass_size(self, batch_size: int) -> Callable[[int], int]:
         """length -> the items one forward pass of `batches` holds whose longest has `length` tokens."""
         return pass_rows(self.model, batch_size, self.slice_bytes, self.slice_tokens)
+
+    def row_cost(self) -> Callable[[int], float]:
+        """length -> a row's share of a forward pass's time, padded to `length` (`engine.batching.row_cost`): what
+        a server weighs the passes it runs side by side with."""
+        return row_cost(self.model.args)
 
     def continuous(
         self,

@@ -103,27 +103,34 @@ class Passes:
     """How a model's inputs run a forward pass at a time (see the module's docstring): `forward(items)` the lazy
     arrays of one pass, `rows(items, arrays)` its items' result rows once evaluated, `rows_for(length)` the items
     a pass holds whose longest has `length` tokens (`engine.batching.pass_rows`), `run(next_rows, forward,
-    collect)` the engine's runner (`run_continuous` on the model), `key(item)` what the items of one pass share."""
+    collect)` the engine's runner (`run_continuous` on the model), `key(item)` what the items of one pass share,
+    `row_cost(length)` a row's time in a pass of that width (`engine.batching.row_cost`; default: its tokens)."""
 
     forward: Callable[[list], list]
     rows: Callable[[list, list], np.ndarray]
     rows_for: Callable[[int], int]
     run: Callable[[Callable, Callable, Callable], None]
     key: Callable[[object], object] = lambda item: None
+    row_cost: Callable[[int], float] = float
 
 
 DRAW_WINDOW = 256  # the waiting inputs, oldest first, a pass is drawn from: a draw sorts them by length
 
 
 def beside(
-    lengths: Sequence[int], padded: int, real: int, rows_for: Callable[[int], int], max_tokens: int
+    lengths: Sequence[int],
+    cost: float,
+    real: int,
+    row_cost: Callable[[int], float],
+    rows_for: Callable[[int], int],
+    max_tokens: int,
 ) -> list[int]:
-    """The rows (indices into `lengths`) of a pass that runs in step beside one of `padded` padded and `real` real
-    tokens: those that make the two passes' real tokens over the slower one's padded tokens largest, within
-    `rows_for(their longest)` rows. For a width, the longest rows not longer than it are best, and past the count
-    that fills `padded` one more row is the most that can gain, so those two counts are tried at each width, each
-    cut to `max_tokens` real tokens (one row at least) by dropping its shortest rows. Among equal lengths the
-    earlier row (the older input) goes first."""
+    """The rows (indices into `lengths`) of a pass that runs in step beside one that takes `cost` (rows x
+    `row_cost(its longest)`) for `real` real tokens: those that make the two passes' real tokens over the slower
+    one's time largest, within `rows_for(their longest)` rows. For a width, the longest rows not longer than it are
+    best, and past the count that fills `cost` one more row is the most that can gain, so those two counts are
+    tried at each width, each cut to `max_tokens` real tokens (one row at least) by dropping its shortest rows.
+    Among equal lengths the earlier row (the older input) goes first."""
     order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
     sums = [0]
     for k in order:
@@ -133,12 +140,13 @@ def beside(
         width = lengths[k]
         if start and width == lengths[order[start - 1]]:
             continue  # the same width from a shorter set of rows
+        each = max(row_cost(width), 1e-9)
         most = min(rows_for(width), len(order) - start)
-        fill = max(1, min(padded // max(width, 1), most))
+        fill = max(1, min(int(cost // each), most))
         for count in (fill, min(fill + 1, most)):
             while count > 1 and sums[start + count] - sums[start] > max_tokens:
                 count -= 1
-            work = (real + sums[start + count] - sums[start]) / max(padded, count * width, 1)
+            work = (real + sums[start + count] - sums[start]) / max(cost, count * each, 1e-9)
             if work > best:
                 best, chosen = work, order[start : start + count]
     return chosen
@@ -295,8 +303,9 @@ class Batcher:
             like = self.like(first)
             window = [(p, e) for p, e in enumerate(head) if e[3] == like[0]] if like is not None else []
             if window:  # a group's later pass: the most work its lane can do in the first pass's time
-                _, padded, real = like
-                picks = beside([e[2] for _, e in window], padded, real, self.passes.rows_for, self.max_batch_tokens)
+                _, cost, real = like
+                lengths = [e[2] for _, e in window]
+                picks = beside(lengths, cost, real, self.passes.row_cost, self.passes.rows_for, self.max_batch_tokens)
                 chosen = [window[k] for k in picks]
             else:  # a group's first pass, or none of its first's key waits
                 oldest, _, _, key = head[0]
@@ -333,13 +342,13 @@ class Batcher:
                     log.exception("the queue-time hook of %s failed", self.name)
         return rows
 
-    def like(self, first: list[tuple[Job, int]] | None) -> tuple[object, int, int] | None:
-        """(key, padded tokens, real tokens) of a pass's rows, or None for none."""
+    def like(self, first: list[tuple[Job, int]] | None) -> tuple[object, float, int] | None:
+        """(key, time as `beside` weighs it, real tokens) of a pass's rows, or None for none."""
         if not first:
             return None
         lengths = [len(job.items[i].ids) for job, i in first]
         job, i = first[0]
-        return self.passes.key(job.items[i]), max(lengths) * len(lengths), sum(lengths)
+        return self.passes.key(job.items[i]), len(lengths) * self.passes.row_cost(max(lengths)), sum(lengths)
 
     def run_batches(self) -> None:
         while (pieces := self.take()) is not None:

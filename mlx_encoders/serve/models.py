@@ -249,7 +249,7 @@ class ServedModel:
             sizes[:] = sizes or [encoder.pass_size(self.batch_size)]
             return sizes[0](length)
 
-        return Passes(forward, rows, rows_for, encoder.continuous, key)
+        return Passes(forward, rows, rows_for, encoder.continuous, key, encoder.row_cost())
 
     def dense_rows(self, encodings: list, tag: DenseTag) -> list:
         """A dense model's (N, D) vectors of one tag's inputs; per input (vector, (L, H) token vectors) when the tag
