@@ -350,6 +350,8 @@ def main() -> None:
         with tempfile.TemporaryFile() as log:
             process, port = start(name, args, log)
             try:
+                if name != servers[0]:  # its first level's "before", taken now that the server before it is gone
+                    rate, _ = offline(args.model, texts, short=False)
                 for clients in levels:
                     before = batches_run(port) if name == "serve" else None
                     r = load(port, clients, texts, args.max_texts, args.seconds)

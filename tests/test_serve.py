@@ -845,8 +845,10 @@ def test_a_groups_later_pass_is_the_one_that_does_the_most_work_in_its_first_pas
         return (real + sum(lengths[k] for k in rows)) / max(cost, len(rows) * row_cost(width))
 
     def allowed(rows, lengths, rows_for, budget):
-        width = max(lengths[k] for k in rows)
-        return len(rows) == 1 or (len(rows) <= rows_for(width) and sum(lengths[k] for k in rows) <= budget)
+        width, tokens = max(lengths[k] for k in rows), sum(lengths[k] for k in rows)
+        if len(rows) == 1:  # a row over the budget only where every row is
+            return tokens <= budget or min(lengths) > budget
+        return len(rows) <= rows_for(width) and tokens <= budget
 
     rng, checked = random.Random(0), 0
     for _ in range(2000):
@@ -868,6 +870,23 @@ def test_a_groups_later_pass_is_the_one_that_does_the_most_work_in_its_first_pas
             assert found == pytest.approx(best, rel=1e-12), (lengths, cost, real, cap, per_score, chosen)
             checked += 1
     assert checked > 700, checked
+    assert beside([50], 10, 100, float, lambda length: 0, 1000) == [0]  # a row cap of none still runs a row
+    assert beside([300, 20, 20], 1000, 10, float, lambda length: 8, 100) in ([1, 2], [2, 1])
+    assert beside([300, 200], 1000, 10, float, lambda length: 8, 100) in ([0], [1])
+
+
+def test_a_groups_later_pass_is_weighed_against_all_its_passes_drawn_so_far():
+    """On more than two lanes a group's third pass is drawn beside the slowest of the first two and their real
+    tokens together: `like` reads the whole group drawn so far, by the passes' row cost (tokens by default)."""
+    from mlx_encoders.serve.batcher import Job
+
+    batcher, _, gate = passes_stand_in()
+    gate.set()
+    job = Job(ids(3, 7, 7, 2))
+    assert batcher.like(None) is None
+    assert batcher.like([[(job, 0), (job, 3)]]) == (0, 6, 5)  # 2 rows x 3, 5 real tokens
+    assert batcher.like([[(job, 0), (job, 3)], [(job, 1), (job, 2)]]) == (0, 14, 19)  # the slower: 2 x 7
+    assert stops_in_time(batcher)
 
 
 def test_a_servers_row_cost_weighs_attention_so_wide_rows_are_not_set_beside_many_narrow_ones():

@@ -178,13 +178,13 @@ class Encoder:
 
     def continuous(
         self,
-        next_rows: Callable[[object | None], object],
+        next_rows: Callable[[list | None], object],
         forward: Callable[[object], list[mx.array]],
         collect: Callable[[object, list[mx.array]], None],
     ) -> None:
-        """`engine.batching.run_continuous`: forward passes drawn one at a time by `next_rows(first)` (sized by
-        `pass_size`, this encoder's slicing; `first`: the group's first pass, as there) until it returns None, as a
-        server's queue draws them."""
+        """`engine.batching.run_continuous`: forward passes drawn one at a time by `next_rows(drawn)` (sized by
+        `pass_size`, this encoder's slicing; `drawn`: the group's passes so far, as there) until it returns None, as
+        a server's queue draws them."""
         run_continuous(next_rows, forward, collect)
 
 

@@ -223,12 +223,12 @@ def pass_rows(
     return lambda length: min(batch_size, slice_rows(model.args, length, slice_bytes, per_slice))
 
 
-def drawn_groups(next_rows: Callable[[Rows | None], Rows | None], size: int) -> Iterator[list[Rows]]:
-    """Groups of up to `size` passes `next_rows(first)` draws (`first`: None for a group's first pass, then that
-    pass's rows), until it draws nothing."""
+def drawn_groups(next_rows: Callable[[list[Rows] | None], Rows | None], size: int) -> Iterator[list[Rows]]:
+    """Groups of up to `size` passes `next_rows(drawn)` draws (`drawn`: None for a group's first pass, then the
+    rows of the group's passes drawn so far), until it draws nothing."""
     while True:
         group = []
-        while len(group) < size and (rows := next_rows(group[0] if group else None)) is not None:
+        while len(group) < size and (rows := next_rows(list(group) if group else None)) is not None:
             group.append(rows)
         if not group:
             return
@@ -236,16 +236,16 @@ def drawn_groups(next_rows: Callable[[Rows | None], Rows | None], size: int) -> 
 
 
 def run_continuous(
-    next_rows: Callable[[Rows | None], Rows | None],
+    next_rows: Callable[[list[Rows] | None], Rows | None],
     forward: Callable[[Rows], list[mx.array]],
     collect: Callable[[Rows, list[mx.array]], None],
 ) -> None:
-    """`collect(rows, forward(rows))` for the passes `next_rows(first)` draws (sized by `pass_rows`), until it
+    """`collect(rows, forward(rows))` for the passes `next_rows(drawn)` draws (sized by `pass_rows`), until it
     returns None, through `run_in_lanes`: a group's passes are drawn when the group before the last one is
     collected, so what arrives meanwhile (a server's requests) joins them. One pass in all runs on every core.
-    `first` is None for a group's first pass, then that pass's rows: a group's passes run in step (MLX hands
-    their work to the lanes in graph order, a few tasks ahead), so a lighter pass leaves its core idle until the
-    heaviest ends, and the drawer should make them alike."""
+    `drawn` is None for a group's first pass, then the rows of its passes drawn so far: a group's passes run in
+    step (MLX hands their work to the lanes in graph order, a few tasks ahead), so a lighter pass leaves its core
+    idle until the heaviest ends, and the drawer should match them."""
     claim_mlx()
     run_in_lanes(functools.partial(drawn_groups, next_rows), forward, collect)
 

@@ -125,23 +125,25 @@ def beside(
     rows_for: Callable[[int], int],
     max_tokens: int,
 ) -> list[int]:
-    """The rows (indices into `lengths`) of a pass that runs in step beside one that takes `cost` (rows x
-    `row_cost(its longest)`) for `real` real tokens: those that make the two passes' real tokens over the slower
-    one's time largest, within `rows_for(their longest)` rows. For a width, the longest rows not longer than it are
-    best, and past the count that fills `cost` one more row is the most that can gain, so those two counts are
-    tried at each width, each cut to `max_tokens` real tokens (one row at least) by dropping its shortest rows.
-    Among equal lengths the earlier row (the older input) goes first."""
+    """The rows (indices into `lengths`) of a pass that runs in step beside passes that take `cost` (the slowest's
+    rows x `row_cost(its longest)`) for `real` real tokens: those that make all their real tokens over the slowest
+    pass's time largest, within `rows_for(their longest)` rows. For a width, the longest rows not longer than it
+    are best, and past the count that fills `cost` one more row is the most that can gain, so those two counts are
+    tried at each width: the best there is wherever `max_tokens` does not bind. Each is cut to `max_tokens` real
+    tokens by dropping its shortest rows; a row over it runs alone, only when every row is. Among equal lengths the
+    earlier row (the older input) goes first."""
     order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
     sums = [0]
     for k in order:
         sums.append(sums[-1] + lengths[k])
+    alone_over = bool(lengths) and min(lengths) > max_tokens  # every row over the budget: the shortest runs alone
     best, chosen = -1.0, order[-1:]
     for start, k in enumerate(order):
         width = lengths[k]
-        if start and width == lengths[order[start - 1]]:
-            continue  # the same width from a shorter set of rows
+        if (start and width == lengths[order[start - 1]]) or (width > max_tokens and not alone_over):
+            continue  # the same width from a shorter set of rows, or a row that the budget leaves out
         each = max(row_cost(width), 1e-9)
-        most = min(rows_for(width), len(order) - start)
+        most = max(1, min(rows_for(width), len(order) - start))
         fill = max(1, min(int(cost // each), most))
         for count in (fill, min(fill + 1, most)):
             while count > 1 and sums[start + count] - sums[start] > max_tokens:
@@ -285,12 +287,12 @@ class Batcher:
         for job in jobs:
             job.taken = len(job.items)
 
-    def draw(self, first: list[tuple[Job, int]] | None = None) -> list[tuple[Job, int]] | None:
+    def draw(self, drawn: list[list[tuple[Job, int]]] | None = None) -> list[tuple[Job, int]] | None:
         """The next pass: the longest waiting input of the oldest live request and, among the DRAW_WINDOW oldest
         inputs of its key, those nearest its length, as many as `passes.rows_for` their longest and
         `max_batch_tokens` allow; None when nothing waits. A group's passes run in step (`run_continuous`), so its
-        later passes (`first`: its first one's rows) take, of the inputs of the first's key, those that do the most
-        work in the first one's time (`beside`)."""
+        later passes (`drawn`: the rows of its passes so far) take, of the inputs of the first's key, those that do
+        the most work in the slowest one's time (`beside`)."""
         with self.condition:
             while dead := {id(e[0]): e[0] for e in self.waiting[:DRAW_WINDOW] if e[0].future.done()}:
                 self.take_out(*dead.values())  # their clients are gone, or an earlier pass failed them: never run
@@ -300,9 +302,9 @@ class Batcher:
                 self.held = [] if self.held is None else self.held
                 return None
             head = self.waiting[:DRAW_WINDOW]
-            like = self.like(first)
+            like = self.like(drawn)
             window = [(p, e) for p, e in enumerate(head) if e[3] == like[0]] if like is not None else []
-            if window:  # a group's later pass: the most work its lane can do in the first pass's time
+            if window:  # a group's later pass: the most work its lane can do in the slowest pass's time
                 _, cost, real = like
                 lengths = [e[2] for _, e in window]
                 picks = beside(lengths, cost, real, self.passes.row_cost, self.passes.rows_for, self.max_batch_tokens)
@@ -342,13 +344,17 @@ class Batcher:
                     log.exception("the queue-time hook of %s failed", self.name)
         return rows
 
-    def like(self, first: list[tuple[Job, int]] | None) -> tuple[object, float, int] | None:
-        """(key, time as `beside` weighs it, real tokens) of a pass's rows, or None for none."""
-        if not first:
+    def like(self, drawn: list[list[tuple[Job, int]]] | None) -> tuple[object, float, int] | None:
+        """(the first pass's key, the slowest pass's time as `beside` weighs it, their real tokens) of a group's
+        passes drawn so far, or None for none."""
+        if not drawn:
             return None
-        lengths = [len(job.items[i].ids) for job, i in first]
-        job, i = first[0]
-        return self.passes.key(job.items[i]), len(lengths) * self.passes.row_cost(max(lengths)), sum(lengths)
+        slowest, real = 0.0, 0
+        for rows in drawn:
+            lengths = [len(job.items[i].ids) for job, i in rows]
+            slowest, real = max(slowest, len(lengths) * self.passes.row_cost(max(lengths))), real + sum(lengths)
+        job, i = drawn[0][0]
+        return self.passes.key(job.items[i]), slowest, real
 
     def run_batches(self) -> None:
         while (pieces := self.take()) is not None:
