@@ -52,7 +52,7 @@ class Options:
     """Limits and behaviour of a server; the command line's options of the same names."""
 
     max_batch_tokens: int = 8192
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0  # an idle worker starts at once: requests that come meanwhile join the next passes
     max_queue: int = 256
     max_inputs: int = 2048
     max_request_bytes: int = 4 * 2**20
