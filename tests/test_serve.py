@@ -875,6 +875,22 @@ def test_a_groups_later_pass_is_the_one_that_does_the_most_work_in_its_first_pas
     assert beside([300, 200], 1000, 10, float, lambda length: 8, 100) in ([0], [1])
 
 
+def test_an_idle_worker_starts_a_lone_request_at_once_by_default():
+    """`--max-wait-ms` defaults to 0 (Options and the command line alike): an idle worker runs a lone request
+    without a timed wait for company, which made a short text's answer milliseconds slower; a wait asked for
+    is still taken."""
+    from mlx_encoders.serve.cli import FLAGS
+
+    assert Options().max_wait_ms == FLAGS["--max-wait-ms"].default == 0
+    for wait_ms, timed in ((Options().max_wait_ms, False), (5, True)):
+        batcher = stand_in(lambda items: summed(items), max_wait_ms=wait_ms, max_batch_tokens=10**6)
+        waits, wait = [], batcher.condition.wait
+        batcher.condition.wait = lambda timeout=None, waits=waits, wait=wait: waits.append(timeout) or wait(timeout)
+        assert batcher.submit(ids(2)).result(timeout=5).tolist() == [[2.0]]
+        assert any(t is not None for t in waits) is timed, waits
+        assert stops_in_time(batcher)
+
+
 def test_a_groups_later_pass_is_weighed_against_all_its_passes_drawn_so_far():
     """On more than two lanes a group's third pass is drawn beside the slowest of the first two and their real
     tokens together: `like` reads the whole group drawn so far, by the passes' row cost (tokens by default)."""
