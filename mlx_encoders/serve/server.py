@@ -381,10 +381,7 @@ class Pieces:
 
 
 def write(x, out: Pieces) -> None:
-    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 1:
-        out.add(float32_json(x).encode())
-        return
-    if isinstance(x, np.ndarray) and x.ndim > 1 and (x.size >= OFF_LOOP_VALUES or x.dtype == np.float32):
+    if isinstance(x, np.ndarray) and x.ndim > 1 and x.size >= OFF_LOOP_VALUES:
         x = list(x)
     if not isinstance(x, (list, dict)) or values(x) < OFF_LOOP_VALUES:
         out.add(small_json(x).encode())
@@ -399,7 +396,7 @@ def write(x, out: Pieces) -> None:
     else:
         out.add(b"{")
         for i, (k, v) in enumerate(x.items()):
-            key = json.dumps(str(k), ensure_ascii=False).encode()
+            key = dumps(str(k)).encode()
             out.add(b"," + key + b":" if i else key + b":")
             write(v, out)
             out.pause()
