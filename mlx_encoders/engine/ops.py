@@ -1,5 +1,5 @@
 """Exact, fast forms of the element-wise functions encoders spend their time in: exp, erf (GELU), layer norm, the
-linear product, and the hashed words dropout masks come from.
+linear product, rotary positions, and the hashed words dropout masks come from.
 
 MLX's CPU backend computes transcendental functions one element at a time; the forms here are multiply-adds and
 integer shifts that `mx.compile` fuses and the C++ compiler vectorises, within float32 rounding of the exact
@@ -10,6 +10,7 @@ MLX: on a GPU, where MLX's own kernels are fast, the functions that have a fused
 import contextvars
 import functools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -348,3 +349,56 @@ def _linear_cotangents(x: mx.array, weight: mx.array, cotangent: mx.array) -> tu
     rows = cotangent.reshape(-1, cotangent.shape[-1])
     dw = rows.T @ x.reshape(-1, x.shape[-1])
     return (cotangent @ weight).astype(x.dtype), dw.astype(weight.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_wavelengths(dims: int, base: float) -> mx.array:
+    """What mx.fast.rope divides positions by: one over transformers' float32 inverse frequencies 1 / base^(2i/dims).
+    MLX's own `base=` rounds them in another last bit, which moves the angles by 1e-4 a few thousand positions in."""
+    inverse = 1.0 / mx.power(mx.array(base, mx.float32), mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelengths = 1.0 / inverse
+    mx.eval(wavelengths)  # now: a graph left lazy would run on another thread's stream (the server's worker)
+    return wavelengths
+
+
+# Rotation tables grow to the longest length asked for, rounded up to this many positions (fewer rebuilds).
+ROTATION_ROWS = 512
+_rotations: dict[tuple[int, float, float], tuple[mx.array, mx.array]] = {}
+_rotations_lock = threading.Lock()
+
+
+def rotation_tables(length: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
+    """(cos, sin) of the rotary angles of positions 0..length-1, (length, dims / 2) float32 constants: the angles in
+    float32 as mx.fast.rope forms them (position * scale / wavelength), their cosines and sines correctly rounded
+    from float64. Made in numpy once per model shape, so a pass's graph carries no ops for them: on the CPU MLX
+    would compute them in every layer, a side branch of a dozen ops that, in a group of passes evaluated together,
+    widens the graph past MLX's breadth limit and leaves one lane's work waiting for the other's."""
+    key = (dims, base, scale)
+    with _rotations_lock:
+        tables = _rotations.get(key)
+        if tables is None or tables[0].shape[0] < length:
+            rows = -(-length // ROTATION_ROWS) * ROTATION_ROWS
+            inverse = np.reciprocal(np.array(rope_wavelengths(dims, base), np.float32))
+            angles = (np.arange(rows, dtype=np.float32) * np.float32(scale))[:, None] * inverse[None]
+            angles = angles.astype(np.float64)
+            tables = (mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32)))
+            _rotations[key] = tables
+    cos, sin = tables
+    return (cos, sin) if cos.shape[0] == length else (cos[:length], sin[:length])
+
+
+def rope(x: mx.array, base: float, scale: float = 1.0) -> mx.array:
+    """Rotate-half rotary embedding of (B, nh, L, hd) `x` at positions 0..L-1 (times `scale`: linear scaling), as
+    transformers' default rope with `rope_theta` = `base`. On the CPU the same products as mx.fast.rope's composed
+    form over `rotation_tables`; elsewhere MLX's fused kernel."""
+    dims = x.shape[-1]
+    if not on_cpu():
+        return mx.fast.rope(
+            x, dims, traditional=False, base=None, scale=scale, offset=0, freqs=rope_wavelengths(dims, base)
+        )
+    cos, sin = rotation_tables(x.shape[-2], dims, base, scale)
+    if x.dtype != mx.float32:
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    half = dims // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

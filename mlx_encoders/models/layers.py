@@ -5,7 +5,6 @@ and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear 
 quantized layers directly.
 """
 
-import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -24,6 +23,8 @@ from ..engine.ops import (
     linear_without_bias,
     next_key,
     random_words,
+    rope,
+    rope_wavelengths,
     silu,
 )
 from ..engine.quantized import QuantizedEmbedding, QuantizedLinear
@@ -84,25 +85,6 @@ class Embedding(nn.Embedding):
         if quantize_input:
             return super().to_quantized(group_size, bits, mode, quantize_input)  # MLX's error for embeddings
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
-
-
-@functools.lru_cache(maxsize=64)
-def rope_wavelengths(dims: int, base: float) -> mx.array:
-    """What mx.fast.rope divides positions by: one over transformers' float32 inverse frequencies 1 / base^(2i/dims).
-    MLX's own `base=` rounds them in another last bit, which moves the angles by 1e-4 a few thousand positions in."""
-    inverse = 1.0 / mx.power(mx.array(base, mx.float32), mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    wavelengths = 1.0 / inverse
-    mx.eval(wavelengths)  # now: a graph left lazy would run on another thread's stream (the server's worker)
-    return wavelengths
-
-
-def rope(x: mx.array, base: float, scale: float = 1.0) -> mx.array:
-    """Rotate-half rotary embedding of (B, nh, L, hd) `x` at positions 0..L-1 (times `scale`: linear scaling), as
-    transformers' default rope with `rope_theta` = `base`."""
-    dims = x.shape[-1]
-    return mx.fast.rope(
-        x, dims, traditional=False, base=None, scale=scale, offset=0, freqs=rope_wavelengths(dims, base)
-    )
 
 
 def grouped_attention(
