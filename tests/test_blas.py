@@ -491,3 +491,28 @@ def test_compiled_kernels_are_built_for_avx2_and_round_as_before(tmp_path):
 
 def test_a_flag_the_compiler_rejects_is_not_given_to_mlx():
     assert not runtime._compiler_accepts("-fno-such-flag-anywhere")
+
+
+def test_evaluation_width_is_set_per_cpu_lane_at_import_unless_the_environment_gives_one():
+    """MLX_BFS_MAX_WIDTH: LANES_BFS_WIDTH on the CPU with two or more usable cores, so a group's passes alternate in
+    MLX's order; the environment's value is kept; nothing with one core or with tuning off."""
+    code = """
+        import os, sys
+        if len(sys.argv) > 1:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import mlx_encoders
+        from mlx_encoders.engine import runtime
+        print(os.environ.get("MLX_BFS_MAX_WIDTH"), runtime.BFS_WIDTH)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "MLX_BFS_MAX_WIDTH"}
+
+    def width(*args, **settings) -> list[str]:
+        command = [sys.executable, "-c", textwrap.dedent(code), *args]
+        done = subprocess.run(command, capture_output=True, text=True, env={**env, **settings}, check=True, timeout=300)
+        return done.stdout.split()
+
+    expected = str(runtime.LANES_BFS_WIDTH)
+    assert width() == ([expected, expected] if runtime.usable_cores() > 1 else ["None", "None"])
+    assert width(MLX_BFS_MAX_WIDTH="7") == ["7", "None"]
+    assert width(MLX_ENCODERS_CPU_TUNING="0") == ["None", "None"]
+    assert width("one core") == ["None", "None"]

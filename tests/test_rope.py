@@ -9,8 +9,9 @@ import pytest
 import torch
 import transformers
 
+from mlx_encoders.engine.ops import ROTATION_ROWS, rotation_tables
 from mlx_encoders.models import model_module
-from mlx_encoders.models.layers import rope
+from mlx_encoders.models.layers import rope, rope_wavelengths
 
 LENGTH = 8192
 TINY = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64, vocab_size=100)
@@ -51,3 +52,40 @@ def test_rope_matches_transformers_at_long_positions(model_type):
         expected = apply(q, q, cos, sin)[0].numpy()
         got = np.array(rope(mx.array(q.numpy()), *settings(args, kind)))
         np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), err_msg=f"{model_type} {kind}")
+
+
+def fallback_rope(x: mx.array, base: float, scale: float = 1.0) -> mx.array:
+    """MLX's own mx.fast.rope (its composed form on the CPU) over the same wavelengths."""
+    dims = x.shape[-1]
+    return mx.fast.rope(
+        x, dims, traditional=False, base=None, scale=scale, offset=0, freqs=rope_wavelengths(dims, base)
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_rope_from_tables_equals_mlx_rope_and_its_gradient(dtype):
+    """The CPU's rotation tables give mx.fast.rope's products (their sines and cosines correctly rounded, MLX's within
+    an ulp), and the same gradient through the rotation; any length after a longer one reads the grown table."""
+    rng = np.random.default_rng(0)
+    for length in (700, 5, 1200):
+        x = mx.array(rng.standard_normal((2, 3, length, 64)).astype(np.float32)).astype(dtype)
+        for base, scale in ((1e6, 1.0), (1e4, 0.125)):
+            got, expected = (np.array(f(x, base, scale).astype(mx.float32)) for f in (rope, fallback_rope))
+            tolerance = 1e-6 if dtype == mx.float32 else 2e-3
+            np.testing.assert_allclose(got, expected, atol=tolerance * np.abs(expected).max(), rtol=0)
+    cotangent = mx.array(rng.standard_normal((2, 3, 40, 64)).astype(np.float32))
+    x = mx.array(rng.standard_normal((2, 3, 40, 64)).astype(np.float32))
+    grads = [mx.grad(lambda t, f=f: (f(t, 1e4) * cotangent).sum())(x) for f in (rope, fallback_rope)]
+    np.testing.assert_allclose(np.array(grads[0]), np.array(grads[1]), atol=1e-6 * np.abs(np.array(grads[1])).max())
+
+
+def test_rotation_tables_grow_by_whole_blocks_and_are_constants():
+    cos, sin = rotation_tables(3, 16, 777.0, 1.0)
+    longer = rotation_tables(ROTATION_ROWS + 1, 16, 777.0, 1.0)
+    assert cos.shape == (3, 8) and longer[0].shape == (ROTATION_ROWS + 1, 8)
+    again = rotation_tables(3, 16, 777.0, 1.0)
+    np.testing.assert_array_equal(np.array(again[0]), np.array(cos))
+    np.testing.assert_array_equal(np.array(again[1]), np.array(sin))
+    inverse = 1 / np.array(rope_wavelengths(16, 777.0), np.float32)
+    angles = (np.arange(3, dtype=np.float32)[:, None] * inverse).astype(np.float64)
+    np.testing.assert_array_equal(np.array(cos), np.cos(angles).astype(np.float32))

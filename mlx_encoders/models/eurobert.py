@@ -1,6 +1,6 @@
 """EuroBERT, matching transformers' `modeling_eurobert.py`.
 
-A Llama-shaped encoder with bidirectional attention: RMSNorm before attention and MLP, RoPE (`mx.fast.rope`,
+A Llama-shaped encoder with bidirectional attention: RMSNorm before attention and MLP, RoPE (`layers.rope`,
 rotate-half form) on positions `arange(L)`, grouped-query attention, a SwiGLU MLP `down(silu(gate(x)) * up(x))`,
 and a final RMSNorm. There is no pooler. The masked-LM head is one Linear (`lm_head`, untied unless the config
 ties it); the sequence classifier is `classifier(gelu(dense(.)))` with `classifier_pooling` "bos" (first token),

@@ -2,7 +2,7 @@
 Gemma 3 text decoders.
 
 Pre- and post-norm blocks of RMSNorm with (1 + weight), q/k norms, grouped-query attention scaled by
-`query_pre_attn_scalar`, rotate-half RoPE (`mx.fast.rope`) with one base for the sliding layers and one for the
+`query_pre_attn_scalar`, rotate-half RoPE (`layers.rope`) with one base for the sliding layers and one for the
 global ones, a GeGLU MLP, and embeddings scaled by sqrt(hidden_size) in the model's dtype. With
 `use_bidirectional_attention` (EmbeddingGemma) every token sees every other, and a sliding layer the keys with
 |i - j| <= sliding_window // 2 (transformers halves the window for it); otherwise attention is causal, a sliding

@@ -1,6 +1,6 @@
 """jina-embeddings-v3, matching transformers' `modeling_jina_embeddings_v3.py`, with its task LoRA adapters.
 
-XLM-RoBERTa's post-LN encoder without a position table: RoPE (`mx.fast.rope`, rotate-half form, positions 0..L-1
+XLM-RoBERTa's post-LN encoder without a position table: RoPE (`layers.rope`, rotate-half form, positions 0..L-1
 whatever the padding) on the queries and keys, `q_proj`/`k_proj`/`v_proj`/`o_proj` and `mlp.fc1`/`fc2` per layer.
 The tasks (retrieval.query, retrieval.passage, separation, classification, text-matching) are PEFT LoRA adapters
 (`jinaai/jina-embeddings-v3-hf` keeps one per subfolder): `add_adapter` takes one as read by

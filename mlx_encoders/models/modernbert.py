@@ -1,6 +1,6 @@
 """ModernBERT, matching transformers' `modeling_modernbert.py`.
 
-Pre-LN layers with RoPE (`mx.fast.rope`, rotate-half form), global attention every few layers and
+Pre-LN layers with RoPE (`layers.rope`, rotate-half form), global attention every few layers and
 sliding-window attention (|i - j| <= local_attention // 2) in between, and a GeGLU MLP. Long inputs compute
 the sliding layers' band only (`banded_attention`: O(L w) time and memory instead of an L x L mask), and the
 global layers a block of queries at a time (`layers.blockwise_attention`: O(L) memory). The encoder's

@@ -1,6 +1,6 @@
 """Nomic BERT (nomic-embed-text-v1 / v1.5), matching transformers' `modeling_nomic_bert.py`.
 
-A post-LN BERT without a position table: rotary positions (`mx.fast.rope`, rotate-half form) on queries and keys,
+A post-LN BERT without a position table: rotary positions (`layers.rope`, rotate-half form) on queries and keys,
 bias-free projections and a SwiGLU feed-forward `down(act(gate(x)) * up(x))`. Attribute names are transformers'
 module names; `sanitize` renames the keys nomic-ai's checkpoints hold, which transformers writes too
 (`encoder.layers.{i}.attn.Wqkv`, `mlp.fc11`, ...), and `ModelArgs.from_dict` reads nomic-ai's config names

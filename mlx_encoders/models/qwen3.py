@@ -2,7 +2,7 @@
 through its language-model head (Qwen3-Reranker).
 
 Pre-norm causal blocks with RMSNorm, grouped-query attention whose queries and keys are RMS-normalised per head
-before rotary embeddings (rotate-half form, `mx.fast.rope`), and a SwiGLU MLP. Positions are `arange(L)` whatever
+before rotary embeddings (rotate-half form, `layers.rope`), and a SwiGLU MLP. Positions are `arange(L)` whatever
 the padding, as transformers' forward: rotary scores depend only on the distance between tokens, so a
 left-padded row equals the same text alone. No key/value cache: these models encode, they do not generate.
 """
