@@ -493,7 +493,7 @@ def test_a_flag_the_compiler_rejects_is_not_given_to_mlx():
     assert not runtime._compiler_accepts("-fno-such-flag-anywhere")
 
 
-def test_evaluation_width_is_set_per_cpu_lane_at_import_unless_the_environment_gives_one():
+def test_evaluation_width_is_set_at_import_on_several_cores_unless_the_environment_gives_one():
     """MLX_BFS_MAX_WIDTH: LANES_BFS_WIDTH on the CPU with two or more usable cores, so a group's passes alternate in
     MLX's order; the environment's value is kept; nothing with one core or with tuning off."""
     code = """
@@ -516,3 +516,8 @@ def test_evaluation_width_is_set_per_cpu_lane_at_import_unless_the_environment_g
     assert width(MLX_BFS_MAX_WIDTH="7") == ["7", "None"]
     assert width(MLX_ENCODERS_CPU_TUNING="0") == ["None", "None"]
     assert width("one core") == ["None", "None"]
+    # a parent's import set it: a child decides for itself; a value of the user's own stays
+    inherited = {"MLX_BFS_MAX_WIDTH": expected, runtime.BFS_WIDTH_SET: expected}
+    assert width(MLX_ENCODERS_CPU_TUNING="0", **inherited) == ["None", "None"]
+    assert width("one core", **inherited) == ["None", "None"]
+    assert width(**{**inherited, "MLX_BFS_MAX_WIDTH": "9"}) == ["9", "None"]

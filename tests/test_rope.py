@@ -9,7 +9,9 @@ import pytest
 import torch
 import transformers
 
-from mlx_encoders.engine.ops import ROTATION_ROWS, rotation_tables
+from mlx_encoders.engine import ops
+from mlx_encoders.engine.ops import ROTATION_KEYS, ROTATION_ROWS, rotation_tables
+from mlx_encoders.engine.runtime import on_cpu
 from mlx_encoders.models import model_module
 from mlx_encoders.models.layers import rope, rope_wavelengths
 
@@ -62,14 +64,19 @@ def fallback_rope(x: mx.array, base: float, scale: float = 1.0) -> mx.array:
     )
 
 
+on_the_cpu = pytest.mark.skipif(not on_cpu(), reason="the rotation tables are the CPU's form (elsewhere mx.fast.rope)")
+
+
+@on_the_cpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_rope_from_tables_equals_mlx_rope_and_its_gradient(dtype):
     """The CPU's rotation tables give mx.fast.rope's products (their sines and cosines correctly rounded, MLX's within
-    an ulp), and the same gradient through the rotation; any length after a longer one reads the grown table."""
+    an ulp), and the same gradient through the rotation; any length after a longer one reads the grown table, and
+    the scale is part of a table's key (same base, two scales)."""
     rng = np.random.default_rng(0)
     for length in (700, 5, 1200):
         x = mx.array(rng.standard_normal((2, 3, length, 64)).astype(np.float32)).astype(dtype)
-        for base, scale in ((1e6, 1.0), (1e4, 0.125)):
+        for base, scale in ((1e6, 1.0), (1e6, 0.125), (1e4, 0.125)):
             got, expected = (np.array(f(x, base, scale).astype(mx.float32)) for f in (rope, fallback_rope))
             tolerance = 1e-6 if dtype == mx.float32 else 2e-3
             np.testing.assert_allclose(got, expected, atol=tolerance * np.abs(expected).max(), rtol=0)
@@ -79,13 +86,22 @@ def test_rope_from_tables_equals_mlx_rope_and_its_gradient(dtype):
     np.testing.assert_allclose(np.array(grads[0]), np.array(grads[1]), atol=1e-6 * np.abs(np.array(grads[1])).max())
 
 
-def test_rotation_tables_grow_by_whole_blocks_and_are_constants():
+@on_the_cpu
+def test_rotation_tables_grow_in_blocks_and_keep_a_bounded_number_of_shapes():
     cos, sin = rotation_tables(3, 16, 777.0, 1.0)
-    longer = rotation_tables(ROTATION_ROWS + 1, 16, 777.0, 1.0)
-    assert cos.shape == (3, 8) and longer[0].shape == (ROTATION_ROWS + 1, 8)
-    again = rotation_tables(3, 16, 777.0, 1.0)
-    np.testing.assert_array_equal(np.array(again[0]), np.array(cos))
-    np.testing.assert_array_equal(np.array(again[1]), np.array(sin))
     inverse = 1 / np.array(rope_wavelengths(16, 777.0), np.float32)
     angles = (np.arange(3, dtype=np.float32)[:, None] * inverse).astype(np.float64)
     np.testing.assert_array_equal(np.array(cos), np.cos(angles).astype(np.float32))
+    np.testing.assert_array_equal(np.array(sin), np.sin(angles).astype(np.float32))
+    assert ops._rotations[16, 777.0, 1.0][0].shape == (ROTATION_ROWS, 8)  # whole blocks
+    longer = rotation_tables(ROTATION_ROWS + 1, 16, 777.0, 1.0)
+    assert longer[0].shape == (ROTATION_ROWS + 1, 8) and ops._rotations[16, 777.0, 1.0][0].shape == (
+        2 * ROTATION_ROWS,
+        8,
+    )
+    again = rotation_tables(3, 16, 777.0, 1.0)  # a slice of the grown table: the same values
+    np.testing.assert_array_equal(np.array(again[0]), np.array(cos))
+    np.testing.assert_array_equal(np.array(again[1]), np.array(sin))
+    for base in range(2 * ROTATION_KEYS):  # a dynamic-NTK base: one shape per input length
+        rotation_tables(10, 16, 1000.0 + base, 1.0)
+    assert len(ops._rotations) == ROTATION_KEYS and (16, 1000.0 + 2 * ROTATION_KEYS - 1, 1.0) in ops._rotations

@@ -7,6 +7,7 @@ function (tests/test_numerics.py), their gradients the exact functions' (tests/t
 MLX: on a GPU, where MLX's own kernels are fast, the functions that have a fused form step aside for it.
 """
 
+import collections
 import contextvars
 import functools
 import math
@@ -361,28 +362,35 @@ def rope_wavelengths(dims: int, base: float) -> mx.array:
     return wavelengths
 
 
-# Rotation tables grow to the longest length asked for, rounded up to this many positions (fewer rebuilds).
+# Rotation tables grow to the longest length asked for (at least doubling, in whole blocks of this many positions),
+# for at most ROTATION_KEYS shapes at once, the least recently used let go: a dynamic-NTK base (Nomic BERT, GTE)
+# changes with every input length past the trained one.
 ROTATION_ROWS = 512
-_rotations: dict[tuple[int, float, float], tuple[mx.array, mx.array]] = {}
+ROTATION_KEYS = 16
+_rotations: collections.OrderedDict[tuple[int, float, float], tuple[mx.array, mx.array]] = collections.OrderedDict()
 _rotations_lock = threading.Lock()
 
 
 def rotation_tables(length: int, dims: int, base: float, scale: float) -> tuple[mx.array, mx.array]:
     """(cos, sin) of the rotary angles of positions 0..length-1, (length, dims / 2) float32 constants: the angles in
     float32 as mx.fast.rope forms them (position * scale / wavelength), their cosines and sines correctly rounded
-    from float64. Made in numpy once per model shape, so a pass's graph carries no ops for them: on the CPU MLX
-    would compute them in every layer, a side branch of a dozen ops that, in a group of passes evaluated together,
-    widens the graph past MLX's breadth limit and leaves one lane's work waiting for the other's."""
+    from float64. Made in numpy, so a pass's graph holds no ops for the angles: on the CPU mx.fast.rope computes
+    them in every layer, a side branch of a dozen ops that, in a group of passes evaluated together, helped push
+    MLX's order past its breadth limit (runtime.widen_evaluation)."""
     key = (dims, base, scale)
     with _rotations_lock:
         tables = _rotations.get(key)
         if tables is None or tables[0].shape[0] < length:
-            rows = -(-length // ROTATION_ROWS) * ROTATION_ROWS
+            grown = max(length, 2 * tables[0].shape[0]) if tables is not None else length
+            rows = -(-grown // ROTATION_ROWS) * ROTATION_ROWS
             inverse = np.reciprocal(np.array(rope_wavelengths(dims, base), np.float32))
             angles = (np.arange(rows, dtype=np.float32) * np.float32(scale))[:, None] * inverse[None]
             angles = angles.astype(np.float64)
             tables = (mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32)))
             _rotations[key] = tables
+        _rotations.move_to_end(key)
+        while len(_rotations) > ROTATION_KEYS:
+            _rotations.popitem(last=False)
     cos, sin = tables
     return (cos, sin) if cos.shape[0] == length else (cos[:length], sin[:length])
 

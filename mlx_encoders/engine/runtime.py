@@ -691,16 +691,23 @@ BINDING: Binding | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at 
 # Wider costs memory where the order saves it: gradient checkpointing's recomputed layers run side by side (its
 # saving on a BERT step: 43% at 20, 38% at 40, 20% at 80).
 LANES_BFS_WIDTH = 40
+# Names the value this package set, so that a child process (it inherits the environment) can tell it from the
+# user's own and decide for itself (tuning off, one core).
+BFS_WIDTH_SET = "MLX_ENCODERS_SET_BFS_WIDTH"
 
 
 def widen_evaluation() -> str | None:
     """Set MLX_BFS_MAX_WIDTH to LANES_BFS_WIDTH where the process starts on the CPU with several usable cores and the
-    environment gives no value; the value set, or None. MLX reads it at its first evaluation, so it counts from an
-    import of the package before any MLX computation (set it in the environment otherwise). Child processes
-    inherit it; it changes the order MLX runs independent ops in, never a result."""
+    environment gives no value of its own; the value set, or None. A value a parent process's import set
+    (BFS_WIDTH_SET) is taken back first. MLX reads it at its first evaluation, so it counts from an import of the
+    package before any MLX computation (set it in the environment otherwise). It changes the order MLX runs
+    independent ops in, never a result."""
+    inherited = os.environ.pop(BFS_WIDTH_SET, None)
+    if inherited is not None and os.environ.get("MLX_BFS_MAX_WIDTH") == inherited:
+        del os.environ["MLX_BFS_MAX_WIDTH"]
     if not tuning_enabled() or "MLX_BFS_MAX_WIDTH" in os.environ or not on_cpu() or usable_cores() < 2:
         return None
-    os.environ["MLX_BFS_MAX_WIDTH"] = value = str(LANES_BFS_WIDTH)
+    os.environ["MLX_BFS_MAX_WIDTH"] = os.environ[BFS_WIDTH_SET] = value = str(LANES_BFS_WIDTH)
     return value
 
 
