@@ -259,14 +259,28 @@ def sentence_transformers_engine(path: Path, batch_size: int, threads: int) -> C
     return Isolated(sentence_transformers_model, path, batch_size, threads)
 
 
+def mlx_embeddings_load(path: Path):
+    """mlx-embeddings' `load` (model, tokenizer), imported without mlx-vlm too: its utils.py imports
+    `mlx_vlm.utils.sanitize_weights`, which only its vision models call (`pip install --no-deps mlx-embeddings`)."""
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("mlx_vlm") is None and "mlx_vlm" not in sys.modules:
+        stub = types.ModuleType("mlx_vlm.utils")
+        stub.sanitize_weights = None
+        sys.modules["mlx_vlm"], sys.modules["mlx_vlm.utils"] = types.ModuleType("mlx_vlm"), stub
+    from mlx_embeddings.utils import load
+
+    return load(str(path))
+
+
 def mlx_embeddings_engine(path: Path, batch_size: int, sort: bool) -> Callable:
     """mlx-embeddings' documented use (tokenizer -> model -> text_embeds) on batches of the texts in their
     order, as its README shows; `sort` gives it batches sorted by length, as sentence-transformers makes."""
     import mlx.core as mx
     import numpy as np
-    from mlx_embeddings.utils import load
 
-    model, tokenizer = load(str(path))
+    model, tokenizer = mlx_embeddings_load(path)
 
     def encode(texts):
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i])) if sort else range(len(texts))

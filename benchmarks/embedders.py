@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from embed import cosines, model_folder, set_threads, sgemm_limit  # noqa: E402
+from embed import cosines, mlx_embeddings_load, model_folder, set_threads, sgemm_limit  # noqa: E402
 
 MAX_SEQ_LENGTH = 256
 # shape -> (config class, its published config.json values, pooling mode, padding side, Dense widths after pooling)
@@ -141,9 +141,8 @@ def mlx_embeddings(folder: Path, batch_size: int):
     """mlx-embeddings as its README shows (tokenizer -> model -> text_embeds), on the folder's transformer."""
     import mlx.core as mx
     import numpy as np
-    from mlx_embeddings.utils import load
 
-    model, tokenizer = load(str(folder.parent / "transformer"))
+    model, tokenizer = mlx_embeddings_load(folder.parent / "transformer")
 
     def encode(texts):
         out = []
