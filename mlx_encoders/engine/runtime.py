@@ -688,8 +688,8 @@ BINDING: Binding | None = give_mlx_fast_blas()  # the fast BLAS given to MLX at 
 # depth first. A group's passes evaluated together run at once on their lanes only while that order alternates
 # between them; a decoder layer's branches (rotary halves, q/k norms, masks) alone fill 20, and then one lane's pass
 # is ordered ahead of the other's and the lanes take turns (a Qwen3-0.6B-shaped group ran on one core at a time).
-# Wider costs memory where the order saves it: gradient checkpointing's recomputed layers run side by side (its
-# saving on a BERT step: 43% at 20, 38% at 40, 20% at 80).
+# Wider costs memory where the order saves it: gradient checkpointing's recomputed layers run side by side
+# (benchmarks/RESULTS.md, "With the lanes' passes ordered to alternate").
 LANES_BFS_WIDTH = 40
 # Names the value this package set, so that a child process (it inherits the environment) can tell it from the
 # user's own and decide for itself (tuning off, one core).
