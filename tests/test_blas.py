@@ -450,12 +450,15 @@ x = mx.array(np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32
 fused = mx.compile(lambda x: nn.gelu(x) * 3 - x)
 got, plain = np.array(fused(x)), np.array(nn.gelu(x) * 3 - x)
 softmax = np.array(ops.exp_nonpositive(-mx.abs(x)))
+from mlx_encoders.engine.optim import adamw_update  # compiled: a square root among 4 arrays, 3 written
+update = adamw_update(x, x * 0.5, x * 0.25, x * x, *map(mx.array, (0.9, 1e-3, 2e-3, 1.1)), 0.01, 0.9, 0.999, 1e-8)
+adamw = b"".join(np.array(a).tobytes() for a in update)
 build = 'g++ -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1'
 others = ["g++ --version > /dev/null 2>&1", "ls"]
 commands = [kernel_flags.command(c) for c in [build, *others]] if kernel_flags.FORWARDING else []
 print(json.dumps(dict(native=bool(kernel_flags.FORWARDING), rewritten=kernel_flags.rewritten(), commands=commands,
                       error=float(np.abs(got - plain).max() / np.abs(plain).max()),
-                      values=hashlib.sha256(got.tobytes() + softmax.tobytes()).hexdigest())))
+                      values=hashlib.sha256(got.tobytes() + softmax.tobytes() + adamw).hexdigest())))
 """
 
 
@@ -467,7 +470,8 @@ print(json.dumps(dict(native=bool(kernel_flags.FORWARDING), rewritten=kernel_fla
 def test_compiled_kernels_are_built_for_avx2_and_round_as_before(tmp_path):
     """From the package's first computation, MLX's kernel build command (and no other command MLX runs) gets the
     AVX2 flags; the kernels it builds in a fresh kernel folder are other code than those built with tuning off (in a
-    folder of their own), and give the same bits (a fused GELU, the package's exp), equal to the unfused ops."""
+    folder of their own), and give the same bits (a fused GELU, the package's exp, its AdamW update), equal to the
+    unfused ops."""
     results, kernels = {}, {}
     for tuning in ("1", "0"):
         folder = tmp_path / tuning

@@ -15,9 +15,11 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+#define FLAGS_BYTES 128
+
 typedef FILE *(*popen_fn)(const char *, const char *);
 static popen_fn real_popen;
-static char flags[128];
+static char flags[FLAGS_BYTES];
 static const char compile[] = "g++ -std=c++17 ";
 static volatile int rewritten;
 
@@ -52,9 +54,14 @@ FILE *kernel_flags_popen(const char *command, const char *mode) {
 """
 
 
+FLAGS_BYTES = 128  # the C source's flags buffer
+
+
 def forwarding_popen(flags: str) -> int | None:
     """The address of a popen that adds `flags` to MLX's kernel build command (and leaves every other command as
     it is), or None without a compiler."""
+    if len(flags.encode()) >= FLAGS_BYTES:
+        raise ValueError(f"kernel flags {flags!r} are longer than the {FLAGS_BYTES - 1} bytes kernel_flags.c holds")
     path = build(SOURCE, "kernel-flags")
     if path is None:
         return None

@@ -401,8 +401,11 @@ def claim_mlx() -> None:
 # The flags for MLX's kernel builds on x86-64 (`native_kernels`): AVX2, FMA and F16C, which MLX's own builds with AVX2
 # pass too, rather than -march=native: MLX reuses a kernel it finds built (named by version and kernel only), and a
 # cache carried to an older processor (a container image) must not hold instructions it lacks. No multiply-add is
-# contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as before.
-NATIVE_FLAGS = {"x86_64": "-mavx2 -mfma -mf16c -ffp-contract=off"}
+# contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as before. Without errno (which
+# no kernel reads) and with more alias checks, g++ also vectorizes square roots and kernels of many arrays (AdamW's).
+NATIVE_FLAGS = {
+    "x86_64": "-mavx2 -mfma -mf16c -ffp-contract=off -fno-math-errno --param=vect-max-version-for-alias-checks=64"
+}
 NATIVE_CPU_FEATURES = {"x86_64": {"avx2", "fma", "f16c"}}  # /proc/cpuinfo's names for what NATIVE_FLAGS use
 
 
