@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_sentence import Pooling, bert, save_st  # noqa: F401  (bert: a fixture)
 
-from mlx_encoders.engine import runtime
+from mlx_encoders.engine import kernel_flags, runtime
 from mlx_encoders.engine.runtime import one_blas_thread
 
 pytestmark = [
@@ -451,7 +451,9 @@ fused = mx.compile(lambda x: nn.gelu(x) * 3 - x)
 got, plain = np.array(fused(x)), np.array(nn.gelu(x) * 3 - x)
 softmax = np.array(ops.exp_nonpositive(-mx.abs(x)))
 from mlx_encoders.engine.optim import adamw_update  # compiled: a square root among 4 arrays, 3 written
-update = adamw_update(x, x * 0.5, x * 0.25, x * x, *map(mx.array, (0.9, 1e-3, 2e-3, 1.1)), 0.01, 0.9, 0.999, 1e-8)
+special = mx.array([-1.0, -0.0, float("inf"), -float("inf"), float("nan")])  # square roots of these too
+v = mx.concatenate([x * x, -x * x, special])
+update = adamw_update(v, v * 0.5, v * 0.25, v, *map(mx.array, (0.9, 1e-3, 2e-3, 1.1)), 0.01, 0.9, 0.999, 1e-8)
 adamw = b"".join(np.array(a).tobytes() for a in update)
 build = 'g++ -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1'
 others = ["g++ --version > /dev/null 2>&1", "ls"]
@@ -482,7 +484,7 @@ def test_compiled_kernels_are_built_for_avx2_and_round_as_before(tmp_path):
     tuned, plain = results["1"], results["0"]
     assert tuned["error"] < 1e-6 and tuned["values"] == plain["values"]  # each element rounded as before
     assert not plain["native"] and plain["rewritten"] == 0
-    flags = runtime.NATIVE_FLAGS[runtime.platform.machine()]
+    flags = runtime.NATIVE_FLAGS[runtime.platform.machine()][0]  # the first set: this g++ accepts it
     assert tuned["native"] and tuned["rewritten"] >= 1
     assert tuned["commands"] == [
         f'g++ {flags} -std=c++17 -O3 -Wall -fPIC -shared "k.cpp" -o "k.so" 2>&1',
@@ -495,6 +497,20 @@ def test_compiled_kernels_are_built_for_avx2_and_round_as_before(tmp_path):
 
 def test_a_flag_the_compiler_rejects_is_not_given_to_mlx():
     assert not runtime._compiler_accepts("-fno-such-flag-anywhere")
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="asks g++")
+def test_a_compiler_refusing_the_vectorizing_flags_still_gets_the_next_set():
+    assert runtime.accepted_flags(["-O2 -fno-such-flag-anywhere", "-O2"]) == "-O2"
+    assert runtime.accepted_flags(["-fno-such-flag-anywhere"]) is None
+
+
+def test_every_set_of_kernel_flags_fits_the_helper():
+    """kernel_flags' C helper holds FLAGS_BYTES - 1 bytes of flags; a longer set is refused, never cut short."""
+    sets = [flags for candidates in runtime.NATIVE_FLAGS.values() for flags in candidates]
+    assert sets and all(len(flags.encode()) < kernel_flags.FLAGS_BYTES for flags in sets)
+    with pytest.raises(ValueError, match="longer than"):
+        kernel_flags.forwarding_popen("-O2 " * kernel_flags.FLAGS_BYTES)
 
 
 def test_evaluation_width_is_set_at_import_on_several_cores_unless_the_environment_gives_one():

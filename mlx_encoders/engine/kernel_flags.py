@@ -1,7 +1,7 @@
 """MLX's compiled CPU kernels built for this machine's vector units. `mx.compile` fuses element-wise ops into C++
 kernels that MLX builds at run time with `g++ -std=c++17 -O3 ...`; its Linux wheel adds no target flag, so they are
 built for the baseline x86-64 (SSE2: four floats a vector) whatever the processor has. `forwarding_popen(flags)` is
-a popen that adds `flags` (AVX2's, `runtime.NATIVE_FLAGS`) to that one command and runs every other as given;
+a popen that adds `flags` (AVX2's, from `runtime.NATIVE_FLAGS`) to that one command and runs every other as given;
 `runtime.native_kernels` writes it into libmlx's popen slot, so that no other code in the process, and no child
 process, sees a change. It is a few lines of C, compiled on first need (`helpers.build`).
 """
@@ -10,12 +10,13 @@ import ctypes
 
 from .helpers import build
 
+FLAGS_BYTES = 128  # the C source's flags buffer, its terminating zero included
 SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define FLAGS_BYTES 128
+#define FLAGS_BYTES @FLAGS_BYTES@
 
 typedef FILE *(*popen_fn)(const char *, const char *);
 static popen_fn real_popen;
@@ -52,16 +53,14 @@ FILE *kernel_flags_popen(const char *command, const char *mode) {
   return pipe;
 }
 """
-
-
-FLAGS_BYTES = 128  # the C source's flags buffer
+SOURCE = SOURCE.replace("@FLAGS_BYTES@", str(FLAGS_BYTES))
 
 
 def forwarding_popen(flags: str) -> int | None:
     """The address of a popen that adds `flags` to MLX's kernel build command (and leaves every other command as
     it is), or None without a compiler."""
     if len(flags.encode()) >= FLAGS_BYTES:
-        raise ValueError(f"kernel flags {flags!r} are longer than the {FLAGS_BYTES - 1} bytes kernel_flags.c holds")
+        raise ValueError(f"kernel flags {flags!r} are longer than the {FLAGS_BYTES - 1} bytes the helper holds")
     path = build(SOURCE, "kernel-flags")
     if path is None:
         return None
@@ -80,7 +79,7 @@ def command(text: str) -> str:
     """What the loaded forwarding popen runs for `text` (tests)."""
     library = FORWARDING[-1]
     library.kernel_flags_command.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
-    out = ctypes.create_string_buffer(len(text) + 130)
+    out = ctypes.create_string_buffer(len(text) + FLAGS_BYTES + 2)
     return out.value.decode() if library.kernel_flags_command(text.encode(), out, len(out)) else text
 
 

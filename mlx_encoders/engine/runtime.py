@@ -398,33 +398,37 @@ def claim_mlx() -> None:
         )
 
 
-# The flags for MLX's kernel builds on x86-64 (`native_kernels`): AVX2, FMA and F16C, which MLX's own builds with AVX2
-# pass too, rather than -march=native: MLX reuses a kernel it finds built (named by version and kernel only), and a
-# cache carried to an older processor (a container image) must not hold instructions it lacks. No multiply-add is
-# contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as before. Without errno (which
-# no kernel reads) and with more alias checks, g++ also vectorizes square roots and kernels of many arrays (AdamW's).
+# The flags for MLX's kernel builds on x86-64 (`native_kernels`), the first set g++ accepts: AVX2, FMA and F16C, which
+# MLX's own builds with AVX2 pass too, rather than -march=native: MLX reuses a kernel it finds built (named by version
+# and kernel only), and a cache carried to an older processor (a container image) must not hold instructions it
+# lacks. No multiply-add is contracted (the baseline x86-64 has no FMA), so each element is rounded exactly as
+# before. Without errno (which no kernel reads) and with more alias checks, g++ also vectorizes square roots and
+# kernels of many arrays (AdamW's update); a compiler that refuses those two still gets the AVX2 set.
 NATIVE_FLAGS = {
-    "x86_64": "-mavx2 -mfma -mf16c -ffp-contract=off -fno-math-errno --param=vect-max-version-for-alias-checks=64"
+    "x86_64": (
+        "-mavx2 -mfma -mf16c -ffp-contract=off -fno-math-errno --param=vect-max-version-for-alias-checks=64",
+        "-mavx2 -mfma -mf16c -ffp-contract=off",
+    )
 }
-NATIVE_CPU_FEATURES = {"x86_64": {"avx2", "fma", "f16c"}}  # /proc/cpuinfo's names for what NATIVE_FLAGS use
+NATIVE_CPU_FEATURES = {"x86_64": {"avx2", "fma", "f16c"}}  # /proc/cpuinfo's names for what NATIVE_FLAGS need
 
 
 def native_kernels() -> bool:
     """Have MLX build the element-wise kernels `mx.compile` fuses for AVX2 (where its Linux wheel builds for SSE2)
     on a processor that has it: GELU's fused kernel runs about 1.3x as fast, a fine-tuning step 3% faster
     (benchmarks/RESULTS.md). Gives libmlx's popen slot the forwarding popen of `kernel_flags.py`, which adds
-    NATIVE_FLAGS to MLX's kernel build command alone, once g++ has accepted them; the slot is the one found, and
+    the first of NATIVE_FLAGS that g++ accepts to MLX's kernel build command alone; the slot is the one found, and
     checked, with the BLAS's slots, so only where the engine gave MLX its BLAS. Kernels MLX built before (its cache
     under the temporary folder) stay as they are. Returns whether MLX's builds get the flags; nothing with tuning
     off, off x86-64 Linux, on a processor without the features, or without a compiler."""
     machine = platform.machine()
-    flags = NATIVE_FLAGS.get(machine)
-    if BINDING is None or "popen" not in BINDING.slots or flags is None or not tuning_enabled():
+    candidates = NATIVE_FLAGS.get(machine)
+    if BINDING is None or "popen" not in BINDING.slots or candidates is None or not tuning_enabled():
         return False
     with _forwarding_lock:
         if not kernel_flags.FORWARDING:
-            usable = NATIVE_CPU_FEATURES[machine] <= cpu_features() and _compiler_accepts(flags)
-            address = kernel_flags.forwarding_popen(flags) if usable else None
+            flags = accepted_flags(candidates) if NATIVE_CPU_FEATURES[machine] <= cpu_features() else None
+            address = kernel_flags.forwarding_popen(flags) if flags is not None else None
             if address is None or not _write_slots({slot: address for slot in BINDING.slots["popen"]}):
                 kernel_flags.FORWARDING.clear()  # not given to MLX: a later call tries again
                 return False
@@ -438,6 +442,11 @@ def cpu_features() -> set[str]:
     except OSError:
         return set()
     return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def accepted_flags(candidates: Sequence[str]) -> str | None:
+    """The first of `candidates` (sets of compiler flags) that g++ accepts, or None."""
+    return next((flags for flags in candidates if _compiler_accepts(flags)), None)
 
 
 def _compiler_accepts(flags: str) -> bool:
