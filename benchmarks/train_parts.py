@@ -59,7 +59,7 @@ def torch_step(variant: str, ids, labels):
             for module in layer.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.0)  # Trainer's and fine_tune's default
     x, y = torch.tensor(ids), torch.tensor(labels)
     zeros = {p: torch.zeros_like(p) for p in model.parameters()}
 
