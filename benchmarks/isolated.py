@@ -7,8 +7,11 @@ that neither engine's warm-up or background threads share a process with the oth
 The child is a daemon that also ends when this process closes its end of the pipe.
 """
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -52,3 +55,13 @@ def serve(connection, build: Callable, args: tuple) -> None:
             connection.send(("ok", engine(*request)))
         except BaseException:
             connection.send(("error", traceback.format_exc()))
+
+
+def worker_result(command: list[str], what: str, env: dict | None = None) -> dict:
+    """Run `command` (a benchmark script's own `--worker` run) and return the JSON its last "RESULT " line prints;
+    exit naming `what`, with the end of the worker's stderr, when it fails or prints none."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))

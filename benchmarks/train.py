@@ -43,7 +43,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from embed import mlx_blas, model_folder  # the sibling benchmark's: the BLAS in use, the real MiniLM folder
+from isolated import worker_result
 
 CLASSES = "tkinter,idlelib,distutils,asyncio,email,importlib,xml,unittest"
 BERT_BASE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)
@@ -459,11 +459,7 @@ def run(job: dict, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, "--worker", json.dumps(job), "--threads", str(args.threads)]
     command += ["--blas", args.blas] if args.blas else []
     env = os.environ | {"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        sys.exit(f"{job['part']} / {job['engine']} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return worker_result(command, f"{job['part']} / {job['engine']}", env)
 
 
 # ----- the parts -----

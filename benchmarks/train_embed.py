@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+from isolated import worker_result
 
 MIN_DOCUMENT = 40  # characters of a docstring's rest, so the document says more than its summary
 
@@ -180,12 +180,11 @@ def run(job: dict, script: str = __file__) -> dict:
     env = os.environ | {"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    done = subprocess.run([sys.executable, script, "--worker", f.name], capture_output=True, text=True, env=env)
-    os.unlink(f.name)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        sys.exit(f"{job['engine']} (seed {job.get('seed')}) failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    try:
+        command = [sys.executable, script, "--worker", f.name]
+        return worker_result(command, f"{job['engine']} (seed {job.get('seed')})", env)
+    finally:
+        os.unlink(f.name)
 
 
 def main() -> None:

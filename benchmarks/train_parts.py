@@ -18,26 +18,13 @@ costs do not add up to the step.
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 from embed import model_folder  # the sibling benchmark's: the real MiniLM folder
+from isolated import worker_result
+from train_step import LABELS, timed  # the sibling benchmark's: its classifier's labels, its step timing
 
-LABELS = 8
 VARIANTS = ("whole", "no GELU", "no attention", "no dropout", "no optimizer")
-
-
-def timed(step, steps: int) -> float:
-    for _ in range(4):
-        step()
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - start)
-    return statistics.median(walls)
 
 
 def torch_step(variant: str, ids, labels):
@@ -127,12 +114,12 @@ def worker(library: str, variant: str, batch: int, length: int, steps: int) -> f
     ids = rng.integers(1000, 20000, (batch, length))
     labels = rng.integers(0, LABELS, (batch,))
     if library == "torch":
-        return timed(torch_step(variant, ids, labels), steps)
+        return timed(torch_step(variant, ids, labels), steps, warmup=4)["wall"]
     from mlx_encoders.engine.runtime import keep_freed_memory, one_blas_thread
 
     step = mlx_step(variant, ids, labels)
     with one_blas_thread(), keep_freed_memory():
-        return timed(step, steps)
+        return timed(step, steps, warmup=4)["wall"]
 
 
 def main() -> None:
@@ -159,11 +146,7 @@ def main() -> None:
         for library in libraries:
             sizes = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
             command = [sys.executable, __file__, "--worker", library, variant, *sizes, "--steps", str(args.steps)]
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                sys.exit(f"{library}, {variant}: failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-            times[library] = json.loads(lines[-1].removeprefix("RESULT "))
+            times[library] = worker_result(command, f"{library}, {variant}", env)
         whole = whole or times
         parts = "" if variant == "whole" else "".join(f"{whole[lib] - times[lib]:>14.3f}" for lib in libraries)
         print(f"{variant:<14}" + "".join(f"{times[lib]:>9.3f}" for lib in libraries) + parts, flush=True)

@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
 
 from embed import model_folder  # the sibling benchmark's: the real MiniLM folder
+from isolated import worker_result
 
 LABELS = 8
 
@@ -31,8 +31,8 @@ def cpu_seconds() -> float:
     return times.user + times.system
 
 
-def timed(step, steps: int) -> dict:
-    for _ in range(3):
+def timed(step, steps: int, warmup: int = 3) -> dict:
+    for _ in range(warmup):
         step()
     walls, cpus = [], []
     for _ in range(steps):
@@ -147,11 +147,7 @@ def main() -> None:
             env = os.environ | {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
             sizes = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
             command = [sys.executable, __file__, "--worker", library, str(threads), *sizes, "--steps", str(args.steps)]
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not lines:
-                sys.exit(f"{library} on {threads} threads failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-            r = json.loads(lines[-1].removeprefix("RESULT "))
+            r = worker_result(command, f"{library} on {threads} threads", env)
             print(f"{library:<8}{threads:>8}{r['step']['wall']:>13.3f}{r['step']['cpu']:>12.3f}"
                   f"{r['products']['wall']:>17.3f}{r['products']['cpu']:>16.3f}", flush=True)  # fmt: skip
 
