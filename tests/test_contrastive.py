@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -177,6 +178,25 @@ def test_rows_embedded_in_length_groups_give_sentence_transformers_loss_and_grad
     assert value == pytest.approx(expected, rel=1e-5)
     for name in PARAMETERS:
         assert_close(grads[name], expected_grads[name])
+
+
+def test_length_groups_look_their_tokens_up_once_per_table(st_folder, monkeypatch):
+    # every group of every column in one lookup of the word table: one gradient of the table a step, not one a group
+    monkeypatch.setattr(embedding, "LENGTH_GROUP", 2)
+    looked_up = []
+    lookup = nn.Embedding.__call__
+
+    def counted(table, ids):
+        looked_up.append((table.weight.shape[0], ids.size))
+        return lookup(table, ids)
+
+    monkeypatch.setattr(nn.Embedding, "__call__", counted)
+    value, _ = our_loss_and_grads(st_folder, MultipleNegativesRankingLoss(), TRIPLETS)
+    word_table = load_model(st_folder, dtype="float32", task="encoder").args.vocab_size
+    words = [size for rows, size in looked_up if rows == word_table]
+    assert len(words) == 1 and words[0] >= len(TRIPLETS) * len(TRIPLET_COLUMNS), looked_up
+    expected, _ = st_loss_and_grads(st_folder, LOSS_CASES["mnrl-cosine"][1], TRIPLETS, TRIPLET_COLUMNS)
+    assert value == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,10 @@ and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear 
 quantized layers directly.
 """
 
-from collections.abc import Callable
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +35,7 @@ from ..engine.quantized import QuantizedEmbedding, QuantizedLinear
 __all__ = [
     "Dropout", "Embedding", "GatedMLP", "LayerNorm", "Linear",
     "attention", "blockwise_attention", "drawing_from", "gelu", "gelu_tanh", "grouped_attention", "linear",
-    "next_key", "rope", "rope_wavelengths", "silu",
+    "next_key", "one_lookup", "rope", "rope_wavelengths", "silu",
 ]  # fmt: skip
 
 
@@ -79,12 +82,55 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding, quantized into the engine's QuantizedEmbedding."""
+    """nn.Embedding, quantized into the engine's QuantizedEmbedding; inside `one_lookup`, the ids it names share one
+    lookup."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shared = getattr(_LOOKUPS, "active", None)
+        rows = None if shared is None else shared.rows(self, x)
+        return super().__call__(x) if rows is None else rows
 
     def to_quantized(self, group_size=None, bits=None, mode: str = "affine", quantize_input: bool = False):
         if quantize_input:
             return super().to_quantized(group_size, bits, mode, quantize_input)  # MLX's error for embeddings
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
+
+
+class SharedLookup:
+    """The rows of every array of `ids` in one table, gathered at once per table (`one_lookup`)."""
+
+    def __init__(self, ids: Sequence[mx.array]):
+        self.ids = list(ids)  # held, so that no other array takes one of their ids meanwhile
+        self.position = {id(a): i for i, a in enumerate(self.ids)}
+        self.found: dict[int, tuple[nn.Embedding, list[mx.array]]] = {}
+
+    def rows(self, table: nn.Embedding, x: mx.array) -> mx.array | None:
+        """table(x) when x is one of the ids, else None."""
+        i = self.position.get(id(x))
+        if i is None:
+            return None
+        if id(table) not in self.found:
+            flat = nn.Embedding.__call__(table, mx.concatenate([a.reshape(-1) for a in self.ids]))
+            ends = list(itertools.accumulate(a.size for a in self.ids))[:-1]
+            pieces = [p.reshape(*a.shape, -1) for p, a in zip(mx.split(flat, ends), self.ids, strict=True)]
+            self.found[id(table)] = (table, pieces)
+        return self.found[id(table)][1][i]
+
+
+_LOOKUPS = threading.local()  # .active: this thread's SharedLookup
+
+
+@contextmanager
+def one_lookup(ids: Sequence[mx.array]) -> Iterator[None]:
+    """Inside, an `Embedding` called with one of `ids` (that very array) gathers the rows of all of them at once and
+    returns its own: passes over several batches (a training step's length groups) then take one gradient of each
+    table (one scatter into a zero table) instead of one a batch, each as large as the table. The same values."""
+    outer = getattr(_LOOKUPS, "active", None)
+    _LOOKUPS.active = SharedLookup(ids) if len(ids) > 1 else None
+    try:
+        yield
+    finally:
+        _LOOKUPS.active = outer
 
 
 def grouped_attention(

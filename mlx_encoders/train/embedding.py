@@ -29,6 +29,7 @@ from ..embeddings.pooling import pool
 from ..embeddings.sentence import MODULES as DENSE_MODULES
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
+from ..models.layers import one_lookup
 from ..tokenizer import Tokenizer
 from .data import PICKED_COLUMNS, DataError, Examples, by_position, read_rows, regression_target, select_columns
 from .evaluators import retrieval_metric_names, row_retrieval_metrics
@@ -378,8 +379,11 @@ class EmbeddingObjective(Objective):
         return inputs if batch["labels"] is None else inputs | {"labels": mx.array(batch["labels"])}
 
     def inputs_loss(self, model: nn.Module, inputs: dict, order: np.ndarray | None = None) -> mx.array:
-        """The loss of a batch's `inputs`, in MLX operations only; with `order`, over every rank's embeddings."""
-        embeddings = [gathered(self.embed_groups(model, col, c), order) for c, col in enumerate(inputs["columns"])]
+        """The loss of a batch's `inputs`, in MLX operations only; with `order`, over every rank's embeddings. The
+        length groups of every column look their tokens up at once (`one_lookup`): one gradient of each table."""
+        with one_lookup([f["input_ids"] for column in inputs["columns"] for f in column["groups"]]):
+            columns = enumerate(inputs["columns"])
+            embeddings = [gathered(self.embed_groups(model, col, c), order) for c, col in columns]
         return self.loss(embeddings, inputs.get("labels"))
 
     def batch_loss(self, model: nn.Module, batch: dict) -> mx.array:
