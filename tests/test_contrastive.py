@@ -180,8 +180,10 @@ def test_rows_embedded_in_length_groups_give_sentence_transformers_loss_and_grad
         assert_close(grads[name], expected_grads[name])
 
 
-def test_length_groups_look_their_tokens_up_once_per_table(st_folder, monkeypatch):
-    # every group of every column in one lookup of the word table: one gradient of the table a step, not one a group
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_length_groups_look_their_tokens_up_once_per_table(st_folder, monkeypatch, compiled):
+    # every group of every column in one lookup of the word table: one gradient of the table a step, not one a group;
+    # compiled as the trainer's float32 step is (`retraced_value_and_grad`), where the lookup happens in its trace
     monkeypatch.setattr(embedding, "LENGTH_GROUP", 2)
     looked_up = []
     lookup = nn.Embedding.__call__
@@ -191,12 +193,26 @@ def test_length_groups_look_their_tokens_up_once_per_table(st_folder, monkeypatc
         return lookup(table, ids)
 
     monkeypatch.setattr(nn.Embedding, "__call__", counted)
-    value, _ = our_loss_and_grads(st_folder, MultipleNegativesRankingLoss(), TRIPLETS)
-    word_table = load_model(st_folder, dtype="float32", task="encoder").args.vocab_size
-    words = [size for rows, size in looked_up if rows == word_table]
-    assert len(words) == 1 and words[0] >= len(TRIPLETS) * len(TRIPLET_COLUMNS), looked_up
+    model = load_model(st_folder, dtype="float32", task="encoder")
+    model.train(False)
+    tokenizer = tokenizer_for(model.args, st_folder)
+    objective = EmbeddingObjective(MultipleNegativesRankingLoss(), tokenizer, ("mean",), False, "batch_sampler")
+    batch = objective.collate(embedding_data(TRIPLETS, tokenizer), range(len(TRIPLETS)))
+    groups = [f for column in objective.inputs(batch)["columns"] for f in column["groups"]]
+    random = [mx.random.key(0)]
+    if compiled:
+        step = compiling.retraced_value_and_grad(model, random, objective)
+    else:
+        step = objective.value_and_grad(model, lambda fn: compiling.value_and_grad(model, mx.float32, fn), random, None)
+    looked_up.clear()
+    with drawing_from(random):
+        value, _ = step(batch)
+    words = [size for rows, size in looked_up if rows == model.args.vocab_size]
+    sizes = [f["input_ids"].size for f in groups]
+    checks = sizes if compiled else []  # a compiled step's input checks build (never run) a forward graph a group
+    assert len(groups) == 9 and words == [*checks, sum(sizes)], looked_up
     expected, _ = st_loss_and_grads(st_folder, LOSS_CASES["mnrl-cosine"][1], TRIPLETS, TRIPLET_COLUMNS)
-    assert value == pytest.approx(expected, rel=1e-5)
+    assert value.item() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ and never ask which device they run on. Quantizing (`nn.quantize`) turns Linear 
 quantized layers directly.
 """
 
+import contextvars
 import itertools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -86,7 +86,7 @@ class Embedding(nn.Embedding):
     lookup."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        shared = getattr(_LOOKUPS, "active", None)
+        shared = _LOOKUP.get()
         rows = None if shared is None else shared.rows(self, x)
         return super().__call__(x) if rows is None else rows
 
@@ -96,13 +96,13 @@ class Embedding(nn.Embedding):
         return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
 
 
-class SharedLookup:
+class _SharedLookup:
     """The rows of every array of `ids` in one table, gathered at once per table (`one_lookup`)."""
 
     def __init__(self, ids: Sequence[mx.array]):
         self.ids = list(ids)  # held, so that no other array takes one of their ids meanwhile
         self.position = {id(a): i for i, a in enumerate(self.ids)}
-        self.found: dict[int, tuple[nn.Embedding, list[mx.array]]] = {}
+        self.found: dict[int, tuple[nn.Embedding, list[mx.array]]] = {}  # the table held beside its rows, as the ids
 
     def rows(self, table: nn.Embedding, x: mx.array) -> mx.array | None:
         """table(x) when x is one of the ids, else None."""
@@ -112,25 +112,26 @@ class SharedLookup:
         if id(table) not in self.found:
             flat = nn.Embedding.__call__(table, mx.concatenate([a.reshape(-1) for a in self.ids]))
             ends = list(itertools.accumulate(a.size for a in self.ids))[:-1]
-            pieces = [p.reshape(*a.shape, -1) for p, a in zip(mx.split(flat, ends), self.ids, strict=True)]
+            width = flat.shape[-1]
+            pieces = [p.reshape(*a.shape, width) for p, a in zip(mx.split(flat, ends), self.ids, strict=True)]
             self.found[id(table)] = (table, pieces)
         return self.found[id(table)][1][i]
 
 
-_LOOKUPS = threading.local()  # .active: this thread's SharedLookup
+_LOOKUP: contextvars.ContextVar[_SharedLookup | None] = contextvars.ContextVar("one_lookup", default=None)
 
 
 @contextmanager
 def one_lookup(ids: Sequence[mx.array]) -> Iterator[None]:
     """Inside, an `Embedding` called with one of `ids` (that very array) gathers the rows of all of them at once and
-    returns its own: passes over several batches (a training step's length groups) then take one gradient of each
-    table (one scatter into a zero table) instead of one a batch, each as large as the table. The same values."""
-    outer = getattr(_LOOKUPS, "active", None)
-    _LOOKUPS.active = SharedLookup(ids) if len(ids) > 1 else None
+    returns its own: passes over several batches (a training step's length groups) then take one gradient of that
+    table (one scatter into a zero table as large as the table) instead of one a batch. The same values. Every table
+    called with one of `ids` must accept the ids of all of them (one model's word embeddings)."""
+    token = _LOOKUP.set(_SharedLookup(ids) if len(ids) > 1 else None)
     try:
         yield
     finally:
-        _LOOKUPS.active = outer
+        _LOOKUP.reset(token)
 
 
 def grouped_attention(

@@ -380,7 +380,7 @@ class EmbeddingObjective(Objective):
 
     def inputs_loss(self, model: nn.Module, inputs: dict, order: np.ndarray | None = None) -> mx.array:
         """The loss of a batch's `inputs`, in MLX operations only; with `order`, over every rank's embeddings. The
-        length groups of every column look their tokens up at once (`one_lookup`): one gradient of each table."""
+        length groups of every column look their tokens up at once (`one_lookup`): one gradient of the word table."""
         with one_lookup([f["input_ids"] for column in inputs["columns"] for f in column["groups"]]):
             columns = enumerate(inputs["columns"])
             embeddings = [gathered(self.embed_groups(model, col, c), order) for c, col in columns]
