@@ -1,7 +1,10 @@
 """Where one training step's time goes: all-MiniLM-L6-v2 as a sequence classifier (8 labels, a new head), one
 optimizer step (forward, backward, AdamW) on a fixed batch of random token ids, dropout off, in MLX (the step
 compiled as `fine_tune` compiles it) and in torch, each on 1 and on every thread; then the step's matrix products
-alone (the forward, input-gradient and weight-gradient products of its six layers' linears) in each library.
+alone (the forward, input-gradient and weight-gradient products of its six layers' linears) in each library, and
+the same products on one thread called straight into MLX's OpenBLAS on numpy's buffers (which numpy backs with 2 MB
+transparent huge pages where the system allows them) and on 4 KB pages, and into MKL with `--mkl` (the libmkl_rt.so
+of pip's `mkl` wheel, sequential): what MLX adds to its BLAS, and what torch's BLAS gains over it.
 
 Each configuration runs in its own process (thread counts are fixed when a library starts); wall and CPU seconds a
 step are the medians of `--steps` steps after 3 of warm-up. CPU above wall x 1 on one thread, or above the products'
@@ -10,9 +13,11 @@ stream thread runs the element-wise work alone meanwhile).
 
     python benchmarks/train_step.py
     python benchmarks/train_step.py --batch-size 32 --max-length 64 --steps 8
+    python benchmarks/train_step.py --mkl <venv>/lib/libmkl_rt.so.3   # after pip install mkl
 """
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -65,7 +70,42 @@ def products(library: str, tokens: int) -> list:
     return calls
 
 
+def blas_products(path: str, tokens: int, huge_pages: bool) -> list:
+    """`products`' calls straight into the BLAS at `path` (cblas_sgemm, row-major, on one thread) on numpy buffers,
+    on 2 MB pages or (`huge_pages` off) 4 KB ones."""
+    import numpy as np
+
+    (getattr(np, "_core", None) or np.core).multiarray._set_madvise_hugepage(huge_pages)  # numpy 2 moved it
+    library = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    prefix = "scipy_" if hasattr(library, "scipy_cblas_sgemm") else ""
+    if hasattr(library, prefix + "openblas_set_num_threads"):
+        getattr(library, prefix + "openblas_set_num_threads")(1)
+    sgemm = getattr(library, prefix + "cblas_sgemm")
+    pointer, size = ctypes.c_void_p, ctypes.c_int
+    sgemm.argtypes = [size] * 6 + [ctypes.c_float, pointer, size, pointer, size, ctypes.c_float, pointer, size]
+    row_major, plain, transposed = 101, 111, 112
+    rng = np.random.default_rng(0)
+
+    def product(a, b, a_t: bool, b_t: bool):
+        m, k = (a.shape[1], a.shape[0]) if a_t else a.shape
+        n = b.shape[0] if b_t else b.shape[1]
+        c = np.empty((m, n), np.float32)
+        flags = (transposed if a_t else plain, transposed if b_t else plain)
+        return lambda: sgemm(row_major, *flags, m, n, k, 1.0, a.ctypes.data, a.shape[1], b.ctypes.data, b.shape[1],
+                             0.0, c.ctypes.data, n)  # fmt: skip
+
+    calls = []
+    for i, o in [(384, 384)] * 4 + [(384, 1536), (1536, 384)]:
+        x, w, g = (rng.standard_normal(shape, dtype=np.float32) for shape in ((tokens, i), (o, i), (tokens, o)))
+        calls += [product(x, w, False, True), product(g, w, False, False), product(g, x, True, False)]
+    return calls
+
+
 def worker(library: str, threads: int, batch: int, length: int, steps: int) -> dict:
+    if library.startswith("blas:"):  # blas:<huge pages 0|1>:<path>: the products alone
+        _, huge, path = library.split(":", 2)
+        calls = blas_products(path, batch * length, huge == "1")
+        return {"products": {k: 6 * v for k, v in timed(lambda: [c() for c in calls], steps).items()}}
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -130,6 +170,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--mkl", help="MKL's libmkl_rt.so: its products on one thread beside OpenBLAS's")
     p.add_argument("--worker", nargs=2, metavar=("LIBRARY", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -150,6 +191,24 @@ def main() -> None:
             r = worker_result(command, f"{library} on {threads} threads", env)
             print(f"{library:<8}{threads:>8}{r['step']['wall']:>13.3f}{r['step']['cpu']:>12.3f}"
                   f"{r['products']['wall']:>17.3f}{r['products']['cpu']:>16.3f}", flush=True)  # fmt: skip
+    from mlx_encoders.engine.runtime import BLAS
+
+    direct = []
+    if BLAS is not None:
+        direct += [("MLX's OpenBLAS, 2 MB pages", "1", BLAS.path), ("MLX's OpenBLAS, 4 KB pages", "0", BLAS.path)]
+    direct += [("MKL (sequential)", "1", args.mkl)] if args.mkl else []
+    print("\nthe same products on one thread, called straight into a BLAS on numpy's buffers")
+    for name, huge, path in direct:
+        # libmkl_rt opens its sequential and processor-specific parts by name, from the library path
+        library_path = os.pathsep.join(filter(None, [os.path.dirname(path), os.environ.get("LD_LIBRARY_PATH")]))
+        env = os.environ | {
+            "MKL_THREADING_LAYER": "SEQUENTIAL",
+            "OPENBLAS_NUM_THREADS": "1",
+            "LD_LIBRARY_PATH": library_path,
+        }
+        sizes = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--steps", str(args.steps)]
+        r = worker_result([sys.executable, __file__, "--worker", f"blas:{huge}:{path}", "1", *sizes], name, env)
+        print(f"{name:<30}{r['products']['wall']:>8.3f} s", flush=True)
 
 
 if __name__ == "__main__":
