@@ -88,6 +88,11 @@ def test_dynamic_rope_matches_transformers_within_and_past_the_trained_length(ch
 
 
 @pytest.mark.parametrize("task", ["encoder", "masked-lm"])
+def test_head_dim_other_than_hidden_size_over_heads_matches_transformers(checkpoint, task):
+    check_parity(checkpoint("gte", task, head_dim=16), task)  # hidden 32 over 4 heads would be 8
+
+
+@pytest.mark.parametrize("task", ["encoder", "masked-lm"])
 def test_mixed_length_batch_equals_one_by_one(checkpoint, task):
     check_batch_equals_one_by_one(checkpoint("gte", task))
 

@@ -25,7 +25,7 @@ from test_contrastive import TRIPLETS, torch_mnrl_steps
 from test_convert import MIN_COSINE, text_cosines
 from test_gradients import encoder_loss, our_gradients
 from test_index import IDS, write_corpus
-from test_parity import as_torch, assert_close
+from test_parity import as_torch, assert_close, check_parity
 from test_serve import on_worker_thread
 
 import mlx_encoders
@@ -310,6 +310,29 @@ def test_save_reloads_in_transformers_with_identical_logits(checkpoint, tmp_path
     assert expected.keys() == got.keys()
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def legacy_rope(source, target, **spelling):
+    """A copy of `source` whose config.json spells its rope as transformers 4 did (no `rope_parameters`)."""
+    folder = shutil.copytree(source, target)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"]
+    (folder / "config.json").write_text(json.dumps({**config, **spelling}))
+    return folder
+
+
+def test_transformers_4_rope_theta_and_a_head_dim_match_transformers(checkpoint, tmp_path):
+    """A top-level `rope_theta` is the rotary base, as transformers 5 reads it; `head_dim` sets the heads' width."""
+    check_parity(legacy_rope(checkpoint("jina_embeddings_v3"), tmp_path / "legacy", rope_theta=7.0), "encoder")
+    check_parity(checkpoint("jina_embeddings_v3", head_dim=16), "encoder")  # hidden 32 over 4 heads would be 8
+
+
+def test_a_scaled_rope_is_refused_naming_its_key(checkpoint, tmp_path):
+    folder = legacy_rope(
+        checkpoint("jina_embeddings_v3"), tmp_path / "ckpt", rope_scaling={"type": "linear", "factor": 2}
+    )
+    with pytest.raises(ValueError, match="config key 'rope_scaling': jina_embeddings_v3 rope type 'linear' is not"):
+        mlx_encoders.load_model(folder)
 
 
 # jinaai/jina-embeddings-v3's own layout (its remote code, xlm-roberta-flash-implementation): our names -> its names,

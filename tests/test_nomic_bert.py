@@ -239,6 +239,16 @@ def test_dynamic_rope_matches_transformers_within_and_past_the_trained_length(ch
     check_dynamic_rope(checkpoint("nomic_bert", task, **DYNAMIC), task)
 
 
+def test_transformers_4_rope_spelling_is_read_as_transformers_5_reads_it(checkpoint, tmp_path):
+    """A top-level `rope_theta` and `rope_scaling` (no `rope_parameters`): the dynamic rope all the same."""
+    folder = shutil.copytree(checkpoint("nomic_bert", **DYNAMIC), tmp_path / "legacy")
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"rope_type": "dynamic", "factor": rope["factor"]})
+    (folder / "config.json").write_text(json.dumps(config))
+    check_dynamic_rope(folder, "encoder")
+
+
 def test_nomic_ai_rotary_scaling_factor_is_the_dynamic_rope(checkpoint, tmp_path):
     """nomic-ai's `rotary_scaling_factor` scales from `max_trained_positions` (its `n_positions` is the token limit)."""
     folder = checkpoint("nomic_bert", **DYNAMIC)

@@ -47,6 +47,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
     # Alibaba's own spelling, read by transformers too: `rope_theta`, and `rope_scaling` (whose "ntk" type fails).
     rope_theta: float | None = None
     rope_scaling: dict | None = None
+    head_dim: int | None = None  # transformers' attention reads it, hidden_size // heads when absent
     default_theta: ClassVar[float] = 160000.0
     # gte-multilingual-base (8192 tokens, its XLM-R vocabulary); the other keys' defaults are theirs.
     presets: ClassVar[dict] = {"multilingual-base": {}}
@@ -59,7 +60,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        self.head_size = self.hidden_size // self.num_attention_heads
+        self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
         key = "rope_parameters" if self.rope_parameters else "rope_scaling"
         rope = self.rope_parameters or self.rope_scaling
         self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)

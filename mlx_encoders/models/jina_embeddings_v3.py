@@ -64,13 +64,22 @@ class ModelArgs(BaseArgs):
     pad_token_id: int = 1
     classifier_dropout: float | None = None
     rope_parameters: dict | None = None
+    # transformers 4's spellings, which transformers 5 reads into rope_parameters
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    head_dim: int | None = None  # transformers' attention reads it, hidden_size // heads when absent
 
     def __post_init__(self):
         super().__post_init__()
-        rope = self.rope_parameters or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"jina_embeddings_v3 rope_type {rope['rope_type']!r} is not supported (only 'default')")
-        self.rope_theta = float(rope.get("rope_theta", 20000.0))
+        key = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        rope = self.rope_parameters or self.rope_scaling or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(
+                f"config key {key!r}: jina_embeddings_v3 rope type {kind!r} is not supported (only 'default')"
+            )
+        self.rope_theta = float(rope.get("rope_theta", 20000.0 if self.rope_theta is None else self.rope_theta))
+        self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def sequence_classifier_dropout(self) -> float:
@@ -147,10 +156,12 @@ class JinaEmbeddingsV3Attention(Adapted):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_heads = args.num_attention_heads
-        self.head_dim = args.hidden_size // args.num_attention_heads
+        self.head_dim = args.head_size
         self.theta = args.rope_theta
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            self[name] = Linear(args.hidden_size, args.hidden_size)
+        width = args.num_attention_heads * args.head_size
+        for name in ("q_proj", "k_proj", "v_proj"):
+            self[name] = Linear(args.hidden_size, width)
+        self.o_proj = Linear(width, args.hidden_size)
         self.dropout = Dropout(args.attention_probs_dropout_prob)
 
     def __call__(self, x, mask):

@@ -141,7 +141,9 @@ class ModelArgs(RotaryArgs, BaseArgs):
     classifier_dropout: float | None = None
     head_dim: int | None = None
     rope_parameters: dict | None = None
-    rope_theta: float | None = None  # legacy spelling, read into rope_parameters by transformers
+    # transformers 4's spellings, which transformers 5 reads into rope_parameters
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
     default_theta: ClassVar[float] = 1000.0
     # nomic-embed-text-v1 and v1.5 (8192 tokens; the other keys' defaults are theirs).
     presets: ClassVar[dict] = {"v1.5": dict(max_position_embeddings=8192)}
@@ -153,9 +155,9 @@ class ModelArgs(RotaryArgs, BaseArgs):
     def __post_init__(self):
         super().__post_init__()
         self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
-        self.rope = rope_settings(
-            self.rope_parameters, self.rope_theta, self.default_theta, self.max_position_embeddings, "rope_parameters"
-        )
+        key = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        rope = self.rope_parameters or self.rope_scaling
+        self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)
 
 
 class NomicBertEmbeddings(nn.Module):
