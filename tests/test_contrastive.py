@@ -367,6 +367,21 @@ def test_trained_folder_loads_in_sentence_transformers_with_equal_embeddings(st_
     assert not np.allclose(start, model.encode(texts, convert_to_numpy=True), atol=1e-4)
 
 
+def test_trained_folder_keeps_its_default_prompt_and_truncate_dim(st_folder, tmp_path):
+    prompts = {"query": "query: ", "document": "doc: ", "sts": "sts: "}
+    source = save_st(
+        tmp_path / "source", st_folder, Pooling(32), Normalize(), prompts=prompts, default_prompt_name="sts",
+        truncate_dim=8,
+    )  # fmt: skip
+    trained = fine_tune("embed", PAIRS, tmp_path / "out", model=source, loss="cosent", max_steps=1, batch_size=3)
+    model = SentenceTransformer(str(trained.path), device="cpu")
+    assert (model.default_prompt_name, model.truncate_dim, model.prompts["sts"]) == ("sts", 8, "sts: ")
+    texts = ["a cat on a mat", "the stock market", "x"]
+    expected = model.encode(texts, convert_to_numpy=True)
+    assert expected.shape == (3, 8)
+    np.testing.assert_allclose(SentenceEncoder(trained.path).encode(texts), expected, atol=1e-5)
+
+
 def test_plain_masked_lm_checkpoint_trains_with_mean_pooling_and_lora(tmp_path):
     mlm = make_checkpoint(tmp_path / "mlm", "bert", "masked-lm", num_hidden_layers=2)
     trained = fine_tune(

@@ -5,6 +5,7 @@ mode, Dense, Normalize, prompts and max_seq_length; the real all-MiniLM-L6-v2 (f
 wheel) checks float, 8-bit and 4-bit embeddings over 512 docstrings of the standard library.
 """
 
+import json
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -95,6 +96,70 @@ def test_dense_and_normalize_match_sentence_transformers(tmp_path, bert):
     assert encoder.dimension == 16 and got.shape == (len(TEXTS), 16)
     np.testing.assert_allclose(got, expected, atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+ACTIVATIONS = ["LeakyReLU", "ELU", "Softplus", "Mish", "Softmax"]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + [None], ids=ACTIVATIONS + ["unnamed"])
+def test_every_dense_activation_and_the_unnamed_default_match_sentence_transformers(tmp_path, bert, activation):
+    """A saved activation is its torch class alone, built with torch's defaults; a Dense config.json that names
+    none gets sentence-transformers' default, Tanh."""
+    torch.manual_seed(0)
+    function = getattr(torch.nn, activation or "Tanh")()
+    folder = save_st(tmp_path / "st", bert, Pooling(32), Dense(32, 16, activation_function=function))
+    if activation is None:
+        config = json.loads((folder / "2_Dense" / "config.json").read_text())
+        del config["activation_function"]
+        (folder / "2_Dense" / "config.json").write_text(json.dumps(config))
+    np.testing.assert_allclose(ours(folder, TEXTS), reference(folder, TEXTS), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_dense_weights_saved_in_half_precision_run_in_float32_as_sentence_transformers(tmp_path, bert, dtype):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    folder = save_st(tmp_path / "st", bert, Pooling(32), Dense(32, 16), Normalize())
+    file = folder / "2_Dense" / "model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(file).items()}, file)
+    got, expected = ours(folder, TEXTS), reference(folder, TEXTS)
+    assert cosines(got, expected).min() >= 0.99999
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_a_projection_it_would_run_otherwise_is_refused_naming_the_module(tmp_path, bert):
+    """Normalize before a Dense, and a Dense over the token embeddings, would give other numbers than
+    sentence-transformers' if run as Dense modules then Normalize over the pooled vector: refused."""
+    torch.manual_seed(0)
+    early = save_st(tmp_path / "early", bert, Pooling(32), Normalize(), Dense(32, 16))
+    with pytest.raises(ValueError, match=r"modules.json: Normalize comes before the Dense module 3_Dense"):
+        SentenceEncoder(early)
+    tokens = save_st(tmp_path / "tokens", bert, Dense(32, 16, module_input_name="token_embeddings"), Pooling(16))
+    with pytest.raises(ValueError, match=r"1_Dense/config.json: this Dense module reads 'token_embeddings'"):
+        SentenceEncoder(tokens)
+
+
+def test_broken_dense_and_modules_files_name_the_file(tmp_path, bert):
+    torch.manual_seed(0)
+    folder = save_st(tmp_path / "st", bert, Pooling(32), Dense(32, 16))
+    config_file = folder / "2_Dense" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "out_features": 20}))
+    with pytest.raises(ValueError, match=r"2_Dense/model.safetensors: the Dense weights .* do not match"):
+        SentenceEncoder(folder)
+    config_file.write_text(json.dumps({k: v for k, v in config.items() if k != "in_features"}))
+    with pytest.raises(ValueError, match=r"2_Dense/config.json: a Dense module's config needs in_features"):
+        SentenceEncoder(folder)
+    config_file.write_text(json.dumps(config))
+    entries = json.loads((folder / "modules.json").read_text())
+    del entries[1]["type"]
+    (folder / "modules.json").write_text(json.dumps(entries))
+    with pytest.raises(ValueError, match=r"modules.json: entry 1 \(1\) has no 'type' string"):
+        SentenceEncoder(folder)
+    (folder / "modules.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"modules.json must hold a JSON list"):
+        SentenceEncoder(folder)
 
 
 def test_legacy_pooling_config_matches_sentence_transformers(tmp_path, bert):

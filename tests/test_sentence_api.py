@@ -347,6 +347,33 @@ def test_cross_encoder_saved_activation_and_max_length_match_sentence_transforme
     assert_same(ours.predict(PAIRS), theirs.predict(PAIRS))  # the long pairs are cut, longest text first
 
 
+def test_cross_encoder_saved_softmax_matches_sentence_transformers(tmp_path, cross_encoders):
+    checkpoint = cross_encoders(3)[0].path
+    TorchCrossEncoder(str(checkpoint), device="cpu", activation_fn=torch.nn.Softmax(dim=-1)).save(str(tmp_path / "s"))
+    theirs, ours = TorchCrossEncoder(str(tmp_path / "s"), device="cpu"), CrossEncoder(tmp_path / "s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: the implicit dimension of a saved Softmax()
+        assert_same(ours.predict(PAIRS), theirs.predict(PAIRS))
+
+
+def test_cross_encoder_lowercases_as_its_sentence_bert_config_asks(tmp_path):
+    """do_lower_case in sentence_bert_config.json, on a cased (RoBERTa) tokenizer: both lowercase the pairs."""
+    checkpoint = make_checkpoint(tmp_path / "ce", "roberta", "sequence-classification", num_labels=1)
+    TorchCrossEncoder(str(checkpoint), device="cpu").save(str(folder := tmp_path / "saved"))
+    config = json.loads((folder / "sentence_bert_config.json").read_text())
+    (folder / "sentence_bert_config.json").write_text(json.dumps({**config, "do_lower_case": True}))
+    pairs = [(q.upper(), d.upper()) for q, d in PAIRS]
+    assert_same(CrossEncoder(folder).predict(pairs), TorchCrossEncoder(str(folder), device="cpu").predict(pairs))
+
+
+def test_cross_encoder_refuses_modules_it_does_not_run(tmp_path, folder):
+    """A sentence-embedding folder (Transformer, Pooling, Normalize) is not a classifier's: refused, naming it."""
+    with pytest.raises(
+        ValueError, match=r"modules.json: module '.*Pooling' \(1_Pooling\) is not supported; CrossEncoder"
+    ):
+        CrossEncoder(folder)
+
+
 def test_cross_encoder_num_labels_creates_a_head(folder):
     bare = folder.parent / "bert"  # a BertModel checkpoint, no classifier
     theirs = TorchCrossEncoder(str(bare), device="cpu", num_labels=1)

@@ -118,6 +118,11 @@ def test_inference_free_router_matches_sentence_transformers(tmp_path, mlm):
     np.testing.assert_allclose(
         encoder.similarity(queries, docs), st.similarity(st.encode_query(texts), st.encode_document(texts)), rtol=1e-5
     )
+    limit = document.tokenizer.model_max_length  # sentence-transformers cuts a static route's text there too
+    words = sorted(w for w in document.tokenizer.get_vocab() if w.isalpha() and len(w) > 3)[: limit + 50]
+    with pytest.warns(UserWarning, match=f"longer than max_seq_length={limit} tokens"):
+        cut = encoder.encode_query([" ".join(words)])
+    np.testing.assert_allclose(cut.toarray(), dense(st.encode_query([" ".join(words)])), atol=1e-6)
 
 
 def test_sparse_vectors_layout():

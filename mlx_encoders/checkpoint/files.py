@@ -90,10 +90,20 @@ def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
 def read_modules(folder: Path) -> list[tuple[str, Path]]:
     """sentence-transformers' modules.json: (module type, module folder) per entry; [] without the file."""
     file = folder / MODULES_FILE
-    entries = read_json(file) or []
+    if not file.exists():
+        return []
+    entries = read_json(file)
     if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
         raise ValueError(f"{file} must hold a JSON list of module entries")
-    return [(str(m.get("type", "")), inside(folder, m.get("path", ""), file)) for m in entries]
+    for i, m in enumerate(entries):
+        wrong = [key for key in ("type", "path") if not isinstance(m.get(key), str) or (key == "type" and not m[key])]
+        if wrong:
+            raise ValueError(
+                f"{file}: entry {i} ({m.get('name', 'unnamed')}) has no {' or '.join(repr(k) for k in wrong)} string; "
+                'each entry names its module class ("type") and its folder ("path", "" for the root), as '
+                "sentence-transformers writes them"
+            )
+    return [(m["type"], inside(folder, m["path"], file)) for m in entries]
 
 
 def read_safetensors(file: Path) -> dict[str, mx.array]:

@@ -77,9 +77,10 @@ def resolve_prompt(
 
 
 def project(x: mx.array, dense: list[Dense], normalized: bool) -> mx.array:
-    """The Dense modules in turn (each in its weights' dtype, float32 out), then Normalize when the model has it."""
+    """The Dense modules in turn (float32, as sentence-transformers runs them), then Normalize when the model has it
+    (`SentenceFolder.projection`)."""
     for module in dense:
-        x = module(x.astype(module.linear.weight.dtype)).astype(mx.float32)
+        x = module(x.astype(mx.float32))
     return normalize(x) if normalized else x
 
 

@@ -26,7 +26,14 @@ from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder
-from .folder import DENSE_ACTIVATIONS, SETTINGS_FILE, SentenceFolder, dense_activation, read_folder
+from .folder import (
+    DENSE_ACTIVATIONS,
+    SETTINGS_FILE,
+    SentenceFolder,
+    apply_sentence_config,
+    dense_activation,
+    read_folder,
+)
 from .pooling import last_token
 
 
@@ -68,6 +75,9 @@ class LogitScore:
     def __call__(self, logits: mx.array) -> mx.array:
         scores = logits[:, self.true_token_id]
         return (scores if self.false_token_id is None else scores - logits[:, self.false_token_id])[:, None]
+
+
+MODULES = ("Transformer", "LogitScore")  # a classifier's folder lists its Transformer alone
 
 
 def read_logit_score(folder: SentenceFolder, task: str) -> dict | None:
@@ -129,6 +139,7 @@ class CrossEncoder(Encoder):
         checkpoint = Checkpoint.open(path_or_repo, revision)
         self.path = checkpoint.path
         folder = read_folder(self.path)
+        folder.check_kinds(MODULES, "CrossEncoder")
         score = read_logit_score(folder, checkpoint.task)
         if score is not None and num_labels not in (None, 1):
             raise ValueError(
@@ -139,6 +150,7 @@ class CrossEncoder(Encoder):
             checkpoint, dtype=dtype, task=task, num_labels=None if score is not None else num_labels
         )
         self.tokenizer = load_tokenizer(self.model, checkpoint)
+        apply_sentence_config(self.tokenizer, folder.sentence_config)
         self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
         template = read_chat_template(self.path) if takes_messages(folder) else None
         self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)

@@ -36,8 +36,15 @@ DENSE_ACTIVATIONS = {
     "ReLU": nn.relu,
     "SiLU": nn.silu,
     "Sigmoid": mx.sigmoid,
+    # torch's defaults (a saved activation is its class alone): LeakyReLU's slope 0.01, ELU's alpha 1
+    "LeakyReLU": nn.leaky_relu,
+    "ELU": nn.elu,
+    "Softplus": nn.softplus,
+    "Mish": nn.mish,
+    "Softmax": lambda x: mx.softmax(x, axis=-1),  # torch's implicit dimension for (N, C): the last
 }
 IDENTITY = "torch.nn.modules.linear.Identity"
+TANH = "torch.nn.modules.activation.Tanh"  # sentence-transformers' Dense default, when its config names none
 # Old Pooling configs store one boolean per mode; when several are on, their concatenation follows this order.
 LEGACY_POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
@@ -76,7 +83,7 @@ class Dense:
 
 
 def dense_activation(path: str | None, source: Path) -> Callable:
-    """The MLX function of a torch activation saved as a dotted path (`Identity` when none is saved)."""
+    """The MLX function of a torch activation saved as a dotted path (`Identity` for None)."""
     name = (path or IDENTITY).rsplit(".", 1)[-1]
     if name not in DENSE_ACTIVATIONS:
         raise ValueError(
@@ -93,19 +100,34 @@ def read_dense(folder: Path) -> Dense:
             "mlx-embeddings leave such folders out). Copy the folder from the original sentence-transformers model: "
             "without its projection the embeddings would be wrong."
         )
-    config = read_json_object(folder / "config.json")
-    activation = dense_activation(config.get("activation_function"), folder / "config.json")
+    source = folder / "config.json"
+    config = read_json_object(source)
+    activation = dense_activation(config.get("activation_function", TANH), source)
+    sizes = [config.get(key) for key in ("in_features", "out_features")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"{source}: a Dense module's config needs in_features and out_features (positive integers)")
     file = folder / "model.safetensors"
     if not file.exists():
         raise FileNotFoundError(
             f"No model.safetensors in {folder} (pickle weights are not read). Re-save the model with "
             "sentence-transformers >= 3 (`SentenceTransformer(path).save(path)`), which writes safetensors."
         )
-    weights = read_safetensors(file)
-    linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
+    # sentence-transformers loads a Dense into a float32 torch Linear whatever dtype its file holds
+    weights = {k: v.astype(mx.float32) for k, v in read_safetensors(file).items()}
+    bias = config.get("bias", True)
+    expected = {"linear.weight": (sizes[1], sizes[0])} | ({"linear.bias": (sizes[1],)} if bias else {})
+    expected |= {"residual.weight": (sizes[1], sizes[0])} if "residual.weight" in weights else {}
+    found = {k: tuple(v.shape) for k, v in weights.items()}
+    if found != expected:
+        raise ValueError(
+            f"{file}: the Dense weights {found} do not match {source} (in_features {sizes[0]}, out_features "
+            f"{sizes[1]}, bias {bias}): {expected}. The folder's files belong to different models; copy the module "
+            "from the original sentence-transformers model"
+        )
+    linear = nn.Linear(*sizes, bias=bias)
     residual = None
     if "residual.weight" in weights:
-        residual = nn.Linear(config["in_features"], config["out_features"], bias=False)
+        residual = nn.Linear(*sizes, bias=False)
         residual.load_weights([("weight", weights.pop("residual.weight"))])
     linear.load_weights([(k.removeprefix("linear."), v) for k, v in weights.items()])
     return Dense(linear, activation, residual, bool(config.get("use_residual", False)), config)
@@ -360,6 +382,33 @@ class SentenceFolder:
     @cached_property
     def sentence_config(self) -> dict:
         return read_sentence_config(self.transformer)
+
+    def projection(self, on: str, runner: str) -> tuple[list[Dense], bool]:
+        """The Dense modules over `on` (the pooled "sentence_embedding", or the "token_embeddings") in order, and
+        whether a Normalize ends them: how every encoder and fine_tune run a folder's projection. A Dense or
+        Normalize over another output, or a Normalize before a Dense, would run wrongly here: refused, naming it."""
+        dense, normalized = [], False
+        for m in self.modules:
+            if m.kind not in ("Dense", "Normalize"):
+                continue
+            config = read_json_object(m.folder / "config.json") if (m.folder / "config.json").exists() else {}
+            reads = config.get("module_input_name") or on
+            writes = config.get("module_output_name") or reads
+            if (reads, writes) != (on, on):
+                hint = " (a multi-vector model: load it with MultiVectorEncoder)" if reads == "token_embeddings" else ""
+                raise ValueError(
+                    f"{m.folder / 'config.json'}: this {m.kind} module reads {reads!r} and writes {writes!r}; "
+                    f"{runner} runs Dense and Normalize modules over {on!r} alone{hint}"
+                )
+            if normalized:
+                raise ValueError(
+                    f"{self.path / MODULES_FILE}: Normalize comes before the {m.kind} module {m.folder.name}; {runner} "
+                    "runs the Dense modules first and Normalize last, as sentence-transformers' own folders order them"
+                )
+            normalized = m.kind == "Normalize"
+            if m.kind == "Dense":
+                dense.append(m.read())
+        return dense, normalized
 
     def check_kinds(self, allowed: tuple[str, ...], runner: str, hint: str = "") -> None:
         """Refuse a module of a kind outside `allowed`, naming the file, the module and what `runner` runs."""

@@ -18,7 +18,7 @@ from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..tokenizer import token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
-from .folder import Dense, MultiVectorMask, apply_sentence_config, read_folder
+from .folder import MultiVectorMask, apply_sentence_config, read_folder
 from .vectors import normalize
 
 MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
@@ -116,8 +116,7 @@ class MultiVectorEncoder(Embedder):
         checkpoint = Checkpoint.open(folder.transformer)
         self.model = load_model(checkpoint, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, checkpoint)
-        self.dense: list[Dense] = [m.read() for m in folder.modules if m.kind == "Dense"]
-        self.normalize = "Normalize" in folder.kinds
+        self.dense, self.normalize = folder.projection("token_embeddings", "MultiVectorEncoder")
         mask = next((m for m in folder.modules if m.kind == "MultiVectorMask"), None)
         self.mask: MultiVectorMask = mask.read() if mask is not None else MultiVectorMask()
         self.read_transformer_config(folder.sentence_config, folder.transformer)

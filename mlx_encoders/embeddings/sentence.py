@@ -25,7 +25,7 @@ from ..checkpoint import Checkpoint, load_model, resolve
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
-from .folder import Dense, apply_sentence_config, read_folder
+from .folder import apply_sentence_config, read_folder
 from .pooling import parse_modes, pool
 from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
 
@@ -91,8 +91,7 @@ class SentenceEncoder(Embedder):
         transformer = Checkpoint.open(folder.transformer)
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)
-        self.dense: list[Dense] = [m.read() for m in folder.modules if m.kind == "Dense"]
-        self.normalize = "Normalize" in folder.kinds
+        self.dense, self.normalize = folder.projection("sentence_embedding", "SentenceEncoder")
         self.pooling, self.include_prompt = self.read_pooling(folder, pooling)
         self.max_seq_length = token_limit(
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")

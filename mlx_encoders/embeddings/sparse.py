@@ -18,7 +18,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..engine.batching import run_batches
-from ..tokenizer import Tokenizer, check_count, token_limit
+from ..tokenizer import NO_LIMIT, Tokenizer, check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, text_inputs, warn_truncated
 from .folder import (
     SPLADE_ACTIVATIONS,
@@ -186,15 +186,18 @@ class SpladeRoute(Route):
 
 class StaticRoute(Route):
     """sentence-transformers' `SparseStaticEmbedding`: each vocabulary id in the text (no special tokens) gets its
-    stored weight; no model runs, no length limit."""
+    stored weight; no model runs. Texts are cut at its tokenizer's model_max_length, as sentence-transformers cuts
+    them (none when the tokenizer sets no limit)."""
 
     def __init__(self, static: Module):
         self.tokenizer = Tokenizer.from_pretrained(static.folder)
         self.weight = static.read()
         self.dimension = len(self.weight)
+        limit = self.tokenizer.model_max_length
+        self.max_seq_length = limit if limit < NO_LIMIT else None
 
     def tokenize(self, texts: list[str]) -> list:
-        return self.tokenizer.encode_batch(texts, truncation=False, add_special_tokens=False)
+        return self.tokenizer.encode_batch(texts, max_length=self.max_seq_length, add_special_tokens=False)
 
     def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
         rows = []

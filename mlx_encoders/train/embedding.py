@@ -24,7 +24,7 @@ from ..checkpoint.build import load_model
 from ..checkpoint.files import read_safetensors
 from ..checkpoint.write import model_config, write_checkpoint
 from ..embeddings import folder as st_folder
-from ..embeddings.folder import DENSE_ACTIVATIONS, Pooling, read_dense, read_folder
+from ..embeddings.folder import Pooling, read_dense, read_folder
 from ..embeddings.pooling import pool
 from ..embeddings.sentence import MODULES as DENSE_MODULES
 from ..models.base import HeadModel
@@ -70,6 +70,8 @@ class SentenceSetup:
     similarity_fn_name: str | None = None
     sentence_config: dict = field(default_factory=dict)
     dense: list[Path] = field(default_factory=list)  # the Dense modules' folders, in order (EmbeddingGemma's)
+    default_prompt_name: str | None = None
+    truncate_dim: int | None = None
 
 
 def read_setup(path: Path) -> SentenceSetup:
@@ -81,10 +83,12 @@ def read_setup(path: Path) -> SentenceSetup:
     pooling = next((m.read() for m in folder.modules if m.kind == "Pooling"), None)
     if pooling is not None:
         setup.pooling, setup.include_prompt = pooling.modes, pooling.include_prompt
-    setup.normalize = "Normalize" in folder.kinds
+    _, setup.normalize = folder.projection("sentence_embedding", "fine_tune('embed')")
     setup.dense = [m.folder for m in folder.modules if m.kind == "Dense"]
     setup.prompts = dict(folder.settings.get("prompts") or {})
     setup.similarity_fn_name = folder.settings.get("similarity_fn_name")
+    setup.default_prompt_name = folder.settings.get("default_prompt_name")
+    setup.truncate_dim = folder.settings.get("truncate_dim")
     setup.sentence_config = folder.sentence_config
     return setup
 
@@ -106,14 +110,14 @@ class DenseModel(HeadModel):
                 raise ValueError(f"{folder / 'config.json'}: a Dense module with use_residual cannot be trained here")
         self.dense = [dense.linear for dense in denses]
         self.configs = [dense.config for dense in denses]
+        self.activations = [dense.activation for dense in denses]  # not parameters: a plain list of functions
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None):
         return self.model(input_ids, attention_mask, token_type_ids)
 
     def project(self, x: mx.array) -> mx.array:
-        for linear, config in zip(self.dense, self.configs, strict=True):
-            name = (config.get("activation_function") or "Identity").rsplit(".", 1)[-1]
-            x = DENSE_ACTIVATIONS[name](linear(x))
+        for linear, activation in zip(self.dense, self.activations, strict=True):
+            x = activation(linear(x))
         return x
 
     def write_checkpoint(self, folder: Path) -> None:
@@ -147,9 +151,11 @@ def save_sentence_transformer(
     settings = {
         "model_type": "SentenceTransformer",
         "prompts": {"query": "", "document": "", **setup.prompts},
-        "default_prompt_name": None,
+        "default_prompt_name": setup.default_prompt_name,
         "similarity_fn_name": setup.similarity_fn_name or "cosine",
     }
+    if setup.truncate_dim is not None:
+        settings["truncate_dim"] = setup.truncate_dim
     pooling = st_folder.pooling_config(Pooling(setup.pooling, setup.include_prompt), model.args.output_size)
     with atomic_folder(folder, replace=True, whole=True) as tmp:
         write_checkpoint(model, model_config(model), tmp)
