@@ -28,6 +28,7 @@ from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder
 from .folder import (
     DENSE_ACTIVATIONS,
+    MODULES_FILE,
     SETTINGS_FILE,
     SentenceFolder,
     apply_sentence_config,
@@ -139,7 +140,17 @@ class CrossEncoder(Encoder):
         checkpoint = Checkpoint.open(path_or_repo, revision)
         self.path = checkpoint.path
         folder = read_folder(self.path)
-        folder.check_kinds(MODULES, "CrossEncoder")
+        others = [m for m in folder.modules if m.kind not in MODULES]
+        if others and num_labels is None:
+            folder.check_kinds(MODULES, "CrossEncoder", "; pass num_labels= to start a new head on its transformer")
+        if others:  # a new head on the transformer: the folder's own modules after it are not run
+            names = ", ".join(f"{m.kind} ({m.folder.name})" for m in others)
+            warnings.warn(
+                f"{self.path / MODULES_FILE}: {names} not run; CrossEncoder scores with a classification head on the "
+                "transformer",
+                UserWarning,
+                stacklevel=2,
+            )
         score = read_logit_score(folder, checkpoint.task)
         if score is not None and num_labels not in (None, 1):
             raise ValueError(
