@@ -535,7 +535,9 @@ def test_api_key_guards_every_route_but_health_checks_and_schema_and_cors_follow
     status, answer, headers = call(small_queue, "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert status == 401 and answer["error"]["type"] == "authentication_error"
     assert call(small_queue, "/embed", {"inputs": "a"})[1]["error_type"] == "Unauthorized"
-    assert call(small_queue, "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    for scheme in ("Bearer secret", "bearer secret", "BEARER  secret"):  # the scheme's name in any case (RFC 7235)
+        assert call(small_queue, "/v1/models", headers={"Authorization": scheme})[0] == 200, scheme
+    assert call(small_queue, "/v1/models", headers={"Authorization": "Basic secret"})[0] == 401
     for public in ("/health", "/ping", "/", "/openapi.json", "/docs"):  # health checks and the schema
         assert call(small_queue, public)[0] == 200, public
     assert call(small_queue, "/", {"inputs": "a"})[0] == 401  # TEI's / answers GET openly, POST with the key

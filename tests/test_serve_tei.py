@@ -232,6 +232,27 @@ def test_rerank_on_its_route_and_on_root(server, folders, one_torch_thread):
         assert_float32_close([r["score"] for r in got], scores[order], terms)
 
 
+def test_rerank_cuts_a_long_pair_at_the_side_asked(server, folders, one_torch_thread):
+    """A pair longer than the 128 tokens the model takes is cut longest text first: at its start with
+    truncation_direction "left" (transformers' truncation_side), at its end by default."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folders["rerank"])
+    model = AutoModelForSequenceClassification.from_pretrained(folders["rerank"]).eval()
+    query, long = "Where is Paris?", f"{LONG} {LONG}"
+    expected = {}
+    for side in ("left", "right"):
+        tokenizer.truncation_side = side
+        with torch.no_grad():
+            inputs = tokenizer(query, long, truncation=True, max_length=128, return_tensors="pt")
+            expected[side] = float(model(**inputs).logits[0, 0])
+        body = {"model": "rerank", "query": query, "texts": [long], "raw_scores": True, "truncation_direction": side}
+        got = post(server, "/rerank", {**body, "truncate": True})[0]["score"]
+        assert_float32_close([got], [expected[side]], encoder_terms(folders["rerank"], [(query, long)]))
+    assert abs(expected["left"] - expected["right"]) > 1e-3  # the case tells the two sides apart
+
+
 def test_tokenize_decode_and_info(server, folders):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -232,16 +232,21 @@ class CrossEncoder(Encoder):
             return mx.zeros((0, self.num_labels))
         return mx.array(self.encoding_logits(self.tokenize(pairs, prompt), batch_size, show_progress))
 
-    def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "") -> list:
+    def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "", direction: str = "right") -> list:
         """Each pair as the model reads it (the inputs of `encoding_logits`), cut to `max_seq_length` (`overflowing`
-        non-empty where cut): through the chat template as a [system prompt,] query, document conversation, else as a
-        text pair, the prompt before the query."""
+        non-empty where cut), longest text first, at its end or (`direction` "left") its start: through the chat
+        template as a [system prompt,] query, document conversation (cut at the end only), else as a text pair, the
+        prompt before the query."""
         if not pairs:
             return []
         if self.chat_template is None:
             firsts, seconds = zip(*pairs, strict=True)
             firsts = [prompt + a for a in firsts]
-            return self.tokenizer.encode_batch(firsts, list(seconds), max_length=self.max_seq_length)
+            return self.tokenizer.encode_batch(
+                firsts, list(seconds), max_length=self.max_seq_length, direction=direction
+            )
+        if direction != "right":
+            raise ValueError(f"{self.path} reads pairs through its chat template, which cuts a pair at its end only")
         system = [{"role": "system", "content": prompt}] if prompt else []
         conversations = [
             system + [{"role": "query", "content": q}, {"role": "document", "content": d}] for q, d in pairs

@@ -321,7 +321,7 @@ class ServedModel:
         if self.multi is not None:
             return self.multi.tokenize(texts, task, prefix), self.multi.max_length(task)
         if pairs is not None:  # as `predict` reads pairs (a chat template's too)
-            return self.cross.tokenize(list(zip(texts, pairs, strict=True)), prefix), self.max_length
+            return self.cross.tokenize(list(zip(texts, pairs, strict=True)), prefix, direction), self.max_length
         limit = self.max_length if self.classifier is None else self.classifier.max_length
         limit = limit if max_length is None else min(limit, max_length)
         if self.encoder is not None:

@@ -474,7 +474,7 @@ class Guard:
         self.app = app
         self.server = server
         key = server.options.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = key.encode() if key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -501,8 +501,10 @@ class Guard:
             self.server.metrics.request(route, status[0], time.perf_counter() - start)
 
     def authorized(self, scope) -> bool:
+        """`Authorization: Bearer KEY`, the scheme's name in any case and spaces before the key (RFC 7235)."""
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        scheme, _, credentials = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.lstrip(b" "), self.expected)
 
 
 def not_found(request: Request, exc) -> JSONResponse:
