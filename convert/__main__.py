@@ -22,7 +22,15 @@ SCRIPT = "mlx-encoders-convert"  # pyproject.toml's console script; otherwise th
 
 def recipe_arg(text: str) -> str | dict:
     """`mixed_4_8`, or a JSON object of module patterns -> bits / params / false."""
-    return json.loads(text) if text.lstrip().startswith("{") else text
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({e.msg} at character {e.pos}): give an object of module patterns, "
+            """e.g. '{"*.attention.*": 8, "*": 4}', or a mixed recipe such as mixed_4_8"""
+        ) from e
 
 
 def calibration_arg(path: str) -> list[str]:

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 import mlx_encoders
 from convert.__main__ import main, parser
 from mlx_encoders import conversion
-from mlx_encoders.errors import OptionError
+from mlx_encoders.errors import CommandError, OptionError
 from mlx_encoders.quantization import calibration, rounding
 
 EUROBERT_WIDTHS = dict(hidden_size=64, intermediate_size=128, initializer_range=0.05)
@@ -414,7 +414,8 @@ def test_other_modes_and_dtype(tmp_path, bert):
 
 
 def sentence_checkpoint(folder: Path, dense_weights: str = "safetensors") -> Path:
-    """A tiny BERT with sentence-transformers modules: Transformer, Pooling, Dense, Normalize."""
+    """A tiny BERT with sentence-transformers modules: Transformer, Pooling, Dense, Normalize; `dense_weights`
+    "safetensors", "pickle" or "none" (no 2_Dense folder)."""
     make_checkpoint(folder, "bert", "encoder", hidden_size=64, intermediate_size=64)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -434,8 +435,10 @@ def sentence_checkpoint(folder: Path, dense_weights: str = "safetensors") -> Pat
     dense = {"linear.weight": np.random.default_rng(0).standard_normal((16, 64), dtype=np.float32)}
     if dense_weights == "safetensors":
         save_file(dense, str(folder / "2_Dense" / "model.safetensors"))
-    else:
+    elif dense_weights == "pickle":
         torch.save({k: torch.tensor(v) for k, v in dense.items()}, folder / "2_Dense" / "pytorch_model.bin")
+    else:  # the module's folder left out, as some converters leave it
+        shutil.rmtree(folder / "2_Dense")
     (folder / "3_Normalize").mkdir()
     return folder
 
@@ -652,8 +655,18 @@ def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
         (["--mode", "int3"], "Unknown quantization mode 'int3'; choose one of: affine, mxfp4", 2),
         (["--dtype", "float64"], "dtype (--dtype): Unsupported dtype 'float64'; choose one of: float32, float16", 2),
         (["--mlx-path", "{bert}"], "mlx_path (--mlx-path) {bert} is the source folder", 2),
+        (["--recipe", '{{"*": 4,}}'], "argument --recipe: not valid JSON (Expecting property name", 2),  # .format
     ],
-    ids=["missing calibration", "calibration folder", "group size", "bits", "mode", "dtype", "source as target"],
+    ids=[
+        "missing calibration",
+        "calibration folder",
+        "group size",
+        "bits",
+        "mode",
+        "dtype",
+        "source as target",
+        "recipe JSON",
+    ],  # fmt: skip
 )
 def test_cli_refuses_bad_options_before_converting(tmp_path, bert, capsys, args, message, status):
     # argparse reads the files, the library checks the options: status 2 (a usage error) and one line either way
@@ -695,6 +708,7 @@ BAD_INPUTS = [
     ("unsupported architecture", lambda d, bert: unsupported(d / "funnel"), {}, ValueError, "supported: bert, roberta"),
     ("pickle only", lambda d, bert: pickle_only(d / "pkl"), {}, ValueError, "only pickle weights"),
     ("pickle-only Dense", lambda d, bert: sentence_checkpoint(d / "st", "pickle"), {}, ValueError, "2_Dense"),
+    ("missing Dense", lambda d, bert: sentence_checkpoint(d / "st", "none"), {}, ValueError, "2_Dense, which has no"),
     ("bits", lambda d, bert: bert, {"bits": 7}, ValueError, "bits \\[2, 3, 4, 5, 6, 8\\], not 7"),
     ("group size", lambda d, bert: bert, {"group_size": 48}, ValueError, "group sizes \\[32, 64, 128\\], not 48"),
     ("mode", lambda d, bert: bert, {"mode": "int3"}, ValueError, "choose one of: affine, mxfp4"),
@@ -796,6 +810,9 @@ def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, 
     with pytest.raises(OptionError, match="is inside the source folder"):
         mlx_encoders.convert(inside, inside / "q8", bits=8)
     assert not (inside / "q8").exists()
+    with pytest.raises(OptionError, match="holds the source folder"):  # --force would replace it, source and all
+        mlx_encoders.convert(inside, tmp_path, bits=8, force=True)
+    assert (inside / "config.json").exists()
 
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -815,6 +832,40 @@ def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, 
     assert main(["-q", "--no-calibration", ".", "--mlx-path", str(tmp_path / "dot")]) == 0
     assert f"MLX weights of `{bert.name}`" in (tmp_path / "dot" / "README.md").read_text()
     assert f"Converted {bert.name} ->" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (True, r"'quantization' entry must be an object \(bits, group_size, mode\), got True"),
+        ({"bits": 8, "group_size": 0}, r"'quantization' entry: affine quantization supports group sizes .*, not 0"),
+        ({"bits": "8", "group_size": 32}, r"'quantization' entry: bits and group_size must be integers"),
+        ({"bits": 7, "group_size": 32}, r"'quantization' entry: affine quantization supports bits .*, not 7"),
+        ({"bits": 8, "group_size": 64}, r"its stored scales make groups of 32 weights, but config.json's"),
+    ],
+    ids=["not-an-object", "group-size-0", "string-bits", "bits-7", "other-group-size"],
+)
+def test_a_quantization_entry_that_does_not_fit_the_weights_is_named(tmp_path, bert_q8, entry, message):
+    """Each would otherwise fail deep in MLX, or crash the process (a group size of 0: a division by zero)."""
+    folder = shutil.copytree(bert_q8, tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = entry
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        mlx_encoders.load_model(folder)
+
+
+def test_a_failed_upload_says_the_folder_was_written_and_how_to_upload_it(tmp_path, bert, monkeypatch):
+    import huggingface_hub
+
+    class Unreachable:
+        def create_repo(self, **kwargs):
+            raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    with pytest.raises(CommandError, match=r"was written, but uploading it to me/x failed: .*hf upload me/x"):
+        mlx_encoders.convert(bert, tmp_path / "up", bits=8, group_size=32, upload_repo="me/x")
+    assert (tmp_path / "up" / "model.safetensors").exists()
 
 
 def test_quantized_weights_without_their_config_entry_are_refused(tmp_path, bert_q8):

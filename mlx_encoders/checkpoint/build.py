@@ -71,19 +71,54 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
             "(bits, group_size, mode): restore it from the folder the checkpoint was converted into, or convert "
             "the float source again"
         )
-    default = {
-        "group_size": spec.get("group_size", 64),
-        "bits": spec.get("bits", 8),
-        "mode": spec.get("mode", "affine"),
-    }
+    if not isinstance(spec, dict):
+        raise ValueError(
+            f"config.json's 'quantization' entry must be an object (bits, group_size, mode), got {spec!r:.60}"
+        )
+    default = stored_settings(spec, "")
 
     def predicate(path: str, module: nn.Module):
         if f"{path}.scales" not in weights:
             return False
         override = module_override(spec, path)
-        return {**default, **override} if isinstance(override, dict) else dict(default)
+        settings = stored_settings({**default, **override}, path) if isinstance(override, dict) else dict(default)
+        check_stored_groups(weights, path, settings)
+        return settings
 
     nn.quantize(model, class_predicate=predicate)
+
+
+def stored_settings(entry: dict, path: str) -> dict:
+    """The bits, group size and mode of config.json's `quantization` entry (or a module's own, at `path`), checked
+    against what MLX can unpack: a wrong one would fail deep in MLX, or crash the process (a group size of 0)."""
+    from ..quantization.recipes import quantization_spec  # the quantization package builds on this module
+
+    where = "config.json's 'quantization' entry" + (f" for {path}" if path else "")
+    bits, group_size, mode = entry.get("bits", 8), entry.get("group_size", 64), entry.get("mode", "affine")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in (bits, group_size)) or not isinstance(mode, str):
+        raise ValueError(
+            f"{where}: bits and group_size must be integers and mode a string, got {bits!r}, {group_size!r}, "
+            f"{mode!r}; restore it from the folder the checkpoint was converted into"
+        )
+    try:
+        return quantization_spec(bits, group_size, mode)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}; restore it from the folder the checkpoint was converted into") from None
+
+
+def check_stored_groups(weights: dict[str, mx.array], path: str, settings: dict) -> None:
+    """The stored scales have a column per group of `settings`' size, else config.json was written for other weights."""
+    weight, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    if weight is None or weight.ndim < 2:
+        return
+    columns = weight.shape[-1] * 32 // settings["bits"]  # the codes are packed into 32-bit words
+    if scales.shape[-1] * settings["group_size"] != columns:
+        stored = columns // max(scales.shape[-1], 1)
+        raise ValueError(
+            f"{path}: its stored scales make groups of {stored} weights, but config.json's 'quantization' entry says "
+            f"{settings['bits']} bits in groups of {settings['group_size']}; restore the entry from the folder the "
+            "checkpoint was converted into"
+        )
 
 
 def module_override(spec: dict, path: str) -> dict | None:

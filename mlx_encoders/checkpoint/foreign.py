@@ -21,7 +21,15 @@ def sentence_modules(source: Path) -> list[Path]:
 
 
 def check_sentence_modules(source: Path) -> None:
-    """Refuse sentence-transformers modules whose weights are pickle only (unpickling runs code)."""
+    """Refuse sentence-transformers modules whose weights are pickle only (unpickling runs code), and a listed Dense
+    module whose folder is missing (its projection would be lost)."""
+    for kind, folder in read_modules(source):
+        if kind.rsplit(".", 1)[-1] == "Dense" and not (folder / "config.json").is_file():
+            raise ValueError(
+                f"{source / 'modules.json'} lists a Dense module at {folder}, which has no config.json; copy the "
+                "folder from the original sentence-transformers model: without its projection the embeddings would "
+                "be wrong"
+            )
     for folder in sentence_modules(source):
         pickles = [p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
         if pickles and not list(folder.glob("*.safetensors")):

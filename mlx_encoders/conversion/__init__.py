@@ -149,6 +149,8 @@ def check_inputs(source: str | Path, target: Path, spec: dict | None, recipe, dt
         raise OptionError(f"mlx_path (--mlx-path) {target} is the source folder; choose another output folder")
     if checkpoint.path.resolve() in target.resolve().parents:  # it would become one of the source's files
         raise OptionError(f"mlx_path (--mlx-path) {target} is inside the source folder; choose a folder outside it")
+    if target.resolve() in checkpoint.path.resolve().parents:  # replacing the output (--force) would delete it
+        raise OptionError(f"mlx_path (--mlx-path) {target} holds the source folder; choose a folder outside it")
     checkpoint.weight_files()  # refuses pickle-only checkpoints
     check_sentence_modules(checkpoint.path)
     return checkpoint

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+from ..errors import CommandError
 from ..quantization.fidelity import PROBE_TEXTS, describe_perplexity
 
 
@@ -82,14 +83,22 @@ def upload(folder: Path, repo: str) -> str:
     """Publish `folder` as the model repo `repo` (needs a write token: `hf auth login` or HF_TOKEN)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    api = HfApi()
-    api.create_repo(repo_id=repo, repo_type="model", exist_ok=True)
     # the card's code loads the repo, whatever name the folder had when it was converted (a reused conversion)
     card = CARD_LOAD.sub(lambda m: f'{LOAD}{m[1] or ""}("{repo}")', (folder / "README.md").read_text())
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != "README.md")
     operations = [CommitOperationAdd(p.relative_to(folder).as_posix(), str(p)) for p in files]
     operations.append(CommitOperationAdd("README.md", card.encode()))
-    api.create_commit(repo_id=repo, repo_type="model", operations=operations, commit_message="Upload with mlx-encoders")
+    try:
+        api = HfApi()
+        api.create_repo(repo_id=repo, repo_type="model", exist_ok=True)
+        api.create_commit(
+            repo_id=repo, repo_type="model", operations=operations, commit_message="Upload with mlx-encoders"
+        )
+    except Exception as e:  # noqa: BLE001  the hub's errors (HTTP, network, auth) have no common base
+        raise CommandError(
+            f"{folder} was written, but uploading it to {repo} failed: {type(e).__name__}: {e}. Check the network "
+            f"and the token (hf auth login, or HF_TOKEN), then upload the folder: hf upload {repo} {folder}"
+        ) from e
     return f"https://huggingface.co/{repo}"
 
 
