@@ -484,6 +484,51 @@ def test_an_output_holding_another_run_is_refused_unless_resumed_or_overwritten(
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+@pytest.mark.parametrize("name", ["overwrite", "final_checkpoint", "group_by_length", "label_all_tokens"])
+def test_a_switch_takes_true_or_false_only(tmp_path, name):
+    """A string "false" is truthy: taken as given, it would do what it does not say (overwrite: delete a run)."""
+    with pytest.raises(OptionError, match=rf"^{name} must be True or False, got 'false'$"):
+        fine_tune("classify", [{"text": "a", "label": "x"}], tmp_path / "out", model=MINILM, **{name: "false"})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_under_other_settings_or_past_the_runs_end_is_refused(checkpoint, tmp_path):
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    options = dict(model=checkpoint("bert"), max_steps=2, batch_size=4, lr=1e-3)
+    fine_tune("classify", data, out, **options)
+    with pytest.raises(ValueError, match=r"checkpoint-2/trainer_state.json was written by a run with other settings "
+                                         r"\(batch_size 4 -> 5\)"):  # fmt: skip
+        fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "batch_size": 5})
+    with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, past this run's 1 steps"):
+        fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_steps": 1})
+
+
+def test_eval_data_is_read_as_the_training_datas_kind_and_its_errors_say_so(checkpoint, tmp_path):
+    """Regression targets in training; evaluation targets that look like label ids (all 0, or 0 and 1) stay
+    regression targets: the metrics are a regression's, not accuracy over one label."""
+    rows = [{"text": t, "label": i / 10} for i, t in enumerate(TEXTS)]
+    evaluation = [{"text": t, "label": i % 2} for i, t in enumerate(TEXTS[:4])]
+    trained = fine_tune(
+        "classify", rows, tmp_path / "out", model=MINILM, max_steps=1, batch_size=4, eval_data=evaluation
+    )
+    assert "eval_loss" in trained.metrics and "eval_accuracy" not in trained.metrics
+    labelled = [{"text": t, "label": label} for t, label in zip(TEXTS, LABELS, strict=True)]
+    bad = labelled[:3] + [{"text": "x", "label": "unknown"}]
+    with pytest.raises(ValueError, match=r"^eval_data: item 4 of the data: unknown label 'unknown'"):
+        fine_tune("classify", labelled, tmp_path / "bad", model=MINILM, max_steps=1, eval_data=bad)
+
+
+def test_only_an_evaluated_checkpoint_can_be_the_best(checkpoint, tmp_path):
+    """A checkpoint saved between evaluations carries the last evaluation's metrics, not its own: it never ranks."""
+    data, out = classification_file(tmp_path), tmp_path / "run"
+    fine_tune(
+        "classify", data, out, model=checkpoint("bert"), max_steps=5, batch_size=2, lr=1e-3, eval_data=data,
+        eval_every=3, save_every=2, keep_last=1, metric_for_best="eval_loss", final_checkpoint=False,
+    )  # fmt: skip
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["metrics"]["step"] == 3 and state["best_checkpoint"] is None
+
+
 def test_a_second_run_into_a_folder_a_run_is_writing_is_refused(checkpoint, tmp_path, monkeypatch):
     """The output's lock, held for the whole run: a run started while another writes the folder (before that one
     has written any file the check for another run's files would see) stops at once."""

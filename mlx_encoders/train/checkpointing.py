@@ -48,6 +48,33 @@ class TrainerState:
     metrics: dict | None = None  # the last evaluation
     best_metric: float | None = None
     best_checkpoint: str | None = None
+    run: dict | None = None  # the settings a resume must share to continue exactly (`RUN_SETTINGS`)
+
+
+# What decides a run's batches and updates: resuming under other values would continue no run that ever was. Its
+# length (epochs, max_steps) may grow: with a constant schedule that is the longer run exactly.
+RUN_SETTINGS = ("batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "warmup_steps", "weight_decay", "schedule",
+                "group_by_length", "dtype", "cores")  # fmt: skip
+
+
+def run_settings(config) -> dict:
+    return {name: getattr(config, name) for name in RUN_SETTINGS}
+
+
+def check_run_settings(state: TrainerState, config, folder: Path) -> None:
+    """Refuse to resume a checkpoint under other `RUN_SETTINGS` than the run that wrote it (a checkpoint written
+    before they were recorded is taken as it is)."""
+    if state.run is None:
+        return
+    now = run_settings(config)
+    changed = [
+        f"{name} {state.run.get(name)!r} -> {now[name]!r}" for name in RUN_SETTINGS if state.run.get(name) != now[name]
+    ]
+    if changed:
+        raise ValueError(
+            f"{folder / STATE_FILE} was written by a run with other settings ({'; '.join(changed)}): resuming "
+            "continues that run exactly, so give the same ones (or start a new run without resume)"
+        )
 
 
 def save_checkpoint(
@@ -131,8 +158,9 @@ def claim_output(output_dir: Path, overwrite: bool, resume_from: str | Path | No
 
 
 def update_best(state: TrainerState, metric: str | None, name: str) -> None:
-    """Record checkpoint `name` as the best when its `metric` beats the best so far."""
-    if metric is None or state.metrics is None:
+    """Record checkpoint `name` as the best when its `metric` beats the best so far. Only a checkpoint of a step that
+    was evaluated competes: another step's metrics are not its weights'."""
+    if metric is None or state.metrics is None or state.metrics.get("step") != state.step:
         return
     if metric not in state.metrics:
         raise KeyError(f"metric_for_best={metric!r} is not an eval metric; choose one of {', '.join(state.metrics)}")
@@ -311,7 +339,7 @@ def read_state(path: Path) -> TrainerState:
         np.random.default_rng().bit_generator.state = saved["mask_rng"]
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"{path}: field 'mask_rng' is not a PCG64 generator state ({e}); {RESUME_ELSEWHERE}") from None
-    for name, kinds in (("metrics", dict), ("best_metric", (int, float)), ("best_checkpoint", str)):
+    for name, kinds in (("metrics", dict), ("best_metric", (int, float)), ("best_checkpoint", str), ("run", dict)):
         value = saved.get(name)
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
             raise ValueError(f"{path}: field {name!r} has the wrong type ({value!r:.80}); {RESUME_ELSEWHERE}")
@@ -377,6 +405,8 @@ def start_state(
         state = TrainerState(mask_rng=np.random.default_rng(config.seed).bit_generator.state, mlx_key=key)
     else:
         state = load_checkpoint(model, optimizer, resume_from, read)
+        check_run_settings(state, config, Path(resume_from))
+    state.run = run_settings(config)
     if not distributed.is_main():  # rank 0 alone owns the files
         return state
     remove_stale_checkpoints(config.output_dir)

@@ -7,7 +7,7 @@ on it.
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -153,6 +153,12 @@ def check_option(name: str, value, owner: str = "") -> None:
         raise OptionError(f"{owner + ' ' if owner else ''}{name} {problem}")
 
 
+def check_switch(name: str, value) -> None:
+    """A True/False option: anything else (a string "false" is truthy) would do what it does not say."""
+    if not isinstance(value, bool | np.bool_):
+        raise OptionError(f"{name} must be True or False, got {value!r}")
+
+
 def check_options_in(options: Mapping) -> None:
     """`check_option` for each option of `options` that `RANGES` has."""
     for name, value in options.items():
@@ -224,6 +230,9 @@ class TrainingConfig:
 def check_options(config: TrainingConfig) -> None:
     """Every option in its range (`RANGES`), before any work."""
     check_options_in({name: getattr(config, name) for name in TrainingConfig.__dataclass_fields__})
+    for f in fields(TrainingConfig):
+        if f.type in (bool, "bool"):
+            check_switch(f.name, getattr(config, f.name))
     if config.schedule not in SCHEDULES:
         raise OptionError(f"schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
     if config.dtype not in COMPUTE_DTYPES:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..models.base import PROBLEM_TYPES
-from .config import OptionError, TrainingConfig, check_options_in
+from .config import OptionError, TrainingConfig, check_options_in, check_switch
 from .data import Examples
 from .embedding import SAMPLERS
 from .losses.contrastive import LOSSES
@@ -183,6 +183,9 @@ def read_options(function: str, output_dir: str | Path, options: Mapping) -> Sim
     if unknown:
         raise TypeError(f"{function}() got unknown options {', '.join(unknown)}; the options are: "
                         f"{', '.join(sorted(known))}")  # fmt: skip
+    for name, value in options.items():
+        if OPTIONS[name].kind is bool and value is not None:
+            check_switch(name, value)
     values = {name: options.get(name, OPTIONS[name].default) for name in known}
     training = TrainingConfig(output_dir, **{name: values[name] for name in LOOP})
     return SimpleNamespace(**values, training=training)

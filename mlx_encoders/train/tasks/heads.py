@@ -24,7 +24,7 @@ from ...models.layers import drawing_from
 from ...tokenizer import Tokenizer
 from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import OptionError, Trained
-from ..data import Examples
+from ..data import DataError, Examples
 from ..evaluation import check_metric_for_best
 from ..lora import apply_lora, fuse, save_adapters
 from ..masking import Masker
@@ -62,7 +62,10 @@ def train_head(
     examples = read(data, tok, run.label2id, options.seed)
     evaluation = None
     if run.eval_data is not None:
-        evaluation = read(run.eval_data, tok, examples.label2id or None, options.seed + 1)
+        try:
+            evaluation = read(run.eval_data, tok, examples.label2id or None, options.seed + 1)
+        except DataError as e:  # "item 4 of the data" would point at the training data's item
+            raise DataError(f"eval_data: {e}") from None
     if not own_metrics:
         check_metric_for_best(options, evaluation)  # the metrics these labels give, before the model loads
     with drawing_from([mx.random.key(options.seed)]):  # new weights from the seed; MLX's global key untouched
@@ -149,7 +152,8 @@ def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path 
 
 def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Module:
     """The checkpoint's model with the `task` head, in float32 (the weights training updates). A classification
-    head is kept when it has the data's labels, else created fresh with them."""
+    head is kept when it has the data's labels, and made with them for a checkpoint without one; a head of other
+    labels is refused."""
     if task not in ("sequence-classification", "token-classification"):
         return load_model(checkpoint, dtype="float32", task=task)
     labels = dict(label2id=examples.label2id)
@@ -160,8 +164,9 @@ def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Modul
         if stored != examples.label2id:
             raise ValueError(
                 f"{checkpoint.path} already has a {task} head with the labels {stored}, but the data has "
-                f"{examples.label2id}; pass label2id={stored!r} if the data's labels are among them, or start "
-                "from a checkpoint without this head"
+                f"{examples.label2id}; pass label2id={stored!r} if the data's labels are among them, or train a new "
+                "head from the encoder alone, saved without this one: model, tokenizer = mlx_encoders.load(path, "
+                'task="encoder"); mlx_encoders.save(model, "encoder-only", tokenizer)'
             )
         return load_model(checkpoint, dtype="float32", task=task)
     return load_model(checkpoint, dtype="float32", task=task, **labels)
