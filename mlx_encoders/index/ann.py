@@ -21,6 +21,7 @@ vectors times one factor (1 / the largest magnitude of any component) in 127ths:
 same, and the codes use the whole int8 range.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -118,8 +119,9 @@ def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> int:
                 f.write(data)
                 value = zlib.crc32(data, value)
     except OSError as e:
-        temporary.unlink(missing_ok=True)
-        raise OSError(f"could not write {temporary}: {e}") from e
+        with contextlib.suppress(OSError):  # on a read-only folder the removal fails too: the write's error tells
+            temporary.unlink(missing_ok=True)
+        raise OSError(f"could not write {temporary}: {e}; search exactly (--exact) meanwhile") from e
     os.replace(temporary, file)
     return value
 
@@ -190,7 +192,8 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
     try:
         index.save(str(temporary))
     except RuntimeError as e:  # usearch's report of a file it cannot write (a full disk among the causes)
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         full = " (the disk is full)" if disk_full(e, folder) else ""
         raise OSError(f"could not write {temporary}{full}: {e}; search exactly (--exact) meanwhile") from e
     os.replace(temporary, file)
@@ -220,9 +223,10 @@ def rescored(index, vectors: np.ndarray, rows: np.ndarray, query: np.ndarray, k:
 
 
 def best(vectors: np.ndarray, found: np.ndarray, query: np.ndarray, k: int) -> np.ndarray:
-    """The `k` of positions `found` whose float32 vectors score highest against `query`, best first."""
+    """The `k` of positions `found` whose float32 vectors score highest against `query`, best first (ties by
+    position, as the exact search breaks them)."""
     scores = vectors[found] @ query
-    return found[np.argsort(-scores, kind="stable")[:k]]
+    return found[np.lexsort((found, -scores))[:k]]
 
 
 def sample(count: int) -> np.ndarray:
@@ -309,6 +313,23 @@ def plan(info: dict, recall: float, forced: bool) -> dict | None:
     return {"expansion_search": expansion, "recall": measured, "ms": ms}
 
 
+def valid_calibration(calibration) -> bool:
+    """Whether a record's calibration (absent in a record of an earlier version) is what `plan` reads."""
+    if calibration is None:
+        return True
+    if not isinstance(calibration, dict) or not isinstance(calibration.get("levels"), list):
+        return False
+    numbers = (int, float)
+    return (
+        isinstance(calibration.get("candidates"), int)
+        and isinstance(calibration.get("exact_ms"), numbers)
+        and all(
+            isinstance(v, list) and len(v) == 3 and all(isinstance(x, numbers) for x in v)
+            for v in calibration["levels"]
+        )
+    )
+
+
 def load(folder: Path, precision: str, generation: str, count: int, rebuild: bool = True, store_id: str | None = None):
     """(The saved index, its record) when it matches the store (generation, store id, row count) and its bytes;
     else None, with the reason on stderr (and whether the caller `rebuild`s it or searches without it). A store
@@ -319,6 +340,8 @@ def load(folder: Path, precision: str, generation: str, count: int, rebuild: boo
         return None
     try:
         info = json.loads(record.read_text())
+        if not isinstance(info, dict) or not valid_calibration(info.get("calibration")):
+            raise ValueError("its record is not a graph's (a JSON object with its calibration)")
         reason = None
         other_store = info.get("store_id") not in (None, store_id)
         if info.get("generation") != generation or info.get("rows") != count or other_store:

@@ -11,6 +11,7 @@ score + (1 - alpha) x the sparse score, each min-max normalised over its ranking
 """
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,8 +47,14 @@ class Hit:
 
 
 def best(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the `k` highest scores, best first (ties in index order); O(N), not a full sort."""
-    top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    """Indices of the `k` highest scores, best first, ties in index order (at the cut too, so that a smaller `k`
+    gives the start of a larger one's answer); O(N), not a full sort."""
+    if k >= len(scores):
+        top = np.arange(len(scores))
+    else:
+        cut = scores[np.argpartition(-scores, k - 1)[k - 1]]  # the k-th highest score
+        above = np.flatnonzero(scores > cut)
+        top = np.concatenate([above, np.flatnonzero(scores == cut)[: k - len(above)]])
     return top[np.lexsort((top, -scores[top]))]
 
 
@@ -170,6 +177,9 @@ class Index:
         through it with the least expansion its calibration says reaches `recall` (or `ef_search`), or exactly
         where it cannot reach `recall` or is no faster than the exact product (unless `forced`)."""
         generation, precision = self.meta["generation"], self.precision
+        if loaded is None and write and not os.access(self.folder, os.W_OK):
+            self.way["why"] = "the folder is read-only: no graph is built"  # searched from the store file alone
+            return
         if loaded is None and write:
             loaded = ann_index.build(self.folder, self.rows, self.vectors, precision, generation, recall, self.rescore,
                                      self.meta.get("store_id"))  # fmt: skip
@@ -349,10 +359,10 @@ class Index:
             count = ann_index.pool(count, expansion, self.precision)
             rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision, self.scale)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
-        elif self.precision != "float32":
+        elif self.precision == "int8":  # codes close enough that the rescored pool holds the exact best
             coarse = self.codes @ self.quantize(vector[None])[0]
             pool = best(coarse, max(self.rescore, 4 * k))
-        else:
+        else:  # exact: sign bits alone rank too coarsely for a pool to hold the best (recall@10 about 0.5)
             scores = self.vectors @ vector
             top = best(scores, k)
             return top, scores[top]
@@ -382,7 +392,12 @@ def search(
 ) -> list:
     """The `k` best documents of the index in folder `index` for `query`: [Hit(id, score, text)], best first.
     `mode`, `fusion`, `rrf_k`, `alpha`, `depth` as `Index.search`; `options` go to `Index`. Opens the index each
-    call; keep an `Index` to answer many queries."""
-    return Index(index, model, **options).search(
-        query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
-    )
+    call (again, should a build commit between its opening and its search); keep an `Index` to answer many queries."""
+    try:
+        return Index(index, model, **options).search(
+            query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
+        )
+    except StaleIndex:
+        return Index(index, model, **options).search(
+            query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
+        )
