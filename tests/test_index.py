@@ -551,6 +551,8 @@ def test_a_graph_record_of_another_shape_is_rebuilt(tmp_path, capsys):
     index = Index(tmp_path / "i", ann=True)
     assert "rebuilding" in (err := capsys.readouterr().err) and "its record is not a graph's" in err
     assert index.search(vectors[5], 1)[0].id == "5"
+    with pytest.raises(ValueError, match=r"a query vector of shape \(15,\), but the index .* holds vectors of 16 "):
+        index.search(vectors[5][:15], 1)
 
 
 def recall_at_10(index: Index, vectors: np.ndarray, queries: np.ndarray) -> float:

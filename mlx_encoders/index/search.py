@@ -330,6 +330,11 @@ class Index:
     def dense_nearest(self, query: str | np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, cosine scores) of the best `k` texts, best first."""
         vector = self.embed(query) if isinstance(query, str) else np.asarray(query, np.float32)
+        if vector.shape != self.vectors.shape[1:]:
+            raise ValueError(
+                f"a query vector of shape {vector.shape}, but the index {self.folder} holds vectors of "
+                f"{self.vectors.shape[1]} dimensions: embed the query with the index's model"
+            )
         positions, scores = self.nearest(vector, k)
         return self.rows[positions], scores
 
