@@ -233,3 +233,12 @@ def test_cores_that_cannot_be_used_are_said(checkpoint, tmp_path):
     model = checkpoint("bert", "sequence-classification")
     with pytest.warns(UserWarning, match=r"cores=2: each step runs on 1 lane\(s\).*batch_size \(4\)"):
         fine_tune("classify", data, tmp_path / "run", model=model, max_steps=1, batch_size=4, cores=2)
+
+
+def test_more_cores_than_the_machine_has_are_said(checkpoint, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "label": i % 3}) + "\n" for i, t in enumerate(TEXTS)))
+    usable, model = usable_cores(), checkpoint("bert", "sequence-classification")
+    message = rf"cores={usable + 1}: each step runs on {usable} lane\(s\)\. .* usable cores \({usable} here\)"
+    with pytest.warns(UserWarning, match=message):
+        fine_tune("classify", data, tmp_path / "run", model=model, max_steps=1, batch_size=4 * usable, cores=usable + 1)

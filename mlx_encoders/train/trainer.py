@@ -200,11 +200,12 @@ class Loop:
         lanes = lane_count(self.config.batch_size, self.config.cores, weights) if split else 1
         make = lambda model, key: self.objective.loss_and_grad(model, dtype, key, compile, True)  # noqa: E731
         self.lanes = Lanes(self.model, make, lanes) if lanes > 1 else None
-        if (self.config.cores or 1) > 1 and self.world.is_main and lanes != min(self.config.cores, usable_cores()):
+        if (self.config.cores or 1) > 1 and self.world.is_main and lanes != self.config.cores:
             warnings.warn(
-                f"cores={self.config.cores}: each step runs on {lanes} lane(s). A step splits over the CPU's cores "
-                f"in one process (not under mlx.launch), on MLX's CPU backend with its CPU tuning on, and when "
-                f"batch_size ({self.config.batch_size}) gives each core at least {LEAST_LANE_ROWS} rows",
+                f"cores={self.config.cores}: each step runs on {lanes} lane(s). A step splits over the CPU's usable "
+                f"cores ({usable_cores()} here) in one process (not under mlx.launch), on MLX's CPU backend with its "
+                f"CPU tuning on, and when batch_size ({self.config.batch_size}) gives each core at least "
+                f"{LEAST_LANE_ROWS} rows",
                 stacklevel=2,
             )
 
