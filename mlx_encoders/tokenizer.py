@@ -19,6 +19,9 @@ from . import spm
 from .jsonfile import read_json_object
 
 SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bos_token", "eos_token")
+# A role's token when the config names none: BERT's spelling, then RoBERTa's (transformers' class defaults)
+DEFAULT_SPECIAL = {"cls_token": ("[CLS]", "<s>"), "sep_token": ("[SEP]", "</s>"), "pad_token": ("[PAD]", "<pad>"),
+                   "mask_token": ("[MASK]", "<mask>"), "unk_token": ("[UNK]", "<unk>")}  # fmt: skip
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
 USIZE_MAX = 2**32 - 1
@@ -97,7 +100,11 @@ class Tokenizer:
         self.model_max_length = model_max_length
         self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
         self.config = dict(config)  # tokenizer_config.json and special_tokens_map.json, written back by save()
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        # transformers 5 skips the clean-up for BPE models, whose text it corrupts (it was made for WordPiece)
+        bpe = type(backend.model).__name__ == "BPE" and not config.get(
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+        )
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and not bpe
         # Decoders used as encoders (Qwen3-Embedding) pad on the left, so every row ends with a real token.
         self.padding_side = config.get("padding_side") or "right"
         if self.padding_side not in ("left", "right"):
@@ -106,8 +113,17 @@ class Tokenizer:
             )
         for name in SPECIAL:
             setattr(self, name, _content(config.get(name)))
+        self.default_special_tokens()
         self.backend.no_padding()
         self.backend.no_truncation()
+
+    def default_special_tokens(self) -> None:
+        """The roles the config files leave unnamed (bert-base-uncased's name none), filled as transformers' tokenizer
+        classes default them: from the tokenizer's own special tokens, WordPiece's or BPE's spelling."""
+        special = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        for name, spellings in DEFAULT_SPECIAL.items():
+            if getattr(self, name) is None:
+                setattr(self, name, next((s for s in spellings if s in special), None))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, max_positions: int | None = None, token_types: bool = True):

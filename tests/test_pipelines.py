@@ -6,6 +6,9 @@ transformers model and tokenizer with transformers' own span decoding (`select_s
 pipelines/document_question_answering.py), assembled exactly as the 4.x pipeline did.
 """
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -126,6 +129,40 @@ def test_fill_mask(pipes, model_type):
     assert_same(ours(one, targets=targets, top_k=3), ref(one, targets=targets, top_k=3))
 
 
+@pytest.mark.parametrize("model_type, config", [("bert", {"do_lower_case": True, "model_max_length": 512}),
+                                                 ("roberta", None)])  # fmt: skip
+def test_special_tokens_named_in_tokenizer_json_alone(pipes, tmp_path, model_type, config):
+    """bert-base-uncased's files name no special token (roberta-base has no tokenizer_config.json): transformers
+    takes them from its tokenizer class; here from the tokenizer's own special tokens, the same ones."""
+    _, folder, ref = pipes("fill-mask", model_type)
+    bare = shutil.copytree(folder, tmp_path / "bare")
+    (bare / "special_tokens_map.json").unlink(missing_ok=True)
+    if config is None:
+        (bare / "tokenizer_config.json").unlink()
+    else:
+        (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = pipeline("fill-mask", model=bare)
+    expected = transformers.AutoTokenizer.from_pretrained(bare)
+    assert [getattr(ours.tokenizer, n) for n in ("mask_token", "cls_token", "sep_token", "pad_token", "unk_token")] == [
+        getattr(expected, n) for n in ("mask_token", "cls_token", "sep_token", "pad_token", "unk_token")
+    ]
+    text = f"The capital of France is {expected.mask_token}."
+    assert_same(ours(text, top_k=3), ref(text, top_k=3))
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "modernbert"])
+def test_a_bpe_tokenizer_skips_the_clean_up_as_transformers_does(pipes, tmp_path, model_type):
+    """transformers 5 ignores clean_up_tokenization_spaces for BPE models, whose text it would corrupt."""
+    _, folder, ref = pipes("fill-mask", model_type)
+    folder = shutil.copytree(folder, tmp_path / "ckpt")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    ours, ref = pipeline("fill-mask", model=folder), transformers.pipeline("fill-mask", model=ref.model,
+                                                                          tokenizer=str(folder))  # fmt: skip
+    text = f"Well , it is {ours.tokenizer.mask_token} , isn't it ? Yes ."  # spaces the clean-up would take out
+    assert_same(ours(text, top_k=2), ref(text, top_k=2))
+
+
 def test_fill_mask_errors_and_truncation(pipes):
     ours, _, ref = pipes("fill-mask", "bert")
     with pytest.raises(ValueError, match=r"No mask_token \(\[MASK\]\) found"):
@@ -181,6 +218,13 @@ def test_rerank(pipes, model_type):
     assert [r["text"] for r in ranked] == [TEXTS[i] for i in expected]
     np.testing.assert_allclose([r["score"] for r in ranked], [scores[i] for i in expected], atol=SCORE_TOL)
     assert [r["corpus_id"] for r in ours.rerank(query, TEXTS, top_k=2)] == expected[:2]
+
+
+def test_text_classification_takes_a_generator_or_tuple_as_a_list(pipes):
+    ours, _, ref = pipes("text-classification", "bert")
+    texts = ["A cat sat on the mat.", "Stocks fell sharply today.", "x"]
+    assert_same(ours(t for t in texts), ref(texts))
+    assert_same(ours(tuple(texts), top_k=2), ref(texts, top_k=2))
 
 
 def test_multi_label_problem_type_defaults_to_sigmoid(pipes):

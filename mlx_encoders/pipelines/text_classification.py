@@ -4,9 +4,12 @@
 Inputs longer than the model's positions are truncated (longest-first for pairs) unless `truncation=False`.
 """
 
+from collections.abc import Mapping
+
 import mlx.core as mx
 import numpy as np
 
+from ..tokenizer import text_list
 from .base import Pipeline, check_count, tokenizer_options
 from .fill_mask import softmax
 
@@ -72,7 +75,8 @@ class TextClassificationPipeline(Pipeline):
         tokenizer keywords; inputs are truncated to the model's length by default. `padding` is taken and, as
         in transformers' results, changes nothing.
         """
-        items = inputs if isinstance(inputs, list) else [inputs]
+        single = isinstance(inputs, (str, Mapping))  # a text or one {"text", "text_pair"} dict
+        items = [inputs] if single else text_list(inputs, "text-classification")  # a list, tuple or generator
         if not items:
             raise ValueError("text-classification needs at least one input")
         legacy = top_k == LEGACY
@@ -84,7 +88,7 @@ class TextClassificationPipeline(Pipeline):
         options = {"truncation": truncation, "max_length": max_length, **tokenizer_options(tokenizer_kwargs)}
         scores = self.scores(texts, pairs, function_to_apply, batch_size, **options)
         results = [self.labels(row, top_k, legacy) for row in scores]
-        return results if isinstance(inputs, list) else results[0]
+        return results[0] if single else results
 
     def labels(self, scores: np.ndarray, top_k: int | None, legacy: bool):
         """transformers' postprocess: the best label alone (legacy top 1), else labels in the model's order
