@@ -107,6 +107,8 @@ def test_text_classification_truncation_and_max_length(pipes):
     assert ours(LONG, max_length=10) != ours(LONG)  # it did cut the text
     with pytest.raises(ValueError, match=r"Item 0 has \d+ tokens, more than the model's 128; pass truncation=True"):
         ours(LONG, truncation=False)  # transformers fails inside the model here
+    with pytest.raises(ValueError, match=r"more than the model's 128; pass a max_length of at most 128$"):
+        ours(LONG, truncation=True, max_length=1000)  # already truncating: the length is what to change
     with pytest.raises(TypeError, match="tokenizer_kwargs takes truncation, max_length, padding; got 'stride'"):
         ours(LONG, tokenizer_kwargs={"stride": 3})
 

@@ -175,9 +175,15 @@ class Pipeline:
             if not e.ids:
                 raise ValueError(f"Input {text!r} produced no tokens; pass a non-empty text")
             if limit and len(e.ids) > limit:
+                asks = "a max_length of at most" if truncation and max_length and max_length > limit else None
                 raise ValueError(
-                    f"Item {i} has {len(e.ids)} tokens, more than the model's {limit}; pass truncation=True"
-                    + (f" and a max_length of at most {limit}" if max_length and max_length > limit else "")
+                    f"Item {i} has {len(e.ids)} tokens, more than the model's {limit}; "
+                    + (f"pass {asks} {limit}" if asks else "pass truncation=True")
+                    + (
+                        f" and a max_length of at most {limit}"
+                        if not asks and max_length and max_length > limit
+                        else ""
+                    )
                 )
         return encodings
 
