@@ -7,6 +7,7 @@ SentencePiece model when a checkpoint ships only that (see spm.py), takes the sp
 
 import json
 import numbers
+import re
 from collections.abc import Iterable, Mapping, Set
 from pathlib import Path
 
@@ -22,6 +23,8 @@ SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token", "bo
 # A role's token when the config names none: BERT's spelling, then RoBERTa's (transformers' class defaults)
 DEFAULT_SPECIAL = {"cls_token": ("[CLS]", "<s>"), "sep_token": ("[SEP]", "</s>"), "pad_token": ("[PAD]", "<pad>"),
                    "mask_token": ("[MASK]", "<mask>"), "unk_token": ("[UNK]", "<unk>")}  # fmt: skip
+# The tokenizer classes whose defaults these are (a config may name its class; bert-base-uncased names none)
+DEFAULTING_CLASSES = r"Bert|Roberta|Electra|MPNet|Deberta|Albert|Camembert|Longformer|Bart|XLM"
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
 USIZE_MAX = 2**32 - 1
@@ -118,11 +121,15 @@ class Tokenizer:
         self.backend.no_truncation()
 
     def default_special_tokens(self) -> None:
-        """The roles the config files leave unnamed (bert-base-uncased's name none), filled as transformers' tokenizer
-        classes default them: from the tokenizer's own special tokens, WordPiece's or BPE's spelling."""
+        """The roles the config files leave unnamed (bert-base-uncased's name none), filled as the BERT and RoBERTa
+        families' tokenizer classes default them: from the tokenizer's own special tokens, in WordPiece's or BPE's
+        spelling. A role the config names (null included), or a tokenizer of another class, keeps its value."""
+        kind = self.config.get("tokenizer_class")
+        if kind is not None and not re.search(DEFAULTING_CLASSES, str(kind)):
+            return
         special = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
         for name, spellings in DEFAULT_SPECIAL.items():
-            if getattr(self, name) is None:
+            if name not in self.config:
                 setattr(self, name, next((s for s in spellings if s in special), None))
 
     @classmethod

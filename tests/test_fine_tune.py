@@ -499,8 +499,19 @@ def test_a_resume_under_other_settings_or_past_the_runs_end_is_refused(checkpoin
     with pytest.raises(ValueError, match=r"checkpoint-2/trainer_state.json was written by a run with other settings "
                                          r"\(batch_size 4 -> 5\)"):  # fmt: skip
         fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "batch_size": 5})
+    fine_tune("classify", data, out, resume=out / "checkpoint-2", save_every=1, **{**options, "max_steps": 3})
+    kept, log = [c.name for c in trainer.checkpoints(out)], (out / "metrics.jsonl").read_text()
     with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, past this run's 1 steps"):
-        fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_steps": 1})
+        fine_tune("classify", data, out, resume=out / "checkpoint-2", save_every=1, **{**options, "max_steps": 1})
+    assert [c.name for c in trainer.checkpoints(out)] == kept and (out / "metrics.jsonl").read_text() == log
+
+
+def test_options_given_as_numpy_numbers_are_recorded_as_json(checkpoint, tmp_path):
+    data = classification_file(tmp_path)
+    options = dict(max_steps=1, batch_size=np.int64(4), lr=np.float32(1e-3), seed=np.int64(3), group_by_length=np.True_)
+    fine_tune("classify", data, tmp_path / "run", model=checkpoint("bert"), **options)
+    state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["run"]["batch_size"] == 4 and state["run"]["group_by_length"] is True
 
 
 def test_eval_data_is_read_as_the_training_datas_kind_and_its_errors_say_so(checkpoint, tmp_path):

@@ -20,6 +20,7 @@ import mlx_encoders
 from mlx_encoders import MODEL_TYPES, pipeline
 from mlx_encoders.models import model_module
 from mlx_encoders.pipelines import PIPELINES
+from mlx_encoders.tokenizer import Tokenizer
 
 SCORE_TOL = 1e-4
 # Large weights, so the random models rank candidates far apart (no near-ties to flip). ALBERT's shared layers
@@ -148,6 +149,22 @@ def test_special_tokens_named_in_tokenizer_json_alone(pipes, tmp_path, model_typ
     ]
     text = f"The capital of France is {expected.mask_token}."
     assert_same(ours(text, top_k=3), ref(text, top_k=3))
+
+
+def test_a_tokenizer_of_another_class_or_an_explicit_null_keeps_its_roles(pipes, tmp_path):
+    """The defaults are the BERT and RoBERTa families' alone: a Llama-style class, or a role set to null, keeps None."""
+    _, folder, _ = pipes("fill-mask", "roberta")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for name, edit in [("llama", {"tokenizer_class": "LlamaTokenizer"}), ("null", {"pad_token": None})]:
+        target = shutil.copytree(folder, tmp_path / name)
+        (target / "special_tokens_map.json").unlink(missing_ok=True)
+        kept = {k: v for k, v in config.items() if not k.endswith("_token") and k != "tokenizer_class"}
+        (target / "tokenizer_config.json").write_text(json.dumps({**kept, **edit}))
+        expected = transformers.AutoTokenizer.from_pretrained(target)
+        ours = Tokenizer.from_pretrained(target)
+        assert [getattr(ours, n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")] == [
+            getattr(expected, n) for n in ("cls_token", "sep_token", "pad_token", "mask_token")
+        ], name
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "modernbert"])

@@ -71,6 +71,8 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) 
             "(bits, group_size, mode): restore it from the folder the checkpoint was converted into, or convert "
             "the float source again"
         )
+    if not any(k.endswith(".scales") for k in weights):  # a float checkpoint: another library's entry is not ours
+        return
     if not isinstance(spec, dict):
         raise ValueError(
             f"config.json's 'quantization' entry must be an object (bits, group_size, mode), got {spec!r:.60}"
@@ -113,11 +115,10 @@ def check_stored_groups(weights: dict[str, mx.array], path: str, settings: dict)
         return
     columns = weight.shape[-1] * 32 // settings["bits"]  # the codes are packed into 32-bit words
     if scales.shape[-1] * settings["group_size"] != columns:
-        stored = columns // max(scales.shape[-1], 1)
         raise ValueError(
-            f"{path}: its stored scales make groups of {stored} weights, but config.json's 'quantization' entry says "
-            f"{settings['bits']} bits in groups of {settings['group_size']}; restore the entry from the folder the "
-            "checkpoint was converted into"
+            f"{path}: its stored weights {tuple(weight.shape)} and scales {tuple(scales.shape)} do not fit "
+            f"config.json's 'quantization' entry ({settings['bits']} bits in groups of {settings['group_size']}); "
+            "restore the entry from the folder the checkpoint was converted into"
         )
 
 

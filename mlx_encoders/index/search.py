@@ -49,6 +49,8 @@ class Hit:
 def best(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the `k` highest scores, best first, ties in index order (at the cut too, so that a smaller `k`
     gives the start of a larger one's answer); O(N), not a full sort."""
+    if k <= 0:
+        return np.zeros(0, np.int64)
     if k >= len(scores):
         top = np.arange(len(scores))
     else:
@@ -159,7 +161,7 @@ class Index:
         self.way = {"method": "exact", "vectors": len(self.rows), "precision": precision}
         if wanted:
             self.open_graph(recall, ef_search, forced=ann is True, write=write, loaded=loaded and loaded[:2])
-        if self.dense and self.graph is None and precision != "float32":
+        if self.dense and self.graph is None and precision == "int8":  # binary searches its float32 vectors then
             self.codes = self.quantize(self.vectors)
 
     def saved_graph(self, count: int, write: bool) -> tuple | None:

@@ -58,7 +58,8 @@ RUN_SETTINGS = ("batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "warmu
 
 
 def run_settings(config) -> dict:
-    return {name: getattr(config, name) for name in RUN_SETTINGS}
+    """`RUN_SETTINGS`' values as JSON writes them (an option given as a numpy number, as plain Python)."""
+    return {name: (v.item() if isinstance(v := getattr(config, name), np.generic) else v) for name in RUN_SETTINGS}
 
 
 def check_run_settings(state: TrainerState, config, folder: Path) -> None:
@@ -396,6 +397,7 @@ def start_state(
     config: TrainingConfig,
     resume_from: str | Path | None,
     read: Callable[[nn.Module, Path], dict | None] | None = None,
+    total: int | None = None,
 ) -> TrainerState:
     """A fresh state (the dropout key and masking generator from `seed`) or the one in `resume_from` (its weights
     read by `read`, see `load_checkpoint`), with its saved key; the metrics log keeps only the records up to the
@@ -406,6 +408,11 @@ def start_state(
     else:
         state = load_checkpoint(model, optimizer, resume_from, read)
         check_run_settings(state, config, Path(resume_from))
+        if total is not None and state.step > total:  # before the clean-up below: a refusal changes no file
+            raise ValueError(
+                f"{resume_from} is at step {state.step}, past this run's {total} steps; resume with at least as "
+                "many (epochs or max_steps), or use the checkpoint's model as it is"
+            )
     state.run = run_settings(config)
     if not distributed.is_main():  # rank 0 alone owns the files
         return state

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from ..models.base import PROBLEM_TYPES
 from .config import OptionError, TrainingConfig, check_options_in, check_switch
 from .data import Examples
@@ -183,6 +185,7 @@ def read_options(function: str, output_dir: str | Path, options: Mapping) -> Sim
     if unknown:
         raise TypeError(f"{function}() got unknown options {', '.join(unknown)}; the options are: "
                         f"{', '.join(sorted(known))}")  # fmt: skip
+    options = {name: value.item() if isinstance(value, np.generic) else value for name, value in options.items()}
     for name, value in options.items():
         if OPTIONS[name].kind is bool and value is not None:
             check_switch(name, value)

@@ -367,12 +367,7 @@ def train(
         claim_output(config.output_dir, config.overwrite, resume_from)
     if world.is_main:
         config.output_dir.mkdir(parents=True, exist_ok=True)
-    state = start_state(model, optimizer, config, resume_from, objective.read_weights)
-    if state.step > total:
-        raise ValueError(
-            f"{resume_from} is at step {state.step}, past this run's {total} steps; resume with at least as many "
-            "(epochs or max_steps), or use the checkpoint's model as it is"
-        )
+    state = start_state(model, optimizer, config, resume_from, objective.read_weights, total)
     if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
         model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
     model.train()
