@@ -141,9 +141,9 @@ class CrossEncoder(Encoder):
         self.path = checkpoint.path
         folder = read_folder(self.path)
         others = [m for m in folder.modules if m.kind not in MODULES]
-        if others and num_labels is None:
-            folder.check_kinds(MODULES, "CrossEncoder", "; pass num_labels= to start a new head on its transformer")
-        if others:  # a new head on the transformer: the folder's own modules after it are not run
+        if others:  # only a new head on the transformer runs: the folder's own modules after it do not
+            if num_labels is None:
+                folder.check_kinds(MODULES, "CrossEncoder", "; pass num_labels= to start a new head on its transformer")
             names = ", ".join(f"{m.kind} ({m.folder.name})" for m in others)
             warnings.warn(
                 f"{self.path / MODULES_FILE}: {names} not run; CrossEncoder scores with a classification head on the "

@@ -400,11 +400,11 @@ def search(
     """The `k` best documents of the index in folder `index` for `query`: [Hit(id, score, text)], best first.
     `mode`, `fusion`, `rrf_k`, `alpha`, `depth` as `Index.search`; `options` go to `Index`. Opens the index each
     call (again, should a build commit between its opening and its search); keep an `Index` to answer many queries."""
-    try:
-        return Index(index, model, **options).search(
-            query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
-        )
-    except StaleIndex:
-        return Index(index, model, **options).search(
-            query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
-        )
+    for attempt in (1, 2):
+        try:
+            return Index(index, model, **options).search(
+                query, k, mode=mode, fusion=fusion, rrf_k=rrf_k, alpha=alpha, depth=depth
+            )
+        except StaleIndex:
+            if attempt == 2:
+                raise

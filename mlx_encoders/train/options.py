@@ -186,8 +186,8 @@ def read_options(function: str, output_dir: str | Path, options: Mapping) -> Sim
         raise TypeError(f"{function}() got unknown options {', '.join(unknown)}; the options are: "
                         f"{', '.join(sorted(known))}")  # fmt: skip
     options = {name: value.item() if isinstance(value, np.generic) else value for name, value in options.items()}
-    for name, value in options.items():
-        if OPTIONS[name].kind is bool and value is not None:
+    for name, value in options.items():  # the loop's switches are TrainingConfig's to check
+        if OPTIONS[name].kind is bool and name not in LOOP and value is not None:
             check_switch(name, value)
     values = {name: options.get(name, OPTIONS[name].default) for name in known}
     training = TrainingConfig(output_dir, **{name: values[name] for name in LOOP})
