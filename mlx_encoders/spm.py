@@ -8,6 +8,7 @@ tokenizer class (models/{albert,xlm_roberta,deberta_v2}/tokenization_*.py). This
 the `.model` protobuf with a small wire-format reader so that neither protobuf nor sentencepiece is needed.
 """
 
+import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,13 @@ DEFAULTS = {
 CLASSES = {"AlbertTokenizer": "albert", "XLMRobertaTokenizer": "xlm-roberta", "DebertaV2Tokenizer": "deberta-v2"}
 CONTROL, USER_DEFINED = 3, 4  # sentencepiece's SentencePiece.Type values that become added tokens
 METASPACE = "\u2581"
+FLAGS = (
+    "single_word",
+    "lstrip",
+    "rstrip",
+    "normalized",
+    "special",
+)  # an added token's, as tokenizer_config.json has them
 
 
 @dataclass
@@ -178,6 +186,38 @@ def post_processor(kind: str, backend: Tokenizer, specials: dict):
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
 
 
+def added_tokens(folder: Path, config: dict, named: set[str]) -> list[AddedToken]:
+    """The tokens added to the model's vocabulary after training, in the order of their ids: tokenizer_config.json's
+    `added_tokens_decoder`, else transformers 4's added_tokens.json (special where the files name them: `named`)."""
+    entries = config.get("added_tokens_decoder")
+    if entries is not None:
+        where = f"{folder / 'tokenizer_config.json'}: added_tokens_decoder"
+        if not isinstance(entries, dict):
+            raise ValueError(f"{where} must be an object of id -> token, got {type(entries).__name__}")
+        tokens = []
+        for key, entry in entries.items():
+            if not str(key).isdigit() or not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+                raise ValueError(f"{where}: entry {key!r} must be a token id with an object holding its 'content'")
+            flags = {
+                k: bool(entry[k]) for k in ("single_word", "lstrip", "rstrip", "normalized", "special") if k in entry
+            }
+            tokens.append((int(key), AddedToken(entry["content"], **flags)))
+        return [token for _, token in sorted(tokens, key=lambda pair: pair[0])]
+    file = folder / "added_tokens.json"
+    if not file.exists():
+        return []
+    try:
+        ids = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from e
+    if not isinstance(ids, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids.values()):
+        raise ValueError(f"{file} must be an object of token -> id")
+    return [
+        AddedToken(token, special=token in named, normalized=token not in named)
+        for token, _ in sorted(ids.items(), key=lambda pair: pair[1])
+    ]
+
+
 def build(file: Path, kind: str, config: dict) -> tuple[Tokenizer, dict[str, str]]:
     """The tokenizer transformers builds for `file` under convention `kind` ("albert", "xlm-roberta",
     "deberta-v2") with tokenizer_config.json's options in `config`; also its special tokens by name."""
@@ -192,9 +232,12 @@ def build(file: Path, kind: str, config: dict) -> tuple[Tokenizer, dict[str, str
     scheme = "always" if prefix else ("first" if kind == "deberta-v2" else "never")
     backend.pre_tokenizer = pre_tokenizer(kind, config, scheme)
     backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme=scheme)
-    # Named special tokens first (a missing one gets the next id), then spm's control and user-defined pieces.
+    # As transformers: the tokens added after training by id, then the named special tokens (a missing one gets the
+    # next id), then spm's control and user-defined pieces (which have theirs).
     named = list(dict.fromkeys(specials.values()))
-    added = [AddedToken(t, special=True, normalized=False) for t in named]
+    said = {specials[name] for name in SPECIAL if config.get(name) is not None}  # named by the files, not by default
+    added = added_tokens(file.parent, config, said)
+    added += [AddedToken(t, special=True, normalized=False) for t in named if t not in {a.content for a in added}]
     added += [
         AddedToken(piece, special=type_ == CONTROL or piece in named, normalized=False)
         for piece, _, type_ in model.pieces

@@ -251,7 +251,14 @@ class Tokenizer:
         (`padding=True`) or to `max_length` (`padding="max_length"`); `return_tensors="np"` gives numpy."""
         encodings = self.encode_batch(text, text_pair, truncation, max_length)
         if padding == "max_length":
-            return self.pad(encodings, max_length or self.model_max_length, return_tensors)
+            width = max_length or self.model_max_length
+            longest = max(range(len(encodings)), key=lambda i: len(encodings[i].ids), default=None)
+            if longest is not None and len(encodings[longest].ids) > width:
+                raise ValueError(
+                    f"input {longest} has {len(encodings[longest].ids)} tokens, more than padding='max_length' pads "
+                    f"to ({width}); pass truncation=True to cut it, or a larger max_length"
+                )
+            return self.pad(encodings, width, return_tensors)
         if not padding and len({len(e.ids) for e in encodings}) > 1:
             raise ValueError("Texts have different lengths; pass padding=True to batch them")
         return self.pad(encodings, return_tensors=return_tensors)

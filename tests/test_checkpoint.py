@@ -372,6 +372,8 @@ def test_corrupt_tokenizer_json_names_itself(checkpoint, tmp_path):
         ({"hidden_act": "swoosh"}, "config key 'hidden_act': unsupported activation 'swoosh'"),
         ({"torch_dtype": "int8"}, "config key 'torch_dtype' must be one of float32, float16, bfloat16"),
         ({"architectures": "BertModel"}, "config key 'architectures' must be a list of class names"),
+        ({"is_decoder": True}, "config key 'is_decoder' is true: bert as a causal decoder is not supported"),
+        ({"add_cross_attention": True}, "config key 'add_cross_attention' is true: bert as cross-attention"),
     ],
 )
 def test_config_values_that_cannot_work_fail_at_load_naming_the_key(checkpoint, tmp_path, edit, message):

@@ -50,7 +50,7 @@ VARIANTS = {
 
 
 def with_token_types(model, batch: dict) -> dict:
-    """The batch, with alternating token types when the model reads them (its tokenizer leaves them out)."""
+    """The batch, with alternating token types when the model reads them (a single text's would all be 0)."""
     if not model.args.type_vocab_size:
         return dict(batch)
     types = mx.broadcast_to(mx.arange(batch["input_ids"].shape[1]) % 2, batch["input_ids"].shape)
@@ -69,6 +69,22 @@ def test_variant_matches_transformers(checkpoint, model_type, task, config):
     folder = checkpoint(model_type, task, **config)
     check_forward(folder, task)
     check_gradients(folder, task)
+
+
+@pytest.mark.parametrize("model_type", ["deberta", "deberta-v2"])
+def test_text_pairs_carry_token_types_where_the_config_has_a_table(checkpoint, model_type):
+    """transformers' DeBERTa tokenizers return token types, and a model with a token-type table adds them: a pair's
+    second text is type 1 (the released checkpoints have no table, and their tokenizers' types are unused)."""
+    folder = checkpoint(model_type, "sequence-classification", type_vocab_size=2)
+    first, second = ["A man is eating food.", "hello"], ["Someone eats a meal.", "world and more"]
+    expected_batch = transformers.AutoTokenizer.from_pretrained(folder)(first, second, padding=True)
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = tokenizer(first, second, padding=True)
+    np.testing.assert_array_equal(np.array(batch["token_type_ids"]), expected_batch["token_type_ids"])
+    with torch.no_grad():
+        expected = load_reference(folder, "sequence-classification")(**as_torch(batch)).logits.numpy()
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close(our_outputs(model(**batch)), {"logits": expected}, real, "sequence-classification")
 
 
 def test_conv_layer_dropout_sits_where_transformers_puts_it(checkpoint, monkeypatch):

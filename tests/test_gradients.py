@@ -373,7 +373,9 @@ def test_attention_gradients_match_torch(monkeypatch, branch):
         assert_float32_close(np.array(ours), theirs.grad.numpy(), terms)
 
 
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "mpnet", "nomic_bert", "jina_embeddings_v3"])
+@pytest.mark.parametrize(
+    "model_type", ["albert", "bert", "roberta", "xlm-roberta", "mpnet", "nomic_bert", "jina_embeddings_v3"]
+)
 def test_an_untied_masked_lm_heads_gradients_match_transformers(checkpoint, model_type):
     """The decoder untied from the word embeddings trains its own weight and bias, as transformers' does."""
     check_gradients(checkpoint(model_type, "masked-lm", tie_word_embeddings=False), "masked-lm")

@@ -72,8 +72,8 @@ def test_matches_transformers(checkpoint, model_type, task):
 
 
 # Masked-LM heads whose own decoder (untied from the word embeddings) carries a bias of its own in transformers.
-UNTIED_DECODERS = {"bert": "cls.predictions", "roberta": "lm_head", "xlm-roberta": "lm_head", "mpnet": "lm_head",
-                   "nomic_bert": "cls.predictions", "jina_embeddings_v3": "lm_head"}  # fmt: skip
+UNTIED_DECODERS = {"albert": "predictions", "bert": "cls.predictions", "roberta": "lm_head", "xlm-roberta": "lm_head",
+                   "mpnet": "lm_head", "nomic_bert": "cls.predictions", "jina_embeddings_v3": "lm_head"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", sorted(UNTIED_DECODERS))

@@ -13,10 +13,11 @@ import shutil
 import numpy as np
 import pytest
 import sentencepiece
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 import mlx_encoders
-from mlx_encoders import Tokenizer
+from mlx_encoders import Tokenizer, spm
 from mlx_encoders.corpus import stdlib_docstrings
 
 TEXTS = stdlib_docstrings(500)
@@ -100,6 +101,29 @@ def test_special_and_user_defined_pieces_match_in_raw_text(folder):
     text = "a <sym> b <ctl> c [MASK] d<unk> ``quoted'' Café"
     assert ours([text], return_tensors="np")["input_ids"][0].tolist() == theirs(text)["input_ids"]
     assert "<sym>" in ours.convert_ids_to_tokens(theirs(text)["input_ids"])
+
+
+@pytest.mark.parametrize("architecture", ["albert", "xlm-roberta", "deberta-v2"])
+@pytest.mark.parametrize("stored", ["added_tokens_decoder", "added_tokens.json"])
+def test_tokens_added_after_training_keep_their_ids(folder, architecture, stored):
+    """Tokens added with `add_tokens` (tokenizer_config.json's added_tokens_decoder, or transformers 4's
+    added_tokens.json) are matched whole at their ids, as transformers' tokenizer for the folder does."""
+    path = folder(architecture, architecture, {})
+    base = AutoTokenizer.from_pretrained(path)
+    # as transformers saves them: every token past the model's pieces (a mask token the model file lacks), then ours
+    beyond = {i: t for i, t in base.added_tokens_decoder.items() if i >= base.vocab_size}
+    beyond |= {len(base): AddedToken("<ent>", normalized=True), len(base) + 1: AddedToken("<ent2>", normalized=True)}
+    added = {"<ent>": len(base), "<ent2>": len(base) + 1}
+    if stored == "added_tokens.json":
+        (path / "added_tokens.json").write_text(json.dumps({t.content: i for i, t in beyond.items()}))
+    else:
+        decoder = {str(i): {"content": t.content, **{k: getattr(t, k) for k in spm.FLAGS}} for i, t in beyond.items()}
+        (path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+    ours, theirs = Tokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    text = "the <ent> entity and <ent2> here, <ent>x"
+    expected = theirs(text)["input_ids"]
+    assert set(added.values()) <= set(expected)  # the oracle keeps them whole
+    assert ours([text], return_tensors="np")["input_ids"][0].tolist() == expected
 
 
 def test_load_a_checkpoint_that_ships_only_the_sentencepiece_model(checkpoint, tmp_path, trained):

@@ -53,6 +53,8 @@ def test_padding_to_max_length_and_numpy_output(checkpoint):
     batch = ours(["short"], padding="max_length", max_length=16, return_tensors="np")
     assert batch["input_ids"].shape == (1, 16) and isinstance(batch["input_ids"], np.ndarray)
     assert batch["attention_mask"].sum() == 3
+    with pytest.raises(ValueError, match=r"input 1 has 8 tokens, more than padding='max_length' pads to \(4\); pass "):
+        ours(["one", "one two three four five six"], padding="max_length", max_length=4, truncation=False)
 
 
 def test_limit_follows_the_position_table(checkpoint):

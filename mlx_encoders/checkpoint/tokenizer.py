@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from ..models import model_module
+from ..models import reads_token_types
 from ..models.base import BaseArgs
 from ..tokenizer import Tokenizer
 from .files import Checkpoint
@@ -31,7 +31,7 @@ def tokenizer_for(args: BaseArgs, path: str | Path | Checkpoint, check_vocab: bo
     """The tokenizer in `path` for a model of `args`, before or without building the model. `check_vocab=False`
     only where the model's vocab_size is still to be taken from this tokenizer (training from scratch)."""
     path = path.path if isinstance(path, Checkpoint) else path
-    tokenizer = Tokenizer.from_pretrained(path, args.max_tokens, model_module(args.model_type).TOKEN_TYPES)
+    tokenizer = Tokenizer.from_pretrained(path, args.max_tokens, reads_token_types(args))
     if check_vocab:
         fits_vocab(tokenizer, args, path)
     return tokenizer

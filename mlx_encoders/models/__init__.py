@@ -6,10 +6,11 @@
 bare model, encoder or decoder.
 
 Each module exposes `ModelArgs` (a dataclass of config.json names), `MODELS` (task -> class) and
-`TOKEN_TYPES` (whether the architecture reads token_type_ids); optionally `sanitize(weights)`, which fixes
-the keys or layouts of a checkpoint's tensors before they are fitted to the model, and `init_std(path, args)`,
-the standard deviation (and truncation) transformers initialises a new module with. A head class may define
-`layout_from_weights(config, keys) -> config`, for a layout config.json may leave unsaid (DeBERTa's `legacy`).
+`TOKEN_TYPES` (whether the architecture reads token_type_ids: a bool, or a function of the args); optionally
+`sanitize(weights)`, which fixes the keys or layouts of a checkpoint's tensors before they are fitted to the model,
+and `init_std(path, args)`, the standard deviation (and truncation) transformers initialises a new module with. A
+head class may define `layout_from_weights(config, keys) -> config`, for a layout config.json may leave unsaid
+(DeBERTa's `legacy`).
 """
 
 import importlib
@@ -94,6 +95,12 @@ def model_module(model_type: str) -> ModuleType:
     if model_type not in ALL_TYPES:
         raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(ALL_TYPES)}")
     return importlib.import_module(f"{__name__}.{ALL_TYPES[model_type]}")
+
+
+def reads_token_types(args) -> bool:
+    """Whether a model of `args` reads token_type_ids (its module's `TOKEN_TYPES`, which may depend on the config)."""
+    flag = model_module(args.model_type).TOKEN_TYPES
+    return flag(args) if callable(flag) else flag
 
 
 def task_of_architecture(architecture: str) -> str:

@@ -18,14 +18,13 @@ from .base import (
     ModelOutput,
     PooledClassification,
     QuestionAnswering,
-    TiedDecoder,
     TokenClassification,
     activation,
     multi_head_attention,
     padding_mask,
     run_layer,
 )
-from .bert import BertEmbeddings
+from .bert import BertEmbeddings, untied_decoder_bias
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear
 
@@ -172,12 +171,13 @@ class AlbertMLMHead(nn.Module):
         self.dense = Linear(args.hidden_size, args.embedding_size)
         self.act = activation(args.hidden_act)
         self.LayerNorm = LayerNorm(args.embedding_size, eps=args.layer_norm_eps)
-        self.decoder = TiedDecoder(args.embedding_size, args.vocab_size, args.tie_word_embeddings, bias=False)
+        if not args.tie_word_embeddings:  # an own decoder with its own bias, as BERT's (`untied_decoder_bias`)
+            self.decoder = Linear(args.embedding_size, args.vocab_size)
         self.bias = mx.zeros((args.vocab_size,))
 
     def __call__(self, x, word_embeddings):
         x = self.LayerNorm(self.act(self.dense(x)))
-        return self.decoder(x, word_embeddings) + self.bias
+        return self.decoder(x) if "decoder" in self else word_embeddings.as_linear(x) + self.bias
 
 
 class AlbertHead(HeadModel):
@@ -214,3 +214,7 @@ MODELS = {
     "question-answering": AlbertForQuestionAnswering,
 }
 TOKEN_TYPES = True
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return untied_decoder_bias(weights, "predictions")

@@ -51,6 +51,18 @@ class ModelArgs(BaseArgs):
         )
     }  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        # transformers' BERT, RoBERTa and ELECTRA read these (a causal mask, cross-attention layers); run without
+        # them, such a checkpoint would give other outputs with no error
+        for key, use in (("is_decoder", "a causal decoder"), ("add_cross_attention", "cross-attention layers")):
+            if config.get(key) is True:
+                raise ValueError(
+                    f"config key {key!r} is true: {config.get('model_type', cls.model_type)} as {use} is not "
+                    "supported; this package runs it as a bidirectional encoder"
+                )
+        return super().from_dict(config)
+
     @property
     def sequence_classifier_dropout(self) -> float:
         """transformers' classifier heads fall back to hidden_dropout_prob when classifier_dropout is None."""

@@ -104,4 +104,4 @@ MODELS = {
     "token-classification": DebertaForTokenClassification,
     "question-answering": DebertaForQuestionAnswering,
 }
-TOKEN_TYPES = False
+TOKEN_TYPES = v2.token_types

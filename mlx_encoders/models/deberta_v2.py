@@ -465,4 +465,12 @@ MODELS = {
     "token-classification": DebertaV2ForTokenClassification,
     "question-answering": DebertaV2ForQuestionAnswering,
 }
-TOKEN_TYPES = False  # type_vocab_size is 0 in the released checkpoints
+
+
+def token_types(args: ModelArgs) -> bool:
+    """Token types are read where the config gives them a table (0 in the released checkpoints), as transformers'
+    DeBERTa tokenizers always return them."""
+    return args.type_vocab_size > 0
+
+
+TOKEN_TYPES = token_types
