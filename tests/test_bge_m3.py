@@ -91,6 +91,25 @@ def test_outputs_match_flag_embedding(bge_m3, flag):
     assert single["dense_vecs"] is None and single["lexical_weights"].keys() == got["lexical_weights"][0].keys()
 
 
+def test_default_lengths_and_token_texts_are_flag_embeddings(bge_m3, flag):
+    """Texts cut at FlagEmbedding's passage_max_length (512 unless set; the model reads 8,192), queries in
+    compute_scores at its query_max_length; lexical weights keyed by each token decoded alone."""
+    flag = type(flag)(str(bge_m3[0]), use_fp16=False, devices="cpu", query_max_length=6, passage_max_length=9)
+    m3 = BGEM3(bge_m3[1], query_max_length=6, passage_max_length=9)
+    assert (BGEM3(bge_m3[1]).passage_max_length, BGEM3(bge_m3[1]).query_max_length) == (512, 512)
+    got = m3.encode(DOCUMENTS, return_colbert_vecs=True)
+    expected = flag.encode(DOCUMENTS, return_dense=True, return_sparse=True, return_colbert_vecs=True)
+    assert max(len(c) for c in got["colbert_vecs"]) == 8  # 9 tokens less [CLS]: the default cut is exercised
+    np.testing.assert_allclose(got["dense_vecs"], expected["dense_vecs"], atol=1e-5)
+    pairs = [(a, b) for a in QUERIES for b in DOCUMENTS]
+    theirs = np.array(flag.compute_score(pairs, batch_size=1)["colbert+sparse+dense"])
+    np.testing.assert_allclose(
+        m3.compute_scores(QUERIES, DOCUMENTS)["colbert+sparse+dense"].ravel(), theirs, atol=1e-5, rtol=1e-5
+    )
+    for weights in (got["lexical_weights"], got["lexical_weights"][:1], got["lexical_weights"][0]):
+        assert m3.convert_id_to_token(weights) == flag.convert_id_to_token(weights)
+
+
 def test_combined_scores_match_flag_embedding(bge_m3, flag):
     weights = [0.4, 0.2, 0.4]  # dense, sparse, colbert
     scores = BGEM3(bge_m3[1]).compute_scores(QUERIES, DOCUMENTS, tuple(weights))

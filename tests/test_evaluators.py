@@ -213,6 +213,19 @@ def test_evaluate_rerank_command(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-9)
 
 
+def test_one_text_or_id_as_a_str_is_one_not_its_characters():
+    """A triplet row's `negative` (as `mine --format triplet` writes it) and a query's one relevant id as a str."""
+    samples, scores = reranking_samples()
+    triplets = [{**s, "negative": s["negative"][0]} for s in samples if s["positive"]]
+    as_lists = [{**s, "negative": [s["negative"]]} for s in triplets]
+    theirs = CrossEncoderRerankingEvaluator(as_lists, write_csv=False)(FixedScores(scores))
+    assert RerankingEvaluator(triplets)(FixedScores(scores)) == pytest.approx({k: float(v) for k, v in theirs.items()})
+    with pytest.raises(ValueError, match="sample 0: 'documents' is the first stage's ranked list of texts, got one"):
+        RerankingEvaluator([{"query": "q", "positive": "p", "documents": "p"}])
+    evaluator = InformationRetrievalEvaluator({"q": "x"}, {"doc1": "y", "d": "z"}, {"q": "doc1"})
+    assert evaluator.relevant_docs == {"q": {"doc1"}}
+
+
 def test_evaluators_name_bad_input():
     with pytest.raises(ValueError, match="No query has a relevant document"):
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {})

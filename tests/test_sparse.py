@@ -131,6 +131,8 @@ def test_sparse_vectors_layout():
     np.testing.assert_array_equal(vectors.toarray(), [[0, 2.0, 0, 0, 0.5, 0], [0] * 6])
     ids, values = vectors[-1]
     assert len(ids) == len(values) == 0
+    with pytest.raises(TypeError, match=r"index rows with an int \(got slice\); .rows\(\) gives every row's"):
+        vectors[0:2]
     assert [len(ids) for ids, _ in vectors.rows()] == [2, 0] and SparseVectors.from_rows([], 6).rows() == []
     rng = np.random.default_rng(0)
     dense = np.where(rng.random((7, 50)) < 0.2, rng.random((7, 50)), 0).astype(np.float32)

@@ -55,10 +55,22 @@ class BGEM3(Encoder):
     """BGE-M3's three retrieval outputs, like FlagEmbedding's `BGEM3FlagModel(path).encode(...)`.
 
     `path_or_repo`: a BGE-M3 folder (an XLM-R checkpoint with sparse_linear.safetensors and
-    colbert_linear.safetensors beside it) or hub id; `dtype` casts the encoder's weights.
+    colbert_linear.safetensors beside it) or hub id; `dtype` casts the encoder's weights. Texts are cut at
+    `passage_max_length` tokens and `compute_scores`' queries at `query_max_length` unless a call says otherwise,
+    FlagEmbedding's defaults (the model reads up to 8,192).
     """
 
-    def __init__(self, path_or_repo: str | Path, dtype=None, revision: str | None = None):
+    def __init__(
+        self,
+        path_or_repo: str | Path,
+        dtype=None,
+        revision: str | None = None,
+        query_max_length: int = 512,
+        passage_max_length: int = 512,
+    ):
+        check_count("BGEM3 query_max_length", query_max_length, 2)
+        check_count("BGEM3 passage_max_length", passage_max_length, 2)
+        self.query_max_length, self.passage_max_length = query_max_length, passage_max_length
         self.path = resolve_path(path_or_repo, revision)
         checkpoint = Checkpoint.open(self.path)
         self.model = load_model(checkpoint, dtype=dtype, task="encoder")
@@ -84,15 +96,17 @@ class BGEM3(Encoder):
         self,
         sentences: str | list[str],
         batch_size: int = 32,
-        max_length: int = 8192,
+        max_length: int | None = None,
         return_dense: bool = True,
         return_sparse: bool = True,
         return_colbert_vecs: bool = False,
     ) -> dict:
         """{"dense_vecs": (N, H) float32, "lexical_weights": per text {str(token id): weight},
         "colbert_vecs": per text (tokens - 1, C) float32}, each None unless asked for; a single str gives one
-        text's values. Texts are truncated to `max_length` tokens (and the model's positions)."""
+        text's values. Texts are truncated to `max_length` tokens (`passage_max_length` by default, and the model's
+        positions)."""
         texts, single = text_inputs(sentences, batch_size)
+        max_length = self.passage_max_length if max_length is None else max_length
         check_count("encode() max_length", max_length, 2)
         dense, lexical, colbert = self.run(texts, batch_size, max_length)
         out = {
@@ -135,25 +149,33 @@ class BGEM3(Encoder):
         return out
 
     def convert_id_to_token(self, lexical_weights: dict | list[dict]) -> dict | list[dict]:
-        """Lexical weights keyed by token text instead of id."""
-        many = isinstance(lexical_weights, list)
-        items = lexical_weights if many else [lexical_weights]
-        out = [{self.tokenizer.backend.id_to_token(int(k)): w for k, w in item.items()} for item in items]
-        return out if many else out[0]
+        """Lexical weights keyed by each token decoded alone instead of its id; as FlagEmbedding's, one text's
+        weights (a dict, or a list of one) give a dict."""
+        items = [lexical_weights] if isinstance(lexical_weights, dict) else lexical_weights
+        decode = self.tokenizer.backend.decode
+        out = [{decode([int(k)], skip_special_tokens=False): w for k, w in item.items()} for item in items]
+        return out[0] if len(out) == 1 else out
 
     compute_lexical_matching_score = staticmethod(lexical_matching_score)
     colbert_score = staticmethod(colbert_score)
 
     def compute_scores(
-        self, queries: list[str], documents: list[str], weights_for_different_modes: tuple = (1.0, 1.0, 1.0)
+        self,
+        queries: list[str],
+        documents: list[str],
+        weights_for_different_modes: tuple = (1.0, 1.0, 1.0),
+        max_query_length: int | None = None,
+        max_passage_length: int | None = None,
     ) -> dict[str, np.ndarray]:
         """(N, M) scores of every query with every document: "dense", "sparse", "colbert", and the weighted means
-        "sparse+dense" and "colbert+sparse+dense" (weights for dense, sparse, colbert, as FlagEmbedding's)."""
+        "sparse+dense" and "colbert+sparse+dense" (weights for dense, sparse, colbert, as FlagEmbedding's), the
+        queries cut at `max_query_length` tokens (`query_max_length`), the documents at `max_passage_length`."""
         if len(weights_for_different_modes) != 3:
             raise ValueError(f"weights_for_different_modes takes 3 weights, got {weights_for_different_modes!r}")
         wd, ws, wc = weights_for_different_modes
-        q = self.encode(queries, return_colbert_vecs=True)
-        d = self.encode(documents, return_colbert_vecs=True)
+        query_length = self.query_max_length if max_query_length is None else max_query_length
+        q = self.encode(queries, max_length=query_length, return_colbert_vecs=True)
+        d = self.encode(documents, max_length=max_passage_length, return_colbert_vecs=True)
         dense = q["dense_vecs"] @ d["dense_vecs"].T
         sparse = np.array([[lexical_matching_score(a, b) for b in d["lexical_weights"]] for a in q["lexical_weights"]])
         colbert = np.array([[colbert_score(a, b) for b in d["colbert_vecs"]] for a in q["colbert_vecs"]])

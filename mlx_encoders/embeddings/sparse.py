@@ -68,6 +68,8 @@ class SparseVectors:
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self.shape) == 1:
             raise TypeError("A single sparse vector has no rows; use .col and .data")
+        if isinstance(i, slice) or not hasattr(i, "__index__"):
+            raise TypeError(f"index rows with an int (got {type(i).__name__}); .rows() gives every row's entries")
         keep = self.row == range(len(self))[i]
         return self.col[keep], self.data[keep]
 

@@ -33,6 +33,11 @@ def prefixed(metrics: dict[str, float], name: str) -> dict[str, float]:
     return {f"{name}_{key}": value for key, value in metrics.items()} if name else metrics
 
 
+def one_or_many(texts) -> list:
+    """Texts (or ids) as a list: one str is one (list() would take its characters)."""
+    return [] if texts is None else [texts] if isinstance(texts, str) else list(texts)
+
+
 def check_ks(name: str, ks: Sequence[int]) -> tuple[int, ...]:
     ks = tuple(ks)
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
@@ -157,7 +162,7 @@ class InformationRetrievalEvaluator:
         truncate_dim: int | None = None,
         show_progress_bar: bool = False,
     ):
-        self.relevant_docs = {qid: set(docs) for qid, docs in relevant_docs.items()}
+        self.relevant_docs = {qid: set(one_or_many(docs)) for qid, docs in relevant_docs.items()}  # a str: one id
         self.query_ids = [qid for qid in queries if self.relevant_docs.get(qid)]
         if not self.query_ids:
             raise ValueError("No query has a relevant document: relevant_docs must map query ids to corpus ids")
@@ -304,13 +309,13 @@ class RerankingEvaluator:
             raise ValueError(
                 f"reranking sample {i} needs 'query', 'positive' and one of 'negative' or 'documents' (found {found})"
             )
-        positive = [sample["positive"]] if isinstance(sample["positive"], str) else list(sample["positive"])
+        positive, negative = (one_or_many(sample.get(key)) for key in ("positive", "negative"))
         if "negative" in sample:
-            return (
-                sample["query"],
-                positive + list(sample["negative"]),
-                [1] * len(positive) + [0] * len(sample["negative"]),
-                None,
+            return sample["query"], positive + negative, [1] * len(positive) + [0] * len(negative), None
+        if isinstance(sample["documents"], str):
+            raise ValueError(
+                f"reranking sample {i}: 'documents' is the first stage's ranked list of texts, got one str; give a "
+                "list, or the text as 'negative'"
             )
         documents = list(sample["documents"])
         retrieved = [int(d in positive) for d in documents]
