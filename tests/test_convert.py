@@ -239,6 +239,18 @@ def test_gptq_calibration_beats_rounding(tmp_path, bert):
     assert gaps[gptq] < 0.7 * gaps[rtn], gaps
 
 
+@pytest.mark.parametrize("model_type", ["deberta", "deberta-v2"])
+def test_gptq_calibrates_deberta_whose_position_table_runs_through_query_and_key(checkpoint, tmp_path, model_type):
+    """DeBERTa's query and key projections also read its relative-position table, a (1, 2k, H) input beside the
+    (B, L, H) tokens: the default conversion (GPTQ on the built-in texts) calibrates on both."""
+    source = checkpoint(model_type)
+    out = mlx_encoders.convert(source, tmp_path / "q8", bits=8, group_size=32)
+    assert "GPTQ on" in (out / "README.md").read_text()
+    batch = mlx_encoders.load(out)[1](calibration.builtin_calibration()[:6], padding=True, max_length=64)
+    ids, mask = np.array(batch["input_ids"]), np.array(batch["attention_mask"])
+    assert text_cosines(ours(out, ids, mask), oracle(source, "encoder", ids, mask), mask).min() > 0.9999
+
+
 def test_gptq_act_order_moves_outputs_less_than_left_to_right():
     """Correlated inputs whose last columns carry most of the energy: rounded left to right, the strong
     columns come last with nothing left to absorb their error; act-order rounds them first."""

@@ -286,6 +286,17 @@ def test_fine_tune_with_lora_trains_the_published_layout(embeddinggemma, tmp_pat
     np.testing.assert_allclose(SentenceEncoder(trained.path).encode_query(texts), expected, atol=1e-5)
     start = SentenceTransformer(str(embeddinggemma), device="cpu")
     assert not np.allclose(st[3].linear.weight.detach().numpy(), start[3].linear.weight.detach().numpy())
+    # adapters/ holds the transformer's adapters (and the Dense modules, which model/ holds): onto the base transformer
+    from mlx_encoders.train.lora import load_adapters
+
+    base = mlx_encoders.load_model(embeddinggemma)
+    with pytest.warns(UserWarning, match=r"also holds the trained Dense modules \(dense.0.weight"):
+        load_adapters(base, tmp_path / "out" / "adapters")
+    ids = mx.array([[2, 10, 11, 12, 1]])
+    expected = np.array(mlx_encoders.load_model(trained.path)(ids).last_hidden_state)
+    np.testing.assert_allclose(
+        np.array(base(ids).last_hidden_state), expected, rtol=0, atol=1e-5 * np.abs(expected).max()
+    )
 
 
 @pytest.mark.parametrize("task", TASKS)

@@ -28,11 +28,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "A second, shorter text
 RANK, ALPHA = 4, 8.0
 
 
-def load(checkpoint, model_type: str = "bert", bits: int | None = None):
-    """(model, batch with labels) for a sequence classifier, quantized to `bits` when given."""
+def load(checkpoint, model_type: str = "bert", bits: int | None = None, **settings):
+    """(model, batch with labels) for a sequence classifier, quantized to `bits` when given (`settings`: group_size,
+    mode)."""
     model, tokenizer = mlx_encoders.load(checkpoint(model_type, TASK))
     if bits:
-        quantize_model(model, bits=bits, group_size=32)
+        quantize_model(model, bits=bits, **{"group_size": 32, **settings})
     batch = {k: mx.array(v) for k, v in dict(tokenizer(TEXTS, padding=True)).items()}
     return model, batch, mx.array([0, 2, 1])
 
@@ -153,7 +154,7 @@ def test_fused_float_model_equals_adapted_and_saves(checkpoint, tmp_path):
     np.testing.assert_allclose(expected.numpy(), adapted, atol=1e-4, rtol=0)
 
 
-def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
+def test_requantized_fuse_is_close_and_saves(checkpoint, tmp_path):
     model, batch, labels = load(checkpoint, bits=8)
     mx.random.seed(0)  # the adapters' start: drawn from MLX's global key, which earlier tests of a worker move
     apply_lora(model, RANK, ALPHA)
@@ -164,7 +165,7 @@ def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
         for p, m in model.named_modules()
         if isinstance(m, LoRALinear)
     }
-    fuse(model)
+    fuse(model, requantize=True)
     for path, module in model.named_modules():
         if path in settings:
             assert isinstance(module, nn.QuantizedLinear)
@@ -175,3 +176,37 @@ def test_fused_quantized_model_is_close_and_saves(checkpoint, tmp_path):
     folder = mlx_encoders.save(model, tmp_path / "fused")
     reloaded = mlx_encoders.load_model(folder)
     np.testing.assert_array_equal(logits(reloaded, batch), fused)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(bits=4), dict(bits=8), dict(bits=4, group_size=32, mode="mxfp4"),
+                 dict(bits=4, group_size=16, mode="nvfp4"), dict(bits=8, group_size=32, mode="mxfp8")]
+)  # fmt: skip
+def test_fusing_onto_a_quantized_base_gives_the_adapted_model_and_saves(checkpoint, tmp_path, settings):
+    """The adapted linears become float W + (alpha / r) B A, the others stay quantized: the fused model is the one
+    trained (rounding the merged weights again to 4 bits changed the logits by 60-120% of their range here)."""
+    model, batch, labels = load(checkpoint, **settings)
+    mx.random.seed(0)
+    apply_lora(model, RANK, ALPHA)
+    train(model, batch, labels)
+    adapted = logits(model, batch)
+    wrapped = {p for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+    fuse(model)
+    fused_modules = [m for p, m in model.named_modules() if p in wrapped]
+    assert len(fused_modules) == len(wrapped) and all(type(m).__name__ == "Linear" for m in fused_modules)
+    assert any(isinstance(m, nn.QuantizedLinear) for m in model.modules())  # the rest stays quantized
+    fused = logits(model, batch)
+    np.testing.assert_allclose(fused, adapted, rtol=0, atol=1e-5 * np.abs(adapted).max())
+    folder = mlx_encoders.save(model, tmp_path / "fused")
+    np.testing.assert_array_equal(logits(mlx_encoders.load_model(folder), batch), fused)
+
+
+def test_requantized_fuse_of_a_floating_point_quantized_base(checkpoint):
+    model, batch, labels = load(checkpoint, bits=4, group_size=32, mode="mxfp4")
+    apply_lora(model, RANK, ALPHA)
+    settings = {p: (m.linear.bits, m.linear.group_size, m.linear.mode) for p, m in model.named_modules()
+                if isinstance(m, LoRALinear)}  # fmt: skip
+    fuse(model, requantize=True)
+    for path, module in model.named_modules():
+        if path in settings:
+            assert (module.bits, module.group_size, module.mode) == settings[path]

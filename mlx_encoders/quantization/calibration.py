@@ -7,6 +7,7 @@ benchmarks evaluate on.
 """
 
 import functools
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +33,8 @@ class InputRecorder(nn.Module):
     `weights["sqrt"]` holds the square roots of the current batch's (B, L) token weights: 0 on padding,
     1/length on a text's tokens, so every calibration text counts the same whatever its length (sentence
     embeddings average a text's tokens; without this, long texts would outweigh short ones). Inputs of
-    shape (B, D), such as a pooler's, weigh each text once.
+    shape (B, D), such as a pooler's, weigh each text once; rows that are not the batch's tokens (DeBERTa's
+    relative-position table through the query and key projections) weigh as much as the batch's texts together.
     """
 
     def __init__(self, linear: nn.Linear, hessians: dict, path: str, weights: dict):
@@ -44,8 +46,11 @@ class InputRecorder(nn.Module):
         last = self._weights.get("last")  # (input, its X^T X): query, key and value read the same input
         if last is None or last[0] is not x:
             flat = x.astype(mx.float32)
-            if flat.ndim == 3:
-                flat = flat * self._weights["sqrt"][..., None]
+            sqrt = self._weights["sqrt"]
+            if flat.ndim == 3 and flat.shape[:2] == sqrt.shape:
+                flat = flat * sqrt[..., None]
+            elif flat.ndim == 3:
+                flat = flat * math.sqrt(sqrt.shape[0] / (flat.shape[0] * flat.shape[1]))
             flat = flat.reshape(-1, x.shape[-1])
             last = self._weights["last"] = (x, flat.T @ flat)
         self._hessians[self._path] = self._hessians.get(self._path, 0) + last[1]

@@ -12,7 +12,7 @@
 - `masking`: dynamic masked-LM masking (15%, 80/10/10, optional whole words) and next-sentence pairs, seeded.
 - `optim`: AdamW with transformers' decay groups, its warmup schedules, clipping and gradient accumulation.
 - `rtd`: ELECTRA's replaced-token detection: a generator and a discriminator pretrained together.
-- `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse into a float or re-quantized model.
+- `lora`: LoRA and QLoRA adapters: apply, save alone, load, fuse (exactly, or rounded again for a quantized base).
 - `losses.contrastive`: sentence-transformers' embedding losses (MNRL and its cached, symmetric and Matryoshka forms,
   CoSENT, cosine similarity); `embedding`: their data, the `no_duplicates` sampler, GradCache and the
   sentence-transformers folder that `fine_tune("embed")` (`tasks/embedding.py`) writes.

@@ -9,6 +9,7 @@ alone, `fuse` merges the adapters into the weights (re-quantized with the same s
 import json
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..engine.quantized import QuantizedLinear, freeze_quantized
+from ..engine.quantized import QuantizedLinear, dequantize, freeze_quantized
 from ..models.base import HeadModel
 from ..models.layers import Dropout, Linear, next_key
 
@@ -153,6 +154,16 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> nn.Module:
     """Load `folder`'s adapters and head onto an adapted `model`, in place, checking every name and shape."""
     weights = mx.load(str(folder / ADAPTERS_FILE))
     current = dict(tree_flatten(model.trainable_parameters()))
+    if not any(k.startswith("dense.") for k in current) and any(k.startswith("dense.") for k in weights):
+        # an embedding run's transformer (under `model.`) and its Dense modules: the transformer's part goes on a
+        # bare transformer; the Dense modules trained in full are the run's model/ folder's
+        dense = sorted(k for k in weights if k.startswith("dense."))
+        warnings.warn(
+            f"{folder / ADAPTERS_FILE} also holds the trained Dense modules ({', '.join(dense)}), which a bare "
+            "transformer has no place for: the run's model/ folder holds them (its Dense module folders)",
+            stacklevel=3,
+        )
+        weights = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
     for key, value in weights.items():
         if key not in current or current[key].shape != value.shape:
             found = current[key].shape if key in current else "no such trainable parameter"
@@ -161,11 +172,12 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> nn.Module:
     return model
 
 
-def fuse(model: nn.Module) -> nn.Module:
-    """Merge every adapter into its linear (W + (alpha / r) B A), in place: a float base gives nn.Linear, a quantized
-    one a re-quantized nn.QuantizedLinear with the same bits, group size and mode. The result is a plain model,
-    ready for `mlx_encoders.save`; returns it."""
-    fused = [(p, fused_linear(m)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+def fuse(model: nn.Module, requantize: bool = False) -> nn.Module:
+    """Merge every adapter into its linear (W + (alpha / r) B A), in place, as an nn.Linear: exact, for a quantized
+    base too (its adapted linears become float, the others stay quantized). `requantize=True` rounds a quantized
+    base's merged weights again with its bits, group size and mode (smaller; the rounding can undo much of what
+    the adapters learned at 4 bits). The result is a plain model, ready for `mlx_encoders.save`; returns it."""
+    fused = [(p, fused_linear(m, requantize)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     model.update_modules(tree_unflatten(fused))
     model.unfreeze()  # as loaded: every float parameter trainable
     freeze_quantized(model)
@@ -173,28 +185,29 @@ def fuse(model: nn.Module) -> nn.Module:
     return model
 
 
-def fused_linear(lora: LoRALinear) -> nn.Linear | nn.QuantizedLinear:
+def fused_linear(lora: LoRALinear, requantize: bool = False) -> nn.Linear | nn.QuantizedLinear:
     base = lora.linear
-    if not isinstance(base, nn.QuantizedLinear):
-        fused = Linear(*reversed(base.weight.shape), bias="bias" in base)
-        fused.update(dict(base.parameters()))
-        fused.weight = (base.weight.astype(mx.float32) + lora.delta()).astype(base.weight.dtype)
-        return fused
-    return requantized(base, dequantized(base) + lora.delta())
+    if isinstance(base, nn.QuantizedLinear) and requantize:
+        return requantized(base, dequantized(base) + lora.delta())
+    quantized = isinstance(base, nn.QuantizedLinear)
+    weight = dequantized(base) if quantized else base.weight.astype(mx.float32)
+    # a quantized base's float parameters (its bias) are in the dtype the model computes in
+    dtype = (base.bias.dtype if "bias" in base else mx.float32) if quantized else base.weight.dtype
+    fused = Linear(*reversed(weight.shape), bias="bias" in base)
+    if "bias" in base:
+        fused.bias = base.bias
+    fused.weight = (weight + lora.delta()).astype(dtype)
+    return fused
 
 
 def dequantized(linear: nn.QuantizedLinear) -> mx.array:
-    """The float32 weight of a quantized linear (scales widened first, as `dequantize_model` does)."""
-    biases = linear.get("biases")
-    biases = biases.astype(mx.float32) if biases is not None else None
-    return mx.dequantize(
-        linear.weight, linear.scales.astype(mx.float32), biases, linear.group_size, linear.bits, mode=linear.mode
-    )
+    """The float32 weight of a quantized linear (affine scales widened first, as `dequantize_model` does)."""
+    return dequantize(linear.weight, linear.scales, linear.get("biases"), linear.group_size, linear.bits, linear.mode)
 
 
 def requantized(linear: nn.QuantizedLinear, weight: mx.array) -> nn.QuantizedLinear:
-    """A copy of `linear` holding `weight` quantized with its settings, scales and biases in its dtypes (the
-    constructor's random weight is lazy, replaced before it is ever computed)."""
+    """A copy of `linear` holding `weight` rounded to nearest with its settings, scales and biases in their dtypes
+    (the constructor's random weight is lazy, replaced before it is ever computed)."""
     out_dims, in_dims = weight.shape
     fused = QuantizedLinear(in_dims, out_dims, "bias" in linear, linear.group_size, linear.bits, mode=linear.mode)
     packed = mx.quantize(weight, linear.group_size, linear.bits, mode=linear.mode)
