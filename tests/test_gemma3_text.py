@@ -353,5 +353,8 @@ def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, task, 
 def test_generation_refuses_the_causal_lm_head(checkpoint):
     """generation's loop needs a key/value cache, which only GPT-2 has here: the error says so."""
     model, tokenizer = mlx_encoders.load(checkpoint("gemma3_text", "causal-lm", **CAUSAL))
-    with pytest.raises(TypeError, match="Gemma3ForCausalLM has a causal-LM head but no key/value cache"):
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM has a causal-LM head but no key/value cache"):
         mlx_encoders.generation.generate(model, tokenizer, "word", max_new_tokens=2)
+    # and the pipelines' refusal does not send it to text generation
+    with pytest.raises(ValueError, match="supports next-token logits only, no text generation"):
+        mlx_encoders.pipeline("text-classification", model=model, tokenizer=tokenizer)

@@ -3,6 +3,8 @@ minimum lengths, repetition penalty), each logits processor on random logits, sa
 processed distribution; then text, streaming, stop strings, the pipeline, the command and bad input."""
 
 import io
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -85,6 +87,31 @@ def test_greedy_tokens_equal_transformers(lm, batch, options):
     expected = transformers_generate(ref, ids, mask, **options)
     options["eos_token_id"] = options["eos_token_id"] if options["eos_token_id"] is not None else []
     np.testing.assert_array_equal(generate_ids(model, ids, mask, pad_token_id=PAD, **options), expected)
+
+
+def test_the_models_generation_config_is_the_default_as_in_transformers(lm, tmp_path):
+    """generation_config.json's settings apply when a call leaves them unset (transformers' `generate` reads the
+    file saved with the model); a call's own options win, and a GenerationConfig given whole replaces the file."""
+    folder, _, tokenizer, _ = lm
+    copied = shutil.copytree(folder, tmp_path / "lm")
+    saved = (
+        json.loads((copied / "generation_config.json").read_text())
+        if (copied / "generation_config.json").exists()
+        else {}
+    )
+    (copied / "generation_config.json").write_text(json.dumps({**saved, "max_new_tokens": 6, "repetition_penalty": 2.0,
+                                                                "pad_token_id": PAD}))  # fmt: skip
+    model, ref = mlx_encoders.load_model(copied), load_reference(copied, "causal-lm")
+    ids, mask = prompt_ids(tokenizer, PROMPTS[1:3])
+    with torch.no_grad():
+        expected = ref.generate(input_ids=torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long()).numpy()
+    assert expected.shape[1] == ids.shape[1] + 6
+    np.testing.assert_array_equal(generate_ids(model, ids, mask), expected)
+    assert generate_ids(model, ids, mask, max_new_tokens=3).shape[1] == ids.shape[1] + 3
+    assert generate_ids(model, ids, mask, GenerationConfig()).shape[1] == ids.shape[1] + 20
+    (copied / "generation_config.json").write_text(json.dumps({"top_k": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: top_k must be an int >= 0"):
+        generate_ids(model, ids, mask)
 
 
 def test_eos_ends_every_row_and_pads_the_finished(lm):
@@ -251,6 +278,15 @@ def test_sampling_is_reproducible_with_a_seed(lm):
     a = generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=3, temperature=1.5)
     assert a == generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=3, temperature=1.5)
     assert a != generate(model, tokenizer, PROMPTS, "sample", max_new_tokens=12, seed=4, temperature=1.5)
+
+
+def test_none_turns_top_k_and_the_minimum_lengths_off_as_in_transformers(lm):
+    _, model, tokenizer, _ = lm
+    config = GenerationConfig(do_sample=True, top_k=None, min_new_tokens=None, min_length=None, seed=0)
+    assert (config.top_k, config.min_new_tokens, config.min_length) == (0, 0, 0)
+    assert generate(model, tokenizer, "hi", do_sample=True, top_k=None, seed=0) == generate(
+        model, tokenizer, "hi", do_sample=True, top_k=0, seed=0
+    )
 
 
 def test_presets():

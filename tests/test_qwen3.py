@@ -480,10 +480,15 @@ def test_token_labels_sit_on_their_tokens_in_left_padded_batches(checkpoint):
     assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
 
 
-@pytest.mark.parametrize("task, pooling", [("causal-lm", "lasttoken"), ("encoder", "mean")])
-def test_plain_checkpoint_pools_as_sentence_transformers_chooses(checkpoint, task, pooling):
-    """No modules.json: the last token of a `...ForCausalLM` checkpoint, the mean of a bare `Qwen3Model`'s."""
-    folder = checkpoint("qwen3", task)
+@pytest.mark.parametrize(
+    "model_type, task, pooling, config",
+    [("qwen3", "causal-lm", "lasttoken", {}), ("qwen3", "encoder", "mean", {}),
+     ("gemma3_text", "causal-lm", "lasttoken", {"use_bidirectional_attention": False})],
+)  # fmt: skip
+def test_plain_checkpoint_pools_as_sentence_transformers_chooses(checkpoint, model_type, task, pooling, config):
+    """No modules.json: the last token of a `...ForCausalLM` checkpoint (sentence-transformers' rule, whatever the
+    family), the mean of a bare model's."""
+    folder = checkpoint(model_type, task, **config)
     with pytest.warns(UserWarning, match=f"using {pooling} pooling"):
         encoder = SentenceEncoder(folder)
     theirs = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, batch_size=3)
@@ -500,3 +505,13 @@ def test_a_chat_template_compiles_in_a_process_that_never_imported_transformers(
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "01", done.stderr
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "gpt2"])
+def test_is_causal_false_is_refused_naming_the_key(checkpoint, tmp_path, model_type):
+    """transformers 5 runs these decoders with bidirectional masks when config.json says is_causal false."""
+    folder = shutil.copytree(checkpoint(model_type), tmp_path / model_type)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    with pytest.raises(ValueError, match=f"config key 'is_causal' is false: transformers then runs {model_type} with"):
+        mlx_encoders.load_model(folder)

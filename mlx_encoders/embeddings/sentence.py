@@ -50,8 +50,10 @@ def task_adapter(model, task: str | None, prompt_name: str | None, role: str | N
 
 def natural_pooling(args) -> tuple[str, ...]:
     architecture = (args.extra.get("architectures") or [""])[0]
-    # sentence-transformers' rule: a causal LM's last token is the only one that has seen the whole text
-    if getattr(args, "causal", False) and str(architecture).endswith("ForCausalLM"):
+    # sentence-transformers' rule: a causal LM's last token is the only one that has seen the whole text (it reads
+    # the architecture's name and the config's is_causal, not the attention the model runs)
+    is_causal = args.extra.get("is_causal", getattr(args, "is_causal", True))
+    if str(architecture).endswith("ForCausalLM") and is_causal is not False:
         return ("lasttoken",)
     if args.model_type == "modernbert":
         return parse_modes(args.classifier_pooling)

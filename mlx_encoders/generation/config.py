@@ -52,11 +52,11 @@ class GenerationConfig:
 
     max_new_tokens: int | None = None
     max_length: int | None = None  # prompt (padded, as transformers counts it) plus new tokens
-    min_new_tokens: int = 0
-    min_length: int = 0
+    min_new_tokens: int | None = 0
+    min_length: int | None = 0
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 50
+    top_k: int | None = 50
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     eos_token_id: int | list[int] | None = None
@@ -65,6 +65,9 @@ class GenerationConfig:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("top_k", "min_new_tokens", "min_length"):  # None: off, as transformers reads it
+            if getattr(self, name) is None:
+                setattr(self, name, 0)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.eos_token_id, numbers.Integral) and not isinstance(self.eos_token_id, bool):
@@ -125,6 +128,11 @@ class GenerationConfig:
             names = ", ".join(f.name for f in dataclasses.fields(cls))
             raise TypeError(f"Unknown generation option(s) {', '.join(unknown)}; the options are: {names}")
         return cls(**kwargs)
+
+    def changed(self) -> dict:
+        """The fields whose value is not the default."""
+        default = GenerationConfig()
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) != getattr(default, f.name)}
 
     def replace(self, **overrides) -> "GenerationConfig":
         """A copy with `overrides` (checked like the constructor's arguments)."""

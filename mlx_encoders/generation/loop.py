@@ -7,31 +7,60 @@ as transformers' text-generation pipeline cuts it, `decode(prompt + new)[len(dec
 streams in whole characters (reference for the streaming loop: mlx-lm's `generate.py`).
 """
 
+import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..engine.runtime import claim_mlx, one_row_products
+from ..jsonfile import read_json_object
 from ..models import task_of_model
 from ..tokenizer import Tokenizer, text_list
 from . import steps as compiled
-from .config import PRESETS, GenerationConfig
+from .config import PRESETS, GenerationConfig, outside_stacklevel
 from .processors import processors, select
 
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
 
 
-def generation_config(config: GenerationConfig | str | None, overrides: dict) -> GenerationConfig:
-    """`config` (a GenerationConfig, a preset name, or None for the defaults) with `overrides` on top."""
+def generation_config(
+    config: GenerationConfig | str | None, overrides: dict, model: nn.Module | None = None
+) -> GenerationConfig:
+    """`config` (a GenerationConfig, a preset name, or None: the model's generation_config.json, as transformers'
+    `generate` reads it, else the defaults) with `overrides` on top."""
     if isinstance(config, str):
         return GenerationConfig.preset(config, **overrides)
     if config is None:
-        return GenerationConfig.from_kwargs(overrides)
+        return GenerationConfig.from_kwargs({**saved_generation_config(model), **overrides})
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig or a preset ({', '.join(PRESETS)}), got {config!r:.60}")
     return config.replace(**overrides) if overrides else config
+
+
+def saved_generation_config(model: nn.Module | None) -> dict:
+    """The GenerationConfig fields set in the generation_config.json beside a loaded model (transformers saves one
+    with every causal LM: GPT-2's names only its bos and eos ids); {} for a model built in code."""
+    path = getattr(model, "path", None)
+    file = Path(path) / "generation_config.json" if path is not None else None
+    if file is None or not file.is_file():
+        return {}
+    saved = read_json_object(file)
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)} - {"stop", "seed"}
+    if saved.get("num_beams", 1) not in (1, None):
+        warnings.warn(
+            f"{file} asks for beam search (num_beams={saved['num_beams']}), which generate does not run; it decodes "
+            "one sequence per prompt with the file's other settings",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
+    try:
+        return GenerationConfig.from_kwargs({k: v for k, v in saved.items() if k in fields and v is not None}).changed()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {e}") from e
 
 
 def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], int]:
@@ -50,9 +79,10 @@ def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], 
 
 def check_model(model: nn.Module) -> None:
     if not hasattr(model, "make_cache") and hasattr(model, "args") and task_of_model(model) == "causal-lm":
-        raise TypeError(
+        raise ValueError(
             f"{type(model).__name__} has a causal-LM head but no key/value cache, so it cannot generate here: "
-            "generation runs GPT-2 models; call the model for its next-token logits"
+            "generation runs GPT-2 models; call the model for its next-token logits (a Qwen3-Reranker folder "
+            "scores pairs through `CrossEncoder`)"
         )
     if not hasattr(model, "make_cache"):
         raise TypeError(
@@ -187,7 +217,7 @@ def decode(
 
 def generate_ids(model: nn.Module, input_ids, attention_mask=None, config=None, **overrides) -> np.ndarray:
     """transformers' `generate(input_ids, attention_mask=...)`: (B, L + new) ids, prompts then new tokens."""
-    steps = list(generate_steps(model, input_ids, attention_mask, generation_config(config, overrides)))
+    steps = list(generate_steps(model, input_ids, attention_mask, generation_config(config, overrides, model)))
     prompt = np.asarray(input_ids, dtype=np.int32)
     return np.concatenate([prompt, np.stack(steps, axis=1)], axis=1) if steps else prompt
 
@@ -248,11 +278,11 @@ def generate(
 ) -> str | list[str]:
     """The continuation of a prompt (a str), or of each prompt of a list, generated together in one batch.
 
-    `config`: a GenerationConfig, a preset name ("greedy", "sample", "top-k", "nucleus") or None (greedy, 20
-    new tokens); `overrides` (max_new_tokens=, do_sample=, temperature=, top_k=, top_p=, seed=, stop=, ...)
-    replace its fields.
+    `config`: a GenerationConfig, a preset name ("greedy", "sample", "top-k", "nucleus") or None (the model's
+    generation_config.json, else greedy, 20 new tokens); `overrides` (max_new_tokens=, do_sample=, temperature=,
+    top_k=, top_p=, seed=, stop=, ...) replace its fields.
     """
-    config = generation_config(config, overrides)
+    config = generation_config(config, overrides, model)
     prompts = text_list(prompt_or_prompts, "generate")
     if not prompts:
         raise ValueError("generate needs at least one prompt")
@@ -272,7 +302,7 @@ def stream_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, config=
     `generate`); the pieces join to what `generate` returns."""
     if not isinstance(prompt, str):
         raise TypeError(f"stream_generate takes one prompt (a str), got {type(prompt).__name__}; lists: generate")
-    (stream,), steps = streams(model, tokenizer, [prompt], generation_config(config, overrides))
+    (stream,), steps = streams(model, tokenizer, [prompt], generation_config(config, overrides, model))
     for chosen in steps:
         piece = stream.add(int(chosen[0]))
         if piece:

@@ -84,6 +84,8 @@ class BaseArgs:
     signed_keys: ClassVar[tuple[str, ...]] = ()  # integer keys where a negative value means "unset" (DeBERTa's -1)
     # Published sizes by name ("base", ...) as config.json keys; a subclass does not inherit its parent's.
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    # Decoders whose transformers masks follow config.json's `is_causal` (false: bidirectional, sliding windows too)
+    causal_masks: ClassVar[bool] = False
 
     @classmethod
     def preset(cls, name: str) -> "BaseArgs":
@@ -111,6 +113,11 @@ class BaseArgs:
         for key in DTYPE_KEYS:
             if config.get(key) is not None and config[key] not in DTYPE_NAMES:
                 raise ValueError(f"config key {key!r} must be one of {', '.join(DTYPE_NAMES)}, got {config[key]!r}")
+        if cls.causal_masks and config.get("is_causal") is False:
+            raise ValueError(
+                f"config key 'is_causal' is false: transformers then runs {cls.model_type} with bidirectional "
+                "attention masks, which this package does not; it runs the model's own (causal or sliding) attention"
+            )
         if "id2label" not in known and isinstance(config.get("num_labels"), int):  # transformers reads it too
             known["id2label"] = {i: f"LABEL_{i}" for i in range(config["num_labels"])}
         args = cls(**known)

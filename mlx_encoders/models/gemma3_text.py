@@ -37,6 +37,7 @@ ROPE_TYPES = ("default", "linear")  # linear: positions divided by `factor` (Gem
 @dataclass
 class ModelArgs(BaseArgs):
     model_type: str = "gemma3_text"
+    causal_masks: ClassVar[bool] = True
     vocab_size: int = 262208
     hidden_size: int = 2304
     intermediate_size: int = 9216

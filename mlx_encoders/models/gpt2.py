@@ -37,6 +37,7 @@ DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 @dataclass
 class ModelArgs(BaseArgs):
     model_type: str = "gpt2"
+    causal_masks: ClassVar[bool] = True
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768

@@ -37,6 +37,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 @dataclass
 class ModelArgs(BaseArgs):
     model_type: str = "qwen3"
+    causal_masks: ClassVar[bool] = True
     vocab_size: int = 151936
     hidden_size: int = 4096
     intermediate_size: int = 22016

@@ -31,7 +31,7 @@ class TextGenerationPipeline(Pipeline):
         check_count("num_return_sequences", num_return_sequences, 1)
         results = []
         for i, chunk in enumerate(batches(texts, batch_size)):
-            config = self.config(generation_config, generate_kwargs, i)
+            config = self.config(generation_config, generate_kwargs, i, self.model)
             if num_return_sequences > 1 and not config.do_sample:  # n identical greedy texts: transformers refuses
                 raise ValueError(
                     "Greedy methods (do_sample != True) do not support num_return_sequences different than 1 "
@@ -45,7 +45,7 @@ class TextGenerationPipeline(Pipeline):
         return results[0] if isinstance(text_inputs, str) else results
 
     @staticmethod
-    def config(config: GenerationConfig | str | None, overrides: dict, batch: int) -> GenerationConfig:
+    def config(config: GenerationConfig | str | None, overrides: dict, batch: int, model) -> GenerationConfig:
         """The batch's settings; a seed moves on by one per batch, so batches do not repeat each other's draws."""
-        config = generation_config(config, overrides)
+        config = generation_config(config, overrides, model)
         return config.replace(seed=config.seed + batch) if config.seed is not None and batch else config
