@@ -236,6 +236,19 @@ def test_new_head_labels_problem_type_are_saved(checkpoint, tmp_path):
     assert again.args.problem_type == "multi_label_classification"
 
 
+@pytest.mark.parametrize("stored", ["encoder", "masked-lm", "token-classification"])
+def test_label_keywords_alone_ask_for_a_classifier_unless_the_head_has_labels(checkpoint, stored):
+    """Without task=, labels on a checkpoint whose head has none create a sequence classifier (they were ignored);
+    a token classifier keeps its head."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the new head's tensors are named in a warning
+        folder = checkpoint("bert", stored)
+        labels = {i: f"L{i}" for i in range(mlx_encoders.load_model(folder).args.num_labels)}  # the head's count
+        model = mlx_encoders.load_model(folder, id2label=labels)
+    expected = "BertForTokenClassification" if stored == "token-classification" else "BertForSequenceClassification"
+    assert type(model).__name__ == expected and model.args.id2label == labels
+
+
 def test_new_head_needs_the_label_keywords(checkpoint):
     with pytest.raises(ValueError, match="missing from the checkpoint: classifier.bias.*pass num_labels="):
         mlx_encoders.load_model(checkpoint("distilbert", "masked-lm"), task="sequence-classification")

@@ -280,12 +280,15 @@ def test_tei_embed_and_tokenize(server, sentence_transformer):
     assert status == 200, vectors
     oracle = sentence_transformer.encode(TEXTS, truncate_dim=32, normalize_embeddings=True)
     assert cosine(np.array(vectors), oracle).min() >= 0.99999
-    status, tokens, _ = call(server, "/tokenize", {"model": "minilm", "inputs": TEXTS[0]})
+    text = TEXTS[0] + " naïve 漢字 ok"  # TEI's offsets are UTF-8 byte offsets: 漢 is (start, start + 3)
+    status, tokens, _ = call(server, "/tokenize", {"model": "minilm", "inputs": text})
     assert status == 200, tokens
-    encoded = AutoTokenizer.from_pretrained(MINILM)(TEXTS[0], return_offsets_mapping=True)
+    encoded = AutoTokenizer.from_pretrained(MINILM)(text, return_offsets_mapping=True)
     assert [t["id"] for t in tokens[0]] == encoded["input_ids"]
     words = [t for t in tokens[0] if not t["special"]]
-    assert [(t["start"], t["stop"]) for t in words] == [tuple(o) for o in encoded["offset_mapping"][1:-1]]
+    spans = [(len(text[:a].encode()), len(text[:b].encode())) for a, b in encoded["offset_mapping"][1:-1]]
+    assert [(t["start"], t["stop"]) for t in words] == spans
+    assert [text.encode()[t["start"] : t["stop"]].decode() for t in words][-3:] == ["漢", "字", "ok"]
 
 
 @pytest.mark.parametrize(
@@ -557,6 +560,18 @@ def test_an_empty_api_key_refuses_to_start(where):
     assert result.returncode != 0 and "is empty" in result.stderr and "Traceback" not in result.stderr
     with pytest.raises(ValueError, match="API key is empty"):
         Options(api_key="")
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [("max_queue", 0, "max_queue must be an int of at least 1, got 0"),
+     ("batch_size", "5", "batch_size must be an int"),
+     ("max_wait_ms", -1, "max_wait_ms must be a number of milliseconds of at least 0"),
+     ("auto_truncate", "no", "auto_truncate must be True or False")],
+)  # fmt: skip
+def test_options_in_code_are_checked_as_the_command_line_checks_them(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        Options(**{option: value})
 
 
 def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders):

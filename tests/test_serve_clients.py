@@ -478,7 +478,9 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
     from mlx_encoders import serve
 
     (tmp_path / "minilm").symlink_to(MINILM)
-    (tmp_path / "broken").mkdir()  # no model in it: its requests fail, the others' do not
+    (tmp_path / "broken").mkdir()  # a damaged model: listed, its requests fail, the others' do not
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    (tmp_path / "notes").mkdir()  # no config.json: not a model
     app = serve.app({"rerank": folders["rerank"]}, models_dir=tmp_path, model_keep_alive=-1)
     served = app.state.server.models
     with in_process(app) as url:
@@ -512,9 +514,16 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
         with pytest.raises(ollama.ResponseError) as error:
             client.embed(model="broken", input=["a"])
         assert error.value.status_code == 500 and "failed to load" in error.value.error
-        with pytest.raises(ollama.ResponseError) as error:
-            client.embed(model="absent", input=["a"])
-        assert error.value.status_code == 404 and "loaded on request: broken, minilm" in error.value.error
+        for name in ("absent", "notes"):
+            with pytest.raises(ollama.ResponseError) as error:
+                client.embed(model=name, input=["a"])
+            assert error.value.status_code == 404 and "loaded on request: broken, minilm" in error.value.error
+        status, answer, _ = call(url, "/api/embed", {"model": "minilm", "input": ["a"], "keep_alive": 10**400})
+        assert status == 200 and answer["embeddings"]  # past a float's range: forever
+        for keep_alive in ("²", "5²"):  # digits beyond ASCII's are no duration
+            with pytest.raises(ollama.ResponseError) as error:
+                client.embed(model="minilm", input=["a"], keep_alive=keep_alive)
+            assert error.value.status_code == 400 and '"keep_alive" must be' in error.value.error
 
 
 def test_models_dir_holds_a_model_named_while_it_warms_up_and_reuses_worker_threads(tmp_path, checkpoint, monkeypatch):

@@ -372,6 +372,7 @@ def test_concurrent_mixed_requests_equal_the_sequential_answers(server, folders)
         ("/v1/search", {"index": "hybrid", "query": "q", "alpha": 1.5}, 400, '"alpha" must be within [0, 1], got 1.5'),
         ("/v1/search", {"index": "hybrid", "query": "q", "rrf_k": "60"}, 400, '"rrf_k" must be a number'),
         ("/v1/search", {"index": "hybrid", "query": "q", "rrf_k": -1}, 400, '"rrf_k" must be at least 0'),
+        ("/v1/search", {"index": "hybrid", "query": "q", "rrf_k": 10**400}, 400, '"rrf_k" must be a finite number'),
         ("/v1/search", {"index": "hybrid", "query": "q", "depth": 0}, 400, '"depth" must be at least 1'),
         ("/v1/search", {"index": "notes"}, 400, '"query" is required'),
         ("/v1/search", {"index": "notes", "query": "q", "top_k": 0}, 400, '"top_k" must be at least 1'),

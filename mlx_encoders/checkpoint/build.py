@@ -26,6 +26,7 @@ from .files import Checkpoint
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
+LABELLED_TASKS = ("sequence-classification", "token-classification")  # heads whose outputs are labels
 
 
 def normalize_keys(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -346,9 +347,9 @@ def load_model(
     (`compute_dtype`; `as_stored=True` keeps them too, as convert does); "float32", "float16" or "bfloat16" casts
     everything not quantized.
     `num_labels`, `id2label`, `label2id` or `problem_type` set the labels of a classification head; a head
-    the checkpoint lacks (e.g. `task="sequence-classification"` on a masked-LM checkpoint) is then created,
-    initialised as transformers does, with one warning naming its new tensors. Without them a missing head
-    fails.
+    the checkpoint lacks (e.g. `task="sequence-classification"`, the task they ask for unless the checkpoint has
+    a head with labels, on a masked-LM checkpoint) is then created, initialised as transformers does, with one
+    warning naming its new tensors. Without them a missing head fails.
     """
     checkpoint = Checkpoint.open(path_or_repo, revision)
     dtype = check_dtype(dtype)
@@ -367,6 +368,8 @@ def load_model(
         weights = checkpoint.module.sanitize(weights)
     if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
         task = "encoder"
+    if task is None and new_head and stored_task not in LABELLED_TASKS:  # labels name a classifier to create
+        task = "sequence-classification"
     task = task or stored_task
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")

@@ -77,7 +77,9 @@ class ModelsDir:
         self.keep: dict[str, float] = {}
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        """The folder's model folders: those that hold a config.json."""
+        folders = (p for p in self.folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(p.name for p in folders if (p / "config.json").is_file())
 
     def path(self, name) -> Path | None:
         """The folder of model `name`, when it is one of the folder's."""
@@ -85,7 +87,7 @@ class ModelsDir:
             return None
         path = self.folder / name
         try:
-            return path if path.is_dir() else None
+            return path if (path / "config.json").is_file() else None
         except OSError:  # a name too long for the file system, or a folder it cannot read: no model of ours
             return None
 

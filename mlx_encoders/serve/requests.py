@@ -137,9 +137,14 @@ def number(body: dict, key: str, default: float, minimum: float, maximum: float 
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f'"{key}" must be a number, got {type(value).__name__}: {value!r:.40}', key)
-    if not math.isfinite(value) or value < minimum or maximum is not None and value > maximum:
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past a float's range
+        finite = False
+    if not finite or value < minimum or maximum is not None and value > maximum:
         within = f"within [{minimum}, {maximum}]" if maximum is not None else f"at least {minimum}"
-        raise ApiError(400, f'"{key}" must be {within}, got {value}', key)
+        within = within if finite else f"a finite number {within}"
+        raise ApiError(400, f'"{key}" must be {within}, got {value!r:.40}', key)
     return value
 
 

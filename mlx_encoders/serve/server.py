@@ -66,6 +66,15 @@ class Options:
         if self.api_key is not None and not self.api_key.strip():  # an unset variable, not a wish to open the server
             raise ValueError("the API key is empty: give a key, or no key at all for a server without authentication")
         check_seconds("read_timeout", self.read_timeout)
+        for name in ("max_batch_tokens", "max_queue", "max_inputs", "max_request_bytes", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int of at least 1, got {value!r:.40}")
+        value = self.max_wait_ms
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"max_wait_ms must be a number of milliseconds of at least 0, got {value!r:.40}")
+        if not isinstance(self.auto_truncate, bool):
+            raise ValueError(f"auto_truncate must be True or False, got {self.auto_truncate!r:.40}")
 
 
 def check_seconds(name: str, value) -> float:

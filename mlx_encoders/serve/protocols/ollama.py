@@ -30,7 +30,7 @@ NO_EFFECT = {
     "tfs_z", "typical_p", "repeat_last_n", "temperature", "repeat_penalty", "presence_penalty", "frequency_penalty",
     "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline", "stop",
 }  # fmt: skip
-DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", re.ASCII)
 UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 WEIGHT_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # Ollama's quantization_level names
@@ -78,11 +78,13 @@ def served(server: "Server", body: dict, capability: str | None, route: str) -> 
 def keep_alive(body: dict) -> float | None:
     """Ollama's `keep_alive` in seconds (a number, or a duration such as "5m" or "1h30m"; negative: forever)."""
     value = body.get("keep_alive")
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) < 2**53 else math.inf if value > 0 else -math.inf  # as good as forever
+    if value is None or isinstance(value, float) and not math.isnan(value):
         return value
     if isinstance(value, str):
         sign, rest = (-1, value[1:]) if value.startswith("-") else (1, value)
-        if rest.isdigit():
+        if rest.isascii() and rest.isdigit():
             return sign * float(rest)
         parts = DURATION.findall(rest)
         if parts and "".join(n + u for n, u in parts) == rest:
@@ -211,7 +213,10 @@ def folder_entry(name: str, folder: Path) -> dict:
     """/api/tags' entry of a model not loaded: what its folder says (its weight files' size, its model_type)."""
     from ...checkpoint import read_json_object
 
-    family = read_json_object(folder / "config.json").get("model_type", "")
+    try:
+        family = str(read_json_object(folder / "config.json").get("model_type", ""))
+    except (OSError, ValueError):  # a damaged folder is listed, and loading it says what is wrong
+        family = ""
     size = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
     modified = datetime.datetime.fromtimestamp(folder.stat().st_mtime, datetime.timezone.utc).isoformat()
     digest = hashlib.sha256(f"{name}\0{folder}".encode()).hexdigest()

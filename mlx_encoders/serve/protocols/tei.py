@@ -6,6 +6,7 @@ answers by the model's kind, as TEI's does. TEI serves one model; here a request
 to the only model that can answer it. A field the route does not declare is refused, never ignored. /rerank also
 takes Infinity's body ("documents" and no "texts"), which infinity.py answers, with TEI's statuses and error body."""
 
+import itertools
 from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 
@@ -384,16 +385,18 @@ async def tokenize(request: Request, server: "Server"):
 
 
 def tokens(model: ServedModel, found: list[str], special: bool) -> list[list[dict]]:
-    """/tokenize's answer: per text its tokens, with offsets into the text for those not special."""
+    """/tokenize's answer: per text its tokens, with the UTF-8 byte span in the text of those not special (TEI's
+    offsets are Rust's byte offsets; Python's tokenizers give characters)."""
     try:
         encodings = model.tokenizer.encode_batch(found, truncation=False, add_special_tokens=special)
     except (TypeError, ValueError) as e:
         raise ApiError(400, str(e), "inputs") from None
     out = []
     for line, e in zip(found, encodings, strict=True):
+        at = [0, *itertools.accumulate(len(c.encode()) for c in line)]  # character index -> byte offset
         out.append([
-            {"id": i, "text": tok if s else line[a:b], "special": bool(s), "start": None if s else a,
-             "stop": None if s else b}
+            {"id": i, "text": tok if s else line[a:b], "special": bool(s), "start": None if s else at[a],
+             "stop": None if s else at[b]}
             for i, tok, s, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets, strict=True)
         ])  # fmt: skip
     return out
