@@ -12,6 +12,7 @@ stalls past `TIMEOUT_ENV` seconds ends this rank with an error naming the rank(s
 ring hostfile, `all_sum` goes over their own blocking sockets (`ring_of`, `ring.Ring`), not MLX's polling ones.
 """
 
+import math
 import os
 import pickle
 import re
@@ -35,6 +36,7 @@ T, R = TypeVar("T"), TypeVar("R")
 BARRIER_ENV = "MLX_ENCODERS_BARRIER"  # "ARRIVE:GO": the pipes `wait_for_all` uses, from `mlx-encoders launch`
 TIMEOUT_ENV = "MLX_ENCODERS_COLLECTIVE_TIMEOUT"  # seconds a collective may wait for the other ranks
 DEFAULT_TIMEOUT = 600.0  # generous: the others wait at the next step while rank 0 writes a checkpoint
+MAX_TIMER_S = 2**31 / 1000  # longer waits (inf among them) have no limit: timers and sockets take no more
 # An embedding table's gradient travels as the rows some rank changed when they are at most this share of its rows:
 # a fine-tuning batch touches a few thousand of a vocabulary's 30k or more words (a tied output layer, all of them).
 SPARSE_ROWS_SHARE = 0.5
@@ -331,7 +333,11 @@ def ring_of(world: World) -> ring.Ring | None:
     right = (world.rank + 1) % world.size
     address = (hosts[right], int(ports[right]))
     try:
-        joined = ring.connect(world.rank, world.size, server, address, timeout(), min(CONNECT_SECONDS, timeout()))
+        seconds = timeout()
+        joined = ring.connect(
+            world.rank, world.size, server, address, seconds if seconds < MAX_TIMER_S else None,
+            min(CONNECT_SECONDS, seconds),
+        )  # fmt: skip
     except (OSError, ring.PeerLost) as e:
         joined, why = None, f"could not join its neighbours' sockets (rank {right} at {address[0]}:{address[1]}: {e})"
     with collective(world, what):  # every rank learns whether every rank joined
@@ -420,6 +426,22 @@ def gather_objects(value, world: World, what: str) -> list:
     return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
 
 
+def check_same(world: World, facts: dict, what: str) -> None:
+    """Fail on every rank, naming what differs, unless every rank has the same `facts` (say, its model's layout and
+    its data's digest): ranks that differ would sum other layouts' buffers, or train on other data, silently."""
+    if world.size == 1:
+        return
+    every = gather_objects(facts, world, what)
+    differ = [key for key in facts if any(f.get(key) != every[0].get(key) for f in every)]
+    if differ:
+        values = {key: ", ".join(f"rank {r} {f.get(key)}" for r, f in enumerate(every)) for key in differ}
+        found = "; ".join(f"{key}: {v}" for key, v in values.items())
+        raise ValueError(
+            f"rank {world.rank}: the ranks differ at {what} ({found}); every rank must load the same model and read "
+            "the same data with the same options"
+        )
+
+
 def wait_for_all(world: World, what: str) -> None:
     """Sleep until every rank has come here, where `mlx-encoders launch` gave the ranks pipes for it (`BARRIER_ENV`),
     so that the collective after it waits for no rank: MLX's ring backend polls its sockets while it waits, a
@@ -462,11 +484,15 @@ def peers(world: World) -> str:
 
 
 def timeout() -> float:
+    """TIMEOUT_ENV's seconds (inf: no limit), DEFAULT_TIMEOUT when unset."""
     value = os.environ.get(TIMEOUT_ENV, "")
     try:
-        return float(value) if value else DEFAULT_TIMEOUT
+        seconds = float(value) if value else DEFAULT_TIMEOUT
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds above 0 (inf: wait as long as it takes)")
+    return seconds
 
 
 @contextmanager
@@ -485,15 +511,17 @@ def collective(world: World, what: str, seconds: float | None = None) -> Iterato
         )
         os._exit(1)
 
-    timer = threading.Timer(seconds, stalled)
-    timer.daemon = True
-    timer.start()
+    timer = threading.Timer(seconds, stalled) if seconds < MAX_TIMER_S else None  # beyond: no limit
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     try:
         yield
     except RuntimeError as e:  # the ring backend's "[ring] connection to a peer was lost", and the like
         raise RankLost(f"rank {world.rank}: lost {peers(world)} during {what}: it stopped or disconnected ({e})") from e
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
 
 
 class RanksFailed(RuntimeError, CommandError):

@@ -52,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.ranks < 1:
         raise OptionError(f"-n {args.ranks}: the number of ranks must be at least 1")
+    if not 1 <= args.starting_port <= 65536 - args.ranks:
+        raise OptionError(
+            f"-p {args.starting_port}: ranks listen at ports {args.starting_port} to "
+            f"{args.starting_port + args.ranks - 1}, which must lie within 1-65535"
+        )
     return launch(command, args.ranks, args.starting_port)
 
 

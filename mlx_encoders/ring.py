@@ -39,6 +39,7 @@ class Ring:
         """`buffer` (1-D, contiguous) summed over every rank, in place; the same bits on every rank (each part is
         summed once, by one rank, in ring order, then copied to the others)."""
         n, r = self.size, self.rank
+        self.check_length(len(buffer))
         bounds = [len(buffer) * i // n for i in range(n + 1)]
         part = [buffer[bounds[i] : bounds[i + 1]] for i in range(n)]
         scratch = self.buffer(max(len(p) for p in part), buffer.dtype, "scratch")
@@ -47,6 +48,17 @@ class Ring:
             self.exchange(part[(r - step) % n], scratch[: len(into)], add_into=into)
         for step in range(n - 1):  # all-gather: each summed part travels round the ring
             self.exchange(part[(r + 1 - step) % n], part[(r - step) % n])
+
+    def check_length(self, length: int) -> None:
+        """Fail unless the left neighbour sums a buffer of this `length` too: buffers of other lengths would be cut
+        into other parts and summed into nonsense (ranks whose models or data differ)."""
+        mine, theirs = np.array([length], np.int64), np.empty(1, np.int64)
+        self.exchange(mine, theirs)
+        if theirs[0] != length:
+            raise ValueError(
+                f"rank {self.rank} sums {length} values and rank {(self.rank - 1) % self.size} {int(theirs[0])}: the "
+                "ranks' models or data differ; every rank must load the same model and read the same data"
+            )
 
     def exchange(self, send: np.ndarray, receive: np.ndarray, add_into: np.ndarray | None = None) -> None:
         """Send `send` right while `receive` fills from the left; with `add_into`, each received piece is added
@@ -101,7 +113,7 @@ def listen(host: str) -> socket.socket:
 
 
 def connect(
-    rank: int, size: int, server: socket.socket, right: tuple[str, int], seconds: float, connect_seconds: float
+    rank: int, size: int, server: socket.socket, right: tuple[str, int], seconds: float | None, connect_seconds: float
 ) -> Ring:
     """The ring, once every rank listens (`listen`) and knows its right neighbour's address: connect to it, say
     which rank this is, and take the left neighbour's connection from `server` (checked to be rank - 1), each

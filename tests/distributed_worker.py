@@ -44,6 +44,9 @@ def run_fine_tune(jobs: dict, status: dict) -> None:
 
     distributed.shared_map = counting
     for name, job in jobs.items():
+        if "data_by_rank" in job:  # each rank its own copy of the data
+            mine = job["data_by_rank"][distributed.world().rank]
+            job = {k: v for k, v in job.items() if k != "data_by_rank"} | {"data": mine}
         if isinstance(job.get("loss"), dict):
             options = dict(job["loss"])
             job = {**job, "loss": getattr(contrastive, options.pop("class"))(**options)}

@@ -193,6 +193,9 @@ def runs(tmp_path_factory):
     data.write_text("".join(json.dumps({"text": t, "label": x}) + "\n" for t, x in zip(TEXTS, LABELS, strict=True)))
     # 10 examples in batches of 4: each epoch ends on a batch of 2, one row per rank
     classify = dict(task="classify", data=str(data), model=model, max_steps=10, batch_size=4, lr=1e-3, seed=3)
+    other = root / "other.jsonl"  # another copy: the same rows and labels, two of the labels swapped
+    swapped = [LABELS[1], LABELS[0], *LABELS[2:]] if LABELS[0] != LABELS[1] else list(reversed(LABELS))
+    other.write_text("".join(json.dumps({"text": t, "label": x}) + "\n" for t, x in zip(TEXTS, swapped, strict=True)))
     mlm = dict(task="mlm", data=str(data), model=mlm_model, max_steps=10, batch_size=4, grad_accum=2, lr=1e-3, seed=5)
     contrastive = contrastive_runs(root, model, mlm_model)
     evaluated = {  # 2 steps, each evaluated: 3 evaluation batches of 4 rows
@@ -224,6 +227,11 @@ def runs(tmp_path_factory):
             "resumed": dict(output_dir=str(two / "resumed"), resume=str(one / "classify" / "checkpoint-5"), **classify),
             "odd_batch": dict(output_dir=str(two / "odd"), **{**classify, "batch_size": 5}),
             "taken": dict(output_dir=str(two / "classify"), **classify),  # holds the first run's files
+            "other_data": dict(
+                output_dir=str(two / "other"),
+                data_by_rank=[str(data), str(other)],
+                **{k: v for k, v in classify.items() if k != "data"},
+            ),  # fmt: skip
             "dropout": dict(output_dir=str(two / "dropout"), save_every=5, **{**classify, "model": noisy}),
             "dropout_resumed": dict(
                 output_dir=str(two / "dropout_resumed"),
@@ -396,6 +404,18 @@ def test_an_output_folder_holding_another_run_is_refused_by_every_rank(runs):
     _, _, _, statuses = runs
     for status in statuses.values():
         assert status["fine_tune"]["taken"].startswith("FileExistsError"), status["fine_tune"]["taken"]
+
+
+def test_ranks_whose_data_differ_are_refused_by_every_rank_naming_it(runs):
+    """Rank 1 reads another copy of the data (two labels swapped): each rank stops before the first step, naming
+    the data, where they summed gradients of other data without a word."""
+    _, _, _, statuses = runs
+    for rank, status in statuses.items():
+        error = status["fine_tune"]["other_data"]
+        assert error.startswith(f"ValueError: rank {rank}: the ranks differ at the start of training (the training "
+                                "data: rank 0 "), error  # fmt: skip
+        assert "the model's parameters" not in error
+    assert not (runs[0] / "two" / "other").exists()
 
 
 def test_gathered_embeddings_get_every_ranks_gradient(runs):

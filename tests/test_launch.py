@@ -146,3 +146,21 @@ def test_a_port_in_use_is_a_one_line_error_naming_the_addresses(tmp_path):
     line = next(line for line in done.stderr.splitlines() if line.startswith("rank: error: "))
     assert f"could not join the other ranks at 127.0.0.1:{first}, 127.0.0.1:{first + 1}" in line, line
     assert "mlx-encoders launch -p PORT" in line
+
+
+@pytest.mark.parametrize("port", ["65535", "70000", "0"])
+def test_ports_past_the_range_are_refused(port, capsys):
+    from mlx_encoders.__main__ import main
+
+    assert main(["launch", "-n", "2", "-p", port, "true"]) == 2
+    assert f"-p {port}: ranks listen at ports" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_a_collective_timeout_that_is_no_wait_is_refused(monkeypatch, value):
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{distributed.TIMEOUT_ENV}='{value}' is not a number of seconds above 0"):
+        distributed.timeout()
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "inf")
+    with distributed.collective(distributed.World(None, 2, 0), "a step"):  # no timer: nothing to overflow
+        pass

@@ -70,6 +70,17 @@ def test_every_rank_gets_the_sum_with_the_same_bits(size, length, dtype):
             r.close()
 
 
+def test_buffers_of_other_lengths_are_refused_by_the_ranks_that_see_them():
+    """Ranks whose models differ sum buffers of other lengths: cut into other parts, their sums were nonsense."""
+    joined = rings(2)
+    try:
+        with pytest.raises(ValueError, match=r"rank \d sums (6|8) values and rank \d (8|6): the ranks' models or data"):
+            threads(lambda r: joined[r].all_sum(np.ones(6 + 2 * r, np.float32)), 2)
+    finally:
+        for r in joined:
+            r.close()
+
+
 def test_a_neighbour_that_leaves_is_named():
     joined = rings(2)
     joined[1].close()

@@ -8,7 +8,10 @@ generator and the trainer's MLX key (dropout) are saved in each checkpoint's `tr
 resume, so a resumed run takes the same steps, with the same masks and dropout, as one never stopped.
 """
 
+import hashlib
+import itertools
 import math
+import pickle
 import sys
 import time
 import warnings
@@ -320,6 +323,31 @@ def due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
 
 
+def run_facts(model: nn.Module, train_examples: Examples, eval_examples: Examples | None, total: int) -> dict:
+    """What every rank of a run shares: its model's parameter names, shapes and dtypes, digests of its data (token
+    ids and labels) and its number of steps."""
+
+    def digest(parts: Iterator[bytes]) -> str:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(part)
+        return h.hexdigest()[:12]
+
+    def data(examples: Examples | None) -> str | None:
+        if examples is None:
+            return None
+        ids = (np.asarray(e.ids, np.int64).tobytes() for e in examples.encodings)
+        return digest(itertools.chain(ids, [pickle.dumps(getattr(examples, "labels", None))]))
+
+    layout = [(k, v.shape, str(v.dtype)) for k, v in tree_flatten(model.parameters())]
+    return {
+        "the model's parameters": digest(iter([repr(layout).encode()])),
+        "the training data": data(train_examples),
+        "the eval data": data(eval_examples),
+        "the steps": total,
+    }
+
+
 def train(
     model: nn.Module,
     tokenizer: Tokenizer,
@@ -369,6 +397,7 @@ def train(
         config.output_dir.mkdir(parents=True, exist_ok=True)
     state = start_state(model, optimizer, config, resume_from, objective.read_weights, total)
     if world.size > 1:  # every rank starts from rank 0's weights, whatever seeds built them
+        distributed.check_same(world, run_facts(model, train_examples, eval_examples, total), "the start of training")
         model.update(distributed.broadcast(model.trainable_parameters(), world, "the start of training"))
     model.train()
     if config.gradient_checkpointing:  # before the loop copies the module tree for the cores (`lanes`)
