@@ -8,7 +8,9 @@ SentencePiece model when a checkpoint ships only that (see spm.py), takes the sp
 import json
 import numbers
 import re
-from collections.abc import Iterable, Mapping, Set
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Set
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,6 +102,8 @@ class Tokenizer:
 
     def __init__(self, backend: FastTokenizer, config: dict, model_max_length: int, token_types: bool = True):
         self.backend = backend
+        # the backend's truncation setting is state of its own: a thread's would cut another thread's texts
+        self.truncation_lock = threading.Lock()
         self.model_max_length = model_max_length
         self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
         self.config = dict(config)  # tokenizer_config.json and special_tokens_map.json, written back by save()
@@ -225,22 +229,35 @@ class Tokenizer:
                     f"max_length {limit} leaves no room: the tokenizer adds {added} special tokens to every input; "
                     f"use a max_length of at least {added}"
                 )  # fmt: skip
-            self.backend.enable_truncation(limit, stride=stride, strategy=strategy, direction=direction)
-        try:
-            return self.backend.encode_batch(
+        options = dict(max_length=limit, stride=stride, strategy=strategy, direction=direction) if truncation else None
+        with self.truncating(options) as backend:
+            return backend.encode_batch(
                 texts, is_pretokenized=is_split_into_words, add_special_tokens=add_special_tokens
             )
-        finally:
-            self.backend.no_truncation()
+
+    @contextmanager
+    def truncating(self, options: dict | None) -> Iterator[FastTokenizer]:
+        """The backend, truncating with `options` (`enable_truncation`'s; None: not truncating) for the block, one
+        thread at a time."""
+        with self.truncation_lock:
+            if options is not None:
+                self.backend.enable_truncation(**options)
+            try:
+                yield self.backend
+            finally:
+                self.backend.no_truncation()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "truncation_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, truncation_lock=threading.Lock())
 
     def encode_windows(self, text: str, text_pair: str, max_length: int, stride: int) -> list[Encoding]:
         """A pair whose second text is split into windows of at most `max_length` tokens that overlap by
         `stride` tokens, as transformers' `truncation="only_second", return_overflowing_tokens=True`."""
-        self.backend.enable_truncation(max_length, stride=stride, strategy="only_second")
-        try:
-            first = self.backend.encode(text, text_pair)
-        finally:
-            self.backend.no_truncation()
+        with self.truncating(dict(max_length=max_length, stride=stride, strategy="only_second")) as backend:
+            first = backend.encode(text, text_pair)
         return [first, *first.overflowing]
 
     def __call__(

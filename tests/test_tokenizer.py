@@ -96,3 +96,24 @@ def test_a_max_length_below_the_special_tokens_is_refused(checkpoint):
     with pytest.raises(ValueError, match="max_length 2 leaves no room: the tokenizer adds 3 special tokens"):
         ours(["a b c"], text_pair=["d"], max_length=2)
     assert len(ours.encode_batch(["a b c"], max_length=1, add_special_tokens=False)[0].ids) == 1
+
+
+def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkpoint):
+    """The backend's truncation is state of its own: one thread's limit (or none) must not reach another's texts."""
+    import threading
+
+    ours, _ = both(checkpoint, "bert")
+    text, failures = " ".join(["word"] * 100), []
+
+    def work(limit: int | None) -> None:
+        for _ in range(150):
+            found = {len(e.ids) for e in ours.encode_batch([text] * 8, truncation=limit is not None, max_length=limit)}
+            if found != {limit or 102}:
+                failures.append((limit, found))
+
+    started = [threading.Thread(target=work, args=(limit,)) for limit in (None, 16, 40, 64)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(timeout=120)
+    assert not failures, failures[:5]

@@ -452,11 +452,8 @@ def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
 
 def encode_words(tokenizer: Tokenizer, words: list[list[str]], max_length: int | None) -> list[Encoding]:
     """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`."""
-    tokenizer.backend.enable_truncation(min(max_length or tokenizer.model_max_length, USIZE_MAX))
-    try:
-        return tokenizer.backend.encode_batch(words, is_pretokenized=True)
-    finally:
-        tokenizer.backend.no_truncation()
+    with tokenizer.truncating(dict(max_length=min(max_length or tokenizer.model_max_length, USIZE_MAX))) as backend:
+        return backend.encode_batch(words, is_pretokenized=True)
 
 
 def masked_lm_data(
