@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -109,6 +110,19 @@ def test_the_models_generation_config_is_the_default_as_in_transformers(lm, tmp_
     np.testing.assert_array_equal(generate_ids(model, ids, mask), expected)
     assert generate_ids(model, ids, mask, max_new_tokens=3).shape[1] == ids.shape[1] + 3
     assert generate_ids(model, ids, mask, GenerationConfig()).shape[1] == ids.shape[1] + 20
+    # save and convert keep the file, as transformers' save_pretrained writes it
+    saved = mlx_encoders.save(model, tmp_path / "saved", mlx_encoders.load_tokenizer(model))
+    converted = mlx_encoders.convert(copied, tmp_path / "q8", bits=8, group_size=32, calibration=False)
+    np.testing.assert_array_equal(generate_ids(mlx_encoders.load_model(saved), ids, mask), expected)
+    assert generate_ids(mlx_encoders.load_model(converted), ids, mask).shape == expected.shape  # 8 bits: 6 new
+    # the file's sampling settings are the model's: no warning that the caller's options are ignored
+    (copied / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate_ids(model, ids, mask, do_sample=True, seed=0, max_new_tokens=2)
+        generate_ids(model, ids, mask, max_new_tokens=2)
+    with pytest.warns(UserWarning, match=r"do_sample is not True, so top_k=3 is ignored"):
+        generate_ids(model, ids, mask, top_k=3, max_new_tokens=2)
     (copied / "generation_config.json").write_text(json.dumps({"top_k": -1}))
     with pytest.raises(ValueError, match="generation_config.json: top_k must be an int >= 0"):
         generate_ids(model, ids, mask)
@@ -281,9 +295,11 @@ def test_sampling_is_reproducible_with_a_seed(lm):
 
 
 def test_none_turns_top_k_and_the_minimum_lengths_off_as_in_transformers(lm):
+    """A keyword of None is off (top_k 0); a GenerationConfig's None field is unset, its default, as transformers
+    fills a generation config's None fields from the defaults."""
     _, model, tokenizer, _ = lm
     config = GenerationConfig(do_sample=True, top_k=None, min_new_tokens=None, min_length=None, seed=0)
-    assert (config.top_k, config.min_new_tokens, config.min_length) == (0, 0, 0)
+    assert (config.top_k, config.min_new_tokens, config.min_length) == (50, 0, 0)
     assert generate(model, tokenizer, "hi", do_sample=True, top_k=None, seed=0) == generate(
         model, tokenizer, "hi", do_sample=True, top_k=0, seed=0
     )

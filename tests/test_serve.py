@@ -607,7 +607,12 @@ def test_sigterm_during_load_finishes_the_requests_in_flight_and_exits_0(folders
 def test_readme_serve_block_runs(server):
     """The module's server runs README's command; its curl and openai SDK lines, word for word, call it."""
     port = server.rsplit(":", 1)[1]
-    _, curl, sdk = (line.format(port=port) for line in readme_block())
+    _, wait, curl, sdk = (line.format(port=port) for line in readme_block())
+    # the server runs already; the wait line polls /health while the started job lives
+    assert wait.startswith("while kill -0 $! && ! curl -sf -o /dev/null 127.0.0.1:") and wait.endswith(
+        "/health; do sleep 1; done  # until it listens"
+    )
+    assert call(server, "/health")[0] == 200
     answer = json.loads(subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout)
     assert len(answer["data"][0]["embedding"]) == 384
     printed = subprocess.run(sdk, shell=True, capture_output=True, text=True, timeout=60)

@@ -459,3 +459,19 @@ def test_a_served_index_rebuilt_meanwhile_is_opened_again(tmp_path):
     expected = [(h.id, h.score) for h in Index(folder).search(vectors[5], 3)]
     assert [(h.id, h.score) for h in served.search("float32", vectors[5], 3)] == expected
     assert served.opened["float32"] is not before
+
+
+def test_a_router_folder_in_the_models_dir_is_listed_and_served(folders, tmp_path):
+    """A sentence-transformers Router folder has modules.json and no top-level config.json (its transformer lies in
+    a module folder): --models-dir lists and loads it as `serve --model` does."""
+    from test_serve import in_process
+
+    from mlx_encoders import serve
+
+    (tmp_path / "router").symlink_to(folders["router"])
+    (tmp_path / "notes").mkdir()  # neither file: not a model
+    with in_process(serve.app(models_dir=tmp_path)) as url:
+        assert [m["name"] for m in call(url, "/api/tags")[1]["models"]] == ["router:latest"]
+        status, answer, _ = call(url, "/embed_sparse", {"model": "router", "inputs": ["a cat"]})
+    expected = SparseEncoder(folders["router"]).encode(["a cat"]).rows()[0]
+    assert status == 200 and sorted(w["index"] for w in answer[0]) == sorted(expected[0].tolist())

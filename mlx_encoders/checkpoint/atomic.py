@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .files import INDEX, TOKENIZER_FILES
+from .files import GENERATION_FILE, INDEX, TOKENIZER_FILES
 
 LOW_SPACE = 1 << 20  # bytes free under which a failed write is taken for a full disk
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """Files `save` writes or replaces: weights, config.json, tokenizer files."""
-    return name in ("config.json", INDEX, *TOKENIZER_FILES) or name.endswith((".safetensors", ".model"))
+    """Files `save` writes or replaces: weights, config.json, generation_config.json, tokenizer files."""
+    return name in ("config.json", INDEX, GENERATION_FILE, *TOKENIZER_FILES) or name.endswith(
+        (".safetensors", ".model")
+    )
 
 
 def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) -> None:

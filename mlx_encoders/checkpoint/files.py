@@ -23,6 +23,7 @@ INDEX = "model.safetensors.index.json"
 MODULES_FILE, SETTINGS_FILE, SENTENCE_CONFIG_FILE = (
     "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"
 )  # fmt: skip
+GENERATION_FILE = "generation_config.json"  # a causal LM's decoding defaults, as transformers saves them
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja",

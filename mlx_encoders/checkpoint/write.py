@@ -24,7 +24,7 @@ from ..models import model_module
 from .adapters import write_lora
 from .atomic import atomic_folder
 from .build import common_float_dtype
-from .files import INDEX, TOKENIZER_FILES
+from .files import GENERATION_FILE, INDEX, TOKENIZER_FILES
 
 MAX_SHARD_BYTES = 5 << 30
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -135,4 +135,8 @@ def save(
             tokenizer.save(tmp)
         elif folder.is_dir():
             copy_tokenizer_files(folder, tmp)
+        # the decoding defaults `generate` reads: the loaded model's, else the replaced folder's
+        sources = [Path(p) for p in (getattr(model, "path", None), folder if folder.is_dir() else None) if p]
+        if found := next((p / GENERATION_FILE for p in sources if (p / GENERATION_FILE).is_file()), None):
+            shutil.copy2(found, tmp / GENERATION_FILE)
     return folder

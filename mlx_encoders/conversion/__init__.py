@@ -37,6 +37,7 @@ from ..checkpoint import (
 from ..checkpoint.adapters import adapter_folders
 from ..checkpoint.atomic import remove_stale
 from ..checkpoint.build import build_model, check_dtype, normalize_keys
+from ..checkpoint.files import GENERATION_FILE
 from ..checkpoint.foreign import check_sentence_modules, convert_torch_heads, copy_sentence_files
 from ..checkpoint.write import copy_tokenizer_files
 from ..models import task_of_model
@@ -195,6 +196,8 @@ def write_folder(
     """Weights, config.json, tokenizer and sentence-transformers files; records the bytes written in `report`."""
     files = write_checkpoint(model, config, folder, shard_size, adapters=False)  # the source's own, copied below
     copy_tokenizer_files(source, folder)
+    if (source / GENERATION_FILE).is_file():
+        shutil.copy2(source / GENERATION_FILE, folder / GENERATION_FILE)
     copy_sentence_files(source, folder, dtype)
     for name, adapter in adapter_folders(source).items():  # task adapters stay float: they are small
         shutil.copytree(adapter, folder / name)

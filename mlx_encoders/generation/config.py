@@ -65,9 +65,9 @@ class GenerationConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        for name in ("top_k", "min_new_tokens", "min_length"):  # None: off, as transformers reads it
-            if getattr(self, name) is None:
-                setattr(self, name, 0)
+        for f in dataclasses.fields(self):  # None: unset, the default, as transformers fills a GenerationConfig's
+            if f.name in ("top_k", "min_new_tokens", "min_length") and getattr(self, f.name) is None:
+                setattr(self, f.name, f.default)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.eos_token_id, numbers.Integral) and not isinstance(self.eos_token_id, bool):

@@ -24,6 +24,7 @@ from . import steps as compiled
 from .config import PRESETS, GenerationConfig, outside_stacklevel
 from .processors import processors, select
 
+OFF_WHEN_NONE = ("top_k", "min_new_tokens", "min_length")
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
 
 
@@ -31,11 +32,21 @@ def generation_config(
     config: GenerationConfig | str | None, overrides: dict, model: nn.Module | None = None
 ) -> GenerationConfig:
     """`config` (a GenerationConfig, a preset name, or None: the model's generation_config.json, as transformers'
-    `generate` reads it, else the defaults) with `overrides` on top."""
+    `generate` reads it, else the defaults) with `overrides` on top; an override of None turns top_k and the
+    minimum lengths off, as a keyword of transformers' `generate` does."""
+    overrides = {k: 0 if v is None and k in OFF_WHEN_NONE else v for k, v in overrides.items()}
     if isinstance(config, str):
         return GenerationConfig.preset(config, **overrides)
     if config is None:
-        return GenerationConfig.from_kwargs({**saved_generation_config(model), **overrides})
+        saved = saved_generation_config(model)
+        if not saved:
+            return GenerationConfig.from_kwargs(overrides)
+        with warnings.catch_warnings():  # sampling settings the file holds are the model's, not the caller's
+            warnings.simplefilter("ignore", UserWarning)
+            merged = GenerationConfig.from_kwargs({**saved, **overrides})
+        if not merged.do_sample:  # the caller's own sampling options, ignored by greedy decoding, still warn
+            GenerationConfig.from_kwargs({**overrides, "do_sample": False})
+        return merged
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig or a preset ({', '.join(PRESETS)}), got {config!r:.60}")
     return config.replace(**overrides) if overrides else config
@@ -58,9 +69,12 @@ def saved_generation_config(model: nn.Module | None) -> dict:
             stacklevel=outside_stacklevel(),
         )
     try:
-        return GenerationConfig.from_kwargs({k: v for k, v in saved.items() if k in fields and v is not None}).changed()
+        with warnings.catch_warnings():  # checked alone here; `generation_config` warns about the merged settings
+            warnings.simplefilter("ignore", UserWarning)
+            config = GenerationConfig.from_kwargs({k: v for k, v in saved.items() if k in fields and v is not None})
     except (TypeError, ValueError) as e:
         raise ValueError(f"{file}: {e}") from e
+    return config.changed()
 
 
 def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], int]:

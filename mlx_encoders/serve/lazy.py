@@ -60,6 +60,12 @@ class Loader:
             del function, args, future  # held while waiting, they would keep the last model built alive
 
 
+def is_model_folder(path: Path) -> bool:
+    """A folder a model loads from: a checkpoint's config.json, or a sentence-transformers folder's modules.json (a
+    Router's transformer lies in a module folder)."""
+    return (path / "config.json").is_file() or (path / "modules.json").is_file()
+
+
 class ModelsDir:
     """The loadable models of one folder: their keep-alive, when each expires, and the requests using each."""
 
@@ -77,9 +83,9 @@ class ModelsDir:
         self.keep: dict[str, float] = {}
 
     def names(self) -> list[str]:
-        """The folder's model folders: those that hold a config.json."""
+        """The folder's model folders: those that hold a config.json or a sentence-transformers modules.json."""
         folders = (p for p in self.folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        return sorted(p.name for p in folders if (p / "config.json").is_file())
+        return sorted(p.name for p in folders if is_model_folder(p))
 
     def path(self, name) -> Path | None:
         """The folder of model `name`, when it is one of the folder's."""
@@ -87,7 +93,7 @@ class ModelsDir:
             return None
         path = self.folder / name
         try:
-            return path if (path / "config.json").is_file() else None
+            return path if is_model_folder(path) else None
         except OSError:  # a name too long for the file system, or a folder it cannot read: no model of ours
             return None
 

@@ -3,7 +3,8 @@
 so an adapted model starts equal to its base. Shaped after mlx-lm's `tuner/lora.py`; A and B are stored in PEFT's
 (torch Linear) orientation. The base weights, float or quantized, stay frozen and are never dequantized in training;
 the task head (everything outside the encoder) trains in full. `save_adapters` writes the trainable parameters
-alone, `fuse` merges the adapters into the weights (re-quantized with the same settings for a quantized base).
+alone, `fuse` merges the adapters into the weights (a quantized base's adapted linears become float; with
+`requantize=True`, rounded again with the base's settings).
 """
 
 import json
