@@ -329,6 +329,11 @@ def test_cross_encoder_rank_matches_sentence_transformers(cross_encoders):
             their_kwargs["activation_fn"], our_kwargs["activation_fn"] = torch.nn.Identity(), lambda x: x
         assert_same(ours.rank(query, documents, **our_kwargs), theirs.rank(query, documents, **their_kwargs))
     assert_same(ours.rank(query, []), theirs.rank(query, []))
+    assert ours.rank(query, documents[0], return_documents=True)[0]["text"] == documents[0]  # one str: one document
+    ours.max_seq_length = 0
+    with pytest.raises(ValueError, match="max_seq_length must be an int >= 1, got 0"):
+        ours.predict(PAIRS)
+    ours.max_seq_length = theirs.max_length
     for model in cross_encoders(3):
         with pytest.raises(ValueError, match="rank\\(\\) only works for models with num_labels=1"):
             model.rank(query, documents)

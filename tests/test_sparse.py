@@ -64,6 +64,18 @@ def test_splade_matches_sentence_transformers(tmp_path, mlm, model_type, strateg
     np.testing.assert_allclose(values, dense(expected)[3][ids], atol=1e-5, rtol=1e-5)
 
 
+def test_max_seq_length_is_read_and_set_as_sentence_transformers(tmp_path, mlm):
+    folder = save_splade(tmp_path / "st", mlm["bert"])
+    theirs, ours = STSparseEncoder(str(folder), device="cpu"), SparseEncoder(folder)
+    assert ours.max_seq_length == theirs.max_seq_length == MAX_SEQ_LENGTH
+    theirs.max_seq_length = ours.max_seq_length = 8
+    with pytest.warns(UserWarning, match="longer than max_seq_length=8"):
+        got = ours.encode(TEXTS)
+    np.testing.assert_allclose(got.toarray(), dense(theirs.encode(TEXTS)), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"SparseEncoder.max_seq_length \(4096\) is more than the"):
+        ours.max_seq_length = 4096
+
+
 def test_prompts_max_active_dims_similarity_and_decode_match(tmp_path, mlm):
     prompts = {"query": "query: ", "document": "passage: "}
     folder = save_splade(tmp_path / "st", mlm["bert"], prompts=prompts)

@@ -237,6 +237,7 @@ class CrossEncoder(Encoder):
         non-empty where cut), longest text first, at its end or (`direction` "left") its start: through the chat
         template as a [system prompt,] query, document conversation (cut at the end only), else as a text pair, the
         prompt before the query."""
+        self.check_max_seq_length()
         if not pairs:
             return []
         if self.chat_template is None:
@@ -292,7 +293,8 @@ class CrossEncoder(Encoder):
                 "CrossEncoder.rank() only works for models with num_labels=1. "
                 "Consider using CrossEncoder.predict() with input pairs instead."
             )
-        pairs = [[query, document] for document in text_list(documents, "rank()")]
+        documents = text_list(documents, "rank()")  # one str: one document, not its characters
+        pairs = [[query, document] for document in documents]
         scores = self.predict(
             pairs, prompt_name, prompt, batch_size, show_progress_bar, activation_fn, convert_to_tensor=True
         ).tolist()

@@ -343,6 +343,30 @@ class SparseEncoder(Embedder):
         """The width of the sparse vectors: the vocabulary size."""
         return self.route(None).dimension
 
+    @property
+    def max_seq_length(self) -> int | None:
+        """The tokens a text keeps: the routes' limit (the largest, where a Router's differ), as sentence-transformers'
+        property; None where no route has one."""
+        limits = {r.max_seq_length for r in self.routes.values() if r.max_seq_length is not None}
+        return max(limits) if limits else None
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        """Cut texts at `value` tokens on every route that has a limit, as sentence-transformers' setter."""
+        check_count("SparseEncoder.max_seq_length", value, 1)
+        for route in self.routes.values():
+            positions = getattr(getattr(route, "model", None), "args", None)
+            if positions is not None and positions.max_tokens and value > positions.max_tokens:
+                raise ValueError(
+                    f"SparseEncoder.max_seq_length ({value}) is more than the {positions.max_tokens} tokens the model "
+                    f"in {self.path} takes"
+                )
+        for route in self.routes.values():
+            if route.max_seq_length is not None:
+                route.max_seq_length = value
+                if isinstance(route, AutoEncoderRoute):
+                    route.encoder.max_seq_length = value
+
     def max_length(self, task: str | None = None) -> int | None:
         """The tokens a text of `task` keeps (its route's `max_seq_length`); None for a route without a model."""
         return self.route(task).max_seq_length
