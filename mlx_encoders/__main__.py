@@ -17,6 +17,7 @@ import numpy as np
 from .checkpoint.build import DTYPES
 from .errors import add_debug_option, run_command
 from .pipelines.token_classification import STRATEGIES
+from .records import has_surrogate
 from .train import cli as train_cli
 from .train import retrieval_cli
 
@@ -39,7 +40,9 @@ def parser() -> argparse.ArgumentParser:
                       help="only score these tokens, comma-separated: --targets paris,london (repeatable)")  # fmt: skip
 
     classify = tasks.add_parser("classify", parents=[common], help="text classification, pairs and reranking")
-    classify.add_argument("--top-k", type=label_count, default=1, help="labels per text (0 or -1: all; default 1)")
+    classify.add_argument(
+        "--top-k", type=label_count, help="labels per text (0 or -1: all; default 1); with --rerank, the texts shown"
+    )
     classify.add_argument("--query", help="score each TEXT as the pair (QUERY, TEXT), as a cross-encoder does")
     classify.add_argument("--rerank", action="store_true", help="with --query: print the texts best first")
     classify.add_argument("--function", choices=("softmax", "sigmoid", "none"), help="score function")
@@ -96,6 +99,9 @@ def read_texts(args: argparse.Namespace) -> list[str]:
     if sys.stdin.isatty():
         raise ValueError("no input: give texts as arguments or pipe them in, one per line")
     lines = [line.rstrip("\r\n") for line in sys.stdin]  # a Windows line end is no part of the text
+    for number, line in enumerate(lines, 1):  # undecodable bytes arrive as lone surrogates
+        if has_surrogate(line):
+            raise ValueError(f"stdin line {number} is not UTF-8; re-save the input as UTF-8")
     if lines:
         lines[0] = lines[0].removeprefix("\ufeff")  # nor is a byte-order mark before the first line
     texts = [line for line in lines if line.strip()]
@@ -143,11 +149,13 @@ def classify(args, texts: list[str]):
     if args.rerank:
         if args.query is None:
             raise ValueError("--rerank needs --query")
-        ranked = clf.rerank(args.query, texts, function_to_apply=args.function)
+        top_k = args.top_k if args.top_k and args.top_k > 0 else None
+        ranked = clf.rerank(args.query, texts, top_k=top_k, function_to_apply=args.function)
         rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]
         return ranked, table(["rank", "score", "input", "text"], rows)
     inputs = [{"text": args.query, "text_pair": t} for t in texts] if args.query is not None else texts
-    results = clf(inputs, top_k=args.top_k if args.top_k > 0 else None, function_to_apply=args.function)
+    top_k = 1 if args.top_k is None else args.top_k if args.top_k > 0 else None
+    results = clf(inputs, top_k=top_k, function_to_apply=args.function)
 
     def show(text, labels):
         return table(["label", "score", "text"], [[r["label"], r["score"], text] for r in labels])

@@ -61,7 +61,7 @@ def read_text(file: str | Path) -> str:
     """The text of a UTF-8 file with LF line ends, its byte-order mark dropped."""
     file = Path(file)
     if not file.is_file():
-        raise RecordError(f"{file}: no such file; check the path")
+        raise RecordError(f"{file}: {'a folder, not a file' if file.is_dir() else 'no such file'}; check the path")
     raw = file.read_bytes().removeprefix(BOM)
     try:
         text = raw.decode("utf-8")

@@ -145,6 +145,8 @@ def test_classify_labels_pairs_and_rerank(capsys, classifier):
     assert [int(r[2]) for r in rows] == order.tolist()
     assert [r[3] for r in rows] == [TEXTS[i] for i in order]
     assert [float(r[1]) for r in rows] == pytest.approx([relevant[i] for i in order], abs=1e-4)
+    code, out, _ = run(capsys, "classify", "-m", classifier, "--query", query, "--rerank", "--top-k", 2, *TEXTS)
+    assert [line.split(maxsplit=3)[3] for line in out.splitlines()[1:]] == [TEXTS[i] for i in order[:2]]
 
 
 @pytest.mark.parametrize("top_k", [0, -1])

@@ -226,6 +226,21 @@ def test_one_text_or_id_as_a_str_is_one_not_its_characters():
     assert evaluator.relevant_docs == {"q": {"doc1"}}
 
 
+@pytest.mark.parametrize(
+    "file, line, message",
+    [("queries", {"_id": "q0", "text": 123}, "'text' must be a str, got 123"),
+     ("corpus", {"_id": "c0", "title": "Paris", "text": None}, "'text' must be a str, got None"),
+     ("qrels", {"query-id": "q0", "corpus-id": "c0", "score": None}, "'score' must be a number, got None")],
+)  # fmt: skip
+def test_retrieval_files_values_of_the_wrong_kind_are_named_with_file_and_line(tmp_path, file, line, message):
+    rows = {"queries": {"_id": "q0", "text": "where"}, "corpus": {"_id": "c0", "text": "here"},
+            "qrels": {"query-id": "q0", "corpus-id": "c0", "score": 1}} | {file: line}  # fmt: skip
+    for name, row in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / file}.jsonl:1: {message}")):
+        evaluators.read_retrieval_files(*(tmp_path / f"{name}.jsonl" for name in ("queries", "corpus", "qrels")))
+
+
 def test_evaluators_name_bad_input():
     with pytest.raises(ValueError, match="No query has a relevant document"):
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {})
@@ -233,6 +248,8 @@ def test_evaluators_name_bad_input():
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {"q": {"d"}}, ndcg_at_k=[0])
     with pytest.raises(ValueError, match="sample 0 needs 'query', 'positive' and one of"):
         RerankingEvaluator([{"query": "q", "positive": "p"}])
+    with pytest.raises(ValueError, match=r"sample 0: 'negative' must be a text or a list of texts, got \[1, 2\]"):
+        RerankingEvaluator([{"query": "q", "positive": "p", "negative": [1, 2]}])
 
 
 def test_empty_inputs_are_refused_naming_what_is_missing(tmp_path):

@@ -116,8 +116,20 @@ def test_mine_command_writes_jsonl(tmp_path, models, capsys):
         verbose=False,
     )
     assert written == theirs_as_rows(theirs)
-    assert main([*args[:-2], "--format", "n-tuple", "--range-min", "9", "--range-max", "10"]) == 1
+    assert main([*args[:-2], "--format", "n-tuple", "--range-min", "9", "--range-max", "10"]) == 2  # an option
     assert "Cannot mine 2 negatives" in capsys.readouterr().err
+    assert oct(out.stat().st_mode & 0o777) != oct(0o600)  # a new file's mode, not the temporary file's
+    # a misspelt column, an output folder that does not exist, a folder as the output: named before any work
+    assert main([*args, "--anchor-column", "questoin"]) == 2
+    assert f"anchor_column 'questoin' is not a column of the data; its columns: {', '.join(ROWS[0])}" in (
+        capsys.readouterr().err
+    )
+    for output, message in (
+        (tmp_path / "none" / "x.jsonl", "is not a folder; create it first"),
+        (tmp_path, "is a folder"),
+    ):
+        assert main([*args[:6], str(output), *args[7:]]) == 1
+        assert message in capsys.readouterr().err
 
 
 def test_bad_options_are_named(models):

@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.action == "export":
         counts = export(args.index, args.output, precision=args.precision, quiet=args.quiet)
-        print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
+        if not args.quiet:
+            print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
         return 0
     index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision,
                   recall=args.recall)  # fmt: skip

@@ -309,6 +309,14 @@ class RerankingEvaluator:
             raise ValueError(
                 f"reranking sample {i} needs 'query', 'positive' and one of 'negative' or 'documents' (found {found})"
             )
+        for key in ("query", "positive", "negative", "documents"):
+            value = sample.get(key)
+            texts = [value] if isinstance(value, str) else value if isinstance(value, list | tuple) else None
+            if (key in sample or key in ("query", "positive")) and (
+                texts is None or not all(isinstance(t, str) for t in texts) or key == "query" and len(texts) != 1
+            ):
+                kind = "a text" if key == "query" else "a text or a list of texts"
+                raise ValueError(f"reranking sample {i}: {key!r} must be {kind}, got {value!r:.60}")
         positive, negative = (one_or_many(sample.get(key)) for key in ("positive", "negative"))
         if "negative" in sample:
             return sample["query"], positive + negative, [1] * len(positive) + [0] * len(negative), None
@@ -357,13 +365,18 @@ class RerankingEvaluator:
 # ----- files -----
 
 
-def read_jsonl(path: str | Path, keys: Sequence[str]) -> list[dict]:
-    """The objects of a JSONL file (read by `records`' rules), each checked to hold `keys` (a ValueError naming the
-    file and line)."""
+def read_jsonl(path: str | Path, keys: Sequence[str], kinds: dict[str, tuple[type, ...]] | None = None) -> list[dict]:
+    """The objects of a JSONL file (read by `records`' rules), each checked to hold `keys`, and each value `kinds`
+    names, where present, to be of those types (a ValueError naming the file and line)."""
     rows = []
     for record in jsonl_records(path):
         if not isinstance(record.value, dict) or any(key not in record.value for key in keys):
             raise ValueError(f"{record.where}: each line must be an object with {', '.join(keys)}")
+        for key, types in (kinds or {}).items():
+            value = record.value.get(key)
+            if key in record.value and (isinstance(value, bool) or not isinstance(value, types)):
+                expected = "a number" if int in types else "a str"
+                raise ValueError(f"{record.where}: {key!r} must be {expected}, got {value!r:.40}")
         rows.append(record.value)
     if not rows:
         raise ValueError(f"{path} holds no rows")
@@ -376,9 +389,9 @@ def read_retrieval_files(
     """(queries, corpus, relevant_docs) from BEIR's JSONL layout: queries and corpus lines `{"_id": ..., "text":
     ...}` (a corpus "title" is prepended to the text, as BEIR's loaders join them); qrels lines `{"query-id": ...,
     "corpus-id": ..., "score": ...}`, a score <= 0 meaning not relevant (BEIR's qrels TSV with a header also reads)."""
-    query_texts = {str(r["_id"]): r["text"] for r in read_jsonl(queries, ("_id", "text"))}
+    query_texts = {str(r["_id"]): r["text"] for r in read_jsonl(queries, ("_id", "text"), {"text": (str,)})}
     docs = {}
-    for r in read_jsonl(corpus, ("_id", "text")):
+    for r in read_jsonl(corpus, ("_id", "text"), {"text": (str,), "title": (str, type(None))}):
         docs[str(r["_id"])] = f"{r['title']} {r['text']}".strip() if r.get("title") else r["text"]
     relevant: dict[str, set[str]] = {}
     for r in read_qrels(Path(qrels)):
@@ -396,7 +409,7 @@ def read_retrieval_files(
 
 def read_qrels(path: Path) -> list[dict]:
     if path.suffix.lower() != ".tsv":
-        rows = read_jsonl(path, ("query-id", "corpus-id"))
+        rows = read_jsonl(path, ("query-id", "corpus-id"), {"score": (int, float)})
         return [{**r, "query-id": str(r["query-id"]), "corpus-id": str(r["corpus-id"])} for r in rows]
     lines = read_text(path).split("\n")
     if lines[0].split("\t")[:2] != ["query-id", "corpus-id"]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import OptionError
 from .config import check_options_in
 from .data import read_rows
 
@@ -25,10 +26,14 @@ STRATEGIES = ("top", "random")
 
 
 def column_names(rows: list[dict], anchor_column: str | None, positive_column: str | None) -> tuple[str, str]:
-    """The anchor and positive columns: the ones named when the data has them, else its first two (as theirs)."""
+    """The anchor and positive columns: the ones named, else the data's first two (as theirs); a name the data lacks
+    is refused (theirs falls back to the first columns: a misspelt name mined other columns)."""
     columns = list(rows[0])
-    anchor = anchor_column if anchor_column in columns else columns[0]
-    if positive_column in columns:
+    for option, name in (("anchor_column", anchor_column), ("positive_column", positive_column)):
+        if name is not None and name not in columns:
+            raise OptionError(f"{option} {name!r} is not a column of the data; its columns: {', '.join(columns)}")
+    anchor = anchor_column if anchor_column is not None else columns[0]
+    if positive_column is not None:
         return anchor, positive_column
     if len(columns) < 2:
         raise ValueError(f"Mining needs an anchor and a positive column; the data has only {columns}")
@@ -37,13 +42,13 @@ def column_names(rows: list[dict], anchor_column: str | None, positive_column: s
 
 def check_options(range_min: int, range_max: int, num_negatives: int, sampling_strategy: str, output_format: str):
     if output_format not in FORMATS:
-        raise ValueError(f"output_format must be one of {', '.join(FORMATS)}, got {output_format!r}")
+        raise OptionError(f"output_format must be one of {', '.join(FORMATS)}, got {output_format!r}")
     if sampling_strategy not in STRATEGIES:
-        raise ValueError(f"sampling_strategy must be one of {', '.join(STRATEGIES)}, got {sampling_strategy!r}")
+        raise OptionError(f"sampling_strategy must be one of {', '.join(STRATEGIES)}, got {sampling_strategy!r}")
     if range_min >= range_max:
-        raise ValueError(f"range_min must be smaller than range_max, got range_min={range_min}, range_max={range_max}")
+        raise OptionError(f"range_min must be smaller than range_max, got range_min={range_min}, range_max={range_max}")
     if num_negatives > range_max - range_min:
-        raise ValueError(
+        raise OptionError(
             f"Cannot mine {num_negatives} negatives per query: only {range_max - range_min} candidates remain after "
             f"skipping the first range_min={range_min} of range_max={range_max}; lower num_negatives or range_min, "
             "or raise range_max"

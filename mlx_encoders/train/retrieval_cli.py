@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..records import text_lines
+
 SIMILARITY_NAMES = ("cosine", "dot", "euclidean", "manhattan")
 
 
@@ -18,13 +20,30 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,3,10, got {text!r}") from None
 
 
+def check_output(path: Path) -> Path:
+    """`path`, where a file can be written: its folder exists and it is not a folder (checked before any work)."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the path of the file to write")
+    if not path.parent.is_dir():
+        raise ValueError(f"{path.parent} is not a folder; create it first, or write the file elsewhere")
+    return path
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file in the same folder: never a half-written file."""
+    """`text` into `path` through a temporary file in the same folder: never a half-written file; the file gets the
+    mode a new file gets (umask), and an error names `path`."""
+    check_output(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as e:
+        os.unlink(tmp)
+        raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from e
     except BaseException:
         os.unlink(tmp)
         raise
@@ -90,7 +109,7 @@ def add_mine_parser(commands: argparse._SubParsersAction) -> None:
     mine.add_argument("--range-min", type=int, default=0, help="skip the best N candidates (default 0)")
     mine.add_argument("--range-max", type=int, help="consider the best N candidates (default: as theirs)")
     mine.add_argument("--absolute-margin", type=float, help="drop candidates scoring above positive - margin")
-    mine.add_argument("--relative-margin", type=float, help="drop candidates above positive x (1 - margin)")
+    mine.add_argument("--relative-margin", type=float, help="drop candidates above positive - |positive| x margin")
     mine.add_argument("--max-score", type=float, help="drop candidates scoring above this")
     mine.add_argument("--min-score", type=float, help="drop candidates scoring below this")
     mine.add_argument("--sampling", choices=STRATEGIES, default="top", help="top (default) or random")
@@ -105,15 +124,15 @@ def run_mine(args: argparse.Namespace) -> int:
     from ..embeddings.cross_encoder import CrossEncoder
     from ..embeddings.sentence import SentenceEncoder
     from .config import check_options_in
-    from .hard_negatives import mine_hard_negatives
+    from .hard_negatives import check_options, mine_hard_negatives
 
     numbers = ("range_min", "range_max", "max_score", "min_score", "absolute_margin", "relative_margin",
                "num_negatives", "batch_size")  # fmt: skip
     check_options_in({name: getattr(args, name) for name in numbers})  # before the models load
-    corpus = None
-    if args.corpus:
-        with open(args.corpus, encoding="utf-8-sig") as f:
-            corpus = [line.rstrip("\r\n") for line in f if line.strip()]
+    if args.range_max is not None:
+        check_options(args.range_min, args.range_max, args.num_negatives, args.sampling, args.format)
+    output = check_output(Path(args.output))
+    corpus = [record.value for record in text_lines(args.corpus)] if args.corpus else None
     rows = mine_hard_negatives(
         args.data, SentenceEncoder(args.model), anchor_column=args.anchor_column, positive_column=args.positive_column,
         corpus=corpus, cross_encoder=CrossEncoder(args.cross_encoder) if args.cross_encoder else None,
@@ -122,7 +141,7 @@ def run_mine(args: argparse.Namespace) -> int:
         sampling_strategy=args.sampling, output_format=args.format, output_scores=args.scores,
         batch_size=args.batch_size, seed=args.seed,
     )  # fmt: skip
-    write_atomically(Path(args.output), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_atomically(output, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     print(f"{len(rows)} rows written to {args.output}", file=sys.stderr)
     return 0
 
@@ -145,7 +164,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
         from ..embeddings.cross_encoder import CrossEncoder
 
         samples = read_jsonl(args.samples, ("query", "positive"))
-        metrics = RerankingEvaluator(samples, at_k=args.at_k, batch_size=args.batch_size)(CrossEncoder(args.model))
+        try:
+            evaluator = RerankingEvaluator(samples, at_k=args.at_k, batch_size=args.batch_size)
+        except ValueError as e:  # sample i is the file's i-th row
+            raise ValueError(f"{args.samples}: {e}") from e
+        metrics = evaluator(CrossEncoder(args.model))
     if args.json:
         print(json.dumps(metrics))
     else:
