@@ -175,7 +175,10 @@ class Tokenizer:
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json, which transformers' AutoTokenizer reads."""
         folder = Path(folder)
-        self.backend.save(str(folder / "tokenizer.json"))
+        try:
+            self.backend.save(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception, a full disk's "(os error 28)" too
+            raise OSError(f"could not write {folder / 'tokenizer.json'}: {e}") from e
         config = {**self.config, "model_max_length": self.model_max_length}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 

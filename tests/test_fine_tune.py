@@ -631,3 +631,60 @@ def test_resume_refuses_a_checkpoint_of_another_size_or_other_labels(checkpoint,
     with pytest.raises(ValueError, match=r"rank4/checkpoint-1/adapter_config.json: LoRA alpha is 8, but this run's is"):
         fine_tune("classify", data, tmp_path / "c", lora_rank=4, lora_alpha=4, resume=tmp_path / "rank4/checkpoint-1",
                   **lora)  # fmt: skip
+
+
+def test_a_lock_whose_record_cannot_be_written_is_released(tmp_path, monkeypatch):
+    """A full disk while the lock records its holder: the error names the lock file, and the lock is free again
+    (it stayed held for the rest of the process, refusing every later run as busy)."""
+    from mlx_encoders.checkpoint import lock
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock.os, "pwrite", full)
+    with pytest.raises(OSError, match=f"could not write the lock file {tmp_path / 'run.lock'}: No space left"):
+        lock.FolderLock(tmp_path, "run.lock", "a run", "", "run", "test").__enter__()
+    monkeypatch.undo()
+    with lock.FolderLock(tmp_path, "run.lock", "a run", "", "run", "test", quiet=True):
+        pass
+
+
+def test_full_disks_are_recognised_by_every_library_s_error(tmp_path):
+    from mlx_encoders.checkpoint.atomic import disk_full
+
+    assert disk_full(OSError(errno.EFBIG, "File too large"), tmp_path)  # a file size limit (ulimit -f)
+    assert disk_full(Exception("No space left on device (os error 28)"), tmp_path)  # the tokenizers library's
+    assert disk_full(RuntimeError("[write] Unable to write 480 bytes to file."), tmp_path)  # MLX's
+    assert not disk_full(RuntimeError("[load] something else"), tmp_path)
+
+
+def test_a_failed_plot_leaves_no_partial_file(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from mlx_encoders.train import plot
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    with pytest.raises(OSError, match=f"could not write {tmp_path / plot.CURVES_FILE}: No space left"):
+        plot.plot_metrics(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_full_disk_before_any_checkpoint_says_to_run_again_with_overwrite(checkpoint, tmp_path, monkeypatch):
+    """The run's log is written already: running again as the error said was refused for the run's files."""
+
+    def full(model, tokenizer, optimizer, state, target, *args):
+        raise OSError(errno.ENOSPC, f"disk full while writing {target}; nothing was written. Free space on that "
+                      "disk (or write elsewhere) and run again")  # fmt: skip
+
+    monkeypatch.setattr(trainer, "save_checkpoint", full)
+    out, data = tmp_path / "run", classification_file(tmp_path)
+    with pytest.raises(OSError, match=r"no checkpoint was saved: once space is freed, run again with overwrite=True"):
+        fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=2, batch_size=4, save_every=1)
+    monkeypatch.undo()
+    fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=2, batch_size=4, overwrite=True)

@@ -210,3 +210,33 @@ def test_requantized_fuse_of_a_floating_point_quantized_base(checkpoint):
     for path, module in model.named_modules():
         if path in settings:
             assert (module.bits, module.group_size, module.mode) == settings[path]
+
+
+def test_adapters_are_saved_whole_or_not_at_all(checkpoint, tmp_path, monkeypatch):
+    """A write cut short (a full disk) leaves the adapters saved before, whole, and says which folder it was."""
+    model, batch, labels = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    folder = save_adapters(model, tmp_path / "adapters")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    train(model, batch, labels)
+
+    def cut_short(file, arrays):  # MLX's error for a file it could not write
+        with open(file, "wb") as f:
+            f.write(b"\0" * 100)
+        raise RuntimeError("[write] Unable to write 480 bytes to file.")
+
+    monkeypatch.setattr(mx, "save_safetensors", cut_short)
+    with pytest.raises(OSError, match=f"disk full while writing {folder}; nothing was written"):
+        save_adapters(model, folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["adapters"]  # no temporary folder left
+
+
+def test_a_damaged_adapters_file_is_named(checkpoint, tmp_path):
+    model, _, _ = load(checkpoint)
+    apply_lora(model, RANK, ALPHA)
+    folder = save_adapters(model, tmp_path / "adapters")
+    data = (folder / "adapters.safetensors").read_bytes()
+    (folder / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"adapters.safetensors is not a readable safetensors file"):
+        load_adapters(load(checkpoint)[0], folder)

@@ -161,10 +161,18 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) 
             signal.signal(s, signal.SIG_DFL)
 
 
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+
+
 def disk_full(error: BaseException, folder: Path) -> bool:
-    """ENOSPC or EDQUOT, or MLX's write error (a RuntimeError without errno) on a disk with no space left."""
+    """ENOSPC, EDQUOT or EFBIG; the tokenizers library's error naming one of them; MLX's write error (a RuntimeError
+    without errno), or any RuntimeError on a disk with no space left."""
     if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+        return error.errno in FULL_ERRNOS
+    if any(f"(os error {number})" in str(error) for number in FULL_ERRNOS):
+        return True
+    if isinstance(error, RuntimeError) and str(error).startswith("[write] Unable to write"):
+        return True
     try:
         return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < LOW_SPACE
     except OSError:
@@ -192,12 +200,13 @@ def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrit
 @contextmanager
 def atomic_folder(
     target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
-    option: str = "overwrite=True (--force)",
+    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (),
 ) -> Iterator[Path]:  # fmt: skip
     """A temporary folder beside `target`, renamed into place only if the block completes. An existing
     `target` is replaced only when `replace` (see `check_replaceable`, `parts` the checkpoint folders that a
     folder of several holds), once the new folder is complete; if that fails, the old folder is put back.
-    `option` names, in errors, the setting that replaces it. The temporary folder is removed on any error,
+    `option` names, in errors, the setting that replaces it; a folder of other files than checkpoints' replaces
+    a target that `holds` those files alone. The temporary folder is removed on any error,
     Ctrl-C, SIGTERM or SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it
     (`remove_stale`)."""
     target = Path(target)
@@ -207,8 +216,14 @@ def atomic_folder(
             raise FileExistsError(f"{target} is a file, not a folder; write the checkpoint folder to another path")
         if not replace:
             raise FileExistsError(f"{target} already exists; pass {option} to replace it")
-        check_replaceable(target, whole, parts)
-    target.parent.mkdir(parents=True, exist_ok=True)
+        if not holds:
+            check_replaceable(target, whole, parts)
+        elif others := sorted(p.name for p in target.iterdir() if p.name not in holds):
+            raise FileExistsError(f"{target} holds {', '.join(others)}; replacing the folder would delete them")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:  # a file where a folder of the path belongs
+        raise FileExistsError(f"cannot write {target}: {e.filename} is a file, not a folder; write elsewhere") from e
     with exit_on_signals():
         tmp, lock = owned_folder(target, ".partial")
         try:

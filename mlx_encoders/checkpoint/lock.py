@@ -57,8 +57,12 @@ class FolderLock:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200],
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(mine).encode(), 0)
+        except OSError as e:  # a full disk: release the lock, or it stays held for the rest of this process
+            os.close(fd)
+            raise OSError(e.errno, f"could not write the lock file {self.path}: {e.strerror or e}") from e
         self.fd = fd
         return self
 

@@ -108,10 +108,31 @@ def floats_path(folder: Path, precision: str) -> Path:
     return folder / f"ann-{precision}.f32"
 
 
+def temporary_for(file: Path) -> Path:
+    """A temporary name for `file`, this process's own: searchers that open a new index at once each build its graph
+    (a shared name was renamed from under the others); one a killed process left is removed by the next writer."""
+    for stale in file.parent.glob(f".{file.name}.*.tmp"):
+        pid = stale.name.removesuffix(".tmp").rsplit(".", 1)[-1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    return file.with_name(f".{file.name}.{os.getpid()}.tmp")
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> int:
     """The rows (int64) then the vectors (float32) of a quantized graph's re-scoring, under a temporary name.
     Returns the file's CRC-32, taken from the bytes as they are written."""
-    temporary, value = file.with_name(file.name + ".tmp"), 0
+    temporary, value = temporary_for(file), 0
     try:
         with temporary.open("wb") as f:
             blocks = (vectors[start : start + 65536].astype("<f4").tobytes() for start in range(0, len(vectors), 65536))
@@ -188,7 +209,7 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
                                     built_for=recall)  # fmt: skip
             seconds["calibrate"] = time.perf_counter() - started
     file, record = paths(folder, precision)
-    temporary = file.with_name(file.name + ".tmp")
+    temporary = temporary_for(file)
     try:
         index.save(str(temporary))
     except RuntimeError as e:  # usearch's report of a file it cannot write (a full disk among the causes)
@@ -208,7 +229,7 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
 
 
 def write_record(record: Path, info: dict) -> None:
-    temporary = record.with_name(record.name + ".tmp")
+    temporary = temporary_for(record)
     temporary.write_text(json.dumps(info))
     os.replace(temporary, record)
 

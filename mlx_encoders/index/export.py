@@ -175,8 +175,10 @@ def export(
             with open(temporary, "rb") as f:  # on disk before it takes the name: never a file cut short there
                 os.fsync(f.fileno())
             os.replace(temporary, output)
-        except BaseException:
+        except BaseException as e:
             temporary.unlink(missing_ok=True)
+            if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):  # pyarrow's name only the temporary
+                raise OSError(getattr(e, "errno", None), f"could not write {output}: {e}") from e
             raise
         finally:
             bar.close()

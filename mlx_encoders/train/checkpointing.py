@@ -27,7 +27,7 @@ from ..checkpoint.write import model_config, write_checkpoint
 from ..models import task_of_model
 from ..tokenizer import Tokenizer
 from .config import TrainingConfig
-from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, save_adapters
+from .lora import ADAPTERS_FILE, LoRAConfig, load_adapter_weights, write_adapters
 from .lora import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from .plot import CURVES_FILE
 
@@ -94,7 +94,7 @@ def save_checkpoint(
     trained = adapter_in_training(model)
     with atomic_folder(target, replace=True, whole=True) as tmp:
         if getattr(model, "lora_config", None) is not None:
-            save_adapters(model, tmp)
+            write_adapters(model, tmp)
         elif trained is not None:
             encoder, name = trained
             write_lora(tmp / name, encoder.adapter_tensors()[name])

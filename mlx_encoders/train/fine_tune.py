@@ -78,8 +78,15 @@ def with_resume_advice(error: OSError, output_dir: Path) -> OSError:
     """A full disk after a checkpoint was saved (the final model's folder, the log): the way on is to resume from
     that checkpoint, since running again would be refused for the run's files already there."""
     saved = checkpoints(output_dir)
-    if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not saved or "--resume" in str(error):
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "--resume" in str(error):
         return error
+    if not saved:  # the run's log is there already: running again needs leave to replace it
+        if not output_dir.is_dir() or not any(output_dir.iterdir()) or "overwrite" in str(error):
+            return error
+        return OSError(
+            error.errno, f"{error.strerror or error}; no checkpoint was saved: once space is freed, run again with "
+            "overwrite=True (--overwrite), which replaces this run's files"
+        )  # fmt: skip
     return OSError(
         error.errno, f"{error.strerror or error}; the run's checkpoints are kept: once space is freed, resume from "
         f"{saved[-1]} (resume=, --resume) to finish it, rather than start over (which needs overwrite=True)"

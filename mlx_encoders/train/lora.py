@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..checkpoint import read_safetensors
+from ..checkpoint.atomic import atomic_folder
 from ..engine.quantized import QuantizedLinear, dequantize, freeze_quantized
 from ..models.base import HeadModel
 from ..models.layers import Dropout, Linear, next_key
@@ -133,11 +135,17 @@ def save_adapters(model: nn.Module, folder: str | Path) -> Path:
     """Write the trainable parameters (adapters and head) to `adapters.safetensors`, and rank, alpha, dropout,
     targets and model type to `adapter_config.json`, in `folder`; returns the folder."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    # whole or not at all: a write cut short left truncated adapters beside the previous config
+    with atomic_folder(folder, replace=True, holds=(ADAPTERS_FILE, CONFIG_FILE)) as tmp:
+        write_adapters(model, tmp)
+    return folder
+
+
+def write_adapters(model: nn.Module, folder: Path) -> None:
+    """`save_adapters`' files, written into `folder` as they are (a checkpoint's folder, itself written whole)."""
     mx.save_safetensors(str(folder / ADAPTERS_FILE), dict(tree_flatten(model.trainable_parameters())))
     config = {**asdict(model.lora_config), "model_type": model.args.model_type}
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return folder
 
 
 def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
@@ -153,7 +161,7 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
 
 def load_adapter_weights(model: nn.Module, folder: Path) -> nn.Module:
     """Load `folder`'s adapters and head onto an adapted `model`, in place, checking every name and shape."""
-    weights = mx.load(str(folder / ADAPTERS_FILE))
+    weights = read_safetensors(folder / ADAPTERS_FILE)
     current = dict(tree_flatten(model.trainable_parameters()))
     if not any(k.startswith("dense.") for k in current) and any(k.startswith("dense.") for k in weights):
         # an embedding run's transformer (under `model.`) and its Dense modules: the transformer's part goes on a

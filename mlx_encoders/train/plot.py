@@ -41,7 +41,12 @@ def plot_metrics(output_dir: Path) -> Path | None:
     figure.tight_layout()
     target = Path(output_dir) / CURVES_FILE
     partial = target.with_name(target.name + ".partial.png")
-    figure.savefig(partial, dpi=100)
-    plt.close(figure)
-    partial.replace(target)
+    try:
+        figure.savefig(partial, dpi=100)
+        partial.replace(target)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise OSError(e.errno, f"could not write {target}: {e.strerror or e}") from e
+    finally:
+        plt.close(figure)
     return target
