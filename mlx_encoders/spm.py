@@ -218,6 +218,15 @@ def added_tokens(folder: Path, config: dict, named: set[str]) -> list[AddedToken
     ]
 
 
+def extra_special_tokens(config: dict) -> list[str]:
+    """The special tokens tokenizer_config.json lists beyond the named ones: transformers 5's `extra_special_tokens`
+    (a list, or a dict of names), transformers 4's `additional_special_tokens`."""
+    listed = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    listed = list(listed.values()) if isinstance(listed, dict) else listed
+    tokens = [t.get("content") if isinstance(t, dict) else t for t in listed] if isinstance(listed, list) else []
+    return [t for t in tokens if isinstance(t, str) and t]
+
+
 def build(file: Path, kind: str, config: dict) -> tuple[Tokenizer, dict[str, str]]:
     """The tokenizer transformers builds for `file` under convention `kind` ("albert", "xlm-roberta",
     "deberta-v2") with tokenizer_config.json's options in `config`; also its special tokens by name."""
@@ -238,6 +247,8 @@ def build(file: Path, kind: str, config: dict) -> tuple[Tokenizer, dict[str, str
     said = {specials[name] for name in SPECIAL if config.get(name) is not None}  # named by the files, not by default
     added = added_tokens(file.parent, config, said)
     added += [AddedToken(t, special=True, normalized=False) for t in named if t not in {a.content for a in added}]
+    added += [AddedToken(t, special=True, normalized=False) for t in extra_special_tokens(config)
+              if t not in {a.content for a in added}]  # fmt: skip
     added += [
         AddedToken(piece, special=type_ == CONTROL or piece in named, normalized=False)
         for piece, _, type_ in model.pieces

@@ -153,3 +153,17 @@ def test_unknown_convention_and_corrupt_models_are_named(folder, trained):
         (path / "spiece.model").write_bytes(damaged)
         with pytest.raises(ValueError, match=r"spiece.model is not a valid SentencePiece model"):
             Tokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("architecture", ["albert", "xlm-roberta", "deberta-v2"])
+@pytest.mark.parametrize("key", ["extra_special_tokens", "additional_special_tokens"])
+def test_extra_special_tokens_are_matched_whole(folder, architecture, key):
+    """The special tokens tokenizer_config.json lists beyond the named ones (transformers 5's extra_special_tokens,
+    4's additional_special_tokens) are matched whole at transformers' ids, and skipped when decoding."""
+    path = folder(architecture, architecture, {key: ["<x>", "<y>"]})
+    ours, theirs = Tokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    text = "the <x> entity and <y>here, <x>x"
+    expected = theirs(text)["input_ids"]
+    assert theirs.convert_tokens_to_ids("<x>") in expected  # the oracle keeps it whole
+    assert ours([text], return_tensors="np")["input_ids"][0].tolist() == expected
+    assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True)
