@@ -44,7 +44,7 @@ ERRORS = {
     "evaluate": (["-m", "mlx_encoders", "evaluate", "rerank", "-m", MISSING, "--samples", f"{MISSING}.jsonl"], 1,
                  "mlx-encoders evaluate: error: "),
     "mine": (["-m", "mlx_encoders", "mine", "-m", MISSING, "--data", f"{MISSING}.jsonl", "-o", f"{MISSING}.out"], 1,
-             f"mlx-encoders mine: error: No checkpoint folder at {MISSING}"),
+             "mlx-encoders mine: error: /nonexistent is not a folder; create it first"),  # before the model loads
     "convert": (["-m", "convert", MISSING], 1, f"python -m convert: error: No checkpoint folder at {MISSING}"),
     "convert option": (["-m", "convert", MISSING, "-q", "--bits", "7"], 2,
                        "python -m convert: error: affine quantization supports bits [2, 3, 4, 5, 6, 8], not 7"),

@@ -1,6 +1,7 @@
 """Training data: readers, labels, token-label alignment (against transformers' fast tokenizer), dynamic masking and
 next-sentence pairs."""
 
+import copy
 import json
 import re
 
@@ -23,6 +24,7 @@ from mlx_encoders.train.data import (
 )
 from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker, next_sentence_pairs, replacement_ids
+from mlx_encoders.train.tasks.masked_lm import masking
 
 ROWS = [
     {"text": "a fine film", "label": "pos"},
@@ -187,6 +189,18 @@ def test_numbers_read_as_classes_point_to_regression(tmp_path, tokenizer):
     assert sequence_classification_data(scores, tokenizer, problem_type="regression").labels == [3.0, 3.5]
 
 
+def test_multi_hot_label_vectors_are_read_as_vectors(tokenizer):
+    """transformers' multi-label targets are 0/1 vectors: a row repeating an id is one (read as label ids, every
+    target was [1, 1]); a row of another kind among them is refused naming it."""
+    rows = [{"text": t, "label": v} for t, v in (("a", [1, 0, 1, 0]), ("b", [0, 0, 0, 1]), ("c", [0, 0, 1, 0]))]
+    read = sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")
+    assert read.labels == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
+    assert read.label2id == {f"LABEL_{i}": i for i in range(4)}
+    with pytest.raises(DataError, match=r"repeats a label, as a multi-hot vector does, but .* holds \[2\]"):
+        sequence_classification_data([*rows, {"text": "d", "label": [2]}], tokenizer,
+                                     problem_type="multi_label_classification")  # fmt: skip
+
+
 def test_pairs_multi_label_and_regression(tmp_path, tokenizer):
     rows = [
         {"q": "who?", "a": "me", "tags": ["x", "z"], "score": 0.5},
@@ -228,15 +242,19 @@ def test_token_labels_align_as_transformers_tutorial(bert, tokenizer, label_all_
     assert label2id == {"B-LOC": 0, "B-ORG": 1, "B-PER": 2, "I-ORG": 3, "O": 4}
     reference = transformers.AutoTokenizer.from_pretrained(bert)
     encoded = reference([r["tokens"] for r in WORDS], is_split_into_words=True, truncation=True)
+    # run_ner.py's b_to_i_label: a B- tag's later sub-tokens take its I- tag, where the labels have one
+    b_to_i = {
+        name: name.replace("B-", "I-", 1) if name.replace("B-", "I-", 1) in label2id else name for name in label2id
+    }
     for i, row in enumerate(WORDS):
         word_ids, previous, expected = encoded.word_ids(i), None, []
-        for word in word_ids:  # the tutorial's tokenize_and_align_labels
+        for word in word_ids:  # run_ner.py's tokenize_and_align_labels
             if word is None:
                 expected.append(-100)
             elif word != previous:
                 expected.append(label2id[row["ner_tags"][word]])
             else:
-                expected.append(label2id[row["ner_tags"][word]] if label_all_tokens else -100)
+                expected.append(label2id[b_to_i[row["ner_tags"][word]]] if label_all_tokens else -100)
             previous = word
         assert examples.encodings[i].ids == encoded["input_ids"][i]
         assert examples.labels[i] == expected
@@ -336,6 +354,30 @@ def test_whole_word_masking_selects_whole_words(tokenizer):
             assert not selected[:, column].any()
     word_rate = selected[:, [words.index(w) for w in set(words) - {None}]].mean()
     assert abs(word_rate - 0.15) < 0.02
+    # as transformers' collator: every token of a selected word becomes the mask token; words by offset gaps
+    masker = Masker.from_tokenizer(tokenizer, **masking(True))
+    examples = masked_lm_data([{"text": "don't tokenize, unbelievably"}] * 200, tokenizer)
+    batch = collate(examples, range(len(examples)), tokenizer, masker, np.random.default_rng(1))
+    selected = batch["labels"] != -100
+    assert (batch["input_ids"][selected] == tokenizer.mask_token_id).all()
+    offsets = examples.encodings[0].offsets
+    joined = [c for c in range(1, len(offsets) - 1) if offsets[c][0] == offsets[c - 1][1] and c > 1]
+    assert joined and all((selected[:, c] == selected[:, c - 1]).all() for c in joined)  # "don", "'", "t": one word
+
+
+def test_masked_lm_masks_the_real_tokens_of_left_padded_rows(tokenizer):
+    """A tokenizer that pads on the left: the masks fall on each row's tokens, not on its padding's positions."""
+    left = copy.copy(tokenizer)
+    left.padding_side = "left"
+    examples = masked_lm_data([{"text": "hi"}, {"text": "a much longer text than the first one is"}], left)
+    masker = Masker.from_tokenizer(left)
+    rng, picked = np.random.default_rng(0), 0
+    for _ in range(200):
+        batch = collate(examples, [0, 1], left, masker, rng)
+        real = batch["attention_mask"] == 1
+        assert (batch["labels"][~real] == -100).all()
+        picked += int((batch["labels"][0] != -100).sum())
+    assert 20 < picked  # "hi", one token of the short row: about 15% of 200 draws
 
 
 def test_masked_lm_documents_become_windows(tmp_path, tokenizer):
@@ -398,3 +440,39 @@ def test_pretraining_batch_has_masks_and_next_sentence_labels(tmp_path, checkpoi
     assert loss.shape == ()
     with pytest.raises(DataError, match="no document has two sentences"):
         pretraining_data(write(tmp_path, "one.txt", "a.\n\nb.\n"), tok, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "deberta"])
+def test_words_of_byte_level_tokenizers_read_as_transformers_token_classification_example(checkpoint, model_type):
+    """run_ner.py loads RoBERTa's, DeBERTa's and GPT-2's tokenizers with add_prefix_space=True: each word after a
+    space, as running text tokenizes it (without, "parser" became "p", "arser" in training and "Ġparser" when
+    used); other classes' byte-level tokenizers (ModernBERT's) as they are."""
+    folder = checkpoint(model_type, "token-classification")
+    tokenizer = mlx_encoders.load_tokenizer(mlx_encoders.load_model(folder))
+    examples = token_classification_data(WORDS, tokenizer)
+    reference = transformers.AutoTokenizer.from_pretrained(folder, add_prefix_space=True)
+    encoded = reference([r["tokens"] for r in WORDS], is_split_into_words=True, truncation=True)
+    for i in range(len(WORDS)):
+        assert examples.encodings[i].ids == encoded["input_ids"][i]
+        assert examples.encodings[i].word_ids == encoded.word_ids(i)
+
+
+def test_a_datasets_class_label_names_the_classes(tokenizer):
+    """A `datasets.Dataset` whose label column is a ClassLabel (or a sequence of them) gives its names, every class
+    included, as transformers' examples read them (they were LABEL_i, up to the largest id a row held)."""
+    import datasets
+    tags = datasets.Sequence(datasets.ClassLabel(names=["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]))
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")), "ner_tags": tags})
+    words = datasets.Dataset.from_dict({"tokens": [["Johanson", "visited", "Oslo"]], "ner_tags": [[1, 0, 3]]}, features)
+    assert token_classification_data(words, tokenizer).label2id == {
+        "O": 0,
+        "B-PER": 1,
+        "I-PER": 2,
+        "B-LOC": 3,
+        "I-LOC": 4,
+    }
+    labels = datasets.ClassLabel(names=["neg", "neutral", "pos"])
+    features = datasets.Features({"text": datasets.Value("string"), "label": labels})
+    texts = datasets.Dataset.from_dict({"text": ["bad", "good"], "label": [0, 2]}, features)
+    read = sequence_classification_data(texts, tokenizer)
+    assert read.label2id == {"neg": 0, "neutral": 1, "pos": 2} and read.labels == [0, 2]

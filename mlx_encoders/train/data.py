@@ -343,7 +343,10 @@ def classification_labels(
         mapping = build_label2id(keys, label2id)
         check_classes(mapping, rows, label2id)
         return [label_id(k, row, mapping) for k, row in keys], mapping
-    per_row = [[label_key(v, row, column) for v in as_list(row.get(column), row, column)] for row in rows]
+    lists = [as_list(row.get(column), row, column) for row in rows]
+    if hot := multi_hot(lists, rows, column, label2id):
+        return hot
+    per_row = [[label_key(v, row, column) for v in values] for values, row in zip(lists, rows, strict=True)]
     mapping = build_label2id([(k, row) for ks, row in zip(per_row, rows, strict=True) for k in ks], label2id)
     hots = []
     for ks, row in zip(per_row, rows, strict=True):
@@ -354,19 +357,59 @@ def classification_labels(
     return hots, mapping
 
 
-def align_labels(word_labels: list[int], word_ids: list[int | None], label_all_tokens: bool = False) -> list[int]:
-    """transformers' `tokenize_and_align_labels`: a word's label on its first sub-token (on every sub-token with
-    `label_all_tokens`), -100 on its other sub-tokens and on special tokens."""
+def multi_hot(
+    lists: list[list], rows: list[Row], column: str, label2id: Mapping[str, int] | None
+) -> tuple[list, dict[str, int]] | None:
+    """Multi-label targets written as multi-hot vectors (0/1 per class, transformers' float labels): (the vectors,
+    label2id), or None for lists of label names or ids. A list repeating an id is no list of ids: either every row
+    is a 0/1 vector of one length, or the row is refused."""
+    repeating = next(
+        (row for values, row in zip(lists, rows, strict=True) if len(set(map(repr, values))) < len(values)), None
+    )
+    if repeating is None:
+        return None
+    width = len(lists[0])
+    for values, row in zip(lists, rows, strict=True):
+        if len(values) != width or not all(v in (0, 1) and not isinstance(v, str) for v in values):
+            raise DataError(
+                f"{repeating.where}: column {column!r} repeats a label, as a multi-hot vector does, but {row.where} "
+                f"holds {values!r:.60}, not a 0/1 vector of {width} classes; write every row as a vector of 0s and 1s "
+                "of one length, or as a list of label names or ids"
+            )
+    mapping = dict(label2id) if label2id is not None else {f"LABEL_{i}": i for i in range(width)}
+    if len(mapping) != width:
+        raise DataError(f"{rows[0].where}: the vectors have {width} classes but label2id= names {len(mapping)}")
+    return [[float(v) for v in values] for values in lists], mapping
+
+
+def align_labels(
+    word_labels: list[int], word_ids: list[int | None], label_all_tokens: bool = False,
+    b_to_i: Mapping[int, int] | None = None,
+) -> list[int]:  # fmt: skip
+    """transformers' `tokenize_and_align_labels` (examples/pytorch/token-classification/run_ner.py): a word's label
+    on its first sub-token, -100 on its other sub-tokens (with `label_all_tokens`, its label, a B- tag as its I- tag
+    by `b_to_i`) and on special tokens."""
     aligned, previous = [], None
     for word in word_ids:
         if word is None:
             aligned.append(IGNORE_INDEX)
-        elif word != previous or label_all_tokens:
+        elif word != previous:
             aligned.append(word_labels[word])
+        elif label_all_tokens:
+            aligned.append((b_to_i or {}).get(word_labels[word], word_labels[word]))
         else:
             aligned.append(IGNORE_INDEX)
         previous = word
     return aligned
+
+
+def b_to_i_labels(label2id: Mapping[str, int]) -> dict[int, int]:
+    """run_ner.py's `b_to_i_label`: each B-X tag's id to its I-X tag's, where the labels have it."""
+    return {
+        i: label2id[f"I-{name[2:]}"]
+        for name, i in label2id.items()
+        if name.startswith("B-") and f"I-{name[2:]}" in label2id
+    }
 
 
 # ----- tasks -----
@@ -391,9 +434,18 @@ def sequence_classification_data(
     problem_type = problem_type or infer_from_row(rows[0], label_column)
     texts = [row.text(text_column) for row in rows]
     pairs = [row.text(text_pair_column) for row in rows] if text_pair_column else None
+    label2id = label2id if label2id is not None else class_label_names(data, label_column)
     labels, mapping = classification_labels(rows, label_column, problem_type, label2id)
     encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
     return Examples("sequence-classification", encodings, labels, mapping, rows, problem_type)
+
+
+def class_label_names(data, column: str) -> dict[str, int] | None:
+    """label2id from a `datasets.Dataset`'s ClassLabel feature for `column` (or a sequence of them: NER tags), as
+    transformers' examples take it: the names of every class, those no row holds included; None otherwise."""
+    feature = (getattr(data, "features", None) or {}).get(column)
+    names = getattr(feature, "names", None) or getattr(getattr(feature, "feature", None), "names", None)
+    return {name: i for i, name in enumerate(names)} if isinstance(names, list) and names else None
 
 
 def infer_from_row(row: Row, column: str) -> str:
@@ -424,11 +476,13 @@ def token_classification_data(
     tags = [
         [label_key(t, row, label_column) for t in as_list(row.get(label_column), row, label_column)] for row in rows
     ]
+    label2id = label2id if label2id is not None else class_label_names(data, label_column)
     mapping = build_label2id([(t, row) for ts, row in zip(tags, rows, strict=True) for t in ts], label2id)
     check_classes(mapping, rows, label2id)
     ids = [[label_id(t, row, mapping) for t in ts] for ts, row in zip(tags, rows, strict=True)]
     encodings = encode_words(tokenizer, words, max_length)
-    labels = [align_labels(i, e.word_ids, label_all_tokens) for i, e in zip(ids, encodings, strict=True)]
+    b_to_i = b_to_i_labels(mapping)
+    labels = [align_labels(i, e.word_ids, label_all_tokens, b_to_i) for i, e in zip(ids, encodings, strict=True)]
     for row, aligned, ws in zip(rows, labels, words, strict=True):
         if all(label == IGNORE_INDEX for label in aligned):  # else a batch of such rows has a loss of 0 / 0
             raise DataError(
@@ -450,10 +504,27 @@ def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
     return words
 
 
+# run_ner.py's model types that get add_prefix_space=True (bloom, gpt2, roberta, deberta), by tokenizer class
+PREFIX_SPACE_CLASSES = ("RobertaTokenizer", "DebertaTokenizer", "GPT2Tokenizer", "BloomTokenizer")
+
+
 def encode_words(tokenizer: Tokenizer, words: list[list[str]], max_length: int | None) -> list[Encoding]:
-    """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`."""
+    """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`; RoBERTa's,
+    DeBERTa's and GPT-2's byte-level tokenizers read each word after a space, as transformers' token-classification
+    example (run_ner.py) loads them (`add_prefix_space=True`): as running text tokenizes them."""
+    if byte_level_without_prefix_space(tokenizer):
+        words = [[" " + w for w in ws] for ws in words]
     with tokenizer.truncating(dict(max_length=min(max_length or tokenizer.model_max_length, USIZE_MAX))) as backend:
         return backend.encode_batch(words, is_pretokenized=True)
+
+
+def byte_level_without_prefix_space(tokenizer: Tokenizer) -> bool:
+    """A tokenizer of the classes run_ner.py gives a prefix space, whose byte-level pre-tokenizer adds none."""
+    if str(tokenizer.config.get("tokenizer_class", "")).removesuffix("Fast") not in PREFIX_SPACE_CLASSES:
+        return False
+    spec = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
+    steps = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
+    return any(step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True) for step in steps)
 
 
 def masked_lm_data(
@@ -571,13 +642,18 @@ def pretraining_data(
 # ----- batches -----
 
 
-def word_ids(encodings: list[Encoding], width: int) -> np.ndarray:
-    """(B, L) word numbers, unique within a row across the two texts of a pair; -1 on special tokens and padding."""
+def word_ids(encodings: list[Encoding], width: int, tokenizer: Tokenizer) -> np.ndarray:
+    """(B, L) word numbers for whole-word masking, as transformers' collator finds words: a token not special starts
+    a word where it does not begin at the previous token's end, or follows a special one; -1 on special tokens and
+    padding (`_calc_word_ids_and_prob_mask`)."""
     out = np.full((len(encodings), width), -1, dtype=np.int64)
     for row, e in enumerate(encodings):
-        for i, (word, sequence) in enumerate(zip(e.word_ids, e.sequence_ids, strict=True)):
-            if word is not None:
-                out[row, i] = 2 * word + sequence
+        start, word, previous_end, previous_special = tokenizer.real_tokens(len(e.ids), width).start, -1, -1, False
+        for i, ((begin, end), special) in enumerate(zip(e.offsets, e.special_tokens_mask, strict=True)):
+            if not special:
+                word += begin != previous_end or previous_special
+                out[row, start + i] = word
+            previous_end, previous_special = end, bool(special)
     return out
 
 
@@ -594,7 +670,7 @@ def collate(
     labels = [examples.labels[i] for i in indices]
     batch = tokenizer.pad(encodings, return_tensors="np")
     if examples.task in ("masked-lm", "pretraining"):
-        batch["input_ids"], batch["labels"] = mask_batch(batch["input_ids"], encodings, masker, rng)
+        batch["input_ids"], batch["labels"] = mask_batch(batch["input_ids"], encodings, masker, rng, tokenizer)
         if examples.task == "pretraining":
             batch["next_sentence_label"] = np.array(labels, dtype=np.int32)
     elif examples.task == "causal-lm":
@@ -609,8 +685,9 @@ def collate(
 
 
 def mask_batch(
-    input_ids: np.ndarray, encodings: list[Encoding], masker: Masker | None, rng: np.random.Generator | None
-) -> tuple[np.ndarray, np.ndarray]:
+    input_ids: np.ndarray, encodings: list[Encoding], masker: Masker | None, rng: np.random.Generator | None,
+    tokenizer: Tokenizer,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(masked ids, labels) of a padded batch: special tokens and padding are never selected."""
     if masker is None or rng is None:
         raise ValueError(
@@ -618,7 +695,7 @@ def mask_batch(
             "collate(..., masker=Masker.from_tokenizer(tokenizer), rng=np.random.default_rng(seed))"
         )
     special = np.ones(input_ids.shape, dtype=bool)
-    for row, e in enumerate(encodings):
-        special[row, : len(e.ids)] = np.array(e.special_tokens_mask, dtype=bool)
-    words = word_ids(encodings, input_ids.shape[1]) if masker.whole_word else None
+    for row, e in enumerate(encodings):  # on the tokens' own side of the padding
+        special[row, tokenizer.real_tokens(len(e.ids), input_ids.shape[1])] = np.array(e.special_tokens_mask, bool)
+    words = word_ids(encodings, input_ids.shape[1], tokenizer) if masker.whole_word else None
     return masker(input_ids, special, rng, words)

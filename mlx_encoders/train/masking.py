@@ -8,8 +8,9 @@ elsewhere. One difference:
 random replacements are drawn from the vocabulary *without* its special tokens (transformers draws from the whole
 vocabulary, so it can put [CLS] or [PAD] mid-text). Another: a batch in which the draw selected no token gets one
 token (or word) selected, drawn uniformly, where transformers would return a NaN loss. Whole-word masking selects
-a word's first sub-token with probability 0.15 and then every sub-token of that word, as transformers'
-`whole_word_mask=True` does.
+a word's first sub-token with probability 0.15 and then every sub-token of that word (a word: tokens with no gap
+between their offsets), as transformers' `whole_word_mask=True` does; masked-LM training then replaces all of them by
+the mask token, as that collator does (`tasks/masked_lm.py`).
 `next_sentence_pairs` follows BERT's `create_pretraining_data.py`: label 0 = the real next sentence, 1 = random.
 
 All randomness comes from a `numpy.random.Generator` the caller passes in, so runs are reproducible and resumable

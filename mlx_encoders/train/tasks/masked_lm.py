@@ -26,7 +26,7 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
 
     return train_head(
         PRETRAINING if run.next_sentence else MLM, data, run, read, pairs=run.next_sentence,
-        masker=lambda tokenizer: Masker.from_tokenizer(tokenizer, whole_word=run.whole_word_mask),
+        masker=lambda tokenizer: Masker.from_tokenizer(tokenizer, **masking(run.whole_word_mask)),
         check_checkpoint=check_next_sentence_head if run.next_sentence else None,
     )  # fmt: skip
 
@@ -49,3 +49,9 @@ def check_next_sentence_head(checkpoint: Checkpoint) -> None:
             "(BertForPreTraining's weights, as bert-base-uncased has), or from scratch with config= (--config) and "
             "tokenizer=, or drop next_sentence to train masked-LM alone"
         )
+
+
+def masking(whole_word: bool) -> dict:
+    """The masker's options: transformers' collator replaces every token of a whole word it selects by the mask
+    token (with `whole_word_mask=True` it sets mask_replace_prob to 1)."""
+    return dict(whole_word=True, mask_fraction=1.0, random_fraction=0.0) if whole_word else {}
