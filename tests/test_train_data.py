@@ -461,6 +461,7 @@ def test_a_datasets_class_label_names_the_classes(tokenizer):
     """A `datasets.Dataset` whose label column is a ClassLabel (or a sequence of them) gives its names, every class
     included, as transformers' examples read them (they were LABEL_i, up to the largest id a row held)."""
     import datasets
+
     tags = datasets.Sequence(datasets.ClassLabel(names=["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]))
     features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")), "ner_tags": tags})
     words = datasets.Dataset.from_dict({"tokens": [["Johanson", "visited", "Oslo"]], "ner_tags": [[1, 0, 3]]}, features)
