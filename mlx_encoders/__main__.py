@@ -98,16 +98,25 @@ def read_texts(args: argparse.Namespace) -> list[str]:
         return (getattr(args, "context", None) or []) + args.texts
     if sys.stdin.isatty():
         raise ValueError("no input: give texts as arguments or pipe them in, one per line")
-    lines = [line.rstrip("\r\n") for line in sys.stdin]  # a Windows line end is no part of the text
-    for number, line in enumerate(lines, 1):  # undecodable bytes arrive as lone surrogates
-        if has_surrogate(line):
-            raise ValueError(f"stdin line {number} is not UTF-8; re-save the input as UTF-8")
+    lines = [line.rstrip("\r\n") for line in stdin_lines()]  # a Windows line end is no part of the text
     if lines:
         lines[0] = lines[0].removeprefix("\ufeff")  # nor is a byte-order mark before the first line
     texts = [line for line in lines if line.strip()]
     if not texts:
         raise ValueError("no input: stdin held no non-empty lines")
     return texts
+
+
+def stdin_lines() -> list[str]:
+    """Standard input's lines, read as UTF-8 whatever the locale says; a line that is not UTF-8 is named."""
+    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place (tests, embedding programs)
+        lines = list(sys.stdin)
+    else:
+        lines = [raw.decode("utf-8", "surrogateescape") for raw in sys.stdin.buffer.read().splitlines(keepends=True)]
+    for number, line in enumerate(lines, 1):  # undecodable bytes arrive as lone surrogates
+        if has_surrogate(line):
+            raise ValueError(f"stdin line {number} is not UTF-8; re-save the input as UTF-8")
+    return lines
 
 
 def table(header: list[str], rows: list[list]) -> str:

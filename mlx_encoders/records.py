@@ -76,6 +76,15 @@ def read_text(file: str | Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def writable_file(path: Path) -> Path:
+    """`path`, where a file can be written: its folder exists and it is not a folder (checked before any work)."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the path of the file to write")
+    if not path.parent.is_dir():
+        raise ValueError(f"{path.parent} is not a folder; create it first, or write the file elsewhere")
+    return path
+
+
 def text_lines(file: str | Path) -> list[Record]:
     """The lines of a text file that are not blank, each its text without the line end."""
     file = Path(file)

@@ -461,6 +461,8 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
         with pytest.raises(FileExistsError, match=r"notes.txt is a file, not a folder; write the checkpoint"):
             save(model, project / "notes.txt", overwrite=overwrite)
     assert (project / "notes.txt").read_text() == "mine"
+    with pytest.raises(FileExistsError, match=r"cannot write .*notes.txt/runs/model: .*project/notes.txt is a file,"):
+        save(model, project / "notes.txt" / "runs" / "model")  # the file in the way is named, not a folder under it
 
 
 def test_saved_folder_gets_the_users_permissions(checkpoint, tmp_path):

@@ -55,3 +55,23 @@ def test_quantized_scales_stay_half_precision(checkpoint, tmp_path):
     quantize_model(model, bits=8, group_size=32)
     loaded = dtypes(load_model(save(model, tmp_path / "q")))
     assert loaded == {"weights": {mx.float32}, "scales": {mx.float16}}
+    # an explicit dtype casts everything not quantized: the scales and biases keep their stored dtype
+    for dtype in (mx.bfloat16, mx.float32):
+        assert dtypes(load_model(tmp_path / "q", dtype=dtype)) == {"weights": {dtype}, "scales": {mx.float16}}
+
+
+def test_a_float64_checkpoint_loads_as_float32(checkpoint, tmp_path):
+    """MLX reads no float64 tensors; transformers reads a double-precision checkpoint into float32 (it was refused
+    as an unreadable file)."""
+    import numpy as np
+    import torch
+    from checkpoints import load_reference
+
+    reference = load_reference(checkpoint("bert"), "encoder").double()
+    reference.save_pretrained(tmp_path / "f64")
+    model = load_model(tmp_path / "f64")
+    assert dtypes(model)["weights"] == {mx.float32}
+    ids = [[101, 2023, 2003, 1037, 3231, 102]]
+    with torch.no_grad():
+        expected = reference.float()(torch.tensor(ids)).last_hidden_state.numpy()
+    np.testing.assert_allclose(np.array(model(mx.array(ids)).last_hidden_state), expected, rtol=1e-5, atol=1e-5)

@@ -226,6 +226,14 @@ def test_one_text_or_id_as_a_str_is_one_not_its_characters():
     assert evaluator.relevant_docs == {"q": {"doc1"}}
 
 
+def test_qrels_scores_written_as_numbers_in_strings_are_read(tmp_path):
+    for name, row in {"queries": {"_id": "q0", "text": "where"}, "corpus": {"_id": "c0", "text": "here"},
+                      "qrels": {"query-id": "q0", "corpus-id": "c0", "score": "1"}}.items():  # fmt: skip
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    read = evaluators.read_retrieval_files(*(tmp_path / f"{name}.jsonl" for name in ("queries", "corpus", "qrels")))
+    assert read[2] == {"q0": {"c0"}}
+
+
 @pytest.mark.parametrize(
     "file, line, message",
     [("queries", {"_id": "q0", "text": 123}, "'text' must be a str, got 123"),
@@ -250,6 +258,8 @@ def test_evaluators_name_bad_input():
         RerankingEvaluator([{"query": "q", "positive": "p"}])
     with pytest.raises(ValueError, match=r"sample 0: 'negative' must be a text or a list of texts, got \[1, 2\]"):
         RerankingEvaluator([{"query": "q", "positive": "p", "negative": [1, 2]}])
+    with pytest.raises(ValueError, match=r"sample 0: 'query' must be a text, got \['q'\]"):
+        RerankingEvaluator([{"query": ["q"], "positive": "p", "negative": "n"}])
 
 
 def test_empty_inputs_are_refused_naming_what_is_missing(tmp_path):

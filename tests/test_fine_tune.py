@@ -644,6 +644,7 @@ def test_a_lock_whose_record_cannot_be_written_is_released(tmp_path, monkeypatch
     monkeypatch.setattr(lock.os, "pwrite", full)
     with pytest.raises(OSError, match=f"could not write the lock file {tmp_path / 'run.lock'}: No space left"):
         lock.FolderLock(tmp_path, "run.lock", "a run", "", "run", "test").__enter__()
+    assert not (tmp_path / "run.lock").exists()  # no run's file: the advice to pass overwrite would be wrong
     monkeypatch.undo()
     with lock.FolderLock(tmp_path, "run.lock", "a run", "", "run", "test", quiet=True):
         pass
@@ -688,3 +689,20 @@ def test_a_full_disk_before_any_checkpoint_says_to_run_again_with_overwrite(chec
         fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=2, batch_size=4, save_every=1)
     monkeypatch.undo()
     fine_tune("classify", data, out, model=checkpoint("bert"), max_steps=2, batch_size=4, overwrite=True)
+
+
+def test_a_full_disk_while_the_tokenizer_is_written_is_one_line_naming_the_folder(checkpoint, tmp_path, monkeypatch):
+    """The tokenizers library's bare Exception for a full disk: the folder's write says so (it named the hidden
+    temporary folder's tokenizer.json, with no errno, and the run's advice was lost)."""
+    import mlx_encoders
+
+    model, tokenizer = mlx_encoders.load(checkpoint("bert"))
+
+    class Full:
+        def save(self, path, *args):
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002  as the library raises it
+
+    monkeypatch.setattr(tokenizer, "backend", Full())
+    with pytest.raises(OSError, match=f"disk full while writing {tmp_path / 'saved'}; nothing was written") as error:
+        mlx_encoders.save(model, tmp_path / "saved", tokenizer)
+    assert error.value.errno == errno.ENOSPC and sorted(p.name for p in tmp_path.iterdir()) == []

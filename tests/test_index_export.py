@@ -140,6 +140,14 @@ def test_a_damaged_store_is_an_error_and_no_file(written, tmp_path):
         assert not list(tmp_path.glob(f".{name}.parquet.*")), name  # no temporary file left
 
 
+def test_an_output_that_cannot_be_written_is_named_before_any_work(written, tmp_path):
+    folder, _, _ = written
+    with pytest.raises(ValueError, match=f"{tmp_path / 'missing'} is not a folder; create it first"):
+        export(folder, tmp_path / "missing" / "out.parquet", quiet=True)
+    with pytest.raises(ValueError, match=f"{tmp_path} is a folder; give the path of the file to write"):
+        export(folder, tmp_path, quiet=True)
+
+
 def test_an_export_removes_what_killed_exports_to_its_file_left(written, tmp_path):
     import os
     import socket

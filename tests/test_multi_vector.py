@@ -96,6 +96,9 @@ def test_single_text_mx_output_and_meanmaxsim(tmp_path, encoders):
     expected = st.similarity(st.encode_query(QUERIES[0]), st.encode_document(DOCUMENTS[:2]))
     np.testing.assert_allclose(encoder.similarity(query, documents), expected, atol=1e-5, rtol=1e-5)
     assert encoder.encode([]) == []
+    encoder.max_seq_length = 0  # refused, as SentenceEncoder and CrossEncoder refuse it (it was read as no limit)
+    with pytest.raises(ValueError, match="max_seq_length must be an int >= 1, got 0"):
+        encoder.encode_document(DOCUMENTS[:1])
 
 
 def fastembed_fde(vectors, dim, k_sim, dim_proj, r_reps, seed, fill_empty_clusters, normalize_by_count):

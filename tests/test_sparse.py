@@ -135,6 +135,13 @@ def test_inference_free_router_matches_sentence_transformers(tmp_path, mlm):
     with pytest.warns(UserWarning, match=f"longer than max_seq_length={limit} tokens"):
         cut = encoder.encode_query([" ".join(words)])
     np.testing.assert_allclose(cut.toarray(), dense(st.encode_query([" ".join(words)])), atol=1e-6)
+    # setting the limit cuts the documents' model route; the static query route keeps cutting at its tokenizer's
+    st.max_seq_length = encoder.max_seq_length = 8
+    with pytest.warns(UserWarning):
+        np.testing.assert_allclose(encoder.encode_query([" ".join(words)]).toarray(),
+                                   dense(st.encode_query([" ".join(words)])), atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(encoder.encode_document(texts).toarray(), dense(st.encode_document(texts)),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 def test_sparse_vectors_layout():

@@ -167,7 +167,7 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a 
 def disk_full(error: BaseException, folder: Path) -> bool:
     """ENOSPC, EDQUOT or EFBIG; the tokenizers library's error naming one of them; MLX's write error (a RuntimeError
     without errno), or any RuntimeError on a disk with no space left."""
-    if isinstance(error, OSError):
+    if isinstance(error, OSError) and error.errno is not None:
         return error.errno in FULL_ERRNOS
     if any(f"(os error {number})" in str(error) for number in FULL_ERRNOS):
         return True
@@ -223,7 +223,8 @@ def atomic_folder(
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:  # a file where a folder of the path belongs
-        raise FileExistsError(f"cannot write {target}: {e.filename} is a file, not a folder; write elsewhere") from e
+        blocking = next((p for p in target.parents if p.exists() and not p.is_dir()), e.filename)
+        raise FileExistsError(f"cannot write {target}: {blocking} is a file, not a folder; write elsewhere") from e
     with exit_on_signals():
         tmp, lock = owned_folder(target, ".partial")
         try:

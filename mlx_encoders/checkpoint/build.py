@@ -15,8 +15,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
+from ..engine.quantized import QUANTIZED
 from ..engine.runtime import claim_mlx, compute_dtype
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
@@ -319,6 +320,20 @@ def warn_non_finite(model: nn.Module, source: Path) -> None:
         )
 
 
+def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast every float parameter but the quantized layers' scales and biases, which keep their stored dtype (cast
+    to bfloat16 they moved the weights by as much again as the quantization did)."""
+    quantized = {path for path, m in model.named_modules() if isinstance(m, QUANTIZED)}
+    cast = [
+        (k, v.astype(dtype))
+        for k, v in tree_flatten(model.parameters())
+        if is_float(v)
+        and v.dtype != dtype
+        and not (k.endswith((".scales", ".biases")) and k.rsplit(".", 1)[0] in quantized)
+    ]
+    model.update(tree_unflatten(cast), strict=False)
+
+
 def in_compute_dtype(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """`weights` cast to the dtype the device computes them in (`engine.runtime.compute_dtype`), quantization scales
     and biases aside (the quantized layers widen those themselves)."""
@@ -395,7 +410,7 @@ def load_model(
             stacklevel=2,
         )
     if dtype is not None:
-        model.set_dtype(dtype)
+        cast_floats(model, dtype)
     warn_non_finite(model, checkpoint.path)
     if hasattr(model, "add_adapter"):  # task adapters in subfolders (jina-embeddings-v3)
         attach_adapters(model, checkpoint.path)

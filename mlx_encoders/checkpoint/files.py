@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..jsonfile import read_json, read_json_object
 from ..models import model_module, native_config, task_of_architecture
@@ -108,9 +109,17 @@ def read_modules(folder: Path) -> list[tuple[str, Path]]:
 
 
 def read_safetensors(file: Path) -> dict[str, mx.array]:
+    """The tensors of a safetensors file; float64 ones (which MLX does not read) as float32, as transformers reads a
+    double-precision checkpoint into a float32 model."""
     try:
         return mx.load(str(file))
     except (RuntimeError, ValueError) as e:
+        if "F64" in str(e):
+            from safetensors.numpy import load_file
+
+            return {
+                k: mx.array(v.astype(np.float32) if v.dtype == np.float64 else v) for k, v in load_file(file).items()
+            }
         raise ValueError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
 
 

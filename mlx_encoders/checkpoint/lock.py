@@ -3,6 +3,7 @@
 the holder (pid, host, start time, command) for the message a refused writer prints, and is removed when the writer
 ends: a file found by the next holder was left by one that stopped without releasing it."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -61,6 +62,8 @@ class FolderLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(mine).encode(), 0)
         except OSError as e:  # a full disk: release the lock, or it stays held for the rest of this process
+            with contextlib.suppress(OSError):
+                self.path.unlink()
             os.close(fd)
             raise OSError(e.errno, f"could not write the lock file {self.path}: {e.strerror or e}") from e
         self.fd = fd

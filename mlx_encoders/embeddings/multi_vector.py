@@ -217,10 +217,12 @@ class MultiVectorEncoder(Embedder):
     def tokenize(self, texts: list[str], task: str | None = None, prompt: str = "") -> list:
         """`texts` as the model reads them for `task`, `prompt` (see `input_prompt`) before each, cut to
         `max_length(task)` (`overflowing` non-empty where cut): the inputs of `run_encodings`."""
+        self.check_max_seq_length()
         texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_length(task))
 
     def run(self, texts: list[str], task: str | None, batch_size: int, show_progress) -> list[np.ndarray]:
+        self.check_max_seq_length()
         limit = self.max_length(task)
         encodings = self.tokenize(texts, task)
         expansion = self.query_expansion if task == "query" else None

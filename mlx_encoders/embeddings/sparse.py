@@ -352,7 +352,7 @@ class SparseEncoder(Embedder):
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
-        """Cut texts at `value` tokens on every route that has a limit, as sentence-transformers' setter."""
+        """Cut texts at `value` tokens on every route that runs a model, as sentence-transformers' setter."""
         check_count("SparseEncoder.max_seq_length", value, 1)
         for route in self.routes.values():
             positions = getattr(getattr(route, "model", None), "args", None)
@@ -362,7 +362,8 @@ class SparseEncoder(Embedder):
                     f"in {self.path} takes"
                 )
         for route in self.routes.values():
-            if route.max_seq_length is not None:
+            # sentence-transformers' static (inference-free) module cuts at its tokenizer's limit whatever is set
+            if route.max_seq_length is not None and not isinstance(route, StaticRoute):
                 route.max_seq_length = value
                 if isinstance(route, AutoEncoderRoute):
                     route.encoder.max_seq_length = value

@@ -61,7 +61,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     make.add_argument("--shard", type=part, metavar="I/N",
                       help="embed only part I of N into shards/part-I-of-N.sqlite (no mlx.launch); a build of the "
                       "folder holding every part's file in shards/ merges them")  # fmt: skip
-    make.add_argument("--quiet", action="store_true", help="print nothing on stderr")
+    make.add_argument("--quiet", action="store_true", help="print nothing (no progress, no summary)")
     find = actions.add_parser("search", help="the top-k documents for each query")
     find.add_argument("queries", nargs="+", metavar="QUERY")
     find.add_argument("--index", required=True, help="the index folder")
@@ -87,7 +87,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     out.add_argument("--output", "-o", required=True, help="the .parquet file (written whole or not at all)")
     out.add_argument("--precision", choices=PRECISIONS, default="float32",
                      help="dense vectors as float32 (default), int8 codes or packed sign bits (binary)")  # fmt: skip
-    out.add_argument("--quiet", action="store_true", help="print nothing on stderr")
+    out.add_argument("--quiet", action="store_true", help="print nothing (no progress, no summary)")
     p.set_defaults(run=run)
 
 

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..embeddings.vectors import quantize_embeddings
 from ..errors import OptionError
+from ..records import writable_file
 from .store import Store, StoreError
 
 PRECISIONS = ("float32", "int8", "binary")
@@ -136,7 +137,7 @@ def export(
     if precision not in PRECISIONS:
         raise OptionError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     pa, pq = pyarrow_modules()
-    folder, output = Path(index), Path(output)
+    folder, output = Path(index), writable_file(Path(output))
     with Store(folder / "index.sqlite") as store:
         meta = store.begin_read()  # every read below sees one build
         if "generation" not in meta:

@@ -312,9 +312,9 @@ class RerankingEvaluator:
         for key in ("query", "positive", "negative", "documents"):
             value = sample.get(key)
             texts = [value] if isinstance(value, str) else value if isinstance(value, list | tuple) else None
-            if (key in sample or key in ("query", "positive")) and (
-                texts is None or not all(isinstance(t, str) for t in texts) or key == "query" and len(texts) != 1
-            ):
+            wrong = texts is None or not all(isinstance(t, str) for t in texts)
+            wrong = wrong or key == "query" and not isinstance(value, str)
+            if wrong and (key in sample or key in ("query", "positive")):
                 kind = "a text" if key == "query" else "a text or a list of texts"
                 raise ValueError(f"reranking sample {i}: {key!r} must be {kind}, got {value!r:.60}")
         positive, negative = (one_or_many(sample.get(key)) for key in ("positive", "negative"))
@@ -374,13 +374,26 @@ def read_jsonl(path: str | Path, keys: Sequence[str], kinds: dict[str, tuple[typ
             raise ValueError(f"{record.where}: each line must be an object with {', '.join(keys)}")
         for key, types in (kinds or {}).items():
             value = record.value.get(key)
-            if key in record.value and (isinstance(value, bool) or not isinstance(value, types)):
+            if key in record.value and not of_kind(value, types):
                 expected = "a number" if int in types else "a str"
                 raise ValueError(f"{record.where}: {key!r} must be {expected}, got {value!r:.40}")
         rows.append(record.value)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     return rows
+
+
+def of_kind(value, types: tuple[type, ...]) -> bool:
+    """`value` is of `types` (a bool is no number); where numbers are wanted, a str that reads as one is one too (a
+    converted TSV's score)."""
+    if isinstance(value, bool) or not isinstance(value, types):
+        return False
+    if isinstance(value, str) and int in types:
+        try:
+            float(value)
+        except ValueError:
+            return False
+    return True
 
 
 def read_retrieval_files(
@@ -397,7 +410,7 @@ def read_retrieval_files(
     for r in read_qrels(Path(qrels)):
         if r["corpus-id"] not in docs:
             raise ValueError(f"{qrels}: corpus id {r['corpus-id']!r} (query {r['query-id']!r}) is not in {corpus}")
-        if float(r.get("score", 1)) > 0:
+        if float(r.get("score", 1)) > 0:  # checked as it was read
             relevant.setdefault(r["query-id"], set()).add(r["corpus-id"])
     if not any(qid in query_texts for qid in relevant):
         raise ValueError(
@@ -409,7 +422,7 @@ def read_retrieval_files(
 
 def read_qrels(path: Path) -> list[dict]:
     if path.suffix.lower() != ".tsv":
-        rows = read_jsonl(path, ("query-id", "corpus-id"), {"score": (int, float)})
+        rows = read_jsonl(path, ("query-id", "corpus-id"), {"score": (int, float, str)})
         return [{**r, "query-id": str(r["query-id"]), "corpus-id": str(r["corpus-id"])} for r in rows]
     lines = read_text(path).split("\n")
     if lines[0].split("\t")[:2] != ["query-id", "corpus-id"]:
@@ -421,5 +434,8 @@ def read_qrels(path: Path) -> list[dict]:
         fields = line.split("\t")
         if len(fields) < 2:
             raise ValueError(f"{path}:{number}: expected query-id<TAB>corpus-id<TAB>score")
-        rows.append({"query-id": fields[0], "corpus-id": fields[1], "score": fields[2] if len(fields) > 2 else 1})
+        score = fields[2] if len(fields) > 2 else 1
+        if not of_kind(score, (int, float, str)):
+            raise ValueError(f"{path}:{number}: the score {score!r:.40} is not a number")
+        rows.append({"query-id": fields[0], "corpus-id": fields[1], "score": score})
     return rows

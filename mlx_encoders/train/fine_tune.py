@@ -81,7 +81,8 @@ def with_resume_advice(error: OSError, output_dir: Path) -> OSError:
     if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "--resume" in str(error):
         return error
     if not saved:  # the run's log is there already: running again needs leave to replace it
-        if not output_dir.is_dir() or not any(output_dir.iterdir()) or "overwrite" in str(error):
+        run_files = [p for p in output_dir.iterdir() if not p.name.startswith(".")] if output_dir.is_dir() else []
+        if not run_files or "overwrite" in str(error):  # (a lock file is no run's file)
             return error
         return OSError(
             error.errno, f"{error.strerror or error}; no checkpoint was saved: once space is freed, run again with "

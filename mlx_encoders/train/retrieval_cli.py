@@ -4,11 +4,12 @@ hard-negative mining from the command line (`train/evaluators.py`, `train/hard_n
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
 
-from ..records import text_lines
+from ..records import jsonl_records, text_lines, writable_file
 
 SIMILARITY_NAMES = ("cosine", "dot", "euclidean", "manhattan")
 
@@ -20,19 +21,10 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,3,10, got {text!r}") from None
 
 
-def check_output(path: Path) -> Path:
-    """`path`, where a file can be written: its folder exists and it is not a folder (checked before any work)."""
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give the path of the file to write")
-    if not path.parent.is_dir():
-        raise ValueError(f"{path.parent} is not a folder; create it first, or write the file elsewhere")
-    return path
-
-
 def write_atomically(path: Path, text: str) -> None:
     """`text` into `path` through a temporary file in the same folder: never a half-written file; the file gets the
     mode a new file gets (umask), and an error names `path`."""
-    check_output(path)
+    writable_file(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -131,7 +123,7 @@ def run_mine(args: argparse.Namespace) -> int:
     check_options_in({name: getattr(args, name) for name in numbers})  # before the models load
     if args.range_max is not None:
         check_options(args.range_min, args.range_max, args.num_negatives, args.sampling, args.format)
-    output = check_output(Path(args.output))
+    output = writable_file(Path(args.output))
     corpus = [record.value for record in text_lines(args.corpus)] if args.corpus else None
     rows = mine_hard_negatives(
         args.data, SentenceEncoder(args.model), anchor_column=args.anchor_column, positive_column=args.positive_column,
@@ -166,8 +158,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
         samples = read_jsonl(args.samples, ("query", "positive"))
         try:
             evaluator = RerankingEvaluator(samples, at_k=args.at_k, batch_size=args.batch_size)
-        except ValueError as e:  # sample i is the file's i-th row
-            raise ValueError(f"{args.samples}: {e}") from e
+        except ValueError as e:  # "reranking sample i" is the file's i-th row: named by its line
+            wheres = [record.where for record in jsonl_records(args.samples)]
+            found = re.match(r"reranking sample (\d+)", str(e))
+            where = wheres[int(found[1])] if found and int(found[1]) < len(wheres) else str(args.samples)
+            raise ValueError(f"{where}: {str(e).removeprefix(found[0] + ': ') if found else e}") from e
         metrics = evaluator(CrossEncoder(args.model))
     if args.json:
         print(json.dumps(metrics))
