@@ -32,6 +32,7 @@ own thread settings.
 """
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import os
@@ -259,13 +260,28 @@ def sentence_transformers_engine(path: Path, batch_size: int, threads: int) -> C
     return Isolated(sentence_transformers_model, path, batch_size, threads)
 
 
+@contextlib.contextmanager
+def mlx_kernels():
+    """Quantized layers through MLX's own quantized kernels for the block: on the CPU the package dequantizes each
+    weight and multiplies in float32, the same arithmetic as a dequantized copy, so a "kernel gap" measured through it
+    would be 0 whatever MLX's kernels give."""
+    from mlx_encoders.engine import quantized
+
+    real = quantized.on_cpu
+    quantized.on_cpu = lambda: False
+    try:
+        yield
+    finally:
+        quantized.on_cpu = real
+
+
 def mlx_embeddings_load(path: Path):
     """mlx-embeddings' `load` (model, tokenizer), imported without mlx-vlm too: its utils.py imports
     `mlx_vlm.utils.sanitize_weights`, which only its vision models call (`pip install --no-deps mlx-embeddings`)."""
     import importlib.util
     import types
 
-    if importlib.util.find_spec("mlx_vlm") is None and "mlx_vlm" not in sys.modules:
+    if "mlx_vlm" not in sys.modules and importlib.util.find_spec("mlx_vlm") is None:  # a stub has no spec
         stub = types.ModuleType("mlx_vlm.utils")
         stub.sanitize_weights = None
         sys.modules["mlx_vlm"], sys.modules["mlx_vlm.utils"] = types.ModuleType("mlx_vlm"), stub

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from embed import cosines, mlx_embeddings_load, model_folder, set_threads, sgemm_limit  # noqa: E402
+from embed import cosines, mlx_embeddings_load, mlx_kernels, model_folder, set_threads, sgemm_limit  # noqa: E402
 
 MAX_SEQ_LENGTH = 256
 # shape -> (config class, its published config.json values, pooling mode, padding side, Dense widths after pooling)
@@ -294,7 +294,8 @@ def fidelity(shape: str, settings: list[str], texts: list[str], batch_size: int,
             out = convert(folder, workdir / shape / name.replace(" ", "-"), **options)
         seconds = time.perf_counter() - start
         encoder = SentenceEncoder(out)
-        kernels = encoder.encode(texts[:4], batch_size=batch_size, show_progress_bar=False)
+        with mlx_kernels():
+            kernels = encoder.encode(texts[:4], batch_size=batch_size, show_progress_bar=False)
         dequantize_model(encoder.model)
         embeddings = encoder.encode(texts, batch_size=batch_size, show_progress_bar=False)
         gap = np.abs(kernels - embeddings[:4]).max()

@@ -17,7 +17,7 @@ import numpy as np
 from .checkpoint.build import DTYPES
 from .errors import add_debug_option, run_command
 from .pipelines.token_classification import STRATEGIES
-from .records import has_surrogate
+from .records import stdin_lines
 from .train import cli as train_cli
 from .train import retrieval_cli
 
@@ -105,18 +105,6 @@ def read_texts(args: argparse.Namespace) -> list[str]:
     if not texts:
         raise ValueError("no input: stdin held no non-empty lines")
     return texts
-
-
-def stdin_lines() -> list[str]:
-    """Standard input's lines, read as UTF-8 whatever the locale says; a line that is not UTF-8 is named."""
-    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place (tests, embedding programs)
-        lines = list(sys.stdin)
-    else:
-        lines = [raw.decode("utf-8", "surrogateescape") for raw in sys.stdin.buffer.read().splitlines(keepends=True)]
-    for number, line in enumerate(lines, 1):  # undecodable bytes arrive as lone surrogates
-        if has_surrogate(line):
-            raise ValueError(f"stdin line {number} is not UTF-8; re-save the input as UTF-8")
-    return lines
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,19 @@ def jsonl_records(file: str | Path) -> list[Record]:
             )
         records.append(Record(value, str(file), number))
     return records
+
+
+def stdin_lines() -> list[str]:
+    """Standard input's lines (line ends kept), read as UTF-8 whatever the locale says; a line that is not UTF-8 is
+    named."""
+    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place (tests, embedding programs)
+        lines = list(sys.stdin)
+    else:
+        lines = [raw.decode("utf-8", "surrogateescape") for raw in sys.stdin.buffer.read().splitlines(keepends=True)]
+    for number, line in enumerate(lines, 1):  # undecodable bytes arrive as lone surrogates
+        if has_surrogate(line):
+            raise ValueError(f"stdin line {number} is not UTF-8; re-save the input as UTF-8")
+    return lines
 
 
 def has_surrogate(value) -> bool:

@@ -651,11 +651,14 @@ def test_a_lock_whose_record_cannot_be_written_is_released(tmp_path, monkeypatch
 
 
 def test_full_disks_are_recognised_by_every_library_s_error(tmp_path):
-    from mlx_encoders.checkpoint.atomic import disk_full
+    from mlx_encoders.checkpoint.atomic import disk_full, write_failed
 
-    assert disk_full(OSError(errno.EFBIG, "File too large"), tmp_path)  # a file size limit (ulimit -f)
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
     assert disk_full(Exception("No space left on device (os error 28)"), tmp_path)  # the tokenizers library's
-    assert disk_full(RuntimeError("[write] Unable to write 480 bytes to file."), tmp_path)  # MLX's
+    assert not disk_full(RuntimeError("[write] Unable to write 480 bytes to file."), tmp_path)  # space left here
+    assert write_failed(RuntimeError("[write] Unable to write 480 bytes to file.")) and write_failed(
+        OSError(errno.EFBIG, "File too large")
+    )  # a file size limit: no "free space" advice
     assert not disk_full(RuntimeError("[load] something else"), tmp_path)
 
 

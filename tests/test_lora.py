@@ -226,7 +226,7 @@ def test_adapters_are_saved_whole_or_not_at_all(checkpoint, tmp_path, monkeypatc
         raise RuntimeError("[write] Unable to write 480 bytes to file.")
 
     monkeypatch.setattr(mx, "save_safetensors", cut_short)
-    with pytest.raises(OSError, match=f"disk full while writing {folder}; nothing was written"):
+    with pytest.raises(OSError, match=f"could not write {folder} .*: a file size limit .* nothing was written"):
         save_adapters(model, folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["adapters"]  # no temporary folder left

@@ -137,6 +137,7 @@ def test_inference_free_router_matches_sentence_transformers(tmp_path, mlm):
     np.testing.assert_allclose(cut.toarray(), dense(st.encode_query([" ".join(words)])), atol=1e-6)
     # setting the limit cuts the documents' model route; the static query route keeps cutting at its tokenizer's
     st.max_seq_length = encoder.max_seq_length = 8
+    assert encoder.max_seq_length == st.max_seq_length == 8  # reads back what was set
     with pytest.warns(UserWarning):
         np.testing.assert_allclose(encoder.encode_query([" ".join(words)]).toarray(),
                                    dense(st.encode_query([" ".join(words)])), atol=1e-6)  # fmt: skip

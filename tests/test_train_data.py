@@ -11,6 +11,7 @@ import pytest
 import transformers
 
 import mlx_encoders
+from mlx_encoders.train import fine_tune
 from mlx_encoders.train.data import (
     DataError,
     causal_lm_data,
@@ -21,6 +22,7 @@ from mlx_encoders.train.data import (
     read_rows,
     sequence_classification_data,
     token_classification_data,
+    with_prefix_space,
 )
 from mlx_encoders.train.losses import task_loss
 from mlx_encoders.train.masking import Masker, next_sentence_pairs, replacement_ids
@@ -189,16 +191,19 @@ def test_numbers_read_as_classes_point_to_regression(tmp_path, tokenizer):
     assert sequence_classification_data(scores, tokenizer, problem_type="regression").labels == [3.0, 3.5]
 
 
-def test_multi_hot_label_vectors_are_read_as_vectors(tokenizer):
-    """transformers' multi-label targets are 0/1 vectors: a row repeating an id is one (read as label ids, every
-    target was [1, 1]); a row of another kind among them is refused naming it."""
-    rows = [{"text": t, "label": v} for t, v in (("a", [1, 0, 1, 0]), ("b", [0, 0, 0, 1]), ("c", [0, 0, 1, 0]))]
+@pytest.mark.parametrize(
+    "vectors", [[[1, 0, 1, 0], [0, 0, 0, 1], [0, 0, 1, 0]], [[1, 0], [0, 1]], [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]
+)
+def test_multi_hot_label_vectors_are_read_as_vectors(tokenizer, vectors):
+    """transformers' multi-label targets are 0/1 vectors: rows that all are such vectors of one length are read so
+    (as label ids, every target was [1, 1]); lists of names may repeat a name, as run_classification.py reads them."""
+    rows = [{"text": f"t{i}", "label": v} for i, v in enumerate(vectors)]
     read = sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")
-    assert read.labels == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]]
-    assert read.label2id == {f"LABEL_{i}": i for i in range(4)}
-    with pytest.raises(DataError, match=r"repeats a label, as a multi-hot vector does, but .* holds \[2\]"):
-        sequence_classification_data([*rows, {"text": "d", "label": [2]}], tokenizer,
-                                     problem_type="multi_label_classification")  # fmt: skip
+    assert read.labels == [[float(x) for x in v] for v in vectors]
+    assert read.label2id == {f"LABEL_{i}": i for i in range(len(vectors[0]))}
+    named = [{"text": "a", "label": ["sports", "news", "sports"]}, {"text": "b", "label": ["tech"]}]
+    read = sequence_classification_data(named, tokenizer, problem_type="multi_label_classification")
+    assert read.labels == [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
 
 
 def test_pairs_multi_label_and_regression(tmp_path, tokenizer):
@@ -443,18 +448,25 @@ def test_pretraining_batch_has_masks_and_next_sentence_labels(tmp_path, checkpoi
 
 
 @pytest.mark.parametrize("model_type", ["roberta", "deberta"])
-def test_words_of_byte_level_tokenizers_read_as_transformers_token_classification_example(checkpoint, model_type):
+def test_words_of_byte_level_tokenizers_read_as_transformers_token_classification_example(
+    checkpoint, tmp_path, model_type
+):
     """run_ner.py loads RoBERTa's, DeBERTa's and GPT-2's tokenizers with add_prefix_space=True: each word after a
     space, as running text tokenizes it (without, "parser" became "p", "arser" in training and "Ġparser" when
-    used); other classes' byte-level tokenizers (ModernBERT's) as they are."""
+    used), and the trained model's saved tokenizer reads words so; other tokenizers are left as they are."""
     folder = checkpoint(model_type, "token-classification")
-    tokenizer = mlx_encoders.load_tokenizer(mlx_encoders.load_model(folder))
+    tokenizer = with_prefix_space(mlx_encoders.load_tokenizer(mlx_encoders.load_model(folder)), model_type)
     examples = token_classification_data(WORDS, tokenizer)
     reference = transformers.AutoTokenizer.from_pretrained(folder, add_prefix_space=True)
     encoded = reference([r["tokens"] for r in WORDS], is_split_into_words=True, truncation=True)
     for i in range(len(WORDS)):
         assert examples.encodings[i].ids == encoded["input_ids"][i]
         assert examples.encodings[i].word_ids == encoded.word_ids(i)
+    bert = mlx_encoders.load_tokenizer(mlx_encoders.load_model(checkpoint("bert")))
+    assert with_prefix_space(bert, "bert") is bert and "add_prefix_space" not in bert.config
+    trained = fine_tune("tokens", WORDS, tmp_path / "run", model=checkpoint(model_type), max_steps=1, batch_size=2)
+    saved = transformers.AutoTokenizer.from_pretrained(trained.path)
+    assert saved([r["tokens"] for r in WORDS], is_split_into_words=True)["input_ids"] == encoded["input_ids"]
 
 
 def test_a_datasets_class_label_names_the_classes(tokenizer):

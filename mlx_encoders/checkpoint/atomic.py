@@ -161,22 +161,28 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) 
             signal.signal(s, signal.SIG_DFL)
 
 
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, a quota, a file size limit (ulimit -f)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, a quota reached
 
 
 def disk_full(error: BaseException, folder: Path) -> bool:
-    """ENOSPC, EDQUOT or EFBIG; the tokenizers library's error naming one of them; MLX's write error (a RuntimeError
-    without errno), or any RuntimeError on a disk with no space left."""
+    """ENOSPC or EDQUOT; the tokenizers library's error naming one of them; MLX's write error (a RuntimeError without
+    errno) on a disk with no space left."""
     if isinstance(error, OSError) and error.errno is not None:
         return error.errno in FULL_ERRNOS
     if any(f"(os error {number})" in str(error) for number in FULL_ERRNOS):
-        return True
-    if isinstance(error, RuntimeError) and str(error).startswith("[write] Unable to write"):
         return True
     try:
         return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < LOW_SPACE
     except OSError:
         return False
+
+
+def write_failed(error: BaseException) -> bool:
+    """A write refused with space left: a file size limit (EFBIG: ulimit -f, a FAT32 disk's 4 GB), or MLX's errno-less
+    write error."""
+    if isinstance(error, OSError):
+        return error.errno == errno.EFBIG or f"(os error {errno.EFBIG})" in str(error)
+    return isinstance(error, RuntimeError) and str(error).startswith("[write] Unable to write")
 
 
 def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrite=True (--force)") -> None:
@@ -232,13 +238,19 @@ def atomic_folder(
             yield tmp
             put_in_place(tmp, target, replace, option)
         except BaseException as error:
-            full = disk_full(error, target.parent)
+            full, failed = disk_full(error, target.parent), write_failed(error)
             shutil.rmtree(tmp, ignore_errors=True)
             if full:
                 raise OSError(
                     errno.ENOSPC,
                     f"disk full while writing {target}; nothing was written. Free space on that disk (or write "
                     "elsewhere) and run again",
+                ) from error
+            if failed:
+                raise OSError(
+                    errno.EFBIG if isinstance(error, OSError) else None,
+                    f"could not write {target} ({error}): a file size limit (ulimit -f, the file system's largest "
+                    "file) or a quota stopped it; nothing was written",
                 ) from error
             raise
         finally:

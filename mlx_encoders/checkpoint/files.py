@@ -5,6 +5,7 @@ and pickle weights are refused, so reading never runs code from a checkpoint.
 """
 
 import hashlib
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -115,12 +116,33 @@ def read_safetensors(file: Path) -> dict[str, mx.array]:
         return mx.load(str(file))
     except (RuntimeError, ValueError) as e:
         if "F64" in str(e):
-            from safetensors.numpy import load_file
-
-            return {
-                k: mx.array(v.astype(np.float32) if v.dtype == np.float64 else v) for k, v in load_file(file).items()
-            }
+            return read_with_float64(file)
         raise ValueError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
+
+
+NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+                "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}  # fmt: skip
+
+
+def read_with_float64(file: Path) -> dict[str, mx.array]:
+    """A safetensors file that holds float64 tensors, read by its header (the format's own layout): float64 as float32,
+    bfloat16 as itself, the rest as stored. The file is read whole: such checkpoints are small."""
+    data = file.read_bytes()
+    try:
+        size = int.from_bytes(data[:8], "little")
+        header, base, out = json.loads(data[8 : 8 + size]), 8 + size, {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            values = np.frombuffer(data[base + start : base + end], NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
+            if info["dtype"] == "BF16":
+                out[name] = mx.array(values).view(mx.bfloat16)
+            else:
+                out[name] = mx.array(values.astype(np.float32) if values.dtype == np.float64 else values)
+        return out
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e!r}); re-download or re-save it") from e
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -347,6 +347,8 @@ class SparseEncoder(Embedder):
     def max_seq_length(self) -> int | None:
         """The tokens a text keeps: the routes' limit (the largest, where a Router's differ), as sentence-transformers'
         property; None where no route has one."""
+        if getattr(self, "set_max_seq_length", None) is not None:  # what was set reads back, as theirs
+            return self.set_max_seq_length
         limits = {r.max_seq_length for r in self.routes.values() if r.max_seq_length is not None}
         return max(limits) if limits else None
 
@@ -361,6 +363,7 @@ class SparseEncoder(Embedder):
                     f"SparseEncoder.max_seq_length ({value}) is more than the {positions.max_tokens} tokens the model "
                     f"in {self.path} takes"
                 )
+        self.set_max_seq_length = value
         for route in self.routes.values():
             # sentence-transformers' static (inference-free) module cuts at its tokenizer's limit whatever is set
             if route.max_seq_length is not None and not isinstance(route, StaticRoute):

@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 
+from ..records import stdin_lines
 from .config import PRESETS, GenerationConfig
 from .loop import streams
 
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("no prompt: give it as an argument or pipe it in")
     prompt = args.prompt
     if prompt is None:  # all of stdin, without a byte-order mark or Windows line ends, as the other commands read it
-        prompt = sys.stdin.read().removeprefix("\ufeff").replace("\r\n", "\n")
+        prompt = "".join(stdin_lines()).removeprefix("\ufeff").replace("\r\n", "\n")
     overrides = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     config = GenerationConfig.preset(args.preset, **{"max_new_tokens": 100, **overrides, "stop": args.stop})
     model, tokenizer = load(args.model, dtype=args.dtype, task="causal-lm")

@@ -361,24 +361,17 @@ def multi_hot(
     lists: list[list], rows: list[Row], column: str, label2id: Mapping[str, int] | None
 ) -> tuple[list, dict[str, int]] | None:
     """Multi-label targets written as multi-hot vectors (0/1 per class, transformers' float labels): (the vectors,
-    label2id), or None for lists of label names or ids. A list repeating an id is no list of ids: either every row
-    is a 0/1 vector of one length, or the row is refused."""
-    repeating = next(
-        (row for values, row in zip(lists, rows, strict=True) if len(set(map(repr, values))) < len(values)), None
+    label2id), where every row is a list of 0s and 1s of one length (2 or more; read as label ids, every row would
+    name every class); None for lists of label names or ids."""
+    width = len(lists[0]) if lists else 0
+    binary = all(
+        len(values) == width and all(isinstance(v, int | float) and v in (0, 1) for v in values) for values in lists
     )
-    if repeating is None:
+    if width < 2 or not binary:
         return None
-    width = len(lists[0])
-    for values, row in zip(lists, rows, strict=True):
-        if len(values) != width or not all(v in (0, 1) and not isinstance(v, str) for v in values):
-            raise DataError(
-                f"{repeating.where}: column {column!r} repeats a label, as a multi-hot vector does, but {row.where} "
-                f"holds {values!r:.60}, not a 0/1 vector of {width} classes; write every row as a vector of 0s and 1s "
-                "of one length, or as a list of label names or ids"
-            )
     mapping = dict(label2id) if label2id is not None else {f"LABEL_{i}": i for i in range(width)}
     if len(mapping) != width:
-        raise DataError(f"{rows[0].where}: the vectors have {width} classes but label2id= names {len(mapping)}")
+        raise DataError(f"{rows[0].where}: the 0/1 vectors have {width} classes but label2id= names {len(mapping)}")
     return [[float(v) for v in values] for values in lists], mapping
 
 
@@ -504,27 +497,33 @@ def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
     return words
 
 
-# run_ner.py's model types that get add_prefix_space=True (bloom, gpt2, roberta, deberta), by tokenizer class
-PREFIX_SPACE_CLASSES = ("RobertaTokenizer", "DebertaTokenizer", "GPT2Tokenizer", "BloomTokenizer")
-
-
 def encode_words(tokenizer: Tokenizer, words: list[list[str]], max_length: int | None) -> list[Encoding]:
-    """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`; RoBERTa's,
-    DeBERTa's and GPT-2's byte-level tokenizers read each word after a space, as transformers' token-classification
-    example (run_ner.py) loads them (`add_prefix_space=True`): as running text tokenizes them."""
-    if byte_level_without_prefix_space(tokenizer):
-        words = [[" " + w for w in ws] for ws in words]
+    """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`."""
     with tokenizer.truncating(dict(max_length=min(max_length or tokenizer.model_max_length, USIZE_MAX))) as backend:
         return backend.encode_batch(words, is_pretokenized=True)
 
 
-def byte_level_without_prefix_space(tokenizer: Tokenizer) -> bool:
-    """A tokenizer of the classes run_ner.py gives a prefix space, whose byte-level pre-tokenizer adds none."""
-    if str(tokenizer.config.get("tokenizer_class", "")).removesuffix("Fast") not in PREFIX_SPACE_CLASSES:
-        return False
-    spec = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer") or {}
-    steps = spec.get("pretokenizers", [spec]) if spec.get("type") == "Sequence" else [spec]
-    return any(step.get("type") == "ByteLevel" and not step.get("add_prefix_space", True) for step in steps)
+# run_ner.py's model types whose tokenizers it loads with add_prefix_space=True
+PREFIX_SPACE_TYPES = ("roberta", "deberta", "gpt2", "bloom")
+
+
+def with_prefix_space(tokenizer: Tokenizer, model_type: str | None) -> Tokenizer:
+    """`tokenizer`, for a model of `model_type` that transformers' token-classification example (run_ner.py) loads
+    with `add_prefix_space=True`, made so in place (its byte-level steps, and tokenizer_config.json when saved): each
+    pre-split word is read after a space, as running text reads it, and the trained model's saved tokenizer reads
+    words as in training. Other tokenizers are left as they are."""
+    if model_type not in PREFIX_SPACE_TYPES:
+        return tokenizer
+    spec = json.loads(tokenizer.backend.to_str())
+    steps = [spec.get("pre_tokenizer") or {}, spec.get("post_processor") or {}, spec.get("decoder") or {}]
+    steps = [t for step in steps for t in (step.get("pretokenizers") or step.get("processors") or [step])]
+    changed = [step for step in steps if "add_prefix_space" in step and not step["add_prefix_space"]]
+    if changed:
+        for step in changed:
+            step["add_prefix_space"] = True
+        tokenizer.backend = type(tokenizer.backend).from_str(json.dumps(spec))
+        tokenizer.config["add_prefix_space"] = True
+    return tokenizer
 
 
 def masked_lm_data(

@@ -78,7 +78,7 @@ def with_resume_advice(error: OSError, output_dir: Path) -> OSError:
     """A full disk after a checkpoint was saved (the final model's folder, the log): the way on is to resume from
     that checkpoint, since running again would be refused for the run's files already there."""
     saved = checkpoints(output_dir)
-    if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "--resume" in str(error):
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT) or "--resume" in str(error):
         return error
     if not saved:  # the run's log is there already: running again needs leave to replace it
         run_files = [p for p in output_dir.iterdir() if not p.name.startswith(".")] if output_dir.is_dir() else []
