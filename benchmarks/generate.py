@@ -119,20 +119,34 @@ def transformers_model(path: Path, threads: int, device: str) -> Callable:
     torch.set_num_threads(threads)
     model = transformers.GPT2LMHeadModel.from_pretrained(path).eval().to(device)
 
-    def generate(ids, new_tokens: int) -> float:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        """The time of each `put`: the prompt's, then each new token's (put once it is chosen)."""
+
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run(prompts, new_tokens: int) -> tuple[float, float]:
+        """generate's own loop, timed within one call: the first token, then the rest (two separate calls' difference
+        could come out negative)."""
+        ids, clock = torch.tensor(prompts).long().to(device), Clock()
         start = time.perf_counter()
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)  # fmt: skip
+                           pad_token_id=0, eos_token_id=None, streamer=clock)  # fmt: skip
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    def run(prompts, new_tokens: int) -> tuple[float, float]:
-        """generate's own loop; the decoding time is the whole call's less a one-token call's."""
-        ids = torch.tensor(prompts).long().to(device)
-        first = generate(ids, 1)
-        return first, generate(ids, new_tokens) - first
+        end = time.perf_counter()
+        return clock.times[1] - start, end - clock.times[1]
 
     return run
 
@@ -180,6 +194,8 @@ def mlx_lm_engine(path: Path, bits: int | None, group_size: int) -> Callable:
 
 
 def build(engine: str, path: Path, group_size: int, folder: Path, threads: int, device: str) -> Callable:
+    if engine not in ENGINES:
+        raise SystemExit(f"unknown engine {engine!r}; choose among {', '.join(ENGINES)}")
     if engine.startswith("mlx_encoders"):
         return mlx_encoders_engine(path, 8 if engine.endswith("8bit") else None, group_size, folder)
     if engine == "transformers":

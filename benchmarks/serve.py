@@ -79,6 +79,8 @@ def parse_args() -> argparse.Namespace:
         p.error(
             f"--infinity-python {args.infinity_python}: no such interpreter (the python of a venv with infinity-emb)"
         )
+    if unknown := sorted(set(args.servers.split(",")) - {"serve", "baseline", "infinity"}):
+        p.error(f"--servers: unknown {', '.join(unknown)}; choose among serve, baseline, infinity")
     if "infinity" in args.servers.split(",") and not args.infinity_python:
         p.error("--servers infinity needs --infinity-python PATH (the python of a venv with infinity-emb installed)")
     return args

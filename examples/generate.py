@@ -46,6 +46,8 @@ def main() -> None:
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before this script writes its data there
+        p.error(f"{output} holds an earlier run; pass --overwrite to replace it, or another --output")
     texts = stdlib_docstrings(args.texts)
     tokenizer = train_tokenizer(texts, output / "tokenizer")
     sizes = {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 128}

@@ -65,6 +65,10 @@ def main() -> None:
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before this script writes its data there
+        p.error(f"{output} holds an earlier run; pass --overwrite to replace it, or another --output")
+    if args.eval_data and not args.data:
+        p.error("--eval-data goes with --data (the built-in task has its own held-out data)")
     train_file, eval_file = (args.data, args.eval_data) if args.data else docstring_task(output / "data")
     trained = fine_tune(
         "classify", train_file, output, model=args.model or default_model(), eval_data=eval_file,

@@ -51,6 +51,8 @@ def main() -> None:
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before this script writes its data there
+        p.error(f"{output} holds an earlier run; pass --overwrite to replace it, or another --output")
     train_file, eval_file = write_corpus(output / "data", args.texts)
     sizes = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512,
                  max_position_embeddings=128)  # fmt: skip

@@ -57,6 +57,8 @@ def main() -> None:
     args = p.parse_args()
 
     output = pathlib.Path(args.output)
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before this script writes its data there
+        p.error(f"{output} holds an earlier run; pass --overwrite to replace it, or another --output")
     train_file, eval_file = write_corpus(output / "data", args.texts)
     trained = fine_tune(
         "rtd", train_file, output, config=TINY if args.tiny else SIZES, tokenizer=args.tokenizer or default_tokenizer(),
