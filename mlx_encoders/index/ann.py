@@ -35,6 +35,7 @@ import numpy as np
 
 from ..checkpoint.atomic import disk_full
 from ..engine.runtime import huge_pages
+from .export import running
 
 # precision -> (usearch scalar kind, metric); binary packs sign bits 8 to a byte and compares by Hamming distance
 KINDS = {"float32": ("f32", "ip"), "int8": ("i8", "ip"), "binary": ("b1", "hamming")}
@@ -113,20 +114,10 @@ def temporary_for(file: Path) -> Path:
     (a shared name was renamed from under the others); one a killed process left is removed by the next writer."""
     for stale in file.parent.glob(f".{file.name}.*.tmp"):
         pid = stale.name.removesuffix(".tmp").rsplit(".", 1)[-1]
-        if pid.isdigit() and not process_alive(int(pid)):
+        if pid.isdigit() and not running(int(pid)):
             with contextlib.suppress(OSError):
                 stale.unlink()
     return file.with_name(f".{file.name}.{os.getpid()}.tmp")
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> int:
