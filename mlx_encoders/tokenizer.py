@@ -178,8 +178,9 @@ class Tokenizer:
         try:
             self.backend.save(str(folder / "tokenizer.json"))
         except Exception as e:  # the tokenizers library raises a bare Exception, a full disk's "(os error 28)" too
+            message = f"could not write {folder / 'tokenizer.json'}: {e}"
             found = re.search(r"\(os error (\d+)\)", str(e))
-            raise OSError(int(found[1]) if found else None, f"could not write {folder / 'tokenizer.json'}: {e}") from e
+            raise (OSError(int(found[1]), message) if found else OSError(message)) from e
         config = {**self.config, "model_max_length": self.model_max_length}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 

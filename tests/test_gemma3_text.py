@@ -7,6 +7,7 @@ Normalize, its task prompts, Gemma's left padding) gives `SentenceTransformer.en
 """
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +66,20 @@ def test_linear_rope_scaling_on_the_global_layers(checkpoint):
         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
     }
     check_parity(checkpoint("gemma3_text", rope_parameters=rope), "encoder")
+
+
+def test_a_legacy_rope_scaling_beside_rope_parameters_wins_as_in_transformers(checkpoint, tmp_path):
+    """A `rope_scaling` added to a transformers 5 config (as model cards say to) updates the global layers' entry."""
+    folder = shutil.copytree(checkpoint("gemma3_text"), tmp_path / "scaled")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    assert (
+        model_module("gemma3_text")
+        .ModelArgs.from_dict(json.loads((folder / "config.json").read_text()))
+        .rope["full_attention"][1]
+        == 0.25
+    )
+    check_parity(folder, "encoder")
 
 
 def test_config_errors_name_the_key():

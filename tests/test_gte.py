@@ -70,10 +70,22 @@ def test_without_token_types_as_gte_base_en_v1_5(checkpoint, task):
     check_parity(folder, task)
 
 
+def test_text_pairs_carry_token_types_where_the_config_has_two(checkpoint):
+    """A GTE with two token types (its config allows any): the tokenizer gives the model its token types (with a
+    WordPiece tokenizer, as gte-base-en-v1.5's, the second text's are 1; this test's XLM-R one gives 0s)."""
+    folder = checkpoint("gte", "encoder", type_vocab_size=2)
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = tokenizer(["a query", "who wrote it"], ["a passage of text", "someone"], padding=True)
+    assert "token_type_ids" in batch
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close(our_outputs(model(**batch)), reference_outputs(folder, "encoder", batch), real, "encoder")
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
         (dict(rope_parameters=None, rope_scaling={"type": "ntk", "factor": 2.0}), "'rope_scaling': rope type 'ntk' is"),
+        (dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), "rope type 'linear' is not supported"),  # it wins
         (dict(logn_attention_scale=True), "'logn_attention_scale' is true"),
     ],
 )

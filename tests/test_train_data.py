@@ -201,9 +201,28 @@ def test_multi_hot_label_vectors_are_read_as_vectors(tokenizer, vectors):
     read = sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")
     assert read.labels == [[float(x) for x in v] for v in vectors]
     assert read.label2id == {f"LABEL_{i}": i for i in range(len(vectors[0]))}
+    assert read.label_vectors
+    as_numpy = [{**row, "label": np.array(row["label"])} for row in rows]  # a Dataset in numpy format gives these
+    assert sequence_classification_data(as_numpy, tokenizer, problem_type="multi_label_classification").labels == (
+        read.labels
+    )
     named = [{"text": "a", "label": ["sports", "news", "sports"]}, {"text": "b", "label": ["tech"]}]
     read = sequence_classification_data(named, tokenizer, problem_type="multi_label_classification")
-    assert read.labels == [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    assert read.labels == [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]] and not read.label_vectors
+
+
+def test_a_row_that_breaks_the_multi_hot_vectors_is_named_and_eval_data_is_read_as_the_training_data(tokenizer):
+    rows = [
+        {"text": "a", "label": [1, 0, 1, 0]},
+        {"text": "b", "label": [0, 0, 0, 1]},
+        {"text": "c", "label": [0, 1, 1]},
+    ]
+    with pytest.raises(DataError, match=r"item 3 of the data: column 'label' holds \[0, 1, 1\], not a 0/1 vector of 4"):
+        sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")
+    ids = {f"LABEL_{i}": i for i in range(4)}  # training data of label ids: an eval row [0, 1] names two of them
+    read = sequence_classification_data([{"text": "g", "label": [0, 1]}], tokenizer, label2id=ids,
+                                        problem_type="multi_label_classification", label_vectors=False)  # fmt: skip
+    assert read.labels == [[1.0, 1.0, 0.0, 0.0]]
 
 
 def test_pairs_multi_label_and_regression(tmp_path, tokenizer):

@@ -247,11 +247,11 @@ def atomic_folder(
                     "elsewhere) and run again",
                 ) from error
             if failed:
-                raise OSError(
-                    errno.EFBIG if isinstance(error, OSError) else None,
+                message = (
                     f"could not write {target} ({error}): a file size limit (ulimit -f, the file system's largest "
-                    "file) or a quota stopped it; nothing was written",
-                ) from error
+                    "file) or a quota stopped it; nothing was written"
+                )
+                raise (OSError(errno.EFBIG, message) if isinstance(error, OSError) else OSError(message)) from error
             raise
         finally:
             unlock(lock)

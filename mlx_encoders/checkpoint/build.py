@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.quantized import QUANTIZED
-from ..engine.runtime import claim_mlx, compute_dtype
+from ..engine.runtime import claim_mlx, compute_dtype, on_cpu
 from ..models import TASKS, model_class
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
@@ -321,9 +321,10 @@ def warn_non_finite(model: nn.Module, source: Path) -> None:
 
 
 def cast_floats(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast every float parameter but the quantized layers' scales and biases, which keep their stored dtype (cast
-    to bfloat16 they moved the weights by as much again as the quantization did)."""
-    quantized = {path for path, m in model.named_modules() if isinstance(m, QUANTIZED)}
+    """Cast every float parameter but, on the CPU, the quantized layers' scales and biases, which keep their stored
+    dtype there (the CPU dequantizes in float32; cast to bfloat16 they moved the weights by as much again as the
+    quantization did). Elsewhere MLX's quantized kernels take them in the model's dtype: a mix would run in float32."""
+    quantized = {path for path, m in model.named_modules() if isinstance(m, QUANTIZED)} if on_cpu() else set()
     cast = [
         (k, v.astype(dtype))
         for k, v in tree_flatten(model.parameters())

@@ -85,7 +85,7 @@ class ModelArgs(BaseArgs):
         self.pooling = getattr(self, key) or "late"
         if self.pooling not in POOLINGS:
             raise ValueError(f"config key {key!r} must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        rope = self.rope_parameters or self.rope_scaling or {}
+        rope = self.rope_scaling or self.rope_parameters or {}  # transformers: a config's rope_scaling wins
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise ValueError(f"EuroBERT rope_type {kind!r} is not supported (only 'default', plain RoPE)")

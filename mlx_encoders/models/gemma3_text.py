@@ -106,8 +106,8 @@ class ModelArgs(BaseArgs):
         legacy = {"full_attention": (self.rope_theta, 1e6), "sliding_attention": (self.rope_local_base_freq, 1e4)}
         stored, default = legacy[kind]
         params = (self.rope_parameters or {}).get(kind) or {}
-        if kind == "full_attention" and self.rope_scaling:  # the older spelling of the global layers' scaling
-            params = {**self.rope_scaling, **params}
+        if kind == "full_attention" and self.rope_scaling:  # the older spelling of the global layers' scaling: it
+            params = {**params, **self.rope_scaling}  # updates rope_parameters' entry, as transformers merges them
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ValueError(

@@ -62,7 +62,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
         super().__post_init__()
         self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
         key = "rope_parameters" if self.rope_parameters else "rope_scaling"
-        rope = self.rope_parameters or self.rope_scaling
+        rope = self.rope_scaling or self.rope_parameters  # transformers: a config's rope_scaling wins
         self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)
 
 
@@ -155,4 +155,11 @@ MODELS = {
     "sequence-classification": GteForSequenceClassification,
     "token-classification": GteForTokenClassification,
 }
-TOKEN_TYPES = False  # type_vocab_size is 1 or 0 in the released checkpoints
+
+
+def token_types(args: ModelArgs) -> bool:
+    """Token types are read where the config gives a second one (the released checkpoints have one or none)."""
+    return args.type_vocab_size > 1
+
+
+TOKEN_TYPES = token_types

@@ -72,7 +72,7 @@ class ModelArgs(BaseArgs):
     def __post_init__(self):
         super().__post_init__()
         key = "rope_parameters" if self.rope_parameters else "rope_scaling"
-        rope = self.rope_parameters or self.rope_scaling or {}
+        rope = self.rope_scaling or self.rope_parameters or {}  # transformers: a config's rope_scaling wins
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise ValueError(
@@ -552,4 +552,11 @@ MODELS = {
     "token-classification": JinaEmbeddingsV3ForTokenClassification,
     "question-answering": JinaEmbeddingsV3ForQuestionAnswering,
 }
-TOKEN_TYPES = False
+
+
+def token_types(args: ModelArgs) -> bool:
+    """Token types are read where the config gives a second one (the released checkpoints have one or none)."""
+    return args.type_vocab_size > 1
+
+
+TOKEN_TYPES = token_types

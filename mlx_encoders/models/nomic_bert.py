@@ -156,7 +156,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
         super().__post_init__()
         self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
         key = "rope_parameters" if self.rope_parameters else "rope_scaling"
-        rope = self.rope_parameters or self.rope_scaling
+        rope = self.rope_scaling or self.rope_parameters  # transformers: a config's rope_scaling wins
         self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)
 
 

@@ -83,7 +83,7 @@ class ModelArgs(BaseArgs):
                 "head serves the same number of query heads"
             )
         self.kv_heads = kv
-        rope = self.rope_parameters or self.rope_scaling or {}
+        rope = self.rope_scaling or self.rope_parameters or {}  # transformers: a config's rope_scaling wins
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(
                 f"Qwen3 rope_type {rope.get('rope_type', rope.get('type'))!r} is not supported (only 'default'); "

@@ -10,6 +10,7 @@ Longer than most modules: one reader and collate per task, sharing their checks.
 
 import json
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -90,6 +91,7 @@ class Examples:
     label2id: dict[str, int]
     rows: list[Row]
     problem_type: str | None = None  # sequence classification's, given or read from the data (`infer_from_row`)
+    label_vectors: bool = False  # multi-label targets given as 0/1 vectors, not as names or ids
 
     def __len__(self) -> int:
         return len(self.encodings)
@@ -328,24 +330,25 @@ def regression_target(value, row: Row, column: str) -> float:
 
 
 def classification_labels(
-    rows: list[Row], column: str, problem_type: str, label2id: Mapping[str, int] | None
-) -> tuple[list, dict[str, int]]:
-    """Per row: an id (single-label), a multi-hot float list (multi-label) or a float (regression); and label2id."""
+    rows: list[Row], column: str, problem_type: str, label2id: Mapping[str, int] | None, vectors: bool | None = None
+) -> tuple[list, dict[str, int], bool]:
+    """Per row: an id (single-label), a multi-hot float list (multi-label: `multi_hot` says how the rows give it) or
+    a float (regression); label2id; and whether the rows gave 0/1 vectors."""
     if problem_type == "regression":
         if label2id is not None and dict(label2id) != REGRESSION_LABELS:  # REGRESSION_LABELS: an earlier read's own
             raise DataError(
                 f"{rows[0].where}: the labels are regression targets (numbers), so label2id= (names of classes) "
                 "would be ignored; drop it, or give class labels"
             )
-        return [regression_target(row.get(column), row, column) for row in rows], dict(REGRESSION_LABELS)
+        return [regression_target(row.get(column), row, column) for row in rows], dict(REGRESSION_LABELS), False
     if problem_type == "single_label_classification":
         keys = [(label_key(row.get(column), row, column), row) for row in rows]
         mapping = build_label2id(keys, label2id)
         check_classes(mapping, rows, label2id)
-        return [label_id(k, row, mapping) for k, row in keys], mapping
+        return [label_id(k, row, mapping) for k, row in keys], mapping, False
     lists = [as_list(row.get(column), row, column) for row in rows]
-    if hot := multi_hot(lists, rows, column, label2id):
-        return hot
+    if hot := multi_hot(lists, rows, column, label2id, vectors):
+        return *hot, True
     per_row = [[label_key(v, row, column) for v in values] for values, row in zip(lists, rows, strict=True)]
     mapping = build_label2id([(k, row) for ks, row in zip(per_row, rows, strict=True) for k in ks], label2id)
     hots = []
@@ -354,21 +357,39 @@ def classification_labels(
         for k in ks:
             hot[label_id(k, row, mapping)] = 1.0
         hots.append(hot)
-    return hots, mapping
+    return hots, mapping, False
+
+
+def is_number(value) -> bool:
+    """A real number, numpy's included, not a str or bool."""
+    return isinstance(value, numbers.Real | np.number) and not isinstance(value, bool | np.bool_)
 
 
 def multi_hot(
-    lists: list[list], rows: list[Row], column: str, label2id: Mapping[str, int] | None
+    lists: list[list], rows: list[Row], column: str, label2id: Mapping[str, int] | None, vectors: bool | None
 ) -> tuple[list, dict[str, int]] | None:
     """Multi-label targets written as multi-hot vectors (0/1 per class, transformers' float labels): (the vectors,
-    label2id), where every row is a list of 0s and 1s of one length (2 or more; read as label ids, every row would
-    name every class); None for lists of label names or ids."""
-    width = len(lists[0]) if lists else 0
-    binary = all(
-        len(values) == width and all(isinstance(v, int | float) and v in (0, 1) for v in values) for values in lists
-    )
-    if width < 2 or not binary:
+    label2id), or None for lists of label names or ids. `vectors` says which the training data held (True, False),
+    else (None) rows that all are 0/1 numbers of one length, 2 or more, are vectors (read as ids, every row would name
+    every class); integer lists of which one repeats a value cannot be ids: every row must then be such a vector."""
+    if vectors is False or not lists:
         return None
+    width = len(lists[0]) if vectors is None or label2id is None else len(label2id)
+
+    def vector(values: list) -> bool:
+        return len(values) == width and all(is_number(v) and v in (0, 1) for v in values)
+
+    if vectors is None and (width < 2 or not all(map(vector, lists))):
+        numeric = [values for values in lists if all(is_number(v) for v in values)]
+        if not any(len(set(map(float, values))) < len(values) for values in numeric):
+            return None  # names or ids
+    odd = next((row for values, row in zip(lists, rows, strict=True) if not vector(values)), None)
+    if odd is not None:
+        raise DataError(
+            f"{odd.where}: column {column!r} holds {odd.get(column)!r:.60}, not a 0/1 vector of {width} classes as the "
+            "other rows' multi-hot vectors are; write every row as a vector of 0s and 1s of one length, or as a list "
+            "of label names or ids"
+        )
     mapping = dict(label2id) if label2id is not None else {f"LABEL_{i}": i for i in range(width)}
     if len(mapping) != width:
         raise DataError(f"{rows[0].where}: the 0/1 vectors have {width} classes but label2id= names {len(mapping)}")
@@ -418,9 +439,11 @@ def sequence_classification_data(
     problem_type: str | None = None,
     label2id: Mapping[str, int] | None = None,
     max_length: int | None = None,
+    label_vectors: bool | None = None,
 ) -> Examples:
-    """Texts (or text pairs) with one label each: a name or id (single-label), a list of them (multi-label), a
-    number (regression). `problem_type` takes transformers' names; None reads it from the first row's label."""
+    """Texts (or text pairs) with one label each: a name or id (single-label), a list of them or a 0/1 vector
+    (multi-label; `label_vectors` True or False says which, None reads it from the rows), a number (regression).
+    `problem_type` takes transformers' names; None reads it from the first row's label."""
     if problem_type is not None and problem_type not in PROBLEM_TYPES:
         raise ValueError(f"problem_type must be one of {', '.join(PROBLEM_TYPES)}, got {problem_type!r}")
     rows = read_rows(data, text_column)
@@ -428,9 +451,9 @@ def sequence_classification_data(
     texts = [row.text(text_column) for row in rows]
     pairs = [row.text(text_pair_column) for row in rows] if text_pair_column else None
     label2id = label2id if label2id is not None else class_label_names(data, label_column)
-    labels, mapping = classification_labels(rows, label_column, problem_type, label2id)
+    labels, mapping, vectors = classification_labels(rows, label_column, problem_type, label2id, label_vectors)
     encodings = tokenizer.encode_batch(texts, pairs, max_length=max_length)
-    return Examples("sequence-classification", encodings, labels, mapping, rows, problem_type)
+    return Examples("sequence-classification", encodings, labels, mapping, rows, problem_type, vectors)
 
 
 def class_label_names(data, column: str) -> dict[str, int] | None:

@@ -11,15 +11,15 @@ from .heads import train_head
 
 
 def train_task(data: Data, run: SimpleNamespace) -> Trained:
-    problem_type = [run.problem_type]  # once the training data is read, its own: the eval data is read as that kind
+    # once the training data is read, its own kind (problem type, and 0/1 vectors or not): the eval data is read so
+    kind = {"problem_type": run.problem_type, "label_vectors": None}
 
     def read(data, tokenizer, label2id, seed):
         examples = sequence_classification_data(
             data, tokenizer, text_column=run.text_column or "text", text_pair_column=run.text_pair_column,
-            label_column=run.label_column or "label", problem_type=problem_type[0], label2id=label2id,
-            max_length=run.max_length,
+            label_column=run.label_column or "label", label2id=label2id, max_length=run.max_length, **kind,
         )  # fmt: skip
-        problem_type[0] = examples.problem_type
+        kind.update(problem_type=examples.problem_type, label_vectors=examples.label_vectors)
         return examples
 
     return train_head(CLASSIFY, data, run, read, pairs=run.text_pair_column is not None)
