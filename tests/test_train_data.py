@@ -219,6 +219,15 @@ def test_a_row_that_breaks_the_multi_hot_vectors_is_named_and_eval_data_is_read_
     ]
     with pytest.raises(DataError, match=r"item 3 of the data: column 'label' holds \[0, 1, 1\], not a 0/1 vector of 4"):
         sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")
+    rows = [{"text": t, "label": v} for t, v in zip("abcd", ([1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 0]), strict=True)]
+    with pytest.raises(DataError, match=r"item 1 of the data: column 'label' holds \[1, 0\], not a 0/1 vector of 3"):
+        sequence_classification_data(rows, tokenizer, problem_type="multi_label_classification")  # the odd row
+    repeated = [{"text": t, "label": v} for t, v in zip("abc", ([3], [2, 2], [0, 1]), strict=True)]  # ids, as run_
+    read = sequence_classification_data(repeated, tokenizer, problem_type="multi_label_classification")  # classif.
+    assert read.labels == [[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    inferred = sequence_classification_data([{"text": "a", "label": np.array([1, 0, 1])}, {"text": "b",
+                                            "label": np.array([0, 1, 0])}], tokenizer)  # fmt: skip
+    assert inferred.problem_type == "multi_label_classification" and inferred.label_vectors
     ids = {f"LABEL_{i}": i for i in range(4)}  # training data of label ids: an eval row [0, 1] names two of them
     read = sequence_classification_data([{"text": "g", "label": [0, 1]}], tokenizer, label2id=ids,
                                         problem_type="multi_label_classification", label_vectors=False)  # fmt: skip

@@ -61,7 +61,7 @@ class ModelArgs(RotaryArgs, BaseArgs):
     def __post_init__(self):
         super().__post_init__()
         self.head_size = self.head_dim or self.hidden_size // self.num_attention_heads
-        key = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        key = "rope_scaling" if self.rope_scaling else "rope_parameters"
         rope = self.rope_scaling or self.rope_parameters  # transformers: a config's rope_scaling wins
         self.rope = rope_settings(rope, self.rope_theta, self.default_theta, self.max_position_embeddings, key)
 

@@ -71,7 +71,7 @@ class ModelArgs(BaseArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        key = "rope_parameters" if self.rope_parameters else "rope_scaling"
+        key = "rope_scaling" if self.rope_scaling else "rope_parameters"
         rope = self.rope_scaling or self.rope_parameters or {}  # transformers: a config's rope_scaling wins
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":

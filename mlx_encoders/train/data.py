@@ -13,6 +13,7 @@ import math
 import numbers
 import re
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,21 +370,25 @@ def multi_hot(
     lists: list[list], rows: list[Row], column: str, label2id: Mapping[str, int] | None, vectors: bool | None
 ) -> tuple[list, dict[str, int]] | None:
     """Multi-label targets written as multi-hot vectors (0/1 per class, transformers' float labels): (the vectors,
-    label2id), or None for lists of label names or ids. `vectors` says which the training data held (True, False),
-    else (None) rows that all are 0/1 numbers of one length, 2 or more, are vectors (read as ids, every row would name
-    every class); integer lists of which one repeats a value cannot be ids: every row must then be such a vector."""
+    label2id), or None for lists of label names or ids. `vectors` says which the training data held (True, False);
+    else (None) rows that all are 0/1 numbers of one length, 2 or more, are vectors (read as ids, every row would
+    name every class), and so is a 0/1 list that repeats a value (no list of ids does): every row must then be one."""
     if vectors is False or not lists:
         return None
-    width = len(lists[0]) if vectors is None or label2id is None else len(label2id)
 
-    def vector(values: list) -> bool:
-        return len(values) == width and all(is_number(v) and v in (0, 1) for v in values)
+    def zero_one(values: list) -> bool:
+        return all(is_number(v) and v in (0, 1) for v in values)
 
-    if vectors is None and (width < 2 or not all(map(vector, lists))):
-        numeric = [values for values in lists if all(is_number(v) for v in values)]
-        if not any(len(set(map(float, values))) < len(values) for values in numeric):
+    if vectors is True and label2id is not None:
+        width = len(label2id)
+    else:
+        certain = [len(v) for v in lists if zero_one(v) and len(set(map(float, v))) < len(v)]
+        widths = certain or [len(v) for v in lists if zero_one(v)]
+        width = Counter(widths).most_common(1)[0][0] if widths else 0
+        if vectors is None and not certain and (width < 2 or not all(zero_one(v) and len(v) == width for v in lists)):
             return None  # names or ids
-    odd = next((row for values, row in zip(lists, rows, strict=True) if not vector(values)), None)
+    fits = [len(values) == width and zero_one(values) for values in lists]
+    odd = next((row for fit, row in zip(fits, rows, strict=True) if not fit), None)
     if odd is not None:
         raise DataError(
             f"{odd.where}: column {column!r} holds {odd.get(column)!r:.60}, not a 0/1 vector of {width} classes as the "
@@ -468,7 +473,8 @@ def infer_from_row(row: Row, column: str) -> str:
     """The problem type a data file's label says (the model's config has none yet): a list of labels means
     multi-label, a fractional number regression, anything else one label per text."""
     value = row.get(column)
-    if isinstance(value, (list, tuple)) or (isinstance(value, str) and value.lstrip().startswith("[")):
+    listed = isinstance(value, (list, tuple)) or isinstance(value, np.ndarray) and value.ndim == 1
+    if listed or (isinstance(value, str) and value.lstrip().startswith("[")):
         return "multi_label_classification"
     if isinstance(value, float) or (isinstance(value, str) and FRACTION.fullmatch(value.strip())):
         return "regression"
