@@ -135,6 +135,8 @@ def test_feature_extraction_tokenize_kwargs(pipes):
     for theirs in (ours, ref):
         with pytest.raises(ValueError, match="truncation parameter defined twice"):
             theirs(LONG, truncation=True, tokenize_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="padding='max_length' is not supported here"):  # transformers pads the states
+        ours("short", tokenize_kwargs={"padding": "max_length", "max_length": 20})
 
 
 # ------------------------------------------------------------------------------------ return_all_scores
@@ -195,10 +197,11 @@ def test_stride_without_aggregation_strategy(pipes):
     ("task", "defaults", "calls"),
     [
         ("text-classification", dict(top_k=2), [dict(), dict(top_k=1), dict(top_k=None, function_to_apply="none")]),
-        ("text-classification", dict(function_to_apply="sigmoid"), [dict(), dict(top_k=None)]),
-        ("fill-mask", dict(top_k=2), [dict(), dict(top_k=4)]),
+        ("text-classification", dict(function_to_apply="sigmoid"),
+         [dict(), dict(top_k=None), dict(function_to_apply=None, top_k=None)]),  # None: the default holds
+        ("fill-mask", dict(top_k=2), [dict(), dict(top_k=4), dict(top_k=None)]),
         ("token-classification", dict(aggregation_strategy="simple", ignore_labels=[]),
-         [dict(), dict(ignore_labels=["O"])]),
+         [dict(), dict(ignore_labels=["O"]), dict(aggregation_strategy=None)]),
         ("token-classification", dict(aggregation_strategy="none"), [dict(stride=16)]),  # separate sets: allowed
     ],
 )  # fmt: skip

@@ -75,9 +75,13 @@ class Pipeline:
         given at construction, and `batch_size` (inputs per forward pass) the pipeline's."""
         batch_size = self.batch_size if batch_size is None else batch_size
         check_count("batch_size", batch_size, 1)
-        options = {**self.defaults, **self.options(options)}
+        # a keyword given as None is not given (transformers' `_sanitize_parameters`): the pipeline's default holds
+        given = {k: v for k, v in options.items() if v is not None or k in self.none_is_a_value}
+        options = {**self.defaults, **self.options(given)}
         with mx.stream(self.device):
             return self.predict(*args, batch_size=batch_size, **options)
+
+    none_is_a_value: tuple[str, ...] = ()  # keywords whose None means something (text classification's top_k)
 
     def predict(self, inputs, *, batch_size: int):
         raise NotImplementedError

@@ -31,6 +31,11 @@ class FeatureExtractionPipeline(Pipeline):
         """Last hidden states of a text (or of each text in a list); `return_tensors=True` gives mx.arrays.
         Texts are truncated to the model's length unless `truncation=False`; `tokenize_kwargs` (truncation,
         max_length) as transformers'."""
+        if (tokenize_kwargs or {}).get("padding") == "max_length":  # transformers returns the padding's states too
+            raise ValueError(
+                "feature-extraction: tokenize_kwargs padding='max_length' is not supported here: each text's hidden "
+                "states are those of its own tokens; pad the arrays afterwards if a fixed width is needed"
+            )
         options = tokenizer_options(tokenize_kwargs, "tokenize_kwargs")
         if truncation is not None:
             if "truncation" in options:  # transformers' rule and message

@@ -24,6 +24,7 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 class TextClassificationPipeline(Pipeline):
     task = "text-classification"
     head = "sequence-classification"
+    none_is_a_value = ("top_k",)  # top_k=None: every label's score, as transformers'
 
     def default_function(self) -> str:
         problem, n = self.model.args.problem_type, self.model.args.num_labels
