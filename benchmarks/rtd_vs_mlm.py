@@ -192,6 +192,8 @@ def compare(folders: list[pathlib.Path]) -> None:
     seeds at the steps all of them saved: masked-LM, the default run and its ablations side by side."""
     columns = {}
     for folder in folders:
+        if not (folder / "results.json").is_file():
+            raise SystemExit(f"{folder} holds no results.json: give the --output folders of finished runs")
         results = json.loads((folder / "results.json").read_text())["results"]
         for kind in dict.fromkeys(r["kind"] for r in results):
             columns[f"{folder.name} {kind}"] = summary([r for r in results if r["kind"] == kind])

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="cast the weights")
     args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error(f"--top-k must be 1 or more, got {args.top_k}")
     model = SHORTCUTS.get(args.model, args.model)
     try:
         fill = pipeline("fill-mask", model=model, dtype=args.dtype)
