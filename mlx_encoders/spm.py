@@ -8,7 +8,6 @@ tokenizer class (models/{albert,xlm_roberta,deberta_v2}/tokenization_*.py). This
 the `.model` protobuf with a small wire-format reader so that neither protobuf nor sentencepiece is needed.
 """
 
-import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import Unigram
+
+from .jsonfile import read_json_object
 
 FILES = ("spiece.model", "sentencepiece.bpe.model", "spm.model")
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -198,19 +199,12 @@ def added_tokens(folder: Path, config: dict, named: set[str]) -> list[AddedToken
         for key, entry in entries.items():
             if not str(key).isdigit() or not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
                 raise ValueError(f"{where}: entry {key!r} must be a token id with an object holding its 'content'")
-            flags = {
-                k: bool(entry[k]) for k in ("single_word", "lstrip", "rstrip", "normalized", "special") if k in entry
-            }
+            flags = {k: bool(entry[k]) for k in FLAGS if k in entry}
             tokens.append((int(key), AddedToken(entry["content"], **flags)))
         return [token for _, token in sorted(tokens, key=lambda pair: pair[0])]
     file = folder / "added_tokens.json"
-    if not file.exists():
-        return []
-    try:
-        ids = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from e
-    if not isinstance(ids, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids.values()):
+    ids = read_json_object(file)  # {} when there is none
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids.values()):
         raise ValueError(f"{file} must be an object of token -> id")
     return [
         AddedToken(token, special=token in named, normalized=token not in named)

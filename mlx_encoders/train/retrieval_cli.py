@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..checkpoint.atomic import user_mode
 from ..records import jsonl_records, text_lines, writable_file
 
 SIMILARITY_NAMES = ("cosine", "dot", "euclidean", "manhattan")
@@ -29,9 +30,7 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, user_mode() & 0o666)  # mkstemp's files are private (0600)
         os.replace(tmp, path)
     except OSError as e:
         os.unlink(tmp)
