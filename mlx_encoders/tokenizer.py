@@ -97,6 +97,14 @@ def check_unicode(text: str, index: int) -> None:
         ) from None
 
 
+def side(config: dict, key: str) -> str:
+    """tokenizer_config.json's `key` ("left" or "right"; "right" when unset)."""
+    value = config.get(key) or "right"
+    if value not in ("left", "right"):
+        raise ValueError(f"tokenizer_config.json: {key} must be 'left' or 'right', got {value!r}")
+    return value
+
+
 class Tokenizer:
     """Callable like a transformers tokenizer: `tok(texts, text_pair=None, padding=True, truncation=True)`."""
 
@@ -113,11 +121,9 @@ class Tokenizer:
         )
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and not bpe
         # Decoders used as encoders (Qwen3-Embedding) pad on the left, so every row ends with a real token.
-        self.padding_side = config.get("padding_side") or "right"
-        if self.padding_side not in ("left", "right"):
-            raise ValueError(
-                f"tokenizer_config.json: padding_side must be 'left' or 'right', got {self.padding_side!r}"
-            )
+        self.padding_side = side(config, "padding_side")
+        # the end an over-long text is cut at when a call names none, as transformers' tokenizers read it
+        self.truncation_side = side(config, "truncation_side")
         for name in SPECIAL:
             setattr(self, name, _content(config.get(name)))
         self.default_special_tokens()
@@ -212,12 +218,12 @@ class Tokenizer:
     def encode_batch(
         self, text, text_pair=None, truncation: bool | str = True, max_length: int | None = None,
         add_special_tokens: bool = True, stride: int = 0, is_split_into_words: bool = False,
-        direction: str = "right",
+        direction: str | None = None,
     ) -> list[Encoding]:  # fmt: skip
         """Raw `tokenizers` encodings (ids, offsets, word ids) for a list of texts or pairs (or, with
         `is_split_into_words`, of lists of words). `truncation`: True (longest first), False, or a strategy
         ("longest_first", "only_first", "only_second"); `direction` "left" cuts a text's start instead of its end
-        (transformers' `truncation_side`)."""
+        (transformers' `truncation_side`; None: tokenizer_config.json's, else the end)."""
         texts = text_list(text, "The tokenizer")
         if text_pair is not None:
             pairs = text_list(text_pair, "The tokenizer's text_pair")
@@ -234,6 +240,7 @@ class Tokenizer:
                     f"max_length {limit} leaves no room: the tokenizer adds {added} special tokens to every input; "
                     f"use a max_length of at least {added}"
                 )  # fmt: skip
+        direction = direction or self.truncation_side
         options = dict(max_length=limit, stride=stride, strategy=strategy, direction=direction) if truncation else None
         with self.truncating(options) as backend:
             return backend.encode_batch(

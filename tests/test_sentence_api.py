@@ -361,6 +361,23 @@ def test_cross_encoder_saved_softmax_matches_sentence_transformers(tmp_path, cro
         assert_same(ours.predict(PAIRS), theirs.predict(PAIRS))
 
 
+def test_truncation_side_of_the_tokenizer_config_matches_sentence_transformers(tmp_path, folder, cross_encoders):
+    """tokenizer_config.json's truncation_side "left" keeps a long text's end, in both encoders as in theirs."""
+    long = " ".join(f"word{i}" for i in range(40))
+    theirs = SentenceTransformer(str(folder), device="cpu")
+    theirs.tokenizer.truncation_side, theirs.max_seq_length = "left", 16
+    theirs.save(str(tmp_path / "st"))
+    theirs, ours = SentenceTransformer(str(tmp_path / "st"), device="cpu"), SentenceEncoder(tmp_path / "st")
+    assert theirs.tokenizer.truncation_side == ours.tokenizer.truncation_side == "left"
+    assert_same(ours.encode([long, "short"]), theirs.encode([long, "short"]))
+    crossing = TorchCrossEncoder(str(cross_encoders(1)[0].path), device="cpu", max_length=16)
+    crossing.tokenizer.truncation_side = "left"
+    crossing.save(str(tmp_path / "ce"))
+    theirs, ours = TorchCrossEncoder(str(tmp_path / "ce"), device="cpu"), CrossEncoder(tmp_path / "ce")
+    pairs = [(long, "a short document"), ("short", "doc")]
+    assert_same(ours.predict(pairs), theirs.predict(pairs))
+
+
 def test_cross_encoder_lowercases_as_its_sentence_bert_config_asks(tmp_path):
     """do_lower_case in sentence_bert_config.json, on a cased (RoBERTa) tokenizer: both lowercase the pairs."""
     checkpoint = make_checkpoint(tmp_path / "ce", "roberta", "sequence-classification", num_labels=1)

@@ -232,11 +232,11 @@ class CrossEncoder(Encoder):
             return mx.zeros((0, self.num_labels))
         return mx.array(self.encoding_logits(self.tokenize(pairs, prompt), batch_size, show_progress))
 
-    def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "", direction: str = "right") -> list:
+    def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "", direction: str | None = None) -> list:
         """Each pair as the model reads it (the inputs of `encoding_logits`), cut to `max_seq_length` (`overflowing`
-        non-empty where cut), longest text first, at its end or (`direction` "left") its start: through the chat
-        template as a [system prompt,] query, document conversation (cut at the end only), else as a text pair, the
-        prompt before the query."""
+        non-empty where cut), longest text first, at the tokenizer's `truncation_side` or `direction`'s end:
+        through the chat template as a [system prompt,] query, document conversation (cut at the end only), else
+        as a text pair, the prompt before the query."""
         self.check_max_seq_length()
         if not pairs:
             return []
@@ -246,8 +246,11 @@ class CrossEncoder(Encoder):
             return self.tokenizer.encode_batch(
                 firsts, list(seconds), max_length=self.max_seq_length, direction=direction
             )
-        if direction != "right":
-            raise ValueError(f"{self.path} reads pairs through its chat template, which cuts a pair at its end only")
+        if (direction or self.tokenizer.truncation_side) != "right":
+            raise ValueError(
+                f"{self.path} reads pairs through its chat template, which cuts a pair at its end only: "
+                "truncate at the right (tokenizer_config.json's truncation_side, the call's direction)"
+            )
         system = [{"role": "system", "content": prompt}] if prompt else []
         conversations = [
             system + [{"role": "query", "content": q}, {"role": "document", "content": d}] for q, d in pairs

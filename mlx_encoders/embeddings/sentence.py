@@ -146,10 +146,10 @@ class SentenceEncoder(Embedder):
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
     def tokenize(
-        self, texts: list[str], prompt: str = "", max_length: int | None = None, direction: str = "right"
+        self, texts: list[str], prompt: str = "", max_length: int | None = None, direction: str | None = None
     ) -> list[Encoding]:
         """`texts` as the model reads them, `prompt` before each (see `input_prompt`), cut to `max_seq_length`
-        tokens (or a shorter `max_length`) at their end, or at their start with `direction` "left"; an
+        tokens (or a shorter `max_length`) at the tokenizer's `truncation_side` or `direction`'s end; an
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
         limit = self.max_seq_length if max_length is None else min(self.max_seq_length, max_length)
         texts = [prompt + t for t in texts] if prompt else texts

@@ -161,10 +161,10 @@ class Pipeline:
 
     def encode(
         self, texts: Sequence, text_pairs: Sequence | None = None, truncation: bool | str = True,
-        max_length: int | None = None, is_split_into_words: bool = False, direction: str = "right",
+        max_length: int | None = None, is_split_into_words: bool = False, direction: str | None = None,
     ) -> list[Encoding]:  # fmt: skip
-        """Encodings truncated to `max_length` (default the model's length) at their end, or at their start with
-        `direction` "left"; without truncation, one longer than the position table fails."""
+        """Encodings truncated to `max_length` (default the model's length) at the tokenizer's `truncation_side`,
+        or at `direction`'s end ("left", "right"); without truncation, one longer than the position table fails."""
         if truncation not in TRUNCATIONS:
             raise ValueError(f"Unknown truncation {truncation!r}; choose one of {TRUNCATIONS}")
         if max_length is not None:

@@ -262,20 +262,20 @@ class ServedModel:
     def tokenize(
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
         task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
-        direction: str = "right", token_vectors: bool = False, limit_field: str = "max_length",
+        direction: str | None = None, token_vectors: bool = False, limit_field: str = "max_length",
         hint: str = TOO_LONG_HINT,
     ) -> list:  # fmt: skip
         """The encoder's encodings of `texts` (`pairs`: of (text, pair) pairs, as `predict` reads them), with the
         prompt `encode` prepends (`task` "query" or "document": `encode_query`'s / `encode_document`'s, a sparse
         Router's route for the task included; `prompt_name`: that prompt instead, as their `prompt_name=`); an
-        input longer than the model takes is an error unless `truncate`, cut at its end or, `direction` "left", at
-        its start (dense and classifier models; these also take a shorter `max_length`, the request's field
-        `limit_field`); `hint` ends the error: how this route cuts inputs. A dense model's items with
-        `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
+        input longer than the model takes is an error unless `truncate`, cut at `direction`'s end ("left",
+        "right"; None: the tokenizer's `truncation_side`; dense and classifier models, which also take a shorter
+        `max_length`, the request's field `limit_field`); `hint` ends the error: how this route cuts inputs. A
+        dense model's items with `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
             prefix = self.named_prompt(prompt_name)
-        if direction != "right" and (self.sparse is not None or self.multi is not None):
+        if direction == "left" and (self.sparse is not None or self.multi is not None):
             raise ApiError(
                 400, f"model {self.name!r} is a {self.kind} model: it truncates at the end of a text only; send "
                 '"truncation_direction": "right", or shorter texts', "truncation_direction",
@@ -313,7 +313,7 @@ class ServedModel:
 
     def encodings(
         self, texts: list[str], pairs: list[str] | None, task: str | None, prefix: str, max_length: int | None,
-        direction: str,
+        direction: str | None,
     ) -> tuple[list, int | None]:  # fmt: skip
         """(the encoder's encodings of the inputs, the tokens it keeps of each)."""
         if self.sparse is not None:
