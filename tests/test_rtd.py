@@ -44,7 +44,7 @@ def torch_pair(vocab: int, seed: int = 0, share: bool = True):
     torch.manual_seed(seed)
     config = transformers.ElectraConfig(vocab_size=vocab, **SIZES, **NO_DROPOUT)
     discriminator = transformers.ElectraForPreTraining(config)
-    small = dict(hidden_size=8, num_attention_heads=1, intermediate_size=9)  # generator_args' sizes at 1/4
+    small = dict(hidden_size=8, num_attention_heads=1, intermediate_size=32)  # generator_args' sizes at 1/4
     generator = transformers.ElectraForMaskedLM(transformers.ElectraConfig(**{**config.to_dict(), **small}))
     if share:
         generator.electra.embeddings = discriminator.electra.embeddings
@@ -60,7 +60,12 @@ def test_generator_sizes_follow_electra():
     small = generator_args(ModelArgs.preset("small"), 1.0)
     assert (small.hidden_size, small.num_attention_heads, small.intermediate_size) == (256, 4, 1024)
     tiny = generator_args(ModelArgs.from_dict({**SIZES, **NO_DROPOUT}), 0.25)
-    assert (tiny.hidden_size, tiny.num_attention_heads, tiny.intermediate_size) == (8, 1, 9)
+    assert (tiny.hidden_size, tiny.num_attention_heads, tiny.intermediate_size) == (8, 1, 32)
+    # widths that are not a whole number of the discriminator's heads: ELECTRA rounds the width, not the heads
+    eighth = generator_args(ModelArgs.preset("base"), 1 / 8)
+    assert (eighth.hidden_size, eighth.num_attention_heads, eighth.intermediate_size) == (96, 1, 384)
+    odd = generator_args(ModelArgs.from_dict({**SIZES, "hidden_size": 800, "num_attention_heads": 8}), 0.25)
+    assert (odd.hidden_size, odd.num_attention_heads, odd.intermediate_size) == (200, 2, 800)
     with pytest.raises(ValueError, match="generator_size must be a fraction in \\(0, 1\\]"):
         generator_args(tiny, 1.5)
 

@@ -47,15 +47,14 @@ def rtd_masker(tokenizer: Tokenizer, whole_word: bool = False) -> Masker:
 
 
 def generator_args(discriminator: ModelArgs, size: float) -> ModelArgs:
-    """ELECTRA's `get_generator_config`: the discriminator's config at `size` x its hidden and feed-forward widths,
-    with heads as wide as the discriminator's (64 in the published models: hidden // 64 heads); the embeddings,
-    shared, keep their width."""
+    """ELECTRA's `get_generator_config`: the discriminator's config with a hidden width of round(`size` x its
+    own), a feed-forward 4 x that, and hidden // 64 heads (at least one; fewer where they would not divide the
+    width); the embeddings, shared, keep their width."""
     if not 0 < size <= 1:
         raise ValueError(f"generator_size must be a fraction in (0, 1] of the discriminator's width, got {size!r}")
-    head = discriminator.hidden_size // discriminator.num_attention_heads
-    heads = max(1, round(discriminator.hidden_size * size / head))
-    sizes = dict(hidden_size=heads * head, num_attention_heads=heads)
-    sizes["intermediate_size"] = max(1, round(discriminator.intermediate_size * size))
+    hidden = max(1, round(discriminator.hidden_size * size))
+    heads = next(n for n in range(max(1, hidden // 64), 0, -1) if hidden % n == 0)
+    sizes = dict(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden)
     return ModelArgs.from_dict({**discriminator.to_config(), **sizes})
 
 
