@@ -58,18 +58,20 @@ RUN_SETTINGS = ("batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "warmu
 
 
 def run_settings(config) -> dict:
-    """`RUN_SETTINGS`' values as JSON writes them (an option given as a numpy number, as plain Python)."""
-    return {name: (v.item() if isinstance(v := getattr(config, name), np.generic) else v) for name in RUN_SETTINGS}
+    """`RUN_SETTINGS`' values as JSON writes them (an option given as a numpy number, as plain Python), and
+    `fine_tune`'s task options (`TrainingConfig.task_settings`)."""
+    loop = {name: (v.item() if isinstance(v := getattr(config, name), np.generic) else v) for name in RUN_SETTINGS}
+    return loop | config.task_settings
 
 
 def check_run_settings(state: TrainerState, config, folder: Path) -> None:
-    """Refuse to resume a checkpoint under other `RUN_SETTINGS` than the run that wrote it (a checkpoint written
-    before they were recorded is taken as it is)."""
+    """Refuse to resume a checkpoint under other `run_settings` than the run that wrote it (a setting it did not
+    record, written before it was, is taken as it is)."""
     if state.run is None:
         return
     now = run_settings(config)
     changed = [
-        f"{name} {state.run.get(name)!r} -> {now[name]!r}" for name in RUN_SETTINGS if state.run.get(name) != now[name]
+        f"{name} {state.run[name]!r} -> {now[name]!r}" for name in now if state.run.get(name, now[name]) != now[name]
     ]
     if changed:
         raise ValueError(

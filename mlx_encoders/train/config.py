@@ -221,6 +221,8 @@ class TrainingConfig:
         tasks=(CLASSIFY, TOKENS, MLM, CLM),
     )  # fmt: skip
     overwrite: bool = option(False, "clear another run's files from OUTPUT first")
+    # `fine_tune`'s options that shape the batches and the loss, as JSON writes them: a resume must share them
+    task_settings: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         check_options(self)

@@ -7,6 +7,7 @@ before the data is read, and every option's range (`config.RANGES`, the table th
 
 import argparse
 import inspect
+import json
 import typing
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -144,8 +145,10 @@ def loop_option(field) -> Option:
                   choices=meta.get("choices"), group="training", switch_off=field.default is True)  # fmt: skip
 
 
-OPTIONS = {o.name: o for o in (*CALL, *(loop_option(f) for f in fields(TrainingConfig) if f.name != "output_dir"))}
-LOOP = tuple(f.name for f in fields(TrainingConfig) if f.name != "output_dir")
+LOOP = tuple(f.name for f in fields(TrainingConfig) if "help" in f.metadata)
+OPTIONS = {o.name: o for o in (*CALL, *(loop_option(f) for f in fields(TrainingConfig) if f.name in LOOP))}
+# The call's options a resumed run may change: where the weights and data come from (the checkpoint holds them)
+RESUMABLE_CHANGES = ("model", "config", "tokenizer", "generator", "eval_data", "resume")
 # option -> the tasks that read it; every other task would ignore it. next_sentence picks mlm's pretraining head,
 # so `fine_tune.task_name` refuses it elsewhere as it picks the task
 
@@ -177,6 +180,11 @@ def signature(function) -> inspect.Signature:
     return inspect.Signature([*head, *keywords], return_annotation=inspect.signature(function).return_annotation)
 
 
+def as_json(values: dict) -> dict:
+    """`values` as JSON writes and reads them back (tuples as lists, paths and other objects as strings)."""
+    return json.loads(json.dumps(values, default=str))
+
+
 def read_options(function: str, output_dir: str | Path, options: Mapping) -> SimpleNamespace:
     """`options` (keywords of `function`) with every other option at its default, as attributes, and `training`,
     the loop's `TrainingConfig`: an unknown name is a TypeError, as Python gives for an unknown keyword."""
@@ -190,7 +198,8 @@ def read_options(function: str, output_dir: str | Path, options: Mapping) -> Sim
         if OPTIONS[name].kind is bool and name not in LOOP and value is not None:
             check_switch(name, value)
     values = {name: options.get(name, OPTIONS[name].default) for name in known}
-    training = TrainingConfig(output_dir, **{name: values[name] for name in LOOP})
+    task = {o.name: values[o.name] for o in CALL if o.api and o.name not in RESUMABLE_CHANGES}
+    training = TrainingConfig(output_dir, **{name: values[name] for name in LOOP}, task_settings=as_json(task))
     return SimpleNamespace(**values, training=training)
 
 
