@@ -441,6 +441,16 @@ def test_documents_that_give_no_loss_are_refused_naming_the_line(tmp_path, token
     assert [len(e.ids) for e in windows.encodings] == [4, 4]
 
 
+def test_causal_lm_windows_hold_special_tokens_only_at_the_documents_ends(tokenizer):
+    """run_clm's group_texts: the end-of-text token a tokenizer appends follows a document's real end only, never
+    a window cut mid-text (it would be trained as a label there)."""
+    text = "the cat sat on the mat and looked at the bird for a long while"
+    windows = causal_lm_data([{"text": text}], tokenizer, max_length=5)
+    assert len(windows) > 2 and all(len(e.ids) <= 5 for e in windows.encodings)
+    whole = tokenizer.encode_batch([text], truncation=False)[0]
+    assert [t for e in windows.encodings for t in e.tokens] == whole.tokens
+
+
 # ----- next-sentence prediction -----
 
 

@@ -607,13 +607,26 @@ def warn_typed_special(encodings: list[Encoding], rows: list[Row], tokenizer: To
 
 
 def lm_windows(
-    data: str | Path | Iterable[Mapping], tokenizer: Tokenizer, text_column: str, max_length: int | None
+    data: str | Path | Iterable[Mapping],
+    tokenizer: Tokenizer,
+    text_column: str,
+    max_length: int | None,
+    special_per_window: bool = True,
 ) -> tuple[list[Encoding], list[Row]]:
-    """Each document's windows of at most `max_length` tokens, each with the row the document starts on."""
+    """Each document's windows of at most `max_length` tokens, each with the row the document starts on; each
+    window between the tokenizer's special tokens ([CLS] ... [SEP]), or, not `special_per_window`, the document
+    cut as a whole, so that they stand only at its real start and end (run_clm's `group_texts`)."""
     documents = read_documents(data, text_column)
     texts = ["\n".join(row.text(text_column) for row in doc) for doc in documents]
+    if special_per_window:
+        whole = tokenizer.encode_batch(texts, max_length=max_length)
+    else:
+        whole, limit = tokenizer.encode_batch(texts, truncation=False), max_length or tokenizer.model_max_length
+        for encoding in whole:
+            if len(encoding.ids) > limit:
+                encoding.truncate(limit)
     encodings, rows = [], []
-    for first, doc in zip(tokenizer.encode_batch(texts, max_length=max_length), documents, strict=True):
+    for first, doc in zip(whole, documents, strict=True):
         windows = [first, *first.overflowing]
         encodings += windows
         rows += [doc[0]] * len(windows)
@@ -627,9 +640,10 @@ def causal_lm_data(
     text_column: str = "text",
     max_length: int | None = None,
 ) -> Examples:
-    """Causal-LM examples: each document split into windows of at most `max_length` tokens, as for masked-LM;
+    """Causal-LM examples: each document split into windows of at most `max_length` tokens, the tokenizer's special
+    tokens (an end-of-text token) only at its real start and end, as run_clm's `group_texts` places them;
     `collate` labels every real token with itself (the loss shifts them) and padding with -100."""
-    encodings, rows = lm_windows(data, tokenizer, text_column, max_length)
+    encodings, rows = lm_windows(data, tokenizer, text_column, max_length, special_per_window=False)
     kept = []
     for i, (e, row) in enumerate(zip(encodings, rows, strict=True)):
         if len(e.ids) >= 2:
