@@ -47,3 +47,13 @@ def test_a_folder_written_here_loads_in_sentence_transformers_as_written(tmp_pat
     assert (ours.max_seq_length, ours.prompts["query"], ours.similarity_fn_name) == (12, "q: ", "dot")
     expected = theirs.encode(TEXTS, prompt_name="query")
     assert_float32_close(ours.encode_query(TEXTS), expected, encoder_terms(folder, TEXTS))
+
+
+def test_a_pooling_of_several_modes_written_here_has_the_width_sentence_transformers_reads(tmp_path):
+    folder = make_checkpoint(tmp_path / "model", "bert")
+    width = json.loads((folder / "config.json").read_text())["hidden_size"]
+    write_folder(folder, [("Transformer", ""), ("Pooling", "1_Pooling")], {}, {"max_seq_length": 12})
+    write_module_config(folder, "1_Pooling", pooling_config(Pooling(("cls", "mean")), width))
+    theirs = SentenceTransformer(str(folder), device="cpu")
+    assert theirs.get_embedding_dimension() == theirs.encode(TEXTS).shape[1] == 2 * width
+    assert SentenceEncoder(folder).get_embedding_dimension() == 2 * width

@@ -6,6 +6,7 @@ MultiVectorMask (punctuation skiplist) and Normalize, saved by sentence-transfor
 markers, query expansion ("fixed" and "min", attended or not) and documents past their length limit.
 """
 
+import json
 import string
 from pathlib import Path
 
@@ -84,6 +85,15 @@ def test_colbert_matches_sentence_transformers(tmp_path, encoders, model_type, e
         rtol=1e-5,
     )
     assert_matrices_close(encoder.encode(DOCUMENTS[3:], convert_to_numpy=True), st.encode(DOCUMENTS[3:]))
+
+
+def test_a_dense_similarity_name_in_the_settings_falls_back_to_maxsim(tmp_path, encoders):
+    """sentence-transformers ignores a legacy "cosine" or "dot" saved with a multi-vector model."""
+    folder = save_colbert(tmp_path / "st", encoders["bert"])
+    settings = folder / "config_sentence_transformers.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "similarity_fn_name": "cosine"}))
+    assert STMultiVectorEncoder(str(folder), device="cpu").similarity_fn_name == "maxsim"
+    assert MultiVectorEncoder(folder).similarity_fn_name == "maxsim"
 
 
 def test_single_text_mx_output_and_meanmaxsim(tmp_path, encoders):

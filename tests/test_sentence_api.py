@@ -31,6 +31,7 @@ from sentence_transformers.util.quantization import quantize_embeddings as their
 from transformers import AutoTokenizer
 
 from mlx_encoders import CrossEncoder, SentenceEncoder, quantize_embeddings
+from mlx_encoders.embeddings.auto import load_encoder
 from mlx_encoders.engine import batching, runtime
 from mlx_encoders.engine.quantized import QuantizedEmbedding, QuantizedLinear
 
@@ -376,6 +377,20 @@ def test_truncation_side_of_the_tokenizer_config_matches_sentence_transformers(t
     theirs, ours = TorchCrossEncoder(str(tmp_path / "ce"), device="cpu"), CrossEncoder(tmp_path / "ce")
     pairs = [(long, "a short document"), ("short", "doc")]
     assert_same(ours.predict(pairs), theirs.predict(pairs))
+
+
+def test_a_cross_encoder_saved_by_sentence_transformers_is_loaded_as_one(tmp_path, cross_encoders):
+    """Its modules.json lists the Transformer alone: load_encoder (and the server) read a cross-encoder."""
+    TorchCrossEncoder(str(cross_encoders(1)[0].path), device="cpu").save(str(tmp_path / "ce"))
+    theirs, ours = TorchCrossEncoder(str(tmp_path / "ce"), device="cpu"), load_encoder(tmp_path / "ce")
+    assert isinstance(ours, CrossEncoder)
+    assert_same(ours.predict(PAIRS), theirs.predict(PAIRS))
+
+
+def test_cross_encoder_takes_numpy_arrays_of_pairs(cross_encoders):
+    ours, theirs = cross_encoders(1)
+    assert_same(ours.predict(np.array(PAIRS)), theirs.predict(np.array(PAIRS)))
+    assert_same(ours.predict(np.array(PAIRS[0])), theirs.predict(np.array(PAIRS[0])))  # 1-D: one pair
 
 
 def test_cross_encoder_lowercases_as_its_sentence_bert_config_asks(tmp_path):

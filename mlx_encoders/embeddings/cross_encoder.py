@@ -56,7 +56,9 @@ def saved_activation(path: str, source: Path) -> Callable | None:
 
 def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
     """(pairs, whether `inputs` was one pair): a pair is a list or tuple of two str, as sentence-transformers
-    takes one when its first item is not itself a list or tuple."""
+    takes one when its first item is not itself a list or tuple (a numpy array of strings: its rows)."""
+    if isinstance(inputs, np.ndarray):
+        inputs = inputs.tolist()
     single = isinstance(inputs, (list, tuple)) and len(inputs) > 0 and not isinstance(inputs[0], (list, tuple))
     items = [inputs] if single else text_list(inputs, "predict()")
     for i, pair in enumerate(items):

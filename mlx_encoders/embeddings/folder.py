@@ -166,9 +166,10 @@ def read_pooling(folder: Path) -> Pooling | None:
 
 
 def pooling_config(pooling: Pooling, width: int) -> dict:
-    """A Pooling module's config.json for token vectors of `width`."""
+    """A Pooling module's config.json for token vectors of `width` (sentence-transformers multiplies it by the
+    modes' count itself)."""
     modes = pooling.modes[0] if len(pooling.modes) == 1 else list(pooling.modes)
-    return {"embedding_dimension": width * len(pooling.modes), "include_prompt": pooling.include_prompt,
+    return {"embedding_dimension": width, "include_prompt": pooling.include_prompt,
             "pooling_mode": modes}  # fmt: skip
 
 
@@ -481,6 +482,9 @@ def folder_kind(path: Path) -> str:
     if "cross-encoder" in models:  # a causal LM scoring pairs with its LM head (Qwen3-Reranker)
         return "cross-encoder"
     model_type = folder.settings.get("model_type")
+    tasks = {read_sentence_config(m.folder).get("transformer_task") for m in folder.modules if m.kind == "Transformer"}
+    if model_type == "CrossEncoder" or "sequence-classification" in tasks:  # a CrossEncoder saved by s-t 6
+        return "cross-encoder"
     if "sparse" in models or model_type == "SparseEncoder":
         return "sparse"
     # sentence-transformers sets query_expansion only on a multi-vector model's Transformer

@@ -121,7 +121,7 @@ class MultiVectorEncoder(Embedder):
         self.mask: MultiVectorMask = mask.read() if mask is not None else MultiVectorMask()
         self.read_transformer_config(folder.sentence_config, folder.transformer)
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
-        self.similarity_fn_name = similarity_fn_name or folder.settings.get("similarity_fn_name") or "maxsim"
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "maxsim")
         self.skip_ids = self.resolve_skiplist()
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else self.model.args.hidden_size
 
