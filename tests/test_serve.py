@@ -186,12 +186,16 @@ def test_openai_sdk_base64_and_float_equal_sentence_transformers_and_encode(sent
 
 
 def test_openai_sdk_token_ids_dimensions_and_two_models(server, sentence_transformer, folders):
+    import openai
     from openai import OpenAI
     from transformers import AutoTokenizer
 
     from mlx_encoders import SentenceEncoder
 
     client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve("minilm").id == "minilm"
+    with pytest.raises(openai.NotFoundError, match="The model 'nothing' does not exist"):
+        client.models.retrieve("nothing")
     ids = AutoTokenizer.from_pretrained(MINILM)(TEXTS)["input_ids"]
     by_ids = client.embeddings.create(model="minilm", input=ids)
     by_one_list = client.embeddings.create(model="minilm", input=ids[0])

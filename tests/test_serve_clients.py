@@ -398,6 +398,13 @@ def test_infinity_routes_answer_in_infinity_shapes(server, folders, sentence_tra
     status, listed, _ = call(server, "/models")
     assert status == 200 and {m["id"]: m["capabilities"] for m in listed["data"]} == {
         "minilm": ["embed"], "rerank": ["classify", "rerank"], "classify": ["classify"]}  # fmt: skip
+    assert all(m["owned_by"] == "infinity" and m["stats"] == {} for m in listed["data"])  # its ModelInfo's
+    # Infinity's client sends "dimensions": 0 for every dimension; OpenAI's route keeps refusing it
+    status, answer, _ = call(server, "/embeddings", {"model": "minilm", "input": TEXTS, "dimensions": 0})
+    full = np.array([d["embedding"] for d in answer["data"]])
+    assert status == 200 and cosine(full, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+    status, answer, _ = call(server, "/v1/embeddings", {"model": "minilm", "input": TEXTS, "dimensions": 0})
+    assert status == 400 and answer["error"]["param"] == "dimensions", answer
     status, error, _ = call(server, "/classify", {"model": "minilm", "input": ["a"]})
     assert status == 400 and "'minilm' is a dense model" in error["error"]["message"], error
 

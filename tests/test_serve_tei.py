@@ -30,14 +30,16 @@ PROMPTS = {"query": "query: ", "passage": "passage: "}
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, checkpoint):
-    """all-MiniLM-L6-v2; a tiny sentence-transformers model with prompts, mean pooling and no Normalize, that takes
-    32 tokens; a one-label cross-encoder and a 3-label classifier."""
+    """all-MiniLM-L6-v2; a tiny sentence-transformers model with prompts ("passage" the default), mean pooling and
+    no Normalize, that takes 32 tokens; a one-label cross-encoder and a 3-label classifier."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
 
     root = tmp_path_factory.mktemp("tei")
     transformer = Transformer(str(make_checkpoint(root / "bert", "bert")), max_seq_length=32)
-    model = SentenceTransformer(modules=[transformer, Pooling(32)], prompts=PROMPTS, device="cpu")
+    model = SentenceTransformer(
+        modules=[transformer, Pooling(32)], prompts=PROMPTS, default_prompt_name="passage", device="cpu"
+    )
     model.save(str(root / "prompted"))
     return {
         "minilm": MINILM,
@@ -268,6 +270,8 @@ def test_tokenize_decode_and_info(server, folders):
     ]
     prompted = post(server, "/tokenize", {"model": "prompted", "inputs": "x", "prompt_name": "query"})
     assert [t["text"] for t in prompted[0] if not t["special"]] == ["query", ":", "x"]
+    default = post(server, "/tokenize", {"model": "prompted", "inputs": "x"})  # the default prompt, as /embed's
+    assert [t["text"] for t in default[0] if not t["special"]] == ["passage", ":", "x"]
 
     info = post(server, "/info?model=minilm", None)
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_input_length"] == 256

@@ -161,8 +161,11 @@ def documents(value, param: str) -> list[str]:
     return out
 
 
-def dimensions_of(body: dict, model: ServedModel) -> int | None:
-    dimensions = option(body, "dimensions", int, None, 1)
+def dimensions_of(body: dict, model: ServedModel, zero_is_all: bool = False) -> int | None:
+    """The request's "dimensions" (None: all; with `zero_is_all`, 0 too, as Infinity's client sends by default)."""
+    dimensions = option(body, "dimensions", int, None, 0 if zero_is_all else 1)
+    if dimensions == 0:
+        return None
     if dimensions is not None and dimensions > model.dimension:
         raise ApiError(
             400, f'"dimensions" is {dimensions}, more than the {model.dimension} of model {model.name!r}', "dimensions"

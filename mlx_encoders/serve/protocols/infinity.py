@@ -78,7 +78,7 @@ async def classify(request: Request, server: "Server"):
 
 async def models(request: Request, server: "Server"):
     data = [
-        {"id": m.name, "object": "model", "owned_by": "mlx-encoders", "created": 0, "backend": "mlx",
+        {"id": m.name, "object": "model", "owned_by": "infinity", "created": 0, "backend": "mlx", "stats": {},
          "capabilities": sorted({CAPABILITIES[c] for c in m.capabilities})}
         for m in server.models.values()
     ]  # fmt: skip

@@ -61,7 +61,8 @@ async def embeddings(request: Request, server: "Server"):
     dtype = output_dtype(body, fmt)
     if model.multi is not None:
         multi_vector_request(model, body, fmt, ids)
-    dimensions = dimensions_of(body, model) if model.multi is None else None
+    infinity = request.url.path == "/embeddings"  # its client sends "dimensions": 0 for all of them
+    dimensions = dimensions_of(body, model, zero_is_all=infinity) if model.multi is None else None
     truncate = option(body, "truncate", bool, server.options.auto_truncate)
     if ids is not None and task is not None:
         raise ApiError(400, '"input_type" applies to texts (its prompt); token ids are the whole input', "input_type")
@@ -137,12 +138,27 @@ async def classify(request: Request, server: "Server"):
     }
 
 
-async def models(request: Request, server: "Server"):
+def model_names(server: "Server") -> list[str]:
     """The served models, then the other models of --models-dir (loaded by their first request)."""
     names = list(server.models)
-    names += [n for n in server.lazy.names() if n not in server.models] if server.lazy is not None else []
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"} for name in names]
-    return {"object": "list", "data": data}
+    return names + ([n for n in server.lazy.names() if n not in server.models] if server.lazy is not None else [])
+
+
+def model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mlx-encoders"}
+
+
+async def models(request: Request, server: "Server"):
+    return {"object": "list", "data": [model_object(name) for name in model_names(server)]}
+
+
+async def model(request: Request, server: "Server"):
+    """OpenAI's retrieve-model route: the model's object as /v1/models lists it."""
+    name, names = request.path_params["model"], model_names(server)
+    if name not in names:
+        known = ", ".join(repr(n) for n in names)
+        raise ApiError(404, f"The model {name!r} does not exist; the models: {known}", "model", "model_not_found")
+    return model_object(name)
 
 
 ROUTES = {
@@ -150,6 +166,7 @@ ROUTES = {
     "/embeddings": (embeddings, ["POST"]),  # TEI's (and Infinity's) unprefixed alias
     "/v1/classify": (classify, ["POST"]),
     "/v1/models": (models, ["GET"]),
+    "/v1/models/{model}": (model, ["GET"]),
 }
 
 

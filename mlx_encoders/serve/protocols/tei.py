@@ -126,7 +126,7 @@ class TokenizeRequest(TypedDict, total=False):
     inputs: Required[Texts]
     model: Model
     add_special_tokens: Annotated[bool, "the model's special tokens around each text (default true)"]
-    prompt_name: Annotated[str | None, "prepend this prompt of the model's prompts (default none)"]
+    prompt_name: Annotated[str | None, "prepend this prompt of the model's prompts (default: its default prompt)"]
 
 
 class DecodeRequest(TypedDict, total=False):
@@ -379,8 +379,8 @@ async def tokenize(request: Request, server: "Server"):
     found = server.count(texts(body.get("inputs"), "inputs"), "inputs")
     special = option(body, "add_special_tokens", bool, True)
     prompt_name = option(body, "prompt_name", str)
-    if prompt_name is not None:
-        found = [model.named_prompt(prompt_name) + t for t in found]
+    prompt = model.prompt(None) if prompt_name is None else model.named_prompt(prompt_name)  # as /embed's
+    found = [prompt + t for t in found] if prompt else found
     return await server.tokenize(model, tokens, model, found, special)
 
 
