@@ -546,8 +546,13 @@ def st_collated_loss_and_grads(folder: Path, make_loss, rows: list[dict]):
         (MINED, MultipleNegativesRankingLoss, st_losses.MultipleNegativesRankingLoss),
         ([{"text_a": r["sentence1"], "text_b": r["sentence2"], "label": r["score"]} for r in PAIRS], CoSENTLoss,
          st_losses.CoSENTLoss),
+        # a label column (any of label, labels, score, scores) scores two texts whatever their names
+        ([{"anchor": r["sentence1"], "positive": r["sentence2"], "score": r["score"]} for r in PAIRS], CoSENTLoss,
+         st_losses.CoSENTLoss),
+        ([{"sentence1": r["sentence1"], "sentence2": r["sentence2"], "labels": r["score"]} for r in PAIRS],
+         CoSENTLoss, st_losses.CoSENTLoss),
     ],
-    ids=["mined-n-tuple", "scored-pairs"],
+    ids=["mined-n-tuple", "scored-pairs", "anchor-positive-score", "sentence-pairs-labels"],
 )  # fmt: skip
 def test_rows_of_other_column_names_are_read_by_position_as_sentence_transformers_reads_them(
     st_folder, rows, ours, theirs

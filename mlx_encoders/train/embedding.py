@@ -31,7 +31,16 @@ from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..models.layers import one_lookup
 from ..tokenizer import Tokenizer
-from .data import PICKED_COLUMNS, DataError, Examples, by_position, read_rows, regression_target, select_columns
+from .data import (
+    LABEL_COLUMNS,
+    PICKED_COLUMNS,
+    DataError,
+    Examples,
+    by_position,
+    read_rows,
+    regression_target,
+    select_columns,
+)
 from .evaluators import retrieval_metric_names, row_retrieval_metrics
 from .losses.contrastive import (
     LOSSES,
@@ -44,7 +53,6 @@ from .objective import Objective, OwnFormat
 from .tasks import EMBED as TASK
 
 SAMPLERS = ("no_duplicates", "batch_sampler")  # sentence-transformers' BatchSamplers values
-SCORE_COLUMNS = ("score", "label")
 MINI_BATCH_WIDTHS = 8  # GradCache's mini-batch widths are multiples of this: a compiled pass has few shapes to trace
 # Rows of a training batch embedded together (`length_groups`): few enough for little padding; each group adds its
 # own layers to the compiled step, which is traced again for each batch's widths, so not too few.
@@ -185,19 +193,17 @@ class TextExamples(Examples):
 
 def text_columns(row) -> tuple[list[str], str | None]:
     """(text columns, score column) of a row: anchor, positive, then negative and negative_1..n in order; or
-    sentence1, sentence2 and score (or label); else (other names, or an anchor without a positive) every column but
-    a label one, by position, as sentence-transformers reads them (`data.by_position`), the label a score when
-    there are two texts."""
+    sentence1, sentence2; else (other names, or an anchor without a positive) every column but a label one, by
+    position, as sentence-transformers reads them (`data.by_position`). A label column (`data.LABEL_COLUMNS`, the
+    first present) is the score of two texts, whatever their names."""
     values = row.values
+    label = next((c for c in LABEL_COLUMNS if c in values), None)
     if "anchor" in values and "positive" in values:
         numbered = sorted((int(m[1]), name) for name in values if (m := NEGATIVE.fullmatch(name)))
         negatives = ["negative"] * ("negative" in values) + [name for _, name in numbered]
-        return ["anchor", "positive", *negatives], None
-    if "sentence1" in values:
-        score = next((c for c in SCORE_COLUMNS if c in values), None)
-        if score is None:
-            raise DataError(f"{row.where}: sentence1/sentence2 rows need a 'score' column (a number per pair)")
-        return ["sentence1", "sentence2"], score
+        return ["anchor", "positive", *negatives], None if negatives else label
+    if "sentence1" in values and "sentence2" in values:
+        return ["sentence1", "sentence2"], label
     layout = (
         "embedding data has the columns anchor, positive (and optionally negative or negative_1..negative_n), or "
         "sentence1, sentence2 and score"

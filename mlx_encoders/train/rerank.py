@@ -24,7 +24,16 @@ from .. import distributed
 from ..checkpoint.build import load_model
 from ..checkpoint.files import Checkpoint
 from ..tokenizer import Tokenizer
-from .data import PICKED_COLUMNS, DataError, Row, by_position, in_first_row_order, read_rows, select_columns
+from .data import (
+    LABEL_COLUMNS,
+    PICKED_COLUMNS,
+    DataError,
+    Row,
+    by_position,
+    in_first_row_order,
+    read_rows,
+    select_columns,
+)
 from .evaluators import reranking_metrics
 from .losses.rerank import LOSSES
 from .objective import Objective
@@ -68,16 +77,18 @@ def negatives(row: Row) -> list[str]:
 
 
 def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
-    """A row's documents and their labels, from whichever of the three layouts it has."""
+    """A row's documents and their labels, from whichever of the three layouts it has (the labels in the first of
+    `data.LABEL_COLUMNS` it holds, as sentence-transformers finds them)."""
+    label = next((c for c in LABEL_COLUMNS if c in row.values), "labels" if "documents" in row.values else "label")
     if "documents" in row.values:
-        documents, labels = row.get("documents", PICKED_COLUMNS), row.get("labels", PICKED_COLUMNS)
+        documents, labels = row.get("documents", PICKED_COLUMNS), row.get(label, PICKED_COLUMNS)
         if not isinstance(documents, list) or not isinstance(labels, list) or len(documents) != len(labels):
-            raise DataError(f"{row.where}: 'documents' and 'labels' must be lists of the same length")
+            raise DataError(f"{row.where}: 'documents' and '{label}' must be lists of the same length")
     elif "positive" in row.values:
         documents = [row.text("positive", PICKED_COLUMNS), *negatives(row)]
         labels = [1.0] + [0.0] * (len(documents) - 1)
     else:  # `named` gave it one of the three
-        documents, labels = [row.text("document", PICKED_COLUMNS)], [row.get("label", PICKED_COLUMNS)]
+        documents, labels = [row.text("document", PICKED_COLUMNS)], [row.get(label, PICKED_COLUMNS)]
     return documents, [relevance(label, row) for label in labels]
 
 
