@@ -76,14 +76,15 @@ def test_retrieval_metrics_equal_sentence_transformers_on_the_same_embeddings(mo
     model = FixedEmbeddings(table, function)
     theirs = TheirIR(queries, corpus, relevant, write_csv=False, **ks)(model)
     evaluator = InformationRetrievalEvaluator(queries, corpus, relevant, **ks)
-    ours = evaluator.metrics(
-        np.stack([table[queries[q]] for q in evaluator.query_ids]), np.stack([table[t] for t in corpus.values()]),
-        [function],
-    )  # fmt: skip
+    vectors = np.stack([table[queries[q]] for q in evaluator.query_ids]), np.stack([table[t] for t in corpus.values()])
+    ours = evaluator.metrics(*vectors, [function])
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
         assert ours[key] == pytest.approx(float(theirs[key]), abs=1e-12), key
     assert ours[f"{function}_ndcg@{max(ks.get('ndcg_at_k', [10]))}"] < 1  # not a trivially perfect ranking
+    # score_functions given to the evaluator are what metrics() and metric_names() report, as theirs
+    configured = InformationRetrievalEvaluator(queries, corpus, relevant, score_functions=[function], **ks)
+    assert configured.metrics(*vectors) == ours and sorted(configured.metric_names()) == sorted(theirs)
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +251,14 @@ def test_retrieval_files_values_of_the_wrong_kind_are_named_with_file_and_line(t
 
 
 def test_evaluators_name_bad_input():
+    evaluator = InformationRetrievalEvaluator({"q": "x", "r": "z"}, {"d": "y", "e": "w"}, {"q": {"d"}, "r": {"e"}})
+    with pytest.raises(ValueError, match=r"corpus_embeddings must be \(2, D\), .* got shape \(1, 4\)"):
+        evaluator.metrics(np.ones((2, 4)), np.ones((1, 4)))
+    with pytest.raises(ValueError, match=r"query_embeddings must be \(2, D\), .* got shape \(3, 4\)"):
+        evaluator.metrics(np.ones((3, 4)), np.ones((2, 4)))
+    reranking = RerankingEvaluator([{"query": "q", "positive": "p", "negative": ["n", "m"]}])
+    with pytest.raises(ValueError, match=r"scores must hold 3 values, .* got shape \(2,\)"):
+        reranking.metrics(np.ones(2))
     with pytest.raises(ValueError, match="No query has a relevant document"):
         InformationRetrievalEvaluator({"q": "x"}, {"d": "y"}, {})
     with pytest.raises(ValueError, match="ndcg_at_k"):

@@ -185,9 +185,9 @@ class InformationRetrievalEvaluator:
         self.show_progress_bar = show_progress_bar
         self.primary_metric: str | None = None
 
-    def metric_names(self, score_functions: Sequence[str] = ("cosine",)) -> list[str]:
+    def metric_names(self, score_functions: Sequence[str] | None = None) -> list[str]:
         """The names `metrics` reports (a trainer prefixes "eval_", for `metric_for_best` to pick one)."""
-        return retrieval_metric_names(score_functions, self.at_k, self.name)
+        return retrieval_metric_names(score_functions or self.score_functions or ["cosine"], self.at_k, self.name)
 
     def __call__(self, model) -> dict[str, float]:
         """The metrics of `model` (a `SentenceEncoder`) on this evaluator's queries and corpus."""
@@ -197,11 +197,21 @@ class InformationRetrievalEvaluator:
         corpus = model.encode_document(self.corpus, self.corpus_prompt_name, self.corpus_prompt, **options)
         return self.metrics(queries, corpus, self.score_functions or [model.similarity_fn_name])
 
-    def metrics(self, query_embeddings, corpus_embeddings, score_functions: Sequence[str] = ("cosine",)) -> dict:
-        """The metrics of given embeddings ((Q, D) in this evaluator's query order, (C, D) in corpus order)."""
+    def metrics(self, query_embeddings, corpus_embeddings, score_functions: Sequence[str] | None = None) -> dict:
+        """The metrics of given embeddings ((Q, D) in this evaluator's query order, (C, D) in corpus order), by
+        `score_functions` (default: the evaluator's, else cosine)."""
         query_embeddings, corpus_embeddings = mx.array(query_embeddings), mx.array(corpus_embeddings)
+        for name, given, ids in (
+            ("query", query_embeddings, self.query_ids),
+            ("corpus", corpus_embeddings, self.corpus_ids),
+        ):
+            if given.ndim != 2 or len(given) != len(ids):
+                raise ValueError(
+                    f"{name}_embeddings must be ({len(ids)}, D), one row per {name} id in this evaluator's order; "
+                    f"got shape {tuple(given.shape)}"
+                )
         results = {}
-        for function in sorted(score_functions):
+        for function in sorted(score_functions or self.score_functions or ["cosine"]):
             scores = score_rows(function, query_embeddings, corpus_embeddings)
             found = retrieval_metrics(scores, self.query_ids, self.corpus_ids, self.relevant_docs, self.at_k)
             results[function] = found
@@ -345,6 +355,13 @@ class RerankingEvaluator:
     def metrics(self, scores: np.ndarray) -> dict[str, float]:
         """The metrics of given scores: one per (query, document) pair of the samples with a relevant document, in
         order (each sample's positives first, then its negatives or other documents)."""
+        scores = np.asarray(scores).reshape(-1) if np.ndim(scores) == 2 and np.shape(scores)[1] == 1 else scores
+        pairs = sum(len(documents) for _, documents, relevant, _ in self.samples if any(relevant))
+        if np.ndim(scores) != 1 or len(scores) != pairs:
+            raise ValueError(
+                f"scores must hold {pairs} values, one per (query, document) pair of the samples with a relevant "
+                f"document, in order; got shape {np.shape(scores)}"
+            )
         found, offset = [], 0
         for _, documents, relevant, _ in self.samples:
             if not any(relevant):
