@@ -41,6 +41,7 @@ from mlx_encoders.train.losses.contrastive import (
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
 )
+from mlx_encoders.train.tasks import embedding as embed_task
 
 PARAMETERS = (
     "embeddings.word_embeddings.weight",
@@ -468,6 +469,19 @@ def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_pa
     texts = ["rainy weather"]
     expected = SentenceTransformer(str(out / "model"), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(SentenceEncoder(out / "model").encode(texts), expected, atol=1e-5)
+
+
+def test_matryoshka_dims_without_a_loss_wrap_the_datas_default_loss(st_folder, tmp_path, monkeypatch):
+    """Scored pairs train with CoSENT at each dim, anchor/positive rows with MNRL, as without the dims."""
+    used, chosen = [], embedding.make_loss
+    monkeypatch.setattr(embed_task, "make_loss", lambda loss, scored: used.append(chosen(loss, scored)) or used[-1])
+    for rows in (PAIRS, TRIPLETS):
+        data = tmp_path / f"{len(used)}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        argv = ["train", "embed", "-m", str(st_folder), "--data", str(data), "-o", str(tmp_path / f"o{len(used)}")]
+        assert main([*argv, "--max-steps", "1", "--matryoshka-dims", "32", "16"]) == 0
+    assert [(type(loss.loss).__name__, loss.dims) for loss in used] == [
+        ("CoSENTLoss", [32, 16]), ("MultipleNegativesRankingLoss", [32, 16])]  # fmt: skip
 
 
 @pytest.mark.parametrize(

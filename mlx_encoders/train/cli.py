@@ -96,7 +96,7 @@ def embed_loss(args: argparse.Namespace):
         if args.mini_batch_size is not None:
             loss = CachedMultipleNegativesRankingLoss(mini_batch_size=args.mini_batch_size)
         if dims is not None:
-            inner = LOSSES[loss or "mnrl"]() if loss is None or isinstance(loss, str) else loss
+            inner = LOSSES[loss]() if isinstance(loss, str) else loss  # None: the data's default
             loss = MatryoshkaLoss(inner, dims, weights)
     except ValueError as e:
         raise OptionError(str(e)) from None

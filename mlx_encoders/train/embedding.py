@@ -46,6 +46,7 @@ from .losses.contrastive import (
     LOSSES,
     CachedMultipleNegativesRankingLoss,
     CoSENTLoss,
+    MatryoshkaLoss,
     MultipleNegativesRankingLoss,
     l2_normalize,
 )
@@ -273,9 +274,12 @@ def no_duplicates(order: np.ndarray, texts: list[tuple[str, ...]], batch_size: i
 
 
 def make_loss(loss, scored: bool):
-    """A loss instance from a name of `contrastive.LOSSES` or an instance; default MNRL, CoSENT for scored pairs."""
+    """A loss instance from a name of `contrastive.LOSSES` or an instance; default MNRL, CoSENT for scored pairs
+    (a `MatryoshkaLoss` of None too)."""
     if loss is None:
         return CoSENTLoss() if scored else MultipleNegativesRankingLoss()
+    if isinstance(loss, MatryoshkaLoss) and loss.loss is None:
+        return MatryoshkaLoss(make_loss(None, scored), loss.dims, loss.weights)
     if isinstance(loss, str):
         if loss not in LOSSES:
             raise ValueError(f"Unknown embedding loss {loss!r}; choose one of {', '.join(LOSSES)} or pass a loss")

@@ -134,7 +134,8 @@ class CachedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
 
 class MatryoshkaLoss:
     """`loss` at each of `dims` (largest first), on the first d dimensions of every embedding, re-normalized as
-    sentence-transformers' `shrink` does; the sum weighted by `weights` (default all 1)."""
+    sentence-transformers' `shrink` does; the sum weighted by `weights` (default all 1). `loss` None: the data's
+    default loss, chosen by `fine_tune("embed")` (MNRL, or CoSENT for scored pairs)."""
 
     def __init__(self, loss, dims: Sequence[int], weights: Sequence[float] | None = None):
         check_option("matryoshka_dims", dims, "MatryoshkaLoss")
