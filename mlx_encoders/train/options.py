@@ -119,9 +119,10 @@ CALL = (
            nargs="+", group="embed", api=False),
     Option("matryoshka_weights", "embed: one weight per dim (default 1)", list[float] | None, tasks=(EMBED,),
            kind=float, nargs="+", group="embed", api=False),
-    Option("query_prompt", "embed: text put before each anchor / sentence1", tasks=RETRIEVAL, group="embed"),
-    Option("document_prompt", "embed: text put before each positive and negative / sentence2", tasks=RETRIEVAL,
-           group="embed"),
+    Option("query_prompt", "embed: text put before each anchor / sentence1 (default: the folder's query prompt)",
+           tasks=RETRIEVAL, group="embed"),
+    Option("document_prompt", "embed: text put before each positive and negative / sentence2 (default: the "
+           "folder's document prompt)", tasks=RETRIEVAL, group="embed"),
     Option("task_adapter", "embed: train this task adapter of the model (jina-embeddings-v3's retrieval_query, "
            "retrieval_passage, separation, classification, text_matching): its LoRA A and B alone, the rest frozen; "
            "every text goes through it", tasks=(EMBED,), group="embed"),
