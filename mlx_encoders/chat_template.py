@@ -19,6 +19,9 @@ from .tokenizer import SPECIAL, Tokenizer
 
 # Fillers of the two renders whose common token suffix is the template's tail (sentence-transformers' own).
 FILLERS = ("0", "1 2 3 4")
+# A pair, then one varying only the query, one only the document: a role whose change leaves the render as it was
+# never reaches the model (sentence-transformers' PAIR_ROLE_PROBES)
+PAIR_PROBES = (("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot"))
 
 
 @dataclass
@@ -29,6 +32,12 @@ class Tokens:
     ids: list[int]
     type_ids: list[int]
     overflowing: list = field(default_factory=list)
+
+
+def chat_template_file(folder: Path) -> Path:
+    """The file `read_chat_template` reads the template from."""
+    file = folder / "chat_template.jinja"
+    return file if file.is_file() else folder / "tokenizer_config.json"
 
 
 def read_chat_template(folder: Path) -> str | None:
@@ -76,6 +85,19 @@ class ChatTemplate:
         # transformers passes the special tokens as template variables (`bos_token`, `eos_token`, ...)
         self.variables = {name: getattr(tokenizer, name) for name in SPECIAL if getattr(tokenizer, name) is not None}
         self.tails: dict[str, list[int]] = {}
+
+    def pair_roles_failure(self) -> str | None:
+        """Why the template cannot carry a (query, document) pair as messages of those roles, or None when it can
+        (a template that knows system, user and assistant alone renders neither)."""
+        try:
+            base, *varied = (
+                self.render([{"role": "query", "content": q}, {"role": "document", "content": d}])
+                for q, d in PAIR_PROBES
+            )
+        except Exception as e:  # any error of the template's own code is the answer
+            return f"it raised {type(e).__name__}: {e}"
+        dropped = [role for role, render in zip(("query", "document"), varied, strict=True) if render == base]
+        return f"the {' and '.join(map(repr, dropped))} content does not reach the rendered prompt" if dropped else None
 
     def render(self, messages: list[dict]) -> str:
         return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,

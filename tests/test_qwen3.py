@@ -303,6 +303,25 @@ def test_reranker_without_modules_json_scores_yes_against_no(reranker_checkpoint
     check_reranker(reranker_checkpoint)
 
 
+CHAT_ONLY = (  # a chat model's own template: system, user and assistant messages, nothing of a query or document
+    "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+
+
+def test_a_chat_template_that_drops_the_pair_is_refused_as_sentence_transformers_refuses_it(
+    reranker_checkpoint, tmp_path
+):
+    folder = shutil.copytree(reranker_checkpoint, tmp_path / "chat")
+    (folder / "chat_template.jinja").write_text(CHAT_ONLY)
+    with pytest.raises(ValueError, match=r"cannot carry a 'query'/'document' pair"):
+        st.CrossEncoder(str(folder), device="cpu").predict(PAIRS[:1])
+    with pytest.raises(
+        ValueError, match=r"chat_template.jinja cannot carry a \(query, document\) pair \(the 'query' and"
+    ):
+        mlx_encoders.CrossEncoder(folder)
+
+
 def test_truncated_pair_keeps_the_template_s_tail(reranker_folder):
     """Cut at max_length, a pair still ends with the assistant prefix the answer follows (sentence-transformers')."""
     ours = mlx_encoders.CrossEncoder(reranker_folder, max_length=200)

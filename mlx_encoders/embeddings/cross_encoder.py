@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import load_tokenizer
-from ..chat_template import ChatTemplate, read_chat_template
+from ..chat_template import ChatTemplate, chat_template_file, read_chat_template
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder
@@ -167,6 +167,15 @@ class CrossEncoder(Encoder):
         self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
         template = read_chat_template(self.path) if takes_messages(folder) else None
         self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
+        if self.chat_template is not None and (failure := self.chat_template.pair_roles_failure()):
+            raise ValueError(
+                f"The chat template of {chat_template_file(self.path)} cannot carry a (query, document) pair "
+                f"({failure}): a pair is read as a 'query' and a 'document' message. Give the model a template that "
+                "renders both roles (a chat_template.jinja beside it), e.g.\n"
+                '    <Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}\n'
+                '    <Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") '
+                "| first }}"
+            )
         self.read_prompts(folder, (), prompts, default_prompt_name)
         self.activation_fn = activation_fn or self.default_activation(folder.settings, checkpoint.config)
         saved_length = folder.sentence_config.get("max_seq_length")
