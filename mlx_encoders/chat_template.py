@@ -33,6 +33,10 @@ class Tokens:
     type_ids: list[int]
     overflowing: list = field(default_factory=list)
 
+    @property
+    def attention_mask(self) -> list[int]:
+        return [1] * len(self.ids)
+
 
 def chat_template_file(folder: Path) -> Path:
     """The file `read_chat_template` reads the template from."""

@@ -105,6 +105,21 @@ def test_sentence_encoder_matches_sentence_transformers(embedding_folder, call, 
     assert_float32_close(ours, theirs, encoder_terms(embedding_folder, TEXTS))
 
 
+def test_a_chat_model_is_read_through_its_chat_template_as_sentence_transformers_6_reads_it(checkpoint, tmp_path):
+    """A plain checkpoint with a chat template, and the folder sentence-transformers 6 saves of it (its
+    modality_config lists "message"): each text a user message, a prompt a system message before it."""
+    plain = shutil.copytree(checkpoint("qwen3", "causal-lm"), tmp_path / "plain")
+    (plain / "chat_template.jinja").write_text(CHAT_ONLY)
+    reference = SentenceTransformer(str(plain), device="cpu")
+    reference.save(str(tmp_path / "st"))
+    assert "message" in json.loads((tmp_path / "st" / "sentence_bert_config.json").read_text())["modality_config"]
+    for folder in (plain, tmp_path / "st"):
+        ours, theirs = SentenceEncoder(folder), SentenceTransformer(str(folder), device="cpu")
+        for kwargs in ({}, {"prompt": "Represent the question"}):
+            expected = theirs.encode(TEXTS, batch_size=3, **kwargs)
+            assert_float32_close(ours.encode(TEXTS, batch_size=3, **kwargs), expected, encoder_terms(folder, TEXTS))
+
+
 def test_prompt_and_end_of_text_reach_the_model(embedding_folder):
     """The query prompt changes the embedding, and every text ends with `<|endoftext|>` (the token pooled)."""
     encoder = SentenceEncoder(embedding_folder)

@@ -34,6 +34,7 @@ from .folder import (
     apply_sentence_config,
     dense_activation,
     read_folder,
+    takes_messages,
 )
 from .pooling import last_token
 
@@ -106,15 +107,6 @@ def logit_score(config: dict, tokenizer: Tokenizer, source: Path) -> LogitScore:
             "true_token_id and false_token_id) naming the tokens to use"
         )
     return LogitScore(true, false)
-
-
-def takes_messages(folder: SentenceFolder) -> bool:
-    """Whether pairs go through the chat template, as sentence-transformers decides: a saved Transformer takes
-    messages when its sentence_bert_config.json `modality_config` lists "message" (one saved before there was a
-    modality_config takes text); a plain checkpoint does when its tokenizer has a chat template."""
-    if not folder.modules:
-        return read_chat_template(folder.path) is not None
-    return "message" in (folder.sentence_config.get("modality_config") or {})
 
 
 class CrossEncoder(Encoder):

@@ -20,6 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import normalizers
 
+from ..chat_template import read_chat_template
 from ..checkpoint import Checkpoint, inside, read_json_object, read_safetensors
 from ..checkpoint import read_modules as read_module_entries
 from ..checkpoint.files import MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE
@@ -464,6 +465,16 @@ def apply_sentence_config(tokenizer, sentence_config: dict) -> None:
     """What sentence_bert_config.json asks of the tokenizer: lowercasing with do_lower_case."""
     if sentence_config.get("do_lower_case"):
         lowercase(tokenizer)
+
+
+def takes_messages(folder: SentenceFolder) -> bool:
+    """Whether inputs go through the chat template as messages, as sentence-transformers decides: a saved
+    Transformer takes messages when its sentence_bert_config.json `modality_config` lists "message" (one saved
+    before there was a modality_config takes text); a plain checkpoint does when its tokenizer has a chat
+    template."""
+    if not folder.modules:
+        return read_chat_template(folder.transformer) is not None
+    return "message" in (folder.sentence_config.get("modality_config") or {})
 
 
 def folder_kind(path: Path) -> str:

@@ -21,11 +21,12 @@ import numpy as np
 from tokenizers import Encoding
 
 from .. import load_tokenizer
+from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, load_model, resolve
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
-from .folder import apply_sentence_config, read_folder
+from .folder import apply_sentence_config, read_folder, takes_messages
 from .pooling import parse_modes, pool
 from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
 
@@ -99,6 +100,9 @@ class SentenceEncoder(Embedder):
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
         )
         apply_sentence_config(self.tokenizer, folder.sentence_config)
+        # sentence-transformers 6 reads a text as a user message when its Transformer takes messages
+        template = read_chat_template(folder.transformer) if takes_messages(folder) else None
+        self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")
         self.truncate_dim: int | None = folder.settings.get("truncate_dim") if truncate_dim is None else truncate_dim
@@ -152,12 +156,20 @@ class SentenceEncoder(Embedder):
         tokens (or a shorter `max_length`) at the tokenizer's `truncation_side` or `direction`'s end; an
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
         limit = self.max_seq_length if max_length is None else min(self.max_seq_length, max_length)
+        if self.chat_template is not None:  # a user message each, the prompt a system message before it
+            if (direction or self.tokenizer.truncation_side) != "right":
+                raise ValueError(
+                    f"{self.path} reads texts through its chat template, which cuts a text at its end only"
+                )
+            system = [{"role": "system", "content": prompt}] if prompt else []
+            return self.chat_template.encode([[*system, {"role": "user", "content": t}] for t in texts], limit)
         texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=limit, direction=direction)
 
     def pooled_prompt_tokens(self, prompt: str) -> int:
         """The tokens of `prompt` that pooling leaves out: none when the model's Pooling includes the prompt."""
-        return 0 if self.include_prompt else self.prompt_length(prompt)
+        # a prompt read as a system message is pooled with the text, as sentence-transformers pools it
+        return 0 if self.include_prompt or self.chat_template is not None else self.prompt_length(prompt)
 
     def role_prompt_name(self, role: str) -> str | None:
         """The role's prompt; where it is empty or missing and the role takes a task adapter, the prompt named after
@@ -272,7 +284,7 @@ class SentenceEncoder(Embedder):
             "attention_mask": encoding.attention_mask,
         }
         item = {k: mx.array(v, mx.int64) for k, v in ids.items() if k in self.tokenizer.model_input_names}
-        item["modality"] = "text"
+        item["modality"] = "text" if self.chat_template is None else "message"
         if prompt_length is not None:
             item["prompt_length"] = prompt_length
         item["token_embeddings"] = mx.array(tokens)
