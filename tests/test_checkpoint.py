@@ -319,10 +319,41 @@ def test_several_safetensors_without_an_index_are_refused(checkpoint, tmp_path):
 @pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd"])
 def test_index_paths_leaving_the_folder_are_refused(checkpoint, tmp_path, name):
     folder = copy(checkpoint("bert"), tmp_path)
+    (folder / "model.safetensors").rename(folder / "shard.safetensors")
     index = {"metadata": {}, "weight_map": {"embeddings.word_embeddings.weight": name}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="model.safetensors.index.json lists .*not a relative path inside"):
         mlx_encoders.load_model(folder)
+
+
+def test_an_index_is_read_as_transformers_reads_it(checkpoint, tmp_path):
+    """model.safetensors first (transformers' save_pretrained leaves an old index beside a new single file); an
+    index's entry that names no file is refused naming the key."""
+    from transformers import AutoModel
+
+    folder = copy(checkpoint("bert"), tmp_path)
+    stale = {"metadata": {}, "weight_map": {"embeddings.word_embeddings.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(stale))
+    AutoModel.from_pretrained(folder)  # transformers reads model.safetensors
+    assert mlx_encoders.load_model(folder) is not None
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"pooler.dense.weight": None}}))
+    with pytest.raises(
+        ValueError, match=r"index.json: weight_map\['pooler.dense.weight'\] must be a shard's file name"
+    ):
+        mlx_encoders.load_model(folder)
+
+
+def test_a_hub_download_fetches_chat_templates_and_bge_m3_heads():
+    from huggingface_hub.utils import filter_repo_objects
+
+    from mlx_encoders.checkpoint.files import HUB_PATTERNS
+
+    files = ["chat_template.jinja", "1_Pooling/config.json", "sparse_linear.pt", "colbert_linear.pt",
+             "pytorch_model.bin", "model.safetensors", "onnx/model.onnx"]  # fmt: skip
+    assert sorted(filter_repo_objects(files, allow_patterns=HUB_PATTERNS)) == [
+        "1_Pooling/config.json", "chat_template.jinja", "colbert_linear.pt", "model.safetensors", "sparse_linear.pt"
+    ]  # fmt: skip
 
 
 def test_modules_json_paths_leaving_the_folder_are_refused(checkpoint, tmp_path):
@@ -350,6 +381,8 @@ def test_json_that_does_not_parse_names_its_file(checkpoint, tmp_path, name):
     if name == "1_Pooling/config.json":
         (folder / "modules.json").write_text(json.dumps(sentence_modules("1_Pooling")))
         (folder / "1_Pooling").mkdir()
+    if name == "model.safetensors.index.json":  # read only without model.safetensors, as transformers reads it
+        (folder / "model.safetensors").rename(folder / "shard.safetensors")
     (folder / name).write_text('{"truncated": ')
     with pytest.raises(ValueError, match=f"{name} is not valid JSON"):
         BROKEN_JSON[name]()(folder)

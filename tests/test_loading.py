@@ -179,6 +179,11 @@ def test_pickle_only_checkpoint_is_refused_without_unpickling(checkpoint, tmp_pa
     (folder / "pytorch_model.bin").write_bytes(b"not even a pickle: it must never be opened")
     with pytest.raises(ValueError, match="only pickle weights \\(pytorch_model.bin\\).*safetensors"):
         mlx_encoders.load_model(folder)
+    # the advice names the checkpoint's own class: AutoModel would save it without its head
+    with pytest.raises(
+        ValueError, match=r"`transformers.BertModel.from_pretrained\(path\).save_pretrained\(new_path\)`"
+    ):
+        mlx_encoders.load_model(folder)
 
 
 def test_no_weights_at_all(checkpoint, tmp_path):

@@ -18,7 +18,10 @@ import numpy as np
 from ..jsonfile import read_json, read_json_object
 from ..models import model_module, native_config, task_of_architecture
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "README.md"]
+# what a hub download fetches: configs, weights, tokenizer and chat template files, BGE-M3's heads (read as plain
+# tensors, never unpickled as code: checkpoint.foreign)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "README.md", "sparse_linear.pt",
+                "colbert_linear.pt"]  # fmt: skip
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX = "model.safetensors.index.json"
 # sentence-transformers' files beside a checkpoint: its module list, the model's settings, the Transformer's config
@@ -146,20 +149,24 @@ def read_with_float64(file: Path) -> dict[str, mx.array]:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files that hold the weights: the index's shards, else `model.safetensors`, else the one
-    `*.safetensors` file. Several files and no index are ambiguous and refused; pickles are refused."""
+    """The safetensors files that hold the weights: `model.safetensors`, else the index's shards, else the one
+    `*.safetensors` file, in transformers' order (its `save_pretrained` leaves an old index beside a new single
+    file). Several files and no index are ambiguous and refused; pickles are refused."""
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     index = path / INDEX
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map' object")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{index}: weight_map[{key!r}] must be a shard's file name, got {name!r}")
         files = [inside(path, name, index) for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are not in {path}: {', '.join(missing)}")
         return files
-    if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if len(files) == 1:
         return files
@@ -170,11 +177,15 @@ def weight_files(path: Path) -> list[Path]:
         )
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
+        config = read_json_object(path / "config.json") if (path / "config.json").exists() else {}
+        kind = next(iter(config.get("architectures") or []), None)
+        kind = kind if isinstance(kind, str) else "AutoModel"
         raise ValueError(
             f"{path} holds only pickle weights ({', '.join(pickles)}). mlx_encoders loads safetensors only, "
-            "because unpickling can run arbitrary code. Convert once with transformers: "
-            "`AutoModel.from_pretrained(path).save_pretrained(path, safe_serialization=True)`, or use the "
-            "hub repo's safetensors revision (many repos have a 'refs/pr/N' with model.safetensors)."
+            "because unpickling can run arbitrary code. Convert once with transformers, into a new folder and by "
+            f"the checkpoint's own class (AutoModel would drop its head): `transformers.{kind}.from_pretrained(path)"
+            ".save_pretrained(new_path)` (and the tokenizer's save_pretrained(new_path)), or use the hub repo's "
+            "safetensors revision (many repos have a 'refs/pr/N' with model.safetensors)."
         )
     raise FileNotFoundError(f"No model.safetensors (or shards with {INDEX}) in {path}")
 
