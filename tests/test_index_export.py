@@ -119,6 +119,7 @@ def damage_cases(vectors: np.ndarray, sparse: list) -> list[tuple[str, bytes | s
         ("sparse weight", struct.pack(">d", float(sparse[42][1][2])), 6),
         ("lost document", "DELETE FROM documents WHERE id = 'doc-305'", 0),  # a lookup a damaged page sent astray
         ("lost posting", f"DELETE FROM postings WHERE term = {int(sparse[42][0][2])} AND row = 43", 0),
+        ("unreadable weight", f"UPDATE postings SET weight = '' WHERE term = {int(sparse[42][0][2])} AND row = 43", 0),
     ]
 
 
@@ -138,6 +139,37 @@ def test_a_damaged_store_is_an_error_and_no_file(written, tmp_path):
             export(index, output, quiet=True)
         assert output.read_bytes() == b"the previous export", name  # kept as it was
         assert not list(tmp_path.glob(f".{name}.parquet.*")), name  # no temporary file left
+
+
+def sqlite_integer(value: int) -> tuple[int, bytes]:
+    """(serial type, bytes) of an integer in an SQLite record: 0 and 1 in the type alone, else big-endian."""
+    if value in (0, 1):
+        return 8 + value, b""
+    size = next(n for n in (1, 2, 3, 4) if value < 1 << (8 * n - 1))
+    return {1: 1, 2: 2, 3: 3, 4: 4}[size], value.to_bytes(size, "big")
+
+
+def test_a_posting_the_row_index_lists_twice_is_the_damaged_error(written, tmp_path):
+    """One entry of the postings' row index pointed at another posting of the same text: one posting read twice,
+    one lost, the total as the build counted it; export must not write that vector."""
+    folder, _, _ = written
+    shutil.copytree(folder, tmp_path / "index")
+    store = tmp_path / "index" / "index.sqlite"
+    with closing(sqlite3.connect(store)) as con:
+        rows = con.execute("SELECT row, min(term), max(term) FROM postings GROUP BY row").fetchall()
+
+    def record(row: int, term: int) -> bytes:  # an entry of the postings_row index: (row, term)
+        (row_type, row_bytes), (term_type, term_bytes) = sqlite_integer(row), sqlite_integer(term)
+        return bytes([3, row_type, term_type]) + row_bytes + term_bytes
+
+    data = bytearray(store.read_bytes())
+    row, first, last = next(r for r in rows if r[1] != r[2] and data.count(record(r[0], r[1])) == 1)
+    at = data.index(record(row, first))
+    data[at : at + len(record(row, first))] = record(row, last)
+    store.write_bytes(bytes(data))
+    with pytest.raises(DamagedStore, match="a text's term is posted twice in the inverted index"):
+        export(tmp_path / "index", tmp_path / "out.parquet", quiet=True)
+    assert not (tmp_path / "out.parquet").exists()
 
 
 def test_an_output_that_cannot_be_written_is_named_before_any_work(written, tmp_path):

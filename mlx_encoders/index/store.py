@@ -515,6 +515,7 @@ class Store:
             raise self.damaged("a posting of the inverted index does not match its checksum")
         if dict(zip(*np.unique(terms, return_counts=True), strict=True)) != counts:
             raise self.damaged("the postings found are not as many as the last build counted for their terms")
+        self.check_posted_once(terms, rows)
         return terms, rows, weights
 
     DOCUMENT_COLUMNS = (
@@ -584,11 +585,21 @@ class Store:
                 batch = [int(r) for r in rows[start : start + LOOKUP_BATCH]]
                 marks = ",".join("?" * len(batch))
                 found += self.con.execute(f"SELECT term, row, weight, crc FROM postings WHERE row IN ({marks})", batch)
-        terms, numbers, weights, sums = posting_columns(found)
+            terms, numbers, weights, sums = posting_columns(found)
         if np.any(posting_crc(terms, weights, numbers) != sums):
             raise self.damaged("a posting of the inverted index does not match its checksum")
         order = np.lexsort((terms, numbers))
-        return terms[order], numbers[order], weights[order]
+        terms, numbers, weights = terms[order], numbers[order], weights[order]
+        self.check_posted_once(terms, numbers)
+        return terms, numbers, weights
+
+    def check_posted_once(self, terms: np.ndarray, rows: np.ndarray) -> None:
+        """No (term, row) posting read twice: a damaged index can list one twice and lose another, which leaves the
+        counts the build wrote even."""
+        order = np.lexsort((rows, terms))
+        terms, rows = terms[order], rows[order]
+        if np.any((terms[1:] == terms[:-1]) & (rows[1:] == rows[:-1])):
+            raise self.damaged("a text's term is posted twice in the inverted index")
 
 
 # what a build writes with each commit, after the texts and postings: the checksums of the documents, the counts of
