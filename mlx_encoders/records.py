@@ -41,7 +41,7 @@ class Record:
 
     @property
     def where(self) -> str:
-        return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}: row {self.line}"
+        return f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file}: {self.unit} {self.line}"
 
 
 def missing(value) -> bool:

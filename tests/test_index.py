@@ -458,6 +458,28 @@ def test_bad_corpus_lines_are_named(tmp_path):
     text.write_bytes(b"one\n\ntwo \xff\n")
     with pytest.raises(CorpusError, match=f"^{text}:3: not UTF-8"):
         read_corpus(text)
+    # pairs from Python follow a file's rules: a text, and an id that is a string or an integer
+    for pairs, message in (
+        ([("a", "fine"), ("b", "")], "the given documents: item 2: the text is empty"),
+        ([(None, "x")], "the given documents: item 1: the id is missing"),
+        ([(1.5, "y")], "the given documents: item 1: the id is float 1.5"),
+        ([("a", "x", "extra")], "item 1: expected an \\(id, text\\) pair"),
+    ):
+        with pytest.raises(CorpusError, match=message):
+            read_corpus(pairs)
+    assert read_corpus([(np.int64(7), "x"), (8, "y")]) == [("7", "x"), ("8", "y")]
+
+
+def test_build_options_are_checked_before_anything_is_written(tmp_path, model):
+    for options, message in (
+        ({"precision": "int4"}, "precision must be one of float32, int8, binary, got 'int4'"),
+        ({"ann": True, "recall": 7.0}, "recall must be a number in \\(0, 1\\], got 7.0"),
+        ({"chunk": 0}, "chunk must be an integer of 1 or more, got 0"),
+        ({"batch_size": 2.5}, "batch_size must be an integer of 1 or more, got 2.5"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build([("a", "x")], tmp_path / "index", model, quiet=True, **options)
+        assert not (tmp_path / "index").exists()
 
 
 def write_parquet(file: Path, columns: dict[str, list]) -> Path:

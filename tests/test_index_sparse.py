@@ -111,6 +111,10 @@ def test_sparse_search_equals_sentence_transformers(tmp_path, models, sparse):
         hits = Index(index).search(query, k=5)  # the index's own sparse model; sparse is the only mode
         assert [h.id for h in hits] == [IDS[i] for i in order[:5]]
         np.testing.assert_allclose([h.score for h in hits], expected[order[:5]], rtol=1e-5, atol=1e-5)
+    several = sparse.encode_query(["files", "cats"])
+    with pytest.raises(ValueError, match="a sparse query is one vector; got a SparseVectors of 2 rows"):
+        Index(index).search(several, k=5)
+    assert Index(index).search(several[0], k=5) == Index(index).search(sparse.encode_query("files"), k=5)
 
     with pytest.raises(ValueError, match=f"The index {index} has no dense model, so it cannot answer a hybrid"):
         Index(index).search("files", mode="hybrid")

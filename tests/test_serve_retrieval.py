@@ -296,6 +296,9 @@ def test_search_equals_index_search_in_process(folders, server):
                 np.testing.assert_allclose([h["score"] for h in answer["hits"]], [h.score for h in expected], atol=1e-5)
     top = post(url, "/v1/search", {"index": "notes", "query": "Ferns grow in the shade."})
     assert len(top["hits"]) == 8 and top["hits"][0]["id"] == "fern"  # top_k 10 by default; 8 documents
+    for field in ("top_k", "depth"):  # past the index's bound: a 400 naming the field
+        status, answer, _ = call(url, "/v1/search", {"index": "notes", "query": "Ferns", field: 20_000})
+        assert status == 400 and answer["error"]["param"] == field, answer
 
 
 def test_every_search_mode_equals_index_search_in_process(folders, server):

@@ -34,7 +34,7 @@ from ..errors import OptionError
 from . import ann as ann_index
 from .documents import read_corpus
 from .lock import BuildLock
-from .search import ANN_THRESHOLD
+from .search import ANN_THRESHOLD, check_graph_options
 from .store import Store, StoreError, shard_keys, text_key
 
 CHUNK = 256  # texts per committed transaction: a kill loses at most this much work per rank
@@ -130,6 +130,10 @@ def build(
     rank, size = ranks.rank, ranks.size
     if model is None and sparse_model is None:
         raise ValueError("index build needs a model (--model), a sparse model (--sparse-model) or both")
+    check_graph_options(precision, recall)
+    for name, value, least in (("batch_size", batch_size, 1), ("chunk", chunk, 1), ("ann_threshold", ann_threshold, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise OptionError(f"{name} must be an integer of {least} or more, got {value!r}")
     if shard is not None:
         check_part(shard, size)
     encoder, name = open_model(model, SentenceEncoder)

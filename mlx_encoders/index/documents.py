@@ -6,6 +6,8 @@ line ends, missing values, ids), and every error names the file and line (or Par
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from ..records import (
     Record,
     RecordError,
@@ -74,8 +76,19 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
     """The (id, text) documents of `corpus`: a path (file or folder), or (id, text) pairs given as they are.
     Ids must be unique; an empty corpus is an error."""
     if not isinstance(corpus, (str, Path)):
-        docs = [(str(i), t, None) for i, t in corpus]
-        where = "the given documents"
+        where, docs = "the given documents", []
+        for number, pair in enumerate(corpus, 1):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise CorpusError(f"{where}, item {number}: expected an (id, text) pair, got {pair!r:.60}")
+            record = Record(pair, where, number, "item")
+            given = pair[0].item() if isinstance(pair[0], np.generic) else pair[0]  # a numpy or pandas id
+            try:
+                doc_id = record_id(given, record.where, None)
+            except RecordError as e:
+                raise CorpusError(str(e)) from None
+            if doc_id is None:
+                raise CorpusError(f"{record.where}: the id is missing; give every document an id")
+            docs.append((doc_id, document_text(pair[1], record), record))
     else:
         path = Path(corpus)
         try:

@@ -29,6 +29,16 @@ from .store import Store, StoreError
 
 ANN_THRESHOLD = 50_000  # below this many vectors a matrix product is as fast as the graph, and exact
 PRECISIONS = ("float32", "int8", "binary")
+
+
+def check_graph_options(precision: str, recall: float) -> None:
+    """A precision the index holds vectors in and a recall a graph can be calibrated for."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if isinstance(recall, bool) or not isinstance(recall, (int, float)) or not 0 < recall <= 1:
+        raise OptionError(f"recall must be a number in (0, 1], got {recall!r}")
+
+
 MODES = ("dense", "sparse", "hybrid")
 FUSIONS = ("rrf", "weighted")
 RRF_K = 60  # reciprocal-rank fusion's constant, as its authors (Cormack et al. 2009) and most engines use
@@ -136,10 +146,9 @@ class Index:
         ef_search: int | None = None,
         write: bool = True,
     ):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if not 0 < recall <= 1 or (ef_search is not None and ef_search < 1):
-            raise OptionError(f"recall must be in (0, 1] and ef_search 1 or more; got {recall}, {ef_search}")
+        check_graph_options(precision, recall)
+        if ef_search is not None and ef_search < 1:
+            raise OptionError(f"ef_search must be 1 or more, got {ef_search}")
         self.folder, self.precision, self.rescore = Path(folder), precision, rescore
         with Store(self.folder / "index.sqlite") as store:
             self.meta = store.begin_read()  # the meta and the vectors of one build
@@ -262,6 +271,11 @@ class Index:
                 check_encoder(self.sparse_encoder, self.meta, self.folder, "sparse_model")
                 self.checked.add("sparse_model")
             query = self.sparse_encoder.encode_query(query)
+        if len(query.shape) == 2 and query.shape[0] != 1:
+            raise ValueError(
+                f"a sparse query is one vector; got a SparseVectors of {query.shape[0]} rows (shape {query.shape}): "
+                "search with each row (vectors[i]) in turn"
+            )
         return query.col, query.data
 
     def search(

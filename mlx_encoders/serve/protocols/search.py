@@ -8,7 +8,8 @@ import numpy as np
 from starlette.requests import Request
 
 from ...embeddings.sparse import SparseVectors
-from ...index.search import FUSIONS, RRF_K
+from ...index.search import FUSIONS, MAX_K, RRF_K
+from ...index.store import DamagedStore
 from ..errors import ApiError
 from ..requests import number, option, read_json, required_text
 from ..schema import accepts, fields
@@ -51,6 +52,9 @@ async def search(request: Request, server: "Server"):
         raise ApiError(400, f'"fusion" must be one of {", ".join(FUSIONS)}, got {fusion!r}', "fusion")
     rrf_k, alpha = number(body, "rrf_k", RRF_K, 0), number(body, "alpha", 0.5, 0, 1)
     depth = option(body, "depth", int, 100, 1)
+    for name, value in (("top_k", top_k), ("depth", depth)):
+        if value > MAX_K:
+            raise ApiError(400, f'"{name}" must be at most {MAX_K}, got {value}', name)
     loop = asyncio.get_running_loop()
     try:  # opening an index at a new precision reads its vectors: off the event loop, as the search itself
         index = await loop.run_in_executor(None, served.index, precision)
@@ -73,6 +77,8 @@ async def search(request: Request, server: "Server"):
     try:  # an index rebuilt since it was opened is opened again; a rebuild with other models cannot be
         search = functools.partial(served.search, precision, (vector, sparse), top_k, **options)
         hits = await loop.run_in_executor(None, search)
+    except DamagedStore as e:
+        raise ApiError(500, f"index {served.name!r}: {e}", None, "index_damaged") from None
     except ValueError as e:
         raise ApiError(503, f"index {served.name!r}: {e}", None, "index_changed") from None
     tokens = sum(len(item.ids) for i in items for item in i)
