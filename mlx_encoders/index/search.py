@@ -274,7 +274,7 @@ class Index:
         if len(query.shape) == 2 and query.shape[0] != 1:
             raise ValueError(
                 f"a sparse query is one vector; got a SparseVectors of {query.shape[0]} rows (shape {query.shape}): "
-                "search with each row (vectors[i]) in turn"
+                "search with one query at a time (encode_query of one text gives one vector)"
             )
         return query.col, query.data
 
