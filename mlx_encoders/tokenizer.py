@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Encoding
+from tokenizers import Encoding, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 
 from . import spm
@@ -27,6 +27,11 @@ DEFAULT_SPECIAL = {"cls_token": ("[CLS]", "<s>"), "sep_token": ("[SEP]", "</s>")
                    "mask_token": ("[MASK]", "<mask>"), "unk_token": ("[UNK]", "<unk>")}  # fmt: skip
 # The tokenizer classes whose defaults these are (a config may name its class; bert-base-uncased names none)
 DEFAULTING_CLASSES = r"Bert|Roberta|Electra|MPNet|Deberta|Albert|Camembert|Longformer|Bart|XLM"
+# The tokenizer classes that build their normalizer from tokenizer_config.json (do_lower_case, default true;
+# strip_accents; tokenize_chinese_chars, default true) over tokenizer.json's, and their model types (a config may
+# name no class); and those that set their ByteLevel pre-tokenizer's add_prefix_space from it
+WORDPIECE_CLASSES = {"bert": "Bert", "distilbert": "DistilBert", "electra": "Electra", "mpnet": "MPNet"}
+BYTE_LEVEL_CLASSES = {"roberta": "Roberta", "gpt2": "GPT2", "longformer": "Longformer", "bart": "Bart"}
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
 USIZE_MAX = 2**32 - 1
@@ -142,6 +147,30 @@ class Tokenizer:
             if name not in self.config:
                 setattr(self, name, next((s for s in spellings if s in special), None))
 
+    def apply_class_options(self, model_type: str | None) -> None:
+        """tokenizer_config.json's options that transformers' tokenizer classes apply over tokenizer.json: a
+        WordPiece class's lowercasing, accent stripping and Chinese characters (their defaults when unset), a
+        byte-level class's add_prefix_space (when set)."""
+        named = re.fullmatch(r"(\w+?)Tokenizer(Fast)?", str(self.config.get("tokenizer_class") or ""))
+        kind = named[1] if named else None
+        state = json.loads(self.backend.to_str())
+        normalizer, pre_tokenizer = state.get("normalizer") or {}, state.get("pre_tokenizer") or {}
+        if (kind or WORDPIECE_CLASSES.get(model_type)) in WORDPIECE_CLASSES.values():
+            if normalizer.get("type") == "BertNormalizer":
+                self.backend.normalizer = normalizers.BertNormalizer(
+                    clean_text=normalizer.get("clean_text", True),
+                    handle_chinese_chars=bool(self.config.get("tokenize_chinese_chars", True)),
+                    strip_accents=self.config.get("strip_accents"),
+                    lowercase=bool(self.config.get("do_lower_case", True)),
+                )
+        if (kind or BYTE_LEVEL_CLASSES.get(model_type)) in BYTE_LEVEL_CLASSES.values():
+            if pre_tokenizer.get("type") == "ByteLevel" and "add_prefix_space" in self.config:
+                self.backend.pre_tokenizer = pre_tokenizers.ByteLevel(
+                    add_prefix_space=bool(self.config["add_prefix_space"]),
+                    trim_offsets=pre_tokenizer.get("trim_offsets", True),
+                    use_regex=pre_tokenizer.get("use_regex", True),
+                )
+
     @classmethod
     def from_pretrained(cls, path: str | Path, max_positions: int | None = None, token_types: bool = True):
         path = Path(path)
@@ -164,7 +193,9 @@ class Tokenizer:
                 backend = FastTokenizer.from_file(str(file))
             except Exception as e:  # tokenizers raises a bare Exception for unreadable files
                 raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
-            return cls(backend, config, limit, token_types)
+            tokenizer = cls(backend, config, limit, token_types)
+            tokenizer.apply_class_options(read_json_object(path / "config.json").get("model_type"))
+            return tokenizer
         model = spm.find_model(path)
         if model is None:
             raise FileNotFoundError(

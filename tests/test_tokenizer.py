@@ -117,3 +117,27 @@ def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkp
     for t in started:
         t.join(timeout=120)
     assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize(
+    "model_type, options",
+    [
+        ("bert", {"do_lower_case": False}),
+        ("bert", {"strip_accents": False}),
+        ("bert", {"do_lower_case": True, "strip_accents": True, "tokenize_chinese_chars": False}),
+        ("mpnet", {"do_lower_case": False}),
+        ("roberta", {"add_prefix_space": True}),
+    ],
+)
+def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_applies_them(
+    checkpoint, tmp_path, model_type, options
+):
+    import json
+    import shutil
+
+    folder = shutil.copytree(checkpoint(model_type), tmp_path / model_type)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **options}))
+    text = "Héllo World, café 中文 ok"
+    expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    assert mlx_encoders.load(folder)[1](text)["input_ids"].tolist()[0] == expected
