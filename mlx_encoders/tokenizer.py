@@ -172,7 +172,10 @@ class Tokenizer:
                 )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, max_positions: int | None = None, token_types: bool = True):
+    def from_pretrained(
+        cls, path: str | Path, max_positions: int | None = None, token_types: bool = True, model_type: str | None = None
+    ):
+        """The tokenizer of folder `path` (`model_type`: the model's, else config.json's where it is needed)."""
         path = Path(path)
         config = {
             **read_json_object(path / "special_tokens_map.json"),
@@ -194,7 +197,9 @@ class Tokenizer:
             except Exception as e:  # tokenizers raises a bare Exception for unreadable files
                 raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
             tokenizer = cls(backend, config, limit, token_types)
-            tokenizer.apply_class_options(read_json_object(path / "config.json").get("model_type"))
+            if model_type is None and not config.get("tokenizer_class"):
+                model_type = read_json_object(path / "config.json").get("model_type")
+            tokenizer.apply_class_options(model_type)
             return tokenizer
         model = spm.find_model(path)
         if model is None:
@@ -204,7 +209,7 @@ class Tokenizer:
                 "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the model "
                 "alone with `mlx_encoders.load_model`."
             )
-        model_type = read_json_object(path / "config.json").get("model_type")
+        model_type = model_type or read_json_object(path / "config.json").get("model_type")
         kind = spm.convention(config.get("tokenizer_class"), model_type, model)
         backend, specials = spm.build(model, kind, config)
         return cls(backend, {**config, **specials}, limit, token_types)

@@ -276,3 +276,28 @@ def test_quantized_checkpoint_honours_per_module_overrides(checkpoint, tmp_path)
     modules = dict(mlx_encoders.load_model(tmp_path / "q").named_modules())
     assert (modules[special].bits, modules[special].group_size) == (8, 32)
     assert modules["bert.encoder.layer.0.output.dense"].bits == 4
+
+
+@pytest.mark.parametrize(
+    "model_type, key", [("bert", "cls.predictions.decoder.weight"), ("roberta", "lm_head.decoder.weight")]
+)
+def test_a_tied_head_stored_with_other_values_is_kept_as_transformers_keeps_it(checkpoint, tmp_path, model_type, key):
+    """config.json ties the output layer, but the file's copy differs: transformers 5 unties and keeps it."""
+    folder = copy(checkpoint(model_type, "masked-lm"), tmp_path)
+    rng = np.random.default_rng(0)
+
+    def store_apart(weights):
+        embeddings = next(v for k, v in weights.items() if k.endswith("word_embeddings.weight"))
+        weights[key] = (embeddings + rng.normal(0, 0.05, embeddings.shape)).astype(embeddings.dtype)
+
+    edit_weights(folder, store_apart)
+    edit_config(folder, lambda c: c.update(tie_word_embeddings=True))
+    reference = load_reference(folder, "masked-lm")
+    with pytest.warns(UserWarning, match=f"stores {re.escape(key)} with other values; it is loaded as the model's own"):
+        model, tokenizer = mlx_encoders.load(folder)
+    batch = tokenizer(TEXTS)
+    with torch.no_grad():
+        expected = reference(**{k: torch.tensor(np.array(v)) for k, v in batch.items()}).logits.numpy()
+    got = np.array(model(**batch).logits)
+    mask = np.array(batch["attention_mask"], bool)
+    np.testing.assert_allclose(got[mask], expected[mask], rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -134,6 +134,25 @@ def module_override(spec: dict, path: str) -> dict | None:
     return next((v for k, v in spec.items() if isinstance(v, dict) and k.endswith("." + path)), None)
 
 
+# the word-embedding tables a tied output layer copies, by the end of their keys
+EMBEDDING_TABLES = ("word_embeddings.weight", "embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
+
+
+def stored_apart(model: nn.Module, weights: dict[str, mx.array]) -> str | None:
+    """The key of a tied output layer's copy (`ignored_keys`) that the checkpoint stores with other values than the
+    word embeddings it would be tied to, or None."""
+    if not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        return None
+    for key in getattr(model, "ignored_keys", ()):
+        copy = weights.get(key)
+        if copy is None or not key.endswith("weight"):
+            continue
+        tables = [v for k, v in weights.items() if k.endswith(EMBEDDING_TABLES) and v.shape == copy.shape]
+        if tables and not any(mx.array_equal(copy, table).item() for table in tables):
+            return key
+    return None
+
+
 def is_float(x: mx.array) -> bool:
     return mx.issubdtype(x.dtype, mx.floating)
 
@@ -395,6 +414,17 @@ def load_model(
     except ValueError as e:
         raise ValueError(f"{checkpoint.path / 'config.json'}: {e}") from e
     weights = fit_prefix(weights, model)
+    if apart := stored_apart(model, weights):  # transformers 5 keeps such a head as its own: so do we
+        warnings.warn(
+            f"{checkpoint.path}: config.json ties the output layer to the word embeddings, but the checkpoint stores "
+            f"{apart} with other values; it is loaded as the model's own head (tie_word_embeddings false), as "
+            "transformers loads it",
+            UserWarning,
+            stacklevel=2,
+        )
+        config = {**config, "tie_word_embeddings": False}
+        model = build_model(checkpoint.module, config, task, weights)
+        weights = fit_prefix(weights, model)
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())

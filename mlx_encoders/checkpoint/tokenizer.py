@@ -31,7 +31,7 @@ def tokenizer_for(args: BaseArgs, path: str | Path | Checkpoint, check_vocab: bo
     """The tokenizer in `path` for a model of `args`, before or without building the model. `check_vocab=False`
     only where the model's vocab_size is still to be taken from this tokenizer (training from scratch)."""
     path = path.path if isinstance(path, Checkpoint) else path
-    tokenizer = Tokenizer.from_pretrained(path, args.max_tokens, reads_token_types(args))
+    tokenizer = Tokenizer.from_pretrained(path, args.max_tokens, reads_token_types(args), args.model_type)
     if check_vocab:
         fits_vocab(tokenizer, args, path)
     return tokenizer
