@@ -136,6 +136,25 @@ def test_save_is_atomic_and_never_replaces_without_overwrite(checkpoint, tmp_pat
     assert loaded_tokenizer(TEXTS)["input_ids"].tolist() == tokenizer(TEXTS)["input_ids"].tolist()
 
 
+def test_saving_through_a_link_writes_where_it_points(checkpoint, tmp_path):
+    model, tokenizer = mlx_encoders.load(checkpoint("bert"))
+    real = save(model, tmp_path / "disk" / "ckpt", tokenizer)
+    (tmp_path / "current").symlink_to(real)
+    mlx_encoders.save(mlx_encoders.load(real, dtype="float16")[0], tmp_path / "current", overwrite=True)
+    assert (tmp_path / "current").is_symlink() and (tmp_path / "current").resolve() == real.resolve()
+    assert {v.dtype for v in mx.load(str(real / "model.safetensors")).values()} == {mx.float16}
+
+
+def test_a_roberta_config_whose_pad_id_leaves_no_position_is_refused(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint("roberta"), tmp_path / "roberta")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": 200, "max_position_embeddings": 130}))
+    with pytest.raises(
+        ValueError, match=r"config.json: config keys 'pad_token_id' \(200\) and 'max_position_embeddings'"
+    ):
+        mlx_encoders.load(folder)
+
+
 def test_quantized_model_saves_in_the_layout_convert_writes(checkpoint, tmp_path):
     source = checkpoint("bert", "masked-lm", hidden_size=64, intermediate_size=128, num_attention_heads=4)
     model, tokenizer = mlx_encoders.load(source)

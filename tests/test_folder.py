@@ -4,8 +4,11 @@ class sentence-transformers loads for it, and a folder written here loads in sen
 import importlib
 import json
 
+import pytest
 from checkpoints import make_checkpoint
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Dense, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling as TheirPooling
 from tolerance import assert_float32_close, encoder_terms
 
 from mlx_encoders import SentenceEncoder
@@ -47,6 +50,16 @@ def test_a_folder_written_here_loads_in_sentence_transformers_as_written(tmp_pat
     assert (ours.max_seq_length, ours.prompts["query"], ours.similarity_fn_name) == (12, "q: ", "dot")
     expected = theirs.encode(TEXTS, prompt_name="query")
     assert_float32_close(ours.encode_query(TEXTS), expected, encoder_terms(folder, TEXTS))
+
+
+def test_a_dense_module_that_takes_another_width_than_the_pooling_gives_is_named(tmp_path):
+    folder = make_checkpoint(tmp_path / "model", "bert")
+    width = json.loads((folder / "config.json").read_text())["hidden_size"]
+    dense = Dense(2 * width, 16)  # the pooling gives `width`
+    modules = [Transformer(str(folder)), TheirPooling(width), dense]
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / "st"))
+    with pytest.raises(ValueError, match=f"2_Dense/config.json: this Dense module takes {2 * width} features, but"):
+        SentenceEncoder(tmp_path / "st")
 
 
 def test_a_pooling_of_several_modes_written_here_has_the_width_sentence_transformers_reads(tmp_path):

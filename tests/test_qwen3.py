@@ -318,6 +318,15 @@ def test_reranker_without_modules_json_scores_yes_against_no(reranker_checkpoint
     check_reranker(reranker_checkpoint)
 
 
+@pytest.mark.parametrize("ids", [{"true_token_id": 9999}, {"false_token_id": -9999}, {"false_token_id": "3"}])
+def test_logit_score_ids_outside_the_vocabulary_are_refused(reranker_folder, tmp_path, ids):
+    folder = shutil.copytree(reranker_folder, tmp_path / "st")
+    config = folder / "1_LogitScore" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **ids}))
+    with pytest.raises(ValueError, match=f"LogitScore module's {next(iter(ids))} must be a token id of the model's"):
+        mlx_encoders.CrossEncoder(folder)
+
+
 CHAT_ONLY = (  # a chat model's own template: system, user and assistant messages, nothing of a query or document
     "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}<|im_start|>{{ m.role }}\n"
     "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"

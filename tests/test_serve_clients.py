@@ -479,6 +479,33 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
+def test_models_dir_lists_past_folders_it_cannot_read(tmp_path, folders, monkeypatch):
+    """A weight file that is a dangling link (a hub cache whose blob was removed) and a folder the server may not
+    read are listed or skipped, never a 500 for the whole listing."""
+    from mlx_encoders import serve
+    from mlx_encoders.serve import lazy
+
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "gone" / "model.safetensors").symlink_to(tmp_path / "removed-blob")
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "config.json").write_text('{"model_type": "bert"}')
+    readable = lazy.is_model_folder
+
+    def is_model_folder(path):
+        if path.name == "locked":  # root reads any file: the permission error is simulated
+            raise PermissionError(13, "Permission denied", str(path / "config.json"))
+        return readable(path)
+
+    monkeypatch.setattr(lazy, "is_model_folder", is_model_folder)
+    app = serve.app({"rerank": folders["rerank"]}, models_dir=tmp_path, model_keep_alive=-1)
+    with in_process(app) as url:
+        status, tags, _ = call(url, "/api/tags")
+        assert status == 200 and {m["name"] for m in tags["models"]} == {"rerank:latest", "gone:latest"}, tags
+        status, listed, _ = call(url, "/v1/models")
+        assert status == 200 and [m["id"] for m in listed["data"]] == ["rerank", "gone"], listed
+
+
 def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path, folders, sentence_transformer):
     import ollama
 

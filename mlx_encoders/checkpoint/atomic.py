@@ -214,8 +214,9 @@ def atomic_folder(
     `option` names, in errors, the setting that replaces it; a folder of other files than checkpoints' replaces
     a target that `holds` those files alone. The temporary folder is removed on any error,
     Ctrl-C, SIGTERM or SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it
-    (`remove_stale`)."""
+    (`remove_stale`). A `target` that is a link is written where it points, the link kept."""
     target = Path(target)
+    target = target.resolve() if target.is_symlink() else target
     remove_stale(target)
     if target.exists():
         if not target.is_dir():  # no option replaces it: say so first

@@ -95,10 +95,23 @@ def read_logit_score(folder: SentenceFolder, task: str) -> dict | None:
     return None
 
 
-def logit_score(config: dict, tokenizer: Tokenizer, source: Path) -> LogitScore:
-    """The LogitScore of `config`, its tokens "yes" and "no" when it names none (sentence-transformers' default)."""
+def logit_score(config: dict, tokenizer: Tokenizer, source: Path, vocab_size: int) -> LogitScore:
+    """The LogitScore of `config`, its tokens "yes" and "no" when it names none (sentence-transformers' default);
+    an id outside the LM head's `vocab_size` logits (negative ones count from the end, as torch's) is refused."""
     if "true_token_id" in config:
-        return LogitScore(int(config["true_token_id"]), config.get("false_token_id"))
+        ids = {}
+        for name in ("true_token_id", "false_token_id"):
+            value = config.get(name)
+            if value is None and name == "false_token_id":
+                ids[name] = None
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not -vocab_size <= value < vocab_size:
+                raise ValueError(
+                    f"{source}: the LogitScore module's {name} must be a token id of the model's {vocab_size} "
+                    f"(its LogitScore config.json), got {value!r}"
+                )
+            ids[name] = value % vocab_size
+        return LogitScore(ids["true_token_id"], ids["false_token_id"])
     true, false = (tokenizer.token_id(t) for t in ("yes", "no"))
     if true is None or false is None:
         raise ValueError(
@@ -156,7 +169,9 @@ class CrossEncoder(Encoder):
         )
         self.tokenizer = load_tokenizer(self.model, checkpoint)
         apply_sentence_config(self.tokenizer, folder.sentence_config)
-        self.logit_score = None if score is None else logit_score(score, self.tokenizer, self.path)
+        self.logit_score = (
+            None if score is None else logit_score(score, self.tokenizer, self.path, self.model.args.vocab_size)
+        )
         template = read_chat_template(self.path) if takes_messages(folder) else None
         self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
         if self.chat_template is not None and (failure := self.chat_template.pair_roles_failure()):

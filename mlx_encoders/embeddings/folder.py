@@ -385,10 +385,11 @@ class SentenceFolder:
     def sentence_config(self) -> dict:
         return read_sentence_config(self.transformer)
 
-    def projection(self, on: str, runner: str) -> tuple[list[Dense], bool]:
+    def projection(self, on: str, runner: str, width: int | None = None) -> tuple[list[Dense], bool]:
         """The Dense modules over `on` (the pooled "sentence_embedding", or the "token_embeddings") in order, and
         whether a Normalize ends them: how every encoder and fine_tune run a folder's projection. A Dense or
-        Normalize over another output, or a Normalize before a Dense, would run wrongly here: refused, naming it."""
+        Normalize over another output, a Normalize before a Dense, or a Dense that takes other than the `width`
+        it is given (when known), would run wrongly here: refused, naming it."""
         dense, normalized = [], False
         for m in self.modules:
             if m.kind not in ("Dense", "Normalize"):
@@ -409,7 +410,15 @@ class SentenceFolder:
                 )
             normalized = m.kind == "Normalize"
             if m.kind == "Dense":
-                dense.append(m.read())
+                layer = m.read()
+                takes = layer.config.get("in_features")
+                if width is not None and isinstance(takes, int) and takes != width:
+                    raise ValueError(
+                        f"{m.folder / 'config.json'}: this Dense module takes {takes} features, but the module before "
+                        f"it gives {width} ({on}); the folder's modules do not fit together"
+                    )
+                width = layer.config.get("out_features") if width is not None else None
+                dense.append(layer)
         return dense, normalized
 
     def check_kinds(self, allowed: tuple[str, ...], runner: str, hint: str = "") -> None:

@@ -94,8 +94,9 @@ class SentenceEncoder(Embedder):
         transformer = Checkpoint.open(folder.transformer)
         self.model = load_model(transformer, dtype=dtype, task="encoder")
         self.tokenizer = load_tokenizer(self.model, transformer)
-        self.dense, self.normalize = folder.projection("sentence_embedding", "SentenceEncoder")
         self.pooling, self.include_prompt = self.read_pooling(folder, pooling)
+        pooled = len(self.pooling) * self.model.args.output_size
+        self.dense, self.normalize = folder.projection("sentence_embedding", "SentenceEncoder", pooled)
         self.max_seq_length = token_limit(
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
         )

@@ -30,6 +30,15 @@ class ModelArgs(BertArgs):
     type_vocab_size: int = 1
     max_position_embeddings: int = 514
 
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.pad_token_id, int) and self.max_tokens < 1:  # positions start after the pad id
+            raise ValueError(
+                f"config keys 'pad_token_id' ({self.pad_token_id}) and 'max_position_embeddings' "
+                f"({self.max_position_embeddings}) leave no position for a token: the positions start after the pad "
+                "id, so the table needs at least pad_token_id + 2 rows"
+            )
+
     @property
     def max_tokens(self) -> int:
         return self.max_position_embeddings - self.pad_token_id - 1  # positions start after pad_token_id

@@ -85,7 +85,7 @@ class ModelsDir:
     def names(self) -> list[str]:
         """The folder's model folders: those that hold a config.json or a sentence-transformers modules.json."""
         folders = (p for p in self.folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        return sorted(p.name for p in folders if is_model_folder(p))
+        return sorted(p.name for p in folders if self.path(p.name) is not None)  # an unreadable one is none
 
     def path(self, name) -> Path | None:
         """The folder of model `name`, when it is one of the folder's."""

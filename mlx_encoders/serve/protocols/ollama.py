@@ -217,7 +217,7 @@ def folder_entry(name: str, folder: Path) -> dict:
         family = str(read_json_object(folder / "config.json").get("model_type", ""))
     except (OSError, ValueError):  # a damaged folder is listed, and loading it says what is wrong
         family = ""
-    size = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+    size = sum(p.stat().st_size for p in folder.rglob("*.safetensors") if p.is_file())  # not a dangling link
     modified = datetime.datetime.fromtimestamp(folder.stat().st_mtime, datetime.timezone.utc).isoformat()
     digest = hashlib.sha256(f"{name}\0{folder}".encode()).hexdigest()
     return {"name": tagged(name), "model": tagged(name), "modified_at": modified, "size": size, "digest": digest,
