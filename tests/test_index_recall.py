@@ -54,6 +54,18 @@ def test_the_recall_asked_for_is_reached_on_new_queries(uniform):
     assert measured["queries"] == CALIBRATION_QUERIES and measured["k"] == 10
 
 
+def test_a_search_for_every_vector_is_exact_whatever_the_graph_reaches(uniform, monkeypatch):
+    """A graph may leave a few nodes unreachable; candidates asked for that are every vector come from the exact
+    product, so no document is lost from a search that wants them all."""
+    folder, vectors = uniform
+    index = Index(folder, ann=True)
+    assert index.graph is not None
+    reached = ann.candidates_of
+    monkeypatch.setattr(ann, "candidates_of", lambda *a: list(reached(*a))[1:])  # the best node never reached
+    assert index.search(vectors[17], 1)[0].id != "17"  # below the bound: the graph's answer
+    assert {h.id for h in index.search(vectors[0], len(vectors))} == {str(i) for i in range(len(vectors))}
+
+
 def test_search_says_which_way_it_answers_and_may_choose_exact(uniform, tmp_path):
     folder, vectors = uniform
     Index(folder, ann=True)  # the graph and its record

@@ -373,16 +373,21 @@ class Index:
         return rows[top], scores[top]
 
     def nearest(self, vector: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, exact scores) of the best `k` vectors, best first."""
-        if self.graph is not None:
-            count = max(self.rescore, 4 * k)  # the expansion grows with the candidates, as calibrated for rescore
+        """(positions, exact scores) of the best `k` vectors, best first; exactly when the candidates asked for
+        would be every vector (a graph may leave a few nodes unreachable: a search for all of them must not)."""
+        count = max(self.rescore, 4 * k)
+        if count >= len(self.rows):
+            scores = self.vectors @ vector
+            top = best(scores, k)
+            return top, scores[top]
+        if self.graph is not None:  # the expansion grows with the candidates, as calibrated for rescore
             expansion = self.way["expansion_search"] * count // self.rescore
             count = ann_index.pool(count, expansion, self.precision)
             rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision, self.scale)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
         elif self.precision == "int8":  # codes close enough that the rescored pool holds the exact best
             coarse = self.codes @ self.quantize(vector[None])[0]
-            pool = best(coarse, max(self.rescore, 4 * k))
+            pool = best(coarse, count)
         else:  # exact: sign bits alone rank too coarsely for a pool to hold the best (recall@10 about 0.5)
             scores = self.vectors @ vector
             top = best(scores, k)
