@@ -5,6 +5,7 @@ SentencePiece model when a checkpoint ships only that (see spm.py), takes the sp
 `tokenizer_config.json` / `special_tokens_map.json`, and returns mx.array batches.
 """
 
+import base64
 import json
 import numbers
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Encoding, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Encoding, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 
 from . import spm
@@ -30,8 +31,15 @@ DEFAULTING_CLASSES = r"Bert|Roberta|Electra|MPNet|Deberta|Albert|Camembert|Longf
 # The tokenizer classes that build their normalizer from tokenizer_config.json (do_lower_case, default true;
 # strip_accents; tokenize_chinese_chars, default true) over tokenizer.json's, and their model types (a config may
 # name no class); and those that set their ByteLevel pre-tokenizer's add_prefix_space from it
-WORDPIECE_CLASSES = {"bert": "Bert", "distilbert": "DistilBert", "electra": "Electra", "mpnet": "MPNet"}
-BYTE_LEVEL_CLASSES = {"roberta": "Roberta", "gpt2": "GPT2", "longformer": "Longformer", "bart": "Bart"}
+WORDPIECE_CLASSES = {"bert": "Bert", "distilbert": "DistilBert", "electra": "Electra", "mpnet": "MPNet",
+                     "nomic_bert": "Bert"}  # fmt: skip
+BYTE_LEVEL_CLASSES = {
+    "roberta": "Roberta",
+    "gpt2": "GPT2",
+    "longformer": "Longformer",
+    "bart": "Bart",
+    "deberta": "Deberta",
+}
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
 USIZE_MAX = 2**32 - 1
@@ -102,6 +110,14 @@ def check_unicode(text: str, index: int) -> None:
         ) from None
 
 
+def precompiled_charsmap(normalizer: dict) -> bytes:
+    """The SentencePiece character map of a tokenizer.json normalizer (a Precompiled one, alone or in a
+    Sequence); b"" without one."""
+    if normalizer.get("type") == "Precompiled":
+        return base64.b64decode(normalizer.get("precompiled_charsmap") or "")
+    return next((m for n in normalizer.get("normalizers") or [] if (m := precompiled_charsmap(n or {}))), b"")
+
+
 def side(config: dict, key: str) -> str:
     """tokenizer_config.json's `key` ("left" or "right"; "right" when unset)."""
     value = config.get(key) or "right"
@@ -134,6 +150,8 @@ class Tokenizer:
         self.default_special_tokens()
         self.backend.no_padding()
         self.backend.no_truncation()
+        # transformers' split_special_tokens: a special token typed in a text is read as text
+        self.backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
     def default_special_tokens(self) -> None:
         """The roles the config files leave unnamed (bert-base-uncased's name none), filled as the BERT and RoBERTa
@@ -149,8 +167,10 @@ class Tokenizer:
 
     def apply_class_options(self, model_type: str | None) -> None:
         """tokenizer_config.json's options that transformers' tokenizer classes apply over tokenizer.json: a
-        WordPiece class's lowercasing, accent stripping and Chinese characters (their defaults when unset), a
-        byte-level class's add_prefix_space (when set)."""
+        WordPiece class's lowercasing, accent stripping and Chinese characters, a byte-level class's
+        add_prefix_space (their defaults when unset), and a SentencePiece class's (ALBERT, XLM-R, DeBERTa-v2)
+        whole normalizer and pre-tokenizer, which transformers 5 builds from the class and these options as it
+        builds them from the SentencePiece model (`spm`), the file's character map kept."""
         named = re.fullmatch(r"(\w+?)Tokenizer(Fast)?", str(self.config.get("tokenizer_class") or ""))
         kind = named[1] if named else None
         state = json.loads(self.backend.to_str())
@@ -163,10 +183,20 @@ class Tokenizer:
                     strip_accents=self.config.get("strip_accents"),
                     lowercase=bool(self.config.get("do_lower_case", True)),
                 )
+        convention = (
+            spm.CLASSES.get(f"{kind}Tokenizer") if kind else (model_type if model_type in spm.DEFAULTS else None)
+        )
+        if convention is not None and (state.get("model") or {}).get("type") == "Unigram":
+            steps = spm.normalizer(convention, self.config, precompiled_charsmap(normalizer))
+            self.backend.normalizer = steps if steps is not None else normalizers.Sequence([])
+            prefix = self.config.get("add_prefix_space", True)
+            scheme = "always" if prefix else ("first" if convention == "deberta-v2" else "never")
+            self.backend.pre_tokenizer = spm.pre_tokenizer(convention, self.config, scheme)
+            self.backend.decoder = decoders.Metaspace(replacement=spm.METASPACE, prepend_scheme=scheme)
         if (kind or BYTE_LEVEL_CLASSES.get(model_type)) in BYTE_LEVEL_CLASSES.values():
-            if pre_tokenizer.get("type") == "ByteLevel" and "add_prefix_space" in self.config:
+            if pre_tokenizer.get("type") == "ByteLevel":  # the class's default: no prefix space
                 self.backend.pre_tokenizer = pre_tokenizers.ByteLevel(
-                    add_prefix_space=bool(self.config["add_prefix_space"]),
+                    add_prefix_space=bool(self.config.get("add_prefix_space", False)),
                     trim_offsets=pre_tokenizer.get("trim_offsets", True),
                     use_regex=pre_tokenizer.get("use_regex", True),
                 )
@@ -196,6 +226,14 @@ class Tokenizer:
                 backend = FastTokenizer.from_file(str(file))
             except Exception as e:  # tokenizers raises a bare Exception for unreadable files
                 raise ValueError(f"{file} is not a valid tokenizer file ({e}); re-download or re-save it") from e
+            # tokenizer.json's own truncation and padding say the sides and the pad token a config leaves unsaid
+            truncation, padding = backend.truncation or {}, backend.padding or {}
+            found = {"truncation_side": truncation.get("direction"), "padding_side": padding.get("direction"),
+                     "pad_token": padding.get("pad_token")}  # fmt: skip
+            config = {**{k: v for k, v in found.items() if v}, **config}
+            known = set(backend.get_vocab(with_added_tokens=True))
+            extra = [t for t in spm.extra_special_tokens(config) if t not in known]  # transformers adds them
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
             tokenizer = cls(backend, config, limit, token_types)
             if model_type is None and not config.get("tokenizer_class"):
                 model_type = read_json_object(path / "config.json").get("model_type")

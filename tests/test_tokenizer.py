@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 import mlx_encoders
 from mlx_encoders.models import MODEL_TYPES
+from mlx_encoders.tokenizer import Tokenizer
 
 TEXTS = ["Hello, world!", "", "Tokenizers split words like unbelievably into pieces.", "word " * 300]
 PAIRS = ["What is it?", "a question", "Who?", "second " * 200]
@@ -98,6 +99,21 @@ def test_a_max_length_below_the_special_tokens_is_refused(checkpoint):
     assert len(ours.encode_batch(["a b c"], max_length=1, add_special_tokens=False)[0].ids) == 1
 
 
+def test_tokenizer_json_truncation_and_padding_say_the_sides_a_config_leaves_unsaid(checkpoint, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer as Backend
+
+    folder = shutil.copytree(checkpoint("bert"), tmp_path / "bert")
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    backend.enable_truncation(6, direction="left")
+    backend.enable_padding(direction="left", pad_token="[PAD]")
+    backend.save(str(folder / "tokenizer.json"))
+    texts = ["alpha beta gamma delta epsilon zeta eta", "hi"]
+    expected = AutoTokenizer.from_pretrained(folder)(texts, padding=True, truncation=True, max_length=6)["input_ids"]
+    assert mlx_encoders.load(folder)[1](texts, max_length=6)["input_ids"].tolist() == expected
+
+
 def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkpoint):
     """The backend's truncation is state of its own: one thread's limit (or none) must not reach another's texts."""
     import threading
@@ -127,6 +143,12 @@ def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkp
         ("bert", {"do_lower_case": True, "strip_accents": True, "tokenize_chinese_chars": False}),
         ("mpnet", {"do_lower_case": False}),
         ("roberta", {"add_prefix_space": True}),
+        ("bert", {"split_special_tokens": True}),
+        ("bert", {"extra_special_tokens": ["<NEWTOK>"]}),
+        ("xlm-roberta", {}),  # the SentencePiece classes' own normalizer and pre-tokenizer: no trailing "▁"
+        ("xlm-roberta", {"add_prefix_space": False}),
+        ("albert", {"keep_accents": True, "do_lower_case": False}),
+        ("deberta-v2", {"do_lower_case": True, "split_by_punct": True}),
     ],
 )
 def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_applies_them(
@@ -138,6 +160,6 @@ def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_appl
     folder = shutil.copytree(checkpoint(model_type), tmp_path / model_type)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, **options}))
-    text = "Héllo World, café 中文 ok"
+    text = "Héllo World, it's café 中文 ok [MASK] <mask> <NEWTOK>  "
     expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
-    assert mlx_encoders.load(folder)[1](text)["input_ids"].tolist()[0] == expected
+    assert Tokenizer.from_pretrained(folder)(text)["input_ids"].tolist()[0] == expected  # an added token: no model
