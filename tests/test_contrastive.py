@@ -471,6 +471,15 @@ def test_cli_train_embed_writes_a_sentence_transformers_folder(st_folder, tmp_pa
     np.testing.assert_allclose(SentenceEncoder(out / "model").encode(texts), expected, atol=1e-5)
 
 
+def test_a_run_with_a_loss_object_resumes_under_an_equal_one_and_refuses_another(st_folder, tmp_path):
+    options = dict(model=st_folder, batch_size=3, max_steps=2, save_every=1)
+    fine_tune("embed", TRIPLETS, tmp_path, loss=MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 16]), **options)
+    resumed = dict(resume=tmp_path / "checkpoint-1", **options)
+    fine_tune("embed", TRIPLETS, tmp_path, loss=MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 16]), **resumed)
+    with pytest.raises(ValueError, match="written by a run with other settings \\(loss "):
+        fine_tune("embed", TRIPLETS, tmp_path, loss=MatryoshkaLoss(MultipleNegativesRankingLoss(), [32, 8]), **resumed)
+
+
 def test_matryoshka_dims_without_a_loss_wrap_the_datas_default_loss(st_folder, tmp_path, monkeypatch):
     """Scored pairs train with CoSENT at each dim, anchor/positive rows with MNRL, as without the dims."""
     used, chosen = [], embedding.make_loss

@@ -501,6 +501,8 @@ def test_a_resume_under_other_settings_or_past_the_runs_end_is_refused(checkpoin
         fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "batch_size": 5})
     with pytest.raises(ValueError, match=r"other settings \(max_length None -> 8\)"):  # the task's options too
         fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_length": 8})
+    with pytest.raises(ValueError, match=r"other settings \(max_grad_norm 1.0 -> 0.01\)"):
+        fine_tune("classify", data, out, resume=out / "checkpoint-2", **{**options, "max_grad_norm": 0.01})
     fine_tune("classify", data, out, resume=out / "checkpoint-2", save_every=1, **{**options, "max_steps": 3})
     kept, log = [c.name for c in trainer.checkpoints(out)], (out / "metrics.jsonl").read_text()
     with pytest.raises(ValueError, match=r"checkpoint-2 is at step 2, past this run's 1 steps"):

@@ -54,7 +54,7 @@ class TrainerState:
 # What decides a run's batches and updates: resuming under other values would continue no run that ever was. Its
 # length (epochs, max_steps) may grow: with a constant schedule that is the longer run exactly.
 RUN_SETTINGS = ("batch_size", "grad_accum", "seed", "lr", "warmup_ratio", "warmup_steps", "weight_decay", "schedule",
-                "group_by_length", "dtype", "cores")  # fmt: skip
+                "max_grad_norm", "group_by_length", "dtype", "cores")  # fmt: skip
 
 
 def run_settings(config) -> dict:

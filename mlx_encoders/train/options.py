@@ -182,8 +182,20 @@ def signature(function) -> inspect.Signature:
 
 
 def as_json(values: dict) -> dict:
-    """`values` as JSON writes and reads them back (tuples as lists, paths and other objects as strings)."""
-    return json.loads(json.dumps(values, default=str))
+    """`values` as JSON writes and reads them back (tuples as lists, paths as strings), an object (a loss) as its
+    class and settings and a function by name, so that the same options give the same record in every process."""
+    return json.loads(json.dumps(values, default=described))
+
+
+def described(value) -> object:
+    kind = type(value)
+    if isinstance(value, Path):
+        return str(value)
+    if callable(value) and hasattr(value, "__qualname__"):  # a function or class
+        return f"{value.__module__}.{value.__qualname__}"
+    if hasattr(value, "__dict__"):
+        return {"class": f"{kind.__module__}.{kind.__qualname__}", **vars(value)}
+    return repr(value) if kind.__repr__ is not object.__repr__ else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def read_options(function: str, output_dir: str | Path, options: Mapping) -> SimpleNamespace:
