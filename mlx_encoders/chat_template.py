@@ -107,13 +107,18 @@ class ChatTemplate:
         return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
                                     **self.variables)  # fmt: skip
 
-    def encode(self, conversations: list[list[dict]], max_length: int) -> list[Tokens]:
+    def encode(self, conversations: list[list[dict]], max_length: int, direction: str | None = None) -> list[Tokens]:
+        """Each conversation rendered and tokenized, cut to `max_length` at `direction`'s end (default the
+        tokenizer's truncation_side): cut at the left, a render keeps its tail as it is."""
         texts = [self.render(messages) for messages in conversations]
-        encodings = self.tokenizer.encode_batch(texts, truncation=True, max_length=max_length, add_special_tokens=False)
+        direction = direction or self.tokenizer.truncation_side
+        encodings = self.tokenizer.encode_batch(
+            texts, truncation=True, max_length=max_length, add_special_tokens=False, direction=direction
+        )
         out = []
         for messages, e in zip(conversations, encodings, strict=True):
             ids = list(e.ids)
-            if len(ids) >= max_length:  # possibly cut: the template's tail goes back over the last tokens
+            if direction == "right" and len(ids) >= max_length:  # possibly cut: the tail goes back over the last
                 tail = self.tail(messages)[-len(ids) :]
                 ids[len(ids) - len(tail) :] = tail
             out.append(Tokens(ids, [0] * len(ids), list(e.overflowing)))

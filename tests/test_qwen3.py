@@ -346,6 +346,15 @@ def test_a_chat_template_that_drops_the_pair_is_refused_as_sentence_transformers
         mlx_encoders.CrossEncoder(folder)
 
 
+def test_a_chat_template_reranker_cut_at_the_left_matches_sentence_transformers(reranker_folder, tmp_path):
+    folder = shutil.copytree(reranker_folder, tmp_path / "left")
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "truncation_side": "left"}))
+    theirs = st.CrossEncoder(str(folder), device="cpu", max_length=40).predict(PAIRS)
+    ours = mlx_encoders.CrossEncoder(folder, max_length=40).predict(PAIRS)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_truncated_pair_keeps_the_template_s_tail(reranker_folder):
     """Cut at max_length, a pair still ends with the assistant prefix the answer follows (sentence-transformers')."""
     ours = mlx_encoders.CrossEncoder(reranker_folder, max_length=200)

@@ -253,8 +253,8 @@ class CrossEncoder(Encoder):
     def tokenize(self, pairs: list[tuple[str, str]], prompt: str = "", direction: str | None = None) -> list:
         """Each pair as the model reads it (the inputs of `encoding_logits`), cut to `max_seq_length` (`overflowing`
         non-empty where cut), longest text first, at the tokenizer's `truncation_side` or `direction`'s end:
-        through the chat template as a [system prompt,] query, document conversation (cut at the end only), else
-        as a text pair, the prompt before the query."""
+        through the chat template as a [system prompt,] query, document conversation (cut at the right, it keeps
+        the template's tail), else as a text pair, the prompt before the query."""
         self.check_max_seq_length()
         if not pairs:
             return []
@@ -264,16 +264,11 @@ class CrossEncoder(Encoder):
             return self.tokenizer.encode_batch(
                 firsts, list(seconds), max_length=self.max_seq_length, direction=direction
             )
-        if (direction or self.tokenizer.truncation_side) != "right":
-            raise ValueError(
-                f"{self.path} reads pairs through its chat template, which cuts a pair at its end only: "
-                "truncate at the right (tokenizer_config.json's truncation_side, the call's direction)"
-            )
         system = [{"role": "system", "content": prompt}] if prompt else []
         conversations = [
             system + [{"role": "query", "content": q}, {"role": "document", "content": d}] for q, d in pairs
         ]
-        return self.chat_template.encode(conversations, self.max_seq_length)
+        return self.chat_template.encode(conversations, self.max_seq_length, direction)
 
     def encoding_logits(self, encodings: list, batch_size: int, show_progress: bool | None = False) -> np.ndarray:
         """(N, num_labels) float32 logits of tokenized pairs (anything with `ids` and `type_ids`, e.g. a server's

@@ -158,12 +158,9 @@ class SentenceEncoder(Embedder):
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
         limit = self.max_seq_length if max_length is None else min(self.max_seq_length, max_length)
         if self.chat_template is not None:  # a user message each, the prompt a system message before it
-            if (direction or self.tokenizer.truncation_side) != "right":
-                raise ValueError(
-                    f"{self.path} reads texts through its chat template, which cuts a text at its end only"
-                )
             system = [{"role": "system", "content": prompt}] if prompt else []
-            return self.chat_template.encode([[*system, {"role": "user", "content": t}] for t in texts], limit)
+            conversations = [[*system, {"role": "user", "content": t}] for t in texts]
+            return self.chat_template.encode(conversations, limit, direction)
         texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=limit, direction=direction)
 
