@@ -279,7 +279,12 @@ def test_quantized_checkpoint_honours_per_module_overrides(checkpoint, tmp_path)
 
 
 @pytest.mark.parametrize(
-    "model_type, key", [("bert", "cls.predictions.decoder.weight"), ("roberta", "lm_head.decoder.weight")]
+    "model_type, key",
+    [
+        ("bert", "cls.predictions.decoder.weight"),
+        ("roberta", "lm_head.decoder.weight"),
+        ("deberta-v2", "cls.predictions.decoder.weight"),  # its untied decoder's bias is the head's, as tied
+    ],
 )
 def test_a_tied_head_stored_with_other_values_is_kept_as_transformers_keeps_it(checkpoint, tmp_path, model_type, key):
     """config.json ties the output layer, but the file's copy differs: transformers 5 unties and keeps it."""

@@ -425,6 +425,10 @@ def load_model(
         config = {**config, "tie_word_embeddings": False}
         model = build_model(checkpoint.module, config, task, weights)
         weights = fit_prefix(weights, model)
+        for key in dict(tree_flatten(model.parameters())):  # an untied decoder's bias is its head's, as tied
+            shared = key.removesuffix(".decoder.bias") + ".bias"
+            if key.endswith(".decoder.bias") and key not in weights and shared in weights:
+                weights[key] = weights[shared]
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())
