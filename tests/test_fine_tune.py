@@ -207,6 +207,11 @@ def test_problem_type_follows_the_labels(checkpoint, tmp_path, labels, problem_t
     config = json.loads((trained.path / "config.json").read_text())
     assert config["problem_type"] == problem_type
     assert len(config["id2label"]) == (2 if problem_type != "regression" else 1)
+    if problem_type == "multi_label_classification":  # a kept head of other problem type: the data's, as run_glue
+        config["problem_type"] = "single_label_classification"
+        (trained.path / "config.json").write_text(json.dumps(config))
+        again = fine_tune("classify", data, tmp_path / "again", model=trained.path, max_steps=1)
+        assert json.loads((again.path / "config.json").read_text())["problem_type"] == problem_type
 
 
 def test_lora_saves_adapters_alone_and_the_fused_model(checkpoint, tmp_path):
@@ -277,6 +282,19 @@ def test_length_grouped_order_equals_transformers(monkeypatch):
         monkeypatch.setattr(torch, "randperm", lambda *_args, **_kw: torch.tensor(order))  # noqa: B023
         expected = get_length_grouped_indices(lengths.tolist(), batch_size)
         assert length_grouped(order, lengths, batch_size).tolist() == expected
+
+
+def test_length_grouped_steps_with_accumulation_follow_the_trainers_order(tmp_path, monkeypatch):
+    """The Trainer groups mega-batches of batch_size x gradient_accumulation_steps examples."""
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    lengths = np.random.default_rng(2).integers(1, 100, 500)
+    config = TrainingConfig(tmp_path, batch_size=8, grad_accum=4, group_by_length=True, seed=5)
+    order = np.random.default_rng([5, 0]).permutation(500)
+    monkeypatch.setattr(torch, "randperm", lambda *_args, **_kw: torch.tensor(order))
+    expected = get_length_grouped_indices(lengths.tolist(), 8 * 4)
+    steps = epoch_steps(500, config, 0, lengths)
+    assert np.concatenate([b for step in steps for b in step]).tolist() == expected
 
 
 def test_length_grouped_batches_hold_similar_lengths(tmp_path):

@@ -468,6 +468,8 @@ def test_bad_corpus_lines_are_named(tmp_path):
         with pytest.raises(CorpusError, match=message):
             read_corpus(pairs)
     assert read_corpus([(np.int64(7), "x"), (8, "y")]) == [("7", "x"), ("8", "y")]
+    rows = np.array([["d1", "a text"], ["d2", "another"]], dtype=object)  # a DataFrame's to_numpy()
+    assert read_corpus(rows) == [("d1", "a text"), ("d2", "another")]
 
 
 def test_build_options_are_checked_before_anything_is_written(tmp_path, model):

@@ -78,6 +78,7 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
     if not isinstance(corpus, (str, Path)):
         where, docs = "the given documents", []
         for number, pair in enumerate(corpus, 1):
+            pair = pair.tolist() if isinstance(pair, np.ndarray) and pair.ndim == 1 else pair  # a table's row
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise CorpusError(f"{where}, item {number}: expected an (id, text) pair, got {pair!r:.60}")
             record = Record(pair, where, number, "item")

@@ -89,8 +89,8 @@ def epoch_steps(
     `config.group_by_length`, the order is grouped by the examples' `lengths`; `batcher` cuts the order into
     batches instead of consecutive runs (e.g. `embedding.no_duplicates`)."""
     order = np.random.default_rng([config.seed, epoch]).permutation(n)
-    if config.group_by_length:
-        order = length_grouped(order, lengths, config.batch_size)
+    if config.group_by_length:  # mega-batches of a whole step's examples, as the Trainer's LengthGroupedSampler
+        order = length_grouped(order, lengths, config.batch_size * config.grad_accum)
     if batcher is not None:
         batches = batcher(order)
     else:

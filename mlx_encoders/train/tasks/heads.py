@@ -168,7 +168,9 @@ def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Modul
                 "head from the encoder alone, saved without this one: model, tokenizer = mlx_encoders.load(path, "
                 'task="encoder"); mlx_encoders.save(model, "encoder-only", tokenizer)'
             )
-        return load_model(checkpoint, dtype="float32", task=task)
+        # the data's problem type replaces the config's, as run_classification.py sets it
+        kept = {"problem_type": labels["problem_type"]} if "problem_type" in labels else {}
+        return load_model(checkpoint, dtype="float32", task=task, **kept)
     return load_model(checkpoint, dtype="float32", task=task, **labels)
 
 
