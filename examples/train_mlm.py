@@ -65,7 +65,7 @@ def main() -> None:
     print(f"{'epoch':>5}  {'eval loss':>9}  {'accuracy':>8}  {'perplexity':>10}")
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     for r in (r for r in records if "eval_loss" in r):
-        print(f"{r['epoch'] + 1:>5}  {r['eval_loss']:>9.3f}  {r['eval_accuracy']:>8.3f}  {r['eval_perplexity']:>10.1f}")
+        print(f"{r['epoch']:>5g}  {r['eval_loss']:>9.3f}  {r['eval_accuracy']:>8.3f}  {r['eval_perplexity']:>10.1f}")
     print(f"model saved to {trained.path}\n")
 
     fill = mlx_encoders.pipeline("fill-mask", model=trained.path)

@@ -420,7 +420,7 @@ def test_deferred_rows_are_all_trained_on_and_each_epoch_ends_where_its_batches_
     whole = fine_tune("embed", rows, tmp_path, **options)
     assert sorted(taken[:4]) == sorted(taken[4:]) == [[0], [1], [2], [3]]  # every row, once in each epoch
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["epoch"]) for r in records if "eval_loss" in r] == [(4, 0), (8, 1)]
+    assert [(r["step"], r["epoch"]) for r in records if "eval_loss" in r] == [(4, 1.0), (8, 2.0)]
     # transformers' linear schedule (no warmup) over the 8 steps that ran
     lrs = [r["lr"] for r in records if "lr" in r]
     np.testing.assert_allclose(lrs, [1e-4 * (8 - s) / 8 for s in range(8)], rtol=1e-6)

@@ -139,7 +139,9 @@ def check_signal(
     """Refuse a run none of whose micro-batches gives the objective's loss a gradient (`objective.no_signal`),
     looking at the run's batches in order until one can teach the loss something."""
     reason = None
-    for _, (_, _, indices, _) in zip(range(total), steps_from(lengths, config, TrainerState(), batcher), strict=False):
+    for _, (_, _, indices, _, _) in zip(
+        range(total), steps_from(lengths, config, TrainerState(), batcher), strict=False
+    ):
         for batch in indices:
             found = objective.no_signal(examples, batch)
             if found is None:
@@ -158,14 +160,15 @@ def check_signal(
 
 def steps_from(
     lengths: np.ndarray, config: TrainingConfig, state: TrainerState, batcher: Callable | None = None
-) -> Iterator[tuple[int, int, list[np.ndarray], bool]]:
-    """(epoch, position after the step, micro-batches, whether the step ends its epoch) from where `state` stands,
-    epoch after epoch; an epoch ends when its list of steps runs out, however many its batcher built."""
+) -> Iterator[tuple[int, int, list[np.ndarray], bool, float]]:
+    """(epoch, position after the step, micro-batches, whether the step ends its epoch, the epochs done after it,
+    as transformers counts them: 1.5 halfway through the second) from where `state` stands, epoch after epoch; an
+    epoch ends when its list of steps runs out, however many its batcher built."""
     epoch, position = state.epoch, state.position
     while True:
         steps = epoch_steps(len(lengths), config, epoch, lengths, batcher)
         for i in range(position, len(steps)):
-            yield epoch, i + 1, steps[i], i + 1 == len(steps)
+            yield epoch, i + 1, steps[i], i + 1 == len(steps), epoch + (i + 1) / len(steps)
         epoch, position = epoch + 1, 0
 
 
@@ -298,14 +301,14 @@ class Loop:
             "and that the data's texts differ (max_length may cut them to the same tokens)"
         )
 
-    def evaluate_and_save(self, end_of_epoch: bool) -> None:
+    def evaluate_and_save(self, end_of_epoch: bool, epochs_done: float) -> None:
         """Evaluate every `eval_every` steps, at each epoch end and at the end; save every `save_every` steps and
         at the end (unless `final_checkpoint` is off), keeping the last `keep_last` checkpoints and the best."""
         config, state, last = self.config, self.state, self.state.step == self.total
         if self.eval_examples is not None and (end_of_epoch or last or due(state.step, config.eval_every)):
             metrics = self.evaluate()
             self.model.train()
-            state.metrics = {"step": state.step, "epoch": state.epoch, **metrics}
+            state.metrics = {"step": state.step, "epoch": round(epochs_done, 4), **metrics}
             if self.world.is_main:
                 log_metrics(config.output_dir, state.metrics)
         if (last and config.final_checkpoint) or (not last and due(state.step, config.save_every)):
@@ -410,7 +413,7 @@ def train(
     ):
         if world.is_main and loop.compiled and state.step < total:  # compiling takes seconds: say so
             bar.write("Compiling the training step (first step only)...", file=sys.stderr)
-        for epoch, position, indices, end_of_epoch in steps_from(lengths, config, state, batcher):
+        for epoch, position, indices, end_of_epoch, epochs_done in steps_from(lengths, config, state, batcher):
             if state.step >= total:
                 break
             record = loop.step(indices)
@@ -420,7 +423,7 @@ def train(
             bar.set_postfix(
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tokens_s=f"{record['tokens_s']:.0f}"
             )
-            loop.evaluate_and_save(end_of_epoch)
+            loop.evaluate_and_save(end_of_epoch, epochs_done)
     if world.is_main:
         plot_metrics(config.output_dir)
     return state.metrics or record
