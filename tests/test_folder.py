@@ -52,6 +52,22 @@ def test_a_folder_written_here_loads_in_sentence_transformers_as_written(tmp_pat
     assert_float32_close(ours.encode_query(TEXTS), expected, encoder_terms(folder, TEXTS))
 
 
+def test_a_folder_with_dense_modules_encodes_first_from_another_thread(tmp_path):
+    """The Dense weights are loaded with the model: an array left lazy belongs to the loading thread's stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = make_checkpoint(tmp_path / "model", "bert")
+    width = json.loads((folder / "config.json").read_text())["hidden_size"]
+    modules = [Transformer(str(folder)), TheirPooling(width), Dense(width, 16)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / "st"))
+    encoder = SentenceEncoder(tmp_path / "st")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(encoder.encode, TEXTS).result(timeout=300)
+    assert_float32_close(
+        first, SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(TEXTS), encoder_terms(folder, TEXTS)
+    )
+
+
 def test_a_dense_module_that_takes_another_width_than_the_pooling_gives_is_named(tmp_path):
     folder = make_checkpoint(tmp_path / "model", "bert")
     width = json.loads((folder / "config.json").read_text())["hidden_size"]

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from checkpoints import MINILM
 
 FORKED_POOL = """
@@ -17,17 +18,21 @@ encoder = SentenceEncoder({model!r})
 def embed(text):
     return encoder.encode([text]).shape
 
+def child(text):
+    return {child}
+
 print(embed("in the parent"), flush=True)
 with multiprocessing.get_context("fork").Pool(2) as pool:
     try:
-        pool.map(embed, ["a", "b"])
+        pool.map(child, ["a", "b"])
     except ForkedAfterMLX as e:
         print("refused:", e)
 """
 
 
-def test_a_child_forked_after_mlx_ran_gets_an_error_not_a_hang():
-    code = textwrap.dedent(FORKED_POOL.format(model=str(MINILM)))
+@pytest.mark.parametrize("call", ["encoder.encode([text]).shape", "encoder.similarity([[1.0, 0.0]], [[1.0, 0.0]])"])
+def test_a_child_forked_after_mlx_ran_gets_an_error_not_a_hang(call):
+    code = textwrap.dedent(FORKED_POOL.format(model=str(MINILM), child=call))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     first, refused = result.stdout.strip().splitlines()

@@ -10,6 +10,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_index import FILES, assert_same_index, model, st_model, write_corpus  # noqa: F401 (model: a fixture)
 
@@ -173,3 +174,30 @@ def test_shard_options_are_checked(tmp_path, model, encoder, monkeypatch, capsys
     out, err = capsys.readouterr()
     path = tmp_path / "i" / "shards" / "part-2-of-2.sqlite"
     assert out == f"{path}: part 2/2, 4 texts (4 added)\n" and "part 2 of 2: 4 of 8 distinct texts, 4 to embed" in err
+
+
+def test_graph_searches_from_threads_walk_each_with_its_own_width():
+    """The width is the graph's state: a search sets it and must walk with it, whatever other threads set."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_encoders.index import ann
+
+    class Graph:  # usearch's Index as candidates_of uses it: a width set, then a search that reads it
+        expansion_search = 0
+
+        def search(self, query, count, threads=0):
+            width = self.expansion_search
+            time.sleep(0.01)  # another thread may set its own width meanwhile
+            return type("Matches", (), {"keys": [self.expansion_search, width]})()
+
+    graph, start = Graph(), threading.Barrier(4)
+
+    def walk(width: int) -> list[int]:
+        start.wait(timeout=10)
+        return [ann.candidates_of(graph, np.zeros(4, np.float32), 1, width, "float32").tolist() for _ in range(5)]
+
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(walk, [10, 20, 30, 40]))
+    assert found == [[[w, w]] * 5 for w in (10, 20, 30, 40)]

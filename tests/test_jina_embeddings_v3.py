@@ -230,6 +230,22 @@ def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):
         encoder.encode(texts, task="summarization")
 
 
+def test_threads_selecting_other_adapters_get_each_its_own(st_folder):
+    """The active adapter is the model's state: calls from threads, each with its adapter (the first from a
+    thread that did not load the model), equal the same calls alone, and leave none active."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    encoder, texts = SentenceEncoder(st_folder), TEXTS[1:]
+    calls = {"query": encoder.encode_query, "document": encoder.encode_document, "plain": encoder.encode}
+    with ThreadPoolExecutor(3) as pool:
+        together = [pool.submit(call, texts) for _ in range(3) for call in calls.values()]
+        together = [f.result(timeout=300) for f in together]
+    alone = [call(texts) for _ in range(3) for call in calls.values()]
+    for got, expected in zip(together, alone, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert encoder.model.active_adapter is None
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_converted_folder_keeps_its_adapters(folder, tmp_path, bits):
     """convert quantizes the base and copies the adapter subfolders, which then run over the quantized weights."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..engine import runtime
 from ..engine.batching import (
     default_least_tokens,
     default_slice_bytes,
@@ -234,10 +235,12 @@ class Embedder(Encoder):
     def similarity(self, embeddings1, embeddings2) -> mx.array:
         """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2`, by
         `similarity_fn_name`; a single vector (or matrix, for a multi-vector model) counts as one row."""
+        runtime.claim_mlx()  # a child forked after MLX ran: a clear error, never a hang
         return self.SIMILARITIES[self.similarity_fn_name][0](embeddings1, embeddings2)
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
         """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
+        runtime.claim_mlx()
         return self.SIMILARITIES[self.similarity_fn_name][1](embeddings1, embeddings2)
 
     def get_embedding_dimension(self) -> int:

@@ -33,6 +33,7 @@ def load_head(folder: Path, name: str) -> nn.Linear:
             f"`python -m convert --hf-path {folder} --mlx-path <new folder>` (torch.load(weights_only=True))."
         )
     weights = read_safetensors(file)
+    mx.eval(weights)  # loaded now: a lazy array belongs to this thread's stream, and others cannot run it
     if set(weights) != {"weight", "bias"} or weights["weight"].ndim != 2:
         raise ValueError(f"{file} must hold a Linear's 'weight' (out, in) and 'bias'; found {sorted(weights)}")
     out_features, in_features = weights["weight"].shape

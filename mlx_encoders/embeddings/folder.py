@@ -115,6 +115,7 @@ def read_dense(folder: Path) -> Dense:
         )
     # sentence-transformers loads a Dense into a float32 torch Linear whatever dtype its file holds
     weights = {k: v.astype(mx.float32) for k, v in read_safetensors(file).items()}
+    mx.eval(weights)  # loaded now: an array left lazy belongs to this thread's stream, and others cannot run it
     bias = config.get("bias", True)
     expected = {"linear.weight": (sizes[1], sizes[0])} | ({"linear.bias": (sizes[1],)} if bias else {})
     expected |= {"residual.weight": (sizes[1], sizes[0])} if "residual.weight" in weights else {}
@@ -202,6 +203,7 @@ def read_static_embedding(folder: Path) -> np.ndarray:
     if not file.exists():
         raise FileNotFoundError(f"No model.safetensors in {folder}: SparseStaticEmbedding needs its weights")
     weights = read_safetensors(file)
+    mx.eval(weights)  # as read_dense
     if "weight" not in weights or weights["weight"].ndim != 1:
         raise ValueError(f"{file} must hold a (vocab_size,) tensor 'weight'; found {sorted(weights)}")
     return np.array(weights["weight"].astype(mx.float32))
@@ -229,6 +231,7 @@ def read_auto_encoder(folder: Path) -> AutoEncoder:
     if not file.exists():
         raise FileNotFoundError(f"No model.safetensors in {folder}: SparseAutoEncoder needs its weights")
     weights = read_safetensors(file)
+    mx.eval(weights)  # as read_dense
     key = "encoder.weight" if "encoder.weight" in weights else "decoder.linear.weight"  # tied: saved as either
     weight = weights.get(key)
     shape = (config.get("hidden_dim"), config.get("input_dim"))

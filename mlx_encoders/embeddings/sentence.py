@@ -336,6 +336,7 @@ class SentenceEncoder(Embedder):
             return self.encodings_pass([encodings[i] for i in rows], skipped, tokens, normalized)
 
         lengths = [len(e.ids) for e in encodings]
-        with self.model.adapter(adapter, self.merge_adapters) if adapter else nullcontext():
+        # a model of task adapters runs each call in its block (None: the active one), so threads never mix them
+        with self.model.adapter(adapter, self.merge_adapters) if hasattr(self.model, "adapter") else nullcontext():
             self.batches(lengths, forward, collect, batch_size, show_progress)
         return out, token_vectors

@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -40,6 +41,8 @@ from .export import running
 # precision -> (usearch scalar kind, metric); binary packs sign bits 8 to a byte and compares by Hamming distance
 KINDS = {"float32": ("f32", "ip"), "int8": ("i8", "ip"), "binary": ("b1", "hamming")}
 RECALL = 0.95  # the recall@10 a search asks for by default
+# a graph's search width is its state: each search sets its own and walks with it, one at a time
+SEARCH_LOCK = threading.Lock()
 CANDIDATES = 100  # graph candidates re-scored exactly per query (at least 4 x k)
 # recall@10 over 5,000 neighbours: queries differ in how hard they are, and at a million vectors two sets of 200
 # found 0.955 and 0.964 through the same walk; 500 measure it to about 0.005 (each costs a walk at every level)
@@ -378,11 +381,14 @@ def candidates_of(index, query: np.ndarray, count: int, expansion: int, precisio
     """Store rows of the (up to) `count` nearest vectors to `query` in the graph, its walk keeping `expansion`
     candidates (at least `count`): recall rises with it, and so does the time. For a matrix of queries, a list of
     each one's, walked on `threads`."""
-    index.expansion_search = max(expansion, count)
-    if query.ndim == 2:
-        matches = index.search(as_input(query, precision, scale), count, threads=threads)
-        if not hasattr(matches, "counts"):  # usearch answers a one-row matrix as a single query
-            return [np.asarray(matches.keys, np.int64)]
-        return [np.asarray(keys[:n], np.int64) for keys, n in zip(matches.keys, matches.counts, strict=True)]
-    matches = index.search(as_input(query[None], precision, scale)[0], count)
-    return np.asarray(matches.keys, np.int64)
+    with SEARCH_LOCK:  # the width is the graph's state: a search must walk with its own, not another thread's
+        index.expansion_search = max(expansion, count)
+        if query.ndim == 2:
+            matches = index.search(as_input(query, precision, scale), count, threads=threads)
+        else:
+            matches = index.search(as_input(query[None], precision, scale)[0], count)
+    if query.ndim != 2:
+        return np.asarray(matches.keys, np.int64)
+    if not hasattr(matches, "counts"):  # usearch answers a one-row matrix as a single query
+        return [np.asarray(matches.keys, np.int64)]
+    return [np.asarray(keys[:n], np.int64) for keys, n in zip(matches.keys, matches.counts, strict=True)]

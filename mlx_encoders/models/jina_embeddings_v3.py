@@ -10,6 +10,7 @@ the float weights (`merge=True`), as transformers with PEFT's `set_adapter` or `
 """
 
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ from .bert import untied_decoder_bias
 from .inputs import check_inputs
 from .layers import Dropout, Embedding, LayerNorm, Linear, blockwise_attention, rope
 from .roberta import RobertaClassificationHead, RobertaLMHead
+
+# the active task adapter is a model's state: blocks that set it (`adapter`) run one at a time
+ADAPTER_LOCK = threading.RLock()
 
 # encode_query / encode_document pick these adapters when the model has them (jina's retrieval pair)
 ROLE_ADAPTERS = {"query": "retrieval_query", "document": "retrieval_passage"}
@@ -251,6 +255,7 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
                     "the word and token-type embeddings, q/k/v/o_proj, mlp fc1/fc2, pooler dense)"
                 )
             low = LowRank(a, b, scale, table)
+            mx.eval(low.a, low.b)  # loaded now: a lazy array belongs to its thread's stream, and others cannot run it
             shape = weight_shape(target)
             if tuple(low.delta().shape) != shape:
                 raise ValueError(
@@ -286,6 +291,7 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
                     raise ValueError(f"adapter {name!r}: {path} is quantized or wrapped; set_adapter(merge=False)")
                 state.merged[path] = target.weight
                 target.weight = (target.weight.astype(mx.float32) + low.delta()).astype(target.weight.dtype)
+                mx.eval(target.weight)  # as add_adapter's
         else:
             for path, low in state.tasks[name].items():
                 owner, _, child = path.rpartition(".")
@@ -360,13 +366,17 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
 
     @contextmanager
     def adapter(self, task: str | None, merge: bool = False):
-        """`set_adapter(task, merge)` within the block, the adapter before it restored after."""
-        before = self.task_adapters.active
-        self.set_adapter(task, merge)
-        try:
-            yield
-        finally:
-            self.set_adapter(before)
+        """`set_adapter(task, merge)` within the block (None: the active adapter kept), the adapter before it
+        restored after; the active adapter is the model's state, so one block runs at a time (threads wait)."""
+        with ADAPTER_LOCK:
+            before = self.task_adapters.active
+            if task is not None:
+                self.set_adapter(task, merge)
+            try:
+                yield
+            finally:
+                if task is not None:
+                    self.set_adapter(before)
 
 
 def weight_shape(module: nn.Module) -> tuple[int, int]:
