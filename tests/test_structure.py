@@ -116,8 +116,8 @@ SERVE_MAY_IMPORT = {
     "mlx_encoders.embeddings.multi_vector": {"MultiVectorEncoder"},
     "mlx_encoders.embeddings.vectors": {"quantize_embeddings"},
     "mlx_encoders.pipelines.text_classification": {"TextClassificationPipeline", "FUNCTIONS"},
-    "mlx_encoders.index": {"Hit", "Index", "StaleIndex"},
-    "mlx_encoders.index.search": {"FUSIONS", "RRF_K"},
+    "mlx_encoders.index": {"Hit", "Index", "StaleIndex", "DamagedStore"},
+    "mlx_encoders.index.search": {"FUSIONS", "MAX_K", "RRF_K"},
 }
 
 

@@ -8,8 +8,8 @@ import numpy as np
 from starlette.requests import Request
 
 from ...embeddings.sparse import SparseVectors
+from ...index import DamagedStore
 from ...index.search import FUSIONS, MAX_K, RRF_K
-from ...index.store import DamagedStore
 from ..errors import ApiError
 from ..requests import number, option, read_json, required_text
 from ..schema import accepts, fields
