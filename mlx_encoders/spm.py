@@ -28,6 +28,9 @@ DEFAULTS = {
 }
 # tokenizer_config.json "tokenizer_class" (without "Fast") or config.json "model_type" -> convention.
 CLASSES = {"AlbertTokenizer": "albert", "XLMRobertaTokenizer": "xlm-roberta", "DebertaV2Tokenizer": "deberta-v2"}
+# model types whose tokenizer class transformers picks when the config names none
+MODEL_TYPES = {"albert": "albert", "xlm-roberta": "xlm-roberta", "deberta-v2": "deberta-v2", "gte": "xlm-roberta",
+               "jina_embeddings_v3": "xlm-roberta"}  # fmt: skip
 CONTROL, USER_DEFINED = 3, 4  # sentencepiece's SentencePiece.Type values that become added tokens
 METASPACE = "\u2581"
 FLAGS = (
@@ -120,8 +123,8 @@ def convention(tokenizer_class: str | None, model_type: str | None, file: Path) 
     name = (tokenizer_class or "").removesuffix("Fast")
     if name in CLASSES:
         return CLASSES[name]
-    if model_type in DEFAULTS:
-        return model_type
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     raise ValueError(
         f"{file} is a SentencePiece model, but neither tokenizer_config.json's tokenizer_class ({tokenizer_class!r}) "
         f"nor config.json's model_type ({model_type!r}) says how to build it. mlx_encoders builds the tokenizers of "

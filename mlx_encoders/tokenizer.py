@@ -148,10 +148,27 @@ class Tokenizer:
         for name in SPECIAL:
             setattr(self, name, _content(config.get(name)))
         self.default_special_tokens()
+        self.register_named_special_tokens()
         self.backend.no_padding()
         self.backend.no_truncation()
         # transformers' split_special_tokens: a special token typed in a text is read as text
         self.backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+    def register_named_special_tokens(self) -> None:
+        """The named special tokens a file keeps in its vocabulary alone, or lists as added but not special, made
+        special (their flags kept), as transformers registers them: kept whole when typed in a text, left out by
+        decode's skip_special_tokens."""
+        added = {t.content: t for t in self.backend.get_added_tokens_decoder().values()}
+        vocabulary = self.backend.get_vocab(with_added_tokens=False)
+        register = []
+        for token in dict.fromkeys(t for t in (getattr(self, name) for name in SPECIAL) if t):
+            found = added.get(token)
+            if found is None and token in vocabulary:
+                register.append(AddedToken(token, special=True, normalized=False))
+            elif found is not None and not found.special:
+                flags = {k: getattr(found, k) for k in ("single_word", "lstrip", "rstrip", "normalized")}
+                register.append(AddedToken(token, special=True, **flags))
+        self.backend.add_special_tokens(register)
 
     def default_special_tokens(self) -> None:
         """The roles the config files leave unnamed (bert-base-uncased's name none), filled as the BERT and RoBERTa
@@ -183,9 +200,7 @@ class Tokenizer:
                     strip_accents=self.config.get("strip_accents"),
                     lowercase=bool(self.config.get("do_lower_case", True)),
                 )
-        convention = (
-            spm.CLASSES.get(f"{kind}Tokenizer") if kind else (model_type if model_type in spm.DEFAULTS else None)
-        )
+        convention = spm.CLASSES.get(f"{kind}Tokenizer") if kind else spm.MODEL_TYPES.get(model_type)
         if convention is not None and (state.get("model") or {}).get("type") == "Unigram":
             steps = spm.normalizer(convention, self.config, precompiled_charsmap(normalizer))
             self.backend.normalizer = steps if steps is not None else normalizers.Sequence([])

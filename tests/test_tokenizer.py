@@ -163,3 +163,43 @@ def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_appl
     text = "Héllo World, it's café 中文 ok [MASK] <mask> <NEWTOK>  "
     expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
     assert Tokenizer.from_pretrained(folder)(text)["input_ids"].tolist()[0] == expected  # an added token: no model
+
+
+def test_named_special_tokens_a_file_leaves_unflagged_are_special_as_transformers_registers_them(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    folder = shutil.copytree(checkpoint("bert"), tmp_path / "bert")
+    state = json.loads((folder / "tokenizer.json").read_text())
+    for token in state["added_tokens"]:  # as transformers 4 saved tokenizers whose specials were user pieces
+        token["special"] = token["content"] not in ("[CLS]", "[SEP]", "[PAD]")
+    (folder / "tokenizer.json").write_text(json.dumps(state))
+    theirs, ours = AutoTokenizer.from_pretrained(folder), Tokenizer.from_pretrained(folder)
+    ids = theirs(["hello world", "hi"], padding=True)["input_ids"]
+    assert [ours.decode(row, skip_special_tokens=True) for row in ids] == theirs.batch_decode(ids, True)
+
+
+def test_a_gte_or_jina_folder_naming_no_tokenizer_class_gets_xlm_robertas(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    for model_type in ("gte", "jina_embeddings_v3"):
+        folder = shutil.copytree(checkpoint("xlm-roberta"), tmp_path / model_type)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("tokenizer_class", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        model_config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**model_config, "model_type": model_type}))
+        state = json.loads((folder / "tokenizer.json").read_text())  # the layout transformers 4 wrote
+        spaces = {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}
+        state["normalizer"] = {"type": "Sequence", "normalizers": [n for n in (state["normalizer"], spaces) if n]}
+        state["pre_tokenizer"] = {
+            "type": "Metaspace",
+            "replacement": "\u2581",
+            "prepend_scheme": "always",
+            "split": True,
+        }
+        (folder / "tokenizer.json").write_text(json.dumps(state))
+        texts = ["Hello world  ", "  ", "a\n b"]
+        expected = AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
+        assert [e.ids for e in Tokenizer.from_pretrained(folder).encode_batch(texts)] == expected
