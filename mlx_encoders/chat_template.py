@@ -58,6 +58,14 @@ def read_chat_template(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def template_variables(source: str) -> set[str]:
+    """The variables a template reads that it does not set itself."""
+    import jinja2.ext
+    import jinja2.meta
+
+    return jinja2.meta.find_undeclared_variables(jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(source))
+
+
 def compile_template(source: str):
     """The template in transformers' environment: sandboxed, blocks trimmed, its filters and globals."""
     try:
@@ -89,6 +97,8 @@ class ChatTemplate:
         # transformers passes the special tokens as template variables (`bos_token`, `eos_token`, ...)
         self.variables = {name: getattr(tokenizer, name) for name in SPECIAL if getattr(tokenizer, name) is not None}
         self.tails: dict[str, list[int]] = {}
+        # sentence-transformers passes the call's task ("query", "document") to a template that reads one
+        self.declares_task = "task" in template_variables(source)
 
     def pair_roles_failure(self) -> str | None:
         """Why the template cannot carry a (query, document) pair as messages of those roles, or None when it can
@@ -103,14 +113,18 @@ class ChatTemplate:
         dropped = [role for role, render in zip(("query", "document"), varied, strict=True) if render == base]
         return f"the {' and '.join(map(repr, dropped))} content does not reach the rendered prompt" if dropped else None
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], task: str | None = None) -> str:
+        given = {"task": task} if task is not None and self.declares_task else {}
         return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
-                                    **self.variables)  # fmt: skip
+                                    **self.variables, **given)  # fmt: skip
 
-    def encode(self, conversations: list[list[dict]], max_length: int, direction: str | None = None) -> list[Tokens]:
-        """Each conversation rendered and tokenized, cut to `max_length` at `direction`'s end (default the
-        tokenizer's truncation_side): cut at the left, a render keeps its tail as it is."""
-        texts = [self.render(messages) for messages in conversations]
+    def encode(
+        self, conversations: list[list[dict]], max_length: int, direction: str | None = None, task: str | None = None
+    ) -> list[Tokens]:
+        """Each conversation rendered (with `task`, for a template that reads one) and tokenized, cut to
+        `max_length` at `direction`'s end (default the tokenizer's truncation_side): cut at the left, a render
+        keeps its tail as it is."""
+        texts = [self.render(messages, task) for messages in conversations]
         direction = direction or self.tokenizer.truncation_side
         encodings = self.tokenizer.encode_batch(
             texts, truncation=True, max_length=max_length, add_special_tokens=False, direction=direction
@@ -119,23 +133,23 @@ class ChatTemplate:
         for messages, e in zip(conversations, encodings, strict=True):
             ids = list(e.ids)
             if direction == "right" and len(ids) >= max_length:  # possibly cut: the tail goes back over the last
-                tail = self.tail(messages)[-len(ids) :]
+                tail = self.tail(messages, task)[-len(ids) :]
                 ids[len(ids) - len(tail) :] = tail
             out.append(Tokens(ids, [0] * len(ids), list(e.overflowing)))
         return out
 
-    def tail(self, messages: list[dict]) -> list[int]:
+    def tail(self, messages: list[dict], task: str | None = None) -> list[int]:
         """The token suffix every render of this conversation's shape ends with (system messages kept as they
         are); [] when the two renders never differ."""
         skeletons = [
             [m if m.get("role") == "system" else {**m, "content": filler} for m in messages] for filler in FILLERS
         ]
-        key = json.dumps(skeletons[0], sort_keys=True)
+        key = json.dumps([task, skeletons[0]], sort_keys=True)
         if key not in self.tails:
             first, second = (
                 e.ids
                 for e in self.tokenizer.encode_batch(
-                    [self.render(s) for s in skeletons], truncation=False, add_special_tokens=False
+                    [self.render(s, task) for s in skeletons], truncation=False, add_special_tokens=False
                 )
             )
             count = 0

@@ -120,6 +120,16 @@ def test_a_chat_model_is_read_through_its_chat_template_as_sentence_transformers
             assert_float32_close(ours.encode(TEXTS, batch_size=3, **kwargs), expected, encoder_terms(folder, TEXTS))
 
 
+def test_a_chat_template_reading_the_task_gets_the_calls_role_as_sentence_transformers_6_gives_it(checkpoint, tmp_path):
+    plain = shutil.copytree(checkpoint("qwen3", "causal-lm"), tmp_path / "plain")
+    (plain / "chat_template.jinja").write_text("{% if task == 'query' %}Find: {% endif %}" + CHAT_ONLY)
+    ours, theirs = SentenceEncoder(plain), SentenceTransformer(str(plain), device="cpu")
+    for call in ("encode", "encode_query", "encode_document"):
+        expected = getattr(theirs, call)(TEXTS, batch_size=3)
+        assert_float32_close(getattr(ours, call)(TEXTS, batch_size=3), expected, encoder_terms(plain, TEXTS))
+    assert not np.allclose(ours.encode_query(TEXTS[:1]), ours.encode_document(TEXTS[:1]))  # the task reached it
+
+
 def test_prompt_and_end_of_text_reach_the_model(embedding_folder):
     """The query prompt changes the embedding, and every text ends with `<|endoftext|>` (the token pooled)."""
     encoder = SentenceEncoder(embedding_folder)

@@ -151,8 +151,9 @@ class SentenceEncoder(Embedder):
         return len(encoding.ids) - (1 if encoding.special_tokens_mask[-1] else 0)
 
     def tokenize(
-        self, texts: list[str], prompt: str = "", max_length: int | None = None, direction: str | None = None
-    ) -> list[Encoding]:
+        self, texts: list[str], prompt: str = "", max_length: int | None = None, direction: str | None = None,
+        role: str | None = None,
+    ) -> list[Encoding]:  # fmt: skip
         """`texts` as the model reads them, `prompt` before each (see `input_prompt`), cut to `max_seq_length`
         tokens (or a shorter `max_length`) at the tokenizer's `truncation_side` or `direction`'s end; an
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
@@ -160,7 +161,7 @@ class SentenceEncoder(Embedder):
         if self.chat_template is not None:  # a user message each, the prompt a system message before it
             system = [{"role": "system", "content": prompt}] if prompt else []
             conversations = [[*system, {"role": "user", "content": t}] for t in texts]
-            return self.chat_template.encode(conversations, limit, direction)
+            return self.chat_template.encode(conversations, limit, direction, task=role)
         texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=limit, direction=direction)
 
@@ -255,7 +256,7 @@ class SentenceEncoder(Embedder):
         tokens = output_value != "sentence_embedding"
         adapter = self.adapter_for(prompt_name, prompt, task, role)
         encodings, vectors, token_vectors = self.run(
-            texts, batch_size, show_progress_bar, self.pooled_prompt_tokens(prefix), tokens, prefix, adapter
+            texts, batch_size, show_progress_bar, self.pooled_prompt_tokens(prefix), tokens, prefix, adapter, role
         )
         if output_value == "token_embeddings":
             out = quantize_embeddings(token_vectors, precision) if precision != "float32" else token_vectors
@@ -291,10 +292,10 @@ class SentenceEncoder(Embedder):
 
     def run(
         self, texts: list[str], batch_size: int, show_progress: bool | None, skipped: int, tokens: bool,
-        prompt: str = "", adapter: str | None = None,
+        prompt: str = "", adapter: str | None = None, role: str | None = None,
     ) -> tuple[list[Encoding], np.ndarray, list[np.ndarray]]:  # fmt: skip
         """(encodings, (N, D) float32 sentence embeddings, per text its (L, H) token embeddings when `tokens`)."""
-        encodings = self.tokenize(texts, prompt) if texts else []
+        encodings = self.tokenize(texts, prompt, role=role) if texts else []
         warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # run, encode, its caller
         return encodings, *self.run_encodings(encodings, batch_size, show_progress, skipped, tokens, adapter)
 

@@ -325,7 +325,7 @@ class ServedModel:
         limit = self.max_length if self.classifier is None else self.classifier.max_length
         limit = limit if max_length is None else min(limit, max_length)
         if self.encoder is not None:
-            return self.encoder.tokenize(texts, prefix, limit, direction), limit
+            return self.encoder.tokenize(texts, prefix, limit, direction, role=task), limit
         texts = [prefix + t for t in texts] if prefix else texts
         return self.classifier.encode(texts, max_length=limit, direction=direction), limit
 
