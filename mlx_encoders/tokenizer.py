@@ -40,6 +40,8 @@ BYTE_LEVEL_CLASSES = {
     "bart": "Bart",
     "deberta": "Deberta",
 }
+# model types whose tokenizer transformers reads from tokenizer.json as it is, whatever class a config names
+AS_SAVED_MODEL_TYPES = ("modernbert",)
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
 NO_LIMIT = int(1e29)
 USIZE_MAX = 2**32 - 1
@@ -155,13 +157,14 @@ class Tokenizer:
         self.backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
     def register_named_special_tokens(self) -> None:
-        """The named special tokens a file keeps in its vocabulary alone, or lists as added but not special, made
-        special (their flags kept), as transformers registers them: kept whole when typed in a text, left out by
-        decode's skip_special_tokens."""
+        """The named and extra special tokens a file keeps in its vocabulary alone, or lists as added but not
+        special, made special (their flags kept), as transformers registers them: kept whole when typed in a text,
+        left out by decode's skip_special_tokens."""
         added = {t.content: t for t in self.backend.get_added_tokens_decoder().values()}
         vocabulary = self.backend.get_vocab(with_added_tokens=False)
         register = []
-        for token in dict.fromkeys(t for t in (getattr(self, name) for name in SPECIAL) if t):
+        named = [getattr(self, name) for name in SPECIAL] + spm.extra_special_tokens(self.config)
+        for token in dict.fromkeys(t for t in named if t):
             found = added.get(token)
             if found is None and token in vocabulary:
                 register.append(AddedToken(token, special=True, normalized=False))
@@ -188,8 +191,11 @@ class Tokenizer:
         add_prefix_space (their defaults when unset), and a SentencePiece class's (ALBERT, XLM-R, DeBERTa-v2)
         whole normalizer and pre-tokenizer, which transformers 5 builds from the class and these options as it
         builds them from the SentencePiece model (`spm`), the file's character map kept."""
-        named = re.fullmatch(r"(\w+?)Tokenizer(Fast)?", str(self.config.get("tokenizer_class") or ""))
-        kind = named[1] if named else None
+        if model_type in AS_SAVED_MODEL_TYPES:
+            return
+        given = str(self.config.get("tokenizer_class") or "")
+        named = re.fullmatch(r"(\w+?)Tokenizer(Fast)?", given)
+        kind = named[1] if named else (given or None)  # TokenizersBackend: tokenizer.json as it is
         state = json.loads(self.backend.to_str())
         normalizer, pre_tokenizer = state.get("normalizer") or {}, state.get("pre_tokenizer") or {}
         if (kind or WORDPIECE_CLASSES.get(model_type)) in WORDPIECE_CLASSES.values():
@@ -353,6 +359,8 @@ class Tokenizer:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, truncation_lock=threading.Lock())
+        # the tokenizers library does not keep this setting in its own state
+        self.backend.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
 
     def encode_windows(self, text: str, text_pair: str, max_length: int, stride: int) -> list[Encoding]:
         """A pair whose second text is split into windows of at most `max_length` tokens that overlap by

@@ -1,5 +1,7 @@
 """The tokenizer equals transformers' tokenizer on the same folder, for every architecture's family."""
 
+import pickle
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -145,6 +147,9 @@ def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkp
         ("roberta", {"add_prefix_space": True}),
         ("bert", {"split_special_tokens": True}),
         ("bert", {"extra_special_tokens": ["<NEWTOK>"]}),
+        ("bert", {"additional_special_tokens": ["[unused0]"]}),  # in the vocabulary: made special
+        ("bert", {"tokenizer_class": "TokenizersBackend", "do_lower_case": False}),  # tokenizer.json as it is
+        ("roberta", {"tokenizer_class": "TokenizersBackend"}),
         ("xlm-roberta", {}),  # the SentencePiece classes' own normalizer and pre-tokenizer: no trailing "▁"
         ("xlm-roberta", {"add_prefix_space": False}),
         ("albert", {"keep_accents": True, "do_lower_case": False}),
@@ -160,9 +165,11 @@ def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_appl
     folder = shutil.copytree(checkpoint(model_type), tmp_path / model_type)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, **options}))
-    text = "Héllo World, it's café 中文 ok [MASK] <mask> <NEWTOK>  "
+    text = "Héllo World, it's café 中文 ok [MASK] <mask> <NEWTOK> [unused0]  "
     expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
-    assert Tokenizer.from_pretrained(folder)(text)["input_ids"].tolist()[0] == expected  # an added token: no model
+    ours = Tokenizer.from_pretrained(folder, model_type=model_type)  # as the model's loading gives its type
+    assert ours(text)["input_ids"].tolist()[0] == expected  # an added token has no embedding: the tokenizer alone
+    assert pickle.loads(pickle.dumps(ours))(text)["input_ids"].tolist()[0] == expected  # split_special_tokens too
 
 
 def test_named_special_tokens_a_file_leaves_unflagged_are_special_as_transformers_registers_them(checkpoint, tmp_path):
