@@ -1,6 +1,8 @@
 """LoRA and QLoRA: adapters start as no-ops, only they and the head train, they save alone and load back, and
 `fuse` folds them into a float or re-quantized checkpoint that `mlx_encoders.save` writes."""
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -136,6 +138,26 @@ def test_load_adapters_fails_on_another_architecture(checkpoint, tmp_path):
     folder = save_adapters(model, tmp_path / "adapters")
     with pytest.raises(ValueError, match="are for bert"):
         load_adapters(load(checkpoint, "roberta")[0], folder)
+
+
+def test_adapters_that_do_not_fit_the_base_are_named(checkpoint, tmp_path):
+    model, _, _ = load(checkpoint)
+    with pytest.raises(ValueError, match="save_adapters: the model has no LoRA adapters"):
+        save_adapters(model, tmp_path / "none")
+    with pytest.raises(ValueError, match="fuse: the model has no LoRA adapters"):
+        fuse(model)
+    apply_lora(model, RANK, ALPHA)
+    folder = save_adapters(model, tmp_path / "adapters")
+    with pytest.raises(ValueError, match="The model already has LoRA adapters"):
+        load_adapters(model, folder)
+    saved = mx.load(str(folder / "adapters.safetensors"))
+    lost = next(k for k in saved if k.endswith("lora_b"))
+    mx.save_safetensors(str(folder / "adapters.safetensors"), {k: v for k, v in saved.items() if k != lost})
+    with pytest.raises(ValueError, match=f"lacks adapters the model's targets need: {re.escape(lost)}"):
+        load_adapters(load(checkpoint)[0], folder)  # adapters of a model with fewer layers, say
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    with pytest.raises(ValueError, match="is not a save_adapters folder's config \\(a PEFT adapter"):
+        load_adapters(load(checkpoint)[0], folder)
 
 
 def test_fused_float_model_equals_adapted_and_saves(checkpoint, tmp_path):

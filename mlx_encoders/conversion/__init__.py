@@ -249,6 +249,11 @@ def convert(
     checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize)
     check_patterns(checkpoint, recipe)
     explicit = calibration is not None and calibration is not False
+    if explicit and (isinstance(calibration, (str, Path, bool)) or not all(isinstance(t, str) for t in calibration)):
+        raise OptionError(
+            f"calibration takes a list of texts, got {type(calibration).__name__}: {calibration!r:.60} (a file's "
+            "lines: Path(file).read_text().splitlines(), as the command's --calibration FILE reads them)"
+        )
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise OptionError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
     request = dict(spec=spec, group_size=group_size, recipe=recipe, dtype=dtype, dequantize=dequantize,

@@ -134,11 +134,17 @@ def freeze_base(model: nn.Module) -> None:
 def save_adapters(model: nn.Module, folder: str | Path) -> Path:
     """Write the trainable parameters (adapters and head) to `adapters.safetensors`, and rank, alpha, dropout,
     targets and model type to `adapter_config.json`, in `folder`; returns the folder."""
+    check_adapted(model, "save_adapters")
     folder = Path(folder)
     # whole or not at all: a write cut short left truncated adapters beside the previous config
     with atomic_folder(folder, replace=True, holds=(ADAPTERS_FILE, CONFIG_FILE)) as tmp:
         write_adapters(model, tmp)
     return folder
+
+
+def check_adapted(model: nn.Module, what: str) -> None:
+    if getattr(model, "lora_config", None) is None:
+        raise ValueError(f"{what}: the model has no LoRA adapters (apply_lora or load_adapters gives it some)")
 
 
 def write_adapters(model: nn.Module, folder: Path) -> None:
@@ -153,6 +159,11 @@ def load_adapters(model: nn.Module, folder: str | Path) -> nn.Module:
     in place; fails naming any saved tensor the adapted model lacks or holds with another shape."""
     folder = Path(folder)
     config = json.loads((folder / CONFIG_FILE).read_text())
+    if "model_type" not in config or "rank" not in config:
+        peft = " (a PEFT adapter: load it with the model, or convert it)" if "peft_type" in config else ""
+        raise ValueError(f"{folder / CONFIG_FILE} is not a save_adapters folder's config{peft}")
+    if getattr(model, "lora_config", None) is not None:
+        raise ValueError("The model already has LoRA adapters: load these onto a base model without them")
     if config["model_type"] != model.args.model_type:
         raise ValueError(f"The adapters in {folder} are for {config['model_type']}, not {model.args.model_type}")
     apply_lora(model, config["rank"], config["alpha"], config["targets"], config["dropout"])
@@ -173,10 +184,23 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> nn.Module:
             stacklevel=3,
         )
         weights = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    every = dict(tree_flatten(model.parameters()))
     for key, value in weights.items():
         if key not in current or current[key].shape != value.shape:
-            found = current[key].shape if key in current else "no such trainable parameter"
-            raise ValueError(f"{folder / ADAPTERS_FILE}: {key} has shape {value.shape}, the model {found}")
+            found = (
+                f"has {current[key].shape}" if key in current
+                else "has it frozen (a quantized weight cannot train: adapters trained on a float model go on a "
+                "float base)" if key in every
+                else "has no such trainable parameter"
+            )  # fmt: skip
+            raise ValueError(f"{folder / ADAPTERS_FILE}: {key} has shape {value.shape}; the model {found}")
+    missing = sorted(k for k in current if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") and k not in weights)
+    if missing:  # adapters of a smaller model (fewer layers) would leave these at their start, silently
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"{folder / ADAPTERS_FILE} lacks adapters the model's targets need: {', '.join(missing[:5])}{more}; "
+            "the adapters belong to another model (other layers): load them onto the base they were trained on"
+        )
     model.load_weights(list(weights.items()), strict=False)
     return model
 
@@ -186,6 +210,7 @@ def fuse(model: nn.Module, requantize: bool = False) -> nn.Module:
     base too (its adapted linears become float, the others stay quantized). `requantize=True` rounds a quantized
     base's merged weights again with its bits, group size and mode (smaller; the rounding can undo much of what
     the adapters learned at 4 bits). The result is a plain model, ready for `mlx_encoders.save`; returns it."""
+    check_adapted(model, "fuse")
     fused = [(p, fused_linear(m, requantize)) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     model.update_modules(tree_unflatten(fused))
     model.unfreeze()  # as loaded: every float parameter trainable
