@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
     p.add_argument("--bits", "--q-bits", type=int, help=f"bits per weight: {per_mode('bits')}")
     p.add_argument("--group-size", "--q-group-size", type=int, help=f"group size: {per_mode('group_size')}")
-    p.add_argument("--mode", "--q-mode", default="affine", help=f"quantization mode: {', '.join(MODES)}")
+    p.add_argument("--mode", "--q-mode", help=f"quantization mode: {', '.join(MODES)} (default affine)")
     p.add_argument("--recipe", type=recipe_arg, help="'mixed_4_8': layers at 4 bits, embeddings/heads at 8; or JSON")
     p.add_argument("--calibration", type=calibration_arg, help="text file, one text per line: quantize with GPTQ")
     p.add_argument(

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .checkpoint.build import DTYPES
-from .errors import add_debug_option, run_command
+from .errors import OptionError, add_debug_option, run_command
 from .pipelines.token_classification import STRATEGIES
 from .records import stdin_lines
 from .train import cli as train_cli
@@ -145,7 +145,7 @@ def classify(args, texts: list[str]):
     clf = pipeline("text-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
     if args.rerank:
         if args.query is None:
-            raise ValueError("--rerank needs --query")
+            raise OptionError("--rerank needs --query (the text the others are ranked against)")
         top_k = args.top_k if args.top_k and args.top_k > 0 else None
         ranked = clf.rerank(args.query, texts, top_k=top_k, function_to_apply=args.function)
         rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]

@@ -816,6 +816,8 @@ def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, 
     code runs; "." is named by its folder."""
     out = mlx_encoders.convert(bert, tmp_path / "grouped", group_size=32, calibration=False)
     assert json.loads((out / "config.json").read_text())["quantization"]["group_size"] == 32
+    out = mlx_encoders.convert(bert, tmp_path / "affine", mode="affine", calibration=False)  # a mode quantizes
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "affine"
     for given in ("texts.txt", Path("texts.txt"), ["a text", 3]):  # a path would calibrate on its characters
         with pytest.raises(OptionError, match="calibration takes a list of texts"):
             mlx_encoders.convert(bert, tmp_path / "calibrated", bits=8, calibration=given)

@@ -470,6 +470,13 @@ def test_bad_corpus_lines_are_named(tmp_path):
     assert read_corpus([(np.int64(7), "x"), (8, "y")]) == [("7", "x"), ("8", "y")]
     rows = np.array([["d1", "a text"], ["d2", "another"]], dtype=object)  # a DataFrame's to_numpy()
     assert read_corpus(rows) == [("d1", "a text"), ("d2", "another")]
+    (tmp_path / "upper").mkdir()  # extensions in any case, as training reads them
+    (tmp_path / "upper" / "B.TXT").write_text("Beta about dogs.\n")
+    (tmp_path / "upper" / "c.JSONL").write_text('{"id": "c1", "text": "Gamma about birds."}\n')
+    assert read_corpus(tmp_path / "upper") == [("B.TXT#1", "Beta about dogs."), ("c1", "Gamma about birds.")]
+    assert read_corpus(tmp_path / "upper" / "B.TXT") == [("B.TXT#1", "Beta about dogs.")]
+    with pytest.raises(CorpusError, match="no such file or folder: .*nope.txt"):
+        read_corpus(tmp_path / "nope.txt")
 
 
 def test_build_options_are_checked_before_anything_is_written(tmp_path, model):

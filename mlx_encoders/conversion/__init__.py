@@ -213,7 +213,7 @@ def convert(
     quantize: bool = False,
     bits: int | None = None,
     group_size: int | None = None,
-    mode: str = "affine",
+    mode: str | None = None,
     dtype: str | None = None,
     recipe: str | dict | None = None,
     dequantize: bool = False,
@@ -242,8 +242,8 @@ def convert(
         raise OptionError(
             f"recipe {recipe!r} and bits={bits} (--bits) conflict: the recipe sets every module's bits; drop one"
         )
-    quantize = quantize or bits is not None or group_size is not None or recipe is not None or mode != "affine"
-    spec = quantization_spec(bits, group_size, mode) if quantize else None
+    quantize = quantize or bits is not None or group_size is not None or recipe is not None or mode is not None
+    spec = quantization_spec(bits, group_size, mode or "affine") if quantize else None
     target = Path(mlx_path) if mlx_path is not None else default_mlx_path(source, spec, recipe, dequantize)
     remove_stale(target)  # a run killed mid-write: free its space now, and put back a target it had moved aside
     checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize)

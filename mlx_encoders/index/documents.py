@@ -93,11 +93,13 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
     else:
         path = Path(corpus)
         try:
-            if path.is_dir():
-                files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-                docs = [d for f in files for d in READERS[f.suffix](f, f.relative_to(path).as_posix())]
-            elif path.suffix in READERS and path.is_file():
-                docs = READERS[path.suffix](path, path.name)
+            if path.is_dir():  # extensions in any case (B.TXT), as the training data's reader takes them
+                files = sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+                docs = [d for f in files for d in READERS[f.suffix.lower()](f, f.relative_to(path).as_posix())]
+            elif not path.exists():
+                raise CorpusError(f"no such file or folder: {corpus}")
+            elif path.suffix.lower() in READERS and path.is_file():
+                docs = READERS[path.suffix.lower()](path, path.name)
             else:
                 raise CorpusError(f"the corpus must be a folder or a {', '.join(SUFFIXES)} file; got {corpus}")
         except RecordError as e:
