@@ -224,7 +224,7 @@ def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier
     code, _, err = run(capsys, "fill-mask", "-m", classifier, "A [MASK].")
     assert code == 1 and "needs a masked-lm head" in err and "'text-classification'" in err
     code, _, err = run(capsys, "classify", "-m", classifier, "--rerank", "text")
-    assert code == 1 and "--rerank needs --query" in err
+    assert code == 2 and "--rerank needs --query" in err  # a refused option, as argparse's
     code, _, err = run(capsys, "classify", "-m", classifier, stdin="\n  \n", monkeypatch=monkeypatch)
     assert code == 1 and "no input" in err
     code, _, err = run(capsys, "embed", "-m", mlm.parent / "missing", "text")
