@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .checkpoint.build import DTYPES
-from .errors import OptionError, add_debug_option, run_command
+from .errors import OptionError, add_debug_option, positive, run_command
 from .pipelines.token_classification import STRATEGIES
 from .records import stdin_lines
 from .train import cli as train_cli
@@ -30,11 +30,11 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--model", "-m", required=True, help="checkpoint folder or Hugging Face hub id")
     common.add_argument("--json", action="store_true", help="print JSON, one line per text, instead of a table")
     common.add_argument("--indent", type=int, metavar="N", help="with --json: indent N spaces per level instead")
-    common.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    common.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     common.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
 
     fill = tasks.add_parser("fill-mask", parents=[common], help="predict the masked token(s)")
-    fill.add_argument("--top-k", type=int, default=5, help="predictions per mask (default 5)")
+    fill.add_argument("--top-k", type=positive, default=5, help="predictions per mask (default 5)")
     # one comma-separated value (repeatable): with nargs="+" the texts after it were taken as targets
     fill.add_argument("--targets", type=comma_list, action="extend", metavar="T1,T2",
                       help="only score these tokens, comma-separated: --targets paris,london (repeatable)")  # fmt: skip
@@ -55,8 +55,8 @@ def parser() -> argparse.ArgumentParser:
     answer = tasks.add_parser("answer", parents=[common], help="extractive question answering over each context")
     answer.add_argument("--question", "-q", required=True, help="the question to answer from each context")
     answer.add_argument("--context", "-c", action="append", help="a context (repeatable), before any TEXT")
-    answer.add_argument("--top-k", type=int, default=1, help="answers per context (default 1)")
-    answer.add_argument("--max-answer-len", type=int, default=15, help="longest answer in tokens (default 15)")
+    answer.add_argument("--top-k", type=positive, default=1, help="answers per context (default 1)")
+    answer.add_argument("--max-answer-len", type=positive, default=15, help="longest answer in tokens (default 15)")
     answer.add_argument("--allow-no-answer", action="store_true", help="answer '' when no span scores higher")
 
     embed = tasks.add_parser("embed", parents=[common], help="sentence embeddings (SentenceEncoder)")

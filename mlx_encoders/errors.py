@@ -28,6 +28,17 @@ class CommandError(Exception):
 KNOWN = (ValueError, OSError, ImportError, CommandError)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number of 1 or more (a refused value exits with 2, as argparse's own)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
+    return value
+
+
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
     """`--debug` on `parser`, or on each command at the ends of its subcommand tree."""
     commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

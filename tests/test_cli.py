@@ -352,3 +352,18 @@ def test_convert_ends_quietly_into_a_closed_pipe(checkpoint, tmp_path):
                           cwd=root)  # fmt: skip
     assert done.returncode == 141 and "error" not in done.stderr, done.stderr
     assert (tmp_path / "q8" / "config.json").exists()  # written before the report met the closed pipe
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fill-mask", "--top-k", "0", "x"],
+        ["answer", "--top-k", "0", "--question", "q", "x"],
+        ["embed", "--batch-size", "0", "x"],
+        ["evaluate", "rerank", "--at-k", "0", "--samples", "s.jsonl"],
+    ],
+)
+def test_counts_below_one_are_refused_options_before_any_model_loads(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "-m", "/no/such/model"])
+    assert exit_.value.code == 2 and "must be a positive integer (1 or more), got '0'" in capsys.readouterr().err

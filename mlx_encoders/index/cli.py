@@ -5,20 +5,11 @@
 import argparse
 import sys
 
+from ..errors import positive
 from .ann import RECALL
 from .build import CHUNK, build
 from .export import export
 from .search import ANN_THRESHOLD, FUSIONS, MODES, PRECISIONS, RRF_K, Index
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (1 or more), got {text!r}")
-    return value
 
 
 def fraction(text: str) -> float:

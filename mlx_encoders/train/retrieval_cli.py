@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint.atomic import user_mode
+from ..errors import positive
 from ..records import jsonl_records, text_lines, writable_file
 
 SIMILARITY_NAMES = ("cosine", "dot", "euclidean", "manhattan")
@@ -73,9 +74,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     rerank.add_argument("--model", "-m", required=True, help="cross-encoder folder or hub id")
     rerank.add_argument("--samples", required=True, help="samples JSONL")
-    rerank.add_argument("--at-k", type=int, default=10, help="MRR@k and NDCG@k (default 10)")
+    rerank.add_argument("--at-k", type=positive, default=10, help="MRR@k and NDCG@k (default 10)")
     for p in (retrieval, rerank):
-        p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+        p.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
         p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     evaluate.set_defaults(run=run_evaluate)
     add_mine_parser(commands)
@@ -107,7 +108,7 @@ def add_mine_parser(commands: argparse._SubParsersAction) -> None:
     mine.add_argument("--seed", type=int, help="for --sampling random")
     mine.add_argument("--format", choices=FORMATS, default="triplet", help="output rows (default triplet)")
     mine.add_argument("--scores", action="store_true", help="add the scores to each row")
-    mine.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    mine.add_argument("--batch-size", type=positive, default=32, help="texts per forward pass (default 32)")
     mine.set_defaults(run=run_mine)
 
 
