@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from .checkpoint.build import DTYPES
-from .errors import OptionError, add_debug_option, positive, run_command
+from .errors import add_debug_option, positive, run_command
 from .pipelines.token_classification import STRATEGIES
 from .records import stdin_lines
 from .train import cli as train_cli
@@ -144,8 +144,6 @@ def classify(args, texts: list[str]):
 
     clf = pipeline("text-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
     if args.rerank:
-        if args.query is None:
-            raise OptionError("--rerank needs --query (the text the others are ranked against)")
         top_k = args.top_k if args.top_k and args.top_k > 0 else None
         ranked = clf.rerank(args.query, texts, top_k=top_k, function_to_apply=args.function)
         rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]
@@ -260,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "indent", None) is not None and (not getattr(args, "json", True) or args.indent < 0):
         p.error("--indent N (N >= 0) spreads out --json output; give it with --json")
+    if getattr(args, "rerank", False) and args.query is None:
+        p.error("--rerank needs --query (the text the others are ranked against)")
     return run_command(f"mlx-encoders {args.task}", lambda: run(args), args.debug)
 
 

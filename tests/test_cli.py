@@ -223,8 +223,9 @@ def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier
     assert code == 1 and "No mask_token ([MASK]) found" in err
     code, _, err = run(capsys, "fill-mask", "-m", classifier, "A [MASK].")
     assert code == 1 and "needs a masked-lm head" in err and "'text-classification'" in err
-    code, _, err = run(capsys, "classify", "-m", classifier, "--rerank", "text")
-    assert code == 2 and "--rerank needs --query" in err  # a refused option, as argparse's
+    with pytest.raises(SystemExit) as exit_:  # a refused option, before the model loads
+        run(capsys, "classify", "-m", "/no/such/model", "--rerank", "text")
+    assert exit_.value.code == 2 and "--rerank needs --query" in capsys.readouterr().err
     code, _, err = run(capsys, "classify", "-m", classifier, stdin="\n  \n", monkeypatch=monkeypatch)
     assert code == 1 and "no input" in err
     code, _, err = run(capsys, "embed", "-m", mlm.parent / "missing", "text")

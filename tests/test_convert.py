@@ -822,6 +822,13 @@ def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, 
         with pytest.raises(OptionError, match="calibration takes a list of texts"):
             mlx_encoders.convert(bert, tmp_path / "calibrated", bits=8, calibration=given)
     assert not (tmp_path / "calibrated").exists()
+    texts = ["Calibration text one.", "Another calibration text."]
+    kinds = {"tuple": tuple(texts), "generator": (t for t in texts), "numpy": np.array(texts)}  # read as a list's
+    outputs = {k: mlx_encoders.convert(bert, tmp_path / k, bits=8, calibration=v) for k, v in kinds.items()}
+    listed = mlx_encoders.convert(bert, tmp_path / "list", bits=8, calibration=texts)
+    for out in outputs.values():  # the same request recorded (so the same command reuses its folder)
+        request = json.loads((out / "conversion.json").read_text())["request"]
+        assert request == json.loads((listed / "conversion.json").read_text())["request"]
 
     inside = tmp_path / "source"
     shutil.copytree(bert, inside)

@@ -249,7 +249,9 @@ def convert(
     checkpoint = check_inputs(source, target, spec, recipe, dtype, dequantize)
     check_patterns(checkpoint, recipe)
     explicit = calibration is not None and calibration is not False
-    if explicit and (isinstance(calibration, (str, Path, bool)) or not all(isinstance(t, str) for t in calibration)):
+    if explicit and not isinstance(calibration, (str, bytes, Path, bool, dict)) and hasattr(calibration, "__iter__"):
+        calibration = [t.item() if hasattr(t, "item") else t for t in calibration]  # a tuple, generator, column
+    if explicit and (not isinstance(calibration, list) or not all(isinstance(t, str) for t in calibration)):
         raise OptionError(
             f"calibration takes a list of texts, got {type(calibration).__name__}: {calibration!r:.60} (a file's "
             "lines: Path(file).read_text().splitlines(), as the command's --calibration FILE reads them)"
