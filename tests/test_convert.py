@@ -411,6 +411,11 @@ def test_shared_tables_stay_at_8_bits_unless_a_recipe_names_them(tmp_path, bert)
     out = mlx_encoders.convert(bert, tmp_path / "q6", bits=6, group_size=64, calibration=False)
     config = json.loads((out / "config.json").read_text())["quantization"]
     assert config["embeddings.position_embeddings"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    # a params dict's missing keys follow the run's bits and group size, as a bits entry's do
+    recipe = {"*": {"group_size": 64}}
+    out = mlx_encoders.convert(bert, tmp_path / "dict", bits=4, group_size=32, recipe=recipe, calibration=False)
+    modules = {k: v for k, v in json.loads((out / "config.json").read_text())["quantization"].items() if "." in k}
+    assert modules and all(v == {"group_size": 64, "bits": 4, "mode": "affine"} for v in modules.values()), modules
 
 
 def test_other_modes_and_dtype(tmp_path, bert):

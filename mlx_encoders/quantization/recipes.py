@@ -97,7 +97,10 @@ def recipe_entry(pattern: str, value, spec: dict, group_size: int | None) -> dic
             if unknown := sorted(set(value) - set(PARAM_KEYS)):
                 keys = ", ".join(map(repr, unknown))
                 raise OptionError(f"unknown key(s) {keys}; a params dict may set only {', '.join(PARAM_KEYS)}")
-            return quantization_spec(value.get("bits"), value.get("group_size"), value.get("mode", spec["mode"]))
+            # a key left out follows the run's (--bits, --group-size, --mode), as a bits entry does
+            mode = value.get("mode", spec["mode"])
+            bits = value.get("bits", spec["bits"] if mode == spec["mode"] else None)
+            return quantization_spec(bits, value.get("group_size", group_size), mode)
     except ValueError as e:
         raise OptionError(f"Recipe entry {pattern!r}: {e}") from None
     if value is not False:
