@@ -126,6 +126,19 @@ def test_the_models_generation_config_is_the_default_as_in_transformers(lm, tmp_
     (copied / "generation_config.json").write_text(json.dumps({"top_k": -1}))
     with pytest.raises(ValueError, match="generation_config.json: top_k must be an int >= 0"):
         generate_ids(model, ids, mask)
+    # settings generate does not apply warn, naming them
+    (copied / "generation_config.json").write_text(json.dumps({"no_repeat_ngram_size": 2, "typical_p": 1.0}))
+    with pytest.warns(UserWarning, match=r"sets no_repeat_ngram_size=2, which generate does not apply"):
+        generate_ids(model, ids, mask, max_new_tokens=2)
+    # a preset or a GenerationConfig keeps the file's end ids, as transformers fills a given config's unset ones
+    first = int(generate_ids(model, ids[:1], mask[:1], max_new_tokens=1)[0, -1])
+    (copied / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    for config in ("greedy", GenerationConfig(max_new_tokens=5)):
+        assert generate_ids(model, ids[:1], mask[:1], config).shape[1] == ids.shape[1] + 1  # stops at that id
+    # without a length, 20 new tokens or fewer where the positions run out, as transformers caps them
+    (copied / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))  # no end: all the room
+    long = np.ones((1, model.args.max_tokens - 5), np.int32) * ids[0, -1]
+    assert generate_ids(model, long, np.ones_like(long)).shape[1] == model.args.max_tokens
 
 
 def test_eos_ends_every_row_and_pads_the_finished(lm):

@@ -9,8 +9,8 @@ import sys
 import time
 
 from ..records import stdin_lines
-from .config import PRESETS, GenerationConfig
-from .loop import streams
+from .config import PRESETS
+from .loop import generation_config, streams
 
 OPTIONS = {  # flag -> (type, help); each is a GenerationConfig field of the same name
     "max_new_tokens": (int, "tokens to generate (default 100)"),
@@ -30,8 +30,8 @@ def add_parser(tasks) -> None:
     p.add_argument(
         "--preset",
         choices=PRESETS,
-        default="greedy",
-        help="decoding strategy (default greedy, which ignores --temperature, --top-k, --top-p, --seed: it warns)",
+        help="decoding strategy (default: the model's generation_config.json, else greedy, which ignores "
+        "--temperature, --top-k, --top-p, --seed: it warns)",
     )
     for name, (kind, text) in OPTIONS.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None:  # all of stdin, without a byte-order mark or Windows line ends, as the other commands read it
         prompt = "".join(stdin_lines()).removeprefix("\ufeff").replace("\r\n", "\n")
     overrides = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
-    config = GenerationConfig.preset(args.preset, **{"max_new_tokens": 100, **overrides, "stop": args.stop})
     model, tokenizer = load(args.model, dtype=args.dtype, task="causal-lm")
+    config = generation_config(args.preset, {"max_new_tokens": 100, **overrides, "stop": args.stop}, model)
     (stream,), steps = streams(model, tokenizer, [prompt], config)
     print(prompt, end="", flush=True)
     start, count, first = time.perf_counter(), 0, None

@@ -1,8 +1,8 @@
 """`GenerationConfig`: how many tokens, how to pick each one, when to stop; presets for the usual strategies.
 
-Names and defaults follow transformers' `GenerationConfig` (top_k 50 when sampling, as transformers applies it),
-except that without `max_new_tokens` or `max_length` 20 new tokens are generated (transformers: 20 in all,
-prompt included). Values that cannot work fail here, naming the field; sampling options set for greedy decoding
+Names and defaults follow transformers' `GenerationConfig` (top_k 50 when sampling, as transformers applies it;
+without `max_new_tokens` or `max_length`, 20 new tokens, or fewer where the positions run out). Values that cannot
+work fail here, naming the field; sampling options set for greedy decoding
 warn that they are ignored, as transformers' `GenerationConfig.validate` does.
 """
 

@@ -35,8 +35,11 @@ def generation_config(
     `generate` reads it, else the defaults) with `overrides` on top; an override of None turns top_k and the
     minimum lengths off, as a keyword of transformers' `generate` does."""
     overrides = {k: 0 if v is None and k in OFF_WHEN_NONE else v for k, v in overrides.items()}
+    if config is not None:  # the caller's strategy; the model's end and pad ids still come from its file
+        saved = saved_generation_config(model)
+        ids = {k: saved[k] for k in ("eos_token_id", "pad_token_id") if k in saved and k not in overrides}
     if isinstance(config, str):
-        return GenerationConfig.preset(config, **overrides)
+        return GenerationConfig.preset(config, **{**ids, **overrides})
     if config is None:
         saved = saved_generation_config(model)
         if not saved:
@@ -49,7 +52,16 @@ def generation_config(
         return merged
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be a GenerationConfig or a preset ({', '.join(PRESETS)}), got {config!r:.60}")
-    return config.replace(**overrides) if overrides else config
+    unset = {k: v for k, v in ids.items() if getattr(config, k) is None}
+    return config.replace(**unset, **overrides) if unset or overrides else config
+
+
+# transformers' decoding settings generate does not apply, with the value that changes nothing
+UNSUPPORTED = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "penalty_alpha": None,
+               "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+               "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None, "guidance_scale": None,
+               "renormalize_logits": False}  # fmt: skip
 
 
 def saved_generation_config(model: nn.Module | None) -> dict:
@@ -61,6 +73,14 @@ def saved_generation_config(model: nn.Module | None) -> dict:
         return {}
     saved = read_json_object(file)
     fields = {f.name for f in dataclasses.fields(GenerationConfig)} - {"stop", "seed"}
+    unsupported = sorted(k for k, neutral in UNSUPPORTED.items() if saved.get(k, neutral) not in (neutral, None))
+    if unsupported:
+        warnings.warn(
+            f"{file} sets {', '.join(f'{k}={saved[k]!r}' for k in unsupported)}, which generate does not apply; it "
+            "decodes with the file's other settings",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
     if saved.get("num_beams", 1) not in (1, None):
         warnings.warn(
             f"{file} asks for beam search (num_beams={saved['num_beams']}), which generate does not run; it decodes "
@@ -164,8 +184,10 @@ def generate_steps(
         mask = None  # no padding: positions are arange, and no mask is needed
     B, L = tokens.shape
     eos, pad = special_ids(model, config)
-    new_tokens = config.new_tokens(L)
-    check_lengths(model, mask.sum(axis=1) if mask is not None else np.full(B, L), new_tokens)
+    new_tokens, lengths = config.new_tokens(L), mask.sum(axis=1) if mask is not None else np.full(B, L)
+    if config.max_new_tokens is None and config.max_length is None:  # the default, within the positions left
+        new_tokens = max(0, min(new_tokens, model.args.max_tokens - int(lengths.max())))
+    check_lengths(model, lengths, new_tokens)
     if new_tokens == 0:
         return iter(())
     return decode(model, tokens, mask, config, eos, pad, new_tokens)
