@@ -410,6 +410,12 @@ def test_pipeline(lm):
     assert ours_(PROMPTS[0], max_new_tokens=8, eos_token_id=[]) == expected[0]
     short = ours_(PROMPTS[0], return_full_text=False, max_new_tokens=8, eos_token_id=[])
     assert short == [{"generated_text": expected[0][0]["generated_text"][len(PROMPTS[0]) :]}]
+    # max_length counts each prompt's own tokens, as transformers' pipeline runs one prompt at a time
+    lengths = {len(ours_.tokenizer.encode_batch([p])[0].ids) for p in PROMPTS[:3]}
+    assert len(lengths) > 1  # prompts of other lengths share a batch
+    by_length = ours_(PROMPTS[:3], max_length=max(lengths) + 4, eos_token_id=[])
+    alone = [theirs(p, do_sample=False, pad_token_id=PAD, max_length=max(lengths) + 4) for p in PROMPTS[:3]]
+    assert by_length == alone
     three = ours_(PROMPTS[0], num_return_sequences=3, do_sample=True, seed=0, max_new_tokens=8)
     assert len(three) == 3 and all(r["generated_text"].startswith(PROMPTS[0]) for r in three)
     with pytest.raises(ValueError, match="needs a causal-lm head"):

@@ -29,6 +29,9 @@ class TextGenerationPipeline(Pipeline):
         repetition_penalty=, stop=, seed=, ...) override `generation_config` (a GenerationConfig or preset)."""
         texts = self.texts(text_inputs)
         check_count("num_return_sequences", num_return_sequences, 1)
+        settings = self.config(generation_config, generate_kwargs, 0, self.model)
+        if settings.max_length is not None or settings.min_length:  # they count the padded prompt: one at a time,
+            batch_size = 1  # as transformers' pipeline runs each prompt, so a prompt's length is its own
         results = []
         for i, chunk in enumerate(batches(texts, batch_size)):
             config = self.config(generation_config, generate_kwargs, i, self.model)
