@@ -157,19 +157,19 @@ class Tokenizer:
         self.backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
     def register_named_special_tokens(self) -> None:
-        """The named and extra special tokens a file keeps in its vocabulary alone, or lists as added but not
-        special, made special (their flags kept), as transformers registers them: kept whole when typed in a text,
-        left out by decode's skip_special_tokens."""
+        """The named special tokens a file keeps in its vocabulary alone, and the extra ones (added, at new ids where
+        the vocabulary lacks them), or either listed as added but not special, made special (their flags kept), as
+        transformers registers them: kept whole when typed in a text, left out by decode's skip_special_tokens."""
         added = {t.content: t for t in self.backend.get_added_tokens_decoder().values()}
         vocabulary = self.backend.get_vocab(with_added_tokens=False)
+        extra = spm.extra_special_tokens(self.config)
         register = []
-        named = [getattr(self, name) for name in SPECIAL] + spm.extra_special_tokens(self.config)
-        for token in dict.fromkeys(t for t in named if t):
+        for token in dict.fromkeys(t for t in [getattr(self, name) for name in SPECIAL] + extra if t):
             found = added.get(token)
-            if found is None and token in vocabulary:
+            if found is None and (token in vocabulary or token in extra):
                 register.append(AddedToken(token, special=True, normalized=False))
             elif found is not None and not found.special:
-                flags = {k: getattr(found, k) for k in ("single_word", "lstrip", "rstrip", "normalized")}
+                flags = {k: getattr(found, k) for k in spm.FLAGS if k != "special"}
                 register.append(AddedToken(token, special=True, **flags))
         self.backend.add_special_tokens(register)
 
@@ -252,9 +252,6 @@ class Tokenizer:
             found = {"truncation_side": truncation.get("direction"), "padding_side": padding.get("direction"),
                      "pad_token": padding.get("pad_token")}  # fmt: skip
             config = {**{k: v for k, v in found.items() if v}, **config}
-            known = set(backend.get_vocab(with_added_tokens=True))
-            extra = [t for t in spm.extra_special_tokens(config) if t not in known]  # transformers adds them
-            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
             tokenizer = cls(backend, config, limit, token_types)
             if model_type is None and not config.get("tokenizer_class"):
                 model_type = read_json_object(path / "config.json").get("model_type")

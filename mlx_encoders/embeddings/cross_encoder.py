@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import load_tokenizer
-from ..chat_template import ChatTemplate, chat_template_file, read_chat_template
+from ..chat_template import chat_template_file
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder
@@ -33,8 +33,8 @@ from .folder import (
     SentenceFolder,
     apply_sentence_config,
     dense_activation,
+    message_template,
     read_folder,
-    takes_messages,
 )
 from .pooling import last_token
 
@@ -99,19 +99,16 @@ def logit_score(config: dict, tokenizer: Tokenizer, source: Path, vocab_size: in
     """The LogitScore of `config`, its tokens "yes" and "no" when it names none (sentence-transformers' default);
     an id outside the LM head's `vocab_size` logits (negative ones count from the end, as torch's) is refused."""
     if "true_token_id" in config:
-        ids = {}
-        for name in ("true_token_id", "false_token_id"):
-            value = config.get(name)
-            if value is None and name == "false_token_id":
-                ids[name] = None
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not -vocab_size <= value < vocab_size:
+        ids = {"true_token_id": config["true_token_id"], "false_token_id": config.get("false_token_id")}
+        for name, value in ids.items():
+            if (value is not None or name == "true_token_id") and (
+                isinstance(value, bool) or not isinstance(value, int) or not -vocab_size <= value < vocab_size
+            ):
                 raise ValueError(
                     f"{source}: the LogitScore module's {name} must be a token id of the model's {vocab_size} "
                     f"(its LogitScore config.json), got {value!r}"
                 )
-            ids[name] = value % vocab_size
-        return LogitScore(ids["true_token_id"], ids["false_token_id"])
+        return LogitScore(*(None if v is None else v % vocab_size for v in ids.values()))
     true, false = (tokenizer.token_id(t) for t in ("yes", "no"))
     if true is None or false is None:
         raise ValueError(
@@ -172,8 +169,7 @@ class CrossEncoder(Encoder):
         self.logit_score = (
             None if score is None else logit_score(score, self.tokenizer, self.path, self.model.args.vocab_size)
         )
-        template = read_chat_template(self.path) if takes_messages(folder) else None
-        self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
+        self.chat_template = message_template(folder, self.tokenizer)
         if self.chat_template is not None and (failure := self.chat_template.pair_roles_failure()):
             raise ValueError(
                 f"The chat template of {chat_template_file(self.path)} cannot carry a (query, document) pair "

@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import normalizers
 
-from ..chat_template import read_chat_template
+from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, inside, read_json_object, read_safetensors
 from ..checkpoint import read_modules as read_module_entries
 from ..checkpoint.files import MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE
@@ -479,14 +479,15 @@ def apply_sentence_config(tokenizer, sentence_config: dict) -> None:
         lowercase(tokenizer)
 
 
-def takes_messages(folder: SentenceFolder) -> bool:
-    """Whether inputs go through the chat template as messages, as sentence-transformers decides: a saved
+def message_template(folder: SentenceFolder, tokenizer) -> ChatTemplate | None:
+    """The chat template inputs go through as messages, or None, as sentence-transformers decides: a saved
     Transformer takes messages when its sentence_bert_config.json `modality_config` lists "message" (one saved
     before there was a modality_config takes text); a plain checkpoint does when its tokenizer has a chat
     template."""
-    if not folder.modules:
-        return read_chat_template(folder.transformer) is not None
-    return "message" in (folder.sentence_config.get("modality_config") or {})
+    if folder.modules and "message" not in (folder.sentence_config.get("modality_config") or {}):
+        return None
+    template = read_chat_template(folder.transformer)
+    return None if template is None else ChatTemplate(template, tokenizer)
 
 
 def folder_kind(path: Path) -> str:

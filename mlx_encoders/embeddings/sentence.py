@@ -21,12 +21,11 @@ import numpy as np
 from tokenizers import Encoding
 
 from .. import load_tokenizer
-from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, load_model, resolve
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
-from .folder import apply_sentence_config, read_folder, takes_messages
+from .folder import apply_sentence_config, message_template, read_folder
 from .pooling import parse_modes, pool
 from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
 
@@ -101,9 +100,7 @@ class SentenceEncoder(Embedder):
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
         )
         apply_sentence_config(self.tokenizer, folder.sentence_config)
-        # sentence-transformers 6 reads a text as a user message when its Transformer takes messages
-        template = read_chat_template(folder.transformer) if takes_messages(folder) else None
-        self.chat_template = None if template is None else ChatTemplate(template, self.tokenizer)
+        self.chat_template = message_template(folder, self.tokenizer)  # texts read as user messages
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")
         self.truncate_dim: int | None = folder.settings.get("truncate_dim") if truncate_dim is None else truncate_dim
