@@ -376,7 +376,8 @@ class Index:
         """(positions, exact scores) of the best `k` vectors, best first; exactly when the candidates asked for
         would be every vector (a graph may leave a few nodes unreachable: a search for all of them must not)."""
         count = max(self.rescore, 4 * k)
-        if count >= len(self.rows):
+        # binary codes alone rank too coarsely for a pool to hold the best (recall@10 about 0.5)
+        if count >= len(self.rows) or (self.graph is None and self.precision != "int8"):
             scores = self.vectors @ vector
             top = best(scores, k)
             return top, scores[top]
@@ -385,13 +386,9 @@ class Index:
             count = ann_index.pool(count, expansion, self.precision)
             rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision, self.scale)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
-        elif self.precision == "int8":  # codes close enough that the rescored pool holds the exact best
+        else:  # int8 codes close enough that the rescored pool holds the exact best
             coarse = self.codes @ self.quantize(vector[None])[0]
             pool = best(coarse, count)
-        else:  # exact: sign bits alone rank too coarsely for a pool to hold the best (recall@10 about 0.5)
-            scores = self.vectors @ vector
-            top = best(scores, k)
-            return top, scores[top]
         scores = self.vectors[pool] @ vector
         top = best(scores, k)
         return pool[top], scores[top]
