@@ -71,7 +71,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", nargs="?", help="hub repo id (e.g. answerdotai/ModernBERT-base) or local folder")
     p.add_argument("--hf-path", dest="hf_path", help="same as SOURCE (mlx-lm spelling)")
-    p.add_argument("--mlx-path", help="output folder (default: <source name>-<bits>bit in the current folder)")
+    p.add_argument(
+        "--mlx-path",
+        help="output folder (default: <source name>-<bits>bit, -<recipe>, -<mode>, -mlx for a cast alone or "
+        "-dequantized, in the current folder)",
+    )
     p.add_argument("-q", "--quantize", action="store_true", help="quantize every Linear and Embedding")
     p.add_argument("--bits", "--q-bits", type=int, help=f"bits per weight: {per_mode('bits')}")
     p.add_argument("--group-size", "--q-group-size", type=int, help=f"group size: {per_mode('group_size')}")

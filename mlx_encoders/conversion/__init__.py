@@ -88,8 +88,9 @@ def check_finite(source, reference: mx.array, measured: dict[str, float], dtype:
 
 
 def default_mlx_path(source: str | Path, spec: dict | None, recipe: str | dict | None, dequantize: bool) -> Path:
-    """`<name>-<bits>bit` (or -mlx, -dequantized) in the working folder, named after the source folder (a local
-    path resolved: `.` names the folder it is), or beside the source when the working folder is inside it."""
+    """`<name>-<bits>bit` (or -<recipe>, -<mode>, -mlx for a cast alone, -dequantized) in the working folder,
+    named after the source folder (a local path resolved: `.` names the folder it is), or beside the source when
+    the working folder is inside it."""
     local = Path(str(source))
     folder = local.resolve() if local.exists() else None
     name = local.name if local.name not in ("", "..") or folder is None else folder.name
@@ -233,9 +234,10 @@ def convert(
     built-in standard-library docstrings), and a least-squares grid for embeddings; `calibration=False`
     rounds every weight to nearest instead (`mx.quantize`, faster, less faithful).
     `dtype` casts everything not quantized. `dequantize` turns a quantized MLX checkpoint back to floats.
-    The folder (default `<source name>-<bits>bit`) appears only when complete; `force` replaces it, but a folder
-    converted from the same source files with the same options is kept and reused as it is. Ctrl-C,
-    SIGTERM and SIGHUP remove the partial folder; what a SIGKILL leaves, the next run into it removes.
+    The folder (default `<source name>-<bits>bit`, or as `default_mlx_path` names it) appears only when complete;
+    `force` replaces it, but a folder converted from the same source files with the same options is kept and
+    reused as it is. Ctrl-C, SIGTERM and SIGHUP remove the partial folder; what a SIGKILL leaves, the next run
+    into it removes.
     """
     start = time.perf_counter()
     if isinstance(recipe, str) and bits is not None:  # mixed_L_H sets every module's bits: `bits` would be ignored
