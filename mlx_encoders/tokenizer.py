@@ -262,8 +262,9 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"No tokenizer.json in {path}, nor a SentencePiece model ({', '.join(spm.FILES)}). mlx_encoders "
                 "reads these only (not vocab.txt / vocab.json alone); create tokenizer.json with "
-                "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`, or load the model "
-                "alone with `mlx_encoders.load_model`."
+                "`transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` (for a Hugging Face "
+                "cache snapshot, into a copy made with `cp -rL`: the cache's files are shared links), or load the "
+                "model alone with `mlx_encoders.load_model`."
             )
         model_type = model_type or read_json_object(path / "config.json").get("model_type")
         kind = spm.convention(config.get("tokenizer_class"), model_type, model)

@@ -46,23 +46,55 @@ def resolve(path_or_repo: str | Path, revision: str | None = None) -> Path:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"No checkpoint folder at {name}")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+    )  # fmt: skip
 
-    try:  # cache first: a cached snapshot needs no network round trip
-        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    except HFValidationError as e:
-        raise FileNotFoundError(f"No checkpoint folder at {name}, and {name!r} is not a valid hub id") from e
+    at = f" at revision {revision!r}" if revision else ""
+    # One call, as transformers makes it: with network it completes a partial cache and follows a moved branch
+    # (reusing cached files); offline, or when the hub cannot be reached, it returns the cached snapshot.
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_PATTERNS))
+    except HFValidationError as e:
+        raise FileNotFoundError(f"No checkpoint folder at {name}, and {name!r} is not a valid hub id") from e
+    except IncompleteSnapshotError as e:
+        raise FileNotFoundError(
+            f"The cached copy of {name}{at} is incomplete and the hub cannot be reached (offline or "
+            f"HF_HUB_OFFLINE=1); download it again with network. {e}"
+        ) from e
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
-            f"{name} is neither a local folder nor in the Hugging Face cache, and the hub cannot be reached "
+            f"{name}{at} is neither a local folder nor in the Hugging Face cache, and the hub cannot be reached "
             f"(offline or HF_HUB_OFFLINE=1). Download it once with network, or pass a local folder."
         ) from e
     except HfHubHTTPError as e:
-        raise FileNotFoundError(f"Could not fetch {name!r} from the Hugging Face hub: {e}") from e
+        raise FileNotFoundError(f"Could not fetch {name!r}{at} from the Hugging Face hub: {e}") from e
+
+
+def hub_snapshot(path: Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a folder in the Hugging Face cache (`models--org--name/snapshots/<sha>`), else None."""
+    parts = path.absolute().parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
+        return None
+    return parts[-3].removeprefix("models--").replace("--", "/"), parts[-1]
+
+
+def hub_pickles(path: Path) -> list[str]:
+    """The pickle weights a hub snapshot's repo holds at its commit (never downloaded: HUB_PATTERNS leaves them
+    out); [] for a local folder, or when the hub cannot be asked."""
+    repo = hub_snapshot(path)
+    if repo is None:
+        return []
+    try:
+        from huggingface_hub import HfApi
+
+        names = HfApi().list_repo_files(repo[0], revision=repo[1])
+    except Exception:  # offline, unreachable or refused: the plain message stands
+        return []
+    return sorted(n for n in names if "/" not in n and Path(n).suffix in PICKLE_SUFFIXES)
 
 
 def inside(folder: Path, name: Any, listed_in: Path) -> Path:
@@ -175,7 +207,7 @@ def weight_files(path: Path) -> list[Path]:
             f"{path} holds several safetensors files ({', '.join(f.name for f in files)}) and no {INDEX} that "
             "says how they make up one model; keep only the model's file, or add the index"
         )
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) or hub_pickles(path)
     if pickles:
         config = read_json_object(path / "config.json") if (path / "config.json").exists() else {}
         kind = next(iter(config.get("architectures") or []), None)
@@ -194,6 +226,12 @@ def missing_config(path: Path) -> str:
     """Why `path` is no checkpoint; a training run's output folder holds its model in `model/`."""
     if (path / "model" / "config.json").exists():
         return f"No config.json in {path}; it looks like a training run's output: pass {path / 'model'}"
+    transformer = next((f for kind, f in read_modules(path) if kind.rsplit(".", 1)[-1].endswith("Transformer")), None)
+    if transformer is not None and transformer != path and (transformer / "config.json").exists():
+        return (
+            f"No config.json in {path}: its modules.json keeps the Transformer in {transformer}. Pass that folder "
+            "to load or convert the model alone, or open the whole folder with SentenceEncoder"
+        )
     return f"No config.json in {path}; is this a transformers or MLX checkpoint folder?"
 
 
