@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import AddedToken, Encoding, decoders, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Encoding, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as FastTokenizer
 
 from . import spm
@@ -40,6 +40,8 @@ BYTE_LEVEL_CLASSES = {
     "bart": "Bart",
     "deberta": "Deberta",
 }
+# the byte-level classes that transformers 5 reads as RobertaTokenizer, which rebuilds its post-processor too
+ROBERTA_PROCESSING_CLASSES = ("Roberta", "Longformer", "Bart")
 # model types whose tokenizer transformers reads from tokenizer.json as it is, whatever class a config names
 AS_SAVED_MODEL_TYPES = ("modernbert",)
 # transformers uses 1e30 as "no limit" in tokenizer_config.json
@@ -214,12 +216,22 @@ class Tokenizer:
             scheme = "always" if prefix else ("first" if convention == "deberta-v2" else "never")
             self.backend.pre_tokenizer = spm.pre_tokenizer(convention, self.config, scheme)
             self.backend.decoder = decoders.Metaspace(replacement=spm.METASPACE, prepend_scheme=scheme)
-        if (kind or BYTE_LEVEL_CLASSES.get(model_type)) in BYTE_LEVEL_CLASSES.values():
+        kind_or_type = kind or BYTE_LEVEL_CLASSES.get(model_type)
+        if kind_or_type in BYTE_LEVEL_CLASSES.values():
             if pre_tokenizer.get("type") == "ByteLevel":  # the class's default: no prefix space
                 self.backend.pre_tokenizer = pre_tokenizers.ByteLevel(
                     add_prefix_space=bool(self.config.get("add_prefix_space", False)),
                     trim_offsets=pre_tokenizer.get("trim_offsets", True),
                     use_regex=pre_tokenizer.get("use_regex", True),
+                )
+            processor = state.get("post_processor") or {}
+            if kind_or_type in ROBERTA_PROCESSING_CLASSES and processor.get("type") == "RobertaProcessing":
+                # RobertaTokenizer rebuilds its template with the config's options: they move the offsets alone
+                self.backend.post_processor = processors.RobertaProcessing(
+                    tuple(processor["sep"]),
+                    tuple(processor["cls"]),
+                    trim_offsets=bool(self.config.get("trim_offsets", True)),
+                    add_prefix_space=bool(self.config.get("add_prefix_space", False)),
                 )
 
     @classmethod

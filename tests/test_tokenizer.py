@@ -145,6 +145,7 @@ def test_threads_tokenizing_at_other_lengths_do_not_cut_each_others_texts(checkp
         ("bert", {"do_lower_case": True, "strip_accents": True, "tokenize_chinese_chars": False}),
         ("mpnet", {"do_lower_case": False}),
         ("roberta", {"add_prefix_space": True}),
+        ("roberta", {"trim_offsets": False}),
         ("bert", {"split_special_tokens": True}),
         ("bert", {"extra_special_tokens": ["<NEWTOK>"]}),
         ("bert", {"additional_special_tokens": ["[unused0]"]}),  # in the vocabulary: made special
@@ -166,9 +167,11 @@ def test_tokenizer_config_options_apply_over_tokenizer_json_as_transformers_appl
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, **options}))
     text = "Héllo World, it's café 中文 ok [MASK] <mask> <NEWTOK> [unused0]  "
-    expected = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    theirs = AutoTokenizer.from_pretrained(folder)(text, return_offsets_mapping=True)
+    expected = theirs["input_ids"]
     ours = Tokenizer.from_pretrained(folder, model_type=model_type)  # as the model's loading gives its type
     assert ours(text)["input_ids"].tolist()[0] == expected  # an added token has no embedding: the tokenizer alone
+    assert ours.encode_batch([text])[0].offsets == [tuple(o) for o in theirs["offset_mapping"]]  # spans: NER, QA
     assert pickle.loads(pickle.dumps(ours))(text)["input_ids"].tolist()[0] == expected  # split_special_tokens too
 
 

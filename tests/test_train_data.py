@@ -297,6 +297,20 @@ def test_token_labels_align_as_transformers_tutorial(bert, tokenizer, label_all_
     assert pad.any() and (batch["labels"][pad] == -100).all()
 
 
+def test_token_rows_truncated_on_the_tokenizers_side(bert, tmp_path):
+    """tokenizer_config.json's truncation_side="left" keeps each row's end, as run_ner.py's tokenizer call does."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(bert, tmp_path / "left")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "truncation_side": "left"}))
+    examples = token_classification_data(WORDS, mlx_encoders.load(folder)[1], max_length=6)
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    encoded = reference([r["tokens"] for r in WORDS], is_split_into_words=True, truncation=True, max_length=6)
+    assert [e.ids for e in examples.encodings] == encoded["input_ids"]
+
+
 def test_token_label_ids_csv_and_errors(tmp_path, tokenizer):
     by_id = token_classification_data([{"tokens": ["a", "b"], "ner_tags": [1, 0]}], tokenizer)
     assert by_id.labels[0] == [-100, 1, 0, -100]

@@ -528,7 +528,8 @@ def word_list(row: Row, text_column: str, label_column: str) -> list[str]:
 
 def encode_words(tokenizer: Tokenizer, words: list[list[str]], max_length: int | None) -> list[Encoding]:
     """Pre-split words, as transformers' `tokenizer(words, is_split_into_words=True, truncation=True)`."""
-    with tokenizer.truncating(dict(max_length=min(max_length or tokenizer.model_max_length, USIZE_MAX))) as backend:
+    limit = min(max_length or tokenizer.model_max_length, USIZE_MAX)
+    with tokenizer.truncating(dict(max_length=limit, direction=tokenizer.truncation_side)) as backend:
         return backend.encode_batch(words, is_pretokenized=True)
 
 
