@@ -300,3 +300,17 @@ def test_serve_and_index(nomic_folder, tmp_path):
 
 def test_lora_embedding_training(nomic_folder, tmp_path):
     check_lora_embedding_training(nomic_folder, tmp_path, {"q_proj", "k_proj", "v_proj"})
+
+
+def test_dynamic_rope_batch_runs_whole_as_sentence_transformers_pads_it(checkpoint, tmp_path):
+    """Past the trained length the rotary base follows the padded length: a batch is not sliced (a short text's
+    slice would get another base), so each text's embedding equals sentence-transformers' over the same batch."""
+    folder = st_folder(tmp_path / "st", checkpoint("nomic_bert", "encoder", **DYNAMIC), "mean", normalize=True)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    rng = np.random.default_rng(1)
+    words = "alpha beta gamma delta pooling vector sentence token window river forest".split()
+    texts = ["x", "Short."] + [" ".join(rng.choice(words, int(rng.integers(1, 60)))) for _ in range(11)]
+    encoder = mlx_encoders.SentenceEncoder(folder)
+    encoder.slice_bytes = 4096  # slices of a few rows each, were they sliced
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, batch_size=32, convert_to_numpy=True)
+    assert_same_embeddings(encoder.encode(texts, batch_size=32), expected)

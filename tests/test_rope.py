@@ -105,3 +105,30 @@ def test_rotation_tables_grow_in_blocks_and_keep_a_bounded_number_of_shapes():
     for base in range(2 * ROTATION_KEYS):  # a dynamic-NTK base: one shape per input length
         rotation_tables(10, 16, 1000.0 + base, 1.0)
     assert len(ops._rotations) == ROTATION_KEYS and (16, 1000.0 + 2 * ROTATION_KEYS - 1, 1.0) in ops._rotations
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_modernbert_linear_scaling_in_either_spelling_matches_transformers(spelling):
+    """An older config's `rope_scaling` applies to both layer kinds, as transformers merges it."""
+    from transformers.models.modernbert import modeling_modernbert
+
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    given = (
+        {"rope_scaling": scaling}
+        if spelling == "rope_scaling"
+        else {
+            "rope_parameters": {
+                k: {**scaling, "rope_theta": t}
+                for k, t in (("full_attention", 160000.0), ("sliding_attention", 10000.0))
+            }
+        }
+    )
+    config = transformers.ModernBertConfig(**TINY, **given)
+    rotary = modeling_modernbert.ModernBertRotaryEmbedding(config)
+    args = model_module("modernbert").ModelArgs.from_dict({**TINY, "model_type": "modernbert", **given})
+    q = torch.randn(1, 2, 512, 32, generator=torch.Generator().manual_seed(0))
+    for kind in ("full_attention", "sliding_attention"):
+        cos, sin = rotary(q, torch.arange(512)[None], kind)
+        expected = modeling_modernbert.apply_rotary_pos_emb(q, q, cos, sin)[0].numpy()
+        got = np.array(rope(mx.array(q.numpy()), args.rope_theta[kind], args.rope_scale[kind]))
+        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), err_msg=kind)

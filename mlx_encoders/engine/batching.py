@@ -272,6 +272,8 @@ def run_batches(
     if not len(lengths):
         return
     slice_bytes = default_slice_bytes() if slice_bytes == -1 else slice_bytes
+    if model.args.padded_length_matters:  # every text padded to its batch's longest, as transformers pads it
+        slice_bytes = None
     least_tokens = default_least_tokens(model) if least_tokens is None else least_tokens
     lengths = list(lengths)
     order = np.argsort([-n for n in lengths], kind="stable")  # longest first: memory peaks early

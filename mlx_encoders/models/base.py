@@ -86,6 +86,8 @@ class BaseArgs:
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     # Decoders whose transformers masks follow config.json's `is_causal` (false: bidirectional, sliding windows too)
     causal_masks: ClassVar[bool] = False
+    # Whether a text's outputs depend on how far its batch is padded (dynamic-NTK rope: the base follows the length)
+    padded_length_matters: ClassVar[bool] = False
 
     @classmethod
     def preset(cls, name: str) -> "BaseArgs":

@@ -64,6 +64,7 @@ class ModelArgs(BaseArgs):
     # Two spellings in the wild: transformers-5 `layer_types`/`rope_parameters`, or the legacy keys below.
     layer_types: list[str] | None = None
     rope_parameters: dict | None = None
+    rope_scaling: dict | None = None  # the older spelling: merged into both layer kinds' rope_parameters
     global_attn_every_n_layers: int | None = None  # None: 3, 160000 and 10000, the original defaults
     global_rope_theta: float | None = None
     local_rope_theta: float | None = None
@@ -99,12 +100,14 @@ class ModelArgs(BaseArgs):
             "full_attention": self.global_rope_theta or 160000.0,
             "sliding_attention": self.local_rope_theta or 10000.0,
         }
-        self.rope_theta = {}
+        self.rope_theta, self.rope_scale = {}, {}
         for kind, theta in legacy.items():
-            params = rope.get(kind) or {}
-            if params.get("rope_type", "default") != "default":
-                raise ValueError(f"ModernBERT rope_type {params['rope_type']!r} is not supported (only 'default')")
+            params = {**(rope.get(kind) or {}), **(self.rope_scaling or {})}  # as transformers merges them
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type not in ("default", "linear"):
+                raise ValueError(f"ModernBERT rope_type {rope_type!r} is not supported (only 'default' and 'linear')")
             self.rope_theta[kind] = float(params.get("rope_theta", theta))
+            self.rope_scale[kind] = 1.0 / float(params.get("factor", 1.0)) if rope_type == "linear" else 1.0
 
 
 class ModernBertEmbeddings(nn.Module):
@@ -125,7 +128,7 @@ class ModernBertAttention(nn.Module):
         super().__init__()
         self.num_heads = args.num_attention_heads
         self.head_dim = args.hidden_size // args.num_attention_heads
-        self.theta = args.rope_theta[layer_type]
+        self.theta, self.scale = args.rope_theta[layer_type], args.rope_scale[layer_type]
         self.Wqkv = Linear(args.hidden_size, 3 * args.hidden_size, bias=args.attention_bias)
         self.Wo = Linear(args.hidden_size, args.hidden_size, bias=args.attention_bias)
         # transformers applies attention_dropout twice: to the probabilities and after Wo
@@ -134,7 +137,7 @@ class ModernBertAttention(nn.Module):
 
     def __call__(self, x, mask):
         q, k, v = (split_heads(t, self.num_heads) for t in mx.split(self.Wqkv(x), 3, axis=-1))
-        q, k = (rope(t, self.theta) for t in (q, k))
+        q, k = (rope(t, self.theta, self.scale) for t in (q, k))
         attend = banded_attention if isinstance(mask, Band) else blockwise_attention  # O(L w), O(L) memory
         out = attend(q, k, v, mask, self.attention_dropout)
         return self.out_drop(self.Wo(merge_heads(out)))

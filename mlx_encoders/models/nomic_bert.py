@@ -117,6 +117,10 @@ class RotaryArgs:
         return 2 * self.intermediate_size  # the gate and the up projection, both held at once
 
     @property
+    def padded_length_matters(self) -> bool:
+        return self.rope.factor is not None
+
+    @property
     def max_tokens(self) -> int | None:
         """No position table: max_position_embeddings is the trained length, a limit unless the dynamic rope
         type is there to run past it."""
