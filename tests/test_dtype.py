@@ -75,3 +75,29 @@ def test_a_float64_checkpoint_loads_as_float32(checkpoint, tmp_path):
     with torch.no_grad():
         expected = reference.float()(torch.tensor(ids)).last_hidden_state.numpy()
     np.testing.assert_allclose(np.array(model(mx.array(ids)).last_hidden_state), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_save_writes_a_widened_half_precision_checkpoint_back_in_its_stored_dtype(half, tmp_path):
+    """As transformers' from_pretrained / save_pretrained keep it; `dtype=` chooses, and transformers reads both."""
+    import json
+
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    folder, dtype = half
+    name = str(dtype).rsplit(".", 1)[-1]
+    model = load_model(folder)
+    for given, written in ((None, name), ("float32", "float32")):
+        out = save(model, tmp_path / str(given), dtype=given)
+        assert json.loads((out / "config.json").read_text())["dtype"] == written
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{written}"}
+        theirs = AutoModel.from_pretrained(out, dtype=torch.float32).eval()
+        ids = torch.tensor([[101, 2023, 2003, 1037, 3231, 102]])
+        np.testing.assert_allclose(
+            theirs(ids).last_hidden_state.detach().numpy(),
+            np.array(model(mx.array(ids.numpy())).last_hidden_state),
+            atol=1e-4,
+        )

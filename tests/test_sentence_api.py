@@ -546,3 +546,17 @@ def test_mlx_embeddings_converter_output_matches_its_embeddings(tmp_path, wide_f
         got = SentenceEncoder(converted).encode(TEXTS)
     np.testing.assert_allclose(got, expected, atol=3e-3)  # theirs computes in float16
     np.testing.assert_allclose(got, reference_on_stored_weights(wide_folder, converted), atol=1e-5)
+
+
+def test_vector_utilities_take_bfloat16_arrays_as_their_float32_values():
+    """numpy has no bfloat16: an mx.array in it (hidden states of a bfloat16 model) is read widened, as
+    sentence-transformers reads a bfloat16 tensor, rather than failing in numpy's buffer protocol."""
+    from mlx_encoders import Muvera
+    from mlx_encoders.embeddings.multi_vector import maxsim
+
+    half = mx.array(np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)).astype(mx.bfloat16)
+    wide = np.array(half.astype(mx.float32))
+    for precision in ("float32", "int8", "ubinary"):
+        np.testing.assert_array_equal(quantize_embeddings(half, precision), quantize_embeddings(wide, precision))
+    np.testing.assert_array_equal(np.array(maxsim([half], [half])), np.array(maxsim([wide], [wide])))
+    np.testing.assert_array_equal(Muvera(32).process_document(half), Muvera(32).process_document(wide))

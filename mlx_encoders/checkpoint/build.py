@@ -432,6 +432,7 @@ def load_model(
     quantize_like(model, weights, config)
     weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())
+    widened = dtype is None and not as_stored and compute_dtype(stored) != stored
     if dtype is None and not as_stored:
         weights = in_compute_dtype(weights)
     model.load_weights(list(weights.items()), strict=not created)
@@ -453,4 +454,5 @@ def load_model(
         model.add_adapter(name, low_ranks)
     model.eval()
     model.path = checkpoint.path
+    model.stored_dtype = stored if widened else None  # what `save` writes back by default
     return model

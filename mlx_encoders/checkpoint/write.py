@@ -23,7 +23,7 @@ from ..engine.quantized import QUANTIZED
 from ..models import model_module
 from .adapters import write_lora
 from .atomic import atomic_folder
-from .build import common_float_dtype
+from .build import check_dtype, common_float_dtype, is_float
 from .files import GENERATION_FILE, INDEX, TOKENIZER_FILES
 
 MAX_SHARD_BYTES = 5 << 30
@@ -45,10 +45,11 @@ def quantization_entry(model: nn.Module) -> dict | None:
     return {**default, **{path: s for path, s in settings.items() if s != default}}
 
 
-def model_config(model: nn.Module) -> dict:
-    """The config.json that describes `model`, loaded or built in code from its `ModelArgs`."""
+def model_config(model: nn.Module, dtype: mx.Dtype | None = None) -> dict:
+    """The config.json that describes `model` (its weights written in `dtype`, or as they are), loaded or built in
+    code from its `ModelArgs`."""
     config = model.config
-    config["dtype"] = DTYPE_NAMES[common_float_dtype(tree_flatten(model.parameters()))]
+    config["dtype"] = DTYPE_NAMES[dtype or common_float_dtype(tree_flatten(model.parameters()))]
     config.pop("torch_dtype", None)  # transformers 5 reads `dtype`
     quantization = quantization_entry(model)
     config.pop("quantization", None)
@@ -69,9 +70,17 @@ def make_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, 
     return [*shards, shard]
 
 
-def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BYTES) -> list[Path]:
-    """`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with their index past `shard_size`."""
+def write_weights(
+    model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BYTES, dtype: mx.Dtype | None = None
+) -> list[Path]:
+    """`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with their index past `shard_size`; float
+    weights cast to `dtype` when given (quantization scales and biases as they are)."""
     weights = dict(tree_flatten(model.parameters()))
+    if dtype is not None:
+        weights = {
+            k: v.astype(dtype) if is_float(v) and not k.endswith((".scales", ".biases")) else v
+            for k, v in weights.items()
+        }
     module = model_module(model.args.model_type)
     if hasattr(module, "checkpoint_weights"):  # the inverse of its `sanitize` (GPT-2's Conv1D layout)
         weights = module.checkpoint_weights(weights)
@@ -95,14 +104,19 @@ def write_weights(model: nn.Module, folder: Path, shard_size: int = MAX_SHARD_BY
 
 
 def write_checkpoint(
-    model: nn.Module, config: dict, folder: Path, shard_size: int = MAX_SHARD_BYTES, adapters: bool = True
+    model: nn.Module,
+    config: dict,
+    folder: Path,
+    shard_size: int = MAX_SHARD_BYTES,
+    adapters: bool = True,
+    dtype: mx.Dtype | None = None,
 ) -> list[Path]:
     """Write the model's weights under its own parameter names, and `config`, into `folder`; with `adapters`, its
     task adapters too (jina-embeddings-v3's, one PEFT folder each, as the loader reads them; none while one is
     merged into the weights). Returns the weight files."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    files = write_weights(model, folder, shard_size)
+    files = write_weights(model, folder, shard_size, dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     for name, low_ranks in (model.adapter_tensors() if adapters and hasattr(model, "adapter_tensors") else {}).items():
         write_lora(folder / name, low_ranks)
@@ -118,19 +132,29 @@ def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
 
 
 def save(
-    model: nn.Module, folder: str | Path, tokenizer=None, *, overwrite: bool = False, shard_size: int = MAX_SHARD_BYTES
+    model: nn.Module,
+    folder: str | Path,
+    tokenizer=None,
+    *,
+    dtype: str | mx.Dtype | None = None,
+    overwrite: bool = False,
+    shard_size: int = MAX_SHARD_BYTES,
 ) -> Path:
     """Write `model` (and `tokenizer`'s files) as a checkpoint folder that transformers'
     `AutoModelFor...from_pretrained` and `mlx_encoders.load` read back; returns the folder.
 
     The folder appears only when complete; an existing one is replaced only with `overwrite=True`, and only
     if it holds checkpoint files alone (weights, config.json, tokenizer files), as nothing else is rewritten.
+    `dtype` ("float32", "float16", "bfloat16") casts the float weights as they are written; by default a
+    half-precision checkpoint that loading widened to float32 for the CPU is written back in its stored dtype, as
+    transformers writes it, and any other model's weights as they are.
     Without `tokenizer`, the folder's own tokenizer files are kept: loading the folder needs them. A model's task
     adapters are written as PEFT adapter subfolders, unless one is merged into the weights.
     """
     folder = Path(folder)
+    dtype = check_dtype(dtype) or getattr(model, "stored_dtype", None)
     with atomic_folder(folder, overwrite, whole=False) as tmp:
-        write_checkpoint(model, model_config(model), tmp, shard_size)  # with its task adapters
+        write_checkpoint(model, model_config(model, dtype), tmp, shard_size, dtype=dtype)  # with its task adapters
         if tokenizer is not None:
             tokenizer.save(tmp)
         elif folder.is_dir():

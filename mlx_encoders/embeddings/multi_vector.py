@@ -19,7 +19,7 @@ from ..checkpoint import resolve as resolve_path
 from ..tokenizer import token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
 from .folder import MultiVectorMask, apply_sentence_config, read_folder
-from .vectors import normalize
+from .vectors import normalize, to_numpy
 
 MODULES = ("Transformer", "Dense", "MultiVectorMask", "Normalize")
 CHUNK_ELEMENTS = 2**24  # MaxSim scores (queries x query tokens x documents x document tokens) per chunk of documents
@@ -27,7 +27,7 @@ CHUNK_ELEMENTS = 2**24  # MaxSim scores (queries x query tokens x documents x do
 
 def padded(matrices: list) -> tuple[mx.array, mx.array]:
     """A list of (n_i, D) matrices -> (N, L, D) float32 zero-padded and the (N, L) 1/0 mask of real rows."""
-    matrices = [np.asarray(m, dtype=np.float32) for m in matrices]
+    matrices = [to_numpy(m).astype(np.float32, copy=False) for m in matrices]
     width = max((len(m) for m in matrices), default=0)
     dim = matrices[0].shape[1] if matrices else 0
     out = np.zeros((len(matrices), width, dim), np.float32)

@@ -9,6 +9,8 @@ by 1/sqrt(dim_proj) when dim_proj < dim, and everything is concatenated. The sam
 
 import numpy as np
 
+from .vectors import to_numpy
+
 
 class Muvera:
     """Multi-vector (n, dim) matrices -> fixed (r_reps * 2**k_sim * dim_proj,) float64 vectors.
@@ -40,7 +42,7 @@ class Muvera:
         return self.process(vectors, fill_empty_clusters=False, normalize_by_count=False)
 
     def process(self, vectors, fill_empty_clusters: bool = True, normalize_by_count: bool = True) -> np.ndarray:
-        vectors = np.asarray(vectors)
+        vectors = to_numpy(vectors)
         if vectors.ndim != 2 or vectors.shape[1] != self.dim or not len(vectors):
             raise ValueError(f"Expected a non-empty (n, {self.dim}) matrix of token vectors, got {vectors.shape}")
         count = 2**self.k_sim

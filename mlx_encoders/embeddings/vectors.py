@@ -24,6 +24,13 @@ def as_float(x) -> mx.array:
     return x.astype(mx.float32) if isinstance(x, mx.array) else mx.array(np.asarray(x, dtype=np.float32))
 
 
+def to_numpy(x) -> np.ndarray:
+    """`np.asarray(x)`, an mx.array in bfloat16 (which numpy has no type for) widened to float32 first."""
+    if isinstance(x, mx.array) and x.dtype == mx.bfloat16:
+        x = x.astype(mx.float32)
+    return np.asarray(x)
+
+
 def as_matrix(x) -> mx.array:
     x = as_float(x)
     return x[None] if x.ndim == 1 else x
@@ -116,7 +123,7 @@ def quantization_ranges(embeddings: np.ndarray, precision: str, calibration: np.
                 stacklevel=3,
             )
         calibration = embeddings
-    calibration = np.asarray(calibration)
+    calibration = to_numpy(calibration)
     return np.vstack((np.min(calibration, axis=0), np.max(calibration, axis=0)))
 
 
@@ -137,7 +144,7 @@ def quantize_embeddings(
     if isinstance(embeddings, list):
         if not embeddings:
             return []
-        matrices = [np.asarray(m) for m in embeddings]
+        matrices = [to_numpy(m) for m in embeddings]
         if matrices[0].ndim == 2:
             if precision.endswith("int8") and ranges is None:
                 data = np.concatenate(matrices) if calibration_embeddings is None else calibration_embeddings
@@ -145,7 +152,7 @@ def quantize_embeddings(
                     ranges = quantization_ranges(data, precision, calibration_embeddings)
             return [quantize_embeddings(m, precision, ranges, calibration_embeddings) for m in matrices]
         embeddings = np.array(matrices)
-    embeddings = np.asarray(embeddings)
+    embeddings = to_numpy(embeddings)
     if embeddings.dtype in (np.uint8, np.int8):
         raise ValueError("Embeddings to quantize must be float rather than int8 or uint8.")
     if precision == "float32":
@@ -156,7 +163,7 @@ def quantize_embeddings(
     if precision.endswith("int8"):
         if ranges is None:
             ranges = quantization_ranges(embeddings, precision, calibration_embeddings)
-        ranges = np.asarray(ranges).astype(np.float32, copy=False)
+        ranges = to_numpy(ranges).astype(np.float32, copy=False)
         starts = ranges[0, :]
         steps = (ranges[1, :] - starts) / 255
         steps = np.where(steps == 0, 1, steps)

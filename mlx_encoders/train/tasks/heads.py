@@ -90,7 +90,7 @@ def train_head(
     if save_model is not None:
         path, net = save_model(net, path, tok)
     elif main:
-        path = save(net, path, tok, overwrite=True)
+        path = save(net, path, tok, dtype="float32", overwrite=True)  # the trained weights as trained
     net.eval()
     return Trained(net, tok, metrics, Path(path))
 
