@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoints import MINILM
+from mlx.utils import tree_flatten
 from tolerance import assert_float32_close, encoder_terms
 
 from mlx_encoders.engine.batching import drawn_groups
@@ -1086,3 +1087,21 @@ def test_metric_label_values_are_escaped():
     value = r'"(?:[^"\\\n]|\\[\\"n])*"'
     sample = re.compile(rf"[a-zA-Z_:]\w*(\{{\w+={value}(,\w+={value})*\}})? \S+")
     assert all(line.startswith("#") or sample.fullmatch(line) for line in lines), lines
+
+
+def test_model_facts_of_a_quantized_model_count_its_weights_not_its_packed_words(folders, tmp_path):
+    """Ollama's /api/show and TEI's /info describe an 8-bit model as its float one, but for the quantization level:
+    the same parameter count (a packed word holds 32 / bits weights; scales and biases are not parameters)."""
+    from mlx_encoders import load_model, serve
+    from mlx_encoders.conversion import convert
+
+    with pytest.warns(UserWarning, match="pooling"):
+        folder = convert(folders["tiny"], tmp_path / "q8", quantize=True, bits=8, group_size=32)
+        app = serve.app({"float": folders["tiny"], "q8": folder})
+    parameters = sum(v.size for _, v in tree_flatten(load_model(folders["tiny"]).parameters()))
+    with in_process(app) as url:
+        shown = {name: call(url, "/api/show", {"model": name})[1] for name in ("float", "q8")}
+        info = {name: call(url, f"/info?model={name}", None)[1] for name in ("float", "q8")}
+    assert [shown[n]["model_info"]["general.parameter_count"] for n in ("float", "q8")] == [parameters] * 2
+    assert [shown[n]["details"]["quantization_level"] for n in ("float", "q8")] == ["F32", "Q8_0"]
+    assert [info[n]["model_dtype"] for n in ("float", "q8")] == ["float32", "float32"]

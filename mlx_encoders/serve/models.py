@@ -5,6 +5,7 @@
 post-processing shapes the answer."""
 
 import functools
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -127,6 +128,14 @@ def arrays_of(root) -> list[mx.array]:
     return found
 
 
+@dataclass(frozen=True)
+class WeightFacts:
+    parameters: int
+    bytes: int
+    dtype: str  # of the float weights: "float32", "float16" or "bfloat16"
+    bits: int | None  # of the quantized layers (the widest when they differ); None when none is
+
+
 class ServedModel:
     """One served model under `name`: its encoder, its `kind` (dense, sparse, multi-vector, cross-encoder,
     classifier), what it can do (`capabilities`), tokenization that refuses (or, with `truncate`, cuts) over-long
@@ -204,6 +213,33 @@ class ServedModel:
     @property
     def dimension(self) -> int:
         return self.encoder.get_embedding_dimension()
+
+    @functools.cached_property
+    def weights(self) -> WeightFacts:
+        """What the model's weights are: a quantized layer's packed codes counted as the weights they hold, its
+        scales and biases left out; the float dtype of the other weights (float32 for an inference-free sparse
+        model's weight table)."""
+        if self.model is None:
+            return WeightFacts(0, 0, "float32", None)
+        count, size, floats, bits = 0, 0, Counter(), set()
+        for _, module in self.model.named_modules():
+            own = dict(module.items())
+            quantized = getattr(module, "bits", None) if "scales" in own else None
+            for name, value in own.items():
+                if not isinstance(value, mx.array):
+                    continue
+                size += value.nbytes
+                if quantized and name in ("scales", "biases"):
+                    continue
+                if quantized and name == "weight":
+                    count += value.size * 32 // quantized
+                    bits.add(quantized)
+                else:
+                    count += value.size
+                    if mx.issubdtype(value.dtype, mx.floating):
+                        floats[str(value.dtype).removeprefix("mlx.core.")] += value.size
+        dtype = floats.most_common(1)[0][0] if floats else "float32"
+        return WeightFacts(count, size, dtype, max(bits) if bits else None)
 
     def compute(self, items: list) -> np.ndarray:
         """On the model worker: (N, D) embeddings (before truncate_dim); per input its (token ids, weights) (sparse)

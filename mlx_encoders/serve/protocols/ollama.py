@@ -169,17 +169,15 @@ def facts(model: ServedModel) -> dict:
 
 
 def facts_of(model: ServedModel) -> dict:
-    from mlx.utils import tree_flatten
-
-    weights = [v for _, v in tree_flatten(model.model.parameters())] if model.model is not None else []
+    weights = model.weights
     args = getattr(model.model, "args", None)
     source = Path(model.source)
     modified = source.stat().st_mtime if source.exists() else 0
     return {
-        "size": sum(w.nbytes for w in weights),
-        "parameters": sum(w.size for w in weights),
+        "size": weights.bytes,
+        "parameters": weights.parameters,
         "family": getattr(args, "model_type", model.kind),
-        "dtype": WEIGHT_TYPES.get(str(weights[0].dtype).rsplit(".", 1)[-1], "") if weights else "",
+        "dtype": f"Q{weights.bits}_0" if weights.bits else WEIGHT_TYPES.get(weights.dtype, ""),
         "digest": hashlib.sha256(f"{model.name}\0{model.source}".encode()).hexdigest(),
         "modified_at": datetime.datetime.fromtimestamp(modified, datetime.timezone.utc).isoformat(),
     }

@@ -10,7 +10,6 @@ import itertools
 from functools import wraps
 from typing import TYPE_CHECKING, Annotated, Literal, Required, TypedDict
 
-from mlx.utils import tree_flatten
 from starlette.requests import Request
 
 from ... import __version__
@@ -440,13 +439,6 @@ def model_type(model: ServedModel) -> dict:
     return {"embedding": {"pooling": "+".join(pooling)}}
 
 
-def dtype_of(model: ServedModel) -> str:
-    """The dtype of the model's weights (float32 for an inference-free sparse model's weight table)."""
-    if model.model is None:
-        return "float32"
-    return str(tree_flatten(model.model.parameters())[0][1].dtype).removeprefix("mlx.core.")
-
-
 @tei_errors
 async def info(request: Request, server: "Server"):
     """The model's description, as TEI's /info (`?model=NAME` when the server holds several)."""
@@ -455,7 +447,7 @@ async def info(request: Request, server: "Server"):
     return {
         "model_id": model.source,
         "model_sha": None,
-        "model_dtype": dtype_of(model),
+        "model_dtype": model.weights.dtype,
         "served_model_name": model.name,
         "model_type": model_type(model),
         "max_concurrent_requests": options.max_queue,
