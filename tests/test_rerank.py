@@ -122,6 +122,11 @@ RENAMED = {  # rows whose columns are named otherwise, read by position as sente
                   BinaryCrossEntropyLoss, {}),
     "listnet-scores": ([{"query": r["query"], "documents": r["documents"], "scores": r["labels"]}
                         for r in LISTWISE[2:]], ListNetLoss, {}),
+    # `mine`'s labeled-pair and labeled-list rows (as sentence-transformers' mine_hard_negatives writes them)
+    "bce-mined": ([{"query": r["query"], "positive": r["document"], "label": r["label"]} for r in POINTWISE],
+                  BinaryCrossEntropyLoss, {}),
+    "listnet-mined": ([{"query": r["query"], "positive": r["documents"], "labels": r["labels"]}
+                       for r in LISTWISE[2:]], ListNetLoss, {}),
 }  # fmt: skip
 
 
@@ -254,3 +259,24 @@ def test_training_matches_a_torch_loop_with_sentence_transformers_loss_step_for_
         np.testing.assert_allclose(ours[name], expected, rtol=0, atol=1e-4 * np.abs(expected).max(), err_msg=name)
         moved = max(moved, float(np.abs(expected - start[name]).max()))
     assert moved > 1e-3  # training moved the weights far more than the tolerance
+
+
+def test_evaluation_counts_a_query_positive_once_over_its_triplet_rows(reranker_folder):
+    """`mine`'s triplet rows repeat a query's positive beside each negative: the metrics rank its distinct documents,
+    as CrossEncoderRerankingEvaluator ranks the query's positive among its negatives."""
+    from sentence_transformers.cross_encoder.evaluation import CrossEncoderRerankingEvaluator
+
+    theirs = TorchCrossEncoder(str(reranker_folder), device="cpu")
+    query = "where do cats sleep"
+    docs = ["Cats sleep on warm windowsills.", "Dogs bark at night.", "The stock market fell.", "Tea is brewed hot."]
+    order = np.argsort(-theirs.predict([(query, d) for d in docs]))
+    positive, negatives = docs[order[1]], [docs[i] for i in order[[0, 2, 3]]]  # the positive ranks second
+    rows = [{"query": query, "positive": positive, "negative": n} for n in negatives]
+    checkpoint = Checkpoint.open(reranker_folder)
+    tokenizer = tokenizer_for(checkpoint.args, checkpoint)
+    ours = RerankObjective("bce", tokenizer).evaluate(load_reranker(checkpoint), rerank_data(rows, tokenizer), 8)
+    expected = CrossEncoderRerankingEvaluator(
+        [{"query": query, "positive": [positive], "negative": negatives}], write_csv=False
+    )(theirs)
+    for name in ("map", "mrr@10", "ndcg@10"):
+        assert ours[f"eval_{name}"] == pytest.approx(expected[name], rel=1e-6), name

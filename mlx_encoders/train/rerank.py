@@ -78,12 +78,23 @@ def negatives(row: Row) -> list[str]:
 
 def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
     """A row's documents and their labels, from whichever of the three layouts it has (the labels in the first of
-    `data.LABEL_COLUMNS` it holds, as sentence-transformers finds them)."""
-    label = next((c for c in LABEL_COLUMNS if c in row.values), "labels" if "documents" in row.values else "label")
-    if "documents" in row.values:
-        documents, labels = row.get("documents", PICKED_COLUMNS), row.get(label, PICKED_COLUMNS)
+    `data.LABEL_COLUMNS` it holds, as sentence-transformers finds them). A 'positive' column with a label column is
+    `mine`'s labeled-pair (one text and its label) or labeled-list (a list of texts and theirs) row, read as the
+    document(s) with their label(s), as sentence-transformers reads those rows by position."""
+    labelled = next((c for c in LABEL_COLUMNS if c in row.values), None)
+    label = labelled or ("labels" if "documents" in row.values else "label")
+    listed = "documents" if "documents" in row.values else "positive"
+    if "documents" in row.values or (labelled and isinstance(row.values.get("positive"), list)):
+        documents, labels = row.get(listed, PICKED_COLUMNS), row.get(label, PICKED_COLUMNS)
         if not isinstance(documents, list) or not isinstance(labels, list) or len(documents) != len(labels):
-            raise DataError(f"{row.where}: 'documents' and '{label}' must be lists of the same length")
+            raise DataError(f"{row.where}: '{listed}' and '{label}' must be lists of the same length")
+    elif "positive" in row.values and labelled:
+        if negatives(row):
+            raise DataError(
+                f"{row.where}: a row with a 'positive' text and its '{label}' (a labeled pair) cannot have "
+                "negatives too; give each document its own row with its label, or drop the label column"
+            )
+        documents, labels = [row.text("positive", PICKED_COLUMNS)], [row.get(label, PICKED_COLUMNS)]
     elif "positive" in row.values:
         documents = [row.text("positive", PICKED_COLUMNS), *negatives(row)]
         labels = [1.0] + [0.0] * (len(documents) - 1)
@@ -281,8 +292,10 @@ class RerankObjective(Objective):
         return METRIC_NAMES
 
     def evaluate(self, model: nn.Module, examples: RerankExamples, batch_size: int) -> dict[str, float]:
-        """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's documents
-        gathered over its rows (a label > 0 is relevant)."""
+        """The mean loss per row and sentence-transformers' reranking metrics of the logits, each query's distinct
+        documents gathered over its rows (a label > 0 is relevant; a document in several rows, as a positive in
+        each of a query's triplets, counts once, at its highest label), as CrossEncoderRerankingEvaluator ranks
+        a query's positives and negatives."""
         model.eval()
 
         def scored(start: int) -> tuple[float, np.ndarray]:  # (a batch's summed loss, its own pairs' logits)
@@ -295,14 +308,20 @@ class RerankObjective(Objective):
         starts = range(0, len(examples), batch_size)  # each rank scores its share of the batches
         losses, logits = zip(*distributed.shared_map(scored, starts), strict=True)
         total, logits = sum(losses), np.concatenate(logits)
-        per_query: dict[str, tuple[list, list]] = {}
+        per_query: dict[str, dict[str, tuple[bool, float]]] = {}  # query -> document -> (relevant, score)
         offset = 0
-        for query, row_labels in zip(examples.queries, examples.labels, strict=True):
-            relevant, scores = per_query.setdefault(query, ([], []))
-            relevant += [label > 0 for label in row_labels]
-            scores += list(logits[offset : offset + len(row_labels)])
+        for query, documents, row_labels in zip(examples.queries, examples.documents, examples.labels, strict=True):
+            seen = per_query.setdefault(query, {})
+            for document, label, score in zip(documents, row_labels, logits[offset:], strict=False):
+                relevant = label > 0 or seen.get(document, (False, 0.0))[0]
+                seen[document] = (relevant, seen.get(document, (False, score))[1])
             offset += len(row_labels)
-        found = [reranking_metrics(np.array(r, dtype=int), np.array(s), AT_K) for r, s in per_query.values()]
+        found = [
+            reranking_metrics(
+                np.array([r for r, _ in d.values()], dtype=int), np.array([s for _, s in d.values()]), AT_K
+            )
+            for d in per_query.values()
+        ]
         mrr, ndcg, ap = np.mean(found, axis=0)
         return {"eval_loss": total / len(examples), "eval_map": float(ap), f"eval_mrr@{AT_K}": float(mrr),
                 f"eval_ndcg@{AT_K}": float(ndcg)}  # fmt: skip
