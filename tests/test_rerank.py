@@ -3,6 +3,7 @@ weights and batch; `fine_tune("rerank")` trains, evaluates with the reranking me
 sentence-transformers' CrossEncoder reads with the scores ours gives; the `train rerank` command."""
 
 import json
+import shutil
 
 import mlx.nn as nn
 import numpy as np
@@ -280,3 +281,28 @@ def test_evaluation_counts_a_query_positive_once_over_its_triplet_rows(reranker_
     )(theirs)
     for name in ("map", "mrr@10", "ndcg@10"):
         assert ours[f"eval_{name}"] == pytest.approx(expected[name], rel=1e-6), name
+
+
+def test_a_sentence_transformers_cross_encoders_settings_and_the_trained_length_are_kept(tmp_path, reranker_folder):
+    """Trained from a folder sentence-transformers 6 saved (its activation, prompts), the output keeps them and
+    the training's max_length, as CrossEncoder.save keeps them; a LogitScore reranker (whose scores are its language
+    model head's logits) is refused rather than given a new random head."""
+    source = tmp_path / "source"
+    TorchCrossEncoder(
+        str(reranker_folder), device="cpu", activation_fn=torch.nn.Identity(), prompts={"web": "web: "},
+        default_prompt_name="web",
+    ).save(str(source))  # fmt: skip
+    trained = fine_tune("rerank", POINTWISE, tmp_path / "run", model=source, max_length=16, max_steps=1, lr=1e-9)
+    theirs = TorchCrossEncoder(str(trained.path), device="cpu")
+    assert isinstance(theirs.activation_fn, torch.nn.Identity) and theirs.prompts == {"web": "web: "}
+    assert theirs.default_prompt_name == "web" and theirs.max_length == 16
+    assert CrossEncoder(trained.path).max_seq_length == 16
+    scored = tmp_path / "logit-score"
+    shutil.copytree(reranker_folder, scored)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_LogitScore",
+                "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]  # fmt: skip
+    (scored / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="LogitScore module"):
+        fine_tune("rerank", POINTWISE, tmp_path / "refused", model=scored)

@@ -9,6 +9,7 @@ modules/). A module kind is the last part of its modules.json type ("...modules.
 
 import ast
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -543,6 +544,18 @@ def write_folder(
     write_json(folder / SETTINGS_FILE, settings)
     (folder / transformer).mkdir(parents=True, exist_ok=True)
     write_json(folder / transformer / SENTENCE_CONFIG_FILE, sentence_config)
+
+
+def copy_cross_encoder_files(source: Path, target: Path) -> None:
+    """Beside a cross-encoder saved from `source` into `target`: a sentence-transformers CrossEncoder folder's own
+    files (its module list; its settings: activation, prompts; the Transformer's config), when its model is one
+    Transformer at the root, as sentence-transformers 6 saves a classifier's."""
+    entries = read_module_entries(source)
+    if [(kind.rsplit(".", 1)[-1], path) for kind, path in entries] != [("Transformer", source)]:
+        return
+    for name in (MODULES_FILE, SETTINGS_FILE, SENTENCE_CONFIG_FILE):
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
 
 
 def write_module_config(folder: Path, rel: str, config: dict) -> None:
