@@ -577,3 +577,42 @@ def test_is_causal_false_is_refused_naming_the_key(checkpoint, tmp_path, model_t
     (folder / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     with pytest.raises(ValueError, match=f"config key 'is_causal' is false: transformers then runs {model_type} with"):
         mlx_encoders.load_model(folder)
+
+
+@pytest.mark.parametrize("loss", ["mnrl", "cached-mnrl"])
+def test_left_padded_rows_train_in_length_groups_with_sentence_transformers_loss(embedding_folder, tmp_path, loss,
+                                                                                monkeypatch):  # fmt: skip
+    """Qwen3-Embedding pads on the left: a length group (or a cached loss's mini-batch) keeps each row's last
+    columns, so the first step's loss is sentence-transformers' MNRL over the same batch."""
+    from mlx_encoders.train import embedding
+
+    monkeypatch.setattr(embedding, "LENGTH_GROUP", 2)
+    rows = [{"anchor": f"query {i} " + "word " * (i % 4), "positive": f"doc {i} " + "thing " * (2 * (i % 3))}
+            for i in range(6)]  # fmt: skip
+    from mlx_encoders.train.losses.contrastive import CachedMultipleNegativesRankingLoss
+
+    chosen = CachedMultipleNegativesRankingLoss(mini_batch_size=2) if loss == "cached-mnrl" else loss
+    fine_tune("embed", rows, tmp_path, model=embedding_folder, loss=chosen, max_steps=1, batch_size=6, lr=1e-9,
+              final_checkpoint=False, batch_sampler="batch_sampler")  # fmt: skip
+    ours = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reference = SentenceTransformer(str(embedding_folder), device="cpu").eval()
+    anchors = [reference.prompts["query"] + r["anchor"] for r in rows]
+    positives = [reference.prompts.get("document", "") + r["positive"] for r in rows]
+    with torch.no_grad():
+        features = [reference.preprocess(anchors), reference.preprocess(positives)]
+        expected = float(st.sentence_transformer.losses.MultipleNegativesRankingLoss(reference)(features, None))
+    assert [value for value in ours if value is not None][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_embed_training_from_a_plain_causal_lm_pools_its_last_token(checkpoint, tmp_path):
+    """A plain Qwen3ForCausalLM checkpoint embeds with its last token in sentence-transformers (and SentenceEncoder):
+    fine_tune('embed') trains and saves that pooling, not mean pooling."""
+    rows = [{"anchor": "how do cats sleep", "positive": "Cats sleep curled up."},
+            {"anchor": "python lists", "positive": "A list holds items in order."}]  # fmt: skip
+    plain = checkpoint("qwen3", "causal-lm")
+    trained = fine_tune("embed", rows, tmp_path, model=plain, loss="mnrl", max_steps=1, batch_size=2, lr=1e-9)
+    pooling = json.loads((trained.path / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode"] == "lasttoken"
+    texts = ["a cat", "the much longer sentence here"]
+    before = SentenceTransformer(str(plain), device="cpu").encode(texts)
+    np.testing.assert_allclose(SentenceTransformer(str(trained.path), device="cpu").encode(texts), before, atol=1e-4)

@@ -21,12 +21,13 @@ from tokenizers import Encoding
 from .. import distributed
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.build import load_model
-from ..checkpoint.files import read_safetensors
+from ..checkpoint.files import Checkpoint, read_safetensors
 from ..checkpoint.write import model_config, write_checkpoint
 from ..embeddings import folder as st_folder
 from ..embeddings.folder import Pooling, read_dense, read_folder
 from ..embeddings.pooling import pool
 from ..embeddings.sentence import MODULES as DENSE_MODULES
+from ..embeddings.sentence import natural_pooling
 from ..models.base import HeadModel
 from ..models.inputs import checked_inputs, unchecked_inputs
 from ..models.layers import one_lookup
@@ -68,8 +69,8 @@ DENSE_FILE = "dense.safetensors"  # a training checkpoint's Dense weights
 @dataclass
 class SentenceSetup:
     """What a sentence-transformers folder adds to its transformer: where the transformer is, pooling, Normalize,
-    prompts, similarity and tokenizer settings. A plain checkpoint gets mean pooling, as `SentenceTransformer`
-    gives one."""
+    prompts, similarity and tokenizer settings. A plain checkpoint gets mean pooling, or a causal LM's last token,
+    as `SentenceTransformer` gives them."""
 
     transformer: Path
     pooling: tuple[str, ...] = ("mean",)
@@ -92,6 +93,8 @@ def read_setup(path: Path) -> SentenceSetup:
     pooling = next((m.read() for m in folder.modules if m.kind == "Pooling"), None)
     if pooling is not None:
         setup.pooling, setup.include_prompt = pooling.modes, pooling.include_prompt
+    elif not folder.modules and natural_pooling(Checkpoint.open(path).args) == ("lasttoken",):
+        setup.pooling = ("lasttoken",)
     _, setup.normalize = folder.projection("sentence_embedding", "fine_tune('embed')")
     setup.dense = [m.folder for m in folder.modules if m.kind == "Dense"]
     setup.prompts = dict(folder.settings.get("prompts") or {})
@@ -357,7 +360,11 @@ class EmbeddingObjective(Objective):
         mask = features["attention_mask"]
         hidden = model(features["input_ids"], mask, features.get("token_type_ids")).last_hidden_state
         skipped = self.prompt_tokens[column] if self.prompt_tokens else 0
-        pooled_mask = mask if not skipped else mask * (mx.arange(mask.shape[1]) >= skipped)
+        if skipped:  # the prompt's tokens follow each row's first real one (left padding puts pads before them)
+            first = mx.argmax(mask, axis=1, keepdims=True)
+            pooled_mask = mask * (mx.arange(mask.shape[1]) >= first + skipped)
+        else:
+            pooled_mask = mask
         x = pool(hidden.astype(mx.float32), pooled_mask, self.pooling, mask)
         x = model.project(x) if isinstance(model, DenseModel) else x
         return l2_normalize(x) if self.normalize else x
@@ -366,21 +373,24 @@ class EmbeddingObjective(Objective):
         """A padded numpy batch as MLX arrays: its rows longest first in groups of `size` (`LENGTH_GROUP`), each cut
         to its own longest row rounded up to a `multiple` (padded further where the batch is narrower), and
         "restore", the order that puts their embeddings back. Padding to the batch's longest (a few long documents)
-        would spend most of the pass on padding; a row's embedding depends on neither."""
+        would spend most of the pass on padding; a row's embedding depends on neither. A left-padded batch (a
+        decoder's) keeps each row's last columns and pads on the left."""
         if not self.groups_by_length:
             return {"groups": [{k: mx.array(v) for k, v in features.items()}]}
         size = size or LENGTH_GROUP
         lengths = features["attention_mask"].sum(axis=1)
+        left = left_padded(features["attention_mask"])
         wider = -(-int(lengths.max()) // multiple) * multiple - features["input_ids"].shape[1]
         if wider > 0:  # pad id where the model reads ids, 0 in the mask and token types
-            pads = {"input_ids": self.tokenizer.pad_token_id}
-            features = {k: np.pad(v, ((0, 0), (0, wider)), constant_values=pads.get(k, 0)) for k, v in features.items()}
+            pads, side = {"input_ids": self.tokenizer.pad_token_id}, (wider, 0) if left else (0, wider)
+            features = {k: np.pad(v, ((0, 0), side), constant_values=pads.get(k, 0)) for k, v in features.items()}
         order = np.argsort(-lengths, kind="stable")
         groups = []
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             width = -(-int(lengths[rows].max()) // multiple) * multiple
-            groups.append({k: mx.array(v[rows, :width]) for k, v in features.items()})
+            columns = slice(features["input_ids"].shape[1] - width, None) if left else slice(0, width)
+            groups.append({k: mx.array(v[rows, columns]) for k, v in features.items()})
         return {"groups": groups, "restore": mx.array(np.argsort(order))}
 
     def embed_groups(self, model: nn.Module, column: dict, c: int) -> mx.array:
@@ -556,14 +566,22 @@ def arrays(batch: dict) -> tuple[list[dict[str, mx.array]], mx.array | None]:
     return columns, None if batch["labels"] is None else mx.array(batch["labels"])
 
 
+def left_padded(mask) -> bool:
+    """Whether a padded batch's pads come first (a row starts with one): a decoder tokenizer's left padding."""
+    return bool((np.asarray(mask)[:, 0] == 0).any())
+
+
 def mini_batches(features: dict[str, mx.array], size: int) -> list[dict[str, mx.array]]:
-    """Rows of a padded batch in groups of `size`, each cut to its own longest row (right padding)."""
-    n = features["input_ids"].shape[0]
+    """Rows of a padded batch in groups of `size`, each cut to its own longest row (its last columns when the
+    batch is padded on the left)."""
+    n, total = features["input_ids"].shape
     lengths = np.array(features["attention_mask"].sum(axis=1))
+    left = left_padded(features["attention_mask"])
     out = []
     for start in range(0, n, size):
         width = int(lengths[start : start + size].max())
-        out.append({k: v[start : start + size, :width] for k, v in features.items()})
+        columns = slice(total - width, None) if left else slice(0, width)
+        out.append({k: v[start : start + size, columns] for k, v in features.items()})
     return out
 
 
