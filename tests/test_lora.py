@@ -262,3 +262,21 @@ def test_a_damaged_adapters_file_is_named(checkpoint, tmp_path):
     (folder / "adapters.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"adapters.safetensors is not a readable safetensors file"):
         load_adapters(load(checkpoint)[0], folder)
+
+
+def test_qlora_trains_a_quantized_head_in_full_as_float(checkpoint):
+    """`convert` quantizes every linear, the classifier too: apply_lora makes the head float (its dequantized weight,
+    the same logits) so that it trains, as the task head of a LoRA run does."""
+    wide = checkpoint("bert", TASK, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    model, tokenizer = mlx_encoders.load(wide)
+    quantize_model(model, bits=8, group_size=32)
+    assert isinstance(model.classifier, nn.QuantizedLinear)  # as convert leaves it
+    batch, labels = {k: mx.array(v) for k, v in dict(tokenizer(TEXTS, padding=True)).items()}, mx.array([0, 2, 1])
+    before = logits(model, batch)
+    apply_lora(model, RANK, ALPHA)
+    assert type(model.classifier) is not nn.QuantizedLinear and model.classifier.weight.dtype == mx.float32
+    np.testing.assert_allclose(logits(model, batch), before, rtol=1e-5, atol=1e-6)
+    assert {"classifier.weight", "classifier.bias"} <= set(flat(model.trainable_parameters()))
+    start = np.array(model.classifier.weight)
+    train(model, batch, labels)
+    assert not np.array_equal(np.array(model.classifier.weight), start)

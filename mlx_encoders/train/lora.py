@@ -122,9 +122,16 @@ def apply_lora(
 
 
 def freeze_base(model: nn.Module) -> None:
-    """Freeze the encoder but its adapters; the head trains, but for quantized weights (they cannot)."""
+    """Freeze the encoder but its adapters; the head trains in full, a quantized one (`convert` quantizes every
+    linear) made float first: quantized weights cannot train."""
+    prefix, encoder = encoder_of(model)
+    head = [
+        (p, m) for p, m in model.named_modules() if isinstance(m, QuantizedLinear) and not f"{p}.".startswith(prefix)
+    ]
+    if encoder is not model and head:
+        model.update_modules(tree_unflatten([(p, float_linear(m)) for p, m in head]))
     model.unfreeze()
-    encoder_of(model)[1].freeze()
+    encoder.freeze()
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
@@ -232,6 +239,16 @@ def fused_linear(lora: LoRALinear, requantize: bool = False) -> nn.Linear | nn.Q
         fused.bias = base.bias
     fused.weight = (weight + lora.delta()).astype(dtype)
     return fused
+
+
+def float_linear(linear: nn.QuantizedLinear) -> Linear:
+    """A quantized linear as a float32 one of its dequantized weight (and its bias)."""
+    weight = dequantized(linear)
+    out = Linear(weight.shape[1], weight.shape[0], bias="bias" in linear)
+    out.weight = weight
+    if "bias" in linear:
+        out.bias = linear.bias.astype(mx.float32)
+    return out
 
 
 def dequantized(linear: nn.QuantizedLinear) -> mx.array:
