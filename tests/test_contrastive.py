@@ -621,3 +621,14 @@ def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, caps
     assert main([*train[:5], str(labeled), *train[6:], "-o", str(tmp_path / "three")]) == 1
     error = capsys.readouterr().err
     assert f"{labeled}:1:" in error and "'query_id', 'text', 'label'" in error and "--columns" in error
+
+
+@pytest.mark.parametrize(
+    "directions", [("query_to_doc", "query_to_query", "doc_to_query"), ALL_DIRECTIONS], ids=["three", "gte"]
+)
+def test_mnrl_over_query_and_document_directions_trains_in_the_compiled_step(st_folder, tmp_path, directions):
+    """GTE's directions through fine_tune's compiled step (mx.compile failed on a transposed doc_to_query matrix)."""
+    loss = MultipleNegativesRankingLoss(directions=directions)
+    trained = fine_tune("embed", TRIPLETS, tmp_path, model=st_folder, loss=loss, max_steps=2, batch_size=2, lr=1e-3)
+    losses = [json.loads(line).get("loss") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert trained.path.is_dir() and all(np.isfinite(v) for v in losses if v is not None)

@@ -103,10 +103,11 @@ class MultipleNegativesRankingLoss:
         if "query_to_query" in self.directions:
             sims["query_to_query"] = mx.where(own, -mx.inf, similarity_matrix(queries, queries, self.similarity))
         if "doc_to_query" in self.directions:
-            sims["doc_to_query"] = similarity_matrix(queries, docs[0], self.similarity).T
+            # made as (docs, queries), not transposed: mx.compile failed on the transposed matrix beside query_to_query
+            sims["doc_to_query"] = similarity_matrix(docs[0], queries, self.similarity)
         if "doc_to_doc" in self.directions:
             same_query = mx.concatenate([own] * len(docs), axis=1)  # a query's own positive and negatives
-            sims["doc_to_doc"] = mx.where(same_query, -mx.inf, similarity_matrix(docs_all, docs[0], self.similarity).T)
+            sims["doc_to_doc"] = mx.where(same_query, -mx.inf, similarity_matrix(docs[0], docs_all, self.similarity))
         sims = {k: v * self.scale for k, v in sims.items()}
         positive = sims["query_to_doc"][rows, rows]
         if self.partition_mode == "joint":
