@@ -80,10 +80,18 @@ def stored(index: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
         return docs.fetchall(), vectors
 
 
-def assert_same_index(a: Path, b: Path, model: Path) -> None:
-    """The same documents and texts, and each text's vector up to float32 rounding of `model`'s sums."""
+def text_rows(index: Path) -> list[str]:
+    """The texts in row order: search breaks ties by row."""
+    with closing(sqlite3.connect(index / "index.sqlite")) as con:
+        return [text for (text,) in con.execute("SELECT text FROM texts ORDER BY row")]
+
+
+def assert_same_index(a: Path, b: Path, model: Path, rows: bool = False) -> None:
+    """The same documents and texts (with `rows`, in the same rows: two builds of one corpus from empty), and each
+    text's vector up to float32 rounding of `model`'s sums."""
     (docs_a, vectors_a), (docs_b, vectors_b) = stored(a), stored(b)
     assert docs_a == docs_b and vectors_a.keys() == vectors_b.keys()
+    assert not rows or text_rows(a) == text_rows(b)
     terms = encoder_terms(model, list(vectors_a))
     for text, vector in vectors_a.items():  # chunks of other texts pad batches differently: rounding only
         assert_float32_close(np.frombuffer(vector, "<f4"), np.frombuffer(vectors_b[text], "<f4"), terms)
@@ -265,7 +273,7 @@ def test_two_ranks_build_equals_one_process(tmp_path, model, encoder, monkeypatc
     assert not list((index / "shards").glob("*.sqlite"))  # merged and removed
 
     build(corpus, single, encoder, chunk=3, quiet=True)
-    assert_same_index(index, single, model)
+    assert_same_index(index, single, model, rows=True)  # tied hits rank alike
 
     (corpus / "new.txt").write_text("\n\n".join(f"New sentence {i}." for i in range(10)))  # 4 chunks
     statuses = launch_two_ranks(tmp_path, corpus, index, model, FAIL_RANK="1")

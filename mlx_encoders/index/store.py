@@ -455,16 +455,18 @@ class Store:
         documents = [(position, doc_id, key) for position, (doc_id, key) in enumerate(docs, 1)]
         self.transaction([
             ("DELETE FROM staged_postings WHERE key IN (SELECT key FROM texts)", [()]),  # a shard merged again
+            ("DELETE FROM documents", [()]),
+            ("INSERT INTO documents (position, id, key) VALUES (?, ?, ?)", documents),
+            # new texts take rows in the order of their first document, whichever rank staged them (ties are
+            # broken by row: a sharded build ranks as one process's does)
             ("INSERT OR IGNORE INTO texts (key, text, vector, vector_crc) SELECT key, text, vector, vector_crc FROM "
-             "staged", [()]),
+             "staged s ORDER BY (SELECT MIN(position) FROM documents d WHERE d.key = s.key), s.key", [()]),
             (f"UPDATE texts SET text_crc = {TEXT_CRC}, vector_crc = {xor_row('vector_crc', 'row')} WHERE text_crc IS "
              "NULL", [()]),  # the texts just added: their checksums take their rows
             (f"INSERT INTO postings SELECT s.term, t.row, s.weight, {xor_row('s.crc', 't.row')} FROM staged_postings s "
              "JOIN texts t USING (key)", [()]),
             ("DELETE FROM staged", [()]),
             ("DELETE FROM staged_postings", [()]),
-            ("DELETE FROM documents", [()]),
-            ("INSERT INTO documents (position, id, key) VALUES (?, ?, ?)", documents),
             ("DELETE FROM postings WHERE row IN (SELECT row FROM texts WHERE key NOT IN (SELECT key FROM documents))",
              [()]),
             ("DELETE FROM texts WHERE key NOT IN (SELECT key FROM documents)", [()]),
