@@ -423,7 +423,13 @@ def gather_objects(value, world: World, what: str) -> list:
         padded[: data.size] = data
         gathered = mx.distributed.all_gather(mx.array(padded), group=world.group, stream=mx.cpu)
         gathered = np.array(gathered).reshape(world.size, -1)
-    return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
+    lost = RankLost(f"rank {world.rank}: lost {peers(world)} during {what}: it stopped or disconnected")
+    if (sizes <= 0).any():  # a peer gone before the gather: MLX can hand back zeros for its part, not an error
+        raise lost
+    try:
+        return [pickle.loads(row[:size].tobytes()) for row, size in zip(gathered, sizes, strict=True)]
+    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise lost from e
 
 
 def check_same(world: World, facts: dict, what: str) -> None:

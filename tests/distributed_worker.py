@@ -4,9 +4,9 @@ SPEC is a JSON file: `fine_tune` (name -> keyword arguments, each call's outcome
 evaluation batches this rank scored recorded; a `loss` may name a loss class and its options), `gather` (an .npz of
 anchors, positives and a weight matrix: this rank's gradient of an MNRL-like loss, summed over ranks, is saved),
 `sums` (an .npz of each rank's arrays: their `distributed.all_sum` is saved, with the sizes of the buffers sent),
-`cli` (arguments of `mlx-encoders`, its exit status recorded) and `kill_rank`/`kill_at_step` (that rank kills
-itself with SIGKILL before that step). Each rank writes `status-RANK.json` beside SPEC, as mlx.launch can exit 0
-when a rank failed.
+`cli` (arguments of `mlx-encoders`, "{RANK}" replaced by the rank, its exit status recorded) and
+`kill_rank`/`kill_at_step` (that rank kills itself with SIGKILL before that step). Each rank writes
+`status-RANK.json` beside SPEC, as mlx.launch can exit 0 when a rank failed.
 """
 
 import json
@@ -137,8 +137,8 @@ def run(spec_path: Path) -> dict:
     if "sums" in spec:
         sum_tables(spec["sums"], spec_path.parent, world)
         status["exchange"] = "sockets" if distributed.ring_of(world) is not None else "mlx"
-    if "cli" in spec:
-        status["cli"] = main(spec["cli"])
+    if "cli" in spec:  # "{RANK}" in an argument: this rank's number (each rank its own file)
+        status["cli"] = main([a.replace("{RANK}", str(world.rank)) for a in spec["cli"]])
     return status
 
 

@@ -7,6 +7,7 @@ the files each rank wrote (mlx.launch can exit 0 when a rank failed)."""
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -451,6 +452,22 @@ def test_a_killed_rank_stops_the_other_with_an_error_naming_it(runs, tmp_path):
     assert checkpointing.read_state(out / "checkpoint-4" / checkpointing.STATE_FILE).step == 4
     fine_tune("classify", root / "train.jsonl", tmp_path / "resumed", model=root / "encoder", max_steps=6,
               batch_size=4, seed=1, resume=out / "checkpoint-4")  # fmt: skip
+
+
+def test_a_rank_that_fails_before_training_stops_the_other_with_an_error_naming_it(runs, tmp_path):
+    """Rank 1 cannot read its data (a file missing on its machine) and exits before the start-of-training check:
+    rank 0 says it lost rank 1 (MLX's gather could hand back zeros for the lost rank, which failed to unpickle)."""
+    root, _, _, _ = runs
+    shutil.copy(root / "train.jsonl", tmp_path / "data-0.jsonl")  # data-1.jsonl is missing
+    cli = ["train", "classify", "--model", str(root / "encoder"), "--data", str(tmp_path / "data-{RANK}.jsonl"),
+           "--output", str(tmp_path / "out"), "--max-steps", "2", "--batch-size", "4"]  # fmt: skip
+    (code_0, log_0), (code_1, log_1) = start_ranks(tmp_path / "run", {"cli": cli}, env={distributed.TIMEOUT_ENV: "15"})[
+        0
+    ]
+    assert code_1 == 1 and "data-1.jsonl: no such file" in log_1, log_1[-2000:]
+    assert code_0 == 1 and "Traceback" not in log_0, log_0[-2000:]
+    lost = "mlx-encoders train: error: rank 0: lost rank 1 during the start of training"
+    assert lost in log_0 or "rank 0: no answer from rank 1 for 15 s" in log_0, log_0[-2000:]
 
 
 def test_a_stalled_collective_ends_the_rank_naming_its_peers():
