@@ -331,9 +331,10 @@ def test_a_shard_is_created_whole(tmp_path, encoder):
     (index / "shards" / "rank-1.sqlite.new").write_bytes(b"SQLite format 3\x00 cut short")
     (index / "shards" / "rank-1.sqlite.new-wal").write_bytes(b"")
     build(corpus, index, encoder, chunk=3, quiet=True)
-    assert not list((index / "shards").iterdir())
+    assert not (index / "shards").exists()  # emptied, then removed
 
     meta = {"model_fingerprint": "f", "model": "m"}
+    (index / "shards").mkdir()
     (index / "shards" / "rank-0.sqlite.new").write_bytes(b"not a database")
     with open_shard(index / "shards" / "rank-0.sqlite", meta) as shard:
         assert shard.meta["format"] == FORMAT and shard.meta["model_fingerprint"] == "f" and not shard.keys()

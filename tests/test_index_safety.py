@@ -474,3 +474,13 @@ def test_graph_files_are_written_under_this_process_s_own_temporary_name(tmp_pat
     live.write_bytes(b"being written")
     assert temporary_for(tmp_path / "ann-int8.usearch") == tmp_path / f".ann-int8.usearch.{os.getpid()}.tmp"
     assert not stale.exists() and live.exists()
+
+
+def test_a_malformed_collective_timeout_is_refused_before_any_file_is_made(tmp_path, encoder, monkeypatch):
+    from mlx_encoders import distributed
+
+    corpus = write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "abc")
+    with pytest.raises(ValueError, match=f"{distributed.TIMEOUT_ENV}='abc' is not a number of seconds"):
+        build(corpus, tmp_path / "index", encoder, quiet=True)
+    assert not (tmp_path / "index").exists()

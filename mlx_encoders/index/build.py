@@ -145,6 +145,7 @@ def build(
     if shard is not None:
         return build_part(docs, folder, shard, encoder, sparse, meta, name, batch_size, chunk, quiet)
 
+    rank0_wait = max(timeout(), RANK0_TIMEOUT)  # a malformed setting refused before any file is made
     with ExitStack() as held:  # rank 0's build lock, released when the build ends, whichever way
         error = None
         try:  # rank 0 locks the folder, creates the store and checks it before any rank reads it
@@ -164,7 +165,7 @@ def build(
                         store.set_meta(meta)
         except Exception as e:
             error = e
-        agree(ranks, error, "opening the index", max(timeout(), RANK0_TIMEOUT))
+        agree(ranks, error, "opening the index", rank0_wait)
 
         keys = [text_key(text) for _, text in docs]
         error = None
@@ -202,8 +203,13 @@ def build(
                 counts = finish(folder, docs, keys, meta, name, graph, quiet)
         except Exception as e:
             error = e
-        agree(ranks, error, "merging", max(timeout(), RANK0_TIMEOUT))
-        return counts
+        agree(ranks, error, "merging", rank0_wait)
+    if rank == 0:  # the locks let go: no empty folder left behind
+        try:
+            shard_folder.rmdir()
+        except OSError:  # absent, or holding what another build writes
+            pass
+    return counts
 
 
 def cut(docs, keys: list[str], known: set[str], chunk: int) -> list[list[tuple[str, str]]]:
