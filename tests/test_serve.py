@@ -1105,3 +1105,36 @@ def test_model_facts_of_a_quantized_model_count_its_weights_not_its_packed_words
     assert [shown[n]["model_info"]["general.parameter_count"] for n in ("float", "q8")] == [parameters] * 2
     assert [shown[n]["details"]["quantization_level"] for n in ("float", "q8")] == ["F32", "Q8_0"]
     assert [info[n]["model_dtype"] for n in ("float", "q8")] == ["float32", "float32"]
+
+
+def test_prompts_a_model_names_apply_on_rerank_and_cohere_input_types(folders, tmp_path):
+    """A cross-encoder's default prompt is applied on every rerank route, as `predict` applies it; Cohere's
+    classification and clustering input types use the model's prompt of that name (in any case) when it has one."""
+    from sentence_transformers import CrossEncoder as TorchCrossEncoder
+    from sentence_transformers import SentenceTransformer
+
+    from mlx_encoders import CrossEncoder, SentenceEncoder, serve
+
+    reranker = tmp_path / "rerank"
+    TorchCrossEncoder(str(folders["rerank"]), device="cpu", prompts={"web": "web query: "},
+                      default_prompt_name="web").save(str(reranker))  # fmt: skip
+    dense = tmp_path / "dense"
+    prompts = {"Classification": "classify: ", "clustering": "cluster: "}
+    SentenceTransformer(str(folders["tiny"]), device="cpu", prompts=prompts).save(str(dense))
+    docs = ["cats sleep on warm windowsills", "the stock market fell", "tea is brewed hot"]
+    expected = CrossEncoder(reranker).predict([("where do cats sleep", d) for d in docs])
+    encoder = SentenceEncoder(dense)
+    with in_process(serve.app({"rerank": reranker, "dense": dense})) as url:
+        body = {"model": "rerank", "query": "where do cats sleep", "documents": docs}
+        ranked = call(url, "/v1/rerank", body)[1]["results"]
+        tei = call(url, "/rerank?model=rerank", {"query": "where do cats sleep", "texts": docs})[1]
+        embedded = {
+            kind: call(url, "/v2/embed", {"model": "dense", "texts": docs, "input_type": kind})[1]
+            for kind in ("classification", "clustering")
+        }
+    np.testing.assert_allclose([r["relevance_score"] for r in sorted(ranked, key=lambda r: r["index"])], expected,
+                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose([r["score"] for r in sorted(tei, key=lambda r: r["index"])], expected, rtol=1e-5)
+    for kind, name in (("classification", "Classification"), ("clustering", "clustering")):
+        np.testing.assert_allclose(embedded[kind]["embeddings"]["float"], encoder.encode(docs, prompt_name=name),
+                                   atol=1e-6)  # fmt: skip

@@ -151,7 +151,7 @@ class ServedModel:
         self.multi = encoder if isinstance(encoder, MultiVectorEncoder) else None
         self.cross = encoder if isinstance(encoder, CrossEncoder) else None
         self.classifier = None
-        self.embedder = self.encoder or self.sparse or self.multi  # the encoder with prompts, if any
+        self.embedder = self.encoder or self.sparse or self.multi or self.cross  # the encoder, with its prompts
         if self.cross is not None:
             self.model, self.tokenizer = self.cross.model, self.cross.tokenizer
             self.max_length = self.cross.max_seq_length
@@ -186,8 +186,14 @@ class ServedModel:
         mx.eval(arrays_of(encoder))
 
     def prompt(self, task: str | None) -> str:
-        """The prompt `encode` (task None), `encode_query` or `encode_document` prepends ("" for a cross-encoder)."""
+        """The prompt `encode` (task None), `encode_query` or `encode_document` prepends (a cross-encoder's
+        `predict` its default prompt)."""
         return "" if self.embedder is None else self.embedder.input_prompt(role=task)
+
+    def prompt_called(self, name: str) -> str | None:
+        """The name of the model's prompt called `name` in any case (EmbeddingGemma's "Classification"), or None."""
+        prompts = {} if self.embedder is None else self.embedder.prompts
+        return next((given for given in prompts if given.lower() == name.lower()), None)
 
     def named_prompt(self, name: str) -> str:
         """The prompt `name` of the model's prompts; 400 naming them when it has none of that name."""

@@ -16,7 +16,8 @@ from ..schema import OutputType, Truncate, accepts, fields
 if TYPE_CHECKING:  # the server imports every protocol
     from ..server import Server
 
-# Cohere's input_type -> the task encode runs: encode_query, encode_document, or encode
+# Cohere's input_type -> the task encode runs: encode_query, encode_document, or encode (with the model's prompt of
+# that name, when it has one: nomic's "classification: ", EmbeddingGemma's "Clustering", jina's adapter)
 INPUT_TYPES = {"search_query": "query", "search_document": "document", "classification": None, "clustering": None}
 TRUNCATE = {"END": "right", "START": "left", "NONE": None}
 MAX_TOKENS_PER_DOC = 4096  # v2 rerank's default
@@ -104,6 +105,7 @@ async def embed(request: Request, server: "Server", version: str):
     items = await server.tokenize(
         model, model.tokenize, found, TRUNCATE[truncate] is not None, param="texts",
         task=INPUT_TYPES.get(input_type), max_length=max_tokens, direction=TRUNCATE[truncate] or "right",
+        prompt_name=model.prompt_called(input_type) if input_type in ("classification", "clustering") else None,
         limit_field="max_tokens", hint='shorten it, or send "truncate": "END" or "START"',
     )  # fmt: skip
     vectors = model.embeddings(await server.run(model, items), dimensions)

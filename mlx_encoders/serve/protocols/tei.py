@@ -491,8 +491,12 @@ async def root(request: Request, server: "Server"):
         return await embed_sparse_answer(request, server, fields(body, EmbedSparseRequest), model)
     if EMBED in model.capabilities:
         return await embed_answer(request, server, fields(body, EmbedRequest), model)
+    if RERANK in model.capabilities:  # a reranker asked for something but a ranking
+        use = 'post {"query": ..., "texts": [...]} to / or /rerank'
+    else:  # a multi-vector model
+        use = "use /v1/embeddings"
     raise ApiError(
-        424, f"model {model.name!r} is a {model.kind} model, which TEI's routes do not serve; use /v1/embeddings",
+        424, f"model {model.name!r} is a {model.kind} model, which this TEI route does not serve; {use}",
         "model", "model_not_supported",
     )  # fmt: skip
 
