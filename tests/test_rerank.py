@@ -306,3 +306,14 @@ def test_a_sentence_transformers_cross_encoders_settings_and_the_trained_length_
     (scored / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="LogitScore module"):
         fine_tune("rerank", POINTWISE, tmp_path / "refused", model=scored)
+
+
+def test_mined_triplets_with_their_scores_read_as_positive_and_negatives(reranker_folder):
+    """`mine(output_scores=True)` adds each row's similarity scores: a positive with negatives stays 1 and 0s."""
+    tokenizer = tokenizer_for(Checkpoint.open(reranker_folder).args, Checkpoint.open(reranker_folder))
+    rows = [
+        {"query": "q", "positive": "p", "negative": "n", "scores": [0.9, 0.2]},
+        {"query": "q2", "positive": "p2", "negative_1": "n1", "negative_2": "n2", "scores": [0.9, 0.2, 0.1]},
+    ]
+    examples = rerank_data(rows, tokenizer)
+    assert examples.documents == [["p", "n"], ["p2", "n1", "n2"]] and examples.labels == [[1.0, 0.0], [1.0, 0.0, 0.0]]

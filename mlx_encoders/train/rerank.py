@@ -79,8 +79,9 @@ def negatives(row: Row) -> list[str]:
 def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
     """A row's documents and their labels, from whichever of the three layouts it has (the labels in the first of
     `data.LABEL_COLUMNS` it holds, as sentence-transformers finds them). A 'positive' column with a label column is
-    `mine`'s labeled-pair (one text and its label) or labeled-list (a list of texts and theirs) row, read as the
-    document(s) with their label(s), as sentence-transformers reads those rows by position."""
+    `mine`'s labeled-pair (one text and a number, no negatives) or labeled-list (a list of texts and theirs) row,
+    read as the document(s) with their label(s), as sentence-transformers reads those rows by position; a positive
+    with negatives is 1 and 0s whatever scores the row carries (mine's similarities)."""
     labelled = next((c for c in LABEL_COLUMNS if c in row.values), None)
     label = labelled or ("labels" if "documents" in row.values else "label")
     listed = "documents" if "documents" in row.values else "positive"
@@ -88,14 +89,9 @@ def documents_and_labels(row: Row) -> tuple[list[str], list[float]]:
         documents, labels = row.get(listed, PICKED_COLUMNS), row.get(label, PICKED_COLUMNS)
         if not isinstance(documents, list) or not isinstance(labels, list) or len(documents) != len(labels):
             raise DataError(f"{row.where}: '{listed}' and '{label}' must be lists of the same length")
-    elif "positive" in row.values and labelled:
-        if negatives(row):
-            raise DataError(
-                f"{row.where}: a row with a 'positive' text and its '{label}' (a labeled pair) cannot have "
-                "negatives too; give each document its own row with its label, or drop the label column"
-            )
+    elif "positive" in row.values and labelled and not isinstance(row.values[label], list) and not negatives(row):
         documents, labels = [row.text("positive", PICKED_COLUMNS)], [row.get(label, PICKED_COLUMNS)]
-    elif "positive" in row.values:
+    elif "positive" in row.values:  # a positive and its negatives (`mine`'s triplets: their scores are similarities)
         documents = [row.text("positive", PICKED_COLUMNS), *negatives(row)]
         labels = [1.0] + [0.0] * (len(documents) - 1)
     else:  # `named` gave it one of the three
