@@ -107,12 +107,15 @@ def test_rotation_tables_grow_in_blocks_and_keep_a_bounded_number_of_shapes():
     assert len(ops._rotations) == ROTATION_KEYS and (16, 1000.0 + 2 * ROTATION_KEYS - 1, 1.0) in ops._rotations
 
 
-@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters", "legacy type"])
 def test_modernbert_linear_scaling_in_either_spelling_matches_transformers(spelling):
-    """An older config's `rope_scaling` applies to both layer kinds, as transformers merges it."""
+    """An older config's `rope_scaling` applies to both layer kinds, as transformers merges it (where its legacy
+    "type" key is ignored: each kind already has a rope_type)."""
     from transformers.models.modernbert import modeling_modernbert
 
     scaling = {"rope_type": "linear", "factor": 4.0}
+    if spelling == "legacy type":
+        spelling, scaling = "rope_scaling", {"type": "linear", "factor": 4.0}
     given = (
         {"rope_scaling": scaling}
         if spelling == "rope_scaling"

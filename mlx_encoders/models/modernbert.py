@@ -102,7 +102,9 @@ class ModelArgs(BaseArgs):
         }
         self.rope_theta, self.rope_scale = {}, {}
         for kind, theta in legacy.items():
-            params = {**(rope.get(kind) or {}), **(self.rope_scaling or {})}  # as transformers merges them
+            # as transformers merges them: each kind's own (else the default type), then rope_scaling over it; a
+            # legacy "type" counts only where no "rope_type" is (transformers ignores {"type": "linear"} there)
+            params = {**(rope.get(kind) or {"rope_type": "default"}), **(self.rope_scaling or {})}
             rope_type = params.get("rope_type", params.get("type", "default"))
             if rope_type not in ("default", "linear"):
                 raise ValueError(f"ModernBERT rope_type {rope_type!r} is not supported (only 'default' and 'linear')")

@@ -133,7 +133,7 @@ class WeightFacts:
     parameters: int
     bytes: int
     dtype: str  # of the float weights: "float32", "float16" or "bfloat16"
-    bits: int | None  # of the quantized layers (the widest when they differ); None when none is
+    bits: int | None  # of most quantized weights (a 4-bit model keeps small tables at 8); None when none is
 
 
 class ServedModel:
@@ -227,7 +227,7 @@ class ServedModel:
         model's weight table)."""
         if self.model is None:
             return WeightFacts(0, 0, "float32", None)
-        count, size, floats, bits = 0, 0, Counter(), set()
+        count, size, floats, bits = 0, 0, Counter(), Counter()
         for _, module in self.model.named_modules():
             own = dict(module.items())
             quantized = getattr(module, "bits", None) if "scales" in own else None
@@ -239,13 +239,13 @@ class ServedModel:
                     continue
                 if quantized and name == "weight":
                     count += value.size * 32 // quantized
-                    bits.add(quantized)
+                    bits[quantized] += value.size * 32 // quantized
                 else:
                     count += value.size
                     if mx.issubdtype(value.dtype, mx.floating):
                         floats[str(value.dtype).removeprefix("mlx.core.")] += value.size
         dtype = floats.most_common(1)[0][0] if floats else "float32"
-        return WeightFacts(count, size, dtype, max(bits) if bits else None)
+        return WeightFacts(count, size, dtype, bits.most_common(1)[0][0] if bits else None)
 
     def compute(self, items: list) -> np.ndarray:
         """On the model worker: (N, D) embeddings (before truncate_dim); per input its (token ids, weights) (sparse)
