@@ -614,3 +614,16 @@ def test_task_adapter_run_resumes_exactly_and_refuses_what_it_cannot_train(st_fo
     bert = make_checkpoint(tmp_path / "bert", "bert", num_hidden_layers=1)
     with pytest.raises(ValueError, match="a bert model has no task adapters"):
         fine_tune("embed", TRIPLETS, tmp_path / "e", **{**options, "model": bert})
+
+
+def test_converted_remote_code_layout_keeps_its_task_adapters(published, tmp_path):
+    """The authors' layout keeps the task LoRAs inside model.safetensors: convert writes them as PEFT folders, so
+    encode_query still runs the query adapter (it ran the bare model, silently)."""
+    from mlx_encoders import SentenceEncoder
+
+    folder, _ = published
+    source = SentenceEncoder(folder)
+    out = mlx_encoders.convert(folder, tmp_path / "float", dtype="float32")
+    converted = SentenceEncoder(out)
+    assert sorted(converted.model.adapters) == sorted(source.model.adapters)
+    np.testing.assert_allclose(converted.encode_query(TEXTS), source.encode_query(TEXTS), atol=1e-6)

@@ -195,12 +195,15 @@ def write_folder(
     model: nn.Module, config: dict, source: Path, folder: Path, report: dict, dtype: mx.Dtype | None, shard_size: int
 ) -> None:
     """Weights, config.json, tokenizer and sentence-transformers files; records the bytes written in `report`."""
-    files = write_checkpoint(model, config, folder, shard_size, adapters=False)  # the source's own, copied below
+    # task adapters stay float (they are small): the source's adapter folders copied as they are, else the ones
+    # loaded from its weights (jina-embeddings-v3's own layout keeps them inside model.safetensors) written as PEFT's
+    copied = adapter_folders(source)
+    files = write_checkpoint(model, config, folder, shard_size, adapters=not copied)
     copy_tokenizer_files(source, folder)
     if (source / GENERATION_FILE).is_file():
         shutil.copy2(source / GENERATION_FILE, folder / GENERATION_FILE)
     copy_sentence_files(source, folder, dtype)
-    for name, adapter in adapter_folders(source).items():  # task adapters stay float: they are small
+    for name, adapter in copied.items():
         shutil.copytree(adapter, folder / name)
     convert_torch_heads(source, folder, dtype)
     report["bytes_after"] = sum(f.stat().st_size for f in files)
