@@ -228,3 +228,25 @@ def test_shared_dequantized_passes_equal_their_own_and_dequantize_each_weight_on
             for got, expected in zip(built, own, strict=True):
                 assert mx.array_equal(got, expected)
     assert getattr(quantized._SHARING, "weights", None) is None  # outside the block: each pass its own copies again
+
+
+def test_grids_of_a_bfloat16_model_are_fitted_to_the_scales_as_stored():
+    """numpy has no bfloat16: `stored` rounds as MLX stores (to nearest, ties to even), and a fit for bfloat16
+    scales chooses its codes for them, beating a float32 fit whose scales are then rounded."""
+    from mlx_encoders.quantization.rounding import BFLOAT16, fit_grid, stored
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(10_000) * 10.0 ** rng.integers(-6, 3, 10_000),
+                             [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)]]).astype(np.float32)  # fmt: skip
+    expected = np.array(mx.array(values).astype(mx.bfloat16).astype(mx.float32))
+    np.testing.assert_array_equal(stored(values, BFLOAT16), expected.astype(np.float64))
+
+    weight = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
+
+    def error(dtype) -> float:
+        packed, scales, biases = fit_grid(weight, 8, 32, dtype)
+        as_stored = [mx.array(x).astype(mx.bfloat16) for x in (scales, biases)]
+        rebuilt = mx.dequantize(mx.array(packed), *as_stored, group_size=32, bits=8).astype(mx.float32)
+        return float(np.square(np.array(rebuilt) - weight).sum())
+
+    assert error(BFLOAT16) < error(np.float32)

@@ -28,8 +28,21 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.packbits(stream.reshape(rows, width * bits).astype(np.uint8), axis=-1, bitorder="little").view(np.uint32)
 
 
-def stored(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`x` as it reads back after storing in `dtype` (float16 scales must be fitted as stored)."""
+# numpy has no bfloat16: scales stored in it are fitted as rounded to it by hand (`stored`), held in float32
+BFLOAT16 = "bfloat16"
+
+
+def holder(dtype) -> np.dtype:
+    """The numpy dtype that holds values of `dtype` exactly."""
+    return np.dtype(np.float32) if dtype == BFLOAT16 else np.dtype(dtype)
+
+
+def stored(x: np.ndarray, dtype) -> np.ndarray:
+    """`x` as it reads back after storing in `dtype` (float16 and bfloat16 scales must be fitted as stored)."""
+    if dtype == BFLOAT16:  # round to nearest, ties to even, on the top 16 bits of each float32
+        bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return bits.view(np.float32).astype(np.float64)
     return x.astype(dtype).astype(np.float64)
 
 
@@ -92,7 +105,7 @@ def fit_grid(weight: np.ndarray, bits: int, group_size: int, dtype: np.dtype) ->
     """`affine_grid` row block by row block (large embeddings), packed: (weight, scales, biases)."""
     parts = [affine_grid(weight[i : i + GRID_ROWS], bits, group_size, dtype) for i in range(0, len(weight), GRID_ROWS)]
     codes, scales, biases = (np.concatenate(p) for p in zip(*parts, strict=True))
-    return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
+    return pack(codes, bits), scales.astype(holder(dtype)), biases.astype(holder(dtype))
 
 
 def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -168,7 +181,7 @@ def gptq(
         w[end:] -= product(u[start:end, end:].T, errors)
     codes = codes.T
     scales, biases = refit_grid(weight, h, codes, steps, lows, dtype)
-    return pack(codes, bits), scales.astype(dtype), biases.astype(dtype)
+    return pack(codes, bits), scales.astype(holder(dtype)), biases.astype(holder(dtype))
 
 
 def output_error(weight: np.ndarray, hessian: np.ndarray, codes: np.ndarray, scales, biases) -> np.ndarray:
@@ -262,7 +275,7 @@ def apply_gptq(model: nn.Module, hessians: dict[str, np.ndarray], floats: dict[s
     ]
     with tqdm(total=len(modules), desc="GPTQ", unit="module", leave=False) as progress:
         for bits, group_size, dtype, hessian, members in shared_fits(modules, hessians):
-            np_dtype = np.float16 if dtype == mx.float16 else np.float32  # bfloat16 is fitted as float32
+            np_dtype = {mx.float16: np.float16, mx.bfloat16: BFLOAT16}.get(dtype, np.float32)
             weight = np.concatenate([floats[path] for path, _ in members])
             if hessian is not None:
                 packed, scales, biases = gptq(weight, hessian, bits, group_size, np_dtype)
