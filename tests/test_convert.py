@@ -815,6 +815,13 @@ def test_conflicting_options_are_refused_naming_both(tmp_path, capsys):
     assert "recipe 'mixed_4_8' and bits=8 (--bits) conflict" in capsys.readouterr().err
 
 
+def test_no_calibration_without_quantizing_is_refused(tmp_path, bert, capsys):
+    """--no-calibration chooses how weights are rounded: alone it would make a float copy, silently."""
+    assert main([str(bert), "--mlx-path", str(tmp_path / "copy"), "--no-calibration"]) == 2
+    assert "quantizes nothing: add quantize=True (-q, or --bits)" in capsys.readouterr().err
+    assert not (tmp_path / "copy").exists()
+
+
 def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, monkeypatch, capsys):
     """--group-size alone quantizes (as --bits does); an output inside the source, calibration texts for a source
     without a tokenizer, are refused before anything is written; a source without a tokenizer gets a card whose
