@@ -1139,3 +1139,30 @@ def test_prompts_a_model_names_apply_on_rerank_and_cohere_input_types(folders, t
     for kind, name in (("classification", "Classification"), ("clustering", "clustering")):
         np.testing.assert_allclose(embedded[kind]["embeddings"]["float"], encoder.encode(docs, prompt_name=name),
                                    atol=1e-6)  # fmt: skip
+
+
+def test_a_client_gone_during_a_large_answer_leaves_the_log_quiet(folders, tmp_path):
+    """An answer sent in parts yields to the event loop between them: the server learns the client left and stops
+    writing, rather than logging a failed send for every remaining part."""
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mlx_encoders", "serve", "--port", "0", "--model", f"tiny={folders['tiny']}"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    try:
+        url = url_of(process)
+        text = "the quick brown fox jumps over the lazy dog " * 12
+        body = json.dumps({"model": "tiny", "inputs": [text] * 512}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+            head = (
+                f"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            )
+            client.sendall(head.encode() + b"\r\n\r\n" + body)
+            assert client.recv(200).startswith(b"HTTP/1.1 200")
+        time.sleep(2.0)  # what the server writes after the client left
+        assert call(url, "/health")[0] == 200
+    finally:
+        assert stop(process) == 0
+    assert "socket.send() raised" not in log.read_text()

@@ -466,10 +466,12 @@ async def respond(result) -> Response:
 
 
 async def sent(parts: list[bytes]):
-    """`parts` in order, each let go once the server has sent it (an answer is never held twice)."""
+    """`parts` in order, each let go once the server has sent it (an answer is never held twice). Between parts
+    the event loop runs, so a client gone meanwhile ends the answer rather than every part failing on its socket."""
     parts.reverse()
     while parts:
         yield parts.pop()
+        await asyncio.sleep(0)
 
 
 # the health checks (TEI's three) and the schema with its page (a browser sends no key), as TEI serves them
