@@ -421,7 +421,14 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.cleaned(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_batch(self, lists: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each list; the tokenizers library lets other threads run meanwhile (its one-list decode
+        holds Python's lock throughout)."""
+        return [self.cleaned(t) for t in self.backend.decode_batch(lists, skip_special_tokens=skip_special_tokens)]
+
+    def cleaned(self, text: str) -> str:
         if self.clean_up_tokenization_spaces:
             for old, new in CLEANUPS:
                 text = text.replace(old, new)

@@ -213,3 +213,11 @@ def test_a_gte_or_jina_folder_naming_no_tokenizer_class_gets_xlm_robertas(checkp
         texts = ["Hello world  ", "  ", "a\n b"]
         expected = AutoTokenizer.from_pretrained(folder)(texts)["input_ids"]
         assert [e.ids for e in Tokenizer.from_pretrained(folder).encode_batch(texts)] == expected
+
+
+def test_decode_batch_equals_decode_of_each_list(checkpoint):
+    """What the server's /decode runs (the tokenizers library's batch decode lets other threads run meanwhile)."""
+    ours = Tokenizer.from_pretrained(checkpoint("roberta"))
+    lists = [ours.encode_batch([text])[0].ids for text in ("Hello , world !", "it's a test .", "")]
+    for skip in (True, False):
+        assert ours.decode_batch(lists, skip) == [ours.decode(ids, skip) for ids in lists]

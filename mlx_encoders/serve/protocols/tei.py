@@ -418,11 +418,17 @@ async def decode(request: Request, server: "Server"):
     server.count(lists, "ids")
     skip = option(body, "skip_special_tokens", bool, True)
     largest = model.tokenizer.max_id
-    for i, ids in enumerate(lists):
-        bad = next((t for t in ids if not 0 <= t <= largest), None)
-        if bad is not None:
-            raise ApiError(400, f"ids[{i}] holds {bad}, outside model {model.name!r}'s token ids 0..{largest}", "ids")
-    return await server.tokenize(model, lambda: [model.tokenizer.decode(ids, skip) for ids in lists])
+
+    def decoded() -> list[str]:  # on the tokenizer's thread: the event loop answers /health meanwhile
+        for i, ids in enumerate(lists):
+            bad = next((t for t in ids if not 0 <= t <= largest), None)
+            if bad is not None:
+                raise ApiError(
+                    400, f"ids[{i}] holds {bad}, outside model {model.name!r}'s token ids 0..{largest}", "ids"
+                )
+        return model.tokenizer.decode_batch(lists, skip)
+
+    return await server.tokenize(model, decoded)
 
 
 def model_type(model: ServedModel) -> dict:
