@@ -1166,3 +1166,16 @@ def test_a_client_gone_during_a_large_answer_leaves_the_log_quiet(folders, tmp_p
     finally:
         assert stop(process) == 0
     assert "socket.send() raised" not in log.read_text()
+
+
+def test_a_taken_port_is_refused_naming_the_address_and_its_options(folders):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "mlx_encoders", "serve", "--port", str(port), "--model", str(folders["tiny"])],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port} (--host and --port, or MLX_ENCODERS_HOST" in done.stderr

@@ -105,6 +105,23 @@ FLAGS = {
 }  # fmt: skip
 
 
+def bound(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to `host`:`port` (it listens once the models are loaded); an error naming them
+    (and their options) when the address is taken or not this machine's."""
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} (--host and --port, or {variable('--host')} and {variable('--port')}): "
+            f"{e.strerror or e}; choose another port (--port 0 takes a free one), or an address of this machine"
+        ) from None
+    return sock
+
+
 def variable(flag: str) -> str:
     """The environment variable of a flag: --max-queue -> MLX_ENCODERS_MAX_QUEUE (--debug: MLX_ENCODERS_DEBUG)."""
     return DEBUG_ENV if flag == "--debug" else "MLX_ENCODERS_" + flag[2:].upper().replace("-", "_")
@@ -223,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if not given["model"] and not given["index"] and not given["models_dir"]:
         raise ValueError("mlx-encoders serve needs --model PATH, --models-dir DIR or --index NAME=DIR")
+    sock = bound(given["host"], given["port"])  # before the models load: a taken port fails at once
     lazy = None
     if given["models_dir"]:
         lazy = ModelsDir(given["models_dir"], given["model_keep_alive"], given["dtype"], given["batch_size"])
@@ -236,10 +254,6 @@ def run(args: argparse.Namespace) -> int:
     # what start-up built lives as long as the server: a full collection walking it would hold the event loop
     gc.freeze()
     host = given["host"]
-    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, given["port"]))
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     for model in server.models.values():
         print(f"mlx-encoders serve: model {model.describe()}")
