@@ -199,6 +199,28 @@ def test_headers_that_never_end_get_408_and_a_silent_connection_is_closed_when_i
     assert answer(kept)[0] == 200 and closed(kept, KEEP_ALIVE_S + SLACK_S)
 
 
+def test_a_body_answered_unread_cannot_hold_its_connection_by_trickling(server):
+    """A request answered without reading its body (404 here; 401, 413 alike) while the client sends a byte every
+    so often: the connection closes soon after the read timeout, not as long as the bytes keep coming."""
+    sock = connect(server)
+    sock.sendall(head("/no-such-route", 10_000))
+    start = time.monotonic()
+    status, _, _ = answer(sock)
+    assert status == 404
+    sock.settimeout(1.0)
+    ended = False
+    while not ended and time.monotonic() - start < READ_TIMEOUT_S + KEEP_ALIVE_S + 4 * SLACK_S:
+        try:
+            sock.sendall(b" ")
+            ended = sock.recv(1) == b""
+        except TimeoutError:
+            continue
+        except OSError:  # reset, or a broken pipe
+            ended = True
+        time.sleep(0.3)
+    assert ended and time.monotonic() - start < READ_TIMEOUT_S + 3 * SLACK_S
+
+
 def test_sigterm_with_a_client_stalled_mid_body_exits_by_the_deadline_and_answers_the_requests_in_flight(folders):
     """The stalled client's connection is aborted `--shutdown-timeout` after SIGTERM; the four requests that
     arrived whole (held in the worker's 1.5 s batch window) are answered."""

@@ -3,13 +3,15 @@
 idle timeout from the moment a connection opens (uvicorn arms its keep-alive timer only after a first answer), and
 a shutdown deadline: `shutdown_timeout` seconds after SIGTERM, every connection that is not waiting on a model is
 aborted, whether a request is still arriving or an answer is still unread. The body's own deadline is the app's
-(`server.read_json`), which answers it in the route's error shape."""
+(`server.read_json`), which answers it in the route's error shape; a body still arriving `BODY_GRACE_S` after that
+deadline (one the app answered without reading: 401, 404, 413) closes the connection."""
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADERS_TIMEOUT = b"request headers not received within the server's --read-timeout"
 RECHECK_S = 0.1  # after the shutdown deadline, how often a connection still computing is looked at again
+BODY_GRACE_S = 1.0  # past the app's own body deadline, so that its 408 goes first
 
 
 def protocol(read_timeout: float, shutdown_timeout: float) -> type[H11Protocol]:
@@ -22,6 +24,7 @@ class Deadlines(H11Protocol):
     read_timeout: float
     shutdown_timeout: float
     headers_timer = None
+    body_timer = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -30,14 +33,30 @@ class Deadlines(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self.cancel_headers_timer()
+        self.cancel_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the headers are in: the app reads the body against its deadline
+        state = self.conn.their_state
+        if state is not h11.IDLE:  # the headers are in: the app reads the body against its deadline
             self.cancel_headers_timer()
+            if state is not h11.SEND_BODY:
+                self.cancel_body_timer()
+            elif self.body_timer is None and not self.transport.is_closing():
+                self.body_timer = self.loop.call_later(self.read_timeout + BODY_GRACE_S, self.body_late)
         elif self.headers_timer is None and not self.transport.is_closing():
             self.headers_timer = self.loop.call_later(self.read_timeout, self.headers_late)
+
+    def cancel_body_timer(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+
+    def body_late(self) -> None:
+        self.body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()  # what was answered is still sent first
 
     def cancel_headers_timer(self) -> None:
         if self.headers_timer is not None:
