@@ -225,3 +225,23 @@ def test_maxsim_ranking_loss_value_and_gradients_match_sentence_transformers(tmp
     for name in ("encoder.layer.1.attention.self.query.weight", "embeddings.word_embeddings.weight"):
         reference = torch_params[name].grad.numpy()
         np.testing.assert_allclose(np.array(grads[name]), reference, atol=1e-5 * np.abs(reference).max(), rtol=1e-4)
+
+
+def test_colbert_folders_in_pylate_or_stanford_layout_are_refused_with_the_way_to_convert_them(tmp_path, encoders):
+    """Their markers, expansion and projection live where sentence-transformers 6 converts them while loading: read
+    as plain folders they gave raw, unprojected token states, silently."""
+    import shutil
+
+    from mlx_encoders.embeddings.auto import load_encoder
+
+    pylate = save_colbert(tmp_path / "pylate", encoders["bert"])
+    settings = {"model_type": "ColBERT", "query_prefix": "[unused0]", "document_prefix": "[unused1]",
+                "query_length": 32, "do_query_expansion": True}  # fmt: skip
+    (pylate / "config_sentence_transformers.json").write_text(json.dumps(settings))
+    stanford = shutil.copytree(encoders["bert"], tmp_path / "stanford")
+    config = json.loads((stanford / "config.json").read_text())
+    (stanford / "config.json").write_text(json.dumps({**config, "architectures": ["HF_ColBERT"]}))
+    for folder, layout in ((pylate, "PyLate"), (stanford, "Stanford")):
+        for load in (MultiVectorEncoder, load_encoder):
+            with pytest.raises(ValueError, match=f"in {layout}'s layout.*MultiVectorEncoder\\(path\\).save"):
+                load(folder)
