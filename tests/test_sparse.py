@@ -239,3 +239,10 @@ def test_unsupported_modules_are_refused_by_name(tmp_path):
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match=r"\['Transformer', 'Pooling'\] are not supported"):
         SparseEncoder(tmp_path)
+
+
+def test_a_bare_masked_lm_checkpoint_is_max_pooled_splade_as_sentence_transformers_builds_it(mlm):
+    """Early SPLADE repositories hold the masked-LM checkpoint alone (no modules.json)."""
+    expected = STSparseEncoder(str(mlm["bert"]), device="cpu").encode(TEXTS[:3], batch_size=4)
+    got = SparseEncoder(mlm["bert"]).encode(TEXTS[:3], batch_size=4)
+    np.testing.assert_allclose(got.toarray(), dense(expected), atol=1e-5, rtol=1e-5)

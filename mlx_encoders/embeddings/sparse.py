@@ -25,6 +25,7 @@ from .folder import (
     SPLADE_STRATEGIES,
     TRANSFORMERS,
     Module,
+    SpladePooling,
     apply_sentence_config,
     module,
     read_folder,
@@ -150,7 +151,7 @@ class Route:
 class SpladeRoute(Route):
     """A masked-LM `Transformer` then `SpladePooling`: (B, L) ids -> (B, V) pooled log-saturated logits."""
 
-    def __init__(self, transformer: Module, pooling: Module, dtype):
+    def __init__(self, transformer: Module, pooling: Module | SpladePooling, dtype):
         checkpoint = Checkpoint.open(transformer.folder)
         self.model = load_model(checkpoint, dtype=dtype, task="masked-lm")
         self.tokenizer = load_tokenizer(self.model, checkpoint)
@@ -163,7 +164,7 @@ class SpladeRoute(Route):
             )
         self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, config.get("max_seq_length"))
         apply_sentence_config(self.tokenizer, config)
-        splade = pooling.read()
+        splade = pooling if isinstance(pooling, SpladePooling) else pooling.read()
         self.strategy, self.activation = splade.strategy, splade.activation
         self.dimension = self.model.args.vocab_size
 
@@ -313,6 +314,11 @@ class SparseEncoder(Embedder):
             file = folder.modules[0].folder / "router_config.json"
             self.routes = {name: build_route(modules, file, dtype) for name, modules in router.routes.items()}
             self.default_route, self.route_mappings = router.default, router.mappings
+        elif not folder.modules and Checkpoint.open(self.path).task == "masked-lm":
+            # a bare masked-LM checkpoint (early SPLADE repositories): max-pooled SPLADE, as sentence-transformers
+            # builds it for one
+            route = SpladeRoute(module("MLMTransformer", self.path), SpladePooling(), dtype)
+            self.routes, self.default_route, self.route_mappings = {"": route}, "", {}
         else:
             modules = folder.modules or [module("Transformer", self.path)]
             self.routes, self.default_route, self.route_mappings = {"": build_route(modules, self.path, dtype)}, "", {}
