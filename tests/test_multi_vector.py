@@ -245,3 +245,15 @@ def test_colbert_folders_in_pylate_or_stanford_layout_are_refused_with_the_way_t
         for load in (MultiVectorEncoder, load_encoder):
             with pytest.raises(ValueError, match=f"in {layout}'s layout.*MultiVectorEncoder\\(path\\).save"):
                 load(folder)
+
+
+def test_without_a_mask_module_expansion_tokens_are_not_scored_as_sentence_transformers(tmp_path, encoders):
+    transformer = Transformer(str(encoders["bert"]), query_expansion={"strategy": "fixed", "length": 12})
+    folder = tmp_path / "no-mask"
+    STMultiVectorEncoder(modules=[transformer, Normalize(module_input_name="token_embeddings")], device="cpu").save(
+        str(folder)
+    )
+    expected = STMultiVectorEncoder(str(folder), device="cpu").encode_query(["what is a cat?"])
+    with pytest.warns(UserWarning, match="expansion tokens are not scored"):
+        encoder = MultiVectorEncoder(folder)
+    assert_matrices_close(encoder.encode_query(["what is a cat?"]), expected)

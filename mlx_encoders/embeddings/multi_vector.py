@@ -120,6 +120,16 @@ class MultiVectorEncoder(Embedder):
         mask = next((m for m in folder.modules if m.kind == "MultiVectorMask"), None)
         self.mask: MultiVectorMask = mask.read() if mask is not None else MultiVectorMask()
         self.read_transformer_config(folder.sentence_config, folder.transformer)
+        # the mask module is what scores the expansion tokens: without one only the attended tokens are scored
+        self.scores_expansion = mask is not None
+        if self.query_expansion is not None and mask is None:
+            warnings.warn(
+                f"{self.path}: its Transformer expands queries but no MultiVectorMask module follows it, so the "
+                "expansion tokens are not scored (as sentence-transformers scores them); add a MultiVectorMask "
+                "module after the Transformer to score them",
+                UserWarning,
+                stacklevel=2,
+            )
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "maxsim")
         self.skip_ids = self.resolve_skiplist()
@@ -178,9 +188,9 @@ class MultiVectorEncoder(Embedder):
         if expansion:  # pad positions below the floor become expansion tokens: scored, attended only if configured
             added = ~scored & (np.arange(width) < floor)
             batch["input_ids"][added] = self.expansion_id()
-            scored |= added
             if expansion.get("attend"):
                 batch["attention_mask"][added] = 1
+            scored |= added if self.scores_expansion else batch["attention_mask"].astype(bool)
         if (task or "document") in self.mask.skiplist_tasks and len(self.skip_ids):
             scored &= ~np.isin(batch["input_ids"], self.skip_ids)
         if task != "query" and self.mask.keep_only_token_ids:
