@@ -432,7 +432,7 @@ def test_other_modes_and_dtype(tmp_path, bert):
 
 def sentence_checkpoint(folder: Path, dense_weights: str = "safetensors") -> Path:
     """A tiny BERT with sentence-transformers modules: Transformer, Pooling, Dense, Normalize; `dense_weights`
-    "safetensors", "pickle" or "none" (no 2_Dense folder)."""
+    "safetensors", "pickle", "none" (no 2_Dense folder) or "config only" (its config.json alone)."""
     make_checkpoint(folder, "bert", "encoder", hidden_size=64, intermediate_size=64)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -454,7 +454,7 @@ def sentence_checkpoint(folder: Path, dense_weights: str = "safetensors") -> Pat
         save_file(dense, str(folder / "2_Dense" / "model.safetensors"))
     elif dense_weights == "pickle":
         torch.save({k: torch.tensor(v) for k, v in dense.items()}, folder / "2_Dense" / "pytorch_model.bin")
-    else:  # the module's folder left out, as some converters leave it
+    elif dense_weights != "config only":  # the module's folder left out, as some converters leave it
         shutil.rmtree(folder / "2_Dense")
     (folder / "3_Normalize").mkdir()
     return folder
@@ -726,6 +726,13 @@ BAD_INPUTS = [
     ("pickle only", lambda d, bert: pickle_only(d / "pkl"), {}, ValueError, "only pickle weights"),
     ("pickle-only Dense", lambda d, bert: sentence_checkpoint(d / "st", "pickle"), {}, ValueError, "2_Dense"),
     ("missing Dense", lambda d, bert: sentence_checkpoint(d / "st", "none"), {}, ValueError, "2_Dense, which has no"),
+    (
+        "Dense without weights",
+        lambda d, bert: sentence_checkpoint(d / "st", "config only"),
+        {},
+        ValueError,
+        "2_Dense, which has no weights",
+    ),
     ("bits", lambda d, bert: bert, {"bits": 7}, ValueError, "bits \\[2, 3, 4, 5, 6, 8\\], not 7"),
     ("group size", lambda d, bert: bert, {"group_size": 48}, ValueError, "group sizes \\[32, 64, 128\\], not 48"),
     ("mode", lambda d, bert: bert, {"mode": "int3"}, ValueError, "choose one of: affine, mxfp4"),

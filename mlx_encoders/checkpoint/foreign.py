@@ -22,11 +22,18 @@ def sentence_modules(source: Path) -> list[Path]:
 
 def check_sentence_modules(source: Path) -> None:
     """Refuse sentence-transformers modules whose weights are pickle only (unpickling runs code), and a listed Dense
-    module whose folder is missing (its projection would be lost)."""
+    module whose folder or weights are missing (its projection would be lost)."""
     for kind, folder in read_modules(source):
-        if kind.rsplit(".", 1)[-1] == "Dense" and not (folder / "config.json").is_file():
+        if kind.rsplit(".", 1)[-1] != "Dense":
+            continue
+        missing = "config.json" if not (folder / "config.json").is_file() else None
+        if missing is None and not any(folder.glob("*.safetensors")) and not any(
+            p.suffix in PICKLE_SUFFIXES for p in folder.iterdir()
+        ):
+            missing = "weights (model.safetensors)"
+        if missing:
             raise ValueError(
-                f"{source / 'modules.json'} lists a Dense module at {folder}, which has no config.json; copy the "
+                f"{source / 'modules.json'} lists a Dense module at {folder}, which has no {missing}; copy the "
                 "folder from the original sentence-transformers model: without its projection the embeddings would "
                 "be wrong"
             )
