@@ -576,7 +576,7 @@ if step == "write":
     conversion.copy_sentence_files = hold
 else:
     Path.rename = held_rename
-conversion.convert(source, target, force=True, calibration=False)
+conversion.convert(source, target, force=True)
 """
 
 
@@ -608,7 +608,7 @@ def test_killed_convert_is_cleaned_by_the_next_but_a_live_one_never(tmp_path, be
     live = start_convert(bert, target, "write")  # the next run removes what the killed one left...
     (writing,) = hidden(tmp_path)
     assert not stale.exists() and writing != stale
-    mlx_encoders.convert(bert, target, calibration=False)  # ...and never a folder a live run is writing
+    mlx_encoders.convert(bert, target)  # ...and never a folder a live run is writing
     assert writing.is_dir() and (target / "model.safetensors").is_file()
 
     live.send_signal(signal.SIGHUP)  # SIGHUP and SIGTERM clean up as Ctrl-C does
@@ -625,7 +625,7 @@ def test_terminated_convert_leaves_nothing_behind(tmp_path, bert):
 
 def test_force_keeps_the_old_target_recoverable_until_the_new_one_is_in_place(tmp_path, bert):
     target = tmp_path / "mlx"
-    mlx_encoders.convert(bert, target, dtype="float16", calibration=False)
+    mlx_encoders.convert(bert, target, dtype="float16")
     before = (target / "model.safetensors").read_bytes()
     other = tmp_path / ".mlx.v2.abcd1234.partial"  # another target's (`mlx.v2`): not this run's business
     other.mkdir()
@@ -636,7 +636,7 @@ def test_force_keeps_the_old_target_recoverable_until_the_new_one_is_in_place(tm
     (old,) = [p for p in hidden(tmp_path) if p.suffix == ".old"]
     assert (old / "mlx" / "model.safetensors").read_bytes() == before
 
-    assert main([str(bert), "--mlx-path", str(target), "--no-calibration"]) == 1  # the next run puts it back
+    assert main([str(bert), "--mlx-path", str(target)]) == 1  # the next run puts it back
     assert (target / "model.safetensors").read_bytes() == before
     assert hidden(tmp_path) == [other]
 
@@ -653,7 +653,7 @@ def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
     monkeypatch.setattr(conversion, "copy_sentence_files", fail)  # after the weights are written
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=0))  # MLX's error has no errno
-    assert main([str(bert), "--mlx-path", str(tmp_path / "mlx"), "--no-calibration"]) == 1
+    assert main([str(bert), "--mlx-path", str(tmp_path / "mlx")]) == 1
     err = capsys.readouterr().err
     message = err.split("\r")[-1]  # after the progress bar
     expected = f"python -m convert: error: disk full while writing {tmp_path / 'mlx'}; nothing was written. Free space"
@@ -822,11 +822,12 @@ def test_conflicting_options_are_refused_naming_both(tmp_path, capsys):
     assert "recipe 'mixed_4_8' and bits=8 (--bits) conflict" in capsys.readouterr().err
 
 
-def test_no_calibration_without_quantizing_is_refused(tmp_path, bert, capsys):
+def test_no_calibration_without_quantizing_is_refused(tmp_path, bert, bert_q8, capsys):
     """--no-calibration chooses how weights are rounded: alone it would make a float copy, silently."""
-    assert main([str(bert), "--mlx-path", str(tmp_path / "copy"), "--no-calibration"]) == 2
-    assert "quantizes nothing: add quantize=True (-q, or --bits)" in capsys.readouterr().err
-    assert not (tmp_path / "copy").exists()
+    for source, extra in ((bert, []), (bert_q8, ["--dequantize"])):
+        assert main([str(source), "--mlx-path", str(tmp_path / "copy"), "--no-calibration", *extra]) == 2
+        assert "quantizes nothing: add quantize=True (-q, or --bits)" in capsys.readouterr().err
+        assert not (tmp_path / "copy").exists()
 
 
 def test_requests_that_would_be_misread_are_refused_or_honoured(tmp_path, bert, monkeypatch, capsys):

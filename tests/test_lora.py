@@ -280,3 +280,14 @@ def test_qlora_trains_a_quantized_head_in_full_as_float(checkpoint):
     start = np.array(model.classifier.weight)
     train(model, batch, labels)
     assert not np.array_equal(np.array(model.classifier.weight), start)
+
+
+def test_qlora_trains_an_untied_quantized_output_head_as_a_float_decoder(checkpoint):
+    source = checkpoint("qwen3", "causal-lm", tie_word_embeddings=False, hidden_size=64, intermediate_size=128)
+    model, tokenizer = mlx_encoders.load(source)
+    quantize_model(model, bits=8, group_size=32)
+    batch = {k: mx.array(v) for k, v in dict(tokenizer(TEXTS, padding=True)).items()}
+    before = np.array(model(**batch).logits)
+    apply_lora(model, RANK, ALPHA)
+    assert type(model.lm_head).__name__ == "TiedDecoder" and "lm_head.weight" in flat(model.trainable_parameters())
+    np.testing.assert_allclose(np.array(model(**batch).logits), before, rtol=1e-4, atol=1e-5)

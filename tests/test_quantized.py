@@ -250,3 +250,21 @@ def test_grids_of_a_bfloat16_model_are_fitted_to_the_scales_as_stored():
         return float(np.square(np.array(rebuilt) - weight).sum())
 
     assert error(BFLOAT16) < error(np.float32)
+
+
+def test_an_untied_output_head_quantizes_and_loads_as_mlx_lm_writes_it(checkpoint, tmp_path):
+    """A causal LM's own lm_head (Qwen3-4B/8B and their rerankers untie it) is quantized with the rest and loads back
+    from its .scales and .biases (it was left float by convert, and a folder holding it quantized failed to load)."""
+    import mlx_encoders
+    from mlx_encoders.models.base import QuantizedDecoder
+
+    source = checkpoint("qwen3", "causal-lm", tie_word_embeddings=False, hidden_size=64, intermediate_size=128)
+    out = mlx_encoders.convert(source, tmp_path / "q4", bits=4, group_size=32, calibration=False)
+    model, tokenizer = mlx_encoders.load(out)
+    assert isinstance(model.lm_head, QuantizedDecoder)
+    float_model, _ = mlx_encoders.load(mlx_encoders.convert(out, tmp_path / "float", dequantize=True))
+    assert type(float_model.lm_head).__name__ == "TiedDecoder"
+    batch = tokenizer(["a short text", "and a somewhat longer one here"], padding=True)
+    np.testing.assert_allclose(
+        np.array(model(**batch).logits), np.array(float_model(**batch).logits), rtol=1e-4, atol=1e-4
+    )

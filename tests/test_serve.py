@@ -1120,7 +1120,7 @@ def test_prompts_a_model_names_apply_on_rerank_and_cohere_input_types(folders, t
     TorchCrossEncoder(str(folders["rerank"]), device="cpu", prompts={"web": "web query: "},
                       default_prompt_name="web").save(str(reranker))  # fmt: skip
     dense = tmp_path / "dense"
-    prompts = {"Classification": "classify: ", "clustering": "cluster: "}
+    prompts = {"Classification": "sort this: ", "classification": "classify: ", "Clustering": "cluster: "}
     SentenceTransformer(str(folders["tiny"]), device="cpu", prompts=prompts).save(str(dense))
     docs = ["cats sleep on warm windowsills", "the stock market fell", "tea is brewed hot"]
     expected = CrossEncoder(reranker).predict([("where do cats sleep", d) for d in docs])
@@ -1136,7 +1136,7 @@ def test_prompts_a_model_names_apply_on_rerank_and_cohere_input_types(folders, t
     np.testing.assert_allclose([r["relevance_score"] for r in sorted(ranked, key=lambda r: r["index"])], expected,
                                rtol=1e-5)  # fmt: skip
     np.testing.assert_allclose([r["score"] for r in sorted(tei, key=lambda r: r["index"])], expected, rtol=1e-5)
-    for kind, name in (("classification", "Classification"), ("clustering", "clustering")):
+    for kind, name in (("classification", "classification"), ("clustering", "Clustering")):  # exact name first
         np.testing.assert_allclose(embedded[kind]["embeddings"]["float"], encoder.encode(docs, prompt_name=name),
                                    atol=1e-6)  # fmt: skip
 
@@ -1179,3 +1179,8 @@ def test_a_taken_port_is_refused_naming_the_address_and_its_options(folders):
         )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert f"error: cannot listen on 127.0.0.1:{port} (--host and --port, or MLX_ENCODERS_HOST" in done.stderr
+    from mlx_encoders.serve.cli import bound
+
+    with bound("127.0.0.1", 0) as first:  # listening from the start: a second server cannot take the port meanwhile
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{first.getsockname()[1]}"):
+            bound("127.0.0.1", first.getsockname()[1])

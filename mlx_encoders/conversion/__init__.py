@@ -263,7 +263,7 @@ def convert(
         )
     if explicit and (spec is None or spec["mode"] != "affine" or not calibration):
         raise OptionError("calibration (GPTQ) needs a non-empty list of texts and affine quantization")
-    if calibration is False and spec is None and not dequantize:
+    if calibration is False and spec is None:
         raise OptionError(
             "calibration=False (--no-calibration) rounds the quantized weights to nearest, and this conversion "
             "quantizes nothing: add quantize=True (-q, or --bits), or leave it out"

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..engine.quantized import QuantizedLinear
 from .layers import Dropout, Linear, attention, drawing_from, gelu, gelu_tanh, next_key, silu
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
@@ -462,6 +463,20 @@ class TiedDecoder(nn.Module):
     def __call__(self, x: mx.array, word_embeddings: nn.Module) -> mx.array:
         x = x @ self.weight.T if "weight" in self else word_embeddings.as_linear(x)
         return x + self.bias if "bias" in self else x
+
+    def to_quantized(self, group_size=None, bits=None, mode: str = "affine", quantize_input: bool = False):
+        """An untied head quantized as a linear of its own weight (mlx-lm's `lm_head.weight/.scales/.biases`); a
+        tied one is the word table's, quantized with it."""
+        if "weight" not in self or quantize_input:
+            raise ValueError("a tied decoder has no weight of its own: its word embeddings are quantized instead")
+        return QuantizedDecoder.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedDecoder(QuantizedLinear):
+    """An untied `TiedDecoder` quantized: the same keys, called as the decoder is."""
+
+    def __call__(self, x: mx.array, word_embeddings: nn.Module | None = None) -> mx.array:
+        return super().__call__(x)
 
 
 class CausalLM(HeadModel):

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from ..checkpoint.build import common_float_dtype
+from ..models.base import QuantizedDecoder, TiedDecoder
 from ..models.layers import Embedding, Linear
 from .recipes import OptionError, quantization_spec, recipe_default, recipe_rule, unmatched_patterns
 from .rounding import apply_gptq
@@ -37,13 +38,13 @@ def quantize_model(
     floats = {
         p: np.array(m.weight.astype(mx.float32))
         for p, m in model.named_modules()
-        if isinstance(m, (nn.Linear, nn.Embedding)) and hessians is not None
+        if quantizable(m) and hessians is not None
     }
     spec = quantization_spec(bits, group_size, mode)
     rule = recipe_rule(recipe, spec, group_size)
     default = recipe_default(recipe, spec, group_size)
     config = dict(default)
-    modules = {p: m for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    modules = {p: m for p, m in model.named_modules() if quantizable(m)}
     warn_unmatched_patterns(recipe, list(modules))
     settings, misfits = {}, {}
     for path, module in modules.items():
@@ -68,9 +69,14 @@ def quantize_model(
     return config
 
 
+def quantizable(module: nn.Module) -> bool:
+    """Every nn.Linear and nn.Embedding, and an untied output head (a decoder with a weight of its own)."""
+    return isinstance(module, (nn.Linear, nn.Embedding)) or (isinstance(module, TiedDecoder) and "weight" in module)
+
+
 def quantizable_paths(model: nn.Module) -> list[str]:
     """The paths of the modules a recipe's patterns match: every nn.Linear and nn.Embedding."""
-    return [p for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    return [p for p, m in model.named_modules() if quantizable(m)]
 
 
 def warn_unmatched_patterns(recipe: str | dict | None, paths: list[str]) -> None:
@@ -134,6 +140,10 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
         weight = weight.astype(target)
         if isinstance(module, nn.QuantizedEmbedding):
             float_module = Embedding(*weight.shape)
+        elif isinstance(module, QuantizedDecoder):  # an untied output head, called with the word embeddings
+            float_module = TiedDecoder(weight.shape[1], weight.shape[0], tied=False, bias="bias" in module)
+            if "bias" in module:
+                float_module.bias = module.bias
         else:
             float_module = Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:

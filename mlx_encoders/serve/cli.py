@@ -106,13 +106,15 @@ FLAGS = {
 
 
 def bound(host: str, port: int) -> socket.socket:
-    """The server's socket, bound to `host`:`port` (it listens once the models are loaded); an error naming them
-    (and their options) when the address is taken or not this machine's."""
+    """The server's socket, bound to `host`:`port` and listening (connections wait in the backlog until the models
+    are loaded and uvicorn accepts them: a socket bound but not listening leaves the port to a second server); an
+    error naming them (and their options) when the address is taken or not this machine's."""
     # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on such sockets' connections (40 ms per answer else)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise ValueError(
@@ -254,7 +256,6 @@ def run(args: argparse.Namespace) -> int:
     # what start-up built lives as long as the server: a full collection walking it would hold the event loop
     gc.freeze()
     host = given["host"]
-    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     for model in server.models.values():
         print(f"mlx-encoders serve: model {model.describe()}")
     for index in server.indexes.values():

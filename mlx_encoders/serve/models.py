@@ -193,6 +193,8 @@ class ServedModel:
     def prompt_called(self, name: str) -> str | None:
         """The name of the model's prompt called `name` in any case (EmbeddingGemma's "Classification"), or None."""
         prompts = {} if self.embedder is None else self.embedder.prompts
+        if name in prompts:  # the exact name first, as a prompt_name looks it up
+            return name
         return next((given for given in prompts if given.lower() == name.lower()), None)
 
     def named_prompt(self, name: str) -> str:

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..checkpoint import read_safetensors
 from ..checkpoint.atomic import atomic_folder
 from ..engine.quantized import QuantizedLinear, dequantize, freeze_quantized
-from ..models.base import HeadModel
+from ..models.base import HeadModel, QuantizedDecoder, TiedDecoder
 from ..models.layers import Dropout, Linear, next_key
 
 # The attention projections of each architecture (config.json `model_type`), the LoRA paper's choice.
@@ -241,10 +241,14 @@ def fused_linear(lora: LoRALinear, requantize: bool = False) -> nn.Linear | nn.Q
     return fused
 
 
-def float_linear(linear: nn.QuantizedLinear) -> Linear:
-    """A quantized linear as a float32 one of its dequantized weight (and its bias)."""
+def float_linear(linear: nn.QuantizedLinear) -> Linear | TiedDecoder:
+    """A quantized linear as a float32 one of its dequantized weight (and its bias); an untied output head as the
+    decoder it was."""
     weight = dequantized(linear)
-    out = Linear(weight.shape[1], weight.shape[0], bias="bias" in linear)
+    if isinstance(linear, QuantizedDecoder):
+        out = TiedDecoder(weight.shape[1], weight.shape[0], tied=False, bias="bias" in linear)
+    else:
+        out = Linear(weight.shape[1], weight.shape[0], bias="bias" in linear)
     out.weight = weight
     if "bias" in linear:
         out.bias = linear.bias.astype(mx.float32)
