@@ -268,3 +268,18 @@ def test_an_untied_output_head_quantizes_and_loads_as_mlx_lm_writes_it(checkpoin
     np.testing.assert_allclose(
         np.array(model(**batch).logits), np.array(float_model(**batch).logits), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_dequantizing_into_half_precision_rounds_the_exact_weights_once(checkpoint, dtype):
+    from mlx_encoders.quantization import dequantize_model
+
+    model = load_model(checkpoint("bert", hidden_size=64, intermediate_size=128, num_attention_heads=4))
+    quantize_model(model, bits=4, group_size=32)
+    layer = model.encoder.layer[0].intermediate.dense
+    exact = mx.dequantize(layer.weight, layer.scales.astype(mx.float32), layer.biases.astype(mx.float32), 32, 4)
+    dequantize_model(model, dtype)
+    np.testing.assert_array_equal(
+        np.array(model.encoder.layer[0].intermediate.dense.weight.astype(mx.float32)),
+        np.array(exact.astype(dtype).astype(mx.float32)),
+    )

@@ -1098,13 +1098,15 @@ def test_model_facts_of_a_quantized_model_count_its_weights_not_its_packed_words
     with pytest.warns(UserWarning, match="pooling"):
         folder = convert(folders["tiny"], tmp_path / "q8", quantize=True, bits=8, group_size=32)
         four = convert(folders["tiny"], tmp_path / "q4", quantize=True, bits=4, group_size=32)  # small tables at 8
-        app = serve.app({"float": folders["tiny"], "q8": folder, "q4": four})
+        mx4 = convert(folders["tiny"], tmp_path / "mx4", quantize=True, mode="mxfp4", group_size=32)
+        app = serve.app({"float": folders["tiny"], "q8": folder, "q4": four, "mx4": mx4})
     parameters = sum(v.size for _, v in tree_flatten(load_model(folders["tiny"]).parameters()))
     with in_process(app) as url:
-        shown = {name: call(url, "/api/show", {"model": name})[1] for name in ("float", "q8", "q4")}
+        shown = {name: call(url, "/api/show", {"model": name})[1] for name in ("float", "q8", "q4", "mx4")}
         info = {name: call(url, f"/info?model={name}", None)[1] for name in ("float", "q8")}
     assert [shown[n]["model_info"]["general.parameter_count"] for n in ("float", "q8")] == [parameters] * 2
-    assert [shown[n]["details"]["quantization_level"] for n in ("float", "q8", "q4")] == ["F32", "Q8_0", "Q4_0"]
+    levels = [shown[n]["details"]["quantization_level"] for n in ("float", "q8", "q4", "mx4")]
+    assert levels == ["F32", "Q8_0", "Q4_0", "MXFP4"]
     assert [info[n]["model_dtype"] for n in ("float", "q8")] == ["float32", "float32"]
 
 

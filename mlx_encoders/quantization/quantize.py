@@ -132,10 +132,11 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype | None = None) -> int:
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
         target = dtype or float_dtype
-        # affine: widen float16 scales first, so scale * q + bias is computed (and exact) in the target dtype
+        # affine: scale * q + bias computed in float32 (the stored scales widened exactly), then rounded once to the
+        # target dtype: computed in bfloat16 or float16 it rounded at every step
         scales, biases = module.scales, module.get("biases")
         if module.mode == "affine":
-            scales, biases = scales.astype(target), biases.astype(target)
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         weight = mx.dequantize(module.weight, scales, biases, module.group_size, module.bits, mode=module.mode)
         weight = weight.astype(target)
         if isinstance(module, nn.QuantizedEmbedding):

@@ -134,6 +134,7 @@ class WeightFacts:
     bytes: int
     dtype: str  # of the float weights: "float32", "float16" or "bfloat16"
     bits: int | None  # of most quantized weights (a 4-bit model keeps small tables at 8); None when none is
+    mode: str | None = None  # theirs: "affine", "mxfp4", "nvfp4", "mxfp8"
 
 
 class ServedModel:
@@ -241,13 +242,14 @@ class ServedModel:
                     continue
                 if quantized and name == "weight":
                     count += value.size * 32 // quantized
-                    bits[quantized] += value.size * 32 // quantized
+                    bits[(quantized, getattr(module, "mode", "affine"))] += value.size * 32 // quantized
                 else:
                     count += value.size
                     if mx.issubdtype(value.dtype, mx.floating):
                         floats[str(value.dtype).removeprefix("mlx.core.")] += value.size
         dtype = floats.most_common(1)[0][0] if floats else "float32"
-        return WeightFacts(count, size, dtype, bits.most_common(1)[0][0] if bits else None)
+        most = bits.most_common(1)[0][0] if bits else (None, None)
+        return WeightFacts(count, size, dtype, *most)
 
     def compute(self, items: list) -> np.ndarray:
         """On the model worker: (N, D) embeddings (before truncate_dim); per input its (token ids, weights) (sparse)

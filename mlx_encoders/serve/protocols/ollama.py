@@ -177,10 +177,18 @@ def facts_of(model: ServedModel) -> dict:
         "size": weights.bytes,
         "parameters": weights.parameters,
         "family": getattr(args, "model_type", model.kind),
-        "dtype": f"Q{weights.bits}_0" if weights.bits else WEIGHT_TYPES.get(weights.dtype, ""),
+        "dtype": quantization_level(weights),
         "digest": hashlib.sha256(f"{model.name}\0{model.source}".encode()).hexdigest(),
         "modified_at": datetime.datetime.fromtimestamp(modified, datetime.timezone.utc).isoformat(),
     }
+
+
+def quantization_level(weights) -> str:
+    """Ollama's name for how the weights are stored: F32, F16, BF16; Q8_0, Q4_0 ... for affine integers (GGUF's
+    nearest names), MXFP4, NVFP4, MXFP8 for the floating-point modes (as Ollama names gpt-oss's MXFP4)."""
+    if weights.bits is None:
+        return WEIGHT_TYPES.get(weights.dtype, "")
+    return f"Q{weights.bits}_0" if weights.mode == "affine" else str(weights.mode).upper()
 
 
 def details(model: ServedModel) -> dict:
