@@ -906,6 +906,15 @@ def test_a_float_checkpoint_with_another_librarys_quantization_config_loads(tmp_
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": -1}
     (folder / "config.json").write_text(json.dumps(config))
     assert mlx_encoders.load_model(folder) is not None
+    from safetensors.numpy import save_file  # the same library's quantized weights: refused, naming the method
+
+    weights = load_file(folder / "model.safetensors")
+    key = next(k for k in weights if k.endswith("intermediate.dense.weight"))
+    weights[key.replace(".weight", ".qweight")] = weights.pop(key).view(np.int32)
+    weights[key.replace(".weight", ".scales")] = np.ones(4, np.float16)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="quantized by 'gptq' \\(transformers' layout"):
+        mlx_encoders.load_model(folder)
 
 
 def test_a_failed_upload_says_the_folder_was_written_and_how_to_upload_it(tmp_path, bert, monkeypatch):

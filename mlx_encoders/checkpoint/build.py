@@ -66,6 +66,13 @@ def fit_prefix(weights: dict[str, mx.array], model: nn.Module) -> dict[str, mx.a
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], config: dict) -> None:
     """Turn exactly the modules whose `<path>.scales` is stored into quantized ones (models/layers.py: the engine's)."""
     spec = config.get("quantization") or config.get("quantization_config") or {}
+    method = spec.get("quant_method") if isinstance(spec, dict) and "quantization" not in config else None
+    if method is not None and any(k.endswith((".scales", ".qweight")) for k in weights):
+        raise ValueError(
+            f"config.json's quantization_config says the weights were quantized by {method!r} (transformers' "
+            "layout: qweight, qzeros, ...), which mlx_encoders does not read; convert the float source instead "
+            "(python -m convert --quantize SOURCE)"
+        )
     if not spec and (stored := next((k for k in weights if k.endswith(".scales")), None)):
         # the bits and group size are in the config alone: guessed, the weights would unpack wrongly
         raise ValueError(
