@@ -560,3 +560,14 @@ def test_vector_utilities_take_bfloat16_arrays_as_their_float32_values():
         np.testing.assert_array_equal(quantize_embeddings(half, precision), quantize_embeddings(wide, precision))
     np.testing.assert_array_equal(np.array(maxsim([half], [half])), np.array(maxsim([wide], [wide])))
     np.testing.assert_array_equal(Muvera(32).process_document(half), Muvera(32).process_document(wide))
+
+
+def test_cross_encoder_max_length_set_as_sentence_transformers_sets_it(cross_encoders):
+    ours, theirs = cross_encoders(1)
+    before = theirs.max_length
+    try:
+        ours.max_length = theirs.max_length = 5  # every pair cut to 5 tokens
+        assert ours.max_seq_length == 5 and ours.max_length == 5
+        np.testing.assert_allclose(ours.predict(PAIRS), theirs.predict(PAIRS), atol=1e-5)
+    finally:
+        ours.max_length = theirs.max_length = before

@@ -188,6 +188,15 @@ class CrossEncoder(Encoder):
     def num_labels(self) -> int:
         return 1 if self.logit_score is not None else self.model.args.num_labels
 
+    @property
+    def max_length(self) -> int:
+        """sentence-transformers' CrossEncoder name of `max_seq_length` (the tokens a pair keeps); settable."""
+        return self.max_seq_length
+
+    @max_length.setter
+    def max_length(self, value: int) -> None:
+        self.max_seq_length = value
+
     def default_activation(self, st_config: dict, config: dict) -> Callable:
         saved = [
             (st_config.get("activation_fn"), self.path / SETTINGS_FILE),
