@@ -223,6 +223,9 @@ def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):
         atol=1e-5,
     )
     np.testing.assert_allclose(encoder.encode_query(texts, prompt_name="query"), expected("retrieval_query"), atol=1e-5)
+    # a task the call names: its adapter with its own prompt, not the role's instruction
+    matching = expected("text_matching", prompt_name="text-matching")
+    np.testing.assert_allclose(encoder.encode_query(texts, task="text-matching"), matching, atol=1e-5)
     encoder.merge_adapters = True
     np.testing.assert_allclose(encoder.encode(texts, task="separation"), expected("separation"), atol=1e-5)
     assert encoder.model.active_adapter is None  # each call's adapter is for that call only

@@ -202,9 +202,14 @@ class Embedder(Encoder):
     SIMILARITIES: dict[str, tuple[Callable, Callable]] = SIMILARITIES
     ROLE = "task"
 
-    def role_prompt_name(self, role: str) -> str | None:
-        """The prompt `encode_query` (role "query") or `encode_document` ("document") picks when none is given."""
+    def role_prompt_name(self, role: str, task: str | None = None) -> str | None:
+        """The prompt `encode_query` (role "query") or `encode_document` ("document") picks when none is given
+        (`task`: an encoder's task adapter, where `ROLE` is not "task")."""
         return task_prompt_name(self.prompts, role)
+
+    def given_task(self, kwargs: dict) -> str | None:
+        """The task adapter a call names, for encoders whose `task` is one (their role is passed apart)."""
+        return kwargs.get("task") if self.ROLE != "task" else None
 
     def encode_query(
         self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
@@ -212,7 +217,7 @@ class Embedder(Encoder):
         """`encode` for queries: the "query" prompt unless one is given (sentence-transformers defines it, empty,
         for every model, so the default prompt never applies here)."""
         if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt_name("query")
+            prompt_name = self.role_prompt_name("query", self.given_task(kwargs))
         return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "query", **kwargs})
 
     def encode_document(
@@ -220,7 +225,7 @@ class Embedder(Encoder):
     ):
         """`encode` for documents: the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
-            prompt_name = self.role_prompt_name("document")
+            prompt_name = self.role_prompt_name("document", self.given_task(kwargs))
         return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "document", **kwargs})
 
     @property

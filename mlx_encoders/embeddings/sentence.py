@@ -167,13 +167,14 @@ class SentenceEncoder(Embedder):
         # a prompt read as a system message is pooled with the text, as sentence-transformers pools it
         return 0 if self.include_prompt or self.chat_template is not None else self.prompt_length(prompt)
 
-    def role_prompt_name(self, role: str) -> str | None:
+    def role_prompt_name(self, role: str, task: str | None = None) -> str | None:
         """The role's prompt; where it is empty or missing and the role takes a task adapter, the prompt named after
-        that task (jina's published folder: "retrieval.query"), as its authors pair each adapter with its prompt."""
+        that task (jina's published folder: "retrieval.query"), as its authors pair each adapter with its prompt; a
+        `task` named by the call: that task's prompt, when the model has one."""
         name = super().role_prompt_name(role)
-        if name is not None and self.prompts[name]:
+        if task is None and name is not None and self.prompts[name]:
             return name
-        adapter = task_adapter(self.model, None, None, role)
+        adapter = task_adapter(self.model, task, None, role)
         return next((p for p in self.prompts if adapter and adapter_key(p) == adapter), name)
 
     def adapter_for(
