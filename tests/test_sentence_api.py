@@ -571,3 +571,20 @@ def test_cross_encoder_max_length_set_as_sentence_transformers_sets_it(cross_enc
         np.testing.assert_allclose(ours.predict(PAIRS), theirs.predict(PAIRS), atol=1e-5)
     finally:
         ours.max_length = theirs.max_length = before
+
+
+def test_query_and_document_lengths_of_the_transformer_cut_as_sentence_transformers_cuts(tmp_path):
+    """sentence-transformers 6's Transformer(query_length=, document_length=): each role's own token limit; its
+    processing_kwargs, not applied here, are named in a warning."""
+    checkpoint = make_checkpoint(tmp_path / "bert", "bert")
+    transformer = Transformer(str(checkpoint), max_seq_length=64, query_length=6, document_length=10)
+    folder = tmp_path / "st"
+    SentenceTransformer(modules=[transformer, Pooling(32, "mean"), Normalize()], device="cpu").save(str(folder))
+    texts = ["The quick brown fox jumps over the lazy dog near the river bank today.", "Short."]
+    theirs, ours = SentenceTransformer(str(folder), device="cpu"), SentenceEncoder(folder)
+    for call in ("encode_query", "encode_document", "encode"):
+        np.testing.assert_allclose(getattr(ours, call)(texts), getattr(theirs, call)(texts), atol=1e-5, err_msg=call)
+    config = json.loads((folder / "sentence_bert_config.json").read_text())
+    (folder / "sentence_bert_config.json").write_text(json.dumps({**config, "processing_kwargs": {"text": {"a": 1}}}))
+    with pytest.warns(UserWarning, match='processing_kwargs \\{"text": \\{"a": 1\\}\\} are not applied'):
+        SentenceEncoder(folder)

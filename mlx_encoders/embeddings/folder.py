@@ -10,6 +10,7 @@ modules/). A module kind is the last part of its modules.json type ("...modules.
 import ast
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -492,9 +493,17 @@ def lowercase(tokenizer) -> None:
 
 
 def apply_sentence_config(tokenizer, sentence_config: dict) -> None:
-    """What sentence_bert_config.json asks of the tokenizer: lowercasing with do_lower_case."""
+    """What sentence_bert_config.json asks of the tokenizer: lowercasing with do_lower_case. Its processing_kwargs
+    (sentence-transformers 6's tokenizer and chat-template options) are not applied: a warning names them."""
     if sentence_config.get("do_lower_case"):
         lowercase(tokenizer)
+    if extra := {k: v for k, v in (sentence_config.get("processing_kwargs") or {}).items() if v}:
+        warnings.warn(
+            f"sentence_bert_config.json's processing_kwargs {json.dumps(extra)[:200]} are not applied here: "
+            "the inputs are tokenized without them, so embeddings and scores may differ from sentence-transformers'",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def message_template(folder: SentenceFolder, tokenizer) -> ChatTemplate | None:

@@ -100,6 +100,12 @@ class SentenceEncoder(Embedder):
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
         )
         apply_sentence_config(self.tokenizer, folder.sentence_config)
+        # sentence-transformers 6's Transformer: a query's or a document's own token limit, in place of max_seq_length
+        self.role_lengths = {
+            role: token_limit(self.tokenizer, self.model.args.max_tokens, length)
+            for role in ("query", "document")
+            if (length := folder.sentence_config.get(f"{role}_length"))
+        }
         self.chat_template = message_template(folder, self.tokenizer)  # texts read as user messages
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")
@@ -154,7 +160,8 @@ class SentenceEncoder(Embedder):
         """`texts` as the model reads them, `prompt` before each (see `input_prompt`), cut to `max_seq_length`
         tokens (or a shorter `max_length`) at the tokenizer's `truncation_side` or `direction`'s end; an
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
-        limit = self.max_seq_length if max_length is None else min(self.max_seq_length, max_length)
+        limit = self.role_lengths.get(role) or self.max_seq_length
+        limit = limit if max_length is None else min(limit, max_length)
         if self.chat_template is not None:  # a user message each, the prompt a system message before it
             system = [{"role": "system", "content": prompt}] if prompt else []
             conversations = [[*system, {"role": "user", "content": t}] for t in texts]
