@@ -1186,3 +1186,13 @@ def test_a_taken_port_is_refused_naming_the_address_and_its_options(folders):
     with bound("127.0.0.1", 0) as first:  # listening from the start: a second server cannot take the port meanwhile
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{first.getsockname()[1]}"):
             bound("127.0.0.1", first.getsockname()[1])
+
+
+def test_sigterm_right_after_the_listening_line_stops_the_server_with_status_0(folders):
+    """The stopping signals are taken before the line is printed: one arriving before uvicorn has installed its own
+    handlers stops the server once it has started (it was dropped, and the server ran on)."""
+    for _ in range(3):
+        process = launch(["--model", f"tiny={folders['tiny']}"])
+        url_of(process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

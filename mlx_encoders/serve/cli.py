@@ -265,17 +265,19 @@ def run(args: argparse.Namespace) -> int:
             f"mlx-encoders serve: models loaded on request from {given['models_dir']}: "
             f"{', '.join(lazy.names()) or 'none'}"
         )
-    shown = f"[{host}]" if ":" in host else host
-    print(f"mlx-encoders serve: listening on http://{shown}:{sock.getsockname()[1]}", flush=True)
     # no graceful-shutdown timeout: a request that arrived whole is finished; the protocol ends the others in time
     config = uvicorn.Config(
         build(server), http=protocol(given["read_timeout"], given["shutdown_timeout"]), log_level=level,
         access_log=level in ("info", "debug"), timeout_keep_alive=given["keep_alive_timeout"],
         timeout_graceful_shutdown=None,
     )  # fmt: skip
-    # uvicorn re-raises the stopping signal once it has shut down; these handlers take it, so the exit status is 0
+    runner = uvicorn.Server(config)
+    # Before uvicorn takes the stopping signals, one stops it as soon as it has started; after, uvicorn re-raises the
+    # signal once it has shut down and this handler takes it, so the exit status is 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+        signal.signal(sig, lambda *_: setattr(runner, "should_exit", True))
+    shown = f"[{host}]" if ":" in host else host
+    print(f"mlx-encoders serve: listening on http://{shown}:{sock.getsockname()[1]}", flush=True)
+    runner.run(sockets=[sock])
     print("mlx-encoders serve: stopped", file=sys.stderr)
     return 0
