@@ -939,3 +939,11 @@ def test_quantized_weights_without_their_config_entry_are_refused(tmp_path, bert
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantized tensors \(.*\.scales, \.\.\.\) but config.json has no"):
         mlx_encoders.load_model(folder)
+
+
+def test_the_report_says_which_modules_gptq_fitted(bert, tmp_path, capsys):
+    """GPTQ fits affine modules; a recipe's floating-point modes are rounded to nearest, and the card says so."""
+    recipe = {"*attention*": {"bits": 4, "mode": "mxfp4", "group_size": 32}}
+    out = mlx_encoders.convert(bert, tmp_path / "mixed", bits=8, group_size=32, recipe=recipe,
+                               calibration=["a text to calibrate on"] * 4)  # fmt: skip
+    assert "calibration texts for affine; mxfp4 rounded to nearest)" in (out / "README.md").read_text()

@@ -306,13 +306,18 @@ def convert(
     config = model_config(model)
     if quantization:  # convert's entry also names the modules it left float
         config["quantization"] = config["quantization_config"] = quantization
+    applied = applied_settings(model)
+    method = f"GPTQ on {len(calibration)} calibration texts" if hessians else "round to nearest"
+    rounded = sorted({mode for _, mode, _ in applied if mode != "affine"})
+    if hessians and rounded:  # GPTQ fits affine modules alone
+        method = f"GPTQ on {len(calibration)} calibration texts for affine; {', '.join(rounded)} rounded to nearest"
     report = {
         "model_type": config["model_type"],
         "architecture": type(model).__name__,
         "parameters": parameters,
         "quantization": config.get("quantization"),
-        "applied": applied_settings(model),
-        "method": f"GPTQ on {len(calibration)} calibration texts" if hessians else "round to nearest",
+        "applied": applied,
+        "method": method,
         "bytes_before": sum(f.stat().st_size for f in checkpoint.weight_files()),
         "output": output,
         "fidelity": fidelity(reference, result := main_output(model, batch)[1], batch["attention_mask"]),
