@@ -352,6 +352,10 @@ def test_a_group_size_that_fits_no_width_is_refused_naming_one_that_does(tmp_pat
     err = capsys.readouterr().err
     assert "group size 64 (group_size, --group-size) divides none of this model's input widths (32, 96)" in err
     assert "use group_size=32 (--group-size 32" in err and not (tmp_path / "mlx").exists()
+    recipe = ["--recipe", '{"*": {"bits": 4, "group_size": 128}}']  # the recipe's size: --group-size cannot help
+    assert main([*args[:-1], "32", *recipe, "--no-calibration"]) == 2
+    err = capsys.readouterr().err
+    assert "group size 128 (the recipe's group_size)" in err and '"group_size": 32 in the recipe' in err
 
 
 def test_report_describes_the_settings_applied_not_the_default(tmp_path, bert, capsys):

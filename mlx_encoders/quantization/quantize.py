@@ -58,7 +58,8 @@ def quantize_model(
         if params != default:
             config[path] = dict(params)
     if modules and not settings:
-        raise OptionError(nothing_quantized(misfits))
+        from_recipe = any(group != spec["group_size"] for _, group in misfits.values())
+        raise OptionError(nothing_quantized(misfits, from_recipe))
     nn.quantize(model, class_predicate=lambda path, module: settings.get(path, False))
     set_scale_dtype(model)
     if hessians is not None:
@@ -87,21 +88,24 @@ def warn_unmatched_patterns(recipe: str | dict | None, paths: list[str]) -> None
                       f"nothing; patterns match module paths such as {example!r}", stacklevel=3)  # fmt: skip
 
 
-def nothing_quantized(misfits: dict[str, tuple[int, int]]) -> str:
-    """Why a request would quantize nothing, and the affine group size that would fit (largest first)."""
+def nothing_quantized(misfits: dict[str, tuple[int, int]], from_recipe: bool = False) -> str:
+    """Why a request would quantize nothing, and the affine group size that would fit (largest first); where the
+    recipe's entries set the group size, the advice is to change them."""
     if not misfits:
         return "the recipe keeps every Linear and Embedding float: nothing to quantize; give it bits, or don't quantize"
     widths = sorted({w for w, _ in misfits.values()})
     groups = ", ".join(str(g) for g in sorted({g for _, g in misfits.values()}))
     fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
     fits = fits or [g for g in (128, 64, 32) if any(w % g == 0 for w in widths)]
+    where = "the recipe's group_size" if from_recipe else "group_size, --group-size"
+    use = f'"group_size": {fits[0]} in the recipe\'s entries' if from_recipe else f"--group-size {fits[0]}"
     advice = (
-        f"use group_size={fits[0]} (--group-size {fits[0]}, affine mode)"
+        f"use group_size={fits[0]} ({use}, affine mode)"
         if fits
         else "no affine group size (128, 64, 32) divides them; keep this model float"
     )
     return (
-        f"group size {groups} (group_size, --group-size) divides none of this model's input widths "
+        f"group size {groups} ({where}) divides none of this model's input widths "
         f"({', '.join(map(str, widths))}), so nothing would be quantized; {advice}"
     )
 
