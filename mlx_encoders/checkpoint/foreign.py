@@ -27,8 +27,10 @@ def check_sentence_modules(source: Path) -> None:
         if kind.rsplit(".", 1)[-1] != "Dense":
             continue
         missing = "config.json" if not (folder / "config.json").is_file() else None
-        if missing is None and not any(folder.glob("*.safetensors")) and not any(
-            p.suffix in PICKLE_SUFFIXES for p in folder.iterdir()
+        if (
+            missing is None
+            and not any(folder.glob("*.safetensors"))
+            and not any(p.suffix in PICKLE_SUFFIXES for p in folder.iterdir())
         ):
             missing = "weights (model.safetensors)"
         if missing:
