@@ -1196,3 +1196,27 @@ def test_sigterm_right_after_the_listening_line_stops_the_server_with_status_0(f
         url_of(process)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_served_queries_and_documents_keep_their_roles_token_limits(folders, tmp_path):
+    """A Transformer's query_length / document_length hold on the server as in encode_query / encode_document, a
+    document_length past max_seq_length included."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    from mlx_encoders import SentenceEncoder, serve
+
+    transformer = Transformer(str(folders["tiny"]), max_seq_length=8, query_length=5, document_length=20)
+    folder = tmp_path / "roles"
+    width = transformer.get_embedding_dimension()
+    SentenceTransformer(modules=[transformer, Pooling(width, "mean"), Normalize()], device="cpu").save(str(folder))
+    texts = ["the quick brown fox jumps over the lazy dog near the river bank today"]
+    encoder = SentenceEncoder(folder)
+    with in_process(serve.app({"roles": folder})) as url:
+        body = {"model": "roles", "input": texts, "encoding_format": "float"}
+        document = call(url, "/v1/embeddings", {**body, "input_type": "document"})[1]["data"][0]["embedding"]
+        query = call(url, "/v1/embeddings", {**body, "input_type": "query"})  # cut, as OpenAI's route cuts
+    np.testing.assert_allclose(document, encoder.encode_document(texts)[0], atol=1e-6)
+    assert len(encoder.tokenize(texts, role="document")[0].ids) == 16  # whole: past max_seq_length, within 20
+    assert query[1]["usage"]["prompt_tokens"] == 5  # the query cut at its query_length

@@ -160,14 +160,18 @@ class SentenceEncoder(Embedder):
         """`texts` as the model reads them, `prompt` before each (see `input_prompt`), cut to `max_seq_length`
         tokens (or a shorter `max_length`) at the tokenizer's `truncation_side` or `direction`'s end; an
         encoding's `overflowing` is non-empty where it was cut. The inputs of `run_encodings`."""
-        limit = self.role_lengths.get(role) or self.max_seq_length
-        limit = limit if max_length is None else min(limit, max_length)
+        limit = self.role_limit(role) if max_length is None else min(self.role_limit(role), max_length)
         if self.chat_template is not None:  # a user message each, the prompt a system message before it
             system = [{"role": "system", "content": prompt}] if prompt else []
             conversations = [[*system, {"role": "user", "content": t}] for t in texts]
             return self.chat_template.encode(conversations, limit, direction, task=role)
         texts = [prompt + t for t in texts] if prompt else texts
         return self.tokenizer.encode_batch(texts, truncation=True, max_length=limit, direction=direction)
+
+    def role_limit(self, role: str | None) -> int:
+        """The tokens a text keeps: its role's query_length / document_length where the folder sets them, else
+        `max_seq_length`."""
+        return self.role_lengths.get(role) or self.max_seq_length
 
     def pooled_prompt_tokens(self, prompt: str) -> int:
         """The tokens of `prompt` that pooling leaves out: none when the model's Pooling includes the prompt."""

@@ -369,6 +369,7 @@ class ServedModel:
         if pairs is not None:  # as `predict` reads pairs (a chat template's too)
             return self.cross.tokenize(list(zip(texts, pairs, strict=True)), prefix, direction), self.max_length
         limit = self.max_length if self.classifier is None else self.classifier.max_length
+        limit = self.encoder.role_limit(task) if self.encoder is not None else limit
         limit = limit if max_length is None else min(limit, max_length)
         if self.encoder is not None:
             return self.encoder.tokenize(texts, prefix, limit, direction, role=task), limit
