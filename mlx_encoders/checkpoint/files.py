@@ -28,7 +28,12 @@ INDEX = "model.safetensors.index.json"
 MODULES_FILE, SETTINGS_FILE, SENTENCE_CONFIG_FILE = (
     "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"
 )  # fmt: skip
-GENERATION_FILE = "generation_config.json"  # a causal LM's decoding defaults, as transformers saves them
+GENERATION_FILE = "generation_config.json"
+COLBERT_LAYOUT = (
+    "a ColBERT folder in {layout}'s layout, whose query and document markers, expansion and projection mlx_encoders "
+    "does not read. sentence-transformers 6 converts it as it loads: "
+    "`sentence_transformers.MultiVectorEncoder(path).save(new_path)`, then load new_path"
+)  # a causal LM's decoding defaults, as transformers saves them
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja",
@@ -271,11 +276,14 @@ class Checkpoint:
             raise ValueError(f"{self.path / 'config.json'}: {e}") from e
 
     def check_architecture(self) -> None:
-        """An unknown model_type fails, naming the file, before anything else is read."""
+        """An unknown model_type, or Stanford's ColBERT (HF_ColBERT: its projection inline, read by no front end),
+        fails, naming the file, before anything else is read."""
         try:
             model_module(self.model_type)
         except ValueError as e:
             raise ValueError(f"{self.path / 'config.json'}: {e}") from e
+        if "HF_ColBERT" in (self.config.get("architectures") or []):
+            raise ValueError(f"{self.path / 'config.json'} (HF_ColBERT): {COLBERT_LAYOUT.format(layout='Stanford')}")
 
     @cached_property
     def task(self) -> str:

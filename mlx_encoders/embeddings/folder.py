@@ -25,7 +25,7 @@ from tokenizers import normalizers
 from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, inside, read_json_object, read_safetensors
 from ..checkpoint import read_modules as read_module_entries
-from ..checkpoint.files import MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE
+from ..checkpoint.files import COLBERT_LAYOUT, MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE
 from .pooling import parse_modes
 
 ROUTER_FILE = "router_config.json"
@@ -461,7 +461,8 @@ def read_sentence_config(transformer: Path) -> dict:
     return dict(read_json_object(transformer / SENTENCE_CONFIG_FILE))
 
 
-# ColBERT layouts sentence-transformers 6 converts as it loads them (PyLate's settings, Stanford's inline projection)
+# ColBERT layouts sentence-transformers 6 converts as it loads them (PyLate's settings here, Stanford's inline
+# projection in the checkpoint layer)
 PYLATE_KEYS = ("query_prefix", "document_prefix", "query_length", "do_query_expansion", "skiplist_words")
 
 
@@ -470,16 +471,8 @@ def read_folder(path: Path) -> SentenceFolder:
     ColBERT folder in PyLate's or Stanford's layout is refused: read as a plain one, its vectors would be wrong."""
     folder = SentenceFolder(path, [module(kind, folder) for kind, folder in read_module_entries(path)])
     settings = folder.settings if (path / SETTINGS_FILE).is_file() else {}
-    pylate = settings.get("model_type") == "ColBERT" or any(k in settings for k in PYLATE_KEYS)
-    config = read_json_object(path / "config.json") if (path / "config.json").is_file() else {}
-    stanford = "HF_ColBERT" in (config.get("architectures") or [])
-    if pylate or stanford:
-        where = f"{path / SETTINGS_FILE} (PyLate's settings)" if pylate else f"{path / 'config.json'} (HF_ColBERT)"
-        raise ValueError(
-            f"{where}: a ColBERT folder in {'PyLate' if pylate else 'Stanford'}'s layout, whose query and document "
-            "markers, expansion and projection mlx_encoders does not read. sentence-transformers 6 converts it as it "
-            "loads: `sentence_transformers.MultiVectorEncoder(path).save(new_path)`, then load new_path"
-        )
+    if settings.get("model_type") == "ColBERT" or any(k in settings for k in PYLATE_KEYS):
+        raise ValueError(f"{path / SETTINGS_FILE} (PyLate's settings): {COLBERT_LAYOUT.format(layout='PyLate')}")
     return folder
 
 
