@@ -14,6 +14,7 @@ from checkpoints import AUTO_CLASSES, load_reference
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 from test_parity import as_torch, assert_close
+from tolerance import assert_float32_close
 
 import mlx_encoders
 from mlx_encoders.checkpoint import save
@@ -223,6 +224,12 @@ def test_new_classification_head_on_a_language_model(checkpoint):
     with pytest.warns(UserWarning, match="newly initialized: score.weight"):
         model = mlx_encoders.load_model(source, task="sequence-classification", num_labels=3)
     assert model(mx.array([[5, 6, 7]])).logits.shape == (1, 3)
-    with pytest.raises(ValueError, match="batches of more than one text need one"):
+    with pytest.raises(ValueError, match="no pad_token_id and no attention_mask was given"):
         model(mx.array([[5, 6], [7, 8]]))
-    assert transformers.GPT2Config.from_pretrained(source).pad_token_id is None
+    # Without a pad token the mask says where each text ends: a padded row scores as that text alone.
+    padded = model(mx.array([[5, 6, 7], [8, 9, 0]]), attention_mask=mx.array([[1, 1, 1], [1, 1, 0]])).logits
+    alone = model(mx.array([[8, 9]])).logits[0]
+    config = transformers.GPT2Config.from_pretrained(source)
+    terms = config.n_layer * (config.n_embd + (config.n_inner or 4 * config.n_embd) + 3)
+    assert_float32_close(np.array(padded[1]), np.array(alone), terms)
+    assert config.pad_token_id is None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import sentence_transformers as st
 import torch
+import transformers
 from checkpoints import load_reference, qwen3_tokenizer
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.base.modules import Normalize, Transformer
@@ -28,7 +29,7 @@ from test_parity import as_torch, assert_close, check_parity
 from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
-from mlx_encoders import SentenceEncoder
+from mlx_encoders import SentenceEncoder, pipeline
 from mlx_encoders.conversion import convert
 from mlx_encoders.engine import attention as kernels
 from mlx_encoders.index import Index, build
@@ -206,14 +207,27 @@ def test_configs_that_cannot_work_are_refused(checkpoint, tmp_path, edit, messag
         mlx_encoders.load_model(folder)
 
 
-def test_sequence_classifier_without_pad_token_takes_one_text(checkpoint, tmp_path):
+def test_sequence_classifier_without_pad_token_reads_the_attention_mask(checkpoint, tmp_path):
+    """transformers classifies one text at a time when config.json has no pad_token_id; a padded batch here (the
+    pipeline's default) gives each text that answer, and a batch without a mask is refused by name."""
     folder = rewrite_config(
         checkpoint("qwen3", "sequence-classification"), tmp_path, lambda config: config.update(pad_token_id=None)
     )
-    model, tokenizer = mlx_encoders.load(folder)
-    assert model(**tokenizer(["one text"])).logits.shape == (1, 3)
-    with pytest.raises(ValueError, match="no pad_token_id: classify one text at a time"):
-        model(**tokenizer(["one text", "and another"], padding=True))
+    texts = TEXTS[:4]
+    reference = load_reference(folder, "sequence-classification")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        expected = [reference(**tokenizer([t], return_tensors="pt")).logits[0].numpy() for t in texts]
+    ours = pipeline("text-classification", model=folder, batch_size=4, top_k=None)
+    got = ours(texts)
+    scores = [{"LABEL_" + str(i): v for i, v in enumerate(np.exp(e) / np.exp(e).sum())} for e in expected]
+    for row, want in zip(got, scores, strict=True):
+        assert {r["label"]: r["score"] for r in row} == pytest.approx(want, rel=1e-4, abs=1e-6)
+    model, tok = mlx_encoders.load(folder)
+    batch = tok(texts, padding=True)
+    del batch["attention_mask"]
+    with pytest.raises(ValueError, match="no pad_token_id and no attention_mask was given"):
+        model(**batch)
 
 
 @pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])

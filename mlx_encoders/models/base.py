@@ -332,6 +332,28 @@ def masked_mean(x: mx.array, attention_mask: mx.array | None) -> mx.array:
     return (x * m).sum(axis=1) / mx.maximum(m.sum(axis=1), 1e-9)
 
 
+def last_non_padding(
+    input_ids: mx.array, pad_token_id: int | None, attention_mask: mx.array | None, family: str
+) -> mx.array:
+    """(B,) index of each row's rightmost token that is not `pad_token_id`, as transformers' sequence classifier
+    finds it (0 for a row of padding alone). Without a pad token, the rightmost position the attention mask keeps:
+    transformers takes one text at a time there, and this is its answer for each text of a padded batch."""
+    B, L = input_ids.shape
+    if pad_token_id is None:
+        if attention_mask is None:
+            if B != 1:
+                raise ValueError(
+                    f"{family} classifies on the last token that is not padding, but config.json has "
+                    "no pad_token_id and no attention_mask was given: pass the tokenizer's attention_mask, or set "
+                    "pad_token_id in config.json"
+                )
+            return mx.array([L - 1])
+        keep = attention_mask.astype(mx.bool_)
+    else:
+        keep = input_ids != pad_token_id
+    return mx.argmax(mx.arange(L)[None] * keep, axis=1)
+
+
 def takes_pooler(cls) -> bool:
     return "add_pooling_layer" in inspect.signature(cls.__init__).parameters
 

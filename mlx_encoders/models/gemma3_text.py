@@ -23,6 +23,7 @@ from .base import (
     ModelOutput,
     activation,
     embed,
+    last_non_padding,
     mask_value,
     merge_heads,
     run_layer,
@@ -228,14 +229,8 @@ class Gemma3TextForSequenceClassification(HeadModel):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        B, L = input_ids.shape
-        pad = self.args.pad_token_id
-        if pad is None and B != 1:
-            raise ValueError(
-                "Gemma 3 classifies on the last token that is not padding, and this config defines no pad_token_id: "
-                "batches of more than one text need one (set pad_token_id in config.json, as transformers does)"
-            )
-        last = mx.full((B,), L - 1) if pad is None else (mx.arange(L) * (input_ids != pad)).argmax(axis=-1)
+        B = input_ids.shape[0]
+        last = last_non_padding(input_ids, self.args.pad_token_id, attention_mask, "Gemma 3")
         out.logits = self.score(out.last_hidden_state[mx.arange(B), last])
         return out
 

@@ -21,6 +21,7 @@ from .base import (
     ModelOutput,
     activation,
     causal_mask,
+    last_non_padding,
     merge_heads,
     run_layer,
     split_heads,
@@ -253,14 +254,8 @@ class GPT2ForSequenceClassification(GPT2Head):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> ModelOutput:
         out = self.transformer(input_ids, attention_mask, token_type_ids, position_ids)
-        B, L = input_ids.shape
-        pad = self.args.pad_token_id
-        if pad is None and B != 1:
-            raise ValueError(
-                "GPT-2 classifies on the last token that is not padding, and this config defines no pad_token_id: "
-                "batches of more than one text need one (set pad_token_id in config.json, as transformers does)"
-            )
-        last = mx.full((B,), L - 1) if pad is None else (mx.arange(L) * (input_ids != pad)).argmax(axis=-1)
+        B = input_ids.shape[0]
+        last = last_non_padding(input_ids, self.args.pad_token_id, attention_mask, "GPT-2")
         out.logits = self.score(out.last_hidden_state[mx.arange(B), last])
         return out
 

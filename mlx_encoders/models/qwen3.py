@@ -22,6 +22,7 @@ from .base import (
     activation,
     causal_mask,
     embed,
+    last_non_padding,
     merge_heads,
     padding_mask,
     run_layer,
@@ -185,20 +186,6 @@ class Qwen3ForCausalLM(CausalLM):
     encoder_class = Qwen3Model
 
 
-def last_non_padding(input_ids: mx.array, pad_token_id: int | None) -> mx.array:
-    """(B,) index of each row's rightmost token that is not `pad_token_id`, as transformers' sequence classifier
-    finds it (0 for a row of padding alone); the last position when there is no pad token (one row only)."""
-    B, L = input_ids.shape
-    if pad_token_id is None:
-        if B != 1:
-            raise ValueError(
-                "Qwen3ForSequenceClassification reads the last token that is not padding, but config.json has no "
-                "pad_token_id: classify one text at a time, or set pad_token_id in config.json"
-            )
-        return mx.array([L - 1])
-    return mx.argmax(mx.arange(L)[None] * (input_ids != pad_token_id), axis=1)
-
-
 class Qwen3ForSequenceClassification(Qwen3Head):
     """`score` (no bias) on the hidden state of each row's last token that is not `pad_token_id`."""
 
@@ -208,7 +195,7 @@ class Qwen3ForSequenceClassification(Qwen3Head):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
         out = self.encode(input_ids, attention_mask)
-        last = last_non_padding(input_ids, self.args.pad_token_id)
+        last = last_non_padding(input_ids, self.args.pad_token_id, attention_mask, "Qwen3")
         pooled = mx.take_along_axis(out.last_hidden_state, last[:, None, None], axis=1)[:, 0]
         out.logits = self.score(pooled)
         return out
