@@ -368,8 +368,11 @@ def test_left_padded_batch_equals_transformers_and_one_by_one(checkpoint, task, 
 def test_generation_refuses_the_causal_lm_head(checkpoint):
     """generation's loop needs a key/value cache, which only GPT-2 has here: the error says so."""
     model, tokenizer = mlx_encoders.load(checkpoint("gemma3_text", "causal-lm", **CAUSAL))
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM has a causal-LM head but no key/value cache"):
+    refusal = "Gemma3ForCausalLM has a causal-LM head but no key/value cache, .* its next-token logits$"
+    with pytest.raises(ValueError, match=refusal):  # and no Qwen3-Reranker hint for a Gemma model
         mlx_encoders.generation.generate(model, tokenizer, "word", max_new_tokens=2)
+    with pytest.raises(ValueError, match=refusal):  # when the pipeline is built, not at its first call
+        mlx_encoders.pipeline("text-generation", model=model, tokenizer=tokenizer)
     # and the pipelines' refusal does not send it to text generation
-    with pytest.raises(ValueError, match="supports next-token logits only, no text generation"):
+    with pytest.raises(ValueError, match="supports next-token logits only, no text generation. Use"):
         mlx_encoders.pipeline("text-classification", model=model, tokenizer=tokenizer)

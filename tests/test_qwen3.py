@@ -630,3 +630,9 @@ def test_embed_training_from_a_plain_causal_lm_pools_its_last_token(checkpoint, 
     texts = ["a cat", "the much longer sentence here"]
     before = SentenceTransformer(str(plain), device="cpu").encode(texts)
     np.testing.assert_allclose(SentenceTransformer(str(trained.path), device="cpu").encode(texts), before, atol=1e-4)
+
+
+def test_text_generation_pipeline_is_refused_with_the_reranker_s_route(checkpoint):
+    """Qwen3's causal-LM head gives next-token logits (a reranker's yes/no) but no cache to generate with."""
+    with pytest.raises(ValueError, match="no key/value cache.*a Qwen3-Reranker folder scores pairs through"):
+        pipeline("text-generation", model=checkpoint("qwen3", "causal-lm"))

@@ -113,10 +113,12 @@ def special_ids(model: nn.Module, config: GenerationConfig) -> tuple[list[int], 
 
 def check_model(model: nn.Module) -> None:
     if not hasattr(model, "make_cache") and hasattr(model, "args") and task_of_model(model) == "causal-lm":
+        reranker = (
+            " (a Qwen3-Reranker folder scores pairs through `CrossEncoder`)" if model.args.model_type == "qwen3" else ""
+        )
         raise ValueError(
             f"{type(model).__name__} has a causal-LM head but no key/value cache, so it cannot generate here: "
-            "generation runs GPT-2 models; call the model for its next-token logits (a Qwen3-Reranker folder "
-            "scores pairs through `CrossEncoder`)"
+            f"generation runs GPT-2 models; call the model for its next-token logits{reranker}"
         )
     if not hasattr(model, "make_cache"):
         raise TypeError(

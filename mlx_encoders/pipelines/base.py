@@ -216,7 +216,8 @@ def supported(head: str, cls: type) -> str:
     """The pipeline task a head serves, and its command-line subcommand: "the 'feature-extraction' task
     (`mlx-encoders embed` on the command line)"."""
     if head == "causal-lm" and not hasattr(cls, "make_cache"):  # next-token logits without generation (Qwen3)
-        return "next-token logits only, no text generation (`CrossEncoder` scores a Qwen3-Reranker folder with them)"
+        reranker = " (`CrossEncoder` scores a Qwen3-Reranker folder with them)" if "Qwen3" in cls.__name__ else ""
+        return f"next-token logits only, no text generation{reranker}"
     task = served_task(head, cls)
     command = f" (`mlx-encoders {COMMANDS[task]}` on the command line)" if task in COMMANDS else ""
     return f"the {task!r} task{command}"

@@ -5,7 +5,7 @@ Prompts run `batch_size` at a time, left-padded into one batch; options are `Gen
 """
 
 from ..generation import GenerationConfig, generate
-from ..generation.loop import generation_config
+from ..generation.loop import check_model, generation_config
 from ..tokenizer import check_count
 from .base import Pipeline, batches
 
@@ -13,6 +13,11 @@ from .base import Pipeline, batches
 class TextGenerationPipeline(Pipeline):
     task = "text-generation"
     head = "causal-lm"
+
+    def check(self, model) -> None:
+        """A causal-LM head without a key/value cache (Qwen3's, Gemma 3's) is refused here, not at the first call."""
+        super().check(model)
+        check_model(model)
 
     def predict(
         self,
