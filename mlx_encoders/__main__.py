@@ -12,6 +12,7 @@ import json
 import math
 import sys
 
+import mlx.core as mx
 import numpy as np
 
 from .checkpoint.build import DTYPES
@@ -142,12 +143,11 @@ def fill_mask(args, texts: list[str]):
 def classify(args, texts: list[str]):
     from .pipelines import pipeline
 
-    clf = pipeline("text-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
     if args.rerank:
-        top_k = args.top_k if args.top_k and args.top_k > 0 else None
-        ranked = clf.rerank(args.query, texts, top_k=top_k, function_to_apply=args.function)
+        ranked = rerank(args, texts)
         rows = [[i, r["score"], r["corpus_id"], r["text"]] for i, r in enumerate(ranked, start=1)]
         return ranked, table(["rank", "score", "input", "text"], rows)
+    clf = pipeline("text-classification", model=args.model, batch_size=args.batch_size, dtype=args.dtype)
     inputs = [{"text": args.query, "text_pair": t} for t in texts] if args.query is not None else texts
     top_k = 1 if args.top_k is None else args.top_k if args.top_k > 0 else None
     results = clf(inputs, top_k=top_k, function_to_apply=args.function)
@@ -156,6 +156,25 @@ def classify(args, texts: list[str]):
         return table(["label", "score", "text"], [[r["label"], r["score"], text] for r in labels])
 
     return results, show
+
+
+def rerank(args, texts: list[str]) -> list[dict]:
+    """The texts best first as `CrossEncoder.rank` scores them: the activation saved with a cross-encoder folder (or
+    --function's), a Qwen3-Reranker's yes/no logits; a head of several labels by its last label, as the
+    text-classification pipeline's `rerank` does."""
+    from .embeddings.cross_encoder import CrossEncoder
+    from .pipelines import pipeline
+
+    top_k = args.top_k if args.top_k and args.top_k > 0 else None
+    encoder = CrossEncoder(args.model, dtype=args.dtype)
+    if encoder.num_labels != 1:
+        clf = pipeline("text-classification", model=(encoder.model, encoder.tokenizer), batch_size=args.batch_size)
+        return clf.rerank(args.query, texts, top_k=top_k, function_to_apply=args.function)
+    functions = {"sigmoid": mx.sigmoid, "softmax": lambda x: mx.softmax(x, axis=-1), "none": lambda x: x}
+    activation = functions.get(args.function)
+    return encoder.rank(
+        args.query, texts, top_k, return_documents=True, batch_size=args.batch_size, activation_fn=activation
+    )
 
 
 def tokens(args, texts: list[str]):

@@ -149,6 +149,28 @@ def test_classify_labels_pairs_and_rerank(capsys, classifier):
     assert [line.split(maxsplit=3)[3] for line in out.splitlines()[1:]] == [TEXTS[i] for i in order[:2]]
 
 
+def test_rerank_scores_as_the_cross_encoder_folder_says(capsys, checkpoint, tmp_path):
+    """A reranker saved with an Identity activation ranks by its raw logits, as sentence-transformers' rank() does
+    (not through the pipeline's default sigmoid); --function none/sigmoid replaces the activation."""
+    from sentence_transformers import CrossEncoder as TorchCrossEncoder
+
+    source = checkpoint("bert", "sequence-classification", num_labels=1, initializer_range=0.8)
+    TorchCrossEncoder(str(source), activation_fn=torch.nn.Identity()).save(str(tmp_path / "ce"))
+    query = "Was the film good?"
+    expected = TorchCrossEncoder(str(tmp_path / "ce")).rank(query, TEXTS, return_documents=True)
+    code, out, _ = run(capsys, "classify", "-m", tmp_path / "ce", "--query", query, "--rerank", "--json", *TEXTS)
+    got = json.loads(out)
+    assert code == 0 and [r["corpus_id"] for r in got] == [r["corpus_id"] for r in expected]
+    assert [r["text"] for r in got] == [r["text"] for r in expected]
+    logits = [float(r["score"]) for r in expected]
+    assert any(x < 0 or x > 1 for x in logits)  # raw logits, which no sigmoid gives
+    assert [r["score"] for r in got] == pytest.approx(logits, rel=1e-4, abs=1e-5)
+    code, out, _ = run(capsys, "classify", "-m", tmp_path / "ce", "--query", query, "--rerank", "--json",
+                       "--function", "sigmoid", *TEXTS)  # fmt: skip
+    sigmoid = [1 / (1 + np.exp(-x)) for x in logits]
+    assert [r["score"] for r in json.loads(out)] == pytest.approx(sigmoid, rel=1e-4, abs=1e-6)
+
+
 @pytest.mark.parametrize("top_k", [0, -1])
 def test_classify_top_k_all_as_help_says(capsys, classifier, top_k):
     ref = reference("text-classification", classifier, "sequence-classification")
