@@ -30,6 +30,7 @@ from tolerance import assert_float32_close, encoder_terms
 
 import mlx_encoders
 from mlx_encoders import SentenceEncoder, pipeline
+from mlx_encoders.__main__ import main
 from mlx_encoders.conversion import convert
 from mlx_encoders.engine import attention as kernels
 from mlx_encoders.index import Index, build
@@ -326,6 +327,16 @@ def test_reranker_matches_sentence_transformers(reranker_folder):
     ours = mlx_encoders.CrossEncoder(reranker_folder)
     assert ours.chat_template is not None and ours.logit_score.false_token_id is not None
     check_reranker(reranker_folder)
+
+
+def test_command_line_reranks_with_the_yes_no_logits(reranker_folder, capsys):
+    query, documents = PAIRS[0][0], [d for _, d in PAIRS]
+    expected = st.CrossEncoder(str(reranker_folder), device="cpu").rank(query, documents)
+    assert main(["classify", "-m", str(reranker_folder), "--query", query, "--rerank", "--json", *documents]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["corpus_id"] for r in got] == [r["corpus_id"] for r in expected]
+    want = [float(r["score"]) for r in expected]
+    assert [r["score"] for r in got] == pytest.approx(want, rel=1e-4, abs=1e-5 * max(map(abs, want)))
 
 
 def test_a_converted_reranker_keeps_its_chat_template(reranker_folder, tmp_path):
