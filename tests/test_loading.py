@@ -159,6 +159,16 @@ def test_shape_mismatch_is_named(checkpoint, tmp_path):
         mlx_encoders.load_model(folder)
 
 
+def test_alibaba_s_model_type_names_the_one_that_loads(checkpoint, tmp_path):
+    """gte-multilingual / gte-*-v1.5 say "new" (their remote code's name); the error says what to write."""
+    folder = copy(checkpoint("gte"), tmp_path)
+    edit_config(folder, lambda c: c.update(model_type="new"))
+    with pytest.raises(ValueError, match="""Unsupported model_type 'new' .*set "model_type": "gte" in its config"""):
+        mlx_encoders.load_model(folder)
+    edit_config(folder, lambda c: c.update(model_type="gte"))
+    mlx_encoders.load_model(folder)
+
+
 def test_unknown_model_type_lists_supported(checkpoint, tmp_path):
     folder = copy(checkpoint("bert"), tmp_path)
     edit_config(folder, lambda c: c.update(model_type="funnel"))

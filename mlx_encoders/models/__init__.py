@@ -91,9 +91,21 @@ def native_config(config: dict) -> dict:
     return jina.from_remote_config(config) if jina.is_remote_config(config) else config
 
 
+# Model types of remote-code folders that a supported module reads once config.json names it.
+RENAMED_TYPES = {"new": "gte"}  # Alibaba's gte-multilingual and gte-*-en-v1.5
+
+
 def model_module(model_type: str) -> ModuleType:
     if model_type not in ALL_TYPES:
-        raise ValueError(f"Unsupported model_type {model_type!r} in config.json; supported: {', '.join(ALL_TYPES)}")
+        hint = (
+            f' (a remote-code folder of that kind loads as {RENAMED_TYPES[model_type]!r}: set "model_type": '
+            f'"{RENAMED_TYPES[model_type]}" in its config.json)'
+            if model_type in RENAMED_TYPES
+            else ""
+        )
+        raise ValueError(
+            f"Unsupported model_type {model_type!r} in config.json{hint}; supported: {', '.join(ALL_TYPES)}"
+        )
     return importlib.import_module(f"{__name__}.{ALL_TYPES[model_type]}")
 
 
