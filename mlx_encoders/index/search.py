@@ -246,8 +246,8 @@ class Index:
         }
 
     def quantize(self, vectors: np.ndarray) -> np.ndarray:
-        """int8 codes (ranges from the whole index) or +-1 signs, held as float32 for a BLAS product: exact, as
-        sums of int8 products stay below 2**24 up to 1040 dimensions."""
+        """int8 codes (ranges from the whole index, per dimension) or +-1 signs, held as float32 for a BLAS
+        product."""
         if self.precision == "binary":
             return np.where(vectors > 0, 1, -1).astype(np.float32)
         if not hasattr(self, "ranges"):
@@ -387,7 +387,10 @@ class Index:
             rows = ann_index.candidates_of(self.graph, vector, count, expansion, self.precision, self.scale)
             pool = np.searchsorted(self.rows, rows)  # rows are stored ascending
         else:  # int8 codes close enough that the rescored pool holds the exact best
-            coarse = self.codes @ self.quantize(vector[None])[0]
+            # a code c stands for low + (c + 128) * step per dimension: against the float query, codes @ (step * q)
+            # orders the documents as their values do (the offsets add the same to every score)
+            steps = (self.ranges[1] - self.ranges[0]) / 255
+            coarse = self.codes @ (steps * vector).astype(np.float32)
             pool = best(coarse, count)
         scores = self.vectors[pool] @ vector
         top = best(scores, k)
