@@ -502,6 +502,22 @@ def small_queue(folders):
         yield url
 
 
+def test_openai_retrieves_a_model_named_by_a_hub_id(folders):
+    """A model served under its hub id (`--model org/name`'s default name) is found by the SDK's retrieve."""
+    import openai
+    from openai import OpenAI
+
+    from mlx_encoders import serve
+
+    with pytest.warns(UserWarning, match="pooling"):
+        app = serve.app({"org/tiny": folders["tiny"]})
+    with in_process(app) as url:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.models.retrieve("org/tiny").id == "org/tiny"
+        with pytest.raises(openai.NotFoundError, match="The model 'org/other' does not exist"):
+            client.models.retrieve("org/other")
+
+
 def test_a_flood_beyond_the_queue_gets_429_then_the_server_recovers(small_queue, folders):
     key = {"Authorization": "Bearer secret"}
     body = {"model": "tiny", "input": ["hello"]}  # under the 32-token budget: the first waits 300 ms in the queue

@@ -166,7 +166,7 @@ ROUTES = {
     "/embeddings": (embeddings, ["POST"]),  # TEI's (and Infinity's) unprefixed alias
     "/v1/classify": (classify, ["POST"]),
     "/v1/models": (models, ["GET"]),
-    "/v1/models/{model}": (model, ["GET"]),
+    "/v1/models/{model:path}": (model, ["GET"]),  # a hub id's slash is part of the name
 }
 
 
