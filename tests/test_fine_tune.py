@@ -391,12 +391,12 @@ def test_qlora_on_a_quantized_encoder_with_per_module_settings(checkpoint, tmp_p
 
 def test_gradient_checkpointing_with_qlora_changes_memory_not_results(checkpoint, tmp_path):
     """QLoRA's memory option: each layer's activations recomputed in the backward pass, through the quantized
-    CPU path's own vjp; the trained adapters equal those of a run without it (dropout off: a checkpointed layer
-    draws its own random key, so its dropout masks differ from an unchecked run's)."""
+    CPU path's own vjp; the trained adapters equal those of a run without it, dropout on (a checkpointed layer
+    draws the masks an unchecked one draws, in the forward pass and again in its recomputation)."""
     from mlx_encoders.quantization import quantize_model
 
-    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model, tokenizer = mlx_encoders.load(checkpoint("bert", hidden_size=64, intermediate_size=128, **no_dropout))
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", hidden_size=64, intermediate_size=128))
+    assert model.args.hidden_dropout_prob > 0
     quantize_model(model, bits=8, group_size=32)
     folder = mlx_encoders.save(model, tmp_path / "q8", tokenizer)
     data = classification_file(tmp_path)

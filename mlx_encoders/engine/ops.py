@@ -241,6 +241,11 @@ def drawing_from(state: list[mx.array]) -> Iterator[None]:
         _KEYS.reset(token)
 
 
+def drawing_state() -> list[mx.array] | None:
+    """The one-key list of the enclosing `drawing_from` block, or None outside one."""
+    return _KEYS.get()
+
+
 def next_key() -> mx.array | None:
     """The next key of the enclosing `drawing_from` block's state, or None (MLX's global key) outside one."""
     state = _KEYS.get()

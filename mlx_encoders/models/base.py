@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.quantized import QuantizedLinear
-from .layers import Dropout, Linear, attention, drawing_from, gelu, gelu_tanh, next_key, silu
+from .layers import Dropout, Linear, attention, drawing_from, drawing_state, gelu, gelu_tanh, silu
 
 # Keys whose value must be a positive count (each architecture uses its own subset).
 POSITIVE_KEYS = (
@@ -239,16 +239,26 @@ class Model:
 def run_layer(layer: nn.Module, *args, checkpoint: bool):
     """`layer(*args)`; with `checkpoint`, through mx.checkpoint (nn.utils.checkpoint passes the layer's trainable
     parameters in explicitly: mx.checkpoint differentiates its arguments only). The recomputation must draw the
-    forward pass's dropout masks again, so each call draws from a random key of its own."""
+    forward pass's dropout masks again. Inside `drawing_from` (training) the layer draws from the key the run
+    stands at and the run's key moves past its draws, so the masks are those of a run without checkpointing;
+    outside, each call draws from a random key of its own."""
     if not checkpoint:
         return layer(*args)
-    key = mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32, key=next_key())
+    state = drawing_state()
+    start = state[0] if state is not None else mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32)
+    after = []
 
     def keyed(*args):
-        with drawing_from([key]):
-            return layer(*args)
+        keys = [start]
+        with drawing_from(keys):
+            out = layer(*args)
+        after.append(keys[0])  # the forward pass's; the recomputation appends the same key again
+        return out
 
-    return nn.utils.checkpoint(layer, keyed)(*args)
+    out = nn.utils.checkpoint(layer, keyed)(*args)
+    if state is not None:
+        state[0] = after[0]
+    return out
 
 
 ACTIVATIONS = {

@@ -17,6 +17,7 @@ from ..engine.attention import attention, blockwise_attention
 from ..engine.ops import (
     MAX_HASHED,
     drawing_from,
+    drawing_state,
     gelu,
     gelu_tanh,
     layer_norm,
@@ -34,8 +35,8 @@ from ..engine.quantized import QuantizedEmbedding, QuantizedLinear
 
 __all__ = [
     "Dropout", "Embedding", "GatedMLP", "LayerNorm", "Linear",
-    "attention", "blockwise_attention", "drawing_from", "gelu", "gelu_tanh", "grouped_attention", "linear",
-    "next_key", "one_lookup", "rope", "rope_wavelengths", "silu",
+    "attention", "blockwise_attention", "drawing_from", "drawing_state", "gelu", "gelu_tanh", "grouped_attention",
+    "linear", "next_key", "one_lookup", "rope", "rope_wavelengths", "silu",
 ]  # fmt: skip
 
 
