@@ -84,8 +84,19 @@ def test_targets_are_names_or_patterns(checkpoint):
     model, _, _ = load(checkpoint)
     adapted = apply_lora(model, RANK, ALPHA, targets=["value", r".*\.intermediate\.dense"])
     assert len(adapted) == 2 * model.args.num_hidden_layers
-    with pytest.raises(ValueError, match="No linear"):
+    with pytest.raises(ValueError, match="No linear.*its linears: .*bert.encoder.layer.N.attention.self.query"):
         apply_lora(load(checkpoint)[0], targets=["no_such_module"])
+
+
+@pytest.mark.parametrize("targets", [["attention.self.query"], ["intermediate.dense"], ["self.query", "self.value"]])
+def test_targets_as_peft_names_them(checkpoint, targets):
+    """PEFT's target_modules list: a name equals the path or ends it after a dot; ours adapts what PEFT adapts."""
+    import peft
+
+    reference = load_reference(checkpoint("bert", TASK), TASK)
+    adapted = peft.get_peft_model(reference, peft.LoraConfig(r=RANK, target_modules=targets))
+    expected = {n.removeprefix("base_model.model.") for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+    assert expected and set(apply_lora(load(checkpoint)[0], RANK, ALPHA, targets=targets)) == expected
 
 
 def test_training_changes_only_adapters_and_head(checkpoint):

@@ -96,9 +96,10 @@ def encoder_of(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def matches(path: str, targets: list[str]) -> bool:
-    """A target is a module name (`query`) or a regular expression over the full path (`.*intermediate.dense`)."""
+    """A target is a module name (`query`), the end of a path after a dot (`attention.self.query`, as PEFT's
+    `target_modules` list), or a regular expression over the name or the full path (`.*intermediate.dense`)."""
     name = path.rsplit(".", 1)[-1]
-    return any(re.fullmatch(t, name) or re.fullmatch(t, path) for t in targets)
+    return any(path.endswith("." + t) or re.fullmatch(t, name) or re.fullmatch(t, path) for t in targets)
 
 
 def default_targets(model: nn.Module) -> list[str]:
@@ -114,7 +115,13 @@ def apply_lora(
     targets = targets or default_targets(model)
     chosen = [(p, m) for p, m in encoder.named_modules() if isinstance(m, LINEARS) and matches(prefix + p, targets)]
     if not chosen:
-        raise ValueError(f"No linear of the {model.args.model_type} encoder matches the LoRA targets {targets}")
+        names = sorted(
+            {re.sub(r"\.\d+\.", ".N.", prefix + p) for p, m in encoder.named_modules() if isinstance(m, LINEARS)}
+        )
+        raise ValueError(
+            f"No linear of the {model.args.model_type} encoder matches the LoRA targets {targets}: a target is a "
+            f"module name, the end of its path or a regular expression; its linears: {', '.join(names)}"
+        )
     encoder.update_modules(tree_unflatten([(p, LoRALinear(m, rank, alpha, dropout)) for p, m in chosen]))
     freeze_base(model)
     model.lora_config = LoRAConfig(rank, alpha, dropout, targets)

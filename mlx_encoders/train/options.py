@@ -84,8 +84,8 @@ CALL = (
     Option("tokenizer", "folder holding tokenizer.json (default: the model's)", Path_ | None, group="model"),
     Option("lora_rank", "train rank-r LoRA adapters over the frozen model", int | None, kind=int, group="model"),
     Option("lora_alpha", "LoRA scale numerator (default 2 x rank)", float | None, kind=float, group="model"),
-    Option("lora_targets", "linears to adapt (default: the attention projections)", list[str] | None, nargs="+",
-           group="model"),
+    Option("lora_targets", "linears to adapt (default: the attention projections): names (`query`), ends of paths "
+           "(`attention.self.query`, as PEFT) or regular expressions", list[str] | None, nargs="+", group="model"),
     Option("eval_data", "evaluation data, same format", Data | None),
     Option("text_column", 'text column (default "text"; "tokens" for tokens)', tasks=TEXT),
     Option("text_pair_column", "second text column, for classify on text pairs", tasks=(CLASSIFY,)),
