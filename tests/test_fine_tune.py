@@ -66,6 +66,22 @@ def classification_file(tmp_path, name="train.jsonl", rows=None):
     return write_jsonl(tmp_path / name, rows)
 
 
+def test_eval_label_ids_against_training_label_names_are_refused(checkpoint, tmp_path):
+    """Training names its labels (their ids are the sorted names'): ids in the evaluation data would be read in an
+    order the user never chose, and the metrics would be wrong; with label2id= they mean what it says."""
+    data = classification_file(tmp_path)
+    ids = {"neg": 0, "neutral": 1, "pos": 2}
+    eval_rows = [{"text": t, "label": ids[label]} for t, label in zip(TEXTS, LABELS, strict=True)]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", eval_rows)
+    with pytest.raises(DataError, match=r"eval_data: .*eval.jsonl:1: label id 2, where the training data names"):
+        fine_tune("classify", data, tmp_path / "run", model=checkpoint("bert"), eval_data=eval_file, max_steps=1)
+    trained = fine_tune(
+        "classify", data, tmp_path / "run2", model=checkpoint("bert"), eval_data=eval_file, max_steps=1,
+        label2id=ids,
+    )  # fmt: skip
+    assert trained.model.args.id2label == {i: name for name, i in ids.items()}
+
+
 def test_cli_classify_fine_tunes_an_encoder_into_a_head_transformers_reads(checkpoint, tmp_path, capsys):
     train_file = classification_file(tmp_path)
     eval_file = tmp_path / "eval.csv"

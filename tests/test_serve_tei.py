@@ -315,13 +315,15 @@ def test_tei_status_codes_and_error_body(server, path, body, status, kind):
 
 def test_openapi_lists_every_route_with_its_request_fields(server):
     from mlx_encoders.serve.protocols.tei import EmbedRequest
+    from mlx_encoders.serve.schema import openapi_path
     from mlx_encoders.serve.server import ROUTES
 
     schema = post(server, "/openapi.json", None)
     assert schema["openapi"].startswith("3.")
     for path, route in ROUTES.items():
-        assert set(schema["paths"][path]) == {m.lower() for m in route.methods}, path
-    assert set(schema["paths"]) == set(ROUTES)
+        assert set(schema["paths"][openapi_path(path)]) == {m.lower() for m in route.methods}, path
+    assert set(schema["paths"]) == {openapi_path(p) for p in ROUTES}
+    assert schema["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
     for path, route in ROUTES.items():  # a model declared with postponed annotations would lose its Required keys
         model = getattr(route.handler, "request_model", None)
         assert model is not None or "POST" not in route.methods, f"{path} declares no request fields"

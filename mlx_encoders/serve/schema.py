@@ -4,6 +4,7 @@ turns every route and its model into the OpenAPI 3.1 document served at /openapi
 
 import functools
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -75,6 +76,11 @@ def json_schema(kind: Any) -> dict:
     raise TypeError(f"no JSON Schema for the annotation {kind!r}")
 
 
+def openapi_path(path: str) -> str:
+    """A route's path as OpenAPI writes its template: `{model:path}` (Starlette's converter) as `{model}`."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path)
+
+
 def openapi(routes: dict, title: str, version: str) -> dict:
     """OpenAPI 3.1 of `routes` (path -> Endpoint): per method the handler's docstring and, for a handler marked
     with `accepts`, its request body's schema."""
@@ -83,13 +89,19 @@ def openapi(routes: dict, title: str, version: str) -> dict:
         summary = (inspect.getdoc(route.handler) or path).split("\n\n")[0].replace("\n", " ")
         model = getattr(route.handler, "request_model", None)
         operations = {}
+        parameters = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in re.findall(r"\{(\w+)", path)
+        ]
         for method in route.methods:
             operation = {"summary": summary, "responses": {"200": {"description": "the answer"}}}
+            if parameters:
+                operation["parameters"] = parameters
             if method == "POST":
                 body = json_schema(model) if model is not None else {"type": "object"}
                 operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
             operations[method.lower()] = operation
-        paths[path] = operations
+        paths[openapi_path(path)] = operations
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths}
 
 

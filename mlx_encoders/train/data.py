@@ -251,10 +251,17 @@ def label_key(value, row: Row, column: str) -> str | int:
     )
 
 
+class NamedInData(dict):
+    """label2id built from the label names of the data: ids in other data (the evaluation's) would be read against
+    an order the user never chose, so they are refused."""
+
+
 def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int] | None) -> dict[str, int]:
-    """The given `label2id`, else one built from the data: sorted names -> 0..n-1, or ids 0..max as "LABEL_i"."""
+    """The given `label2id`, else one built from the data: sorted names -> 0..n-1 (a `NamedInData`), or ids 0..max
+    as "LABEL_i"."""
     if label2id is not None:
-        return {str(name): int(i) for name, i in label2id.items()}
+        given = {str(name): int(i) for name, i in label2id.items()}
+        return NamedInData(given) if isinstance(label2id, NamedInData) else given
     names = sorted({k for k, _ in keys if isinstance(k, str)})
     ids = [(k, row) for k, row in keys if isinstance(k, int)]
     if names and ids:
@@ -264,7 +271,7 @@ def build_label2id(keys: list[tuple[str | int, Row]], label2id: Mapping[str, int
             f"as a name or every label as an id, or pass label2id={numbers}"
         )
     if names:
-        return {name: i for i, name in enumerate(names)}
+        return NamedInData({name: i for i, name in enumerate(names)})
     # ids may leave gaps (a sample of the classes), but a far-off id is a typo that would build a huge head
     distinct = len({k for k, _ in ids})
     for k, row in ids:
@@ -291,6 +298,12 @@ def check_classes(mapping: dict[str, int], rows: list[Row], label2id: Mapping[st
 def label_id(key: str | int, row: Row, label2id: dict[str, int]) -> int:
     """The id of a label name or id, checked against `label2id`."""
     if isinstance(key, int):
+        if isinstance(label2id, NamedInData):
+            names = ", ".join(list(label2id)[:5])
+            raise DataError(
+                f"{row.where}: label id {key}, where the training data names its labels ({names}); write the labels "
+                "as names, or pass label2id= giving each name its id"
+            )
         if key in label2id.values():
             return key
         raise DataError(f"{row.where}: label id {key} is not one of the ids 0..{len(label2id) - 1}; fix the row")
