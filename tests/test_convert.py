@@ -345,6 +345,33 @@ def test_sharding_writes_an_index(tmp_path, bert):
     assert text_cosines(ours(out, ids, mask), oracle(bert, "encoder", ids, mask), mask).min() > MIN_COSINE[8]
 
 
+def test_a_model_no_group_size_fits_is_refused_before_calibrating(tmp_path, checkpoint, capsys, monkeypatch):
+    """TinyBERT's widths (312, 1200) take no affine group size: convert says to keep it float, before the
+    calibration pass (which would run for nothing), and quantize_model says the same."""
+    source = checkpoint("bert", hidden_size=40, intermediate_size=50)
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated a model that cannot be quantized")
+
+    monkeypatch.setattr(conversion, "input_hessians", no_calibration)
+    assert main([str(source), "--mlx-path", str(tmp_path / "mlx"), "-q", "--bits", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "divides none of this model's input widths (40, 50)" in err and "keep this model float" in err
+    assert not (tmp_path / "mlx").exists()
+    with pytest.raises(OptionError, match="no affine group size .* divides them; keep this model float"):
+        mlx_encoders.quantization.quantize_model(mlx_encoders.load_model(source), bits=8)
+
+
+def test_a_quantized_model_is_not_quantized_again(checkpoint):
+    """A second quantize_model changed nothing and returned the new settings as though it had."""
+    model = mlx_encoders.load_model(checkpoint("bert", hidden_size=32, intermediate_size=96))
+    mlx_encoders.quantization.quantize_model(model, bits=8, group_size=32)
+    with pytest.raises(ValueError, match=r"quantized already \(\d+ modules, .*dequantize_model\(model\) first"):
+        mlx_encoders.quantization.quantize_model(model, bits=4, group_size=32)
+    mlx_encoders.quantization.dequantize_model(model)
+    assert mlx_encoders.quantization.quantize_model(model, bits=4, group_size=32)["bits"] == 4
+
+
 def test_a_group_size_that_fits_no_width_is_refused_naming_one_that_does(tmp_path, checkpoint, capsys):
     source = checkpoint("bert", hidden_size=32, intermediate_size=96)  # widths 32 and 96: 64 divides neither
     args = [str(source), "--mlx-path", str(tmp_path / "mlx"), "-q", "--bits", "8", "--group-size", "64"]

@@ -49,6 +49,7 @@ from ..quantization import (
     dequantize_model,
     input_hessians,
     quantizable_paths,
+    quantization_plan,
     quantization_spec,
     quantize_model,
     recipe_rule,
@@ -287,6 +288,10 @@ def convert(
             f"calibration (--calibration) tokenizes its texts, and {checkpoint.path} has no tokenizer.json: add the "
             "source's tokenizer files, or quantize without calibration (--no-calibration)"
         )
+    if spec is not None and not dequantize:  # a group size that fits nothing is refused before calibrating
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Recipe pattern .* matches no Linear or Embedding")
+            quantization_plan(model, spec["bits"], group_size, spec["mode"], recipe)
     calibration = calibration_texts(calibration, spec, tokenizer)
     hessians = input_hessians(model, tokenizer, calibration, max_length=CALIBRATION_TOKENS) if calibration else None
     batch = probe_batch(model, tokenizer)

@@ -14,12 +14,19 @@ and GPTQ; `calibration`: the calibration texts and the input Hessians measured o
 """
 
 from .calibration import CALIBRATION_TOKENS, builtin_calibration, calibration_texts, input_hessians
-from .quantize import applied_settings, dequantize_model, quantizable_paths, quantize_model, warn_unmatched_patterns
+from .quantize import (
+    applied_settings,
+    dequantize_model,
+    quantizable_paths,
+    quantization_plan,
+    quantize_model,
+    warn_unmatched_patterns,
+)
 from .recipes import MODES, OptionError, quantization_spec, recipe_rule
 from .rounding import affine_grid, gptq, output_error
 
 __all__ = [
     "MODES", "OptionError", "quantization_spec", "recipe_rule", "quantize_model", "dequantize_model",
     "applied_settings", "affine_grid", "gptq", "output_error", "CALIBRATION_TOKENS", "builtin_calibration",
-    "calibration_texts", "input_hessians", "quantizable_paths", "warn_unmatched_patterns",
+    "calibration_texts", "input_hessians", "quantizable_paths", "quantization_plan", "warn_unmatched_patterns",
 ]  # fmt: skip

@@ -40,6 +40,33 @@ def quantize_model(
         for p, m in model.named_modules()
         if quantizable(m) and hessians is not None
     }
+    config, settings = quantization_plan(model, bits, group_size, mode, recipe)
+    nn.quantize(model, class_predicate=lambda path, module: settings.get(path, False))
+    set_scale_dtype(model)
+    if hessians is not None:
+        apply_gptq(model, hessians, floats)
+    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
+        mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
+    return config
+
+
+def quantization_plan(
+    model: nn.Module,
+    bits: int | None = None,
+    group_size: int | None = None,
+    mode: str = "affine",
+    recipe: str | dict | None = None,
+) -> tuple[dict, dict[str, dict]]:
+    """(config.json's `quantization` entry, each quantized module's settings) of `quantize_model`'s arguments,
+    checked before any work: an OptionError when nothing would be quantized, a ValueError for a model that holds
+    quantized modules already."""
+    already = [p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if already:
+        raise ValueError(
+            f"The model is quantized already ({len(already)} modules, e.g. {already[0]}): quantizing again would "
+            "leave them as they are; dequantize_model(model) first to quantize it at other settings"
+        )
     spec = quantization_spec(bits, group_size, mode)
     rule = recipe_rule(recipe, spec, group_size)
     default = recipe_default(recipe, spec, group_size)
@@ -60,14 +87,7 @@ def quantize_model(
     if modules and not settings:
         from_recipe = any(group != spec["group_size"] for _, group in misfits.values())
         raise OptionError(nothing_quantized(misfits, from_recipe))
-    nn.quantize(model, class_predicate=lambda path, module: settings.get(path, False))
-    set_scale_dtype(model)
-    if hessians is not None:
-        apply_gptq(model, hessians, floats)
-    quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    for module in tqdm(quantized, desc="quantizing", unit="module", leave=False):
-        mx.eval(module.parameters())  # quantization is lazy: evaluate module by module to show progress
-    return config
+    return config, settings
 
 
 def quantizable(module: nn.Module) -> bool:
@@ -98,12 +118,10 @@ def nothing_quantized(misfits: dict[str, tuple[int, int]], from_recipe: bool = F
     fits = [g for g in (128, 64, 32) if all(w % g == 0 for w in widths)]
     fits = fits or [g for g in (128, 64, 32) if any(w % g == 0 for w in widths)]
     where = "the recipe's group_size" if from_recipe else "group_size, --group-size"
-    use = f'"group_size": {fits[0]} in the recipe\'s entries' if from_recipe else f"--group-size {fits[0]}"
-    advice = (
-        f"use group_size={fits[0]} ({use}, affine mode)"
-        if fits
-        else "no affine group size (128, 64, 32) divides them; keep this model float"
-    )
+    advice = "no affine group size (128, 64, 32) divides them; keep this model float"
+    if fits:
+        use = f'"group_size": {fits[0]} in the recipe\'s entries' if from_recipe else f"--group-size {fits[0]}"
+        advice = f"use group_size={fits[0]} ({use}, affine mode)"
     return (
         f"group size {groups} ({where}) divides none of this model's input widths "
         f"({', '.join(map(str, widths))}), so nothing would be quantized; {advice}"
