@@ -123,9 +123,14 @@ def test_combined_scores_match_flag_embedding(bge_m3, flag):
     # into MaxSim, so a pair's ColBERT score would depend on its batch-mates.
     pairs = [(a, b) for a in QUERIES for b in DOCUMENTS]
     expected = flag.compute_score(pairs, batch_size=1, weights_for_different_modes=weights)
+    m3 = BGEM3(bge_m3[1])  # one query or one document as a str: its row or column
+    row = m3.compute_scores(QUERIES[1], DOCUMENTS, tuple(weights))
+    column = m3.compute_scores(QUERIES, DOCUMENTS[0], tuple(weights))
     for mode in ("dense", "sparse", "colbert", "sparse+dense", "colbert+sparse+dense"):
         theirs = np.array(expected[mode]).reshape(len(QUERIES), len(DOCUMENTS))
         np.testing.assert_allclose(scores[mode], theirs, atol=1e-5, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(row[mode], theirs[1:2], atol=1e-5, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(column[mode], theirs[:, :1], atol=1e-5, rtol=1e-5, err_msg=mode)
 
 
 def test_heads_are_read_only_as_safetensors(tmp_path, bge_m3, monkeypatch):

@@ -257,3 +257,23 @@ def test_without_a_mask_module_expansion_tokens_are_not_scored_as_sentence_trans
     with pytest.warns(UserWarning, match="expansion tokens are not scored"):
         encoder = MultiVectorEncoder(folder)
     assert_matrices_close(encoder.encode_query(["what is a cat?"]), expected)
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_a_document_without_tokens_scores_as_sentence_transformers_scores_it(length_normalize):
+    """Every token masked (a skiplist) leaves a document no vectors: a finite -1e9 (before normalizing), with a
+    warning, where a max over nothing gave -inf (NaN in a weighted fusion, not JSON)."""
+    from sentence_transformers import util
+
+    from mlx_encoders.embeddings.multi_vector import maxsim
+
+    rng = np.random.default_rng(0)
+    queries = [rng.normal(size=(3, 4)).astype(np.float32), np.zeros((0, 4), np.float32)]
+    documents = [np.zeros((0, 4), np.float32), rng.normal(size=(2, 4)).astype(np.float32)]
+    expected = util.maxsim([torch.tensor(q) for q in queries], [torch.tensor(d) for d in documents],
+                           length_normalize=length_normalize).numpy()  # fmt: skip
+    with pytest.warns(UserWarning, match="A document without token vectors .* scores -1e\\+09"):
+        got = np.array(maxsim(queries, documents, length_normalize=length_normalize))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    with pytest.warns(UserWarning, match="without token vectors"):
+        np.testing.assert_array_equal(np.array(maxsim(queries[:1], documents[:1])), [[-1e9]])  # no token at all

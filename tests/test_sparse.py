@@ -5,6 +5,7 @@ and saved by sentence-transformers itself: max and sum pooling, relu and log1p_r
 texts past the length limit in padded batches, and the inference-free Router (SparseStaticEmbedding queries).
 """
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,20 @@ def test_max_seq_length_is_read_and_set_as_sentence_transformers(tmp_path, mlm):
     np.testing.assert_allclose(got.toarray(), dense(theirs.encode(TEXTS)), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"SparseEncoder.max_seq_length \(4096\) is more than the"):
         ours.max_seq_length = 4096
+
+
+def test_query_and_document_lengths_cut_as_sentence_transformers(tmp_path, mlm):
+    """sentence-transformers 6's Transformer cuts a query at query_length and a document at document_length."""
+    transformer = Transformer(str(mlm["bert"]), transformer_task="fill-mask", max_seq_length=MAX_SEQ_LENGTH,
+                              query_length=6, document_length=10)  # fmt: skip
+    STSparseEncoder(modules=[transformer, SpladePooling("max")], device="cpu").save(str(tmp_path / "st"))
+    theirs, ours = STSparseEncoder(str(tmp_path / "st"), device="cpu"), SparseEncoder(tmp_path / "st")
+    assert (ours.max_length("query"), ours.max_length("document"), ours.max_length()) == (6, 10, MAX_SEQ_LENGTH)
+    for method in ("encode_query", "encode_document", "encode"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the texts cut
+            got = getattr(ours, method)(TEXTS).toarray()
+        np.testing.assert_allclose(got, dense(getattr(theirs, method)(TEXTS)), atol=1e-5, rtol=1e-5, err_msg=method)
 
 
 def test_prompts_max_active_dims_similarity_and_decode_match(tmp_path, mlm):
@@ -246,3 +261,19 @@ def test_a_bare_masked_lm_checkpoint_is_max_pooled_splade_as_sentence_transforme
     expected = STSparseEncoder(str(mlm["bert"]), device="cpu").encode(TEXTS[:3], batch_size=4)
     got = SparseEncoder(mlm["bert"]).encode(TEXTS[:3], batch_size=4)
     np.testing.assert_allclose(got.toarray(), dense(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_arrays_score_and_decode_as_their_float32_values(tmp_path, mlm):
+    import mlx.core as mx
+
+    encoder = SparseEncoder(save_splade(tmp_path / "st", mlm["bert"]))
+    vectors = encoder.encode(TEXTS[:3], convert_to_sparse_tensor=False)
+    half = mx.array(vectors).astype(mx.bfloat16)
+    widened = np.array(half.astype(mx.float32))
+    np.testing.assert_array_equal(
+        np.array(encoder.similarity(half, half)), np.array(encoder.similarity(widened, widened))
+    )
+    np.testing.assert_array_equal(
+        np.array(encoder.similarity_pairwise(half, half)), np.array(encoder.similarity_pairwise(widened, widened))
+    )
+    assert encoder.decode(half, top_k=3) == encoder.decode(widened, top_k=3)

@@ -168,12 +168,14 @@ class BGEM3(Encoder):
         max_query_length: int | None = None,
         max_passage_length: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """(N, M) scores of every query with every document: "dense", "sparse", "colbert", and the weighted means
-        "sparse+dense" and "colbert+sparse+dense" (weights for dense, sparse, colbert, as FlagEmbedding's), the
-        queries cut at `max_query_length` tokens (`query_max_length`), the documents at `max_passage_length`."""
+        """(N, M) scores of every query with every document (one str: one row or column): "dense", "sparse",
+        "colbert", and the weighted means "sparse+dense" and "colbert+sparse+dense" (weights for dense, sparse,
+        colbert, as FlagEmbedding's), the queries cut at `max_query_length` tokens (`query_max_length`), the
+        documents at `max_passage_length`."""
         if len(weights_for_different_modes) != 3:
             raise ValueError(f"weights_for_different_modes takes 3 weights, got {weights_for_different_modes!r}")
         wd, ws, wc = weights_for_different_modes
+        queries, documents = ([t] if isinstance(t, str) else t for t in (queries, documents))  # one text: a row
         query_length = self.query_max_length if max_query_length is None else max_query_length
         q = self.encode(queries, max_length=query_length, return_colbert_vecs=True)
         d = self.encode(documents, max_length=max_passage_length, return_colbert_vecs=True)

@@ -26,6 +26,7 @@ from ..chat_template import ChatTemplate, read_chat_template
 from ..checkpoint import Checkpoint, inside, read_json_object, read_safetensors
 from ..checkpoint import read_modules as read_module_entries
 from ..checkpoint.files import COLBERT_LAYOUT, MODULES_FILE, SENTENCE_CONFIG_FILE, SETTINGS_FILE
+from ..tokenizer import token_limit
 from .pooling import parse_modes
 
 ROUTER_FILE = "router_config.json"
@@ -483,6 +484,16 @@ def lowercase(tokenizer) -> None:
     if any(isinstance(n, normalizers.Lowercase) for n in parts):
         return
     tokenizer.backend.normalizer = normalizers.Sequence([normalizers.Lowercase()] + ([current] if current else []))
+
+
+def role_lengths(sentence_config: dict, tokenizer, max_tokens: int | None) -> dict[str, int]:
+    """sentence-transformers 6's Transformer: a query's or a document's own token limit (query_length,
+    document_length), in place of max_seq_length, within the model's positions."""
+    return {
+        role: token_limit(tokenizer, max_tokens, length)
+        for role in ("query", "document")
+        if (length := sentence_config.get(f"{role}_length"))
+    }
 
 
 def apply_sentence_config(tokenizer, sentence_config: dict) -> None:

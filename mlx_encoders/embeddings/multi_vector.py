@@ -26,9 +26,10 @@ CHUNK_ELEMENTS = 2**24  # MaxSim scores (queries x query tokens x documents x do
 
 
 def padded(matrices: list) -> tuple[mx.array, mx.array]:
-    """A list of (n_i, D) matrices -> (N, L, D) float32 zero-padded and the (N, L) 1/0 mask of real rows."""
+    """A list of (n_i, D) matrices -> (N, L, D) float32 zero-padded and the (N, L) 1/0 mask of real rows; L is 1
+    at least, so a max over the rows of matrices without any has one masked row to take."""
     matrices = [to_numpy(m).astype(np.float32, copy=False) for m in matrices]
-    width = max((len(m) for m in matrices), default=0)
+    width = max(max((len(m) for m in matrices), default=0), 1)
     dim = matrices[0].shape[1] if matrices else 0
     out = np.zeros((len(matrices), width, dim), np.float32)
     mask = np.zeros((len(matrices), width), np.float32)
@@ -44,12 +45,17 @@ def as_list(x) -> list:
     return list(x)
 
 
+EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document without tokens
+
+
 def maxsim_scores(queries: mx.array, query_mask: mx.array, documents: mx.array, document_mask: mx.array) -> mx.array:
     """(N, M) MaxSim of (N, Lq, D) queries and (M, Ld, D) documents, their (N, Lq) / (M, Ld) masks marking the
     scored tokens: differentiable, for scoring and training alike."""
     scores = mx.einsum("nqd,mtd->nmqt", queries, documents)  # (N, M, Lq, Ld)
     best = mx.where(document_mask[None, :, None, :] > 0, scores, -mx.inf).max(axis=-1)  # (N, M, Lq)
-    return mx.where(query_mask[:, None, :] > 0, best, 0).sum(axis=-1)
+    total = mx.where(query_mask[:, None, :] > 0, best, 0).sum(axis=-1)
+    # a document with no scored token ranks below every other, finite (-inf breaks fusion and JSON), as in s-t
+    return mx.where((document_mask > 0).any(axis=-1)[None], total, EMPTY_DOCUMENT_SCORE)
 
 
 def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
@@ -59,6 +65,13 @@ def maxsim(queries, documents, length_normalize: bool = False) -> mx.array:
     docs = as_list(documents)
     if not len(q) or not docs:
         return mx.zeros((len(q), len(docs)), mx.float32)
+    if any(len(d) == 0 for d in docs):
+        warnings.warn(
+            f"A document without token vectors (every token masked, e.g. by a skiplist) scores "
+            f"{EMPTY_DOCUMENT_SCORE:.0e}, below every other document",
+            UserWarning,
+            stacklevel=2,
+        )
     step = max(1, CHUNK_ELEMENTS // max(q.shape[0] * q.shape[1] * max(len(d) for d in docs), 1))
     out = mx.concatenate(
         [maxsim_scores(q, q_mask, *padded(docs[start : start + step])) for start in range(0, len(docs), step)], axis=1

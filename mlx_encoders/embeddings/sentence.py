@@ -25,7 +25,7 @@ from ..checkpoint import Checkpoint, load_model, resolve
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
-from .folder import apply_sentence_config, message_template, read_folder
+from .folder import apply_sentence_config, message_template, read_folder, role_lengths
 from .pooling import parse_modes, pool
 from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
 
@@ -100,12 +100,7 @@ class SentenceEncoder(Embedder):
             self.tokenizer, self.model.args.max_tokens, folder.sentence_config.get("max_seq_length")
         )
         apply_sentence_config(self.tokenizer, folder.sentence_config)
-        # sentence-transformers 6's Transformer: a query's or a document's own token limit, in place of max_seq_length
-        self.role_lengths = {
-            role: token_limit(self.tokenizer, self.model.args.max_tokens, length)
-            for role in ("query", "document")
-            if (length := folder.sentence_config.get(f"{role}_length"))
-        }
+        self.role_lengths = role_lengths(folder.sentence_config, self.tokenizer, self.model.args.max_tokens)
         self.chat_template = message_template(folder, self.tokenizer)  # texts read as user messages
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
         self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")

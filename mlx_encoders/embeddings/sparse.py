@@ -30,10 +30,11 @@ from .folder import (
     module,
     read_folder,
     read_sentence_config,
+    role_lengths,
 )
 from .sentence import MODULES as DENSE_MODULES
 from .sentence import SentenceEncoder
-from .vectors import SIMILARITIES
+from .vectors import SIMILARITIES, to_numpy
 
 POOLING_STRATEGIES, ACTIVATIONS = SPLADE_STRATEGIES, SPLADE_ACTIVATIONS  # SpladePooling's, for training
 
@@ -117,7 +118,7 @@ def dense_rows(x) -> np.ndarray:
     """float32 (N, V) numpy of SparseVectors, an mx.array, a numpy array or a list of rows; (V,) counts as one."""
     if isinstance(x, SparseVectors):
         x = x.toarray()
-    x = np.asarray(x, dtype=np.float32)
+    x = to_numpy(x).astype(np.float32, copy=False)
     return x[None] if x.ndim == 1 else x
 
 
@@ -133,18 +134,23 @@ def splade_pool(model, batch: dict[str, mx.array], strategy: str = "max", activa
 
 
 class Route:
-    """What a route shares: texts cut to its `max_seq_length` (None: no limit), one warning for those cut, then
-    its `run_encodings`: per tokenized text (e.g. a server's batch of many requests) its (ids, weights)."""
+    """What a route shares: texts cut to its `max_seq_length` (None: no limit), or to the Transformer's
+    query_length / document_length for a query's or a document's (sentence-transformers 6), one warning for those
+    cut, then its `run_encodings`: per tokenized text (e.g. a server's batch of many requests) its (ids, weights)."""
 
     max_seq_length: int | None = None
+    role_lengths: dict[str, int] = {}
 
-    def tokenize(self, texts: list[str]) -> list:
-        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.max_seq_length)
+    def limit(self, role: str | None = None) -> int | None:
+        return self.role_lengths.get(role) or self.max_seq_length
 
-    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None) -> list:
-        encodings = self.tokenize(texts)
-        if self.max_seq_length is not None:
-            warn_truncated(encodings, self.max_seq_length, stacklevel=3)  # route.encode, encode, its caller
+    def tokenize(self, texts: list[str], role: str | None = None) -> list:
+        return self.tokenizer.encode_batch(texts, truncation=True, max_length=self.limit(role))
+
+    def encode(self, texts: list[str], batch_size: int, show_progress, limit: int | None, role=None) -> list:
+        encodings = self.tokenize(texts, role)
+        if (cut := self.limit(role)) is not None:
+            warn_truncated(encodings, cut, stacklevel=3)  # route.encode, encode, its caller
         return self.run_encodings(encodings, batch_size, show_progress, limit)
 
 
@@ -163,6 +169,7 @@ class SpladeRoute(Route):
                 "SparseEncoder runs SPLADE models, whose Transformer is a fill-mask (masked-LM) one"
             )
         self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, config.get("max_seq_length"))
+        self.role_lengths = role_lengths(config, self.tokenizer, self.model.args.max_tokens)
         apply_sentence_config(self.tokenizer, config)
         splade = pooling if isinstance(pooling, SpladePooling) else pooling.read()
         self.strategy, self.activation = splade.strategy, splade.activation
@@ -199,7 +206,7 @@ class StaticRoute(Route):
         limit = self.tokenizer.model_max_length
         self.max_seq_length = limit if limit < NO_LIMIT else None
 
-    def tokenize(self, texts: list[str]) -> list:
+    def tokenize(self, texts: list[str], role: str | None = None) -> list:
         return self.tokenizer.encode_batch(texts, max_length=self.max_seq_length, add_special_tokens=False)
 
     def run_encodings(self, encodings: list, batch_size: int, show_progress, limit: int | None) -> list:
@@ -233,7 +240,7 @@ class AutoEncoderRoute(Route):
                 "set include_prompt to true in its config.json or encode with SentenceEncoder"
             )
         self.model, self.tokenizer = self.encoder.model, self.encoder.tokenizer
-        self.max_seq_length = self.encoder.max_seq_length
+        self.max_seq_length, self.role_lengths = self.encoder.max_seq_length, self.encoder.role_lengths
         weights = auto_encoder.read()
         if weights.input_dim != self.encoder.dimension:
             raise ValueError(
@@ -378,13 +385,14 @@ class SparseEncoder(Embedder):
                     route.encoder.max_seq_length = value
 
     def max_length(self, task: str | None = None) -> int | None:
-        """The tokens a text of `task` keeps (its route's `max_seq_length`); None for a route without a model."""
-        return self.route(task).max_seq_length
+        """The tokens a text of `task` keeps (its route's query_length / document_length, else `max_seq_length`);
+        None for a route without a model."""
+        return self.route(task).limit(task)
 
     def tokenize(self, texts: list[str], prompt: str = "", task: str | None = None) -> list:
         """`texts` as the route of `task` reads them, `prompt` (see `input_prompt`) before each, cut to
         `max_length(task)` (`overflowing` non-empty where cut): the inputs of `run_encodings`."""
-        return self.route(task).tokenize([prompt + t for t in texts])
+        return self.route(task).tokenize([prompt + t for t in texts], task)
 
     def run_encodings(
         self, encodings: list, task: str | None = None, batch_size: int = 32, max_active_dims: int | None = None
@@ -414,7 +422,7 @@ class SparseEncoder(Embedder):
             check_count("encode() max_active_dims", limit, 1)
         prefix = self.input_prompt(prompt_name, prompt)
         route = self.route(task)
-        rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit) if texts else []
+        rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit, task) if texts else []
         vectors = SparseVectors.from_rows(rows, route.dimension)
         if single:
             vectors = SparseVectors(vectors.row, vectors.col, vectors.data, (route.dimension,))
