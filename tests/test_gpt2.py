@@ -181,6 +181,25 @@ def test_original_openai_layout_loads(checkpoint, tmp_path):
     np.testing.assert_array_equal(output(model(**batch)), expected)
 
 
+def test_mlx_lm_layout_loads(checkpoint, tmp_path):
+    """mlx-lm's GPT-2 folders (mlx_lm/models/gpt2.py): blocks under `model.`, every weight [out, in] already."""
+    source = checkpoint("gpt2", "causal-lm")
+    folder = shutil.copytree(source, tmp_path / "mlx-lm")
+    conv = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    weights = {
+        "model." + key.removeprefix("transformer."): value.T.copy() if key.endswith(conv) else value
+        for key, value in load_file(folder / "model.safetensors").items()
+    }
+    assert weights["model.h.0.attn.c_proj.weight"].shape[0] == weights["model.h.0.attn.c_proj.weight"].shape[1]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "mlx"})
+    model, tokenizer = mlx_encoders.load(folder)
+    batch = dict(tokenizer(TEXTS, padding=True))
+    with torch.no_grad():
+        expected = load_reference(source, "causal-lm")(**as_torch(batch)).logits.numpy()
+    real = np.array(batch["attention_mask"]).astype(bool)
+    assert_close({"logits": output(model(**batch))}, {"logits": expected}, real, "causal-lm")
+
+
 def test_bad_inputs_fail_naming_the_limit(checkpoint):
     model = mlx_encoders.load_model(checkpoint("gpt2", "causal-lm"))
     with pytest.raises(ValueError, match="input of 65 tokens is longer than the 64 positions.*n_positions=64"):

@@ -268,7 +268,9 @@ def is_conv1d(key: str, weights: dict) -> bool:
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Conv1D weights [in, out] -> nn.Linear's [out, in] as transposed views of the stored buffers (no copy at load:
     `x @ weight.T` multiplies by the [in, out] buffer as it is). Drop the causal-mask buffers (`attn.bias`,
-    `attn.masked_bias`)."""
+    `attn.masked_bias`). mlx-lm's folders keep the blocks under `model.` with every weight [out, in] already."""
+    if any(key.startswith("model.h.") for key in weights):
+        return {"transformer." + key.removeprefix("model."): value for key, value in weights.items()}
     return {
         key: value.T if is_conv1d(key, weights) else value
         for key, value in weights.items()
