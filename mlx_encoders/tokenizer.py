@@ -130,6 +130,51 @@ def side(config: dict, key: str) -> str:
     return value
 
 
+# A pair with a text longer than this many characters a token is clipped before it is cut (`clipped_pair`).
+CLIP_CHARACTERS = 4
+# How far a clip looks past the tokens it keeps for the whitespace that ends their word.
+CLIP_REACH = 4096
+
+
+def clip(text: str, offsets: list, count: int, direction: str) -> str:
+    """`text` cut at the first whitespace past its first `count` tokens (its last, for `direction` "left"), so the
+    cut falls between words and those tokens stay the whole text's; a run of CLIP_REACH characters without
+    whitespace is cut at that reach."""
+    if count >= len(offsets):
+        return text
+    if direction == "left":
+        start = edge = offsets[-count][0]
+        while edge > 0 and start - edge < CLIP_REACH and not text[edge - 1].isspace():
+            edge -= 1
+        return text[edge:]
+    end = edge = offsets[count - 1][1]
+    while edge < len(text) and edge - end < CLIP_REACH and not text[edge].isspace():
+        edge += 1
+    return text[:edge]
+
+
+def clipped_pair(backend: FastTokenizer, pair: tuple[str, str], limit: int, direction: str) -> tuple[str, str]:
+    """The pair with each text clipped to a little more than `limit` tokens: all that longest-first truncation to
+    `limit` keeps of it, and more, so the cut still shows. That truncation gives the longer text the odd token, so
+    the clipped texts keep which one is longer."""
+    offsets = [backend.encode(text, add_special_tokens=False).offsets for text in pair]
+    full = [len(o) for o in offsets]
+    texts, counts = list(pair), list(full)
+
+    def cut(i: int, count: int) -> None:
+        texts[i] = clip(pair[i], offsets[i], count, direction)
+        counts[i] = full[i] if texts[i] is pair[i] else len(backend.encode(texts[i], add_special_tokens=False).ids)
+
+    for i in (0, 1):
+        if full[i] > limit + 2:
+            cut(i, limit + 2)
+    first_longer = full[0] > full[1]
+    while (counts[0] > counts[1]) != first_longer:  # the side that must be longer grows past the other
+        grow = 0 if first_longer else 1
+        cut(grow, counts[1 - grow] + 1)
+    return texts[0], texts[1]
+
+
 class Tokenizer:
     """Callable like a transformers tokenizer: `tok(texts, text_pair=None, padding=True, truncation=True)`."""
 
@@ -347,7 +392,13 @@ class Tokenizer:
                 )  # fmt: skip
         direction = direction or self.truncation_side
         options = dict(max_length=limit, stride=stride, strategy=strategy, direction=direction) if truncation else None
+        # a pair cut longest-first makes a window for every two windows of its texts: long texts go in clipped
+        clip = text_pair is not None and truncation and strategy == "longest_first" and not stride
         with self.truncating(options) as backend:
+            if clip and any(len(t) > CLIP_CHARACTERS * limit for pair in texts for t in pair):
+                backend.no_truncation()
+                texts = [clipped_pair(backend, pair, limit, direction) for pair in texts]
+                backend.enable_truncation(**options)
             return backend.encode_batch(
                 texts, is_pretokenized=is_split_into_words, add_special_tokens=add_special_tokens
             )

@@ -1,6 +1,8 @@
 """The tokenizer equals transformers' tokenizer on the same folder, for every architecture's family."""
 
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -221,3 +223,36 @@ def test_decode_batch_equals_decode_of_each_list(checkpoint):
     lists = [ours.encode_batch([text])[0].ids for text in ("Hello , world !", "it's a test .", "")]
     for skip in (True, False):
         assert ours.decode_batch(lists, skip) == [ours.decode(ids, skip) for ids in lists]
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_long_pairs_cut_as_transformers_cuts_them(checkpoint, model_type, side):
+    """Pairs of long texts are clipped before longest-first truncation (whose windows of both texts grow with the
+    product of their lengths): the ids stay transformers', from either side, through words with no space."""
+    ours, theirs = both(checkpoint, model_type)
+    ours.truncation_side = theirs.truncation_side = side
+    words = "Reranking élan naïve 東京タワー unbelievably, x" * 30
+    first, second = [words, "Who? " * 80, "y" * 9000], [words[::-1], "Long doc. " * 120, "tiny"]
+    batch = ours(first, text_pair=second, padding=True, truncation=True, max_length=24)
+    expected = theirs(first, text_pair=second, padding=True, truncation=True, max_length=24)
+    np.testing.assert_array_equal(np.array(batch["input_ids"]), np.array(expected["input_ids"]))
+
+
+def test_a_pair_of_huge_texts_takes_memory_in_proportion_to_them(checkpoint, tmp_path):
+    """Two 100,000-character texts as one pair (a rerank request of 200 KB) took gigabytes in truncation."""
+    script = tmp_path / "pair.py"
+    script.write_text(
+        "import resource, sys\n"
+        "import mlx_encoders\n"
+        "_, tokenizer = mlx_encoders.load(sys.argv[1])\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "text = 'word ' * 20_000\n"
+        "ids = tokenizer([text], text_pair=[text], truncation=True, max_length=128)['input_ids']\n"
+        "assert len(ids[0]) == 128\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    done = subprocess.run([sys.executable, str(script), str(checkpoint("bert"))], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) < 300  # MB
