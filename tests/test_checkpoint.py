@@ -417,6 +417,35 @@ def test_damaged_safetensors_names_its_file(checkpoint, tmp_path, damage):
         mlx_encoders.load_model(folder)
 
 
+@pytest.mark.parametrize("damage", ["overlapping", "wrong size", "trailing bytes"])
+def test_a_damaged_safetensors_header_is_refused_as_the_safetensors_library_refuses_it(checkpoint, tmp_path, damage):
+    """MLX's reader does not check the offsets: two tensors over the same bytes loaded as wrong weights, silently."""
+    import struct
+
+    from safetensors import SafetensorError, safe_open
+
+    folder = copy(checkpoint("bert"), tmp_path)
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8 : 8 + size]), data[8 + size :]
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    first, second = (header[n] for n in names[:2])
+    if damage == "overlapping":
+        second["data_offsets"] = list(first["data_offsets"])
+    elif damage == "wrong size":
+        first["shape"] = [first["shape"][0] + 1, *first["shape"][1:]]
+    else:
+        body += b"\0" * 8
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    file.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)
+    with pytest.raises(SafetensorError), safe_open(str(file), "np") as f:  # the oracle refuses it
+        f.get_tensor(names[1])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file .*re-download"):
+        mlx_encoders.load_model(folder)
+
+
 def test_corrupt_tokenizer_json_names_itself(checkpoint, tmp_path):
     folder = copy(checkpoint("bert"), tmp_path)
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')

@@ -6,6 +6,7 @@ and pickle weights are refused, so reading never runs code from a checkpoint.
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -149,9 +150,53 @@ def read_modules(folder: Path) -> list[tuple[str, Path]]:
     return [(m["type"], inside(folder, m["path"], file)) for m in entries]
 
 
+# Bytes per element of safetensors' dtypes (the format's `Dtype`); a file naming another is left to MLX's reader.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound
+
+
+def check_layout(file: Path) -> None:
+    """The header's tensors, in offset order, fill the data exactly, each the size its shape and dtype give: the
+    safetensors library's rule. MLX's reader does not check it, and two tensors over the same bytes load as
+    wrong weights without a word."""
+    with file.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")
+    tensors = sorted(
+        ((name, info) for name, info in header.items() if name != "__metadata__"),
+        key=lambda item: tuple(item[1].get("data_offsets", (-1, -1))) if isinstance(item[1], dict) else (-1, -1),
+    )
+    position = 0
+    for name, info in tensors:
+        try:
+            start, end = info["data_offsets"]
+            shape, dtype = [int(n) for n in info["shape"]], info["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name!r} has no dtype, shape and data_offsets") from None
+        if start != position or end < start:
+            raise ValueError(
+                f"tensor {name!r} starts at byte {start} of the data, where the one before ends at {position}"
+            )
+        needed = math.prod(shape) * DTYPE_BYTES.get(dtype, 0)
+        if dtype in DTYPE_BYTES and end - start != needed:
+            raise ValueError(f"tensor {name!r} holds {end - start} bytes, not the {needed} of {dtype} {shape}")
+        position = end
+    if position != file.stat().st_size - 8 - size:
+        raise ValueError(f"its tensors end at byte {position} of {file.stat().st_size - 8 - size} bytes of data")
+
+
 def read_safetensors(file: Path) -> dict[str, mx.array]:
     """The tensors of a safetensors file; float64 ones (which MLX does not read) as float32, as transformers reads a
     double-precision checkpoint into a float32 model."""
+    try:
+        check_layout(file)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
     try:
         return mx.load(str(file))
     except (RuntimeError, ValueError) as e:
