@@ -588,3 +588,25 @@ def test_query_and_document_lengths_of_the_transformer_cut_as_sentence_transform
     (folder / "sentence_bert_config.json").write_text(json.dumps({**config, "processing_kwargs": {"text": {"a": 1}}}))
     with pytest.warns(UserWarning, match='processing_kwargs \\{"text": \\{"a": 1\\}\\} are not applied'):
         SentenceEncoder(folder)
+
+
+@pytest.mark.parametrize(
+    "file, edit, message",
+    [
+        ("sentence_bert_config.json", {"max_seq_length": "256"}, "max_seq_length must be a whole number of tokens"),
+        ("sentence_bert_config.json", {"max_seq_length": 100.5}, "max_seq_length must be a whole number of tokens"),
+        ("sentence_bert_config.json", {"query_length": -5}, "query_length must be a whole number of tokens"),
+        ("config_sentence_transformers.json", {"prompts": ["query: "]}, "prompts must map names to strings"),
+        ("config_sentence_transformers.json", {"prompts": {"query": 5}}, "prompts must map names to strings"),
+        ("config_sentence_transformers.json", {"default_prompt_name": 1}, "default_prompt_name must be a string"),
+    ],
+)
+def test_wrong_types_in_the_folder_s_settings_name_the_file_and_key(tmp_path, file, edit, message):
+    """They failed later with bare TypeErrors ('<' between int and str; int + str at encode_query)."""
+    from checkpoints import MINILM
+
+    folder = shutil.copytree(MINILM, tmp_path / "model")
+    path = folder / file
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.exists() else {}), **edit}))
+    with pytest.raises(ValueError, match=f"{file}: {message}"):
+        SentenceEncoder(folder)

@@ -385,7 +385,19 @@ class SentenceFolder:
 
     @cached_property
     def settings(self) -> dict:
-        return dict(read_json_object(self.path / SETTINGS_FILE))
+        file = self.path / SETTINGS_FILE
+        settings = dict(read_json_object(file))
+        prompts = settings.get("prompts")
+        if prompts is not None and (
+            not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values())
+        ):
+            raise ValueError(
+                f'{file}: prompts must map names to strings, e.g. {{"query": "query: "}}; got {prompts!r:.60}'
+            )
+        for key in ("default_prompt_name", "similarity_fn_name"):
+            if settings.get(key) is not None and not isinstance(settings[key], str):
+                raise ValueError(f"{file}: {key} must be a string (or null), got {settings[key]!r:.40}")
+        return settings
 
     @cached_property
     def sentence_config(self) -> dict:
@@ -458,8 +470,14 @@ class SentenceFolder:
 
 
 def read_sentence_config(transformer: Path) -> dict:
-    """A Transformer module's sentence_bert_config.json ({} without it)."""
-    return dict(read_json_object(transformer / SENTENCE_CONFIG_FILE))
+    """A Transformer module's sentence_bert_config.json ({} without it), its token limits checked."""
+    file = transformer / SENTENCE_CONFIG_FILE
+    config = dict(read_json_object(file))
+    for key in ("max_seq_length", "query_length", "document_length"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{file}: {key} must be a whole number of tokens >= 1 (or null), got {value!r:.40}")
+    return config
 
 
 # ColBERT layouts sentence-transformers 6 converts as it loads them (PyLate's settings here, Stanford's inline
