@@ -363,13 +363,21 @@ def test_a_model_no_group_size_fits_is_refused_before_calibrating(tmp_path, chec
 
 
 def test_a_quantized_model_is_not_quantized_again(checkpoint):
-    """A second quantize_model changed nothing and returned the new settings as though it had."""
+    """A second quantize_model changed nothing and returned the new settings as though it had; over a model
+    quantized in part, its entry records the modules quantized before at their own settings."""
+    from mlx_encoders.quantization import dequantize_model, quantize_model
+
     model = mlx_encoders.load_model(checkpoint("bert", hidden_size=32, intermediate_size=96))
-    mlx_encoders.quantization.quantize_model(model, bits=8, group_size=32)
+    quantize_model(model, bits=8, group_size=32)
     with pytest.raises(ValueError, match=r"quantized already \(\d+ modules, .*dequantize_model\(model\) first"):
-        mlx_encoders.quantization.quantize_model(model, bits=4, group_size=32)
-    mlx_encoders.quantization.dequantize_model(model)
-    assert mlx_encoders.quantization.quantize_model(model, bits=4, group_size=32)["bits"] == 4
+        quantize_model(model, bits=4, group_size=32)
+    dequantize_model(model)
+    quantize_model(model.encoder.layer[0], bits=4, group_size=32)
+    entry = quantize_model(model, bits=8, group_size=32)
+    assert entry["bits"] == 8 and entry["encoder.layer.0.intermediate.dense"] == {
+        "group_size": 32, "bits": 4, "mode": "affine"
+    }  # fmt: skip
+    assert "encoder.layer.1.intermediate.dense" not in entry
 
 
 def test_a_group_size_that_fits_no_width_is_refused_naming_one_that_does(tmp_path, checkpoint, capsys):

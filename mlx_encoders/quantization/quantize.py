@@ -58,20 +58,24 @@ def quantization_plan(
     mode: str = "affine",
     recipe: str | dict | None = None,
 ) -> tuple[dict, dict[str, dict]]:
-    """(config.json's `quantization` entry, each quantized module's settings) of `quantize_model`'s arguments,
-    checked before any work: an OptionError when nothing would be quantized, a ValueError for a model that holds
-    quantized modules already."""
-    already = [p for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    if already:
+    """(config.json's `quantization` entry, each module's settings to quantize it with) of `quantize_model`'s
+    arguments, checked before any work: an OptionError when nothing would be quantized, a ValueError for a model
+    quantized already. Modules quantized before keep their settings, recorded where they differ."""
+    already = {p: m for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    modules = {p: m for p, m in model.named_modules() if quantizable(m)}
+    if already and not modules:
         raise ValueError(
-            f"The model is quantized already ({len(already)} modules, e.g. {already[0]}): quantizing again would "
-            "leave them as they are; dequantize_model(model) first to quantize it at other settings"
+            f"The model is quantized already ({len(already)} modules, e.g. {next(iter(already))}): quantizing again "
+            "would change nothing; dequantize_model(model) first to quantize it at other settings"
         )
     spec = quantization_spec(bits, group_size, mode)
     rule = recipe_rule(recipe, spec, group_size)
     default = recipe_default(recipe, spec, group_size)
     config = dict(default)
-    modules = {p: m for p, m in model.named_modules() if quantizable(m)}
+    for path, module in already.items():
+        own = {key: getattr(module, key) for key in default}
+        if own != default:
+            config[path] = own
     warn_unmatched_patterns(recipe, list(modules))
     settings, misfits = {}, {}
     for path, module in modules.items():
