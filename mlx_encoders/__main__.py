@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     fill.add_argument("--top-k", type=positive, default=5, help="predictions per mask (default 5)")
     # one comma-separated value (repeatable): with nargs="+" the texts after it were taken as targets
     fill.add_argument("--targets", type=comma_list, action="extend", metavar="T1,T2",
-                      help="only score these tokens, comma-separated: --targets paris,london (repeatable)")  # fmt: skip
+                      help="only score these tokens, comma-separated: --targets paris,london (repeatable; a "
+                           "leading space picks a BPE model's word-start token)")  # fmt: skip
 
     classify = tasks.add_parser("classify", parents=[common], help="text classification, pairs and reranking")
     classify.add_argument(
@@ -226,8 +227,10 @@ TASKS = {"fill-mask": fill_mask, "classify": classify, "tokens": tokens, "answer
 
 
 def comma_list(value: str) -> list[str]:
-    items = [item.strip() for item in value.split(",")]
-    if not all(items):
+    """Targets as typed, spaces included: a leading space picks a BPE model's word-start token, as transformers'
+    targets=[" list"] does."""
+    items = value.split(",")
+    if not all(item.strip() for item in items):
         raise argparse.ArgumentTypeError(f"empty target in {value!r}; give tokens separated by commas: paris,london")
     return items
 

@@ -107,6 +107,19 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def test_fill_mask_targets_keep_their_spaces_as_transformers_reads_them(capsys, checkpoint):
+    """On a BPE model " list" (the word-start token) and "list" are different targets: the spaces stay as typed."""
+    folder = checkpoint("roberta", "masked-lm", initializer_range=0.5)
+    text = "Return the <mask> of values."
+    ref = reference("fill-mask", folder, "masked-lm")(text, targets=[" list", "list"])
+    code, out, _ = run(capsys, "fill-mask", "-m", folder, "--targets", " list,list", "--json", text)
+    assert code == 0 and len({r["token"] for r in ref}) == 2
+    close(json.loads(out)[0]["result"], ref)
+    with pytest.raises(SystemExit):
+        main(["fill-mask", "-m", str(folder), "--targets", "list, ", text])
+    assert "empty target" in capsys.readouterr().err
+
+
 def test_json_writes_non_finite_numbers_as_null(capsys, monkeypatch, mlm):
     """Python's json writes NaN and Infinity, which JSON lacks and strict parsers refuse."""
     import mlx_encoders.__main__ as cli
