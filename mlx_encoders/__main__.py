@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checkpoint.build import DTYPES
-from .errors import add_debug_option, positive, run_command
+from .errors import add_debug_option, non_negative, positive, run_command
 from .pipelines.token_classification import STRATEGIES
 from .records import stdin_lines
 from .train import cli as train_cli
@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     tokens = tasks.add_parser("tokens", parents=[common], help="token classification: named entities, tags")
     tokens.add_argument("--aggregation", choices=STRATEGIES, default="simple",
                         help="group tokens into entities (default simple; none: one row per token)")  # fmt: skip
-    tokens.add_argument("--stride", type=int, help="split long texts into windows overlapping by this many tokens")
+    tokens.add_argument("--stride", type=non_negative,
+                        help="split long texts into windows overlapping by this many tokens")  # fmt: skip
 
     answer = tasks.add_parser("answer", parents=[common], help="extractive question answering over each context")
     answer.add_argument("--question", "-q", required=True, help="the question to answer from each context")
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--indent N (N >= 0) spreads out --json output; give it with --json")
     if getattr(args, "rerank", False) and args.query is None:
         p.error("--rerank needs --query (the text the others are ranked against)")
+    if args.task == "tokens" and args.stride is not None and args.aggregation == "none":
+        p.error("--stride needs an --aggregation other than none, to merge the windows")
     return run_command(f"mlx-encoders {args.task}", lambda: run(args), args.debug)
 
 

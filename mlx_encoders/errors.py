@@ -39,6 +39,17 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: a whole number of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number (0 or more), got {text!r}")
+    return value
+
+
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
     """`--debug` on `parser`, or on each command at the ends of its subcommand tree."""
     commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

@@ -403,3 +403,42 @@ def test_counts_below_one_are_refused_options_before_any_model_loads(capsys, arg
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "-m", "/no/such/model"])
     assert exit_.value.code == 2 and "must be a positive integer (1 or more), got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["tokens", "-m", "/no/such/model", "--stride", "-1", "text"], "--stride: must be a whole number"),
+        (["tokens", "-m", "/no/such/model", "--stride", "4", "--aggregation", "none", "x"], "--stride needs an"),
+        (["generate", "-m", "/no/such/model", "--max-new-tokens", "-5", "x"], "max_new_tokens must be an int >= 0"),
+        (["generate", "-m", "/no/such/model", "--top-p", "2", "x"], "top_p"),
+        (
+            [
+                "evaluate",
+                "retrieval",
+                "-m",
+                "m",
+                "--queries",
+                "q",
+                "--corpus",
+                "c",
+                "--qrels",
+                "r",
+                "--truncate-dim",
+                "0",
+            ],
+            "--truncate-dim: must be a positive integer",
+        ),
+        (
+            ["evaluate", "retrieval", "-m", "m", "--queries", "q", "--corpus", "c", "--qrels", "r", "--mrr-at-k", "0"],
+            "--mrr-at-k: expected comma-separated positive integers",
+        ),
+    ],
+)
+def test_refused_option_values_exit_2_before_any_model_loads(capsys, argv, message):
+    """As the docs say of every refused option (these exited 1, generate's after loading its model)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err

@@ -7,7 +7,9 @@ continuation as it arrives; stderr gets the token counts and speeds.
 import argparse
 import sys
 import time
+import warnings
 
+from ..errors import OptionError
 from ..records import stdin_lines
 from .config import PRESETS
 from .loop import generation_config, streams
@@ -49,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None:  # all of stdin, without a byte-order mark or Windows line ends, as the other commands read it
         prompt = "".join(stdin_lines()).removeprefix("\ufeff").replace("\r\n", "\n")
     overrides = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
+    try:  # the options alone, refused before the model loads (exit status 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            generation_config(args.preset, {"max_new_tokens": 100, **overrides, "stop": args.stop})
+    except (TypeError, ValueError) as e:
+        raise OptionError(str(e)) from None
     model, tokenizer = load(args.model, dtype=args.dtype, task="causal-lm")
     config = generation_config(args.preset, {"max_new_tokens": 100, **overrides, "stop": args.stop}, model)
     (stream,), steps = streams(model, tokenizer, [prompt], config)

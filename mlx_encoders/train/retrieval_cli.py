@@ -18,9 +18,12 @@ SIMILARITY_NAMES = ("cosine", "dot", "euclidean", "manhattan")
 
 def int_list(text: str) -> list[int]:
     try:
-        return [int(k) for k in text.split(",")]
+        values = [int(k) for k in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,3,10, got {text!r}") from None
+        values = [0]
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,3,10, got {text!r}")
+    return values
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -62,7 +65,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     retrieval.add_argument("--score-functions", nargs="+", choices=SIMILARITY_NAMES, help="default: the model's")
     retrieval.add_argument("--query-prompt", help="text put before each query (default: the model's query prompt)")
     retrieval.add_argument("--corpus-prompt", help="text put before each document")
-    retrieval.add_argument("--truncate-dim", type=int, help="keep the first N dimensions (Matryoshka)")
+    retrieval.add_argument("--truncate-dim", type=positive, help="keep the first N dimensions (Matryoshka)")
     for name, default in (("accuracy", "1,3,5,10"), ("precision-recall", "1,3,5,10"), ("mrr", "10"),
                           ("ndcg", "10"), ("map", "100")):  # fmt: skip
         retrieval.add_argument(f"--{name}-at-k", type=int_list, default=int_list(default), help=f"default {default}")
