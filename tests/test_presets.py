@@ -84,3 +84,17 @@ def test_cli_trains_from_scratch_at_a_preset_size(tmp_path):
     config = reference.config
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (2, 128, 2)
     assert config.intermediate_size == 512 and config.vocab_size == 30522  # the tokenizer's vocabulary
+
+
+def test_a_mistyped_preset_is_named_with_the_presets(tmp_path, capsys):
+    from checkpoints import MINILM
+
+    from mlx_encoders.__main__ import main
+
+    data = tmp_path / "docs.txt"
+    data.write_text("The cat sat on the mat.\n")
+    argv = ["train", "mlm", "--config", "bert-tnny", "--tokenizer", str(MINILM), "--data", str(data), "--output",
+            str(tmp_path / "run"), "--max-steps", "1"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "'bert-tnny' is neither a JSON file of sizes nor a preset; presets: " in err and "bert-tiny" in err

@@ -138,6 +138,10 @@ def read_config(config: str | Path | Mapping) -> Mapping:
         return config
     if isinstance(config, str) and config in presets() and not Path(config).is_file():
         return preset_config(config)  # its sizes; the vocabulary (vocab_size) is the tokenizer's
+    if not Path(config).exists():
+        raise FileNotFoundError(
+            f"config {str(config)!r} is neither a JSON file of sizes nor a preset; presets: {', '.join(presets())}"
+        )
     return read_json_object(Path(config), required=True)
 
 
