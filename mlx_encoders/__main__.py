@@ -18,7 +18,7 @@ import numpy as np
 from .checkpoint.build import DTYPES
 from .errors import add_debug_option, non_negative, positive, run_command
 from .pipelines.token_classification import STRATEGIES
-from .records import stdin_lines
+from .records import stdin_texts
 from .train import cli as train_cli
 from .train import retrieval_cli
 
@@ -99,15 +99,7 @@ def label_count(text: str) -> int:
 def read_texts(args: argparse.Namespace) -> list[str]:
     if getattr(args, "context", None) or args.texts:
         return (getattr(args, "context", None) or []) + args.texts
-    if sys.stdin.isatty():
-        raise ValueError("no input: give texts as arguments or pipe them in, one per line")
-    lines = [line.rstrip("\r\n") for line in stdin_lines()]  # a Windows line end is no part of the text
-    if lines:
-        lines[0] = lines[0].removeprefix("\ufeff")  # nor is a byte-order mark before the first line
-    texts = [line for line in lines if line.strip()]
-    if not texts:
-        raise ValueError("no input: stdin held no non-empty lines")
-    return texts
+    return stdin_texts()
 
 
 def table(header: list[str], rows: list[list]) -> str:

@@ -125,6 +125,20 @@ def jsonl_records(file: str | Path) -> list[Record]:
     return records
 
 
+def stdin_texts() -> list[str]:
+    """The non-empty lines of standard input, one text each (no line ends, no byte-order mark), as every command
+    reads texts not given as arguments; a terminal (nothing piped in) is refused."""
+    if sys.stdin.isatty():
+        raise ValueError("no input: give texts as arguments or pipe them in, one per line")
+    lines = [line.rstrip("\r\n") for line in stdin_lines()]  # a Windows line end is no part of the text
+    if lines:
+        lines[0] = lines[0].removeprefix("\ufeff")  # nor is a byte-order mark before the first line
+    texts = [line for line in lines if line.strip()]
+    if not texts:
+        raise ValueError("no input: stdin held no non-empty lines")
+    return texts
+
+
 def stdin_lines() -> list[str]:
     """Standard input's lines (line ends kept), read as UTF-8 whatever the locale says; a line that is not UTF-8 is
     named."""

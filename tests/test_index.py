@@ -674,7 +674,7 @@ def test_a_model_folder_given_relative_is_found_from_any_directory(tmp_path, mod
     assert search(index, "Cats purr when they are content.", k=1, model=model)[0].id == "animals.md#1"
 
 
-def test_command_line_build_and_search(tmp_path, model, capsys):
+def test_command_line_build_and_search(tmp_path, model, capsys, monkeypatch):
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 0
     out, err = capsys.readouterr()
@@ -695,6 +695,9 @@ def test_command_line_build_and_search(tmp_path, model, capsys):
     assert cli(["index", "search", "--index", str(index), *queries, "-k", "1", "--json", "--indent", "2"]) == 0
     indented = capsys.readouterr().out
     assert json.loads(indented) == json.loads(out) and '\n  {\n    "query": "Rain' in indented
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeff" + "\r\n".join(queries) + "\n\n"))  # as every command
+    assert cli(["index", "search", "--index", str(index), "-k", "1", "--json"]) == 0
+    assert capsys.readouterr().out == out
 
     (corpus / "bad.jsonl").write_text("{oops\n")
     assert cli(["index", "build", "--corpus", str(corpus), "--index", str(index), "--model", str(model)]) == 1

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..errors import positive
+from ..records import stdin_texts
 from .ann import RECALL
 from .build import CHUNK, build
 from .export import export
@@ -54,7 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                       "folder holding every part's file in shards/ merges them")  # fmt: skip
     make.add_argument("--quiet", action="store_true", help="print nothing (no progress, no summary)")
     find = actions.add_parser("search", help="the top-k documents for each query")
-    find.add_argument("queries", nargs="+", metavar="QUERY")
+    find.add_argument("queries", nargs="*", metavar="QUERY", help="queries (default: one per line from stdin)")
     find.add_argument("--index", required=True, help="the index folder")
     find.add_argument("--model", "-m", help="model for the queries (default: the index's)")
     find.add_argument("--sparse-model", help="sparse model for the queries (default: the index's)")
@@ -109,12 +110,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"{counts['path']}: {counts['documents']} documents, {counts['texts']} texts ({args.precision})")
         return 0
+    queries = args.queries or stdin_texts()
     index = Index(args.index, args.model, sparse_model=args.sparse_model, ann=args.ann, precision=args.precision,
                   recall=args.recall)  # fmt: skip
     if (args.mode or ("dense" if index.dense else "sparse")) != "sparse":
         print(f"mlx-encoders index: {index.describe()}", file=sys.stderr)
     options = {"mode": args.mode, "fusion": args.fusion, "rrf_k": args.rrf_k, "alpha": args.alpha, "depth": args.depth}
-    results = [(query, index.search(query, args.top_k, **options)) for query in args.queries]
+    results = [(query, index.search(query, args.top_k, **options)) for query in queries]
     if args.json:
         from ..__main__ import to_json  # the JSON layout of every command
 
