@@ -82,7 +82,7 @@ FLAGS = {
                     metavar="NAME=DIR", repeat=True),
     "--host": Flag("127.0.0.1", "address to bind (127.0.0.1: this machine only)"),
     "--port": Flag(8080, "port (0: any free port, printed)", port),
-    "--dtype": Flag(None, "cast the weights (default: as stored)", choices=("float16", "bfloat16", "float32")),
+    "--dtype": Flag(None, "cast the weights", choices=("float16", "bfloat16", "float32")),
     "--max-batch-tokens": Flag(8192, "tokens per batch a model runs", count),
     "--max-wait-ms": Flag(0.0, "how long an idle worker waits for a batch to fill, in ms (0: starts at once)",
                           milliseconds),
@@ -93,13 +93,13 @@ FLAGS = {
     "--auto-truncate": Flag(True, "cut over-long inputs to the model's length (false: answer 400, or TEI's 422); "
                             "a request's own \"truncate\" wins", switch, metavar="true|false"),
     "--api-key": Flag(None, "require Authorization: Bearer KEY on every route but the health checks"),
-    "--cors-origin": Flag([], "allow browser requests from ORIGIN (repeatable; default: no CORS)", metavar="ORIGIN",
+    "--cors-origin": Flag([], "allow browser requests from ORIGIN (repeatable)", metavar="ORIGIN",
                           repeat=True),
     "--read-timeout": Flag(30.0, "a request's headers must arrive within SECONDS of its first byte, its body within "
                            "SECONDS of its headers, else 408", seconds, "SECONDS"),
     "--keep-alive-timeout": Flag(5.0, "close a connection idle for SECONDS", seconds, "SECONDS"),
-    "--shutdown-timeout": Flag(5.0, "on SIGTERM, requests still arriving get SECONDS more, then their connections "
-                               "close; requests that arrived are answered", seconds, "SECONDS"),
+    "--shutdown-timeout": Flag(5.0, "on SIGTERM or SIGINT, requests still arriving get SECONDS more, then their "
+                               "connections close; requests that arrived are answered", seconds, "SECONDS"),
     "--log-level": Flag("warning", "the server's log: errors and warnings, or also each request (info)",
                         choices=LOG_LEVELS),
 }  # fmt: skip
@@ -141,7 +141,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     for flag, spec in FLAGS.items():
         names = [spec.short, flag] if spec.short else [flag]
-        shown = "none" if spec.default in (None, []) else str(spec.default).lower()
+        shown = {"--dtype": "as stored", "--cors-origin": "no CORS"}.get(flag) or str(spec.default).lower()
         help = f"{spec.help} (default: ${variable(flag)} when set, else {shown})"
         options = {"metavar": spec.metavar, "choices": spec.choices, "help": help}
         if spec.kind is switch:  # --auto-truncate alone means true, as TEI's
