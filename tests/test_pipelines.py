@@ -414,6 +414,21 @@ def test_feature_extraction(pipes, model_type):
     np.testing.assert_allclose(with_mlm_head(texts[1])[0], expected[1][0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("architecture", ["RobertaForMultipleChoice", "RobertaForCausalLM"])
+def test_feature_extraction_runs_the_encoder_of_a_head_not_implemented_here(checkpoint, tmp_path, architecture):
+    """transformers' feature-extraction loads the bare encoder of any checkpoint; so does ours (it refused the
+    folder for naming a head it does not implement)."""
+    folder = shutil.copytree(checkpoint("roberta", "masked-lm"), tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    text = "A somewhat longer sentence for the encoder."
+    reference = transformers.pipeline("feature-extraction", model=transformers.AutoModel.from_pretrained(folder),
+                                      tokenizer=transformers.AutoTokenizer.from_pretrained(folder))  # fmt: skip
+    np.testing.assert_allclose(
+        pipeline("feature-extraction", model=folder)(text), reference(text), atol=1e-4, rtol=1e-4
+    )
+
+
 # ----------------------------------------------------------------------------------- loading and heads
 
 

@@ -263,7 +263,8 @@ def load_for(
         model, own = model
     elif not isinstance(model, nn.Module):
         checkpoint = Checkpoint.open(model, revision)
-        have = checkpoint.task
+        # the bare encoder of any checkpoint, whatever head it names (one not implemented here too)
+        have = head if head == "encoder" else checkpoint.task
         stored = model_class(checkpoint.model_type, have)
         check_not_discriminator(task, head, stored, checkpoint.model_type, checkpoint.path)
         if have not in accepted:
