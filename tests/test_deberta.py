@@ -108,6 +108,20 @@ def test_relative_positions_need_no_position_table(checkpoint):
     assert_close(our_outputs(model(**batch)), reference_outputs(folder, "encoder", batch), real, "encoder")
 
 
+def test_pipelines_run_a_long_text_whole_without_a_position_table(checkpoint, tmp_path):
+    """DeBERTa-v3's tokenizer sets no model_max_length and its model has no position table: transformers'
+    pipelines run the whole text, and so do ours (they cut it at max_position_embeddings, another label)."""
+    folder = shutil.copytree(checkpoint("deberta-v2", "sequence-classification", initializer_range=0.5), tmp_path / "m")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("model_max_length", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    ours = mlx_encoders.pipeline("text-classification", model=folder)
+    theirs = reference("text-classification", folder, "sequence-classification", ours)
+    assert len(theirs.tokenizer(text)["input_ids"]) > ours.model.args.max_position_embeddings
+    assert_same(ours(text, top_k=None), theirs(text, top_k=None))
+
+
 def edited_copy(folder, tmp_path, edit_config=None, add_weights=None):
     target = tmp_path / "edited"
     shutil.copytree(folder, target)

@@ -66,6 +66,11 @@ class DebertaArgs(BaseArgs):
 
     signed_keys = ("max_relative_positions", "position_buckets")
 
+    @property
+    def max_tokens(self) -> int | None:
+        """No limit without a position table (DeBERTa-v3: relative positions alone), as transformers runs it."""
+        return self.max_position_embeddings if self.position_biased_input else None
+
     def __post_init__(self):
         super().__post_init__()
         # Derived values live outside the fields, so config.json is written back as it was read.
@@ -305,8 +310,7 @@ class DebertaV2Model(Model, nn.Module):
         return () if self.args.position_biased_input else (key, "deberta." + key)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None) -> ModelOutput:
-        limit = self.args.max_tokens if self.args.position_biased_input else None  # relative positions: no limit
-        check_inputs(self.args, input_ids, attention_mask, token_type_ids, limit)
+        check_inputs(self.args, input_ids, attention_mask, token_type_ids, self.args.max_tokens)
         x = self.embeddings(input_ids, token_type_ids, attention_mask)
         return ModelOutput(last_hidden_state=self.encoder(x, attention_mask))
 
