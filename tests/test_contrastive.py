@@ -574,8 +574,11 @@ def st_collated_loss_and_grads(folder: Path, make_loss, rows: list[dict]):
          st_losses.CoSENTLoss),
         ([{"sentence1": r["sentence1"], "sentence2": r["sentence2"], "labels": r["score"]} for r in PAIRS],
          CoSENTLoss, st_losses.CoSENTLoss),
+        # anchor and positive with a negative of another name: a third column all the same (it was dropped)
+        ([{"anchor": r["query"], "positive": r["answer"], "hard_negative": r["negative_1"]} for r in MINED],
+         MultipleNegativesRankingLoss, st_losses.MultipleNegativesRankingLoss),
     ],
-    ids=["mined-n-tuple", "scored-pairs", "anchor-positive-score", "sentence-pairs-labels"],
+    ids=["mined-n-tuple", "scored-pairs", "anchor-positive-score", "sentence-pairs-labels", "other-negative-name"],
 )  # fmt: skip
 def test_rows_of_other_column_names_are_read_by_position_as_sentence_transformers_reads_them(
     st_folder, rows, ours, theirs

@@ -197,16 +197,19 @@ class TextExamples(Examples):
 
 def text_columns(row) -> tuple[list[str], str | None]:
     """(text columns, score column) of a row: anchor, positive, then negative and negative_1..n in order; or
-    sentence1, sentence2; else (other names, or an anchor without a positive) every column but a label one, by
-    position, as sentence-transformers reads them (`data.by_position`). A label column (`data.LABEL_COLUMNS`, the
-    first present) is the score of two texts, whatever their names."""
+    sentence1, sentence2; else (other names, an anchor without a positive, or more columns beside them) every
+    column but a label one, by position, as sentence-transformers reads them (`data.by_position`). A label column
+    (`data.LABEL_COLUMNS`, the first present) is the score of two texts, whatever their names."""
     values = row.values
     label = next((c for c in LABEL_COLUMNS if c in values), None)
     if "anchor" in values and "positive" in values:
         numbered = sorted((int(m[1]), name) for name in values if (m := NEGATIVE.fullmatch(name)))
         negatives = ["negative"] * ("negative" in values) + [name for _, name in numbered]
-        return ["anchor", "positive", *negatives], None if negatives else label
-    if "sentence1" in values and "sentence2" in values:
+        named = {"anchor", "positive", *negatives, *LABEL_COLUMNS}
+        if all(name in named for name in values):
+            return ["anchor", "positive", *negatives], None if negatives else label
+        # another column (hard_negative, neg, ...): sentence-transformers passes it to the loss by position
+    elif "sentence1" in values and "sentence2" in values:
         return ["sentence1", "sentence2"], label
     layout = (
         "embedding data has the columns anchor, positive (and optionally negative or negative_1..negative_n), or "
