@@ -635,3 +635,21 @@ def test_mnrl_over_query_and_document_directions_trains_in_the_compiled_step(st_
     trained = fine_tune("embed", TRIPLETS, tmp_path, model=st_folder, loss=loss, max_steps=2, batch_size=2, lr=1e-3)
     losses = [json.loads(line).get("loss") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert trained.path.is_dir() and all(np.isfinite(v) for v in losses if v is not None)
+
+
+def test_eval_loss_batches_as_the_sampler_does(st_folder):
+    """Two evaluation rows sharing a positive never meet in a no_duplicates batch (sentence-transformers batches
+    its evaluation with the run's sampler); consecutive rows made that positive a negative of itself."""
+    shared = "cats sleep curled up in warm places"
+    rows = [{"anchor": "how do cats sleep", "positive": shared}, {"anchor": "where do cats nap", "positive": shared},
+            {"anchor": "capital of france", "positive": "paris is the capital of france"},
+            {"anchor": "boil an egg", "positive": "put the egg in boiling water for ten minutes"}]  # fmt: skip
+    model = load_model(st_folder, dtype="float32", task="encoder")
+    tokenizer = tokenizer_for(model.args, st_folder)
+    objective = EmbeddingObjective(MultipleNegativesRankingLoss(), tokenizer, ("mean",), False, "no_duplicates")
+    got = objective.evaluate(model, embedding_data(rows, tokenizer), 4)["eval_loss"]
+    batches = [[0, 2, 3], [1]]  # no_duplicates over the rows in order
+    assert [b.tolist() for b in no_duplicates(np.arange(4), [(r["anchor"], r["positive"]) for r in rows], 4)] == batches
+    loss = st_losses.MultipleNegativesRankingLoss
+    theirs = [st_collated_loss_and_grads(st_folder, loss, [rows[i] for i in b])[0] for b in batches]
+    assert got == pytest.approx((3 * theirs[0] + theirs[1]) / 4, rel=1e-5)  # weighted by the batches' sizes

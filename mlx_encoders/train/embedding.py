@@ -505,28 +505,32 @@ class EmbeddingObjective(Objective):
         return mx.concatenate([self.embed(model, part, column) for part in mini_batches(features, size)])
 
     def evaluate(self, model: nn.Module, examples: TextExamples, batch_size: int) -> dict[str, float]:
-        """The mean loss over consecutive batches of `batch_size`, weighted by their sizes, in eval mode; for
-        anchor-positive rows also sentence-transformers' retrieval metrics (`evaluators.row_retrieval_metrics`):
-        each anchor ranks every positive and negative of the evaluation data."""
+        """The mean loss over batches of `batch_size`, weighted by their sizes, in eval mode: consecutive rows, or
+        the training's sampler's batches over them in order (`no_duplicates`: no row meets a text of its own as
+        another's negative, as sentence-transformers batches its evaluation); for anchor-positive rows also
+        sentence-transformers' retrieval metrics (`evaluators.row_retrieval_metrics`): each anchor ranks every
+        positive and negative of the evaluation data."""
         model.eval()
         total, found = 0.0, [[] for _ in examples.columns]
         size = getattr(self.loss, "mini_batch_size", batch_size)
 
-        def scored(start: int) -> tuple[float, list]:  # (a batch's summed loss, its columns' vectors to rank)
-            indices = range(start, min(start + batch_size, len(examples)))
+        def scored(indices: np.ndarray) -> tuple[float, list]:  # (a batch's summed loss, its columns' vectors)
             columns, labels = arrays(self.collate(examples, indices))
             embeddings = [self.embed_column(model, f, c, size) for c, f in enumerate(columns)]
             vectors = [np.array(e) for e in embeddings] if self.ranks_texts else []
             return self.loss(embeddings, labels).item() * len(indices), vectors
 
-        starts = range(0, len(examples), batch_size)
-        for loss, vectors in distributed.shared_map(scored, starts):  # each rank scores its share of the batches
+        order = np.arange(len(examples))
+        batcher = self.batcher(examples, batch_size)
+        batches = batcher(order) if batcher else [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+        for loss, vectors in distributed.shared_map(scored, batches):  # each rank scores its share of the batches
             total += loss
             for column, array in zip(found, vectors, strict=False):  # no vectors where texts are not ranked
                 column.append(array)
         metrics = {"eval_loss": total / len(examples) if len(examples) else math.nan}
         if self.ranks_texts and retrieval_rows(examples):
-            vectors = [np.concatenate(column) for column in found]
+            rows = np.argsort(np.concatenate(batches), kind="stable")  # the vectors back in the examples' order
+            vectors = [np.concatenate(column)[rows] for column in found]
             retrieval = row_retrieval_metrics(examples.texts, vectors, self.similarity_fn_name)
             metrics |= {f"eval_{name}": value for name, value in retrieval.items()}
         return metrics
