@@ -204,3 +204,14 @@ def test_cli_trains_sparse_and_multivector(checkpoints, tmp_path, capsys):
         fine_tune("sparse", TRIPLETS, tmp_path / "bad", model=checkpoints["mlm"], loss="mnrl")
     with pytest.raises(ValueError, match="masked-LM"):
         fine_tune("sparse", TRIPLETS, tmp_path / "bad", model=checkpoints["encoder"])
+
+
+@pytest.mark.parametrize("task, model", [("sparse", "mlm"), ("multivector", "encoder")])
+def test_scored_pairs_are_refused_with_advice_the_task_can_follow(checkpoints, tmp_path, task, model):
+    """Sparse and multi-vector training take no CoSENT or cosine loss, which the advice named."""
+    data = tmp_path / "scored.jsonl"
+    data.write_text("".join(json.dumps({"sentence1": a, "sentence2": b, "score": 0.5}) + "\n"
+                            for a, b in zip(TEXTS, TEXTS[1:], strict=False)))  # fmt: skip
+    name = "sparse" if task == "sparse" else "multi-vector"
+    with pytest.raises(ValueError, match=f"scored.jsonl: .*; {name} training takes anchor, positive"):
+        fine_tune(task, data, tmp_path / "run", model=checkpoints[model])

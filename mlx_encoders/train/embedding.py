@@ -324,10 +324,11 @@ class EmbeddingObjective(Objective):
         if getattr(self.loss, "needs_scores", False) != scored:
             wanted = "sentence1, sentence2, score" if not scored else "anchor, positive (negative...)"
             raise ValueError(
-                f"{type(self.loss).__name__} trains on rows of {wanted}, but the data has "
-                f"{', '.join(examples.column_names)}{' and scores' if scored else ''}; choose a loss for this data "
-                "(cosent or cosine for scored pairs)"
+                f"{examples.rows[0].source}: {type(self.loss).__name__} trains on rows of {wanted}, but the data has "
+                f"{', '.join(examples.column_names)}{' and scores' if scored else ''}; {self.other_data}"
             )
+
+    other_data: ClassVar[str] = "choose a loss for this data (cosent or cosine for scored pairs)"
 
     def no_signal(self, examples: TextExamples, indices) -> str | None:
         """Why the batch of `indices` gives the loss no gradient, from the loss's `no_signal` (the batch's token

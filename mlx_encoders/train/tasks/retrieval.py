@@ -133,6 +133,7 @@ class SparseObjective(EmbeddingObjective):
     strategy: str = "max"
     activation: str = "relu"
     ranks_texts: ClassVar[bool] = False  # retrieval metrics are the dense models' (cosine or dot)
+    other_data: ClassVar[str] = "sparse training takes anchor, positive (negative...) rows, without scores"
 
     def embed(self, model: nn.Module, features: dict[str, mx.array], column: int) -> mx.array:
         return splade_pool(model, features, self.strategy, self.activation)
@@ -254,6 +255,7 @@ class MultiVectorObjective(OwnFormat, EmbeddingObjective):
 
     encoder: MultiVectorEncoder | None = None
     ranks_texts: ClassVar[bool] = False  # one matrix per text: the row metrics rank single vectors
+    other_data: ClassVar[str] = "multi-vector training takes anchor, positive (negative...) rows, without scores"
     groups_by_length: ClassVar[bool] = False  # token matrices as wide as the batch's (queries expanded to a length)
 
     def collate(self, examples: TextExamples, indices, rng: np.random.Generator | None = None) -> dict:
