@@ -132,47 +132,45 @@ def side(config: dict, key: str) -> str:
 
 # A pair with a text longer than this many characters a token is clipped before it is cut (`clipped_pair`).
 CLIP_CHARACTERS = 4
-# How far a clip looks past the tokens it keeps for the whitespace that ends their word.
-CLIP_REACH = 4096
+# Tokens a clip keeps past those truncation can keep: the text's new edge, whose tokens may differ, stays outside.
+CLIP_MARGIN = 8
 
 
 def clip(text: str, offsets: list, count: int, direction: str) -> str:
-    """`text` cut at the first whitespace past its first `count` tokens (its last, for `direction` "left"), so the
-    cut falls between words and those tokens stay the whole text's; a run of CLIP_REACH characters without
-    whitespace is cut at that reach."""
+    """`text` cut at a token's edge to its first `count` tokens (its last, for `direction` "left"). Tokenized again,
+    its tokens are the whole text's but at the cut: WordPiece's, BPE's merges and the unigram's best split of a
+    word run up to a token's edge alike whether the word goes on or not."""
     if count >= len(offsets):
         return text
-    if direction == "left":
-        start = edge = offsets[-count][0]
-        while edge > 0 and start - edge < CLIP_REACH and not text[edge - 1].isspace():
-            edge -= 1
-        return text[edge:]
-    end = edge = offsets[count - 1][1]
-    while edge < len(text) and edge - end < CLIP_REACH and not text[edge].isspace():
-        edge += 1
-    return text[:edge]
+    return text[offsets[-count][0] :] if direction == "left" else text[: offsets[count - 1][1]]
 
 
 def clipped_pair(backend: FastTokenizer, pair: tuple[str, str], limit: int, direction: str) -> tuple[str, str]:
-    """The pair with each text clipped to a little more than `limit` tokens: all that longest-first truncation to
-    `limit` keeps of it, and more, so the cut still shows. That truncation gives the longer text the odd token, so
-    the clipped texts keep which one is longer."""
+    """The pair with each long text clipped to CLIP_MARGIN tokens more than `limit`: all that longest-first
+    truncation to `limit` keeps of it, and more, so the cut still shows. That truncation gives the longer text the
+    odd token, so the clipped texts keep which one is longer; the pair comes back whole where a few tries do not
+    get there."""
     offsets = [backend.encode(text, add_special_tokens=False).offsets for text in pair]
     full = [len(o) for o in offsets]
-    texts, counts = list(pair), list(full)
-
-    def cut(i: int, count: int) -> None:
-        texts[i] = clip(pair[i], offsets[i], count, direction)
-        counts[i] = full[i] if texts[i] is pair[i] else len(backend.encode(texts[i], add_special_tokens=False).ids)
-
-    for i in (0, 1):
-        if full[i] > limit + 2:
-            cut(i, limit + 2)
+    keep = limit + CLIP_MARGIN
+    if max(full) <= keep:
+        return pair
     first_longer = full[0] > full[1]
-    while (counts[0] > counts[1]) != first_longer:  # the side that must be longer grows past the other
-        grow = 0 if first_longer else 1
-        cut(grow, counts[1 - grow] + 1)
-    return texts[0], texts[1]
+    want = [min(n, keep) for n in full]
+    if first_longer and want[0] <= want[1]:
+        want[0] = want[1] + 1
+    if not first_longer and want[0] > want[1]:
+        want[1] = want[0]
+    for _ in range(4):
+        texts = [clip(pair[i], offsets[i], want[i], direction) for i in (0, 1)]
+        counts = [len(backend.encode(t, add_special_tokens=False).ids) if w < n else n
+                  for t, w, n in zip(texts, want, full, strict=True)]  # fmt: skip
+        enough = all(c > limit or c == n for c, n in zip(counts, full, strict=True))
+        if enough and (counts[0] > counts[1]) == first_longer:
+            return texts[0], texts[1]
+        grow = 0 if first_longer else 1  # the side that must be longer grows past the other
+        want[grow] = min(full[grow], want[grow] + abs(counts[0] - counts[1]) + 1)
+    return pair
 
 
 class Tokenizer:

@@ -417,7 +417,7 @@ def test_damaged_safetensors_names_its_file(checkpoint, tmp_path, damage):
         mlx_encoders.load_model(folder)
 
 
-@pytest.mark.parametrize("damage", ["overlapping", "wrong size", "trailing bytes"])
+@pytest.mark.parametrize("damage", ["overlapping", "wrong size", "trailing bytes", "offsets of text"])
 def test_a_damaged_safetensors_header_is_refused_as_the_safetensors_library_refuses_it(checkpoint, tmp_path, damage):
     """MLX's reader does not check the offsets: two tensors over the same bytes loaded as wrong weights, silently."""
     import struct
@@ -435,8 +435,10 @@ def test_a_damaged_safetensors_header_is_refused_as_the_safetensors_library_refu
         second["data_offsets"] = list(first["data_offsets"])
     elif damage == "wrong size":
         first["shape"] = [first["shape"][0] + 1, *first["shape"][1:]]
-    else:
+    elif damage == "trailing bytes":
         body += b"\0" * 8
+    else:
+        second["data_offsets"] = ["ab", second["data_offsets"][1]]
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
     file.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)

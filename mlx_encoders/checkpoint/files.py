@@ -195,7 +195,7 @@ def read_safetensors(file: Path) -> dict[str, mx.array]:
     double-precision checkpoint into a float32 model."""
     try:
         check_layout(file)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, TypeError) as e:  # a JSON or Unicode error is a ValueError; offsets of other types, TypeError
         raise ValueError(f"{file} is not a readable safetensors file ({e}); re-download or re-save it") from e
     try:
         return mx.load(str(file))
