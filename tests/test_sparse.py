@@ -277,3 +277,25 @@ def test_bfloat16_arrays_score_and_decode_as_their_float32_values(tmp_path, mlm)
         np.array(encoder.similarity_pairwise(half, half)), np.array(encoder.similarity_pairwise(widened, widened))
     )
     assert encoder.decode(half, top_k=3) == encoder.decode(widened, top_k=3)
+
+
+def test_convert_to_tensor_and_save_to_cpu_as_sentence_transformers_takes_them(tmp_path, mlm):
+    folder = save_splade(tmp_path / "st", mlm["bert"])
+    theirs, ours = STSparseEncoder(str(folder), device="cpu"), SparseEncoder(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the long text cut
+        expected = theirs.encode(TEXTS, convert_to_tensor=False, save_to_cpu=True)
+        got = ours.encode(TEXTS, convert_to_tensor=False, save_to_cpu=True)
+        dense = ours.encode(TEXTS, convert_to_tensor=False, convert_to_sparse_tensor=False)
+    assert isinstance(got, list) and len(got) == len(expected) == len(TEXTS)
+    for mine, row, theirs_row in zip(got, dense, expected, strict=True):
+        assert mine.shape == row.shape == tuple(theirs_row.shape)
+        np.testing.assert_allclose(mine.toarray(), dense_numpy(theirs_row), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(row, mine.toarray())
+    single = ours.encode(TEXTS[0], convert_to_sparse_tensor=False)
+    assert single.shape == (30522,)
+    np.testing.assert_array_equal(single, ours.encode(TEXTS[0]).toarray())
+
+
+def dense_numpy(x) -> np.ndarray:
+    return x.to_dense().numpy()

@@ -412,10 +412,15 @@ class SparseEncoder(Embedder):
         convert_to_sparse_tensor: bool = True,
         max_active_dims: int | None = None,
         task: str | None = None,
+        *,
+        convert_to_tensor: bool = True,
+        save_to_cpu: bool = False,
     ):
         """Sparse embeddings of `sentences`: `SparseVectors` (N, V), or (V,) for a single str; a dense float32
-        numpy array instead with `convert_to_sparse_tensor=False`. `prompt` or the named prompt is prepended;
-        `max_active_dims` keeps that many largest weights per text; `task` picks a Router's route."""
+        numpy array instead with `convert_to_sparse_tensor=False`; with `convert_to_tensor=False` a list of one
+        (V,) vector per text, as sentence-transformers gives. `prompt` or the named prompt is prepended;
+        `max_active_dims` keeps that many largest weights per text; `task` picks a Router's route. `save_to_cpu`
+        changes nothing: the vectors are in host memory already."""
         texts, single = text_inputs(sentences, batch_size)
         limit = self.max_active_dims if max_active_dims is None else max_active_dims
         if limit is not None:
@@ -424,8 +429,12 @@ class SparseEncoder(Embedder):
         route = self.route(task)
         rows = route.encode([prefix + t for t in texts], batch_size, show_progress_bar, limit, task) if texts else []
         vectors = SparseVectors.from_rows(rows, route.dimension)
-        if single:
-            vectors = SparseVectors(vectors.row, vectors.col, vectors.data, (route.dimension,))
+        if single or not convert_to_tensor:
+            each = [SparseVectors.from_rows([row], route.dimension) for row in rows]
+            each = [SparseVectors(v.row, v.col, v.data, (route.dimension,)) for v in each]
+            if not convert_to_sparse_tensor:
+                each = [v.toarray() for v in each]
+            return each[0] if single else each
         return vectors if convert_to_sparse_tensor else vectors.toarray()
 
     def similarity(self, embeddings1, embeddings2) -> mx.array:
