@@ -448,6 +448,20 @@ def test_a_damaged_safetensors_header_is_refused_as_the_safetensors_library_refu
         mlx_encoders.load_model(folder)
 
 
+def test_a_weight_file_that_is_a_pipe_is_refused_not_waited_on(checkpoint, tmp_path):
+    """Opening a FIFO blocks until a writer comes: the load names the file instead (run apart: the old hang)."""
+    import subprocess
+    import sys
+
+    folder = copy(checkpoint("bert"), tmp_path)
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    code = f"import mlx_encoders; mlx_encoders.load_model({str(folder)!r})"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "model.safetensors is not a readable safetensors file (not a regular file)" in run.stderr, run.stderr
+
+
 def test_corrupt_tokenizer_json_names_itself(checkpoint, tmp_path):
     folder = copy(checkpoint("bert"), tmp_path)
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')

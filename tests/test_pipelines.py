@@ -195,6 +195,26 @@ def test_fill_mask_errors_and_truncation(pipes):
         ours("word " * 300 + "[MASK].")
 
 
+def test_fill_mask_reads_the_masked_lm_half_of_a_head_not_implemented_here(checkpoint, tmp_path):
+    """ALBERT's pretraining checkpoint (its masked-LM and sentence-order heads) fills masks as transformers'
+    pipeline fills them, from its masked-LM half; a checkpoint without that half is refused naming its head."""
+    folder = checkpoint("albert", "pretraining", **INIT["albert"])
+    ours = pipeline("fill-mask", model=folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.model_input_names = list(ours.tokenizer.model_input_names)
+    ref = transformers.pipeline("fill-mask", model=str(folder), tokenizer=tokenizer)
+    assert type(ref.model).__name__ == "AlbertForMaskedLM"
+    texts = [f"The capital of France is {ours.tokenizer.mask_token}.", f"A {ours.tokenizer.mask_token} walks in."]
+    assert_same(ours(texts, top_k=3), ref(texts, top_k=3))
+
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint("bert", "encoder"), bare)
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMultipleChoice"]}))
+    with pytest.raises(ValueError, match=r"Unsupported architecture 'BertForMultipleChoice'"):
+        pipeline("fill-mask", model=bare)
+
+
 def test_batches_go_through_the_model_together(pipes, monkeypatch):
     ours, _, _ = pipes("fill-mask", "bert")
     calls = []

@@ -160,6 +160,8 @@ def check_layout(file: Path) -> None:
     """The header's tensors, in offset order, fill the data exactly, each the size its shape and dtype give: the
     safetensors library's rule. MLX's reader does not check it, and two tensors over the same bytes load as
     wrong weights without a word."""
+    if not file.is_file():  # a FIFO or device would block the read, or never end it
+        raise ValueError("not a regular file")
     with file.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         if size > MAX_HEADER_BYTES:

@@ -264,7 +264,10 @@ def load_for(
     elif not isinstance(model, nn.Module):
         checkpoint = Checkpoint.open(model, revision)
         # the bare encoder of any checkpoint, whatever head it names (one not implemented here too)
-        have = head if head == "encoder" else checkpoint.task
+        try:
+            have = head if head == "encoder" else checkpoint.task
+        except ValueError as unknown:  # a head not implemented here (AlbertForPreTraining) may hold the task's
+            return head_of_unknown(checkpoint, head, dtype, tokenizer, revision, unknown)
         stored = model_class(checkpoint.model_type, have)
         check_not_discriminator(task, head, stored, checkpoint.model_type, checkpoint.path)
         if have not in accepted:
@@ -276,8 +279,28 @@ def load_for(
             )
         model = load_model(checkpoint, dtype=dtype, task=head)
         own = load_tokenizer(model, checkpoint) if tokenizer is None else None
+    return model, chosen_tokenizer(model, own, tokenizer, revision)
+
+
+def chosen_tokenizer(model: nn.Module, own: Tokenizer | None, tokenizer, revision: str | None) -> Tokenizer:
+    """`tokenizer` (a Tokenizer, or a folder / hub id holding one) where given, else the model's `own`."""
+    from .. import load_tokenizer
+
     if isinstance(tokenizer, Tokenizer):
-        return model, tokenizer
+        return tokenizer
     if tokenizer is not None:
-        return model, load_tokenizer(model, resolve(tokenizer, revision))
-    return model, own or load_tokenizer(model)
+        return load_tokenizer(model, resolve(tokenizer, revision))
+    return own or load_tokenizer(model)
+
+
+def head_of_unknown(checkpoint: Checkpoint, head: str, dtype, tokenizer, revision, unknown: ValueError):
+    """The `head` a task needs from a checkpoint whose named head is not implemented here, as transformers'
+    pipelines load their Auto class from any checkpoint: refused with `unknown` where its weights are not stored."""
+    from .. import load_model, load_tokenizer
+
+    try:
+        model = load_model(checkpoint, dtype=dtype, task=head)
+    except ValueError as missing:
+        raise unknown from missing
+    own = load_tokenizer(model, checkpoint) if tokenizer is None else None
+    return model, chosen_tokenizer(model, own, tokenizer, revision)
