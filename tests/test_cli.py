@@ -261,6 +261,8 @@ def test_errors_are_reported_with_exit_code(capsys, monkeypatch, mlm, classifier
     with pytest.raises(SystemExit) as exit_:  # a refused option, before the model loads
         run(capsys, "classify", "-m", "/no/such/model", "--rerank", "text")
     assert exit_.value.code == 2 and "--rerank needs --query" in capsys.readouterr().err
+    code, _, err = run(capsys, "classify", "-m", MINILM, "--query", "q", "--rerank", "text")  # an embedder
+    assert code == 1 and "this folder embeds texts (SentenceEncoder; `mlx-encoders embed`)" in err
     code, _, err = run(capsys, "classify", "-m", classifier, stdin="\n  \n", monkeypatch=monkeypatch)
     assert code == 1 and "no input" in err
     code, _, err = run(capsys, "embed", "-m", mlm.parent / "missing", "text")

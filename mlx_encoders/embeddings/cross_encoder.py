@@ -119,6 +119,13 @@ def logit_score(config: dict, tokenizer: Tokenizer, source: Path, vocab_size: in
     return LogitScore(true, false)
 
 
+NEW_HEAD_HINT = "; pass num_labels= to start a new head on its transformer"
+EMBEDDER_HINT = (
+    ": this folder embeds texts (SentenceEncoder; `mlx-encoders embed`), compared by their similarity. Scoring "
+    "pairs needs a cross-encoder checkpoint, or a new head on its transformer (num_labels=) trained first"
+)
+
+
 class CrossEncoder(Encoder):
     """(query, document) pairs -> scores, like `sentence_transformers.CrossEncoder(path)`.
 
@@ -147,7 +154,8 @@ class CrossEncoder(Encoder):
         others = [m for m in folder.modules if m.kind not in MODULES]
         if others:  # only a new head on the transformer runs: the folder's own modules after it do not
             if num_labels is None:
-                folder.check_kinds(MODULES, "CrossEncoder", "; pass num_labels= to start a new head on its transformer")
+                hint = EMBEDDER_HINT if "Pooling" in folder.kinds else NEW_HEAD_HINT
+                folder.check_kinds(MODULES, "CrossEncoder", hint)
             names = ", ".join(f"{m.kind} ({m.folder.name})" for m in others)
             warnings.warn(
                 f"{self.path / MODULES_FILE}: {names} not run; CrossEncoder scores with a classification head on the "
