@@ -5,6 +5,7 @@ beside /health. Servers bind 127.0.0.1 on a free port; every wait is bounded."""
 import dataclasses
 import http.client
 import json
+import logging
 import os
 import select
 import signal
@@ -130,7 +131,14 @@ def test_a_request_whose_client_leaves_is_not_computed_further(folders, monkeypa
     monkeypatch.setattr(ServedModel, "passes", slow)
     with pytest.warns(UserWarning, match="pooling"):
         app = serve.app({"tiny": folders["tiny"]}, max_batch_tokens=16)
+    lines = []  # the access log's lines, as uvicorn formats them
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    access = logging.getLogger("uvicorn.access")
     with in_process(app) as url:
+        access.addHandler(handler)  # after uvicorn's logging set-up, which replaces the logger's handlers
+        level = access.level
+        access.setLevel(logging.INFO)  # as `serve --log-level info` sets it (the test server logs warnings only)
         body = json.dumps({"model": "tiny", "input": [f"text {i}" for i in range(40)]}).encode()  # 3 a batch
         sock = connect(url)
         sock.sendall(head("/v1/embeddings", len(body)) + body)
@@ -141,6 +149,9 @@ def test_a_request_whose_client_leaves_is_not_computed_further(folders, monkeypa
         while gone not in (found := metric_values(url)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert found.get(gone) == 1, found
+        access.removeHandler(handler)
+        access.setLevel(level)
+        assert any(line.endswith('"POST /v1/embeddings HTTP/1.1" 499') for line in lines), lines
         time.sleep(0.5)  # a batch that was running when the client left ends
         computed = metric_values(url)['mlx_encoders_inputs_total{model="tiny"}']
         assert computed < 30, computed  # of 40: the passes run and those drawn when the client left (4 at most)

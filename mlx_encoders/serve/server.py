@@ -34,6 +34,7 @@ from .requests import ClientGone
 from .search import ServedIndex
 
 log = logging.getLogger("mlx_encoders.serve")
+access = logging.getLogger("uvicorn.access")
 RETRY_AFTER_S = 1
 OFF_LOOP_VALUES = 4096  # an answer of more values is written as JSON on a thread: the event loop stays free
 # a larger body goes to the socket a piece at a time: one write of it all copies it whole on the event loop
@@ -311,6 +312,15 @@ def error_response(path: str, error: ApiError) -> JSONResponse:
     return JSONResponse(content, error.status, headers=error.headers)
 
 
+def log_gone(request: Request) -> None:
+    """uvicorn's access line for a request whose client left: uvicorn logs a response it sends, and sends none to a
+    closed connection."""
+    scope, client = request.scope, request.client
+    query = f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""
+    address = f"{client.host}:{client.port}" if client else ""
+    access.info('%s - "%s %s HTTP/%s" %d', address, scope["method"], scope["path"] + query, scope["http_version"], 499)
+
+
 def endpoint(path: str, route: Endpoint, server: Server):
     async def call(request: Request) -> Response:
         taken, current = TAKEN.set([]), REQUEST.set(request)
@@ -318,7 +328,8 @@ def endpoint(path: str, route: Endpoint, server: Server):
             return await respond(await handled(request))
         except ApiError as e:
             return error_response(path, e)
-        except ClientGone:  # nothing reaches a closed connection; 499 tells the metrics why
+        except ClientGone:  # nothing reaches a closed connection; 499 tells the metrics and the access log why
+            log_gone(request)
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001  a bug answers its own request with 500; the server stays up
             log.exception("%s failed", path)
