@@ -134,15 +134,28 @@ def side(config: dict, key: str) -> str:
 CLIP_CHARACTERS = 4
 # Tokens a clip keeps past those truncation can keep: the text's new edge, whose tokens may differ, stays outside.
 CLIP_MARGIN = 8
+# Tokens a clip moves its cut by at most to reach the edge of the word it falls in (a word without end is cut inside).
+CLIP_WORD_REACH = 128
 
 
-def clip(text: str, offsets: list, count: int, direction: str) -> str:
-    """`text` cut at a token's edge to its first `count` tokens (its last, for `direction` "left"). Tokenized again,
-    its tokens are the whole text's but at the cut: WordPiece's, BPE's merges and the unigram's best split of a
-    word run up to a token's edge alike whether the word goes on or not."""
+def clip(text: str, encoding: Encoding, count: int, direction: str) -> str:
+    """`text` cut to its first `count` tokens (its last, for `direction` "left") and the rest of the word the cut
+    falls in. Tokenized again, its tokens are the whole text's: a word split anew from a cut inside it could split
+    otherwise (WordPiece's greedy pieces start from the word's first letter)."""
+    offsets, words = encoding.offsets, encoding.word_ids
     if count >= len(offsets):
         return text
-    return text[offsets[-count][0] :] if direction == "left" else text[: offsets[count - 1][1]]
+    if direction == "left":
+        start = len(offsets) - count
+        first = start
+        while first > 0 and words[first - 1] == words[start] and start - first < CLIP_WORD_REACH:
+            first -= 1
+        return text[offsets[first][0] :]
+    end = count - 1
+    last = end
+    while last + 1 < len(offsets) and words[last + 1] == words[end] and last - end < CLIP_WORD_REACH:
+        last += 1
+    return text[: offsets[last][1]]
 
 
 def clipped_pair(backend: FastTokenizer, pair: tuple[str, str], limit: int, direction: str) -> tuple[str, str]:
@@ -150,8 +163,8 @@ def clipped_pair(backend: FastTokenizer, pair: tuple[str, str], limit: int, dire
     truncation to `limit` keeps of it, and more, so the cut still shows. That truncation gives the longer text the
     odd token, so the clipped texts keep which one is longer; the pair comes back whole where a few tries do not
     get there."""
-    offsets = [backend.encode(text, add_special_tokens=False).offsets for text in pair]
-    full = [len(o) for o in offsets]
+    encodings = [backend.encode(text, add_special_tokens=False) for text in pair]
+    full = [len(e.ids) for e in encodings]
     keep = limit + CLIP_MARGIN
     if max(full) <= keep:
         return pair
@@ -162,7 +175,7 @@ def clipped_pair(backend: FastTokenizer, pair: tuple[str, str], limit: int, dire
     if not first_longer and want[0] > want[1]:
         want[1] = want[0]
     for _ in range(4):
-        texts = [clip(pair[i], offsets[i], want[i], direction) for i in (0, 1)]
+        texts = [clip(pair[i], encodings[i], want[i], direction) for i in (0, 1)]
         counts = [len(backend.encode(t, add_special_tokens=False).ids) if w < n else n
                   for t, w, n in zip(texts, want, full, strict=True)]  # fmt: skip
         enough = all(c > limit or c == n for c, n in zip(counts, full, strict=True))

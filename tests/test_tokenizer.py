@@ -235,8 +235,9 @@ def test_long_pairs_cut_as_transformers_cuts_them(checkpoint, model_type, side):
     ours.truncation_side = theirs.truncation_side = side
     words = "Reranking élan naïve 東京タワー unbelievably, x" * 30
     paragraphs = "A first paragraph.\n\nThen  two spaces,\n\n\nand lines. " * 40  # lone whitespace tokens
-    first = [words, "Who? " * 80, "y" * 9000, paragraphs, "这是一个很长的中文文档没有空格" * 60]
-    second = [words[::-1], "Long doc. " * 120, "tiny", paragraphs[::-1], "東京" * 700]
+    review = "Customer review: the product broke after a day, N" + "o" * 60  # a long word at the cut
+    first = [words, "Who? " * 80, "y" * 9000, paragraphs, "这是一个很长的中文文档没有空格" * 60, review, "k" * 87]
+    second = [words[::-1], "Long doc. " * 120, "tiny", paragraphs[::-1], "東京" * 700, "is it negative?", "short"]
     for limit in (14, 24):
         batch = ours(first, text_pair=second, padding=True, truncation=True, max_length=limit)
         expected = theirs(first, text_pair=second, padding=True, truncation=True, max_length=limit)
