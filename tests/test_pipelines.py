@@ -275,8 +275,11 @@ def test_text_classification_bad_and_long_inputs(pipes):
     ours, _, ref = pipes("text-classification", "roberta")
     with pytest.raises(ValueError, match="at least one"):
         ours([])
-    with pytest.raises(ValueError, match="separate calls"):
-        ours(["a text", {"text": "a", "text_pair": "pair"}])
+    # each input tokenized alone, as transformers' pipeline does: singles among pairs, an empty text_pair for none
+    mixed = ["a text", {"text": "a", "text_pair": "pair"}, {"text": "a question", "text_pair": ""}, "more"]
+    assert_same(ours(mixed, top_k=None), ref(mixed, top_k=None))
+    assert_same(ours(mixed[2]), ref(mixed[2]))
+    assert_same(ours([mixed[2]] * 2), ref([mixed[2]] * 2))
     assert_same(ours(""), ref(""))
     long = "This goes on and on. " * 100  # truncated to the model's 128 positions, as transformers' truncation
     assert_same(ours(long, top_k=None), ref(long, top_k=None, truncation=True))

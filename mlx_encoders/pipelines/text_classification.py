@@ -40,7 +40,17 @@ class TextClassificationPipeline(Pipeline):
     ):  # fmt: skip
         """(n, num_labels) scores after softmax / sigmoid / none (default from problem_type and num_labels)."""
         self.check_function(function_to_apply)
-        encodings = self.encode(texts, pairs, **encode_options)
+        if pairs is None or all(pairs):
+            encodings = self.encode(texts, pairs, **encode_options)
+        else:  # single texts among pairs (an empty text_pair is none, as transformers' tokenizer takes it)
+            encodings = [None] * len(texts)
+            for paired in (False, True):
+                rows = [i for i, second in enumerate(pairs) if bool(second) == paired]
+                seconds = [pairs[i] for i in rows] if paired else None
+                if rows:
+                    done = self.encode([texts[i] for i in rows], seconds, **encode_options)
+                    for i, encoding in zip(rows, done, strict=True):
+                        encodings[i] = encoding
         logits = np.stack([out[0] for out in self.forward(encodings, batch_size, per_token=False)])
         return self.activate(logits, function_to_apply)
 
@@ -121,15 +131,12 @@ class TextClassificationPipeline(Pipeline):
         return [{"corpus_id": int(i), "score": float(scores[i]), "text": documents[i]} for i in order]
 
 
-def split_pairs(items: list) -> tuple[list[str], list[str] | None]:
-    """Texts and (when every input is a pair) their second texts."""
+def split_pairs(items: list) -> tuple[list[str], list[str | None] | None]:
+    """Texts and (when any input is a pair) their second texts, None or "" for a single text: transformers'
+    pipeline tokenizes each input alone, and its tokenizer takes an empty text_pair for none."""
     pairs = [as_pair(i, item) for i, item in enumerate(items)]
     seconds = [p.get("text_pair") for p in pairs]
-    if all(s is None for s in seconds):
-        return [p["text"] for p in pairs], None
-    if any(s is None for s in seconds):
-        raise ValueError("Got both single texts and text pairs in one call; classify them in separate calls")
-    return [p["text"] for p in pairs], seconds
+    return [p["text"] for p in pairs], None if all(s is None for s in seconds) else seconds
 
 
 def as_pair(index: int, item) -> dict:
