@@ -141,6 +141,19 @@ def test_the_models_generation_config_is_the_default_as_in_transformers(lm, tmp_
     assert generate_ids(model, long, np.ones_like(long)).shape[1] == model.args.max_tokens
 
 
+def test_the_last_new_token_needs_no_position(lm):
+    """It is not read back: a prompt n - 4 tokens long takes 5 new tokens as transformers' generate gives them, and
+    6 are refused (transformers fails on a position past its table)."""
+    _, model, _, ref = lm
+    n = model.args.max_tokens
+    ids = (np.arange(n - 4, dtype=np.int32) % 200 + 5)[None]
+    mask = np.ones_like(ids)
+    expected = transformers_generate(ref, ids, mask, max_new_tokens=5, eos_token_id=None)
+    np.testing.assert_array_equal(generate_ids(model, ids, mask, max_new_tokens=5, eos_token_id=[]), expected)
+    with pytest.raises(ValueError, match=f"A prompt of {n - 4} tokens leaves room for 5 new tokens"):
+        generate_ids(model, ids, mask, max_new_tokens=6)
+
+
 def test_eos_ends_every_row_and_pads_the_finished(lm):
     _, model, tokenizer, ref = lm
     ids, mask = prompt_ids(tokenizer, PROMPTS)

@@ -158,9 +158,9 @@ def check_lengths(model: nn.Module, lengths: np.ndarray, new_tokens: int) -> Non
             f"Prompt {int(lengths.argmax())} has {longest} tokens, more than the model's {n} positions "
             f"(n_positions={n}); shorten it"
         )
-    if longest + new_tokens > n:
+    if longest + new_tokens - 1 > n:  # the last new token is not read back: it takes no position
         raise ValueError(
-            f"A prompt of {longest} tokens leaves room for {n - longest} new tokens in the model's {n} positions, "
+            f"A prompt of {longest} tokens leaves room for {n - longest + 1} new tokens in the model's {n} positions, "
             f"not {new_tokens}: lower max_new_tokens (or max_length), or shorten the prompt"
         )
 
