@@ -331,6 +331,16 @@ def test_none_turns_top_k_and_the_minimum_lengths_off_as_in_transformers(lm):
     )
 
 
+@pytest.mark.parametrize("option", ["do_sample", "temperature", "top_p", "repetition_penalty"])
+def test_none_leaves_the_sampling_settings_unset_as_in_transformers(lm, option):
+    """generate(temperature=None) (a caller passing its own optional argument on) is transformers' default."""
+    _, model, tokenizer, ref = lm
+    ids, mask = prompt_ids(tokenizer, PROMPTS)
+    expected = transformers_generate(ref, ids, mask, max_new_tokens=6, **{option: None})
+    np.testing.assert_array_equal(generate_ids(model, ids, mask, max_new_tokens=6, **{option: None}), expected)
+    assert getattr(GenerationConfig(**{option: None}), option) == getattr(GenerationConfig(), option)
+
+
 def test_presets():
     assert set(PRESETS) == {"greedy", "sample", "top-k", "nucleus"}
     nucleus = GenerationConfig.preset("nucleus", max_new_tokens=5)

@@ -66,7 +66,8 @@ class GenerationConfig:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # None: unset, the default, as transformers fills a GenerationConfig's
-            if f.name in ("top_k", "min_new_tokens", "min_length") and getattr(self, f.name) is None:
+            unset = ("top_k", "min_new_tokens", "min_length", "do_sample", "temperature", "top_p", "repetition_penalty")
+            if f.name in unset and getattr(self, f.name) is None:
                 setattr(self, f.name, f.default)
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -25,6 +25,7 @@ from .config import PRESETS, GenerationConfig, outside_stacklevel
 from .processors import processors, select
 
 OFF_WHEN_NONE = ("top_k", "min_new_tokens", "min_length")
+UNSET_WHEN_NONE = ("do_sample", "temperature", "top_p", "repetition_penalty")  # the file's value, else the default
 REPLACEMENT = "\ufffd"  # what decoding shows for a character whose bytes have not all arrived
 
 
@@ -33,8 +34,10 @@ def generation_config(
 ) -> GenerationConfig:
     """`config` (a GenerationConfig, a preset name, or None: the model's generation_config.json, as transformers'
     `generate` reads it, else the defaults) with `overrides` on top; an override of None turns top_k and the
-    minimum lengths off, as a keyword of transformers' `generate` does."""
+    minimum lengths off and leaves do_sample, temperature, top_p and repetition_penalty unset, as a keyword of
+    transformers' `generate` does."""
     overrides = {k: 0 if v is None and k in OFF_WHEN_NONE else v for k, v in overrides.items()}
+    overrides = {k: v for k, v in overrides.items() if not (v is None and k in UNSET_WHEN_NONE)}
     if config is not None:  # the caller's strategy; the model's end and pad ids still come from its file
         saved = saved_generation_config(model)
         ids = {k: saved[k] for k in ("eos_token_id", "pad_token_id") if k in saved and k not in overrides}
