@@ -284,6 +284,24 @@ def test_a_failed_write_reports_its_own_error_when_sqlite_has_rolled_back_alread
             s.transaction([("INSERT INTO meta VALUES (?, ?)", [("a", "b")])], rolled_back_then_failed)
 
 
+def test_a_store_whose_creation_failed_part_way_is_created_whole_next_time(tmp_path, monkeypatch):
+    """The tables and the format entry are made in one transaction: a full disk or a kill part way left some
+    tables, and every later build called the store damaged."""
+    from mlx_encoders.index import store
+
+    path = tmp_path / "index.sqlite"
+    monkeypatch.setattr(store, "SCHEMA", store.SCHEMA + "CREATE TABLE failing (;")  # fails after the others
+    with pytest.raises(StoreError, match="Could not write to the index store"):
+        Store(path, create=True)
+    monkeypatch.undo()
+    with Store(path, create=True) as s:
+        assert s.meta["format"] == store.FORMAT
+        s.require_checksums()
+        s.set_meta({"model": "m"})
+    with Store(path) as s:
+        assert s.meta["model"] == "m"
+
+
 def test_damage_at_random_offsets_gives_the_right_answer_or_the_damaged_error(clean, tmp_path):
     """Bytes xor-ed at random offsets of the store (1 to 64 of them, or a whole page of random bytes), before the
     index is opened or after: each search answers as the clean index did or raises `DamagedStore`; never a wrong

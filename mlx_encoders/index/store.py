@@ -162,10 +162,10 @@ class Store:
                 self.con.execute("PRAGMA cell_size_check = ON")  # a damaged cell is an error, not a read past its end
                 fresh = create and self.con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
                 if fresh:  # a store of an earlier version is changed by `upgrade` alone, once it is checked
-                    self.con.executescript(SCHEMA)
+                    # in one transaction: a full disk or a kill part way left some tables, and a store called damaged
+                    tables = [(sql, None) for sql in SCHEMA.split(";") if sql.strip()]
+                    self.transaction([*tables, ("INSERT INTO meta VALUES (?, ?)", [("format", FORMAT)])])
             self.meta = self.read_meta()
-            if fresh:
-                self.set_meta({"format": FORMAT})
         except BaseException:
             self.close()
             raise
@@ -371,13 +371,13 @@ class Store:
                 )
 
     def transaction(self, statements: Iterable[tuple[str, Iterable]], check: Callable[[], None] | None = None) -> None:
-        """Run (sql, rows) pairs with executemany in one transaction, then `check` (which raises to roll it back)
-        and the meta's checksum: all of them or none."""
+        """Run (sql, rows) pairs with executemany (rows None: sql once) in one transaction, then `check` (which raises
+        to roll it back) and the meta's checksum: all of them or none."""
         try:
             self.con.execute("BEGIN IMMEDIATE")
             try:
                 for sql, rows in statements:
-                    self.con.executemany(sql, rows)
+                    self.con.execute(sql) if rows is None else self.con.executemany(sql, rows)
                 if check is not None:
                     check()
                 entries = self.con.execute("SELECT CAST(name AS BLOB), CAST(value AS BLOB) FROM meta WHERE name != ?",
