@@ -268,6 +268,24 @@ def test_label_keywords_alone_ask_for_a_classifier_unless_the_head_has_labels(ch
     assert type(model).__name__ == expected and model.args.id2label == labels
 
 
+@pytest.mark.parametrize("model_type,named", [("bert", "BertForMaskedLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_label_keywords_on_a_bare_encoder_under_a_head_name_ask_for_a_classifier(checkpoint, tmp_path, model_type,
+                                                                                   named):  # fmt: skip
+    """Qwen3-Embedding's layout: config.json names the causal LM, the weights are the bare model's. Labels create
+    a classifier, as transformers' AutoModelForSequenceClassification does (the bare encoder came back, silently)."""
+    folder = copy(checkpoint(model_type), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [named]}))
+    reference = AUTO_CLASSES["sequence-classification"].from_pretrained(folder, num_labels=2)
+    with pytest.warns(UserWarning, match="newly initialized"):
+        model = mlx_encoders.load_model(folder, num_labels=2)
+    assert type(model).__name__ == type(reference).__name__
+    assert (
+        type(mlx_encoders.load_model(folder)).__name__
+        == f"{type(reference).__name__[: -len('ForSequenceClassification')]}Model"
+    )
+
+
 def test_new_head_needs_the_label_keywords(checkpoint):
     with pytest.raises(ValueError, match="missing from the checkpoint: classifier.bias.*pass num_labels="):
         mlx_encoders.load_model(checkpoint("distilbert", "masked-lm"), task="sequence-classification")

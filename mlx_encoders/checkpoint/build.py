@@ -408,10 +408,10 @@ def load_model(
         weights, inline = checkpoint.module.inline_adapters(weights, checkpoint.config)
     if hasattr(checkpoint.module, "sanitize"):
         weights = checkpoint.module.sanitize(weights)
-    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
-        task = "encoder"
     if task is None and new_head and stored_task not in LABELLED_TASKS:  # labels name a classifier to create
         task = "sequence-classification"
+    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
+        task = "encoder"
     task = task or stored_task
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; choose one of: {', '.join(TASKS)}")
