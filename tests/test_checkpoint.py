@@ -567,10 +567,14 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
         save(model, folder, overwrite=True)
     assert (folder / "modules.json").exists()
     project = tmp_path / "project"
+    project.mkdir()  # an empty folder (a TemporaryDirectory) holds nothing to lose: written without overwrite
+    assert (save(model, project) / "config.json").is_file()
+    shutil.rmtree(project)
     project.mkdir()
     (project / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match=r"is not a checkpoint folder \(no config.json\); refusing"):
-        save(model, project, overwrite=True)
+    for overwrite in (False, True):  # refused for what it holds, whatever the option: overwrite is not suggested
+        with pytest.raises(FileExistsError, match=r"is not a checkpoint folder \(no config.json\); refusing"):
+            save(model, project, overwrite=overwrite)
     assert (project / "notes.txt").read_text() == "mine"
     for overwrite in (False, True):  # a file: no option replaces it, and the first error says so
         with pytest.raises(FileExistsError, match=r"notes.txt is a file, not a folder; write the checkpoint"):

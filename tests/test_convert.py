@@ -553,18 +553,26 @@ def test_the_default_output_of_a_folder_given_as_dot_is_named_after_it_and_besid
 
 def test_existing_target_needs_force(tmp_path, bert):
     target = tmp_path / "mlx"
+    target.mkdir()  # an empty folder holds nothing to lose: written without force, as save_pretrained writes it
+    mlx_encoders.convert(bert, target, dtype="float16")
+    assert (target / "model.safetensors").exists()
+    shutil.rmtree(target)
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="already exists; pass force=True"):
-        mlx_encoders.convert(bert, target, bits=8, group_size=32)
-    assert listing(target) == ["keep.txt"]
-    with pytest.raises(FileExistsError, match=r"not a checkpoint folder \(no config.json\); refusing to replace"):
-        mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)  # force never deletes other data
+    for force in (False, True):  # force never deletes other data, and is not suggested where it would not help
+        with pytest.raises(FileExistsError, match=r"not a checkpoint folder \(no config.json\); refusing to replace"):
+            mlx_encoders.convert(bert, target, bits=8, group_size=32, force=force)
     assert listing(target) == ["keep.txt"]
     (target / "config.json").write_text("{}")  # an earlier output: force replaces it whole
+    with pytest.raises(FileExistsError, match="already exists; pass force=True"):
+        mlx_encoders.convert(bert, target, bits=8, group_size=32)
     mlx_encoders.convert(bert, target, bits=8, group_size=32, force=True)
     assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["mlx"]
+    (tmp_path / "notes.txt").write_text("mine")
+    for force in (False, True):  # a file: no option replaces it, and the first error says so
+        with pytest.raises(FileExistsError, match=r"notes.txt is a file, not a folder"):
+            mlx_encoders.convert(bert, tmp_path / "notes.txt", dtype="float16", force=force)
 
 
 def test_a_second_identical_convert_reuses_the_folder(tmp_path, bert, capsys):

@@ -498,6 +498,12 @@ def test_build_options_are_checked_before_anything_is_written(tmp_path, model):
         with pytest.raises(ValueError, match=message):
             build([("a", "x")], tmp_path / "index", model, quiet=True, **options)
         assert not (tmp_path / "index").exists()
+    (tmp_path / "notes.txt").write_text("mine")  # a file where the folder would be, or above it
+    with pytest.raises(ValueError, match=r"index .*notes.txt cannot be a folder: .*notes.txt is a file"):
+        build([("a", "x")], tmp_path / "notes.txt", model, quiet=True)
+    with pytest.raises(ValueError, match=r"index .*notes.txt/index \(in .*notes.txt, a file\) cannot be a folder"):
+        build([("a", "x")], tmp_path / "notes.txt" / "index", model, quiet=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def write_parquet(file: Path, columns: dict[str, list]) -> Path:

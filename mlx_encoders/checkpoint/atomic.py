@@ -203,6 +203,28 @@ def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrit
         unlock(lock)
 
 
+def check_target(
+    target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
+    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (),
+) -> bool:  # fmt: skip
+    """Whether writing `target` replaces a folder (`atomic_folder`'s arguments); FileExistsError where it may not:
+    a file, a folder that no option lets us delete (said first), or one that `replace` is not given for. An empty
+    folder holds nothing to lose: it is replaced without asking."""
+    if not target.exists():
+        return False
+    if not target.is_dir():  # no option replaces it: say so first
+        raise FileExistsError(f"{target} is a file, not a folder; write the checkpoint folder to another path")
+    if not any(target.iterdir()):
+        return True
+    if not holds:
+        check_replaceable(target, whole, parts)
+    elif others := sorted(p.name for p in target.iterdir() if p.name not in holds):
+        raise FileExistsError(f"{target} holds {', '.join(others)}; replacing the folder would delete them")
+    if not replace:
+        raise FileExistsError(f"{target} already exists; pass {option} to replace it")
+    return True
+
+
 @contextmanager
 def atomic_folder(
     target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
@@ -218,15 +240,7 @@ def atomic_folder(
     target = Path(target)
     target = target.resolve() if target.is_symlink() else target
     remove_stale(target)
-    if target.exists():
-        if not target.is_dir():  # no option replaces it: say so first
-            raise FileExistsError(f"{target} is a file, not a folder; write the checkpoint folder to another path")
-        if not replace:
-            raise FileExistsError(f"{target} already exists; pass {option} to replace it")
-        if not holds:
-            check_replaceable(target, whole, parts)
-        elif others := sorted(p.name for p in target.iterdir() if p.name not in holds):
-            raise FileExistsError(f"{target} holds {', '.join(others)}; replacing the folder would delete them")
+    replace = check_target(target, replace, whole, parts, option, holds)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:  # a file where a folder of the path belongs

@@ -35,7 +35,7 @@ from ..checkpoint import (
     write_checkpoint,
 )
 from ..checkpoint.adapters import adapter_folders
-from ..checkpoint.atomic import remove_stale
+from ..checkpoint.atomic import check_target, remove_stale
 from ..checkpoint.build import build_model, check_dtype, normalize_keys
 from ..checkpoint.files import GENERATION_FILE
 from ..checkpoint.foreign import check_sentence_modules, convert_torch_heads, copy_sentence_files
@@ -279,8 +279,7 @@ def convert(
         if upload_repo:
             print(f"Uploaded to {upload(target, upload_repo)}")
         return target
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it")
+    check_target(target, force, option="force=True (--force)")  # before the model loads
     model = load_model(checkpoint, as_stored=True)  # each tensor's dtype kept unless --dtype says otherwise
     tokenizer = source_tokenizer(model, checkpoint)
     if explicit and tokenizer is None:

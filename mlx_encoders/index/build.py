@@ -136,6 +136,9 @@ def build(
             raise OptionError(f"{name} must be an integer of {least} or more, got {value!r}")
     if shard is not None:
         check_part(shard, size)
+    if blocking := next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None):
+        where = "" if blocking == folder else f" (in {blocking}, a file)"
+        raise OptionError(f"index {folder}{where} cannot be a folder: {blocking} is a file; name another folder")
     encoder, name = open_model(model, SentenceEncoder)
     sparse, sparse_name = open_model(sparse_model, SparseEncoder)
     docs = read_corpus(corpus)
