@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -599,6 +600,33 @@ def test_a_graph_record_of_another_shape_is_rebuilt(tmp_path, capsys):
     assert index.search(vectors[5], 1)[0].id == "5"
     with pytest.raises(ValueError, match=r"a query vector of shape \(15,\), but the index .* holds vectors of 16 "):
         index.search(vectors[5][:15], 1)
+
+
+def test_threads_that_open_an_index_at_once_each_get_its_graph(tmp_path, capsys):
+    """Each thread building the missing graph writes under a name of its own (one per process was renamed from
+    under the others: FileNotFoundError), and the graph, its floats and its record left are one build's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_encoders.index import ann
+
+    file, both = tmp_path / "ann-int8.usearch", threading.Barrier(2)
+
+    def named(_) -> Path:
+        both.wait(timeout=30)  # two threads, each its own name
+        return ann.temporary_for(file)
+
+    with ThreadPoolExecutor(2) as pool:
+        assert len(set(pool.map(named, range(2)))) == 2
+    vectors = unit_vectors(2_000, 32, seed=0)
+    write_vectors(tmp_path / "i", vectors)
+    for precision in ("float32", "int8"):
+        with ThreadPoolExecutor(4) as pool:
+            opened = [pool.submit(Index, tmp_path / "i", ann=True, precision=precision) for _ in range(4)]
+            assert all(future.result().search(vectors[7], 1)[0].id == "7" for future in opened)
+        capsys.readouterr()
+        Index(tmp_path / "i", ann=True, precision=precision)
+        assert "rebuilding" not in capsys.readouterr().err
+    assert not list((tmp_path / "i").glob(".*.tmp"))
 
 
 def recall_at_10(index: Index, vectors: np.ndarray, queries: np.ndarray) -> float:

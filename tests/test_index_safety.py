@@ -266,7 +266,7 @@ def test_a_graph_that_cannot_be_saved_leaves_no_file_and_says_to_search_exactly(
     corpus, index = write_corpus(tmp_path / "corpus"), tmp_path / "index"
     build(corpus, index, encoder, quiet=True)
     monkeypatch.setattr(ann, "usearch_index", lambda: Unsaved)
-    with pytest.raises(OSError, match=r"could not write .*ann-float32.usearch.[0-9]+.tmp.*search exactly \(--exact\)"):
+    with pytest.raises(OSError, match=r"could not write .*ann-float32.usearch.[0-9-]+.tmp.*search exactly \(--exact\)"):
         Index(index, encoder, ann=True)
     assert not list(index.glob("ann-*")), list(index.iterdir())
 
@@ -476,22 +476,24 @@ def test_a_lock_file_removed_as_it_is_locked_is_locked_again(tmp_path, monkeypat
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_graph_files_are_written_under_this_process_s_own_temporary_name(tmp_path):
+def test_graph_files_are_written_under_this_thread_s_own_temporary_name(tmp_path):
     """Searchers opening a new index at once each build its graph: a shared temporary name was renamed from under
     the others (FileNotFoundError); one a killed process left is removed by the next writer."""
     import os
     import subprocess
     import sys
+    import threading
 
     from mlx_encoders.index.ann import temporary_for
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".ann-int8.usearch.{int(ended.stdout)}.tmp"
-    stale.write_bytes(b"left by a killed build")
-    live = tmp_path / f".ann-int8.usearch.{os.getppid()}.tmp"  # a process that still runs
-    live.write_bytes(b"being written")
-    assert temporary_for(tmp_path / "ann-int8.usearch") == tmp_path / f".ann-int8.usearch.{os.getpid()}.tmp"
-    assert not stale.exists() and live.exists()
+    stale = [tmp_path / f".ann-int8.usearch.{int(ended.stdout)}{thread}.tmp" for thread in ("", "-1234")]
+    live = tmp_path / f".ann-int8.usearch.{os.getppid()}-1234.tmp"  # a process that still runs
+    for file in (*stale, live):
+        file.write_bytes(b"left by a killed build")
+    own = tmp_path / f".ann-int8.usearch.{os.getpid()}-{threading.get_ident()}.tmp"  # this thread's
+    assert temporary_for(tmp_path / "ann-int8.usearch") == own
+    assert not any(file.exists() for file in stale) and live.exists()
 
 
 def test_a_malformed_collective_timeout_is_refused_before_any_file_is_made(tmp_path, encoder, monkeypatch):

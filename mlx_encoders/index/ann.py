@@ -112,15 +112,18 @@ def floats_path(folder: Path, precision: str) -> Path:
     return folder / f"ann-{precision}.f32"
 
 
+PLACING = threading.Lock()
+
+
 def temporary_for(file: Path) -> Path:
     """A temporary name for `file`, this process's own: searchers that open a new index at once each build its graph
     (a shared name was renamed from under the others); one a killed process left is removed by the next writer."""
     for stale in file.parent.glob(f".{file.name}.*.tmp"):
-        pid = stale.name.removesuffix(".tmp").rsplit(".", 1)[-1]
+        pid = stale.name.removesuffix(".tmp").rsplit(".", 1)[-1].split("-")[0]
         if pid.isdigit() and not running(int(pid)):
             with contextlib.suppress(OSError):
                 stale.unlink()
-    return file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    return file.with_name(f".{file.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # threads of one process too
 
 
 def write_floats(file: Path, rows: np.ndarray, vectors: np.ndarray) -> int:
@@ -211,14 +214,15 @@ def build(folder: Path, rows: np.ndarray, vectors: np.ndarray, precision: str, g
             temporary.unlink(missing_ok=True)
         full = " (the disk is full)" if disk_full(e, folder) else ""
         raise OSError(f"could not write {temporary}{full}: {e}; search exactly (--exact) meanwhile") from e
-    os.replace(temporary, file)
-    info = {"generation": generation, "store_id": store_id, "rows": len(rows), "bytes": file.stat().st_size,
-            "crc32": crc(file), "recall": recall, **chosen, "scale": scale, "calibration": calibration,
-            "seconds": {k: round(v, 2) for k, v in seconds.items()}}  # fmt: skip
-    if precision != "float32":
-        floats = floats_path(folder, precision)
-        info.update(floats_crc32=write_floats(floats, rows, vectors), floats_bytes=floats.stat().st_size)
-    write_record(record, info)
+    with PLACING:  # a graph, its floats and its record from one thread: two builds' files mixed seemed damaged
+        os.replace(temporary, file)
+        info = {"generation": generation, "store_id": store_id, "rows": len(rows), "bytes": file.stat().st_size,
+                "crc32": crc(file), "recall": recall, **chosen, "scale": scale, "calibration": calibration,
+                "seconds": {k: round(v, 2) for k, v in seconds.items()}}  # fmt: skip
+        if precision != "float32":
+            floats = floats_path(folder, precision)
+            info.update(floats_crc32=write_floats(floats, rows, vectors), floats_bytes=floats.stat().st_size)
+        write_record(record, info)
     return index, info
 
 
