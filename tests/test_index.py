@@ -602,6 +602,30 @@ def test_a_graph_record_of_another_shape_is_rebuilt(tmp_path, capsys):
         index.search(vectors[5][:15], 1)
 
 
+def test_non_finite_vectors_are_refused_in_queries_and_in_the_store(tmp_path):
+    """A NaN query found nothing (every comparison fails) and an infinite one scored inf; a NaN text vector (a
+    half-precision overflow) made every int8 search of its index find nothing."""
+    vectors = unit_vectors(300, 16, seed=0)
+    write_vectors(tmp_path / "i", vectors)
+    for precision, ann in (("float32", False), ("int8", False), ("binary", False), ("float32", True)):
+        index = Index(tmp_path / "i", ann=ann, precision=precision)
+        for bad in (np.nan, np.inf):
+            query = vectors[3].copy()
+            query[5] = bad
+            with pytest.raises(ValueError, match="a query vector with NaN or infinite values"):
+                index.search(query, 3)
+    with Store(tmp_path / "i" / "index.sqlite") as store:
+        before = store.keys()
+        rows = unit_vectors(3, 16, seed=1)
+        rows[1, 0] = np.nan
+        with pytest.raises(ValueError, match="text 'b' was embedded as NaN or infinite values.*nothing of its chunk"):
+            store.stage(["ka", "kb", "kc"], ["a", "b", "c"], rows)
+        assert store.keys() == before
+    for rescore in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"rescore must be an integer of 1 or more, got {rescore!r}"):
+            Index(tmp_path / "i", rescore=rescore)
+
+
 def test_threads_that_open_an_index_at_once_each_get_its_graph(tmp_path, capsys):
     """Each thread building the missing graph writes under a name of its own (one per process was renamed from
     under the others: FileNotFoundError), and the graph, its floats and its record left are one build's."""

@@ -147,8 +147,9 @@ class Index:
         write: bool = True,
     ):
         check_graph_options(precision, recall)
-        if ef_search is not None and ef_search < 1:
-            raise OptionError(f"ef_search must be 1 or more, got {ef_search}")
+        for name, value in (("ef_search", ef_search), ("rescore", rescore)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise OptionError(f"{name} must be an integer of 1 or more, got {value!r}")
         self.folder, self.precision, self.rescore = Path(folder), precision, rescore
         with Store(self.folder / "index.sqlite") as store:
             self.meta = store.begin_read()  # the meta and the vectors of one build
@@ -351,6 +352,8 @@ class Index:
                 f"a query vector of shape {vector.shape}, but the index {self.folder} holds vectors of "
                 f"{self.vectors.shape[1]} dimensions: embed the query with the index's model"
             )
+        if not np.isfinite(vector).all():  # no ranking by NaN: every comparison fails and nothing was found
+            raise ValueError(f"a query vector with NaN or infinite values; the index {self.folder} ranks finite ones")
         positions, scores = self.nearest(vector, k)
         return self.rows[positions], scores
 

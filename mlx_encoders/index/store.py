@@ -409,6 +409,15 @@ class Store:
         """Stage texts with their dense vectors ((N, 0) without a dense model) and sparse (term ids, weights), in
         one transaction: a text is staged with all its vectors or not at all."""
         vectors = np.ascontiguousarray(vectors, DTYPE)
+        finite = np.isfinite(vectors).all(axis=1) & [np.isfinite(np.asarray(w, np.float64)).all() for _, w in
+                                                     (sparse or [((), ())] * len(keys))]  # fmt: skip
+        if not finite.all():  # a NaN row made every int8 search of the index find nothing
+            bad = int(np.flatnonzero(~finite)[0])
+            raise ValueError(
+                f"text {texts[bad]!r:.80} was embedded as NaN or infinite values (an overflow in the model, in half "
+                "precision most often); nothing of its chunk was written: load the model in float32, or leave the "
+                "text out"
+            )
         rows = [
             (key, text, vector.tobytes(), zlib.crc32(text.encode(), seeded(key.encode(), 0)), vector_sum)
             for key, text, vector, vector_sum in zip(keys, texts, vectors, vector_sum(vectors).tolist(), strict=True)
