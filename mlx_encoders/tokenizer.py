@@ -130,6 +130,7 @@ def side(config: dict, key: str) -> str:
     return value
 
 
+TEMPLATE_FILE = "chat_template.jinja"
 # A pair with a text longer than this many characters a token is clipped before it is cut (`clipped_pair`).
 CLIP_CHARACTERS = 4
 # Tokens a clip keeps past those truncation can keep: the text's new edge, whose tokens may differ, stays outside.
@@ -196,6 +197,7 @@ class Tokenizer:
         self.model_max_length = model_max_length
         self.model_input_names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
         self.config = dict(config)  # tokenizer_config.json and special_tokens_map.json, written back by save()
+        self.template_file: str | None = None  # chat_template.jinja's text (transformers 5), written back by save()
         # transformers 5 skips the clean-up for BPE models, whose text it corrupts (it was made for WordPiece)
         bpe = type(backend.model).__name__ == "BPE" and not config.get(
             "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
@@ -295,7 +297,14 @@ class Tokenizer:
         cls, path: str | Path, max_positions: int | None = None, token_types: bool = True, model_type: str | None = None
     ):
         """The tokenizer of folder `path` (`model_type`: the model's, else config.json's where it is needed)."""
-        path = Path(path)
+        tokenizer = cls.read(Path(path), max_positions, token_types, model_type)
+        template = Path(path) / TEMPLATE_FILE
+        tokenizer.template_file = template.read_text(encoding="utf-8") if template.is_file() else None
+        return tokenizer
+
+    @classmethod
+    def read(cls, path: Path, max_positions: int | None, token_types: bool, model_type: str | None):
+        """`from_pretrained`'s tokenizer, from tokenizer.json or a SentencePiece model."""
         config = {
             **read_json_object(path / "special_tokens_map.json"),
             **read_json_object(path / "tokenizer_config.json"),
@@ -340,7 +349,8 @@ class Tokenizer:
         return cls(backend, {**config, **specials}, limit, token_types)
 
     def save(self, folder: str | Path) -> None:
-        """Write tokenizer.json and tokenizer_config.json, which transformers' AutoTokenizer reads."""
+        """Write tokenizer.json and tokenizer_config.json, which transformers' AutoTokenizer reads, and the chat
+        template file the tokenizer was loaded with."""
         folder = Path(folder)
         try:
             self.backend.save(str(folder / "tokenizer.json"))
@@ -350,6 +360,8 @@ class Tokenizer:
             raise (OSError(int(found[1]), message) if found else OSError(message)) from e
         config = {**self.config, "model_max_length": self.model_max_length}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        if self.template_file is not None:
+            (folder / TEMPLATE_FILE).write_text(self.template_file, encoding="utf-8")
 
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

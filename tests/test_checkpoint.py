@@ -584,6 +584,23 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
         save(model, project / "notes.txt" / "runs" / "model")  # the file in the way is named, not a folder under it
 
 
+def test_save_with_its_tokenizer_keeps_the_chat_template_file(checkpoint, tmp_path):
+    """transformers 5 keeps a chat template in chat_template.jinja: a reranker whose pairs go through it scored
+    otherwise once saved without it."""
+    source = copy(checkpoint("qwen3", "causal-lm"), tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    reference.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
+    reference.save_pretrained(source)
+    assert (source / "chat_template.jinja").is_file()
+    model, tokenizer = mlx_encoders.load(source)
+    saved = save(model, tmp_path / "saved", tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = reference.apply_chat_template(messages, tokenize=False)
+    assert transformers.AutoTokenizer.from_pretrained(saved).apply_chat_template(messages, tokenize=False) == expected
+
+
 def test_saved_folder_gets_the_users_permissions(checkpoint, tmp_path):
     umask = os.umask(0o022)
     try:
