@@ -191,6 +191,11 @@ def test_save_writes_the_adapters_back_as_peft_folders(folder, tmp_path):
         assert_close(torch_outputs(reference(tmp_path / "saved", task), batch), expected, real, "encoder")
         reloaded.set_adapter(task)
         assert_close(our_outputs(reloaded, batch), expected, real, "encoder")
+    mlx_encoders.save(reloaded, tmp_path / "saved", tokenizer, overwrite=True)  # its adapter folders are save's own
+    assert sorted(mlx_encoders.load_model(tmp_path / "saved").adapters) == sorted(TASKS)
+    (tmp_path / "saved" / "separation" / "notes.txt").write_text("mine")  # a folder with more is not
+    with pytest.raises(FileExistsError, match=r"holds files that save\(\) does not write \(separation/\)"):
+        mlx_encoders.save(reloaded, tmp_path / "saved", tokenizer, overwrite=True)
 
 
 def test_sentence_encoder_selects_the_adapter_by_task_or_prompt_name(st_folder):

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .adapters import CONFIG as ADAPTER_CONFIG
+from .adapters import WEIGHTS as ADAPTER_WEIGHTS
 from .files import GENERATION_FILE, INDEX, TOKENIZER_FILES
 
 LOW_SPACE = 1 << 20  # bytes free under which a failed write is taken for a full disk
@@ -27,6 +29,11 @@ def is_checkpoint_file(name: str) -> bool:
     return name in ("config.json", INDEX, GENERATION_FILE, *TOKENIZER_FILES) or name.endswith(
         (".safetensors", ".model")
     )
+
+
+def is_adapter(folder: Path) -> bool:
+    """A task adapter `save` writes beside the weights (jina-embeddings-v3's): a PEFT folder of its two files."""
+    return folder.is_dir() and {p.name for p in folder.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
 
 
 def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) -> None:
@@ -46,7 +53,7 @@ def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) ->
     if not (target / "config.json").is_file():
         raise FileExistsError(f"{target} is not a checkpoint folder (no config.json); refusing to replace it")
     entries = [] if whole else target.iterdir()
-    others = sorted(p.name + "/" * p.is_dir() for p in entries if not is_checkpoint_file(p.name))
+    others = sorted(p.name + "/" * p.is_dir() for p in entries if not (is_checkpoint_file(p.name) or is_adapter(p)))
     if others:
         raise FileExistsError(
             f"{target} holds files that save() does not write ({', '.join(others)}); replacing the folder would "
