@@ -381,6 +381,31 @@ def test_an_index_is_read_as_transformers_reads_it(checkpoint, tmp_path):
         mlx_encoders.load_model(folder)
 
 
+def test_a_shard_without_a_key_its_index_lists_is_named(checkpoint, tmp_path):
+    """transformers leaves the key at random; the error names the shard, not a head to add with num_labels."""
+    model, tokenizer = mlx_encoders.load(checkpoint("bert", "sequence-classification"))
+    folder = save(model, tmp_path / "sharded", tokenizer, shard_size=50_000)
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = folder / weight_map["classifier.weight"]
+    weights = load_file(shard)
+    del weights["classifier.weight"]
+    save_file(weights, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{shard.name} lacks classifier.weight, which model.safetensors.index.json"):
+        mlx_encoders.load_model(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    with pytest.raises(ValueError, match="index.json has no 'weight_map' object naming the shards"):
+        mlx_encoders.load_model(folder)
+
+
+def test_a_missing_untied_decoder_suggests_tying_not_a_classifier(checkpoint, tmp_path):
+    """Following the num_labels hint built a sequence classifier out of a masked-LM checkpoint."""
+    folder = copy(checkpoint("bert", "masked-lm", tie_word_embeddings=False), tmp_path)
+    edit_weights(folder, lambda w: w.pop("cls.predictions.decoder.weight"))
+    with pytest.raises(ValueError, match=r"decoder.weight \| config.json has tie_word_embeddings false") as error:
+        mlx_encoders.load_model(folder)
+    assert "num_labels" not in str(error.value)
+
+
 def test_a_hub_download_fetches_chat_templates_and_bge_m3_heads():
     from huggingface_hub.utils import filter_repo_objects
 

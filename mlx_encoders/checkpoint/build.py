@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.quantized import QUANTIZED
 from ..engine.runtime import claim_mlx, compute_dtype, on_cpu
-from ..models import TASKS, model_class
+from ..models import TASKS, model_class, task_of_model
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
 from .adapters import attach_adapters
@@ -218,8 +218,14 @@ def fit_weights(
         problems.append(f"not float where the model needs float weights (or the reverse): {', '.join(sorted(kinds))}")
     if problems:
         hint = ""
-        if missing and not new_head and all(creatable(model, k) for k in missing):
+        labelled = task_of_model(model) in LABELLED_TASKS  # a head that labels: one that num_labels creates
+        if missing and not new_head and labelled and all(creatable(model, k) for k in missing):
             hint = " | to add this head, pass num_labels= (or id2label=, label2id=, problem_type=)"
+        elif missing and all(k.endswith("decoder.weight") or k == "lm_head.weight" for k in missing):
+            hint = (
+                " | config.json has tie_word_embeddings false, and the checkpoint has no output layer of its own: "
+                "if it shares the word embeddings, set tie_word_embeddings to true"
+            )
         raise ValueError(
             f"Checkpoint {source} does not fit {type(model).__name__} built from its config.json: "
             + " | ".join(problems)

@@ -241,8 +241,8 @@ def weight_files(path: Path) -> list[Path]:
     index = path / INDEX
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map' object")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object naming the shards; re-download it")
         for key, name in weight_map.items():
             if not isinstance(name, str):
                 raise ValueError(f"{index}: weight_map[{key!r}] must be a shard's file name, got {name!r}")
@@ -349,7 +349,17 @@ class Checkpoint:
         return weight_files(self.path)
 
     def read_weights(self) -> dict[str, mx.array]:
-        weights = {}
-        for file in self.weight_files():
-            weights.update(read_safetensors(file))
+        weights, files = {}, self.weight_files()
+        index = self.path / INDEX
+        sharded = files[0].name != "model.safetensors" and index.exists()
+        listed = read_json_object(index)["weight_map"] if sharded else {}
+        for file in files:
+            found = read_safetensors(file)
+            if lacking := sorted(k for k, name in listed.items() if name == file.name and k not in found):
+                more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+                raise ValueError(
+                    f"{file} lacks {', '.join(lacking[:3])}{more}, which {index.name} says it holds: the shard is "
+                    "damaged or of another download; re-download it"
+                )
+            weights.update(found)
         return weights
