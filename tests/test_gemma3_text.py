@@ -49,6 +49,29 @@ def test_matches_transformers(checkpoint, task, attention):
     check_parity(checkpoint("gemma3_text", task, **attention), task)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rms_norm_in_half_precision_rounds_as_transformers(dtype):
+    """1 + weight is taken in float32 and the product rounded once: rounded to half precision first, the norm's
+    error was twice transformers'."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm as Reference
+
+    from mlx_encoders.models.gemma3_text import Gemma3RMSNorm
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 768)).astype(np.float32)
+    weight = (rng.standard_normal(768) * 0.05).astype(np.float32)
+    exact = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * (1 + weight.astype(np.float64))
+    reference = Reference(768, eps=1e-6)
+    reference.weight.data = torch.tensor(weight).to(getattr(torch, dtype))
+    with torch.no_grad():
+        theirs = reference(torch.tensor(x).to(getattr(torch, dtype))).float().numpy()
+    ours = Gemma3RMSNorm(768, 1e-6)
+    ours.weight = mx.array(weight).astype(getattr(mx, dtype))
+    got = np.array(ours(mx.array(x).astype(getattr(mx, dtype))).astype(mx.float32))
+    assert ours(mx.array(x).astype(getattr(mx, dtype))).dtype == getattr(mx, dtype)
+    assert np.abs(got - exact).max() <= 1.05 * np.abs(theirs - exact).max()
+
+
 def test_hub_config_spelling(checkpoint, tmp_path):
     """EmbeddingGemma's config.json on the Hub: `rope_theta`, `rope_local_base_freq` and `sliding_window_pattern`
     (every n-th layer global) instead of `layer_types` and `rope_parameters`."""

@@ -132,7 +132,10 @@ class Gemma3RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        if self.weight.dtype == mx.float32:
+            return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+        # 1 + weight in float32 and one rounding of the product, as transformers computes it in half precision
+        return mx.fast.rms_norm(x, 1.0 + self.weight.astype(mx.float32), self.eps).astype(x.dtype)
 
 
 class Gemma3Attention(nn.Module):
