@@ -7,12 +7,26 @@ traceback; `--debug` or MLX_ENCODERS_DEBUG=1 shows the traceback of every error.
 """
 
 import argparse
+import contextlib
 import os
 import select
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 DEBUG_ENV = "MLX_ENCODERS_DEBUG"
+
+
+def outside_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, called from the function that warns, of the first frame outside this package,
+    generated code (a dataclass's __init__) and contextlib's wrappers (a decorator's): the user's line, however deep
+    the call came."""
+    package, wrappers = str(Path(__file__).parent), contextlib.__file__
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith((package, "<")) or frame.f_code.co_filename ==
+                                 wrappers):  # fmt: skip
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class OptionError(ValueError):

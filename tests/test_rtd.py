@@ -178,6 +178,8 @@ def test_cli_pretrains_a_pair_transformers_loads_and_resumes_exactly(tmp_path, c
     # resumed from step 1, the run takes the same steps: the same masks, samples and weights
     assert main([*argv, "--output", str(tmp_path / "resumed"), "--max-steps", "1"]) == 0
     capsys.readouterr()
+    for part in ("discriminator", "generator"):  # a checkpoint's parts load as the final ones, tokenizer and all
+        assert mlx_encoders.load(tmp_path / "resumed" / "checkpoint-1" / part)[1](TEXTS[:2])["input_ids"] is not None
     assert main([*argv, "--output", str(tmp_path / "resumed"), "--resume", str(tmp_path / "resumed/checkpoint-1")]) == 0
     for part in ("discriminator", "generator"):
         a, b = (
@@ -289,12 +291,49 @@ def test_a_discriminator_that_flags_nothing_at_the_end_is_warned_about(tmp_path)
     finishes, with a warning that names the cause and the remedy; a run without an eval set says nothing."""
     data = write_texts(tmp_path / "train.jsonl", TEXTS)
     run = dict(max_steps=1, batch_size=4, max_length=24, lr=1e-12, warmup_steps=0)
-    with pytest.warns(UserWarning, match=r"flags none of the eval set's replaced tokens \(recall 0.*lr=5e-4"):
+    with pytest.warns(
+        UserWarning, match=r"flags none of the eval set's replaced tokens \(recall 0.*train longer$"
+    ) as w:
         trained = fine_tune("rtd", data, tmp_path / "run", config=SIZES, tokenizer=MINILM, eval_data=data, **run)
+    assert w[0].filename == __file__  # the caller's line
     assert trained.metrics["eval_recall"] == 0.0 and trained.metrics["eval_replacement_rate"] > 0
+    from mlx_encoders.train.tasks.rtd import warn_if_nothing_flagged
+
+    with pytest.warns(UserWarning, match=r"train longer, or with a lower learning rate than lr=0.01 \(ELECTRA-Sm"):
+        warn_if_nothing_flagged(trained.metrics, 1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         fine_tune("rtd", data, tmp_path / "quiet", config=SIZES, tokenizer=MINILM, **run)
+
+
+def test_the_generators_eval_loss_is_its_mean_over_masked_tokens():
+    """As the masked-LM's eval_loss: each batch's mean weighted by its masked tokens (by its real tokens, it was
+    7% off on rows of unlike lengths), the discriminator's by its real tokens, eval_loss their weighted sum."""
+    from mlx_encoders.engine.ops import drawing_from
+    from mlx_encoders.train.data import collate, masked_lm_data
+    from mlx_encoders.train.rtd import rtd_masker
+
+    mx.random.seed(0)
+    tokenizer = Tokenizer.from_pretrained(MINILM)
+    pair = ReplacedTokenDetection(ElectraForPreTraining(ModelArgs.from_dict({**SIZES, "vocab_size": 30522})),
+                                  ElectraForMaskedLM(generator_args(ModelArgs.from_dict({**SIZES, "vocab_size": 30522}),
+                                                                    0.5)))  # fmt: skip
+    bias = np.zeros(30522, np.float32)
+    bias[tokenizer.token_id("the")] = 8.0  # a loss that depends on the token, so that the weighting shows
+    pair.generator.generator_lm_head.bias = mx.array(bias)
+    texts = [{"text": "the cat"}, {"text": "the " * 60}, {"text": "a dog runs"}, {"text": "the the the the the"}]
+    examples, masker = masked_lm_data(texts, tokenizer, text_column="text", max_length=64), rtd_masker(tokenizer)
+    found = pair.evaluate(tokenizer, examples, 1, 42, masker)
+    rng, sums = np.random.default_rng(42), np.zeros(4)  # generator x masked, masked, discriminator x real, real
+    with drawing_from([mx.random.key(42)]):
+        for i in range(len(texts)):
+            inputs, labels = pair.loss_arrays(collate(examples, [i], tokenizer, masker, rng))
+            out = pair.losses(inputs, labels)
+            masked, real = labels["masked"].size, int(np.array(out["real"]).sum())
+            sums += [out["generator_loss"].item() * masked, masked, out["discriminator_loss"].item() * real, real]
+    assert found["eval_generator_loss"] == pytest.approx(sums[0] / sums[1], rel=1e-6)
+    assert found["eval_discriminator_loss"] == pytest.approx(sums[2] / sums[3], rel=1e-6)
+    assert found["eval_loss"] == pytest.approx(sums[0] / sums[1] + 50 * sums[2] / sums[3], rel=1e-6)
 
 
 def test_train_called_on_a_pair_trains_electra_loss(tmp_path):

@@ -9,11 +9,10 @@ warn that they are ignored, as transformers' `GenerationConfig.validate` does.
 import dataclasses
 import math
 import numbers
-import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
+from ..errors import outside_stacklevel
 from ..tokenizer import check_count
 
 DEFAULT_NEW_TOKENS = 20
@@ -26,16 +25,6 @@ PRESETS = {
 
 
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "seed": None}  # what greedy decoding ignores
-
-
-def outside_stacklevel() -> int:
-    """The `warnings.warn` stacklevel, called from the function that warns, of the first frame outside this package
-    (and outside generated code, such as a dataclass's __init__): the user's line, however deep the call came."""
-    package = str(Path(__file__).parents[1])
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith((package, "<")):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_number(name: str, value) -> None:

@@ -17,11 +17,12 @@ import mlx.nn as nn
 import numpy as np
 
 from ..engine.runtime import claim_mlx, one_row_products
+from ..errors import outside_stacklevel
 from ..jsonfile import read_json_object
 from ..models import task_of_model
 from ..tokenizer import Tokenizer, text_list
 from . import steps as compiled
-from .config import PRESETS, GenerationConfig, outside_stacklevel
+from .config import PRESETS, GenerationConfig
 from .processors import processors, select
 
 OFF_WHEN_NONE = ("top_k", "min_new_tokens", "min_length")

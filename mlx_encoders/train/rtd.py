@@ -178,13 +178,14 @@ class ReplacedTokenDetection(nn.Module):
     def evaluate(
         self, tokenizer: Tokenizer, examples: Examples, batch_size: int, seed: int, masker: Masker
     ) -> dict[str, float]:
-        """The mean losses per batch weighted by its real tokens; the generator's accuracy on the masked tokens; the
+        """The mean losses: the generator's over the masked tokens (as the masked-LM's eval_loss), the
+        discriminator's over real tokens, and their weighted sum; the generator's accuracy on the masked tokens; the
         discriminator's accuracy on real tokens, its precision and recall on the replaced ones (0 when it flags none,
         or none was replaced); the share of real tokens replaced. Masks and samples come from `seed`, the same at
         every evaluation."""
         self.eval()
         rng = np.random.default_rng(seed)
-        sums = dict.fromkeys(("loss", "generator_loss", "discriminator_loss"), 0.0)
+        sums = dict.fromkeys(("generator_loss", "discriminator_loss"), 0.0)
         counts = dict.fromkeys(("real", "masked", "generator_right", "right", "replaced", "flagged", "caught"), 0)
         with drawing_from([mx.random.key(seed)]):
             for start in range(0, len(examples), batch_size):
@@ -193,8 +194,8 @@ class ReplacedTokenDetection(nn.Module):
                 out = self.losses(inputs, labels)
                 real = np.array(out["real"])
                 replaced, flagged = np.array(out["replaced"]).astype(bool)[real], np.array(out["flagged"])[real]
-                for name in sums:
-                    sums[name] += out[name].item() * int(real.sum())
+                sums["generator_loss"] += out["generator_loss"].item() * labels["masked"].size
+                sums["discriminator_loss"] += out["discriminator_loss"].item() * int(real.sum())
                 counts["real"] += int(real.sum())
                 counts["masked"] += labels["masked"].size
                 counts["generator_right"] += out["generator_right"].item()
@@ -203,8 +204,11 @@ class ReplacedTokenDetection(nn.Module):
                 counts["flagged"] += int(flagged.sum())
                 counts["caught"] += int((replaced & flagged).sum())
         n = counts["real"]
+        generator, discriminator = ratio(sums["generator_loss"], counts["masked"]), ratio(sums["discriminator_loss"], n)
         return {
-            **{f"eval_{name}": value / n if n else math.nan for name, value in sums.items()},
+            "eval_loss": generator + self.discriminator_weight * discriminator,
+            "eval_generator_loss": generator,
+            "eval_discriminator_loss": discriminator,
             "eval_generator_accuracy": ratio(counts["generator_right"], counts["masked"]),
             "eval_discriminator_accuracy": ratio(counts["right"], n),
             "eval_precision": ratio(counts["caught"], counts["flagged"], 0.0),
@@ -292,6 +296,10 @@ class RTDObjective(OwnFormat, HeadObjective):
 
     def evaluate(self, model: ReplacedTokenDetection, examples: Examples, batch_size: int) -> dict[str, float]:
         return model.evaluate(self.tokenizer, examples, batch_size, self.config.seed, self.masker)
+
+    def write_weights(self, model: ReplacedTokenDetection, folder: Path) -> None:
+        """Each part with the tokenizer: a checkpoint's discriminator/ loads and fine-tunes as the final one does."""
+        model.write_checkpoint(folder, self.tokenizer)
 
     def metric_names(self, examples: Examples) -> list[str]:
         return list(METRICS)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from ...checkpoint.build import load_model
 from ...checkpoint.files import Checkpoint
+from ...errors import outside_stacklevel
 from ...tokenizer import Tokenizer
 from ..config import OptionError, Trained
 from ..data import masked_lm_data
@@ -16,6 +17,8 @@ from ..options import Data
 from ..rtd import ReplacedTokenDetection, RTDObjective, generator_args, rtd_masker, start_at_base_rate
 from . import RTD as TASK
 from .heads import from_config, read_config, train_head
+
+SMALL_LR = 5e-4  # ELECTRA-Small's learning rate: above it, a lower rate is advised
 
 
 def train_task(data: Data, run: SimpleNamespace) -> Trained:
@@ -42,20 +45,21 @@ def train_task(data: Data, run: SimpleNamespace) -> Trained:
     trained = train_head(
         TASK, data, run, read, build=build, objective=objective, own_metrics=True, save_model=save_pair
     )
-    warn_if_nothing_flagged(trained.metrics)
+    warn_if_nothing_flagged(trained.metrics, run.training.lr)
     return trained
 
 
-def warn_if_nothing_flagged(metrics: Mapping[str, float]) -> None:
+def warn_if_nothing_flagged(metrics: Mapping[str, float], lr: float) -> None:
     """The last evaluation's discriminator scores no replaced token above 1/2: the run ends without error, yet its
     encoder learned little (at lr 1e-3 the 4-layer example's top-layer tokens end alike); say so."""
     if metrics.get("eval_recall") == 0.0 and metrics.get("eval_replacement_rate", 0.0) > 0:
+        lower = f", or with a lower learning rate than lr={lr:g} (ELECTRA-Small's: 5e-4)" if lr > SMALL_LR else ""
         warnings.warn(
             f"rtd: the discriminator flags none of the eval set's replaced tokens (recall 0, accuracy "
             f"{metrics['eval_discriminator_accuracy']:.3f}: the share left original), so the encoder it gives learned "
-            "little; train longer, or with a lower learning rate (ELECTRA-Small's: lr=5e-4)",
+            f"little; train longer{lower}",
             UserWarning,
-            stacklevel=4,
+            stacklevel=outside_stacklevel(),
         )
 
 
