@@ -100,15 +100,16 @@ CALL = (
            flag=False),
     Option("max_length", "tokens per example (default: the model's limit)", int | None, kind=int),
     Option("label_all_tokens", "tokens: label every sub-token of a word", bool, False, (TOKENS,), bool),
-    Option("whole_word_mask", "mlm: mask whole words", bool, False, (MLM, PRETRAINING, RTD), bool),
+    Option("whole_word_mask", "mlm, rtd: mask whole words", bool, False, (MLM, PRETRAINING, RTD), bool),
     Option("next_sentence", "mlm: BERT pretraining with next-sentence pairs", bool, False, (MLM,), bool),
     Option("generator", "masked-LM checkpoint to start the generator from (default: a new one)", Path_ | None,
            tasks=(RTD,), group="rtd"),
     Option("generator_size", "a new generator's share of the width", float, GENERATOR_SIZE, (RTD,), float, group="rtd"),
     Option("discriminator_weight", "the discriminator loss's weight", float, DISCRIMINATOR_WEIGHT, (RTD,), float,
            group="rtd"),
-    Option("share_embeddings", "the generator reads the discriminator's embeddings (ELECTRA's tying; off: its own, "
-           "the paper's ablation)", bool, True, (RTD,), bool, group="rtd", switch_off=True),
+    Option("share_embeddings", "whether the generator reads the discriminator's embeddings (ELECTRA's tying; off, "
+           "--no-share-embeddings: its own, the paper's ablation)", bool, True, (RTD,), bool, group="rtd",
+           switch_off=True),
     Option("loss", "embed: default mnrl (anchor/positive rows), cosent (scored pairs); rerank: bce, listnet (default "
            "for rows of several documents), lambda or mnrl; sparse, multivector: a loss object (API only)", object,
            tasks=(*RETRIEVAL, RERANK), flag_tasks=(EMBED, RERANK), group="embed",
