@@ -114,6 +114,13 @@ def sparse_dot(a: SparseVectors, b: SparseVectors) -> np.ndarray:
     return out
 
 
+def joined(x):
+    """A list of SparseVectors (one a text: `encode(convert_to_tensor=False)`) as one SparseVectors of their rows."""
+    if isinstance(x, list | tuple) and x and all(isinstance(v, SparseVectors) for v in x):
+        return SparseVectors.from_rows([row for v in x for row in v.rows()], x[0].shape[-1])
+    return x
+
+
 def dense_rows(x) -> np.ndarray:
     """float32 (N, V) numpy of SparseVectors, an mx.array, a numpy array or a list of rows; (V,) counts as one."""
     if isinstance(x, SparseVectors):
@@ -438,8 +445,9 @@ class SparseEncoder(Embedder):
         return vectors if convert_to_sparse_tensor else vectors.toarray()
 
     def similarity(self, embeddings1, embeddings2) -> mx.array:
-        """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2` (SparseVectors or
-        dense arrays), by `similarity_fn_name`."""
+        """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2` (SparseVectors, a list
+        of them as `encode(convert_to_tensor=False)` gives, or dense arrays), by `similarity_fn_name`."""
+        embeddings1, embeddings2 = joined(embeddings1), joined(embeddings2)
         if self.similarity_fn_name == "dot" and isinstance(embeddings1, SparseVectors):
             if isinstance(embeddings2, SparseVectors):  # a corpus's vocabulary-wide dense copy would not fit
                 return mx.array(sparse_dot(embeddings1, embeddings2))
@@ -447,7 +455,7 @@ class SparseEncoder(Embedder):
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
         """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
-        return super().similarity_pairwise(dense_rows(embeddings1), dense_rows(embeddings2))
+        return super().similarity_pairwise(dense_rows(joined(embeddings1)), dense_rows(joined(embeddings2)))
 
     def decode(self, embeddings, top_k: int | None = None) -> list:
         """(token, weight) pairs by descending weight, the `top_k` first when set: a list for one vector (a (V,)
