@@ -186,6 +186,15 @@ def test_encode_rejects_bad_keywords(encoder):
         encoder.encode(TEXTS, truncate_dim=0)
 
 
+def test_positional_arguments_mean_what_they_mean_in_sentence_transformers(oracle, encoder):
+    """Up to convert_to_tensor, the order is sentence-transformers'; its tenth, `device`, was our
+    normalize_embeddings (every row came back normalised): past the ninth, keywords only."""
+    arguments = (TEXTS, None, None, 32, False, "sentence_embedding", "float32", True, False)
+    assert_same(encoder.encode(*arguments), oracle.encode(*arguments))
+    with pytest.raises(TypeError, match="positional argument"):
+        encoder.encode(*arguments, "cpu")
+
+
 # ---------------------------------------------------------------------------------------------------- prompts
 def test_query_and_document_prompts_match_sentence_transformers(folder, oracle, encoder):
     assert encoder.prompts == oracle.prompts and encoder.default_prompt_name == oracle.default_prompt_name

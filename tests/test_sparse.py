@@ -295,6 +295,8 @@ def test_convert_to_tensor_and_save_to_cpu_as_sentence_transformers_takes_them(t
     single = ours.encode(TEXTS[0], convert_to_sparse_tensor=False)
     assert single.shape == (30522,)
     np.testing.assert_array_equal(single, ours.encode(TEXTS[0]).toarray())
+    positional = ours.encode(TEXTS, None, None, 32, False, False)  # sentence-transformers' convert_to_tensor
+    assert isinstance(positional, list) and len(positional) == len(theirs.encode(TEXTS, None, None, 32, False, False))
     # that list scores as sentence-transformers scores its own (it failed: "A single sparse vector has no rows")
     for name in ("similarity", "similarity_pairwise"):
         want = dense_numpy(getattr(theirs, name)(expected, expected))

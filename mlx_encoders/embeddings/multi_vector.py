@@ -222,6 +222,7 @@ class MultiVectorEncoder(Embedder):
         prompt: str | None = None,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
+        *,  # PyLate's order up to here; its next are output_value and precision
         convert_to_numpy: bool = False,
         normalize_embeddings: bool = False,
         task: str | None = None,

@@ -226,6 +226,7 @@ class SentenceEncoder(Embedder):
         precision: str = "float32",
         convert_to_numpy: bool = True,
         convert_to_tensor: bool = False,
+        *,  # sentence-transformers' next is `device`: a positional argument past here would mean another setting
         normalize_embeddings: bool = False,
         truncate_dim: int | None = None,
         task: str | None = None,

@@ -416,12 +416,12 @@ class SparseEncoder(Embedder):
         prompt: str | None = None,
         batch_size: int = 32,
         show_progress_bar: bool | None = None,
+        convert_to_tensor: bool = True,
         convert_to_sparse_tensor: bool = True,
+        save_to_cpu: bool = False,
+        *,  # sentence-transformers' order up to here; its next is `device`
         max_active_dims: int | None = None,
         task: str | None = None,
-        *,
-        convert_to_tensor: bool = True,
-        save_to_cpu: bool = False,
     ):
         """Sparse embeddings of `sentences`: `SparseVectors` (N, V), or (V,) for a single str; a dense float32
         numpy array instead with `convert_to_sparse_tensor=False`; with `convert_to_tensor=False` a list of one
