@@ -306,6 +306,18 @@ def test_cross_encoder_predict_matches_sentence_transformers(cross_encoders, num
     assert_same(ours.predict(pairs, **our_kwargs), theirs.predict(pairs, **their_kwargs))
 
 
+@pytest.mark.parametrize("activation", [torch.nn.Sigmoid(), torch.nn.Tanh(), torch.nn.Softmax(dim=-1), torch.sigmoid],
+                         ids=["Sigmoid", "Tanh", "Softmax", "torch.sigmoid"])  # fmt: skip
+def test_cross_encoder_takes_torch_activations_as_sentence_transformers_documents_them(cross_encoders, activation):
+    """Each runs as its MLX equal, in the constructor and in predict (torch failed on an mx.array)."""
+    ours, theirs = cross_encoders(3)
+    expected = theirs.predict(PAIRS, activation_fn=activation)
+    assert_same(ours.predict(PAIRS, activation_fn=activation), expected)
+    assert_same(CrossEncoder(ours.path, activation_fn=activation).predict(PAIRS), expected)
+    with pytest.raises(TypeError, match="is a torch function, which cannot score MLX arrays"):
+        ours.predict(PAIRS, activation_fn=torch.nn.Hardtanh())
+
+
 def test_cross_encoder_runs_cache_sized_slices_on_every_lane(cross_encoders, monkeypatch):
     """On the CPU, predict runs each batch in slices (engine.batching), the slices in groups on every core's
     stream (engine.batching), and the scores stay sentence-transformers'."""

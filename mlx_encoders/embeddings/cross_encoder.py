@@ -13,6 +13,7 @@ folder's Transformer takes chat messages, each pair is the conversation [query, 
 message before them) through the tokenizer's chat template (chat_template.py).
 """
 
+import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,22 @@ def saved_activation(path: str, source: Path) -> Callable | None:
         return dense_activation(path, source)
     except ValueError as e:
         raise ValueError(f"{e}. Pass CrossEncoder(..., activation_fn=...) an MLX function instead.") from None
+
+
+def mlx_activation(fn: Callable | None) -> Callable | None:
+    """`fn`, or the MLX function of a torch activation (`torch.nn.Sigmoid()`, as sentence-transformers' docs pass
+    one, or `torch.sigmoid`), which torch would refuse to apply to an mx.array."""
+    owner = fn if inspect.isroutine(fn) else type(fn)  # a function, or a module's class
+    if fn is None or not (getattr(owner, "__module__", None) or "").startswith("torch"):
+        return fn
+    name = getattr(owner, "__name__", "")
+    known = {key.lower(): key for key in DENSE_ACTIVATIONS}
+    if name.lower() not in known:
+        raise TypeError(
+            f"activation_fn {fn!r} is a torch function, which cannot score MLX arrays: pass an MLX one (mx.sigmoid, "
+            f"...) or one of torch's {', '.join(DENSE_ACTIVATIONS)}"
+        )
+    return DENSE_ACTIVATIONS[known[name.lower()]]
 
 
 def pair_list(inputs) -> tuple[list[tuple[str, str]], bool]:
@@ -188,7 +205,8 @@ class CrossEncoder(Encoder):
                 "| first }}"
             )
         self.read_prompts(folder, (), prompts, default_prompt_name)
-        self.activation_fn = activation_fn or self.default_activation(folder.settings, checkpoint.config)
+        default = self.default_activation(folder.settings, checkpoint.config)
+        self.activation_fn = mlx_activation(activation_fn) or default
         saved_length = folder.sentence_config.get("max_seq_length")
         self.max_seq_length = token_limit(self.tokenizer, self.model.args.max_tokens, max_length, saved_length)
 
@@ -252,7 +270,7 @@ class CrossEncoder(Encoder):
     ) -> mx.array:
         """`predict`'s scores of (N, num_labels) logits (`encoding_logits`'): `activation_fn` (default the model's),
         then a softmax with `apply_softmax` when there are several labels; still (N, num_labels)."""
-        scores = (activation_fn or self.activation_fn)(logits)
+        scores = (mlx_activation(activation_fn) or self.activation_fn)(logits)
         return mx.softmax(scores, axis=-1) if apply_softmax and self.num_labels > 1 else scores
 
     def logits(
