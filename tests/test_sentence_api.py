@@ -186,6 +186,16 @@ def test_encode_rejects_bad_keywords(encoder):
         encoder.encode(TEXTS, truncate_dim=0)
 
 
+def test_similarity_fn_name_takes_sentence_transformers_enum_and_none(folder):
+    from sentence_transformers import SimilarityFunction
+
+    ours, theirs = SentenceEncoder(folder), SentenceTransformer(str(folder), device="cpu")
+    for value in (SimilarityFunction.DOT_PRODUCT, SimilarityFunction.MANHATTAN, None):
+        ours.similarity_fn_name = theirs.similarity_fn_name = value
+        assert ours.similarity_fn_name == theirs.similarity_fn_name
+    assert SentenceEncoder(folder, similarity_fn_name=SimilarityFunction.EUCLIDEAN).similarity_fn_name == "euclidean"
+
+
 def test_positional_arguments_mean_what_they_mean_in_sentence_transformers(oracle, encoder):
     """Up to convert_to_tensor, the order is sentence-transformers'; its tenth, `device`, was our
     normalize_embeddings (every row came back normalised): past the ninth, keywords only."""

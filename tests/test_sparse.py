@@ -297,6 +297,11 @@ def test_convert_to_tensor_and_save_to_cpu_as_sentence_transformers_takes_them(t
     np.testing.assert_array_equal(single, ours.encode(TEXTS[0]).toarray())
     positional = ours.encode(TEXTS, None, None, 32, False, False)  # sentence-transformers' convert_to_tensor
     assert isinstance(positional, list) and len(positional) == len(theirs.encode(TEXTS, None, None, 32, False, False))
+    assert ours.get_sentence_embedding_dimension() == theirs.get_sentence_embedding_dimension() == 30522
+    stats, one = theirs.sparsity(theirs.encode(TEXTS)), theirs.sparsity(theirs.encode(TEXTS[0]))
+    for given, want in ((got, stats), (ours.encode(TEXTS), stats), (dense, stats), (ours.encode(TEXTS[0]), one)):
+        found = ours.sparsity(given)
+        assert found.keys() == want.keys() and found == pytest.approx(want, rel=1e-6)
     # that list scores as sentence-transformers scores its own (it failed: "A single sparse vector has no rows")
     for name in ("similarity", "similarity_pairwise"):
         want = dense_numpy(getattr(theirs, name)(expected, expected))

@@ -200,6 +200,7 @@ class Embedder(Encoder):
     """
 
     SIMILARITIES: dict[str, tuple[Callable, Callable]] = SIMILARITIES
+    DEFAULT_SIMILARITY = "cosine"  # what `similarity_fn_name = None` sets, as sentence-transformers' default
     ROLE = "task"
 
     def role_prompt_name(self, role: str, task: str | None = None) -> str | None:
@@ -234,7 +235,9 @@ class Embedder(Encoder):
         return self._similarity_fn_name
 
     @similarity_fn_name.setter
-    def similarity_fn_name(self, name: str) -> None:
+    def similarity_fn_name(self, name) -> None:
+        """A name, sentence-transformers' `SimilarityFunction`, or None: the encoder's default."""
+        name = self.DEFAULT_SIMILARITY if name is None else name
         self._similarity_fn_name = check_similarity_name(name, self.SIMILARITIES)
 
     def similarity(self, embeddings1, embeddings2) -> mx.array:

@@ -112,6 +112,7 @@ class MultiVectorEncoder(Embedder):
     """
 
     SIMILARITIES = SIMILARITIES
+    DEFAULT_SIMILARITY = "maxsim"
 
     def __init__(
         self,
@@ -144,7 +145,7 @@ class MultiVectorEncoder(Embedder):
                 stacklevel=2,
             )
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
-        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "maxsim")
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, self.DEFAULT_SIMILARITY)
         self.skip_ids = self.resolve_skiplist()
         self.dimension = self.dense[-1].linear.weight.shape[0] if self.dense else self.model.args.hidden_size
 

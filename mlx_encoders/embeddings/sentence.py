@@ -103,7 +103,7 @@ class SentenceEncoder(Embedder):
         self.role_lengths = role_lengths(folder.sentence_config, self.tokenizer, self.model.args.max_tokens)
         self.chat_template = message_template(folder, self.tokenizer)  # texts read as user messages
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
-        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "cosine")
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, self.DEFAULT_SIMILARITY)
         self.truncate_dim: int | None = folder.settings.get("truncate_dim") if truncate_dim is None else truncate_dim
         if self.truncate_dim is not None:
             check_count("truncate_dim", self.truncate_dim, 1)

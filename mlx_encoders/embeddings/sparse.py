@@ -310,6 +310,8 @@ class SparseEncoder(Embedder):
     `max_active_dims` (keep only that many largest weights per text) override config_sentence_transformers.json.
     """
 
+    DEFAULT_SIMILARITY = "dot"
+
     def __init__(
         self,
         path_or_repo: str | Path,
@@ -337,7 +339,7 @@ class SparseEncoder(Embedder):
             modules = folder.modules or [module("Transformer", self.path)]
             self.routes, self.default_route, self.route_mappings = {"": build_route(modules, self.path, dtype)}, "", {}
         self.read_prompts(folder, DEFAULT_PROMPTS, prompts, default_prompt_name)
-        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, "dot")
+        self.similarity_fn_name = similarity_fn_name or folder.similarity_fn_name(SIMILARITIES, self.DEFAULT_SIMILARITY)
         saved = folder.settings.get("max_active_dims")
         self.max_active_dims = max_active_dims if max_active_dims is not None else saved
         if self.max_active_dims is None and isinstance(self.routes.get(""), AutoEncoderRoute):
@@ -362,6 +364,22 @@ class SparseEncoder(Embedder):
     def get_embedding_dimension(self) -> int:
         """The width of the sparse vectors: the vocabulary size."""
         return self.route(None).dimension
+
+    get_sentence_embedding_dimension = get_embedding_dimension  # sentence-transformers' older name
+
+    @staticmethod
+    def sparsity(embeddings) -> dict[str, float]:
+        """sentence-transformers' `sparsity`: the mean count of non-zero weights per vector (`active_dims`) and
+        1 - that / the width (`sparsity_ratio`), of SparseVectors, a list of them, or dense rows."""
+        embeddings = joined(embeddings)
+        if isinstance(embeddings, SparseVectors):
+            count = 1 if len(embeddings.shape) == 1 else max(1, len(embeddings))
+            width = embeddings.shape[-1]
+            active = float(np.count_nonzero(embeddings.data)) / count
+        else:
+            rows = dense_rows(embeddings)
+            active, width = float(np.count_nonzero(rows, axis=1).mean()) if len(rows) else 0.0, rows.shape[-1]
+        return {"active_dims": active, "sparsity_ratio": 1 - active / width}
 
     @property
     def max_seq_length(self) -> int | None:

@@ -93,7 +93,9 @@ SIMILARITIES = {
 }
 
 
-def check_similarity_name(name: str, known=SIMILARITIES) -> str:
+def check_similarity_name(name, known=SIMILARITIES) -> str:
+    """`name` (or a `SimilarityFunction` member's value) when `known`."""
+    name = getattr(name, "value", name)
     if name not in known:
         raise ValueError(f"similarity_fn_name must be one of {', '.join(known)}, got {name!r}")
     return name
