@@ -196,6 +196,18 @@ def test_similarity_fn_name_takes_sentence_transformers_enum_and_none(folder):
     assert SentenceEncoder(folder, similarity_fn_name=SimilarityFunction.EUCLIDEAN).similarity_fn_name == "euclidean"
 
 
+def test_inputs_keyword_and_its_older_name_sentences(oracle, encoder, cross_encoders):
+    """sentence-transformers 6 names the texts `inputs` (`sentences` still taken)."""
+    assert_same(encoder.encode(inputs=TEXTS), oracle.encode(inputs=TEXTS))
+    assert_same(encoder.encode(sentences=TEXTS), oracle.encode(sentences=TEXTS))
+    assert_same(encoder.encode_query(inputs=TEXTS), oracle.encode_query(inputs=TEXTS))
+    ours, theirs = cross_encoders(1)
+    assert_same(ours.predict(inputs=PAIRS), theirs.predict(inputs=PAIRS))
+    assert_same(ours.predict(sentences=PAIRS), theirs.predict(sentences=PAIRS))
+    with pytest.raises(TypeError, match="got both inputs and sentences"):
+        encoder.encode(TEXTS, sentences=TEXTS)
+
+
 def test_positional_arguments_mean_what_they_mean_in_sentence_transformers(oracle, encoder):
     """Up to convert_to_tensor, the order is sentence-transformers'; its tenth, `device`, was our
     normalize_embeddings (every row came back normalised): past the ninth, keywords only."""

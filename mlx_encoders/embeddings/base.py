@@ -29,6 +29,15 @@ DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, e
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 
 
+def given_inputs(inputs, sentences, caller: str = "encode()"):
+    """The texts a call was given: `inputs` (sentence-transformers 6's name), or `sentences` (its older one)."""
+    if sentences is not None and inputs is not None:
+        raise TypeError(f"{caller} got both inputs and sentences (its older name): pass one")
+    if sentences is None and inputs is None:
+        raise TypeError(f"{caller} needs its inputs (a text or a list of texts)")
+    return inputs if sentences is None else sentences
+
+
 def text_inputs(sentences, batch_size: int | None = None, caller: str = "encode()") -> tuple[list[str], bool]:
     """(texts, whether `sentences` was a single str): each item must be a str (a TypeError names the index);
     `batch_size`, when given, an int >= 1."""
@@ -191,7 +200,7 @@ class Encoder:
 
 
 class Embedder(Encoder):
-    """An encoder of texts into embeddings: `encode(sentences, prompt_name, prompt, ...)` defined by the subclass,
+    """An encoder of texts into embeddings: `encode(inputs, prompt_name, prompt, ...)` defined by the subclass,
     which sets `dimension` and `similarity_fn_name`.
 
     `SIMILARITIES` maps the similarity names it computes to (every row with every row, row i with row i);
@@ -213,21 +222,21 @@ class Embedder(Encoder):
         return kwargs.get("task") if self.ROLE != "task" else None
 
     def encode_query(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
+        self, inputs: str | list[str] | None = None, prompt_name: str | None = None, prompt: str | None = None, **kwargs
     ):
         """`encode` for queries: the "query" prompt unless one is given (sentence-transformers defines it, empty,
         for every model, so the default prompt never applies here)."""
         if prompt_name is None and prompt is None:
             prompt_name = self.role_prompt_name("query", self.given_task(kwargs))
-        return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "query", **kwargs})
+        return self.encode(inputs, prompt_name, prompt, **{self.ROLE: "query", **kwargs})
 
     def encode_document(
-        self, sentences: str | list[str], prompt_name: str | None = None, prompt: str | None = None, **kwargs
+        self, inputs: str | list[str] | None = None, prompt_name: str | None = None, prompt: str | None = None, **kwargs
     ):
         """`encode` for documents: the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
             prompt_name = self.role_prompt_name("document", self.given_task(kwargs))
-        return self.encode(sentences, prompt_name, prompt, **{self.ROLE: "document", **kwargs})
+        return self.encode(inputs, prompt_name, prompt, **{self.ROLE: "document", **kwargs})
 
     @property
     def similarity_fn_name(self) -> str:

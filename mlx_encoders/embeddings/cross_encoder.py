@@ -26,7 +26,7 @@ from .. import load_tokenizer
 from ..chat_template import chat_template_file
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
-from .base import Encoder
+from .base import Encoder, given_inputs
 from .folder import (
     DENSE_ACTIVATIONS,
     MODULES_FILE,
@@ -236,7 +236,7 @@ class CrossEncoder(Encoder):
 
     def predict(
         self,
-        sentences,
+        inputs=None,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
@@ -245,13 +245,15 @@ class CrossEncoder(Encoder):
         apply_softmax: bool = False,
         convert_to_numpy: bool = True,
         convert_to_tensor: bool = False,
+        *,
+        sentences=None,
     ):
         """Scores of a (query, document) pair or a list of them: float32 numpy (N,) for one label, (N, labels)
         for more (a single pair gives one row); `convert_to_tensor` one mx.array, `convert_to_numpy=False` a list
         of mx.arrays. The logits go through `activation_fn` (default: the model's), then softmax with
         `apply_softmax` when there are several labels. The prompt is prepended to each pair's first text.
         """
-        pairs, single = pair_list(sentences)
+        pairs, single = pair_list(given_inputs(inputs, sentences, "predict()"))
         check_count("predict() batch_size", batch_size, 1)
         prefix = self.input_prompt(prompt_name, prompt, caller="predict()")
         scores = self.activate(self.logits(pairs, prefix, batch_size, show_progress_bar), activation_fn, apply_softmax)

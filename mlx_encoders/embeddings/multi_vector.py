@@ -17,7 +17,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..tokenizer import token_limit
-from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
+from .base import DEFAULT_PROMPTS, Embedder, given_inputs, project, text_inputs, warn_truncated
 from .folder import MultiVectorMask, apply_sentence_config, read_folder
 from .vectors import normalize, to_numpy
 
@@ -218,7 +218,7 @@ class MultiVectorEncoder(Embedder):
 
     def encode(
         self,
-        sentences: str | list[str],
+        inputs: str | list[str] | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
@@ -227,11 +227,12 @@ class MultiVectorEncoder(Embedder):
         convert_to_numpy: bool = False,
         normalize_embeddings: bool = False,
         task: str | None = None,
+        sentences: str | list[str] | None = None,
     ):
         """Per text its (n_i, D) float32 matrix of scored tokens (padding and skipped tokens removed): a list of
         mx.arrays, numpy arrays with `convert_to_numpy`; one matrix for a single str. `task` ("query",
         "document" or None) picks the length limit, query expansion and skiplist."""
-        texts, single = text_inputs(sentences, batch_size)
+        texts, single = text_inputs(given_inputs(inputs, sentences), batch_size)
         prefix = self.input_prompt(prompt_name, prompt)
         out = self.run([prefix + t for t in texts], task, batch_size, show_progress_bar) if texts else []
         if normalize_embeddings:

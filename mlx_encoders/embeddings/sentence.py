@@ -24,7 +24,7 @@ from .. import load_tokenizer
 from ..checkpoint import Checkpoint, load_model, resolve
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
-from .base import DEFAULT_PROMPTS, Embedder, project, text_inputs, warn_truncated
+from .base import DEFAULT_PROMPTS, Embedder, given_inputs, project, text_inputs, warn_truncated
 from .folder import apply_sentence_config, message_template, read_folder, role_lengths
 from .pooling import parse_modes, pool
 from .vectors import SIMILARITIES, check_precision, normalize, quantize_embeddings
@@ -217,7 +217,7 @@ class SentenceEncoder(Embedder):
 
     def encode(
         self,
-        sentences: str | list[str],
+        inputs: str | list[str] | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
@@ -231,6 +231,7 @@ class SentenceEncoder(Embedder):
         truncate_dim: int | None = None,
         task: str | None = None,
         role: str | None = None,
+        sentences: str | list[str] | None = None,
     ):
         """Embeddings of `sentences`, as sentence-transformers' `encode` returns them: float32 (N, D) numpy by
         default, a single str giving (D,); `convert_to_tensor` one mx.array, `convert_to_numpy=False` a list of
@@ -247,7 +248,7 @@ class SentenceEncoder(Embedder):
         "text-matching", ...), else the one the prompt name names, else (`role`, as encode_query / encode_document
         set it) its query or document adapter, else none; `merge_adapters` merges it into the weights.
         """
-        texts, single = text_inputs(sentences, batch_size)
+        texts, single = text_inputs(given_inputs(inputs, sentences), batch_size)
         if output_value not in OUTPUT_VALUES:
             raise ValueError(f"output_value must be one of {OUTPUT_VALUES}, got {output_value!r}")
         precision = check_precision(precision or "float32")

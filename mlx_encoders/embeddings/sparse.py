@@ -19,7 +19,7 @@ from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..engine.batching import run_batches
 from ..tokenizer import NO_LIMIT, Tokenizer, check_count, token_limit
-from .base import DEFAULT_PROMPTS, Embedder, text_inputs, warn_truncated
+from .base import DEFAULT_PROMPTS, Embedder, given_inputs, text_inputs, warn_truncated
 from .folder import (
     SPLADE_ACTIVATIONS,
     SPLADE_STRATEGIES,
@@ -429,7 +429,7 @@ class SparseEncoder(Embedder):
 
     def encode(
         self,
-        sentences: str | list[str],
+        inputs: str | list[str] | None = None,
         prompt_name: str | None = None,
         prompt: str | None = None,
         batch_size: int = 32,
@@ -440,13 +440,14 @@ class SparseEncoder(Embedder):
         *,  # sentence-transformers' order up to here; its next is `device`
         max_active_dims: int | None = None,
         task: str | None = None,
+        sentences: str | list[str] | None = None,
     ):
         """Sparse embeddings of `sentences`: `SparseVectors` (N, V), or (V,) for a single str; a dense float32
         numpy array instead with `convert_to_sparse_tensor=False`; with `convert_to_tensor=False` a list of one
         (V,) vector per text, as sentence-transformers gives. `prompt` or the named prompt is prepended;
         `max_active_dims` keeps that many largest weights per text; `task` picks a Router's route. `save_to_cpu`
         changes nothing: the vectors are in host memory already."""
-        texts, single = text_inputs(sentences, batch_size)
+        texts, single = text_inputs(given_inputs(inputs, sentences), batch_size)
         limit = self.max_active_dims if max_active_dims is None else max_active_dims
         if limit is not None:
             check_count("encode() max_active_dims", limit, 1)
