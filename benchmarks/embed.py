@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--texts", type=int, default=500, help="number of stdlib docstrings (default 500)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / BLAS threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores and threads of each engine")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per engine (default 3)")
     p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     p.add_argument("--engines", default="all", help="comma-separated subset of: " + ", ".join(ENGINE_NAMES))
@@ -68,9 +68,14 @@ ENGINE_NAMES = (
 
 
 def set_threads(threads: int, blas: str | None) -> None:
-    """Thread counts must be set before the libraries start, and a BLAS loaded before MLX binds its own."""
+    """Thread counts must be set before the libraries start, and a BLAS loaded before MLX binds its own. Fewer
+    threads than cores also hold the process to that many cores: mlx_encoders sizes its lanes by the cores it may
+    use, not by thread settings."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
+    allowed = sorted(os.sched_getaffinity(0))
+    if 0 < threads < len(allowed):
+        os.sched_setaffinity(0, allowed[:threads])
     if blas:
         if not Path(blas).is_file():
             sys.exit(f"--blas {blas}: no such file (a BLAS library exporting cblas_sgemm, such as libopenblas.so.0)")
@@ -429,7 +434,10 @@ def report(outputs: dict, times: dict, n: int, gflop: float, limits: tuple[float
     if peers and ours:
         print("\nratios (median texts/s of mlx_encoders / peer)")
         for name in ours:
-            parts = [f"{statistics.median(times[p]) / statistics.median(times[name]):.2f}x {p}" for p in peers]
+            # a quantized engine against the baseline's own at those bits, measured beside it
+            same = {"baseline": name.replace("mlx_encoders", "baseline", 1)} if name.endswith("bit") else {}
+            pairs = [same["baseline"] if same.get(p) in times else p for p in peers]
+            parts = [f"{statistics.median(times[p]) / statistics.median(times[name]):.2f}x {p}" for p in pairs]
             print(f"  {name:<22}" + "   ".join(parts))
 
 

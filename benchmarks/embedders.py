@@ -138,7 +138,8 @@ def sentence_transformers_model(path: Path, batch_size: int, threads: int):
 
 
 def mlx_embeddings(folder: Path, batch_size: int):
-    """mlx-embeddings as its README shows (tokenizer -> model -> text_embeds), on the folder's transformer."""
+    """mlx-embeddings as its README shows (tokenizer -> model -> text_embeds), on the folder's transformer; (encode,
+    the bytes of its weights)."""
     import mlx.core as mx
     import numpy as np
 
@@ -153,7 +154,7 @@ def mlx_embeddings(folder: Path, batch_size: int):
         mx.clear_cache()
         return np.concatenate(out)
 
-    return encode
+    return encode, weights_bytes(model)
 
 
 def matmul_gflop(encoder, texts: list[str]) -> float:
@@ -188,7 +189,7 @@ def run_shape(shape: str, names: list[str], texts: list[str], args, workdir: Pat
             engines[name] = Isolated(sentence_transformers_model, folder, args.batch_size, args.threads)
         elif name == "mlx-embeddings":
             try:
-                engines[name] = mlx_embeddings(folder, args.batch_size)
+                engines[name], memory[name] = mlx_embeddings(folder, args.batch_size)
             except Exception as e:  # noqa: BLE001  not installed, or this architecture not supported
                 print(f"{shape}: mlx-embeddings skipped ({type(e).__name__}: {e})")
     outputs, times, peaks = {}, {n: [] for n in engines}, {}

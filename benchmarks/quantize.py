@@ -23,8 +23,8 @@ wheel links the reference BLAS; see benchmarks/embed.py).
 
 import argparse
 import contextlib
-import ctypes
 import io
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -149,10 +149,10 @@ def main() -> None:
     parser.add_argument("--through", choices=("kernels", "dequantized"), help="default: kernels on Apple silicon")
     parser.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     args = parser.parse_args()
-    if args.blas:  # before MLX is imported, so its float matmuls bind to this BLAS
+    if args.blas:  # before mlx_encoders is imported, which binds this BLAS to MLX's float matmuls
         if not Path(args.blas).is_file():
             parser.error(f"--blas {args.blas}: no such file (a BLAS library exporting cblas_sgemm)")
-        ctypes.CDLL(args.blas, mode=ctypes.RTLD_GLOBAL)
+        os.environ["MLX_ENCODERS_BLAS"] = args.blas
     import mlx.core as mx
 
     from mlx_encoders.corpus import stdlib_docstrings

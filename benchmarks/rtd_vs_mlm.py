@@ -191,12 +191,14 @@ def compare(folders: list[pathlib.Path]) -> None:
     """A markdown table of the runs in `folders` (their results.json), one column per run and kind, mean ± sd over
     seeds at the steps all of them saved: masked-LM, the default run and its ablations side by side."""
     columns = {}
+    names = [f.name for f in folders]  # a folder's name, or its path where two runs share one
     for folder in folders:
         if not (folder / "results.json").is_file():
             raise SystemExit(f"{folder} holds no results.json: give the --output folders of finished runs")
         results = json.loads((folder / "results.json").read_text())["results"]
         for kind in dict.fromkeys(r["kind"] for r in results):
-            columns[f"{folder.name} {kind}"] = summary([r for r in results if r["kind"] == kind])
+            name = folder.name if names.count(folder.name) == 1 else str(folder)
+            columns[f"{name} {kind}"] = summary([r for r in results if r["kind"] == kind])
     steps = sorted(set.intersection(*({s for _, _, s in table} for table in columns.values())))
     tasks = sorted({t for table in columns.values() for t, _, _ in table})
     print("| task | step | " + " | ".join(columns) + " |\n|---|---:|" + "---:|" * len(columns))

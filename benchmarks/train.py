@@ -27,9 +27,8 @@ the other, never at once), on the docstrings of the installed Python standard li
     python benchmarks/train.py --parts mlm --mlm-docs 3000 --mlm-eval-docs 300 --mlm-epochs 5 --mlm-batch-size 32
     python benchmarks/train.py --device cuda --parts throughput --batch-size 32 --max-length 128   # on a GPU
 
-`--blas` loads that library (any BLAS exporting `cblas_sgemm`) before MLX in every process, so MLX's float
-matmuls use it rather than the reference BLAS its Linux wheel links (`mlx_encoders` loads OpenBLAS itself only
-when `ctypes.util.find_library("openblas")` finds it, or `MLX_ENCODERS_BLAS` names it). Timings are printed,
+`--blas` gives MLX's float matmuls that library (any BLAS exporting `cblas_sgemm`) in every process, through
+`MLX_ENCODERS_BLAS` (by default `mlx_encoders` binds pip's OpenBLAS to MLX); torch keeps its own. Timings are printed,
 never asserted; run it on an otherwise idle machine. The defaults are small (a few minutes on 2 cores), the
 scaled-up commands above take the task and masked-LM parts to sizes where the accuracies and perplexities settle.
 `--device cuda` runs the throughput part on the GPU (MLX's CUDA backend, torch's CUDA), its peak memory the GPU
@@ -37,7 +36,6 @@ allocators' and its reference rate a float32 product on the GPU.
 """
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -62,7 +60,7 @@ ENGINES = ("mlx_encoders", "torch")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="throughput,task,mlm", help="comma-separated subset of throughput,task,mlm")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / BLAS threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores and threads of each engine")
     p.add_argument("--blas", help="path of a BLAS library (exporting cblas_sgemm) for MLX to use")
     p.add_argument("--max-length", type=int, default=64, help="tokens per example, all parts (default 64)")
     p.add_argument("--classes", default=CLASSES, help=f"top-level stdlib packages to classify (default {CLASSES})")
@@ -97,13 +95,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def set_threads(threads: int, blas: str | None) -> None:
-    """Thread counts must be set before the libraries start, and a BLAS loaded before MLX binds its own."""
+    """Thread counts must be set before the libraries start, and a BLAS loaded before MLX binds its own. Fewer
+    threads than cores also hold the process to that many cores: mlx_encoders sizes its lanes by the cores it may
+    use, not by thread settings."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[name] = str(threads)
+    allowed = sorted(os.sched_getaffinity(0))
+    if 0 < threads < len(allowed):
+        os.sched_setaffinity(0, allowed[:threads])
     if blas:
         if not Path(blas).is_file():
             sys.exit(f"--blas {blas}: no such file (a BLAS library exporting cblas_sgemm, such as libopenblas.so.0)")
-        ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
+        os.environ["MLX_ENCODERS_BLAS"] = blas  # bound to MLX alone when mlx_encoders is imported; torch keeps its own
 
 
 def peak_mib(device: str = "cpu") -> float:
