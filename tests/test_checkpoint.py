@@ -6,6 +6,7 @@ import os
 import shutil
 import stat
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -268,7 +269,10 @@ def test_label_keywords_alone_ask_for_a_classifier_unless_the_head_has_labels(ch
     assert type(model).__name__ == expected and model.args.id2label == labels
 
 
-@pytest.mark.parametrize("model_type,named", [("bert", "BertForMaskedLM"), ("qwen3", "Qwen3ForCausalLM")])
+@pytest.mark.parametrize(
+    "model_type,named",
+    [("bert", "BertForMaskedLM"), ("qwen3", "Qwen3ForCausalLM"), ("bert", "BertForTokenClassification")],
+)
 def test_label_keywords_on_a_bare_encoder_under_a_head_name_ask_for_a_classifier(checkpoint, tmp_path, model_type,
                                                                                    named):  # fmt: skip
     """Qwen3-Embedding's layout: config.json names the causal LM, the weights are the bare model's. Labels create
@@ -276,14 +280,12 @@ def test_label_keywords_on_a_bare_encoder_under_a_head_name_ask_for_a_classifier
     folder = copy(checkpoint(model_type), tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": [named]}))
-    reference = AUTO_CLASSES["sequence-classification"].from_pretrained(folder, num_labels=2)
+    stored = "token-classification" if named.endswith("TokenClassification") else "sequence-classification"
+    reference = AUTO_CLASSES[stored].from_pretrained(folder, num_labels=2)
     with pytest.warns(UserWarning, match="newly initialized"):
         model = mlx_encoders.load_model(folder, num_labels=2)
     assert type(model).__name__ == type(reference).__name__
-    assert (
-        type(mlx_encoders.load_model(folder)).__name__
-        == f"{type(reference).__name__[: -len('ForSequenceClassification')]}Model"
-    )
+    assert type(mlx_encoders.load_model(folder)).__name__ == f"{named.split('For')[0]}Model"
 
 
 def test_new_head_needs_the_label_keywords(checkpoint):
@@ -582,10 +584,16 @@ def test_each_front_end_resolves_and_reads_config_once(checkpoint, hub_cache, mo
         assert calls.count("hub") == 1 and calls.count("config.json") == 1, (name, calls)
 
 
-def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
+def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path, monkeypatch):
     """overwrite=True deletes the old folder: never one with files save() does not write, or no checkpoint."""
     model = mlx_encoders.load_model(checkpoint("bert"))
     folder = save(model, tmp_path / "out")
+    (folder / "my-lora").mkdir()  # a PEFT adapter of the user's, not one of the model's task adapters
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / "my-lora" / name).write_text("{}")
+    with pytest.raises(FileExistsError, match=r"holds files that save\(\) does not write \(my-lora/\)"):
+        save(model, folder, overwrite=True)
+    shutil.rmtree(folder / "my-lora")
     (folder / "modules.json").write_text("[]")
     (folder / "1_Pooling").mkdir()
     with pytest.raises(FileExistsError, match=r"holds files that save\(\) does not write \(1_Pooling/, modules.json\)"):
@@ -594,6 +602,12 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path):
     project = tmp_path / "project"
     project.mkdir()  # an empty folder (a TemporaryDirectory) holds nothing to lose: written without overwrite
     assert (save(model, project) / "config.json").is_file()
+    shutil.rmtree(project)
+    project.mkdir()  # the working directory: filled in place (it cannot be renamed, nor left deleted under us)
+    monkeypatch.chdir(project)
+    save(model, ".")
+    assert Path.cwd() == project and (project / "config.json").is_file()
+    monkeypatch.chdir(tmp_path)
     shutil.rmtree(project)
     project.mkdir()
     (project / "notes.txt").write_text("mine")

@@ -206,6 +206,9 @@ def test_inputs_keyword_and_its_older_name_sentences(oracle, encoder, cross_enco
     assert_same(ours.predict(sentences=PAIRS), theirs.predict(sentences=PAIRS))
     with pytest.raises(TypeError, match="got both inputs and sentences"):
         encoder.encode(TEXTS, sentences=TEXTS)
+    positional = (TEXTS, "passage", None, 2, False, "sentence_embedding", "float32", True, False)  # encode's order
+    assert_same(encoder.encode_query(*positional), oracle.encode_query(*positional))
+    assert_same(encoder.encode_document(*positional), oracle.encode_document(*positional))
 
 
 def test_positional_arguments_mean_what_they_mean_in_sentence_transformers(oracle, encoder):
@@ -336,8 +339,9 @@ def test_cross_encoder_takes_torch_activations_as_sentence_transformers_document
     expected = theirs.predict(PAIRS, activation_fn=activation)
     assert_same(ours.predict(PAIRS, activation_fn=activation), expected)
     assert_same(CrossEncoder(ours.path, activation_fn=activation).predict(PAIRS), expected)
-    with pytest.raises(TypeError, match="is a torch function, which cannot score MLX arrays"):
-        ours.predict(PAIRS, activation_fn=torch.nn.Hardtanh())
+    for unlike in (torch.nn.Hardtanh(), torch.nn.LeakyReLU(0.2), torch.nn.Softmax(dim=0)):  # no equal, or settings
+        with pytest.raises(TypeError, match="is a torch function, which cannot score MLX arrays"):
+            ours.predict(PAIRS, activation_fn=unlike)
 
 
 def test_cross_encoder_runs_cache_sized_slices_on_every_lane(cross_encoders, monkeypatch):

@@ -31,14 +31,17 @@ def is_checkpoint_file(name: str) -> bool:
     )
 
 
-def is_adapter(folder: Path) -> bool:
-    """A task adapter `save` writes beside the weights (jina-embeddings-v3's): a PEFT folder of its two files."""
-    return folder.is_dir() and {p.name for p in folder.iterdir()} == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+def is_adapter(folder: Path, adapters: tuple[str, ...]) -> bool:
+    """One of the task adapters (`adapters`, by name) that `save` writes beside the weights (jina-embeddings-v3's):
+    a PEFT folder of its two files."""
+    files = {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+    return folder.name in adapters and folder.is_dir() and {p.name for p in folder.iterdir()} == files
 
 
-def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) -> None:
+def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = (), adapters: tuple[str, ...] = ()) -> None:
     """Replacing a folder deletes it: only a checkpoint folder (one with config.json) may be replaced, and
-    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone. A folder of
+    unless the writer writes a `whole` folder (convert), only one that holds checkpoint files alone (and the task
+    `adapters` it writes, by name). A folder of
     `parts` (an ELECTRA pair's discriminator/ and generator/) holds those checkpoint folders alone, each checked."""
     if parts:
         if others := sorted(p.name + "/" * p.is_dir() for p in target.iterdir() if p.name not in parts):
@@ -53,7 +56,8 @@ def check_replaceable(target: Path, whole: bool, parts: tuple[str, ...] = ()) ->
     if not (target / "config.json").is_file():
         raise FileExistsError(f"{target} is not a checkpoint folder (no config.json); refusing to replace it")
     entries = [] if whole else target.iterdir()
-    others = sorted(p.name + "/" * p.is_dir() for p in entries if not (is_checkpoint_file(p.name) or is_adapter(p)))
+    kept = [p for p in entries if not (is_checkpoint_file(p.name) or is_adapter(p, adapters))]
+    others = sorted(p.name + "/" * p.is_dir() for p in kept)
     if others:
         raise FileExistsError(
             f"{target} holds files that save() does not write ({', '.join(others)}); replacing the folder would "
@@ -126,7 +130,7 @@ def remove_stale(target: Path) -> None:
     """Remove what interrupted writes of `target` left beside it (killed by SIGKILL, power loss): their
     `.NAME.xxxxxxxx.partial` folders, and `.NAME.xxxxxxxx.old` ones after putting the previous `target` back.
     A folder whose writer still runs holds its lock and is left alone."""
-    target = Path(target)
+    target = Path(os.path.abspath(target))  # "." has itself for parent; its real parent holds the temporary folder
     stale = leftovers(re.escape(target.name))
     if not target.parent.is_dir():
         return
@@ -195,9 +199,15 @@ def write_failed(error: BaseException) -> bool:
 def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrite=True (--force)") -> None:
     """Rename the complete `tmp` to `target`. An existing `target` is first moved into a locked `.old` folder
     and removed only once `tmp` is in its place; a process killed between the two renames leaves it there,
-    and the next write of `target` moves it back (`remove_stale`)."""
+    and the next write of `target` moves it back (`remove_stale`). Into an empty `target` (a working directory, a
+    mount point: neither can be renamed) the entries move one by one, and the folder keeps its owner and mode."""
     if not target.exists():
         tmp.rename(target)
+        return
+    if target.is_dir() and not any(target.iterdir()):
+        for entry in tmp.iterdir():
+            entry.rename(target / entry.name)
+        tmp.rmdir()
         return
     if not replace:
         raise FileExistsError(f"{target} appeared while it was being written; pass {option} to replace it")
@@ -212,7 +222,7 @@ def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrit
 
 def check_target(
     target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
-    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (),
+    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
 ) -> bool:  # fmt: skip
     """Whether writing `target` replaces a folder (`atomic_folder`'s arguments); FileExistsError where it may not:
     a file, a folder that no option lets us delete (said first), or one that `replace` is not given for. An empty
@@ -224,7 +234,7 @@ def check_target(
     if not any(target.iterdir()):
         return True
     if not holds:
-        check_replaceable(target, whole, parts)
+        check_replaceable(target, whole, parts, adapters)
     elif others := sorted(p.name for p in target.iterdir() if p.name not in holds):
         raise FileExistsError(f"{target} holds {', '.join(others)}; replacing the folder would delete them")
     if not replace:
@@ -235,7 +245,7 @@ def check_target(
 @contextmanager
 def atomic_folder(
     target: Path, replace: bool, whole: bool = True, parts: tuple[str, ...] = (),
-    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (),
+    option: str = "overwrite=True (--force)", holds: tuple[str, ...] = (), adapters: tuple[str, ...] = (),
 ) -> Iterator[Path]:  # fmt: skip
     """A temporary folder beside `target`, renamed into place only if the block completes. An existing
     `target` is replaced only when `replace` (see `check_replaceable`, `parts` the checkpoint folders that a
@@ -244,10 +254,10 @@ def atomic_folder(
     a target that `holds` those files alone. The temporary folder is removed on any error,
     Ctrl-C, SIGTERM or SIGHUP (`exit_on_signals`); after a SIGKILL the next write of `target` removes it
     (`remove_stale`). A `target` that is a link is written where it points, the link kept."""
-    target = Path(target)
+    target = Path(os.path.abspath(target))  # "." has itself for parent; its real parent holds the temporary folder
     target = target.resolve() if target.is_symlink() else target
     remove_stale(target)
-    replace = check_target(target, replace, whole, parts, option, holds)
+    replace = check_target(target, replace, whole, parts, option, holds, adapters)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:  # a file where a folder of the path belongs

@@ -416,7 +416,8 @@ def load_model(
         weights = checkpoint.module.sanitize(weights)
     if task is None and new_head and stored_task not in LABELLED_TASKS:  # labels name a classifier to create
         task = "sequence-classification"
-    if task is None and stored_task not in (None, "encoder") and bare(weights, checkpoint, stored_task):
+    named_head = stored_task not in (None, "encoder")
+    if task is None and not new_head and named_head and bare(weights, checkpoint, stored_task):
         task = "encoder"
     task = task or stored_task
     if task not in TASKS:
@@ -443,7 +444,7 @@ def load_model(
             if key.endswith(".decoder.bias") and key not in weights and shared in weights:
                 weights[key] = weights[shared]
     quantize_like(model, weights, config)
-    weights, created = fit_weights(model, weights, task != stored_task, new_head, checkpoint.path)
+    weights, created = fit_weights(model, weights, task != stored_task or new_head, new_head, checkpoint.path)
     stored = common_float_dtype(weights.items())
     widened = dtype is None and not as_stored and compute_dtype(stored) != stored
     if dtype is None and not as_stored:

@@ -153,7 +153,8 @@ def save(
     """
     folder = Path(folder)
     dtype = check_dtype(dtype) or getattr(model, "stored_dtype", None)
-    with atomic_folder(folder, overwrite, whole=False) as tmp:
+    adapters = tuple(model.adapter_tensors()) if hasattr(model, "adapter_tensors") else ()  # the subfolders it writes
+    with atomic_folder(folder, overwrite, whole=False, adapters=adapters) as tmp:
         write_checkpoint(model, model_config(model, dtype), tmp, shard_size, dtype=dtype)  # with its task adapters
         if tokenizer is not None:
             tokenizer.save(tmp)

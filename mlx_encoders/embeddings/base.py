@@ -222,21 +222,31 @@ class Embedder(Encoder):
         return kwargs.get("task") if self.ROLE != "task" else None
 
     def encode_query(
-        self, inputs: str | list[str] | None = None, prompt_name: str | None = None, prompt: str | None = None, **kwargs
+        self,
+        inputs: str | list[str] | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        *args,  # encode's next positional parameters
+        **kwargs,
     ):
         """`encode` for queries: the "query" prompt unless one is given (sentence-transformers defines it, empty,
         for every model, so the default prompt never applies here)."""
         if prompt_name is None and prompt is None:
             prompt_name = self.role_prompt_name("query", self.given_task(kwargs))
-        return self.encode(inputs, prompt_name, prompt, **{self.ROLE: "query", **kwargs})
+        return self.encode(inputs, prompt_name, prompt, *args, **{self.ROLE: "query", **kwargs})
 
     def encode_document(
-        self, inputs: str | list[str] | None = None, prompt_name: str | None = None, prompt: str | None = None, **kwargs
+        self,
+        inputs: str | list[str] | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        *args,  # encode's next positional parameters
+        **kwargs,
     ):
         """`encode` for documents: the first of the "document", "passage" and "corpus" prompts unless one is given."""
         if prompt_name is None and prompt is None:
             prompt_name = self.role_prompt_name("document", self.given_task(kwargs))
-        return self.encode(inputs, prompt_name, prompt, **{self.ROLE: "document", **kwargs})
+        return self.encode(inputs, prompt_name, prompt, *args, **{self.ROLE: "document", **kwargs})
 
     @property
     def similarity_fn_name(self) -> str:

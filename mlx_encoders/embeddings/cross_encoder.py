@@ -13,6 +13,7 @@ folder's Transformer takes chat messages, each pair is the conversation [query, 
 message before them) through the tokenizer's chat template (chat_template.py).
 """
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -59,15 +60,21 @@ def saved_activation(path: str, source: Path) -> Callable | None:
 def mlx_activation(fn: Callable | None) -> Callable | None:
     """`fn`, or the MLX function of a torch activation (`torch.nn.Sigmoid()`, as sentence-transformers' docs pass
     one, or `torch.sigmoid`), which torch would refuse to apply to an mx.array."""
-    owner = fn if inspect.isroutine(fn) else type(fn)  # a function, or a module's class
-    if fn is None or not (getattr(owner, "__module__", None) or "").startswith("torch"):
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    owner = inner if inspect.isroutine(inner) else type(inner)  # a function, or a module's class
+    module = getattr(owner, "__module__", None) or ""
+    if fn is None or not (module == "torch" or module.startswith("torch.")):
         return fn
     name = getattr(owner, "__name__", "")
     known = {key.lower(): key for key in DENSE_ACTIVATIONS}
-    if name.lower() not in known:
+    # torch's own settings only (a module's repr names them; Softmax over the last axis of (N, labels) logits)
+    mapped = name.lower() in known and inner is fn
+    if mapped and not inspect.isroutine(fn):
+        mapped = repr(fn) in (repr(type(fn)()), "Softmax(dim=-1)", "Softmax(dim=1)")
+    if not mapped:
         raise TypeError(
             f"activation_fn {fn!r} is a torch function, which cannot score MLX arrays: pass an MLX one (mx.sigmoid, "
-            f"...) or one of torch's {', '.join(DENSE_ACTIVATIONS)}"
+            f"...) or one of torch's {', '.join(DENSE_ACTIVATIONS)} with its default settings"
         )
     return DENSE_ACTIVATIONS[known[name.lower()]]
 

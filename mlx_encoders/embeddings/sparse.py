@@ -379,7 +379,7 @@ class SparseEncoder(Embedder):
         else:
             rows = dense_rows(embeddings)
             active, width = float(np.count_nonzero(rows, axis=1).mean()) if len(rows) else 0.0, rows.shape[-1]
-        return {"active_dims": active, "sparsity_ratio": 1 - active / width}
+        return {"active_dims": active, "sparsity_ratio": 1 - active / width if width else 1.0}
 
     @property
     def max_seq_length(self) -> int | None:

@@ -455,15 +455,10 @@ def output_lock(output_dir: Path) -> Iterator[None]:
             except OSError as e:
                 error = e
         distributed.agree(world, error, "training: taking the output folder")
-        failed = None
-        try:
-            yield
-        except distributed.RankLost:  # no rank left to agree with
-            raise
-        except Exception as e:  # noqa: BLE001  raised again by `agree`, once every rank has said how it ended
-            failed = e
-        # rank 0 writes the model last: no rank returns a path to load before it is there
-        distributed.agree(world, failed, "training: saving the model")
+        yield
+        # rank 0 writes the model last: no rank returns a path to load before it is there (a rank that fails
+        # raises at once; its process's end tells the others)
+        distributed.agree(world, None, "training: saving the model")
 
 
 def remove_if_empty(folder: Path) -> None:
