@@ -603,10 +603,12 @@ def test_save_replaces_only_checkpoint_files(checkpoint, tmp_path, monkeypatch):
     project.mkdir()  # an empty folder (a TemporaryDirectory) holds nothing to lose: written without overwrite
     assert (save(model, project) / "config.json").is_file()
     shutil.rmtree(project)
-    project.mkdir()  # the working directory: filled in place (it cannot be renamed, nor left deleted under us)
+    project.mkdir()  # the working directory: refused (replaced, it would leave the process in a deleted folder)
     monkeypatch.chdir(project)
-    save(model, ".")
-    assert Path.cwd() == project and (project / "config.json").is_file()
+    for target in (".", project):
+        with pytest.raises(FileExistsError, match="is the working directory, which cannot be replaced"):
+            save(model, target, overwrite=True)
+    assert Path.cwd() == project and not any(project.iterdir())
     monkeypatch.chdir(tmp_path)
     shutil.rmtree(project)
     project.mkdir()

@@ -199,15 +199,10 @@ def write_failed(error: BaseException) -> bool:
 def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrite=True (--force)") -> None:
     """Rename the complete `tmp` to `target`. An existing `target` is first moved into a locked `.old` folder
     and removed only once `tmp` is in its place; a process killed between the two renames leaves it there,
-    and the next write of `target` moves it back (`remove_stale`). Into an empty `target` (a working directory, a
-    mount point: neither can be renamed) the entries move one by one, and the folder keeps its owner and mode."""
-    if not target.exists():
+    and the next write of `target` moves it back (`remove_stale`). An empty `target` is replaced by the one
+    rename (POSIX renames a folder over an empty one)."""
+    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
         tmp.rename(target)
-        return
-    if target.is_dir() and not any(target.iterdir()):
-        for entry in tmp.iterdir():
-            entry.rename(target / entry.name)
-        tmp.rmdir()
         return
     if not replace:
         raise FileExistsError(f"{target} appeared while it was being written; pass {option} to replace it")
@@ -218,6 +213,13 @@ def put_in_place(tmp: Path, target: Path, replace: bool, option: str = "overwrit
     finally:
         release_old(old, target)
         unlock(lock)
+
+
+def is_cwd(folder: Path) -> bool:
+    try:
+        return os.path.samefile(folder, os.getcwd())
+    except OSError:  # no working directory (deleted): it is not this folder
+        return False
 
 
 def check_target(
@@ -231,6 +233,9 @@ def check_target(
         return False
     if not target.is_dir():  # no option replaces it: say so first
         raise FileExistsError(f"{target} is a file, not a folder; write the checkpoint folder to another path")
+    fixed = "a mount point" if os.path.ismount(target) else "the working directory" if is_cwd(target) else None
+    if fixed:  # a rename cannot replace it (or would leave the process in a deleted folder)
+        raise FileExistsError(f"{target} is {fixed}, which cannot be replaced: write into a new folder inside it")
     if not any(target.iterdir()):
         return True
     if not holds:

@@ -13,6 +13,7 @@ card and upload are `card.py`'s.
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 import warnings
@@ -331,7 +332,8 @@ def convert(
     check_finite(source, reference, report["fidelity"], dtype, spec)
     with atomic_folder(target, force, option="force=True (--force)") as tmp:
         write_folder(model, config, checkpoint.path, tmp, report, DTYPES.get(dtype), shard_size)
-        card = model_card(source_name(source, checkpoint), target.name, report, upload_repo, tokenizer is not None)
+        name = Path(os.path.abspath(target)).name  # "." or ".." names no folder
+        card = model_card(source_name(source, checkpoint), name, report, upload_repo, tokenizer is not None)
         (tmp / "README.md").write_text(card)
         (tmp / RECORD).write_text(json.dumps({**record, "output": folder_digest(tmp)}, indent=2))
     report["seconds"] = time.perf_counter() - start
