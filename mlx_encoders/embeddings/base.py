@@ -33,9 +33,7 @@ def given_inputs(inputs, sentences, caller: str = "encode()"):
     """The texts a call was given: `inputs` (sentence-transformers 6's name), or `sentences` (its older one)."""
     if sentences is not None and inputs is not None:
         raise TypeError(f"{caller} got both inputs and sentences (its older name): pass one")
-    if sentences is None and inputs is None:
-        raise TypeError(f"{caller} needs its inputs (a text or a list of texts)")
-    return inputs if sentences is None else sentences
+    return inputs if sentences is None else sentences  # None is refused with the other non-texts
 
 
 def text_inputs(sentences, batch_size: int | None = None, caller: str = "encode()") -> tuple[list[str], bool]:
