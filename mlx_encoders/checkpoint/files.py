@@ -232,6 +232,17 @@ def read_with_float64(file: Path) -> dict[str, mx.array]:
         raise ValueError(f"{file} is not a readable safetensors file ({e!r}); re-download or re-save it") from e
 
 
+def weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's map of each tensor to its shard's file name, checked."""
+    listed = read_json_object(index).get("weight_map")
+    if not isinstance(listed, dict) or not listed:
+        raise ValueError(f"{index} has no 'weight_map' object naming the shards; re-download it")
+    for key, name in listed.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{index}: weight_map[{key!r}] must be a shard's file name, got {name!r}")
+    return listed
+
+
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files that hold the weights: `model.safetensors`, else the index's shards, else the one
     `*.safetensors` file, in transformers' order (its `save_pretrained` leaves an old index beside a new single
@@ -240,13 +251,7 @@ def weight_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     index = path / INDEX
     if index.exists():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map' object naming the shards; re-download it")
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                raise ValueError(f"{index}: weight_map[{key!r}] must be a shard's file name, got {name!r}")
-        files = [inside(path, name, index) for name in sorted(set(weight_map.values()))]
+        files = [inside(path, name, index) for name in sorted(set(weight_map(index).values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are not in {path}: {', '.join(missing)}")
@@ -352,7 +357,7 @@ class Checkpoint:
         weights, files = {}, self.weight_files()
         index = self.path / INDEX
         sharded = files[0].name != "model.safetensors" and index.exists()
-        listed = read_json_object(index)["weight_map"] if sharded else {}
+        listed = weight_map(index) if sharded else {}
         for file in files:
             found = read_safetensors(file)
             if lacking := sorted(k for k, name in listed.items() if name == file.name and k not in found):

@@ -409,8 +409,9 @@ class Store:
         """Stage texts with their dense vectors ((N, 0) without a dense model) and sparse (term ids, weights), in
         one transaction: a text is staged with all its vectors or not at all."""
         vectors = np.ascontiguousarray(vectors, DTYPE)
-        finite = np.isfinite(vectors).all(axis=1) & [np.isfinite(np.asarray(w, np.float64)).all() for _, w in
-                                                     (sparse or [((), ())] * len(keys))]  # fmt: skip
+        finite = np.isfinite(vectors).all(axis=1)
+        if sparse is not None:
+            finite &= [np.isfinite(np.asarray(weights, np.float64)).all() for _, weights in sparse]
         if not finite.all():  # a NaN row made every int8 search of the index find nothing
             bad = int(np.flatnonzero(~finite)[0])
             raise ValueError(
