@@ -321,3 +321,85 @@ def test_embed_training_reports_retrieval_metrics_equal_sentence_transformers_on
     )
     with pytest.raises(OptionError, match="eval_cosine_ndcg@10"):  # the metrics it names, to choose from
         fine_tune("embed", rows, tmp_path / "x", model=st_folder, eval_data=rows, metric_for_best="eval_ndcg")
+
+
+def test_a_k_given_twice_is_one_metric_as_sentence_transformers_reports_it():
+    queries, corpus, relevant, table = synthetic()
+    model = FixedEmbeddings(table)
+    ks = {"ndcg_at_k": [10], "precision_recall_at_k": [1, 5], "map_at_k": [100]}
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False, **ks)(model)
+    twice = {"ndcg_at_k": [10, 10], "precision_recall_at_k": [1, 5, 5], "map_at_k": [100, 100]}
+    evaluator = InformationRetrievalEvaluator(queries, corpus, relevant, **twice)
+    vectors = np.stack([table[queries[q]] for q in evaluator.query_ids]), np.stack([table[t] for t in corpus.values()])
+    ours = evaluator.metrics(*vectors, ["cosine"])
+    assert ours == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-12)
+
+
+def test_sentence_transformers_evaluator_options_are_taken():
+    queries, corpus, relevant, table = synthetic()
+    model = FixedEmbeddings(table)
+    options = dict(main_score_function="dot", corpus_chunk_size=100, write_csv=False)
+    theirs_evaluator = TheirIR(
+        queries, corpus, relevant, score_functions={"cosine": cos_sim, "dot": dot_score}, **options
+    )
+    theirs = theirs_evaluator(model)
+    evaluator = InformationRetrievalEvaluator(queries, corpus, relevant, score_functions=["cosine", "dot"], **options)
+    ours = evaluator(SimpleNamespace(
+        encode_query=lambda texts, *a, **k: np.stack([table[t] for t in texts]),
+        encode_document=lambda texts, *a, **k: np.stack([table[t] for t in texts]),
+        similarity_fn_name="cosine",
+    ))  # fmt: skip
+    assert ours == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-12)
+    assert evaluator.primary_metric == theirs_evaluator.primary_metric == "dot_ndcg@10"
+    assert ours["cosine_ndcg@10"] != ours["dot_ndcg@10"]  # the primary metric is the function asked for
+    with pytest.raises(ValueError, match="main_score_function 'dot' is not one of score_functions"):
+        InformationRetrievalEvaluator(queries, corpus, relevant, score_functions=["cosine"], main_score_function="dot")
+
+
+def test_corpus_ids_of_kinds_that_do_not_compare_rank_as_sentence_transformers():
+    rng = np.random.default_rng(3)
+    ids = [1, "2", 3, "4", 5, "6"]
+    corpus = {cid: f"doc {cid}" for cid in ids}
+    queries = {"q0": "first", "q1": "second"}
+    relevant = {"q0": {1, "4"}, "q1": {"2"}}
+    table = {text: rng.standard_normal(8).astype(np.float32) for text in [*corpus.values(), *queries.values()]}
+    theirs = TheirIR(queries, corpus, relevant, write_csv=False)(FixedEmbeddings(table))
+    evaluator = InformationRetrievalEvaluator(queries, corpus, relevant)
+    vectors = np.stack([table[queries[q]] for q in evaluator.query_ids]), np.stack([table[t] for t in corpus.values()])
+    assert evaluator.metrics(*vectors, ["cosine"]) == pytest.approx({k: float(v) for k, v in theirs.items()})
+
+
+def test_reranking_evaluator_takes_sentence_transformers_arguments_and_dict_samples():
+    samples, scores = reranking_samples()
+    by_name = {f"s{i}": sample for i, sample in enumerate(samples)}
+    options = dict(name="dev", show_progress_bar=False, write_csv=False, mrr_at_k=5)
+    theirs = CrossEncoderRerankingEvaluator(by_name, **options)(FixedScores(scores))
+    ours = RerankingEvaluator(by_name, **options)(FixedScores(scores))
+    assert "dev_ndcg@5" in ours and ours == pytest.approx({k: float(v) for k, v in theirs.items()}, abs=1e-12)
+    given = {}
+
+    class Recording(FixedScores):
+        def predict(self, pairs, **kwargs):
+            given.update(kwargs)
+            return super().predict(pairs)
+
+    RerankingEvaluator(samples, prompt_name="query", show_progress_bar=True)(Recording(scores))
+    assert given["prompt_name"] == "query" and given["show_progress_bar"] is True
+
+
+def test_a_qrels_row_marking_a_missing_document_not_relevant_is_read(tmp_path):
+    rows = {
+        "queries": [{"_id": "q0", "text": "where"}],
+        "corpus": [{"_id": "c0", "text": "here"}],
+        "qrels": [
+            {"query-id": "q0", "corpus-id": "c0", "score": 1},
+            {"query-id": "q0", "corpus-id": "gone", "score": 0},
+        ],
+    }
+    for name, lines in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lines))
+    read = evaluators.read_retrieval_files(*(tmp_path / f"{name}.jsonl" for name in ("queries", "corpus", "qrels")))
+    assert read[2] == {"q0": {"c0"}}
+    (tmp_path / "qrels.jsonl").write_text(json.dumps({"query-id": "q0", "corpus-id": "gone", "score": 1}) + "\n")
+    with pytest.raises(ValueError, match="corpus id 'gone' .query 'q0'. is not in"):
+        evaluators.read_retrieval_files(*(tmp_path / f"{name}.jsonl" for name in ("queries", "corpus", "qrels")))

@@ -137,3 +137,31 @@ def test_bad_options_are_named(models):
         mine_hard_negatives(ROWS, models[0], output_format="pairs")
     with pytest.raises(ValueError, match="range_min must be smaller than range_max"):
         mine_hard_negatives(ROWS, models[0], range_min=5, range_max=5)
+
+
+def test_sentence_transformers_keyword_names_and_old_options_are_taken(tmp_path, models):
+    ours_model, their_model = models
+    rows = [{"q": row["query"], "a": row["answer"], "extra": 1} for row in ROWS]
+    options = dict(anchor_column_name="q", positive_column_name="a", as_triplets=False, margin=0.05, num_negatives=2)
+    options |= dict(use_faiss=False, faiss_batch_size=128, use_multi_process=False, verbose=False)
+    theirs = their_mine(Dataset.from_list(rows), their_model, **options)
+    ours = mine_hard_negatives(rows, ours_model, **options)
+    assert_same_rows(ours, theirs_as_rows(theirs))
+    assert "negative_2" in ours[0]  # as_triplets=False: n-tuples
+
+
+def test_cache_folder_keeps_the_embeddings_and_reads_them_back(tmp_path, models, monkeypatch):
+    ours_model, their_model = models
+    theirs = their_mine(Dataset.from_list(ROWS), their_model, verbose=False, num_negatives=2)
+    first = mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache")
+    assert_same_rows(first, theirs_as_rows(theirs))
+    assert sorted(p.name.split("_")[0] for p in (tmp_path / "cache").iterdir()) == ["corpus", "query"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("encoded again: the cached embeddings were not read")
+
+    monkeypatch.setattr(ours_model, "encode_query", refuse)
+    monkeypatch.setattr(ours_model, "encode_document", refuse)
+    assert mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache") == first
+    with pytest.raises(AssertionError, match="encoded again"):  # other prompts are other embeddings
+        mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache", query_prompt="q: ")

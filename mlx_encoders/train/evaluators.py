@@ -39,10 +39,22 @@ def one_or_many(texts) -> list:
 
 
 def check_ks(name: str, ks: Sequence[int]) -> tuple[int, ...]:
+    """The distinct `ks` in their order: a k given twice is one metric (summed twice, it would read double)."""
     ks = tuple(ks)
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"{name} must be a non-empty list of integers >= 1, got {list(ks)!r}")
-    return ks
+    return tuple(dict.fromkeys(ks))
+
+
+def id_order(ids: Sequence) -> list[int]:
+    """The places of `ids` in ascending id order, which breaks ties between equal scores; ids of kinds that do not
+    compare (1 and "2") are ordered by kind first (sentence-transformers compares them only when scores tie, and
+    fails there)."""
+    places = range(len(ids))
+    try:
+        return sorted(places, key=ids.__getitem__)
+    except TypeError:
+        return sorted(places, key=lambda i: (type(ids[i]).__name__, ids[i]))
 
 
 # ----- retrieval -----
@@ -92,7 +104,7 @@ def retrieval_metrics(
                 f"query {qid!r} has no relevant document in relevant_docs: give it one, or leave the query out"
             )
     id_ranks = np.empty(len(corpus_ids), dtype=np.int64)
-    id_ranks[sorted(range(len(corpus_ids)), key=corpus_ids.__getitem__)] = np.arange(len(corpus_ids))
+    id_ranks[id_order(corpus_ids)] = np.arange(len(corpus_ids))
     depth = max(max(ks) for ks in at_k.values())
     sums: dict[str, float] = {}
 
@@ -138,8 +150,10 @@ class InformationRetrievalEvaluator:
     `queries` and `corpus` map ids to texts, `relevant_docs` query ids to the ids of their relevant documents;
     queries without any are left out. `score_functions` ("cosine", "dot", "euclidean", "manhattan"; default: the
     model's `similarity_fn_name`) each give one set of metrics, named "<function>_<metric>@<k>" (with `name`,
-    "<name>_..."); `primary_metric` is the NDCG@max(k) of the best function, as theirs. Prompts and `truncate_dim`
-    apply as in `encode_query` / `encode_document`."""
+    "<name>_..."); `primary_metric` is the NDCG@max(k) of `main_score_function`, else of the best function, as
+    theirs. Prompts and `truncate_dim` apply as in `encode_query` / `encode_document`. `corpus_chunk_size` and
+    `write_csv` are taken for sentence-transformers' calls: the scores are ranked in blocks of a fixed size, and the
+    metrics are returned, not written."""
 
     def __init__(
         self,
@@ -161,6 +175,9 @@ class InformationRetrievalEvaluator:
         corpus_prompt_name: str | None = None,
         truncate_dim: int | None = None,
         show_progress_bar: bool = False,
+        main_score_function: str | None = None,
+        corpus_chunk_size: int = 50_000,
+        write_csv: bool = True,
     ):
         self.relevant_docs = {qid: set(one_or_many(docs)) for qid, docs in relevant_docs.items()}  # a str: one id
         self.query_ids = [qid for qid in queries if self.relevant_docs.get(qid)]
@@ -179,6 +196,12 @@ class InformationRetrievalEvaluator:
             "map": check_ks("map_at_k", map_at_k),
         }
         self.score_functions = [check_similarity_name(f) for f in score_functions] if score_functions else None
+        self.main_score_function = check_similarity_name(main_score_function) if main_score_function else None
+        if self.main_score_function and self.score_functions and self.main_score_function not in self.score_functions:
+            raise ValueError(
+                f"main_score_function {self.main_score_function!r} is not one of score_functions "
+                f"{self.score_functions}: add it there, or leave main_score_function out"
+            )
         self.batch_size, self.name, self.truncate_dim = batch_size, name, truncate_dim
         self.query_prompt, self.query_prompt_name = query_prompt, query_prompt_name
         self.corpus_prompt, self.corpus_prompt_name = corpus_prompt, corpus_prompt_name
@@ -187,7 +210,13 @@ class InformationRetrievalEvaluator:
 
     def metric_names(self, score_functions: Sequence[str] | None = None) -> list[str]:
         """The names `metrics` reports (a trainer prefixes "eval_", for `metric_for_best` to pick one)."""
-        return retrieval_metric_names(score_functions or self.score_functions or ["cosine"], self.at_k, self.name)
+        return retrieval_metric_names(self.functions(score_functions), self.at_k, self.name)
+
+    def functions(self, given: Sequence[str] | None) -> list[str]:
+        """The similarity functions scored: `given`, else the evaluator's, else cosine; with `main_score_function`."""
+        functions = list(given or self.score_functions or ["cosine"])
+        main = self.main_score_function
+        return functions + [main] if main and main not in functions else functions
 
     def __call__(self, model) -> dict[str, float]:
         """The metrics of `model` (a `SentenceEncoder`) on this evaluator's queries and corpus."""
@@ -211,12 +240,12 @@ class InformationRetrievalEvaluator:
                     f"got shape {tuple(given.shape)}"
                 )
         results = {}
-        for function in sorted(score_functions or self.score_functions or ["cosine"]):
+        for function in sorted(self.functions(score_functions)):
             scores = score_rows(function, query_embeddings, corpus_embeddings)
             found = retrieval_metrics(scores, self.query_ids, self.corpus_ids, self.relevant_docs, self.at_k)
             results[function] = found
         ndcg = f"ndcg@{max(self.at_k['ndcg'])}"
-        best = max(results, key=lambda function: results[function][ndcg])
+        best = self.main_score_function or max(results, key=lambda function: results[function][ndcg])
         self.primary_metric = prefixed({f"{best}_{ndcg}": 0}, self.name).popitem()[0]
         flat = {f"{function}_{metric}": value for function, found in results.items() for metric, value in found.items()}
         return prefixed(flat, self.name)
@@ -294,21 +323,31 @@ class RerankingEvaluator:
     first-stage ranking, best first). Each query's documents are scored as pairs; the metrics are the means over
     queries of MAP ("map"), MRR@k ("mrr@10") and NDCG@k ("ndcg@10", the `primary_metric`), "<name>_..." with a
     `name`. With "documents", positives missing from them are scored too (`always_rerank_positives`, else they
-    count as missed), and "base_map", "base_mrr@k", "base_ndcg@k" rate the first-stage order."""
+    count as missed), and "base_map", "base_mrr@k", "base_ndcg@k" rate the first-stage order. `samples` may be a
+    dict of them (its values are read), `prompt_name` and `show_progress_bar` go to `predict`; `write_csv` is taken
+    for sentence-transformers' calls (the metrics are returned, not written) and `mrr_at_k` is its old name of
+    `at_k`."""
 
     def __init__(
         self,
-        samples: Sequence[Mapping],
+        samples: Sequence[Mapping] | Mapping[str, Mapping],
         at_k: int = 10,
         always_rerank_positives: bool = True,
         name: str = "",
+        prompt_name: str | None = None,
         batch_size: int = 64,
+        show_progress_bar: bool = False,
+        write_csv: bool = True,
+        mrr_at_k: int | None = None,
     ):
+        at_k = at_k if mrr_at_k is None else mrr_at_k
+        samples = list(samples.values()) if isinstance(samples, Mapping) else samples
         if isinstance(at_k, bool) or not isinstance(at_k, int) or at_k < 1:
             raise ValueError(f"at_k must be an integer >= 1, got {at_k!r}")
         if not samples:
             raise ValueError("RerankingEvaluator needs samples: none were given (the metrics are means over them)")
         self.at_k, self.name, self.batch_size = at_k, name, batch_size
+        self.prompt_name, self.show_progress_bar = prompt_name, show_progress_bar
         self.samples = [self.read(i, sample, always_rerank_positives) for i, sample in enumerate(samples)]
         self.primary_metric = prefixed({f"ndcg@{at_k}": 0}, name).popitem()[0]
 
@@ -349,7 +388,9 @@ class RerankingEvaluator:
     def __call__(self, model) -> dict[str, float]:
         """The metrics of `model` (a `CrossEncoder`) on the samples."""
         pairs = [(query, doc) for query, docs, relevant, _ in self.samples if any(relevant) for doc in docs]
-        scores = np.asarray(model.predict(pairs, batch_size=self.batch_size)) if pairs else np.zeros(0)
+        options = dict(prompt_name=self.prompt_name, batch_size=self.batch_size)
+        options |= dict(show_progress_bar=self.show_progress_bar)
+        scores = np.asarray(model.predict(pairs, **options)) if pairs else np.zeros(0)
         return self.metrics(scores)
 
     def metrics(self, scores: np.ndarray) -> dict[str, float]:
@@ -425,10 +466,11 @@ def read_retrieval_files(
         docs[str(r["_id"])] = f"{r['title']} {r['text']}".strip() if r.get("title") else r["text"]
     relevant: dict[str, set[str]] = {}
     for r in read_qrels(Path(qrels)):
+        if float(r.get("score", 1)) <= 0:  # checked as it was read; a row marking a document not relevant
+            continue
         if r["corpus-id"] not in docs:
             raise ValueError(f"{qrels}: corpus id {r['corpus-id']!r} (query {r['query-id']!r}) is not in {corpus}")
-        if float(r.get("score", 1)) > 0:  # checked as it was read
-            relevant.setdefault(r["query-id"], set()).add(r["corpus-id"])
+        relevant.setdefault(r["query-id"], set()).add(r["corpus-id"])
     if not any(qid in query_texts for qid in relevant):
         raise ValueError(
             f"{qrels}: no query of {queries} has a relevant document (a qrels row with a score > 0); check that the "

@@ -9,6 +9,8 @@ optional cross-encoder rescoring replaces the scores first. Of the best `range_m
 are the pool: the first `num_negatives` ("top") or a random sample of them ("random"), best first.
 """
 
+import hashlib
+import os
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -83,8 +85,8 @@ def nearest(model, queries, corpus, k: int) -> tuple[np.ndarray, np.ndarray]:
 def mine_hard_negatives(
     data: str | Path | Iterable[Mapping],
     model,
-    anchor_column: str | None = None,
-    positive_column: str | None = None,
+    anchor_column_name: str | None = None,
+    positive_column_name: str | None = None,
     corpus: list[str] | None = None,
     cross_encoder=None,
     range_min: int = 0,
@@ -103,6 +105,14 @@ def mine_hard_negatives(
     output_format: str = "triplet",
     output_scores: bool = False,
     batch_size: int = 32,
+    faiss_batch_size: int = 16384,
+    use_faiss: bool = False,
+    use_multi_process: bool | list[str] = False,
+    verbose: bool = True,
+    cache_folder: str | Path | None = None,
+    as_triplets: bool | None = None,
+    margin: float | None = None,
+    *,
     seed: int | None = None,
 ) -> list[dict]:
     """Rows of `data` (a JSONL/CSV/TSV file or an iterable of dicts: anchor and positive columns) with mined
@@ -113,14 +123,24 @@ def mine_hard_negatives(
     negative_n; rows short of negatives dropped), "labeled-pair" (anchor, text, label 1/0) or "labeled-list"
     (anchor, [positive, negatives...], labels). `output_scores` adds the scores. `range_max` defaults as theirs:
     range_min + num_negatives (x 10 with a margin or max_score) + the most positives of an anchor. "random"
-    sampling draws with `random.Random(seed)` (Python's global generator when `seed` is None, as theirs)."""
+    sampling draws with `random.Random(seed)` (Python's global generator when `seed` is None, as theirs).
+
+    The rest of their options: `verbose` False hides the progress bars; `cache_folder` keeps the embeddings there
+    (`.npy` files named by a hash of the model's folder and weight files, the prompts and the texts) and reads them
+    back on a later call; `as_triplets` and `margin` are their old names of `output_format` ("triplet" or
+    "n-tuple") and `absolute_margin`. The search is exact, in this process: `use_faiss`, `faiss_batch_size` and
+    `use_multi_process` change nothing (the results are theirs with `use_faiss=False`)."""
+    if as_triplets is not None:
+        output_format = "triplet" if as_triplets else "n-tuple"
+    if margin is not None:
+        absolute_margin = margin
     numbers = dict(range_min=range_min, range_max=range_max, max_score=max_score, min_score=min_score,
                    absolute_margin=absolute_margin, relative_margin=relative_margin, num_negatives=num_negatives,
                    batch_size=batch_size)  # fmt: skip
     check_options_in(numbers)  # before the data is read (`config.RANGES`)
     read = read_rows(data)
     rows = [dict(row.values) for row in read]
-    anchor_column, positive_column = column_names(rows, anchor_column, positive_column)
+    anchor_column, positive_column = column_names(rows, anchor_column_name, positive_column_name)
     if include_positives:
         output_format = "n-tuple"  # theirs: keeps the ranking order, positives included
     all_queries = [row.text(anchor_column) for row in read]
@@ -136,9 +156,10 @@ def mine_hard_negatives(
     corpus_index = {text: i for i, text in enumerate(corpus)}
     queries = list(dict.fromkeys(all_queries))
     query_index = {q: i for i, q in enumerate(queries)}
-    options = dict(batch_size=batch_size, normalize_embeddings=True)
-    corpus_embeddings = model.encode_document(corpus, corpus_prompt_name, corpus_prompt, **options)
-    query_embeddings = model.encode_query(queries, query_prompt_name, query_prompt, **options)
+    options = dict(batch_size=batch_size, normalize_embeddings=True, show_progress_bar=None if verbose else False)
+    kept = EmbeddingCache(cache_folder, model)
+    corpus_embeddings = kept.get("corpus", corpus_prompt_name, corpus_prompt, corpus, model.encode_document, options)
+    query_embeddings = kept.get("query", query_prompt_name, query_prompt, queries, model.encode_query, options)
 
     width = range_max + max_positives
     scores, indices = nearest(model, query_embeddings, corpus_embeddings, min(width, len(corpus)))
@@ -199,6 +220,35 @@ def mine_hard_negatives(
 
     mined = Mined(queries, corpus, pairs, positive_scores, indices, negative_scores, anchor_column, positive_column)
     return getattr(mined, output_format.replace("-", "_"))(output_scores)
+
+
+class EmbeddingCache:
+    """Embeddings kept in `folder` between calls (none without a folder, or for a model that has no folder of its
+    own to name it by): one `.npy` file per (kind, model folder and its weight files' sizes and times, prompt name,
+    prompt, texts)."""
+
+    def __init__(self, folder: str | Path | None, model):
+        path = getattr(model, "path", None)
+        self.folder = Path(folder) if folder and path is not None else None
+        if self.folder is not None:
+            weights = sorted(Path(path).glob("*.safetensors"))
+            stamps = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
+            self.model = (str(Path(path).resolve()), stamps)
+
+    def get(self, kind: str, prompt_name, prompt, texts: list[str], encode, options: dict) -> np.ndarray:
+        if self.folder is None:
+            return encode(texts, prompt_name, prompt, **options)
+        key = hashlib.sha256(repr((self.model, prompt_name, prompt, texts)).encode()).hexdigest()
+        file = self.folder / f"{kind}_embeddings_{key}.npy"
+        if file.is_file():
+            return np.load(file)
+        embeddings = np.asarray(encode(texts, prompt_name, prompt, **options))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = file.with_name(f".{file.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as out:  # whole or not at all: a later call reads only complete files
+            np.save(out, embeddings)
+        os.replace(partial, file)
+        return embeddings
 
 
 class Mined:

@@ -129,8 +129,9 @@ def run_mine(args: argparse.Namespace) -> int:
     output = writable_file(Path(args.output))
     corpus = [record.value for record in text_lines(args.corpus)] if args.corpus else None
     rows = mine_hard_negatives(
-        args.data, SentenceEncoder(args.model), anchor_column=args.anchor_column, positive_column=args.positive_column,
-        corpus=corpus, cross_encoder=CrossEncoder(args.cross_encoder) if args.cross_encoder else None,
+        args.data, SentenceEncoder(args.model), anchor_column_name=args.anchor_column,
+        positive_column_name=args.positive_column, corpus=corpus,
+        cross_encoder=CrossEncoder(args.cross_encoder) if args.cross_encoder else None,
         range_min=args.range_min, range_max=args.range_max, max_score=args.max_score, min_score=args.min_score,
         absolute_margin=args.absolute_margin, relative_margin=args.relative_margin, num_negatives=args.num_negatives,
         sampling_strategy=args.sampling, output_format=args.format, output_scores=args.scores,
