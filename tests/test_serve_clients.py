@@ -560,6 +560,31 @@ def test_models_dir_loads_on_first_request_and_unloads_after_keep_alive(tmp_path
             assert error.value.status_code == 400 and '"keep_alive" must be' in error.value.error
 
 
+def test_models_dir_models_not_loaded_count_when_the_request_names_none(tmp_path, folders, sentence_transformer):
+    """Leaving "model" out picks the one model able to answer among the folder's too, loaded or not: which one
+    happens to be loaded must not choose a client's embedding space."""
+    from mlx_encoders import serve
+
+    (tmp_path / "minilm").symlink_to(MINILM)
+    (tmp_path / "other").symlink_to(MINILM)
+    app = serve.app({"rerank": folders["rerank"]}, models_dir=tmp_path, model_keep_alive=-1)
+    with in_process(app) as url:
+        for _ in range(2):  # before and after minilm is loaded: "other" could answer too
+            status, answer, _ = call(url, "/v1/embeddings", {"input": "cat"})
+            assert status == 400 and "not loaded yet (loaded on request): " in answer["error"]["message"], answer
+            assert call(url, "/v1/embeddings", {"model": "minilm", "input": "cat"})[0] == 200
+        status, answer, _ = call(url, "/v1/embeddings", {"model": "rerank", "input": "cat"})
+        assert status == 400 and answer["error"]["message"].endswith("not loaded yet (loaded on request): other")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "minilm").symlink_to(MINILM)
+    with in_process(serve.app(models_dir=alone, model_keep_alive=-1)) as url:  # the folder's one model: loaded
+        status, answer, _ = call(url, "/v1/embeddings", {"input": TEXTS})
+        got = np.array([d["embedding"] for d in answer["data"]])
+        assert status == 200 and answer["model"] == "minilm"
+        assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+
+
 def test_models_dir_holds_a_model_named_while_it_warms_up_and_reuses_worker_threads(tmp_path, checkpoint, monkeypatch):
     """A request that names a --models-dir model while its first (warm-up) pass runs holds it like any other: the
     model is not unloaded under it when the request that loaded it ends. Models loaded and unloaded again and again

@@ -164,17 +164,20 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizers[model.name], locked)
 
     def model(self, name, capability: str | tuple | None, route: str) -> ServedModel:
-        """The model `name` (None: the only one able to serve `route`); 404 naming the served ones, 400 naming its
-        kind when it cannot serve `route` (`capability`, or one of a tuple of them; None: any model can)."""
+        """The model `name` (None: the only one able to serve `route`, counting a --models-dir's models not loaded
+        yet, whose kinds are not known until they are); 404 naming the served ones, 400 naming its kind when it
+        cannot serve `route` (`capability`, or one of a tuple of them; None: any model can)."""
         wanted = capability if isinstance(capability, tuple) else (capability,)
         able = [m for m in self.models.values() if None in wanted or set(wanted) & set(m.capabilities)]
+        unloaded = [n for n in self.lazy.names() if n not in self.models] if self.lazy is not None else []
+        later = f"; not loaded yet (loaded on request): {', '.join(unloaded)}" if unloaded else ""
         if name is None:
-            if len(able) == 1:
+            if len(able) == 1 and not unloaded:
                 return able[0]
-            raise ApiError(
-                400, f'"model" is required: {route} is served by {", ".join(m.name for m in able) or "no model"}',
-                "model",
-            )  # fmt: skip
+            if not able and len(unloaded) == 1:  # the one model that may serve it: loaded, then asked again
+                raise NotLoaded(unloaded[0])
+            served = ", ".join(m.name for m in able) or "no loaded model"
+            raise ApiError(400, f'"model" is required: {route} is served by {served}{later}', "model")
         if not isinstance(name, str):
             raise ApiError(400, f'"model" must be a string, got {type(name).__name__}', "model")
         if name not in self.models and self.lazy is not None and self.lazy.path(name) is not None:
@@ -190,7 +193,7 @@ class Server:
             raise ApiError(
                 400,
                 f"model {name!r} is a {model.kind} model: it serves {', '.join(model.capabilities)}, not "
-                f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}",
+                f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}{later}",
                 "model", "model_not_supported",
             )  # fmt: skip
         if self.lazy is not None:
