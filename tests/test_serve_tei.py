@@ -313,6 +313,29 @@ def test_tei_status_codes_and_error_body(server, path, body, status, kind):
     assert set(answer) == {"error", "error_type"} and answer["error_type"] == kind, answer
 
 
+def test_inference_client_endpoint_info_on_a_root_url_naming_the_model(server, online):
+    """InferenceClient appends /info (and /health) to the URL whole, query included: "/?model=minilm/info"."""
+    from huggingface_hub import InferenceClient
+
+    expected = post(server, "/info?model=minilm", None)
+    got = InferenceClient(model=server + "/?model=minilm", provider="hf-inference").get_endpoint_info()
+    assert got == expected and got["served_model_name"] == "minilm"
+    assert post(server, "/?model=minilm/health", None) == post(server, "/health", None)
+    status, answer, _ = call(server, "/?model=nothing")
+    assert status == 404 and "minilm" in answer["error"], answer
+
+
+def test_similarity_names_an_overlong_sentence_and_the_field_that_cuts_it(server):
+    """/similarity's inputs are a source sentence and a list; its "truncate" lives in "parameters"."""
+    inputs = {"source_sentence": "a", "sentences": ["b", LONG * 3]}
+    body = {"model": "minilm", "inputs": inputs, "parameters": {"truncate": False}}
+    got, answer, _ = call(server, "/similarity", body)
+    assert got == 422 and answer["error"].startswith("inputs.sentences[1] is longer than the"), answer
+    assert answer["error"].endswith('send "parameters": {"truncate": true}'), answer
+    got, answer, _ = call(server, "/similarity", {**body, "parameters": {"truncate": True}})  # as the error says
+    assert got == 200 and len(answer) == 2, answer
+
+
 def test_openapi_lists_every_route_with_its_request_fields(server):
     from mlx_encoders.serve.protocols.tei import EmbedRequest
     from mlx_encoders.serve.schema import openapi_path

@@ -6,6 +6,7 @@ post-processing shapes the answer."""
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,7 +41,12 @@ class TokenIds:
     type_ids: list[int]
 
 
-TOO_LONG_HINT = 'shorten it, send "truncate": true, or start the server with --auto-truncate'
+def too_long_advice(send: str = '"truncate": true') -> str:
+    """How an over-long input could be cut, `send` naming the request's field that asks for it."""
+    return f"shorten it, send {send}, or start the server with --auto-truncate"
+
+
+TOO_LONG_HINT = too_long_advice()
 
 
 def default_name(source: str | Path) -> str:
@@ -309,14 +315,15 @@ class ServedModel:
         self, texts: list[str], truncate: bool, pairs: list[str] | None = None, param: str = "input",
         task: str | None = None, prompt_name: str | None = None, max_length: int | None = None,
         direction: str | None = None, token_vectors: bool = False, limit_field: str = "max_length",
-        hint: str = TOO_LONG_HINT,
+        hint: str = TOO_LONG_HINT, names: Callable[[int], str] | None = None,
     ) -> list:  # fmt: skip
         """The encoder's encodings of `texts` (`pairs`: of (text, pair) pairs, as `predict` reads them), with the
         prompt `encode` prepends (`task` "query" or "document": `encode_query`'s / `encode_document`'s, a sparse
         Router's route for the task included; `prompt_name`: that prompt instead, as their `prompt_name=`); an
         input longer than the model takes is an error unless `truncate`, cut at `direction`'s end ("left",
         "right"; None: the tokenizer's `truncation_side`; dense and classifier models, which also take a shorter
-        `max_length`, the request's field `limit_field`); `hint` ends the error: how this route cuts inputs. A
+        `max_length`, the request's field `limit_field`); `hint` ends the error: how this route cuts inputs, and
+        `names(i)` names the i-th input in it where the request's field is not a list `param`. A
         dense model's items with `token_vectors` receive their token vectors from the worker (`Tagged.tokens`)."""
         prefix = self.prefix if task is None else self.prompt(task)
         if prompt_name is not None:
@@ -346,7 +353,10 @@ class ServedModel:
             for i, e in enumerate(encodings):
                 if e.overflowing:
                     raise ApiError(
-                        400, f"{param}[{i}] is longer than the {limit} tokens {by}; {hint}", param, "input_too_long"
+                        400,
+                        f"{names(i) if names else f'{param}[{i}]'} is longer than the {limit} tokens {by}; {hint}",
+                        param,
+                        "input_too_long",
                     )
         if (self.multi is not None or self.sparse is not None) and task is not None:
             return [Tagged(e, task) for e in encodings]

@@ -9,7 +9,7 @@ import sys
 from starlette.requests import Request
 
 from .errors import ApiError
-from .models import TOO_LONG_HINT, ServedModel
+from .models import ServedModel, too_long_advice
 
 OFF_LOOP_BYTES = 64 * 1024
 
@@ -113,10 +113,11 @@ def texts(value, param: str) -> list[str]:
     return found
 
 
-def too_long_hint(body: dict) -> str:
+def too_long_hint(body: dict, inside: str | None = None) -> str:
     """How an over-long input of this request could be cut: its own "truncate" where it sent false (the server's
-    --auto-truncate cannot override it), else either."""
-    return 'shorten it, or send "truncate": true' if body.get("truncate") is not None else TOO_LONG_HINT
+    --auto-truncate cannot override it), else either; `inside`: the object of the request that holds "truncate"."""
+    send = f'"{inside}": {{"truncate": true}}' if inside else '"truncate": true'
+    return f"shorten it, or send {send}" if body.get("truncate") is not None else too_long_advice(send)
 
 
 def option(body: dict, key: str, kind: type, default=None, minimum: int | None = None):

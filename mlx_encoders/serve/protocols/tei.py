@@ -185,12 +185,15 @@ def truncation(body: dict, server: "Server") -> tuple[bool, str]:
     return truncate, DIRECTIONS[direction]
 
 
-async def tokenized(server: "Server", model: ServedModel, body: dict, found: list[str], **kwargs) -> list:
+async def tokenized(
+    server: "Server", model: ServedModel, body: dict, found: list[str], inside: str | None = None, **kwargs
+) -> list:
+    """The encodings of `found` under the request's options `body` (the object named `inside`, else its top)."""
     truncate, direction = truncation(body, server)
     prompt_name = option(body, "prompt_name", str)
     return await server.tokenize(
         model, model.tokenize, found, truncate, param="inputs", prompt_name=prompt_name, direction=direction,
-        hint=too_long_hint(body), **kwargs,
+        hint=too_long_hint(body, inside), **kwargs,
     )  # fmt: skip
 
 
@@ -356,7 +359,8 @@ async def similarity_answer(request: Request, server: "Server", body: dict, mode
         raise ApiError(400, '"sentences" is empty; send at least one sentence', "inputs", "empty_input")
     sentences = server.count(texts(value, "sentences"), "inputs")
     parameters = fields(option(body, "parameters", dict, {}), SimilarityParameters)
-    items = await tokenized(server, model, parameters, [source, *sentences])
+    names = lambda i: f"inputs.sentences[{i - 1}]" if i else "inputs.source_sentence"  # noqa: E731
+    items = await tokenized(server, model, parameters, [source, *sentences], "parameters", names=names)
     vectors = model.embeddings(await server.run(model, items), None, normalize=True)
     return vectors[1:] @ vectors[0]
 
@@ -448,7 +452,10 @@ def model_type(model: ServedModel) -> dict:
 @tei_errors
 async def info(request: Request, server: "Server"):
     """The model's description, as TEI's /info (`?model=NAME` when the server holds several)."""
-    model = served(request, server, {}, None, "/info")
+    return info_answer(server, served(request, server, {}, None, "/info"))
+
+
+def info_answer(server: "Server", model: ServedModel) -> dict:
     options = server.options
     return {
         "model_id": model.source,
@@ -469,6 +476,11 @@ async def info(request: Request, server: "Server"):
     }
 
 
+def is_served(server: "Server", name: str) -> bool:
+    """Whether `name` is a served model, loaded or (--models-dir) loaded on request."""
+    return name in server.models or server.lazy is not None and server.lazy.path(name) is not None
+
+
 def root_capability(body: dict):
     """What a body posted to `/` asks for, by its shape: similarity, reranking, or (None) the model's kind."""
     if isinstance(body.get("inputs"), dict):
@@ -483,6 +495,14 @@ async def root(request: Request, server: "Server"):
     /similarity for {"inputs": {"source_sentence", "sentences"}}), a sparse model's /embed_sparse, a
     cross-encoder's /rerank (its /predict for "inputs"), a classifier's /predict."""
     if request.method in ("GET", "HEAD"):  # Starlette routes HEAD to a GET route; Ollama's heartbeat sends it
+        name = request.query_params.get("model")
+        if name is not None and not is_served(server, name):
+            # huggingface_hub's InferenceClient appends /info or /health to a URL that ends in "?model=NAME"
+            base, _, route = name.rpartition("/")
+            if route not in ("info", "health") or not is_served(server, base):
+                server.model(name, None, "/")  # a 404 naming the served models
+            if route == "info":
+                return info_answer(server, server.model(base, None, "/info"))
         return await health(request, server)
     body = await read_json(request, server)
     capability = root_capability(body)
