@@ -49,6 +49,15 @@ def test_matches_transformers(checkpoint, task, attention):
     check_parity(checkpoint("gemma3_text", task, **attention), task)
 
 
+def test_a_bidirectional_window_of_one_saved_as_zero_matches_transformers(checkpoint):
+    """transformers writes a bidirectional window of 1 (each token attends to itself alone) as "sliding_window": 0."""
+    folder = checkpoint("gemma3_text", "encoder", sliding_window=1)
+    assert json.loads((folder / "config.json").read_text())["sliding_window"] == 0
+    check_parity(folder, "encoder")
+    with pytest.raises(ValueError, match="'sliding_window' must be an integer of at least 1: .* got 0"):
+        model_module("gemma3_text").ModelArgs.from_dict({"sliding_window": 0, **CAUSAL})
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_rms_norm_in_half_precision_rounds_as_transformers(dtype):
     """1 + weight is taken in float32 and the product rounded once: rounded to half precision first, the norm's

@@ -71,6 +71,21 @@ def test_matches_transformers(checkpoint, model_type, task):
     check_parity(checkpoint(model_type, task), task)
 
 
+@pytest.mark.parametrize(
+    "model_type,task,overrides",
+    [
+        ("qwen3", "causal-lm", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32)),
+        ("nomic_bert", "encoder", dict(num_attention_heads=3, head_dim=16)),
+        ("gte", "encoder", dict(num_attention_heads=3, head_dim=16)),
+        ("jina_embeddings_v3", "encoder", dict(num_attention_heads=3, head_dim=16)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_head_dim_that_does_not_divide_the_width_matches_transformers(checkpoint, model_type, task, overrides):
+    """These families size their projections from head_dim: a width the heads do not divide is a valid model."""
+    check_parity(checkpoint(model_type, task, **overrides), task)
+
+
 # Masked-LM heads whose own decoder (untied from the word embeddings) carries a bias of its own in transformers.
 UNTIED_DECODERS = {"albert": "predictions", "bert": "cls.predictions", "roberta": "lm_head", "xlm-roberta": "lm_head",
                    "mpnet": "lm_head", "nomic_bert": "cls.predictions", "jina_embeddings_v3": "lm_head"}  # fmt: skip

@@ -152,7 +152,8 @@ class BaseArgs:
                 raise ValueError(
                     f"config key {f.name!r}: unsupported activation {value!r}; supported: {', '.join(ACTIVATIONS)}"
                 )
-        if self.hidden_size % self.attention_heads:
+        # A family that reads an explicit head_dim sizes its projections heads x head_dim, whatever the width.
+        if getattr(self, "head_dim", None) is None and self.hidden_size % self.attention_heads:
             raise ValueError(
                 f"the hidden size {self.hidden_size} is not divisible by the number of attention heads "
                 f"{self.attention_heads}"

@@ -89,8 +89,13 @@ class ModelArgs(BaseArgs):
                 f"config key 'layer_types' must list one of {', '.join(ATTENTION)} for each of the "
                 f"{self.num_hidden_layers} layers, got {self.layer_types!r}"
             )
-        if "sliding_attention" in self.attention_types and not self.sliding_window:
-            raise ValueError("config key 'sliding_window' must be a positive integer: the config has sliding layers")
+        # transformers saves a bidirectional window w as (w // 2 + 1 - 1) * 2: a window of 1 (each token alone) as 0
+        least = 0 if self.use_bidirectional_attention else 1
+        if "sliding_attention" in self.attention_types and (self.sliding_window or 0) < least:
+            raise ValueError(
+                f"config key 'sliding_window' must be an integer of at least {least}: the config has sliding layers, "
+                f"got {self.sliding_window!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config key 'num_attention_heads' ({self.num_attention_heads}) must be a multiple of "
@@ -212,7 +217,8 @@ class Gemma3TextModel(Model, nn.Module):
         x = x * mx.array(self.args.hidden_size**0.5, dtype)  # transformers rounds the scale to the model's dtype
         L = x.shape[1]
         if self.args.use_bidirectional_attention:  # without sliding layers the window is unused: the whole text
-            masks = attention_masks(attention_mask, L, (self.args.sliding_window or 2 * L) // 2, dtype)
+            window = self.args.sliding_window
+            masks = attention_masks(attention_mask, L, L if window is None else window // 2, dtype)
         else:
             masks = causal_masks(attention_mask, L, self.args.sliding_window, dtype)
         for layer in self.layers:
