@@ -78,6 +78,8 @@ def test_matches_transformers(checkpoint, model_type, task):
         ("nomic_bert", "encoder", dict(num_attention_heads=3, head_dim=16)),
         ("gte", "encoder", dict(num_attention_heads=3, head_dim=16)),
         ("jina_embeddings_v3", "encoder", dict(num_attention_heads=3, head_dim=16)),
+        ("gte", "encoder", dict(num_attention_heads=3)),  # head_dim left out: hidden_size // heads
+        ("jina_embeddings_v3", "encoder", dict(num_attention_heads=3)),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

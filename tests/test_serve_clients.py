@@ -578,11 +578,22 @@ def test_models_dir_models_not_loaded_count_when_the_request_names_none(tmp_path
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / "minilm").symlink_to(MINILM)
-    with in_process(serve.app(models_dir=alone, model_keep_alive=-1)) as url:  # the folder's one model: loaded
-        status, answer, _ = call(url, "/v1/embeddings", {"input": TEXTS})
-        got = np.array([d["embedding"] for d in answer["data"]])
-        assert status == 200 and answer["model"] == "minilm"
-        assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+    for route in ("/embed", "/v1/embeddings"):  # the folder's one model: loaded for it (TEI's route too)
+        with in_process(serve.app(models_dir=alone, model_keep_alive=-1)) as url:
+            status, answer, _ = call(url, route, {"input": TEXTS} if route == "/v1/embeddings" else {"inputs": TEXTS})
+            assert status == 200, answer
+            got = np.array([d["embedding"] for d in answer["data"]] if route == "/v1/embeddings" else answer)
+            assert cosine(got, sentence_transformer.encode(TEXTS)).min() >= 0.99999
+    others = tmp_path / "others"
+    others.mkdir()
+    (others / "rerank").symlink_to(folders["rerank"])
+    mixed = serve.app({"minilm": MINILM}, models_dir=others, model_keep_alive=-1)
+    with in_process(mixed) as url:
+        # a folder model of another kind is no candidate for embeddings: the --model one answers, unnamed
+        for route, body in (("/embed", {"inputs": TEXTS}), ("/v1/embeddings", {"input": TEXTS})):
+            status, answer, _ = call(url, route, body)
+            assert status == 200, (route, answer)
+        assert "rerank" not in mixed.state.server.models
 
 
 def test_models_dir_holds_a_model_named_while_it_warms_up_and_reuses_worker_threads(tmp_path, checkpoint, monkeypatch):

@@ -87,6 +87,9 @@ class BaseArgs:
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     # Decoders whose transformers masks follow config.json's `is_causal` (false: bidirectional, sliding windows too)
     causal_masks: ClassVar[bool] = False
+    # Whether the heads split the width: False where the projections are heads x head size, the head size
+    # `head_dim` or, without it, hidden_size // heads (Nomic BERT, GTE, jina-v3), so any width is a valid model.
+    heads_split_width: ClassVar[bool] = True
     # Whether a text's outputs depend on how far its batch is padded (dynamic-NTK rope: the base follows the length)
     padded_length_matters: ClassVar[bool] = False
 
@@ -153,7 +156,8 @@ class BaseArgs:
                     f"config key {f.name!r}: unsupported activation {value!r}; supported: {', '.join(ACTIVATIONS)}"
                 )
         # A family that reads an explicit head_dim sizes its projections heads x head_dim, whatever the width.
-        if getattr(self, "head_dim", None) is None and self.hidden_size % self.attention_heads:
+        split = self.heads_split_width and getattr(self, "head_dim", None) is None
+        if split and self.hidden_size % self.attention_heads:
             raise ValueError(
                 f"the hidden size {self.hidden_size} is not divisible by the number of attention heads "
                 f"{self.attention_heads}"

@@ -29,6 +29,7 @@ from .nomic_bert import (
 
 @dataclass
 class ModelArgs(RotaryArgs, BaseArgs):
+    heads_split_width: ClassVar[bool] = False
     model_type: str = "gte"
     vocab_size: int = 250048
     hidden_size: int = 768

@@ -13,6 +13,7 @@ import re
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,6 +54,7 @@ def adapter_key(task: str) -> str:
 
 @dataclass
 class ModelArgs(BaseArgs):
+    heads_split_width: ClassVar[bool] = False
     model_type: str = "jina_embeddings_v3"
     vocab_size: int = 250002
     hidden_size: int = 1024

@@ -129,6 +129,7 @@ class RotaryArgs:
 
 @dataclass
 class ModelArgs(RotaryArgs, BaseArgs):
+    heads_split_width: ClassVar[bool] = False
     model_type: str = "nomic_bert"
     vocab_size: int = 30528
     hidden_size: int = 768

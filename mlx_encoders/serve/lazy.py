@@ -97,6 +97,18 @@ class ModelsDir:
         except OSError:  # a name too long for the file system, or a folder it cannot read: no model of ours
             return None
 
+    def capabilities(self, name: str) -> tuple[str, ...]:
+        """What model `name` may serve, read from its files without loading it (a cross-encoder: ranking or
+        classes, its head decides which); none where they say it cannot load (its requests name the error)."""
+        from ..embeddings.folder import folder_kind
+        from .models import CAPABILITIES
+
+        path = self.path(name)
+        try:
+            return CAPABILITIES[folder_kind(path)] if path is not None else ()
+        except (OSError, ValueError):
+            return ()
+
     async def load(self, server: Server, name: str) -> None:
         """Load and warm model `name` unless it is loaded; one load at a time per name."""
         lock = self.locks.setdefault(name, asyncio.Lock())

@@ -26,6 +26,10 @@ from .errors import ApiError
 
 EMBED, RERANK, CLASSIFY = "embeddings", "rerank", "classify"
 SPARSE, MULTI_VECTOR = "sparse embeddings", "multi-vector embeddings"
+# What a folder of each `folder_kind` may serve before it is loaded (a cross-encoder's head decides between two).
+CAPABILITIES = {
+    "dense": (EMBED,), "sparse": (SPARSE,), "multi-vector": (MULTI_VECTOR,), "cross-encoder": (RERANK, CLASSIFY),
+}  # fmt: skip
 TASKS = ("query", "document")
 FOREIGN_IDS = (
     "token ids must be the model's own, special tokens included (its tokenizer's input_ids); a client that "

@@ -165,11 +165,11 @@ class Server:
 
     def model(self, name, capability: str | tuple | None, route: str) -> ServedModel:
         """The model `name` (None: the only one able to serve `route`, counting a --models-dir's models not loaded
-        yet, whose kinds are not known until they are); 404 naming the served ones, 400 naming its kind when it
-        cannot serve `route` (`capability`, or one of a tuple of them; None: any model can)."""
+        yet that may); 404 naming the served ones, 400 naming its kind when it cannot serve `route` (`capability`,
+        or one of a tuple of them; None: any model can)."""
         wanted = capability if isinstance(capability, tuple) else (capability,)
         able = [m for m in self.models.values() if None in wanted or set(wanted) & set(m.capabilities)]
-        unloaded = [n for n in self.lazy.names() if n not in self.models] if self.lazy is not None else []
+        unloaded = self.unloaded_able(wanted)
         later = f"; not loaded yet (loaded on request): {', '.join(unloaded)}" if unloaded else ""
         if name is None:
             if len(able) == 1 and not unloaded:
@@ -199,6 +199,13 @@ class Server:
         if self.lazy is not None:
             self.lazy.take(model)
         return model
+
+    def unloaded_able(self, wanted: tuple) -> list[str]:
+        """The --models-dir models not loaded yet whose files say they may serve one of `wanted` (None: any)."""
+        if self.lazy is None:
+            return []
+        unloaded = [n for n in self.lazy.names() if n not in self.models]
+        return [n for n in unloaded if None in wanted or set(wanted) & set(self.lazy.capabilities(n))]
 
     def count(self, inputs: list, param: str) -> list:
         """`inputs`, unless there are more than --max-inputs (413)."""

@@ -167,6 +167,7 @@ def served(request: Request, server: "Server", body: dict, capability, route: st
         name is None
         and capability is not None
         and not any(capability in m.capabilities for m in server.models.values())
+        and not server.unloaded_able((capability,))
     ):
         raise ApiError(
             424, f"no served model serves {route} ({capability}); served: "
