@@ -121,7 +121,7 @@ def test_mine_command_writes_jsonl(tmp_path, models, capsys):
     assert oct(out.stat().st_mode & 0o777) != oct(0o600)  # a new file's mode, not the temporary file's
     # a misspelt column, an output folder that does not exist, a folder as the output: named before any work
     assert main([*args, "--anchor-column", "questoin"]) == 2
-    assert f"anchor_column 'questoin' is not a column of the data; its columns: {', '.join(ROWS[0])}" in (
+    assert f"the anchor column 'questoin' is not a column of the data; its columns: {', '.join(ROWS[0])}" in (
         capsys.readouterr().err
     )
     for output, message in (
@@ -165,3 +165,6 @@ def test_cache_folder_keeps_the_embeddings_and_reads_them_back(tmp_path, models,
     assert mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache") == first
     with pytest.raises(AssertionError, match="encoded again"):  # other prompts are other embeddings
         mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache", query_prompt="q: ")
+    monkeypatch.setattr(ours_model, "truncate_dim", 16)  # another setting: other embeddings
+    with pytest.raises(AssertionError, match="encoded again"):
+        mine_hard_negatives(ROWS, ours_model, num_negatives=2, cache_folder=tmp_path / "cache")

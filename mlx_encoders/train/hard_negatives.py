@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..errors import OptionError
 from .config import check_options_in
@@ -31,9 +32,10 @@ def column_names(rows: list[dict], anchor_column: str | None, positive_column: s
     """The anchor and positive columns: the ones named, else the data's first two (as theirs); a name the data lacks
     is refused (theirs falls back to the first columns: a misspelt name mined other columns)."""
     columns = list(rows[0])
-    for option, name in (("anchor_column", anchor_column), ("positive_column", positive_column)):
+    for role, name in (("anchor", anchor_column), ("positive", positive_column)):
         if name is not None and name not in columns:
-            raise OptionError(f"{option} {name!r} is not a column of the data; its columns: {', '.join(columns)}")
+            known = ", ".join(columns)
+            raise OptionError(f"the {role} column {name!r} is not a column of the data; its columns: {known}")
     anchor = anchor_column if anchor_column is not None else columns[0]
     if positive_column is not None:
         return anchor, positive_column
@@ -222,18 +224,24 @@ def mine_hard_negatives(
     return getattr(mined, output_format.replace("-", "_"))(output_scores)
 
 
+# The encoder's settings that change its embeddings beside its files (given when it was made, or set after).
+EMBEDDING_SETTINGS = ("truncate_dim", "max_seq_length", "pooling", "include_prompt", "prompts", "normalize")
+
+
 class EmbeddingCache:
     """Embeddings kept in `folder` between calls (none without a folder, or for a model that has no folder of its
-    own to name it by): one `.npy` file per (kind, model folder and its weight files' sizes and times, prompt name,
-    prompt, texts)."""
+    own to name it by): one `.npy` file per (kind, model folder, the sizes and times of its weight and settings
+    files, the encoder's `EMBEDDING_SETTINGS` and weights' dtype, prompt name, prompt, texts)."""
 
     def __init__(self, folder: str | Path | None, model):
         path = getattr(model, "path", None)
         self.folder = Path(folder) if folder and path is not None else None
         if self.folder is not None:
-            weights = sorted(Path(path).glob("*.safetensors"))
-            stamps = [(w.name, w.stat().st_size, w.stat().st_mtime_ns) for w in weights]
-            self.model = (str(Path(path).resolve()), stamps)
+            files = sorted(p for p in Path(path).rglob("*") if p.suffix in (".safetensors", ".json") and p.is_file())
+            stamps = [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+            settings = [(name, getattr(model, name, None)) for name in EMBEDDING_SETTINGS]
+            dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.model.parameters())})
+            self.model = (str(Path(path).resolve()), stamps, settings, dtypes)
 
     def get(self, kind: str, prompt_name, prompt, texts: list[str], encode, options: dict) -> np.ndarray:
         if self.folder is None:
