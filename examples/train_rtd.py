@@ -5,9 +5,10 @@ sentence look replaced.
     python examples/train_rtd.py --texts 20000 --epochs 10 --output rtd-run
 
 The corpus, held-out split and tokenizer are `train_mlm.py`'s; the discriminator has its sizes (4 layers, 128
-wide) and the generator a quarter of its width. Each evaluation prints the generator's accuracy on masked tokens
-and the discriminator's accuracy, precision and recall on replaced ones. OUTPUT/model/discriminator is the
-encoder to fine-tune (`mlx-encoders train classify --model ...`); OUTPUT/model/generator is a masked-LM.
+wide) and the generator a quarter of its width. Each evaluation (every epoch's, in OUTPUT/metrics.jsonl; the last
+one printed) reports the generator's accuracy on masked tokens and the discriminator's accuracy, precision and
+recall on replaced ones. OUTPUT/model/discriminator is the encoder to fine-tune (`mlx-encoders train classify
+--model ...`); OUTPUT/model/generator is a masked-LM.
 
 With the defaults (3,000 docstrings of Python 3.11's standard library, 3 epochs: 444 steps at lr 5e-4, seed 42)
 it ends with (the probability of "replaced" per token, [CLS] and [SEP] left out):

@@ -199,7 +199,7 @@ def parquet_records(file: str | Path, columns: Sequence[str], required: Sequence
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f'{file}: a .parquet file needs pyarrow: pip install "mlx-encoders[parquet]"') from None
+        raise ImportError(f"{file}: a .parquet file needs pyarrow: pip install pyarrow") from None
     file = Path(file)
     try:
         table = pq.ParquetFile(file)

@@ -67,7 +67,8 @@ def usearch_index():
         from usearch.index import Index
     except ImportError:
         raise ImportError(
-            "The approximate index needs usearch: pip install 'mlx-encoders[index]' (or search with ann=False)"
+            "The approximate index needs usearch: pip install usearch (in a checkout: pip install -e '.[index]'), or "
+            "search with ann=False"
         ) from None
     return Index
 

@@ -49,7 +49,7 @@ def pyarrow_modules():
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError('index export writes Parquet with pyarrow: pip install "mlx-encoders[parquet]"') from None
+        raise ImportError("index export writes Parquet with pyarrow: pip install pyarrow") from None
     return pa, pq
 
 

@@ -3,7 +3,7 @@ reranking (/v1/rerank, TEI's /rerank), classification (/v1/classify, TEI's /pred
 (/v1/search), and the whole API of Hugging Face text-embeddings-inference; Cohere's, Ollama's and Infinity's routes
 too (protocols/), batching concurrent requests per model.
 Needs the `serve` extra (Starlette, uvicorn, prometheus_client):
-`pip install "mlx-encoders[serve]"`.
+`pip install -e ".[serve]"` in a checkout.
 
     app = mlx_encoders.serve.app({"minilm": "path/to/all-MiniLM-L6-v2"})   # an ASGI app, models loaded and warm
     uvicorn.run(app, host="127.0.0.1", port=8080)
@@ -11,7 +11,10 @@ Needs the `serve` extra (Starlette, uvicorn, prometheus_client):
 
 from pathlib import Path
 
-MISSING = 'mlx-encoders serve needs Starlette, uvicorn and prometheus_client: pip install "mlx-encoders[serve]"'
+MISSING = (
+    "mlx-encoders serve needs Starlette, uvicorn and prometheus_client: pip install starlette uvicorn "
+    'prometheus_client (in a checkout: pip install -e ".[serve]")'
+)
 
 
 def require_stack() -> None:

@@ -137,7 +137,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "classification (/v1/classify, /predict) and index search (/v1/search) over HTTP, batching concurrent "
         "requests; also Cohere's (/v2/embed, /v2/rerank), Ollama's (/api/embed) and Infinity's routes; the schema at "
         "/openapi.json. Each option may come from its environment variable instead, MLX_ENCODERS_ and the option's "
-        "name (--max-queue: MLX_ENCODERS_MAX_QUEUE). Needs: pip install \"mlx-encoders[serve]\"",
+        "name (--max-queue: MLX_ENCODERS_MAX_QUEUE). Needs: pip install starlette uvicorn prometheus_client "
+        '(in a checkout: pip install -e ".[serve]")',
     )  # fmt: skip
     for flag, spec in FLAGS.items():
         names = [spec.short, flag] if spec.short else [flag]

@@ -1,5 +1,5 @@
 """`curves.png` in the output folder: the training loss per step and every eval metric, read from metrics.jsonl,
-when matplotlib is installed (`pip install "mlx-encoders[plot]"`); without it, nothing is drawn."""
+when matplotlib is installed (`pip install matplotlib`); without it, nothing is drawn."""
 
 import importlib.util
 import json
