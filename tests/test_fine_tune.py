@@ -747,3 +747,39 @@ def test_a_full_disk_while_the_tokenizer_is_written_is_one_line_naming_the_folde
     with pytest.raises(OSError, match=f"disk full while writing {tmp_path / 'saved'}; nothing was written") as error:
         mlx_encoders.save(model, tmp_path / "saved", tokenizer)
     assert error.value.errno == errno.ENOSPC and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def test_a_head_whose_labels_are_the_data_s_in_its_own_order_is_kept_as_run_glue_keeps_it(checkpoint, tmp_path):
+    """A published head's label2id is rarely sorted (a sentiment head {positive: 0, negative: 1}, CoNLL's NER order):
+    the data's names are read as the head's ids (transformers' run_glue.py / run_ner.py), and a head with more
+    classes than the data uses is kept too."""
+    order = {"positive": 0, "negative": 1}
+    folder = checkpoint("bert", "sequence-classification", num_labels=2, label2id=order,
+                        id2label={i: n for n, i in order.items()}, **NO_DROPOUT)  # fmt: skip
+    rows = [{"text": "a great film", "label": "positive"}, {"text": "an awful film", "label": "negative"}]
+    fine_tune("classify", rows, tmp_path / "cls", model=folder, epochs=1, batch_size=2, cores=1)
+    first = json.loads((tmp_path / "cls" / "metrics.jsonl").read_text().splitlines()[0])
+    reference = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():  # the loss before the first update, the labels by the head's own ids
+        inputs = tokenizer([r["text"] for r in rows], padding=True, return_tensors="pt")
+        expected = reference(**inputs, labels=torch.tensor([order[r["label"]] for r in rows])).loss.item()
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+    saved = json.loads((tmp_path / "cls" / "model" / "config.json").read_text())
+    assert saved["label2id"] == order
+
+    conll = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    ner = checkpoint("bert", "token-classification", num_labels=5, label2id={n: i for i, n in enumerate(conll)},
+                     id2label=dict(enumerate(conll)))  # fmt: skip
+    tagged = [{"tokens": ["Ada", "visited", "Paris"], "ner_tags": ["B-PER", "O", "B-LOC"]}]
+    fine_tune("tokens", tagged * 2, tmp_path / "ner", model=ner, epochs=1, batch_size=2, cores=1)
+    assert json.loads((tmp_path / "ner" / "model" / "config.json").read_text())["id2label"] == {
+        str(i): n for i, n in enumerate(conll)
+    }
+    three = checkpoint("bert", "sequence-classification", num_labels=3)  # data of two of its three classes
+    fine_tune("classify", [{"text": t, "label": i % 2} for i, t in enumerate(["a", "b", "c", "d"])], tmp_path / "ids",
+              model=three, epochs=1, batch_size=2, cores=1)  # fmt: skip
+    assert len(json.loads((tmp_path / "ids" / "model" / "config.json").read_text())["id2label"]) == 3

@@ -24,7 +24,7 @@ from ...models.layers import drawing_from
 from ...tokenizer import Tokenizer
 from ..checkpointing import ADAPTERS_FOLDER, MODEL_FOLDER
 from ..config import OptionError, Trained
-from ..data import DataError, Examples
+from ..data import REGRESSION_HINT, DataError, Examples, NamedInData
 from ..evaluation import check_metric_for_best
 from ..lora import apply_lora, fuse, save_adapters
 from ..masking import Masker
@@ -60,6 +60,9 @@ def train_head(
     tok = load_tokenizer(checkpoint, config, run.tokenizer)
     check_max_length(run.max_length, task, tok, pairs=pairs)
     examples = read(data, tok, run.label2id, options.seed)
+    kept = head_labels(checkpoint, task, examples) if run.label2id is None else None
+    if kept is not None:  # the checkpoint's head knows every label of the data: read them as its ids (run_ner.py)
+        examples = read(data, tok, kept, options.seed)
     evaluation = None
     if run.eval_data is not None:
         try:
@@ -154,10 +157,24 @@ def load_tokenizer(checkpoint: Checkpoint | None, config, tokenizer: str | Path 
     return tokenizer_for(scratch_args(settings), tokenizer, check_vocab="vocab_size" in settings)
 
 
+def head_labels(checkpoint: Checkpoint | None, task: str, examples: Examples) -> dict[str, int] | None:
+    """The label2id of the checkpoint's `task` head where it names every label of the data but differs from the one
+    read from it: its classes in another order than sorted names (published NER heads), or data of some of them."""
+    if checkpoint is None or checkpoint.task != task or task not in ("sequence-classification", "token-classification"):
+        return None
+    stored = {str(name): int(i) for name, i in (checkpoint.config.get("label2id") or {}).items()}
+    read = examples.label2id
+    if not stored or not read or stored == read:
+        return None
+    if isinstance(read, NamedInData):
+        return stored if set(read) <= set(stored) else None
+    return stored if max(read.values()) < len(stored) else None  # ids: each one the head's id of that class
+
+
 def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Module:
     """The checkpoint's model with the `task` head, in float32 (the weights training updates). A classification
-    head is kept when it has the data's labels, and made with them for a checkpoint without one; a head of other
-    labels is refused."""
+    head is kept when it has the data's labels (`head_labels`), and made with them for a checkpoint without one; a
+    head of other labels is refused."""
     if task not in ("sequence-classification", "token-classification"):
         return load_model(checkpoint, dtype="float32", task=task)
     labels = dict(label2id=examples.label2id)
@@ -168,9 +185,9 @@ def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Modul
         if stored != examples.label2id:
             raise ValueError(
                 f"{checkpoint.path} already has a {task} head with the labels {stored}, but the data has "
-                f"{examples.label2id}; pass label2id={stored!r} if the data's labels are among them, or train a new "
-                "head from the encoder alone, saved without this one: model, tokenizer = mlx_encoders.load(path, "
-                'task="encoder"); mlx_encoders.save(model, "encoder-only", tokenizer)'
+                f"{examples.label2id}; train a new head from the encoder alone, saved without this one: model, "
+                'tokenizer = mlx_encoders.load(path, task="encoder"); mlx_encoders.save(model, "encoder-only", '
+                f"tokenizer){REGRESSION_HINT if len(stored or {}) == 1 else ''}"
             )
         # the data's problem type replaces the config's, as run_classification.py sets it
         kept = {"problem_type": labels["problem_type"]} if "problem_type" in labels else {}
