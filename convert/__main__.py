@@ -16,6 +16,7 @@ from mlx_encoders.conversion import MAX_SHARD_BYTES, convert
 from mlx_encoders.errors import add_debug_option, run_command
 from mlx_encoders.quantization import MODES
 from mlx_encoders.quantization.recipes import SMALL_GROUPS
+from mlx_encoders.records import text_lines
 
 SCRIPT = "mlx-encoders-convert"  # pyproject.toml's console script; otherwise this runs as `python -m convert`
 
@@ -34,14 +35,15 @@ def recipe_arg(text: str) -> str | dict:
 
 
 def calibration_arg(path: str) -> list[str]:
+    """The texts of a calibration file, one a line, read as every text file of the package (its byte-order mark
+    dropped, lines split at line ends only)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        texts = [record.value.strip() for record in text_lines(path)]
     except OSError as e:
         message = f"cannot read {path} ({e.strerror}); give a text file, one text per line"
         raise argparse.ArgumentTypeError(message) from e
-    except UnicodeDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text; save it as UTF-8, one text per line") from e
-    texts = [line.strip() for line in text.splitlines() if line.strip()]
+    except ValueError as e:  # not UTF-8, a folder, no such file: the message names the file and says what to do
+        raise argparse.ArgumentTypeError(str(e)) from e
     if not texts:
         raise argparse.ArgumentTypeError(f"{path} holds no text; give one calibration text per line")
     return texts

@@ -12,15 +12,20 @@
 """
 
 import csv
+import gzip
 import io
 import json
 import re
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 BOM = b"\xef\xbb\xbf"
+GZIP_MAGIC = b"\x1f\x8b"
+CSV_FIELD_LIMIT = 2**31 - 1  # a C long on every platform
+CSV_LIMIT_LOCK = threading.Lock()
 PARQUET_BATCH = 8192  # rows per record batch read from a .parquet file
 SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -59,11 +64,18 @@ def record_id(value, where: str, default: str) -> str:
 
 
 def read_text(file: str | Path) -> str:
-    """The text of a UTF-8 file with LF line ends, its byte-order mark dropped."""
+    """The text of a UTF-8 file (gzip-compressed or not, as BEIR's files ship) with LF line ends, its byte-order
+    mark dropped. A pipe (`<(command)`) reads as a file."""
     file = Path(file)
-    if not file.is_file():
+    if file.is_dir() or not file.exists():
         raise RecordError(f"{file}: {'a folder, not a file' if file.is_dir() else 'no such file'}; check the path")
-    raw = file.read_bytes().removeprefix(BOM)
+    raw = file.read_bytes()
+    if raw.startswith(GZIP_MAGIC):
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise RecordError(f"{file}: gzip-compressed, but not a whole gzip file ({e}); check the download") from None
+    raw = raw.removeprefix(BOM)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -162,9 +174,14 @@ def has_surrogate(value) -> bool:
 
 def csv_records(file: str | Path, delimiter: str = ",", required: Sequence[str] = ()) -> list[Record]:
     """The records of a CSV (delimiter ",") or TSV ("\\t") file as dicts {header cell: cell}; the header must hold
-    the `required` columns."""
+    the `required` columns. A cell may be as long as the file (an article; the csv module stops at 128 KiB)."""
     file = Path(file)
-    reader = csv.reader(io.StringIO(read_text(file), newline=""), delimiter=delimiter, strict=True)
+    text = read_text(file)
+    # The limit is the csv module's, for the whole process: only ever raised (never lowered under another
+    # thread's reader), to this file's length.
+    with CSV_LIMIT_LOCK:
+        csv.field_size_limit(max(csv.field_size_limit(), min(len(text) + 1, CSV_FIELD_LIMIT)))
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     records, start = [], 1
     try:
         header = next(reader, [])

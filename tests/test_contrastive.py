@@ -607,6 +607,33 @@ def test_columns_pick_and_rename_the_data_columns(st_folder, tmp_path):
     assert one.column_names == ["query", "anchor"]
 
 
+def test_a_row_index_or_a_score_of_another_name_is_refused_not_read_as_a_text(st_folder, tmp_path):
+    """pandas' to_csv writes its row index as a first, unnamed column, and a score named "Score" or "similarity" is
+    no text: read by position, the row number became the anchor and the score a hard negative (sentence-transformers
+    refuses both columns as numbers)."""
+    tokenizer = tokenizer_for(load_model(st_folder, task="encoder").args, st_folder)
+    (tmp_path / "indexed.csv").write_text(",anchor,positive,negative\n0,What is a cat?,A small feline.,A fish.\n")
+    with pytest.raises(
+        DataError, match="'' looks like a row index \\(pandas writes one unless to_csv\\(index=False\\)\\)"
+    ):
+        embedding_data(tmp_path / "indexed.csv", tokenizer)
+    for header, row in (("sentence1,sentence2,Score", "A cat.,A plane.,0.0"), ("anchor,positive,Score", "a,b,0.5")):
+        (tmp_path / "scored.csv").write_text(f"{header}\n{row}\n")
+        with pytest.raises(DataError, match="'Score' holds a number .*, not a text; a score column is named label"):
+            embedding_data(tmp_path / "scored.csv", tokenizer)
+    with pytest.raises(DataError, match="'similarity' holds a number"):
+        embedding_data([{"sentence1": "A cat.", "sentence2": "A dog.", "similarity": 0.9}], tokenizer)
+
+
+def test_mine_reads_the_texts_of_a_corpus_file_as_index_build_reads_it(st_folder, tmp_path):
+    from mlx_encoders.train.retrieval_cli import extra_documents
+
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d0", "text": "Cats purr."}\n{"id": "d1", "text": "Dogs bark."}\n')
+    assert extra_documents(tmp_path / "corpus.jsonl") == ["Cats purr.", "Dogs bark."]
+    (tmp_path / "extra.txt").write_text("One line.\n\nAnother line.\n")
+    assert extra_documents(tmp_path / "extra.txt") == ["One line.", "Another line."]
+
+
 def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, capsys):
     pairs, mined, out = tmp_path / "pairs.jsonl", tmp_path / "mined.jsonl", tmp_path / "out"
     pairs.write_text("".join(json.dumps({"query": r["anchor"], "answer": r["positive"]}) + "\n" for r in TRIPLETS))

@@ -712,8 +712,8 @@ def test_full_disk_is_one_line(tmp_path, bert, monkeypatch, capsys, error):
 @pytest.mark.parametrize(
     "args, message, status",
     [
-        (["--calibration", "{tmp}/missing.txt"], "argument --calibration: cannot read {tmp}/missing.txt (No such", 2),
-        (["--calibration", "{tmp}"], "argument --calibration: cannot read {tmp} (Is a directory)", 2),
+        (["--calibration", "{tmp}/missing.txt"], "argument --calibration: {tmp}/missing.txt: no such file", 2),
+        (["--calibration", "{tmp}"], "argument --calibration: {tmp}: a folder, not a file", 2),
         (["--group-size", "16"], "affine quantization supports group sizes [32, 64, 128], not 16", 2),
         (["--mode", "mxfp4", "--bits", "8"], "mxfp4 quantization supports bits [4], not 8", 2),
         (["--mode", "int3"], "Unknown quantization mode 'int3'; choose one of: affine, mxfp4", 2),
@@ -994,3 +994,13 @@ def test_the_report_says_which_modules_gptq_fitted(bert, tmp_path, capsys):
     out = mlx_encoders.convert(bert, tmp_path / "mixed", bits=8, group_size=32, recipe=recipe,
                                calibration=["a text to calibrate on"] * 4)  # fmt: skip
     assert "calibration texts for affine; mxfp4 rounded to nearest)" in (out / "README.md").read_text()
+
+
+def test_calibration_texts_are_read_as_every_text_file(tmp_path):
+    """A byte-order mark is no text to calibrate on, and a line ends at a line end only (not at U+2028 or a form
+    feed inside it), as `records.text_lines` reads every other text file."""
+    from convert.__main__ import calibration_arg
+
+    file = tmp_path / "texts.txt"
+    file.write_bytes("\ufefffirst text\r\nsecond\x0cpart\u2028still second\n\n".encode())
+    assert calibration_arg(str(file)) == ["first text", "second\x0cpart\u2028still second"]

@@ -481,3 +481,45 @@ def test_random_corpora_read_right_or_are_refused_naming_the_line(tmp_path, reco
     print(line)
     record_property("summary", line)
     assert ok and errors and refusals == set(REFUSALS), set(REFUSALS) - refusals
+
+
+def test_a_gzip_compressed_file_reads_as_its_text(tmp_path):
+    """BEIR's corpora ship as .jsonl.gz: read as their text, and a cut-off download is named as one."""
+    import gzip
+
+    from mlx_encoders.records import RecordError, read_text
+
+    lines = '{"_id": "MED-10", "title": "Statins", "text": "Lower cholesterol."}\n'
+    (tmp_path / "corpus.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    assert read_text(tmp_path / "corpus.jsonl.gz") == lines
+    (tmp_path / "cut.gz").write_bytes(gzip.compress(lines.encode())[:20])
+    with pytest.raises(RecordError, match="cut.gz: gzip-compressed, but not a whole gzip file"):
+        read_text(tmp_path / "cut.gz")
+
+
+def test_a_pipe_reads_as_a_file(tmp_path):
+    """`--corpus <(command)` gives a pipe (/dev/fd/N), which exists but is no regular file."""
+    import os
+    import threading
+
+    from mlx_encoders.records import text_lines
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_text("one\ntwo\n"), daemon=True)
+    writer.start()
+    assert [r.value for r in text_lines(pipe)] == ["one", "two"]
+    writer.join(timeout=10)
+
+
+def test_a_csv_cell_longer_than_the_csv_module_s_default_limit_is_read(tmp_path):
+    """pandas and datasets read an article of 200,000 characters in one cell; so does every CSV reader here."""
+    article = "word " * 40_000
+    (tmp_path / "docs.csv").write_text(f'id,text\na,"{article}"\nb,short\n')
+    assert [len(text) for _, text in read_corpus(tmp_path / "docs.csv")] == [len(article), 5]
+
+
+def test_a_beir_corpus_line_gives_its_id_and_its_title_before_the_text(tmp_path):
+    lines = [{"_id": "MED-10", "title": "Statins", "text": "Lower cholesterol."}, {"_id": "MED-14", "text": "Diet."}]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert read_corpus(tmp_path / "corpus.jsonl") == [("MED-10", "Statins Lower cholesterol."), ("MED-14", "Diet.")]

@@ -46,7 +46,11 @@ def jsonl_documents(file: Path, name: str) -> list[Document]:
     for record in jsonl_records(file):
         item, default = record.value, f"{name}:{record.line}"
         if isinstance(item, dict) and "text" in item:
-            docs.append((record_id(item.get("id"), record.where, default), document_text(item["text"], record), record))
+            beir = "id" not in item and "_id" in item  # BEIR's corpus.jsonl: its ids, its title before the text
+            doc_id = record_id(item["_id"] if beir else item.get("id"), record.where, default)
+            text = document_text(item["text"], record)
+            title = item.get("title") if beir else None
+            docs.append((doc_id, f"{title} {text}".strip() if isinstance(title, str) and title else text, record))
         elif isinstance(item, str):
             docs.append((default, document_text(item, record), record))
         else:

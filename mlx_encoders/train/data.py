@@ -36,6 +36,7 @@ LABEL_ID_SPREAD = 10  # label ids read from data must be < this many times the n
 REGRESSION_LABELS = {"LABEL_0": 0}  # a regression head's one output, as transformers names it
 REGRESSION_LIMIT = 1e12  # regression targets beyond this would overflow the float32 squared error and its gradients
 LABEL_COLUMNS = ("label", "labels", "score", "scores")  # sentence-transformers' DEFAULT_LABEL_COLUMNS
+INDEX_COLUMN = re.compile(r"Unnamed: \d+")
 COLUMNS_FLAG = "columns= (--columns NAME=COLUMN ...)"
 
 
@@ -173,6 +174,13 @@ def select_columns(rows: list[Row], columns: Mapping[str, str] | Sequence[str] |
     return selected
 
 
+def is_fraction(value) -> bool:
+    """A number with a fractional part, as a float or as a CSV cell writes it ("0.5", "1e-3"): no text a loss reads."""
+    if isinstance(value, float):
+        return True
+    return isinstance(value, str) and FRACTION.fullmatch(value.strip()) is not None
+
+
 def by_position(row: Row, layout: str, names: str) -> tuple[list[str], str | None]:
     """(text columns, label column or None) of a row whose columns carry none of the names a task reads: every
     column but a label one, in the row's order, as sentence-transformers' data collator takes them (its losses
@@ -181,10 +189,20 @@ def by_position(row: Row, layout: str, names: str) -> tuple[list[str], str | Non
     label = next((c for c in LABEL_COLUMNS if c in row.values), None)
     texts = [c for c in row.values if c not in LABEL_COLUMNS]
     ids = [c for c in texts if c == "id" or c.endswith(("_id", "_ids", "_idx"))]
-    if len(texts) < 2 or ids:
+    # pandas' to_csv writes its row index as a first column without a name ("Unnamed: 0" once read back)
+    index = [c for c in texts if not c.strip() or INDEX_COLUMN.fullmatch(c)]
+    numbers = [c for c in texts[2:] if is_fraction(row.values[c])]  # a score under another name, not a document
+    if len(texts) < 2 or ids or index or numbers:
         found = ", ".join(repr(c) for c in row.values) or "none"
         look = "looks" if len(ids) == 1 else "look"
         why = f"{', '.join(map(repr, ids))} {look} like ids, not texts" if ids else "fewer than two text columns"
+        if index:
+            why = f"{index[0]!r} looks like a row index (pandas writes one unless to_csv(index=False)), not a text"
+        elif numbers:
+            why = (
+                f"{numbers[0]!r} holds a number ({str(row.values[numbers[0]]).strip()}), not a text; a score column is "
+                f"named {' or '.join(LABEL_COLUMNS)}"
+            )
         raise DataError(
             f"{row.where}: {layout}, or any columns read by position (first the query, then the documents); this "
             f"row has {found} ({why}). Name the columns to read with {COLUMNS_FLAG}, e.g. --columns {names}"

@@ -210,7 +210,10 @@ def text_columns(row) -> tuple[list[str], str | None]:
             return ["anchor", "positive", *negatives], None if negatives else label
         # another column (hard_negative, neg, ...): sentence-transformers passes it to the loss by position
     elif "sentence1" in values and "sentence2" in values:
-        return ["sentence1", "sentence2"], label
+        other = [name for name in values if name not in ("sentence1", "sentence2", *LABEL_COLUMNS)]
+        if not other:
+            return ["sentence1", "sentence2"], label
+        # a score under another name ("Score", "similarity") would be left out and the pairs taken as positives
     layout = (
         "embedding data has the columns anchor, positive (and optionally negative or negative_1..negative_n), or "
         "sentence1, sentence2 and score"

@@ -44,6 +44,15 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def extra_documents(path: Path) -> list[str]:
+    """The texts of `mine --corpus`: a .txt file's lines, else the documents `index build` reads from the path."""
+    if path.suffix.lower() == ".txt":
+        return [record.value for record in text_lines(path)]
+    from ..index.documents import read_corpus
+
+    return [text for _, text in read_corpus(path)]
+
+
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     evaluate = commands.add_parser(
         "evaluate",
@@ -98,7 +107,10 @@ def add_mine_parser(commands: argparse._SubParsersAction) -> None:
     mine.add_argument("--output", "-o", required=True, help="JSONL file to write")
     mine.add_argument("--anchor-column", help="default: the first column")
     mine.add_argument("--positive-column", help="default: the second column")
-    mine.add_argument("--corpus", help="a .txt file of extra candidate documents, one a line")
+    mine.add_argument(
+        "--corpus", help="extra candidate documents: a .txt file, one a line, or a corpus as `index build` reads it "
+        "(a folder, or a .jsonl, .csv or .parquet file: its texts)",
+    )  # fmt: skip
     mine.add_argument("--cross-encoder", help="rescore the candidates with this cross-encoder before filtering")
     mine.add_argument("--num-negatives", type=int, default=3, help="default 3")
     mine.add_argument("--range-min", type=int, default=0, help="skip the best N candidates (default 0)")
@@ -127,7 +139,7 @@ def run_mine(args: argparse.Namespace) -> int:
     if args.range_max is not None:
         check_options(args.range_min, args.range_max, args.num_negatives, args.sampling, args.format)
     output = writable_file(Path(args.output))
-    corpus = [record.value for record in text_lines(args.corpus)] if args.corpus else None
+    corpus = extra_documents(Path(args.corpus)) if args.corpus else None
     rows = mine_hard_negatives(
         args.data, SentenceEncoder(args.model), anchor_column_name=args.anchor_column,
         positive_column_name=args.positive_column, corpus=corpus,
