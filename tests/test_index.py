@@ -844,3 +844,42 @@ def test_command_line_search_options_out_of_range_exit_2_without_a_traceback(tmp
         )  # fmt: skip
         assert result.returncode == 2 and "Traceback" not in result.stderr, (option, result.stderr)
         assert result.stdout == "" and "error:" in result.stderr
+
+
+def test_threads_searching_a_new_index_load_its_model_once(tmp_path, model, encoder, monkeypatch):
+    """An Index opened without a model loads it on the first search that needs it: once, however many threads
+    search at first (each loaded its own copy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    build(write_corpus(tmp_path / "corpus"), tmp_path / "index", encoder, quiet=True)
+    loads, start = [], threading.Barrier(4)
+    module = sys.modules["mlx_encoders.index.search"]  # the package's `search` is the function
+    recorded = module.recorded
+
+    def counted(*args):
+        loads.append(args[0])
+        return recorded(*args)
+
+    monkeypatch.setattr(module, "recorded", counted)
+    index = Index(tmp_path / "index")
+
+    def first_search(_):
+        start.wait(timeout=30)
+        return [hit.id for hit in index.search("Cats purr when they are content.", 2)]
+
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(first_search, range(4)))
+    assert len(loads) == 1 and all(hits == found[0] for hits in found)
+
+
+def test_scores_computed_on_a_worker_thread_are_read_on_the_caller_s(model, encoder):
+    """A web app computes on its thread pool and reads the result on another thread: MLX binds a lazy array to
+    the stream of the thread that made it, so the encoders hand back computed arrays."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    vectors = encoder.encode(["a cat", "a dog", "a car"], convert_to_tensor=True)
+    with ThreadPoolExecutor(1) as pool:
+        scores = pool.submit(encoder.similarity, vectors, vectors).result()
+        pairwise = pool.submit(encoder.similarity_pairwise, vectors, vectors).result()
+    np.testing.assert_allclose(np.array(scores), np.array(vectors) @ np.array(vectors).T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(pairwise), 1.0, rtol=1e-5)

@@ -317,3 +317,18 @@ def test_mined_triplets_with_their_scores_read_as_positive_and_negatives(reranke
     ]
     examples = rerank_data(rows, tokenizer)
     assert examples.documents == [["p", "n"], ["p2", "n1", "n2"]] and examples.labels == [[1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_predict_tensors_computed_on_a_worker_thread_are_read_on_the_caller_s(reranker_folder):
+    """convert_to_tensor and convert_to_numpy=False hand back computed arrays: a lazy one belongs to the stream of
+    the thread that made it, and reading it on another thread (an app's) raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    encoder = CrossEncoder(reranker_folder)
+    pairs = [("a query", "a document"), ("a query", "another one"), ("q", "d")]
+    expected = encoder.predict(pairs)
+    with ThreadPoolExecutor(1) as pool:
+        tensor = pool.submit(encoder.predict, pairs, convert_to_tensor=True).result()
+        listed = pool.submit(encoder.predict, pairs, convert_to_numpy=False).result()
+    np.testing.assert_allclose(np.array(tensor), expected, rtol=1e-6)
+    np.testing.assert_allclose([float(x) for x in listed], expected, rtol=1e-6)

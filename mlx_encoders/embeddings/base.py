@@ -25,6 +25,14 @@ from ..tokenizer import check_count, text_list
 from .folder import Dense, SentenceFolder
 from .vectors import SIMILARITIES, check_similarity_name, normalize
 
+
+def evaluated(x):
+    """`x` (an array, or a list of them) computed: a lazy array belongs to the stream, and so the thread, that made
+    it, and a caller may read a result on another thread (an app's thread pool)."""
+    mx.eval(x)
+    return x
+
+
 DEFAULT_PROMPTS = ("query", "document")  # sentence-transformers defines both, empty unless a folder sets them
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # encode_document takes the first one defined
 
@@ -261,12 +269,12 @@ class Embedder(Encoder):
         """(N, M) float32 scores of every row of `embeddings1` with every row of `embeddings2`, by
         `similarity_fn_name`; a single vector (or matrix, for a multi-vector model) counts as one row."""
         runtime.claim_mlx()  # a child forked after MLX ran: a clear error, never a hang
-        return self.SIMILARITIES[self.similarity_fn_name][0](embeddings1, embeddings2)
+        return evaluated(self.SIMILARITIES[self.similarity_fn_name][0](embeddings1, embeddings2))
 
     def similarity_pairwise(self, embeddings1, embeddings2) -> mx.array:
         """(N,) float32 scores of row i with row i, by `similarity_fn_name`."""
         runtime.claim_mlx()
-        return self.SIMILARITIES[self.similarity_fn_name][1](embeddings1, embeddings2)
+        return evaluated(self.SIMILARITIES[self.similarity_fn_name][1](embeddings1, embeddings2))
 
     def get_embedding_dimension(self) -> int:
         """The width of `encode`'s vectors."""

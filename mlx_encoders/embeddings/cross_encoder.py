@@ -27,7 +27,7 @@ from .. import load_tokenizer
 from ..chat_template import chat_template_file
 from ..checkpoint import Checkpoint, load_model
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
-from .base import Encoder, given_inputs
+from .base import Encoder, evaluated, given_inputs
 from .folder import (
     DENSE_ACTIVATIONS,
     MODULES_FILE,
@@ -267,11 +267,11 @@ class CrossEncoder(Encoder):
         if self.num_labels == 1:
             scores = scores.squeeze(-1)
         if convert_to_tensor:
-            out = scores
+            out = evaluated(scores)
         elif convert_to_numpy:
             out = np.array(scores.astype(mx.float32))
         else:
-            out = list(scores)
+            out = evaluated(list(scores))
         return out[0] if single else out
 
     def activate(

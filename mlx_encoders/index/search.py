@@ -12,6 +12,7 @@ score + (1 - alpha) x the sparse score, each min-max normalised over its ranking
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,6 +169,7 @@ class Index:
         self.sparse_encoder = sparse_model if isinstance(sparse_model, SparseEncoder) else None
         self.sparse = self.meta.get("sparse_model_fingerprint", "") != ""
         self.graph, self.checked, self.scale = None, set(), 1.0
+        self.loading = threading.Lock()  # the models, loaded on the first search that needs them
         self.way = {"method": "exact", "vectors": len(self.rows), "precision": precision}
         if wanted:
             self.open_graph(recall, ef_search, forced=ann is True, write=write, loaded=loaded and loaded[:2])
@@ -256,21 +258,24 @@ class Index:
         return quantize_embeddings(vectors, "int8", ranges=self.ranges).astype(np.float32)
 
     def embed(self, query: str) -> np.ndarray:
-        if self.encoder is None:
-            self.encoder = recorded(SentenceEncoder, self.model, self.meta, "model", self.folder)
-        if "model" not in self.checked:  # once: it hashes the model's files
-            check_encoder(self.encoder, self.meta, self.folder)
-            self.checked.add("model")
+        with self.loading:  # threads searching a new index load its model once
+            if self.encoder is None:
+                self.encoder = recorded(SentenceEncoder, self.model, self.meta, "model", self.folder)
+            if "model" not in self.checked:  # once: it hashes the model's files
+                check_encoder(self.encoder, self.meta, self.folder)
+                self.checked.add("model")
         return self.encoder.encode_query(query, normalize_embeddings=True)
 
     def embed_sparse(self, query: str | SparseVectors) -> tuple[np.ndarray, np.ndarray]:
         """(term ids, weights) of a text query (by the sparse model) or of one sparse vector."""
         if isinstance(query, str):
-            if self.sparse_encoder is None:
-                self.sparse_encoder = recorded(SparseEncoder, self.sparse_model, self.meta, "sparse_model", self.folder)
-            if "sparse_model" not in self.checked:
-                check_encoder(self.sparse_encoder, self.meta, self.folder, "sparse_model")
-                self.checked.add("sparse_model")
+            with self.loading:
+                if self.sparse_encoder is None:
+                    model = self.sparse_model
+                    self.sparse_encoder = recorded(SparseEncoder, model, self.meta, "sparse_model", self.folder)
+                if "sparse_model" not in self.checked:
+                    check_encoder(self.sparse_encoder, self.meta, self.folder, "sparse_model")
+                    self.checked.add("sparse_model")
             query = self.sparse_encoder.encode_query(query)
         if len(query.shape) == 2 and query.shape[0] != 1:
             raise ValueError(
