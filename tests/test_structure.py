@@ -109,7 +109,7 @@ SERVE_MAY_IMPORT = {
     "mlx_encoders": {"__version__"},
     "mlx_encoders.errors": {"DEBUG_ENV"},
     "mlx_encoders.checkpoint": {"resolve", "folder_digest", "read_json_object"},
-    "mlx_encoders.embeddings.auto": {"load_encoder"},
+    "mlx_encoders.embeddings.auto": {"load_encoder", "folder_kind"},  # what a folder serves, before it loads
     "mlx_encoders.embeddings.sentence": {"SentenceEncoder"},
     "mlx_encoders.embeddings.cross_encoder": {"CrossEncoder"},
     "mlx_encoders.embeddings.sparse": {"SparseEncoder", "SparseVectors"},

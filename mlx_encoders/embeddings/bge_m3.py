@@ -17,6 +17,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, load_model, load_tokenizer, read_safetensors
 from ..checkpoint import resolve as resolve_path
 from ..checkpoint.foreign import BGE_M3_HEADS as HEADS
+from ..engine.threads import on_own_thread
 from ..tokenizer import check_count
 from .base import Encoder, text_inputs
 from .vectors import normalize
@@ -93,6 +94,7 @@ class BGEM3(Encoder):
         colbert = self.colbert_linear(hidden[:, 1:]) * batch["attention_mask"][:, 1:, None]
         return [dense, weights, normalize(colbert)]
 
+    @on_own_thread
     def encode(
         self,
         sentences: str | list[str],

@@ -26,6 +26,7 @@ import numpy as np
 from .. import load_tokenizer
 from ..chat_template import chat_template_file
 from ..checkpoint import Checkpoint, load_model
+from ..engine.threads import on_own_thread
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 from .base import Encoder, evaluated, given_inputs
 from .folder import (
@@ -241,6 +242,7 @@ class CrossEncoder(Encoder):
                 return function
         return mx.sigmoid if self.num_labels == 1 else DENSE_ACTIVATIONS["Identity"]
 
+    @on_own_thread
     def predict(
         self,
         inputs=None,

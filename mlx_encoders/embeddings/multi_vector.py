@@ -16,6 +16,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
+from ..engine.threads import on_own_thread
 from ..tokenizer import token_limit
 from .base import DEFAULT_PROMPTS, Embedder, given_inputs, project, text_inputs, warn_truncated
 from .folder import MultiVectorMask, apply_sentence_config, read_folder
@@ -216,6 +217,7 @@ class MultiVectorEncoder(Embedder):
         out = self.model(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
         return project(out.last_hidden_state.astype(mx.float32), self.dense, self.normalize)
 
+    @on_own_thread
     def encode(
         self,
         inputs: str | list[str] | None = None,

@@ -22,6 +22,7 @@ from tokenizers import Encoding
 
 from .. import load_tokenizer
 from ..checkpoint import Checkpoint, load_model, resolve
+from ..engine.threads import on_own_thread
 from ..models.jina_embeddings_v3 import adapter_key
 from ..tokenizer import check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, given_inputs, project, text_inputs, warn_truncated
@@ -215,6 +216,7 @@ class SentenceEncoder(Embedder):
         x = project(pool(hidden, pooled_mask, self.pooling, mask), self.dense, self.normalize and normalized)
         return [x, hidden] if tokens else [x]
 
+    @on_own_thread
     def encode(
         self,
         inputs: str | list[str] | None = None,

@@ -18,6 +18,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, load_model, load_tokenizer
 from ..checkpoint import resolve as resolve_path
 from ..engine.batching import run_batches
+from ..engine.threads import on_own_thread
 from ..tokenizer import NO_LIMIT, Tokenizer, check_count, token_limit
 from .base import DEFAULT_PROMPTS, Embedder, given_inputs, text_inputs, warn_truncated
 from .folder import (
@@ -427,6 +428,7 @@ class SparseEncoder(Embedder):
         limit = self.max_active_dims if max_active_dims is None else max_active_dims
         return self.route(task).run_encodings(encodings, batch_size, False, limit)
 
+    @on_own_thread
     def encode(
         self,
         inputs: str | list[str] | None = None,

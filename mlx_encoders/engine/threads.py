@@ -5,8 +5,14 @@ streams in graph order with few tasks in flight, so two independent passes evalu
 to a half of the time. Evaluated from two threads, each on a stream that thread made (an MLX stream belongs to the
 thread that made it), they overlap throughout. The worker threads are made once and kept for the process: a thread
 that ran MLX work must not end before the process does (MLX aborts at exit), so an idle worker parks on its queue.
+
+`on_own_thread` runs the public entry points (`encode`, `predict`, a pipeline's call) that an application calls
+from threads of its own (a web framework's pool, a thread per request) on a few such kept threads instead: each
+thread that runs MLX makes streams MLX never frees, and may abort the process at exit once it has ended.
 """
 
+import contextvars
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -18,6 +24,18 @@ import mlx.core as mx
 from .runtime import one_blas_thread
 
 T = TypeVar("T")
+# The threads of the application a call may come from run at most this many package calls at once.
+CALLER_THREADS = 4
+_own = threading.local()  # `is_own` on the package's threads
+
+
+def mark_own() -> None:
+    """Mark the calling thread as one of the package's, kept for the process (`on_own_thread` runs on it)."""
+    _own.thread = True
+
+
+def is_own() -> bool:
+    return threading.current_thread() is threading.main_thread() or getattr(_own, "thread", False)
 
 
 class Worker:
@@ -34,6 +52,7 @@ class Worker:
         return future
 
     def work(self) -> None:
+        mark_own()
         stream = mx.new_stream(mx.cpu)
         while True:
             task, future = self.tasks.get()
@@ -71,3 +90,39 @@ def on_cores(tasks: Sequence[Callable[[], T]]) -> list[T]:
         finally:
             wait(futures)  # every task ends before the BLAS gets its threads back
         return [first, *(future.result() for future in futures)]
+
+
+_callers: queue.SimpleQueue = queue.SimpleQueue()
+_caller_threads: list[threading.Thread] = []
+
+
+def _serve_callers() -> None:
+    mark_own()
+    while True:
+        run, future = _callers.get()
+        try:
+            future.set_result(run())
+        except BaseException as error:  # noqa: BLE001  the caller raises it; the thread lives on
+            future.set_exception(error)
+        del run, future  # a parked thread holds nothing of the last call
+
+
+def on_own_thread(function: Callable[..., T]) -> Callable[..., T]:
+    """`function` run as called on the main thread and the package's own, and from any other thread on one of
+    CALLER_THREADS threads kept for the process (with the caller's context variables), its result or exception
+    returned to the caller."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if is_own():
+            return function(*args, **kwargs)
+        with _workers_lock:
+            if len(_caller_threads) < CALLER_THREADS:
+                name = f"mlx-encoders caller {len(_caller_threads) + 1}"
+                _caller_threads.append(threading.Thread(target=_serve_callers, name=name, daemon=True))
+                _caller_threads[-1].start()
+        future: Future = Future()
+        _callers.put((functools.partial(contextvars.copy_context().run, function, *args, **kwargs), future))
+        return future.result()
+
+    return call

@@ -17,6 +17,7 @@ from tokenizers import Encoding
 
 from ..checkpoint import Checkpoint, resolve
 from ..engine.batching import run_batches
+from ..engine.threads import on_own_thread
 from ..models import architecture_name, model_class, model_module
 from ..tokenizer import Tokenizer, check_count, text_list, token_limit
 
@@ -70,6 +71,7 @@ class Pipeline:
         self.device = device or mx.default_device()
         self.defaults = self.options(defaults)
 
+    @on_own_thread
     def __call__(self, *args, batch_size: int | None = None, **options):
         """Run the task on the inputs (see `predict` for its keywords); keywords not given here take the values
         given at construction, and `batch_size` (inputs per forward pass) the pipeline's."""

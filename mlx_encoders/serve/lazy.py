@@ -100,7 +100,7 @@ class ModelsDir:
     def capabilities(self, name: str) -> tuple[str, ...]:
         """What model `name` may serve, read from its files without loading it (a cross-encoder: ranking or
         classes, its head decides which); none where they say it cannot load (its requests name the error)."""
-        from ..embeddings.folder import folder_kind
+        from ..embeddings.auto import folder_kind
         from .models import CAPABILITIES
 
         path = self.path(name)
