@@ -12,6 +12,7 @@ import mlx.nn as nn  # noqa: E402
 
 from .checkpoint import Checkpoint, load_model, load_tokenizer, save  # noqa: E402
 from .engine import runtime  # noqa: E402
+from .engine.threads import on_own_thread  # noqa: E402
 from .models import MODEL_TYPES, TASKS  # noqa: E402
 from .models.base import ModelOutput  # noqa: E402
 from .tokenizer import Tokenizer  # noqa: E402
@@ -45,6 +46,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+@on_own_thread
 def load(
     path_or_repo: str | Path | Checkpoint,
     dtype: str | mx.Dtype | None = None,

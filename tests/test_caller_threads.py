@@ -54,3 +54,39 @@ def test_calls_from_threads_of_the_application_exit_cleanly_and_keep_the_thread_
         # the kept threads and their streams are made on first use, a few at most; each caller added two or more
         assert int(grown) <= 8, done.stdout
         assert worst <= 1e-5, done.stdout
+
+
+FORK = """
+import os, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from mlx_encoders import SentenceEncoder
+from mlx_encoders.engine.runtime import ForkedAfterMLX
+
+encoder = SentenceEncoder(sys.argv[1])
+with ThreadPoolExecutor(4) as pool:  # the package's caller threads exist in the parent
+    list(pool.map(lambda _: encoder.encode(["a text"]), range(8)))
+child = os.fork()
+if child == 0:
+    box = []
+    def call():
+        try:
+            encoder.encode(["a text"])
+            box.append("encoded")
+        except ForkedAfterMLX:
+            box.append("refused")
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    os._exit(0 if box == ["refused"] else 3)
+_, status = os.waitpid(child, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_child_s_call_from_a_thread_is_refused_not_left_waiting(folders):
+    """The child has none of the parent's kept threads: its call makes its own, which refuses MLX after a fork."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORK), str(folders[0])],
+        capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""},
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["child", "0"], done.stdout + done.stderr[-2000:]

@@ -623,6 +623,10 @@ def test_a_row_index_or_a_score_of_another_name_is_refused_not_read_as_a_text(st
             embedding_data(tmp_path / "scored.csv", tokenizer)
     with pytest.raises(DataError, match="'similarity' holds a number"):
         embedding_data([{"sentence1": "A cat.", "sentence2": "A dog.", "similarity": 0.9}], tokenizer)
+    # a column beside them that holds no number (GLUE's idx, a genre) is left out, and the score kept
+    rows = [{"sentence1": "A cat.", "sentence2": "A dog.", "score": 0.8, "genre": "main", "idx": 3}]
+    kept = embedding_data(rows * 2, tokenizer)
+    assert kept.column_names == ["sentence1", "sentence2"] and list(kept.labels) == pytest.approx([0.8, 0.8])
 
 
 def test_mine_reads_the_texts_of_a_corpus_file_as_index_build_reads_it(st_folder, tmp_path):
@@ -632,6 +636,8 @@ def test_mine_reads_the_texts_of_a_corpus_file_as_index_build_reads_it(st_folder
     assert extra_documents(tmp_path / "corpus.jsonl") == ["Cats purr.", "Dogs bark."]
     (tmp_path / "extra.txt").write_text("One line.\n\nAnother line.\n")
     assert extra_documents(tmp_path / "extra.txt") == ["One line.", "Another line."]
+    (tmp_path / "extra.lst").write_text("A list.\n")  # any other file, a pipe too: its lines
+    assert extra_documents(tmp_path / "extra.lst") == ["A list."]
 
 
 def test_mined_file_trains_embed_from_the_command_line(st_folder, tmp_path, capsys):

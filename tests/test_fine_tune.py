@@ -783,3 +783,9 @@ def test_a_head_whose_labels_are_the_data_s_in_its_own_order_is_kept_as_run_glue
     fine_tune("classify", [{"text": t, "label": i % 2} for i, t in enumerate(["a", "b", "c", "d"])], tmp_path / "ids",
               model=three, epochs=1, batch_size=2, cores=1)  # fmt: skip
     assert len(json.loads((tmp_path / "ids" / "model" / "config.json").read_text())["id2label"]) == 3
+    nli = ["contradiction", "neutral", "entailment"]  # ids of two of a named head's three: another task's data
+    named = checkpoint("bert", "sequence-classification", num_labels=3, label2id={n: i for i, n in enumerate(nli)},
+                       id2label=dict(enumerate(nli)))  # fmt: skip
+    with pytest.raises(ValueError, match="already has a sequence-classification head with the labels"):
+        rows = [{"text": t, "label": i % 2} for i, t in enumerate("abcd")]
+        fine_tune("classify", rows, tmp_path / "nli", model=named, epochs=1, batch_size=2, cores=1)

@@ -254,6 +254,24 @@ def test_threads_selecting_other_adapters_get_each_its_own(st_folder):
     assert encoder.model.active_adapter is None
 
 
+def test_an_adapter_block_on_an_application_thread_encodes_there(st_folder):
+    """`with model.adapter(task): encode(...)` holds the adapter lock, which encode takes too: on an application's
+    thread, encode stays on it rather than wait for itself on a thread the package keeps."""
+    import threading
+
+    encoder, got = SentenceEncoder(st_folder), []
+
+    def in_block():
+        with encoder.model.adapter("retrieval.query"):
+            return encoder.encode(TEXTS[1:2])
+
+    thread = threading.Thread(target=lambda: got.append(in_block()), daemon=True)  # a daemon: a wait cannot hang
+    thread.start()
+    thread.join(timeout=120)
+    assert got, "encode in an adapter block on another thread waited for itself"
+    np.testing.assert_allclose(got[0], in_block(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_converted_folder_keeps_its_adapters(folder, tmp_path, bits):
     """convert quantizes the base and copies the adapter subfolders, which then run over the quantized weights."""

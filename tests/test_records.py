@@ -492,6 +492,7 @@ def test_a_gzip_compressed_file_reads_as_its_text(tmp_path):
     lines = '{"_id": "MED-10", "title": "Statins", "text": "Lower cholesterol."}\n'
     (tmp_path / "corpus.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
     assert read_text(tmp_path / "corpus.jsonl.gz") == lines
+    assert read_corpus(tmp_path / "corpus.jsonl.gz") == [("MED-10", "Statins Lower cholesterol.")]
     (tmp_path / "cut.gz").write_bytes(gzip.compress(lines.encode())[:20])
     with pytest.raises(RecordError, match="cut.gz: gzip-compressed, but not a whole gzip file"):
         read_text(tmp_path / "cut.gz")

@@ -110,12 +110,12 @@ def folders(checkpoint, tmp_path_factory):
 
 
 def readme_block() -> list[str]:
-    """README's Serve block (serve, curl, openai SDK), word for word but for the model folder, this interpreter and
-    `{port}` in place of 8080."""
+    """README's Serve block (serve, curl, openai SDK), word for word but for the model folder (the quick start's
+    converted copy there, the wheel's model here), this interpreter and `{port}` in place of 8080."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = re.search(r"\*\*Serve\*\*.*?\n```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
     swaps = [
-        ("{", "{{"), ("}", "}}"), ("path/to/all-MiniLM-L6-v2", str(MINILM)), ("8080", "{port}"),
+        ("{", "{{"), ("}", "}}"), ("minilm=minilm-8bit", f"minilm={MINILM}"), ("8080", "{port}"),
         ("mlx-encoders serve", f"{sys.executable} -m mlx_encoders serve"), ("python -c", f"{sys.executable} -c"),
     ]  # fmt: skip
     for old, new in swaps:

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.quantized import QUANTIZED
 from ..engine.runtime import claim_mlx, compute_dtype, on_cpu
+from ..engine.threads import on_own_thread
 from ..models import TASKS, model_class, task_of_model
 from ..models.base import HeadModel, label_ids, takes_pooler
 from ..models.layers import next_key
@@ -377,6 +378,7 @@ def in_compute_dtype(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return cast
 
 
+@on_own_thread
 def load_model(
     path_or_repo: str | Path | Checkpoint,
     dtype: str | mx.Dtype | None = None,

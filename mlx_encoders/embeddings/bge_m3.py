@@ -62,6 +62,7 @@ class BGEM3(Encoder):
     FlagEmbedding's defaults (the model reads up to 8,192).
     """
 
+    @on_own_thread
     def __init__(
         self,
         path_or_repo: str | Path,

@@ -161,6 +161,7 @@ class CrossEncoder(Encoder):
     the saved or default activation; `prompts` and `default_prompt_name` as in config_sentence_transformers.json.
     """
 
+    @on_own_thread
     def __init__(
         self,
         path_or_repo: str | Path,

@@ -115,6 +115,7 @@ class MultiVectorEncoder(Embedder):
     SIMILARITIES = SIMILARITIES
     DEFAULT_SIMILARITY = "maxsim"
 
+    @on_own_thread
     def __init__(
         self,
         path_or_repo: str | Path,

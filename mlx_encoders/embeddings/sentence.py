@@ -74,6 +74,7 @@ class SentenceEncoder(Embedder):
 
     ROLE = "role"  # encode's `task` names a task adapter: encode_query / encode_document pass the role
 
+    @on_own_thread
     def __init__(
         self,
         path_or_repo: str | Path,

@@ -313,6 +313,7 @@ class SparseEncoder(Embedder):
 
     DEFAULT_SIMILARITY = "dot"
 
+    @on_own_thread
     def __init__(
         self,
         path_or_repo: str | Path,

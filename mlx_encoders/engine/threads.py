@@ -11,8 +11,10 @@ from threads of its own (a web framework's pool, a thread per request) on a few 
 thread that runs MLX makes streams MLX never frees, and may abort the process at exit once it has ended.
 """
 
+import contextlib
 import contextvars
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -35,7 +37,19 @@ def mark_own() -> None:
 
 
 def is_own() -> bool:
-    return threading.current_thread() is threading.main_thread() or getattr(_own, "thread", False)
+    here = threading.current_thread() is threading.main_thread() or getattr(_own, "thread", False)
+    return here or getattr(_own, "staying", 0) > 0
+
+
+@contextlib.contextmanager
+def stay_here():
+    """Within the block, `on_own_thread` calls run on the calling thread: one holding a lock the call takes too
+    (a model's adapter block) would wait for itself on a kept thread."""
+    _own.staying = getattr(_own, "staying", 0) + 1
+    try:
+        yield
+    finally:
+        _own.staying -= 1
 
 
 class Worker:
@@ -94,6 +108,17 @@ def on_cores(tasks: Sequence[Callable[[], T]]) -> list[T]:
 
 _callers: queue.SimpleQueue = queue.SimpleQueue()
 _caller_threads: list[threading.Thread] = []
+
+
+def _forget_callers() -> None:
+    """In a forked child the kept threads are gone: the next call makes its own."""
+    global _callers
+    _caller_threads.clear()
+    _callers = queue.SimpleQueue()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_callers)
 
 
 def _serve_callers() -> None:

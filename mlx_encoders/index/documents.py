@@ -76,6 +76,14 @@ READERS = {
 }
 
 
+def file_kind(path: Path) -> str:
+    """A corpus file's format by its extension, in any case; a gzip-compressed text file's (docs.jsonl.gz: .jsonl),
+    which reads as its text."""
+    suffix = path.suffix.lower()
+    inner = Path(path.stem).suffix.lower()
+    return inner if suffix == ".gz" and inner in SUFFIXES and inner != ".parquet" else suffix
+
+
 def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The (id, text) documents of `corpus`: a path (file or folder), or (id, text) pairs given as they are.
     Ids must be unique; an empty corpus is an error."""
@@ -98,12 +106,12 @@ def read_corpus(corpus: str | Path | Iterable[tuple[str, str]]) -> list[tuple[st
         path = Path(corpus)
         try:
             if path.is_dir():  # extensions in any case (B.TXT), as the training data's reader takes them
-                files = sorted(p for p in path.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
-                docs = [d for f in files for d in READERS[f.suffix.lower()](f, f.relative_to(path).as_posix())]
+                files = sorted(p for p in path.rglob("*") if file_kind(p) in SUFFIXES and p.is_file())
+                docs = [d for f in files for d in READERS[file_kind(f)](f, f.relative_to(path).as_posix())]
             elif not path.exists():
                 raise CorpusError(f"no such file or folder: {corpus}")
-            elif path.suffix.lower() in READERS and path.is_file():
-                docs = READERS[path.suffix.lower()](path, path.name)
+            elif file_kind(path) in READERS and path.is_file():
+                docs = READERS[file_kind(path)](path, path.name)
             else:
                 raise CorpusError(f"the corpus must be a folder or a {', '.join(SUFFIXES)} file; got {corpus}")
         except RecordError as e:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.quantized import freeze_quantized
+from ..engine.threads import stay_here
 from .base import (
     BaseArgs,
     HeadModel,
@@ -370,7 +371,7 @@ class JinaEmbeddingsV3Model(Model, nn.Module):
     def adapter(self, task: str | None, merge: bool = False):
         """`set_adapter(task, merge)` within the block (None: the active adapter kept), the adapter before it
         restored after; the active adapter is the model's state, so one block runs at a time (threads wait)."""
-        with ADAPTER_LOCK:
+        with ADAPTER_LOCK, stay_here():  # `encode` inside runs here, where the lock is held
             before = self.task_adapters.active
             if task is not None:
                 self.set_adapter(task, merge)

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..engine.threads import on_own_thread
 from ..tokenizer import Tokenizer
 from .base import Pipeline, load_for
 from .feature_extraction import FeatureExtractionPipeline
@@ -43,6 +44,7 @@ ACCEPTED = {
 __all__ = ["pipeline", "Pipeline", "PIPELINES", *(cls.__name__ for cls in PIPELINES.values())]
 
 
+@on_own_thread
 def pipeline(
     task: str,
     model: str | Path | nn.Module | tuple[nn.Module, Tokenizer],

@@ -38,6 +38,7 @@ from .data import (
     DataError,
     Examples,
     by_position,
+    is_fraction,
     read_rows,
     regression_target,
     select_columns,
@@ -211,9 +212,9 @@ def text_columns(row) -> tuple[list[str], str | None]:
         # another column (hard_negative, neg, ...): sentence-transformers passes it to the loss by position
     elif "sentence1" in values and "sentence2" in values:
         other = [name for name in values if name not in ("sentence1", "sentence2", *LABEL_COLUMNS)]
-        if not other:
+        if not any(is_fraction(values[name]) for name in other):  # other columns (idx, genre) are not read
             return ["sentence1", "sentence2"], label
-        # a score under another name ("Score", "similarity") would be left out and the pairs taken as positives
+        # a score under another name ("Score", "similarity"): refused by position, not left out
     layout = (
         "embedding data has the columns anchor, positive (and optionally negative or negative_1..negative_n), or "
         "sentence1, sentence2 and score"

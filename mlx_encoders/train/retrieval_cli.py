@@ -45,8 +45,9 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def extra_documents(path: Path) -> list[str]:
-    """The texts of `mine --corpus`: a .txt file's lines, else the documents `index build` reads from the path."""
-    if path.suffix.lower() == ".txt":
+    """The texts of `mine --corpus`: the documents `index build` reads from a folder or a .jsonl, .csv or .parquet
+    file, else the file's lines (a .txt file, a pipe)."""
+    if not path.is_dir() and path.suffix.lower() not in (".jsonl", ".csv", ".parquet"):
         return [record.value for record in text_lines(path)]
     from ..index.documents import read_corpus
 

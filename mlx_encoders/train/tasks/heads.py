@@ -164,11 +164,14 @@ def head_labels(checkpoint: Checkpoint | None, task: str, examples: Examples) ->
         return None
     stored = {str(name): int(i) for name, i in (checkpoint.config.get("label2id") or {}).items()}
     read = examples.label2id
-    if not stored or not read or stored == read:
+    if not stored or not read or stored == read or getattr(examples, "problem_type", None) == "regression":
         return None
     if isinstance(read, NamedInData):
         return stored if set(read) <= set(stored) else None
-    return stored if max(read.values()) < len(stored) else None  # ids: each one the head's id of that class
+    # ids: the head's own ids where they name its every class, or where its classes are unnamed (LABEL_i); ids of
+    # some of a named head's classes (0 and 1 of an NLI head's three) are more likely another task's
+    unnamed = all(name == f"LABEL_{i}" for name, i in stored.items())
+    return stored if len(read) == len(stored) or unnamed and max(read.values()) < len(stored) else None
 
 
 def load_head(checkpoint: Checkpoint, task: str, examples: Examples) -> nn.Module:
