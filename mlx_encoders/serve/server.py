@@ -169,15 +169,14 @@ class Server:
         or one of a tuple of them; None: any model can)."""
         wanted = capability if isinstance(capability, tuple) else (capability,)
         able = [m for m in self.models.values() if None in wanted or set(wanted) & set(m.capabilities)]
-        unloaded = self.unloaded_able(wanted)
-        later = f"; not loaded yet (loaded on request): {', '.join(unloaded)}" if unloaded else ""
         if name is None:
+            unloaded = self.unloaded_able(wanted)  # read from the folder's files: only where no model is named
             if len(able) == 1 and not unloaded:
                 return able[0]
             if not able and len(unloaded) == 1:  # the one model that may serve it: loaded, then asked again
                 raise NotLoaded(unloaded[0])
             served = ", ".join(m.name for m in able) or "no loaded model"
-            raise ApiError(400, f'"model" is required: {route} is served by {served}{later}', "model")
+            raise ApiError(400, f'"model" is required: {route} is served by {served}{self.later(unloaded)}', "model")
         if not isinstance(name, str):
             raise ApiError(400, f'"model" must be a string, got {type(name).__name__}', "model")
         if name not in self.models and self.lazy is not None and self.lazy.path(name) is not None:
@@ -193,12 +192,17 @@ class Server:
             raise ApiError(
                 400,
                 f"model {name!r} is a {model.kind} model: it serves {', '.join(model.capabilities)}, not "
-                f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}{later}",
+                f"{' or '.join(wanted)} ({route}); models that do: {', '.join(m.name for m in able) or 'none'}"
+                f"{self.later(self.unloaded_able(wanted))}",
                 "model", "model_not_supported",
             )  # fmt: skip
         if self.lazy is not None:
             self.lazy.take(model)
         return model
+
+    @staticmethod
+    def later(unloaded: list[str]) -> str:
+        return f"; not loaded yet (loaded on request): {', '.join(unloaded)}" if unloaded else ""
 
     def unloaded_able(self, wanted: tuple) -> list[str]:
         """The --models-dir models not loaded yet whose files say they may serve one of `wanted` (None: any)."""
